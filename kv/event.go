@@ -1,0 +1,27 @@
+package kv
+
+// EventKind tells what a cache Event reports.
+type EventKind uint8
+
+const (
+	BlockStored EventKind = iota + 1
+	BlockRemoved
+	AllBlocksCleared
+)
+
+// Event is one engine cache change, decoded from whatever transport carried
+// it. Engine hashes are opaque: they are only used to find the router's own
+// hashes again on removal. Token ids let the router recompute its own hashes.
+type Event struct {
+	Kind EventKind
+	// EngineHashes are the engine's own block hashes, one per block.
+	EngineHashes []uint64
+	// HasParent is set when EngineParent names the block before the first one.
+	HasParent    bool
+	EngineParent uint64
+	// Tokens of the stored blocks, len = len(EngineHashes) * BlockSize.
+	Tokens    []uint32
+	BlockSize int
+	Tier      Tier
+	LoRAName  string
+}
