@@ -1,0 +1,412 @@
+package bench
+
+import (
+	"bufio"
+	"encoding/csv"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// MooncakeBlockTokens is the number of tokens behind one Mooncake hash id.
+const MooncakeBlockTokens = 512
+
+// Synthesized token ids lie in [TokenMin, TokenMax), clear of the special
+// token ranges of common vocabularies (ids below 1000 and the high ids
+// reserved for chat markers).
+const (
+	TokenMin = 1000
+	TokenMax = 100000
+)
+
+// Key spaces of segment keys, so that segments of different origins never
+// share tokens by accident.
+const (
+	keyMooncake  uint64 = 1 << 60
+	keyUnique    uint64 = 2 << 60
+	keySystem    uint64 = 3 << 60
+	keyUser      uint64 = 4 << 60
+	keyAssistant uint64 = 5 << 60
+	keyIDMask    uint64 = 1<<60 - 1
+)
+
+// Segment is a run of synthesized tokens. Two segments with the same Key
+// yield the same tokens; a segment shorter than another with the same key
+// yields a prefix of the other's tokens.
+type Segment struct {
+	Key uint64
+	Len int
+}
+
+// Request is one request of a workload. Its prompt is the concatenation of
+// its segments, so requests with equal leading segments share leading tokens.
+type Request struct {
+	// Arrival is the time since the start of the trace.
+	Arrival   time.Duration
+	Segments  []Segment
+	InputLen  int // sum of the segments' lengths
+	OutputLen int
+	// Session groups the turns of one conversation (multi-turn workload);
+	// it is -1 for traces without sessions.
+	Session int
+}
+
+// Workload is a named list of requests sorted by arrival.
+type Workload struct {
+	Name     string
+	Requests []Request
+}
+
+// Duration is the arrival time of the last request.
+func (w *Workload) Duration() time.Duration {
+	if len(w.Requests) == 0 {
+		return 0
+	}
+	return w.Requests[len(w.Requests)-1].Arrival
+}
+
+// Slice keeps the requests arriving in [from, from+d), re-based to start at 0.
+func (w *Workload) Slice(from, d time.Duration) *Workload {
+	out := &Workload{Name: w.Name}
+	for _, r := range w.Requests {
+		if r.Arrival >= from && r.Arrival < from+d {
+			r.Arrival -= from
+			out.Requests = append(out.Requests, r)
+		}
+	}
+	return out
+}
+
+// Limit keeps the first n requests (all when n <= 0).
+func (w *Workload) Limit(n int) *Workload {
+	if n <= 0 || n >= len(w.Requests) {
+		return w
+	}
+	return &Workload{Name: w.Name, Requests: w.Requests[:n]}
+}
+
+// Scale divides every arrival time by speedup (speedup 2 halves the gaps).
+func (w *Workload) Scale(speedup float64) *Workload {
+	if speedup <= 0 || speedup == 1 {
+		return w
+	}
+	out := &Workload{Name: w.Name, Requests: make([]Request, len(w.Requests))}
+	copy(out.Requests, w.Requests)
+	for i := range out.Requests {
+		out.Requests[i].Arrival = time.Duration(float64(out.Requests[i].Arrival) / speedup)
+	}
+	return out
+}
+
+// Stats are aggregate sizes of a workload.
+type Stats struct {
+	Requests     int
+	InputTokens  int64
+	OutputTokens int64
+	Duration     time.Duration
+}
+
+// Stats sums the workload's token counts.
+func (w *Workload) Stats() Stats {
+	s := Stats{Requests: len(w.Requests), Duration: w.Duration()}
+	for _, r := range w.Requests {
+		s.InputTokens += int64(r.InputLen)
+		s.OutputTokens += int64(r.OutputLen)
+	}
+	return s
+}
+
+// Synth turns segments into token ids. Equal seeds give equal tokens.
+type Synth struct {
+	Seed uint64
+}
+
+// Tokens appends the prompt tokens of r to dst.
+func (s Synth) Tokens(dst []uint32, r *Request) []uint32 {
+	for _, seg := range r.Segments {
+		dst = s.Segment(dst, seg)
+	}
+	return dst
+}
+
+// Segment appends the tokens of one segment to dst.
+func (s Synth) Segment(dst []uint32, seg Segment) []uint32 {
+	state := mix64(s.Seed ^ mix64(seg.Key+0x9e3779b97f4a7c15))
+	for i := 0; i < seg.Len; i++ {
+		state += 0x9e3779b97f4a7c15
+		z := mix64(state)
+		dst = append(dst, TokenMin+uint32((z>>32)*(TokenMax-TokenMin)>>32))
+	}
+	return dst
+}
+
+// mix64 is splitmix64's finalizer.
+func mix64(z uint64) uint64 {
+	z = (z ^ z>>30) * 0xbf58476d1ce4e5b9
+	z = (z ^ z>>27) * 0x94d049bb133111eb
+	return z ^ z>>31
+}
+
+type mooncakeLine struct {
+	Timestamp    *float64 `json:"timestamp"`
+	InputLength  *int     `json:"input_length"`
+	OutputLength *int     `json:"output_length"`
+	HashIDs      []uint64 `json:"hash_ids"`
+}
+
+// LoadMooncake reads a Mooncake trace: one JSON object per line with
+// timestamp (ms), input_length, output_length and hash_ids, each hash id
+// standing for 512 prefix-chained tokens. The last block is cut to
+// input_length; hash ids beyond input_length are dropped, and tokens beyond
+// the hash ids are filled with tokens unique to the request.
+func LoadMooncake(r io.Reader) (*Workload, error) {
+	w := &Workload{Name: "mooncake"}
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 1<<20), 64<<20)
+	line := 0
+	for sc.Scan() {
+		line++
+		b := sc.Bytes()
+		if len(strings.TrimSpace(string(b))) == 0 {
+			continue
+		}
+		var m mooncakeLine
+		if err := json.Unmarshal(b, &m); err != nil {
+			return nil, fmt.Errorf("mooncake line %d: %w", line, err)
+		}
+		if m.Timestamp == nil || m.InputLength == nil || m.OutputLength == nil {
+			return nil, fmt.Errorf("mooncake line %d: timestamp, input_length and output_length are required", line)
+		}
+		if *m.InputLength < 0 || *m.OutputLength < 0 || *m.Timestamp < 0 || math.IsNaN(*m.Timestamp) {
+			return nil, fmt.Errorf("mooncake line %d: negative timestamp or length", line)
+		}
+		req := Request{
+			Arrival:   time.Duration(*m.Timestamp * float64(time.Millisecond)),
+			InputLen:  *m.InputLength,
+			OutputLen: *m.OutputLength,
+			Session:   -1,
+		}
+		left := req.InputLen
+		for _, id := range m.HashIDs {
+			if left == 0 {
+				break
+			}
+			n := min(left, MooncakeBlockTokens)
+			req.Segments = append(req.Segments, Segment{Key: keyMooncake | id&keyIDMask, Len: n})
+			left -= n
+		}
+		if left > 0 {
+			req.Segments = append(req.Segments, Segment{Key: keyUnique | uint64(len(w.Requests)), Len: left})
+		}
+		w.Requests = append(w.Requests, req)
+	}
+	if err := sc.Err(); err != nil {
+		return nil, err
+	}
+	sortByArrival(w.Requests)
+	return w, nil
+}
+
+// azureTimeLayout is the timestamp format of the Azure LLM inference traces.
+const azureTimeLayout = "2006-01-02 15:04:05.999999999"
+
+// LoadAzure reads an Azure LLM inference trace (CSV with the header
+// TIMESTAMP,ContextTokens,GeneratedTokens). There is no prefix information,
+// so every prompt is made of tokens unique to its request: the no-reuse
+// control.
+func LoadAzure(r io.Reader) (*Workload, error) {
+	cr := csv.NewReader(bufio.NewReader(r))
+	cr.ReuseRecord = true
+	head, err := cr.Read()
+	if err != nil {
+		return nil, fmt.Errorf("azure header: %w", err)
+	}
+	col := map[string]int{}
+	for i, h := range head {
+		col[strings.TrimSpace(strings.TrimPrefix(h, "\ufeff"))] = i
+	}
+	ti, ok1 := col["TIMESTAMP"]
+	ci, ok2 := col["ContextTokens"]
+	gi, ok3 := col["GeneratedTokens"]
+	if !ok1 || !ok2 || !ok3 {
+		return nil, errors.New("azure header must name TIMESTAMP, ContextTokens and GeneratedTokens")
+	}
+	w := &Workload{Name: "azure"}
+	var t0 time.Time
+	for line := 2; ; line++ {
+		rec, err := cr.Read()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return nil, fmt.Errorf("azure line %d: %w", line, err)
+		}
+		ts, err := time.Parse(azureTimeLayout, strings.TrimSpace(rec[ti]))
+		if err != nil {
+			return nil, fmt.Errorf("azure line %d: %w", line, err)
+		}
+		ctx, err1 := strconv.Atoi(strings.TrimSpace(rec[ci]))
+		gen, err2 := strconv.Atoi(strings.TrimSpace(rec[gi]))
+		if err1 != nil || err2 != nil || ctx < 0 || gen < 0 {
+			return nil, fmt.Errorf("azure line %d: bad token counts %q, %q", line, rec[ci], rec[gi])
+		}
+		if len(w.Requests) == 0 {
+			t0 = ts
+		}
+		w.Requests = append(w.Requests, Request{
+			Arrival:   max(ts.Sub(t0), 0),
+			Segments:  []Segment{{Key: keyUnique | uint64(len(w.Requests)), Len: ctx}},
+			InputLen:  ctx,
+			OutputLen: gen,
+			Session:   -1,
+		})
+	}
+	sortByArrival(w.Requests)
+	return w, nil
+}
+
+func sortByArrival(rs []Request) {
+	sort.SliceStable(rs, func(i, j int) bool { return rs[i].Arrival < rs[j].Arrival })
+}
+
+// MultiTurnConfig sizes the generated multi-turn chat workload. Lengths are
+// means: each draw is uniform in [mean/2, 3*mean/2].
+type MultiTurnConfig struct {
+	Seed          uint64
+	Conversations int
+	SystemPrompts int // distinct system prompts shared by conversations
+	SystemLen     int // tokens of each system prompt
+	Turns         int // mean turns per conversation
+	UserLen       int // tokens of each user message
+	OutputLen     int // tokens of each answer
+	// Rate is new conversations per second (Poisson arrivals).
+	Rate float64
+	// Think is the mean time between one turn's arrival and the next
+	// (the answer plus the user's think time), exponentially distributed.
+	Think time.Duration
+}
+
+// DefaultMultiTurn is a chat workload in the style of vLLM's multi-turn
+// benchmark: a few shared system prompts, conversations of several turns.
+func DefaultMultiTurn() MultiTurnConfig {
+	return MultiTurnConfig{
+		Seed:          1,
+		Conversations: 1000,
+		SystemPrompts: 8,
+		SystemLen:     2000,
+		Turns:         6,
+		UserLen:       400,
+		OutputLen:     250,
+		Rate:          2,
+		Think:         20 * time.Second,
+	}
+}
+
+// GenerateMultiTurn builds a multi-turn chat workload: every turn's prompt is
+// the conversation's system prompt, every earlier user message and answer,
+// and the new user message, so each turn extends the previous turn's prompt.
+func GenerateMultiTurn(c MultiTurnConfig) *Workload {
+	if c.SystemPrompts < 1 {
+		c.SystemPrompts = 1
+	}
+	if c.Turns < 1 {
+		c.Turns = 1
+	}
+	if c.Rate <= 0 {
+		c.Rate = 1
+	}
+	rng := newRand(c.Seed)
+	draw := func(mean int) int {
+		if mean <= 0 {
+			return 0
+		}
+		return mean/2 + int(rng.next()%uint64(mean+1))
+	}
+	exp := func(mean float64) float64 { return -mean * math.Log(1-rng.float()) }
+	w := &Workload{Name: "multiturn"}
+	start := 0.0
+	for conv := 0; conv < c.Conversations; conv++ {
+		start += exp(1 / c.Rate)
+		sys := Segment{Key: keySystem | rng.next()%uint64(c.SystemPrompts), Len: c.SystemLen}
+		turns := 1 + int(rng.next()%uint64(2*c.Turns-1)) // mean c.Turns
+		history := []Segment{sys}
+		at := start
+		for t := 0; t < turns; t++ {
+			id := uint64(conv)<<16 | uint64(t)
+			user := Segment{Key: keyUser | id, Len: draw(c.UserLen)}
+			segs := append(append([]Segment(nil), history...), user)
+			out := max(draw(c.OutputLen), 1)
+			in := 0
+			for _, s := range segs {
+				in += s.Len
+			}
+			w.Requests = append(w.Requests, Request{
+				Arrival:   time.Duration(at * float64(time.Second)),
+				Segments:  segs,
+				InputLen:  in,
+				OutputLen: out,
+				Session:   conv,
+			})
+			history = append(segs, Segment{Key: keyAssistant | id, Len: out})
+			at += exp(c.Think.Seconds())
+		}
+	}
+	sortByArrival(w.Requests)
+	return w
+}
+
+// rand is a small deterministic generator (splitmix64).
+type rand struct{ s uint64 }
+
+func newRand(seed uint64) *rand { return &rand{s: mix64(seed + 1)} }
+
+func (r *rand) next() uint64 {
+	r.s += 0x9e3779b97f4a7c15
+	return mix64(r.s)
+}
+
+// float is uniform in [0, 1).
+func (r *rand) float() float64 { return float64(r.next()>>11) / (1 << 53) }
+
+// Formats accepted by LoadFile.
+const (
+	FormatMooncake  = "mooncake"
+	FormatAzure     = "azure"
+	FormatMultiTurn = "multiturn"
+)
+
+// LoadFile loads a trace file in the given format (mooncake or azure; an
+// empty format is guessed from the file extension).
+func LoadFile(path, format string) (*Workload, error) {
+	if format == "" {
+		format = FormatMooncake
+		if strings.HasSuffix(strings.ToLower(path), ".csv") {
+			format = FormatAzure
+		}
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var w *Workload
+	switch format {
+	case FormatMooncake:
+		w, err = LoadMooncake(f)
+	case FormatAzure:
+		w, err = LoadAzure(f)
+	default:
+		return nil, fmt.Errorf("unknown trace format %q (want mooncake or azure)", format)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return w, nil
+}

@@ -1,0 +1,189 @@
+package bench
+
+import (
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvproxy/kvproxy/kv"
+)
+
+const mooncakeFixture = `{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]}
+{"timestamp": 250, "input_length": 1024, "output_length": 7, "hash_ids": [0, 1]}
+
+{"timestamp": 100, "input_length": 700, "output_length": 3, "hash_ids": [0, 3]}
+{"timestamp": 300.5, "input_length": 600, "output_length": 1, "hash_ids": [4]}
+`
+
+func loadFixture(t *testing.T) *Workload {
+	t.Helper()
+	w, err := LoadMooncake(strings.NewReader(mooncakeFixture))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return w
+}
+
+func TestMooncakeLengthsAndOrder(t *testing.T) {
+	w := loadFixture(t)
+	if len(w.Requests) != 4 {
+		t.Fatalf("got %d requests, want 4", len(w.Requests))
+	}
+	wantIn := []int{1100, 700, 1024, 600}
+	wantOut := []int{5, 3, 7, 1}
+	wantAt := []time.Duration{0, 100 * time.Millisecond, 250 * time.Millisecond, 300500 * time.Microsecond}
+	syn := Synth{Seed: 7}
+	for i, r := range w.Requests {
+		if r.Arrival != wantAt[i] || r.InputLen != wantIn[i] || r.OutputLen != wantOut[i] {
+			t.Errorf("request %d: arrival %v in %d out %d", i, r.Arrival, r.InputLen, r.OutputLen)
+		}
+		if n := len(syn.Tokens(nil, &r)); n != r.InputLen {
+			t.Errorf("request %d: %d tokens, want %d", i, n, r.InputLen)
+		}
+	}
+	// 600 tokens behind one hash id: the rest is unique filler.
+	last := w.Requests[3]
+	if len(last.Segments) != 2 || last.Segments[0].Len != 512 || last.Segments[1].Len != 88 {
+		t.Errorf("overlong request segments: %+v", last.Segments)
+	}
+}
+
+func TestMooncakeSharedPrefixSharesTokens(t *testing.T) {
+	w := loadFixture(t)
+	syn := Synth{Seed: 7}
+	a := syn.Tokens(nil, &w.Requests[0]) // ids 0,1,2 cut to 1100
+	c := syn.Tokens(nil, &w.Requests[2]) // ids 0,1 exactly 1024
+	b := syn.Tokens(nil, &w.Requests[1]) // ids 0,3 cut to 700
+	if !slices.Equal(a[:1024], c) {
+		t.Fatal("requests sharing hash ids 0,1 must share 1024 tokens")
+	}
+	if !slices.Equal(a[:512], b[:512]) {
+		t.Fatal("requests sharing hash id 0 must share 512 tokens")
+	}
+	if slices.Equal(a[512:700], b[512:700]) {
+		t.Fatal("different hash ids must give different tokens")
+	}
+	// Shared tokens mean shared block hashes, the thing the router sees.
+	ha := kv.HashBlocks(nil, a, 16, 0)
+	hb := kv.HashBlocks(nil, b, 16, 0)
+	if !slices.Equal(ha[:32], hb[:32]) || ha[32] == hb[32] {
+		t.Fatal("block hashes must agree exactly on the shared 512 tokens")
+	}
+	for _, tok := range a {
+		if tok < TokenMin || tok >= TokenMax {
+			t.Fatalf("token %d outside [%d, %d)", tok, TokenMin, TokenMax)
+		}
+	}
+}
+
+func TestSynthDeterministic(t *testing.T) {
+	w := loadFixture(t)
+	a := Synth{Seed: 1}.Tokens(nil, &w.Requests[0])
+	b := Synth{Seed: 1}.Tokens(nil, &w.Requests[0])
+	c := Synth{Seed: 2}.Tokens(nil, &w.Requests[0])
+	if !slices.Equal(a, b) {
+		t.Fatal("same seed must give the same tokens")
+	}
+	if slices.Equal(a, c) {
+		t.Fatal("another seed must give other tokens")
+	}
+	// A cut segment is a prefix of the full one.
+	full := Synth{Seed: 1}.Segment(nil, Segment{Key: 42, Len: 512})
+	cut := Synth{Seed: 1}.Segment(nil, Segment{Key: 42, Len: 100})
+	if !slices.Equal(full[:100], cut) {
+		t.Fatal("cut segment must be a prefix of the full segment")
+	}
+}
+
+func TestMooncakeRejectsBadLines(t *testing.T) {
+	for _, in := range []string{
+		`{"timestamp": 0, "input_length": 10}`,
+		`{"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": []}`,
+		`not json`,
+	} {
+		if _, err := LoadMooncake(strings.NewReader(in)); err == nil {
+			t.Errorf("accepted %q", in)
+		}
+	}
+}
+
+const azureFixture = `TIMESTAMP,ContextTokens,GeneratedTokens
+2023-11-16 18:15:46.6805900,374,44
+2023-11-16 18:15:50.9951690,396,109
+2023-11-16 18:15:47.0000000,20,1
+`
+
+func TestAzureUniqueTokens(t *testing.T) {
+	w, err := LoadAzure(strings.NewReader(azureFixture))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(w.Requests) != 3 {
+		t.Fatalf("got %d requests", len(w.Requests))
+	}
+	r := w.Requests
+	if r[0].Arrival != 0 || r[1].InputLen != 20 || r[2].Arrival != 4314579*time.Microsecond {
+		t.Fatalf("arrivals/order wrong: %v %v %v", r[0].Arrival, r[1].Arrival, r[2].Arrival)
+	}
+	syn := Synth{Seed: 3}
+	a := syn.Tokens(nil, &r[0])
+	b := syn.Tokens(nil, &r[2])
+	if len(a) != 374 || len(b) != 396 || r[2].OutputLen != 109 {
+		t.Fatalf("lengths %d %d", len(a), len(b))
+	}
+	if a[0] == b[0] && a[1] == b[1] && a[2] == b[2] {
+		t.Fatal("azure prompts must not share a prefix")
+	}
+	if _, err := LoadAzure(strings.NewReader("a,b,c\n1,2,3\n")); err == nil {
+		t.Fatal("accepted a CSV without the Azure header")
+	}
+}
+
+func TestMultiTurnConversationsGrow(t *testing.T) {
+	c := DefaultMultiTurn()
+	c.Conversations = 20
+	w := GenerateMultiTurn(c)
+	w2 := GenerateMultiTurn(c)
+	if len(w.Requests) == 0 || len(w.Requests) != len(w2.Requests) {
+		t.Fatalf("got %d and %d requests", len(w.Requests), len(w2.Requests))
+	}
+	syn := Synth{Seed: 1}
+	last := map[int][]uint32{}
+	systems := map[uint64]bool{}
+	for i := range w.Requests {
+		r := &w.Requests[i]
+		if r.Arrival != w2.Requests[i].Arrival || r.InputLen != w2.Requests[i].InputLen {
+			t.Fatal("generation must be deterministic")
+		}
+		if i > 0 && r.Arrival < w.Requests[i-1].Arrival {
+			t.Fatal("requests must be sorted by arrival")
+		}
+		tok := syn.Tokens(nil, r)
+		if len(tok) != r.InputLen {
+			t.Fatalf("request %d: %d tokens, want %d", i, len(tok), r.InputLen)
+		}
+		if prev, ok := last[r.Session]; ok {
+			if len(tok) <= len(prev) || !slices.Equal(tok[:len(prev)], prev) {
+				t.Fatalf("turn of conversation %d does not extend the previous turn", r.Session)
+			}
+		}
+		last[r.Session] = tok
+		systems[r.Segments[0].Key] = true
+	}
+	if len(systems) > c.SystemPrompts || len(systems) < 2 {
+		t.Fatalf("%d distinct system prompts, configured %d", len(systems), c.SystemPrompts)
+	}
+}
+
+func TestWorkloadScaleAndSlice(t *testing.T) {
+	w := loadFixture(t)
+	s := w.Scale(2)
+	if s.Requests[2].Arrival != 125*time.Millisecond || w.Requests[2].Arrival != 250*time.Millisecond {
+		t.Fatal("Scale must halve arrivals without changing the original")
+	}
+	sl := w.Slice(100*time.Millisecond, 200*time.Millisecond)
+	if len(sl.Requests) != 2 || sl.Requests[0].Arrival != 0 || sl.Requests[1].Arrival != 150*time.Millisecond {
+		t.Fatalf("slice: %+v", sl.Requests)
+	}
+}
