@@ -1,0 +1,418 @@
+package config
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"regexp"
+	"strings"
+	"time"
+
+	"gopkg.in/yaml.v3"
+
+	"github.com/kvproxy/kvproxy/kv"
+)
+
+// Config is the whole file.
+type Config struct {
+	Listen   string    `yaml:"listen"`
+	LogLevel string    `yaml:"log_level"`
+	Models   []Model   `yaml:"models"`
+	Backends []Backend `yaml:"backends"`
+	Router   Router    `yaml:"router"`
+	Limits   Limits    `yaml:"limits"`
+}
+
+// Model is one served model: how its prompts are tokenized and hashed.
+type Model struct {
+	Name    string   `yaml:"name"`
+	Aliases []string `yaml:"aliases"`
+	// Tokenizer names a tokenizer: cl100k_base or o200k_base.
+	Tokenizer string `yaml:"tokenizer"`
+	// Template renders chat messages: chatml, llama3 or raw.
+	Template  string `yaml:"template"`
+	BlockSize int    `yaml:"block_size"`
+	// BytesPerBlock is the KV size of one block, for tier fetch costs.
+	BytesPerBlock int64 `yaml:"bytes_per_block"`
+}
+
+// Backend kinds.
+const (
+	KindVLLM   = "vllm"
+	KindSGLang = "sglang"
+	KindOpenAI = "openai"
+	KindMock   = "mock"
+)
+
+// Backend is one engine.
+type Backend struct {
+	ID    string `yaml:"id"`
+	URL   string `yaml:"url"`
+	Model string `yaml:"model"`
+	Kind  string `yaml:"kind"`
+	// ServedModel is the model name the engine expects; default the model's name.
+	ServedModel string `yaml:"served_model"`
+	// Mock configures the simulated engine kvproxy starts for kind: mock.
+	Mock MockEngine `yaml:"mock"`
+}
+
+// MockEngine settings for a kind: mock backend, started in-process on the
+// backend URL's loopback address.
+type MockEngine struct {
+	CacheBlocks         int     `yaml:"cache_blocks"`
+	MaxNumSeqs          int     `yaml:"max_num_seqs"`
+	MaxNumBatchedTokens int     `yaml:"max_num_batched_tokens"`
+	Speedup             float64 `yaml:"speedup"`
+	Seed                int64   `yaml:"seed"`
+}
+
+// Router settings.
+type Router struct {
+	Policy         string        `yaml:"policy"`
+	Temperature    float64       `yaml:"temperature"`
+	IndexTTL       time.Duration `yaml:"index_ttl"`
+	MaxIndexBlocks int           `yaml:"max_index_blocks"`
+	Seed           int64         `yaml:"seed"`
+	Cost           Cost          `yaml:"cost"`
+	// OverlapWeight is kv_dynamo's weight of prefill blocks.
+	OverlapWeight float64 `yaml:"overlap_weight"`
+}
+
+// Cost holds the kv policy's coefficients; zero means the router's default.
+type Cost struct {
+	PrefillMsPerToken float64 `yaml:"prefill_ms_per_token"`
+	QueueMsPerToken   float64 `yaml:"queue_ms_per_token"`
+	DecodeMsPerBlock  float64 `yaml:"decode_ms_per_block"`
+}
+
+// Limits protect the proxy from bad or huge input.
+type Limits struct {
+	MaxRequestBodyBytes int           `yaml:"max_request_body_bytes"`
+	StreamIdleTimeout   time.Duration `yaml:"stream_idle_timeout"`
+	UpstreamConnectTime time.Duration `yaml:"upstream_connect_timeout"`
+	MaxConnsPerBackend  int           `yaml:"max_conns_per_backend"`
+}
+
+// Policies the router knows; validated here so a typo fails at start.
+var Policies = []string{"kv", "kv_dynamo", "round_robin", "least_load", "prefix_hash", "cache_aware"}
+
+// Tokenizers and templates known to this build.
+var (
+	Tokenizers = []string{"cl100k_base", "o200k_base"}
+	Templates  = []string{"chatml", "llama3", "raw"}
+)
+
+// Load reads, expands, parses, defaults and validates a config file.
+func Load(path string) (*Config, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	c, err := Parse(b)
+	if err != nil {
+		return nil, fmt.Errorf("config %s: %w", path, err)
+	}
+	return c, nil
+}
+
+// Parse is Load without the file.
+func Parse(b []byte) (*Config, error) {
+	expanded, err := ExpandEnv(b, os.LookupEnv)
+	if err != nil {
+		return nil, err
+	}
+	var c Config
+	dec := yaml.NewDecoder(bytes.NewReader(expanded))
+	dec.KnownFields(true)
+	if err := dec.Decode(&c); err != nil {
+		if errors.Is(err, errEOF) || err.Error() == "EOF" {
+			return nil, errors.New("empty config")
+		}
+		return nil, nameFields(expanded, err)
+	}
+	c.applyDefaults()
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	return &c, nil
+}
+
+var errEOF = errors.New("EOF")
+
+var lineRef = regexp.MustCompile(`line (\d+): `)
+
+// nameFields rewrites yaml's "line N: ..." messages to name the field at that
+// line, so a bad value reads "router.index_ttl (line 7): cannot unmarshal ...".
+func nameFields(src []byte, err error) error {
+	msg := strings.ReplaceAll(err.Error(), "yaml: unmarshal errors:\n  ", "")
+	msg = strings.ReplaceAll(msg, "\n  ", "; ")
+	var root yaml.Node
+	if yaml.Unmarshal(src, &root) != nil {
+		return errors.New(msg)
+	}
+	paths := map[int]string{}
+	var walk func(n *yaml.Node, path string)
+	walk = func(n *yaml.Node, path string) {
+		switch n.Kind {
+		case yaml.DocumentNode:
+			for _, c := range n.Content {
+				walk(c, path)
+			}
+		case yaml.MappingNode:
+			for i := 0; i+1 < len(n.Content); i += 2 {
+				p := n.Content[i].Value
+				if path != "" {
+					p = path + "." + p
+				}
+				paths[n.Content[i].Line] = p
+				walk(n.Content[i+1], p)
+			}
+		case yaml.SequenceNode:
+			for i, c := range n.Content {
+				p := fmt.Sprintf("%s[%d]", path, i)
+				if _, ok := paths[c.Line]; !ok {
+					paths[c.Line] = p
+				}
+				walk(c, p)
+			}
+		}
+	}
+	walk(&root, "")
+	msg = lineRef.ReplaceAllStringFunc(msg, func(m string) string {
+		var line int
+		fmt.Sscanf(m, "line %d: ", &line)
+		if p, ok := paths[line]; ok {
+			return fmt.Sprintf("%s (line %d): ", p, line)
+		}
+		return m
+	})
+	return errors.New(msg)
+}
+
+var envRef = regexp.MustCompile(`\$\{([A-Za-z_][A-Za-z0-9_]*)(:-([^}]*))?\}`)
+
+// ExpandEnv replaces ${NAME} and ${NAME:-default}. An unset variable without
+// a default is an error naming it; $$ is not special.
+func ExpandEnv(b []byte, lookup func(string) (string, bool)) ([]byte, error) {
+	var missing []string
+	out := envRef.ReplaceAllFunc(b, func(m []byte) []byte {
+		sub := envRef.FindSubmatch(m)
+		name := string(sub[1])
+		if v, ok := lookup(name); ok {
+			return []byte(v)
+		}
+		if sub[2] != nil {
+			return sub[3]
+		}
+		missing = append(missing, name)
+		return m
+	})
+	if len(missing) > 0 {
+		return nil, fmt.Errorf("environment variable %s is not set (use ${%s:-default} for a default)", strings.Join(missing, ", "), missing[0])
+	}
+	return out, nil
+}
+
+func (c *Config) applyDefaults() {
+	if c.Listen == "" {
+		c.Listen = "127.0.0.1:8080"
+	}
+	if c.LogLevel == "" {
+		c.LogLevel = "info"
+	}
+	for i := range c.Models {
+		m := &c.Models[i]
+		if m.Tokenizer == "" {
+			m.Tokenizer = "cl100k_base"
+		}
+		if m.Template == "" {
+			m.Template = "chatml"
+		}
+		if m.BlockSize == 0 {
+			m.BlockSize = kv.DefaultBlockSize
+		}
+		if m.BytesPerBlock == 0 {
+			// Llama-3.1-8B: 32 layers × 8 KV heads × 128 dims × 2 (K,V) × 2 bytes = 128 KiB/token.
+			m.BytesPerBlock = int64(m.BlockSize) * 128 << 10
+		}
+	}
+	for i := range c.Backends {
+		b := &c.Backends[i]
+		if b.Kind == "" {
+			b.Kind = KindVLLM
+		}
+		if b.Model == "" && len(c.Models) == 1 {
+			b.Model = c.Models[0].Name
+		}
+		if b.ServedModel == "" {
+			b.ServedModel = b.Model
+		}
+	}
+	if c.Router.Policy == "" {
+		c.Router.Policy = "kv"
+	}
+	if c.Router.IndexTTL == 0 {
+		c.Router.IndexTTL = 120 * time.Second
+	}
+	if c.Limits.MaxRequestBodyBytes == 0 {
+		c.Limits.MaxRequestBodyBytes = 32 << 20
+	}
+	if c.Limits.StreamIdleTimeout == 0 {
+		c.Limits.StreamIdleTimeout = 5 * time.Minute
+	}
+	if c.Limits.UpstreamConnectTime == 0 {
+		c.Limits.UpstreamConnectTime = 3 * time.Second
+	}
+	if c.Limits.MaxConnsPerBackend == 0 {
+		c.Limits.MaxConnsPerBackend = 4096
+	}
+}
+
+// Validate checks every field and reports all problems at once.
+func (c *Config) Validate() error {
+	var errs []string
+	add := func(field, format string, a ...any) {
+		errs = append(errs, field+": "+fmt.Sprintf(format, a...))
+	}
+	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
+		add("listen", "want host:port, got %q", c.Listen)
+	}
+	switch c.LogLevel {
+	case "debug", "info", "warn", "error":
+	default:
+		add("log_level", "want debug, info, warn or error, got %q", c.LogLevel)
+	}
+	if len(c.Models) == 0 {
+		add("models", "at least one model is required")
+	}
+	names := map[string]string{}
+	for i, m := range c.Models {
+		f := fmt.Sprintf("models[%d]", i)
+		if m.Name == "" {
+			add(f+".name", "required")
+		}
+		for j, n := range append([]string{m.Name}, m.Aliases...) {
+			if n == "" {
+				continue
+			}
+			if prev, ok := names[n]; ok {
+				add(f, "name or alias %q already used by %s", n, prev)
+			}
+			if j == 0 {
+				names[n] = f
+			} else {
+				names[n] = fmt.Sprintf("%s.aliases[%d]", f, j-1)
+			}
+		}
+		if !contains(Tokenizers, m.Tokenizer) {
+			add(f+".tokenizer", "unknown tokenizer %q (known: %s)", m.Tokenizer, strings.Join(Tokenizers, ", "))
+		}
+		if !contains(Templates, m.Template) {
+			add(f+".template", "unknown template %q (known: %s)", m.Template, strings.Join(Templates, ", "))
+		}
+		if m.BlockSize < 1 || m.BlockSize > 4096 {
+			add(f+".block_size", "must be between 1 and 4096, got %d", m.BlockSize)
+		}
+		if m.BytesPerBlock < 0 {
+			add(f+".bytes_per_block", "must not be negative")
+		}
+	}
+	if len(c.Backends) == 0 {
+		add("backends", "at least one backend is required")
+	}
+	ids := map[string]int{}
+	for i, b := range c.Backends {
+		f := fmt.Sprintf("backends[%d]", i)
+		if b.ID == "" {
+			add(f+".id", "required")
+		} else if strings.ContainsAny(b.ID, " \t\n#\"") {
+			add(f+".id", "must not contain spaces, quotes or '#', got %q", b.ID)
+		} else if j, ok := ids[b.ID]; ok {
+			add(f+".id", "%q already used by backends[%d]", b.ID, j)
+		}
+		ids[b.ID] = i
+		u, err := url.Parse(b.URL)
+		if b.URL == "" {
+			add(f+".url", "required")
+		} else if err != nil || (u.Scheme != "http") || u.Host == "" {
+			add(f+".url", "want http://host:port, got %q", b.URL)
+		} else if u.Path != "" && u.Path != "/" {
+			add(f+".url", "must not have a path (kvproxy appends /v1/...), got %q", b.URL)
+		}
+		switch b.Kind {
+		case KindVLLM, KindSGLang, KindOpenAI:
+		case KindMock:
+			if err == nil && u.Host != "" {
+				host := u.Hostname()
+				if ip := net.ParseIP(host); host != "localhost" && (ip == nil || !ip.IsLoopback()) {
+					add(f+".url", "a mock backend is started by kvproxy and must listen on loopback, got %q", host)
+				}
+				if u.Port() == "" {
+					add(f+".url", "a mock backend needs an explicit port")
+				}
+			}
+		default:
+			add(f+".kind", "want vllm, sglang, openai or mock, got %q", b.Kind)
+		}
+		if _, ok := names[b.Model]; b.Model == "" || !ok || !c.isModelName(b.Model) {
+			add(f+".model", "must name one of models[].name, got %q", b.Model)
+		}
+		if b.Mock.Speedup < 0 || b.Mock.CacheBlocks < 0 || b.Mock.MaxNumSeqs < 0 || b.Mock.MaxNumBatchedTokens < 0 {
+			add(f+".mock", "values must not be negative")
+		}
+	}
+	if !contains(Policies, c.Router.Policy) {
+		add("router.policy", "unknown policy %q (known: %s)", c.Router.Policy, strings.Join(Policies, ", "))
+	}
+	if c.Router.Temperature < 0 {
+		add("router.temperature", "must not be negative")
+	}
+	if c.Router.IndexTTL < 0 {
+		add("router.index_ttl", "must not be negative")
+	}
+	if c.Router.MaxIndexBlocks < 0 {
+		add("router.max_index_blocks", "must not be negative")
+	}
+	if c.Router.Cost.PrefillMsPerToken < 0 || c.Router.Cost.QueueMsPerToken < 0 || c.Router.Cost.DecodeMsPerBlock < 0 {
+		add("router.cost", "coefficients must not be negative")
+	}
+	if c.Limits.MaxRequestBodyBytes < 1024 {
+		add("limits.max_request_body_bytes", "must be at least 1024")
+	}
+	if len(errs) > 0 {
+		return errors.New(strings.Join(errs, "; "))
+	}
+	return nil
+}
+
+func (c *Config) isModelName(n string) bool {
+	for _, m := range c.Models {
+		if m.Name == n {
+			return true
+		}
+	}
+	return false
+}
+
+// ModelByName finds a model by name or alias.
+func (c *Config) ModelByName(name string) (*Model, bool) {
+	for i := range c.Models {
+		m := &c.Models[i]
+		if m.Name == name || contains(m.Aliases, name) {
+			return m, true
+		}
+	}
+	return nil, false
+}
+
+func contains(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}
