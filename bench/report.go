@@ -1,0 +1,178 @@
+package bench
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"slices"
+	"text/tabwriter"
+	"time"
+)
+
+// Result is one row of a report: the outcome of one policy (sim) or one run
+// (replay) on one workload. The JSON names are the published format.
+type Result struct {
+	Policy         string  `json:"policy"`
+	TTFTP50        float64 `json:"ttft_p50_ms"`
+	TTFTP90        float64 `json:"ttft_p90_ms"`
+	TTFTP99        float64 `json:"ttft_p99_ms"`
+	ITLP50         float64 `json:"itl_p50_ms"`
+	E2EP50         float64 `json:"e2e_p50_ms"`
+	ThroughputTokS float64 `json:"throughput_tok_s"`
+	HitRate        float64 `json:"hit_rate"`
+	Errors         int     `json:"errors"`
+
+	// Samples for charts; not part of the JSON report.
+	TTFTs []time.Duration `json:"-"`
+}
+
+// Report is the JSON object kvbench prints with -json.
+type Report struct {
+	Results []Result `json:"results"`
+	// CeilingHitRate is the hit rate of one LRU cache holding the whole
+	// fleet's capacity (sim only).
+	CeilingHitRate *float64 `json:"ceiling_hit_rate,omitempty"`
+}
+
+// WriteJSON writes the report as one JSON object.
+func (r *Report) WriteJSON(w io.Writer) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(r)
+}
+
+// WriteTable writes the report as an aligned text table.
+func (r *Report) WriteTable(w io.Writer) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "policy\tttft p50 ms\tp90 ms\tp99 ms\titl p50 ms\te2e p50 ms\ttok/s\thit rate\terrors\t")
+	for _, x := range r.Results {
+		fmt.Fprintf(tw, "%s\t%.1f\t%.1f\t%.1f\t%.2f\t%.0f\t%.0f\t%.3f\t%d\t\n",
+			x.Policy, x.TTFTP50, x.TTFTP90, x.TTFTP99, x.ITLP50, x.E2EP50, x.ThroughputTokS, x.HitRate, x.Errors)
+	}
+	if r.CeilingHitRate != nil {
+		fmt.Fprintf(tw, "ceiling (one LRU of fleet capacity)\t\t\t\t\t\t\t%.3f\t\t\n", *r.CeilingHitRate)
+	}
+	return tw.Flush()
+}
+
+// Recorder accumulates per-request measurements into a Result. It is not
+// safe for concurrent use.
+type Recorder struct {
+	ttft, e2e   []time.Duration
+	itl         Histogram
+	prompt      int64
+	cached      int64
+	output      int64
+	errors      int
+	first, last time.Duration
+	haveSpan    bool
+}
+
+// Request records one finished request: its start and end on the
+// recorder's clock, time to first token, prompt, cached and output tokens.
+func (r *Recorder) Request(start, end, ttft time.Duration, prompt, cached, output int) {
+	r.ttft = append(r.ttft, ttft)
+	r.e2e = append(r.e2e, end-start)
+	r.prompt += int64(prompt)
+	r.cached += int64(cached)
+	r.output += int64(output)
+	r.span(start, end)
+}
+
+// ITL records one gap between consecutive output tokens (or chunks), n times.
+func (r *Recorder) ITL(d time.Duration, n int) { r.itl.AddN(d, n) }
+
+// Error records a failed request.
+func (r *Recorder) Error(start, end time.Duration) {
+	r.errors++
+	r.span(start, end)
+}
+
+func (r *Recorder) span(start, end time.Duration) {
+	if !r.haveSpan || start < r.first {
+		r.first = start
+	}
+	if !r.haveSpan || end > r.last {
+		r.last = end
+	}
+	r.haveSpan = true
+}
+
+// Result summarizes what was recorded.
+func (r *Recorder) Result(policy string) Result {
+	res := Result{Policy: policy, Errors: r.errors}
+	slices.Sort(r.ttft)
+	slices.Sort(r.e2e)
+	res.TTFTP50 = ms(Percentile(r.ttft, 0.50))
+	res.TTFTP90 = ms(Percentile(r.ttft, 0.90))
+	res.TTFTP99 = ms(Percentile(r.ttft, 0.99))
+	res.E2EP50 = ms(Percentile(r.e2e, 0.50))
+	res.ITLP50 = ms(r.itl.Quantile(0.50))
+	if span := r.last - r.first; span > 0 {
+		res.ThroughputTokS = float64(r.output) / span.Seconds()
+	}
+	if r.prompt > 0 {
+		res.HitRate = float64(r.cached) / float64(r.prompt)
+	}
+	res.TTFTs = r.ttft
+	return res
+}
+
+func ms(d time.Duration) float64 { return math.Round(float64(d)/1e3) / 1e3 }
+
+// Percentile of sorted samples by the nearest-rank method (0 when empty).
+func Percentile(sorted []time.Duration, q float64) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(math.Ceil(q*float64(len(sorted)))) - 1
+	return sorted[min(max(i, 0), len(sorted)-1)]
+}
+
+// Histogram counts durations in log-spaced buckets 1% apart, from 1µs up,
+// so quantiles of millions of samples cost a fixed amount of memory.
+type Histogram struct {
+	counts []int64
+	n      int64
+}
+
+const histBase = 1.01
+
+// AddN records d n times.
+func (h *Histogram) AddN(d time.Duration, n int) {
+	if n <= 0 {
+		return
+	}
+	us := float64(d) / 1e3
+	b := 0
+	if us > 1 {
+		b = int(math.Log(us)/math.Log(histBase)) + 1
+	}
+	if b >= len(h.counts) {
+		h.counts = append(h.counts, make([]int64, b+1-len(h.counts))...)
+	}
+	h.counts[b] += int64(n)
+	h.n += int64(n)
+}
+
+// Quantile returns the upper edge of the bucket holding quantile q
+// (within 1% of the true value).
+func (h *Histogram) Quantile(q float64) time.Duration {
+	if h.n == 0 {
+		return 0
+	}
+	rank := int64(math.Ceil(q * float64(h.n)))
+	rank = max(rank, 1)
+	var seen int64
+	for b, c := range h.counts {
+		seen += c
+		if seen >= rank {
+			if b == 0 {
+				return time.Microsecond
+			}
+			return time.Duration(math.Pow(histBase, float64(b)) * 1e3)
+		}
+	}
+	return 0
+}
