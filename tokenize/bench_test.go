@@ -1,0 +1,84 @@
+package tokenize
+
+import (
+	"fmt"
+	"strconv"
+	"testing"
+)
+
+// textOfTokens returns longText grown until it encodes to at least n tokens.
+func textOfTokens(tok Tokenizer, n int) (string, int) {
+	words := n / 2
+	for {
+		s := longText(words)
+		if got := len(tok.Encode(nil, s)); got >= n {
+			return s, got
+		}
+		words += words / 4
+	}
+}
+
+func BenchmarkEncodeText(b *testing.B) {
+	for _, name := range []string{"cl100k_base", "o200k_base"} {
+		tok := mustGet(b, name)
+		enc := NewEncoder(tok, mustTemplate(b, "raw"), 0)
+		for _, n := range []int{1 << 10, 8 << 10, 32 << 10} {
+			text, ntok := textOfTokens(tok, n)
+			b.Run(fmt.Sprintf("%s/%dk", name, n>>10), func(b *testing.B) {
+				b.ReportAllocs()
+				b.SetBytes(int64(len(text)))
+				dst := make([]uint32, 0, ntok)
+				for b.Loop() {
+					dst = enc.EncodeText(dst[:0], text)
+				}
+				b.ReportMetric(float64(ntok), "tokens/op")
+			})
+		}
+	}
+}
+
+// BenchmarkEncodeChatTurn20 measures turn 20 of a conversation: cold (empty
+// cache, every message tokenized), warm (turns 1-19 cached, turn 20 new —
+// the steady state of a multi-turn chat) and hit (all 20 cached, e.g. a retry).
+func BenchmarkEncodeChatTurn20(b *testing.B) {
+	for _, name := range []string{"cl100k_base", "o200k_base"} {
+		tok := mustGet(b, name)
+		tmpl := mustTemplate(b, "chatml")
+		msgs := conversation(19) // system + 19 turns = 20 messages
+		last := msgs[len(msgs)-1].Content
+		ntok := len(coldEncode(tok, tmpl, msgs, true))
+
+		b.Run(name+"/cold", func(b *testing.B) {
+			b.ReportAllocs()
+			dst := make([]uint32, 0, ntok)
+			for i := 0; i < b.N; i++ {
+				b.StopTimer()
+				enc := NewEncoder(tok, tmpl, 0)
+				b.StartTimer()
+				dst = enc.EncodeChat(dst[:0], msgs, true)
+			}
+			b.ReportMetric(float64(ntok), "tokens/op")
+		})
+		b.Run(name+"/warm", func(b *testing.B) {
+			b.ReportAllocs()
+			enc := NewEncoder(tok, tmpl, 0)
+			enc.EncodeChat(nil, msgs[:len(msgs)-1], false)
+			conv := append([]Message(nil), msgs...)
+			dst := make([]uint32, 0, ntok+8)
+			for i := 0; i < b.N; i++ {
+				conv[len(conv)-1].Content = last + strconv.Itoa(i) // a new last turn each time
+				dst = enc.EncodeChat(dst[:0], conv, true)
+			}
+			b.ReportMetric(float64(ntok), "tokens/op")
+		})
+		b.Run(name+"/hit", func(b *testing.B) {
+			b.ReportAllocs()
+			enc := NewEncoder(tok, tmpl, 0)
+			dst := enc.EncodeChat(nil, msgs, true)
+			for b.Loop() {
+				dst = enc.EncodeChat(dst[:0], msgs, true)
+			}
+			b.ReportMetric(float64(ntok), "tokens/op")
+		})
+	}
+}

@@ -1,0 +1,191 @@
+package tokenize
+
+import (
+	"strings"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/zeebo/xxh3"
+)
+
+// DefaultCacheEntries is the number of cached message renderings when
+// NewEncoder is given cacheEntries <= 0.
+const DefaultCacheEntries = 16384
+
+const (
+	cacheShardBits = 6
+	cacheShards    = 1 << cacheShardBits
+)
+
+// Encoder turns chat messages and prompt text into token ids with one
+// tokenizer and one chat template. It caches the tokens of each rendered
+// message (bounded, CLOCK eviction), so a conversation's earlier turns are
+// not tokenized again. It is safe for concurrent use; the cache is sharded,
+// and a cache hit takes one shard's read lock.
+//
+// Each message is tokenized on its own, so the ids at a boundary between two
+// messages can differ from tokenizing the whole rendered text at once when
+// the tokenizer would merge across it; the result is deterministic, which is
+// what prefix matching needs.
+type Encoder struct {
+	tok     Tokenizer
+	tmpl    Template
+	shards  [cacheShards]cacheShard
+	scratch sync.Pool // *encScratch
+}
+
+type encScratch struct {
+	pieces []piece
+	buf    []byte
+}
+
+// NewEncoder returns an Encoder caching up to cacheEntries message
+// renderings (DefaultCacheEntries if cacheEntries <= 0).
+func NewEncoder(tok Tokenizer, tmpl Template, cacheEntries int) *Encoder {
+	if cacheEntries <= 0 {
+		cacheEntries = DefaultCacheEntries
+	}
+	per := (cacheEntries + cacheShards - 1) / cacheShards
+	e := &Encoder{tok: tok, tmpl: tmpl}
+	for i := range e.shards {
+		e.shards[i].init(per)
+	}
+	e.scratch.New = func() any { return new(encScratch) }
+	return e
+}
+
+// Tokenizer returns the Encoder's tokenizer.
+func (e *Encoder) Tokenizer() Tokenizer { return e.tok }
+
+// Template returns the Encoder's chat template.
+func (e *Encoder) Template() Template { return e.tmpl }
+
+// EncodeText appends the token ids of a completions prompt. It is not cached.
+func (e *Encoder) EncodeText(dst []uint32, text string) []uint32 {
+	return e.tok.Encode(dst, text)
+}
+
+// EncodeChat appends the token ids of msgs rendered with the Encoder's
+// template, followed by the generation prompt when addGenerationPrompt is
+// set. Messages seen before (same role and content) come from the cache.
+func (e *Encoder) EncodeChat(dst []uint32, msgs []Message, addGenerationPrompt bool) []uint32 {
+	s := e.scratch.Get().(*encScratch)
+	s.pieces = e.tmpl.pieces(s.pieces[:0], msgs, addGenerationPrompt)
+	for i := range s.pieces {
+		dst = e.encodePiece(dst, &s.pieces[i], s)
+	}
+	clear(s.pieces) // drop references to request strings
+	e.scratch.Put(s)
+	return dst
+}
+
+func (e *Encoder) encodePiece(dst []uint32, p *piece, s *encScratch) []uint32 {
+	key := pieceKey(p)
+	sh := &e.shards[key>>(64-cacheShardBits)]
+	if ids, ok := sh.get(key, p); ok {
+		return append(dst, ids...)
+	}
+	n := len(dst)
+	if p.literal {
+		dst = e.tok.Encode(dst, p.msg.Content)
+	} else {
+		s.buf = e.tmpl.appendMessage(s.buf[:0], p.msg)
+		dst = e.tok.Encode(dst, unsafe.String(unsafe.SliceData(s.buf), len(s.buf)))
+	}
+	sh.put(key, p, dst[n:])
+	return dst
+}
+
+func pieceKey(p *piece) uint64 {
+	seed := uint64(0x9e3779b97f4a7c15)
+	if !p.literal {
+		seed = xxh3.HashString(p.msg.Role)
+	}
+	return xxh3.HashStringSeed(p.msg.Content, seed)
+}
+
+type cacheShard struct {
+	mu      sync.RWMutex
+	index   map[uint64]int32 // key → position in entries
+	entries []cacheEntry
+	max     int
+	hand    int
+	_       [64]byte // keep shards on separate cache lines
+}
+
+type cacheEntry struct {
+	key     uint64
+	literal bool
+	role    string
+	content string
+	ids     []uint32 // never modified once stored
+	ref     atomic.Bool
+}
+
+func (s *cacheShard) init(max int) {
+	s.max = max
+	s.index = make(map[uint64]int32, max)
+	s.entries = make([]cacheEntry, 0, max)
+}
+
+func (c *cacheEntry) matches(p *piece) bool {
+	return c.literal == p.literal && c.content == p.msg.Content && (p.literal || c.role == p.msg.Role)
+}
+
+func (s *cacheShard) get(key uint64, p *piece) ([]uint32, bool) {
+	s.mu.RLock()
+	i, ok := s.index[key]
+	if !ok {
+		s.mu.RUnlock()
+		return nil, false
+	}
+	c := &s.entries[i]
+	if !c.matches(p) { // hash collision
+		s.mu.RUnlock()
+		return nil, false
+	}
+	c.ref.Store(true)
+	ids := c.ids
+	s.mu.RUnlock()
+	return ids, true
+}
+
+func (s *cacheShard) put(key uint64, p *piece, ids []uint32) {
+	stored := cacheEntry{
+		key:     key,
+		literal: p.literal,
+		content: strings.Clone(p.msg.Content), // never pin a request buffer
+		ids:     append([]uint32(nil), ids...),
+	}
+	if !p.literal {
+		stored.role = strings.Clone(p.msg.Role)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if i, ok := s.index[key]; ok { // raced with another miss, or a collision: replace
+		s.entries[i].set(&stored)
+		return
+	}
+	if len(s.entries) < s.max {
+		s.entries = append(s.entries, cacheEntry{})
+		s.entries[len(s.entries)-1].set(&stored)
+		s.index[key] = int32(len(s.entries) - 1)
+		return
+	}
+	// CLOCK: skip (and clear) recently used entries, evict the first cold one.
+	for s.entries[s.hand].ref.Load() {
+		s.entries[s.hand].ref.Store(false)
+		s.hand = (s.hand + 1) % len(s.entries)
+	}
+	victim := &s.entries[s.hand]
+	delete(s.index, victim.key)
+	victim.set(&stored)
+	s.index[key] = int32(s.hand)
+	s.hand = (s.hand + 1) % len(s.entries)
+}
+
+func (c *cacheEntry) set(from *cacheEntry) {
+	c.key, c.literal, c.role, c.content, c.ids = from.key, from.literal, from.role, from.content, from.ids
+	c.ref.Store(false)
+}

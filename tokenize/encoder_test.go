@@ -1,0 +1,179 @@
+package tokenize
+
+import (
+	"fmt"
+	"slices"
+	"sync"
+	"testing"
+)
+
+func conversation(turns int) []Message {
+	msgs := []Message{{"system", "You are a helpful assistant. Answer in full sentences."}}
+	for i := 0; i < turns; i++ {
+		role := "user"
+		if i%2 == 1 {
+			role = "assistant"
+		}
+		msgs = append(msgs, Message{role, fmt.Sprintf("Turn %d: %s", i, longText(60+i))})
+	}
+	return msgs
+}
+
+// coldEncode tokenizes each piece without any cache: the reference for the
+// Encoder's output.
+func coldEncode(tok Tokenizer, tmpl Template, msgs []Message, gen bool) []uint32 {
+	var ids []uint32
+	for _, p := range tmpl.pieces(nil, msgs, gen) {
+		if p.literal {
+			ids = tok.Encode(ids, p.msg.Content)
+		} else {
+			ids = tok.Encode(ids, string(tmpl.appendMessage(nil, p.msg)))
+		}
+	}
+	return ids
+}
+
+func TestEncodeChatCachedEqualsCold(t *testing.T) {
+	for _, tn := range []string{"cl100k_base", "o200k_base"} {
+		for _, tm := range []string{"chatml", "llama3", "raw"} {
+			tok := mustGet(t, tn)
+			tmpl, _ := GetTemplate(tm)
+			enc := NewEncoder(tok, tmpl, 0)
+			msgs := conversation(12)
+			for n := 1; n <= len(msgs); n++ {
+				want := coldEncode(tok, tmpl, msgs[:n], true)
+				first := enc.EncodeChat(nil, msgs[:n], true)
+				again := enc.EncodeChat([]uint32{}, msgs[:n], true)
+				if !slices.Equal(first, want) || !slices.Equal(again, want) {
+					t.Fatalf("%s/%s turn %d: cached encode differs from cold encode", tn, tm, n)
+				}
+			}
+		}
+	}
+}
+
+func TestEncodeChatMatchesWholeRenderForChatml(t *testing.T) {
+	// chatml message boundaries are "\n" followed by "<": the tiktoken
+	// pre-tokenizer splits there anyway, so per-message == whole text.
+	tok := mustGet(t, "cl100k_base")
+	tmpl, _ := GetTemplate("chatml")
+	msgs := conversation(6)
+	got := NewEncoder(tok, tmpl, 0).EncodeChat(nil, msgs, true)
+	want := tok.Encode(nil, Render(tmpl, msgs, true))
+	if !slices.Equal(got, want) {
+		t.Fatalf("per-message encode differs from whole render")
+	}
+}
+
+func TestEncodeChatRoleIsPartOfKey(t *testing.T) {
+	tok := mustGet(t, "cl100k_base")
+	tmpl, _ := GetTemplate("chatml")
+	enc := NewEncoder(tok, tmpl, 0)
+	u := enc.EncodeChat(nil, []Message{{"user", "same text"}}, false)
+	a := enc.EncodeChat(nil, []Message{{"assistant", "same text"}}, false)
+	if slices.Equal(u, a) {
+		t.Fatal("user and assistant messages with the same content share ids")
+	}
+	if want := coldEncode(tok, tmpl, []Message{{"assistant", "same text"}}, false); !slices.Equal(a, want) {
+		t.Fatalf("got %v want %v", a, want)
+	}
+}
+
+func TestEncoderCacheIsBounded(t *testing.T) {
+	tok := mustGet(t, "cl100k_base")
+	tmpl, _ := GetTemplate("chatml")
+	enc := NewEncoder(tok, tmpl, 64) // one entry per shard
+	for i := 0; i < 2000; i++ {
+		m := []Message{{"user", fmt.Sprintf("message number %d", i)}}
+		if got, want := enc.EncodeChat(nil, m, true), coldEncode(tok, tmpl, m, true); !slices.Equal(got, want) {
+			t.Fatalf("message %d: got %v want %v", i, got, want)
+		}
+	}
+	total := 0
+	for i := range enc.shards {
+		total += len(enc.shards[i].index)
+		if len(enc.shards[i].index) != len(enc.shards[i].entries) || len(enc.shards[i].entries) > 1 {
+			t.Fatalf("shard %d holds %d index / %d entries, max 1", i, len(enc.shards[i].index), len(enc.shards[i].entries))
+		}
+	}
+	if total == 0 || total > 64 {
+		t.Fatalf("cache holds %d entries, want 1..64", total)
+	}
+}
+
+func TestEncodeTextEqualsTokenizer(t *testing.T) {
+	tok := mustGet(t, "o200k_base")
+	enc := NewEncoder(tok, mustTemplate(t, "raw"), 0)
+	text := longText(300)
+	if !slices.Equal(enc.EncodeText(nil, text), tok.Encode(nil, text)) {
+		t.Fatal("EncodeText differs from Tokenizer.Encode")
+	}
+	if enc.Tokenizer() != tok {
+		t.Fatal("Tokenizer() returned a different tokenizer")
+	}
+}
+
+func TestEncoderConcurrentUse(t *testing.T) {
+	tok := mustGet(t, "cl100k_base")
+	tmpl := mustTemplate(t, "llama3")
+	enc := NewEncoder(tok, tmpl, 128) // small: exercises eviction under contention
+	convs := make([][]Message, 8)
+	wants := make([][]uint32, 8)
+	for i := range convs {
+		convs[i] = conversation(4 + i)
+		convs[i][0].Content += fmt.Sprint(i)
+		wants[i] = coldEncode(tok, tmpl, convs[i], true)
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for g := 0; g < 8; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			var buf []uint32
+			for i := 0; i < 40; i++ {
+				c := (g + i) % len(convs)
+				buf = enc.EncodeChat(buf[:0], convs[c], true)
+				if !slices.Equal(buf, wants[c]) {
+					errs <- fmt.Errorf("goroutine %d iteration %d: wrong ids for conversation %d", g, i, c)
+					return
+				}
+			}
+		}(g)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+}
+
+func mustTemplate(t testing.TB, name string) Template {
+	t.Helper()
+	tmpl, err := GetTemplate(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tmpl
+}
+
+// longText returns deterministic English-and-code-like text of about n words.
+func longText(n int) string {
+	words := []string{"the", "router", "sends", "each", "request", "to", "engine", "holding", "its",
+		"longest", "cached", "prefix,", "weighing", "load", "against", "reuse.", "func", "main()", "{",
+		"return", "x", "+", "42;", "}", "KV-cache", "blocks", "of", "16", "tokens", "héllo", "世界", "🙂"}
+	b := make([]byte, 0, n*7)
+	seed := uint32(n)
+	for i := 0; i < n; i++ {
+		seed = seed*1664525 + 1013904223
+		if i > 0 {
+			if seed>>28 == 0 {
+				b = append(b, '\n')
+			} else {
+				b = append(b, ' ')
+			}
+		}
+		b = append(b, words[(seed>>8)%uint32(len(words))]...)
+	}
+	return string(b)
+}

@@ -1,0 +1,136 @@
+package tokenize
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+)
+
+// Message is one chat message.
+type Message struct {
+	Role, Content string
+}
+
+// Template renders chat messages into text for a tokenizer. The Encoder
+// tokenizes and caches each message's rendering on its own, so a template is
+// a list of pieces, not one string.
+//
+// Markers such as <|im_start|> are rendered as text: the tokenizer decides
+// whether they are special tokens (a model's tokenizer.json) or plain text
+// (tiktoken encodings, which have no such special tokens, encode them
+// ordinarily).
+type Template interface {
+	// Name is the template's name, e.g. "chatml".
+	Name() string
+	// pieces appends the conversation's pieces in order.
+	pieces(dst []piece, msgs []Message, addGenerationPrompt bool) []piece
+	// appendMessage renders one message piece.
+	appendMessage(dst []byte, m Message) []byte
+}
+
+// piece is one independently tokenized part of a rendered conversation:
+// either a message (rendered by the template's appendMessage) or literal text.
+type piece struct {
+	msg     Message
+	literal bool // msg.Content is literal text; msg.Role is unused
+}
+
+// markerTemplate renders each message as head + role + mid + content + tail,
+// with an optional prefix once before the first message.
+type markerTemplate struct {
+	name             string
+	prefix           string // once, before the first message
+	head, mid, tail  string
+	generationPrompt string
+}
+
+var templates = map[string]Template{
+	"chatml": &markerTemplate{
+		name:             "chatml",
+		head:             "<|im_start|>",
+		mid:              "\n",
+		tail:             "<|im_end|>\n",
+		generationPrompt: "<|im_start|>assistant\n",
+	},
+	"llama3": &markerTemplate{
+		name:             "llama3",
+		prefix:           "<|begin_of_text|>",
+		head:             "<|start_header_id|>",
+		mid:              "<|end_header_id|>\n\n",
+		tail:             "<|eot_id|>",
+		generationPrompt: "<|start_header_id|>assistant<|end_header_id|>\n\n",
+	},
+	"raw": rawTemplate{},
+}
+
+func (t *markerTemplate) Name() string { return t.name }
+
+func (t *markerTemplate) pieces(dst []piece, msgs []Message, addGenerationPrompt bool) []piece {
+	if t.prefix != "" {
+		dst = append(dst, piece{msg: Message{Content: t.prefix}, literal: true})
+	}
+	for _, m := range msgs {
+		dst = append(dst, piece{msg: m})
+	}
+	if addGenerationPrompt && t.generationPrompt != "" {
+		dst = append(dst, piece{msg: Message{Content: t.generationPrompt}, literal: true})
+	}
+	return dst
+}
+
+func (t *markerTemplate) appendMessage(dst []byte, m Message) []byte {
+	dst = append(dst, t.head...)
+	dst = append(dst, m.Role...)
+	dst = append(dst, t.mid...)
+	dst = append(dst, m.Content...)
+	return append(dst, t.tail...)
+}
+
+// rawTemplate concatenates message contents with nothing between them, for
+// completions and tests. Roles are ignored and there is no generation prompt.
+type rawTemplate struct{}
+
+func (rawTemplate) Name() string { return "raw" }
+
+func (rawTemplate) pieces(dst []piece, msgs []Message, _ bool) []piece {
+	for _, m := range msgs {
+		dst = append(dst, piece{msg: Message{Content: m.Content}, literal: true})
+	}
+	return dst
+}
+
+func (rawTemplate) appendMessage(dst []byte, m Message) []byte { return append(dst, m.Content...) }
+
+// TemplateNames lists the built-in templates accepted by GetTemplate, sorted.
+func TemplateNames() []string {
+	names := make([]string, 0, len(templates))
+	for n := range templates {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	return names
+}
+
+// GetTemplate returns the built-in chat template called name: "chatml",
+// "llama3" or "raw".
+func GetTemplate(name string) (Template, error) {
+	t, ok := templates[name]
+	if !ok {
+		return nil, fmt.Errorf("tokenize: unknown chat template %q (known: %s)", name, strings.Join(TemplateNames(), ", "))
+	}
+	return t, nil
+}
+
+// Render returns the text a template produces for a conversation: what the
+// Encoder tokenizes, piece by piece. For tests and debugging.
+func Render(t Template, msgs []Message, addGenerationPrompt bool) string {
+	var b []byte
+	for _, p := range t.pieces(nil, msgs, addGenerationPrompt) {
+		if p.literal {
+			b = append(b, p.msg.Content...)
+		} else {
+			b = t.appendMessage(b, p.msg)
+		}
+	}
+	return string(b)
+}

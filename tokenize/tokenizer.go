@@ -1,0 +1,54 @@
+package tokenize
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+	"sync"
+)
+
+// Tokenizer encodes text into token ids. Implementations are safe for
+// concurrent use.
+type Tokenizer interface {
+	// Name is the encoding's name, e.g. "cl100k_base".
+	Name() string
+	// Encode appends the token ids of text, encoded like tiktoken's
+	// encode_ordinary (special-token look-alikes are plain text).
+	Encode(dst []uint32, text string) []uint32
+}
+
+// builtin is a tokenizer that ships inside the binary, loaded once per
+// process on first use.
+type builtin struct {
+	once sync.Once
+	load func() (Tokenizer, error)
+	tok  Tokenizer
+	err  error
+}
+
+var builtins = map[string]*builtin{
+	"cl100k_base": {load: func() (Tokenizer, error) { return loadTiktoken("cl100k_base") }},
+	"o200k_base":  {load: func() (Tokenizer, error) { return loadTiktoken("o200k_base") }},
+}
+
+// Names lists the built-in tokenizers accepted by Get, sorted.
+func Names() []string {
+	names := make([]string, 0, len(builtins))
+	for n := range builtins {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	return names
+}
+
+// Get returns the built-in tokenizer called name ("cl100k_base",
+// "o200k_base"). Its vocabulary is read from files embedded in the binary,
+// once per process; nothing is downloaded.
+func Get(name string) (Tokenizer, error) {
+	b, ok := builtins[name]
+	if !ok {
+		return nil, fmt.Errorf("tokenize: unknown tokenizer %q (known: %s)", name, strings.Join(Names(), ", "))
+	}
+	b.once.Do(func() { b.tok, b.err = b.load() })
+	return b.tok, b.err
+}
