@@ -1,0 +1,176 @@
+package bench
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// fakeEngine is a tiny OpenAI-compatible streaming server on loopback. It
+// answers max_tokens chunks, reports half the prompt as cached, and fails
+// requests whose prompt starts with a token listed in fail.
+type fakeEngine struct {
+	mu       sync.Mutex
+	bodies   []map[string]any
+	inflight int
+	peak     int
+}
+
+func (f *fakeEngine) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	var body map[string]any
+	if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	f.mu.Lock()
+	f.bodies = append(f.bodies, body)
+	f.inflight++
+	f.peak = max(f.peak, f.inflight)
+	f.mu.Unlock()
+	defer func() {
+		f.mu.Lock()
+		f.inflight--
+		f.mu.Unlock()
+	}()
+	n := int(body["max_tokens"].(float64))
+	prompt := 0
+	chat := r.URL.Path == "/v1/chat/completions"
+	if chat {
+		for _, m := range body["messages"].([]any) {
+			prompt += len(strings.Fields(m.(map[string]any)["content"].(string)))
+		}
+	} else {
+		prompt = len(body["prompt"].([]any))
+	}
+	if n == 13 {
+		http.Error(w, `{"error":{"message":"unlucky"}}`, http.StatusServiceUnavailable)
+		return
+	}
+	w.Header().Set("Content-Type", "text/event-stream")
+	fl := w.(http.Flusher)
+	for i := 0; i < n; i++ {
+		if chat {
+			fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x\"}}]}\n\n")
+		} else {
+			fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"text\":\"x\"}]}\n\n")
+		}
+		fl.Flush()
+		time.Sleep(time.Millisecond) // a real engine's decode step
+	}
+	fmt.Fprintf(w, "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":%d,\"completion_tokens\":%d,\"prompt_tokens_details\":{\"cached_tokens\":%d}}}\n\n", prompt, n, prompt/2)
+	fmt.Fprint(w, "data: [DONE]\n\n")
+}
+
+func TestReplayOpenLoopMeasuresResponses(t *testing.T) {
+	fe := &fakeEngine{}
+	srv := httptest.NewServer(fe)
+	defer srv.Close()
+	w := loadFixture(t)
+	w.Requests[3].OutputLen = 13 // the fake engine fails this one
+	res, err := Replay(context.Background(), w.Scale(10), ReplayConfig{URL: srv.URL, Model: "m", Synth: Synth{Seed: 1}}, "live")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Errors != 1 {
+		t.Fatalf("errors = %d, want 1", res.Errors)
+	}
+	if res.HitRate != 0.5 {
+		t.Fatalf("hit rate = %v, want 0.5 (cached_tokens from usage)", res.HitRate)
+	}
+	if res.TTFTP50 <= 0 || res.E2EP50 < res.TTFTP50 || res.ITLP50 < 1 || res.ThroughputTokS <= 0 {
+		t.Fatalf("implausible timings: %+v", res)
+	}
+	if len(res.TTFTs) != 3 {
+		t.Fatalf("%d TTFT samples, want 3", len(res.TTFTs))
+	}
+	// The body carries the prompt as token ids and asks for usage.
+	fe.mu.Lock()
+	defer fe.mu.Unlock()
+	var b map[string]any
+	for _, x := range fe.bodies {
+		if x["max_tokens"].(float64) == 5 {
+			b = x
+		}
+	}
+	if b == nil || len(b["prompt"].([]any)) != 1100 || b["stream"] != true ||
+		b["stream_options"].(map[string]any)["include_usage"] != true {
+		t.Fatalf("bad request body: %v", b)
+	}
+	want := Synth{Seed: 1}.Tokens(nil, &w.Requests[0])
+	for i, v := range b["prompt"].([]any) {
+		if uint32(v.(float64)) != want[i] {
+			t.Fatalf("prompt token %d = %v, want %d", i, v, want[i])
+		}
+	}
+}
+
+func TestReplayClosedLoopChat(t *testing.T) {
+	fe := &fakeEngine{}
+	srv := httptest.NewServer(fe)
+	defer srv.Close()
+	c := DefaultMultiTurn()
+	c.Conversations = 6
+	c.OutputLen = 4
+	c.SystemLen = 50
+	c.UserLen = 20
+	w := GenerateMultiTurn(c)
+	res, err := Replay(context.Background(), w, ReplayConfig{URL: srv.URL, Model: "m", Mode: ModeChat, Concurrency: 2}, "chat")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Errors != 0 || len(res.TTFTs) != len(w.Requests) {
+		t.Fatalf("errors %d, %d of %d requests measured", res.Errors, len(res.TTFTs), len(w.Requests))
+	}
+	fe.mu.Lock()
+	defer fe.mu.Unlock()
+	if fe.peak > 2 {
+		t.Fatalf("closed loop at concurrency 2 had %d requests in flight", fe.peak)
+	}
+	// Later turns carry the conversation as messages: system first, and
+	// one word per synthesized token.
+	for _, b := range fe.bodies {
+		msgs := b["messages"].([]any)
+		if msgs[0].(map[string]any)["role"] != "system" {
+			t.Fatalf("first message is not the system prompt: %v", msgs[0])
+		}
+		words := 0
+		for _, m := range msgs {
+			words += len(strings.Fields(m.(map[string]any)["content"].(string)))
+		}
+		if len(msgs) > 2 && msgs[2].(map[string]any)["role"] != "assistant" {
+			t.Fatalf("third message of a later turn must be the answer: %v", msgs)
+		}
+		found := false
+		for _, r := range w.Requests {
+			if r.InputLen == words {
+				found = true
+			}
+		}
+		if !found {
+			t.Fatalf("a chat body of %d words matches no request length", words)
+		}
+	}
+}
+
+func TestReplayCountsTransportErrors(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: {\"choices\":[{\"text\":\"x\"}]}\n\n")
+		// no [DONE]: the stream is cut
+	}))
+	defer srv.Close()
+	w := loadFixture(t)
+	res, err := Replay(context.Background(), w, ReplayConfig{URL: srv.URL, Concurrency: 4}, "cut")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Errors != len(w.Requests) {
+		t.Fatalf("errors = %d, want %d", res.Errors, len(w.Requests))
+	}
+}
