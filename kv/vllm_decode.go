@@ -1,0 +1,569 @@
+package kv
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"math"
+	"strconv"
+
+	"github.com/vmihailenco/msgpack/v5"
+	"github.com/vmihailenco/msgpack/v5/msgpcode"
+	"github.com/zeebo/xxh3"
+)
+
+// vLLM's KV event payload (vllm/distributed/kv_events.py), as msgspec encodes it.
+//
+// The batch is either an array [ts, events] / [ts, events, data_parallel_rank]
+// (array_like=True, older vLLM) or a map {"ts", "events", "data_parallel_rank"}
+// (newer vLLM). Each event is either a tagged array whose first element is the
+// type name, or a map with a "type" key:
+//
+//	["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+//	  lora_id, medium, lora_name, extra_keys, group_idx, ...]
+//	["BlockRemoved", block_hashes, medium, group_idx, ...]
+//	["AllBlocksCleared"]
+//
+// omit_defaults drops trailing fields that hold their default, so every field
+// after block_size (BlockStored) or block_hashes (BlockRemoved) may be absent.
+// Fields beyond the ones listed, and unknown map keys, are skipped. Unknown
+// event types are skipped too, so a newer engine does not break the feed.
+//
+// Block hashes are integers (signed or unsigned 64-bit; their bits are kept)
+// or byte strings (newer vLLM: a SHA-256 digest). A byte-string hash is folded
+// to 64 bits with xxh3-64 (seed 0) over its bytes. Engine hashes are opaque
+// keys that only have to match between BlockStored and BlockRemoved of one
+// engine, so any deterministic fold works; xxh3 keeps collisions negligible.
+//
+// A BlockStored with only the deprecated lora_id (no lora_name) gets the
+// LoRAName "lora_id:<n>", so its blocks never mix with the base model's.
+// group_idx (hybrid models with several KV cache groups) is not represented in
+// Event and is ignored.
+
+// EngineHashFromBytes folds a byte-string engine block hash to 64 bits.
+func EngineHashFromBytes(b []byte) uint64 { return xxh3.Hash(b) }
+
+// VLLMDecoder decodes vLLM KV event payloads. It reuses its buffers: the
+// events returned by Decode, and the slices inside them, are valid until the
+// next call to Decode. A VLLMDecoder is not safe for concurrent use; the zero
+// value is ready to use.
+type VLLMDecoder struct {
+	rd      bytes.Reader
+	dec     *msgpack.Decoder
+	scratch []byte
+	events  []Event
+	spans   []span
+	hashes  []uint64
+	tokens  []uint32
+	names   map[string]string
+}
+
+// span records where an event's hashes and tokens sit in the shared arenas
+// while they may still grow; slices are cut only once decoding is done.
+type span struct{ h0, h1, t0, t1 int }
+
+// maxInterned bounds the decoder's string table (medium and LoRA names).
+const maxInterned = 1024
+
+// DecodeVLLM decodes one payload with a fresh decoder. The result owns its
+// memory. Use a VLLMDecoder on hot paths.
+func DecodeVLLM(payload []byte) (ts float64, events []Event, dpRank int, err error) {
+	var d VLLMDecoder
+	return d.Decode(payload)
+}
+
+// Decode decodes one msgpack payload of a vLLM KVEventBatch.
+func (d *VLLMDecoder) Decode(payload []byte) (ts float64, events []Event, dpRank int, err error) {
+	d.rd.Reset(payload)
+	if d.dec == nil {
+		d.dec = msgpack.NewDecoder(&d.rd)
+	} else {
+		d.dec.ResetReader(&d.rd)
+	}
+	d.events = d.events[:0]
+	d.spans = d.spans[:0]
+	d.hashes = d.hashes[:0]
+	d.tokens = d.tokens[:0]
+
+	ts, dpRank, err = d.batch()
+	if err == nil && d.rd.Len() != 0 {
+		err = fmt.Errorf("%d trailing bytes after the batch", d.rd.Len())
+	}
+	if err != nil {
+		return 0, nil, 0, fmt.Errorf("vllm kv events: %w", err)
+	}
+	for i := range d.events {
+		s := d.spans[i]
+		if s.h1 > s.h0 {
+			d.events[i].EngineHashes = d.hashes[s.h0:s.h1:s.h1]
+		}
+		if s.t1 > s.t0 {
+			d.events[i].Tokens = d.tokens[s.t0:s.t1:s.t1]
+		}
+	}
+	return ts, d.events, dpRank, nil
+}
+
+func (d *VLLMDecoder) batch() (ts float64, dpRank int, err error) {
+	c, err := d.dec.PeekCode()
+	if err != nil {
+		return 0, 0, err
+	}
+	if msgpcode.IsFixedMap(c) || c == msgpcode.Map16 || c == msgpcode.Map32 {
+		n, err := d.dec.DecodeMapLen()
+		if err != nil {
+			return 0, 0, err
+		}
+		if err := d.checkLen(n, 2); err != nil {
+			return 0, 0, err
+		}
+		for i := 0; i < n; i++ {
+			key, err := d.str()
+			if err != nil {
+				return 0, 0, fmt.Errorf("batch key: %w", err)
+			}
+			switch string(key) {
+			case "ts":
+				ts, err = d.dec.DecodeFloat64()
+			case "events":
+				err = d.eventList()
+			case "data_parallel_rank":
+				dpRank, err = d.rank()
+			default:
+				err = d.dec.Skip()
+			}
+			if err != nil {
+				return 0, 0, err
+			}
+		}
+		return ts, dpRank, nil
+	}
+	n, err := d.dec.DecodeArrayLen()
+	if err != nil {
+		return 0, 0, fmt.Errorf("batch: %w", err)
+	}
+	if n < 2 {
+		return 0, 0, fmt.Errorf("batch: array of %d elements, want [ts, events, dp_rank?]", n)
+	}
+	if err := d.checkLen(n, 1); err != nil {
+		return 0, 0, err
+	}
+	if ts, err = d.dec.DecodeFloat64(); err != nil {
+		return 0, 0, fmt.Errorf("batch ts: %w", err)
+	}
+	if err = d.eventList(); err != nil {
+		return 0, 0, err
+	}
+	if n > 2 {
+		if dpRank, err = d.rank(); err != nil {
+			return 0, 0, err
+		}
+	}
+	for i := 3; i < n; i++ {
+		if err := d.dec.Skip(); err != nil {
+			return 0, 0, err
+		}
+	}
+	return ts, dpRank, nil
+}
+
+func (d *VLLMDecoder) rank() (int, error) {
+	v, err := d.dec.DecodeInt64() // nil decodes as 0
+	if err != nil {
+		return 0, fmt.Errorf("data_parallel_rank: %w", err)
+	}
+	if v < 0 || v > math.MaxInt32 {
+		return 0, fmt.Errorf("data_parallel_rank %d out of range", v)
+	}
+	return int(v), nil
+}
+
+// checkLen rejects a container length that cannot fit in the bytes left
+// (every element takes at least min bytes), so a forged length never
+// drives a large allocation.
+func (d *VLLMDecoder) checkLen(n, min int) error {
+	if n < 0 {
+		return errors.New("unexpected nil")
+	}
+	if n > d.rd.Len()/min {
+		return fmt.Errorf("length %d exceeds the %d bytes left", n, d.rd.Len())
+	}
+	return nil
+}
+
+func (d *VLLMDecoder) eventList() error {
+	n, err := d.dec.DecodeArrayLen()
+	if err != nil {
+		return fmt.Errorf("events: %w", err)
+	}
+	if err := d.checkLen(n, 1); err != nil {
+		return fmt.Errorf("events: %w", err)
+	}
+	for i := 0; i < n; i++ {
+		if err := d.event(); err != nil {
+			return fmt.Errorf("events[%d]: %w", i, err)
+		}
+	}
+	return nil
+}
+
+// pending collects one event's fields in whatever order they arrive.
+type pending struct {
+	kind       EventKind
+	unknown    bool
+	sp         span
+	hasParent  bool
+	parent     uint64
+	blockSize  int64
+	loraID     int64
+	hasLoraID  bool
+	medium     string
+	loraName   string
+	sawHashes  bool
+	sawBlockSz bool
+}
+
+func (d *VLLMDecoder) event() error {
+	c, err := d.dec.PeekCode()
+	if err != nil {
+		return err
+	}
+	var p pending
+	p.sp.h0, p.sp.h1 = len(d.hashes), len(d.hashes)
+	p.sp.t0, p.sp.t1 = len(d.tokens), len(d.tokens)
+	if msgpcode.IsFixedMap(c) || c == msgpcode.Map16 || c == msgpcode.Map32 {
+		err = d.mapEvent(&p)
+	} else {
+		err = d.arrayEvent(&p)
+	}
+	if err != nil {
+		return err
+	}
+	if p.unknown {
+		d.hashes = d.hashes[:p.sp.h0]
+		d.tokens = d.tokens[:p.sp.t0]
+		return nil
+	}
+	return d.finish(&p)
+}
+
+func (d *VLLMDecoder) arrayEvent(p *pending) error {
+	n, err := d.dec.DecodeArrayLen()
+	if err != nil {
+		return err
+	}
+	if n < 1 {
+		return errors.New("empty event array")
+	}
+	if err := d.checkLen(n, 1); err != nil {
+		return err
+	}
+	tag, err := d.str()
+	if err != nil {
+		return fmt.Errorf("event tag: %w", err)
+	}
+	p.kind, p.unknown = kindOf(tag)
+	var order []fieldID
+	switch p.kind {
+	case BlockStored:
+		order = storedOrder[:]
+	case BlockRemoved:
+		order = removedOrder[:]
+	}
+	for i := 1; i < n; i++ {
+		f := fUnknown
+		if !p.unknown && i-1 < len(order) {
+			f = order[i-1]
+		}
+		if err := d.field(p, f); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// fieldID names the event fields the decoder reads.
+type fieldID uint8
+
+const (
+	fUnknown fieldID = iota
+	fBlockHashes
+	fParent
+	fTokenIDs
+	fBlockSize
+	fLoraID
+	fMedium
+	fLoraName
+)
+
+var fieldNames = [...]string{"unknown field", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"}
+
+// Positional field order of the array encoding, after the tag.
+var (
+	storedOrder  = [...]fieldID{fBlockHashes, fParent, fTokenIDs, fBlockSize, fLoraID, fMedium, fLoraName}
+	removedOrder = [...]fieldID{fBlockHashes, fMedium}
+)
+
+func fieldOf(key []byte) fieldID {
+	switch string(key) {
+	case "block_hashes":
+		return fBlockHashes
+	case "parent_block_hash":
+		return fParent
+	case "token_ids":
+		return fTokenIDs
+	case "block_size":
+		return fBlockSize
+	case "lora_id":
+		return fLoraID
+	case "medium":
+		return fMedium
+	case "lora_name":
+		return fLoraName
+	}
+	return fUnknown
+}
+
+func kindOf(tag []byte) (EventKind, bool) {
+	switch string(tag) {
+	case "BlockStored":
+		return BlockStored, false
+	case "BlockRemoved":
+		return BlockRemoved, false
+	case "AllBlocksCleared":
+		return AllBlocksCleared, false
+	}
+	return 0, true
+}
+
+func (d *VLLMDecoder) mapEvent(p *pending) error {
+	n, err := d.dec.DecodeMapLen()
+	if err != nil {
+		return err
+	}
+	if err := d.checkLen(n, 2); err != nil {
+		return err
+	}
+	sawType := false
+	for i := 0; i < n; i++ {
+		key, err := d.str()
+		if err != nil {
+			return fmt.Errorf("event key: %w", err)
+		}
+		if string(key) == "type" {
+			tag, err := d.str()
+			if err != nil {
+				return fmt.Errorf("type: %w", err)
+			}
+			p.kind, p.unknown = kindOf(tag)
+			sawType = true
+			continue
+		}
+		if err := d.field(p, fieldOf(key)); err != nil {
+			return err
+		}
+	}
+	if !sawType {
+		return errors.New(`event map without "type"`)
+	}
+	return nil
+}
+
+// field decodes one named field into p; unknown names are skipped. Fields are
+// decoded whatever the event type (a map may name its type last) and the
+// type decides in finish which of them count.
+func (d *VLLMDecoder) field(p *pending, f fieldID) error {
+	var err error
+	switch f {
+	case fBlockHashes:
+		p.sawHashes = true
+		d.hashes = d.hashes[:p.sp.h0]
+		err = d.hashList()
+		p.sp.h1 = len(d.hashes)
+	case fParent:
+		p.hasParent, p.parent, err = d.optHash()
+	case fTokenIDs:
+		d.tokens = d.tokens[:p.sp.t0]
+		err = d.tokenList()
+		p.sp.t1 = len(d.tokens)
+	case fBlockSize:
+		p.sawBlockSz = true
+		p.blockSize, err = d.dec.DecodeInt64()
+	case fLoraID:
+		var c byte
+		if c, err = d.dec.PeekCode(); err == nil {
+			p.hasLoraID = c != msgpcode.Nil
+			p.loraID, err = d.dec.DecodeInt64()
+		}
+	case fMedium:
+		p.medium, err = d.optStr()
+	case fLoraName:
+		p.loraName, err = d.optStr()
+	default:
+		err = d.dec.Skip()
+	}
+	if err != nil {
+		return fmt.Errorf("%s: %w", fieldNames[f], err)
+	}
+	return nil
+}
+
+func (d *VLLMDecoder) finish(p *pending) error {
+	ev := Event{Kind: p.kind}
+	sp := span{h0: p.sp.h0, h1: p.sp.h0, t0: p.sp.t0, t1: p.sp.t0}
+	switch p.kind {
+	case BlockStored:
+		if !p.sawHashes || !p.sawBlockSz {
+			return errors.New("BlockStored without block_hashes or block_size")
+		}
+		if p.blockSize <= 0 || p.blockSize > 1<<20 {
+			return fmt.Errorf("block_size %d out of range", p.blockSize)
+		}
+		nh, nt := p.sp.h1-p.sp.h0, p.sp.t1-p.sp.t0
+		if int64(nt) != int64(nh)*p.blockSize {
+			return fmt.Errorf("%d token_ids for %d blocks of %d", nt, nh, p.blockSize)
+		}
+		ev.BlockSize = int(p.blockSize)
+		ev.HasParent, ev.EngineParent = p.hasParent, p.parent
+		ev.LoRAName = p.loraName
+		if ev.LoRAName == "" && p.hasLoraID {
+			d.scratch = strconv.AppendInt(append(d.scratch[:0], "lora_id:"...), p.loraID, 10)
+			ev.LoRAName = d.intern(d.scratch)
+		}
+		sp = p.sp
+	case BlockRemoved:
+		if !p.sawHashes {
+			return errors.New("BlockRemoved without block_hashes")
+		}
+		sp.h1 = p.sp.h1
+	}
+	if p.kind != AllBlocksCleared {
+		t, err := TierFromMedium(p.medium)
+		if err != nil {
+			return err
+		}
+		ev.Tier = t
+	}
+	d.hashes = d.hashes[:sp.h1]
+	d.tokens = d.tokens[:sp.t1]
+	d.events = append(d.events, ev)
+	d.spans = append(d.spans, sp)
+	return nil
+}
+
+func (d *VLLMDecoder) hashList() error {
+	n, err := d.dec.DecodeArrayLen()
+	if err != nil {
+		return err
+	}
+	if err := d.checkLen(n, 1); err != nil {
+		return err
+	}
+	for i := 0; i < n; i++ {
+		ok, h, err := d.optHash()
+		if err != nil {
+			return fmt.Errorf("[%d]: %w", i, err)
+		}
+		if !ok {
+			return fmt.Errorf("[%d]: nil hash", i)
+		}
+		d.hashes = append(d.hashes, h)
+	}
+	return nil
+}
+
+// optHash decodes an integer or byte-string hash, or nil (ok false).
+func (d *VLLMDecoder) optHash() (ok bool, h uint64, err error) {
+	c, err := d.dec.PeekCode()
+	if err != nil {
+		return false, 0, err
+	}
+	switch {
+	case c == msgpcode.Nil:
+		return false, 0, d.dec.Skip()
+	case msgpcode.IsBin(c) || msgpcode.IsString(c):
+		b, err := d.str()
+		if err != nil {
+			return false, 0, err
+		}
+		return true, EngineHashFromBytes(b), nil
+	}
+	h, err = d.dec.DecodeUint64()
+	return true, h, err
+}
+
+func (d *VLLMDecoder) tokenList() error {
+	n, err := d.dec.DecodeArrayLen()
+	if err != nil {
+		return err
+	}
+	if err := d.checkLen(n, 1); err != nil {
+		return err
+	}
+	for i := 0; i < n; i++ {
+		v, err := d.dec.DecodeInt64()
+		if err != nil {
+			return fmt.Errorf("[%d]: %w", i, err)
+		}
+		if v < 0 || v > math.MaxUint32 {
+			return fmt.Errorf("[%d]: token id %d out of range", i, v)
+		}
+		d.tokens = append(d.tokens, uint32(v))
+	}
+	return nil
+}
+
+// str reads a str or bin value into the scratch buffer (valid until the
+// next read).
+func (d *VLLMDecoder) str() ([]byte, error) {
+	n, err := d.dec.DecodeBytesLen()
+	if err != nil {
+		return nil, err
+	}
+	if n < 0 {
+		return nil, errors.New("unexpected nil")
+	}
+	if n > d.rd.Len() {
+		return nil, fmt.Errorf("string of %d bytes exceeds the %d bytes left", n, d.rd.Len())
+	}
+	if cap(d.scratch) < n {
+		d.scratch = make([]byte, n)
+	}
+	d.scratch = d.scratch[:n]
+	if err := d.dec.ReadFull(d.scratch); err != nil {
+		return nil, err
+	}
+	return d.scratch, nil
+}
+
+// optStr reads an interned string; nil reads as "".
+func (d *VLLMDecoder) optStr() (string, error) {
+	c, err := d.dec.PeekCode()
+	if err != nil {
+		return "", err
+	}
+	if c == msgpcode.Nil {
+		return "", d.dec.Skip()
+	}
+	b, err := d.str()
+	if err != nil {
+		return "", err
+	}
+	return d.intern(b), nil
+}
+
+// intern returns b as a string, reusing an earlier allocation for names seen
+// before (media and LoRA names repeat in every batch).
+func (d *VLLMDecoder) intern(b []byte) string {
+	if s, ok := d.names[string(b)]; ok {
+		return s
+	}
+	s := string(b)
+	if d.names == nil {
+		d.names = make(map[string]string)
+	}
+	if len(d.names) < maxInterned {
+		d.names[s] = s
+	}
+	return s
+}

@@ -1,0 +1,309 @@
+package kv
+
+import (
+	"bytes"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// fixture builds msgpack bytes field by field with the library's encoder, so
+// the decoder is checked against an independent writer of vLLM's layout.
+type fixture struct {
+	t   testing.TB
+	buf bytes.Buffer
+	enc *msgpack.Encoder
+}
+
+func newFixture(t testing.TB) *fixture {
+	f := &fixture{t: t}
+	f.enc = msgpack.NewEncoder(&f.buf)
+	return f
+}
+
+func (f *fixture) must(err error) {
+	if err != nil {
+		f.t.Fatal(err)
+	}
+}
+func (f *fixture) arr(n int) *fixture    { f.must(f.enc.EncodeArrayLen(n)); return f }
+func (f *fixture) mp(n int) *fixture     { f.must(f.enc.EncodeMapLen(n)); return f }
+func (f *fixture) str(s string) *fixture { f.must(f.enc.EncodeString(s)); return f }
+func (f *fixture) bin(b []byte) *fixture { f.must(f.enc.EncodeBytes(b)); return f }
+func (f *fixture) nil_() *fixture        { f.must(f.enc.EncodeNil()); return f }
+func (f *fixture) i(v int64) *fixture    { f.must(f.enc.EncodeInt(v)); return f }
+func (f *fixture) u(v uint64) *fixture   { f.must(f.enc.EncodeUint(v)); return f }
+func (f *fixture) fl(v float64) *fixture { f.must(f.enc.EncodeFloat64(v)); return f }
+func (f *fixture) ints(vs ...int64) *fixture {
+	f.arr(len(vs))
+	for _, v := range vs {
+		f.i(v)
+	}
+	return f
+}
+func (f *fixture) bytes() []byte { return append([]byte(nil), f.buf.Bytes()...) }
+
+func toks(n int, base int64) []int64 {
+	t := make([]int64, n)
+	for i := range t {
+		t[i] = base + int64(i)
+	}
+	return t
+}
+
+func toks32(n int, base uint32) []uint32 {
+	t := make([]uint32, n)
+	for i := range t {
+		t[i] = base + uint32(i)
+	}
+	return t
+}
+
+// Array encoding as in vLLM with array_like=True: every BlockStored field,
+// int hashes (one above int64 range), a nil parent, then a removal and a clear.
+func TestDecodeVLLMArrayEncoding(t *testing.T) {
+	f := newFixture(t)
+	f.arr(3).fl(1700000000.5).arr(4)
+	// BlockStored: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name
+	f.arr(8).str("BlockStored").arr(2).u(1 << 63).i(-5).nil_().ints(toks(8, 100)...).i(4).nil_().str("GPU").nil_()
+	// the same with a parent and the deprecated lora_id only
+	f.arr(8).str("BlockStored").arr(1).i(7).u(1 << 63).ints(toks(4, 200)...).i(4).i(3).str("CPU").nil_()
+	f.arr(3).str("BlockRemoved").arr(2).u(1 << 63).i(-5).str("GPU")
+	f.arr(1).str("AllBlocksCleared")
+	f.i(2)
+
+	ts, evs, rank, err := DecodeVLLM(f.bytes())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ts != 1700000000.5 || rank != 2 || len(evs) != 4 {
+		t.Fatalf("ts %v rank %d events %d", ts, rank, len(evs))
+	}
+	want := []Event{
+		{Kind: BlockStored, EngineHashes: []uint64{1 << 63, 1<<64 - 5}, Tokens: toks32(8, 100), BlockSize: 4, Tier: TierDevice},
+		{Kind: BlockStored, EngineHashes: []uint64{7}, HasParent: true, EngineParent: 1 << 63, Tokens: toks32(4, 200), BlockSize: 4, Tier: TierHost, LoRAName: "lora_id:3"},
+		{Kind: BlockRemoved, EngineHashes: []uint64{1 << 63, 1<<64 - 5}, Tier: TierDevice},
+		{Kind: AllBlocksCleared},
+	}
+	if !reflect.DeepEqual(evs, want) {
+		t.Fatalf("got  %+v\nwant %+v", evs, want)
+	}
+}
+
+// Map encoding (newer vLLM): batch and events are maps, keys in any order,
+// bytes hashes, unknown keys (extra_keys, group_idx, kv_cache_spec_kind).
+func TestDecodeVLLMMapEncoding(t *testing.T) {
+	h1, h2, parent := bytes.Repeat([]byte{1}, 32), bytes.Repeat([]byte{2}, 32), bytes.Repeat([]byte{3}, 32)
+	f := newFixture(t)
+	f.mp(3).str("events").arr(3)
+	f.mp(11).str("type").str("BlockStored").
+		str("block_hashes").arr(2).bin(h1).bin(h2).
+		str("parent_block_hash").bin(parent).
+		str("token_ids").ints(toks(32, 0)...).
+		str("block_size").i(16).
+		str("lora_id").nil_().
+		str("medium").str("GPU").
+		str("lora_name").str("sql-adapter").
+		str("extra_keys").arr(2).nil_().arr(1).str("salt").
+		str("group_idx").i(0).
+		str("kv_cache_spec_kind").str("full_attention")
+	// type named last
+	f.mp(4).str("block_hashes").arr(1).bin(h2).str("medium").str("DISK").str("group_idx").i(1).str("type").str("BlockRemoved")
+	f.mp(1).str("type").str("AllBlocksCleared")
+	f.str("data_parallel_rank").i(1).str("ts").fl(12.25)
+
+	ts, evs, rank, err := DecodeVLLM(f.bytes())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ts != 12.25 || rank != 1 || len(evs) != 3 {
+		t.Fatalf("ts %v rank %d events %d", ts, rank, len(evs))
+	}
+	e := evs[0]
+	if e.Kind != BlockStored || !reflect.DeepEqual(e.EngineHashes, []uint64{EngineHashFromBytes(h1), EngineHashFromBytes(h2)}) ||
+		!e.HasParent || e.EngineParent != EngineHashFromBytes(parent) || e.BlockSize != 16 ||
+		!reflect.DeepEqual(e.Tokens, toks32(32, 0)) || e.LoRAName != "sql-adapter" || e.Tier != TierDevice {
+		t.Fatalf("stored: %+v", e)
+	}
+	if EngineHashFromBytes(h1) == EngineHashFromBytes(h2) {
+		t.Fatal("distinct byte hashes must fold to distinct values")
+	}
+	if e := evs[1]; e.Kind != BlockRemoved || e.Tier != TierDisk || !reflect.DeepEqual(e.EngineHashes, []uint64{EngineHashFromBytes(h2)}) || e.Tokens != nil {
+		t.Fatalf("removed: %+v", e)
+	}
+	if evs[2].Kind != AllBlocksCleared {
+		t.Fatalf("cleared: %+v", evs[2])
+	}
+}
+
+// Oldest layout: [ts, events] without a rank, BlockStored with five fields
+// and BlockRemoved with only block_hashes (no medium).
+func TestDecodeVLLMOldestLayout(t *testing.T) {
+	f := newFixture(t)
+	f.arr(2).fl(1).arr(2)
+	f.arr(6).str("BlockStored").ints(11, 12).nil_().ints(toks(4, 0)...).i(2).nil_()
+	f.arr(2).str("BlockRemoved").ints(11)
+	_, evs, rank, err := DecodeVLLM(f.bytes())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rank != 0 || len(evs) != 2 || evs[0].Tier != TierDevice || evs[1].Tier != TierDevice || len(evs[0].Tokens) != 4 {
+		t.Fatalf("%+v", evs)
+	}
+}
+
+// Fields after the ones we know (a future vLLM), nil dp rank, unknown event
+// types, and trailing batch elements are skipped.
+func TestDecodeVLLMIgnoresUnknown(t *testing.T) {
+	f := newFixture(t)
+	f.arr(4).fl(1).arr(3)
+	f.arr(13).str("BlockStored").ints(1).nil_().ints(toks(2, 0)...).i(2).nil_().str("GPU").nil_().
+		arr(1).nil_().i(0).str("full_attention").nil_().mp(1).str("future").ints(1, 2, 3)
+	f.arr(3).str("BlockPromoted").ints(1).str("GPU")
+	f.arr(5).str("BlockRemoved").ints(1).str("CPU").i(0).str("future")
+	f.nil_().str("trailing")
+	_, evs, rank, err := DecodeVLLM(f.bytes())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rank != 0 || len(evs) != 2 || evs[0].Kind != BlockStored || evs[1].Kind != BlockRemoved || evs[1].Tier != TierHost {
+		t.Fatalf("rank %d %+v", rank, evs)
+	}
+}
+
+func TestDecodeVLLMRejectsGarbage(t *testing.T) {
+	bad := map[string][]byte{
+		"empty":          nil,
+		"not an array":   newFixture(t).i(5).bytes(),
+		"short batch":    newFixture(t).arr(1).fl(1).bytes(),
+		"truncated":      newFixture(t).arr(3).fl(1).arr(2).arr(1).str("AllBlocksCleared").bytes(),
+		"forged length":  {0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff},
+		"tokens/blocks":  newFixture(t).arr(2).fl(1).arr(1).arr(8).str("BlockStored").ints(1, 2).nil_().ints(toks(3, 0)...).i(2).nil_().str("GPU").nil_().bytes(),
+		"zero blocksize": newFixture(t).arr(2).fl(1).arr(1).arr(5).str("BlockStored").ints(1).nil_().ints().i(0).bytes(),
+		"neg token":      newFixture(t).arr(2).fl(1).arr(1).arr(5).str("BlockStored").ints(1).nil_().ints(-1).i(1).bytes(),
+		"big token":      newFixture(t).arr(2).fl(1).arr(1).arr(5).str("BlockStored").ints(1).nil_().ints(1 << 32).i(1).bytes(),
+		"bad medium":     newFixture(t).arr(2).fl(1).arr(1).arr(3).str("BlockRemoved").ints(1).str("TAPE").bytes(),
+		"nil hash":       newFixture(t).arr(2).fl(1).arr(1).arr(3).str("BlockRemoved").arr(1).nil_().str("GPU").bytes(),
+		"map no type":    newFixture(t).arr(2).fl(1).arr(1).mp(1).str("block_hashes").ints(1).bytes(),
+		"no hashes":      newFixture(t).arr(2).fl(1).arr(1).arr(1).str("BlockRemoved").bytes(),
+		"neg rank":       newFixture(t).arr(3).fl(1).arr(0).i(-1).bytes(),
+		"trailing bytes": append(newFixture(t).arr(2).fl(1).arr(0).bytes(), 0),
+		"string ts":      newFixture(t).arr(2).str("x").arr(0).bytes(),
+	}
+	for name, b := range bad {
+		if _, _, _, err := DecodeVLLM(b); err == nil {
+			t.Errorf("%s: decoded without error", name)
+		} else if !strings.HasPrefix(err.Error(), "vllm kv events: ") {
+			t.Errorf("%s: error %q lacks context", name, err)
+		}
+	}
+}
+
+// The encoder used by the simulated engine must produce what the decoder
+// (and vLLM's layout) expects, in both encodings.
+func TestAppendVLLMBatchRoundTrip(t *testing.T) {
+	in := []Event{
+		{Kind: BlockStored, EngineHashes: []uint64{1, 1 << 40, 1<<64 - 1}, Tokens: toks32(48, 7), BlockSize: 16, Tier: TierDevice},
+		{Kind: BlockStored, EngineHashes: []uint64{9}, HasParent: true, EngineParent: 1<<64 - 1, Tokens: toks32(16, 70000), BlockSize: 16, Tier: TierHost, LoRAName: strings.Repeat("a", 40)},
+		{Kind: BlockRemoved, EngineHashes: []uint64{1, 9}, Tier: TierHost},
+		{Kind: AllBlocksCleared},
+	}
+	for _, enc := range []VLLMEncoding{VLLMArrays, VLLMMaps} {
+		b := AppendVLLMBatch(nil, 3.5, in, 3, enc)
+		// The library's generic decoder must read it too.
+		var generic any
+		if err := msgpack.Unmarshal(b, &generic); err != nil {
+			t.Fatalf("enc %d: not valid msgpack: %v", enc, err)
+		}
+		ts, out, rank, err := DecodeVLLM(b)
+		if err != nil {
+			t.Fatalf("enc %d: %v", enc, err)
+		}
+		if ts != 3.5 || rank != 3 || !reflect.DeepEqual(out, in) {
+			t.Fatalf("enc %d: got %+v", enc, out)
+		}
+	}
+}
+
+// A reused decoder returns correct slices even when its arenas grow.
+func TestVLLMDecoderReuse(t *testing.T) {
+	var d VLLMDecoder
+	for n := 1; n < 200; n += 37 {
+		var in []Event
+		for i := 0; i < n; i++ {
+			in = append(in, Event{Kind: BlockStored, EngineHashes: []uint64{uint64(i), uint64(i + 1)}, Tokens: toks32(8, uint32(i)), BlockSize: 4})
+		}
+		_, out, _, err := d.Decode(AppendVLLMBatch(nil, 0, in, 0, VLLMArrays))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !reflect.DeepEqual(out, in) {
+			t.Fatalf("n=%d: mismatch", n)
+		}
+	}
+}
+
+func vllmBenchBatch(events, blocksPer int) []byte {
+	in := make([]Event, events)
+	for i := range in {
+		hs := make([]uint64, blocksPer)
+		for j := range hs {
+			hs[j] = uint64(i*blocksPer+j) * 0x9e3779b97f4a7c15
+		}
+		in[i] = Event{Kind: BlockStored, EngineHashes: hs, HasParent: i > 0, EngineParent: uint64(i), Tokens: toks32(blocksPer*16, uint32(i*1000)), BlockSize: 16}
+	}
+	return AppendVLLMBatch(nil, 1, in, 0, VLLMArrays)
+}
+
+// BenchmarkDecodeVLLM: 8 BlockStored events of 4 blocks (16 tokens each).
+func BenchmarkDecodeVLLM(b *testing.B) {
+	payload := vllmBenchBatch(8, 4)
+	var d VLLMDecoder
+	b.SetBytes(int64(len(payload)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, _, _, err := d.Decode(payload); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*32), "ns/block")
+}
+
+func FuzzDecodeVLLM(f *testing.F) {
+	// Seed corpus: testdata/fuzz/FuzzDecodeVLLM (both encodings, bytes
+	// hashes, the oldest layout, a forged length).
+	f.Add(vllmBenchBatch(2, 2))
+	var d VLLMDecoder
+	f.Fuzz(func(t *testing.T, b []byte) {
+		_, evs, rank, err := d.Decode(b)
+		if err != nil {
+			return
+		}
+		if rank < 0 {
+			t.Fatal("negative rank accepted")
+		}
+		for _, e := range evs {
+			switch e.Kind {
+			case BlockStored:
+				if e.BlockSize <= 0 || len(e.Tokens) != len(e.EngineHashes)*e.BlockSize {
+					t.Fatalf("inconsistent stored event %+v", e)
+				}
+			case BlockRemoved, AllBlocksCleared:
+			default:
+				t.Fatalf("kind %d", e.Kind)
+			}
+			if e.Tier >= NumTiers {
+				t.Fatal("bad tier")
+			}
+		}
+		// Whatever decodes must survive a round trip through the encoder.
+		again := AppendVLLMBatch(nil, 0, evs, rank, VLLMMaps)
+		var d2 VLLMDecoder
+		_, evs2, rank2, err := d2.Decode(again)
+		if err != nil || rank2 != rank || len(evs2) != len(evs) {
+			t.Fatalf("round trip: %v", err)
+		}
+	})
+}
