@@ -1,0 +1,490 @@
+package mockengine
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/kvproxy/kvproxy/kv"
+)
+
+// ModelConfig sizes a simulated engine core. Zero fields take the defaults of
+// DefaultModelConfig.
+type ModelConfig struct {
+	BlockSize           int // tokens per KV block
+	CacheBlocks         int // device KV capacity in blocks
+	MaxNumSeqs          int // running sequences per step at most
+	MaxNumBatchedTokens int // tokens computed per step at most (chunked prefill)
+	// RecordEvents keeps a list of cache events for DrainEvents.
+	RecordEvents bool
+}
+
+// DefaultModelConfig is vLLM's scheduler defaults with a cache sized like
+// Llama-3.1-8B on one H100 (about 480k tokens).
+func DefaultModelConfig() ModelConfig {
+	return ModelConfig{BlockSize: 16, CacheBlocks: 30000, MaxNumSeqs: 256, MaxNumBatchedTokens: 8192}
+}
+
+func (c ModelConfig) withDefaults() ModelConfig {
+	d := DefaultModelConfig()
+	if c.BlockSize <= 0 {
+		c.BlockSize = d.BlockSize
+	}
+	if c.CacheBlocks <= 0 {
+		c.CacheBlocks = d.CacheBlocks
+	}
+	if c.MaxNumSeqs <= 0 {
+		c.MaxNumSeqs = d.MaxNumSeqs
+	}
+	if c.MaxNumBatchedTokens <= 0 {
+		c.MaxNumBatchedTokens = d.MaxNumBatchedTokens
+	}
+	return c
+}
+
+// ErrTooLong is returned by Add for a sequence that could never fit the cache.
+var ErrTooLong = errors.New("mockengine: prompt plus max tokens exceed the KV cache")
+
+type seqState uint8
+
+const (
+	seqNew seqState = iota
+	seqWaiting
+	seqRunning
+	seqDone
+)
+
+// Seq is one request inside the Model. Set the exported fields, then Add it;
+// the Model owns it until it finishes or is aborted. Prompt and Output must
+// not change while the Model holds the Seq.
+type Seq struct {
+	ID     uint64
+	Prompt []uint32
+	// MaxTokens is exactly how many tokens the sequence generates (≥ 1); the
+	// caller decides where an EOS would fall.
+	MaxTokens int
+	// Output optionally gives the generated token ids (used to hash output
+	// blocks, which are cached as vLLM does); missing ids are synthesized
+	// deterministically from ID.
+	Output []uint32
+	// Salt is vLLM's cache_salt: folded into the hash of block 0, so
+	// different salts never share cached blocks.
+	Salt string
+
+	ns         kv.Namespace
+	hashes     []kv.BlockHash // engine hashes of every full block known
+	blocks     []int32        // cache slots held, one per started block
+	computed   int            // tokens whose KV is in the cache
+	generated  int            // output tokens produced
+	cached     int            // prompt tokens hit in the cache at first admission
+	prefillEnd int            // tokens to compute before decoding (set on admission)
+	sched      int            // tokens scheduled in the current step
+	state      seqState
+	admitted   bool
+}
+
+// Generated is how many output tokens the sequence has produced.
+func (s *Seq) Generated() int { return s.generated }
+
+// CachedTokens is how many prompt tokens came from the prefix cache when the
+// sequence was first scheduled (vLLM's num_cached_tokens).
+func (s *Seq) CachedTokens() int { return s.cached }
+
+// Finished reports whether the sequence has produced all its tokens.
+func (s *Seq) Finished() bool { return s.state == seqDone && s.generated >= s.MaxTokens }
+
+func (s *Seq) total() int { return len(s.Prompt) + s.generated }
+
+// StepResult reports one token produced by a step. Generated == 1 is the
+// first token (end of prefill).
+type StepResult struct {
+	Seq          *Seq
+	Generated    int  // output tokens so far, this one included
+	CachedTokens int  // prompt tokens served from the prefix cache
+	Finished     bool // this was the last token; the sequence left the Model
+}
+
+// Counters are the Model's cumulative prefix-cache figures, in tokens, as
+// vLLM counts them (one query per prompt token at admission).
+type Counters struct {
+	PrefixQueries uint64
+	PrefixHits    uint64
+	Preemptions   uint64
+}
+
+// Model is the deterministic engine core: prefix cache, continuous-batching
+// scheduler, step timing. It is not safe for concurrent use. Given the same
+// config and the same calls it produces the same results.
+type Model struct {
+	cfg      ModelConfig
+	cache    *blockCache
+	waiting  []*Seq
+	running  []*Seq
+	out      []StepResult
+	counters Counters
+
+	scratch []uint32       // one block of tokens spanning prompt and output
+	hbuf    []kv.BlockHash // one hash
+	events  eventLog
+}
+
+// NewModel builds a Model; zero config fields take defaults.
+func NewModel(cfg ModelConfig) *Model {
+	cfg = cfg.withDefaults()
+	return &Model{
+		cfg:     cfg,
+		cache:   newBlockCache(cfg.CacheBlocks),
+		scratch: make([]uint32, cfg.BlockSize),
+		hbuf:    make([]kv.BlockHash, 0, 1),
+		events:  eventLog{on: cfg.RecordEvents},
+	}
+}
+
+// Config returns the effective configuration.
+func (m *Model) Config() ModelConfig { return m.cfg }
+
+var engineNS = kv.NewNamespace("mockengine")
+
+// Add queues a sequence. It fails if the sequence is malformed or could never
+// fit in the cache.
+func (m *Model) Add(s *Seq) error {
+	if s.state != seqNew {
+		return fmt.Errorf("mockengine: sequence %d added twice", s.ID)
+	}
+	if len(s.Prompt) == 0 {
+		return errors.New("mockengine: empty prompt")
+	}
+	if s.MaxTokens < 1 {
+		return errors.New("mockengine: MaxTokens must be at least 1")
+	}
+	bs := m.cfg.BlockSize
+	if (len(s.Prompt)+s.MaxTokens+bs-1)/bs > m.cfg.CacheBlocks {
+		return ErrTooLong
+	}
+	s.ns = engineNS
+	if s.Salt != "" {
+		s.ns = kv.NewNamespace("mockengine", s.Salt)
+	}
+	s.hashes = kv.HashBlocks(s.hashes[:0], s.Prompt, bs, s.ns)
+	s.blocks = s.blocks[:0]
+	s.state = seqWaiting
+	m.waiting = append(m.waiting, s)
+	return nil
+}
+
+// Abort removes a waiting or running sequence, releasing its blocks (full
+// ones stay cached). It reports whether the Model held the sequence.
+func (m *Model) Abort(s *Seq) bool {
+	switch s.state {
+	case seqWaiting:
+		m.waiting = removeSeq(m.waiting, s)
+	case seqRunning:
+		m.running = removeSeq(m.running, s)
+		m.releaseAll(s)
+	default:
+		return false
+	}
+	s.state = seqDone
+	return true
+}
+
+func removeSeq(q []*Seq, s *Seq) []*Seq {
+	for i, x := range q {
+		if x == s {
+			copy(q[i:], q[i+1:])
+			q[len(q)-1] = nil
+			return q[:len(q)-1]
+		}
+	}
+	return q
+}
+
+// Running is the number of sequences in the running batch.
+func (m *Model) Running() int { return len(m.running) }
+
+// Waiting is the number of queued sequences (new and preempted).
+func (m *Model) Waiting() int { return len(m.waiting) }
+
+// Usage is the fraction of KV blocks held by running sequences (vLLM's
+// kv_cache_usage_perc, as a fraction).
+func (m *Model) Usage() float64 { return float64(m.cache.used) / float64(len(m.cache.blocks)) }
+
+// CachedBlocks is the number of blocks findable by a prefix hit.
+func (m *Model) CachedBlocks() int { return len(m.cache.index) }
+
+// Counters returns the cumulative prefix-cache counters.
+func (m *Model) Counters() Counters { return m.counters }
+
+// Idle reports whether no sequence is waiting or running.
+func (m *Model) Idle() bool { return len(m.waiting) == 0 && len(m.running) == 0 }
+
+// Step runs one scheduler iteration: running sequences first (each gets the
+// rest of its prefill chunk or one decode token, preempting the newest
+// running sequence when blocks run out), then waiting ones in order while
+// the token budget, MaxNumSeqs and free blocks allow. It returns how long the
+// step takes (StepTime) and the tokens it produced. The results slice is
+// reused by the next Step. An idle Model returns 0 and no results.
+func (m *Model) Step() (time.Duration, []StepResult) {
+	m.out = m.out[:0]
+	budget := m.cfg.MaxNumBatchedTokens
+	prefill, decodes := 0, 0
+	preempted := false
+
+	for i := 0; i < len(m.running); i++ {
+		s := m.running[i]
+		s.sched = 0
+		if budget == 0 {
+			continue
+		}
+		n := min(s.total()-s.computed, budget)
+		for !m.grow(s, s.computed+n) {
+			v := m.running[len(m.running)-1]
+			m.running = m.running[:len(m.running)-1]
+			m.preempt(v)
+			preempted = true
+			if v == s {
+				n = 0
+				break
+			}
+		}
+		if n == 0 {
+			break
+		}
+		s.sched = n
+		budget -= n
+		if s.computed < s.prefillEnd {
+			prefill += n
+		} else {
+			decodes++
+		}
+	}
+
+	// Like vLLM, admit nothing in a step that had to preempt.
+	for !preempted && budget > 0 && len(m.waiting) > 0 && len(m.running) < m.cfg.MaxNumSeqs {
+		s := m.waiting[0]
+		if !m.admit(s, budget) {
+			break
+		}
+		copy(m.waiting, m.waiting[1:])
+		m.waiting[len(m.waiting)-1] = nil
+		m.waiting = m.waiting[:len(m.waiting)-1]
+		m.running = append(m.running, s)
+		budget -= s.sched
+		prefill += s.sched
+	}
+
+	if prefill == 0 && decodes == 0 {
+		return 0, nil
+	}
+	dur := StepTime(prefill, decodes, m.Usage())
+
+	// Apply: advance every scheduled sequence, cache its newly full blocks,
+	// sample a token where the sequence caught up with itself.
+	bs := m.cfg.BlockSize
+	keep := m.running[:0]
+	for _, s := range m.running {
+		if s.sched == 0 {
+			keep = append(keep, s)
+			continue
+		}
+		old := s.computed
+		s.computed += s.sched
+		s.sched = 0
+		for i := old / bs; i < s.computed/bs; i++ {
+			m.fillBlock(s, i)
+		}
+		if s.computed < s.total() {
+			keep = append(keep, s)
+			continue
+		}
+		s.generated++
+		done := s.generated >= s.MaxTokens
+		m.out = append(m.out, StepResult{Seq: s, Generated: s.generated, CachedTokens: s.cached, Finished: done})
+		if done {
+			m.releaseAll(s)
+			s.state = seqDone
+			continue
+		}
+		keep = append(keep, s)
+	}
+	for i := len(keep); i < len(m.running); i++ {
+		m.running[i] = nil
+	}
+	m.running = keep
+	return dur, m.out
+}
+
+// grow makes s hold enough blocks for upto tokens, evicting cached blocks as
+// needed; it fails, changing nothing, if there are not enough.
+func (m *Model) grow(s *Seq, upto int) bool {
+	need := (upto+m.cfg.BlockSize-1)/m.cfg.BlockSize - len(s.blocks)
+	if need <= 0 {
+		return true
+	}
+	if need > m.cache.available() {
+		return false
+	}
+	for ; need > 0; need-- {
+		s.blocks = append(s.blocks, m.alloc())
+	}
+	return true
+}
+
+func (m *Model) alloc() int32 {
+	b, h, evicted := m.cache.alloc()
+	if evicted {
+		m.events.removed(h, kv.TierDevice)
+	}
+	return b
+}
+
+// admit schedules a waiting sequence for its first chunk: prefix lookup over
+// its full blocks (always leaving at least one token to compute), then blocks
+// for the chunk. It fails, changing nothing, when blocks are short.
+func (m *Model) admit(s *Seq, budget int) bool {
+	bs := m.cfg.BlockSize
+	total := s.total()
+	maxHit := min((total-1)/bs, len(s.hashes))
+	hits, inLRU := 0, 0
+	for hits < maxHit {
+		b, ok := m.cache.index[s.hashes[hits]]
+		if !ok {
+			break
+		}
+		if m.cache.blocks[b].ref == 0 {
+			inLRU++
+		}
+		hits++
+	}
+	n := min(total-hits*bs, budget)
+	need := (hits*bs+n+bs-1)/bs - hits
+	if need > m.cache.available()-inLRU {
+		return false
+	}
+	for i := 0; i < hits; i++ {
+		b := m.cache.index[s.hashes[i]]
+		m.cache.acquire(b)
+		s.blocks = append(s.blocks, b)
+	}
+	for ; need > 0; need-- {
+		s.blocks = append(s.blocks, m.alloc())
+	}
+	s.computed = hits * bs
+	s.prefillEnd = total
+	s.sched = n
+	s.state = seqRunning
+	m.counters.PrefixQueries += uint64(len(s.Prompt))
+	if !s.admitted {
+		s.admitted = true
+		s.cached = min(hits*bs, len(s.Prompt))
+		m.counters.PrefixHits += uint64(s.cached)
+	}
+	return true
+}
+
+// preempt sends a running sequence back to the front of the queue, releasing
+// its blocks; it will recompute (mostly from cache) when readmitted.
+func (m *Model) preempt(s *Seq) {
+	m.releaseAll(s)
+	s.computed = 0
+	s.sched = 0
+	s.state = seqWaiting
+	m.waiting = append(m.waiting, nil)
+	copy(m.waiting[1:], m.waiting)
+	m.waiting[0] = s
+	m.counters.Preemptions++
+}
+
+// releaseAll drops every block of s, tail first, so the tail of a finished
+// sequence is evicted before its (more shareable) head, as vLLM does.
+func (m *Model) releaseAll(s *Seq) {
+	for i := len(s.blocks) - 1; i >= 0; i-- {
+		m.cache.release(s.blocks[i])
+	}
+	s.blocks = s.blocks[:0]
+}
+
+// tokenAt is token p of the sequence: prompt, then output.
+func (s *Seq) tokenAt(p int) uint32 {
+	if p < len(s.Prompt) {
+		return s.Prompt[p]
+	}
+	j := p - len(s.Prompt)
+	if j < len(s.Output) {
+		return s.Output[j]
+	}
+	return synthToken(s.ID, j)
+}
+
+// synthToken is a deterministic output token id for sequences that bring no
+// Output: a mix of the sequence id and position, kept in a plain-text range.
+func synthToken(id uint64, j int) uint32 {
+	x := id*0x9E3779B97F4A7C15 + uint64(j)*0xBF58476D1CE4E5B9
+	x ^= x >> 31
+	x *= 0x94D049BB133111EB
+	x ^= x >> 29
+	return 1000 + uint32(x%50000)
+}
+
+// blockTokens returns the tokens of block i of s, viewing the prompt when the
+// block lies inside it.
+func (m *Model) blockTokens(s *Seq, i int) []uint32 {
+	bs := m.cfg.BlockSize
+	lo := i * bs
+	if lo+bs <= len(s.Prompt) {
+		return s.Prompt[lo : lo+bs]
+	}
+	for k := range m.scratch {
+		m.scratch[k] = s.tokenAt(lo + k)
+	}
+	return m.scratch
+}
+
+// fillBlock records that block i of s is now full: hashes it (engine and
+// router schemes) and registers it in the cache.
+func (m *Model) fillBlock(s *Seq, i int) {
+	b := s.blocks[i]
+	bl := &m.cache.blocks[b]
+	if bl.cached {
+		return // a prefix hit: already known
+	}
+	toks := m.blockTokens(s, i)
+	var parent, rparent kv.BlockHash
+	if i > 0 {
+		p := &m.cache.blocks[s.blocks[i-1]]
+		parent, rparent = p.hash, p.rhash
+	}
+	if i < len(s.hashes) {
+		bl.hash = s.hashes[i]
+	} else {
+		m.hbuf = kv.ContinueHashes(m.hbuf[:0], parent, i == 0, toks, m.cfg.BlockSize, s.ns)
+		bl.hash = m.hbuf[0]
+		s.hashes = append(s.hashes, bl.hash)
+	}
+	m.hbuf = kv.ContinueHashes(m.hbuf[:0], rparent, i == 0, toks, m.cfg.BlockSize, 0)
+	bl.rhash = m.hbuf[0]
+	if m.cache.register(b) {
+		m.events.stored(s, i, parent, bl.hash, toks, kv.TierDevice)
+	}
+}
+
+// ResidentBlock is one block findable in the engine's cache.
+type ResidentBlock struct {
+	// Hash is the router-scheme sequence hash of the block's prefix:
+	// kv.HashBlocks(tokens, BlockSize, 0), ignoring any cache salt.
+	Hash kv.BlockHash
+	// EngineHash is the engine's own (opaque) hash, as events carry it.
+	EngineHash kv.BlockHash
+	Tier       kv.Tier
+}
+
+// AppendResident appends every cached block, in slab order.
+func (m *Model) AppendResident(dst []ResidentBlock) []ResidentBlock {
+	for i := range m.cache.blocks {
+		bl := &m.cache.blocks[i]
+		if bl.cached {
+			dst = append(dst, ResidentBlock{Hash: bl.rhash, EngineHash: bl.hash, Tier: kv.TierDevice})
+		}
+	}
+	return dst
+}
