@@ -1,0 +1,214 @@
+package router
+
+import (
+	"math"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvproxy/kvproxy/kv"
+)
+
+// worker is one engine (or engine rank) as the router tracks it. Counters are
+// atomics so Select reads them without locks (advisory); they change only
+// under mu, together with the prompt-block reference counts.
+type worker struct {
+	id       WorkerID
+	name     string
+	instance uint64
+
+	available atomic.Bool
+	removed   atomic.Bool
+	approx    atomic.Bool
+
+	inflight atomic.Int64 // requests between Commit and Free
+	prefill  atomic.Int64 // predicted uncached prompt tokens not yet computed
+	active   atomic.Int64 // distinct prompt blocks of live requests + output blocks
+
+	mu   sync.Mutex
+	gen  uint64                 // bumped by reset; Actives of older generations are inert
+	refs map[kv.BlockHash]int32 // prompt blocks of live requests, reference-counted
+
+	cal calibrator
+
+	// Engine-reported load (SetEngineLoad).
+	engWaiting, engRunning atomic.Int64
+	engKVUsage             atomic.Uint64 // float64 bits; NaN = never set
+	avgUncached            atomic.Uint64 // float64 bits: EWMA of uncached tokens per request
+}
+
+func newWorker(id WorkerID, name string, cost *CostConfig) *worker {
+	w := &worker{id: id, name: name, instance: InstanceID(name), refs: make(map[kv.BlockHash]int32)}
+	w.available.Store(true)
+	w.approx.Store(true)
+	w.engKVUsage.Store(math.Float64bits(math.NaN()))
+	w.cal.init(cost)
+	return w
+}
+
+func (w *worker) coeffs() coeffs { return w.cal.coeffs() }
+
+func (w *worker) engUsage() float64 {
+	u := math.Float64frombits(w.engKVUsage.Load())
+	if math.IsNaN(u) {
+		return -1
+	}
+	return u
+}
+
+// engineQueue estimates queued prefill tokens from the engine's waiting
+// count: waiting requests × the mean uncached tokens of this worker's
+// requests (0 when the engine never reported).
+func (w *worker) engineQueue(blockSize int) int64 {
+	n := w.engWaiting.Load()
+	if n <= 0 {
+		return 0
+	}
+	avg := math.Float64frombits(w.avgUncached.Load())
+	if avg < float64(blockSize) {
+		avg = float64(blockSize)
+	}
+	return int64(float64(n) * avg)
+}
+
+// add registers a on w; false if w was removed.
+func (w *worker) add(a *Active) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.removed.Load() {
+		return false
+	}
+	a.queued = w.prefill.Load()
+	newBlocks := a.partial
+	for _, h := range a.hashes {
+		n := w.refs[h]
+		if n == 0 {
+			newBlocks++
+		}
+		w.refs[h] = n + 1
+	}
+	a.gen = w.gen
+	w.inflight.Add(1)
+	w.prefill.Add(a.prefill)
+	w.active.Add(newBlocks)
+	avg := math.Float64frombits(w.avgUncached.Load())
+	w.avgUncached.Store(math.Float64bits(avg + 0.1*(float64(a.uncached)-avg)))
+	return true
+}
+
+// reset zeroes every counter and makes all open Actives inert.
+func (w *worker) reset() {
+	w.mu.Lock()
+	w.gen++
+	w.inflight.Store(0)
+	w.prefill.Store(0)
+	w.active.Store(0)
+	clear(w.refs)
+	w.mu.Unlock()
+}
+
+func (w *worker) idle() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.inflight.Load() == 0 && w.prefill.Load() == 0 && w.active.Load() == 0 && len(w.refs) == 0
+}
+
+// Active is one in-flight request. All methods are safe for concurrent use;
+// after Free the others are no-ops, and Free's effect happens exactly once.
+type Active struct {
+	mu      sync.Mutex
+	w       *worker
+	gen     uint64
+	hashes  []kv.BlockHash
+	partial int64 // 1 if the prompt ends in a partial block
+	prefill int64 // uncached tokens still counted in w.prefill
+	out     int64 // output blocks counted in w.active
+	freed   bool
+
+	uncached int64   // predicted at Commit, for calibration; -1 once observed
+	queued   int64   // w's queued prefill tokens at Commit, for calibration
+	offsetMs float64 // the prediction's part not explained by uncached or queued tokens
+}
+
+// live locks a and w and reports whether a still acts on w's counters; the
+// caller unlocks both when it returns true, nothing otherwise.
+func (a *Active) live() bool {
+	a.mu.Lock()
+	if a.freed || a.w == nil {
+		a.mu.Unlock()
+		return false
+	}
+	a.w.mu.Lock()
+	if a.w.gen != a.gen {
+		a.w.mu.Unlock()
+		a.freed = true
+		a.mu.Unlock()
+		return false
+	}
+	return true
+}
+
+func (a *Active) unlock() {
+	a.w.mu.Unlock()
+	a.mu.Unlock()
+}
+
+// PrefillDone records the first token: the request's uncached prompt tokens
+// leave the worker's prefill queue.
+func (a *Active) PrefillDone() {
+	if !a.live() {
+		return
+	}
+	a.w.prefill.Add(-a.prefill)
+	a.prefill = 0
+	a.unlock()
+}
+
+// OutputBlock records block_size more output tokens: one more active block.
+func (a *Active) OutputBlock() {
+	if !a.live() {
+		return
+	}
+	a.out++
+	a.w.active.Add(1)
+	a.unlock()
+}
+
+// Free ends the request: every counter it raised goes back down. Idempotent.
+func (a *Active) Free() {
+	if !a.live() {
+		return
+	}
+	w := a.w
+	gone := a.partial + a.out
+	for _, h := range a.hashes {
+		n := w.refs[h] - 1
+		if n <= 0 {
+			delete(w.refs, h)
+			gone++
+		} else {
+			w.refs[h] = n
+		}
+	}
+	w.inflight.Add(-1)
+	w.prefill.Add(-a.prefill)
+	w.active.Add(-gone)
+	a.prefill, a.out, a.freed = 0, 0, true
+	a.hashes = nil
+	a.unlock()
+}
+
+// ObserveTTFT reports the request's measured time to first token; with
+// Config.Calibrate it refits the worker's cost coefficients. Only the first
+// observation of an Active counts; it is a no-op after Free.
+func (a *Active) ObserveTTFT(d time.Duration) {
+	a.mu.Lock()
+	if a.freed || a.w == nil || a.uncached < 0 {
+		a.mu.Unlock()
+		return
+	}
+	u, q, off, w := a.uncached, a.queued, a.offsetMs, a.w
+	a.uncached = -1
+	a.mu.Unlock()
+	w.cal.observe(float64(d)/float64(time.Millisecond)-off, float64(u), float64(q))
+}

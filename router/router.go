@@ -1,0 +1,506 @@
+package router
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvproxy/kvproxy/kv"
+	"github.com/zeebo/xxh3"
+)
+
+// WorkerID is a worker's dense index, assigned by the router. A name keeps
+// its WorkerID for the router's lifetime, across RemoveWorker and AddWorker.
+type WorkerID uint32
+
+var (
+	// ErrNoWorker: no worker is available.
+	ErrNoWorker = errors.New("router: no available worker")
+	// ErrWorkerUnavailable: the pinned worker is unknown, removed or unavailable.
+	ErrWorkerUnavailable = errors.New("router: pinned worker unavailable")
+)
+
+// Config configures a Router. Start from DefaultConfig.
+type Config struct {
+	Policy         string        // "kv" (default), "kv_dynamo", "round_robin", "least_load", "prefix_hash", "cache_aware"
+	BlockSize      int           // tokens per block, default kv.DefaultBlockSize
+	IndexTTL       time.Duration // approximate-mode entry lifetime, default 120s
+	MaxIndexBlocks int           // bound on resident (block, worker) entries, LRU pruned; default 4_000_000
+	Temperature    float64       // 0 = argmin; >0 softmax sampling over -cost/T (costs normalised to [0,1])
+	Seed           int64
+	Cost           CostConfig       // kv policy coefficients (ms)
+	Dynamo         DynamoConfig     // kv_dynamo
+	PrefixHash     PrefixHashConfig // prefix_hash
+	CacheAware     CacheAwareConfig // cache_aware
+	// Calibrate refits each worker's PrefillMsPerToken and QueueMsPerToken
+	// online from ObserveTTFT. DefaultConfig turns it on.
+	Calibrate bool
+	// Now is the clock of index TTLs (nil: time.Now).
+	Now func() time.Time
+}
+
+// DynamoConfig configures kv_dynamo.
+type DynamoConfig struct {
+	OverlapWeight float64 // weight of prefill blocks against decode blocks, default 1.0
+}
+
+// PrefixHashConfig configures prefix_hash (consistent hashing with bounded loads).
+type PrefixHashConfig struct {
+	VirtualNodes int     // ring points per worker, default 256
+	LoadBound    float64 // a worker takes a request while inflight+1 <= ceil(LoadBound × mean), default 1.25
+	PrefixBlocks int     // leading blocks hashed into the key, default 4
+}
+
+// DefaultConfig returns the defaults documented on Config's fields.
+func DefaultConfig() Config {
+	return Config{
+		Policy:         "kv",
+		BlockSize:      kv.DefaultBlockSize,
+		IndexTTL:       120 * time.Second,
+		MaxIndexBlocks: 4_000_000,
+		Cost:           DefaultCostConfig(),
+		Dynamo:         DynamoConfig{OverlapWeight: 1.0},
+		PrefixHash:     PrefixHashConfig{VirtualNodes: 256, LoadBound: 1.25, PrefixBlocks: 4},
+		CacheAware:     DefaultCacheAwareConfig(),
+		Calibrate:      true,
+	}
+}
+
+// Request is what the router needs to know about one request.
+type Request struct {
+	Hashes       []kv.BlockHash // prompt block hashes (full blocks only)
+	PromptTokens int            // all prompt tokens incl. the partial block
+	Pin          WorkerID       // used when Pinned
+	Pinned       bool
+	// CandidateBuf, if its capacity is at least the number of workers, is
+	// reused for Decision.Candidates instead of allocating.
+	CandidateBuf []Candidate
+}
+
+// Candidate is one available worker as the router saw it for a request.
+type Candidate struct {
+	Worker  WorkerID
+	Name    string
+	Overlap int                // leading prompt blocks the worker holds, any tier
+	Tiers   [kv.NumTiers]int32 // of those, how many at best in each tier
+	CostMs  float64            // predicted TTFT (kv cost model), whatever the policy
+	Score   float64            // the policy's own score, lower wins (= CostMs for kv)
+	// Load as read (advisory).
+	Inflight      int64
+	PrefillTokens int64
+	ActiveBlocks  int64
+}
+
+// Decision is the outcome of Select.
+type Decision struct {
+	Worker          WorkerID
+	Name            string
+	InstanceID      uint64
+	Overlap         int // blocks of the prompt the chosen worker holds (leading prefix)
+	Total           int // len(Hashes)
+	PredictedTTFTms float64
+	Candidates      []Candidate // every available worker, in WorkerID order
+}
+
+// WorkerStatus is an advisory snapshot of one worker.
+type WorkerStatus struct {
+	Name          string
+	ID            WorkerID
+	InstanceID    uint64
+	Available     bool
+	Removed       bool
+	Approximate   bool
+	Inflight      int64
+	PrefillTokens int64
+	ActiveBlocks  int64
+	IndexedBlocks int
+	// Cost coefficients in use (fitted when Config.Calibrate).
+	PrefillMsPerToken float64
+	QueueMsPerToken   float64
+	TTFTSamples       int64
+	// Engine-reported load (SetEngineLoad); EngineKVUsage < 0 when never set.
+	EngineWaiting, EngineRunning int64
+	EngineKVUsage                float64
+}
+
+// Router selects workers and tracks their load. Safe for concurrent use.
+type Router struct {
+	cfg    Config
+	policy Policy
+	index  *MemIndex
+
+	mu      sync.Mutex                // serialises Commit (and Route's Select+Commit)
+	wmu     sync.Mutex                // membership changes
+	workers atomic.Pointer[[]*worker] // copy-on-write, indexed by WorkerID
+	byName  sync.Map                  // string → WorkerID
+	byInst  sync.Map                  // uint64 → WorkerID
+	commits atomic.Uint64             // advanced by Commit only: tie-break epoch
+	version atomic.Uint64             // membership / availability changes
+	seed    uint64
+}
+
+// New validates cfg (zero fields take defaults) and returns a Router.
+func New(cfg Config) (*Router, error) {
+	def := DefaultConfig()
+	if cfg.Policy == "" {
+		cfg.Policy = def.Policy
+	}
+	if cfg.BlockSize == 0 {
+		cfg.BlockSize = def.BlockSize
+	}
+	if cfg.BlockSize < 0 {
+		return nil, fmt.Errorf("router: block size %d must be positive", cfg.BlockSize)
+	}
+	if cfg.IndexTTL == 0 {
+		cfg.IndexTTL = def.IndexTTL
+	}
+	if cfg.MaxIndexBlocks == 0 {
+		cfg.MaxIndexBlocks = def.MaxIndexBlocks
+	}
+	if cfg.IndexTTL < 0 || cfg.MaxIndexBlocks < 0 || cfg.Temperature < 0 {
+		return nil, fmt.Errorf("router: index_ttl, max_index_blocks and temperature must not be negative")
+	}
+	if cfg.Cost == (CostConfig{}) {
+		cfg.Cost = def.Cost
+	}
+	if err := cfg.Cost.validate(); err != nil {
+		return nil, err
+	}
+	mk, ok := policies[cfg.Policy]
+	if !ok {
+		return nil, fmt.Errorf("router: unknown policy %q (want one of %s)", cfg.Policy, PolicyNames())
+	}
+	r := &Router{cfg: cfg, seed: mix64(uint64(cfg.Seed) ^ 0x9e3779b97f4a7c15)}
+	r.index = NewMemIndex(MemIndexConfig{MaxEntries: cfg.MaxIndexBlocks, Now: cfg.Now})
+	p, err := mk(&r.cfg)
+	if err != nil {
+		return nil, fmt.Errorf("router: policy %s: %w", cfg.Policy, err)
+	}
+	r.policy = p
+	empty := []*worker{}
+	r.workers.Store(&empty)
+	return r, nil
+}
+
+// Config returns the effective configuration.
+func (r *Router) Config() Config { return r.cfg }
+
+// Index is the prefix index, for engine-event feeds (ttl 0) and inspection.
+func (r *Router) Index() Index { return r.index }
+
+// InstanceID is the stable numeric id of a worker name shown to clients
+// (53 bits of xxh3, so it survives JSON numbers in any language).
+func InstanceID(name string) uint64 {
+	return xxh3.HashString(name) & (1<<53 - 1)
+}
+
+// AddWorker registers a worker by name (its backend id) and returns its id.
+// It is idempotent; a removed worker comes back under the same id. New
+// workers are available and in approximate mode.
+func (r *Router) AddWorker(name string) WorkerID {
+	if id, ok := r.byName.Load(name); ok {
+		w := r.worker(id.(WorkerID))
+		if w.removed.Load() {
+			r.wmu.Lock()
+			w.removed.Store(false)
+			w.available.Store(true)
+			r.version.Add(1)
+			r.wmu.Unlock()
+		}
+		return w.id
+	}
+	r.wmu.Lock()
+	defer r.wmu.Unlock()
+	if id, ok := r.byName.Load(name); ok {
+		return id.(WorkerID)
+	}
+	old := *r.workers.Load()
+	w := newWorker(WorkerID(len(old)), name, &r.cfg.Cost)
+	w.cal.enabled.Store(r.cfg.Calibrate)
+	ws := make([]*worker, len(old)+1)
+	copy(ws, old)
+	ws[w.id] = w
+	r.workers.Store(&ws)
+	r.byName.Store(name, w.id)
+	r.byInst.Store(w.instance, w.id)
+	r.version.Add(1)
+	return w.id
+}
+
+// RemoveWorker makes a worker unselectable, drops its index entries and
+// zeroes its load; Actives still open on it become no-ops.
+func (r *Router) RemoveWorker(id WorkerID) {
+	w := r.worker(id)
+	if w == nil {
+		return
+	}
+	r.wmu.Lock()
+	w.removed.Store(true)
+	w.available.Store(false)
+	w.reset()
+	r.index.ClearWorker(id)
+	r.version.Add(1)
+	r.wmu.Unlock()
+}
+
+// SetAvailable marks a worker (un)available; unavailable workers are never
+// selected, and pinning one gives ErrWorkerUnavailable.
+func (r *Router) SetAvailable(id WorkerID, ok bool) {
+	w := r.worker(id)
+	if w == nil || w.removed.Load() {
+		return
+	}
+	if w.available.Swap(ok) != ok {
+		r.version.Add(1)
+	}
+}
+
+// SetApproximate chooses how a worker's index entries arise: approximate
+// workers (the default) get the prompt blocks of each Commit stored with
+// Config.IndexTTL; event-mode workers get entries only from engine events
+// applied through Index with ttl 0.
+func (r *Router) SetApproximate(id WorkerID, approx bool) {
+	if w := r.worker(id); w != nil {
+		w.approx.Store(approx)
+	}
+}
+
+// WorkerByName looks a worker up by name.
+func (r *Router) WorkerByName(name string) (WorkerID, bool) {
+	id, ok := r.byName.Load(name)
+	if !ok {
+		return 0, false
+	}
+	return id.(WorkerID), true
+}
+
+// WorkerByInstance looks a worker up by InstanceID.
+func (r *Router) WorkerByInstance(instanceID uint64) (WorkerID, bool) {
+	id, ok := r.byInst.Load(instanceID)
+	if !ok {
+		return 0, false
+	}
+	return id.(WorkerID), true
+}
+
+func (r *Router) worker(id WorkerID) *worker {
+	ws := *r.workers.Load()
+	if int(id) >= len(ws) {
+		return nil
+	}
+	return ws[id]
+}
+
+// Workers returns an advisory snapshot of every known worker, in id order.
+func (r *Router) Workers() []WorkerStatus {
+	ws := *r.workers.Load()
+	out := make([]WorkerStatus, len(ws))
+	for i, w := range ws {
+		co := w.coeffs()
+		out[i] = WorkerStatus{
+			Name: w.name, ID: w.id, InstanceID: w.instance,
+			Available: w.available.Load(), Removed: w.removed.Load(), Approximate: w.approx.Load(),
+			Inflight: w.inflight.Load(), PrefillTokens: w.prefill.Load(), ActiveBlocks: w.active.Load(),
+			IndexedBlocks:     r.index.WorkerBlocks(w.id),
+			PrefillMsPerToken: co.prefill, QueueMsPerToken: co.queue,
+			TTFTSamples:   w.cal.samples.Load(),
+			EngineWaiting: w.engWaiting.Load(), EngineRunning: w.engRunning.Load(),
+			EngineKVUsage: w.engUsage(),
+		}
+	}
+	return out
+}
+
+// Idle reports whether every load counter of every worker is zero (no
+// request in flight). End-to-end tests check it after each test.
+func (r *Router) Idle() bool {
+	for _, w := range *r.workers.Load() {
+		if !w.idle() {
+			return false
+		}
+	}
+	return true
+}
+
+// Select decides where req would go. It has no side effects: a dry run uses
+// it alone, and a Route of the same request with nothing changed in between
+// picks the same worker.
+func (r *Router) Select(req *Request) (Decision, error) {
+	return r.selectWorker(req)
+}
+
+// Commit registers req on d.Worker: load, approximate-mode index records,
+// policy state. The caller ends the returned Active with Free.
+func (r *Router) Commit(req *Request, d Decision) *Active {
+	r.mu.Lock()
+	a := r.commit(req, &d)
+	r.mu.Unlock()
+	return a
+}
+
+// Route is Select followed by Commit, atomic with respect to other Routes
+// and Commits.
+func (r *Router) Route(req *Request) (Decision, *Active, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	d, err := r.selectWorker(req)
+	if err != nil {
+		return d, nil, err
+	}
+	return d, r.commit(req, &d), nil
+}
+
+func (r *Router) selectWorker(req *Request) (Decision, error) {
+	ws := *r.workers.Load()
+	if req.Pinned {
+		if int(req.Pin) >= len(ws) || !ws[req.Pin].available.Load() {
+			return Decision{}, ErrWorkerUnavailable
+		}
+	}
+	sc := getScratch()
+	defer putScratch(sc)
+	sc.ov = r.index.Match(req.Hashes, sc.ov)
+	if cap(sc.pos) < len(ws) {
+		sc.pos = make([]int32, len(ws))
+		for i := range sc.pos {
+			sc.pos[i] = -1
+		}
+	}
+	pos := sc.pos[:len(ws)]
+	for i := range sc.ov {
+		if int(sc.ov[i].Worker) < len(pos) {
+			pos[sc.ov[i].Worker] = int32(i)
+		}
+	}
+	cands := req.CandidateBuf[:0]
+	if cap(cands) < len(ws) {
+		cands = make([]Candidate, 0, len(ws))
+	}
+	bs := r.cfg.BlockSize
+	for _, w := range ws {
+		if !w.available.Load() {
+			continue
+		}
+		c := Candidate{
+			Worker: w.id, Name: w.name,
+			Inflight: w.inflight.Load(), PrefillTokens: w.prefill.Load(), ActiveBlocks: w.active.Load(),
+		}
+		if p := pos[w.id]; p >= 0 {
+			o := &sc.ov[p]
+			c.Overlap, c.Tiers = int(o.Depth), o.Tiers
+			pos[w.id] = -1
+		}
+		co := w.coeffs()
+		c.CostMs = r.cfg.Cost.predict(co, &c, req.PromptTokens, bs, w.engineQueue(bs))
+		c.Score = c.CostMs
+		cands = append(cands, c)
+	}
+	for i := range sc.ov { // workers no longer listed
+		if int(sc.ov[i].Worker) < len(pos) {
+			pos[sc.ov[i].Worker] = -1
+		}
+	}
+	if len(cands) == 0 {
+		return Decision{}, ErrNoWorker
+	}
+	var k int
+	if req.Pinned {
+		k = sort.Search(len(cands), func(i int) bool { return cands[i].Worker >= req.Pin })
+		if k == len(cands) || cands[k].Worker != req.Pin {
+			return Decision{}, ErrWorkerUnavailable
+		}
+	} else {
+		s := Snapshot{Req: req, Cands: cands, BlockSize: bs, Seed: r.tieSeed(req), Version: r.version.Load(), Temperature: r.cfg.Temperature}
+		k = r.policy.Pick(&s)
+	}
+	c := &cands[k]
+	return Decision{
+		Worker: c.Worker, Name: c.Name, InstanceID: ws[c.Worker].instance,
+		Overlap: c.Overlap, Total: len(req.Hashes), PredictedTTFTms: c.CostMs,
+		Candidates: cands,
+	}, nil
+}
+
+// tieSeed is deterministic for a request until the next Commit.
+func (r *Router) tieSeed(req *Request) uint64 {
+	var h uint64
+	if len(req.Hashes) > 0 {
+		h = uint64(req.Hashes[0])
+	} else {
+		h = uint64(req.PromptTokens) * 0xbf58476d1ce4e5b9
+	}
+	return mix64(h ^ r.seed ^ mix64(r.commits.Load()))
+}
+
+func (r *Router) commit(req *Request, d *Decision) *Active {
+	w := r.worker(d.Worker)
+	if w == nil {
+		return &Active{freed: true}
+	}
+	bs := r.cfg.BlockSize
+	uncached := int64(req.PromptTokens - d.Overlap*bs)
+	if uncached < 0 {
+		uncached = 0
+	}
+	partial := int64(0)
+	if req.PromptTokens > len(req.Hashes)*bs {
+		partial = 1
+	}
+	a := &Active{w: w, partial: partial, prefill: uncached, uncached: uncached}
+	if k := sort.Search(len(d.Candidates), func(i int) bool { return d.Candidates[i].Worker >= d.Worker }); k < len(d.Candidates) && d.Candidates[k].Worker == d.Worker {
+		a.offsetMs = r.cfg.Cost.offset(&d.Candidates[k])
+	} else {
+		a.offsetMs = r.cfg.Cost.offset(&Candidate{ActiveBlocks: w.active.Load()})
+	}
+	a.hashes = append([]kv.BlockHash(nil), req.Hashes...)
+	if !w.add(a) {
+		a.freed = true // worker removed meanwhile
+		return a
+	}
+	if w.approx.Load() && len(req.Hashes) > 0 {
+		r.index.Store(w.id, req.Hashes, kv.TierDevice, r.cfg.IndexTTL)
+	}
+	r.policy.Commit(req, d)
+	r.commits.Add(1)
+	return a
+}
+
+// mix64 is splitmix64's finaliser.
+func mix64(x uint64) uint64 {
+	x ^= x >> 30
+	x *= 0xbf58476d1ce4e5b9
+	x ^= x >> 27
+	x *= 0x94d049bb133111eb
+	x ^= x >> 31
+	return x
+}
+
+type scratch struct {
+	ov  []Overlap
+	pos []int32 // WorkerID → index in ov, -1 elsewhere
+}
+
+var scratchPool = sync.Pool{New: func() any { return &scratch{ov: make([]Overlap, 0, 64)} }}
+
+func getScratch() *scratch  { return scratchPool.Get().(*scratch) }
+func putScratch(s *scratch) { scratchPool.Put(s) }
+
+// SetEngineLoad feeds the engine's own view of its load (scraped metrics):
+// waiting and running requests and KV-cache usage in [0, 1]. The cost model
+// then uses as the worker's queue the larger of the router's own queued
+// prefill tokens and waiting × the worker's mean uncached tokens per
+// request, which catches traffic the router did not send. running and
+// kvUsage are shown in Workers.
+func (r *Router) SetEngineLoad(id WorkerID, waiting, running int, kvUsage float64) {
+	w := r.worker(id)
+	if w == nil {
+		return
+	}
+	w.engWaiting.Store(int64(max(waiting, 0)))
+	w.engRunning.Store(int64(max(running, 0)))
+	w.engKVUsage.Store(math.Float64bits(kvUsage))
+}
