@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/url"
 	"os"
@@ -120,7 +121,7 @@ func Load(path string) (*Config, error) {
 
 // Parse is Load without the file.
 func Parse(b []byte) (*Config, error) {
-	expanded, err := ExpandEnv(b, os.LookupEnv)
+	expanded, err := expandScalars(b)
 	if err != nil {
 		return nil, err
 	}
@@ -128,7 +129,7 @@ func Parse(b []byte) (*Config, error) {
 	dec := yaml.NewDecoder(bytes.NewReader(expanded))
 	dec.KnownFields(true)
 	if err := dec.Decode(&c); err != nil {
-		if errors.Is(err, errEOF) || err.Error() == "EOF" {
+		if errors.Is(err, io.EOF) {
 			return nil, errors.New("empty config")
 		}
 		return nil, nameFields(expanded, err)
@@ -140,7 +141,43 @@ func Parse(b []byte) (*Config, error) {
 	return &c, nil
 }
 
-var errEOF = errors.New("EOF")
+// expandScalars expands ${ENV} references in YAML values only (never in
+// comments or keys) and returns the document re-encoded.
+func expandScalars(b []byte) ([]byte, error) {
+	var root yaml.Node
+	if err := yaml.Unmarshal(b, &root); err != nil {
+		return nil, err
+	}
+	if len(root.Content) == 0 {
+		return nil, errors.New("empty config")
+	}
+	var firstErr error
+	var walk func(n *yaml.Node)
+	walk = func(n *yaml.Node) {
+		if n.Kind == yaml.ScalarNode && strings.Contains(n.Value, "${") {
+			v, err := ExpandEnv([]byte(n.Value), os.LookupEnv)
+			if err != nil && firstErr == nil {
+				firstErr = fmt.Errorf("line %d: %w", n.Line, err)
+			}
+			n.Value = string(v)
+			if n.Tag == "!!str" && n.Style == 0 {
+				n.Tag = "" // let the expanded text resolve to its natural type
+			}
+		}
+		for i, c := range n.Content {
+			if n.Kind == yaml.MappingNode && i%2 == 0 {
+				continue // keys are not expanded
+			}
+			walk(c)
+		}
+	}
+	walk(&root)
+	if firstErr != nil {
+		return nil, firstErr
+	}
+	return yaml.Marshal(&root)
+}
+
 
 var lineRef = regexp.MustCompile(`line (\d+): `)
 

@@ -1,0 +1,151 @@
+package backends
+
+import (
+	"sync"
+	"time"
+
+	"github.com/valyala/fasthttp"
+)
+
+// ProbeConfig sets how engines are probed.
+type ProbeConfig struct {
+	Interval time.Duration // between probes of one engine
+	Timeout  time.Duration // per probe
+	Rise     int           // consecutive successes to become healthy
+	Fall     int           // consecutive failures to become unhealthy
+}
+
+// Prober actively checks engines' health endpoints and reports transitions.
+// A backend starts healthy (optimistic) so traffic flows before the first probe.
+type Prober struct {
+	cfg     ProbeConfig
+	client  *fasthttp.Client
+	mu      sync.Mutex
+	target  map[string]*probeTarget
+	stop    chan struct{}
+	wg      sync.WaitGroup
+	running bool // guarded by mu
+}
+
+type probeTarget struct {
+	url       string
+	onChange  func(healthy bool)
+	healthy   bool
+	successes int
+	failures  int
+	quit      chan struct{}
+}
+
+// NewProber makes a Prober; call Add for each engine, then Start.
+func NewProber(cfg ProbeConfig) *Prober {
+	if cfg.Interval <= 0 {
+		cfg.Interval = 2 * time.Second
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = time.Second
+	}
+	if cfg.Rise <= 0 {
+		cfg.Rise = 1
+	}
+	if cfg.Fall <= 0 {
+		cfg.Fall = 2
+	}
+	return &Prober{
+		cfg:    cfg,
+		client: &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: time.Minute},
+		target: map[string]*probeTarget{},
+		stop:   make(chan struct{}),
+	}
+}
+
+// Add registers an engine; onChange is called on every health transition.
+func (p *Prober) Add(id, url string, onChange func(healthy bool)) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	t := &probeTarget{url: url, onChange: onChange, healthy: true, quit: make(chan struct{})}
+	p.target[id] = t
+	if p.running {
+		p.run(t)
+	}
+}
+
+// Remove stops probing an engine.
+func (p *Prober) Remove(id string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if t, ok := p.target[id]; ok {
+		close(t.quit)
+		delete(p.target, id)
+	}
+}
+
+// Start begins probing every registered engine.
+func (p *Prober) Start() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.running {
+		return
+	}
+	p.running = true
+	for _, t := range p.target {
+		p.run(t)
+	}
+}
+
+func (p *Prober) run(t *probeTarget) {
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		tick := time.NewTicker(p.cfg.Interval)
+		defer tick.Stop()
+		for {
+			p.probe(t)
+			select {
+			case <-tick.C:
+			case <-t.quit:
+				return
+			case <-p.stop:
+				return
+			}
+		}
+	}()
+}
+
+func (p *Prober) probe(t *probeTarget) {
+	req := fasthttp.AcquireRequest()
+	resp := fasthttp.AcquireResponse()
+	defer fasthttp.ReleaseRequest(req)
+	defer fasthttp.ReleaseResponse(resp)
+	req.SetRequestURI(t.url)
+	err := p.client.DoTimeout(req, resp, p.cfg.Timeout)
+	ok := err == nil && resp.StatusCode() == fasthttp.StatusOK
+	if ok {
+		t.successes++
+		t.failures = 0
+	} else {
+		t.failures++
+		t.successes = 0
+	}
+	switch {
+	case !t.healthy && t.successes >= p.cfg.Rise:
+		t.healthy = true
+		t.onChange(true)
+	case t.healthy && t.failures >= p.cfg.Fall:
+		t.healthy = false
+		t.onChange(false)
+	case ok && t.successes == 1:
+		// A worker taken out by a failed request (not by probes) comes back
+		// on the next good probe.
+		t.onChange(true)
+	}
+}
+
+// Stop ends every probe loop and waits for them.
+func (p *Prober) Stop() {
+	select {
+	case <-p.stop:
+	default:
+		close(p.stop)
+	}
+	p.wg.Wait()
+}

@@ -1,0 +1,102 @@
+package proxy
+
+import (
+	"sort"
+	"time"
+
+	"github.com/goccy/go-json"
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvproxy/kvproxy/router"
+)
+
+type modelJSON struct {
+	ID      string `json:"id"`
+	Object  string `json:"object"`
+	Created int64  `json:"created"`
+	OwnedBy string `json:"owned_by"`
+	Root    string `json:"root,omitempty"`
+}
+
+var startTime = time.Now().Unix()
+
+func (s *Server) handleModels(ctx *fasthttp.RequestCtx) {
+	var data []modelJSON
+	for _, m := range s.cfg.Models {
+		data = append(data, modelJSON{ID: m.Name, Object: "model", Created: startTime, OwnedBy: "kvproxy"})
+		for _, a := range m.Aliases {
+			data = append(data, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Root: m.Name})
+		}
+	}
+	writeJSON(ctx, map[string]any{"object": "list", "data": data})
+}
+
+func (s *Server) handleHealth(ctx *fasthttp.RequestCtx) {
+	healthy := 0
+	for _, p := range s.pools {
+		for _, w := range p.rt.Workers() {
+			if w.Available {
+				healthy++
+			}
+		}
+	}
+	if healthy == 0 {
+		ctx.SetStatusCode(fasthttp.StatusServiceUnavailable)
+		writeJSON(ctx, map[string]any{"status": "unavailable", "healthy_backends": 0})
+		return
+	}
+	writeJSON(ctx, map[string]any{"status": "ok", "healthy_backends": healthy})
+}
+
+// backendJSON is one row of /admin/backends. Load figures are advisory
+// snapshots: a torn read between fields is possible and harmless.
+type backendJSON struct {
+	ID            string `json:"id"`
+	URL           string `json:"url"`
+	Model         string `json:"model"`
+	Kind          string `json:"kind"`
+	InstanceID    uint64 `json:"instance_id"`
+	Healthy       bool   `json:"healthy"`
+	Inflight      int64  `json:"inflight"`
+	PrefillTokens int64  `json:"prefill_tokens"`
+	ActiveBlocks  int64  `json:"active_blocks"`
+	IndexedBlocks int64  `json:"indexed_blocks"`
+}
+
+func (s *Server) backendRows() []backendJSON {
+	var rows []backendJSON
+	for _, p := range s.pools {
+		st := map[router.WorkerID]router.WorkerStatus{}
+		for _, w := range p.rt.Workers() {
+			st[w.ID] = w
+		}
+		for _, b := range p.byWorker {
+			if b == nil {
+				continue
+			}
+			w := st[b.worker]
+			rows = append(rows, backendJSON{
+				ID: b.cfg.ID, URL: b.cfg.URL, Model: b.cfg.Model, Kind: b.cfg.Kind,
+				InstanceID: w.InstanceID, Healthy: w.Available,
+				Inflight: int64(w.Inflight), PrefillTokens: int64(w.PrefillTokens),
+				ActiveBlocks: int64(w.ActiveBlocks), IndexedBlocks: int64(w.IndexedBlocks),
+			})
+		}
+	}
+	sort.Slice(rows, func(i, j int) bool { return rows[i].ID < rows[j].ID })
+	return rows
+}
+
+func (s *Server) handleAdminBackends(ctx *fasthttp.RequestCtx) {
+	writeJSON(ctx, s.backendRows())
+}
+
+func writeJSON(ctx *fasthttp.RequestCtx, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		writeError(ctx, fasthttp.StatusInternalServerError, "could not encode the answer", "server_error", "", "")
+		return
+	}
+	ctx.Response.Header.SetContentType("application/json")
+	ctx.SetBody(b)
+}

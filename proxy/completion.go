@@ -1,0 +1,332 @@
+package proxy
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strconv"
+	"time"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvproxy/kvproxy/backends"
+	"github.com/kvproxy/kvproxy/kv"
+	"github.com/kvproxy/kvproxy/router"
+)
+
+// maxConnectRetries is how many other workers a request may try when an
+// engine refuses the connection (it never saw the request).
+const maxConnectRetries = 2
+
+// exchange is one proxied request from routing to the end of its answer.
+type exchange struct {
+	s       *Server
+	id      string
+	model   string
+	chat    bool
+	stream  bool
+	start   time.Time
+	p       *modelPool
+	b       *backend
+	d       router.Decision
+	active  *router.Active
+	ab      *backends.Abort
+	stopped func()
+
+	status       int
+	ttft         time.Duration
+	outputTokens int
+	cachedTokens int
+	errMsg       string
+}
+
+func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, chat bool) {
+	start := time.Now()
+	rid := s.newRequestID()
+	ctx.Response.Header.Set("x-request-id", rid)
+	req, pe := parseRequest(ctx.PostBody(), chat)
+	if pe != nil {
+		badRequest(ctx, pe.param, pe.msg)
+		s.logRejected(rid, "", fasthttp.StatusBadRequest, start, pe.msg)
+		return
+	}
+	p := s.models[req.model]
+	if p == nil {
+		writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", req.model), "invalid_request_error", "model", "model_not_found")
+		s.logRejected(rid, req.model, fasthttp.StatusNotFound, start, "unknown model")
+		return
+	}
+
+	sc := s.getScratch()
+	defer s.putScratch(sc)
+	tokens := sc.tokens
+	switch {
+	case len(req.nv.TokenData) > 0:
+		tokens = req.nv.TokenData
+	case chat:
+		tokens = p.enc.EncodeChat(tokens[:0], req.messages, req.addGenPrompt)
+	case req.hasTokens:
+		tokens = req.promptTokens
+	default:
+		tokens = p.enc.EncodeText(tokens[:0], req.promptText)
+	}
+	if cap(tokens) > cap(sc.tokens) && len(req.nv.TokenData) == 0 && !req.hasTokens {
+		sc.tokens = tokens
+	}
+	sc.hashes = kv.HashBlocks(sc.hashes[:0], tokens, p.cfg.BlockSize, 0)
+	rr := router.Request{Hashes: sc.hashes, PromptTokens: len(tokens)}
+
+	if name, inst, isNum, ok := req.nv.pinned(); ok {
+		w, found := p.rt.WorkerByName(name)
+		if !found && isNum {
+			w, found = p.rt.WorkerByInstance(inst)
+		}
+		if !found {
+			badRequest(ctx, "nvext.backend_instance_id", fmt.Sprintf("no backend %s serves model %q", string(req.nv.BackendInstanceID), req.model))
+			s.logRejected(rid, req.model, fasthttp.StatusBadRequest, start, "unknown pinned backend")
+			return
+		}
+		rr.Pin, rr.Pinned = w, true
+	} else if len(req.nv.BackendInstanceID) > 0 && string(req.nv.BackendInstanceID) != "null" {
+		badRequest(ctx, "nvext.backend_instance_id", "backend_instance_id must be a backend id string or a numeric instance id")
+		return
+	}
+
+	if req.nv.has("query_instance_id") {
+		t0 := time.Now()
+		d, err := p.rt.Select(&rr)
+		s.metrics.route.Observe(time.Since(t0).Seconds())
+		if err != nil {
+			s.noWorker(ctx, rid, req.model, start, err)
+			return
+		}
+		s.writeDecision(ctx, req.stream, d, tokens)
+		s.log.Info().Str("request_id", rid).Str("model", req.model).Str("backend", d.Name).
+			Int("overlap_blocks", d.Overlap).Int("total_blocks", d.Total).Bool("dry_run", true).
+			Int("status", 200).Dur("duration", time.Since(start)).Msg("request")
+		return
+	}
+
+	x := &exchange{s: s, id: rid, model: req.model, chat: chat, stream: req.stream, start: start, p: p, cachedTokens: -1}
+	for attempt := 0; ; attempt++ {
+		t0 := time.Now()
+		d, active, err := p.rt.Route(&rr)
+		s.metrics.route.Observe(time.Since(t0).Seconds())
+		if err != nil {
+			s.noWorker(ctx, rid, req.model, start, err)
+			return
+		}
+		if d.Total > 0 {
+			s.metrics.hitRatio.Observe(float64(d.Overlap) / float64(d.Total))
+		}
+		x.d, x.active, x.b = d, active, p.byWorker[d.Worker]
+		body, err := req.forwardBody(x.b.cfg.ServedModel)
+		if err != nil {
+			active.Free()
+			writeError(ctx, fasthttp.StatusInternalServerError, "could not encode the request for the engine", "server_error", "", "")
+			return
+		}
+		retry := x.forward(ctx, body)
+		if !retry || attempt >= maxConnectRetries || rr.Pinned {
+			if retry {
+				x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+x.b.cfg.ID+" refused the connection")
+				x.finish()
+			}
+			return
+		}
+		// The engine never saw the request: mark it down until its health
+		// probe says otherwise, and try the next best worker.
+		p.rt.SetAvailable(x.b.worker, false)
+		s.log.Warn().Str("request_id", rid).Str("backend", x.b.cfg.ID).Msg("connect failed, rerouting")
+	}
+}
+
+func (s *Server) noWorker(ctx *fasthttp.RequestCtx, rid, model string, start time.Time, err error) {
+	if errors.Is(err, router.ErrWorkerUnavailable) {
+		unavailable(ctx, 1, "the pinned backend is not available")
+	} else {
+		unavailable(ctx, 1, "no healthy backend is available for model "+strconv.Quote(model))
+	}
+	s.logRejected(rid, model, fasthttp.StatusServiceUnavailable, start, err.Error())
+}
+
+// forward sends the request to the chosen engine and relays the answer. It
+// returns true, with the slot freed and nothing written, when the engine
+// could not be reached and another worker may be tried.
+func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte) (retry bool) {
+	s, b := x.s, x.b
+	path := "/v1/completions"
+	if x.chat {
+		path = "/v1/chat/completions"
+	}
+	fr := fasthttp.AcquireRequest()
+	defer fasthttp.ReleaseRequest(fr)
+	fr.Header.SetMethod(fasthttp.MethodPost)
+	fr.SetRequestURI(path)
+	fr.Header.SetHost(b.host)
+	fr.Header.SetContentType("application/json")
+	fr.Header.Set("X-Request-Id", x.id)
+	if x.stream {
+		fr.Header.Set("Accept", "text/event-stream")
+	}
+	fr.SetBodyRaw(body)
+
+	x.ab = &backends.Abort{}
+	ab, active := x.ab, x.active
+	x.stopped = s.watcher.Watch(ctx.Conn(), func() {
+		ab.Abort()
+		active.Free()
+	})
+	resp := fasthttp.AcquireResponse()
+	stream, err := b.up.Do(fr, resp, x.stream, x.ab)
+	if err != nil {
+		fasthttp.ReleaseResponse(resp)
+		var ce *backends.ConnectError
+		switch {
+		case errors.Is(err, backends.ErrAborted):
+			x.status = 499 // client closed the request
+			x.finish()
+		case errors.As(err, &ce):
+			x.stopWatch()
+			x.active.Free()
+			return true
+		default:
+			status := fasthttp.StatusBadGateway
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				status = fasthttp.StatusGatewayTimeout
+			}
+			x.failUpstream(ctx, status, "backend "+b.cfg.ID+" failed: "+err.Error())
+			x.finish()
+		}
+		return false
+	}
+
+	ctx.Response.Header.Set(WorkerHeader, b.cfg.ID)
+	code := resp.StatusCode()
+	if stream == nil || code != fasthttp.StatusOK {
+		if stream != nil {
+			// An engine error answer to a streaming request: read it whole.
+			var eb bytes.Buffer
+			_, rerr := eb.ReadFrom(io.LimitReader(stream, 1<<20))
+			stream.Close()
+			if rerr != nil {
+				x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" failed: "+rerr.Error())
+				fasthttp.ReleaseResponse(resp)
+				x.finish()
+				return false
+			}
+			resp.SetBodyRaw(eb.Bytes())
+			resp.StreamBody = false
+		}
+		x.relayWhole(ctx, resp)
+		fasthttp.ReleaseResponse(resp)
+		x.finish()
+		return false
+	}
+	ctx.SetStatusCode(fasthttp.StatusOK)
+	ctx.Response.Header.SetContentType("text/event-stream")
+	ctx.Response.Header.Set("Cache-Control", "no-cache")
+	ctx.Response.Header.Set("X-Accel-Buffering", "no")
+	x.status = fasthttp.StatusOK
+	rl := &relay{x: x, body: stream, resp: resp}
+	ctx.SetBodyStreamWriter(rl.run)
+	return false
+}
+
+// relayWhole passes a complete engine answer to the client.
+func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response) {
+	code := resp.StatusCode()
+	x.status = code
+	body := resp.Body()
+	if code == fasthttp.StatusOK {
+		x.active.PrefillDone()
+		x.cachedTokens = cachedTokens(body)
+	} else {
+		body = normalizeEngineError(code, body)
+		x.errMsg = "engine answered " + strconv.Itoa(code)
+	}
+	ctx.SetStatusCode(code)
+	ct := resp.Header.ContentType()
+	if code != fasthttp.StatusOK || len(ct) == 0 {
+		ct = []byte("application/json")
+	}
+	ctx.Response.Header.SetContentTypeBytes(ct)
+	ctx.SetBody(body)
+}
+
+func (x *exchange) failUpstream(ctx *fasthttp.RequestCtx, status int, msg string) {
+	x.status = status
+	x.errMsg = msg
+	typ := "upstream_error"
+	if status == fasthttp.StatusGatewayTimeout {
+		typ = "timeout_error"
+	}
+	writeError(ctx, status, msg, typ, "", "")
+}
+
+func (x *exchange) stopWatch() {
+	if x.stopped != nil {
+		x.stopped()
+		x.stopped = nil
+	}
+}
+
+// finish ends the exchange: stops watching the client, frees the slot
+// (idempotent), records metrics and writes the access log line.
+func (x *exchange) finish() {
+	x.stopWatch()
+	x.active.Free()
+	s := x.s
+	s.metrics.requests.WithLabelValues(x.b.cfg.ID, strconv.Itoa(x.status)).Inc()
+	ev := s.log.Info()
+	if x.status >= 500 {
+		ev = s.log.Warn()
+	}
+	ev = ev.Str("request_id", x.id).Str("model", x.model).Str("backend", x.b.cfg.ID).
+		Int("overlap_blocks", x.d.Overlap).Int("total_blocks", x.d.Total).
+		Bool("stream", x.stream).Int("status", x.status).
+		Dur("duration", time.Since(x.start))
+	if x.ttft > 0 {
+		ev = ev.Dur("ttft", x.ttft)
+	}
+	if x.outputTokens > 0 {
+		ev = ev.Int("output_tokens", x.outputTokens)
+	}
+	if x.cachedTokens >= 0 {
+		ev = ev.Int("cached_tokens", x.cachedTokens)
+	}
+	if x.errMsg != "" {
+		ev = ev.Str("error", x.errMsg)
+	}
+	ev.Msg("request")
+}
+
+func (s *Server) logRejected(rid, model string, status int, start time.Time, reason string) {
+	s.metrics.requests.WithLabelValues("", strconv.Itoa(status)).Inc()
+	s.log.Info().Str("request_id", rid).Str("model", model).Int("status", status).
+		Dur("duration", time.Since(start)).Str("error", reason).Msg("request")
+}
+
+var cachedKey = []byte(`"cached_tokens":`)
+
+// cachedTokens finds usage.prompt_tokens_details.cached_tokens in an engine
+// answer without decoding it; -1 when absent.
+func cachedTokens(b []byte) int {
+	i := bytes.LastIndex(b, cachedKey)
+	if i < 0 {
+		return -1
+	}
+	b = bytes.TrimLeft(b[i+len(cachedKey):], " ")
+	n, j := 0, 0
+	for j < len(b) && b[j] >= '0' && b[j] <= '9' {
+		n = n*10 + int(b[j]-'0')
+		j++
+	}
+	if j == 0 {
+		return -1
+	}
+	return n
+}

@@ -1,0 +1,66 @@
+package proxy
+
+import (
+	"strconv"
+
+	"github.com/goccy/go-json"
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvproxy/kvproxy/router"
+)
+
+type candidateJSON struct {
+	WorkerID      string  `json:"worker_id"`
+	InstanceID    uint64  `json:"instance_id"`
+	OverlapBlocks int     `json:"overlap_blocks"`
+	CostMs        float64 `json:"cost_ms"`
+}
+
+type decisionJSON struct {
+	WorkerID        string          `json:"worker_id"`
+	InstanceID      uint64          `json:"instance_id"`
+	OverlapBlocks   int             `json:"overlap_blocks"`
+	TotalBlocks     int             `json:"total_blocks"`
+	PredictedTTFTms float64         `json:"predicted_ttft_ms"`
+	TokenIDs        []uint32        `json:"token_ids"`
+	Candidates      []candidateJSON `json:"candidates"`
+}
+
+// writeDecision answers a dry-run (nvext.annotations: ["query_instance_id"]).
+// Streaming requests get Dynamo's SSE form: the instance id and the token
+// ids as annotated events (SSE comments), then [DONE].
+func (s *Server) writeDecision(ctx *fasthttp.RequestCtx, stream bool, d router.Decision, tokens []uint32) {
+	ctx.Response.Header.Set(WorkerHeader, d.Name)
+	if tokens == nil {
+		tokens = []uint32{}
+	}
+	if stream {
+		ctx.Response.Header.SetContentType("text/event-stream")
+		ctx.Response.Header.Set("Cache-Control", "no-cache")
+		b := make([]byte, 0, 64+len(tokens)*7)
+		b = append(b, "event: worker_instance_id\n: "...)
+		b = strconv.AppendQuote(b, strconv.FormatUint(d.InstanceID, 10))
+		b = append(b, "\n\nevent: token_data\n: "...)
+		tj, _ := json.Marshal(tokens)
+		b = append(b, tj...)
+		b = append(b, "\n\n"...)
+		b = append(b, doneEvent...)
+		ctx.SetBody(b)
+		return
+	}
+	out := decisionJSON{
+		WorkerID:        d.Name,
+		InstanceID:      d.InstanceID,
+		OverlapBlocks:   d.Overlap,
+		TotalBlocks:     d.Total,
+		PredictedTTFTms: d.PredictedTTFTms,
+		TokenIDs:        tokens,
+		Candidates:      make([]candidateJSON, len(d.Candidates)),
+	}
+	for i, c := range d.Candidates {
+		out.Candidates[i] = candidateJSON{WorkerID: c.Name, InstanceID: router.InstanceID(c.Name), OverlapBlocks: c.Overlap, CostMs: c.CostMs}
+	}
+	b, _ := json.Marshal(out)
+	ctx.Response.Header.SetContentType("application/json")
+	ctx.SetBody(b)
+}

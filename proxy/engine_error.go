@@ -1,0 +1,73 @@
+package proxy
+
+import (
+	"strconv"
+
+	"github.com/goccy/go-json"
+)
+
+// normalizeEngineError turns an engine's error answer into OpenAI's shape.
+// OpenAI-shaped bodies pass through; older vLLM's flat
+// {"object":"error","message","type","param","code"} and anything else
+// (plain text, HTML from a load balancer) are wrapped.
+func normalizeEngineError(status int, body []byte) []byte {
+	var probe struct {
+		Error   json.RawMessage `json:"error"`
+		Object  string          `json:"object"`
+		Message string          `json:"message"`
+		Type    string          `json:"type"`
+		Param   *string         `json:"param"`
+		Code    json.RawMessage `json:"code"`
+		Detail  json.RawMessage `json:"detail"`
+	}
+	if json.Unmarshal(body, &probe) == nil {
+		if len(probe.Error) > 0 && probe.Error[0] == '{' {
+			return body
+		}
+		if probe.Message != "" {
+			typ := probe.Type
+			if typ == "" {
+				typ = defaultErrorType(status)
+			}
+			param := ""
+			if probe.Param != nil {
+				param = *probe.Param
+			}
+			return errorJSON(probe.Message, typ, param, codeString(probe.Code))
+		}
+		if len(probe.Detail) > 0 {
+			return errorJSON("engine error: "+string(probe.Detail), defaultErrorType(status), "", "")
+		}
+	}
+	msg := string(body)
+	if len(msg) > 512 {
+		msg = msg[:512]
+	}
+	if msg == "" {
+		msg = "the engine answered with status " + strconv.Itoa(status)
+	}
+	return errorJSON(msg, defaultErrorType(status), "", "")
+}
+
+func codeString(raw json.RawMessage) string {
+	if len(raw) == 0 || string(raw) == "null" {
+		return ""
+	}
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return s
+	}
+	return string(raw)
+}
+
+func defaultErrorType(status int) string {
+	switch {
+	case status == 400 || status == 404 || status == 422:
+		return "invalid_request_error"
+	case status == 429:
+		return "rate_limit_error"
+	case status >= 500:
+		return "server_error"
+	}
+	return "upstream_error"
+}

@@ -1,0 +1,200 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"io"
+	"sync"
+	"time"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvproxy/kvproxy/backends"
+)
+
+// relay copies an engine's SSE stream to the client event by event, flushing
+// after each read that completed events, and drives the request lifecycle:
+// first event → PrefillDone; every block_size output tokens → OutputBlock;
+// end, error or client gone → Free (exactly once, in finish).
+//
+// It runs as fasthttp's body stream writer, after the handler returned: it
+// must not touch the RequestCtx.
+type relay struct {
+	x    *exchange
+	body *backends.Body
+	resp *fasthttp.Response
+
+	sawFirst bool
+	sawDone  bool
+	blocks   int
+}
+
+var relayBufs = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
+
+func (r *relay) run(w *bufio.Writer) {
+	x := r.x
+	bp := relayBufs.Get().(*[]byte)
+	buf := *bp
+	defer func() {
+		*bp = buf[:cap(buf)]
+		relayBufs.Put(bp)
+		r.body.Close()
+		fasthttp.ReleaseResponse(r.resp)
+		x.finish()
+	}()
+	start, end := 0, 0
+	for {
+		n, err := r.body.Read(buf[end:])
+		end += n
+		wrote := false
+		for {
+			i, sepLen := eventEnd(buf[start:end])
+			if i < 0 {
+				break
+			}
+			ev := buf[start : start+i+sepLen]
+			r.onEvent(ev[:i])
+			if _, werr := w.Write(ev); werr != nil {
+				r.clientGone()
+				return
+			}
+			wrote = true
+			start += i + sepLen
+		}
+		if wrote {
+			if ferr := w.Flush(); ferr != nil {
+				r.clientGone()
+				return
+			}
+		}
+		if start > 0 {
+			end = copy(buf, buf[start:end])
+			start = 0
+		}
+		if end == len(buf) {
+			// One event larger than the buffer: grow.
+			nb := make([]byte, 2*len(buf))
+			copy(nb, buf[:end])
+			buf = nb
+		}
+		if err == nil {
+			continue
+		}
+		if errors.Is(err, io.EOF) {
+			if end > 0 { // an unterminated last event
+				r.onEvent(buf[:end])
+				w.Write(buf[:end])
+				w.Write([]byte("\n\n"))
+			}
+			if !r.sawDone {
+				// An engine that closed without [DONE] (some do): end the
+				// stream the way OpenAI clients expect.
+				w.Write(doneEvent)
+			}
+			w.Flush()
+			return
+		}
+		if errors.Is(err, backends.ErrAborted) || x.ab.Aborted() {
+			x.status = 499
+			return
+		}
+		// The engine failed mid-stream: tell the client in OpenAI's shape
+		// and end the stream properly.
+		x.errMsg = "backend " + x.b.cfg.ID + " failed mid-stream: " + err.Error()
+		x.status = fasthttp.StatusBadGateway
+		w.Write([]byte("data: "))
+		w.Write(errorJSON("the backend serving this request failed mid-stream", "upstream_error", "", "backend_failed"))
+		w.Write([]byte("\n\n"))
+		w.Write(doneEvent)
+		w.Flush()
+		return
+	}
+}
+
+var doneEvent = []byte("data: [DONE]\n\n")
+
+func (r *relay) clientGone() {
+	r.x.ab.Abort()
+	r.x.status = 499
+}
+
+// eventEnd finds the blank line ending the first SSE event in b: the index
+// where it starts and its length, or -1.
+func eventEnd(b []byte) (int, int) {
+	i := bytes.Index(b, []byte("\n\n"))
+	j := bytes.Index(b, []byte("\r\n\r\n"))
+	switch {
+	case i < 0 && j < 0:
+		return -1, 0
+	case j >= 0 && (i < 0 || j < i):
+		return j, 4
+	default:
+		return i, 2
+	}
+}
+
+var (
+	dataPrefix   = []byte("data:")
+	doneData     = []byte("[DONE]")
+	contentKey   = []byte(`"content":"`)
+	textKey      = []byte(`"text":"`)
+	reasoningKey = []byte(`"reasoning_content":"`)
+	toolCallsKey = []byte(`"tool_calls":[`)
+)
+
+// onEvent inspects one event (without its terminating blank line).
+func (r *relay) onEvent(ev []byte) {
+	for len(ev) > 0 {
+		line := ev
+		if k := bytes.IndexByte(ev, '\n'); k >= 0 {
+			line, ev = ev[:k], ev[k+1:]
+		} else {
+			ev = nil
+		}
+		line = bytes.TrimSuffix(line, []byte("\r"))
+		if !bytes.HasPrefix(line, dataPrefix) {
+			continue
+		}
+		data := bytes.TrimLeft(line[len(dataPrefix):], " ")
+		if bytes.Equal(data, doneData) {
+			r.sawDone = true
+			continue
+		}
+		r.onData(data)
+	}
+}
+
+func (r *relay) onData(data []byte) {
+	x := r.x
+	if !r.sawFirst {
+		r.sawFirst = true
+		x.ttft = time.Since(x.start)
+		x.active.PrefillDone()
+		x.active.ObserveTTFT(x.ttft)
+		x.s.metrics.ttft.Observe(x.ttft.Seconds())
+	}
+	if carriesToken(data) {
+		x.outputTokens++
+		if bs := x.p.cfg.BlockSize; x.outputTokens/bs > r.blocks {
+			r.blocks++
+			x.active.OutputBlock()
+		}
+	}
+	if c := cachedTokens(data); c >= 0 {
+		x.cachedTokens = c
+	}
+}
+
+// carriesToken reports whether a chunk carries generated output. Engines
+// stream one token per chunk; role-only and usage-only chunks carry none.
+func carriesToken(data []byte) bool {
+	for _, key := range [...][]byte{contentKey, textKey, reasoningKey} {
+		if i := bytes.Index(data, key); i >= 0 {
+			if k := i + len(key); k < len(data) && data[k] != '"' {
+				return true
+			}
+		}
+	}
+	return bytes.Contains(data, toolCallsKey)
+}
