@@ -50,10 +50,14 @@ func (r *Report) WriteTable(w io.Writer) error {
 		fmt.Fprintf(tw, "%s\t%.1f\t%.1f\t%.1f\t%.2f\t%.0f\t%.0f\t%.3f\t%d\t\n",
 			x.Policy, x.TTFTP50, x.TTFTP90, x.TTFTP99, x.ITLP50, x.E2EP50, x.ThroughputTokS, x.HitRate, x.Errors)
 	}
-	if r.CeilingHitRate != nil {
-		fmt.Fprintf(tw, "ceiling (one LRU of fleet capacity)\t\t\t\t\t\t\t%.3f\t\t\n", *r.CeilingHitRate)
+	if err := tw.Flush(); err != nil {
+		return err
 	}
-	return tw.Flush()
+	if r.CeilingHitRate != nil {
+		_, err := fmt.Fprintf(w, "hit-rate ceiling (one LRU cache of the whole fleet's capacity): %.3f\n", *r.CeilingHitRate)
+		return err
+	}
+	return nil
 }
 
 // Recorder accumulates per-request measurements into a Result. It is not

@@ -1,0 +1,371 @@
+package bench
+
+import (
+	"errors"
+	"fmt"
+	"runtime"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/kvproxy/kvproxy/kv"
+	"github.com/kvproxy/kvproxy/mockengine"
+	"github.com/kvproxy/kvproxy/router"
+)
+
+// PolicyKVFixed is the simulator's name for the kv policy with calibration
+// off (fixed cost coefficients), for comparing the two in one run.
+const PolicyKVFixed = "kv_fixed"
+
+// SimConfig is the simulated fleet. Zero fields take DefaultSimConfig's values.
+type SimConfig struct {
+	Engines     int
+	CacheBlocks int // KV blocks per engine
+	BlockSize   int
+	// Speed is each engine's speed factor (1 = the fitted step times, 0.5 =
+	// steps take twice as long); missing entries are 1.
+	Speed []float64
+	// Approximate runs the router without engine KV events: it indexes its
+	// own decisions with a TTL. By default engines' cache events feed the
+	// router's index, as vLLM's ZMQ feed does.
+	Approximate bool
+	// NoCalibrate turns off the kv policy's online refit of its coefficients.
+	NoCalibrate bool
+	// Seed seeds token synthesis and the router's tie-breaking.
+	Seed uint64
+	// MaxNumSeqs and MaxNumBatchedTokens are the engines' scheduler limits
+	// (0: mockengine's defaults, vLLM's).
+	MaxNumSeqs          int
+	MaxNumBatchedTokens int
+	// Scrape, when positive, feeds every engine's waiting and running
+	// requests and KV usage to the router at this interval, as the proxy's
+	// /metrics scrape does.
+	Scrape time.Duration
+}
+
+// DefaultSimConfig is the reference fleet: 8 engines sized like
+// Llama-3.1-8B on an H100 (30,000 blocks of 16 tokens ≈ 480k tokens each).
+func DefaultSimConfig() SimConfig {
+	d := mockengine.DefaultModelConfig()
+	return SimConfig{Engines: 8, CacheBlocks: d.CacheBlocks, BlockSize: d.BlockSize, Seed: 1}
+}
+
+func (c SimConfig) withDefaults() SimConfig {
+	d := DefaultSimConfig()
+	if c.Engines <= 0 {
+		c.Engines = d.Engines
+	}
+	if c.CacheBlocks <= 0 {
+		c.CacheBlocks = d.CacheBlocks
+	}
+	if c.BlockSize <= 0 {
+		c.BlockSize = d.BlockSize
+	}
+	return c
+}
+
+// HeteroSpeeds returns speeds for n engines where the second half runs at
+// slow (e.g. 0.5: half the engines at half speed).
+func HeteroSpeeds(n int, slow float64) []float64 {
+	s := make([]float64, n)
+	for i := range s {
+		s[i] = 1
+		if i >= n-n/2 {
+			s[i] = slow
+		}
+	}
+	return s
+}
+
+// SimPolicies lists the policies the simulator runs by default: every
+// router policy.
+func SimPolicies() []string { return strings.Split(router.PolicyNames(), ", ") }
+
+// SimulateAll runs one simulation per policy, in parallel on up to
+// GOMAXPROCS cores, and returns the results in policy order.
+func SimulateAll(w *Workload, cfg SimConfig, policies []string) ([]Result, error) {
+	results := make([]Result, len(policies))
+	errs := make([]error, len(policies))
+	sem := make(chan struct{}, runtime.GOMAXPROCS(0))
+	var wg sync.WaitGroup
+	for i, p := range policies {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			results[i], errs[i] = Simulate(w, cfg, p)
+		})
+	}
+	wg.Wait()
+	return results, errors.Join(errs...)
+}
+
+// Simulate runs the workload through a simulated fleet on a virtual clock,
+// with the real router (policy) making every decision. The same workload,
+// config and policy always give the same result.
+func Simulate(w *Workload, cfg SimConfig, policy string) (Result, error) {
+	s, err := newSim(cfg, policy)
+	if err != nil {
+		return Result{}, err
+	}
+	s.run(w)
+	if !s.rt.Idle() {
+		return Result{}, fmt.Errorf("sim %s: router load counters not zero after the run", policy)
+	}
+	return s.rec.Result(policy), nil
+}
+
+var simEpoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+
+type sim struct {
+	cfg     SimConfig
+	syn     Synth
+	rt      *router.Router
+	engines []*simEngine
+	now     time.Duration
+	rec     Recorder
+	reqs    []*simReq // by request index while in flight
+	tokPool [][]uint32
+	hashes  []kv.BlockHash
+	cands   []router.Candidate
+}
+
+type simEngine struct {
+	id     router.WorkerID
+	model  *mockengine.Model
+	slow   float64 // step time multiplier
+	busy   bool
+	end    time.Duration // when the running step ends
+	out    []mockengine.StepResult
+	events []kv.Event
+	mapper eventMapper
+}
+
+type simReq struct {
+	seq     mockengine.Seq
+	act     *router.Active
+	arrival time.Duration
+	last    time.Duration
+	ttft    time.Duration
+}
+
+func newSim(cfg SimConfig, policy string) (*sim, error) {
+	cfg = cfg.withDefaults()
+	rc := router.DefaultConfig()
+	rc.Policy = policy
+	if policy == PolicyKVFixed {
+		rc.Policy = "kv"
+		cfg.NoCalibrate = true
+	}
+	rc.BlockSize = cfg.BlockSize
+	rc.Calibrate = !cfg.NoCalibrate
+	rc.Seed = int64(cfg.Seed)
+	s := &sim{cfg: cfg, syn: Synth{Seed: cfg.Seed}}
+	rc.Now = func() time.Time { return simEpoch.Add(s.now) }
+	rt, err := router.New(rc)
+	if err != nil {
+		return nil, err
+	}
+	s.rt = rt
+	for i := 0; i < cfg.Engines; i++ {
+		e := &simEngine{
+			id: rt.AddWorker(fmt.Sprintf("engine-%d", i)),
+			model: mockengine.NewModel(mockengine.ModelConfig{
+				BlockSize:           cfg.BlockSize,
+				CacheBlocks:         cfg.CacheBlocks,
+				MaxNumSeqs:          cfg.MaxNumSeqs,
+				MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
+				RecordEvents:        !cfg.Approximate,
+			}),
+			slow:   1,
+			mapper: eventMapper{m: make(map[uint64]kv.BlockHash)},
+		}
+		if i < len(cfg.Speed) && cfg.Speed[i] > 0 {
+			e.slow = 1 / cfg.Speed[i]
+		}
+		rt.SetApproximate(e.id, cfg.Approximate)
+		s.engines = append(s.engines, e)
+	}
+	s.cands = make([]router.Candidate, 0, cfg.Engines)
+	return s, nil
+}
+
+// run is the event loop: request arrivals and engine step ends, in time
+// order; at equal times step ends come first, engines in index order.
+func (s *sim) run(w *Workload) {
+	s.reqs = make([]*simReq, len(w.Requests))
+	next := 0
+	nextScrape := s.cfg.Scrape
+	for {
+		e := -1
+		for i, en := range s.engines {
+			if en.busy && (e < 0 || en.end < s.engines[e].end) {
+				e = i
+			}
+		}
+		if s.cfg.Scrape > 0 && (next < len(w.Requests) || e >= 0) &&
+			(next >= len(w.Requests) || nextScrape <= w.Requests[next].Arrival) &&
+			(e < 0 || nextScrape <= s.engines[e].end) {
+			s.now = max(s.now, nextScrape)
+			for _, en := range s.engines {
+				s.rt.SetEngineLoad(en.id, en.model.Waiting(), en.model.Running(), en.model.Usage())
+			}
+			nextScrape += s.cfg.Scrape
+			continue
+		}
+		if next < len(w.Requests) && (e < 0 || w.Requests[next].Arrival < s.engines[e].end) {
+			s.now = max(s.now, w.Requests[next].Arrival)
+			s.arrive(next, &w.Requests[next])
+			next++
+			continue
+		}
+		if e < 0 {
+			return
+		}
+		s.now = s.engines[e].end
+		s.finishStep(s.engines[e])
+		s.startStep(s.engines[e])
+	}
+}
+
+func (s *sim) arrive(i int, r *Request) {
+	var tok []uint32
+	if n := len(s.tokPool); n > 0 {
+		tok, s.tokPool = s.tokPool[n-1][:0], s.tokPool[:n-1]
+	}
+	tok = s.syn.Tokens(tok, r)
+	s.hashes = kv.HashBlocks(s.hashes[:0], tok, s.cfg.BlockSize, 0)
+	req := router.Request{Hashes: s.hashes, PromptTokens: len(tok), CandidateBuf: s.cands}
+	d, act, err := s.rt.Route(&req)
+	if err != nil {
+		s.tokPool = append(s.tokPool, tok)
+		s.rec.Error(r.Arrival, s.now)
+		return
+	}
+	sr := &simReq{act: act, arrival: s.now}
+	sr.seq = mockengine.Seq{ID: uint64(i), Prompt: tok, MaxTokens: max(r.OutputLen, 1)}
+	en := s.engineOf(d.Worker)
+	if err := en.model.Add(&sr.seq); err != nil {
+		act.Free()
+		s.tokPool = append(s.tokPool, tok)
+		s.rec.Error(r.Arrival, s.now)
+		return
+	}
+	s.reqs[i] = sr
+	if !en.busy {
+		s.startStep(en)
+	}
+}
+
+func (s *sim) engineOf(id router.WorkerID) *simEngine {
+	for _, e := range s.engines {
+		if e.id == id {
+			return e
+		}
+	}
+	panic("sim: router chose an unknown worker")
+}
+
+// startStep runs the engine's next step now; its results become visible
+// when the step ends.
+func (s *sim) startStep(e *simEngine) {
+	d, out := e.model.Step()
+	if d == 0 && len(out) == 0 {
+		e.busy = false
+		return
+	}
+	e.busy = true
+	e.end = s.now + time.Duration(float64(d)*e.slow)
+	e.out = out
+	if !s.cfg.Approximate {
+		e.events = e.model.DrainEvents(e.events[:0])
+	}
+}
+
+// finishStep delivers a finished step: tokens to their requests and the
+// router's load tracking, cache events to the router's index.
+func (s *sim) finishStep(e *simEngine) {
+	bs := s.cfg.BlockSize
+	for _, res := range e.out {
+		id := int(res.Seq.ID)
+		sr := s.reqs[id]
+		if res.Generated == 1 {
+			sr.ttft = s.now - sr.arrival
+			sr.act.PrefillDone()
+			sr.act.ObserveTTFT(sr.ttft)
+		} else {
+			s.rec.ITL(s.now-sr.last, 1)
+		}
+		sr.last = s.now
+		if res.Generated%bs == 0 {
+			sr.act.OutputBlock()
+		}
+		if res.Finished {
+			sr.act.Free()
+			s.rec.Request(sr.arrival, s.now, sr.ttft, len(sr.seq.Prompt), res.CachedTokens, res.Generated)
+			s.tokPool = append(s.tokPool, sr.seq.Prompt)
+			s.reqs[id] = nil
+		}
+	}
+	e.out = nil
+	for i := range e.events {
+		e.mapper.apply(s.rt.Index(), e.id, &e.events[i])
+	}
+	clear(e.events)
+	e.events = e.events[:0]
+}
+
+// eventMapper turns one engine's cache events into router index updates,
+// re-hashing stored blocks from their tokens and remembering engine hash →
+// router hash for removals, as the backends' event feed does.
+type eventMapper struct {
+	m   map[uint64]kv.BlockHash
+	buf []kv.BlockHash
+}
+
+func (em *eventMapper) apply(ix router.Index, w router.WorkerID, ev *kv.Event) {
+	switch ev.Kind {
+	case kv.BlockStored:
+		var parent kv.BlockHash
+		if ev.HasParent {
+			p, ok := em.m[ev.EngineParent]
+			if !ok {
+				return // parent unknown: the chain cannot be re-hashed
+			}
+			parent = p
+		}
+		em.buf = kv.ContinueHashes(em.buf[:0], parent, !ev.HasParent, ev.Tokens, ev.BlockSize, 0)
+		for i, h := range em.buf {
+			if i < len(ev.EngineHashes) {
+				em.m[ev.EngineHashes[i]] = h
+			}
+		}
+		ix.Store(w, em.buf, ev.Tier, 0)
+	case kv.BlockRemoved:
+		em.buf = em.buf[:0]
+		for _, eh := range ev.EngineHashes {
+			if h, ok := em.m[eh]; ok {
+				em.buf = append(em.buf, h)
+				delete(em.m, eh)
+			}
+		}
+		ix.Remove(w, em.buf, ev.Tier)
+	case kv.AllBlocksCleared:
+		ix.ClearWorker(w)
+		clear(em.m)
+	}
+}
+
+// ParsePolicies splits a comma-separated policy list; "all" or "" is every
+// router policy.
+func ParsePolicies(s string) []string {
+	if s == "" || s == "all" {
+		return SimPolicies()
+	}
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}

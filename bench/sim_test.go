@@ -1,0 +1,160 @@
+package bench
+
+import (
+	"bytes"
+	"image/png"
+	"os"
+	"path/filepath"
+	"reflect"
+	"testing"
+	"time"
+)
+
+// smallChat is a multi-turn workload small enough for unit tests but with
+// real prefix reuse (shared system prompts, growing conversations).
+func smallChat() *Workload {
+	c := DefaultMultiTurn()
+	c.Conversations = 40
+	c.SystemPrompts = 3
+	c.SystemLen = 600
+	c.UserLen = 120
+	c.OutputLen = 40
+	c.Rate = 4
+	c.Think = 3 * time.Second
+	return GenerateMultiTurn(c)
+}
+
+func smallFleet() SimConfig {
+	return SimConfig{Engines: 4, CacheBlocks: 2000, BlockSize: 16, Seed: 3}
+}
+
+func TestSimSameSeedSameNumbers(t *testing.T) {
+	w := smallChat()
+	pols := []string{"kv", "round_robin", "cache_aware"}
+	a, err := SimulateAll(w, smallFleet(), pols)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := SimulateAll(w, smallFleet(), pols)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(a, b) {
+		t.Fatalf("two runs with the same seed differ:\n%+v\n%+v", a, b)
+	}
+	for _, r := range a {
+		if r.Errors != 0 || len(r.TTFTs) != len(w.Requests) {
+			t.Fatalf("%s: %d errors, %d of %d requests finished", r.Policy, r.Errors, len(r.TTFTs), len(w.Requests))
+		}
+		if r.TTFTP50 <= 0 || r.ITLP50 <= 0 || r.E2EP50 < r.TTFTP50 || r.ThroughputTokS <= 0 {
+			t.Fatalf("%s: implausible result %+v", r.Policy, r)
+		}
+	}
+}
+
+func TestSimKVPolicyFindsPrefixes(t *testing.T) {
+	w := smallChat()
+	ceiling := CeilingHitRate(w, Synth{Seed: 3}, 16, 4*2000)
+	res, err := SimulateAll(w, smallFleet(), []string{"kv", "round_robin"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kv, rr := res[0], res[1]
+	t.Logf("ceiling %.3f kv %.3f round_robin %.3f", ceiling, kv.HitRate, rr.HitRate)
+	if kv.HitRate <= rr.HitRate {
+		t.Fatalf("kv hit rate %.3f not above round_robin's %.3f on a reuse-heavy workload", kv.HitRate, rr.HitRate)
+	}
+	if kv.HitRate > ceiling+1e-9 {
+		t.Fatalf("kv hit rate %.3f above the one-cache ceiling %.3f", kv.HitRate, ceiling)
+	}
+}
+
+func TestSimApproximateModeAndHetero(t *testing.T) {
+	w := smallChat()
+	cfg := smallFleet()
+	cfg.Approximate = true
+	cfg.Speed = HeteroSpeeds(cfg.Engines, 0.5)
+	cfg.Scrape = 500 * time.Millisecond
+	if cfg.Speed[0] != 1 || cfg.Speed[3] != 0.5 {
+		t.Fatalf("speeds %v", cfg.Speed)
+	}
+	res, err := SimulateAll(w, cfg, []string{"kv", PolicyKVFixed})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range res {
+		if r.Errors != 0 || len(r.TTFTs) != len(w.Requests) || r.HitRate <= 0 {
+			t.Fatalf("%s: %+v", r.Policy, r)
+		}
+	}
+}
+
+func TestSimSlowerFleetIsSlower(t *testing.T) {
+	w := smallChat()
+	fast, err := Simulate(w, smallFleet(), "round_robin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := smallFleet()
+	cfg.Speed = []float64{0.5, 0.5, 0.5, 0.5}
+	slow, err := Simulate(w, cfg, "round_robin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if slow.ITLP50 < 1.9*fast.ITLP50 || slow.TTFTP50 <= fast.TTFTP50 {
+		t.Fatalf("half-speed engines: itl %.2f vs %.2f ms, ttft %.1f vs %.1f ms", slow.ITLP50, fast.ITLP50, slow.TTFTP50, fast.TTFTP50)
+	}
+}
+
+func TestSimUnknownPolicy(t *testing.T) {
+	if _, err := Simulate(smallChat(), smallFleet(), "no_such_policy"); err == nil {
+		t.Fatal("unknown policy accepted")
+	}
+}
+
+func TestWriteCharts(t *testing.T) {
+	res, err := SimulateAll(smallChat(), smallFleet(), []string{"kv", "least_load"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := 0.5
+	dir := t.TempDir()
+	if err := WriteCharts(dir, "small", &Report{Results: res, CeilingHitRate: &c}); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{"small-ttft-cdf.png", "small-hit-rate.png"} {
+		b, err := os.ReadFile(filepath.Join(dir, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		img, err := png.Decode(bytes.NewReader(b))
+		if err != nil {
+			t.Fatalf("%s: %v", f, err)
+		}
+		if img.Bounds().Dx() != chartW {
+			t.Fatalf("%s: width %d", f, img.Bounds().Dx())
+		}
+	}
+}
+
+func BenchmarkSynthTokens(b *testing.B) {
+	r := Request{Segments: []Segment{{Key: 1, Len: 512}, {Key: 2, Len: 512}}, InputLen: 1024}
+	buf := make([]uint32, 0, 1024)
+	b.ReportAllocs()
+	b.SetBytes(1024 * 4)
+	for b.Loop() {
+		buf = Synth{Seed: 1}.Tokens(buf[:0], &r)
+	}
+}
+
+// BenchmarkSimulate reports simulated requests per second of wall time.
+func BenchmarkSimulate(b *testing.B) {
+	w := smallChat()
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := Simulate(w, smallFleet(), "kv"); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(len(w.Requests)*b.N)/b.Elapsed().Seconds(), "req/s")
+}

@@ -1,0 +1,228 @@
+// Command kvbench measures kvproxy's routing.
+//
+//	kvbench sim    -trace FILE [-format mooncake|azure|multiturn] [flags]
+//	kvbench replay -url http://127.0.0.1:8080 -trace FILE [flags]
+//
+// sim runs the workload through a simulated fleet (mockengine's model) on a
+// virtual clock with the real router deciding, once per policy; replay sends
+// it to a live kvproxy. Both print a table, or with -json one object
+// {"results":[...]}. -plot DIR writes PNG charts (TTFT CDF, hit rate).
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/kvproxy/kvproxy/bench"
+)
+
+func main() {
+	if len(os.Args) < 2 {
+		usage(os.Stderr)
+		os.Exit(2)
+	}
+	var err error
+	switch os.Args[1] {
+	case "sim":
+		err = runSim(os.Args[2:], os.Stdout)
+	case "replay":
+		err = runReplay(os.Args[2:], os.Stdout)
+	case "-h", "-help", "--help", "help":
+		usage(os.Stdout)
+		return
+	default:
+		usage(os.Stderr)
+		os.Exit(2)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "kvbench:", err)
+		os.Exit(1)
+	}
+}
+
+func usage(w io.Writer) {
+	fmt.Fprint(w, `usage:
+  kvbench sim    -trace FILE [-format mooncake|azure|multiturn] [-engines 8] [-policies all] [-json] [-plot DIR]
+  kvbench replay -url URL -trace FILE [-speedup S | -concurrency N] [-mode completions|chat] [-json]
+Run "kvbench sim -h" or "kvbench replay -h" for every flag.
+`)
+}
+
+// DefaultSpeedup compresses the Mooncake conversation trace's arrivals so
+// that round_robin runs the reference fleet (8 engines) near saturation.
+const DefaultSpeedup = 1.0
+
+// workloadFlags are the flags shared by sim and replay.
+type workloadFlags struct {
+	trace, format string
+	speedup       float64
+	seed          uint64
+	limit         int
+	from, dur     time.Duration
+	mt            bench.MultiTurnConfig
+}
+
+func (wf *workloadFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&wf.trace, "trace", "", "trace file (Mooncake JSONL or Azure CSV); not needed for -format multiturn")
+	fs.StringVar(&wf.format, "format", "", "trace format: mooncake, azure or multiturn (default: from the file extension)")
+	fs.Float64Var(&wf.speedup, "speedup", DefaultSpeedup, "divide arrival times by this factor")
+	fs.Uint64Var(&wf.seed, "seed", 1, "seed of token synthesis, the multi-turn generator and the router's tie-breaks")
+	fs.IntVar(&wf.limit, "limit", 0, "use only the first N requests (0: all)")
+	fs.DurationVar(&wf.from, "from", 0, "start of the slice of the trace to use (trace time, before -speedup)")
+	fs.DurationVar(&wf.dur, "duration", 0, "length of the slice of the trace to use (0: to the end)")
+	d := bench.DefaultMultiTurn()
+	wf.mt = d
+	fs.IntVar(&wf.mt.Conversations, "conversations", d.Conversations, "multiturn: conversations")
+	fs.IntVar(&wf.mt.SystemPrompts, "system-prompts", d.SystemPrompts, "multiturn: distinct shared system prompts")
+	fs.IntVar(&wf.mt.SystemLen, "system-len", d.SystemLen, "multiturn: tokens per system prompt")
+	fs.IntVar(&wf.mt.Turns, "turns", d.Turns, "multiturn: mean turns per conversation")
+	fs.IntVar(&wf.mt.UserLen, "user-len", d.UserLen, "multiturn: mean tokens per user message")
+	fs.IntVar(&wf.mt.OutputLen, "output-len", d.OutputLen, "multiturn: mean tokens per answer")
+	fs.Float64Var(&wf.mt.Rate, "rate", d.Rate, "multiturn: new conversations per second")
+	fs.DurationVar(&wf.mt.Think, "think", d.Think, "multiturn: mean time between turns of a conversation")
+}
+
+func (wf *workloadFlags) load() (*bench.Workload, error) {
+	var w *bench.Workload
+	if wf.format == bench.FormatMultiTurn {
+		wf.mt.Seed = wf.seed
+		w = bench.GenerateMultiTurn(wf.mt)
+	} else {
+		if wf.trace == "" {
+			return nil, fmt.Errorf("-trace is required (or -format multiturn)")
+		}
+		var err error
+		if w, err = bench.LoadFile(wf.trace, wf.format); err != nil {
+			return nil, err
+		}
+		w.Name = strings.TrimSuffix(filepath.Base(wf.trace), filepath.Ext(wf.trace))
+	}
+	if wf.from > 0 || wf.dur > 0 {
+		d := wf.dur
+		if d <= 0 {
+			d = w.Duration() + 1
+		}
+		w = w.Slice(wf.from, d)
+	}
+	w = w.Limit(wf.limit)
+	if wf.speedup <= 0 {
+		return nil, fmt.Errorf("-speedup must be positive")
+	}
+	return w.Scale(wf.speedup), nil
+}
+
+func runSim(args []string, stdout io.Writer) error {
+	fs := flag.NewFlagSet("kvbench sim", flag.ContinueOnError)
+	var wf workloadFlags
+	wf.register(fs)
+	def := bench.DefaultSimConfig()
+	engines := fs.Int("engines", def.Engines, "simulated engines")
+	cacheBlocks := fs.Int("cache-blocks", def.CacheBlocks, "KV cache blocks per engine (30000 × 16 tokens ≈ Llama-3.1-8B on an H100)")
+	blockSize := fs.Int("block-size", def.BlockSize, "tokens per KV block")
+	policies := fs.String("policies", "all", "comma-separated router policies, or all; kv_fixed is kv with calibration off")
+	hetero := fs.Float64("hetero", 1, "speed of the second half of the engines (0.5: half the engines at half speed)")
+	calibrate := fs.Bool("calibrate", true, "let the kv policy refit its coefficients from observed TTFTs")
+	approx := fs.Bool("approximate", false, "route without engine KV events (the router indexes its own decisions)")
+	scrape := fs.Duration("scrape", 0, "feed engine load (waiting, running, KV usage) to the router at this interval (0: off)")
+	asJSON := fs.Bool("json", false, "print one JSON object instead of a table")
+	ceiling := fs.Bool("ceiling", true, "compute the hit-rate ceiling (one LRU cache of the whole fleet's capacity)")
+	plot := fs.String("plot", "", "write PNG charts (TTFT CDF, hit rate) into this directory")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	w, err := wf.load()
+	if err != nil {
+		return err
+	}
+	cfg := bench.SimConfig{
+		Engines: *engines, CacheBlocks: *cacheBlocks, BlockSize: *blockSize,
+		Approximate: *approx, NoCalibrate: !*calibrate, Seed: wf.seed, Scrape: *scrape,
+	}
+	if *hetero != 1 {
+		if *hetero <= 0 {
+			return fmt.Errorf("-hetero must be positive")
+		}
+		cfg.Speed = bench.HeteroSpeeds(*engines, *hetero)
+	}
+	st := w.Stats()
+	fmt.Fprintf(os.Stderr, "kvbench sim: %s: %d requests, %d prompt tokens, %d output tokens over %v; %d engines × %d blocks\n",
+		w.Name, st.Requests, st.InputTokens, st.OutputTokens, st.Duration.Round(time.Second), *engines, *cacheBlocks)
+
+	pols := bench.ParsePolicies(*policies)
+	ceil := make(chan float64, 1)
+	if *ceiling {
+		go func() {
+			ceil <- bench.CeilingHitRate(w, bench.Synth{Seed: wf.seed}, *blockSize, *engines**cacheBlocks)
+		}()
+	}
+	start := time.Now()
+	results, err := bench.SimulateAll(w, cfg, pols)
+	if err != nil {
+		return err
+	}
+	rep := bench.Report{Results: results}
+	if *ceiling {
+		c := <-ceil
+		rep.CeilingHitRate = &c
+	}
+	fmt.Fprintf(os.Stderr, "kvbench sim: %d policies in %v\n", len(pols), time.Since(start).Round(time.Millisecond))
+	if *plot != "" {
+		if err := bench.WriteCharts(*plot, w.Name, &rep); err != nil {
+			return err
+		}
+	}
+	if *asJSON {
+		return rep.WriteJSON(stdout)
+	}
+	return rep.WriteTable(stdout)
+}
+
+func runReplay(args []string, stdout io.Writer) error {
+	fs := flag.NewFlagSet("kvbench replay", flag.ContinueOnError)
+	var wf workloadFlags
+	wf.register(fs)
+	url := fs.String("url", "http://127.0.0.1:8080", "kvproxy base URL")
+	model := fs.String("model", "mock", "model name sent in requests")
+	key := fs.String("api-key", os.Getenv("KVBENCH_API_KEY"), "API key (default $KVBENCH_API_KEY)")
+	mode := fs.String("mode", bench.ModeCompletions, "completions (token ids) or chat (text messages)")
+	conc := fs.Int("concurrency", 0, "closed loop with N requests in flight (0: open loop at trace times / speedup)")
+	label := fs.String("label", "live", "policy column of the report")
+	timeout := fs.Duration("timeout", 10*time.Minute, "per-request timeout")
+	asJSON := fs.Bool("json", false, "print one JSON object instead of a table")
+	plot := fs.String("plot", "", "write PNG charts (TTFT CDF, hit rate) into this directory")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	w, err := wf.load()
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	st := w.Stats()
+	fmt.Fprintf(os.Stderr, "kvbench replay: %s: %d requests over %v to %s\n", w.Name, st.Requests, st.Duration.Round(time.Second), *url)
+	res, err := bench.Replay(ctx, w, bench.ReplayConfig{
+		URL: *url, Model: *model, APIKey: *key, Mode: *mode, Concurrency: *conc,
+		Synth: bench.Synth{Seed: wf.seed}, Timeout: *timeout,
+	}, *label)
+	if err != nil && ctx.Err() == nil {
+		return err
+	}
+	rep := bench.Report{Results: []bench.Result{res}}
+	if *plot != "" {
+		if err := bench.WriteCharts(*plot, w.Name+"-"+*label, &rep); err != nil {
+			return err
+		}
+	}
+	if *asJSON {
+		return rep.WriteJSON(stdout)
+	}
+	return rep.WriteTable(stdout)
+}
