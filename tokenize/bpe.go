@@ -1,0 +1,68 @@
+package tokenize
+
+import "math"
+
+// bpe is a byte-level BPE vocabulary: token bytes → rank, where a token's
+// rank is both its id and its merge priority (tiktoken's convention).
+type bpe struct {
+	ranks map[string]uint32
+}
+
+const noRank = math.MaxUint32
+
+type bpePart struct {
+	start int
+	rank  uint32
+}
+
+// rankOf is the rank of piece[parts[i].start:parts[i+skip+2].start].
+func (b *bpe) rankOf(piece string, parts []bpePart, i, skip int) uint32 {
+	if i+skip+2 < len(parts) {
+		if r, ok := b.ranks[piece[parts[i].start:parts[i+skip+2].start]]; ok {
+			return r
+		}
+	}
+	return noRank
+}
+
+// appendPiece appends the tokens of one pre-tokenized piece, merging the
+// lowest-ranked adjacent pair first (leftmost on ties), exactly as tiktoken's
+// byte_pair_merge. Pieces shorter than 128 bytes do not allocate.
+func (b *bpe) appendPiece(dst []uint32, piece string) []uint32 {
+	if r, ok := b.ranks[piece]; ok {
+		return append(dst, r)
+	}
+	var stack [128]bpePart
+	var parts []bpePart
+	if len(piece)+1 <= len(stack) {
+		parts = stack[:len(piece)+1]
+	} else {
+		parts = make([]bpePart, len(piece)+1)
+	}
+	for i := range parts {
+		parts[i] = bpePart{start: i, rank: noRank}
+	}
+	for i := 0; i+2 < len(parts); i++ {
+		parts[i].rank = b.rankOf(piece, parts, i, 0)
+	}
+	for len(parts) > 1 {
+		minRank, i := uint32(noRank), -1
+		for j := 0; j < len(parts)-1; j++ {
+			if parts[j].rank < minRank {
+				minRank, i = parts[j].rank, j
+			}
+		}
+		if i < 0 {
+			break
+		}
+		parts[i].rank = b.rankOf(piece, parts, i, 1)
+		if i > 0 {
+			parts[i-1].rank = b.rankOf(piece, parts, i-1, 1)
+		}
+		parts = append(parts[:i+1], parts[i+2:]...)
+	}
+	for i := 0; i+1 < len(parts); i++ {
+		dst = append(dst, b.ranks[piece[parts[i].start:parts[i+1].start]])
+	}
+	return dst
+}
