@@ -1,0 +1,360 @@
+package backends
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+
+	"github.com/kvproxy/kvproxy/kv"
+)
+
+// EventSink receives the decoded KV events of one backend, in publication
+// order, from one goroutine. Events (and their slices) are valid only during
+// the call. Clear means the backend's cache picture can no longer be trusted
+// (engine restart, a gap replay could not fill, an undecodable batch): every
+// block of every data-parallel rank of that backend must be dropped.
+type EventSink interface {
+	ApplyEvents(dpRank int, events []kv.Event)
+	Clear()
+}
+
+// ZMQConfig configures one backend's vLLM/SGLang ZMQ event feed.
+// Zero durations take the defaults noted.
+type ZMQConfig struct {
+	Endpoint       string        // PUB endpoint, e.g. tcp://10.0.0.5:5557
+	ReplayEndpoint string        // ROUTER endpoint for replay; "" means gaps cannot be filled
+	Topic          string        // subscription prefix; "" receives every topic
+	DialTimeout    time.Duration // one connection attempt, default 2s
+	BackoffMin     time.Duration // first retry delay after a failed dial or a lost connection, default 100ms
+	BackoffMax     time.Duration // retry delay cap, default 5s
+	ReplayTimeout  time.Duration // a whole replay exchange, default 3s
+}
+
+func (c ZMQConfig) withDefaults() ZMQConfig {
+	if c.DialTimeout <= 0 {
+		c.DialTimeout = 2 * time.Second
+	}
+	if c.BackoffMin <= 0 {
+		c.BackoffMin = 100 * time.Millisecond
+	}
+	if c.BackoffMax < c.BackoffMin {
+		c.BackoffMax = max(5*time.Second, c.BackoffMin)
+	}
+	if c.ReplayTimeout <= 0 {
+		c.ReplayTimeout = 3 * time.Second
+	}
+	return c
+}
+
+// ZMQStats is a snapshot of a subscriber's counters, for /admin/backends.
+type ZMQStats struct {
+	Connected    bool
+	Batches      uint64 // batches applied (live and replayed)
+	Events       uint64 // events applied
+	LastSeq      int64  // last applied sequence number, -1 before the first
+	Replays      uint64 // replay exchanges attempted
+	Replayed     uint64 // batches applied from replays
+	Clears       uint64 // times the backend's blocks were dropped
+	Reconnects   uint64 // connections re-established after a loss
+	DecodeErrors uint64 // payloads that failed to decode (each clears)
+	LastError    string // last dial, replay or decode problem
+}
+
+// ZMQSubscriber follows one engine's KV event feed: a SUB socket reading
+// [topic, seq (u64 big-endian), msgpack payload], sequence tracking, replay of
+// missed batches over a DEALER socket, and reconnection with backoff.
+//
+// Sequence rules: the next expected batch is last+1. A higher seq replays the
+// missing range from the replay endpoint; if the replay cannot supply exactly
+// the missing batches (no endpoint, error, timeout, buffer already moved on),
+// the sink is cleared and the feed restarts from what it has. A seq not above
+// the last one seen on the live stream means the engine restarted: the sink
+// is cleared. Duplicates of replayed batches are dropped. After a lost
+// connection the subscriber redials and replays from last+1 at once.
+//
+// On its first message (and after an engine restart) the subscriber also asks
+// the replay endpoint for everything from seq 0, so a proxy that starts after
+// its engines rebuilds as much of their history as the engines still buffer.
+type ZMQSubscriber struct {
+	cfg  ZMQConfig
+	sink EventSink
+	dec  kv.VLLMDecoder
+
+	// feed state, owned by the Run goroutine
+	have    bool   // a batch has been applied since the last clear
+	applied uint64 // last applied seq (valid when have)
+	subHave bool   // a live message has been seen in this engine incarnation
+	subLast uint64 // last seq seen on the live stream
+
+	connected                          atomic.Bool
+	batches, events, replays, replayed atomic.Uint64
+	clears, reconnects, decodeErrors   atomic.Uint64
+	lastSeq                            atomic.Int64
+	mu                                 sync.Mutex
+	lastErr                            string
+	changed                            chan struct{} // closed and replaced on every state change
+}
+
+// NewZMQSubscriber returns a subscriber feeding sink. Call Run to start it.
+func NewZMQSubscriber(cfg ZMQConfig, sink EventSink) *ZMQSubscriber {
+	s := &ZMQSubscriber{cfg: cfg.withDefaults(), sink: sink, changed: make(chan struct{})}
+	s.lastSeq.Store(-1)
+	return s
+}
+
+// Stats returns the current counters. Safe for concurrent use.
+func (s *ZMQSubscriber) Stats() ZMQStats {
+	s.mu.Lock()
+	lastErr := s.lastErr
+	s.mu.Unlock()
+	return ZMQStats{
+		Connected: s.connected.Load(), Batches: s.batches.Load(), Events: s.events.Load(),
+		LastSeq: s.lastSeq.Load(), Replays: s.replays.Load(), Replayed: s.replayed.Load(),
+		Clears: s.clears.Load(), Reconnects: s.reconnects.Load(), DecodeErrors: s.decodeErrors.Load(),
+		LastError: lastErr,
+	}
+}
+
+// Wait blocks until cond holds for the subscriber's stats or ctx ends. It is
+// how tests (and callers) wait for the feed to catch up without sleeping:
+// cond is re-checked after every change.
+func (s *ZMQSubscriber) Wait(ctx context.Context, cond func(ZMQStats) bool) error {
+	for {
+		s.mu.Lock()
+		ch := s.changed
+		s.mu.Unlock()
+		if cond(s.Stats()) {
+			return nil
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for the event feed of %s: %w (stats %+v)", s.cfg.Endpoint, ctx.Err(), s.Stats())
+		}
+	}
+}
+
+func (s *ZMQSubscriber) notify(errMsg string) {
+	s.mu.Lock()
+	if errMsg != "" {
+		s.lastErr = errMsg
+	}
+	close(s.changed)
+	s.changed = make(chan struct{})
+	s.mu.Unlock()
+}
+
+// Run follows the feed until ctx ends. It returns ctx's error.
+func (s *ZMQSubscriber) Run(ctx context.Context) error {
+	backoff := s.cfg.BackoffMin
+	everConnected := false
+	for {
+		sub, err := s.dial(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			s.notify("dial " + s.cfg.Endpoint + ": " + err.Error())
+			if !sleepCtx(ctx, backoff) {
+				return ctx.Err()
+			}
+			backoff = min(2*backoff, s.cfg.BackoffMax)
+			continue
+		}
+		backoff = s.cfg.BackoffMin
+		s.connected.Store(true)
+		if everConnected {
+			s.reconnects.Add(1)
+			// Whatever was published while we were away must be replayed.
+			if s.have {
+				s.catchUp(ctx, s.applied+1)
+			}
+		}
+		everConnected = true
+		s.notify("")
+		err = s.readLoop(ctx, sub)
+		sub.Close()
+		s.connected.Store(false)
+		if ctx.Err() != nil {
+			s.notify("")
+			return ctx.Err()
+		}
+		s.notify("connection to " + s.cfg.Endpoint + " lost: " + err.Error())
+		if !sleepCtx(ctx, backoff) {
+			return ctx.Err()
+		}
+	}
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+func (s *ZMQSubscriber) dial(ctx context.Context) (zmq4.Socket, error) {
+	sub := zmq4.NewSub(ctx, zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(s.cfg.DialTimeout))
+	if err := sub.SetOption(zmq4.OptionSubscribe, s.cfg.Topic); err != nil {
+		sub.Close()
+		return nil, err
+	}
+	if err := sub.Dial(s.cfg.Endpoint); err != nil {
+		sub.Close()
+		return nil, err
+	}
+	return sub, nil
+}
+
+func (s *ZMQSubscriber) readLoop(ctx context.Context, sub zmq4.Socket) error {
+	for {
+		msg, err := sub.Recv()
+		if err != nil {
+			return err
+		}
+		if len(msg.Frames) != 3 || len(msg.Frames[1]) != 8 {
+			s.notify(fmt.Sprintf("malformed message: %d frames", len(msg.Frames)))
+			continue
+		}
+		if !strings.HasPrefix(string(msg.Frames[0]), s.cfg.Topic) {
+			continue
+		}
+		s.onLive(ctx, binary.BigEndian.Uint64(msg.Frames[1]), msg.Frames[2])
+	}
+}
+
+// onLive handles one batch from the live stream.
+func (s *ZMQSubscriber) onLive(ctx context.Context, seq uint64, payload []byte) {
+	if s.subHave && seq <= s.subLast {
+		s.clear("sequence went back from " + fmt.Sprint(s.subLast) + " to " + fmt.Sprint(seq) + ": engine restarted")
+		s.subHave = false
+	}
+	firstOfIncarnation := !s.subHave
+	s.subHave, s.subLast = true, seq
+	switch {
+	case s.have && seq > s.applied+1:
+		s.catchUp(ctx, s.applied+1)
+	case !s.have && firstOfIncarnation && seq > 0 && s.cfg.ReplayEndpoint != "":
+		s.catchUp(ctx, 0)
+	}
+	s.deliver(seq, payload)
+}
+
+// deliver applies one batch in sequence order: duplicates are dropped, and a
+// batch that does not follow the last applied one clears the sink first (the
+// missing batches are lost for good).
+func (s *ZMQSubscriber) deliver(seq uint64, payload []byte) bool {
+	if s.have {
+		if seq <= s.applied {
+			return false
+		}
+		if seq != s.applied+1 {
+			s.clear(fmt.Sprintf("batches %d..%d lost", s.applied+1, seq-1))
+		}
+	}
+	_, events, rank, err := s.dec.Decode(payload)
+	if err != nil {
+		s.decodeErrors.Add(1)
+		s.clear(fmt.Sprintf("batch %d: %v", seq, err))
+		// The batch is consumed: its effect is unknown, the sink is empty,
+		// and the feed continues from here.
+		s.have, s.applied = true, seq
+		s.lastSeq.Store(int64(seq))
+		return true
+	}
+	s.sink.ApplyEvents(rank, events)
+	s.have, s.applied = true, seq
+	s.batches.Add(1)
+	s.events.Add(uint64(len(events)))
+	s.lastSeq.Store(int64(seq))
+	s.notify("")
+	return true
+}
+
+func (s *ZMQSubscriber) clear(reason string) {
+	s.sink.Clear()
+	s.have = false
+	s.clears.Add(1)
+	s.notify("cleared: " + reason)
+}
+
+// catchUp replays every buffered batch from seq start and applies them. If
+// the replay is impossible or does not begin at start while the sink holds
+// state, the sink is cleared (the feed then continues from what it gets).
+func (s *ZMQSubscriber) catchUp(ctx context.Context, start uint64) {
+	if s.cfg.ReplayEndpoint == "" {
+		if s.have {
+			s.clear(fmt.Sprintf("gap from batch %d and no replay endpoint", start))
+		}
+		return
+	}
+	s.replays.Add(1)
+	err := s.replay(ctx, start, func(seq uint64, payload []byte) {
+		if s.deliver(seq, payload) {
+			s.replayed.Add(1)
+		}
+	})
+	if err != nil && s.have && s.applied+1 == start {
+		// Nothing of the gap arrived: the state is stale.
+		s.clear(fmt.Sprintf("replay from %d: %v", start, err))
+	} else if err != nil {
+		s.notify(fmt.Sprintf("replay from %d: %v", start, err))
+	}
+}
+
+// endSeq marks the end of a replay (-1 as a signed 64-bit integer).
+const endSeq = ^uint64(0)
+
+// replay asks the ROUTER endpoint for every batch from start: request
+// frames ["", seq u64 BE], reply frames ["", seq, payload] ending with
+// seq == -1. (vLLM's ROUTER expects the empty delimiter a REQ socket would
+// send; replies are accepted with or without it.)
+func (s *ZMQSubscriber) replay(ctx context.Context, start uint64, fn func(seq uint64, payload []byte)) error {
+	rctx, cancel := context.WithTimeout(ctx, s.cfg.ReplayTimeout)
+	defer cancel()
+	dealer := zmq4.NewDealer(rctx, zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(s.cfg.DialTimeout))
+	defer dealer.Close()
+	if err := dealer.Dial(s.cfg.ReplayEndpoint); err != nil {
+		return err
+	}
+	var req [8]byte
+	binary.BigEndian.PutUint64(req[:], start)
+	if err := dealer.Send(zmq4.NewMsgFrom([]byte{}, req[:])); err != nil {
+		return err
+	}
+	for {
+		msg, err := dealer.Recv()
+		if err != nil {
+			if rctx.Err() != nil {
+				return rctx.Err()
+			}
+			return err
+		}
+		frames := msg.Frames
+		if len(frames) > 0 && len(frames[0]) == 0 {
+			frames = frames[1:]
+		}
+		if len(frames) < 1 || len(frames[0]) != 8 {
+			return errors.New("malformed replay reply")
+		}
+		seq := binary.BigEndian.Uint64(frames[0])
+		if seq == endSeq {
+			return nil
+		}
+		if len(frames) != 2 {
+			return errors.New("malformed replay reply")
+		}
+		fn(seq, frames[1])
+	}
+}

@@ -1,0 +1,408 @@
+package backends
+
+import (
+	"context"
+	"encoding/binary"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+
+	"github.com/kvproxy/kvproxy/kv"
+)
+
+// testEngine is a vLLM-style publisher on 127.0.0.1: a PUB socket sending
+// [topic, seq, payload] and a ROUTER socket answering replay requests from a
+// bounded buffer, exactly as vLLM's ZmqEventPublisher does.
+type testEngine struct {
+	t        *testing.T
+	ctx      context.Context
+	pubAddr  string
+	pub      zmq4.Socket
+	router   zmq4.Socket
+	mu       sync.Mutex
+	next     uint64
+	buf      [][2][]byte // [seq, payload]
+	bufMax   int
+	topic    string
+	dropLive bool // buffer but do not publish (a lost message)
+}
+
+func newTestEngine(t *testing.T, bufMax int) *testEngine {
+	ctx, cancel := context.WithCancel(context.Background())
+	e := &testEngine{t: t, ctx: ctx, bufMax: bufMax, topic: "kv@test"}
+	e.listenPub("tcp://127.0.0.1:0")
+	e.router = zmq4.NewRouter(ctx)
+	if err := e.router.Listen("tcp://127.0.0.1:0"); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go e.serveReplay(done)
+	t.Cleanup(func() {
+		cancel()
+		e.pub.Close()
+		e.router.Close()
+		<-done
+	})
+	return e
+}
+
+func (e *testEngine) listenPub(ep string) {
+	e.pub = zmq4.NewPub(e.ctx)
+	if err := e.pub.Listen(ep); err != nil {
+		e.t.Fatal(err)
+	}
+	e.pubAddr = "tcp://" + e.pub.Addr().String()
+}
+
+func (e *testEngine) replayAddr() string { return "tcp://" + e.router.Addr().String() }
+
+func (e *testEngine) serveReplay(done chan struct{}) {
+	defer close(done)
+	for {
+		msg, err := e.router.Recv()
+		if err != nil {
+			return
+		}
+		if len(msg.Frames) != 3 || len(msg.Frames[2]) != 8 {
+			continue
+		}
+		id, start := msg.Frames[0], binary.BigEndian.Uint64(msg.Frames[2])
+		e.mu.Lock()
+		items := append([][2][]byte(nil), e.buf...)
+		e.mu.Unlock()
+		for _, it := range items {
+			if binary.BigEndian.Uint64(it[0]) >= start {
+				e.router.Send(zmq4.NewMsgFrom(id, []byte{}, it[0], it[1]))
+			}
+		}
+		e.router.Send(zmq4.NewMsgFrom(id, []byte{}, binary.BigEndian.AppendUint64(nil, endSeq), []byte{}))
+	}
+}
+
+// publish sends one batch and returns its seq.
+func (e *testEngine) publish(rank int, events ...kv.Event) uint64 {
+	return e.publishRaw(kv.AppendVLLMBatch(nil, float64(time.Now().Unix()), events, rank, kv.VLLMArrays))
+}
+
+func (e *testEngine) publishRaw(payload []byte) uint64 {
+	e.mu.Lock()
+	seq := e.next
+	e.next++
+	sb := binary.BigEndian.AppendUint64(nil, seq)
+	e.buf = append(e.buf, [2][]byte{sb, payload})
+	if len(e.buf) > e.bufMax {
+		e.buf = e.buf[1:]
+	}
+	drop := e.dropLive
+	e.mu.Unlock()
+	if !drop {
+		if err := e.pub.Send(zmq4.NewMsgFrom([]byte(e.topic), sb, payload)); err != nil {
+			e.t.Fatal(err)
+		}
+	}
+	return seq
+}
+
+// restart forgets everything, like a restarted engine whose seq starts at 0.
+func (e *testEngine) restart() {
+	e.mu.Lock()
+	e.next, e.buf = 0, nil
+	e.mu.Unlock()
+}
+
+type sinkCall struct {
+	rank   int
+	hashes []uint64 // first engine hash of each event
+	clear  bool
+}
+
+type recordSink struct {
+	mu    sync.Mutex
+	calls []sinkCall
+}
+
+func (r *recordSink) ApplyEvents(rank int, evs []kv.Event) {
+	c := sinkCall{rank: rank}
+	for _, e := range evs {
+		if len(e.EngineHashes) > 0 {
+			c.hashes = append(c.hashes, e.EngineHashes[0])
+		}
+	}
+	r.mu.Lock()
+	r.calls = append(r.calls, c)
+	r.mu.Unlock()
+}
+
+func (r *recordSink) Clear() {
+	r.mu.Lock()
+	r.calls = append(r.calls, sinkCall{clear: true})
+	r.mu.Unlock()
+}
+
+// applied lists the first hash of every event applied since the last clear.
+func (r *recordSink) sinceClear() []uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []uint64
+	for _, c := range r.calls {
+		if c.clear {
+			out = out[:0]
+			continue
+		}
+		out = append(out, c.hashes...)
+	}
+	return out
+}
+
+func removed(h uint64) kv.Event {
+	return kv.Event{Kind: kv.BlockRemoved, EngineHashes: []uint64{h}}
+}
+
+type subFixture struct {
+	t    *testing.T
+	eng  *testEngine
+	sink *recordSink
+	sub  *ZMQSubscriber
+}
+
+func startSub(t *testing.T, eng *testEngine, cfg ZMQConfig) *subFixture {
+	if cfg.Endpoint == "" {
+		cfg.Endpoint = eng.pubAddr
+	}
+	cfg.BackoffMin, cfg.BackoffMax = 5*time.Millisecond, 50*time.Millisecond
+	f := &subFixture{t: t, eng: eng, sink: &recordSink{}}
+	f.sub = NewZMQSubscriber(cfg, f.sink)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { f.sub.Run(ctx); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return f
+}
+
+func (f *subFixture) wait(what string, cond func(ZMQStats) bool) {
+	f.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := f.sub.Wait(ctx, cond); err != nil {
+		f.t.Fatalf("%s: %v", what, err)
+	}
+}
+
+// warmUp publishes removal batches (hash 1000+i) until the subscriber has
+// applied one: a SUB only receives once its subscription reached the PUB
+// ("slow joiner"). The initial replay from seq 0 fills in the early ones.
+func (f *subFixture) warmUp() {
+	f.t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for i := uint64(0); ; i++ {
+		f.eng.publish(0, removed(1000+i))
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+		err := f.sub.Wait(ctx, func(s ZMQStats) bool { return s.LastSeq >= int64(i) })
+		cancel()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			f.t.Fatal("subscriber never received a batch")
+		}
+	}
+}
+
+func seqs(from, to uint64) []uint64 {
+	var out []uint64
+	for i := from; i <= to; i++ {
+		out = append(out, i)
+	}
+	return out
+}
+
+func equalU64(a, b []uint64) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// The warm-up batches arrive complete (the first-message replay fills the
+// ones sent before the subscription took), then live batches in order, with
+// their data-parallel rank.
+func TestZMQSubscriberAppliesInOrder(t *testing.T) {
+	eng := newTestEngine(t, 100)
+	f := startSub(t, eng, ZMQConfig{ReplayEndpoint: eng.replayAddr(), Topic: "kv@"})
+	f.warmUp()
+	warm := eng.next
+	for i := uint64(0); i < 20; i++ {
+		eng.publish(int(i%2), removed(i))
+	}
+	last := int64(eng.next - 1)
+	f.wait("live batches", func(s ZMQStats) bool { return s.LastSeq == last })
+	got := f.sink.sinceClear()
+	if uint64(len(got)) != warm+20 || !equalU64(got[warm:], seqs(0, 19)) {
+		t.Fatalf("applied %v", got)
+	}
+	for i := uint64(0); i < warm; i++ {
+		if got[i] != 1000+i {
+			t.Fatalf("warm-up batch %d missing: %v", i, got[:warm])
+		}
+	}
+	f.sink.mu.Lock()
+	lastCall := f.sink.calls[len(f.sink.calls)-1]
+	f.sink.mu.Unlock()
+	if lastCall.rank != 1 {
+		t.Fatalf("rank of batch 19: %d", lastCall.rank)
+	}
+	if st := f.sub.Stats(); st.Clears != 0 || !st.Connected || st.Batches != uint64(last+1) {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+// Batches lost on the live stream are fetched from the replay endpoint.
+func TestZMQSubscriberGapIsReplayed(t *testing.T) {
+	eng := newTestEngine(t, 100)
+	f := startSub(t, eng, ZMQConfig{ReplayEndpoint: eng.replayAddr()})
+	f.warmUp()
+	before := f.sub.Stats()
+	eng.dropLive = true
+	for i := uint64(0); i < 5; i++ {
+		eng.publish(0, removed(i))
+	}
+	eng.dropLive = false
+	eng.publish(0, removed(5))
+	last := int64(eng.next - 1)
+	f.wait("gap replay", func(s ZMQStats) bool { return s.LastSeq == last })
+	got := f.sink.sinceClear()
+	if !equalU64(got[len(got)-6:], seqs(0, 5)) {
+		t.Fatalf("applied %v", got)
+	}
+	st := f.sub.Stats()
+	if st.Clears != 0 || st.Replays != before.Replays+1 || st.Replayed < before.Replayed+6 {
+		t.Fatalf("stats %+v (before %+v)", st, before)
+	}
+}
+
+// A gap the replay buffer no longer covers clears the backend.
+func TestZMQSubscriberUncoverableGapClears(t *testing.T) {
+	eng := newTestEngine(t, 3)
+	f := startSub(t, eng, ZMQConfig{ReplayEndpoint: eng.replayAddr()})
+	f.warmUp()
+	eng.dropLive = true
+	for i := uint64(0); i < 10; i++ {
+		eng.publish(0, removed(i))
+	}
+	eng.dropLive = false
+	eng.publish(0, removed(10))
+	last := int64(eng.next - 1)
+	f.wait("clear and resume", func(s ZMQStats) bool { return s.LastSeq == last && s.Clears == 1 })
+	// After the clear, only what the buffer still held is applied.
+	if got := f.sink.sinceClear(); !equalU64(got, seqs(8, 10)) {
+		t.Fatalf("after clear: %v", got)
+	}
+}
+
+// Without a replay endpoint any gap clears.
+func TestZMQSubscriberGapWithoutReplayClears(t *testing.T) {
+	eng := newTestEngine(t, 100)
+	f := startSub(t, eng, ZMQConfig{})
+	f.warmUp()
+	eng.dropLive = true
+	eng.publish(0, removed(1))
+	eng.dropLive = false
+	eng.publish(0, removed(2))
+	last := int64(eng.next - 1)
+	f.wait("clear", func(s ZMQStats) bool { return s.LastSeq == last && s.Clears == 1 })
+	if got := f.sink.sinceClear(); !equalU64(got, []uint64{2}) {
+		t.Fatalf("after clear: %v", got)
+	}
+}
+
+// seq going backwards is an engine restart: clear, then follow the new run
+// from its seq 0 (replayed).
+func TestZMQSubscriberRestartClears(t *testing.T) {
+	eng := newTestEngine(t, 100)
+	f := startSub(t, eng, ZMQConfig{ReplayEndpoint: eng.replayAddr()})
+	f.warmUp()
+	for i := uint64(0); i < 3; i++ {
+		eng.publish(0, removed(i))
+	}
+	last := int64(eng.next - 1)
+	f.wait("first run", func(s ZMQStats) bool { return s.LastSeq == last })
+	eng.restart()
+	eng.dropLive = true
+	eng.publish(0, removed(100)) // seq 0 of the new run, lost live
+	eng.dropLive = false
+	eng.publish(0, removed(101)) // seq 1
+	f.wait("restart", func(s ZMQStats) bool { return s.Clears == 1 && s.LastSeq == 1 })
+	if got := f.sink.sinceClear(); !equalU64(got, []uint64{100, 101}) {
+		t.Fatalf("after restart: %v", got)
+	}
+}
+
+// A lost connection is re-established with backoff, and what was published
+// meanwhile is replayed at once, without clearing.
+func TestZMQSubscriberReconnectReplays(t *testing.T) {
+	eng := newTestEngine(t, 100)
+	f := startSub(t, eng, ZMQConfig{ReplayEndpoint: eng.replayAddr()})
+	f.warmUp()
+	addr := eng.pubAddr
+	eng.pub.Close()
+	f.wait("disconnect", func(s ZMQStats) bool { return !s.Connected })
+	eng.dropLive = true
+	for i := uint64(0); i < 4; i++ {
+		eng.publish(0, removed(i))
+	}
+	eng.dropLive = false
+	last := int64(eng.next - 1)
+	eng.listenPub(addr)
+	f.wait("reconnect and replay", func(s ZMQStats) bool { return s.Reconnects == 1 && s.LastSeq == last })
+	got := f.sink.sinceClear()
+	if !equalU64(got[len(got)-4:], seqs(0, 3)) {
+		t.Fatalf("applied %v", got)
+	}
+	if st := f.sub.Stats(); st.Clears != 0 || !st.Connected {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+// A payload that does not decode clears (its effect is unknown) and the feed
+// goes on.
+func TestZMQSubscriberBadPayloadClears(t *testing.T) {
+	eng := newTestEngine(t, 100)
+	f := startSub(t, eng, ZMQConfig{ReplayEndpoint: eng.replayAddr()})
+	f.warmUp()
+	eng.publishRaw([]byte{0xc1})
+	eng.publish(0, removed(7))
+	last := int64(eng.next - 1)
+	f.wait("resume", func(s ZMQStats) bool { return s.LastSeq == last })
+	st := f.sub.Stats()
+	if st.DecodeErrors != 1 || st.Clears != 1 || st.LastError == "" {
+		t.Fatalf("stats %+v", st)
+	}
+	if got := f.sink.sinceClear(); !equalU64(got, []uint64{7}) {
+		t.Fatalf("after clear: %v", got)
+	}
+}
+
+// Messages on other topics are not ours.
+func TestZMQSubscriberTopicFilter(t *testing.T) {
+	eng := newTestEngine(t, 100)
+	f := startSub(t, eng, ZMQConfig{ReplayEndpoint: eng.replayAddr(), Topic: "kv@test"})
+	f.warmUp()
+	payload := kv.AppendVLLMBatch(nil, 0, []kv.Event{removed(99)}, 0, kv.VLLMArrays)
+	if err := eng.pub.Send(zmq4.NewMsgFrom([]byte("other"), binary.BigEndian.AppendUint64(nil, 1<<40), payload)); err != nil {
+		t.Fatal(err)
+	}
+	eng.publish(0, removed(5))
+	last := int64(eng.next - 1)
+	f.wait("next batch", func(s ZMQStats) bool { return s.LastSeq == last })
+	got := f.sink.sinceClear()
+	if got[len(got)-1] != 5 || f.sub.Stats().Clears != 0 {
+		t.Fatalf("applied %v stats %+v", got, f.sub.Stats())
+	}
+}
