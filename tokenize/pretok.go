@@ -120,10 +120,9 @@ func contraction(s string, i int) int {
 	return 0
 }
 
-// punctAndNewlines matches ` ?[^\s\p{L}\p{N}]+[\r\n]*` at i (o200k also
-// allows '/' in the tail, which the punctuation run has already taken), or
-// returns -1.
-func punctAndNewlines(s string, i int) int {
+// punctAndNewlines matches ` ?[^\s\p{L}\p{N}]+[\r\n]*` at i (with slash:
+// ` ?[^\s\p{L}\p{N}]+[\r\n/]*`, o200k), or returns -1.
+func punctAndNewlines(s string, i int, slash bool) int {
 	j := i
 	if s[i] == ' ' && i+1 < len(s) {
 		if c, _ := classAt(s, i+1); c&(clS|clL|clN) == 0 {
@@ -135,7 +134,7 @@ func punctAndNewlines(s string, i int) int {
 		return -1
 	}
 	j = scanNone(s, j+n, clS|clL|clN)
-	for j < len(s) && (s[j] == '\r' || s[j] == '\n') {
+	for j < len(s) && (s[j] == '\r' || s[j] == '\n' || slash && s[j] == '/') {
 		j++
 	}
 	return j
@@ -185,7 +184,7 @@ func splitCL100K(s string, i int) int {
 	if c&clN != 0 {
 		return digits3(s, i+n)
 	}
-	if j := punctAndNewlines(s, i); j >= 0 {
+	if j := punctAndNewlines(s, i, false); j >= 0 {
 		return j
 	}
 	return whitespace(s, i)
@@ -258,7 +257,7 @@ func splitO200K(s string, i int) int {
 	if c&clN != 0 {
 		return digits3(s, i+n)
 	}
-	if j := punctAndNewlines(s, i); j >= 0 {
+	if j := punctAndNewlines(s, i, true); j >= 0 {
 		return j
 	}
 	return whitespace(s, i)
