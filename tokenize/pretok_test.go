@@ -72,7 +72,7 @@ func comparePretokenizers(t *testing.T, text string) {
 var pretokSeeds = []string{
 	"", "hello world", "Hello, World! It's I'M we'LL they'Re you'VE she'd",
 	"'s'S'tx'", "a   b", "a \t\n\n  b", "x\r\n\r\n  ", "  \n", "   ", "a ", " ", "\n",
-	"1234567 12 3.14159", "١٢٣٤ ½ Ⅻ", "foo/bar\n/baz//\n\n", "}\n// x;\r\n/\n/",  " ...!!\r\n", "(x)=>{return 42;}",
+	"1234567 12 3.14159", "١٢٣٤ ½ Ⅻ", "foo/bar\n/baz//\n\n", "}\n// x;\r\n/\n/", " ...!!\r\n", "(x)=>{return 42;}",
 	"héllo wörld ÀÉÎ", "日本語のテキスト、句読点。", "한국어 텍스트", "Привет, мир!", "مرحبا بالعالم",
 	"emoji 🙂🚀 👩‍👩‍👧 🇫🇷", "CamelCaseWordsHTTPServer", "ǅungla ǈ ǋ", "ʰʲ ˢ", "e\u0301\u0302 \u0301x a\u0301'S",
 	"\u0301\u0301", ".\u0301", " \u0301", "\u00a0\u00a0x", "\u2028\u2029\u0085 \u3000y", "\v\f \v",
