@@ -1,0 +1,95 @@
+// Command kvmock runs a fleet of simulated vLLM engines on consecutive
+// loopback ports, for manual runs, e2e tests and benchmarks:
+//
+//	kvmock -n 4 -base-port 9000
+//
+// Engine i is called mock-i and listens on base-port+i (any free port when
+// base-port is 0). One line per engine is logged at start; SIGINT or SIGTERM
+// stops them all.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log"
+	"net"
+	"os"
+	"os/signal"
+	"strconv"
+	"syscall"
+
+	"github.com/kvproxy/kvproxy/mockengine"
+)
+
+func main() {
+	log.SetFlags(log.LstdFlags | log.LUTC)
+	if err := run(os.Args[1:]); err != nil {
+		log.Print("kvmock: ", err)
+		os.Exit(1)
+	}
+}
+
+func run(args []string) error {
+	d := mockengine.DefaultConfig()
+	fs := flag.NewFlagSet("kvmock", flag.ContinueOnError)
+	n := fs.Int("n", 4, "number of engines")
+	basePort := fs.Int("base-port", 9000, "port of engine 0; engine i listens on base-port+i (0: any free ports)")
+	host := fs.String("host", "127.0.0.1", "address to listen on")
+	model := fs.String("model", d.Model, "served model name")
+	cacheBlocks := fs.Int("cache-blocks", d.CacheBlocks, "KV cache capacity per engine, in blocks")
+	blockSize := fs.Int("block-size", d.BlockSize, "tokens per KV block")
+	speedup := fs.Float64("speedup", d.Speedup, "time compression: a step of d takes d/speedup")
+	seed := fs.Int64("seed", d.Seed, "seed of generated lengths and words")
+	maxSeqs := fs.Int("max-num-seqs", d.MaxNumSeqs, "running sequences per step at most")
+	maxBatched := fs.Int("max-num-batched-tokens", d.MaxNumBatchedTokens, "tokens per step at most (chunked prefill)")
+	tokenizer := fs.String("tokenizer", d.Tokenizer, "tokenizer name (cl100k_base, o200k_base)")
+	template := fs.String("template", d.Template, "chat template name (chatml, llama3, raw)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *n < 1 {
+		return fmt.Errorf("-n must be at least 1")
+	}
+	if *basePort < 0 || *basePort+*n-1 > 65535 {
+		return fmt.Errorf("-base-port %d leaves no room for %d engines", *basePort, *n)
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+
+	engines := make([]*mockengine.Engine, 0, *n)
+	defer func() {
+		for _, e := range engines {
+			e.Close()
+		}
+	}()
+	for i := 0; i < *n; i++ {
+		cfg := mockengine.Config{
+			ID: "mock-" + strconv.Itoa(i), Model: *model,
+			BlockSize: *blockSize, CacheBlocks: *cacheBlocks,
+			MaxNumSeqs: *maxSeqs, MaxNumBatchedTokens: *maxBatched,
+			Speedup: *speedup, Seed: *seed,
+			Tokenizer: *tokenizer, Template: *template,
+		}
+		e, err := mockengine.New(cfg)
+		if err != nil {
+			return err
+		}
+		engines = append(engines, e)
+		port := 0
+		if *basePort != 0 {
+			port = *basePort + i
+		}
+		addr, err := e.Start(net.JoinHostPort(*host, strconv.Itoa(port)))
+		if err != nil {
+			return err
+		}
+		c := e.Config()
+		log.Printf("kvmock: engine %s model %s listening on http://%s (cache %d blocks of %d tokens, max_num_seqs %d, speedup %g)",
+			c.ID, c.Model, addr, c.CacheBlocks, c.BlockSize, c.MaxNumSeqs, c.Speedup)
+	}
+	<-ctx.Done()
+	log.Printf("kvmock: stopping %d engines", len(engines))
+	return nil
+}

@@ -1,0 +1,329 @@
+package mockengine
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/kvproxy/kvproxy/kv"
+	"github.com/kvproxy/kvproxy/tokenize"
+)
+
+// DefaultMaxTokens is the output length when a request names none.
+const DefaultMaxTokens = 16
+
+// maxBody bounds a request body.
+const maxBody = 64 << 20
+
+// Handler returns the engine's HTTP routes.
+func (e *Engine) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { e.serveCompletion(w, r, true) })
+	mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { e.serveCompletion(w, r, false) })
+	mux.HandleFunc("GET /v1/models", e.serveModels)
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
+	mux.HandleFunc("GET /metrics", e.serveMetrics)
+	mux.HandleFunc("GET /debug/cache", e.serveDebugCache)
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, http.StatusNotFound, "NotFoundError", "", "no route for "+r.Method+" "+r.URL.Path)
+	})
+	return mux
+}
+
+// apiRequest holds the fields of a chat or completions request the engine
+// understands; everything else is ignored, as vLLM ignores what it does not
+// use.
+type apiRequest struct {
+	Model               string          `json:"model"`
+	Messages            []apiMessage    `json:"messages"`
+	Prompt              json.RawMessage `json:"prompt"`
+	MaxTokens           *int            `json:"max_tokens"`
+	MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	IgnoreEOS           bool            `json:"ignore_eos"`
+	Stream              bool            `json:"stream"`
+	StreamOptions       *struct {
+		IncludeUsage bool `json:"include_usage"`
+	} `json:"stream_options"`
+	CacheSalt string `json:"cache_salt"`
+}
+
+type apiMessage struct {
+	Role    string          `json:"role"`
+	Content json.RawMessage `json:"content"`
+}
+
+// badRequest is a client error naming the offending field.
+type badRequest struct {
+	status int
+	typ    string
+	param  string
+	msg    string
+}
+
+func (b *badRequest) Error() string { return b.msg }
+
+func invalid(param, format string, args ...any) *badRequest {
+	return &badRequest{status: http.StatusBadRequest, typ: "invalid_request_error", param: param, msg: fmt.Sprintf(format, args...)}
+}
+
+// messageText joins a message's content: a string, or an array of parts of
+// which the text ones count; null is empty.
+func messageText(raw json.RawMessage, i int) (string, error) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || string(raw) == "null" {
+		return "", nil
+	}
+	if raw[0] == '"' {
+		var s string
+		if err := json.Unmarshal(raw, &s); err != nil {
+			return "", invalid(fmt.Sprintf("messages[%d].content", i), "content is not a valid string")
+		}
+		return s, nil
+	}
+	var parts []struct {
+		Type string `json:"type"`
+		Text string `json:"text"`
+	}
+	if err := json.Unmarshal(raw, &parts); err != nil {
+		return "", invalid(fmt.Sprintf("messages[%d].content", i), "content must be a string or an array of content parts")
+	}
+	var b []byte
+	for _, p := range parts {
+		if p.Type == "text" {
+			b = append(b, p.Text...)
+		}
+	}
+	return string(b), nil
+}
+
+// promptTokens reads a completions prompt: a string, an array of token ids,
+// or a one-element array of either.
+func (e *Engine) promptTokens(raw json.RawMessage) ([]uint32, error) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || string(raw) == "null" {
+		return nil, invalid("prompt", "prompt is required")
+	}
+	switch raw[0] {
+	case '"':
+		var s string
+		if err := json.Unmarshal(raw, &s); err != nil {
+			return nil, invalid("prompt", "prompt is not a valid string")
+		}
+		return e.enc.EncodeText(nil, s), nil
+	case '[':
+		var ids []uint32
+		if err := json.Unmarshal(raw, &ids); err == nil {
+			return ids, nil
+		}
+		var batch []json.RawMessage
+		if err := json.Unmarshal(raw, &batch); err != nil {
+			return nil, invalid("prompt", "prompt must be a string, an array of token ids, or a one-element array of either")
+		}
+		if len(batch) != 1 {
+			return nil, invalid("prompt", "only one prompt per request is supported, got %d", len(batch))
+		}
+		if t := bytes.TrimSpace(batch[0]); len(t) > 0 && (t[0] == '"' || t[0] == '[') {
+			return e.promptTokens(t)
+		}
+	}
+	return nil, invalid("prompt", "prompt must be a string, an array of token ids, or a one-element array of either")
+}
+
+// parse validates a request and tokenizes its prompt.
+func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiRequest, []uint32, int, error) {
+	body, err := readBody(w, r)
+	if err != nil {
+		return nil, nil, 0, err
+	}
+	var req apiRequest
+	dec := json.NewDecoder(bytes.NewReader(body))
+	if err := dec.Decode(&req); err != nil {
+		return nil, nil, 0, invalid("", "request body is not valid JSON: %v", err)
+	}
+	if req.Model != "" && req.Model != e.cfg.Model {
+		return nil, nil, 0, &badRequest{status: http.StatusNotFound, typ: "NotFoundError", param: "model",
+			msg: fmt.Sprintf("The model `%s` does not exist.", req.Model)}
+	}
+	maxTokens := DefaultMaxTokens
+	if req.MaxCompletionTokens != nil {
+		maxTokens = *req.MaxCompletionTokens
+		if maxTokens < 1 {
+			return nil, nil, 0, invalid("max_completion_tokens", "max_completion_tokens must be at least 1, got %d", maxTokens)
+		}
+	} else if req.MaxTokens != nil {
+		maxTokens = *req.MaxTokens
+		if maxTokens < 1 {
+			return nil, nil, 0, invalid("max_tokens", "max_tokens must be at least 1, got %d", maxTokens)
+		}
+	}
+	var prompt []uint32
+	if chat {
+		if len(req.Messages) == 0 {
+			return nil, nil, 0, invalid("messages", "messages must be a non-empty array")
+		}
+		msgs := make([]tokenize.Message, len(req.Messages))
+		for i, m := range req.Messages {
+			if m.Role == "" {
+				return nil, nil, 0, invalid(fmt.Sprintf("messages[%d].role", i), "role is required")
+			}
+			text, err := messageText(m.Content, i)
+			if err != nil {
+				return nil, nil, 0, err
+			}
+			msgs[i] = tokenize.Message{Role: m.Role, Content: text}
+		}
+		prompt = e.enc.EncodeChat(nil, msgs, true)
+	} else {
+		if prompt, err = e.promptTokens(req.Prompt); err != nil {
+			return nil, nil, 0, err
+		}
+	}
+	if len(prompt) == 0 {
+		return nil, nil, 0, invalid(map[bool]string{true: "messages", false: "prompt"}[chat], "the prompt is empty")
+	}
+	return &req, prompt, maxTokens, nil
+}
+
+func readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
+	b, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBody))
+	if err != nil {
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			return nil, &badRequest{status: http.StatusRequestEntityTooLarge, typ: "invalid_request_error", msg: "request body too large"}
+		}
+		return nil, invalid("", "reading request body: %v", err)
+	}
+	return b, nil
+}
+
+func (e *Engine) serveCompletion(w http.ResponseWriter, hr *http.Request, chat bool) {
+	e.enter()
+	defer e.leave()
+	req, prompt, maxTokens, err := e.parse(w, hr, chat)
+	if err != nil {
+		e.fail(w, err)
+		return
+	}
+	if capacity := e.cfg.CacheBlocks * e.cfg.BlockSize; len(prompt)+maxTokens > capacity {
+		// vLLM refuses what exceeds max_model_len; here the cache is the limit.
+		e.fail(w, invalid("max_tokens", "prompt (%d tokens) plus max_tokens (%d) exceed the engine's KV cache (%d tokens)",
+			len(prompt), maxTokens, capacity))
+		return
+	}
+	r := e.newRequest(prompt, maxTokens, req.IgnoreEOS, req.CacheSalt)
+	if err := e.submit(r); err != nil {
+		e.fail(w, err)
+		return
+	}
+	rs := &responder{e: e, chat: chat, created: time.Now().Unix(), promptTokens: len(prompt), maxTokens: maxTokens}
+	rs.id = fmt.Sprintf("%s-%s-%d", map[bool]string{true: "chatcmpl", false: "cmpl"}[chat], e.cfg.ID, r.seq.ID)
+	ctx := hr.Context()
+	if req.Stream {
+		includeUsage := req.StreamOptions != nil && req.StreamOptions.IncludeUsage
+		if !rs.stream(ctx, w, r, includeUsage) {
+			e.abort(r)
+			e.aborts.Add(1)
+			return
+		}
+	} else if !rs.whole(ctx, w, r) {
+		e.abort(r)
+		e.aborts.Add(1)
+		return
+	}
+	e.finished.Add(1)
+}
+
+// fail answers with an OpenAI error object.
+func (e *Engine) fail(w http.ResponseWriter, err error) {
+	e.rejected.Add(1)
+	var b *badRequest
+	if errors.As(err, &b) {
+		writeError(w, b.status, b.typ, b.param, b.msg)
+		return
+	}
+	writeError(w, http.StatusInternalServerError, "internal_error", "", err.Error())
+}
+
+func writeError(w http.ResponseWriter, status int, typ, param, msg string) {
+	var body struct {
+		Error struct {
+			Message string  `json:"message"`
+			Type    string  `json:"type"`
+			Param   *string `json:"param"`
+			Code    int     `json:"code"`
+		} `json:"error"`
+	}
+	body.Error.Message, body.Error.Type, body.Error.Code = msg, typ, status
+	if param != "" {
+		body.Error.Param = &param
+	}
+	b, _ := json.Marshal(&body)
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	w.Write(b)
+}
+
+func (e *Engine) serveModels(w http.ResponseWriter, _ *http.Request) {
+	b := fmt.Appendf(nil, `{"object":"list","data":[{"id":%s,"object":"model","created":%d,"owned_by":"kvmock","root":%s,"max_model_len":%d}]}`,
+		e.modelJSON, time.Now().Unix(), e.modelJSON, e.cfg.CacheBlocks*e.cfg.BlockSize)
+	w.Header().Set("Content-Type", "application/json")
+	w.Write(b)
+}
+
+// serveMetrics writes vLLM's metric names in Prometheus text format.
+// Counters carry the _total suffix, as vLLM's Python client exposes them.
+func (e *Engine) serveMetrics(w http.ResponseWriter, _ *http.Request) {
+	st := e.Stats()
+	lbl := `{model_name=` + string(e.modelJSON) + `}`
+	var b []byte
+	metric := func(name, typ, help, value string) {
+		b = fmt.Appendf(b, "# HELP %s %s\n# TYPE %s %s\n%s%s %s\n", name, help, name, typ, name, lbl, value)
+	}
+	f := func(v float64) string { return strconv.FormatFloat(v, 'g', -1, 64) }
+	u := func(v uint64) string { return strconv.FormatUint(v, 10) }
+	metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", strconv.Itoa(st.Running))
+	metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", strconv.Itoa(st.Waiting))
+	metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", f(st.KVUsage))
+	metric("vllm:gpu_cache_usage_perc", "gauge", "GPU KV-cache usage (older name). 1 means 100 percent usage.", f(st.KVUsage))
+	metric("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.", u(st.PrefixQueries))
+	metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", u(st.PrefixHits))
+	metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions from the engine.", u(st.Preemptions))
+	metric("vllm:request_success_total", "counter", "Count of successfully processed requests.", u(st.Finished))
+	w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+	w.Write(b)
+}
+
+// DebugCache is the /debug/cache answer: every block findable in the
+// engine's prefix cache. Hash is in the router's scheme,
+// kv.HashBlocks(tokens, BlockSize, 0) chained from the start of the
+// sequence, with no namespace even when the request had a cache_salt;
+// EngineHash is what the engine's events carry.
+type DebugCache struct {
+	ID        string       `json:"id"`
+	Model     string       `json:"model"`
+	BlockSize int          `json:"block_size"`
+	Blocks    []DebugBlock `json:"blocks"`
+}
+
+// DebugBlock is one resident block.
+type DebugBlock struct {
+	Hash       uint64 `json:"hash"`
+	EngineHash uint64 `json:"engine_hash"`
+	Medium     string `json:"medium"`
+}
+
+func (e *Engine) serveDebugCache(w http.ResponseWriter, _ *http.Request) {
+	res := e.appendResident(nil)
+	out := DebugCache{ID: e.cfg.ID, Model: e.cfg.Model, BlockSize: e.cfg.BlockSize, Blocks: make([]DebugBlock, len(res))}
+	for i, r := range res {
+		out.Blocks[i] = DebugBlock{Hash: uint64(r.Hash), EngineHash: uint64(r.EngineHash), Medium: kv.MediumOf(r.Tier)}
+	}
+	b, _ := json.Marshal(&out)
+	w.Header().Set("Content-Type", "application/json")
+	w.Write(b)
+}

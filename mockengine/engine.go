@@ -1,0 +1,404 @@
+package mockengine
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvproxy/kvproxy/tokenize"
+)
+
+// Config describes one simulated engine. Zero fields take DefaultConfig's
+// values.
+type Config struct {
+	ID    string // engine id, shown in logs and /debug/cache
+	Model string // served model name; requests naming another get 404
+
+	BlockSize           int
+	CacheBlocks         int // device KV capacity in blocks
+	MaxNumSeqs          int
+	MaxNumBatchedTokens int
+
+	// Speedup compresses time: a step of d sleeps d/Speedup.
+	Speedup float64
+	// Seed varies the generated lengths and words.
+	Seed int64
+
+	Tokenizer string // tokenize.Get name
+	Template  string // tokenize.GetTemplate name
+}
+
+// DefaultConfig is one engine sized like Llama-3.1-8B on an H100 with vLLM's
+// scheduler defaults, in real time.
+func DefaultConfig() Config {
+	m := DefaultModelConfig()
+	return Config{
+		ID:                  "mock-0",
+		Model:               "mock-model",
+		BlockSize:           m.BlockSize,
+		CacheBlocks:         m.CacheBlocks,
+		MaxNumSeqs:          m.MaxNumSeqs,
+		MaxNumBatchedTokens: m.MaxNumBatchedTokens,
+		Speedup:             1,
+		Tokenizer:           "cl100k_base",
+		Template:            "chatml",
+	}
+}
+
+func (c Config) withDefaults() Config {
+	d := DefaultConfig()
+	if c.ID == "" {
+		c.ID = d.ID
+	}
+	if c.Model == "" {
+		c.Model = d.Model
+	}
+	if c.BlockSize <= 0 {
+		c.BlockSize = d.BlockSize
+	}
+	if c.CacheBlocks <= 0 {
+		c.CacheBlocks = d.CacheBlocks
+	}
+	if c.MaxNumSeqs <= 0 {
+		c.MaxNumSeqs = d.MaxNumSeqs
+	}
+	if c.MaxNumBatchedTokens <= 0 {
+		c.MaxNumBatchedTokens = d.MaxNumBatchedTokens
+	}
+	if c.Speedup <= 0 {
+		c.Speedup = d.Speedup
+	}
+	if c.Tokenizer == "" {
+		c.Tokenizer = d.Tokenizer
+	}
+	if c.Template == "" {
+		c.Template = d.Template
+	}
+	return c
+}
+
+// Stats is a snapshot of an engine's counters and state.
+type Stats struct {
+	Requests uint64 // accepted into the model
+	Finished uint64 // answered in full
+	Aborts   uint64 // client went away before the end
+	Rejected uint64 // answered with an error
+	InFlight int    // handlers still running
+
+	Running, Waiting int
+	KVUsage          float64 // fraction of blocks held by running sequences
+	CachedBlocks     int
+	PrefixQueries    uint64 // prompt tokens looked up
+	PrefixHits       uint64 // prompt tokens found cached
+	Preemptions      uint64
+	Steps            uint64
+}
+
+// Engine is a simulated vLLM serving the OpenAI API over HTTP.
+type Engine struct {
+	cfg   Config
+	enc   *tokenize.Encoder
+	words []word
+
+	mu      sync.Mutex // guards model, reqs, nextID
+	model   *Model
+	reqs    map[uint64]*request
+	nextID  uint64
+	steps   uint64
+	deliver []delivery
+	// stepHook, if set (under mu), runs after each step is scheduled and
+	// before its time passes. For tests.
+	stepHook func()
+
+	wake   chan struct{}
+	done   chan struct{}
+	loopWG sync.WaitGroup
+
+	requests, finished, aborts, rejected atomic.Uint64
+
+	idleMu      sync.Mutex
+	inflight    int
+	idleWaiters []chan struct{}
+
+	srvMu  sync.Mutex
+	srvs   []*http.Server
+	closed bool
+
+	modelJSON []byte // the model name as a JSON string
+}
+
+// request is one HTTP request's view of its sequence. The engine loop
+// publishes progress in the atomics and pokes notify; the handler reads them.
+type request struct {
+	seq       Seq
+	words     []uint16 // word index per output token
+	notify    chan struct{}
+	generated atomic.Int32
+	cached    atomic.Int32
+	done      atomic.Bool
+}
+
+type delivery struct {
+	r           *request
+	gen, cached int32
+	done        bool
+}
+
+// New builds an engine and starts its scheduler; it serves nothing until
+// Serve or Start.
+func New(cfg Config) (*Engine, error) {
+	cfg = cfg.withDefaults()
+	tok, err := tokenize.Get(cfg.Tokenizer)
+	if err != nil {
+		return nil, err
+	}
+	tmpl, err := tokenize.GetTemplate(cfg.Template)
+	if err != nil {
+		return nil, err
+	}
+	enc := tokenize.NewEncoder(tok, tmpl, 0)
+	words := buildWords(enc)
+	if len(words) == 0 {
+		return nil, fmt.Errorf("mockengine: tokenizer %s encodes none of the output words as one token", cfg.Tokenizer)
+	}
+	mj, _ := json.Marshal(cfg.Model)
+	e := &Engine{
+		cfg:   cfg,
+		enc:   enc,
+		words: words,
+		model: NewModel(ModelConfig{
+			BlockSize:           cfg.BlockSize,
+			CacheBlocks:         cfg.CacheBlocks,
+			MaxNumSeqs:          cfg.MaxNumSeqs,
+			MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
+		}),
+		reqs:      make(map[uint64]*request),
+		wake:      make(chan struct{}, 1),
+		done:      make(chan struct{}),
+		modelJSON: mj,
+	}
+	e.loopWG.Add(1)
+	go e.loop()
+	return e, nil
+}
+
+// Config returns the engine's effective configuration.
+func (e *Engine) Config() Config { return e.cfg }
+
+// Serve answers HTTP on ln until Close. It returns nil after Close.
+func (e *Engine) Serve(ln net.Listener) error {
+	srv := &http.Server{Handler: e.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	e.srvMu.Lock()
+	if e.closed {
+		e.srvMu.Unlock()
+		ln.Close()
+		return nil
+	}
+	e.srvs = append(e.srvs, srv)
+	e.srvMu.Unlock()
+	err := srv.Serve(ln)
+	if errors.Is(err, http.ErrServerClosed) {
+		return nil
+	}
+	return err
+}
+
+// Start listens on addr ("127.0.0.1:0" picks a port), serves in the
+// background and returns the bound address.
+func (e *Engine) Start(addr string) (string, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return "", err
+	}
+	go e.Serve(ln)
+	return ln.Addr().String(), nil
+}
+
+// Close stops serving (open connections are closed, which aborts their
+// requests) and stops the scheduler. It is safe to call more than once.
+func (e *Engine) Close() error {
+	e.srvMu.Lock()
+	if e.closed {
+		e.srvMu.Unlock()
+		return nil
+	}
+	e.closed = true
+	srvs := e.srvs
+	e.srvMu.Unlock()
+	var err error
+	for _, s := range srvs {
+		err = errors.Join(err, s.Close())
+	}
+	close(e.done)
+	e.loopWG.Wait()
+	return err
+}
+
+// Stats returns a snapshot of the engine's counters.
+func (e *Engine) Stats() Stats {
+	e.idleMu.Lock()
+	inflight := e.inflight
+	e.idleMu.Unlock()
+	e.mu.Lock()
+	c := e.model.Counters()
+	st := Stats{
+		Running:       e.model.Running(),
+		Waiting:       e.model.Waiting(),
+		KVUsage:       e.model.Usage(),
+		CachedBlocks:  e.model.CachedBlocks(),
+		PrefixQueries: c.PrefixQueries,
+		PrefixHits:    c.PrefixHits,
+		Preemptions:   c.Preemptions,
+		Steps:         e.steps,
+	}
+	e.mu.Unlock()
+	st.Requests = e.requests.Load()
+	st.Finished = e.finished.Load()
+	st.Aborts = e.aborts.Load()
+	st.Rejected = e.rejected.Load()
+	st.InFlight = inflight
+	return st
+}
+
+// WaitIdle blocks until no request handler is running (every response is
+// written or abandoned and every abort applied), or ctx ends. Tests use it
+// instead of sleeping.
+func (e *Engine) WaitIdle(ctx context.Context) error {
+	e.idleMu.Lock()
+	if e.inflight == 0 {
+		e.idleMu.Unlock()
+		return nil
+	}
+	ch := make(chan struct{})
+	e.idleWaiters = append(e.idleWaiters, ch)
+	e.idleMu.Unlock()
+	select {
+	case <-ch:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (e *Engine) enter() {
+	e.idleMu.Lock()
+	e.inflight++
+	e.idleMu.Unlock()
+}
+
+func (e *Engine) leave() {
+	e.idleMu.Lock()
+	e.inflight--
+	if e.inflight == 0 {
+		for _, ch := range e.idleWaiters {
+			close(ch)
+		}
+		e.idleWaiters = e.idleWaiters[:0]
+	}
+	e.idleMu.Unlock()
+}
+
+// submit puts a request's sequence into the model.
+func (e *Engine) submit(r *request) error {
+	e.mu.Lock()
+	e.nextID++
+	r.seq.ID = e.nextID
+	if err := e.model.Add(&r.seq); err != nil {
+		e.mu.Unlock()
+		return err
+	}
+	e.reqs[r.seq.ID] = r
+	e.mu.Unlock()
+	e.requests.Add(1)
+	select {
+	case e.wake <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+// abort takes a request out of the model if it is still there.
+func (e *Engine) abort(r *request) {
+	e.mu.Lock()
+	e.model.Abort(&r.seq)
+	delete(e.reqs, r.seq.ID)
+	e.mu.Unlock()
+}
+
+// loop steps the model in real time: each step's results are published when
+// its (scaled) duration has passed. Deadlines accumulate, so oversleeping one
+// step shortens the next and the long-run rate stays exact.
+func (e *Engine) loop() {
+	defer e.loopWG.Done()
+	var clock time.Time
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	for {
+		e.mu.Lock()
+		dur, out := e.model.Step()
+		if len(out) == 0 && dur == 0 {
+			e.mu.Unlock()
+			select {
+			case <-e.wake:
+				continue
+			case <-e.done:
+				return
+			}
+		}
+		e.steps++
+		hook := e.stepHook
+		e.deliver = e.deliver[:0]
+		for _, o := range out {
+			r := e.reqs[o.Seq.ID]
+			if r == nil {
+				continue
+			}
+			if o.Finished {
+				delete(e.reqs, o.Seq.ID)
+			}
+			e.deliver = append(e.deliver, delivery{r: r, gen: int32(o.Generated), cached: int32(o.CachedTokens), done: o.Finished})
+		}
+		e.mu.Unlock()
+		if hook != nil {
+			hook()
+		}
+
+		now := time.Now()
+		if clock.Before(now) {
+			clock = now
+		}
+		clock = clock.Add(time.Duration(float64(dur) / e.cfg.Speedup))
+		if wait := time.Until(clock); wait > 0 {
+			timer.Reset(wait)
+			select {
+			case <-timer.C:
+			case <-e.done:
+				return
+			}
+		}
+		for _, d := range e.deliver {
+			d.r.cached.Store(d.cached)
+			d.r.generated.Store(d.gen)
+			if d.done {
+				d.r.done.Store(true)
+			}
+			select {
+			case d.r.notify <- struct{}{}:
+			default:
+			}
+		}
+	}
+}
+
+// appendResident lists the cached blocks under the engine lock.
+func (e *Engine) appendResident(dst []ResidentBlock) []ResidentBlock {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.model.AppendResident(dst)
+}

@@ -1,0 +1,237 @@
+package mockengine
+
+import (
+	"context"
+	"net/http"
+	"strconv"
+
+	"github.com/kvproxy/kvproxy/kv"
+	"github.com/kvproxy/kvproxy/tokenize"
+)
+
+// word is one output token: its text (JSON-safe, with a leading space) and
+// the id the tokenizer gives that text, so a later prompt that quotes the
+// answer tokenizes back to the ids the engine cached.
+type word struct {
+	text string
+	id   uint32
+}
+
+var wordList = []string{
+	"the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with",
+	"be", "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which",
+	"but", "have", "an", "had", "they", "you", "were", "their", "one", "all", "we",
+	"can", "her", "has", "there", "been", "if", "more", "when", "will", "would", "who",
+	"so", "no", "cache", "block", "token", "model", "route", "prefix", "engine", "fast",
+	"data", "time", "new", "first", "light", "river", "stone", "cloud",
+}
+
+// buildWords keeps the words the tokenizer encodes as a single token.
+func buildWords(enc *tokenize.Encoder) []word {
+	var ws []word
+	var ids []uint32
+	for _, w := range wordList {
+		ids = enc.EncodeText(ids[:0], " "+w)
+		if len(ids) == 1 {
+			ws = append(ws, word{text: " " + w, id: ids[0]})
+		}
+	}
+	return ws
+}
+
+func mix64(x uint64) uint64 {
+	x ^= x >> 33
+	x *= 0xff51afd7ed558ccd
+	x ^= x >> 33
+	x *= 0xc4ceb9fe1a85ec53
+	x ^= x >> 33
+	return x
+}
+
+// newRequest decides the answer: its length (exactly maxTokens with
+// ignoreEOS, otherwise a pseudo-random length in [1, maxTokens] seeded by
+// the prompt and the engine's seed) and its words.
+func (e *Engine) newRequest(prompt []uint32, maxTokens int, ignoreEOS bool, salt string) *request {
+	seed := mix64(uint64(e.cfg.Seed) ^ kv.LocalHash(prompt))
+	n := maxTokens
+	if !ignoreEOS {
+		n = 1 + int(seed%uint64(maxTokens))
+	}
+	r := &request{
+		seq:    Seq{Prompt: prompt, MaxTokens: n, Output: make([]uint32, n), Salt: salt},
+		words:  make([]uint16, n),
+		notify: make(chan struct{}, 1),
+	}
+	for j := range r.words {
+		k := uint16(mix64(seed+uint64(j)+1) % uint64(len(e.words)))
+		r.words[j] = k
+		r.seq.Output[j] = e.words[k].id
+	}
+	return r
+}
+
+// responder writes one request's answer in OpenAI's shapes.
+type responder struct {
+	e            *Engine
+	chat         bool
+	id           string
+	created      int64
+	promptTokens int
+	maxTokens    int
+}
+
+func (rs *responder) finishReason(r *request) string {
+	if len(r.words) >= rs.maxTokens {
+		return "length"
+	}
+	return "stop"
+}
+
+// head appends the fields every chunk and response share, up to "choices":.
+func (rs *responder) head(b []byte, object string) []byte {
+	b = append(b, `{"id":"`...)
+	b = append(b, rs.id...)
+	b = append(b, `","object":"`...)
+	b = append(b, object...)
+	b = append(b, `","created":`...)
+	b = strconv.AppendInt(b, rs.created, 10)
+	b = append(b, `,"model":`...)
+	b = append(b, rs.e.modelJSON...)
+	return append(b, `,"choices":`...)
+}
+
+func (rs *responder) usage(b []byte, r *request, completion int) []byte {
+	b = append(b, `"usage":{"prompt_tokens":`...)
+	b = strconv.AppendInt(b, int64(rs.promptTokens), 10)
+	b = append(b, `,"completion_tokens":`...)
+	b = strconv.AppendInt(b, int64(completion), 10)
+	b = append(b, `,"total_tokens":`...)
+	b = strconv.AppendInt(b, int64(rs.promptTokens+completion), 10)
+	b = append(b, `,"prompt_tokens_details":{"cached_tokens":`...)
+	b = strconv.AppendInt(b, int64(r.cached.Load()), 10)
+	return append(b, `}}`...)
+}
+
+func (rs *responder) object(chunk bool) string {
+	switch {
+	case rs.chat && chunk:
+		return "chat.completion.chunk"
+	case rs.chat:
+		return "chat.completion"
+	}
+	return "text_completion"
+}
+
+// chunk appends the SSE event of output token j.
+func (rs *responder) chunk(b []byte, r *request, j int, last bool) []byte {
+	b = append(b, "data: "...)
+	b = rs.head(b, rs.object(true))
+	b = append(b, `[{"index":0,`...)
+	text := rs.e.words[r.words[j]].text
+	if rs.chat {
+		b = append(b, `"delta":{`...)
+		if j == 0 {
+			b = append(b, `"role":"assistant",`...)
+		}
+		b = append(b, `"content":"`...)
+		b = append(b, text...)
+		b = append(b, `"}`...)
+	} else {
+		b = append(b, `"text":"`...)
+		b = append(b, text...)
+		b = append(b, '"')
+	}
+	b = append(b, `,"logprobs":null,"finish_reason":`...)
+	if last {
+		b = append(b, '"')
+		b = append(b, rs.finishReason(r)...)
+		b = append(b, '"')
+	} else {
+		b = append(b, "null"...)
+	}
+	return append(b, "}]}\n\n"...)
+}
+
+// stream sends one SSE chunk per token as the engine produces them. It
+// reports false if the client went away first.
+func (rs *responder) stream(ctx context.Context, w http.ResponseWriter, r *request, includeUsage bool) bool {
+	h := w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	w.WriteHeader(http.StatusOK)
+	fl, _ := w.(http.Flusher)
+	if fl != nil {
+		fl.Flush()
+	}
+	sent := 0
+	buf := make([]byte, 0, 1024)
+	for {
+		select {
+		case <-r.notify:
+		case <-ctx.Done():
+			return false
+		}
+		done := r.done.Load() // before generated: done implies the final count
+		g := int(r.generated.Load())
+		buf = buf[:0]
+		for ; sent < g; sent++ {
+			buf = rs.chunk(buf, r, sent, done && sent == g-1)
+		}
+		if done {
+			if includeUsage {
+				buf = append(buf, "data: "...)
+				buf = rs.head(buf, rs.object(true))
+				buf = append(buf, "[],"...)
+				buf = rs.usage(buf, r, g)
+				buf = append(buf, "}\n\n"...)
+			}
+			buf = append(buf, "data: [DONE]\n\n"...)
+		}
+		if _, err := w.Write(buf); err != nil {
+			return false
+		}
+		if fl != nil {
+			fl.Flush()
+		}
+		if done {
+			return true
+		}
+	}
+}
+
+// whole waits for the last token and sends one JSON response. It reports
+// false if the client went away first.
+func (rs *responder) whole(ctx context.Context, w http.ResponseWriter, r *request) bool {
+	for !r.done.Load() {
+		select {
+		case <-r.notify:
+		case <-ctx.Done():
+			return false
+		}
+	}
+	n := len(r.words)
+	b := make([]byte, 0, 256+8*n)
+	b = rs.head(b, rs.object(false))
+	b = append(b, `[{"index":0,`...)
+	if rs.chat {
+		b = append(b, `"message":{"role":"assistant","content":"`...)
+	} else {
+		b = append(b, `"text":"`...)
+	}
+	for _, k := range r.words {
+		b = append(b, rs.e.words[k].text...)
+	}
+	if rs.chat {
+		b = append(b, `"}`...)
+	} else {
+		b = append(b, '"')
+	}
+	b = append(b, `,"logprobs":null,"finish_reason":"`...)
+	b = append(b, rs.finishReason(r)...)
+	b = append(b, `"}],`...)
+	b = rs.usage(b, r, n)
+	b = append(b, '}')
+	w.Header().Set("Content-Type", "application/json")
+	_, err := w.Write(b)
+	return err == nil
+}
