@@ -81,16 +81,10 @@ func (r *relay) run(w *bufio.Writer) {
 		if err == nil {
 			continue
 		}
-		if errors.Is(err, io.EOF) {
-			if end > 0 { // an unterminated last event
-				r.onEvent(buf[:end])
+		if errors.Is(err, io.EOF) && r.sawDone {
+			if end > 0 { // bytes after [DONE] without a blank line
 				w.Write(buf[:end])
 				w.Write([]byte("\n\n"))
-			}
-			if !r.sawDone {
-				// An engine that closed without [DONE] (some do): end the
-				// stream the way OpenAI clients expect.
-				w.Write(doneEvent)
 			}
 			w.Flush()
 			return
@@ -99,8 +93,12 @@ func (r *relay) run(w *bufio.Writer) {
 			x.status = 499
 			return
 		}
-		// The engine failed mid-stream: tell the client in OpenAI's shape
-		// and end the stream properly.
+		// The engine failed mid-stream (an error, or the connection ended
+		// before [DONE]: a dropped chunked stream reads as a plain EOF): tell
+		// the client in OpenAI's shape and end the stream properly.
+		if errors.Is(err, io.EOF) {
+			err = errors.New("stream ended without [DONE]")
+		}
 		x.errMsg = "backend " + x.b.cfg.ID + " failed mid-stream: " + err.Error()
 		x.status = fasthttp.StatusBadGateway
 		w.Write([]byte("data: "))

@@ -1,0 +1,538 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/kvproxy/kvproxy/config"
+)
+
+// fakeEngine is an OpenAI-compatible server on a real loopback socket whose
+// behaviour each test sets. It records what it received.
+type fakeEngine struct {
+	id       string
+	srv      *http.Server
+	addr     string
+	mu       sync.Mutex
+	bodies   []map[string]any
+	aborted  atomic.Int64
+	requests atomic.Int64
+	// behaviour
+	prefillDelay time.Duration
+	tokens       int
+	pauseAfter   int           // stream: stop after this many tokens for pause
+	pause        time.Duration // ...
+	dieAfter     int           // stream: drop the connection after this many tokens
+	status       int           // non-200 answer
+	errBody      string
+}
+
+func startFake(t *testing.T, id string, setup func(*fakeEngine)) *fakeEngine {
+	t.Helper()
+	f := &fakeEngine{id: id, tokens: 5}
+	if setup != nil {
+		setup(f)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.addr = ln.Addr().String()
+	mux := http.NewServeMux()
+	mux.HandleFunc("/health", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok")) })
+	mux.HandleFunc("/v1/", f.serve)
+	f.srv = &http.Server{Handler: mux}
+	go f.srv.Serve(ln)
+	t.Cleanup(func() { f.srv.Close() })
+	return f
+}
+
+func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
+	f.requests.Add(1)
+	var body map[string]any
+	json.NewDecoder(r.Body).Decode(&body)
+	f.mu.Lock()
+	f.bodies = append(f.bodies, body)
+	f.mu.Unlock()
+	if f.status != 0 {
+		w.WriteHeader(f.status)
+		w.Write([]byte(f.errBody))
+		return
+	}
+	select {
+	case <-time.After(f.prefillDelay):
+	case <-r.Context().Done():
+		f.aborted.Add(1)
+		return
+	}
+	stream, _ := body["stream"].(bool)
+	if !stream {
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"id":"x","object":"chat.completion","model":%q,"choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":1,"total_tokens":11,"prompt_tokens_details":{"cached_tokens":3}},"served_by":%q}`, body["model"], f.id)
+		return
+	}
+	w.Header().Set("Content-Type", "text/event-stream")
+	fl := w.(http.Flusher)
+	fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n")
+	fl.Flush()
+	for i := 0; i < f.tokens; i++ {
+		if f.dieAfter > 0 && i == f.dieAfter {
+			hj, _ := w.(http.Hijacker)
+			c, _, _ := hj.Hijack()
+			c.Close()
+			return
+		}
+		if f.pauseAfter > 0 && i == f.pauseAfter {
+			select {
+			case <-time.After(f.pause):
+			case <-r.Context().Done():
+				f.aborted.Add(1)
+				return
+			}
+		}
+		fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t%d \"}}]}\n\n", i)
+		fl.Flush()
+	}
+	fmt.Fprintf(w, "data: [DONE]\n\n")
+	fl.Flush()
+}
+
+func (f *fakeEngine) lastBody() map[string]any {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.bodies) == 0 {
+		return nil
+	}
+	return f.bodies[len(f.bodies)-1]
+}
+
+type testProxy struct {
+	s    *Server
+	url  string
+	logs *syncBuffer
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func startProxy(t *testing.T, policy string, engines ...*fakeEngine) *testProxy {
+	t.Helper()
+	var b strings.Builder
+	fmt.Fprintf(&b, "models:\n  - name: m\n    aliases: [alias-m]\n    tokenizer: cl100k_base\n    template: chatml\n    block_size: 16\n")
+	fmt.Fprintf(&b, "backends:\n")
+	for _, e := range engines {
+		fmt.Fprintf(&b, "  - {id: %s, url: 'http://%s', model: m, served_model: engine-m}\n", e.id, e.addr)
+	}
+	fmt.Fprintf(&b, "router: {policy: %s}\nlimits: {max_request_body_bytes: 65536}\n", policy)
+	cfg, err := config.Parse([]byte(b.String()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	logs := &syncBuffer{}
+	s, err := New(cfg, Options{Logger: zerolog.New(logs), HealthInterval: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go s.Serve(ln)
+	t.Cleanup(func() { s.Shutdown() })
+	return &testProxy{s: s, url: "http://" + ln.Addr().String(), logs: logs}
+}
+
+// waitIdle waits until every load counter is zero: Free runs just after the
+// client has its last byte, so it is awaited, not assumed.
+func (p *testProxy) waitIdle(t *testing.T) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !p.s.Idle() {
+		if time.Now().After(deadline) {
+			t.Fatalf("load counters not zero: %+v", p.s.backendRows())
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+func post(t *testing.T, url, body string) (*http.Response, []byte) {
+	t.Helper()
+	resp, err := http.Post(url, "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, b
+}
+
+const chatBody = `{"model":"alias-m","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Say hi to the whole wide world, please, in many words."}],"temperature":0.5,"x_vendor_param":{"k":1},"nvext":{"annotations":[]}}`
+
+func TestNonStreamingForwardsAndRewrites(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	resp, body := post(t, p.url+"/v1/chat/completions", chatBody)
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d: %s", resp.StatusCode, body)
+	}
+	if got := resp.Header.Get(WorkerHeader); got != "e0" {
+		t.Fatalf("worker header %q", got)
+	}
+	if !bytes.Contains(body, []byte(`"served_by":"e0"`)) {
+		t.Fatalf("body not relayed: %s", body)
+	}
+	fwd := e.lastBody()
+	if fwd["model"] != "engine-m" {
+		t.Fatalf("model not rewritten to the served name: %v", fwd["model"])
+	}
+	if _, ok := fwd["nvext"]; ok {
+		t.Fatal("nvext must be stripped before forwarding")
+	}
+	if fwd["temperature"] != 0.5 || fwd["x_vendor_param"] == nil {
+		t.Fatalf("unknown fields must pass untouched: %v", fwd)
+	}
+	p.waitIdle(t)
+	if !strings.Contains(p.logs.String(), `"cached_tokens":3`) {
+		t.Fatalf("access log lacks cached tokens: %s", p.logs.String())
+	}
+}
+
+func TestStreamingRelaysEveryEventAndFrees(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.tokens = 40 })
+	p := startProxy(t, "kv", e)
+	resp, err := http.Post(p.url+"/v1/completions", "application/json",
+		strings.NewReader(`{"model":"m","prompt":"Once upon a time","stream":true,"max_tokens":40}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if ct := resp.Header.Get("Content-Type"); ct != "text/event-stream" {
+		t.Fatalf("content type %q", ct)
+	}
+	sc := bufio.NewScanner(resp.Body)
+	var data []string
+	for sc.Scan() {
+		if l := sc.Text(); strings.HasPrefix(l, "data: ") {
+			data = append(data, strings.TrimPrefix(l, "data: "))
+		}
+	}
+	if len(data) != 42 || data[41] != "[DONE]" || !strings.Contains(data[40], `"t39 "`) {
+		t.Fatalf("want role chunk + 40 tokens + [DONE], got %d events, last %q", len(data), data[len(data)-1])
+	}
+	p.waitIdle(t)
+}
+
+// Mid-stream, the worker holds the prompt blocks plus one block per
+// block_size generated tokens.
+func TestOutputBlocksTrackedDuringStream(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.tokens = 40; f.pauseAfter = 35; f.pause = 2 * time.Second })
+	p := startProxy(t, "kv", e)
+	prompt := make([]string, 64) // 64 token ids → 4 full blocks
+	for i := range prompt {
+		prompt[i] = fmt.Sprint(1000 + i)
+	}
+	resp, err := http.Post(p.url+"/v1/completions", "application/json",
+		strings.NewReader(`{"model":"m","stream":true,"prompt":[`+strings.Join(prompt, ",")+`]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	br := bufio.NewReader(resp.Body)
+	for n := 0; n < 36; { // role chunk + 35 tokens
+		l, err := br.ReadString('\n')
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.HasPrefix(l, "data: ") {
+			n++
+		}
+	}
+	rows := p.s.backendRows()
+	if rows[0].Inflight != 1 || rows[0].ActiveBlocks != 4+2 || rows[0].PrefillTokens != 0 {
+		t.Fatalf("mid-stream load: want 1 in flight, 4 prompt + 2 output blocks, no prefill left; got %+v", rows[0])
+	}
+	io.Copy(io.Discard, br)
+	p.waitIdle(t)
+}
+
+func TestErrorsAreOpenAIShaped(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	cases := []struct {
+		name, path, body string
+		status           int
+		param, code      string
+	}{
+		{"malformed json", "/v1/chat/completions", `{"model":`, 400, "", ""},
+		{"not an object", "/v1/chat/completions", `[1,2]`, 400, "", ""},
+		{"missing model", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}]}`, 400, "model", ""},
+		{"missing messages", "/v1/chat/completions", `{"model":"m"}`, 400, "messages", ""},
+		{"empty messages", "/v1/chat/completions", `{"model":"m","messages":[]}`, 400, "messages", ""},
+		{"bad role", "/v1/chat/completions", `{"model":"m","messages":[{"role":"wizard","content":"x"}]}`, 400, "messages[0].role", ""},
+		{"bad content", "/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":42}]}`, 400, "messages[0].content", ""},
+		{"missing prompt", "/v1/completions", `{"model":"m"}`, 400, "prompt", ""},
+		{"negative token", "/v1/completions", `{"model":"m","prompt":[1,-2]}`, 400, "prompt", ""},
+		{"bad nvext", "/v1/completions", `{"model":"m","prompt":"x","nvext":{"token_data":"nope"}}`, 400, "nvext", ""},
+		{"unknown pin", "/v1/completions", `{"model":"m","prompt":"x","nvext":{"backend_instance_id":"zz"}}`, 400, "nvext.backend_instance_id", ""},
+		{"unknown model", "/v1/chat/completions", `{"model":"gpt-9","messages":[{"role":"user","content":"x"}]}`, 404, "model", "model_not_found"},
+		{"too large", "/v1/completions", `{"model":"m","prompt":"` + strings.Repeat("a", 70000) + `"}`, 413, "", "request_too_large"},
+		{"unknown path", "/v2/whatever", `{}`, 404, "", "not_found"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			resp, body := post(t, p.url+tc.path, tc.body)
+			if resp.StatusCode != tc.status {
+				t.Fatalf("status %d, want %d: %s", resp.StatusCode, tc.status, body)
+			}
+			var eb struct {
+				Error struct {
+					Message string  `json:"message"`
+					Type    string  `json:"type"`
+					Param   *string `json:"param"`
+					Code    *string `json:"code"`
+				} `json:"error"`
+			}
+			if err := json.Unmarshal(body, &eb); err != nil || eb.Error.Message == "" || eb.Error.Type == "" {
+				t.Fatalf("not an OpenAI error object: %s", body)
+			}
+			if tc.param != "" && (eb.Error.Param == nil || *eb.Error.Param != tc.param) {
+				t.Fatalf("param %v, want %q", eb.Error.Param, tc.param)
+			}
+			if tc.code != "" && (eb.Error.Code == nil || *eb.Error.Code != tc.code) {
+				t.Fatalf("code %v, want %q", eb.Error.Code, tc.code)
+			}
+		})
+	}
+	if e.requests.Load() != 0 {
+		t.Fatalf("bad requests must not reach the engine, it saw %d", e.requests.Load())
+	}
+	p.waitIdle(t)
+}
+
+func TestNoHealthyBackendIs503(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	for _, pool := range p.s.pools {
+		for _, b := range pool.byWorker {
+			pool.rt.SetAvailable(b.worker, false)
+		}
+	}
+	resp, body := post(t, p.url+"/v1/chat/completions", chatBody)
+	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" || !bytes.Contains(body, []byte(`"error"`)) {
+		t.Fatalf("want 503 with Retry-After, got %d %v %s", resp.StatusCode, resp.Header, body)
+	}
+	resp, _ = post(t, p.url+"/health", "")
+	if resp.StatusCode != 503 {
+		t.Fatalf("/health with no healthy backend: %d", resp.StatusCode)
+	}
+}
+
+func TestEngineErrorsAreNormalized(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) {
+		f.status = 400
+		f.errBody = `{"object":"error","message":"max_tokens is too large","type":"BadRequestError","param":null,"code":400}`
+	})
+	p := startProxy(t, "kv", e)
+	resp, body := post(t, p.url+"/v1/chat/completions", chatBody)
+	if resp.StatusCode != 400 || !strings.Contains(string(body), `{"error":{"message":"max_tokens is too large","type":"BadRequestError"`) {
+		t.Fatalf("flat vLLM error not normalized: %d %s", resp.StatusCode, body)
+	}
+	p.waitIdle(t)
+}
+
+func TestDryRunMatchesRealDecision(t *testing.T) {
+	engines := []*fakeEngine{startFake(t, "e0", nil), startFake(t, "e1", nil), startFake(t, "e2", nil)}
+	p := startProxy(t, "kv", engines...)
+	long := strings.Repeat("The quick brown fox jumps over the lazy dog. ", 40)
+	// Warm one worker with the prefix, then ask where the next turn goes.
+	first := `{"model":"m","messages":[{"role":"user","content":"` + long + `"}]}`
+	resp, _ := post(t, p.url+"/v1/chat/completions", first)
+	warm := resp.Header.Get(WorkerHeader)
+	next := `{"model":"m","messages":[{"role":"user","content":"` + long + `"},{"role":"assistant","content":"ok"},{"role":"user","content":"more"}]`
+	resp, body := post(t, p.url+"/v1/chat/completions", next+`,"nvext":{"annotations":["query_instance_id"]}}`)
+	var d decisionJSON
+	if err := json.Unmarshal(body, &d); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("dry-run answer: %d %s", resp.StatusCode, body)
+	}
+	if d.WorkerID != warm || resp.Header.Get(WorkerHeader) != warm {
+		t.Fatalf("dry-run chose %s, the prefix is on %s", d.WorkerID, warm)
+	}
+	if d.OverlapBlocks == 0 || d.TotalBlocks <= d.OverlapBlocks-1 || len(d.TokenIDs) < 16*d.TotalBlocks || len(d.Candidates) != 3 {
+		t.Fatalf("dry-run decision incomplete: %+v", d)
+	}
+	before := engines[0].requests.Load() + engines[1].requests.Load() + engines[2].requests.Load()
+	if before != 1 {
+		t.Fatalf("dry-run must not reach an engine")
+	}
+	resp, _ = post(t, p.url+"/v1/chat/completions", next+`}`)
+	if got := resp.Header.Get(WorkerHeader); got != d.WorkerID {
+		t.Fatalf("real request went to %s, dry-run said %s", got, d.WorkerID)
+	}
+
+	// Streaming dry-run: Dynamo's annotated events, then [DONE].
+	resp, body = post(t, p.url+"/v1/chat/completions", next+`,"stream":true,"nvext":{"annotations":["query_instance_id"]}}`)
+	want := fmt.Sprintf("event: worker_instance_id\n: \"%d\"\n\nevent: token_data\n: [", d.InstanceID)
+	if !strings.HasPrefix(string(body), want) || !strings.HasSuffix(string(body), "]\n\ndata: [DONE]\n\n") {
+		t.Fatalf("streaming dry-run format:\n%s", body)
+	}
+	p.waitIdle(t)
+}
+
+func TestPinnedBackend(t *testing.T) {
+	engines := []*fakeEngine{startFake(t, "e0", nil), startFake(t, "e1", nil)}
+	p := startProxy(t, "round_robin", engines...)
+	for i := 0; i < 3; i++ {
+		resp, _ := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","nvext":{"backend_instance_id":"e1"}}`)
+		if resp.Header.Get(WorkerHeader) != "e1" {
+			t.Fatalf("pin by id ignored: %s", resp.Header.Get(WorkerHeader))
+		}
+	}
+	inst := p.s.backendRows()[0].InstanceID
+	resp, _ := post(t, p.url+"/v1/completions", fmt.Sprintf(`{"model":"m","prompt":"x","nvext":{"backend_instance_id":%d}}`, inst))
+	if resp.Header.Get(WorkerHeader) != "e0" {
+		t.Fatalf("pin by instance id ignored: %s", resp.Header.Get(WorkerHeader))
+	}
+	p.waitIdle(t)
+}
+
+// A client that leaves during a silent prefill: the engine sees the abort
+// and the slot is freed long before the prefill would have ended.
+func TestClientDisconnectDuringPrefillAbortsUpstream(t *testing.T) {
+	for _, stream := range []bool{true, false} {
+		t.Run(fmt.Sprint("stream=", stream), func(t *testing.T) {
+			e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 10 * time.Second })
+			p := startProxy(t, "kv", e)
+			c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			body := fmt.Sprintf(`{"model":"m","prompt":"slow","stream":%v}`, stream)
+			fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+			deadline := time.Now().Add(3 * time.Second)
+			for e.requests.Load() == 0 && time.Now().Before(deadline) {
+				time.Sleep(time.Millisecond)
+			}
+			if p.s.Idle() {
+				t.Fatal("request should hold a slot during prefill")
+			}
+			start := time.Now()
+			c.Close()
+			for e.aborted.Load() == 0 {
+				if time.Since(start) > 3*time.Second {
+					t.Fatal("engine never saw the abort")
+				}
+				time.Sleep(time.Millisecond)
+			}
+			p.waitIdle(t)
+			if time.Since(start) > 3*time.Second {
+				t.Fatalf("slot freed only after %v", time.Since(start))
+			}
+		})
+	}
+}
+
+func TestBackendDyingMidStreamEndsStreamCleanly(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.tokens = 20; f.dieAfter = 5 })
+	p := startProxy(t, "kv", e)
+	_, body := post(t, p.url+"/v1/chat/completions", strings.Replace(chatBody, `"nvext"`, `"stream":true,"nvext"`, 1))
+	s := string(body)
+	if !strings.Contains(s, `"t4 "`) || !strings.Contains(s, `data: {"error":{`) || !strings.HasSuffix(s, "data: [DONE]\n\n") {
+		t.Fatalf("want tokens, an error event and [DONE]:\n%s", s)
+	}
+	p.waitIdle(t)
+}
+
+func TestConnectRefusedReroutes(t *testing.T) {
+	good := startFake(t, "good", nil)
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	deadAddr := ln.Addr().String()
+	ln.Close()
+	dead := &fakeEngine{id: "dead", addr: deadAddr}
+	p := startProxy(t, "round_robin", dead, good)
+	for i := 0; i < 4; i++ {
+		resp, body := post(t, p.url+"/v1/chat/completions", chatBody)
+		if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "good" {
+			t.Fatalf("request %d: %d from %s: %s", i, resp.StatusCode, resp.Header.Get(WorkerHeader), body)
+		}
+	}
+	p.waitIdle(t)
+}
+
+func TestModelsHealthAdminMetrics(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	post(t, p.url+"/v1/chat/completions", chatBody)
+	get := func(path string) []byte {
+		resp, err := http.Get(p.url + path)
+		if err != nil || resp.StatusCode != 200 {
+			t.Fatalf("GET %s: %v %v", path, err, resp)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return b
+	}
+	var models struct {
+		Object string `json:"object"`
+		Data   []struct{ ID, Object string }
+	}
+	json.Unmarshal(get("/v1/models"), &models)
+	if models.Object != "list" || len(models.Data) != 2 || models.Data[0].ID != "m" || models.Data[1].ID != "alias-m" {
+		t.Fatalf("/v1/models: %+v", models)
+	}
+	var rows []backendJSON
+	json.Unmarshal(get("/admin/backends"), &rows)
+	if len(rows) != 1 || rows[0].ID != "e0" || !rows[0].Healthy || rows[0].IndexedBlocks == 0 {
+		t.Fatalf("/admin/backends: %+v", rows)
+	}
+	m := string(get("/metrics"))
+	for _, name := range []string{"kvproxy_requests_total{backend=\"e0\",code=\"200\"} 1", "kvproxy_inflight_requests{backend=\"e0\"} 0", "kvproxy_route_seconds_count", "kvproxy_prefix_hit_ratio_count", "kvproxy_ttft_seconds"} {
+		if !strings.Contains(m, name) {
+			t.Fatalf("/metrics lacks %q", name)
+		}
+	}
+	get("/health")
+}
+
+func TestLogsNeverCarryPromptText(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	secret := "SECRET-PROMPT-TEXT-4711"
+	post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"`+secret+`"}]}`)
+	post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"wizard","content":"`+secret+`"}]}`)
+	p.waitIdle(t)
+	if strings.Contains(p.logs.String(), secret) {
+		t.Fatal("prompt text leaked into the log")
+	}
+	if !strings.Contains(p.logs.String(), `"request_id":"req-`) {
+		t.Fatal("access log line missing")
+	}
+}
+
+var _ = context.Background
