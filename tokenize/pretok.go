@@ -168,7 +168,14 @@ func whitespace(s string, i int) int {
 
 // splitCL100K returns the end of the cl100k_base piece starting at i:
 // (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
-func splitCL100K(s string, i int) int {
+// Llama 3's tokenizer.json splits with the same pattern.
+func splitCL100K(s string, i int) int { return splitCLStyle(s, i, 3) }
+
+// splitQwen is splitCL100K with single digits (\p{N} instead of
+// \p{N}{1,3}): the Split pattern of Qwen 2 and Qwen 3.
+func splitQwen(s string, i int) int { return splitCLStyle(s, i, 1) }
+
+func splitCLStyle(s string, i int, maxDigits int) int {
 	if n := contraction(s, i); n > 0 {
 		return i + n
 	}
@@ -182,7 +189,7 @@ func splitCL100K(s string, i int) int {
 		}
 	}
 	if c&clN != 0 {
-		return digits3(s, i+n)
+		return digits(s, i+n, maxDigits)
 	}
 	if j := punctAndNewlines(s, i, false); j >= 0 {
 		return j
@@ -190,9 +197,55 @@ func splitCL100K(s string, i int) int {
 	return whitespace(s, i)
 }
 
-// digits3 ends \p{N}{1,3} whose first rune ends at i.
-func digits3(s string, i int) int {
-	for k := 1; k < 3 && i < len(s); k++ {
+// splitGPT2 returns the end of the GPT-2 piece starting at i (the pattern of
+// the ByteLevel pre-tokenizer with use_regex):
+// 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+func splitGPT2(s string, i int) int {
+	if s[i] == '\'' && i+1 < len(s) {
+		switch s[i+1] {
+		case 's', 't', 'm', 'd':
+			return i + 2
+		case 'r', 'v':
+			if i+2 < len(s) && s[i+2] == 'e' {
+				return i + 3
+			}
+		case 'l':
+			if i+2 < len(s) && s[i+2] == 'l' {
+				return i + 3
+			}
+		}
+	}
+	j := i // where the run starts: after an optional leading space
+	if s[i] == ' ' && i+1 < len(s) {
+		j = i + 1
+	}
+	for _, mask := range [...]uint8{clL, clN} {
+		if c, n := classAt(s, j); c&mask != 0 {
+			return scanAny(s, j+n, mask)
+		}
+	}
+	if c, n := classAt(s, j); c&(clS|clL|clN) == 0 {
+		return scanNone(s, j+n, clS|clL|clN)
+	}
+	// \s+(?!\S)|\s+ ; no newline rule in GPT-2
+	j, lastStart := i, i
+	for j < len(s) {
+		c, n := classAt(s, j)
+		if c&clS == 0 {
+			break
+		}
+		lastStart = j
+		j += n
+	}
+	if j < len(s) && lastStart > i {
+		return lastStart
+	}
+	return j
+}
+
+// digits ends \p{N}{1,max} whose first rune ends at i.
+func digits(s string, i int, max int) int {
+	for k := 1; k < max && i < len(s); k++ {
 		c, n := classAt(s, i)
 		if c&clN == 0 {
 			break
@@ -255,7 +308,7 @@ func splitO200K(s string, i int) int {
 		return end + contraction(s, end)
 	}
 	if c&clN != 0 {
-		return digits3(s, i+n)
+		return digits(s, i+n, 3)
 	}
 	if j := punctAndNewlines(s, i, true); j >= 0 {
 		return j

@@ -15,6 +15,8 @@ const (
 	o200kPattern  = `[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?` +
 		`|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?` +
 		`|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+`
+	qwenPattern = `(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`
+	gpt2Pattern = `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`
 )
 
 var pretokenizers = []struct {
@@ -24,6 +26,8 @@ var pretokenizers = []struct {
 }{
 	{"cl100k_base", splitCL100K, regexp2.MustCompile(cl100kPattern, regexp2.None)},
 	{"o200k_base", splitO200K, regexp2.MustCompile(o200kPattern, regexp2.None)},
+	{"qwen", splitQwen, regexp2.MustCompile(qwenPattern, regexp2.None)},
+	{"gpt2", splitGPT2, regexp2.MustCompile(gpt2Pattern, regexp2.None)},
 }
 
 func regexPieces(re *regexp2.Regexp, text string) []string {
