@@ -1,0 +1,213 @@
+package backends
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"math"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/valyala/fasthttp"
+)
+
+// EngineMetrics is an engine's own view of its load, from its Prometheus
+// /metrics page.
+type EngineMetrics struct {
+	Waiting int     // requests queued, not yet scheduled
+	Running int     // requests in the running batch
+	KVUsage float64 // fraction of KV cache blocks in use, 0..1
+	// HasKVUsage is false when the engine exports no KV usage gauge.
+	HasKVUsage bool
+}
+
+// Metric names read, per engine kind. Series of one name with different
+// labels (one per data-parallel engine, per model) are summed for request
+// counts and averaged for KV usage.
+var (
+	waitingNames = [][]byte{[]byte("vllm:num_requests_waiting"), []byte("sglang:num_queue_reqs")}
+	runningNames = [][]byte{[]byte("vllm:num_requests_running"), []byte("sglang:num_running_reqs")}
+	usageNames   = [][]byte{[]byte("vllm:kv_cache_usage_perc"), []byte("sglang:token_usage")}
+	// vLLM before 0.10 named KV usage gpu_cache_usage_perc; read only if
+	// the newer name is absent (some versions export both).
+	usageOldName = []byte("vllm:gpu_cache_usage_perc")
+)
+
+// ErrNoEngineMetrics: the page holds none of the load metrics kvproxy reads.
+var ErrNoEngineMetrics = errors.New("no vLLM or SGLang load metrics on the page")
+
+// ParseEngineMetrics reads vLLM's (vllm:num_requests_waiting,
+// vllm:num_requests_running, vllm:kv_cache_usage_perc) or SGLang's
+// (sglang:num_queue_reqs, sglang:num_running_reqs, sglang:token_usage) gauges
+// from Prometheus text exposition format. Other lines, and lines that do not
+// parse, are skipped. It does not allocate.
+func ParseEngineMetrics(page []byte) (EngineMetrics, error) {
+	var (
+		m                         EngineMetrics
+		waiting, running          float64
+		usage, oldUsage           float64
+		nUsage, nOld, nWait, nRun int
+	)
+	for len(page) > 0 {
+		line := page
+		if i := bytes.IndexByte(page, '\n'); i >= 0 {
+			line, page = page[:i], page[i+1:]
+		} else {
+			page = nil
+		}
+		name, v, ok := parseSample(line)
+		if !ok {
+			continue
+		}
+		switch {
+		case oneOf(name, waitingNames):
+			waiting += v
+			nWait++
+		case oneOf(name, runningNames):
+			running += v
+			nRun++
+		case oneOf(name, usageNames):
+			usage += v
+			nUsage++
+		case bytes.Equal(name, usageOldName):
+			oldUsage += v
+			nOld++
+		}
+	}
+	if nWait+nRun+nUsage+nOld == 0 {
+		return EngineMetrics{}, ErrNoEngineMetrics
+	}
+	m.Waiting, m.Running = clampCount(waiting), clampCount(running)
+	switch {
+	case nUsage > 0:
+		m.KVUsage, m.HasKVUsage = usage/float64(nUsage), true
+	case nOld > 0:
+		m.KVUsage, m.HasKVUsage = oldUsage/float64(nOld), true
+	}
+	m.KVUsage = max(0, min(1, m.KVUsage))
+	return m, nil
+}
+
+func oneOf(name []byte, names [][]byte) bool {
+	for _, n := range names {
+		if bytes.Equal(name, n) {
+			return true
+		}
+	}
+	return false
+}
+
+func clampCount(v float64) int {
+	if v < 0 || math.IsNaN(v) {
+		return 0
+	}
+	if v > math.MaxInt32 {
+		return math.MaxInt32
+	}
+	return int(v)
+}
+
+// parseSample splits `name{labels} value [timestamp]`. Label values may
+// hold '}' or spaces inside quotes.
+func parseSample(line []byte) (name []byte, v float64, ok bool) {
+	line = bytes.TrimSpace(line)
+	if len(line) == 0 || line[0] == '#' {
+		return nil, 0, false
+	}
+	i := 0
+	for i < len(line) && line[i] != '{' && line[i] != ' ' && line[i] != '\t' {
+		i++
+	}
+	name, rest := line[:i], line[i:]
+	if len(rest) > 0 && rest[0] == '{' {
+		j, inQuote := 1, false
+		for ; j < len(rest); j++ {
+			c := rest[j]
+			switch {
+			case inQuote && c == '\\':
+				j++
+			case c == '"':
+				inQuote = !inQuote
+			case !inQuote && c == '}':
+				goto closed
+			}
+		}
+		return nil, 0, false
+	closed:
+		rest = rest[j+1:]
+	}
+	rest = bytes.TrimLeft(rest, " \t")
+	if k := bytes.IndexAny(rest, " \t"); k >= 0 {
+		rest = rest[:k] // drop the timestamp
+	}
+	f, err := strconv.ParseFloat(string(rest), 64)
+	if err != nil || math.IsNaN(f) || math.IsInf(f, 0) {
+		return nil, 0, false
+	}
+	return name, f, true
+}
+
+// MetricsScraper fetches engines' /metrics pages. One scraper serves every
+// backend; it is safe for concurrent use and must not be copied after use.
+type MetricsScraper struct {
+	Client  *fasthttp.Client // nil: a private client
+	Timeout time.Duration    // whole request, default 2s
+	// MaxBodySize bounds a page, default 4 MiB.
+	MaxBodySize int
+
+	once sync.Once
+	own  *fasthttp.Client
+}
+
+// Scrape fetches url and parses it. A non-200 status, a timeout, a page over
+// the size bound or a page without load metrics is an error; the caller marks
+// the backend's scrape as failed.
+func (s *MetricsScraper) Scrape(url string) (EngineMetrics, error) {
+	c := s.client()
+	timeout := s.Timeout
+	if timeout <= 0 {
+		timeout = 2 * time.Second
+	}
+	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+	defer fasthttp.ReleaseRequest(req)
+	defer fasthttp.ReleaseResponse(resp)
+	req.SetRequestURI(url)
+	req.Header.SetMethod(fasthttp.MethodGet)
+	if err := c.DoTimeout(req, resp, timeout); err != nil {
+		return EngineMetrics{}, fmt.Errorf("scrape %s: %w", url, err)
+	}
+	if sc := resp.StatusCode(); sc != fasthttp.StatusOK {
+		return EngineMetrics{}, fmt.Errorf("scrape %s: status %d", url, sc)
+	}
+	body := resp.Body()
+	if len(body) > s.maxBody() {
+		return EngineMetrics{}, fmt.Errorf("scrape %s: page of %d bytes exceeds %d", url, len(body), s.maxBody())
+	}
+	m, err := ParseEngineMetrics(body)
+	if err != nil {
+		return EngineMetrics{}, fmt.Errorf("scrape %s: %w", url, err)
+	}
+	return m, nil
+}
+
+func (s *MetricsScraper) maxBody() int {
+	if s.MaxBodySize > 0 {
+		return s.MaxBodySize
+	}
+	return 4 << 20
+}
+
+func (s *MetricsScraper) client() *fasthttp.Client {
+	if s.Client != nil {
+		return s.Client
+	}
+	s.once.Do(func() {
+		s.own = &fasthttp.Client{
+			Name:                "kvproxy-scraper",
+			MaxResponseBodySize: s.maxBody(),
+			MaxIdleConnDuration: 30 * time.Second,
+		}
+	})
+	return s.own
+}

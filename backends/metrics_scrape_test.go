@@ -1,0 +1,121 @@
+package backends
+
+import (
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+)
+
+const vllmPage = `# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B"} 3.0
+vllm:num_requests_running{engine="1",model_name="meta-llama/Llama-3.1-8B"} 4.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B"} 7.0
+vllm:num_requests_waiting{engine="1",model_name="meta-llama/Llama-3.1-8B"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="meta-llama/Llama-3.1-8B"} 0.25
+vllm:gpu_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B"} 0.99
+vllm:prefix_cache_hits_total{engine="0",model_name="meta-llama/Llama-3.1-8B"} 12345.0
+vllm:num_requests_waiting_by_reason{reason="cap"} 100
+`
+
+func TestParseEngineMetricsVLLM(t *testing.T) {
+	m, err := ParseEngineMetrics([]byte(vllmPage))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Ranks are summed; usage averaged; the older usage name ignored when the new one exists.
+	want := EngineMetrics{Waiting: 7, Running: 7, KVUsage: 0.375, HasKVUsage: true}
+	if m != want {
+		t.Fatalf("got %+v want %+v", m, want)
+	}
+}
+
+func TestParseEngineMetricsOldVLLMAndSGLang(t *testing.T) {
+	old := "vllm:num_requests_waiting 2\nvllm:gpu_cache_usage_perc{model_name=\"m\"} 0.8 1700000000000\n"
+	if m, err := ParseEngineMetrics([]byte(old)); err != nil || m != (EngineMetrics{Waiting: 2, KVUsage: 0.8, HasKVUsage: true}) {
+		t.Fatalf("old vLLM: %+v %v", m, err)
+	}
+	sg := `# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="qwen",tp_rank="0"} 12.0
+sglang:num_queue_reqs{model_name="qwen",tp_rank="0"} 5.0
+sglang:token_usage{model_name="qwen",tp_rank="0"} 0.61
+sglang:cache_hit_rate{model_name="qwen"} 0.4
+`
+	if m, err := ParseEngineMetrics([]byte(sg)); err != nil || m != (EngineMetrics{Waiting: 5, Running: 12, KVUsage: 0.61, HasKVUsage: true}) {
+		t.Fatalf("sglang: %+v %v", m, err)
+	}
+}
+
+func TestParseEngineMetricsOddLines(t *testing.T) {
+	page := strings.Join([]string{
+		`vllm:num_requests_running{path="a}b c",q="x\"}"} 2`, // quoted '}' and spaces in labels
+		`vllm:num_requests_running{unterminated="x 9`,
+		`vllm:num_requests_waiting NaN`,
+		`vllm:num_requests_waiting +Inf`,
+		`vllm:num_requests_waiting garbage`,
+		`vllm:num_requests_waiting -3`,
+		`vllm:kv_cache_usage_perc 1.7`,
+		"\tvllm:num_requests_running 1\r",
+		``,
+	}, "\n")
+	m, err := ParseEngineMetrics([]byte(page))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m != (EngineMetrics{Waiting: 0, Running: 3, KVUsage: 1, HasKVUsage: true}) {
+		t.Fatalf("got %+v", m)
+	}
+	if _, err := ParseEngineMetrics([]byte("# nothing here\nup 1\n")); !errors.Is(err, ErrNoEngineMetrics) {
+		t.Fatalf("page without engine metrics: %v", err)
+	}
+}
+
+func TestMetricsScraperScrape(t *testing.T) {
+	slow := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/metrics":
+			w.Header().Set("Content-Type", "text/plain; version=0.0.4")
+			w.Write([]byte(vllmPage))
+		case "/big":
+			w.Write([]byte(strings.Repeat("# padding\n", 2000) + vllmPage))
+		case "/slow":
+			<-slow
+		case "/empty":
+			w.Write([]byte("process_cpu_seconds_total 1\n"))
+		default:
+			http.Error(w, "nope", http.StatusInternalServerError)
+		}
+	}))
+	defer srv.Close()
+	defer close(slow)
+
+	s := &MetricsScraper{Timeout: 200 * time.Millisecond, MaxBodySize: 8 << 10}
+	m, err := s.Scrape(srv.URL + "/metrics")
+	if err != nil || m.Waiting != 7 || m.Running != 7 {
+		t.Fatalf("scrape: %+v %v", m, err)
+	}
+	for _, path := range []string{"/fail", "/slow", "/empty", "/big"} {
+		if _, err := s.Scrape(srv.URL + path); err == nil || !strings.Contains(err.Error(), path) {
+			t.Errorf("%s: want an error naming the URL, got %v", path, err)
+		}
+	}
+}
+
+func BenchmarkParseEngineMetrics(b *testing.B) {
+	page := []byte(strings.Repeat("# HELP x y\nvllm:iteration_tokens_total_bucket{le=\"1.0\"} 0.0\n", 200) + vllmPage)
+	b.SetBytes(int64(len(page)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := ParseEngineMetrics(page); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
