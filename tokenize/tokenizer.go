@@ -2,6 +2,7 @@ package tokenize
 
 import (
 	"fmt"
+	"path/filepath"
 	"sort"
 	"strings"
 	"sync"
@@ -50,5 +51,41 @@ func Get(name string) (Tokenizer, error) {
 		return nil, fmt.Errorf("tokenize: unknown tokenizer %q (known: %s)", name, strings.Join(Names(), ", "))
 	}
 	b.once.Do(func() { b.tok, b.err = b.load() })
+	return b.tok, b.err
+}
+
+var (
+	loadedMu sync.Mutex
+	loaded   = map[string]*builtin{} // tokenizer.json files by absolute path
+)
+
+// Load returns the tokenizer named by spec: a built-in name ("cl100k_base",
+// "o200k_base"), or the path of a Hugging Face tokenizer.json (or of a
+// directory holding one) for a byte-level BPE model. A file is loaded once
+// per process.
+func Load(spec string) (Tokenizer, error) {
+	if _, ok := builtins[spec]; ok {
+		return Get(spec)
+	}
+	if !strings.ContainsAny(spec, `/\`) && !strings.HasSuffix(spec, ".json") {
+		return nil, fmt.Errorf("tokenize: unknown tokenizer %q (known: %s, or the path of a tokenizer.json)", spec, strings.Join(Names(), ", "))
+	}
+	abs, err := filepath.Abs(spec)
+	if err != nil {
+		return nil, fmt.Errorf("tokenize: %w", err)
+	}
+	loadedMu.Lock()
+	b, ok := loaded[abs]
+	if !ok {
+		b = &builtin{load: func() (Tokenizer, error) { return LoadHF(spec) }}
+		loaded[abs] = b
+	}
+	loadedMu.Unlock()
+	b.once.Do(func() { b.tok, b.err = b.load() })
+	if b.err != nil {
+		loadedMu.Lock()
+		delete(loaded, abs) // let a fixed file be retried
+		loadedMu.Unlock()
+	}
 	return b.tok, b.err
 }

