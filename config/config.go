@@ -178,7 +178,6 @@ func expandScalars(b []byte) ([]byte, error) {
 	return yaml.Marshal(&root)
 }
 
-
 var lineRef = regexp.MustCompile(`line (\d+): `)
 
 // nameFields rewrites yaml's "line N: ..." messages to name the field at that
