@@ -2,8 +2,10 @@ package kv
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"strconv"
 
@@ -49,6 +51,7 @@ func EngineHashFromBytes(b []byte) uint64 { return xxh3.Hash(b) }
 // value is ready to use.
 type VLLMDecoder struct {
 	rd      bytes.Reader
+	payload []byte
 	dec     *msgpack.Decoder
 	scratch []byte
 	events  []Event
@@ -74,6 +77,7 @@ func DecodeVLLM(payload []byte) (ts float64, events []Event, dpRank int, err err
 
 // Decode decodes one msgpack payload of a vLLM KVEventBatch.
 func (d *VLLMDecoder) Decode(payload []byte) (ts float64, events []Event, dpRank int, err error) {
+	d.payload = payload
 	d.rd.Reset(payload)
 	if d.dec == nil {
 		d.dec = msgpack.NewDecoder(&d.rd)
@@ -101,6 +105,7 @@ func (d *VLLMDecoder) Decode(payload []byte) (ts float64, events []Event, dpRank
 			d.events[i].Tokens = d.tokens[s.t0:s.t1:s.t1]
 		}
 	}
+	d.payload = nil
 	return ts, d.events, dpRank, nil
 }
 
@@ -460,6 +465,14 @@ func (d *VLLMDecoder) hashList() error {
 		return err
 	}
 	for i := 0; i < n; i++ {
+		// Fast path: an integer hash read from the payload bytes directly.
+		if h, w := mpIntBitsAt(d.payload[len(d.payload)-d.rd.Len():]); w > 0 {
+			d.hashes = append(d.hashes, h)
+			if _, err := d.rd.Seek(int64(w), io.SeekCurrent); err != nil {
+				return err
+			}
+			continue
+		}
 		ok, h, err := d.optHash()
 		if err != nil {
 			return fmt.Errorf("[%d]: %w", i, err)
@@ -492,6 +505,9 @@ func (d *VLLMDecoder) optHash() (ok bool, h uint64, err error) {
 	return true, h, err
 }
 
+// tokenList reads an array of token ids. Token arrays are most of a payload,
+// so their integers are read straight from the payload bytes rather than
+// through the generic decoder, and the reader is then advanced past them.
 func (d *VLLMDecoder) tokenList() error {
 	n, err := d.dec.DecodeArrayLen()
 	if err != nil {
@@ -500,17 +516,77 @@ func (d *VLLMDecoder) tokenList() error {
 	if err := d.checkLen(n, 1); err != nil {
 		return err
 	}
+	buf := d.payload[len(d.payload)-d.rd.Len():]
+	off := 0
 	for i := 0; i < n; i++ {
-		v, err := d.dec.DecodeInt64()
-		if err != nil {
-			return fmt.Errorf("[%d]: %w", i, err)
+		v, w := mpUintAt(buf[off:])
+		if w == 0 {
+			return fmt.Errorf("[%d]: not a token id (an integer 0..2^32-1)", i)
 		}
-		if v < 0 || v > math.MaxUint32 {
+		if v > math.MaxUint32 {
 			return fmt.Errorf("[%d]: token id %d out of range", i, v)
 		}
 		d.tokens = append(d.tokens, uint32(v))
+		off += w
 	}
-	return nil
+	_, err = d.rd.Seek(int64(off), io.SeekCurrent)
+	return err
+}
+
+// mpIntBitsAt decodes any msgpack integer at the start of b, keeping the
+// bits of negative values; width 0 means b does not start with one.
+func mpIntBitsAt(b []byte) (uint64, int) {
+	if len(b) == 0 {
+		return 0, 0
+	}
+	switch c := b[0]; {
+	case c >= 0xe0:
+		return uint64(int64(int8(c))), 1
+	case c == 0xd0 && len(b) >= 2:
+		return uint64(int64(int8(b[1]))), 2
+	case c == 0xd1 && len(b) >= 3:
+		return uint64(int64(int16(binary.BigEndian.Uint16(b[1:])))), 3
+	case c == 0xd2 && len(b) >= 5:
+		return uint64(int64(int32(binary.BigEndian.Uint32(b[1:])))), 5
+	case c == 0xd3 && len(b) >= 9:
+		return binary.BigEndian.Uint64(b[1:]), 9
+	}
+	return mpUintAt(b)
+}
+
+// mpUintAt decodes a non-negative msgpack integer at the start of b and
+// returns it with its encoded width; width 0 means b does not start with
+// one (negative, another type, or truncated).
+func mpUintAt(b []byte) (uint64, int) {
+	if len(b) == 0 {
+		return 0, 0
+	}
+	c := b[0]
+	switch {
+	case c <= 0x7f:
+		return uint64(c), 1
+	case c == 0xcc || c == 0xd0:
+		if len(b) < 2 || (c == 0xd0 && b[1]&0x80 != 0) {
+			return 0, 0
+		}
+		return uint64(b[1]), 2
+	case c == 0xcd || c == 0xd1:
+		if len(b) < 3 || (c == 0xd1 && b[1]&0x80 != 0) {
+			return 0, 0
+		}
+		return uint64(binary.BigEndian.Uint16(b[1:])), 3
+	case c == 0xce || c == 0xd2:
+		if len(b) < 5 || (c == 0xd2 && b[1]&0x80 != 0) {
+			return 0, 0
+		}
+		return uint64(binary.BigEndian.Uint32(b[1:])), 5
+	case c == 0xcf || c == 0xd3:
+		if len(b) < 9 || (c == 0xd3 && b[1]&0x80 != 0) {
+			return 0, 0
+		}
+		return binary.BigEndian.Uint64(b[1:]), 9
+	}
+	return 0, 0
 }
 
 // str reads a str or bin value into the scratch buffer (valid until the

@@ -307,3 +307,33 @@ func FuzzDecodeVLLM(f *testing.F) {
 		}
 	})
 }
+
+// The integer fast paths agree with the library on every width and sign.
+func TestMsgpackIntFastPaths(t *testing.T) {
+	vals := []int64{0, 1, 127, 128, 255, 256, 65535, 65536, 1<<32 - 1, 1 << 32, 1<<63 - 1, -1, -32, -33, -128, -129, -32768, -32769, -1 << 31, -1<<31 - 1, -1 << 63}
+	for _, v := range vals {
+		for _, signed := range []bool{false, true} {
+			f := newFixture(t)
+			if signed || v < 0 {
+				f.i(v)
+			} else {
+				f.u(uint64(v))
+			}
+			b := f.bytes()
+			got, w := mpIntBitsAt(b)
+			if w != len(b) || got != uint64(v) {
+				t.Fatalf("mpIntBitsAt(%d) = %d width %d, encoded %x", v, got, w, b)
+			}
+			u, uw := mpUintAt(b)
+			if v < 0 && uw != 0 {
+				t.Fatalf("mpUintAt accepted negative %d", v)
+			}
+			if v >= 0 && (uw != len(b) || u != uint64(v)) {
+				t.Fatalf("mpUintAt(%d) = %d width %d", v, u, uw)
+			}
+			if _, w := mpIntBitsAt(b[:len(b)-1]); w != 0 && len(b) > 1 {
+				t.Fatalf("truncated %x accepted", b)
+			}
+		}
+	}
+}
