@@ -177,8 +177,19 @@ func (a *KVApplier) ApplyEvents(dpRank int, events []kv.Event) {
 	}
 }
 
-// Clear drops every block of every rank (engine restart, feed reset,
-// backend removed). Implements EventSink.
+// ClearRanks drops every block of the given ranks (engine restart, feed
+// reset). Implements EventSink.
+func (a *KVApplier) ClearRanks(ranks []int) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, r := range ranks {
+		if r >= 0 && r < len(a.ranks) && a.ranks[r] != nil {
+			a.clearRank(a.ranks[r])
+		}
+	}
+}
+
+// Clear drops every block of every rank (backend removed, HTTP feed reset).
 func (a *KVApplier) Clear() {
 	a.mu.Lock()
 	defer a.mu.Unlock()

@@ -179,13 +179,22 @@ func TestKVApplyRanksClearsAndBlockSize(t *testing.T) {
 	if d, _ := depth(t, r, "b", toks, 0); d != 2 {
 		t.Fatalf("rank 0 after rank 1 clear %d", d)
 	}
-	// Clear (feed reset, backend removed) clears every rank.
+	// ClearRanks clears the ranks named (one feed per rank in vLLM).
+	a.ApplyEvents(1, []kv.Event{stored([]uint64{1}, nil, toks[:16], kv.TierDevice)})
+	a.ClearRanks([]int{1, 7})
+	if d, _ := depth(t, r, "b#1", toks, 0); d != 0 {
+		t.Fatalf("rank 1 after ClearRanks %d", d)
+	}
+	if d, _ := depth(t, r, "b", toks, 0); d != 2 {
+		t.Fatalf("rank 0 after ClearRanks([1]) %d", d)
+	}
+	// Clear (backend removed) clears every rank.
 	a.ApplyEvents(1, []kv.Event{stored([]uint64{1}, nil, toks[:16], kv.TierDevice)})
 	a.Clear()
 	if r.Index().Len() != 0 {
 		t.Fatalf("index holds %d entries after Clear", r.Index().Len())
 	}
-	if s := a.Stats(); s.Blocks != [kv.NumTiers]int64{} || s.Clears != 3 {
+	if s := a.Stats(); s.Blocks != [kv.NumTiers]int64{} || s.Clears != 4 {
 		t.Fatalf("stats %+v", s)
 	}
 	// A block size the router does not use cannot be re-hashed.

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -17,12 +18,16 @@ import (
 
 // EventSink receives the decoded KV events of one backend, in publication
 // order, from one goroutine. Events (and their slices) are valid only during
-// the call. Clear means the backend's cache picture can no longer be trusted
-// (engine restart, a gap replay could not fill, an undecodable batch): every
-// block of every data-parallel rank of that backend must be dropped.
+// the call. ClearRanks means the cache picture of those data-parallel ranks
+// can no longer be trusted (engine restart, a gap replay could not fill, an
+// undecodable batch): every block they hold must be dropped.
+//
+// vLLM publishes each data-parallel rank on its own endpoint (port + rank),
+// so one subscriber per endpoint may share a sink: a subscriber clears only
+// the ranks it has seen on its own feed.
 type EventSink interface {
 	ApplyEvents(dpRank int, events []kv.Event)
-	Clear()
+	ClearRanks(ranks []int)
 }
 
 // ZMQConfig configures one backend's vLLM/SGLang ZMQ event feed.
@@ -92,6 +97,7 @@ type ZMQSubscriber struct {
 	applied uint64 // last applied seq (valid when have)
 	subHave bool   // a live message has been seen in this engine incarnation
 	subLast uint64 // last seq seen on the live stream
+	ranks   []int  // data-parallel ranks seen on this feed
 
 	connected                          atomic.Bool
 	batches, events, replays, replayed atomic.Uint64
@@ -273,6 +279,9 @@ func (s *ZMQSubscriber) deliver(seq uint64, payload []byte) bool {
 		s.lastSeq.Store(int64(seq))
 		return true
 	}
+	if !slices.Contains(s.ranks, rank) {
+		s.ranks = append(s.ranks, rank)
+	}
 	s.sink.ApplyEvents(rank, events)
 	s.have, s.applied = true, seq
 	s.batches.Add(1)
@@ -283,7 +292,9 @@ func (s *ZMQSubscriber) deliver(seq uint64, payload []byte) bool {
 }
 
 func (s *ZMQSubscriber) clear(reason string) {
-	s.sink.Clear()
+	if len(s.ranks) > 0 {
+		s.sink.ClearRanks(s.ranks)
+	}
 	s.have = false
 	s.clears.Add(1)
 	s.notify("cleared: " + reason)

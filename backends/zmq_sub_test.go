@@ -116,6 +116,7 @@ type sinkCall struct {
 	rank   int
 	hashes []uint64 // first engine hash of each event
 	clear  bool
+	ranks  []int // ranks cleared
 }
 
 type recordSink struct {
@@ -135,9 +136,9 @@ func (r *recordSink) ApplyEvents(rank int, evs []kv.Event) {
 	r.mu.Unlock()
 }
 
-func (r *recordSink) Clear() {
+func (r *recordSink) ClearRanks(ranks []int) {
 	r.mu.Lock()
-	r.calls = append(r.calls, sinkCall{clear: true})
+	r.calls = append(r.calls, sinkCall{clear: true, ranks: append([]int(nil), ranks...)})
 	r.mu.Unlock()
 }
 
@@ -168,12 +169,19 @@ type subFixture struct {
 }
 
 func startSub(t *testing.T, eng *testEngine, cfg ZMQConfig) *subFixture {
+	rs := &recordSink{}
+	f := startSubSink(t, eng, cfg, rs)
+	f.sink = rs
+	return f
+}
+
+func startSubSink(t *testing.T, eng *testEngine, cfg ZMQConfig, sink EventSink) *subFixture {
 	if cfg.Endpoint == "" {
 		cfg.Endpoint = eng.pubAddr
 	}
 	cfg.BackoffMin, cfg.BackoffMax = 5*time.Millisecond, 50*time.Millisecond
-	f := &subFixture{t: t, eng: eng, sink: &recordSink{}}
-	f.sub = NewZMQSubscriber(cfg, f.sink)
+	f := &subFixture{t: t, eng: eng}
+	f.sub = NewZMQSubscriber(cfg, sink)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { f.sub.Run(ctx); close(done) }()
@@ -341,6 +349,14 @@ func TestZMQSubscriberRestartClears(t *testing.T) {
 	f.wait("restart", func(s ZMQStats) bool { return s.Clears == 1 && s.LastSeq == 1 })
 	if got := f.sink.sinceClear(); !equalU64(got, []uint64{100, 101}) {
 		t.Fatalf("after restart: %v", got)
+	}
+	// Only the ranks this feed carried (rank 0 here) are cleared.
+	f.sink.mu.Lock()
+	defer f.sink.mu.Unlock()
+	for _, c := range f.sink.calls {
+		if c.clear && (len(c.ranks) != 1 || c.ranks[0] != 0) {
+			t.Fatalf("cleared ranks %v", c.ranks)
+		}
 	}
 }
 
