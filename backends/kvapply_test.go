@@ -1,6 +1,7 @@
 package backends
 
 import (
+	"runtime"
 	"testing"
 
 	"github.com/kvproxy/kvproxy/kv"
@@ -266,4 +267,37 @@ func BenchmarkKVApply(b *testing.B) {
 	// On a shared, loaded machine wall time overstates the cost; CPU time
 	// consumed by the process is the fairer per-core figure.
 	b.ReportMetric(float64(b.N)*32/(cpuTime()-cpu0).Seconds(), "blockevents/cpu-s")
+}
+
+// BenchmarkKVApplyMemory reports heap bytes per resident block in event
+// mode: the router's index entry plus the applier's engine-hash map, for
+// 2^18 blocks (one worker), measured after GC.
+func BenchmarkKVApplyMemory(b *testing.B) {
+	const blocks = 1 << 18
+	var evs []kv.Event
+	for i := 0; i < blocks/16; i++ {
+		hs := make([]uint64, 16)
+		for j := range hs {
+			hs[j] = uint64(i*16 + j)
+		}
+		evs = append(evs, kv.Event{Kind: kv.BlockStored, EngineHashes: hs, Tokens: tokens(256, uint32(i)*1000), BlockSize: 16})
+	}
+	b.ReportAllocs()
+	var perBlock float64
+	for i := 0; i < b.N; i++ {
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		r := newRouter(b)
+		a := NewKVApplier(KVApplierConfig{Backend: "mem"}, r)
+		a.ApplyEvents(0, evs)
+		runtime.GC()
+		runtime.ReadMemStats(&after)
+		if r.Index().Len() != blocks {
+			b.Fatalf("index holds %d", r.Index().Len())
+		}
+		perBlock = float64(after.HeapAlloc-before.HeapAlloc) / blocks
+		runtime.KeepAlive(a)
+	}
+	b.ReportMetric(perBlock, "bytes/block")
 }
