@@ -105,12 +105,12 @@ type ZMQSubscriber struct {
 	lastSeq                            atomic.Int64
 	mu                                 sync.Mutex
 	lastErr                            string
-	changed                            chan struct{} // closed and replaced on every state change
+	changed                            chan struct{} // made by Wait, closed on the next state change
 }
 
 // NewZMQSubscriber returns a subscriber feeding sink. Call Run to start it.
 func NewZMQSubscriber(cfg ZMQConfig, sink EventSink) *ZMQSubscriber {
-	s := &ZMQSubscriber{cfg: cfg.withDefaults(), sink: sink, changed: make(chan struct{})}
+	s := &ZMQSubscriber{cfg: cfg.withDefaults(), sink: sink}
 	s.lastSeq.Store(-1)
 	return s
 }
@@ -134,6 +134,9 @@ func (s *ZMQSubscriber) Stats() ZMQStats {
 func (s *ZMQSubscriber) Wait(ctx context.Context, cond func(ZMQStats) bool) error {
 	for {
 		s.mu.Lock()
+		if s.changed == nil {
+			s.changed = make(chan struct{})
+		}
 		ch := s.changed
 		s.mu.Unlock()
 		if cond(s.Stats()) {
@@ -152,8 +155,10 @@ func (s *ZMQSubscriber) notify(errMsg string) {
 	if errMsg != "" {
 		s.lastErr = errMsg
 	}
-	close(s.changed)
-	s.changed = make(chan struct{})
+	if s.changed != nil { // someone waits
+		close(s.changed)
+		s.changed = nil
+	}
 	s.mu.Unlock()
 }
 
