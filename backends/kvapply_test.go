@@ -301,3 +301,39 @@ func BenchmarkKVApplyMemory(b *testing.B) {
 	}
 	b.ReportMetric(perBlock, "bytes/block")
 }
+
+// BenchmarkDecodeAndApply is the subscriber's per-batch work minus the
+// socket: decode a vLLM msgpack payload (array encoding) and apply it. Each
+// payload holds 4 BlockRemoved and 4 BlockStored events of 4 blocks (16
+// tokens each): 32 block events.
+func BenchmarkDecodeAndApply(b *testing.B) {
+	r := newRouter(b)
+	a := NewKVApplier(KVApplierConfig{Backend: "bench"}, r)
+	const ring = 64
+	payloads := make([][]byte, ring)
+	var first []kv.Event
+	for i := range payloads {
+		var evs []kv.Event
+		for e := 0; e < 4; e++ {
+			base := uint64(i*1000 + e*10)
+			hs := []uint64{base, base + 1, base + 2, base + 3}
+			evs = append(evs, kv.Event{Kind: kv.BlockRemoved, EngineHashes: hs})
+			first = append(first, kv.Event{Kind: kv.BlockStored, EngineHashes: hs, Tokens: tokens(64, uint32(base)), BlockSize: 16})
+		}
+		evs = append(evs, first[len(first)-4:]...)
+		payloads[i] = kv.AppendVLLMBatch(nil, 1, evs, 0, kv.VLLMArrays)
+	}
+	a.ApplyEvents(0, first)
+	var dec kv.VLLMDecoder
+	b.ReportAllocs()
+	cpu0 := cpuTime()
+	for i := 0; b.Loop(); i++ {
+		_, evs, rank, err := dec.Decode(payloads[i%ring])
+		if err != nil {
+			b.Fatal(err)
+		}
+		a.ApplyEvents(rank, evs)
+	}
+	b.ReportMetric(float64(b.N)*32/b.Elapsed().Seconds(), "blockevents/s")
+	b.ReportMetric(float64(b.N)*32/(cpuTime()-cpu0).Seconds(), "blockevents/cpu-s")
+}
