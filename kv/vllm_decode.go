@@ -39,8 +39,9 @@ import (
 //
 // A BlockStored with only the deprecated lora_id (no lora_name) gets the
 // LoRAName "lora_id:<n>", so its blocks never mix with the base model's.
-// group_idx (hybrid models with several KV cache groups) is not represented in
-// Event and is ignored.
+// Hybrid models (several KV cache groups) tag events with group_idx; only
+// group 0 (or no group_idx) is decoded, other groups' events are skipped, so
+// one group's cache picture is followed rather than a mix of several.
 
 // EngineHashFromBytes folds a byte-string engine block hash to 64 bits.
 func EngineHashFromBytes(b []byte) uint64 { return xxh3.Hash(b) }
@@ -226,6 +227,7 @@ type pending struct {
 	loraName   string
 	sawHashes  bool
 	sawBlockSz bool
+	groupIdx   int64
 }
 
 func (d *VLLMDecoder) event() error {
@@ -244,7 +246,7 @@ func (d *VLLMDecoder) event() error {
 	if err != nil {
 		return err
 	}
-	if p.unknown {
+	if p.unknown || p.groupIdx != 0 {
 		d.hashes = d.hashes[:p.sp.h0]
 		d.tokens = d.tokens[:p.sp.t0]
 		return nil
@@ -299,14 +301,15 @@ const (
 	fLoraID
 	fMedium
 	fLoraName
+	fGroupIdx
 )
 
-var fieldNames = [...]string{"unknown field", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"}
+var fieldNames = [...]string{"unknown field", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "group_idx"}
 
 // Positional field order of the array encoding, after the tag.
 var (
-	storedOrder  = [...]fieldID{fBlockHashes, fParent, fTokenIDs, fBlockSize, fLoraID, fMedium, fLoraName}
-	removedOrder = [...]fieldID{fBlockHashes, fMedium}
+	storedOrder  = [...]fieldID{fBlockHashes, fParent, fTokenIDs, fBlockSize, fLoraID, fMedium, fLoraName, fUnknown /* extra_keys */, fGroupIdx}
+	removedOrder = [...]fieldID{fBlockHashes, fMedium, fGroupIdx}
 )
 
 func fieldOf(key []byte) fieldID {
@@ -325,6 +328,8 @@ func fieldOf(key []byte) fieldID {
 		return fMedium
 	case "lora_name":
 		return fLoraName
+	case "group_idx":
+		return fGroupIdx
 	}
 	return fUnknown
 }
@@ -402,6 +407,8 @@ func (d *VLLMDecoder) field(p *pending, f fieldID) error {
 		}
 	case fMedium:
 		p.medium, err = d.optStr()
+	case fGroupIdx:
+		p.groupIdx, err = d.dec.DecodeInt64() // nil decodes as 0
 	case fLoraName:
 		p.loraName, err = d.optStr()
 	default:

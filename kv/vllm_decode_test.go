@@ -97,7 +97,7 @@ func TestDecodeVLLMArrayEncoding(t *testing.T) {
 func TestDecodeVLLMMapEncoding(t *testing.T) {
 	h1, h2, parent := bytes.Repeat([]byte{1}, 32), bytes.Repeat([]byte{2}, 32), bytes.Repeat([]byte{3}, 32)
 	f := newFixture(t)
-	f.mp(3).str("events").arr(3)
+	f.mp(3).str("events").arr(4)
 	f.mp(11).str("type").str("BlockStored").
 		str("block_hashes").arr(2).bin(h1).bin(h2).
 		str("parent_block_hash").bin(parent).
@@ -110,7 +110,9 @@ func TestDecodeVLLMMapEncoding(t *testing.T) {
 		str("group_idx").i(0).
 		str("kv_cache_spec_kind").str("full_attention")
 	// type named last
-	f.mp(4).str("block_hashes").arr(1).bin(h2).str("medium").str("DISK").str("group_idx").i(1).str("type").str("BlockRemoved")
+	f.mp(4).str("block_hashes").arr(1).bin(h2).str("medium").str("DISK").str("group_idx").i(0).str("type").str("BlockRemoved")
+	// another KV cache group of a hybrid model: skipped
+	f.mp(3).str("type").str("BlockRemoved").str("block_hashes").arr(1).bin(h1).str("group_idx").i(1)
 	f.mp(1).str("type").str("AllBlocksCleared")
 	f.str("data_parallel_rank").i(1).str("ts").fl(12.25)
 
@@ -158,7 +160,8 @@ func TestDecodeVLLMOldestLayout(t *testing.T) {
 // types, and trailing batch elements are skipped.
 func TestDecodeVLLMIgnoresUnknown(t *testing.T) {
 	f := newFixture(t)
-	f.arr(4).fl(1).arr(3)
+	f.arr(4).fl(1).arr(4)
+	f.arr(10).str("BlockStored").ints(5).nil_().ints(toks(2, 0)...).i(2).nil_().str("GPU").nil_().nil_().i(2) // group 2: skipped
 	f.arr(13).str("BlockStored").ints(1).nil_().ints(toks(2, 0)...).i(2).nil_().str("GPU").nil_().
 		arr(1).nil_().i(0).str("full_attention").nil_().mp(1).str("future").ints(1, 2, 3)
 	f.arr(3).str("BlockPromoted").ints(1).str("GPU")
