@@ -25,6 +25,50 @@ type Config struct {
 	Backends []Backend `yaml:"backends"`
 	Router   Router    `yaml:"router"`
 	Limits   Limits    `yaml:"limits"`
+	Health   Health    `yaml:"health"`
+	Auth     Auth      `yaml:"auth"`
+	Tenants  []Tenant  `yaml:"tenants"`
+}
+
+// Auth maps API keys to tenants. With no keys, every request is accepted as
+// the anonymous tenant "".
+type Auth struct {
+	Keys []APIKey `yaml:"keys"`
+	// AdminKeys guard /admin/* and /v1/kv_events. With none, those endpoints
+	// are open only when Keys is empty too.
+	AdminKeys []string `yaml:"admin_keys"`
+	// CacheSaltSecret keys the HMAC that derives each tenant's cache_salt.
+	CacheSaltSecret string `yaml:"cache_salt_secret"`
+}
+
+// APIKey is one client key.
+type APIKey struct {
+	Key    string `yaml:"key"`
+	Tenant string `yaml:"tenant"`
+}
+
+// Tenant settings. A tenant named by a key but not listed here gets defaults.
+type Tenant struct {
+	Name string `yaml:"name"`
+	// SharedCache opts the tenant into the shared cache namespace: its
+	// prefixes are reused across tenants that also opt in.
+	SharedCache       bool    `yaml:"shared_cache"`
+	RequestsPerSecond float64 `yaml:"requests_per_second"`
+	TokensPerMinute   float64 `yaml:"tokens_per_minute"`
+}
+
+// Health configures active probes and passive ejection.
+type Health struct {
+	Interval time.Duration `yaml:"interval"`
+	Timeout  time.Duration `yaml:"timeout"`
+	Rise     int           `yaml:"rise"`
+	Fall     int           `yaml:"fall"`
+	// EjectBase is the first passive ejection; each consecutive one doubles
+	// it up to EjectMax.
+	EjectBase time.Duration `yaml:"eject_base"`
+	EjectMax  time.Duration `yaml:"eject_max"`
+	// ForgetAfter drops the index entries of a backend unhealthy this long.
+	ForgetAfter time.Duration `yaml:"forget_after"`
 }
 
 // Model is one served model: how its prompts are tokenized and hashed.
@@ -56,14 +100,36 @@ type Backend struct {
 	Kind  string `yaml:"kind"`
 	// ServedModel is the model name the engine expects; default the model's name.
 	ServedModel string `yaml:"served_model"`
+	// APIKey is sent to the engine as a bearer token (never the client's).
+	APIKey string `yaml:"api_key"`
+	// MaxConcurrency caps requests in flight on this engine (0: no cap).
+	MaxConcurrency int `yaml:"max_concurrency"`
+	// KVEvents says how kvproxy learns what the engine caches.
+	KVEvents KVEvents `yaml:"kv_events"`
 	// Mock configures the simulated engine kvproxy starts for kind: mock.
 	Mock MockEngine `yaml:"mock"`
+}
+
+// KV event modes.
+const (
+	EventsNone = "none" // approximate: the router records its own decisions
+	EventsZMQ  = "zmq"  // vLLM/SGLang ZMQ publisher
+	EventsHTTP = "http" // pushed to POST /v1/kv_events
+)
+
+// KVEvents configures a backend's cache event feed.
+type KVEvents struct {
+	Mode     string `yaml:"mode"`
+	Endpoint string `yaml:"endpoint"` // zmq: publisher, e.g. tcp://10.0.0.11:5557
+	Replay   string `yaml:"replay"`   // zmq: replay ROUTER endpoint (optional)
+	Topic    string `yaml:"topic"`    // zmq: topic filter ("" = all)
 }
 
 // MockEngine settings for a kind: mock backend, started in-process on the
 // backend URL's loopback address.
 type MockEngine struct {
 	CacheBlocks         int     `yaml:"cache_blocks"`
+	HostCacheBlocks     int     `yaml:"host_cache_blocks"`
 	MaxNumSeqs          int     `yaml:"max_num_seqs"`
 	MaxNumBatchedTokens int     `yaml:"max_num_batched_tokens"`
 	Speedup             float64 `yaml:"speedup"`
@@ -92,9 +158,22 @@ type Cost struct {
 // Limits protect the proxy from bad or huge input.
 type Limits struct {
 	MaxRequestBodyBytes int           `yaml:"max_request_body_bytes"`
+	MaxHeaderBytes      int           `yaml:"max_header_bytes"`
+	HeaderTimeout       time.Duration `yaml:"header_timeout"` // slowloris guard
+	BodyTimeout         time.Duration `yaml:"body_timeout"`
+	MaxMessages         int           `yaml:"max_messages"`
+	MaxPromptTokens     int           `yaml:"max_prompt_tokens"`
 	StreamIdleTimeout   time.Duration `yaml:"stream_idle_timeout"`
 	UpstreamConnectTime time.Duration `yaml:"upstream_connect_timeout"`
 	MaxConnsPerBackend  int           `yaml:"max_conns_per_backend"`
+	// QueueTimeout bounds how long a request waits for a backend below its
+	// max_concurrency; MaxQueue bounds how many wait.
+	QueueTimeout time.Duration `yaml:"queue_timeout"`
+	MaxQueue     int           `yaml:"max_queue"`
+	// RetryBudget is the share of requests that may be retries (0..1).
+	RetryBudget float64 `yaml:"retry_budget"`
+	// DrainTimeout is how long SIGTERM and reloads wait for streams.
+	DrainTimeout time.Duration `yaml:"drain_timeout"`
 }
 
 // Policies the router knows; validated here so a typo fails at start.
@@ -305,6 +384,39 @@ func (c *Config) applyDefaults() {
 	if c.Limits.MaxConnsPerBackend == 0 {
 		c.Limits.MaxConnsPerBackend = 4096
 	}
+	def := func(d *time.Duration, v time.Duration) {
+		if *d == 0 {
+			*d = v
+		}
+	}
+	defInt := func(d *int, v int) {
+		if *d == 0 {
+			*d = v
+		}
+	}
+	defInt(&c.Limits.MaxHeaderBytes, 16<<10)
+	def(&c.Limits.HeaderTimeout, 10*time.Second)
+	def(&c.Limits.BodyTimeout, 60*time.Second)
+	defInt(&c.Limits.MaxMessages, 4096)
+	defInt(&c.Limits.MaxPromptTokens, 1<<20)
+	def(&c.Limits.QueueTimeout, 10*time.Second)
+	defInt(&c.Limits.MaxQueue, 1024)
+	if c.Limits.RetryBudget == 0 {
+		c.Limits.RetryBudget = 0.2
+	}
+	def(&c.Limits.DrainTimeout, 30*time.Second)
+	def(&c.Health.Interval, 2*time.Second)
+	def(&c.Health.Timeout, time.Second)
+	defInt(&c.Health.Rise, 1)
+	defInt(&c.Health.Fall, 2)
+	def(&c.Health.EjectBase, time.Second)
+	def(&c.Health.EjectMax, time.Minute)
+	def(&c.Health.ForgetAfter, time.Minute)
+	for i := range c.Backends {
+		if c.Backends[i].KVEvents.Mode == "" {
+			c.Backends[i].KVEvents.Mode = EventsNone
+		}
+	}
 }
 
 // Validate checks every field and reports all problems at once.
@@ -396,6 +508,18 @@ func (c *Config) Validate() error {
 		if _, ok := names[b.Model]; b.Model == "" || !ok || !c.isModelName(b.Model) {
 			add(f+".model", "must name one of models[].name, got %q", b.Model)
 		}
+		switch b.KVEvents.Mode {
+		case EventsNone, EventsHTTP:
+		case EventsZMQ:
+			if !strings.HasPrefix(b.KVEvents.Endpoint, "tcp://") && !strings.HasPrefix(b.KVEvents.Endpoint, "ipc://") && b.Kind != KindMock {
+				add(f+".kv_events.endpoint", "zmq mode needs a tcp:// or ipc:// publisher endpoint, got %q", b.KVEvents.Endpoint)
+			}
+		default:
+			add(f+".kv_events.mode", "want none, zmq or http, got %q", b.KVEvents.Mode)
+		}
+		if b.MaxConcurrency < 0 {
+			add(f+".max_concurrency", "must not be negative")
+		}
 		if b.Mock.Speedup < 0 || b.Mock.CacheBlocks < 0 || b.Mock.MaxNumSeqs < 0 || b.Mock.MaxNumBatchedTokens < 0 {
 			add(f+".mock", "values must not be negative")
 		}
@@ -417,6 +541,61 @@ func (c *Config) Validate() error {
 	}
 	if c.Limits.MaxRequestBodyBytes < 1024 {
 		add("limits.max_request_body_bytes", "must be at least 1024")
+	}
+	if c.Limits.MaxHeaderBytes < 1024 {
+		add("limits.max_header_bytes", "must be at least 1024")
+	}
+	if c.Limits.MaxMessages < 1 || c.Limits.MaxPromptTokens < 1 || c.Limits.MaxQueue < 0 {
+		add("limits", "max_messages and max_prompt_tokens must be positive, max_queue not negative")
+	}
+	if c.Limits.RetryBudget < 0 || c.Limits.RetryBudget > 1 {
+		add("limits.retry_budget", "must be between 0 and 1, got %g", c.Limits.RetryBudget)
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{{"limits.header_timeout", c.Limits.HeaderTimeout}, {"limits.body_timeout", c.Limits.BodyTimeout},
+		{"limits.stream_idle_timeout", c.Limits.StreamIdleTimeout}, {"limits.queue_timeout", c.Limits.QueueTimeout},
+		{"limits.drain_timeout", c.Limits.DrainTimeout}, {"health.interval", c.Health.Interval},
+		{"health.timeout", c.Health.Timeout}, {"health.eject_base", c.Health.EjectBase},
+		{"health.eject_max", c.Health.EjectMax}, {"health.forget_after", c.Health.ForgetAfter}} {
+		if d.v < 0 {
+			add(d.name, "must not be negative")
+		}
+	}
+	if c.Health.Rise < 1 || c.Health.Fall < 1 {
+		add("health", "rise and fall must be at least 1")
+	}
+	tenants := map[string]bool{}
+	for i, t := range c.Tenants {
+		f := fmt.Sprintf("tenants[%d]", i)
+		if t.Name == "" {
+			add(f+".name", "required")
+		} else if tenants[t.Name] {
+			add(f+".name", "%q listed twice", t.Name)
+		}
+		tenants[t.Name] = true
+		if t.RequestsPerSecond < 0 || t.TokensPerMinute < 0 {
+			add(f, "rate limits must not be negative")
+		}
+	}
+	keys := map[string]bool{}
+	for i, k := range c.Auth.Keys {
+		f := fmt.Sprintf("auth.keys[%d]", i)
+		if len(k.Key) < 8 {
+			add(f+".key", "must be at least 8 characters")
+		} else if keys[k.Key] {
+			add(f+".key", "duplicate key") // never print a key
+		}
+		keys[k.Key] = true
+		if k.Tenant == "" {
+			add(f+".tenant", "required")
+		}
+	}
+	for i, k := range c.Auth.AdminKeys {
+		if len(k) < 8 {
+			add(fmt.Sprintf("auth.admin_keys[%d]", i), "must be at least 8 characters")
+		}
 	}
 	if len(errs) > 0 {
 		return errors.New(strings.Join(errs, "; "))

@@ -20,9 +20,9 @@ type modelJSON struct {
 
 var startTime = time.Now().Unix()
 
-func (s *Server) handleModels(ctx *fasthttp.RequestCtx) {
+func (s *Server) handleModels(ctx *fasthttp.RequestCtx, st *state) {
 	var data []modelJSON
-	for _, m := range s.cfg.Models {
+	for _, m := range st.cfg.Models {
 		data = append(data, modelJSON{ID: m.Name, Object: "model", Created: startTime, OwnedBy: "kvproxy"})
 		for _, a := range m.Aliases {
 			data = append(data, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Root: m.Name})
@@ -31,9 +31,9 @@ func (s *Server) handleModels(ctx *fasthttp.RequestCtx) {
 	writeJSON(ctx, map[string]any{"object": "list", "data": data})
 }
 
-func (s *Server) handleHealth(ctx *fasthttp.RequestCtx) {
+func (s *Server) handleHealth(ctx *fasthttp.RequestCtx, st *state) {
 	healthy := 0
-	for _, p := range s.pools {
+	for _, p := range st.pools {
 		for _, w := range p.rt.Workers() {
 			if w.Available {
 				healthy++
@@ -63,18 +63,18 @@ type backendJSON struct {
 	IndexedBlocks int64  `json:"indexed_blocks"`
 }
 
-func (s *Server) backendRows() []backendJSON {
+func (s *Server) backendRows(st *state) []backendJSON {
 	var rows []backendJSON
-	for _, p := range s.pools {
-		st := map[router.WorkerID]router.WorkerStatus{}
+	for _, p := range st.pools {
+		status := map[router.WorkerID]router.WorkerStatus{}
 		for _, w := range p.rt.Workers() {
-			st[w.ID] = w
+			status[w.ID] = w
 		}
-		for _, b := range p.byWorker {
-			if b == nil {
+		for _, b := range *p.workers.Load() {
+			if b == nil || st.backends[b.cfg.ID] != b {
 				continue
 			}
-			w := st[b.worker]
+			w := status[b.worker]
 			rows = append(rows, backendJSON{
 				ID: b.cfg.ID, URL: b.cfg.URL, Model: b.cfg.Model, Kind: b.cfg.Kind,
 				InstanceID: w.InstanceID, Healthy: w.Available,
@@ -87,8 +87,8 @@ func (s *Server) backendRows() []backendJSON {
 	return rows
 }
 
-func (s *Server) handleAdminBackends(ctx *fasthttp.RequestCtx) {
-	writeJSON(ctx, s.backendRows())
+func (s *Server) handleAdminBackends(ctx *fasthttp.RequestCtx, st *state) {
+	writeJSON(ctx, s.backendRows(st))
 }
 
 func writeJSON(ctx *fasthttp.RequestCtx, v any) {

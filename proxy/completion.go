@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"strconv"
 	"time"
@@ -16,9 +17,9 @@ import (
 	"github.com/kvproxy/kvproxy/router"
 )
 
-// maxConnectRetries is how many other workers a request may try when an
-// engine refuses the connection (it never saw the request).
-const maxConnectRetries = 2
+// maxAttempts bounds how many workers one request may try when engines
+// refuse it before accepting it (connection refused, 429/503).
+const maxAttempts = 3
 
 // exchange is one proxied request from routing to the end of its answer.
 type exchange struct {
@@ -42,20 +43,49 @@ type exchange struct {
 	errMsg       string
 }
 
-func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, chat bool) {
+// outcome of one attempt at a backend.
+type outcome int
+
+const (
+	done      outcome = iota // answered (or failed) towards the client
+	retryable                // the engine never took the request: try another
+)
+
+func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool) {
 	start := time.Now()
 	rid := s.newRequestID()
 	ctx.Response.Header.Set("x-request-id", rid)
+	if s.draining.Load() {
+		ctx.Response.Header.Set("Connection", "close")
+		unavailable(ctx, 1, "kvproxy is shutting down")
+		return
+	}
+	t := st.auth.client(ctx)
+	if t == nil {
+		unauthorized(ctx)
+		s.logRejected(rid, "", fasthttp.StatusUnauthorized, start, "invalid api key")
+		return
+	}
+	if ok, wait := t.requests.take(1); !ok {
+		s.rateLimited(ctx, rid, start, wait, "requests")
+		return
+	}
 	req, pe := parseRequest(ctx.PostBody(), chat)
 	if pe != nil {
 		badRequest(ctx, pe.param, pe.msg)
 		s.logRejected(rid, "", fasthttp.StatusBadRequest, start, pe.msg)
 		return
 	}
-	p := s.models[req.model]
+	p := st.models[req.model]
 	if p == nil {
 		writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", req.model), "invalid_request_error", "model", "model_not_found")
 		s.logRejected(rid, req.model, fasthttp.StatusNotFound, start, "unknown model")
+		return
+	}
+	lim := st.cfg.Limits
+	if len(req.messages) > lim.MaxMessages {
+		badRequest(ctx, "messages", fmt.Sprintf("%d messages exceed the limit of %d", len(req.messages), lim.MaxMessages))
+		s.logRejected(rid, req.model, fasthttp.StatusBadRequest, start, "too many messages")
 		return
 	}
 
@@ -75,7 +105,20 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, chat bool) {
 	if cap(tokens) > cap(sc.tokens) && len(req.nv.TokenData) == 0 && !req.hasTokens {
 		sc.tokens = tokens
 	}
-	sc.hashes = kv.HashBlocks(sc.hashes[:0], tokens, p.cfg.BlockSize, 0)
+	if len(tokens) > lim.MaxPromptTokens {
+		param := "prompt"
+		if chat {
+			param = "messages"
+		}
+		writeError(ctx, fasthttp.StatusBadRequest, fmt.Sprintf("the prompt has %d tokens, more than the limit of %d", len(tokens), lim.MaxPromptTokens), "invalid_request_error", param, "context_length_exceeded")
+		s.logRejected(rid, req.model, fasthttp.StatusBadRequest, start, "prompt too long")
+		return
+	}
+	if ok, wait := t.tokens.take(float64(len(tokens))); !ok {
+		s.rateLimited(ctx, rid, start, wait, "tokens")
+		return
+	}
+	sc.hashes = kv.HashBlocks(sc.hashes[:0], tokens, p.cfg.BlockSize, t.ns)
 	rr := router.Request{Hashes: sc.hashes, PromptTokens: len(tokens)}
 
 	if name, inst, isNum, ok := req.nv.pinned(); ok {
@@ -83,7 +126,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, chat bool) {
 		if !found && isNum {
 			w, found = p.rt.WorkerByInstance(inst)
 		}
-		if !found {
+		if !found || p.backend(w) == nil {
 			badRequest(ctx, "nvext.backend_instance_id", fmt.Sprintf("no backend %s serves model %q", string(req.nv.BackendInstanceID), req.model))
 			s.logRejected(rid, req.model, fasthttp.StatusBadRequest, start, "unknown pinned backend")
 			return
@@ -109,8 +152,9 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, chat bool) {
 		return
 	}
 
+	s.retries.deposit()
 	x := &exchange{s: s, id: rid, model: req.model, chat: chat, stream: req.stream, start: start, p: p, cachedTokens: -1}
-	for attempt := 0; ; attempt++ {
+	for attempt := 1; ; attempt++ {
 		t0 := time.Now()
 		d, active, err := p.rt.Route(&rr)
 		s.metrics.route.Observe(time.Since(t0).Seconds())
@@ -121,26 +165,46 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, chat bool) {
 		if d.Total > 0 {
 			s.metrics.hitRatio.Observe(float64(d.Overlap) / float64(d.Total))
 		}
-		x.d, x.active, x.b = d, active, p.byWorker[d.Worker]
-		body, err := req.forwardBody(x.b.cfg.ServedModel)
+		x.d, x.active, x.b = d, active, p.backend(d.Worker)
+		if x.b == nil { // removed by a reload between Route and here
+			active.Free()
+			unavailable(ctx, 1, "the chosen backend was just removed; retry")
+			return
+		}
+		salt := ""
+		if x.b.salted {
+			salt = t.salt
+		}
+		body, err := req.forwardBody(x.b.cfg.ServedModel, salt)
 		if err != nil {
 			active.Free()
 			writeError(ctx, fasthttp.StatusInternalServerError, "could not encode the request for the engine", "server_error", "", "")
 			return
 		}
-		retry := x.forward(ctx, body)
-		if !retry || attempt >= maxConnectRetries || rr.Pinned {
-			if retry {
-				x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+x.b.cfg.ID+" refused the connection")
-				x.finish()
-			}
+		s.inflight.Add(1)
+		res := x.forward(ctx, body, attempt < maxAttempts && !rr.Pinned)
+		if res == done {
 			return
 		}
-		// The engine never saw the request: mark it down until its health
-		// probe says otherwise, and try the next best worker.
-		p.rt.SetAvailable(x.b.worker, false)
-		s.log.Warn().Str("request_id", rid).Str("backend", x.b.cfg.ID).Msg("connect failed, rerouting")
+		s.inflight.Done()
+		if !s.retries.withdraw() {
+			x.failUpstream(ctx, fasthttp.StatusServiceUnavailable, "backend "+x.b.cfg.ID+" could not take the request and the retry budget is spent")
+			ctx.Response.Header.Set("Retry-After", "1")
+			x.logLine()
+			return
+		}
+		s.log.Warn().Str("request_id", rid).Str("backend", x.b.cfg.ID).Str("reason", x.errMsg).Msg("rerouting")
 	}
+}
+
+func (s *Server) rateLimited(ctx *fasthttp.RequestCtx, rid string, start time.Time, wait time.Duration, what string) {
+	secs := int(math.Ceil(wait.Seconds()))
+	if secs < 1 {
+		secs = 1
+	}
+	ctx.Response.Header.Set("Retry-After", strconv.Itoa(secs))
+	writeError(ctx, fasthttp.StatusTooManyRequests, "rate limit reached for "+what+"; retry after "+strconv.Itoa(secs)+"s", "rate_limit_error", "", "rate_limit_exceeded")
+	s.logRejected(rid, "", fasthttp.StatusTooManyRequests, start, "rate limited: "+what)
 }
 
 func (s *Server) noWorker(ctx *fasthttp.RequestCtx, rid, model string, start time.Time, err error) {
@@ -153,9 +217,9 @@ func (s *Server) noWorker(ctx *fasthttp.RequestCtx, rid, model string, start tim
 }
 
 // forward sends the request to the chosen engine and relays the answer. It
-// returns true, with the slot freed and nothing written, when the engine
-// could not be reached and another worker may be tried.
-func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte) (retry bool) {
+// returns retryable, with the slot freed and nothing written to the client,
+// when mayRetry and the engine never took the request.
+func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool) outcome {
 	s, b := x.s, x.b
 	path := "/v1/completions"
 	if x.chat {
@@ -168,6 +232,9 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte) (retry bool) {
 	fr.Header.SetHost(b.host)
 	fr.Header.SetContentType("application/json")
 	fr.Header.Set("X-Request-Id", x.id)
+	if b.authHeader != "" {
+		fr.Header.Set("Authorization", b.authHeader)
+	}
 	if x.stream {
 		fr.Header.Set("Accept", "text/event-stream")
 	}
@@ -187,45 +254,65 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte) (retry bool) {
 		switch {
 		case errors.Is(err, backends.ErrAborted):
 			x.status = 499 // client closed the request
-			x.finish()
 		case errors.As(err, &ce):
-			x.stopWatch()
-			x.active.Free()
-			return true
+			b.fail("connect: " + ce.Err.Error())
+			x.errMsg = "backend " + b.cfg.ID + " refused the connection"
+			if mayRetry {
+				x.stopWatch()
+				x.active.Free()
+				return retryable
+			}
+			x.failUpstream(ctx, fasthttp.StatusBadGateway, x.errMsg)
 		default:
+			b.fail(err.Error())
 			status := fasthttp.StatusBadGateway
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() {
 				status = fasthttp.StatusGatewayTimeout
 			}
 			x.failUpstream(ctx, status, "backend "+b.cfg.ID+" failed: "+err.Error())
-			x.finish()
 		}
-		return false
+		x.finish()
+		return done
 	}
 
-	ctx.Response.Header.Set(WorkerHeader, b.cfg.ID)
 	code := resp.StatusCode()
 	if stream == nil || code != fasthttp.StatusOK {
 		if stream != nil {
-			// An engine error answer to a streaming request: read it whole.
+			// An engine's error answer to a streaming request: read it whole.
 			var eb bytes.Buffer
 			_, rerr := eb.ReadFrom(io.LimitReader(stream, 1<<20))
 			stream.Close()
 			if rerr != nil {
+				b.fail(rerr.Error())
 				x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" failed: "+rerr.Error())
 				fasthttp.ReleaseResponse(resp)
 				x.finish()
-				return false
+				return done
 			}
 			resp.SetBodyRaw(eb.Bytes())
 			resp.StreamBody = false
 		}
+		if (code == fasthttp.StatusTooManyRequests || code == fasthttp.StatusServiceUnavailable) && mayRetry {
+			// The engine refused before starting: another may take it.
+			x.errMsg = "backend " + b.cfg.ID + " answered " + strconv.Itoa(code)
+			fasthttp.ReleaseResponse(resp)
+			x.stopWatch()
+			x.active.Free()
+			return retryable
+		}
+		if code >= 500 {
+			b.fail("status " + strconv.Itoa(code))
+		} else if code == fasthttp.StatusOK {
+			b.succeed()
+		}
+		ctx.Response.Header.Set(WorkerHeader, b.cfg.ID)
 		x.relayWhole(ctx, resp)
 		fasthttp.ReleaseResponse(resp)
 		x.finish()
-		return false
+		return done
 	}
+	ctx.Response.Header.Set(WorkerHeader, b.cfg.ID)
 	ctx.SetStatusCode(fasthttp.StatusOK)
 	ctx.Response.Header.SetContentType("text/event-stream")
 	ctx.Response.Header.Set("Cache-Control", "no-cache")
@@ -233,7 +320,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte) (retry bool) {
 	x.status = fasthttp.StatusOK
 	rl := &relay{x: x, body: stream, resp: resp}
 	ctx.SetBodyStreamWriter(rl.run)
-	return false
+	return done
 }
 
 // relayWhole passes a complete engine answer to the client.
@@ -247,6 +334,13 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 	} else {
 		body = normalizeEngineError(code, body)
 		x.errMsg = "engine answered " + strconv.Itoa(code)
+	}
+	if code == fasthttp.StatusTooManyRequests || code == fasthttp.StatusServiceUnavailable {
+		if ra := resp.Header.Peek("Retry-After"); len(ra) > 0 {
+			ctx.Response.Header.SetBytesV("Retry-After", ra)
+		} else {
+			ctx.Response.Header.Set("Retry-After", "1")
+		}
 	}
 	ctx.SetStatusCode(code)
 	ct := resp.Header.ContentType()
@@ -279,6 +373,11 @@ func (x *exchange) stopWatch() {
 func (x *exchange) finish() {
 	x.stopWatch()
 	x.active.Free()
+	x.logLine()
+	x.s.inflight.Done()
+}
+
+func (x *exchange) logLine() {
 	s := x.s
 	s.metrics.requests.WithLabelValues(x.b.cfg.ID, strconv.Itoa(x.status)).Inc()
 	ev := s.log.Info()

@@ -59,7 +59,7 @@ func (c *loadCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *loadCollector) Collect(ch chan<- prometheus.Metric) {
-	for _, r := range c.s.backendRows() {
+	for _, r := range c.s.backendRows(c.s.st.Load()) {
 		ch <- prometheus.MustNewConstMetric(inflightDesc, prometheus.GaugeValue, float64(r.Inflight), r.ID)
 		ch <- prometheus.MustNewConstMetric(blocksDesc, prometheus.GaugeValue, float64(r.ActiveBlocks), r.ID)
 		ch <- prometheus.MustNewConstMetric(indexDesc, prometheus.GaugeValue, float64(r.IndexedBlocks), r.ID)

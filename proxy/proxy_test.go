@@ -156,7 +156,7 @@ func startProxy(t *testing.T, policy string, engines ...*fakeEngine) *testProxy 
 		t.Fatal(err)
 	}
 	logs := &syncBuffer{}
-	s, err := New(cfg, Options{Logger: zerolog.New(logs), HealthInterval: -1})
+	s, err := New(cfg, Options{Logger: zerolog.New(logs), DisableHealthChecks: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -176,7 +176,7 @@ func (p *testProxy) waitIdle(t *testing.T) {
 	deadline := time.Now().Add(5 * time.Second)
 	for !p.s.Idle() {
 		if time.Now().After(deadline) {
-			t.Fatalf("load counters not zero: %+v", p.s.backendRows())
+			t.Fatalf("load counters not zero: %+v", p.s.backendRows(p.s.st.Load()))
 		}
 		time.Sleep(2 * time.Millisecond)
 	}
@@ -274,7 +274,7 @@ func TestOutputBlocksTrackedDuringStream(t *testing.T) {
 			n++
 		}
 	}
-	rows := p.s.backendRows()
+	rows := p.s.backendRows(p.s.st.Load())
 	if rows[0].Inflight != 1 || rows[0].ActiveBlocks != 4+2 || rows[0].PrefillTokens != 0 {
 		t.Fatalf("mid-stream load: want 1 in flight, 4 prompt + 2 output blocks, no prefill left; got %+v", rows[0])
 	}
@@ -339,10 +339,8 @@ func TestErrorsAreOpenAIShaped(t *testing.T) {
 func TestNoHealthyBackendIs503(t *testing.T) {
 	e := startFake(t, "e0", nil)
 	p := startProxy(t, "kv", e)
-	for _, pool := range p.s.pools {
-		for _, b := range pool.byWorker {
-			pool.rt.SetAvailable(b.worker, false)
-		}
+	for _, b := range p.s.st.Load().backends {
+		b.setProbe(false)
 	}
 	resp, body := post(t, p.url+"/v1/chat/completions", chatBody)
 	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" || !bytes.Contains(body, []byte(`"error"`)) {
@@ -414,7 +412,7 @@ func TestPinnedBackend(t *testing.T) {
 			t.Fatalf("pin by id ignored: %s", resp.Header.Get(WorkerHeader))
 		}
 	}
-	inst := p.s.backendRows()[0].InstanceID
+	inst := p.s.backendRows(p.s.st.Load())[0].InstanceID
 	resp, _ := post(t, p.url+"/v1/completions", fmt.Sprintf(`{"model":"m","prompt":"x","nvext":{"backend_instance_id":%d}}`, inst))
 	if resp.Header.Get(WorkerHeader) != "e0" {
 		t.Fatalf("pin by instance id ignored: %s", resp.Header.Get(WorkerHeader))

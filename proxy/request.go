@@ -246,10 +246,18 @@ func (n *nvext) pinned() (name string, instance uint64, isNum, ok bool) {
 	return "", v, true, true
 }
 
-// forwardBody is the body sent to the engine: nvext removed, model renamed.
-func (r *apiRequest) forwardBody(servedModel string) ([]byte, error) {
+// forwardBody is the body sent to the engine: nvext removed, model renamed,
+// and cache_salt set to the tenant's (salt "" removes it). A client's own
+// cache_salt is never forwarded.
+func (r *apiRequest) forwardBody(servedModel, salt string) ([]byte, error) {
 	delete(r.fields, "nvext")
 	m, _ := json.Marshal(servedModel)
 	r.fields["model"] = m
+	if salt != "" {
+		s, _ := json.Marshal(salt)
+		r.fields["cache_salt"] = s
+	} else {
+		delete(r.fields, "cache_salt")
+	}
 	return json.Marshal(r.fields)
 }

@@ -6,7 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"net/url"
+	"reflect"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -31,88 +31,81 @@ type Options struct {
 	Logger zerolog.Logger
 	// Registry receives the proxy's metrics; nil means a new registry.
 	Registry *prometheus.Registry
-	// HealthInterval between engine probes; 0 means 2s, negative disables.
-	HealthInterval time.Duration
+	// DisableHealthChecks turns off active probes (tests that drive health by hand).
+	DisableHealthChecks bool
 }
 
-// Server is a running kvproxy: its model pools, backends and HTTP server.
+// Server is a running kvproxy. Its configuration-derived state (pools,
+// backends, tenants) is swapped whole on reload; a request works with the
+// state it started with.
 type Server struct {
-	cfg      *config.Config
 	log      zerolog.Logger
-	models   map[string]*modelPool // by name and alias
-	pools    []*modelPool
-	backends []*backend
+	opts     Options
+	st       atomic.Pointer[state]
+	reloadMu sync.Mutex
 	metrics  *metrics
 	watcher  *hangupWatcher
 	srv      *fasthttp.Server
 	health   *backends.Prober
+	retries  *retryBudget
+	limits   config.Limits // fixed at start: they shape the HTTP server
 
 	reqPrefix string
 	reqSeq    atomic.Uint64
 	bufs      sync.Pool
+	draining  atomic.Bool
+	inflight  sync.WaitGroup
+}
+
+type state struct {
+	cfg      *config.Config
+	models   map[string]*modelPool // by name and alias
+	pools    []*modelPool
+	backends map[string]*backend // by id
+	auth     *authTable
 }
 
 type modelPool struct {
-	cfg      config.Model
-	enc      *tokenize.Encoder
-	rt       *router.Router
-	byWorker []*backend // indexed by router.WorkerID
+	cfg       config.Model
+	routerCfg config.Router
+	enc       *tokenize.Encoder
+	rt        *router.Router
+	workers   atomic.Pointer[[]*backend] // indexed by router.WorkerID
 }
 
-type backend struct {
-	cfg    config.Backend
-	pool   *modelPool
-	worker router.WorkerID
-	up     *backends.Upstream
-	host   string
+func (p *modelPool) backend(w router.WorkerID) *backend {
+	ws := *p.workers.Load()
+	if int(w) < len(ws) {
+		return ws[w]
+	}
+	return nil
+}
+
+func (p *modelPool) setBackend(b *backend) {
+	old := *p.workers.Load()
+	ws := make([]*backend, max(len(old), int(b.worker)+1))
+	copy(ws, old)
+	ws[b.worker] = b
+	p.workers.Store(&ws)
 }
 
 // New builds the pools and backends of cfg; Serve starts answering.
 func New(cfg *config.Config, opts Options) (*Server, error) {
-	s := &Server{cfg: cfg, log: opts.Logger, models: map[string]*modelPool{}, watcher: newHangupWatcher()}
+	s := &Server{log: opts.Logger, opts: opts, watcher: newHangupWatcher(), limits: cfg.Limits,
+		retries: newRetryBudget(cfg.Limits.RetryBudget)}
 	var rb [6]byte
 	rand.Read(rb[:])
 	s.reqPrefix = hex.EncodeToString(rb[:])
-	for _, mc := range cfg.Models {
-		tok, err := tokenize.Get(mc.Tokenizer)
-		if err != nil {
-			return nil, fmt.Errorf("model %s: %w", mc.Name, err)
-		}
-		tmpl, err := tokenize.GetTemplate(mc.Template)
-		if err != nil {
-			return nil, fmt.Errorf("model %s: %w", mc.Name, err)
-		}
-		rt, err := router.New(routerConfig(cfg, mc))
-		if err != nil {
-			return nil, fmt.Errorf("model %s: %w", mc.Name, err)
-		}
-		p := &modelPool{cfg: mc, enc: tokenize.NewEncoder(tok, tmpl, 0), rt: rt}
-		s.pools = append(s.pools, p)
-		s.models[mc.Name] = p
-		for _, a := range mc.Aliases {
-			s.models[a] = p
-		}
+	if !opts.DisableHealthChecks {
+		s.health = backends.NewProber(backends.ProbeConfig{
+			Interval: cfg.Health.Interval, Timeout: cfg.Health.Timeout, Rise: cfg.Health.Rise, Fall: cfg.Health.Fall,
+		})
 	}
-	for _, bc := range cfg.Backends {
-		p := s.models[bc.Model]
-		u, _ := url.Parse(bc.URL)
-		host := u.Host
-		if u.Port() == "" {
-			host = net.JoinHostPort(u.Hostname(), "80")
-		}
-		b := &backend{cfg: bc, pool: p, host: u.Host, up: &backends.Upstream{
-			Addr:        host,
-			DialTimeout: cfg.Limits.UpstreamConnectTime,
-			ReadTimeout: cfg.Limits.StreamIdleTimeout,
-			MaxIdle:     cfg.Limits.MaxConnsPerBackend,
-		}}
-		b.worker = p.rt.AddWorker(bc.ID)
-		for int(b.worker) >= len(p.byWorker) {
-			p.byWorker = append(p.byWorker, nil)
-		}
-		p.byWorker[b.worker] = b
-		s.backends = append(s.backends, b)
+	st, err := s.build(cfg, nil)
+	if err != nil {
+		return nil, err
 	}
+	s.activate(st, nil)
 	reg := opts.Registry
 	if reg == nil {
 		reg = prometheus.NewRegistry()
@@ -123,33 +116,154 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 		Name:                  "kvproxy",
 		NoDefaultServerHeader: true,
 		MaxRequestBodySize:    cfg.Limits.MaxRequestBodyBytes,
-		ReadTimeout:           60 * time.Second, // a whole request must arrive within this
-		IdleTimeout:           120 * time.Second,
-		// No WriteTimeout: it would cut long streams; streams have an idle timer.
-		ReadBufferSize:               16 << 10,
+		ReadBufferSize:        cfg.Limits.MaxHeaderBytes, // also the largest header accepted
+		// ReadTimeout covers the headers (slowloris); the body gets its own
+		// budget once the headers are in. No WriteTimeout: it would cut long
+		// streams, which have an idle timer instead.
+		ReadTimeout: cfg.Limits.HeaderTimeout,
+		HeaderReceived: func(*fasthttp.RequestHeader) fasthttp.RequestConfig {
+			return fasthttp.RequestConfig{ReadTimeout: s.limits.BodyTimeout}
+		},
+		IdleTimeout:                  120 * time.Second,
 		DisablePreParseMultipartForm: true,
 		ErrorHandler:                 s.transportError,
 		Logger:                       fasthttpLogger{s.log},
 	}
-	interval := opts.HealthInterval
-	if interval == 0 {
-		interval = 2 * time.Second
+	return s, nil
+}
+
+// build makes the state for cfg, reusing from prev every pool whose model and
+// router settings are unchanged and every backend whose settings are unchanged,
+// so their index, load and connections carry over.
+func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
+	st := &state{cfg: cfg, models: map[string]*modelPool{}, backends: map[string]*backend{}}
+	var prevAuth *authTable
+	if prev != nil {
+		prevAuth = prev.auth
 	}
-	if interval > 0 {
-		s.health = backends.NewProber(backends.ProbeConfig{Interval: interval, Timeout: time.Second, Rise: 1, Fall: 2})
-		for _, b := range s.backends {
-			b := b
-			s.health.Add(b.cfg.ID, "http://"+b.up.Addr+"/health", func(healthy bool) {
-				b.pool.rt.SetAvailable(b.worker, healthy)
-				if healthy {
-					s.log.Info().Str("backend", b.cfg.ID).Msg("backend healthy")
-				} else {
-					s.log.Warn().Str("backend", b.cfg.ID).Msg("backend unhealthy")
-				}
-			})
+	st.auth = newAuthTable(cfg, prevAuth)
+	for _, mc := range cfg.Models {
+		var p *modelPool
+		if prev != nil {
+			if old := prev.models[mc.Name]; old != nil && old.cfg.Name == mc.Name &&
+				reflect.DeepEqual(old.cfg, mc) && reflect.DeepEqual(old.routerCfg, cfg.Router) {
+				p = old
+			}
+		}
+		if p == nil {
+			tok, err := tokenize.Get(mc.Tokenizer)
+			if err != nil {
+				return nil, fmt.Errorf("model %s: %w", mc.Name, err)
+			}
+			tmpl, err := tokenize.GetTemplate(mc.Template)
+			if err != nil {
+				return nil, fmt.Errorf("model %s: %w", mc.Name, err)
+			}
+			rt, err := router.New(routerConfig(cfg, mc))
+			if err != nil {
+				return nil, fmt.Errorf("model %s: %w", mc.Name, err)
+			}
+			p = &modelPool{cfg: mc, routerCfg: cfg.Router, enc: tokenize.NewEncoder(tok, tmpl, 0), rt: rt}
+			p.workers.Store(&[]*backend{})
+		}
+		st.pools = append(st.pools, p)
+		st.models[mc.Name] = p
+		for _, a := range mc.Aliases {
+			st.models[a] = p
 		}
 	}
-	return s, nil
+	for _, bc := range cfg.Backends {
+		p := st.models[bc.Model]
+		if prev != nil {
+			if old := prev.backends[bc.ID]; old != nil && old.pool == p && reflect.DeepEqual(old.cfg, bc) &&
+				reflect.DeepEqual(old.health, cfg.Health) && old.up.ReadTimeout == cfg.Limits.StreamIdleTimeout {
+				st.backends[bc.ID] = old
+				continue
+			}
+		}
+		b := newBackend(bc, cfg, p, s.log)
+		st.backends[bc.ID] = b
+	}
+	return st, nil
+}
+
+// activate makes st current: backends start getting traffic and probes;
+// backends of prev that st lacks drain and then disappear.
+func (s *Server) activate(st, prev *state) {
+	for _, b := range st.backends {
+		if prev != nil && prev.backends[b.cfg.ID] == b {
+			continue
+		}
+		b.pool.setBackend(b)
+		if s.health != nil {
+			s.health.Remove(b.cfg.ID)
+			s.health.Add(b.cfg.ID, "http://"+b.up.Addr+"/health", b.setProbe)
+		}
+	}
+	s.st.Store(st)
+	if prev == nil {
+		return
+	}
+	for id, old := range prev.backends {
+		if st.backends[id] == old {
+			continue
+		}
+		replaced := st.backends[id] != nil && st.backends[id].pool == old.pool
+		if !replaced {
+			if s.health != nil {
+				s.health.Remove(id)
+			}
+			old.drain()
+		}
+		go s.retire(old, replaced, st.cfg.Limits.DrainTimeout)
+	}
+}
+
+// retire waits for a removed backend's requests to end (up to timeout), then
+// drops its index entries and connections. A backend replaced by a new
+// configuration of the same id keeps its worker and index.
+func (s *Server) retire(b *backend, replaced bool, timeout time.Duration) {
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) && inflightOf(b.pool.rt, b.worker) > 0 {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if !replaced {
+		if cur := s.st.Load().backends[b.cfg.ID]; cur == nil || cur.pool != b.pool {
+			b.pool.rt.RemoveWorker(b.worker)
+		}
+	}
+	b.stop()
+	s.log.Info().Str("backend", b.cfg.ID).Bool("replaced", replaced).Msg("backend retired")
+}
+
+// Reload applies a new configuration without dropping in-flight requests.
+// An invalid configuration is rejected and the current one keeps serving.
+func (s *Server) Reload(cfg *config.Config) error {
+	s.reloadMu.Lock()
+	defer s.reloadMu.Unlock()
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	prev := s.st.Load()
+	if cfg.Listen != prev.cfg.Listen {
+		s.log.Warn().Msg("reload: listen address changes need a restart; keeping the current one")
+	}
+	st, err := s.build(cfg, prev)
+	if err != nil {
+		return err
+	}
+	s.activate(st, prev)
+	s.log.Info().Int("backends", len(st.backends)).Int("models", len(st.pools)).Msg("configuration reloaded")
+	return nil
+}
+
+func inflightOf(rt *router.Router, w router.WorkerID) int {
+	for _, ws := range rt.Workers() {
+		if ws.ID == w {
+			return int(ws.Inflight)
+		}
+	}
+	return 0
 }
 
 func routerConfig(cfg *config.Config, mc config.Model) router.Config {
@@ -187,21 +301,24 @@ func (s *Server) Serve(ln net.Listener) error {
 	return s.srv.Serve(ln)
 }
 
-// Shutdown stops accepting, waits for in-flight requests, and stops probes.
+// Shutdown stops accepting, lets in-flight requests and streams finish, and
+// stops probes. Bound it with a deadline from outside if needed.
 func (s *Server) Shutdown() error {
+	s.draining.Store(true)
+	err := s.srv.Shutdown()
+	s.inflight.Wait() // streams outlive fasthttp's view of the handler
 	if s.health != nil {
 		s.health.Stop()
 	}
-	err := s.srv.Shutdown()
-	for _, b := range s.backends {
-		b.up.CloseIdle()
+	for _, b := range s.st.Load().backends {
+		b.stop()
 	}
 	return err
 }
 
 // Idle reports whether every load counter of every worker is zero.
 func (s *Server) Idle() bool {
-	for _, p := range s.pools {
+	for _, p := range s.st.Load().pools {
 		if !p.rt.Idle() {
 			return false
 		}
@@ -212,24 +329,63 @@ func (s *Server) Idle() bool {
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	path := string(ctx.Path())
 	method := string(ctx.Method())
+	st := s.st.Load()
 	switch path {
 	case "/v1/chat/completions", "/v1/completions":
 		if method != fasthttp.MethodPost {
 			methodNotAllowed(ctx, "POST")
 			return
 		}
-		s.handleCompletion(ctx, path == "/v1/chat/completions")
+		s.handleCompletion(ctx, st, path == "/v1/chat/completions")
 	case "/v1/models":
-		s.handleModels(ctx)
+		if st.auth.client(ctx) == nil {
+			unauthorized(ctx)
+			return
+		}
+		s.handleModels(ctx, st)
 	case "/health", "/healthz":
-		s.handleHealth(ctx)
+		s.handleHealth(ctx, st)
 	case "/metrics":
 		s.metrics.serve(ctx)
 	case "/admin/backends":
-		s.handleAdminBackends(ctx)
+		if !st.auth.isAdmin(ctx) {
+			unauthorized(ctx)
+			return
+		}
+		s.handleAdminBackends(ctx, st)
+	case "/admin/reload":
+		if !st.auth.isAdmin(ctx) {
+			unauthorized(ctx)
+			return
+		}
+		if method != fasthttp.MethodPost {
+			methodNotAllowed(ctx, "POST")
+			return
+		}
+		s.handleAdminReload(ctx)
 	default:
 		writeError(ctx, fasthttp.StatusNotFound, "unknown path "+strconv.Quote(path), "invalid_request_error", "", "not_found")
 	}
+}
+
+// ReloadFunc loads the configuration again (set by the command that knows
+// the file); nil disables /admin/reload.
+var ReloadFunc func() (*config.Config, error)
+
+func (s *Server) handleAdminReload(ctx *fasthttp.RequestCtx) {
+	if ReloadFunc == nil {
+		writeError(ctx, fasthttp.StatusNotImplemented, "reload is not available", "invalid_request_error", "", "")
+		return
+	}
+	cfg, err := ReloadFunc()
+	if err == nil {
+		err = s.Reload(cfg)
+	}
+	if err != nil {
+		writeError(ctx, fasthttp.StatusBadRequest, "reload rejected, the current configuration keeps serving: "+err.Error(), "invalid_request_error", "", "invalid_config")
+		return
+	}
+	writeJSON(ctx, map[string]any{"status": "reloaded"})
 }
 
 func methodNotAllowed(ctx *fasthttp.RequestCtx, allow string) {
@@ -237,18 +393,24 @@ func methodNotAllowed(ctx *fasthttp.RequestCtx, allow string) {
 	writeError(ctx, fasthttp.StatusMethodNotAllowed, "method not allowed; use "+allow, "invalid_request_error", "", "method_not_allowed")
 }
 
+func unauthorized(ctx *fasthttp.RequestCtx) {
+	ctx.Response.Header.Set("WWW-Authenticate", `Bearer realm="kvproxy"`)
+	writeError(ctx, fasthttp.StatusUnauthorized, "missing or invalid API key (send Authorization: Bearer <key>)", "invalid_request_error", "", "invalid_api_key")
+}
+
 // transportError answers requests fasthttp rejects before the handler:
-// oversized bodies, malformed HTTP, timeouts.
+// oversized bodies or headers, malformed HTTP, slow clients.
 func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
+	var small *fasthttp.ErrSmallBuffer
+	var ne net.Error
 	switch {
 	case errors.Is(err, fasthttp.ErrBodyTooLarge):
-		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", s.cfg.Limits.MaxRequestBodyBytes), "invalid_request_error", "", "request_too_large")
+		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", s.limits.MaxRequestBodyBytes), "invalid_request_error", "", "request_too_large")
+	case errors.As(err, &small) || errors.Is(err, fasthttp.ErrSmallReadBuffer):
+		writeError(ctx, fasthttp.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers exceed the limit of %d bytes", s.limits.MaxHeaderBytes), "invalid_request_error", "", "headers_too_large")
+	case errors.As(err, &ne) && ne.Timeout():
+		writeError(ctx, fasthttp.StatusRequestTimeout, "the request was not received in time", "invalid_request_error", "", "request_timeout")
 	default:
-		var ne net.Error
-		if errors.As(err, &ne) && ne.Timeout() {
-			writeError(ctx, fasthttp.StatusRequestTimeout, "request not received in time", "invalid_request_error", "", "request_timeout")
-			return
-		}
 		writeError(ctx, fasthttp.StatusBadRequest, "malformed HTTP request", "invalid_request_error", "", "bad_request")
 	}
 }

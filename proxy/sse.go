@@ -82,6 +82,7 @@ func (r *relay) run(w *bufio.Writer) {
 			continue
 		}
 		if errors.Is(err, io.EOF) && r.sawDone {
+			x.b.succeed()
 			if end > 0 { // bytes after [DONE] without a blank line
 				w.Write(buf[:end])
 				w.Write([]byte("\n\n"))
@@ -100,6 +101,7 @@ func (r *relay) run(w *bufio.Writer) {
 			err = errors.New("stream ended without [DONE]")
 		}
 		x.errMsg = "backend " + x.b.cfg.ID + " failed mid-stream: " + err.Error()
+		x.b.fail("mid-stream: " + err.Error())
 		x.status = fasthttp.StatusBadGateway
 		w.Write([]byte("data: "))
 		w.Write(errorJSON("the backend serving this request failed mid-stream", "upstream_error", "", "backend_failed"))

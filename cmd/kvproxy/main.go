@@ -13,7 +13,6 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
-	"time"
 
 	"github.com/rs/zerolog"
 
@@ -32,7 +31,7 @@ func main() {
 func run() int {
 	cfgPath := flag.String("config", "config.example.yaml", "path to the YAML config")
 	listen := flag.String("listen", "", "listen address, overrides the config's listen")
-	drain := flag.Duration("drain-timeout", 30*time.Second, "how long SIGTERM waits for in-flight requests")
+	drainFlag := flag.Duration("drain-timeout", 0, "how long SIGTERM waits for in-flight requests (default: limits.drain_timeout)")
 	flag.Parse()
 
 	log := zerolog.New(os.Stderr).With().Timestamp().Logger()
@@ -48,16 +47,16 @@ func run() int {
 		log = log.Level(lvl)
 	}
 
-	mocks, err := startMocks(cfg, log)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "kvproxy:", err)
-		return 1
-	}
+	mocks := map[string]*mockengine.Engine{}
 	defer func() {
 		for _, m := range mocks {
 			m.Close()
 		}
 	}()
+	if err := startMocks(cfg, mocks, log); err != nil {
+		fmt.Fprintln(os.Stderr, "kvproxy:", err)
+		return 1
+	}
 
 	srv, err := proxy.New(cfg, proxy.Options{Logger: log})
 	if err != nil {
@@ -72,18 +71,49 @@ func run() int {
 	log.Info().Str("listen", ln.Addr().String()).Int("backends", len(cfg.Backends)).
 		Str("policy", cfg.Router.Policy).Msg("kvproxy serving")
 
+	reload := func() (*config.Config, error) {
+		next, err := config.Load(*cfgPath)
+		if err != nil {
+			return nil, err
+		}
+		next.Listen = cfg.Listen
+		if err := startMocks(next, mocks, log); err != nil {
+			return nil, err
+		}
+		return next, nil
+	}
+	proxy.ReloadFunc = reload
+
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	sigs := make(chan os.Signal, 1)
-	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT)
-	select {
-	case err := <-errc:
-		log.Error().Err(err).Msg("server stopped")
-		return 1
-	case sig := <-sigs:
-		log.Info().Str("signal", sig.String()).Dur("drain_timeout", *drain).Msg("draining")
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
+wait:
+	for {
+		select {
+		case err := <-errc:
+			log.Error().Err(err).Msg("server stopped")
+			return 1
+		case sig := <-sigs:
+			if sig == syscall.SIGHUP {
+				next, err := reload()
+				if err == nil {
+					err = srv.Reload(next)
+				}
+				if err != nil {
+					log.Error().Err(err).Msg("reload rejected; the current configuration keeps serving")
+				}
+				continue
+			}
+			break wait
+		}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), *drain)
+	drain := cfg.Limits.DrainTimeout
+	if *drainFlag > 0 {
+		drain = *drainFlag
+	}
+	log.Info().Dur("drain_timeout", drain).Msg("draining")
+	ctx, cancel := context.WithTimeout(context.Background(), drain)
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- srv.Shutdown() }()
@@ -96,11 +126,11 @@ func run() int {
 	return 0
 }
 
-// startMocks runs the simulated engines of kind: mock backends in-process.
-func startMocks(cfg *config.Config, log zerolog.Logger) ([]*mockengine.Engine, error) {
-	var out []*mockengine.Engine
+// startMocks runs, in-process, the simulated engines of kind: mock backends
+// not yet running.
+func startMocks(cfg *config.Config, running map[string]*mockengine.Engine, log zerolog.Logger) error {
 	for _, b := range cfg.Backends {
-		if b.Kind != config.KindMock {
+		if b.Kind != config.KindMock || running[b.ID] != nil {
 			continue
 		}
 		m, _ := cfg.ModelByName(b.Model)
@@ -127,15 +157,15 @@ func startMocks(cfg *config.Config, log zerolog.Logger) ([]*mockengine.Engine, e
 		}
 		e, err := mockengine.New(mc)
 		if err != nil {
-			return out, fmt.Errorf("mock backend %s: %w", b.ID, err)
+			return fmt.Errorf("mock backend %s: %w", b.ID, err)
 		}
 		u, _ := url.Parse(b.URL)
 		addr, err := e.Start(u.Host)
 		if err != nil {
-			return out, fmt.Errorf("mock backend %s: %w", b.ID, err)
+			return fmt.Errorf("mock backend %s: %w", b.ID, err)
 		}
 		log.Info().Str("backend", b.ID).Str("addr", addr).Msg("simulated engine started")
-		out = append(out, e)
+		running[b.ID] = e
 	}
-	return out, nil
+	return nil
 }

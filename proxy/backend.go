@@ -1,0 +1,168 @@
+package proxy
+
+import (
+	"net"
+	"net/url"
+	"sync"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/kvproxy/kvproxy/backends"
+	"github.com/kvproxy/kvproxy/config"
+	"github.com/kvproxy/kvproxy/router"
+)
+
+// backend is one engine as the proxy sees it: its connection pool and
+// whether it may get new requests. It is available when its health probes
+// pass, it is not ejected for recent failures, and it is not draining.
+type backend struct {
+	cfg        config.Backend
+	pool       *modelPool
+	worker     router.WorkerID
+	up         *backends.Upstream
+	host       string
+	authHeader string // the engine's own key, never the client's
+	salted     bool   // the engine honours cache_salt (vLLM, SGLang, the mock)
+	health     config.Health
+	log        zerolog.Logger
+
+	mu          sync.Mutex
+	probeOK     bool
+	ejections   int // consecutive passive failures
+	ejected     bool
+	draining    bool
+	available   bool
+	ejectTimer  *time.Timer
+	forgetTimer *time.Timer
+	slots       chan struct{} // max_concurrency semaphore; nil = unlimited
+}
+
+func newBackend(bc config.Backend, cfg *config.Config, p *modelPool, log zerolog.Logger) *backend {
+	u, _ := url.Parse(bc.URL)
+	addr := u.Host
+	if u.Port() == "" {
+		addr = net.JoinHostPort(u.Hostname(), "80")
+	}
+	b := &backend{
+		cfg: bc, pool: p, host: u.Host, health: cfg.Health, log: log,
+		salted:  bc.Kind == config.KindVLLM || bc.Kind == config.KindSGLang || bc.Kind == config.KindMock,
+		probeOK: true, available: true,
+		up: &backends.Upstream{
+			Addr:        addr,
+			DialTimeout: cfg.Limits.UpstreamConnectTime,
+			ReadTimeout: cfg.Limits.StreamIdleTimeout,
+			MaxIdle:     cfg.Limits.MaxConnsPerBackend,
+		},
+	}
+	if bc.APIKey != "" {
+		b.authHeader = "Bearer " + bc.APIKey
+	}
+	if bc.MaxConcurrency > 0 {
+		b.slots = make(chan struct{}, bc.MaxConcurrency)
+	}
+	b.worker = p.rt.AddWorker(bc.ID)
+	p.rt.SetAvailable(b.worker, true)
+	return b
+}
+
+// setProbe records an active health probe result.
+func (b *backend) setProbe(ok bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if ok && b.probeOK && !b.ejected {
+		return
+	}
+	b.probeOK = ok
+	if ok && b.ejected && b.ejectTimer == nil {
+		b.ejected = false
+	}
+	b.applyLocked()
+}
+
+// fail ejects the backend after a passive failure (connect refused, 5xx,
+// died mid-stream) for a back-off that doubles with each consecutive failure.
+func (b *backend) fail(reason string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.ejections++
+	d := b.health.EjectBase << min(b.ejections-1, 16)
+	if d > b.health.EjectMax || d <= 0 {
+		d = b.health.EjectMax
+	}
+	b.ejected = true
+	if b.ejectTimer != nil {
+		b.ejectTimer.Stop()
+	}
+	b.ejectTimer = time.AfterFunc(d, func() {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		b.ejectTimer = nil
+		b.ejected = false
+		b.applyLocked()
+	})
+	b.log.Warn().Str("backend", b.cfg.ID).Str("reason", reason).Dur("ejected_for", d).Msg("backend ejected")
+	b.applyLocked()
+}
+
+// succeed resets the failure streak after a good answer.
+func (b *backend) succeed() {
+	b.mu.Lock()
+	if b.ejections != 0 {
+		b.ejections = 0
+	}
+	b.mu.Unlock()
+}
+
+// drain stops new requests to the backend (it is being removed).
+func (b *backend) drain() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.draining = true
+	b.applyLocked()
+}
+
+func (b *backend) applyLocked() {
+	avail := b.probeOK && !b.ejected && !b.draining
+	if avail == b.available {
+		return
+	}
+	b.available = avail
+	b.pool.rt.SetAvailable(b.worker, avail)
+	if avail {
+		b.log.Info().Str("backend", b.cfg.ID).Msg("backend available")
+		if b.forgetTimer != nil {
+			b.forgetTimer.Stop()
+			b.forgetTimer = nil
+		}
+		return
+	}
+	b.log.Warn().Str("backend", b.cfg.ID).Bool("probe_ok", b.probeOK).Bool("ejected", b.ejected).
+		Bool("draining", b.draining).Msg("backend unavailable")
+	if b.forgetTimer == nil && b.health.ForgetAfter > 0 && !b.draining {
+		// A backend that stays away loses its index entries: whatever it
+		// cached is unlikely to be there when it comes back.
+		b.forgetTimer = time.AfterFunc(b.health.ForgetAfter, func() {
+			b.mu.Lock()
+			defer b.mu.Unlock()
+			b.forgetTimer = nil
+			if !b.available {
+				b.pool.rt.Index().ClearWorker(b.worker)
+				b.log.Warn().Str("backend", b.cfg.ID).Msg("backend gone too long: index entries dropped")
+			}
+		})
+	}
+}
+
+// stop releases timers and connections of a removed backend.
+func (b *backend) stop() {
+	b.mu.Lock()
+	if b.ejectTimer != nil {
+		b.ejectTimer.Stop()
+	}
+	if b.forgetTimer != nil {
+		b.forgetTimer.Stop()
+	}
+	b.mu.Unlock()
+	b.up.CloseIdle()
+}

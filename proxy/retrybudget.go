@@ -1,0 +1,54 @@
+package proxy
+
+import (
+	"sync"
+	"time"
+)
+
+// retryBudget limits retries to a share of traffic (Finagle's design): every
+// request deposits ratio, every retry withdraws 1, and a small reserve per
+// second lets a quiet proxy still retry.
+type retryBudget struct {
+	mu      sync.Mutex
+	ratio   float64
+	balance float64
+	last    time.Time
+}
+
+const (
+	retryReservePerSec = 3.0
+	retryBalanceMax    = 100.0
+)
+
+func newRetryBudget(ratio float64) *retryBudget {
+	return &retryBudget{ratio: ratio, balance: retryReservePerSec, last: time.Now()}
+}
+
+func (b *retryBudget) refill(now time.Time) {
+	b.balance += now.Sub(b.last).Seconds() * retryReservePerSec
+	if b.balance > retryBalanceMax {
+		b.balance = retryBalanceMax
+	}
+	b.last = now
+}
+
+func (b *retryBudget) deposit() {
+	b.mu.Lock()
+	b.refill(time.Now())
+	b.balance += b.ratio
+	if b.balance > retryBalanceMax {
+		b.balance = retryBalanceMax
+	}
+	b.mu.Unlock()
+}
+
+func (b *retryBudget) withdraw() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.refill(time.Now())
+	if b.balance >= 1 {
+		b.balance--
+		return true
+	}
+	return false
+}

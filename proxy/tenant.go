@@ -1,0 +1,172 @@
+package proxy
+
+import (
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
+	"math"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvproxy/kvproxy/config"
+	"github.com/kvproxy/kvproxy/kv"
+)
+
+// tenant is who a request is from: its cache namespace, the cache_salt the
+// proxy injects for it, and its rate limits.
+type tenant struct {
+	name string
+	// salt is injected as cache_salt into requests to vLLM/SGLang engines;
+	// "" for the anonymous tenant of a proxy without keys.
+	salt string
+	// ns seeds block 0 of the tenant's hashes: derived from the salt, so
+	// the router's namespaces and the engines' salted caches line up.
+	ns       kv.Namespace
+	requests *bucket // nil: unlimited
+	tokens   *bucket
+}
+
+// authTable resolves API keys. Keys are looked up by their SHA-256 so the
+// table never holds them in plain text.
+type authTable struct {
+	byKey     map[[32]byte]*tenant
+	admin     map[[32]byte]bool
+	anonymous *tenant // set when no keys are configured
+	tenants   map[string]*tenant
+}
+
+// sharedNamespace is the cache namespace of tenants with shared_cache.
+const sharedNamespace = "\x00shared"
+
+func newAuthTable(cfg *config.Config, prev *authTable) *authTable {
+	a := &authTable{byKey: map[[32]byte]*tenant{}, admin: map[[32]byte]bool{}, tenants: map[string]*tenant{}}
+	settings := map[string]config.Tenant{}
+	for _, t := range cfg.Tenants {
+		settings[t.Name] = t
+	}
+	get := func(name string) *tenant {
+		if t, ok := a.tenants[name]; ok {
+			return t
+		}
+		ts := settings[name]
+		t := &tenant{name: name}
+		if name != "" || len(cfg.Auth.Keys) > 0 {
+			ns := name
+			if ts.SharedCache {
+				ns = sharedNamespace
+			}
+			t.salt = cacheSalt(cfg.Auth.CacheSaltSecret, ns)
+		}
+		t.ns = kv.NewNamespace(t.salt)
+		// Keep the buckets of a tenant across reloads when its limits stay.
+		var old *tenant
+		if prev != nil {
+			old = prev.tenants[name]
+		}
+		t.requests = reuseBucket(old, true, ts.RequestsPerSecond, math.Max(1, ts.RequestsPerSecond))
+		t.tokens = reuseBucket(old, false, ts.TokensPerMinute/60, ts.TokensPerMinute)
+		a.tenants[name] = t
+		return t
+	}
+	for _, k := range cfg.Auth.Keys {
+		a.byKey[sha256.Sum256([]byte(k.Key))] = get(k.Tenant)
+	}
+	for _, k := range cfg.Auth.AdminKeys {
+		a.admin[sha256.Sum256([]byte(k))] = true
+	}
+	if len(cfg.Auth.Keys) == 0 {
+		a.anonymous = get("")
+	}
+	return a
+}
+
+func reuseBucket(old *tenant, requests bool, rate, burst float64) *bucket {
+	if rate <= 0 {
+		return nil
+	}
+	if old != nil {
+		b := old.tokens
+		if requests {
+			b = old.requests
+		}
+		if b != nil && b.rate == rate && b.burst == burst {
+			return b
+		}
+	}
+	return newBucket(rate, burst)
+}
+
+// cacheSalt derives a tenant's cache_salt: an HMAC of its namespace, so it
+// cannot be guessed from the tenant's name without the secret.
+func cacheSalt(secret, namespace string) string {
+	m := hmac.New(sha256.New, []byte(secret))
+	m.Write([]byte("kvproxy cache_salt\x00"))
+	m.Write([]byte(namespace))
+	return hex.EncodeToString(m.Sum(nil)[:16])
+}
+
+func bearer(ctx *fasthttp.RequestCtx) string {
+	h := string(ctx.Request.Header.Peek("Authorization"))
+	if len(h) > 7 && strings.EqualFold(h[:7], "bearer ") {
+		return strings.TrimSpace(h[7:])
+	}
+	return ""
+}
+
+// client finds the tenant of a request; nil means the key is missing or wrong.
+func (a *authTable) client(ctx *fasthttp.RequestCtx) *tenant {
+	if a.anonymous != nil {
+		return a.anonymous
+	}
+	key := bearer(ctx)
+	if key == "" {
+		return nil
+	}
+	return a.byKey[sha256.Sum256([]byte(key))]
+}
+
+// isAdmin checks the admin key. With no admin keys, admin endpoints are open
+// only on a proxy without client keys.
+func (a *authTable) isAdmin(ctx *fasthttp.RequestCtx) bool {
+	if len(a.admin) == 0 {
+		return a.anonymous != nil
+	}
+	key := bearer(ctx)
+	return key != "" && a.admin[sha256.Sum256([]byte(key))]
+}
+
+// bucket is a token bucket: rate per second, holding at most burst.
+type bucket struct {
+	rate, burst float64
+	mu          sync.Mutex
+	level       float64
+	last        time.Time
+}
+
+func newBucket(rate, burst float64) *bucket {
+	return &bucket{rate: rate, burst: burst, level: burst, last: time.Now()}
+}
+
+// take removes n tokens if available; otherwise it returns how long until
+// they would be.
+func (b *bucket) take(n float64) (ok bool, wait time.Duration) {
+	if b == nil {
+		return true, 0
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	now := time.Now()
+	b.level = math.Min(b.burst, b.level+now.Sub(b.last).Seconds()*b.rate)
+	b.last = now
+	if n > b.burst {
+		n = b.burst // a single request larger than the burst waits for a full bucket
+	}
+	if b.level >= n {
+		b.level -= n
+		return true, 0
+	}
+	return false, time.Duration((n - b.level) / b.rate * float64(time.Second))
+}
