@@ -17,6 +17,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime/pprof"
 	"strings"
 	"time"
 
@@ -134,12 +135,23 @@ func runSim(args []string, stdout io.Writer) error {
 	asJSON := fs.Bool("json", false, "print one JSON object instead of a table")
 	ceiling := fs.Bool("ceiling", true, "compute the hit-rate ceiling (one LRU cache of the whole fleet's capacity)")
 	plot := fs.String("plot", "", "write PNG charts (TTFT CDF, hit rate) into this directory")
+	cpuprofile := fs.String("cpuprofile", "", "write a CPU profile of the simulation to this file")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	w, err := wf.load()
 	if err != nil {
 		return err
+	}
+	if *cpuprofile != "" {
+		f, err := os.Create(*cpuprofile)
+		if err != nil {
+			return err
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
 	}
 	cfg := bench.SimConfig{
 		Engines: *engines, CacheBlocks: *cacheBlocks, BlockSize: *blockSize,
