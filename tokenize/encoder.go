@@ -69,14 +69,68 @@ func (e *Encoder) EncodeText(dst []uint32, text string) []uint32 {
 // EncodeChat appends the token ids of msgs rendered with the Encoder's
 // template, followed by the generation prompt when addGenerationPrompt is
 // set. Messages seen before (same role and content) come from the cache.
+// If the template refuses the conversation (a model template's
+// raise_exception), EncodeChat falls back to the raw concatenated contents,
+// still deterministic for routing; use TryEncodeChat to see the error.
 func (e *Encoder) EncodeChat(dst []uint32, msgs []Message, addGenerationPrompt bool) []uint32 {
+	out, err := e.TryEncodeChat(dst, msgs, addGenerationPrompt)
+	if err != nil {
+		out = dst
+		for _, m := range msgs {
+			out = e.encodePiece(out, &piece{msg: Message{Content: m.Content}, literal: true}, nil)
+		}
+	}
+	return out
+}
+
+// TryEncodeChat is EncodeChat returning the template's error (a model
+// template that rejects the conversation, e.g. roles that do not
+// alternate) instead of falling back; dst is returned unchanged with it.
+func (e *Encoder) TryEncodeChat(dst []uint32, msgs []Message, addGenerationPrompt bool) ([]uint32, error) {
 	s := e.scratch.Get().(*encScratch)
-	s.pieces = e.tmpl.pieces(s.pieces[:0], msgs, addGenerationPrompt)
+	defer e.scratch.Put(s)
+	var err error
+	s.pieces, err = e.tmpl.pieces(s.pieces[:0], msgs, addGenerationPrompt)
+	if err != nil {
+		clear(s.pieces)
+		return dst, err
+	}
 	for i := range s.pieces {
-		dst = e.encodePiece(dst, &s.pieces[i], s)
+		if p := &s.pieces[i]; p.split {
+			dst = e.encodeSplit(dst, p.msg.Content, s)
+		} else {
+			dst = e.encodePiece(dst, p, s)
+		}
 	}
 	clear(s.pieces) // drop references to request strings
-	e.scratch.Put(s)
+	return dst, nil
+}
+
+// addedTokenSplitter is implemented by tokenizers with added tokens
+// (tokenizer.json): text between two added tokens is tokenized
+// independently of the rest.
+type addedTokenSplitter interface {
+	nextAdded(s string, i int) (textEnd, tokEnd int, id uint32)
+}
+
+// encodeSplit encodes a rendered conversation, caching each run of text
+// between the tokenizer's added tokens (for a model template, roughly one
+// message each).
+func (e *Encoder) encodeSplit(dst []uint32, text string, s *encScratch) []uint32 {
+	sp, ok := e.tok.(addedTokenSplitter)
+	if !ok {
+		return e.encodePiece(dst, &piece{msg: Message{Content: text}, literal: true}, s)
+	}
+	for i := 0; i < len(text); {
+		textEnd, tokEnd, id := sp.nextAdded(text, i)
+		if textEnd > i {
+			dst = e.encodePiece(dst, &piece{msg: Message{Content: text[i:textEnd]}, literal: true}, s)
+		}
+		if tokEnd > textEnd {
+			dst = append(dst, id)
+		}
+		i = tokEnd
+	}
 	return dst
 }
 

@@ -23,7 +23,11 @@ func conversation(turns int) []Message {
 // Encoder's output.
 func coldEncode(tok Tokenizer, tmpl Template, msgs []Message, gen bool) []uint32 {
 	var ids []uint32
-	for _, p := range tmpl.pieces(nil, msgs, gen) {
+	ps, err := tmpl.pieces(nil, msgs, gen)
+	if err != nil {
+		panic(err)
+	}
+	for _, p := range ps {
 		if p.literal {
 			ids = tok.Encode(ids, p.msg.Content)
 		} else {
@@ -59,7 +63,11 @@ func TestEncodeChatMatchesWholeRenderForChatml(t *testing.T) {
 	tmpl, _ := GetTemplate("chatml")
 	msgs := conversation(6)
 	got := NewEncoder(tok, tmpl, 0).EncodeChat(nil, msgs, true)
-	want := tok.Encode(nil, Render(tmpl, msgs, true))
+	text, err := Render(tmpl, msgs, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := tok.Encode(nil, text)
 	if !slices.Equal(got, want) {
 		t.Fatalf("per-message encode differs from whole render")
 	}

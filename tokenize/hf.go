@@ -299,6 +299,10 @@ func (t *hfTokenizer) Encode(dst []uint32, text string) []uint32 {
 	return dst
 }
 
+func (t *hfTokenizer) nextAdded(s string, i int) (textEnd, tokEnd int, id uint32) {
+	return t.added.next(s, i)
+}
+
 // encodeText encodes text that holds no added token.
 func (t *hfTokenizer) encodeText(dst []uint32, s string) []uint32 {
 	if t.nfc && !norm.NFC.IsNormalString(s) {

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"unicode"
 )
 
 // The reference test compares this package with implementations nobody on
@@ -129,7 +130,7 @@ func refChats(n int, texts []string) [][]Message {
 
 func TestReferenceTokenizers(t *testing.T) {
 	texts := refTexts(300)
-	chats := refChats(60, texts)
+	chats := refChats(70, texts)
 	ref := runReference(t, texts, chats)
 
 	toks := map[string]func() (Tokenizer, error){
@@ -166,7 +167,63 @@ func TestReferenceTokenizers(t *testing.T) {
 			if bad > 0 {
 				t.Fatalf("%d of %d texts differ from the reference", bad, len(texts)+len(r.Chats))
 			}
+			if len(r.Chats) > 0 {
+				checkChatTemplate(t, name, tok, chats, r)
+			}
 			t.Log(fmt.Sprintf("%d texts and %d rendered chats identical", len(texts), len(r.Chats)))
 		})
 	}
+}
+
+// checkChatTemplate renders the model's own chat_template with this
+// package and compares text and (cached) token ids with transformers.js.
+func checkChatTemplate(t *testing.T, name string, tok Tokenizer, chats [][]Message, r refResult) {
+	tmpl, err := LoadTemplate(refModelDir(name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	enc := NewEncoder(tok, tmpl, 0)
+	compared := 0
+	for i, c := range chats {
+		if jsStripDiffers(c) {
+			continue
+		}
+		compared++
+		text, err := Render(tmpl, c, true)
+		if err != nil {
+			t.Fatalf("chat %d: %v", i, err)
+		}
+		if text != r.Chats[i].Text {
+			t.Fatalf("chat %d renders\n%q\nreference\n%q", i, text, r.Chats[i].Text)
+		}
+		for pass := range 2 { // cold, then from the cache
+			ids, err := enc.TryEncodeChat(nil, c, true)
+			if err != nil || !slices.Equal(ids, r.Chats[i].IDs) {
+				t.Fatalf("chat %d pass %d: EncodeChat = %v, %v\nwant %v", i, pass, ids, err, r.Chats[i].IDs)
+			}
+		}
+	}
+	t.Logf("%d conversations rendered and encoded identically", compared)
+	if compared < 50 {
+		t.Fatalf("only %d conversations compared, want at least 50", compared)
+	}
+}
+
+// jsStripDiffers reports a conversation on which transformers.js's Jinja
+// is known to differ from Python's (which engines run): its
+// strip/lstrip/rstrip ignore their argument, so Qwen 3's
+// content.split('</think>')[-1].lstrip('\n') also strips spaces and tabs.
+func jsStripDiffers(msgs []Message) bool {
+	for _, m := range msgs {
+		if m.Role != "assistant" {
+			continue
+		}
+		if i := strings.LastIndex(m.Content, "</think>"); i >= 0 {
+			rest := strings.TrimLeft(m.Content[i+len("</think>"):], "\n")
+			if rest != strings.TrimLeftFunc(rest, unicode.IsSpace) {
+				return true
+			}
+		}
+	}
+	return false
 }

@@ -23,7 +23,7 @@ type Template interface {
 	// Name is the template's name, e.g. "chatml".
 	Name() string
 	// pieces appends the conversation's pieces in order.
-	pieces(dst []piece, msgs []Message, addGenerationPrompt bool) []piece
+	pieces(dst []piece, msgs []Message, addGenerationPrompt bool) ([]piece, error)
 	// appendMessage renders one message piece.
 	appendMessage(dst []byte, m Message) []byte
 }
@@ -33,6 +33,7 @@ type Template interface {
 type piece struct {
 	msg     Message
 	literal bool // msg.Content is literal text; msg.Role is unused
+	split   bool // literal text to split at the tokenizer's added tokens, caching each part
 }
 
 // markerTemplate renders each message as head + role + mid + content + tail,
@@ -65,7 +66,7 @@ var templates = map[string]Template{
 
 func (t *markerTemplate) Name() string { return t.name }
 
-func (t *markerTemplate) pieces(dst []piece, msgs []Message, addGenerationPrompt bool) []piece {
+func (t *markerTemplate) pieces(dst []piece, msgs []Message, addGenerationPrompt bool) ([]piece, error) {
 	if t.prefix != "" {
 		dst = append(dst, piece{msg: Message{Content: t.prefix}, literal: true})
 	}
@@ -75,7 +76,7 @@ func (t *markerTemplate) pieces(dst []piece, msgs []Message, addGenerationPrompt
 	if addGenerationPrompt && t.generationPrompt != "" {
 		dst = append(dst, piece{msg: Message{Content: t.generationPrompt}, literal: true})
 	}
-	return dst
+	return dst, nil
 }
 
 func (t *markerTemplate) appendMessage(dst []byte, m Message) []byte {
@@ -92,11 +93,11 @@ type rawTemplate struct{}
 
 func (rawTemplate) Name() string { return "raw" }
 
-func (rawTemplate) pieces(dst []piece, msgs []Message, _ bool) []piece {
+func (rawTemplate) pieces(dst []piece, msgs []Message, _ bool) ([]piece, error) {
 	for _, m := range msgs {
 		dst = append(dst, piece{msg: Message{Content: m.Content}, literal: true})
 	}
-	return dst
+	return dst, nil
 }
 
 func (rawTemplate) appendMessage(dst []byte, m Message) []byte { return append(dst, m.Content...) }
@@ -112,7 +113,7 @@ func TemplateNames() []string {
 }
 
 // GetTemplate returns the built-in chat template called name: "chatml",
-// "llama3" or "raw".
+// "llama3" or "raw". LoadTemplate also reads a model's own template.
 func GetTemplate(name string) (Template, error) {
 	t, ok := templates[name]
 	if !ok {
@@ -122,15 +123,19 @@ func GetTemplate(name string) (Template, error) {
 }
 
 // Render returns the text a template produces for a conversation: what the
-// Encoder tokenizes, piece by piece. For tests and debugging.
-func Render(t Template, msgs []Message, addGenerationPrompt bool) string {
+// Encoder tokenizes, piece by piece. For tests, debugging and the CLI.
+func Render(t Template, msgs []Message, addGenerationPrompt bool) (string, error) {
+	ps, err := t.pieces(nil, msgs, addGenerationPrompt)
+	if err != nil {
+		return "", err
+	}
 	var b []byte
-	for _, p := range t.pieces(nil, msgs, addGenerationPrompt) {
+	for _, p := range ps {
 		if p.literal {
 			b = append(b, p.msg.Content...)
 		} else {
 			b = t.appendMessage(b, p.msg)
 		}
 	}
-	return string(b)
+	return string(b), nil
 }

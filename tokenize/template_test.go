@@ -34,7 +34,7 @@ func TestTemplatesRender(t *testing.T) {
 		if tmpl.Name() != c.name {
 			t.Errorf("Name() = %q", tmpl.Name())
 		}
-		if got := Render(tmpl, msgs, c.genP); got != c.expect {
+		if got, err := Render(tmpl, msgs, c.genP); err != nil || got != c.expect {
 			t.Errorf("%s gen=%v:\n got %q\nwant %q", c.name, c.genP, got, c.expect)
 		}
 	}

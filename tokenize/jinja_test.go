@@ -1,0 +1,114 @@
+package tokenize
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func renderJinja(t *testing.T, src string, msgs []Message, vars map[string]string) string {
+	t.Helper()
+	tmpl, err := NewJinjaTemplate("test", src, vars)
+	if err != nil {
+		t.Fatalf("%q: %v", src, err)
+	}
+	out, err := Render(tmpl, msgs, true)
+	if err != nil {
+		t.Fatalf("%q: %v", src, err)
+	}
+	return out
+}
+
+func TestJinjaExpressions(t *testing.T) {
+	msgs := []Message{{"system", "S"}, {"user", " Hi "}, {"assistant", "<think>r</think>\n\n\tA"}}
+	cases := []struct{ src, want string }{
+		{"{{ messages|length }} {{ messages[0].role }} {{ messages[-1]['role'] }}", "3 system assistant"},
+		{"{% for m in messages %}{{ loop.index0 }}{{ m.role[0] }}{% if loop.last %}!{% endif %}{% endfor %}", "0s1u2a!"},
+		{"{% for m in messages[::-1] %}{{ m.role }},{% endfor %}", "assistant,user,system,"},
+		{"{{ messages[1:]|length }}|{{ 'abc'[1:] }}|{{ 'abc'[-1] }}", "2|bc|c"},
+		{"{{ messages[1].content|trim }}|{{ messages[1].content.strip() }}|", "Hi|Hi|"},
+		// Python semantics: lstrip('\n') strips newlines only.
+		{"{{ messages[2].content.split('</think>')[-1].lstrip('\\n') }}", "\tA"},
+		{"{{ messages[2].content.split('</think>')[0].split('<think>')[-1] }}", "r"},
+		{"{% set ns = namespace(n=0, s='') %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}", "3"},
+		{"{% set x = 1 %}{% for m in messages %}{% set x = 2 %}{% endfor %}{{ x }}", "1"}, // loops scope set
+		{"{{ 'a' if add_generation_prompt else 'b' }}{{ 'c' if not add_generation_prompt }}", "a"},
+		{"{{ undefined_thing is defined }} {{ none is none }} {{ 'x' is string }} {{ 3 is not string }}", "False True True True"},
+		{"{{ 'ab' in 'cabd' }} {{ 'z' not in ['a'] }} {{ 1 + 2 * 3 }} {{ 7 // 2 }} {{ -7 % 3 }} {{ 'a' ~ 1 }}", "True True 7 3 2 a1"},
+		{"{{ messages[1].content.startswith(' H') and messages[0].content.endswith('S') }}", "True"},
+		{"{{ {'a': [1, 'x', none, true]}|tojson }}", `{"a": [1, "x", null, true]}`},
+		{"{{ bos_token }}{{ [1,2]|join('-') }}{{ 'x'|upper }}{{ missing|default('d') }}", "<s>1-2Xd"},
+		{"a  {%- if true -%}  b  {%- endif -%}  c", "abc"},
+		{"{# comment #}x\n  {% if true %}\ny\n  {% endif %}\nz\n", "x\ny\nz"}, // trim_blocks, lstrip_blocks
+		{"{% for a, b in [[1, 2], [3, 4]] %}{{ a + b }}{% endfor %}{% for x in [] %}{% else %}empty{% endfor %}", "37empty"},
+		{"{% for m in messages if m.role != 'system' %}{{ loop.index }}{{ m.role }}{% endfor %}", "1user2assistant"},
+		{"{% if messages[0].role == 'user' %}u{% elif messages[0].role == 'system' %}s{% else %}x{% endif %}", "s"},
+	}
+	for _, c := range cases {
+		if got := renderJinja(t, c.src, msgs, map[string]string{"bos_token": "<s>"}); got != c.want {
+			t.Errorf("%q\n got %q\nwant %q", c.src, got, c.want)
+		}
+	}
+}
+
+func TestJinjaErrors(t *testing.T) {
+	for _, src := range []string{
+		"{% macro f() %}{% endmacro %}", "{{ x|wordcount }}", "{% if x %}", "{{ x is prime }}", "{{ 'a }}", "{% set x %}y{% endset %}",
+	} {
+		if _, err := NewJinjaTemplate("bad", src, nil); err == nil {
+			t.Errorf("%q: parsed without error", src)
+		}
+	}
+	tmpl, err := NewJinjaTemplate("strict", "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}ok", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	enc := NewEncoder(mustGet(t, "cl100k_base"), tmpl, 0)
+	_, err = enc.TryEncodeChat(nil, []Message{{"system", "x"}}, true)
+	var raised errRaised
+	if !errors.As(err, &raised) || !strings.Contains(err.Error(), "first message must be user") {
+		t.Fatalf("TryEncodeChat error = %v, want the template's exception", err)
+	}
+	if ids := enc.EncodeChat(nil, []Message{{"system", "hello world"}}, true); len(ids) != 2 {
+		t.Fatalf("EncodeChat fallback = %v, want the raw content's 2 tokens", ids)
+	}
+}
+
+func TestLoadTemplate(t *testing.T) {
+	for _, name := range []string{"chatml", "llama3", "raw"} {
+		if tmpl, err := LoadTemplate(name); err != nil || tmpl.Name() != name {
+			t.Errorf("LoadTemplate(%s) = %v, %v", name, tmpl, err)
+		}
+	}
+	dir := t.TempDir()
+	cfg := `{"bos_token": {"content": "<B>"}, "eos_token": "<E>", "chat_template": [
+		{"name": "tool_use", "template": "tools"},
+		{"name": "default", "template": "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ eos_token }}{% endfor %}"}]}`
+	if err := os.WriteFile(filepath.Join(dir, "tokenizer_config.json"), []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	tmpl, err := LoadTemplate(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := Render(tmpl, []Message{{"user", "hi"}}, true); got != "<B>[user]hi<E>" {
+		t.Fatalf("rendered %q", got)
+	}
+	// No chat_template in the config: chat_template.jinja beside it.
+	os.WriteFile(filepath.Join(dir, "tokenizer_config.json"), []byte(`{}`), 0o644)
+	os.WriteFile(filepath.Join(dir, "chat_template.jinja"), []byte("{{ messages[0].content }}\n"), 0o644)
+	if tmpl, err = LoadTemplate(dir); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := Render(tmpl, []Message{{"user", "hi"}}, true); got != "hi" {
+		t.Fatalf("rendered %q", got)
+	}
+	if _, err := LoadTemplate(filepath.Join(dir, "tokenizer_config.json")); err == nil || !strings.Contains(err.Error(), "no chat_template") {
+		t.Fatalf("config without template: %v", err)
+	}
+	if _, err := LoadTemplate("vicuna"); err == nil || !strings.Contains(err.Error(), "chatml") {
+		t.Fatalf("LoadTemplate(vicuna): %v", err)
+	}
+}
