@@ -31,12 +31,15 @@ type (
 type jexpr interface{}
 
 type (
-	jLit    struct{ v any }
-	jVar    struct{ name string }
-	jAttr   struct{ x jexpr; name string }
-	jIndex  struct{ x, i jexpr }
-	jSlice  struct{ x, lo, hi, step jexpr }
-	jCall   struct {
+	jLit  struct{ v any }
+	jVar  struct{ name string }
+	jAttr struct {
+		x    jexpr
+		name string
+	}
+	jIndex struct{ x, i jexpr }
+	jSlice struct{ x, lo, hi, step jexpr }
+	jCall  struct {
 		fn     jexpr
 		args   []jexpr
 		kwargs map[string]jexpr
@@ -52,12 +55,15 @@ type (
 		neg  bool
 		args []jexpr
 	}
-	jBin   struct{ op string; l, r jexpr }
-	jNot   struct{ x jexpr }
-	jNeg   struct{ x jexpr }
-	jCond  struct{ cond, a, b jexpr }
-	jList  struct{ items []jexpr }
-	jDict  struct{ keys, vals []jexpr }
+	jBin struct {
+		op   string
+		l, r jexpr
+	}
+	jNot  struct{ x jexpr }
+	jNeg  struct{ x jexpr }
+	jCond struct{ cond, a, b jexpr }
+	jList struct{ items []jexpr }
+	jDict struct{ keys, vals []jexpr }
 )
 
 type jparser struct {
@@ -66,7 +72,7 @@ type jparser struct {
 }
 
 func (p *jparser) peek() jtok { return p.toks[p.p] }
-func (p *jparser) next() jtok  { t := p.toks[p.p]; p.p++; return t }
+func (p *jparser) next() jtok { t := p.toks[p.p]; p.p++; return t }
 
 func (p *jparser) errf(format string, args ...any) error {
 	return fmt.Errorf("chat template offset %d: %s", p.peek().pos, fmt.Sprintf(format, args...))
