@@ -24,13 +24,18 @@ import (
 
 func main() {
 	log.SetFlags(log.LstdFlags | log.LUTC)
-	if err := run(os.Args[1:]); err != nil {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:], nil); err != nil {
 		log.Print("kvmock: ", err)
+		stop()
 		os.Exit(1)
 	}
 }
 
-func run(args []string) error {
+// run starts the engines, calls ready with their addresses, and serves
+// until ctx ends.
+func run(ctx context.Context, args []string, ready func(addrs []string)) error {
 	d := mockengine.DefaultConfig()
 	fs := flag.NewFlagSet("kvmock", flag.ContinueOnError)
 	n := fs.Int("n", 4, "number of engines")
@@ -55,10 +60,8 @@ func run(args []string) error {
 		return fmt.Errorf("-base-port %d leaves no room for %d engines", *basePort, *n)
 	}
 
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-
 	engines := make([]*mockengine.Engine, 0, *n)
+	addrs := make([]string, 0, *n)
 	defer func() {
 		for _, e := range engines {
 			e.Close()
@@ -85,9 +88,13 @@ func run(args []string) error {
 		if err != nil {
 			return err
 		}
+		addrs = append(addrs, addr)
 		c := e.Config()
 		log.Printf("kvmock: engine %s model %s listening on http://%s (cache %d blocks of %d tokens, max_num_seqs %d, speedup %g)",
 			c.ID, c.Model, addr, c.CacheBlocks, c.BlockSize, c.MaxNumSeqs, c.Speedup)
+	}
+	if ready != nil {
+		ready(addrs)
 	}
 	<-ctx.Done()
 	log.Printf("kvmock: stopping %d engines", len(engines))
