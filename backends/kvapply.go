@@ -1,6 +1,7 @@
 package backends
 
 import (
+	"slices"
 	"strconv"
 	"sync"
 
@@ -75,6 +76,7 @@ type KVApplier struct {
 	mu     sync.Mutex
 	ranks  []*rankKV // by data-parallel rank; nil until the rank is seen
 	own    []kv.BlockHash
+	stale  []kv.BlockHash
 	stats  KVApplyStats
 	lora   string
 	loraNS kv.Namespace
@@ -245,8 +247,9 @@ func (a *KVApplier) stored(r *rankKV, ev *kv.Event) {
 	for i, eh := range ev.EngineHashes {
 		b := r.blocks[eh]
 		if b.tiers != 0 && b.own != a.own[i] {
-			// The engine reuses a hash for other content: forget the old.
-			a.idx.Remove(r.id, []kv.BlockHash{b.own}, router.AllTiers)
+			// The engine reuses a hash for other content: forget the old
+			// (after the Store below, unless this event stores it again).
+			a.stale = append(a.stale, b.own)
 			for tt := range r.perT {
 				if b.tiers&(1<<tt) != 0 {
 					r.perT[tt]--
@@ -263,6 +266,19 @@ func (a *KVApplier) stored(r *rankKV, ev *kv.Event) {
 	}
 	a.idx.Store(r.id, a.own, t, 0)
 	a.stats.StoredBlocks += uint64(n)
+	if len(a.stale) > 0 {
+		// Keep an old own hash that a block of this event now maps to.
+		a.stale = slices.DeleteFunc(a.stale, func(h kv.BlockHash) bool {
+			for _, eh := range ev.EngineHashes {
+				if r.blocks[eh].own == h {
+					return true
+				}
+			}
+			return false
+		})
+		a.idx.Remove(r.id, a.stale, router.AllTiers)
+		a.stale = a.stale[:0]
+	}
 }
 
 func (a *KVApplier) removed(r *rankKV, ev *kv.Event) {

@@ -1,6 +1,7 @@
 package backends
 
 import (
+	"math/bits"
 	"runtime"
 	"testing"
 
@@ -336,4 +337,78 @@ func BenchmarkDecodeAndApply(b *testing.B) {
 	}
 	b.ReportMetric(float64(b.N)*32/b.Elapsed().Seconds(), "blockevents/s")
 	b.ReportMetric(float64(b.N)*32/(cpuTime()-cpu0).Seconds(), "blockevents/cpu-s")
+}
+
+// Random stores (known, unknown and re-used parents; several tiers),
+// removals and clears keep the applier's books and the index in agreement:
+// every tracked block is indexed at exactly its tiers, nothing else is.
+func TestKVApplyRandomConsistency(t *testing.T) {
+	r := newRouter(t)
+	a := NewKVApplier(KVApplierConfig{Backend: "rnd"}, r)
+	id, _ := r.WorkerByName("rnd")
+	rng := uint64(42)
+	next := func(n int) int {
+		rng ^= rng << 13
+		rng ^= rng >> 7
+		rng ^= rng << 17
+		return int(rng % uint64(n))
+	}
+	blockToks := func(h uint64) []uint32 { return tokens(16, uint32(h)*131) }
+	for step := 0; step < 5000; step++ {
+		tier := kv.Tier(next(3))
+		switch op := next(20); {
+		case op < 12: // store a chain of 1-3 blocks
+			n := 1 + next(3)
+			hs := make([]uint64, n)
+			var toks []uint32
+			for i := range hs {
+				hs[i] = uint64(next(200))
+				toks = append(toks, blockToks(hs[i])...)
+			}
+			ev := kv.Event{Kind: kv.BlockStored, EngineHashes: hs, Tokens: toks, BlockSize: 16, Tier: tier}
+			if next(2) == 0 {
+				ev.HasParent, ev.EngineParent = true, uint64(next(220))
+			}
+			a.ApplyEvents(0, []kv.Event{ev})
+		case op < 19:
+			hs := []uint64{uint64(next(200)), uint64(next(200))}
+			a.ApplyEvents(0, []kv.Event{{Kind: kv.BlockRemoved, EngineHashes: hs, Tier: tier}})
+		default:
+			if next(10) == 0 {
+				a.ApplyEvents(0, []kv.Event{{Kind: kv.AllBlocksCleared}})
+			}
+		}
+		if step%25 != 0 {
+			continue
+		}
+		a.mu.Lock()
+		rk := a.ranks[0]
+		var perT [kv.NumTiers]int64
+		owners := map[kv.BlockHash]uint8{}
+		for _, b := range rk.blocks {
+			for tt := range perT {
+				if b.tiers&(1<<tt) != 0 {
+					perT[tt]++
+				}
+			}
+			owners[b.own] |= b.tiers
+		}
+		if perT != rk.perT {
+			t.Fatalf("step %d: per-tier counts %v, books say %v", step, perT, rk.perT)
+		}
+		a.mu.Unlock()
+		if got := r.Index().WorkerBlocks(id); got != len(owners) {
+			t.Fatalf("step %d: index holds %d, applier tracks %d", step, got, len(owners))
+		}
+		for own, tiers := range owners {
+			best := kv.Tier(bits.TrailingZeros8(tiers))
+			ov := r.Index().Match([]kv.BlockHash{own}, nil)
+			if len(ov) != 1 || ov[0].Tiers[best] != 1 {
+				t.Fatalf("step %d: block %x (tiers %b) matches %+v", step, own, tiers, ov)
+			}
+		}
+	}
+	if s := a.Stats(); s.OrphanBlocks == 0 || s.RemovedBlocks == 0 || s.UnknownRemovals == 0 {
+		t.Fatalf("the walk missed cases: %+v", s)
+	}
 }
