@@ -294,8 +294,12 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			resp.StreamBody = false
 		}
 		if (code == fasthttp.StatusTooManyRequests || code == fasthttp.StatusServiceUnavailable) && mayRetry {
-			// The engine refused before starting: another may take it.
+			// The engine refused before starting: another may take it. An
+			// overloaded engine (503) also gets a short break.
 			x.errMsg = "backend " + b.cfg.ID + " answered " + strconv.Itoa(code)
+			if code == fasthttp.StatusServiceUnavailable {
+				b.fail(x.errMsg)
+			}
 			fasthttp.ReleaseResponse(resp)
 			x.stopWatch()
 			x.active.Free()

@@ -18,10 +18,11 @@ type retryBudget struct {
 const (
 	retryReservePerSec = 3.0
 	retryBalanceMax    = 100.0
+	retryInitial       = 10.0
 )
 
 func newRetryBudget(ratio float64) *retryBudget {
-	return &retryBudget{ratio: ratio, balance: retryReservePerSec, last: time.Now()}
+	return &retryBudget{ratio: ratio, balance: retryInitial, last: time.Now()}
 }
 
 func (b *retryBudget) refill(now time.Time) {

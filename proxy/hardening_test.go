@@ -1,0 +1,365 @@
+package proxy
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/kvproxy/kvproxy/config"
+)
+
+// startProxyYAML starts a proxy from a YAML config whose {{eN}} placeholders
+// are replaced by the fake engines' addresses.
+func startProxyYAML(t *testing.T, yaml string, engines ...*fakeEngine) *testProxy {
+	t.Helper()
+	for i, e := range engines {
+		yaml = strings.ReplaceAll(yaml, fmt.Sprintf("{{e%d}}", i), e.addr)
+	}
+	cfg, err := config.Parse([]byte(yaml))
+	if err != nil {
+		t.Fatal(err)
+	}
+	logs := &syncBuffer{}
+	s, err := New(cfg, Options{Logger: zerolog.New(logs), DisableHealthChecks: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go s.Serve(ln)
+	t.Cleanup(func() { s.Shutdown() })
+	return &testProxy{s: s, url: "http://" + ln.Addr().String(), logs: logs}
+}
+
+func postAuth(t *testing.T, url, key, body string) (*http.Response, string) {
+	t.Helper()
+	req, _ := http.NewRequest("POST", url, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	if key != "" {
+		req.Header.Set("Authorization", "Bearer "+key)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b := new(strings.Builder)
+	bufio.NewReader(resp.Body).WriteTo(b)
+	return resp, b.String()
+}
+
+const tenantsYAML = `
+models: [{name: m, block_size: 16}]
+backends:
+  - {id: e0, url: 'http://{{e0}}', model: m, kind: vllm}
+auth:
+  keys:
+    - {key: key-alpha-123, tenant: alpha}
+    - {key: key-beta-4567, tenant: beta}
+    - {key: key-gamma-890, tenant: gamma}
+    - {key: key-delta-890, tenant: delta}
+  admin_keys: [admin-key-xyz]
+  cache_salt_secret: s3cret
+tenants:
+  - {name: gamma, shared_cache: true}
+  - {name: delta, shared_cache: true, requests_per_second: 2}
+`
+
+func TestKeysTenantsAndCacheSalt(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, tenantsYAML, e)
+	body := `{"model":"m","cache_salt":"client-chosen","messages":[{"role":"user","content":"` + strings.Repeat("shared words ", 60) + `"}]}`
+
+	if resp, b := postAuth(t, p.url+"/v1/chat/completions", "", body); resp.StatusCode != 401 || !strings.Contains(b, "invalid_api_key") {
+		t.Fatalf("no key: %d %s", resp.StatusCode, b)
+	}
+	if resp, _ := postAuth(t, p.url+"/v1/chat/completions", "wrong-key-000", body); resp.StatusCode != 401 {
+		t.Fatalf("wrong key: %d", resp.StatusCode)
+	}
+	salts := map[string]string{}
+	for _, k := range []string{"key-alpha-123", "key-beta-4567", "key-gamma-890", "key-delta-890"} {
+		resp, b := postAuth(t, p.url+"/v1/chat/completions", k, body)
+		if resp.StatusCode != 200 {
+			t.Fatalf("%s: %d %s", k, resp.StatusCode, b)
+		}
+		salt, _ := e.lastBody()["cache_salt"].(string)
+		if salt == "" || salt == "client-chosen" {
+			t.Fatalf("%s: cache_salt %q: the client's must be replaced by the tenant's", k, salt)
+		}
+		salts[k] = salt
+	}
+	if salts["key-alpha-123"] == salts["key-beta-4567"] {
+		t.Fatal("two tenants got the same cache_salt")
+	}
+	if salts["key-gamma-890"] != salts["key-delta-890"] {
+		t.Fatal("tenants sharing the cache namespace must share the salt")
+	}
+	for _, s := range salts {
+		if strings.Contains(s, "alpha") || strings.Contains(s, "key-") {
+			t.Fatal("the salt must not reveal the tenant or key")
+		}
+	}
+
+	// The index never routes one tenant on another's prefix: beta's dry run
+	// sees no overlap with the prompt alpha just sent.
+	dry := strings.Replace(body, `"model":"m"`, `"model":"m","nvext":{"annotations":["query_instance_id"]}`, 1)
+	_, b := postAuth(t, p.url+"/v1/chat/completions", "key-alpha-123", dry)
+	var d decisionJSON
+	json.Unmarshal([]byte(b), &d)
+	if d.OverlapBlocks == 0 {
+		t.Fatalf("alpha should find its own prefix: %s", b)
+	}
+	_, b = postAuth(t, p.url+"/v1/chat/completions", "wrong", dry)
+	_, b = postAuth(t, p.url+"/v1/chat/completions", "key-beta-4567", strings.Replace(dry, "shared words", "shared words", 1))
+	json.Unmarshal([]byte(b), &d)
+	if d.OverlapBlocks != d.TotalBlocks {
+		// beta sent the same prompt once above, so it overlaps with itself only
+		t.Logf("beta overlap %d/%d", d.OverlapBlocks, d.TotalBlocks)
+	}
+
+	// Admin endpoints take the admin key, not a tenant key.
+	for _, k := range []string{"", "key-alpha-123"} {
+		req, _ := http.NewRequest("GET", p.url+"/admin/backends", nil)
+		if k != "" {
+			req.Header.Set("Authorization", "Bearer "+k)
+		}
+		resp, _ := http.DefaultClient.Do(req)
+		if resp.StatusCode != 401 {
+			t.Fatalf("admin with %q: %d", k, resp.StatusCode)
+		}
+	}
+	req, _ := http.NewRequest("GET", p.url+"/admin/backends", nil)
+	req.Header.Set("Authorization", "Bearer admin-key-xyz")
+	if resp, _ := http.DefaultClient.Do(req); resp.StatusCode != 200 {
+		t.Fatalf("admin key refused: %d", resp.StatusCode)
+	}
+
+	// delta is limited to 2 requests/s (burst 2).
+	limited := 0
+	for i := 0; i < 5; i++ {
+		resp, b := postAuth(t, p.url+"/v1/chat/completions", "key-delta-890", body)
+		if resp.StatusCode == 429 {
+			limited++
+			if resp.Header.Get("Retry-After") == "" || !strings.Contains(b, "rate_limit_exceeded") {
+				t.Fatalf("429 without Retry-After or code: %v %s", resp.Header, b)
+			}
+		}
+	}
+	if limited < 2 {
+		t.Fatalf("rate limit let %d of 5 through", 5-limited)
+	}
+	p.waitIdle(t)
+	for _, k := range []string{"key-alpha-123", "key-beta-4567", "admin-key-xyz", "s3cret"} {
+		if strings.Contains(p.logs.String(), k) {
+			t.Fatalf("a key or secret leaked into the log: %s", k)
+		}
+	}
+}
+
+func TestTenantsNeverShareIndexEntries(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	e1 := startFake(t, "e1", nil)
+	p := startProxyYAML(t, strings.Replace(tenantsYAML, "  - {id: e0, url: 'http://{{e0}}', model: m, kind: vllm}",
+		"  - {id: e0, url: 'http://{{e0}}', model: m, kind: vllm}\n  - {id: e1, url: 'http://{{e1}}', model: m, kind: vllm}", 1), e, e1)
+	prompt := `{"model":"m","nvext":{"annotations":["query_instance_id"]},"messages":[{"role":"user","content":"` + strings.Repeat("private context ", 80) + `"}]}`
+	real := strings.Replace(prompt, `"nvext":{"annotations":["query_instance_id"]},`, "", 1)
+	postAuth(t, p.url+"/v1/chat/completions", "key-alpha-123", real)
+	overlap := func(key string) int {
+		_, b := postAuth(t, p.url+"/v1/chat/completions", key, prompt)
+		var d decisionJSON
+		if err := json.Unmarshal([]byte(b), &d); err != nil {
+			t.Fatal(b)
+		}
+		return d.OverlapBlocks
+	}
+	if overlap("key-alpha-123") == 0 {
+		t.Fatal("the same tenant must find its cached prefix")
+	}
+	if n := overlap("key-beta-4567"); n != 0 {
+		t.Fatalf("another tenant matched %d blocks of alpha's prompt", n)
+	}
+	p.waitIdle(t)
+}
+
+func TestRequestLimits(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, `
+models: [{name: m, aliases: [alias-m]}]
+backends: [{id: e0, url: 'http://{{e0}}'}]
+limits: {max_messages: 3, max_prompt_tokens: 100, max_header_bytes: 2048, header_timeout: 300ms}
+`, e)
+	msgs := `[{"role":"user","content":"a"},{"role":"user","content":"b"},{"role":"user","content":"c"},{"role":"user","content":"d"}]`
+	if resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":`+msgs+`}`); resp.StatusCode != 400 || !strings.Contains(string(b), `"param":"messages"`) {
+		t.Fatalf("too many messages: %d %s", resp.StatusCode, b)
+	}
+	if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"`+strings.Repeat("word ", 200)+`"}`); resp.StatusCode != 400 || !strings.Contains(string(b), "context_length_exceeded") {
+		t.Fatalf("too many tokens: %d %s", resp.StatusCode, b)
+	}
+	req, _ := http.NewRequest("POST", p.url+"/v1/completions", strings.NewReader(`{}`))
+	req.Header.Set("X-Big", strings.Repeat("x", 4096))
+	if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != 431 {
+		t.Fatalf("oversized header: %v %v", err, resp)
+	}
+	// Slowloris: headers that never finish are cut off at header_timeout.
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	start := time.Now()
+	line, _ := bufio.NewReader(c).ReadString('\n')
+	if !strings.Contains(line, "408") && line != "" {
+		t.Fatalf("slow header: got %q", line)
+	}
+	if time.Since(start) > 3*time.Second {
+		t.Fatal("a slow client kept its connection past the header timeout")
+	}
+	if e.requests.Load() != 0 {
+		t.Fatal("rejected requests reached the engine")
+	}
+}
+
+func TestEngine503IsRetriedElsewhere(t *testing.T) {
+	busy := startFake(t, "busy", func(f *fakeEngine) { f.status = 503; f.errBody = `{"error":{"message":"overloaded","type":"server_error"}}` })
+	good := startFake(t, "good", nil)
+	p := startProxyYAML(t, `
+models: [{name: m, aliases: [alias-m]}]
+backends: [{id: busy, url: 'http://{{e0}}'}, {id: good, url: 'http://{{e1}}'}]
+router: {policy: round_robin}
+`, busy, good)
+	for i := 0; i < 6; i++ {
+		resp, b := post(t, p.url+"/v1/chat/completions", chatBody)
+		if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "good" {
+			t.Fatalf("request %d: %d via %s: %s", i, resp.StatusCode, resp.Header.Get(WorkerHeader), b)
+		}
+	}
+	if busy.requests.Load() == 0 {
+		t.Fatal("round robin should have tried the busy engine")
+	}
+	p.waitIdle(t)
+
+	if busy.requests.Load() != 1 {
+		t.Fatalf("an engine answering 503 gets a break; it saw %d requests", busy.requests.Load())
+	}
+	// Pinned to the busy (ejected) engine: no retry elsewhere; a 503 with
+	// Retry-After in OpenAI's shape.
+	resp, b := post(t, p.url+"/v1/chat/completions", strings.Replace(chatBody, `"nvext":{"annotations":[]}`, `"nvext":{"backend_instance_id":"busy"}`, 1))
+	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" || !strings.Contains(string(b), `{"error":{"message":`) {
+		t.Fatalf("pinned 503: %d %v %s", resp.StatusCode, resp.Header, b)
+	}
+	p.waitIdle(t)
+}
+
+func TestFailingBackendIsEjectedAndReturns(t *testing.T) {
+	bad := startFake(t, "bad", func(f *fakeEngine) { f.status = 500; f.errBody = "boom" })
+	good := startFake(t, "good", nil)
+	p := startProxyYAML(t, `
+models: [{name: m, aliases: [alias-m]}]
+backends: [{id: bad, url: 'http://{{e0}}'}, {id: good, url: 'http://{{e1}}'}]
+router: {policy: round_robin}
+health: {eject_base: 300ms, eject_max: 1s}
+`, bad, good)
+	codes := map[int]int{}
+	for i := 0; i < 8; i++ {
+		resp, b := post(t, p.url+"/v1/chat/completions", chatBody)
+		codes[resp.StatusCode]++
+		if resp.StatusCode == 500 && !strings.Contains(string(b), `"error":{"message":"boom"`) {
+			t.Fatalf("engine 500 not normalized: %s", b)
+		}
+	}
+	if codes[500] != 1 || bad.requests.Load() != 1 {
+		t.Fatalf("after one 500 the backend must be ejected: codes %v, bad saw %d", codes, bad.requests.Load())
+	}
+	bad.status = 0 // it recovers
+	deadline := time.Now().Add(3 * time.Second)
+	for bad.requests.Load() < 2 {
+		if time.Now().After(deadline) {
+			t.Fatal("the ejected backend never came back")
+		}
+		post(t, p.url+"/v1/chat/completions", chatBody)
+		time.Sleep(20 * time.Millisecond)
+	}
+	p.waitIdle(t)
+}
+
+func TestReloadAddsAndRemovesBackendsDuringStreams(t *testing.T) {
+	old := startFake(t, "old", func(f *fakeEngine) { f.tokens = 30; f.pauseAfter = 5; f.pause = 500 * time.Millisecond })
+	added := startFake(t, "added", nil)
+	yaml := func(ids ...string) *config.Config {
+		var b strings.Builder
+		b.WriteString("models: [{name: m, aliases: [alias-m]}]\nbackends:\n")
+		for _, id := range ids {
+			addr := old.addr
+			if id == "added" {
+				addr = added.addr
+			}
+			fmt.Fprintf(&b, "  - {id: %s, url: 'http://%s'}\n", id, addr)
+		}
+		cfg, err := config.Parse([]byte(b.String()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return cfg
+	}
+	p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: old, url: 'http://{{e0}}'}]\n", old)
+	streamDone := make(chan string)
+	go func() {
+		_, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"`+strings.Repeat("hello ", 40)+`","stream":true}`)
+		streamDone <- string(b)
+	}()
+	for old.requests.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	// Swap the fleet while the stream is running on "old".
+	if err := p.s.Reload(yaml("added")); err != nil {
+		t.Fatal(err)
+	}
+	resp, _ := post(t, p.url+"/v1/chat/completions", chatBody)
+	if resp.Header.Get(WorkerHeader) != "added" {
+		t.Fatalf("after reload new requests must go to the added backend, got %q", resp.Header.Get(WorkerHeader))
+	}
+	s := <-streamDone
+	if !strings.Contains(s, `"t29 "`) || !strings.HasSuffix(s, "data: [DONE]\n\n") {
+		t.Fatalf("the stream on the removed backend was cut: %s", s)
+	}
+	p.waitIdle(t)
+	// Once drained, the removed backend's worker and index entries are gone.
+	deadline := time.Now().Add(3 * time.Second)
+	for {
+		pool := p.s.st.Load().pools[0]
+		idx := pool.rt.Index().WorkerBlocks(pool.backend(0).worker)
+		if ws := pool.rt.Workers(); len(ws) > 0 && !ws[0].Available && idx == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("removed backend still indexed: %+v", pool.rt.Workers())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	// An invalid config is rejected and the current one keeps serving.
+	bad := yaml("added")
+	bad.Router.Policy = "nonsense"
+	if err := p.s.Reload(bad); err == nil {
+		t.Fatal("invalid config accepted")
+	}
+	if resp, _ := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 200 {
+		t.Fatalf("serving broke after a rejected reload: %d", resp.StatusCode)
+	}
+	p.waitIdle(t)
+}
+
+var _ = os.Getenv
+var _ = filepath.Join
