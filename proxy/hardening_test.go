@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -233,7 +231,10 @@ limits: {max_messages: 3, max_prompt_tokens: 100, max_header_bytes: 2048, header
 }
 
 func TestEngine503IsRetriedElsewhere(t *testing.T) {
-	busy := startFake(t, "busy", func(f *fakeEngine) { f.status = 503; f.errBody = `{"error":{"message":"overloaded","type":"server_error"}}` })
+	busy := startFake(t, "busy", func(f *fakeEngine) {
+		f.status = 503
+		f.errBody = `{"error":{"message":"overloaded","type":"server_error"}}`
+	})
 	good := startFake(t, "good", nil)
 	p := startProxyYAML(t, `
 models: [{name: m, aliases: [alias-m]}]
@@ -361,5 +362,3 @@ func TestReloadAddsAndRemovesBackendsDuringStreams(t *testing.T) {
 	p.waitIdle(t)
 }
 
-var _ = os.Getenv
-var _ = filepath.Join

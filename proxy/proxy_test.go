@@ -3,7 +3,6 @@ package proxy
 import (
 	"bufio"
 	"bytes"
-	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -533,4 +532,4 @@ func TestLogsNeverCarryPromptText(t *testing.T) {
 	}
 }
 
-var _ = context.Background
+
