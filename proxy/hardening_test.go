@@ -361,4 +361,3 @@ func TestReloadAddsAndRemovesBackendsDuringStreams(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
-

@@ -531,5 +531,3 @@ func TestLogsNeverCarryPromptText(t *testing.T) {
 		t.Fatal("access log line missing")
 	}
 }
-
-
