@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/go-zeromq/zmq4"
+	"github.com/zeebo/xxh3"
 
 	"github.com/kvproxy/kvproxy/kv"
 )
@@ -82,7 +83,9 @@ type ZMQStats struct {
 // the sink is cleared and the feed restarts from what it has. A seq not above
 // the last one seen on the live stream means the engine restarted: the sink
 // is cleared. Duplicates of replayed batches are dropped. After a lost
-// connection the subscriber redials and replays from last+1 at once.
+// connection the subscriber redials with backoff and replays from the last
+// applied batch at once, which must come back byte-identical (see resume):
+// otherwise the engine restarted meanwhile and the sink is cleared.
 //
 // On its first message (and after an engine restart) the subscriber also asks
 // the replay endpoint for everything from seq 0, so a proxy that starts after
@@ -95,9 +98,13 @@ type ZMQSubscriber struct {
 	// feed state, owned by the Run goroutine
 	have    bool   // a batch has been applied since the last clear
 	applied uint64 // last applied seq (valid when have)
-	subHave bool   // a live message has been seen in this engine incarnation
-	subLast uint64 // last seq seen on the live stream
-	ranks   []int  // data-parallel ranks seen on this feed
+	// appliedSum is the xxh3 of the last applied payload: after a
+	// reconnection, the engine's replay of that seq must be the same bytes,
+	// or the engine restarted while we were away.
+	appliedSum uint64
+	subHave    bool   // a live message has been seen in this engine incarnation
+	subLast    uint64 // last seq seen on the live stream
+	ranks      []int  // data-parallel ranks seen on this feed
 
 	connected                          atomic.Bool
 	batches, events, replays, replayed atomic.Uint64
@@ -183,9 +190,8 @@ func (s *ZMQSubscriber) Run(ctx context.Context) error {
 		s.connected.Store(true)
 		if everConnected {
 			s.reconnects.Add(1)
-			// Whatever was published while we were away must be replayed.
 			if s.have {
-				s.catchUp(ctx, s.applied+1)
+				s.resume(ctx)
 			}
 		}
 		everConnected = true
@@ -280,7 +286,7 @@ func (s *ZMQSubscriber) deliver(seq uint64, payload []byte) bool {
 		s.clear(fmt.Sprintf("batch %d: %v", seq, err))
 		// The batch is consumed: its effect is unknown, the sink is empty,
 		// and the feed continues from here.
-		s.have, s.applied = true, seq
+		s.have, s.applied, s.appliedSum = true, seq, xxh3.Hash(payload)
 		s.lastSeq.Store(int64(seq))
 		return true
 	}
@@ -288,7 +294,7 @@ func (s *ZMQSubscriber) deliver(seq uint64, payload []byte) bool {
 		s.ranks = append(s.ranks, rank)
 	}
 	s.sink.ApplyEvents(rank, events)
-	s.have, s.applied = true, seq
+	s.have, s.applied, s.appliedSum = true, seq, xxh3.Hash(payload)
 	s.batches.Add(1)
 	s.events.Add(uint64(len(events)))
 	s.lastSeq.Store(int64(seq))
@@ -326,6 +332,50 @@ func (s *ZMQSubscriber) catchUp(ctx context.Context, start uint64) {
 		s.clear(fmt.Sprintf("replay from %d: %v", start, err))
 	} else if err != nil {
 		s.notify(fmt.Sprintf("replay from %d: %v", start, err))
+	}
+}
+
+// resume checks, after a reconnection, that the engine is the one we were
+// following and replays what we missed. The replay starts at the last
+// applied batch: the same seq with the same bytes proves continuity; a
+// different or missing batch means the engine restarted (or its buffer moved
+// past us), so its blocks are cleared and the new run is followed from the
+// oldest batch still buffered. Without a replay endpoint nothing can be
+// proven: clear.
+func (s *ZMQSubscriber) resume(ctx context.Context) {
+	if s.cfg.ReplayEndpoint == "" {
+		s.clear("reconnected without a replay endpoint: what was missed is unknown")
+		s.subHave = false
+		return
+	}
+	s.replays.Add(1)
+	const (
+		awaitFirst = iota
+		verified
+		broken
+	)
+	state := awaitFirst
+	err := s.replay(ctx, s.applied, func(seq uint64, payload []byte) {
+		switch state {
+		case awaitFirst:
+			if seq == s.applied && xxh3.Hash(payload) == s.appliedSum {
+				state = verified
+			} else {
+				state = broken
+			}
+		case verified:
+			if s.deliver(seq, payload) {
+				s.replayed.Add(1)
+			}
+		}
+	})
+	switch {
+	case err != nil:
+		s.clear(fmt.Sprintf("replay after reconnecting: %v", err))
+	case state != verified:
+		s.clear(fmt.Sprintf("after reconnecting, batch %d is gone or different: engine restarted", s.applied))
+		s.subHave = false
+		s.catchUp(ctx, 0)
 	}
 }
 

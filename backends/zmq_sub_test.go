@@ -422,3 +422,60 @@ func TestZMQSubscriberTopicFilter(t *testing.T) {
 		t.Fatalf("applied %v stats %+v", got, f.sub.Stats())
 	}
 }
+
+// An engine that restarts while we are disconnected, and publishes more
+// batches than we had seen before we reconnect, is caught by the replay of
+// the last applied batch (gone or different): clear, then follow the new run
+// from its seq 0.
+func TestZMQSubscriberRestartWhileDisconnectedClears(t *testing.T) {
+	eng := newTestEngine(t, 100)
+	f := startSub(t, eng, ZMQConfig{ReplayEndpoint: eng.replayAddr()})
+	f.warmUp()
+	eng.publish(0, removed(1))
+	seen := int64(eng.next - 1)
+	f.wait("first run", func(s ZMQStats) bool { return s.LastSeq == seen })
+	addr := eng.pubAddr
+	eng.pub.Close()
+	f.wait("disconnect", func(s ZMQStats) bool { return !s.Connected })
+	eng.restart()
+	eng.dropLive = true
+	for i := uint64(0); i < uint64(seen)+5; i++ {
+		eng.publish(0, removed(500+i))
+	}
+	eng.dropLive = false
+	last := int64(eng.next - 1)
+	eng.listenPub(addr)
+	f.wait("reconnect", func(s ZMQStats) bool { return s.Reconnects == 1 && s.Clears == 1 && s.LastSeq == last })
+	got := f.sink.sinceClear()
+	if len(got) != int(last+1) || got[0] != 500 || got[last] != 500+uint64(last) {
+		t.Fatalf("after restart: %v", got)
+	}
+}
+
+// Without a replay endpoint a reconnection cannot prove nothing was missed.
+func TestZMQSubscriberReconnectWithoutReplayClears(t *testing.T) {
+	eng := newTestEngine(t, 100)
+	f := startSub(t, eng, ZMQConfig{})
+	f.warmUp()
+	addr := eng.pubAddr
+	eng.pub.Close()
+	f.wait("disconnect", func(s ZMQStats) bool { return !s.Connected })
+	eng.listenPub(addr)
+	f.wait("reconnect", func(s ZMQStats) bool { return s.Reconnects == 1 && s.Clears == 1 })
+	// The feed goes on from the next batch.
+	for i := 0; ; i++ {
+		seq := eng.publish(0, removed(77))
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+		err := f.sub.Wait(ctx, func(s ZMQStats) bool { return s.LastSeq == int64(seq) })
+		cancel()
+		if err == nil {
+			break
+		}
+		if i == 500 {
+			t.Fatal("feed did not resume")
+		}
+	}
+	if st := f.sub.Stats(); st.Clears != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+}
