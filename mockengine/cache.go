@@ -6,13 +6,15 @@ const noBlock = -1
 
 // block is one KV block slot of the device cache.
 type block struct {
-	hash  kv.BlockHash // engine hash of the prefix ending here, set once full
-	rhash kv.BlockHash // router-scheme hash of the same prefix (debug view)
+	hash   kv.BlockHash // engine hash of the prefix ending here, set once full
+	rhash  kv.BlockHash // router-scheme hash of the same prefix (debug view)
+	parent kv.BlockHash // engine hash of the block before, if hasParent
 	ref   int32        // running sequences holding this block
 	prev  int32        // LRU links, valid while ref == 0 and cached
 	next  int32
 	// cached: registered in the index under hash, so a later prompt can hit it.
-	cached bool
+	cached    bool
+	hasParent bool
 }
 
 // blockCache is the device KV cache: a fixed slab of blocks, a hash index of
@@ -74,9 +76,9 @@ func (c *blockCache) pushTail(b int32) {
 }
 
 // alloc hands out a block with ref 1, evicting the least recently used
-// cached block when nothing is free. evicted reports the hash it dropped.
-// The caller checks available first.
-func (c *blockCache) alloc() (b int32, evicted kv.BlockHash, didEvict bool) {
+// cached block when nothing is free; an evicted block keeps its hashes until
+// the caller overwrites them. The caller checks available first.
+func (c *blockCache) alloc() (b int32, evicted bool) {
 	if n := len(c.free); n > 0 {
 		b = c.free[n-1]
 		c.free = c.free[:n-1]
@@ -86,11 +88,11 @@ func (c *blockCache) alloc() (b int32, evicted kv.BlockHash, didEvict bool) {
 		bl := &c.blocks[b]
 		delete(c.index, bl.hash)
 		bl.cached = false
-		evicted, didEvict = bl.hash, true
+		evicted = true
 	}
 	c.blocks[b].ref = 1
 	c.used++
-	return b, evicted, didEvict
+	return b, evicted
 }
 
 // acquire takes a reference on a cached block found by a prefix hit.

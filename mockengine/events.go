@@ -2,35 +2,33 @@ package mockengine
 
 import "github.com/kvproxy/kvproxy/kv"
 
-// eventLog collects cache events between drains. Consecutive blocks stored by
-// one sequence in one step share an event, as vLLM batches them.
+// eventLog collects cache events between drains. A stored block whose
+// parent is the last block of the previous BlockStored event (same tier)
+// extends that event, as vLLM batches a sequence's blocks.
 type eventLog struct {
 	on     bool
 	list   []kv.Event
 	hashes []uint64 // backing storage of EngineHashes
 	tokens []uint32 // backing storage of Tokens
-	// where the last BlockStored can be extended
-	lastSeq   *Seq
-	lastBlock int
 }
 
-func (l *eventLog) stored(s *Seq, i int, parent, h kv.BlockHash, toks []uint32, tier kv.Tier) {
+func (l *eventLog) stored(parent kv.BlockHash, hasParent bool, h kv.BlockHash, toks []uint32, tier kv.Tier) {
 	if !l.on {
 		return
 	}
-	n := len(l.list)
-	if n > 0 && l.lastSeq == s && l.lastBlock == i-1 && l.list[n-1].Kind == kv.BlockStored && l.list[n-1].Tier == tier {
+	if n := len(l.list); n > 0 && hasParent {
 		e := &l.list[n-1]
-		// The event's slices end where the backing storage ends, so appending
-		// to storage and re-slicing extends them in place.
-		hs := len(l.hashes) - len(e.EngineHashes)
-		ts := len(l.tokens) - len(e.Tokens)
-		l.hashes = append(l.hashes, uint64(h))
-		l.tokens = append(l.tokens, toks...)
-		e.EngineHashes = l.hashes[hs:len(l.hashes):len(l.hashes)]
-		e.Tokens = l.tokens[ts:len(l.tokens):len(l.tokens)]
-		l.lastBlock = i
-		return
+		if e.Kind == kv.BlockStored && e.Tier == tier && e.EngineHashes[len(e.EngineHashes)-1] == uint64(parent) {
+			// The event's slices end where the backing storage ends, so
+			// appending to storage and re-slicing extends them.
+			hs := len(l.hashes) - len(e.EngineHashes)
+			ts := len(l.tokens) - len(e.Tokens)
+			l.hashes = append(l.hashes, uint64(h))
+			l.tokens = append(l.tokens, toks...)
+			e.EngineHashes = l.hashes[hs:len(l.hashes):len(l.hashes)]
+			e.Tokens = l.tokens[ts:len(l.tokens):len(l.tokens)]
+			return
+		}
 	}
 	hs, ts := len(l.hashes), len(l.tokens)
 	l.hashes = append(l.hashes, uint64(h))
@@ -38,20 +36,18 @@ func (l *eventLog) stored(s *Seq, i int, parent, h kv.BlockHash, toks []uint32, 
 	l.list = append(l.list, kv.Event{
 		Kind:         kv.BlockStored,
 		EngineHashes: l.hashes[hs:len(l.hashes):len(l.hashes)],
-		HasParent:    i > 0,
+		HasParent:    hasParent,
 		EngineParent: uint64(parent),
 		Tokens:       l.tokens[ts:len(l.tokens):len(l.tokens)],
 		BlockSize:    len(toks),
 		Tier:         tier,
 	})
-	l.lastSeq, l.lastBlock = s, i
 }
 
 func (l *eventLog) removed(h kv.BlockHash, tier kv.Tier) {
 	if !l.on {
 		return
 	}
-	l.lastSeq = nil
 	n := len(l.list)
 	if n > 0 && l.list[n-1].Kind == kv.BlockRemoved && l.list[n-1].Tier == tier {
 		e := &l.list[n-1]
@@ -69,7 +65,6 @@ func (l *eventLog) cleared() {
 	if !l.on {
 		return
 	}
-	l.lastSeq = nil
 	l.list = append(l.list, kv.Event{Kind: kv.AllBlocksCleared})
 }
 
@@ -85,6 +80,5 @@ func (m *Model) DrainEvents(dst []kv.Event) []kv.Event {
 	// the unused tail of the arrays or new ones, never the drained part.
 	l.hashes = l.hashes[len(l.hashes):]
 	l.tokens = l.tokens[len(l.tokens):]
-	l.lastSeq = nil
 	return dst
 }

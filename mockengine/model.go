@@ -15,9 +15,19 @@ type ModelConfig struct {
 	CacheBlocks         int // device KV capacity in blocks
 	MaxNumSeqs          int // running sequences per step at most
 	MaxNumBatchedTokens int // tokens computed per step at most (chunked prefill)
+	// HostCacheBlocks is the capacity of the host (CPU) tier in blocks; 0
+	// turns it off. Blocks evicted from the device move there, and a prefix
+	// hit there costs HostLoadPerBlock per block instead of recomputation.
+	HostCacheBlocks  int
+	HostLoadPerBlock time.Duration
 	// RecordEvents keeps a list of cache events for DrainEvents.
 	RecordEvents bool
 }
+
+// DefaultHostLoadPerBlock is the host→device copy time of one block of 16
+// tokens of Llama-3.1-8B (128 KiB of KV per token, 2 MiB per block) at the
+// router's default host fetch cost of 55 µs/MB.
+const DefaultHostLoadPerBlock = 115 * time.Microsecond
 
 // DefaultModelConfig is vLLM's scheduler defaults with a cache sized like
 // Llama-3.1-8B on one H100 (about 480k tokens).
@@ -38,6 +48,12 @@ func (c ModelConfig) withDefaults() ModelConfig {
 	}
 	if c.MaxNumBatchedTokens <= 0 {
 		c.MaxNumBatchedTokens = d.MaxNumBatchedTokens
+	}
+	if c.HostCacheBlocks < 0 {
+		c.HostCacheBlocks = 0
+	}
+	if c.HostLoadPerBlock <= 0 {
+		c.HostLoadPerBlock = DefaultHostLoadPerBlock
 	}
 	return c
 }
@@ -108,7 +124,8 @@ type StepResult struct {
 // vLLM counts them (one query per prompt token at admission).
 type Counters struct {
 	PrefixQueries uint64
-	PrefixHits    uint64
+	PrefixHits    uint64 // found on the device
+	HostHits      uint64 // found in the host tier and loaded
 	Preemptions   uint64
 }
 
@@ -123,6 +140,10 @@ type Model struct {
 	out      []StepResult
 	counters Counters
 
+	host      *hostCache // nil when the host tier is off
+	devTokens []uint32   // BlockSize tokens per device block, kept only for events
+	hostLoads int        // blocks loaded from the host in the current step
+
 	scratch []uint32       // one block of tokens spanning prompt and output
 	hbuf    []kv.BlockHash // one hash
 	events  eventLog
@@ -131,13 +152,20 @@ type Model struct {
 // NewModel builds a Model; zero config fields take defaults.
 func NewModel(cfg ModelConfig) *Model {
 	cfg = cfg.withDefaults()
-	return &Model{
+	m := &Model{
 		cfg:     cfg,
 		cache:   newBlockCache(cfg.CacheBlocks),
 		scratch: make([]uint32, cfg.BlockSize),
 		hbuf:    make([]kv.BlockHash, 0, 1),
 		events:  eventLog{on: cfg.RecordEvents},
 	}
+	if cfg.RecordEvents {
+		m.devTokens = make([]uint32, cfg.CacheBlocks*cfg.BlockSize)
+	}
+	if cfg.HostCacheBlocks > 0 {
+		m.host = newHostCache(cfg.HostCacheBlocks, cfg.BlockSize, cfg.RecordEvents)
+	}
+	return m
 }
 
 // Config returns the effective configuration.
@@ -229,6 +257,7 @@ func (m *Model) Step() (time.Duration, []StepResult) {
 	budget := m.cfg.MaxNumBatchedTokens
 	prefill, decodes := 0, 0
 	preempted := false
+	m.hostLoads = 0
 
 	for i := 0; i < len(m.running); i++ {
 		s := m.running[i]
@@ -276,7 +305,7 @@ func (m *Model) Step() (time.Duration, []StepResult) {
 	if prefill == 0 && decodes == 0 {
 		return 0, nil
 	}
-	dur := StepTime(prefill, decodes, m.Usage())
+	dur := StepTime(prefill, decodes, m.Usage()) + time.Duration(m.hostLoads)*m.cfg.HostLoadPerBlock
 
 	// Apply: advance every scheduled sequence, cache its newly full blocks,
 	// sample a token where the sequence caught up with itself.
@@ -331,16 +360,41 @@ func (m *Model) grow(s *Seq, upto int) bool {
 }
 
 func (m *Model) alloc() int32 {
-	b, h, evicted := m.cache.alloc()
+	b, evicted := m.cache.alloc()
 	if evicted {
-		m.events.removed(h, kv.TierDevice)
+		bl := &m.cache.blocks[b]
+		m.events.removed(bl.hash, kv.TierDevice)
+		if m.host != nil {
+			m.offload(bl, m.devBlockTokens(b))
+		}
 	}
 	return b
 }
 
+// offload moves a block evicted from the device into the host tier.
+func (m *Model) offload(bl *block, toks []uint32) {
+	old, didEvict, added := m.host.put(bl.hash, bl.rhash, bl.parent, bl.hasParent, toks)
+	if didEvict {
+		m.events.removed(old, kv.TierHost)
+	}
+	if added {
+		m.events.stored(bl.parent, bl.hasParent, bl.hash, toks, kv.TierHost)
+	}
+}
+
+// devBlockTokens is the token copy of device block b (nil without events).
+func (m *Model) devBlockTokens(b int32) []uint32 {
+	if m.devTokens == nil {
+		return nil
+	}
+	bs := m.cfg.BlockSize
+	return m.devTokens[int(b)*bs : int(b+1)*bs]
+}
+
 // admit schedules a waiting sequence for its first chunk: prefix lookup over
-// its full blocks (always leaving at least one token to compute), then blocks
-// for the chunk. It fails, changing nothing, when blocks are short.
+// its full blocks (always leaving at least one token to compute) on the
+// device, then on in the host tier, then blocks for the chunk. It fails,
+// changing nothing, when blocks are short.
 func (m *Model) admit(s *Seq, budget int) bool {
 	bs := m.cfg.BlockSize
 	total := s.total()
@@ -356,8 +410,17 @@ func (m *Model) admit(s *Seq, budget int) bool {
 		}
 		hits++
 	}
-	n := min(total-hits*bs, budget)
-	need := (hits*bs+n+bs-1)/bs - hits
+	loaded := hits
+	if m.host != nil {
+		for loaded < maxHit {
+			if _, ok := m.host.index[s.hashes[loaded]]; !ok {
+				break
+			}
+			loaded++
+		}
+	}
+	n := min(total-loaded*bs, budget)
+	need := (loaded*bs+n+bs-1)/bs - hits
 	if need > m.cache.available()-inLRU {
 		return false
 	}
@@ -366,20 +429,54 @@ func (m *Model) admit(s *Seq, budget int) bool {
 		m.cache.acquire(b)
 		s.blocks = append(s.blocks, b)
 	}
-	for ; need > 0; need-- {
+	loaded = hits + m.loadFromHost(s, hits, loaded)
+	for end := (loaded*bs + n + bs - 1) / bs; len(s.blocks) < end; {
 		s.blocks = append(s.blocks, m.alloc())
 	}
-	s.computed = hits * bs
+	s.computed = loaded * bs
 	s.prefillEnd = total
 	s.sched = n
 	s.state = seqRunning
-	m.counters.PrefixQueries += uint64(len(s.Prompt))
 	if !s.admitted {
 		s.admitted = true
-		s.cached = min(hits*bs, len(s.Prompt))
-		m.counters.PrefixHits += uint64(s.cached)
+		s.cached = min(loaded*bs, len(s.Prompt))
+		m.counters.PrefixQueries += uint64(len(s.Prompt))
+		m.counters.PrefixHits += uint64(min(hits*bs, s.cached))
+		m.counters.HostHits += uint64(s.cached - min(hits*bs, s.cached))
 	}
 	return true
+}
+
+// loadFromHost copies blocks from..to-1 of s from the host tier into new
+// device blocks, registering them there; each costs HostLoadPerBlock in this
+// step. It returns how many it loaded: fewer than asked if allocating device
+// blocks pushed a needed host entry out.
+func (m *Model) loadFromHost(s *Seq, from, to int) int {
+	for i := from; i < to; i++ {
+		if _, ok := m.host.index[s.hashes[i]]; ok {
+			m.host.touch(m.host.index[s.hashes[i]])
+		}
+	}
+	for i := from; i < to; i++ {
+		b := m.alloc()
+		s.blocks = append(s.blocks, b)
+		hi, ok := m.host.index[s.hashes[i]]
+		if !ok {
+			return i - from // evicted meanwhile: recompute from here
+		}
+		e := &m.host.entries[hi]
+		bl := &m.cache.blocks[b]
+		bl.hash, bl.rhash, bl.parent, bl.hasParent = e.hash, e.rhash, e.parent, e.hasParent
+		toks := m.host.blockTokens(hi)
+		if m.devTokens != nil {
+			copy(m.devBlockTokens(b), toks)
+		}
+		if m.cache.register(b) {
+			m.events.stored(bl.parent, bl.hasParent, bl.hash, toks, kv.TierDevice)
+		}
+		m.hostLoads++
+	}
+	return to - from
 }
 
 // preempt sends a running sequence back to the front of the queue, releasing
@@ -449,11 +546,15 @@ func (m *Model) fillBlock(s *Seq, i int) {
 		return // a prefix hit: already known
 	}
 	toks := m.blockTokens(s, i)
+	if m.devTokens != nil {
+		copy(m.devBlockTokens(b), toks)
+	}
 	var parent, rparent kv.BlockHash
 	if i > 0 {
 		p := &m.cache.blocks[s.blocks[i-1]]
 		parent, rparent = p.hash, p.rhash
 	}
+	bl.parent, bl.hasParent = parent, i > 0
 	if i < len(s.hashes) {
 		bl.hash = s.hashes[i]
 	} else {
@@ -464,7 +565,7 @@ func (m *Model) fillBlock(s *Seq, i int) {
 	m.hbuf = kv.ContinueHashes(m.hbuf[:0], rparent, i == 0, toks, m.cfg.BlockSize, 0)
 	bl.rhash = m.hbuf[0]
 	if m.cache.register(b) {
-		m.events.stored(s, i, parent, bl.hash, toks, kv.TierDevice)
+		m.events.stored(parent, i > 0, bl.hash, toks, kv.TierDevice)
 	}
 }
 
@@ -478,7 +579,8 @@ type ResidentBlock struct {
 	Tier       kv.Tier
 }
 
-// AppendResident appends every cached block, in slab order.
+// AppendResident appends every cached block: the device tier, then the host
+// tier, each in slab order. A block may be in both.
 func (m *Model) AppendResident(dst []ResidentBlock) []ResidentBlock {
 	for i := range m.cache.blocks {
 		bl := &m.cache.blocks[i]
@@ -486,5 +588,18 @@ func (m *Model) AppendResident(dst []ResidentBlock) []ResidentBlock {
 			dst = append(dst, ResidentBlock{Hash: bl.rhash, EngineHash: bl.hash, Tier: kv.TierDevice})
 		}
 	}
+	if m.host != nil {
+		for _, e := range m.host.entries[:m.host.n] {
+			dst = append(dst, ResidentBlock{Hash: e.rhash, EngineHash: e.hash, Tier: kv.TierHost})
+		}
+	}
 	return dst
+}
+
+// HostBlocks is the number of blocks in the host tier.
+func (m *Model) HostBlocks() int {
+	if m.host == nil {
+		return 0
+	}
+	return len(m.host.index)
 }
