@@ -26,7 +26,11 @@ type hfTokenizer struct {
 	vocab        map[string]uint32 // token bytes → id
 	merges       map[uint64]uint64 // left<<32|right → rank<<32|merged id
 	ignoreMerges bool              // a piece found whole in vocab is one token
-	added        addedVocab
+	// direct holds the pieces that encode to a single token without
+	// running the merges: the vocabulary itself with ignore_merges,
+	// otherwise the tokens their own merges rebuild (checked at load).
+	direct map[string]uint32
+	added  addedVocab
 }
 
 // Split patterns written by hand; tokenizer.json files using another pattern
@@ -152,6 +156,17 @@ func parseHF(data []byte) (*hfTokenizer, error) {
 		key := uint64(l)<<32 | uint64(r)
 		if _, dup := t.merges[key]; !dup { // the first (lowest-ranked) definition wins
 			t.merges[key] = uint64(rank)<<32 | uint64(merged)
+		}
+	}
+
+	t.direct = t.vocab
+	if !t.ignoreMerges {
+		t.direct = make(map[string]uint32, len(t.vocab))
+		var buf []uint32
+		for w, id := range t.vocab {
+			if buf = t.merge(buf[:0], w); len(buf) == 1 && buf[0] == id {
+				t.direct[w] = id
+			}
 		}
 	}
 
@@ -305,7 +320,7 @@ func (t *hfTokenizer) nextAdded(s string, i int) (textEnd, tokEnd int, id uint32
 
 // encodeText encodes text that holds no added token.
 func (t *hfTokenizer) encodeText(dst []uint32, s string) []uint32 {
-	if t.nfc && !norm.NFC.IsNormalString(s) {
+	if t.nfc && !isNFC(s) {
 		s = norm.NFC.String(s)
 	}
 	for i := 0; i < len(s); {
@@ -316,6 +331,18 @@ func (t *hfTokenizer) encodeText(dst []uint32, s string) []uint32 {
 	return dst
 }
 
+// isNFC reports whether s is in Normalization Form C. Text whose runes are
+// all below U+0300 (UTF-8 lead bytes below 0xCC) always is; only other text
+// is checked in full.
+func isNFC(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] >= 0xcc {
+			return norm.NFC.IsNormalString(s)
+		}
+	}
+	return true
+}
+
 // appendWord runs BPE on one pre-tokenized piece: starting from its bytes,
 // repeatedly apply the lowest-ranked merge among adjacent pairs (leftmost
 // on ties), as Hugging Face tokenizers do. Pieces shorter than 128 bytes do
@@ -324,11 +351,14 @@ func (t *hfTokenizer) appendWord(dst []uint32, w string) []uint32 {
 	if len(w) == 1 {
 		return append(dst, t.byteID[w[0]])
 	}
-	if t.ignoreMerges {
-		if id, ok := t.vocab[w]; ok {
-			return append(dst, id)
-		}
+	if id, ok := t.direct[w]; ok {
+		return append(dst, id)
 	}
+	return t.merge(dst, w)
+}
+
+// merge appends the BPE tokens of w, merging from its bytes.
+func (t *hfTokenizer) merge(dst []uint32, w string) []uint32 {
 	var symStack [128]uint32
 	var rankStack [128]uint64
 	syms, ranks := symStack[:0], rankStack[:0]
