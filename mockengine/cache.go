@@ -9,9 +9,9 @@ type block struct {
 	hash   kv.BlockHash // engine hash of the prefix ending here, set once full
 	rhash  kv.BlockHash // router-scheme hash of the same prefix (debug view)
 	parent kv.BlockHash // engine hash of the block before, if hasParent
-	ref   int32        // running sequences holding this block
-	prev  int32        // LRU links, valid while ref == 0 and cached
-	next  int32
+	ref    int32        // running sequences holding this block
+	prev   int32        // LRU links, valid while ref == 0 and cached
+	next   int32
 	// cached: registered in the index under hash, so a later prompt can hit it.
 	cached    bool
 	hasParent bool
