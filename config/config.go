@@ -511,7 +511,7 @@ func (c *Config) Validate() error {
 		switch b.KVEvents.Mode {
 		case EventsNone, EventsHTTP:
 		case EventsZMQ:
-			if !strings.HasPrefix(b.KVEvents.Endpoint, "tcp://") && !strings.HasPrefix(b.KVEvents.Endpoint, "ipc://") && b.Kind != KindMock {
+			if !strings.HasPrefix(b.KVEvents.Endpoint, "tcp://") && !strings.HasPrefix(b.KVEvents.Endpoint, "ipc://") {
 				add(f+".kv_events.endpoint", "zmq mode needs a tcp:// or ipc:// publisher endpoint, got %q", b.KVEvents.Endpoint)
 			}
 		default:

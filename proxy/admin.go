@@ -61,6 +61,22 @@ type backendJSON struct {
 	PrefillTokens int64  `json:"prefill_tokens"`
 	ActiveBlocks  int64  `json:"active_blocks"`
 	IndexedBlocks int64  `json:"indexed_blocks"`
+
+	KVEvents *eventCounters `json:"kv_events"`
+	Scrape   *scrapeJSON    `json:"engine_metrics"`
+	// The kv policy's coefficients for this backend (fitted online).
+	PrefillMsPerToken float64 `json:"prefill_ms_per_token"`
+	QueueMsPerToken   float64 `json:"queue_ms_per_token"`
+	TTFTSamples       int64   `json:"ttft_samples"`
+}
+
+type scrapeJSON struct {
+	OK      bool    `json:"ok"`
+	Error   string  `json:"error,omitempty"`
+	Waiting int     `json:"waiting"`
+	Running int     `json:"running"`
+	KVUsage float64 `json:"kv_usage"`
+	AgeMs   int64   `json:"age_ms"`
 }
 
 func (s *Server) backendRows(st *state) []backendJSON {
@@ -80,7 +96,24 @@ func (s *Server) backendRows(st *state) []backendJSON {
 				InstanceID: w.InstanceID, Healthy: w.Available,
 				Inflight: int64(w.Inflight), PrefillTokens: int64(w.PrefillTokens),
 				ActiveBlocks: int64(w.ActiveBlocks), IndexedBlocks: int64(w.IndexedBlocks),
+				KVEvents:          b.eventCounters(),
+				PrefillMsPerToken: w.PrefillMsPerToken, QueueMsPerToken: w.QueueMsPerToken, TTFTSamples: w.TTFTSamples,
 			})
+			row := &rows[len(rows)-1]
+			if b.feed != nil { // load and index over all data-parallel ranks
+				row.IndexedBlocks, row.Inflight, row.PrefillTokens, row.ActiveBlocks = 0, 0, 0, 0
+				for _, id := range b.workerIDs() {
+					ws := status[id]
+					row.IndexedBlocks += int64(ws.IndexedBlocks)
+					row.Inflight += ws.Inflight
+					row.PrefillTokens += ws.PrefillTokens
+					row.ActiveBlocks += ws.ActiveBlocks
+				}
+			}
+			if ss := b.scrape.Load(); ss != nil {
+				row.Scrape = &scrapeJSON{OK: ss.ok, Error: ss.err, Waiting: ss.m.Waiting, Running: ss.m.Running,
+					KVUsage: ss.m.KVUsage, AgeMs: time.Since(ss.at).Milliseconds()}
+			}
 		}
 	}
 	sort.Slice(rows, func(i, j int) bool { return rows[i].ID < rows[j].ID })

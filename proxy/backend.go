@@ -4,6 +4,7 @@ import (
 	"net"
 	"net/url"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -36,6 +37,10 @@ type backend struct {
 	ejectTimer  *time.Timer
 	forgetTimer *time.Timer
 	slots       chan struct{} // max_concurrency semaphore; nil = unlimited
+
+	feed         *eventFeed // nil in approximate mode
+	eventsPushed atomic.Uint64
+	scrape       atomic.Pointer[scrapeStatus]
 }
 
 func newBackend(bc config.Backend, cfg *config.Config, p *modelPool, log zerolog.Logger) *backend {
@@ -128,7 +133,9 @@ func (b *backend) applyLocked() {
 		return
 	}
 	b.available = avail
-	b.pool.rt.SetAvailable(b.worker, avail)
+	for _, w := range b.workerIDs() {
+		b.pool.rt.SetAvailable(w, avail)
+	}
 	if avail {
 		b.log.Info().Str("backend", b.cfg.ID).Msg("backend available")
 		if b.forgetTimer != nil {
@@ -147,7 +154,9 @@ func (b *backend) applyLocked() {
 			defer b.mu.Unlock()
 			b.forgetTimer = nil
 			if !b.available {
-				b.pool.rt.Index().ClearWorker(b.worker)
+				for _, w := range b.workerIDs() {
+					b.pool.rt.Index().ClearWorker(w)
+				}
 				b.log.Warn().Str("backend", b.cfg.ID).Msg("backend gone too long: index entries dropped")
 			}
 		})

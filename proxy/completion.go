@@ -8,6 +8,7 @@ import (
 	"math"
 	"net"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -35,6 +36,7 @@ type exchange struct {
 	active  *router.Active
 	ab      *backends.Abort
 	stopped func()
+	rank    int // data-parallel rank of the chosen worker
 
 	status       int
 	ttft         time.Duration
@@ -165,7 +167,11 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		if d.Total > 0 {
 			s.metrics.hitRatio.Observe(float64(d.Overlap) / float64(d.Total))
 		}
-		x.d, x.active, x.b = d, active, p.backend(d.Worker)
+		x.d, x.active, x.b, x.rank = d, active, p.backend(d.Worker), 0
+		if x.b == nil && strings.Contains(d.Name, "#") {
+			// A data-parallel rank of a backend: same endpoint, rank header.
+			x.b, x.rank = st.backends[d.Name[:strings.LastIndexByte(d.Name, '#')]], dpRank(d.Name)
+		}
 		if x.b == nil { // removed by a reload between Route and here
 			active.Free()
 			unavailable(ctx, 1, "the chosen backend was just removed; retry")
@@ -234,6 +240,9 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	fr.Header.Set("X-Request-Id", x.id)
 	if b.authHeader != "" {
 		fr.Header.Set("Authorization", b.authHeader)
+	}
+	if x.rank > 0 {
+		fr.Header.Set("X-Data-Parallel-Rank", strconv.Itoa(x.rank))
 	}
 	if x.stream {
 		fr.Header.Set("Accept", "text/event-stream")

@@ -55,6 +55,10 @@ type Server struct {
 	bufs      sync.Pool
 	draining  atomic.Bool
 	inflight  sync.WaitGroup
+
+	startOnce  sync.Once
+	stopScrape chan struct{}
+	scrapeDone chan struct{}
 }
 
 type state struct {
@@ -190,11 +194,22 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 // activate makes st current: backends start getting traffic and probes;
 // backends of prev that st lacks drain and then disappear.
 func (s *Server) activate(st, prev *state) {
+	if prev != nil {
+		// A backend replaced by a new configuration of the same id hands its
+		// worker over: its event feed stops and forgets before the new one
+		// starts, so the index never mixes two feeds' mappings.
+		for id, old := range prev.backends {
+			if nb := st.backends[id]; nb != nil && nb != old && nb.pool == old.pool {
+				old.stopEvents(true)
+			}
+		}
+	}
 	for _, b := range st.backends {
 		if prev != nil && prev.backends[b.cfg.ID] == b {
 			continue
 		}
 		b.pool.setBackend(b)
+		b.startEvents()
 		if s.health != nil {
 			s.health.Remove(b.cfg.ID)
 			s.health.Add(b.cfg.ID, "http://"+b.up.Addr+"/health", b.setProbe)
@@ -229,7 +244,11 @@ func (s *Server) retire(b *backend, replaced bool, timeout time.Duration) {
 	}
 	if !replaced {
 		if cur := s.st.Load().backends[b.cfg.ID]; cur == nil || cur.pool != b.pool {
-			b.pool.rt.RemoveWorker(b.worker)
+			ids := b.workerIDs()
+			b.stopEvents(true)
+			for _, w := range ids {
+				b.pool.rt.RemoveWorker(w)
+			}
 		}
 	}
 	b.stop()
@@ -298,6 +317,14 @@ func (s *Server) Serve(ln net.Listener) error {
 	if s.health != nil {
 		s.health.Start()
 	}
+	s.startOnce.Do(func() {
+		s.stopScrape = make(chan struct{})
+		s.scrapeDone = make(chan struct{})
+		go func() {
+			defer close(s.scrapeDone)
+			s.scrapeLoop(s.stopScrape)
+		}()
+	})
 	return s.srv.Serve(ln)
 }
 
@@ -310,7 +337,12 @@ func (s *Server) Shutdown() error {
 	if s.health != nil {
 		s.health.Stop()
 	}
+	if s.stopScrape != nil {
+		close(s.stopScrape)
+		<-s.scrapeDone
+	}
 	for _, b := range s.st.Load().backends {
+		b.stopEvents(false)
 		b.stop()
 	}
 	return err
@@ -353,6 +385,16 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 			return
 		}
 		s.handleAdminBackends(ctx, st)
+	case "/v1/kv_events":
+		if !st.auth.isAdmin(ctx) {
+			unauthorized(ctx)
+			return
+		}
+		if method != fasthttp.MethodPost {
+			methodNotAllowed(ctx, "POST")
+			return
+		}
+		s.handleKVEvents(ctx, st)
 	case "/admin/reload":
 		if !st.auth.isAdmin(ctx) {
 			unauthorized(ctx)

@@ -164,6 +164,17 @@ func startMocks(cfg *config.Config, running map[string]*mockengine.Engine, log z
 		if err != nil {
 			return fmt.Errorf("mock backend %s: %w", b.ID, err)
 		}
+		if b.KVEvents.Mode == config.EventsZMQ {
+			pub, err := mockengine.NewPublisher(mockengine.PublisherConfig{
+				Endpoint: b.KVEvents.Endpoint, ReplayEndpoint: b.KVEvents.Replay, Topic: b.KVEvents.Topic,
+			})
+			if err != nil {
+				e.Close()
+				return fmt.Errorf("mock backend %s: event publisher: %w", b.ID, err)
+			}
+			e.PublishEvents(pub)
+			log.Info().Str("backend", b.ID).Str("publisher", pub.Endpoint()).Msg("simulated engine publishes KV events")
+		}
 		log.Info().Str("backend", b.ID).Str("addr", addr).Msg("simulated engine started")
 		running[b.ID] = e
 	}

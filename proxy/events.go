@@ -1,0 +1,186 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvproxy/kvproxy/backends"
+	"github.com/kvproxy/kvproxy/config"
+	"github.com/kvproxy/kvproxy/kv"
+	"github.com/kvproxy/kvproxy/router"
+)
+
+// eventFeed is how one backend's cache picture reaches the router index:
+// engine KV events over ZMQ or pushed over HTTP, applied by a KVApplier.
+type eventFeed struct {
+	applier *backends.KVApplier
+	sub     *backends.ZMQSubscriber // nil for http mode
+	cancel  context.CancelFunc
+	done    chan struct{}
+}
+
+// startEvents begins following the backend's KV events (mode zmq or http).
+// Its worker then leaves approximate mode.
+func (b *backend) startEvents() {
+	mode := b.cfg.KVEvents.Mode
+	if mode == config.EventsNone || b.feed != nil {
+		return
+	}
+	f := &eventFeed{applier: backends.NewKVApplier(backends.KVApplierConfig{
+		Backend: b.cfg.ID, BlockSize: b.pool.cfg.BlockSize,
+	}, b.pool.rt)}
+	if mode == config.EventsZMQ {
+		f.sub = backends.NewZMQSubscriber(backends.ZMQConfig{
+			Endpoint: b.cfg.KVEvents.Endpoint, ReplayEndpoint: b.cfg.KVEvents.Replay, Topic: b.cfg.KVEvents.Topic,
+		}, f.applier)
+		ctx, cancel := context.WithCancel(context.Background())
+		f.cancel, f.done = cancel, make(chan struct{})
+		go func() {
+			defer close(f.done)
+			f.sub.Run(ctx)
+		}()
+	}
+	b.feed = f
+}
+
+// stopEvents ends the feed and, when forget is set, drops every block the
+// backend's workers hold in the index.
+func (b *backend) stopEvents(forget bool) {
+	f := b.feed
+	if f == nil {
+		return
+	}
+	if f.cancel != nil {
+		f.cancel()
+		<-f.done
+	}
+	if forget {
+		f.applier.Clear()
+	}
+}
+
+// workerIDs are the router workers of the backend: rank 0, and one per
+// data-parallel rank its events have named.
+func (b *backend) workerIDs() []router.WorkerID {
+	if b.feed == nil {
+		return []router.WorkerID{b.worker}
+	}
+	return b.feed.applier.WorkerIDs()
+}
+
+// dpRank parses the data-parallel rank out of a worker name ("id#3").
+func dpRank(name string) int {
+	if i := strings.LastIndexByte(name, '#'); i >= 0 {
+		if r, err := strconv.Atoi(name[i+1:]); err == nil {
+			return r
+		}
+	}
+	return 0
+}
+
+// handleKVEvents takes a pushed JSON batch (POST /v1/kv_events) for a
+// backend in http event mode. A malformed batch changes nothing.
+func (s *Server) handleKVEvents(ctx *fasthttp.RequestCtx, st *state) {
+	batch, err := kv.ParseHTTPBatch(ctx.PostBody())
+	if err != nil {
+		var be *kv.HTTPBatchError
+		param := ""
+		if errors.As(err, &be) {
+			param = be.Path
+		}
+		badRequest(ctx, param, "malformed KV event batch: "+err.Error())
+		return
+	}
+	b := st.backends[batch.EngineID]
+	switch {
+	case b == nil:
+		badRequest(ctx, "engine_id", "no backend has id "+strconv.Quote(batch.EngineID))
+		return
+	case b.feed == nil || b.cfg.KVEvents.Mode != config.EventsHTTP:
+		badRequest(ctx, "engine_id", "backend "+strconv.Quote(batch.EngineID)+" does not take pushed events (set kv_events.mode: http)")
+		return
+	case batch.Model != "" && batch.Model != b.cfg.Model && batch.Model != b.cfg.ServedModel:
+		badRequest(ctx, "model", "backend "+strconv.Quote(batch.EngineID)+" serves "+strconv.Quote(b.cfg.Model)+", not "+strconv.Quote(batch.Model))
+		return
+	}
+	b.feed.applier.ApplyEvents(batch.DPRank, batch.Events)
+	b.eventsPushed.Add(uint64(len(batch.Events)))
+	writeJSON(ctx, map[string]any{"applied": len(batch.Events)})
+}
+
+// scrapeStatus is a backend's last /metrics scrape.
+type scrapeStatus struct {
+	ok  bool
+	err string
+	m   backends.EngineMetrics
+	at  time.Time
+}
+
+// scrapeLoop reads every backend's /metrics once a second and feeds the
+// engine's own load view to the router.
+func (s *Server) scrapeLoop(stop <-chan struct{}) {
+	scraper := &backends.MetricsScraper{Timeout: 800 * time.Millisecond}
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		st := s.st.Load()
+		var wg sync.WaitGroup
+		for _, b := range st.backends {
+			wg.Add(1)
+			go func(b *backend) {
+				defer wg.Done()
+				m, err := scraper.Scrape("http://" + b.up.Addr + "/metrics")
+				ss := &scrapeStatus{ok: err == nil, m: m, at: time.Now()}
+				if err != nil {
+					ss.err = err.Error()
+				} else {
+					b.pool.rt.SetEngineLoad(b.worker, m.Waiting, m.Running, m.KVUsage)
+				}
+				b.scrape.Store(ss)
+			}(b)
+		}
+		wg.Wait()
+		select {
+		case <-stop:
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// eventCounters are shown per backend in /admin/backends.
+type eventCounters struct {
+	Mode          string           `json:"mode"`
+	Connected     *bool            `json:"connected,omitempty"`
+	Events        uint64           `json:"events_received"`
+	LastSeq       *int64           `json:"last_seq,omitempty"`
+	Replays       uint64           `json:"replays"`
+	Clears        uint64           `json:"clears"`
+	OrphanBlocks  uint64           `json:"orphan_blocks"`
+	BlocksPerTier map[string]int64 `json:"blocks_per_tier"`
+	LastError     string           `json:"last_error,omitempty"`
+}
+
+func (b *backend) eventCounters() *eventCounters {
+	if b.feed == nil {
+		return &eventCounters{Mode: config.EventsNone}
+	}
+	as := b.feed.applier.Stats()
+	c := &eventCounters{Mode: b.cfg.KVEvents.Mode, Clears: as.Clears, OrphanBlocks: as.OrphanBlocks,
+		BlocksPerTier: map[string]int64{}, Events: b.eventsPushed.Load()}
+	for t := kv.Tier(0); t < kv.NumTiers; t++ {
+		c.BlocksPerTier[t.String()] = as.Blocks[t]
+	}
+	if b.feed.sub != nil {
+		zs := b.feed.sub.Stats()
+		c.Connected, c.LastSeq = &zs.Connected, &zs.LastSeq
+		c.Events, c.Replays, c.LastError = zs.Events, zs.Replays, zs.LastError
+	}
+	return c
+}
