@@ -292,6 +292,7 @@ func (e *Engine) serveMetrics(w http.ResponseWriter, _ *http.Request) {
 	metric("vllm:gpu_cache_usage_perc", "gauge", "GPU KV-cache usage (older name). 1 means 100 percent usage.", f(st.KVUsage))
 	metric("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.", u(st.PrefixQueries))
 	metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", u(st.PrefixHits))
+	metric("vllm:external_prefix_cache_hits_total", "counter", "Prefix cache hits from the host tier, in terms of number of loaded tokens.", u(st.HostHits))
 	metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions from the engine.", u(st.Preemptions))
 	metric("vllm:request_success_total", "counter", "Count of successfully processed requests.", u(st.Finished))
 	w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")

@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvproxy/kvproxy/kv"
 	"github.com/kvproxy/kvproxy/tokenize"
 )
 
@@ -32,6 +33,15 @@ type Config struct {
 
 	Tokenizer string // tokenize.Get name
 	Template  string // tokenize.GetTemplate name
+
+	// HostCacheBlocks sizes the host (CPU) tier in blocks; 0 turns it off.
+	HostCacheBlocks int
+	// OnEvents, if set, receives each step's cache events (stored, removed,
+	// with medium, parent and token ids) in order, on the scheduler
+	// goroutine, so it must not block for long. The slice is reused after
+	// the call; the events' own slices may be kept. A ZMQ or HTTP publisher
+	// attaches here.
+	OnEvents func(events []kv.Event)
 }
 
 // DefaultConfig is one engine sized like Llama-3.1-8B on an H100 with vLLM's
@@ -96,6 +106,8 @@ type Stats struct {
 	CachedBlocks     int
 	PrefixQueries    uint64 // prompt tokens looked up
 	PrefixHits       uint64 // prompt tokens found cached
+	HostBlocks       int    // blocks in the host tier
+	HostHits         uint64 // prompt tokens loaded from the host tier
 	Preemptions      uint64
 	Steps            uint64
 }
@@ -112,6 +124,7 @@ type Engine struct {
 	nextID  uint64
 	steps   uint64
 	deliver []delivery
+	events  []kv.Event
 	// stepHook, if set (under mu), runs after each step is scheduled and
 	// before its time passes. For tests.
 	stepHook func()
@@ -177,6 +190,8 @@ func New(cfg Config) (*Engine, error) {
 			CacheBlocks:         cfg.CacheBlocks,
 			MaxNumSeqs:          cfg.MaxNumSeqs,
 			MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
+			HostCacheBlocks:     cfg.HostCacheBlocks,
+			RecordEvents:        cfg.OnEvents != nil,
 		}),
 		reqs:      make(map[uint64]*request),
 		wake:      make(chan struct{}, 1),
@@ -254,6 +269,8 @@ func (e *Engine) Stats() Stats {
 		CachedBlocks:  e.model.CachedBlocks(),
 		PrefixQueries: c.PrefixQueries,
 		PrefixHits:    c.PrefixHits,
+		HostBlocks:    e.model.HostBlocks(),
+		HostHits:      c.HostHits,
 		Preemptions:   c.Preemptions,
 		Steps:         e.steps,
 	}
@@ -364,6 +381,9 @@ func (e *Engine) loop() {
 			}
 			e.deliver = append(e.deliver, delivery{r: r, gen: int32(o.Generated), cached: int32(o.CachedTokens), done: o.Finished})
 		}
+		if e.cfg.OnEvents != nil {
+			e.events = e.model.DrainEvents(e.events[:0])
+		}
 		e.mu.Unlock()
 		if hook != nil {
 			hook()
@@ -381,6 +401,13 @@ func (e *Engine) loop() {
 			case <-e.done:
 				return
 			}
+		}
+		// The step is done: publish its cache events, then its tokens, so a
+		// client that saw a token can find the blocks behind it announced.
+		if len(e.events) > 0 {
+			e.cfg.OnEvents(e.events)
+			clear(e.events)
+			e.events = e.events[:0]
 		}
 		for _, d := range e.deliver {
 			d.r.cached.Store(d.cached)

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -534,4 +535,65 @@ func TestModelsHealthDebugCache(t *testing.T) {
 		t.Fatal("unknown route", resp.StatusCode)
 	}
 	resp.Body.Close()
+}
+
+// With a host tier, a prompt pushed off the device is still served from
+// cache, and the engine's event feed reports where its blocks went.
+func TestEngineHostTierAndEvents(t *testing.T) {
+	var mu sync.Mutex
+	var events []kv.Event
+	e, url := startEngine(t, Config{CacheBlocks: 8, HostCacheBlocks: 32, OnEvents: func(evs []kv.Event) {
+		mu.Lock()
+		events = append(events, evs...)
+		mu.Unlock()
+	}})
+	prompt := func(k int) []int {
+		p := make([]int, 64)
+		for i := range p {
+			p[i] = 1000 + 100*k + i
+		}
+		return p
+	}
+	cached := func(k int) int {
+		_, r := post(t, url+"/v1/completions", map[string]any{"prompt": prompt(k), "max_tokens": 1})
+		return r.Usage.PromptTokensDetails.CachedTokens
+	}
+	cached(0)
+	cached(1)
+	cached(2) // evicts prompt 0 from the device into the host tier
+	if c := cached(0); c != 48 {
+		t.Fatalf("prompt 0 from the host tier: %d cached, want 48", c)
+	}
+	waitIdle(t, e)
+	if st := e.Stats(); st.HostHits != 48 || st.HostBlocks == 0 {
+		t.Fatalf("stats %+v", st)
+	}
+	mu.Lock()
+	var cpuStored, gpuRemoved int
+	for _, ev := range events {
+		switch {
+		case ev.Kind == kv.BlockStored && ev.Tier == kv.TierHost:
+			cpuStored += len(ev.EngineHashes)
+		case ev.Kind == kv.BlockRemoved && ev.Tier == kv.TierDevice:
+			gpuRemoved += len(ev.EngineHashes)
+		}
+	}
+	mu.Unlock()
+	if cpuStored == 0 || cpuStored != gpuRemoved {
+		t.Fatalf("every block leaving the device goes to the host: %d stored on CPU, %d removed from GPU", cpuStored, gpuRemoved)
+	}
+	resp, err := http.Get(url + "/debug/cache")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dc DebugCache
+	json.NewDecoder(resp.Body).Decode(&dc)
+	resp.Body.Close()
+	media := map[string]int{}
+	for _, b := range dc.Blocks {
+		media[b.Medium]++
+	}
+	if media["GPU"] != e.Stats().CachedBlocks || media["CPU"] != e.Stats().HostBlocks {
+		t.Fatalf("debug cache media %v", media)
+	}
 }

@@ -43,6 +43,7 @@ func run(ctx context.Context, args []string, ready func(addrs []string)) error {
 	host := fs.String("host", "127.0.0.1", "address to listen on")
 	model := fs.String("model", d.Model, "served model name")
 	cacheBlocks := fs.Int("cache-blocks", d.CacheBlocks, "KV cache capacity per engine, in blocks")
+	hostBlocks := fs.Int("host-cache-blocks", 0, "host (CPU) tier capacity per engine, in blocks (0: off)")
 	blockSize := fs.Int("block-size", d.BlockSize, "tokens per KV block")
 	speedup := fs.Float64("speedup", d.Speedup, "time compression: a step of d takes d/speedup")
 	seed := fs.Int64("seed", d.Seed, "seed of generated lengths and words")
@@ -70,7 +71,7 @@ func run(ctx context.Context, args []string, ready func(addrs []string)) error {
 	for i := 0; i < *n; i++ {
 		cfg := mockengine.Config{
 			ID: "mock-" + strconv.Itoa(i), Model: *model,
-			BlockSize: *blockSize, CacheBlocks: *cacheBlocks,
+			BlockSize: *blockSize, CacheBlocks: *cacheBlocks, HostCacheBlocks: *hostBlocks,
 			MaxNumSeqs: *maxSeqs, MaxNumBatchedTokens: *maxBatched,
 			Speedup: *speedup, Seed: *seed,
 			Tokenizer: *tokenizer, Template: *template,
@@ -90,8 +91,8 @@ func run(ctx context.Context, args []string, ready func(addrs []string)) error {
 		}
 		addrs = append(addrs, addr)
 		c := e.Config()
-		log.Printf("kvmock: engine %s model %s listening on http://%s (cache %d blocks of %d tokens, max_num_seqs %d, speedup %g)",
-			c.ID, c.Model, addr, c.CacheBlocks, c.BlockSize, c.MaxNumSeqs, c.Speedup)
+		log.Printf("kvmock: engine %s model %s listening on http://%s (cache %d blocks of %d tokens, host tier %d blocks, max_num_seqs %d, speedup %g)",
+			c.ID, c.Model, addr, c.CacheBlocks, c.BlockSize, c.HostCacheBlocks, c.MaxNumSeqs, c.Speedup)
 	}
 	if ready != nil {
 		ready(addrs)
