@@ -37,6 +37,9 @@ type SimConfig struct {
 	// (0: mockengine's defaults, vLLM's).
 	MaxNumSeqs          int
 	MaxNumBatchedTokens int
+	// HostCacheBlocks gives each engine a host (CPU) tier of this many
+	// blocks (0: none).
+	HostCacheBlocks int
 	// Scrape, when positive, feeds every engine's waiting and running
 	// requests and KV usage to the router at this interval, as the proxy's
 	// /metrics scrape does.
@@ -174,10 +177,11 @@ func newSim(cfg SimConfig, policy string) (*sim, error) {
 				CacheBlocks:         cfg.CacheBlocks,
 				MaxNumSeqs:          cfg.MaxNumSeqs,
 				MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
+				HostCacheBlocks:     cfg.HostCacheBlocks,
 				RecordEvents:        !cfg.Approximate,
 			}),
 			slow:   1,
-			mapper: eventMapper{m: make(map[uint64]kv.BlockHash)},
+			mapper: eventMapper{m: make(map[uint64]mappedBlock)},
 		}
 		if i < len(cfg.Speed) && cfg.Speed[i] > 0 {
 			e.slow = 1 / cfg.Speed[i]
@@ -316,10 +320,16 @@ func (s *sim) finishStep(e *simEngine) {
 
 // eventMapper turns one engine's cache events into router index updates,
 // re-hashing stored blocks from their tokens and remembering engine hash →
-// router hash for removals, as the backends' event feed does.
+// router hash (and the tiers holding the block) for removals, as the
+// backends' event feed does.
 type eventMapper struct {
-	m   map[uint64]kv.BlockHash
+	m   map[uint64]mappedBlock
 	buf []kv.BlockHash
+}
+
+type mappedBlock struct {
+	hash  kv.BlockHash
+	tiers uint8 // bit t: held in tier t
 }
 
 func (em *eventMapper) apply(ix router.Index, w router.WorkerID, ev *kv.Event) {
@@ -331,21 +341,30 @@ func (em *eventMapper) apply(ix router.Index, w router.WorkerID, ev *kv.Event) {
 			if !ok {
 				return // parent unknown: the chain cannot be re-hashed
 			}
-			parent = p
+			parent = p.hash
 		}
 		em.buf = kv.ContinueHashes(em.buf[:0], parent, !ev.HasParent, ev.Tokens, ev.BlockSize, 0)
 		for i, h := range em.buf {
 			if i < len(ev.EngineHashes) {
-				em.m[ev.EngineHashes[i]] = h
+				b := em.m[ev.EngineHashes[i]]
+				b.hash = h
+				b.tiers |= 1 << ev.Tier
+				em.m[ev.EngineHashes[i]] = b
 			}
 		}
 		ix.Store(w, em.buf, ev.Tier, 0)
 	case kv.BlockRemoved:
 		em.buf = em.buf[:0]
 		for _, eh := range ev.EngineHashes {
-			if h, ok := em.m[eh]; ok {
-				em.buf = append(em.buf, h)
+			b, ok := em.m[eh]
+			if !ok {
+				continue
+			}
+			em.buf = append(em.buf, b.hash)
+			if b.tiers &^= 1 << ev.Tier; b.tiers == 0 {
 				delete(em.m, eh)
+			} else {
+				em.m[eh] = b
 			}
 		}
 		ix.Remove(w, em.buf, ev.Tier)

@@ -158,3 +158,24 @@ func BenchmarkSimulate(b *testing.B) {
 	}
 	b.ReportMetric(float64(len(w.Requests)*b.N)/b.Elapsed().Seconds(), "req/s")
 }
+
+// A small device cache with a host tier: blocks move down and back, and the
+// events of both tiers keep the router's index consistent.
+func TestSimHostTier(t *testing.T) {
+	w := smallChat()
+	cfg := smallFleet()
+	cfg.CacheBlocks = 300
+	base, err := Simulate(w, cfg, "kv")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.HostCacheBlocks = 4000
+	host, err := Simulate(w, cfg, "kv")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("hit rate device only %.3f, with host tier %.3f", base.HitRate, host.HitRate)
+	if host.Errors != 0 || host.HitRate <= base.HitRate {
+		t.Fatalf("host tier should add hits: %.3f vs %.3f (errors %d)", host.HitRate, base.HitRate, host.Errors)
+	}
+}
