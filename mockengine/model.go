@@ -135,7 +135,7 @@ type Counters struct {
 type Model struct {
 	cfg      ModelConfig
 	cache    *blockCache
-	waiting  []*Seq
+	waiting  seqQueue
 	running  []*Seq
 	out      []StepResult
 	counters Counters
@@ -196,7 +196,7 @@ func (m *Model) Add(s *Seq) error {
 	s.hashes = kv.HashBlocks(s.hashes[:0], s.Prompt, bs, s.ns)
 	s.blocks = s.blocks[:0]
 	s.state = seqWaiting
-	m.waiting = append(m.waiting, s)
+	m.waiting.pushBack(s)
 	return nil
 }
 
@@ -205,7 +205,7 @@ func (m *Model) Add(s *Seq) error {
 func (m *Model) Abort(s *Seq) bool {
 	switch s.state {
 	case seqWaiting:
-		m.waiting = removeSeq(m.waiting, s)
+		m.waiting.remove(s)
 	case seqRunning:
 		m.running = removeSeq(m.running, s)
 		m.releaseAll(s)
@@ -231,7 +231,7 @@ func removeSeq(q []*Seq, s *Seq) []*Seq {
 func (m *Model) Running() int { return len(m.running) }
 
 // Waiting is the number of queued sequences (new and preempted).
-func (m *Model) Waiting() int { return len(m.waiting) }
+func (m *Model) Waiting() int { return m.waiting.len() }
 
 // Usage is the fraction of KV blocks held by running sequences (vLLM's
 // kv_cache_usage_perc, as a fraction).
@@ -244,7 +244,7 @@ func (m *Model) CachedBlocks() int { return len(m.cache.index) }
 func (m *Model) Counters() Counters { return m.counters }
 
 // Idle reports whether no sequence is waiting or running.
-func (m *Model) Idle() bool { return len(m.waiting) == 0 && len(m.running) == 0 }
+func (m *Model) Idle() bool { return m.waiting.len() == 0 && len(m.running) == 0 }
 
 // Step runs one scheduler iteration: running sequences first (each gets the
 // rest of its prefill chunk or one decode token, preempting the newest
@@ -289,14 +289,12 @@ func (m *Model) Step() (time.Duration, []StepResult) {
 	}
 
 	// Like vLLM, admit nothing in a step that had to preempt.
-	for !preempted && budget > 0 && len(m.waiting) > 0 && len(m.running) < m.cfg.MaxNumSeqs {
-		s := m.waiting[0]
+	for !preempted && budget > 0 && m.waiting.len() > 0 && len(m.running) < m.cfg.MaxNumSeqs {
+		s := m.waiting.front()
 		if !m.admit(s, budget) {
 			break
 		}
-		copy(m.waiting, m.waiting[1:])
-		m.waiting[len(m.waiting)-1] = nil
-		m.waiting = m.waiting[:len(m.waiting)-1]
+		m.waiting.popFront()
 		m.running = append(m.running, s)
 		budget -= s.sched
 		prefill += s.sched
@@ -486,9 +484,7 @@ func (m *Model) preempt(s *Seq) {
 	s.computed = 0
 	s.sched = 0
 	s.state = seqWaiting
-	m.waiting = append(m.waiting, nil)
-	copy(m.waiting[1:], m.waiting)
-	m.waiting[0] = s
+	m.waiting.pushFront(s)
 	m.counters.Preemptions++
 }
 
@@ -602,4 +598,45 @@ func (m *Model) HostBlocks() int {
 		return 0
 	}
 	return len(m.host.index)
+}
+
+// seqQueue is the waiting queue: FIFO, with preempted sequences put back at
+// the front. Both ends are O(1) amortized, so a long queue in a saturated
+// simulation costs nothing per admission.
+type seqQueue struct {
+	buf  []*Seq
+	head int
+}
+
+func (q *seqQueue) len() int    { return len(q.buf) - q.head }
+func (q *seqQueue) front() *Seq { return q.buf[q.head] }
+
+func (q *seqQueue) pushBack(s *Seq) { q.buf = append(q.buf, s) }
+
+func (q *seqQueue) popFront() {
+	q.buf[q.head] = nil
+	q.head++
+	if q.head == len(q.buf) {
+		q.buf, q.head = q.buf[:0], 0
+	} else if q.head >= 1024 && q.head*2 >= len(q.buf) {
+		n := copy(q.buf, q.buf[q.head:])
+		clear(q.buf[n:])
+		q.buf, q.head = q.buf[:n], 0
+	}
+}
+
+func (q *seqQueue) pushFront(s *Seq) {
+	if q.head > 0 {
+		q.head--
+		q.buf[q.head] = s
+		return
+	}
+	q.buf = append(q.buf, nil)
+	copy(q.buf[1:], q.buf)
+	q.buf[0] = s
+}
+
+func (q *seqQueue) remove(s *Seq) {
+	live := removeSeq(q.buf[q.head:], s)
+	q.buf = q.buf[:q.head+len(live)]
 }

@@ -421,3 +421,38 @@ func BenchmarkStep64(b *testing.B) {
 		}
 	}
 }
+
+func TestSeqQueue(t *testing.T) {
+	var q seqQueue
+	seqs := make([]Seq, 3000)
+	for i := range seqs {
+		seqs[i].ID = uint64(i)
+		q.pushBack(&seqs[i])
+	}
+	for i := 0; i < 2000; i++ {
+		if q.front().ID != uint64(i) {
+			t.Fatalf("pop %d got %d", i, q.front().ID)
+		}
+		q.popFront()
+	}
+	q.pushFront(&seqs[1999])
+	q.remove(&seqs[2500])
+	if q.len() != 1000 || q.front().ID != 1999 {
+		t.Fatalf("len %d front %d", q.len(), q.front().ID)
+	}
+	want := []uint64{1999}
+	for i := 2000; i < 3000; i++ {
+		if i != 2500 {
+			want = append(want, uint64(i))
+		}
+	}
+	for _, w := range want {
+		if q.front().ID != w {
+			t.Fatalf("got %d want %d", q.front().ID, w)
+		}
+		q.popFront()
+	}
+	if q.len() != 0 {
+		t.Fatal("queue must be empty")
+	}
+}
