@@ -13,55 +13,100 @@ var _ Index = (*MemIndex)(nil)
 // MemIndexConfig configures a MemIndex.
 type MemIndexConfig struct {
 	// MaxEntries bounds resident (block, worker) entries; the least recently
-	// stored are pruned first. 0 means unbounded.
+	// stored are pruned first (approximately). 0 means unbounded.
 	MaxEntries int
 	// Now is the clock used for TTLs (nil: time.Now). Tests inject a fake.
 	Now func() time.Time
 }
 
-// MemIndex is the in-memory Index: a hash map from block hash to a short
-// linked list of (worker, tiers, expiry) entries kept in one slab, with a
-// global LRU list for the size bound. Expiry has one-second granularity; an
-// entry may outlive its TTL by less than a second. Expired entries stop
-// matching at once and are swept incrementally by Store (or by Sweep).
+// MemIndex is the in-memory Index: one open-addressed table (linear probing,
+// backward-shift deletion) of (block, worker) entries, so the workers of a
+// block sit side by side and a lookup costs about one cache miss.
 //
-// Memory: one 32-byte entry per (block, worker) plus one map slot per
-// distinct block.
+// The size bound is kept by a clock hand that drops entries not stored for
+// longer than an adaptive age, counted in stored blocks (an approximate LRU;
+// Store stamps a prompt's blocks last to first, so a chain loses its tail
+// before its head). Expiry has one-second granularity; an entry may outlive
+// its TTL by less than a second. Expired entries stop matching at once and
+// are swept incrementally by Store (or at once by Sweep).
+//
+// Memory: 24 bytes per slot at a load factor kept between 3/8 and 3/4, so
+// 32 to 64 bytes per resident entry.
 type MemIndex struct {
 	mu      sync.RWMutex
 	max     int
 	now     func() time.Time
 	base    time.Time
-	blocks  map[kv.BlockHash]uint32 // head entry of the block's worker list
-	ents    []entry                 // ents[0] is the LRU sentinel
-	free    uint32                  // free list through entry.next
-	n       int                     // resident entries
-	perW    []int32                 // resident entries per worker
-	sweepAt uint32                  // incremental sweep cursor into ents
-	scratch sync.Pool               // *[]int32: worker → position in Match result
+	slots   []slot
+	mask    uint64
+	shift   uint8
+	n       int     // resident entries
+	perW    []int32 // resident entries per worker
+	clock   uint32  // LRU clock: advances per stored block
+	hand    uint64  // eviction hand
+	ageMin  uint32  // adaptive eviction age
+	sweepAt uint64  // expiry sweep cursor
+	scratch sync.Pool
 }
 
-// entry is one (block, worker) pair. 32 bytes.
-type entry struct {
+// slot is one (block, worker) entry; tiers == 0 marks an empty slot.
+type slot struct {
 	hash    kv.BlockHash
 	worker  WorkerID
-	next    uint32 // next entry of the same block; 0 ends
-	prev    uint32 // LRU neighbours (sentinel 0)
-	lnext   uint32
 	expires uint32 // tick after which the entry is dead; 0 = never
-	tiers   uint8  // bit t set: held in tier t; 0 = free slot
+	stamp   uint32 // clock at the last Store
+	tiers   uint8  // bit t set: held in tier t
 }
+
+const minSlots = 1024
 
 // NewMemIndex returns an empty in-memory index.
 func NewMemIndex(cfg MemIndexConfig) *MemIndex {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
-	x := &MemIndex{max: cfg.MaxEntries, now: cfg.Now, blocks: make(map[kv.BlockHash]uint32)}
+	x := &MemIndex{max: cfg.MaxEntries, now: cfg.Now}
 	x.base = x.now()
-	x.ents = make([]entry, 1, 1024)
+	x.resize(minSlots)
+	x.ageMin = uint32(max(cfg.MaxEntries, 1))
 	x.scratch.New = func() any { s := make([]int32, 0, 64); return &s }
 	return x
+}
+
+func (x *MemIndex) resize(n int) {
+	old := x.slots
+	x.slots = make([]slot, n)
+	x.mask = uint64(n - 1)
+	x.shift = uint8(64 - bits.TrailingZeros(uint(n)))
+	for i := range old {
+		if s := &old[i]; s.tiers != 0 {
+			j := x.home(s.hash)
+			for x.slots[j].tiers != 0 {
+				j = (j + 1) & x.mask
+			}
+			x.slots[j] = *s
+		}
+	}
+}
+
+// home is the first probe position of h (Fibonacci hashing).
+func (x *MemIndex) home(h kv.BlockHash) uint64 {
+	return (uint64(h) * 0x9e3779b97f4a7c15) >> x.shift
+}
+
+// find returns the slot of (h, w), or the empty slot ending its probe run.
+func (x *MemIndex) find(h kv.BlockHash, w WorkerID) (uint64, bool) {
+	i := x.home(h)
+	for {
+		s := &x.slots[i]
+		if s.tiers == 0 {
+			return i, false
+		}
+		if s.hash == h && s.worker == w {
+			return i, true
+		}
+		i = (i + 1) & x.mask
+	}
 }
 
 // tick is the current time in whole seconds since base, plus one.
@@ -84,7 +129,7 @@ func (x *MemIndex) expiry(ttl time.Duration) uint32 {
 	return uint32((d+time.Second-1)/time.Second) + 1
 }
 
-func (e *entry) dead(now uint32) bool { return e.expires != 0 && now >= e.expires }
+func (s *slot) dead(now uint32) bool { return s.expires != 0 && now >= s.expires }
 
 // Store implements Index.
 func (x *MemIndex) Store(w WorkerID, hashes []kv.BlockHash, tier kv.Tier, ttl time.Duration) {
@@ -94,38 +139,36 @@ func (x *MemIndex) Store(w WorkerID, hashes []kv.BlockHash, tier kv.Tier, ttl ti
 	bit := uint8(1) << tier
 	x.mu.Lock()
 	exp, now := x.expiry(ttl), x.tick()
-	for _, h := range hashes {
-		head := x.blocks[h]
-		i := head
-		for i != 0 && x.ents[i].worker != w {
-			i = x.ents[i].next
-		}
-		if i != 0 {
-			e := &x.ents[i]
+	for k := len(hashes) - 1; k >= 0; k-- { // last to first: the head is the most recent
+		h := hashes[k]
+		x.clock++
+		i, ok := x.find(h, w)
+		if ok {
+			s := &x.slots[i]
 			switch {
-			case e.dead(now): // a leftover: start afresh
-				e.tiers, e.expires = bit, exp
-			case exp == 0 || (e.expires != 0 && exp > e.expires):
-				e.tiers |= bit
-				e.expires = exp
+			case s.dead(now): // a leftover: start afresh
+				s.tiers, s.expires = bit, exp
+			case exp == 0 || (s.expires != 0 && exp > s.expires):
+				s.tiers |= bit
+				s.expires = exp
 			default:
-				e.tiers |= bit
+				s.tiers |= bit
 			}
-			x.lruUnlink(i)
-			x.lruPushFront(i)
+			s.stamp = x.clock
 			continue
 		}
-		i = x.alloc()
-		x.ents[i] = entry{hash: h, worker: w, next: head, expires: exp, tiers: bit}
-		x.blocks[h] = i
-		x.lruPushFront(i)
+		if (x.n+1)*4 > len(x.slots)*3 {
+			x.resize(len(x.slots) * 2)
+			i, _ = x.find(h, w)
+		}
+		x.slots[i] = slot{hash: h, worker: w, expires: exp, stamp: x.clock, tiers: bit}
 		x.n++
 		x.growW(w)
 		x.perW[w]++
 	}
-	x.sweepSome(2*len(hashes) + 8)
+	x.sweepSome(2*len(hashes)+8, now)
 	for x.max > 0 && x.n > x.max {
-		x.drop(x.ents[0].prev) // least recently stored
+		x.evictOne(now)
 	}
 	x.mu.Unlock()
 }
@@ -138,31 +181,23 @@ func (x *MemIndex) Remove(w WorkerID, hashes []kv.BlockHash, tier kv.Tier) {
 	}
 	x.mu.Lock()
 	for _, h := range hashes {
-		i := x.blocks[h]
-		for i != 0 && x.ents[i].worker != w {
-			i = x.ents[i].next
-		}
-		if i == 0 {
-			continue
-		}
-		x.ents[i].tiers &^= mask
-		if x.ents[i].tiers == 0 {
-			x.drop(i)
+		if i, ok := x.find(h, w); ok {
+			x.slots[i].tiers &^= mask
+			if x.slots[i].tiers == 0 {
+				x.slots[i].tiers = 1 // still occupied for delete's accounting
+				x.delete(i)
+			}
 		}
 	}
 	x.mu.Unlock()
 }
 
-// ClearWorker implements Index. It scans every entry; engine restarts and
+// ClearWorker implements Index. It scans the table; engine restarts and
 // worker removals are rare.
 func (x *MemIndex) ClearWorker(w WorkerID) {
 	x.mu.Lock()
 	if int(w) < len(x.perW) && x.perW[w] > 0 {
-		for i := 1; i < len(x.ents); i++ {
-			if x.ents[i].tiers != 0 && x.ents[i].worker == w {
-				x.drop(uint32(i))
-			}
-		}
+		x.deleteWhere(func(s *slot) bool { return s.worker == w })
 	}
 	x.mu.Unlock()
 }
@@ -172,14 +207,23 @@ func (x *MemIndex) Sweep() int {
 	x.mu.Lock()
 	before := x.n
 	now := x.tick()
-	for i := 1; i < len(x.ents); i++ {
-		if x.ents[i].tiers != 0 && x.ents[i].dead(now) {
-			x.drop(uint32(i))
-		}
-	}
+	x.deleteWhere(func(s *slot) bool { return s.dead(now) })
 	n := before - x.n
 	x.mu.Unlock()
 	return n
+}
+
+// deleteWhere deletes every entry matching f in one pass. Backward shifts
+// only move entries into the hole at the cursor or after it, so the slot at
+// the cursor is examined again after a deletion.
+func (x *MemIndex) deleteWhere(f func(*slot) bool) {
+	for i := uint64(0); i < uint64(len(x.slots)); {
+		if s := &x.slots[i]; s.tiers != 0 && f(s) {
+			x.delete(i)
+			continue
+		}
+		i++
+	}
 }
 
 // Len implements Index.
@@ -210,40 +254,42 @@ func (x *MemIndex) Match(hashes []kv.BlockHash, dst []Overlap) []Overlap {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
 	now := x.tick()
-	i := x.blocks[hashes[0]]
-	if i == 0 {
-		return dst
-	}
 	ps := x.scratch.Get().(*[]int32)
 	pos := *ps
 	if n := len(x.perW); len(pos) < n {
-		pos = append(pos[:0], make([]int32, n)...)
+		pos = append(pos, make([]int32, n-len(pos))...)
 		for k := range pos {
 			pos[k] = -1
 		}
 	}
-	for ; i != 0; i = x.ents[i].next {
-		e := &x.ents[i]
-		if e.dead(now) {
+	slots, mask := x.slots, x.mask
+	h := hashes[0]
+	for i := x.home(h); slots[i].tiers != 0; i = (i + 1) & mask {
+		s := &slots[i]
+		if s.hash != h || s.dead(now) {
 			continue
 		}
 		var o Overlap
-		o.Worker, o.Depth = e.worker, 1
-		o.Tiers[bits.TrailingZeros8(e.tiers)] = 1
-		pos[e.worker] = int32(len(dst))
+		o.Worker, o.Depth = s.worker, 1
+		o.Tiers[bits.TrailingZeros8(s.tiers)] = 1
+		pos[s.worker] = int32(len(dst))
 		dst = append(dst, o)
 	}
 	alive := len(dst)
 	for d := int32(1); alive > 0 && int(d) < len(hashes); d++ {
 		alive = 0
-		for i = x.blocks[hashes[d]]; i != 0; i = x.ents[i].next {
-			e := &x.ents[i]
-			p := pos[e.worker]
-			if p < 0 || dst[p].Depth != d || e.dead(now) {
+		h = hashes[d]
+		for i := x.home(h); slots[i].tiers != 0; i = (i + 1) & mask {
+			s := &slots[i]
+			if s.hash != h {
+				continue
+			}
+			p := pos[s.worker]
+			if p < 0 || dst[p].Depth != d || s.dead(now) {
 				continue
 			}
 			dst[p].Depth++
-			dst[p].Tiers[bits.TrailingZeros8(e.tiers)]++
+			dst[p].Tiers[bits.TrailingZeros8(s.tiers)]++
 			alive++
 		}
 	}
@@ -261,71 +307,51 @@ func (x *MemIndex) growW(w WorkerID) {
 	}
 }
 
-func (x *MemIndex) alloc() uint32 {
-	if x.free != 0 {
-		i := x.free
-		x.free = x.ents[i].next
-		return i
-	}
-	x.ents = append(x.ents, entry{})
-	return uint32(len(x.ents) - 1)
-}
-
-// drop unlinks entry i from its block list and the LRU and frees it.
-func (x *MemIndex) drop(i uint32) {
-	e := &x.ents[i]
-	h := e.hash
-	head := x.blocks[h]
-	if head == i {
-		if e.next == 0 {
-			delete(x.blocks, h)
-		} else {
-			x.blocks[h] = e.next
-		}
-	} else {
-		p := head
-		for x.ents[p].next != i {
-			p = x.ents[p].next
-		}
-		x.ents[p].next = e.next
-	}
-	x.lruUnlink(i)
-	x.perW[e.worker]--
+// delete empties slot i and shifts the rest of its probe run back.
+func (x *MemIndex) delete(i uint64) {
+	x.perW[x.slots[i].worker]--
 	x.n--
-	*e = entry{next: x.free}
-	x.free = i
-}
-
-func (x *MemIndex) lruUnlink(i uint32) {
-	e := &x.ents[i]
-	x.ents[e.prev].lnext = e.lnext
-	x.ents[e.lnext].prev = e.prev
-}
-
-func (x *MemIndex) lruPushFront(i uint32) {
-	s := &x.ents[0]
-	first := s.lnext
-	x.ents[i].prev = 0
-	x.ents[i].lnext = first
-	x.ents[first].prev = i
-	x.ents[0].lnext = i
-}
-
-// sweepSome visits up to n slab slots from the sweep cursor, dropping
-// expired entries, so that memory of expired entries is reclaimed in
-// proportion to the store rate.
-func (x *MemIndex) sweepSome(n int) {
-	if len(x.ents) <= 1 {
-		return
-	}
-	now := x.tick()
-	for ; n > 0; n-- {
-		x.sweepAt++
-		if int(x.sweepAt) >= len(x.ents) {
-			x.sweepAt = 1
+	for j := (i + 1) & x.mask; ; j = (j + 1) & x.mask {
+		s := &x.slots[j]
+		if s.tiers == 0 {
+			break
 		}
-		if e := &x.ents[x.sweepAt]; e.tiers != 0 && e.dead(now) {
-			x.drop(x.sweepAt)
+		// s may fill the hole at i if its home is not cyclically in (i, j].
+		if (j-x.home(s.hash))&x.mask >= (j-i)&x.mask {
+			x.slots[i] = *s
+			i = j
+		}
+	}
+	x.slots[i] = slot{}
+}
+
+// evictOne advances the clock hand to the next entry that is expired or has
+// not been stored for ageMin blocks, and drops it. ageMin falls when such
+// entries are scarce and rises slowly after each eviction, so the hand
+// keeps taking roughly the oldest entries.
+func (x *MemIndex) evictOne(now uint32) {
+	for scanned := 1; ; scanned++ {
+		x.hand = (x.hand + 1) & x.mask
+		s := &x.slots[x.hand]
+		if s.tiers != 0 && (s.dead(now) || x.clock-s.stamp >= x.ageMin) {
+			x.delete(x.hand)
+			x.ageMin += x.ageMin>>5 + 1
+			return
+		}
+		if scanned%32 == 0 && x.ageMin > 0 {
+			x.ageMin -= x.ageMin>>3 + 1 // at 0 every entry qualifies
+		}
+	}
+}
+
+// sweepSome visits n slots from the sweep cursor, dropping expired entries,
+// so that memory of expired entries is reclaimed in proportion to the store
+// rate.
+func (x *MemIndex) sweepSome(n int, now uint32) {
+	for ; n > 0; n-- {
+		x.sweepAt = (x.sweepAt + 1) & x.mask
+		if s := &x.slots[x.sweepAt]; s.tiers != 0 && s.dead(now) {
+			x.delete(x.sweepAt)
 		}
 	}
 }

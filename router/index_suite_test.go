@@ -192,15 +192,31 @@ func runIndexSuite(t *testing.T, mk indexFactory) {
 		old := seq(60, 9)
 		x.Store(1, old, kv.TierDevice, 0)
 		x.Store(1, old[:10], kv.TierDevice, 0) // touched again: most recent
-		x.Store(2, seq(60, 10), kv.TierDevice, 0)
+		fresh := seq(60, 10)
+		x.Store(2, fresh, kv.TierDevice, 0)
 		if x.Len() != 100 {
 			t.Fatalf("len %d, want the bound 100", x.Len())
 		}
-		if d := depths(x.Match(old, nil))[1].Depth; d != 10 {
-			t.Fatalf("depth %d, want the 10 recently stored blocks to survive", d)
+		// Pruning is (approximately) least recently stored first: the newest
+		// prompt is whole, and the old prompt keeps at least its refreshed
+		// head, losing its tail.
+		if d := depths(x.Match(fresh, nil))[2].Depth; d != 60 {
+			t.Fatalf("newest prompt depth %d, want 60", d)
 		}
-		if x.WorkerBlocks(1)+x.WorkerBlocks(2) != 100 {
-			t.Fatalf("worker blocks %d+%d != 100", x.WorkerBlocks(1), x.WorkerBlocks(2))
+		if d := depths(x.Match(old, nil))[1].Depth; d < 10 || d > 40 {
+			t.Fatalf("old prompt depth %d, want its refreshed head (10) kept and 20 tail blocks gone", d)
+		}
+		for i := 0; i < 50; i++ { // a long churn stays at the bound
+			x.Store(WorkerID(i%3), seq(30, uint64(100+i)), kv.TierDevice, 0)
+			if x.Len() != 100 {
+				t.Fatalf("len %d during churn", x.Len())
+			}
+		}
+		if d := depths(x.Match(seq(30, 149), nil))[49%3].Depth; d != 30 {
+			t.Fatalf("latest prompt depth %d after churn, want 30", d)
+		}
+		if x.WorkerBlocks(0)+x.WorkerBlocks(1)+x.WorkerBlocks(2) != 100 {
+			t.Fatalf("worker blocks %d+%d+%d != 100", x.WorkerBlocks(0), x.WorkerBlocks(1), x.WorkerBlocks(2))
 		}
 	})
 	t.Run("ManyWorkers", func(t *testing.T) {

@@ -1,0 +1,140 @@
+package router
+
+import (
+	"fmt"
+	"runtime"
+	"testing"
+	"time"
+
+	"github.com/kvproxy/kvproxy/kv"
+)
+
+const (
+	benchWorkers = 64
+	benchPrompt  = 512 // blocks: an 8k-token prompt at 16 tokens per block
+	benchShared  = 32  // a system prompt every worker holds
+)
+
+// fillIndex loads about 1,000,000 (block, worker) entries: a shared
+// 32-block system prompt on all 64 workers, then 512-block conversations
+// continuing it, each on one worker. It returns one resident conversation.
+func fillIndex(x Index, entries int) []kv.BlockHash {
+	system := seq(benchShared, 1<<30)
+	for w := WorkerID(0); w < benchWorkers; w++ {
+		x.Store(w, system, kv.TierDevice, 0)
+	}
+	conv := make([]kv.BlockHash, benchPrompt)
+	copy(conv, system)
+	var last []kv.BlockHash
+	for c := 0; x.Len() < entries; c++ {
+		tail := seq(benchPrompt-benchShared, uint64(c))
+		copy(conv[benchShared:], tail)
+		x.Store(WorkerID(c%benchWorkers), conv, kv.TierDevice, 0)
+		last = append(last[:0], conv...)
+	}
+	return last
+}
+
+func BenchmarkIndexMatch(b *testing.B) {
+	x := NewMemIndex(MemIndexConfig{})
+	h := fillIndex(x, 1_000_000)
+	buf := make([]Overlap, 0, benchWorkers)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		buf = x.Match(h, buf)
+	}
+	b.StopTimer()
+	if len(buf) != benchWorkers {
+		b.Fatalf("matched %d workers", len(buf))
+	}
+}
+
+func BenchmarkIndexStore(b *testing.B) {
+	x := NewMemIndex(MemIndexConfig{MaxEntries: 1_000_000})
+	fillIndex(x, 1_000_000)
+	convs := make([][]kv.BlockHash, 64)
+	for i := range convs {
+		convs[i] = seq(benchPrompt, uint64(1_000_000+i))
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		x.Store(WorkerID(i%benchWorkers), convs[i%len(convs)], kv.TierDevice, time.Minute)
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*benchPrompt), "ns/block")
+}
+
+// TestIndexMemoryPerEntry checks issue 3's memory goal: at most 64 heap
+// bytes per resident (block, worker) entry, with 1,000,000 entries over 64
+// workers.
+func TestIndexMemoryPerEntry(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds a 1M-entry index")
+	}
+	var m0, m1 runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&m0)
+	x := NewMemIndex(MemIndexConfig{})
+	fillIndex(x, 1_000_000)
+	runtime.GC()
+	runtime.ReadMemStats(&m1)
+	per := float64(m1.HeapAlloc-m0.HeapAlloc) / float64(x.Len())
+	t.Logf("%.1f bytes per resident entry (%d entries)", per, x.Len())
+	if per > 64 {
+		t.Fatalf("%.1f bytes per entry, want <= 64", per)
+	}
+	runtime.KeepAlive(x)
+}
+
+func BenchmarkSelect8k64Workers(b *testing.B) {
+	for _, p := range []string{"kv", "kv_dynamo", "round_robin", "least_load", "prefix_hash", "cache_aware"} {
+		b.Run(p, func(b *testing.B) {
+			cfg := DefaultConfig()
+			cfg.Policy = p
+			r, err := New(cfg)
+			if err != nil {
+				b.Fatal(err)
+			}
+			for i := 0; i < benchWorkers; i++ {
+				r.AddWorker(fmt.Sprintf("worker-%d", i))
+			}
+			h := fillIndex(r.Index(), 1_000_000)
+			q := &Request{Hashes: h, PromptTokens: benchPrompt * 16, CandidateBuf: make([]Candidate, 0, benchWorkers)}
+			for i := 0; i < 256; i++ { // some load everywhere
+				_, a, _ := r.Route(&Request{Hashes: seq(8, uint64(i)), PromptTokens: 130})
+				if i%2 == 0 {
+					a.PrefillDone()
+				}
+			}
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if _, err := r.Select(q); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+func BenchmarkCommitFree(b *testing.B) {
+	r, _ := New(DefaultConfig())
+	for i := 0; i < benchWorkers; i++ {
+		r.AddWorker(fmt.Sprintf("worker-%d", i))
+	}
+	h := fillIndex(r.Index(), 1_000_000)
+	q := &Request{Hashes: h, PromptTokens: benchPrompt * 16, CandidateBuf: make([]Candidate, 0, benchWorkers)}
+	d, err := r.Select(q)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		a := r.Commit(q, d)
+		a.PrefillDone()
+		a.OutputBlock()
+		a.Free()
+	}
+}
