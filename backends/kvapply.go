@@ -23,9 +23,11 @@ type KVApplierConfig struct {
 	// Backend is the backend id. Data-parallel rank 0 is the worker of that
 	// name; rank r > 0 is the worker "<Backend>#<r>" (WorkerName).
 	Backend string
-	// BlockSize is the router's block size. Stored events with another block
-	// size cannot be re-hashed into the router's blocks and are dropped
-	// (counted in BlockSizeMismatch). 0 means kv.DefaultBlockSize.
+	// BlockSize is the router's block size. Engine blocks of that size are
+	// re-hashed one for one; smaller ones (SGLang pages) are gathered along
+	// their chain into router blocks; larger ones, and chains that do not
+	// land on router block boundaries, are dropped (BlockSizeMismatch).
+	// 0 means kv.DefaultBlockSize.
 	BlockSize int
 	// Shared marks a pool-wide cache layer: its blocks are indexed in tier
 	// shared whatever medium the events name.
@@ -39,10 +41,10 @@ const MaxDPRank = 1023
 // KVApplyStats counts what an applier did, for /admin/backends.
 type KVApplyStats struct {
 	Workers int
-	// Blocks is the number of engine blocks currently indexed, per tier.
+	// Blocks is the number of router blocks currently indexed, per tier.
 	Blocks            [kv.NumTiers]int64
-	StoredBlocks      uint64 // blocks of applied BlockStored events
-	RemovedBlocks     uint64 // blocks of applied BlockRemoved events
+	StoredBlocks      uint64 // engine blocks of applied BlockStored events
+	RemovedBlocks     uint64 // engine blocks of applied BlockRemoved events
 	OrphanBlocks      uint64 // stored blocks dropped: their parent block was unknown
 	UnknownRemovals   uint64 // removed blocks that were not indexed (in that tier)
 	BlockSizeMismatch uint64 // stored blocks dropped: block size differs from the router's
@@ -77,6 +79,8 @@ type KVApplier struct {
 	ranks  []*rankKV // by data-parallel rank; nil until the rank is seen
 	own    []kv.BlockHash
 	stale  []kv.BlockHash
+	gather []uint32 // one router block of tokens, assembled from partial engine blocks
+	one    []kv.BlockHash
 	stats  KVApplyStats
 	lora   string
 	loraNS kv.Namespace
@@ -85,12 +89,34 @@ type KVApplier struct {
 type rankKV struct {
 	id     router.WorkerID
 	blocks map[uint64]ownBlock // engine hash → own hash and tiers held
-	perT   [kv.NumTiers]int64
+	// partial holds, for engine blocks that do not end a router block, what
+	// completing that router block later needs: their tokens and parent.
+	// Allocated at the first such block (engines whose blocks are smaller
+	// than the router's, e.g. SGLang with page size 1).
+	partial map[uint64]partialBlock
+	perT    [kv.NumTiers]int64 // router blocks indexed, per tier
 }
 
+// ownBlock is what the applier knows of one engine block.
 type ownBlock struct {
+	// own is, for a block that ends a router block (fill == block size),
+	// that router block's hash; for a partial one, the hash of the router
+	// block before it (unless flags&noBase).
 	own   kv.BlockHash
-	tiers uint8 // bit t: held in tier t
+	fill  uint32 // tokens of its router block up to and including this engine block
+	tiers uint8  // bit t: held in tier t
+	flags uint8
+}
+
+// noBase marks a partial engine block of a sequence's first router block.
+const noBase = 1
+
+// partialBlock keeps a copy of a partial engine block's tokens (the event's
+// own slices die with the call): one small allocation per such block.
+type partialBlock struct {
+	parent    uint64
+	hasParent bool
+	tokens    []uint32
 }
 
 var _ EventSink = (*KVApplier)(nil)
@@ -205,6 +231,7 @@ func (a *KVApplier) Clear() {
 func (a *KVApplier) clearRank(r *rankKV) {
 	a.idx.ClearWorker(r.id)
 	clear(r.blocks)
+	clear(r.partial)
 	r.perT = [kv.NumTiers]int64{}
 	a.stats.Clears++
 }
@@ -223,54 +250,48 @@ func (a *KVApplier) namespace(lora string) kv.Namespace {
 	return a.loraNS
 }
 
+// stored applies a BlockStored. Engine blocks of the router's block size
+// (vLLM's usual case) are re-hashed in one go. Smaller engine blocks (SGLang
+// pages) are gathered along their parent chain until they fill a router
+// block, whose hash is then indexed; a chain that does not land exactly on
+// router block boundaries is dropped (BlockSizeMismatch).
 func (a *KVApplier) stored(r *rankKV, ev *kv.Event) {
 	n := len(ev.EngineHashes)
 	if n == 0 {
 		return
 	}
-	if ev.BlockSize != a.cfg.BlockSize || len(ev.Tokens) != n*ev.BlockSize {
+	bs := a.cfg.BlockSize
+	if ev.BlockSize <= 0 || ev.BlockSize > bs || len(ev.Tokens) != n*ev.BlockSize {
 		a.stats.BlockSizeMismatch += uint64(n)
 		return
 	}
-	var parent kv.BlockHash
+	var prev ownBlock
 	if ev.HasParent {
 		p, ok := r.blocks[ev.EngineParent]
 		if !ok {
 			a.stats.OrphanBlocks += uint64(n)
 			return
 		}
-		parent = p.own
+		prev = p
 	}
-	a.own = kv.ContinueHashes(a.own[:0], parent, !ev.HasParent, ev.Tokens, ev.BlockSize, a.namespace(ev.LoRAName))
+	ns := a.namespace(ev.LoRAName)
 	t := a.tier(ev.Tier)
-	bit := uint8(1) << t
-	for i, eh := range ev.EngineHashes {
-		b := r.blocks[eh]
-		if b.tiers != 0 && b.own != a.own[i] {
-			// The engine reuses a hash for other content: forget the old
-			// (after the Store below, unless this event stores it again).
-			a.stale = append(a.stale, b.own)
-			for tt := range r.perT {
-				if b.tiers&(1<<tt) != 0 {
-					r.perT[tt]--
-				}
-			}
-			b.tiers = 0
+	a.own = a.own[:0]
+	if ev.BlockSize == bs && (!ev.HasParent || int(prev.fill) == bs) {
+		a.own = kv.ContinueHashes(a.own, prev.own, !ev.HasParent, ev.Tokens, bs, ns)
+		for i, eh := range ev.EngineHashes {
+			a.put(r, eh, ownBlock{own: a.own[i], fill: uint32(bs)}, t, nil)
 		}
-		if b.tiers&bit == 0 {
-			r.perT[t]++
-		}
-		b.own = a.own[i]
-		b.tiers |= bit
-		r.blocks[eh] = b
+	} else if !a.storedSmall(r, ev, prev, ns, t) {
+		return
 	}
 	a.idx.Store(r.id, a.own, t, 0)
 	a.stats.StoredBlocks += uint64(n)
 	if len(a.stale) > 0 {
-		// Keep an old own hash that a block of this event now maps to.
+		// Keep an old own hash that a block of this event now ends.
 		a.stale = slices.DeleteFunc(a.stale, func(h kv.BlockHash) bool {
 			for _, eh := range ev.EngineHashes {
-				if r.blocks[eh].own == h {
+				if b := r.blocks[eh]; int(b.fill) == bs && b.own == h {
 					return true
 				}
 			}
@@ -281,7 +302,117 @@ func (a *KVApplier) stored(r *rankKV, ev *kv.Event) {
 	}
 }
 
+// storedSmall applies engine blocks smaller than the router's, one at a
+// time, appending the router blocks they complete to a.own. It returns false
+// (and counts) when the chain is misaligned or a partial ancestor is gone;
+// blocks before that point stay applied.
+func (a *KVApplier) storedSmall(r *rankKV, ev *kv.Event, prev ownBlock, ns kv.Namespace, t kv.Tier) bool {
+	bs, e := a.cfg.BlockSize, ev.BlockSize
+	hasPrev, prevHash := ev.HasParent, ev.EngineParent
+	for i, eh := range ev.EngineHashes {
+		toks := ev.Tokens[i*e : (i+1)*e]
+		rec := ownBlock{fill: uint32(e), flags: noBase}
+		if hasPrev {
+			rec.own = prev.own
+			if int(prev.fill) == bs {
+				rec.flags = 0
+			} else {
+				rec.fill = prev.fill + uint32(e)
+				rec.flags = prev.flags & noBase
+			}
+		}
+		if int(rec.fill) > bs {
+			a.stats.BlockSizeMismatch += uint64(len(ev.EngineHashes) - i)
+			return i > 0
+		}
+		var pb *partialBlock
+		if int(rec.fill) == bs {
+			full := a.gatherBlock(r, toks, hasPrev && int(prev.fill) < bs, prevHash)
+			if full == nil {
+				a.stats.OrphanBlocks += uint64(len(ev.EngineHashes) - i)
+				return i > 0
+			}
+			a.one = kv.ContinueHashes(a.one[:0], rec.own, rec.flags&noBase != 0, full, bs, ns)
+			rec = ownBlock{own: a.one[0], fill: uint32(bs)}
+			a.own = append(a.own, rec.own)
+		} else {
+			pb = &partialBlock{parent: prevHash, hasParent: hasPrev, tokens: slices.Clone(toks)}
+		}
+		rec = a.put(r, eh, rec, t, pb)
+		prev, hasPrev, prevHash = rec, true, eh
+	}
+	return true
+}
+
+// gatherBlock assembles the router block ended by an engine block with
+// tokens last: the tokens of its partial ancestors (walked from parent while
+// more are needed) then last. It returns nil if an ancestor is unknown.
+func (a *KVApplier) gatherBlock(r *rankKV, last []uint32, walk bool, parent uint64) []uint32 {
+	bs := a.cfg.BlockSize
+	if cap(a.gather) < bs {
+		a.gather = make([]uint32, bs)
+	}
+	buf := a.gather[:bs]
+	end := bs - len(last)
+	copy(buf[end:], last)
+	for end > 0 {
+		if !walk {
+			return nil
+		}
+		p, ok := r.partial[parent]
+		if !ok || len(p.tokens) > end {
+			return nil
+		}
+		end -= len(p.tokens)
+		copy(buf[end:], p.tokens)
+		walk, parent = p.hasParent, p.parent
+	}
+	return buf
+}
+
+// put records that engine block eh (now rec) is held in tier t and returns
+// the record. A router block it ends is appended to a.own for indexing. If
+// the engine had the hash for other content, the old router block is
+// queued in a.stale for removal.
+func (a *KVApplier) put(r *rankKV, eh uint64, rec ownBlock, t kv.Tier, pb *partialBlock) ownBlock {
+	bs := uint32(a.cfg.BlockSize)
+	bit := uint8(1) << t
+	old := r.blocks[eh]
+	if old.tiers != 0 && (old.own != rec.own || old.fill != rec.fill || old.flags != rec.flags) {
+		if old.fill == bs {
+			a.stale = append(a.stale, old.own)
+			for tt := range r.perT {
+				if old.tiers&(1<<tt) != 0 {
+					r.perT[tt]--
+				}
+			}
+		}
+		old.tiers = 0
+	}
+	if rec.fill == bs {
+		if old.tiers&bit == 0 {
+			r.perT[t]++
+		}
+	}
+	rec.tiers = old.tiers | bit
+	r.blocks[eh] = rec
+	if pb != nil {
+		if r.partial == nil {
+			r.partial = make(map[uint64]partialBlock)
+		}
+		r.partial[eh] = *pb
+	} else if r.partial != nil {
+		delete(r.partial, eh)
+	}
+	return rec
+}
+
+// removed applies a BlockRemoved: router blocks ended by the removed engine
+// blocks leave the index (in that tier). Removing a partial engine block
+// removes nothing from the index: engines evict leaves first, so the block
+// that ends its router block has gone before it.
 func (a *KVApplier) removed(r *rankKV, ev *kv.Event) {
+	bs := uint32(a.cfg.BlockSize)
 	t := a.tier(ev.Tier)
 	bit := uint8(1) << t
 	a.own = a.own[:0]
@@ -292,16 +423,21 @@ func (a *KVApplier) removed(r *rankKV, ev *kv.Event) {
 			continue
 		}
 		b.tiers &^= bit
-		r.perT[t]--
+		if b.fill == bs {
+			r.perT[t]--
+			a.own = append(a.own, b.own)
+		}
 		if b.tiers == 0 {
 			delete(r.blocks, eh)
+			if r.partial != nil {
+				delete(r.partial, eh)
+			}
 		} else {
 			r.blocks[eh] = b
 		}
-		a.own = append(a.own, b.own)
+		a.stats.RemovedBlocks++
 	}
 	if len(a.own) > 0 {
 		a.idx.Remove(r.id, a.own, t)
-		a.stats.RemovedBlocks += uint64(len(a.own))
 	}
 }

@@ -343,6 +343,11 @@ func BenchmarkDecodeAndApply(b *testing.B) {
 // removals and clears keep the applier's books and the index in agreement:
 // every tracked block is indexed at exactly its tiers, nothing else is.
 func TestKVApplyRandomConsistency(t *testing.T) {
+	t.Run("RouterSizedBlocks", func(t *testing.T) { randomConsistency(t, false) })
+	t.Run("MixedSmallBlocks", func(t *testing.T) { randomConsistency(t, true) })
+}
+
+func randomConsistency(t *testing.T, small bool) {
 	r := newRouter(t)
 	a := NewKVApplier(KVApplierConfig{Backend: "rnd"}, r)
 	id, _ := r.WorkerByName("rnd")
@@ -353,19 +358,24 @@ func TestKVApplyRandomConsistency(t *testing.T) {
 		rng ^= rng << 17
 		return int(rng % uint64(n))
 	}
-	blockToks := func(h uint64) []uint32 { return tokens(16, uint32(h)*131) }
+	blockToks := func(h uint64, size int) []uint32 { return tokens(size, uint32(h)*131) }
+	sizes := []int{16}
+	if small {
+		sizes = []int{16, 8, 4, 1}
+	}
 	for step := 0; step < 5000; step++ {
 		tier := kv.Tier(next(3))
 		switch op := next(20); {
 		case op < 12: // store a chain of 1-3 blocks
 			n := 1 + next(3)
+			size := sizes[next(len(sizes))]
 			hs := make([]uint64, n)
 			var toks []uint32
 			for i := range hs {
 				hs[i] = uint64(next(200))
-				toks = append(toks, blockToks(hs[i])...)
+				toks = append(toks, blockToks(hs[i], size)...)
 			}
-			ev := kv.Event{Kind: kv.BlockStored, EngineHashes: hs, Tokens: toks, BlockSize: 16, Tier: tier}
+			ev := kv.Event{Kind: kv.BlockStored, EngineHashes: hs, Tokens: toks, BlockSize: size, Tier: tier}
 			if next(2) == 0 {
 				ev.HasParent, ev.EngineParent = true, uint64(next(220))
 			}
@@ -386,6 +396,9 @@ func TestKVApplyRandomConsistency(t *testing.T) {
 		var perT [kv.NumTiers]int64
 		owners := map[kv.BlockHash]uint8{}
 		for _, b := range rk.blocks {
+			if b.fill != 16 {
+				continue // a partial engine block: nothing indexed
+			}
 			for tt := range perT {
 				if b.tiers&(1<<tt) != 0 {
 					perT[tt]++
@@ -411,4 +424,128 @@ func TestKVApplyRandomConsistency(t *testing.T) {
 	if s := a.Stats(); s.OrphanBlocks == 0 || s.RemovedBlocks == 0 || s.UnknownRemovals == 0 {
 		t.Fatalf("the walk missed cases: %+v", s)
 	}
+}
+
+// pages splits toks into one BlockStored per page of size ps, chained by
+// parent, with engine hashes base, base+1, ...; the first page's parent is
+// parent (if non-nil).
+func pages(toks []uint32, ps int, base uint64, parent *uint64) []kv.Event {
+	var evs []kv.Event
+	for i := 0; i*ps < len(toks); i++ {
+		ev := kv.Event{Kind: kv.BlockStored, EngineHashes: []uint64{base + uint64(i)}, Tokens: toks[i*ps : (i+1)*ps], BlockSize: ps}
+		switch {
+		case i > 0:
+			ev.HasParent, ev.EngineParent = true, base+uint64(i-1)
+		case parent != nil:
+			ev.HasParent, ev.EngineParent = true, *parent
+		}
+		evs = append(evs, ev)
+	}
+	return evs
+}
+
+// SGLang publishes one BlockStored per page, pages usually smaller than the
+// router's blocks (page size 1 by default): pages are gathered along their
+// parent chain into router blocks.
+func TestKVApplySmallPages(t *testing.T) {
+	toks := tokens(64, 9)
+	for _, ps := range []int{1, 4, 8} {
+		r := newRouter(t)
+		a := NewKVApplier(KVApplierConfig{Backend: "sg"}, r)
+		evs := pages(toks, ps, 1000, nil)
+		per := 16 / ps
+		a.ApplyEvents(0, evs[:per+per/2]) // one and a half router blocks
+		if d, _ := depth(t, r, "sg", toks, 0); d != 1 {
+			t.Fatalf("page %d: depth %d after 1.5 blocks", ps, d)
+		}
+		a.ApplyEvents(0, evs[per+per/2:])
+		if d, _ := depth(t, r, "sg", toks, 0); d != 4 || r.Index().Len() != 4 {
+			t.Fatalf("page %d: depth %d len %d", ps, d, r.Index().Len())
+		}
+		// Evicting the last page of router block 3 un-indexes it; a partial
+		// page removes nothing.
+		a.ApplyEvents(0, []kv.Event{{Kind: kv.BlockRemoved, EngineHashes: []uint64{1000 + uint64(4*per-1)}}})
+		if d, _ := depth(t, r, "sg", toks, 0); d != 3 {
+			t.Fatalf("page %d: depth %d after evicting the tail", ps, d)
+		}
+		if per > 1 {
+			a.ApplyEvents(0, []kv.Event{{Kind: kv.BlockRemoved, EngineHashes: []uint64{1000 + uint64(4*per-2)}}})
+			if r.Index().Len() != 3 {
+				t.Fatalf("page %d: removing a partial page changed the index", ps)
+			}
+		}
+		if s := a.Stats(); s.Blocks[kv.TierDevice] != 3 || s.OrphanBlocks != 0 || s.BlockSizeMismatch != 0 {
+			t.Fatalf("page %d: stats %+v", ps, s)
+		}
+	}
+}
+
+// Pages continue a router-sized block, with a LoRA namespace; a page whose
+// partial ancestor is gone is an orphan; a chain off the block grid is
+// dropped.
+func TestKVApplySmallPagesEdges(t *testing.T) {
+	r := newRouter(t)
+	a := NewKVApplier(KVApplierConfig{Backend: "sg"}, r)
+	toks := tokens(48, 3)
+	head := stored([]uint64{1}, nil, toks[:16], kv.TierDevice)
+	head.LoRAName = "ad"
+	tail := pages(toks[16:], 4, 100, ptr(1))
+	for i := range tail {
+		tail[i].LoRAName = "ad"
+	}
+	a.ApplyEvents(0, append([]kv.Event{head}, tail...))
+	if d, _ := depth(t, r, "sg", toks, kv.NewNamespace("ad")); d != 3 {
+		t.Fatalf("depth %d", d)
+	}
+	// A partial first router block carries the namespace too.
+	first := pages(toks[:16], 8, 200, nil)
+	for i := range first {
+		first[i].LoRAName = "other"
+	}
+	a.ApplyEvents(0, first)
+	if d, _ := depth(t, r, "sg", toks, kv.NewNamespace("other")); d != 1 {
+		t.Fatalf("namespaced first block depth %d", d)
+	}
+	// Page 101 (mid router block 2) evicted, then a page continuing 102:
+	// the block cannot be assembled.
+	a.ApplyEvents(0, []kv.Event{{Kind: kv.BlockRemoved, EngineHashes: []uint64{101, 103}}})
+	a.ApplyEvents(0, []kv.Event{{Kind: kv.BlockStored, EngineHashes: []uint64{104}, HasParent: true, EngineParent: 102, Tokens: toks[28:32], BlockSize: 4}})
+	if s := a.Stats(); s.OrphanBlocks != 1 {
+		t.Fatalf("stats %+v", s)
+	}
+	// A router-sized block hung off a partial page is off the grid.
+	a.ApplyEvents(0, []kv.Event{stored([]uint64{300}, ptr(100), tokens(16, 0), kv.TierDevice)})
+	if s := a.Stats(); s.BlockSizeMismatch != 1 {
+		t.Fatalf("stats %+v", s)
+	}
+}
+
+// BenchmarkKVApplyPages1 is SGLang's default: one BlockStored per token
+// (page size 1), chained by parent. Each op stores a 64-token chain (4 router
+// blocks) page by page and evicts the chain stored 16 ops earlier.
+func BenchmarkKVApplyPages1(b *testing.B) {
+	r := newRouter(b)
+	a := NewKVApplier(KVApplierConfig{Backend: "bench"}, r)
+	const ring = 16
+	type chain struct{ store, remove []kv.Event }
+	chains := make([]chain, ring)
+	for i := range chains {
+		base := uint64(i * 1000)
+		st := pages(tokens(64, uint32(base)), 1, base, nil)
+		hs := make([]uint64, 64)
+		for j := range hs {
+			hs[j] = base + uint64(63-j) // leaves first
+		}
+		chains[i] = chain{st, []kv.Event{{Kind: kv.BlockRemoved, EngineHashes: hs}}}
+		a.ApplyEvents(0, st)
+	}
+	b.ReportAllocs()
+	cpu0 := cpuTime()
+	for i := 0; b.Loop(); i++ {
+		c := &chains[i%ring]
+		a.ApplyEvents(0, c.remove)
+		a.ApplyEvents(0, c.store)
+	}
+	b.ReportMetric(float64(b.N)*128/b.Elapsed().Seconds(), "blockevents/s")
+	b.ReportMetric(float64(b.N)*128/(cpuTime()-cpu0).Seconds(), "blockevents/cpu-s")
 }
