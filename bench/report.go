@@ -123,6 +123,22 @@ func (r *Recorder) Result(policy string) Result {
 	return res
 }
 
+// ScaleTime converts a result measured on a clock running k times faster
+// than the engines' own (a live fleet of simulated engines with speedup k)
+// back to engine time: durations × k, throughput ÷ k.
+func (r *Result) ScaleTime(k float64) {
+	if k <= 0 || k == 1 {
+		return
+	}
+	for _, p := range []*float64{&r.TTFTP50, &r.TTFTP90, &r.TTFTP99, &r.ITLP50, &r.E2EP50} {
+		*p = math.Round(*p*k*1e3) / 1e3
+	}
+	r.ThroughputTokS /= k
+	for i := range r.TTFTs {
+		r.TTFTs[i] = time.Duration(float64(r.TTFTs[i]) * k)
+	}
+}
+
 func ms(d time.Duration) float64 { return math.Round(float64(d)/1e3) / 1e3 }
 
 // Percentile of sorted samples by the nearest-rank method (0 when empty).

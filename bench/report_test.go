@@ -89,3 +89,11 @@ func TestCeilingHitRate(t *testing.T) {
 		t.Fatalf("a 10-block cache (%v) must hit less than a big one (%v)", small, got)
 	}
 }
+
+func TestResultScaleTime(t *testing.T) {
+	r := Result{TTFTP50: 10, TTFTP90: 20, TTFTP99: 30, ITLP50: 1.5, E2EP50: 100, ThroughputTokS: 400, TTFTs: []time.Duration{time.Millisecond}}
+	r.ScaleTime(4)
+	if r.TTFTP50 != 40 || r.TTFTP99 != 120 || r.ITLP50 != 6 || r.E2EP50 != 400 || r.ThroughputTokS != 100 || r.TTFTs[0] != 4*time.Millisecond {
+		t.Fatalf("scaled: %+v", r)
+	}
+}

@@ -216,6 +216,7 @@ func runReplay(args []string, stdout io.Writer) error {
 	mode := fs.String("mode", bench.ModeCompletions, "completions (token ids) or chat (text messages)")
 	conc := fs.Int("concurrency", 0, "closed loop with N requests in flight (0: open loop at trace times / speedup)")
 	label := fs.String("label", "live", "policy column of the report")
+	timeScale := fs.Float64("time-scale", 1, "engines run this many times faster than real time (kvmock -speedup): report durations × this, throughput ÷ this")
 	timeout := fs.Duration("timeout", 10*time.Minute, "per-request timeout")
 	asJSON := fs.Bool("json", false, "print one JSON object instead of a table")
 	plot := fs.String("plot", "", "write PNG charts (TTFT CDF, hit rate) into this directory")
@@ -237,6 +238,7 @@ func runReplay(args []string, stdout io.Writer) error {
 	if err != nil && ctx.Err() == nil {
 		return err
 	}
+	res.ScaleTime(*timeScale)
 	rep := bench.Report{Results: []bench.Result{res}}
 	if *plot != "" {
 		if err := bench.WriteCharts(*plot, w.Name+"-"+*label, &rep); err != nil {
