@@ -29,6 +29,7 @@ func (e *Engine) Handler() http.Handler {
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
 	mux.HandleFunc("GET /metrics", e.serveMetrics)
 	mux.HandleFunc("GET /debug/cache", e.serveDebugCache)
+	mux.HandleFunc("POST /reset_prefix_cache", e.serveResetPrefixCache)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "NotFoundError", "", "no route for "+r.Method+" "+r.URL.Path)
 	})
@@ -327,4 +328,21 @@ func (e *Engine) serveDebugCache(w http.ResponseWriter, _ *http.Request) {
 	b, _ := json.Marshal(&out)
 	w.Header().Set("Content-Type", "application/json")
 	w.Write(b)
+}
+
+// serveResetPrefixCache empties the prefix cache, as vLLM's endpoint of the
+// same name does; it answers 409 while requests hold blocks.
+func (e *Engine) serveResetPrefixCache(w http.ResponseWriter, _ *http.Request) {
+	e.mu.Lock()
+	ok := e.model.ResetPrefixCache()
+	e.mu.Unlock()
+	select { // let the scheduler publish the event
+	case e.wake <- struct{}{}:
+	default:
+	}
+	if !ok {
+		writeError(w, http.StatusConflict, "conflict_error", "", "requests are running; the prefix cache was not reset")
+		return
+	}
+	w.WriteHeader(http.StatusOK)
 }

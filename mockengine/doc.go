@@ -5,17 +5,37 @@
 //
 //   - Model: a deterministic engine core with no HTTP and no wall clock. It
 //     keeps a block-based prefix cache of fixed capacity (LRU eviction of
-//     unreferenced blocks), schedules with continuous batching and chunked
-//     prefill, and says how long each step takes using Dynamo's mocker fit.
-//     The fleet simulator drives it on a virtual clock.
+//     unreferenced blocks), an optional host (CPU) tier, schedules with
+//     continuous batching and chunked prefill, and says how long each step
+//     takes using Dynamo's mocker fit (StepTime). The fleet simulator drives
+//     it on a virtual clock.
 //   - Engine: an OpenAI-compatible HTTP server around one Model, stepping it
-//     in real time (step duration / Speedup), with vLLM's /metrics names and
-//     a /debug/cache view of the resident blocks.
+//     in real time (step duration / Speedup), with vLLM's /metrics names, a
+//     /debug/cache view of the resident blocks and vLLM's
+//     /reset_prefix_cache.
+//
+// Behaviour, and where it follows vLLM:
+//   - Prefix hits are whole blocks, and at least one prompt token is always
+//     computed. cached_tokens is fixed at a request's first admission.
+//   - Full blocks are cached as soon as they are computed, output blocks
+//     included, so a follow-up turn that quotes the answer hits them.
+//     Finished sequences release their blocks tail first, so the shared head
+//     of a prompt outlives its tail.
+//   - A running sequence that cannot get a block preempts the newest running
+//     sequence (recompute, back to the front of the queue); no admission in
+//     a step that preempted.
+//   - A mixed step (prefill chunk plus decodes) costs prefill + decode time.
+//   - cache_salt seeds block 0 of the engine's hashes: different salts never
+//     share blocks.
+//   - Evicted device blocks move to the host tier when it is on; a hit there
+//     costs HostLoadPerBlock per block instead of recomputation.
 //
 // The engine hashes blocks in its own namespace, deliberately different from
 // the router's, because the router must never trust engine hashes (DESIGN.md
-// §3): only /debug/cache reports router-scheme hashes, for comparisons.
+// §3); events carry token ids for the router to rehash. Only /debug/cache
+// also reports router-scheme hashes, for comparisons.
 //
 // mockengine must not know about the router, the proxy or any transport of KV
-// events; it imports only kv and tokenize.
+// events (a publisher attaches through Config.OnEvents); it imports only kv
+// and tokenize.
 package mockengine

@@ -360,7 +360,12 @@ func (e *Engine) loop() {
 		e.mu.Lock()
 		dur, out := e.model.Step()
 		if len(out) == 0 && dur == 0 {
+			// Idle: publish what happened outside steps (a cache reset).
+			if e.cfg.OnEvents != nil {
+				e.events = e.model.DrainEvents(e.events[:0])
+			}
 			e.mu.Unlock()
+			e.publishEvents()
 			select {
 			case <-e.wake:
 				continue
@@ -404,11 +409,7 @@ func (e *Engine) loop() {
 		}
 		// The step is done: publish its cache events, then its tokens, so a
 		// client that saw a token can find the blocks behind it announced.
-		if len(e.events) > 0 {
-			e.cfg.OnEvents(e.events)
-			clear(e.events)
-			e.events = e.events[:0]
-		}
+		e.publishEvents()
 		for _, d := range e.deliver {
 			d.r.cached.Store(d.cached)
 			d.r.generated.Store(d.gen)
@@ -420,6 +421,14 @@ func (e *Engine) loop() {
 			default:
 			}
 		}
+	}
+}
+
+func (e *Engine) publishEvents() {
+	if len(e.events) > 0 {
+		e.cfg.OnEvents(e.events)
+		clear(e.events)
+		e.events = e.events[:0]
 	}
 }
 

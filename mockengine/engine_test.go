@@ -597,3 +597,37 @@ func TestEngineHostTierAndEvents(t *testing.T) {
 		t.Fatalf("debug cache media %v", media)
 	}
 }
+
+func TestResetPrefixCacheEndpoint(t *testing.T) {
+	cleared := make(chan struct{}, 1)
+	e, url := startEngine(t, Config{OnEvents: func(evs []kv.Event) {
+		for _, ev := range evs {
+			if ev.Kind == kv.AllBlocksCleared {
+				cleared <- struct{}{}
+			}
+		}
+	}})
+	ids := make([]int, 48)
+	for i := range ids {
+		ids[i] = 7000 + i
+	}
+	post(t, url+"/v1/completions", map[string]any{"prompt": ids, "max_tokens": 1})
+	waitIdle(t, e)
+	resp, err := http.Post(url+"/reset_prefix_cache", "", nil)
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatal("reset", err)
+	}
+	resp.Body.Close()
+	select {
+	case <-cleared:
+	case <-time.After(5 * time.Second):
+		t.Fatal("no AllBlocksCleared event")
+	}
+	if e.Stats().CachedBlocks != 0 {
+		t.Fatal("cache not emptied")
+	}
+	_, r := post(t, url+"/v1/completions", map[string]any{"prompt": ids, "max_tokens": 1})
+	if r.Usage.PromptTokensDetails.CachedTokens != 0 {
+		t.Fatal("reset cache still hits")
+	}
+}

@@ -565,6 +565,21 @@ func (m *Model) fillBlock(s *Seq, i int) {
 	}
 }
 
+// ResetPrefixCache forgets every cached block on both tiers and records one
+// AllBlocksCleared event, as vLLM's reset_prefix_cache does. Like vLLM it
+// refuses (returns false) while any running sequence holds blocks.
+func (m *Model) ResetPrefixCache() bool {
+	if m.cache.used > 0 {
+		return false
+	}
+	m.cache = newBlockCache(m.cfg.CacheBlocks)
+	if m.host != nil {
+		m.host = newHostCache(m.cfg.HostCacheBlocks, m.cfg.BlockSize, m.cfg.RecordEvents)
+	}
+	m.events.cleared()
+	return true
+}
+
 // ResidentBlock is one block findable in the engine's cache.
 type ResidentBlock struct {
 	// Hash is the router-scheme sequence hash of the block's prefix:

@@ -456,3 +456,26 @@ func TestSeqQueue(t *testing.T) {
 		t.Fatal("queue must be empty")
 	}
 }
+
+func TestResetPrefixCache(t *testing.T) {
+	m := NewModel(ModelConfig{BlockSize: 16, CacheBlocks: 100, HostCacheBlocks: 10, RecordEvents: true})
+	p := toks(64, 1)
+	mustAdd(t, m, &Seq{ID: 1, Prompt: p, MaxTokens: 3})
+	m.Step()
+	if m.ResetPrefixCache() {
+		t.Fatal("reset must refuse while a sequence runs")
+	}
+	run(t, m)
+	m.DrainEvents(nil)
+	if !m.ResetPrefixCache() || m.CachedBlocks() != 0 || len(m.AppendResident(nil)) != 0 {
+		t.Fatal("reset of an idle model must empty the cache")
+	}
+	if ev := m.DrainEvents(nil); len(ev) != 1 || ev[0].Kind != kv.AllBlocksCleared {
+		t.Fatalf("want one AllBlocksCleared event, got %+v", ev)
+	}
+	s := mustAdd(t, m, &Seq{ID: 2, Prompt: p, MaxTokens: 1})
+	run(t, m)
+	if s.CachedTokens() != 0 {
+		t.Fatalf("after reset %d cached", s.CachedTokens())
+	}
+}
