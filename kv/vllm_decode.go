@@ -527,7 +527,17 @@ func (d *VLLMDecoder) tokenList() error {
 	off := 0
 	for i := 0; i < n; i++ {
 		v, w := mpUintAt(buf[off:])
-		if w == 0 {
+		if w == 0 && off < len(buf) && isArrayCode(buf[off]) {
+			// SGLang's bigram keys (EAGLE) publish each position as a pair
+			// (token[j], token[j+1]): the position's token is the first.
+			if _, err := d.rd.Seek(int64(off), io.SeekCurrent); err != nil {
+				return err
+			}
+			if v, err = d.firstOfTuple(); err != nil {
+				return fmt.Errorf("[%d]: %w", i, err)
+			}
+			buf, off, w = d.payload[len(d.payload)-d.rd.Len():], 0, 0
+		} else if w == 0 {
 			return fmt.Errorf("[%d]: not a token id (an integer 0..2^32-1)", i)
 		}
 		if v > math.MaxUint32 {
@@ -538,6 +548,35 @@ func (d *VLLMDecoder) tokenList() error {
 	}
 	_, err = d.rd.Seek(int64(off), io.SeekCurrent)
 	return err
+}
+
+func isArrayCode(c byte) bool { return msgpcode.IsFixedArray(c) || c == msgpcode.Array16 || c == msgpcode.Array32 }
+
+// firstOfTuple reads a non-empty array of token ids and returns the first.
+func (d *VLLMDecoder) firstOfTuple() (uint64, error) {
+	n, err := d.dec.DecodeArrayLen()
+	if err != nil {
+		return 0, err
+	}
+	if n < 1 {
+		return 0, errors.New("empty token tuple")
+	}
+	if err := d.checkLen(n, 1); err != nil {
+		return 0, err
+	}
+	v, err := d.dec.DecodeInt64()
+	if err != nil {
+		return 0, err
+	}
+	if v < 0 || v > math.MaxUint32 {
+		return 0, fmt.Errorf("token id %d out of range", v)
+	}
+	for j := 1; j < n; j++ {
+		if err := d.dec.Skip(); err != nil {
+			return 0, err
+		}
+	}
+	return uint64(v), nil
 }
 
 // mpIntBitsAt decodes any msgpack integer at the start of b, keeping the

@@ -340,3 +340,27 @@ func TestMsgpackIntFastPaths(t *testing.T) {
 		}
 	}
 }
+
+// SGLang with bigram keys (EAGLE) sends each position as a pair
+// (token[j], token[j+1]); the position's token is the first of the pair.
+func TestDecodeVLLMBigramTokens(t *testing.T) {
+	f := newFixture(t)
+	f.arr(3).fl(1).arr(1)
+	f.arr(7).str("BlockStored").ints(9).nil_().arr(4).ints(10, 11).ints(11, 12).i(12).ints(13, 14).i(4).nil_().str("GPU")
+	f.i(0)
+	_, evs, _, err := DecodeVLLM(f.bytes())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(evs) != 1 || !reflect.DeepEqual(evs[0].Tokens, []uint32{10, 11, 12, 13}) {
+		t.Fatalf("%+v", evs)
+	}
+	for name, b := range map[string][]byte{
+		"empty pair":  newFixture(t).arr(2).fl(1).arr(1).arr(5).str("BlockStored").ints(9).nil_().arr(1).arr(0).i(1).bytes(),
+		"neg in pair": newFixture(t).arr(2).fl(1).arr(1).arr(5).str("BlockStored").ints(9).nil_().arr(1).ints(-1, 2).i(1).bytes(),
+	} {
+		if _, _, _, err := DecodeVLLM(b); err == nil {
+			t.Errorf("%s accepted", name)
+		}
+	}
+}
