@@ -60,6 +60,7 @@ func (e errRaised) Error() string { return "chat template: " + e.msg }
 type jrender struct {
 	out    strings.Builder
 	scopes []map[string]any
+	stack  []any // operands being summed
 }
 
 func (r *jrender) lookup(name string) any {
@@ -81,6 +82,12 @@ func (r *jrender) exec(nodes []jnode) error {
 		case jText:
 			r.out.WriteString(string(n))
 		case jOutput:
+			if s, ok := n.e.(jSum); ok {
+				if err := r.writeSum(s); err != nil {
+					return err
+				}
+				break
+			}
 			v, err := r.eval(n.e)
 			if err != nil {
 				return err
@@ -188,6 +195,9 @@ func bindLoopVars(scope map[string]any, vars []string, item any) {
 }
 
 func jIterate(v any) ([]any, error) {
+	if m, ok := v.(*jMsg); ok {
+		v = msgDict(m)
+	}
 	switch v := v.(type) {
 	case []any:
 		return v, nil
@@ -292,6 +302,8 @@ func (r *jrender) eval(e jexpr) (any, error) {
 		return d, nil
 	case jBin:
 		return r.evalBin(e)
+	case jSum:
+		return r.evalSum(e)
 	}
 	return nil, fmt.Errorf("chat template: cannot evaluate %T", e)
 }
@@ -306,6 +318,88 @@ func (r *jrender) evalList(es []jexpr) ([]any, error) {
 		out = append(out, v)
 	}
 	return out, nil
+}
+
+// sumOperands evaluates the operands of a + b + c ... onto r.stack from
+// start; the caller truncates r.stack back to start when done.
+func (r *jrender) sumOperands(e jSum) (start int, err error) {
+	start = len(r.stack)
+	for _, op := range e.ops {
+		v, err := r.eval(op)
+		if err != nil {
+			r.stack = r.stack[:start]
+			return start, err
+		}
+		r.stack = append(r.stack, v)
+	}
+	return start, nil
+}
+
+func allStrings(vals []any) bool {
+	for _, v := range vals {
+		if _, ok := v.(string); !ok {
+			return false
+		}
+	}
+	return true
+}
+
+// sum adds evaluated operands as Python does, concatenating strings at once.
+func sum(vals []any) (any, error) {
+	if allStrings(vals) {
+		n := 0
+		for _, v := range vals {
+			n += len(v.(string))
+		}
+		var b strings.Builder
+		b.Grow(n)
+		for _, v := range vals {
+			b.WriteString(v.(string))
+		}
+		return b.String(), nil
+	}
+	acc := vals[0]
+	for _, v := range vals[1:] {
+		var err error
+		if acc, err = jArith("+", acc, v); err != nil {
+			return nil, err
+		}
+	}
+	return acc, nil
+}
+
+func (r *jrender) evalSum(e jSum) (any, error) {
+	start, err := r.sumOperands(e)
+	if err != nil {
+		return nil, err
+	}
+	v, err := sum(r.stack[start:])
+	clear(r.stack[start:])
+	r.stack = r.stack[:start]
+	return v, err
+}
+
+// writeSum outputs {{ a + b + c ... }} without building the string.
+func (r *jrender) writeSum(e jSum) error {
+	start, err := r.sumOperands(e)
+	if err != nil {
+		return err
+	}
+	vals := r.stack[start:]
+	if allStrings(vals) {
+		for _, v := range vals {
+			r.out.WriteString(v.(string))
+		}
+	} else {
+		v, err := sum(vals)
+		if err != nil {
+			return err
+		}
+		r.out.WriteString(jStr(v))
+	}
+	clear(vals)
+	r.stack = r.stack[:start]
+	return nil
 }
 
 func (r *jrender) evalBin(e jBin) (any, error) {
@@ -528,8 +622,32 @@ func strftime(t time.Time, f string) string {
 	return r.Replace(f)
 }
 
+// jMsg is a chat message as a template sees it: a read-only dict with role
+// and content, boxed once per render.
+type jMsg struct {
+	role, content any
+}
+
+// msgDict is a chat message as a dict, for the rare operations that need one.
+func msgDict(m *jMsg) *jDictV {
+	d := newDict()
+	d.set("role", m.role)
+	d.set("content", m.content)
+	return d
+}
+
 func jGetAttr(x any, name string) any {
 	switch x := x.(type) {
+	case *jMsg:
+		switch name {
+		case "role":
+			return x.role
+		case "content":
+			return x.content
+		case "get", "items", "keys", "values":
+			return jMethod{msgDict(x), name}
+		}
+		return undefined
 	case *jDictV:
 		if v, ok := x.m[name]; ok {
 			return v
@@ -596,7 +714,7 @@ func jGetItem(x, i any) any {
 				return string(rs[n])
 			}
 		}
-	case *jDictV:
+	case *jDictV, *jMsg:
 		if s, ok := i.(string); ok {
 			return jGetAttr(x, s)
 		}
@@ -735,6 +853,9 @@ var jFilters = map[string]bool{
 }
 
 func jApplyFilter(name string, x any, args []any) (any, error) {
+	if m, ok := x.(*jMsg); ok {
+		x = msgDict(m)
+	}
 	switch name {
 	case "length", "count":
 		switch x := x.(type) {
@@ -864,6 +985,9 @@ var jTests = map[string]bool{
 }
 
 func jApplyTest(name string, x any, args []any) (bool, error) {
+	if m, ok := x.(*jMsg); ok {
+		x = msgDict(m)
+	}
 	switch name {
 	case "defined":
 		_, undef := x.(jUndefined)
@@ -941,6 +1065,8 @@ func jTruthy(v any) bool {
 
 func jTypeName(v any) string {
 	switch v.(type) {
+	case *jMsg:
+		return "dict"
 	case nil:
 		return "none"
 	case jUndefined:
@@ -963,6 +1089,9 @@ func jTypeName(v any) string {
 
 // jStr converts a value to text as Jinja (Python) prints it.
 func jStr(v any) string {
+	if m, ok := v.(*jMsg); ok {
+		v = msgDict(m)
+	}
 	switch v := v.(type) {
 	case nil:
 		return "None"
@@ -1082,6 +1211,12 @@ func jToJSON(b *strings.Builder, v any) error {
 }
 
 func jEqual(a, b any) bool {
+	if m, ok := a.(*jMsg); ok {
+		a = msgDict(m)
+	}
+	if m, ok := b.(*jMsg); ok {
+		b = msgDict(m)
+	}
 	switch a := a.(type) {
 	case int64:
 		switch b := b.(type) {
@@ -1127,6 +1262,9 @@ func jEqual(a, b any) bool {
 }
 
 func jContains(container, x any) (bool, error) {
+	if m, ok := container.(*jMsg); ok {
+		container = msgDict(m)
+	}
 	switch c := container.(type) {
 	case string:
 		s, ok := x.(string)

@@ -55,6 +55,7 @@ type (
 		neg  bool
 		args []jexpr
 	}
+	jSum struct{ ops []jexpr } // a + b + c ..., left to right
 	jBin struct {
 		op   string
 		l, r jexpr
@@ -382,7 +383,14 @@ func (p *jparser) parseAdd() (jexpr, error) {
 		op := p.next().s
 		var r jexpr
 		r, err = p.parseConcat()
-		l = jBin{op, l, r}
+		switch s, ok := l.(jSum); {
+		case op == "-":
+			l = jBin{op, l, r}
+		case ok:
+			l = jSum{append(s.ops, r)}
+		default:
+			l = jSum{[]jexpr{l, r}}
+		}
 	}
 	return l, err
 }

@@ -38,17 +38,19 @@ func (t *jinjaTemplate) Name() string { return t.name }
 
 func (t *jinjaTemplate) render(msgs []Message, addGenerationPrompt bool) (string, error) {
 	list := make([]any, len(msgs))
+	vals := make([]jMsg, len(msgs))
+	size := 256
 	for i, m := range msgs {
-		d := newDict()
-		d.set("role", m.Role)
-		d.set("content", m.Content)
-		list[i] = d
+		vals[i] = jMsg{role: m.Role, content: m.Content}
+		list[i] = &vals[i]
+		size += len(m.Content) + 32
 	}
 	scope := map[string]any{"messages": list, "add_generation_prompt": addGenerationPrompt}
 	for k, v := range t.vars {
 		scope[k] = v
 	}
 	r := &jrender{scopes: []map[string]any{scope}}
+	r.out.Grow(size)
 	if err := r.exec(t.nodes); err != nil {
 		return "", err
 	}
