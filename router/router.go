@@ -414,8 +414,9 @@ func (r *Router) selectWorker(req *Request) (Decision, error) {
 			return Decision{}, ErrWorkerUnavailable
 		}
 	} else {
-		s := Snapshot{Req: req, Cands: cands, BlockSize: bs, Seed: r.tieSeed(req), Version: r.version.Load(), Temperature: r.cfg.Temperature}
-		k = r.policy.Pick(&s)
+		sc.snap = Snapshot{Req: req, Cands: cands, BlockSize: bs, Seed: r.tieSeed(req), Version: r.version.Load(), Temperature: r.cfg.Temperature}
+		k = r.policy.Pick(&sc.snap)
+		sc.snap = Snapshot{}
 	}
 	c := &cands[k]
 	return Decision{
@@ -480,8 +481,9 @@ func mix64(x uint64) uint64 {
 }
 
 type scratch struct {
-	ov  []Overlap
-	pos []int32 // WorkerID → index in ov, -1 elsewhere
+	snap Snapshot
+	ov   []Overlap
+	pos  []int32 // WorkerID → index in ov, -1 elsewhere
 }
 
 var scratchPool = sync.Pool{New: func() any { return &scratch{ov: make([]Overlap, 0, 64)} }}
