@@ -70,6 +70,7 @@ type ZMQStats struct {
 	Clears       uint64 // times the backend's blocks were dropped
 	Reconnects   uint64 // connections re-established after a loss
 	DecodeErrors uint64 // payloads that failed to decode (each clears)
+	UnknownMedia uint64 // events with an unrecognised medium (indexed as disk)
 	LastError    string // last dial, replay or decode problem
 }
 
@@ -110,6 +111,7 @@ type ZMQSubscriber struct {
 	batches, events, replays, replayed atomic.Uint64
 	clears, reconnects, decodeErrors   atomic.Uint64
 	lastSeq                            atomic.Int64
+	unknownMedia                       atomic.Uint64
 	mu                                 sync.Mutex
 	lastErr                            string
 	changed                            chan struct{} // made by Wait, closed on the next state change
@@ -130,7 +132,7 @@ func (s *ZMQSubscriber) Stats() ZMQStats {
 	return ZMQStats{
 		Connected: s.connected.Load(), Batches: s.batches.Load(), Events: s.events.Load(),
 		LastSeq: s.lastSeq.Load(), Replays: s.replays.Load(), Replayed: s.replayed.Load(),
-		Clears: s.clears.Load(), Reconnects: s.reconnects.Load(), DecodeErrors: s.decodeErrors.Load(),
+		Clears: s.clears.Load(), Reconnects: s.reconnects.Load(), DecodeErrors: s.decodeErrors.Load(), UnknownMedia: s.unknownMedia.Load(),
 		LastError: lastErr,
 	}
 }
@@ -293,6 +295,7 @@ func (s *ZMQSubscriber) deliver(seq uint64, payload []byte) bool {
 	if !slices.Contains(s.ranks, rank) {
 		s.ranks = append(s.ranks, rank)
 	}
+	s.unknownMedia.Store(s.dec.UnknownMedia)
 	s.sink.ApplyEvents(rank, events)
 	s.have, s.applied, s.appliedSum = true, seq, xxh3.Hash(payload)
 	s.batches.Add(1)

@@ -60,6 +60,10 @@ type VLLMDecoder struct {
 	hashes  []uint64
 	tokens  []uint32
 	names   map[string]string
+
+	// UnknownMedia counts events whose medium was not recognised; they
+	// were given TierDisk.
+	UnknownMedia uint64
 }
 
 // span records where an event's hashes and tokens sit in the shared arenas
@@ -452,7 +456,11 @@ func (d *VLLMDecoder) finish(p *pending) error {
 	if p.kind != AllBlocksCleared {
 		t, err := TierFromMedium(p.medium)
 		if err != nil {
-			return err
+			// A medium this version does not know must not fail the batch
+			// (the feed would be cleared over and over): assume the
+			// slowest local tier, and count it.
+			t = TierDisk
+			d.UnknownMedia++
 		}
 		ev.Tier = t
 	}
@@ -550,7 +558,9 @@ func (d *VLLMDecoder) tokenList() error {
 	return err
 }
 
-func isArrayCode(c byte) bool { return msgpcode.IsFixedArray(c) || c == msgpcode.Array16 || c == msgpcode.Array32 }
+func isArrayCode(c byte) bool {
+	return msgpcode.IsFixedArray(c) || c == msgpcode.Array16 || c == msgpcode.Array32
+}
 
 // firstOfTuple reads a non-empty array of token ids and returns the first.
 func (d *VLLMDecoder) firstOfTuple() (uint64, error) {

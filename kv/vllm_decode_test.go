@@ -187,7 +187,6 @@ func TestDecodeVLLMRejectsGarbage(t *testing.T) {
 		"zero blocksize": newFixture(t).arr(2).fl(1).arr(1).arr(5).str("BlockStored").ints(1).nil_().ints().i(0).bytes(),
 		"neg token":      newFixture(t).arr(2).fl(1).arr(1).arr(5).str("BlockStored").ints(1).nil_().ints(-1).i(1).bytes(),
 		"big token":      newFixture(t).arr(2).fl(1).arr(1).arr(5).str("BlockStored").ints(1).nil_().ints(1 << 32).i(1).bytes(),
-		"bad medium":     newFixture(t).arr(2).fl(1).arr(1).arr(3).str("BlockRemoved").ints(1).str("TAPE").bytes(),
 		"nil hash":       newFixture(t).arr(2).fl(1).arr(1).arr(3).str("BlockRemoved").arr(1).nil_().str("GPU").bytes(),
 		"map no type":    newFixture(t).arr(2).fl(1).arr(1).mp(1).str("block_hashes").ints(1).bytes(),
 		"no hashes":      newFixture(t).arr(2).fl(1).arr(1).arr(1).str("BlockRemoved").bytes(),
@@ -362,5 +361,14 @@ func TestDecodeVLLMBigramTokens(t *testing.T) {
 		if _, _, _, err := DecodeVLLM(b); err == nil {
 			t.Errorf("%s accepted", name)
 		}
+	}
+}
+
+// An unknown medium does not fail the batch: the slowest local tier, counted.
+func TestDecodeVLLMUnknownMedium(t *testing.T) {
+	var d VLLMDecoder
+	_, evs, _, err := d.Decode(newFixture(t).arr(2).fl(1).arr(1).arr(3).str("BlockRemoved").ints(1).str("TAPE").bytes())
+	if err != nil || len(evs) != 1 || evs[0].Tier != TierDisk || d.UnknownMedia != 1 {
+		t.Fatalf("%+v %v unknown=%d", evs, err, d.UnknownMedia)
 	}
 }
