@@ -39,8 +39,8 @@ type Config struct {
 	// OnEvents, if set, receives each step's cache events (stored, removed,
 	// with medium, parent and token ids) in order, on the scheduler
 	// goroutine, so it must not block for long. The slice is reused after
-	// the call; the events' own slices may be kept. A ZMQ or HTTP publisher
-	// attaches here.
+	// the call; the events' own slices may be kept. It and PublishEvents
+	// both drain the same event log: use one or the other.
 	OnEvents func(events []kv.Event)
 }
 

@@ -15,25 +15,25 @@ type hostEntry struct {
 // referenced (a load copies), so every entry is evictable.
 type hostCache struct {
 	entries    []hostEntry
-	tokens     []uint32 // BlockSize tokens per entry, kept only for events
+	tokens     []uint32 // BlockSize tokens per entry, for events
 	bs         int
 	index      map[kv.BlockHash]int32
 	head, tail int32 // head is evicted first
 	n          int   // entries in use (slots n.. are unused)
 }
 
-func newHostCache(n, bs int, keepTokens bool) *hostCache {
-	h := &hostCache{entries: make([]hostEntry, n), bs: bs, index: make(map[kv.BlockHash]int32, n), head: noBlock, tail: noBlock}
-	if keepTokens {
-		h.tokens = make([]uint32, n*bs)
+func newHostCache(n, bs int) *hostCache {
+	return &hostCache{
+		entries: make([]hostEntry, n),
+		tokens:  make([]uint32, n*bs),
+		bs:      bs,
+		index:   make(map[kv.BlockHash]int32, n),
+		head:    noBlock,
+		tail:    noBlock,
 	}
-	return h
 }
 
 func (h *hostCache) blockTokens(i int32) []uint32 {
-	if h.tokens == nil {
-		return nil
-	}
 	return h.tokens[int(i)*h.bs : int(i+1)*h.bs]
 }
 
@@ -90,8 +90,6 @@ func (h *hostCache) put(hash, rhash, parent kv.BlockHash, hasParent bool, toks [
 	h.entries[i] = hostEntry{hash: hash, rhash: rhash, parent: parent, hasParent: hasParent}
 	h.pushTail(i)
 	h.index[hash] = i
-	if h.tokens != nil {
-		copy(h.blockTokens(i), toks)
-	}
+	copy(h.blockTokens(i), toks)
 	return evicted, didEvict, true
 }

@@ -121,3 +121,35 @@ func TestHostTierEviction(t *testing.T) {
 		t.Fatalf("prompt 1 left both tiers, yet %d cached", s.CachedTokens())
 	}
 }
+
+// Recording switched on late (as Engine.PublishEvents does) still reports
+// the tokens of blocks cached before, when they move to the host tier.
+func TestEventsSwitchedOnLate(t *testing.T) {
+	m := NewModel(ModelConfig{BlockSize: 16, CacheBlocks: 4, HostCacheBlocks: 8})
+	a := toks(64, 1)
+	mustAdd(t, m, &Seq{ID: 1, Prompt: a, MaxTokens: 1})
+	run(t, m)
+	m.SetRecordEvents(true)
+	mustAdd(t, m, &Seq{ID: 2, Prompt: toks(64, 2), MaxTokens: 1})
+	run(t, m)
+	var host int
+	for _, e := range m.DrainEvents(nil) {
+		if e.Kind != kv.BlockStored || e.Tier != kv.TierHost {
+			continue
+		}
+		for i := range e.EngineHashes {
+			tk := e.Tokens[i*16 : (i+1)*16]
+			found := false
+			for b := 0; b < 4; b++ {
+				found = found || tk[0] == a[b*16] && tk[15] == a[b*16+15]
+			}
+			if !found || e.BlockSize != 16 {
+				t.Fatalf("host block %d has tokens %v, not a block of a", i, tk)
+			}
+			host++
+		}
+	}
+	if host != 4 {
+		t.Fatalf("%d of a's blocks reported moving to the host, want 4", host)
+	}
+}

@@ -141,7 +141,7 @@ type Model struct {
 	counters Counters
 
 	host      *hostCache // nil when the host tier is off
-	devTokens []uint32   // BlockSize tokens per device block, kept only for events
+	devTokens []uint32   // BlockSize tokens per device block, for events
 	hostLoads int        // blocks loaded from the host in the current step
 
 	scratch []uint32       // one block of tokens spanning prompt and output
@@ -159,11 +159,12 @@ func NewModel(cfg ModelConfig) *Model {
 		hbuf:    make([]kv.BlockHash, 0, 1),
 		events:  eventLog{on: cfg.RecordEvents},
 	}
-	if cfg.RecordEvents {
-		m.devTokens = make([]uint32, cfg.CacheBlocks*cfg.BlockSize)
-	}
+	// Token copies are kept even while events are off, so recording can be
+	// switched on at any time (SetRecordEvents) and still report the tokens
+	// of blocks cached before.
+	m.devTokens = make([]uint32, cfg.CacheBlocks*cfg.BlockSize)
 	if cfg.HostCacheBlocks > 0 {
-		m.host = newHostCache(cfg.HostCacheBlocks, cfg.BlockSize, cfg.RecordEvents)
+		m.host = newHostCache(cfg.HostCacheBlocks, cfg.BlockSize)
 	}
 	return m
 }
@@ -380,11 +381,8 @@ func (m *Model) offload(bl *block, toks []uint32) {
 	}
 }
 
-// devBlockTokens is the token copy of device block b (nil without events).
+// devBlockTokens is the token copy of device block b.
 func (m *Model) devBlockTokens(b int32) []uint32 {
-	if m.devTokens == nil {
-		return nil
-	}
 	bs := m.cfg.BlockSize
 	return m.devTokens[int(b)*bs : int(b+1)*bs]
 }
@@ -466,9 +464,7 @@ func (m *Model) loadFromHost(s *Seq, from, to int) int {
 		bl := &m.cache.blocks[b]
 		bl.hash, bl.rhash, bl.parent, bl.hasParent = e.hash, e.rhash, e.parent, e.hasParent
 		toks := m.host.blockTokens(hi)
-		if m.devTokens != nil {
-			copy(m.devBlockTokens(b), toks)
-		}
+		copy(m.devBlockTokens(b), toks)
 		if m.cache.register(b) {
 			m.events.stored(bl.parent, bl.hasParent, bl.hash, toks, kv.TierDevice)
 		}
@@ -542,9 +538,7 @@ func (m *Model) fillBlock(s *Seq, i int) {
 		return // a prefix hit: already known
 	}
 	toks := m.blockTokens(s, i)
-	if m.devTokens != nil {
-		copy(m.devBlockTokens(b), toks)
-	}
+	copy(m.devBlockTokens(b), toks)
 	var parent, rparent kv.BlockHash
 	if i > 0 {
 		p := &m.cache.blocks[s.blocks[i-1]]
@@ -565,6 +559,10 @@ func (m *Model) fillBlock(s *Seq, i int) {
 	}
 }
 
+// SetRecordEvents switches event recording (ModelConfig.RecordEvents) on or
+// off. Events already recorded stay until drained.
+func (m *Model) SetRecordEvents(on bool) { m.events.on = on }
+
 // ResetPrefixCache forgets every cached block on both tiers and records one
 // AllBlocksCleared event, as vLLM's reset_prefix_cache does. Like vLLM it
 // refuses (returns false) while any running sequence holds blocks.
@@ -574,7 +572,7 @@ func (m *Model) ResetPrefixCache() bool {
 	}
 	m.cache = newBlockCache(m.cfg.CacheBlocks)
 	if m.host != nil {
-		m.host = newHostCache(m.cfg.HostCacheBlocks, m.cfg.BlockSize, m.cfg.RecordEvents)
+		m.host = newHostCache(m.cfg.HostCacheBlocks, m.cfg.BlockSize)
 	}
 	m.events.cleared()
 	return true

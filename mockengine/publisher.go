@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-zeromq/zmq4"
@@ -55,6 +56,7 @@ type Publisher struct {
 	head    int
 	payload []byte
 	closed  bool
+	errors  atomic.Uint64
 }
 
 type pubBatch struct {
@@ -140,6 +142,18 @@ func (p *Publisher) Publish(events []kv.Event) (uint64, error) {
 	// recover through replay.
 	return seq, p.pub.Send(zmq4.NewMsgFrom([]byte(p.cfg.Topic), sb[:], payload))
 }
+
+// OnEvents publishes events as one batch; it has the signature of
+// Config.OnEvents, so an Engine can publish each scheduler step's events as
+// vLLM does. A failed send is counted (Errors); the batch stays replayable.
+func (p *Publisher) OnEvents(events []kv.Event) {
+	if _, err := p.Publish(events); err != nil {
+		p.errors.Add(1)
+	}
+}
+
+// Errors is the number of batches OnEvents failed to send.
+func (p *Publisher) Errors() uint64 { return p.errors.Load() }
 
 // Published is the number of batches published so far (the next seq).
 func (p *Publisher) Published() uint64 {

@@ -146,10 +146,33 @@ func TestPublisherLiveFrames(t *testing.T) {
 // the router-scheme hashes /debug/cache reports.
 func TestEngineEventsTrackCache(t *testing.T) {
 	for _, enc := range []kv.VLLMEncoding{kv.VLLMArrays, kv.VLLMMaps} {
-		e, url := startEngine(t, Config{CacheBlocks: 24})
+		for _, hook := range []bool{false, true} {
+			engineEventsTrackCache(t, enc, hook)
+		}
+	}
+}
+
+// engineEventsTrackCache publishes through PublishEvents (drained by Flush)
+// or, with hook, through Config.OnEvents after every step.
+func engineEventsTrackCache(t *testing.T, enc kv.VLLMEncoding, hook bool) {
+	{
 		p := newTestPublisher(t, PublisherConfig{ReplayEndpoint: "tcp://127.0.0.1:0", Encoding: enc, Interval: time.Hour})
-		feed := e.PublishEvents(p)
-		defer feed.Stop()
+		cfg := Config{CacheBlocks: 24}
+		if hook {
+			cfg.OnEvents = p.OnEvents
+		}
+		e, url := startEngine(t, cfg)
+		feed := &EventFeed{}
+		if !hook {
+			feed = e.PublishEvents(p)
+			defer feed.Stop()
+		}
+		flush := func() error {
+			if hook {
+				return nil // published at the end of each step
+			}
+			return feed.Flush()
+		}
 		prompt := func(k, shared int) []int {
 			pr := make([]int, 80) // 5 blocks; the first `shared` tokens common to all
 			for i := range pr {
@@ -165,13 +188,13 @@ func TestEngineEventsTrackCache(t *testing.T) {
 				t.Fatalf("status %d %+v", code, r)
 			}
 			if k%4 == 3 {
-				if err := feed.Flush(); err != nil {
+				if err := flush(); err != nil {
 					t.Fatal(err)
 				}
 			}
 		}
 		waitIdle(t, e)
-		if err := feed.Flush(); err != nil {
+		if err := flush(); err != nil {
 			t.Fatal(err)
 		}
 
