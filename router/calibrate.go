@@ -12,7 +12,7 @@ import (
 //	ttft − offset ≈ prefill·x + queue·q
 //
 // where x is the request's uncached tokens (its quadratic term folded in at
-// the configured ratio), q the worker's queued prefill tokens at Commit, and
+// the configured ratio, see CostConfig.effectiveTokens), q the worker's queued prefill tokens at Commit, and
 // offset the rest of the prediction (base, decode pressure, fetch). Fitted
 // values are clamped to [1/8, 8] × the configured ones, so one bad sample
 // cannot make a worker look free or dead.
@@ -22,12 +22,11 @@ type calibrator struct {
 	queue   atomic.Uint64
 	samples atomic.Int64
 
-	mu    sync.Mutex
-	cfgP  float64 // configured, ms per token
-	cfgQ  float64
-	th    [2]float64    // ms per 1000 tokens
-	p     [2][2]float64 // covariance
-	ratio float64       // quadratic / linear prefill coefficient
+	mu   sync.Mutex
+	cfgP float64 // configured, ms per token
+	cfgQ float64
+	th   [2]float64    // ms per 1000 tokens
+	p    [2][2]float64 // covariance
 }
 
 const (
@@ -40,9 +39,6 @@ func (c *calibrator) init(cc *CostConfig) {
 	c.cfgP, c.cfgQ = cc.PrefillMsPerToken, cc.QueueMsPerToken
 	c.th = [2]float64{c.cfgP * 1000, c.cfgQ * 1000}
 	c.p = [2][2]float64{{calP0, 0}, {0, calP0}}
-	if cc.PrefillMsPerToken > 0 {
-		c.ratio = cc.PrefillMsPerToken2 / cc.PrefillMsPerToken
-	}
 	c.prefill.Store(math.Float64bits(c.cfgP))
 	c.queue.Store(math.Float64bits(c.cfgQ))
 }
@@ -51,13 +47,14 @@ func (c *calibrator) coeffs() coeffs {
 	return coeffs{math.Float64frombits(c.prefill.Load()), math.Float64frombits(c.queue.Load())}
 }
 
-// observe feeds one TTFT (ms) minus the offset, for a request with u uncached
-// tokens behind q queued tokens.
+// observe feeds one TTFT (ms) minus the offset, for a request with u
+// effective uncached tokens (CostConfig.effectiveTokens) behind q queued
+// tokens.
 func (c *calibrator) observe(y, u, q float64) {
 	if !c.enabled.Load() || y <= 0 || math.IsNaN(y) || math.IsInf(y, 0) {
 		return
 	}
-	x := [2]float64{(u + c.ratio*u*u) / 1000, q / 1000}
+	x := [2]float64{u / 1000, q / 1000}
 	if x[0] == 0 && x[1] == 0 {
 		return
 	}

@@ -25,10 +25,11 @@ func TestCalibrationConvergesOnSlowWorker(t *testing.T) {
 		for k := rng.Intn(4); k > 0; k-- {
 			queued = append(queued, r.Commit(&Request{PromptTokens: 100 + rng.Intn(4000)}, Decision{Worker: w}))
 		}
-		q := &Request{Pinned: true, Pin: w, PromptTokens: 50 + rng.Intn(8000)}
+		q := &Request{Pinned: true, Pin: w, PromptTokens: 50 + rng.Intn(20000)}
 		d, a := mustRoute(t, r, q)
 		u, qt := float64(a.uncached), float64(a.queued)
-		truth := a.offsetMs + slow*(cc.PrefillMsPerToken*u+cc.PrefillMsPerToken2*u*u+cc.QueueMsPerToken*qt)
+		chunk := math.Min(u, float64(cc.PrefillChunkTokens))
+		truth := a.offsetMs + slow*(cc.PrefillMsPerToken*u+cc.PrefillMsPerToken2*u*chunk+cc.QueueMsPerToken*qt)
 		truth *= 1 + 0.05*rng.NormFloat64() // measurement noise
 		_ = d
 		a.ObserveTTFT(time.Duration(truth * float64(time.Millisecond)))

@@ -7,11 +7,12 @@ import (
 )
 
 // CostConfig holds the kv policy's coefficients, in milliseconds. The
-// defaults follow the simulated engine's step-time fit (mockengine): prefill
-// ms ≈ 4.2e-7·T² + 0.0152·T + 16.5 for T uncached tokens; queued prefill is
-// computed in chunks, each step paying the base again, so a queued token
-// costs a little more than a fresh one; decode steps grow with KV usage, so
-// active blocks slow a worker's next prefill.
+// defaults follow the simulated engine's step-time fit (mockengine): a step
+// computing T prompt tokens takes 4.2e-7·T² + 0.0152·T + 16.5 ms, prompts are
+// cut into chunks of at most 8192 tokens (one step each), queued prefill pays
+// the same per chunk (≈ 0.02 ms per token), and a mixed step adds decode time
+// growing with KV usage (≈ 54 ms at full usage of 30,000 blocks, so about
+// 0.002 ms per active block).
 type CostConfig struct {
 	PrefillMsPerToken float64              // predicted ms per uncached prompt token
 	QueueMsPerToken   float64              // ms per prefill token already queued/in flight on the worker
@@ -20,8 +21,13 @@ type CostConfig struct {
 	// PrefillBaseMs is the fixed cost of the prefill step (same for every
 	// worker; it only makes PredictedTTFTms honest).
 	PrefillBaseMs float64
-	// PrefillMsPerToken2 is the quadratic (attention) term per uncached token².
+	// PrefillMsPerToken2 is the quadratic (attention) term, per token² of a
+	// chunk.
 	PrefillMsPerToken2 float64
+	// PrefillChunkTokens is the engine's prefill chunk (vLLM's
+	// max_num_batched_tokens); each chunk pays PrefillBaseMs and its own
+	// quadratic term. 0 means one chunk.
+	PrefillChunkTokens int
 }
 
 // DefaultCostConfig returns coefficients fitted to the simulated engine.
@@ -31,16 +37,17 @@ func DefaultCostConfig() CostConfig {
 	return CostConfig{
 		PrefillMsPerToken:  0.0152,
 		QueueMsPerToken:    0.02,
-		DecodeMsPerBlock:   0.005,
+		DecodeMsPerBlock:   0.002,
 		FetchMsPerBlock:    [kv.NumTiers]float64{0, 0.11, 0.56, 3.6},
 		PrefillBaseMs:      16.5,
 		PrefillMsPerToken2: 4.2e-7,
+		PrefillChunkTokens: 8192,
 	}
 }
 
 func (c *CostConfig) validate() error {
 	bad := c.PrefillMsPerToken < 0 || c.QueueMsPerToken < 0 || c.DecodeMsPerBlock < 0 ||
-		c.PrefillBaseMs < 0 || c.PrefillMsPerToken2 < 0
+		c.PrefillBaseMs < 0 || c.PrefillMsPerToken2 < 0 || c.PrefillChunkTokens < 0
 	for _, f := range c.FetchMsPerBlock {
 		bad = bad || f < 0
 	}
@@ -58,14 +65,35 @@ type coeffs struct{ prefill, queue float64 }
 // engineQueue is the engine's own view of queued prefill tokens (0 if none);
 // the larger of it and the router's view is used.
 func (cc *CostConfig) predict(co coeffs, c *Candidate, promptTokens, blockSize int, engineQueue int64) float64 {
-	u := float64(uncachedTokens(promptTokens, c.Overlap, blockSize))
+	u := uncachedTokens(promptTokens, c.Overlap, blockSize)
 	q := c.PrefillTokens
 	if engineQueue > q {
 		q = engineQueue
 	}
-	ms := cc.PrefillBaseMs + co.queue*float64(q) + co.prefill*u +
-		cc.PrefillMsPerToken2*u*u*(co.prefill/nonzero(cc.PrefillMsPerToken)) +
-		cc.DecodeMsPerBlock*float64(c.ActiveBlocks)
+	return cc.offset(c, u) + co.queue*float64(q) + co.prefill*cc.effectiveTokens(u)
+}
+
+// effectiveTokens folds the quadratic term into the linear one: the tokens
+// whose compute time PrefillMsPerToken prices, for u uncached tokens.
+func (cc *CostConfig) effectiveTokens(u int) float64 {
+	if cc.PrefillMsPerToken == 0 {
+		return float64(u)
+	}
+	chunk := u
+	if cc.PrefillChunkTokens > 0 && chunk > cc.PrefillChunkTokens {
+		chunk = cc.PrefillChunkTokens
+	}
+	return float64(u) + cc.PrefillMsPerToken2/cc.PrefillMsPerToken*float64(u)*float64(chunk)
+}
+
+// offset is the part of the prediction that the fitted coefficients do not
+// scale: base per chunk, decode pressure and fetch of lower-tier blocks.
+func (cc *CostConfig) offset(c *Candidate, uncached int) float64 {
+	steps := 1
+	if cc.PrefillChunkTokens > 0 && uncached > cc.PrefillChunkTokens {
+		steps = (uncached + cc.PrefillChunkTokens - 1) / cc.PrefillChunkTokens
+	}
+	ms := cc.PrefillBaseMs*float64(steps) + cc.DecodeMsPerBlock*float64(c.ActiveBlocks)
 	for t := kv.TierHost; t < kv.NumTiers; t++ {
 		ms += float64(c.Tiers[t]) * cc.FetchMsPerBlock[t]
 	}
@@ -78,21 +106,4 @@ func uncachedTokens(promptTokens, overlap, blockSize int) int {
 		return 0
 	}
 	return u
-}
-
-func nonzero(x float64) float64 {
-	if x == 0 {
-		return 1
-	}
-	return x
-}
-
-// offset is the part of the prediction for c that does not scale with the
-// fitted coefficients: base, decode pressure and fetch.
-func (cc *CostConfig) offset(c *Candidate) float64 {
-	ms := cc.PrefillBaseMs + cc.DecodeMsPerBlock*float64(c.ActiveBlocks)
-	for t := kv.TierHost; t < kv.NumTiers; t++ {
-		ms += float64(c.Tiers[t]) * cc.FetchMsPerBlock[t]
-	}
-	return ms
 }

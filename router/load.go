@@ -127,6 +127,7 @@ type Active struct {
 
 	uncached int64   // predicted at Commit, for calibration; -1 once observed
 	queued   int64   // w's queued prefill tokens at Commit, for calibration
+	effTok   float64 // uncached tokens with the quadratic term folded in
 	offsetMs float64 // the prediction's part not explained by uncached or queued tokens
 }
 
@@ -207,8 +208,8 @@ func (a *Active) ObserveTTFT(d time.Duration) {
 		a.mu.Unlock()
 		return
 	}
-	u, q, off, w := a.uncached, a.queued, a.offsetMs, a.w
+	u, q, off, w := a.effTok, a.queued, a.offsetMs, a.w
 	a.uncached = -1
 	a.mu.Unlock()
-	w.cal.observe(float64(d)/float64(time.Millisecond)-off, float64(u), float64(q))
+	w.cal.observe(float64(d)/float64(time.Millisecond)-off, u, float64(q))
 }

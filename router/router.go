@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -409,8 +408,7 @@ func (r *Router) selectWorker(req *Request) (Decision, error) {
 	}
 	var k int
 	if req.Pinned {
-		k = sort.Search(len(cands), func(i int) bool { return cands[i].Worker >= req.Pin })
-		if k == len(cands) || cands[k].Worker != req.Pin {
+		if k = candIndex(cands, req.Pin); k < 0 {
 			return Decision{}, ErrWorkerUnavailable
 		}
 	} else {
@@ -452,10 +450,11 @@ func (r *Router) commit(req *Request, d *Decision) *Active {
 		partial = 1
 	}
 	a := &Active{w: w, partial: partial, prefill: uncached, uncached: uncached}
-	if k := sort.Search(len(d.Candidates), func(i int) bool { return d.Candidates[i].Worker >= d.Worker }); k < len(d.Candidates) && d.Candidates[k].Worker == d.Worker {
-		a.offsetMs = r.cfg.Cost.offset(&d.Candidates[k])
+	a.effTok = r.cfg.Cost.effectiveTokens(int(uncached))
+	if k := candIndex(d.Candidates, d.Worker); k >= 0 {
+		a.offsetMs = r.cfg.Cost.offset(&d.Candidates[k], int(uncached))
 	} else {
-		a.offsetMs = r.cfg.Cost.offset(&Candidate{ActiveBlocks: w.active.Load()})
+		a.offsetMs = r.cfg.Cost.offset(&Candidate{ActiveBlocks: w.active.Load()}, int(uncached))
 	}
 	a.hashes = append([]kv.BlockHash(nil), req.Hashes...)
 	if !w.add(a) {
