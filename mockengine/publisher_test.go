@@ -155,102 +155,100 @@ func TestEngineEventsTrackCache(t *testing.T) {
 // engineEventsTrackCache publishes through PublishEvents (drained by Flush)
 // or, with hook, through Config.OnEvents after every step.
 func engineEventsTrackCache(t *testing.T, enc kv.VLLMEncoding, hook bool) {
-	{
-		p := newTestPublisher(t, PublisherConfig{ReplayEndpoint: "tcp://127.0.0.1:0", Encoding: enc, Interval: time.Hour})
-		cfg := Config{CacheBlocks: 24}
+	p := newTestPublisher(t, PublisherConfig{ReplayEndpoint: "tcp://127.0.0.1:0", Encoding: enc, Interval: time.Hour})
+	cfg := Config{CacheBlocks: 24}
+	if hook {
+		cfg.OnEvents = p.OnEvents
+	}
+	e, url := startEngine(t, cfg)
+	var feed *EventFeed
+	if !hook {
+		feed = e.PublishEvents(p)
+		defer feed.Stop()
+	}
+	flush := func() error {
 		if hook {
-			cfg.OnEvents = p.OnEvents
+			return nil // published at the end of each step
 		}
-		e, url := startEngine(t, cfg)
-		feed := &EventFeed{}
-		if !hook {
-			feed = e.PublishEvents(p)
-			defer feed.Stop()
-		}
-		flush := func() error {
-			if hook {
-				return nil // published at the end of each step
-			}
-			return feed.Flush()
-		}
-		prompt := func(k, shared int) []int {
-			pr := make([]int, 80) // 5 blocks; the first `shared` tokens common to all
-			for i := range pr {
-				pr[i] = 1000 + k*1000 + i
-				if i < shared {
-					pr[i] = 7 + i
-				}
-			}
-			return pr
-		}
-		for k := 0; k < 12; k++ {
-			if code, r := post(t, url+"/v1/completions", map[string]any{"prompt": prompt(k%7, 16*(k%3)), "max_tokens": 3}); code != 200 {
-				t.Fatalf("status %d %+v", code, r)
-			}
-			if k%4 == 3 {
-				if err := flush(); err != nil {
-					t.Fatal(err)
-				}
+		return feed.Flush()
+	}
+	prompt := func(k, shared int) []int {
+		pr := make([]int, 80) // 5 blocks; the first `shared` tokens common to all
+		for i := range pr {
+			pr[i] = 1000 + k*1000 + i
+			if i < shared {
+				pr[i] = 7 + i
 			}
 		}
-		waitIdle(t, e)
-		if err := flush(); err != nil {
-			t.Fatal(err)
+		return pr
+	}
+	for k := 0; k < 12; k++ {
+		if code, r := post(t, url+"/v1/completions", map[string]any{"prompt": prompt(k%7, 16*(k%3)), "max_tokens": 3}); code != 200 {
+			t.Fatalf("status %d %+v", code, r)
 		}
-
-		own := map[uint64]kv.BlockHash{} // engine hash → re-hashed router hash
-		removals := 0
-		for i, b := range replayFrom(t, p, 0) {
-			if b.seq != uint64(i) {
-				t.Fatalf("replay seq %d at %d", b.seq, i)
-			}
-			_, evs, _, err := kv.DecodeVLLM(b.payload)
-			if err != nil {
+		if k%4 == 3 {
+			if err := flush(); err != nil {
 				t.Fatal(err)
 			}
-			for _, ev := range evs {
-				switch ev.Kind {
-				case kv.BlockStored:
-					var parent kv.BlockHash
-					if ev.HasParent {
-						ph, ok := own[ev.EngineParent]
-						if !ok {
-							t.Fatalf("stored block's parent %x was never stored", ev.EngineParent)
-						}
-						parent = ph
+		}
+	}
+	waitIdle(t, e)
+	if err := flush(); err != nil {
+		t.Fatal(err)
+	}
+
+	own := map[uint64]kv.BlockHash{} // engine hash → re-hashed router hash
+	removals := 0
+	for i, b := range replayFrom(t, p, 0) {
+		if b.seq != uint64(i) {
+			t.Fatalf("replay seq %d at %d", b.seq, i)
+		}
+		_, evs, _, err := kv.DecodeVLLM(b.payload)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, ev := range evs {
+			switch ev.Kind {
+			case kv.BlockStored:
+				var parent kv.BlockHash
+				if ev.HasParent {
+					ph, ok := own[ev.EngineParent]
+					if !ok {
+						t.Fatalf("stored block's parent %x was never stored", ev.EngineParent)
 					}
-					hs := kv.ContinueHashes(nil, parent, !ev.HasParent, ev.Tokens, ev.BlockSize, 0)
-					for j, h := range ev.EngineHashes {
-						own[h] = hs[j]
-					}
-				case kv.BlockRemoved:
-					removals += len(ev.EngineHashes)
-					for _, h := range ev.EngineHashes {
-						if _, ok := own[h]; !ok {
-							t.Fatalf("removal of unknown block %x", h)
-						}
-						delete(own, h)
-					}
-				case kv.AllBlocksCleared:
-					clear(own)
+					parent = ph
 				}
+				hs := kv.ContinueHashes(nil, parent, !ev.HasParent, ev.Tokens, ev.BlockSize, 0)
+				for j, h := range ev.EngineHashes {
+					own[h] = hs[j]
+				}
+			case kv.BlockRemoved:
+				removals += len(ev.EngineHashes)
+				for _, h := range ev.EngineHashes {
+					if _, ok := own[h]; !ok {
+						t.Fatalf("removal of unknown block %x", h)
+					}
+					delete(own, h)
+				}
+			case kv.AllBlocksCleared:
+				clear(own)
 			}
 		}
-		if removals == 0 {
-			t.Fatal("the churn evicted nothing; the test proves little")
+	}
+	if removals == 0 {
+		t.Fatal("the churn evicted nothing; the test proves little")
+	}
+	resident := e.appendResident(nil)
+	if len(resident) != len(own) {
+		t.Fatalf("events say %d blocks, engine holds %d", len(own), len(resident))
+	}
+	for _, rb := range resident {
+		h, ok := own[uint64(rb.EngineHash)]
+		if !ok {
+			t.Fatalf("resident block %x missing from the events", rb.EngineHash)
 		}
-		resident := e.appendResident(nil)
-		if len(resident) != len(own) {
-			t.Fatalf("events say %d blocks, engine holds %d", len(own), len(resident))
-		}
-		for _, rb := range resident {
-			h, ok := own[uint64(rb.EngineHash)]
-			if !ok {
-				t.Fatalf("resident block %x missing from the events", rb.EngineHash)
-			}
-			if h != rb.Hash {
-				t.Fatalf("block %x: re-hashed %x, engine reports %x", rb.EngineHash, h, rb.Hash)
-			}
+		if h != rb.Hash {
+			t.Fatalf("block %x: re-hashed %x, engine reports %x", rb.EngineHash, h, rb.Hash)
 		}
 	}
 }
