@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math/bits"
 	"net/http"
 	"testing"
 	"time"
@@ -20,86 +21,108 @@ import (
 // /debug/cache, in router-scheme hashes): precision and recall 100%.
 func TestKVEventsTrackMockEngine(t *testing.T) {
 	for _, enc := range []kv.VLLMEncoding{kv.VLLMArrays, kv.VLLMMaps} {
-		t.Run(fmt.Sprint("encoding", enc), func(t *testing.T) {
-			e, err := mockengine.New(mockengine.Config{ID: "mock-0", CacheBlocks: 48, Speedup: 1000})
-			if err != nil {
-				t.Fatal(err)
-			}
-			addr, err := e.Start("127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer e.Close()
-			pub, err := mockengine.NewPublisher(mockengine.PublisherConfig{
-				Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0", Topic: "kv", Encoding: enc,
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer pub.Close()
-			feed := e.PublishEvents(pub)
-			defer feed.Stop()
+		for _, host := range []int{0, 40} {
+			t.Run(fmt.Sprintf("encoding%d/host%d", enc, host), func(t *testing.T) { trackMockEngine(t, enc, host) })
+		}
+	}
+}
 
-			r := newRouter(t)
-			a := NewKVApplier(KVApplierConfig{Backend: "mock-0"}, r)
-			sub := NewZMQSubscriber(ZMQConfig{Endpoint: pub.Endpoint(), ReplayEndpoint: pub.ReplayEndpoint(), Topic: "kv"}, a)
-			ctx, cancel := context.WithCancel(context.Background())
-			done := make(chan struct{})
-			go func() { sub.Run(ctx); close(done) }()
-			defer func() { cancel(); <-done }()
+// trackMockEngine runs the churn against one engine; with host > 0 the
+// engine also has a host (CPU) tier that device evictions move to.
+func trackMockEngine(t *testing.T, enc kv.VLLMEncoding, host int) {
+	e, err := mockengine.New(mockengine.Config{ID: "mock-0", CacheBlocks: 48, HostCacheBlocks: host, Speedup: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr, err := e.Start("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	pub, err := mockengine.NewPublisher(mockengine.PublisherConfig{
+		Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0", Topic: "kv", Encoding: enc,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	feed := e.PublishEvents(pub)
+	defer feed.Stop()
 
-			// 60 requests: 10 prompt families asked twice each round (the
-			// second time from cache), sharing 0-3 leading blocks across
-			// families; about 5x the cache, so blocks are evicted all along.
-			for k := 0; k < 60; k++ {
-				fam := (k / 2) % 10
-				prompt := make([]int, 16*(4+fam%4)+5)
-				for i := range prompt {
-					prompt[i] = 500 + (k/20)*100000 + fam*1000 + i
-					if i < 16*(fam%4) {
-						prompt[i] = 3 + i // shared prefix
-					}
-				}
-				postJSON(t, "http://"+addr+"/v1/completions", map[string]any{"prompt": prompt, "max_tokens": 4})
-			}
-			wctx, wcancel := context.WithTimeout(context.Background(), 10*time.Second)
-			defer wcancel()
-			if err := e.WaitIdle(wctx); err != nil {
-				t.Fatal(err)
-			}
-			if err := feed.Flush(); err != nil {
-				t.Fatal(err)
-			}
-			last := int64(pub.Published()) - 1
-			if err := sub.Wait(wctx, func(s ZMQStats) bool { return s.LastSeq == last }); err != nil {
-				t.Fatal(err)
-			}
+	r := newRouter(t)
+	a := NewKVApplier(KVApplierConfig{Backend: "mock-0"}, r)
+	sub := NewZMQSubscriber(ZMQConfig{Endpoint: pub.Endpoint(), ReplayEndpoint: pub.ReplayEndpoint(), Topic: "kv"}, a)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { sub.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
 
-			var dc mockengine.DebugCache
-			if err := json.Unmarshal(getBody(t, "http://"+addr+"/debug/cache"), &dc); err != nil {
-				t.Fatal(err)
+	// 60 requests: 10 prompt families asked twice each round (the
+	// second time from cache), sharing 0-3 leading blocks across
+	// families; about 5x the cache, so blocks are evicted all along.
+	for k := 0; k < 60; k++ {
+		fam := (k / 2) % 10
+		prompt := make([]int, 16*(4+fam%4)+5)
+		for i := range prompt {
+			prompt[i] = 500 + (k/20)*100000 + fam*1000 + i
+			if i < 16*(fam%4) {
+				prompt[i] = 3 + i // shared prefix
 			}
-			id, _ := r.WorkerByName("mock-0")
-			hits := 0
-			for _, b := range dc.Blocks {
-				for _, o := range r.Index().Match([]kv.BlockHash{kv.BlockHash(b.Hash)}, nil) {
-					if o.Worker == id {
-						hits++
-					}
-				}
+		}
+		postJSON(t, "http://"+addr+"/v1/completions", map[string]any{"prompt": prompt, "max_tokens": 4})
+	}
+	wctx, wcancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer wcancel()
+	if err := e.WaitIdle(wctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := feed.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	last := int64(pub.Published()) - 1
+	if err := sub.Wait(wctx, func(s ZMQStats) bool { return s.LastSeq == last }); err != nil {
+		t.Fatal(err)
+	}
+
+	var dc mockengine.DebugCache
+	if err := json.Unmarshal(getBody(t, "http://"+addr+"/debug/cache"), &dc); err != nil {
+		t.Fatal(err)
+	}
+	id, _ := r.WorkerByName("mock-0")
+	// The engine's truth: each block's tiers.
+	truth := map[uint64]uint8{}
+	var perTier [kv.NumTiers]int64
+	for _, b := range dc.Blocks {
+		tier, err := kv.TierFromMedium(b.Medium)
+		if err != nil {
+			t.Fatal(err)
+		}
+		truth[b.Hash] |= 1 << tier
+		perTier[tier]++
+	}
+	hits := 0
+	for h, tiers := range truth {
+		best := kv.Tier(bits.TrailingZeros8(tiers))
+		for _, o := range r.Index().Match([]kv.BlockHash{kv.BlockHash(h)}, nil) {
+			if o.Worker == id && o.Tiers[best] == 1 {
+				hits++
 			}
-			st, ast := sub.Stats(), a.Stats()
-			if ast.RemovedBlocks == 0 {
-				t.Fatalf("no evictions: the test proves little (%+v)", ast)
-			}
-			held := r.Index().WorkerBlocks(id)
-			if hits != len(dc.Blocks) || held != len(dc.Blocks) {
-				t.Fatalf("engine holds %d blocks, index %d, both %d (feed %+v, applier %+v)", len(dc.Blocks), held, hits, st, ast)
-			}
-			if st.Clears != 0 || ast.OrphanBlocks != 0 {
-				t.Fatalf("feed %+v applier %+v", st, ast)
-			}
-		})
+		}
+	}
+	st, ast := sub.Stats(), a.Stats()
+	if ast.RemovedBlocks == 0 {
+		t.Fatalf("no evictions: the test proves little (%+v)", ast)
+	}
+	if host > 0 && perTier[kv.TierHost] == 0 {
+		t.Fatalf("nothing reached the host tier: the test proves little")
+	}
+	held := r.Index().WorkerBlocks(id)
+	if hits != len(truth) || held != len(truth) || ast.Blocks != perTier {
+		t.Fatalf("engine holds %d blocks %v, index %d, both %d, applier %v (feed %+v, applier %+v)",
+			len(truth), perTier, held, hits, ast.Blocks, st, ast)
+	}
+	if st.Clears != 0 || ast.OrphanBlocks != 0 {
+		t.Fatalf("feed %+v applier %+v", st, ast)
 	}
 }
 
