@@ -47,9 +47,9 @@ type KVApplyStats struct {
 	RemovedBlocks     uint64 // engine blocks of applied BlockRemoved events
 	OrphanBlocks      uint64 // stored blocks dropped: their parent block was unknown
 	UnknownRemovals   uint64 // removed blocks that were not indexed (in that tier)
-	BlockSizeMismatch uint64 // stored blocks dropped: block size differs from the router's
+	BlockSizeMismatch uint64 // stored blocks dropped: larger than the router's blocks, or off their grid
 	BadRank           uint64 // batches dropped: rank above MaxDPRank
-	Clears            uint64 // all-blocks clears (events, feed resets, Clear)
+	Clears            uint64 // rank clears (AllBlocksCleared, feed resets, Clear)
 }
 
 // KVApplier applies one backend's KV events to the router index. The router
