@@ -42,6 +42,12 @@ import (
 // Hybrid models (several KV cache groups) tag events with group_idx; only
 // group 0 (or no group_idx) is decoded, other groups' events are skipped, so
 // one group's cache picture is followed rather than a mix of several.
+//
+// medium maps to a Tier (TierFromMedium; absent or nil is the device); an
+// unknown medium gives TierDisk and is counted in VLLMDecoder.UnknownMedia
+// rather than failing the batch. SGLang's bigram token ids (a pair per
+// position, EAGLE) are read as the first token of each pair. Token ids must
+// fit in uint32 and a BlockStored must carry block_size token ids per block.
 
 // EngineHashFromBytes folds a byte-string engine block hash to 64 bits.
 func EngineHashFromBytes(b []byte) uint64 { return xxh3.Hash(b) }
