@@ -4,8 +4,10 @@
 //	kvmock -n 4 -base-port 9000
 //
 // Engine i is called mock-i and listens on base-port+i (any free port when
-// base-port is 0). One line per engine is logged at start; SIGINT or SIGTERM
-// stops them all.
+// base-port is 0). With -kv-events, engine i also publishes its KV cache
+// events in vLLM's ZMQ format on kv-events-base-port+2i, with the replay
+// socket on the next port. One line per engine is logged at start; SIGINT
+// or SIGTERM stops them all.
 package main
 
 import (
@@ -19,6 +21,7 @@ import (
 	"strconv"
 	"syscall"
 
+	"github.com/kvproxy/kvproxy/kv"
 	"github.com/kvproxy/kvproxy/mockengine"
 )
 
@@ -33,9 +36,15 @@ func main() {
 	}
 }
 
-// run starts the engines, calls ready with their addresses, and serves
+// endpoints is where one engine can be reached.
+type endpoints struct {
+	HTTP           string // host:port
+	Events, Replay string // ZMQ endpoints, "" without -kv-events
+}
+
+// run starts the engines, calls ready with their endpoints, and serves
 // until ctx ends.
-func run(ctx context.Context, args []string, ready func(addrs []string)) error {
+func run(ctx context.Context, args []string, ready func([]endpoints)) error {
 	d := mockengine.DefaultConfig()
 	fs := flag.NewFlagSet("kvmock", flag.ContinueOnError)
 	n := fs.Int("n", 4, "number of engines")
@@ -51,6 +60,10 @@ func run(ctx context.Context, args []string, ready func(addrs []string)) error {
 	maxBatched := fs.Int("max-num-batched-tokens", d.MaxNumBatchedTokens, "tokens per step at most (chunked prefill)")
 	tokenizer := fs.String("tokenizer", d.Tokenizer, "tokenizer name (cl100k_base, o200k_base)")
 	template := fs.String("template", d.Template, "chat template name (chatml, llama3, raw)")
+	events := fs.Bool("kv-events", false, "publish vLLM-format KV events over ZMQ (PUB and replay ROUTER per engine)")
+	eventsPort := fs.Int("kv-events-base-port", 5557, "engine i publishes on port base+2i and serves replay on base+2i+1 (0: any free ports)")
+	eventsTopic := fs.String("kv-events-topic", "", "ZMQ topic of the event frames")
+	eventsEnc := fs.String("kv-events-encoding", "array", "event encoding: array (msgspec array_like, older vLLM) or map (newer vLLM)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -60,12 +73,28 @@ func run(ctx context.Context, args []string, ready func(addrs []string)) error {
 	if *basePort < 0 || *basePort+*n-1 > 65535 {
 		return fmt.Errorf("-base-port %d leaves no room for %d engines", *basePort, *n)
 	}
+	var enc kv.VLLMEncoding
+	switch *eventsEnc {
+	case "array":
+		enc = kv.VLLMArrays
+	case "map":
+		enc = kv.VLLMMaps
+	default:
+		return fmt.Errorf("-kv-events-encoding %q: want array or map", *eventsEnc)
+	}
+	if *events && (*eventsPort < 0 || *eventsPort+2**n-1 > 65535) {
+		return fmt.Errorf("-kv-events-base-port %d leaves no room for %d engines", *eventsPort, *n)
+	}
 
 	engines := make([]*mockengine.Engine, 0, *n)
-	addrs := make([]string, 0, *n)
+	pubs := make([]*mockengine.Publisher, 0, *n)
+	addrs := make([]endpoints, 0, *n)
 	defer func() {
 		for _, e := range engines {
-			e.Close()
+			e.Close() // no more events once the scheduler stops
+		}
+		for _, p := range pubs {
+			p.Close()
 		}
 	}()
 	for i := 0; i < *n; i++ {
@@ -75,6 +104,25 @@ func run(ctx context.Context, args []string, ready func(addrs []string)) error {
 			MaxNumSeqs: *maxSeqs, MaxNumBatchedTokens: *maxBatched,
 			Speedup: *speedup, Seed: *seed,
 			Tokenizer: *tokenizer, Template: *template,
+		}
+		var pub *mockengine.Publisher
+		if *events {
+			pubPort, replayPort := 0, 0
+			if *eventsPort != 0 {
+				pubPort, replayPort = *eventsPort+2*i, *eventsPort+2*i+1
+			}
+			var err error
+			pub, err = mockengine.NewPublisher(mockengine.PublisherConfig{
+				Endpoint:       "tcp://" + net.JoinHostPort(*host, strconv.Itoa(pubPort)),
+				ReplayEndpoint: "tcp://" + net.JoinHostPort(*host, strconv.Itoa(replayPort)),
+				Topic:          *eventsTopic,
+				Encoding:       enc,
+			})
+			if err != nil {
+				return err
+			}
+			pubs = append(pubs, pub)
+			cfg.OnEvents = pub.OnEvents // one batch per scheduler step, as vLLM
 		}
 		e, err := mockengine.New(cfg)
 		if err != nil {
@@ -89,10 +137,16 @@ func run(ctx context.Context, args []string, ready func(addrs []string)) error {
 		if err != nil {
 			return err
 		}
-		addrs = append(addrs, addr)
+		ep := endpoints{HTTP: addr}
+		evInfo := ""
+		if pub != nil {
+			ep.Events, ep.Replay = pub.Endpoint(), pub.ReplayEndpoint()
+			evInfo = fmt.Sprintf(", kv events %s replay %s", ep.Events, ep.Replay)
+		}
+		addrs = append(addrs, ep)
 		c := e.Config()
-		log.Printf("kvmock: engine %s model %s listening on http://%s (cache %d blocks of %d tokens, host tier %d blocks, max_num_seqs %d, speedup %g)",
-			c.ID, c.Model, addr, c.CacheBlocks, c.BlockSize, c.HostCacheBlocks, c.MaxNumSeqs, c.Speedup)
+		log.Printf("kvmock: engine %s model %s listening on http://%s (cache %d blocks of %d tokens, host tier %d blocks, max_num_seqs %d, speedup %g%s)",
+			c.ID, c.Model, addr, c.CacheBlocks, c.BlockSize, c.HostCacheBlocks, c.MaxNumSeqs, c.Speedup, evInfo)
 	}
 	if ready != nil {
 		ready(addrs)

@@ -2,20 +2,27 @@ package main
 
 import (
 	"context"
+	"encoding/binary"
 	"io"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+
+	"github.com/kvproxy/kvproxy/kv"
 )
 
 func TestFleet(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
-	got := make(chan []string, 1)
+	got := make(chan []endpoints, 1)
 	done := make(chan error, 1)
 	go func() {
-		done <- run(ctx, []string{"-n", "3", "-base-port", "0", "-speedup", "1000", "-model", "m"}, func(a []string) { got <- a })
+		done <- run(ctx, []string{"-n", "3", "-base-port", "0", "-speedup", "1000", "-model", "m"}, func(a []endpoints) { got <- a })
 	}()
-	var addrs []string
+	var addrs []endpoints
 	select {
 	case addrs = <-got:
 	case err := <-done:
@@ -25,7 +32,10 @@ func TestFleet(t *testing.T) {
 		t.Fatalf("want 3 engines, got %v", addrs)
 	}
 	for _, a := range addrs {
-		resp, err := http.Post("http://"+a+"/v1/completions", "application/json",
+		if a.Events != "" {
+			t.Fatal("no event publisher without -kv-events")
+		}
+		resp, err := http.Post("http://"+a.HTTP+"/v1/completions", "application/json",
 			strings.NewReader(`{"model":"m","prompt":"hi","max_tokens":2}`))
 		if err != nil {
 			t.Fatal(err)
@@ -40,7 +50,7 @@ func TestFleet(t *testing.T) {
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
-	if _, err := http.Get("http://" + addrs[0] + "/health"); err == nil {
+	if _, err := http.Get("http://" + addrs[0].HTTP + "/health"); err == nil {
 		t.Fatal("engines must be closed after shutdown")
 	}
 }
@@ -51,9 +61,82 @@ func TestBadFlags(t *testing.T) {
 		{"-base-port", "65535", "-n", "2"},
 		{"-tokenizer", "nope", "-base-port", "0"},
 		{"-bogus"},
+		{"-kv-events-encoding", "xml", "-base-port", "0"},
 	} {
 		if err := run(context.Background(), args, nil); err == nil {
 			t.Fatalf("%v: want an error", args)
 		}
+	}
+}
+
+// With -kv-events each engine publishes vLLM-format batches; the replay
+// socket hands them back from seq 0.
+func TestFleetPublishesEvents(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	got := make(chan []endpoints, 1)
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"-n", "2", "-base-port", "0", "-speedup", "1000", "-kv-events", "-kv-events-base-port", "0", "-kv-events-encoding", "map"},
+			func(a []endpoints) { got <- a })
+	}()
+	var eps []endpoints
+	select {
+	case eps = <-got:
+	case err := <-done:
+		t.Fatal(err)
+	}
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}()
+	prompt := make([]string, 40)
+	for i := range prompt {
+		prompt[i] = strconv.Itoa(2000 + i)
+	}
+	body := `{"prompt":[` + strings.Join(prompt, ",") + `],"max_tokens":1}`
+	resp, err := http.Post("http://"+eps[1].HTTP+"/v1/completions", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+
+	rctx, rcancel := context.WithTimeout(ctx, 10*time.Second)
+	defer rcancel()
+	d := zmq4.NewDealer(rctx)
+	defer d.Close()
+	if err := d.Dial(eps[1].Replay); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Send(zmq4.NewMsgFrom([]byte{}, make([]byte, 8))); err != nil {
+		t.Fatal(err)
+	}
+	var stored []uint32
+	for {
+		msg, err := d.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(msg.Frames) != 3 || len(msg.Frames[1]) != 8 {
+			t.Fatalf("reply %q", msg.Frames)
+		}
+		if binary.BigEndian.Uint64(msg.Frames[1]) == ^uint64(0) {
+			break
+		}
+		_, evs, _, err := kv.DecodeVLLM(msg.Frames[2])
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range evs {
+			if e.Kind == kv.BlockStored {
+				stored = append(stored, e.Tokens...)
+			}
+		}
+	}
+	// 40 tokens: two full blocks of 16 were stored, with their token ids.
+	if len(stored) != 32 || stored[0] != 2000 || stored[31] != 2031 {
+		t.Fatalf("stored tokens %v", stored)
 	}
 }
