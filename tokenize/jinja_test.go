@@ -2,8 +2,10 @@ package tokenize
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -110,5 +112,47 @@ func TestLoadTemplate(t *testing.T) {
 	}
 	if _, err := LoadTemplate("vicuna"); err == nil || !strings.Contains(err.Error(), "chatml") {
 		t.Fatalf("LoadTemplate(vicuna): %v", err)
+	}
+}
+
+func TestJinjaEncoderConcurrentUse(t *testing.T) {
+	tok, err := LoadHF(tinyHF(t, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl, err := NewJinjaTemplate("chatml-jinja", "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"+
+		"{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	enc := NewEncoder(tok, tmpl, 64)
+	convs := make([][]Message, 6)
+	wants := make([][]uint32, len(convs))
+	for i := range convs {
+		convs[i] = conversation(3 + i)
+		text, err := Render(tmpl, convs[i], true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		wants[i] = tok.Encode(nil, text)
+	}
+	done := make(chan error)
+	for g := range 6 {
+		go func() {
+			var buf []uint32
+			for i := range 30 {
+				c := (g + i) % len(convs)
+				if buf = enc.EncodeChat(buf[:0], convs[c], true); !slices.Equal(buf, wants[c]) {
+					done <- fmt.Errorf("goroutine %d: conversation %d differs from encoding its rendering", g, c)
+					return
+				}
+			}
+			done <- nil
+		}()
+	}
+	for range 6 {
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
 	}
 }

@@ -2,7 +2,6 @@ package tokenize
 
 import (
 	"encoding/json"
-	"fmt"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -131,7 +130,19 @@ func refChats(n int, texts []string) [][]Message {
 func TestReferenceTokenizers(t *testing.T) {
 	texts := refTexts(300)
 	chats := refChats(70, texts)
-	ref := runReference(t, texts, chats)
+	// The conversations rendered with the built-in chatml template are sent
+	// as texts too: tiktoken's encode_ordinary of the whole rendering is the
+	// reference for EncodeChat with cl100k_base and o200k_base.
+	chatml := mustTemplate(t, "chatml")
+	all := texts
+	for _, c := range chats {
+		s, err := Render(chatml, c, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		all = append(all, s)
+	}
+	ref := runReference(t, all, chats)
 
 	toks := map[string]func() (Tokenizer, error){
 		"cl100k_base": func() (Tokenizer, error) { return Get("cl100k_base") },
@@ -146,11 +157,11 @@ func TestReferenceTokenizers(t *testing.T) {
 				t.Fatal(err)
 			}
 			r, ok := ref[name]
-			if !ok || len(r.Texts) != len(texts) {
+			if !ok || len(r.Texts) != len(all) {
 				t.Fatalf("reference has no results for %s", name)
 			}
 			bad := 0
-			for i, text := range texts {
+			for i, text := range all {
 				if got := tok.Encode(nil, text); !slices.Equal(got, r.Texts[i]) {
 					if bad++; bad <= 5 {
 						t.Errorf("text %d %q:\n got %v\nwant %v", i, text, got, r.Texts[i])
@@ -165,12 +176,23 @@ func TestReferenceTokenizers(t *testing.T) {
 				}
 			}
 			if bad > 0 {
-				t.Fatalf("%d of %d texts differ from the reference", bad, len(texts)+len(r.Chats))
+				t.Fatalf("%d of %d texts differ from the reference", bad, len(all)+len(r.Chats))
 			}
 			if len(r.Chats) > 0 {
 				checkChatTemplate(t, name, tok, chats, r)
+			} else {
+				enc := NewEncoder(tok, chatml, 0)
+				for i, c := range chats {
+					want := r.Texts[len(texts)+i]
+					for pass := range 2 { // cold, then from the cache
+						if got := enc.EncodeChat(nil, c, true); !slices.Equal(got, want) {
+							t.Fatalf("chat %d pass %d: EncodeChat = %v\nwant %v", i, pass, got, want)
+						}
+					}
+				}
+				t.Logf("%d chatml conversations encoded identically", len(chats))
 			}
-			t.Log(fmt.Sprintf("%d texts and %d rendered chats identical", len(texts), len(r.Chats)))
+			t.Logf("%d texts and %d rendered chats identical", len(all), len(r.Chats))
 		})
 	}
 }
