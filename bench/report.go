@@ -22,6 +22,11 @@ type Result struct {
 	ThroughputTokS float64 `json:"throughput_tok_s"`
 	HitRate        float64 `json:"hit_rate"`
 	Errors         int     `json:"errors"`
+	// ForgoneHitRate (sim only) is the prompt share the router saw cached
+	// on some worker but routed elsewhere: Σ (best overlap − chosen
+	// overlap) × block size / prompt tokens. It shows what a policy trades
+	// away for balance.
+	ForgoneHitRate float64 `json:"forgone_hit_rate,omitempty"`
 
 	// Samples for charts; not part of the JSON report.
 	TTFTs []time.Duration `json:"-"`
@@ -45,10 +50,10 @@ func (r *Report) WriteJSON(w io.Writer) error {
 // WriteTable writes the report as an aligned text table.
 func (r *Report) WriteTable(w io.Writer) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "policy\tttft p50 ms\tp90 ms\tp99 ms\titl p50 ms\te2e p50 ms\ttok/s\thit rate\terrors\t")
+	fmt.Fprintln(tw, "policy\tttft p50 ms\tp90 ms\tp99 ms\titl p50 ms\te2e p50 ms\ttok/s\thit rate\tforgone\terrors\t")
 	for _, x := range r.Results {
-		fmt.Fprintf(tw, "%s\t%.1f\t%.1f\t%.1f\t%.2f\t%.0f\t%.0f\t%.3f\t%d\t\n",
-			x.Policy, x.TTFTP50, x.TTFTP90, x.TTFTP99, x.ITLP50, x.E2EP50, x.ThroughputTokS, x.HitRate, x.Errors)
+		fmt.Fprintf(tw, "%s\t%.1f\t%.1f\t%.1f\t%.2f\t%.0f\t%.0f\t%.3f\t%.3f\t%d\t\n",
+			x.Policy, x.TTFTP50, x.TTFTP90, x.TTFTP99, x.ITLP50, x.E2EP50, x.ThroughputTokS, x.HitRate, x.ForgoneHitRate, x.Errors)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -69,6 +74,7 @@ type Recorder struct {
 	cached      int64
 	output      int64
 	errors      int
+	forgone     int64
 	first, last time.Duration
 	haveSpan    bool
 }
@@ -86,6 +92,10 @@ func (r *Recorder) Request(start, end, ttft time.Duration, prompt, cached, outpu
 
 // ITL records one gap between consecutive output tokens (or chunks), n times.
 func (r *Recorder) ITL(d time.Duration, n int) { r.itl.AddN(d, n) }
+
+// Forgone records prompt tokens cached on some worker but not on the one
+// chosen.
+func (r *Recorder) Forgone(tokens int) { r.forgone += int64(tokens) }
 
 // Error records a failed request.
 func (r *Recorder) Error(start, end time.Duration) {
@@ -118,6 +128,7 @@ func (r *Recorder) Result(policy string) Result {
 	}
 	if r.prompt > 0 {
 		res.HitRate = float64(r.cached) / float64(r.prompt)
+		res.ForgoneHitRate = float64(r.forgone) / float64(r.prompt)
 	}
 	res.TTFTs = r.ttft
 	return res

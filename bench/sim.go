@@ -245,6 +245,11 @@ func (s *sim) arrive(i int, r *Request) {
 		s.rec.Error(r.Arrival, s.now)
 		return
 	}
+	best := 0
+	for _, c := range d.Candidates {
+		best = max(best, c.Overlap)
+	}
+	s.rec.Forgone((best - d.Overlap) * s.cfg.BlockSize)
 	sr := &simReq{act: act, arrival: s.now}
 	sr.seq = mockengine.Seq{ID: uint64(i), Prompt: tok, MaxTokens: max(r.OutputLen, 1)}
 	en := s.engineOf(d.Worker)

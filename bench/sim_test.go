@@ -64,6 +64,9 @@ func TestSimKVPolicyFindsPrefixes(t *testing.T) {
 	if kv.HitRate <= rr.HitRate {
 		t.Fatalf("kv hit rate %.3f not above round_robin's %.3f on a reuse-heavy workload", kv.HitRate, rr.HitRate)
 	}
+	if rr.ForgoneHitRate <= kv.ForgoneHitRate {
+		t.Fatalf("round_robin forgoes %.3f of the prompt, kv %.3f: kv should forgo less", rr.ForgoneHitRate, kv.ForgoneHitRate)
+	}
 	if kv.HitRate > ceiling+1e-9 {
 		t.Fatalf("kv hit rate %.3f above the one-cache ceiling %.3f", kv.HitRate, ceiling)
 	}
