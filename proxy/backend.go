@@ -38,7 +38,7 @@ type backend struct {
 	forgetTimer *time.Timer
 	slots       chan struct{} // max_concurrency semaphore; nil = unlimited
 
-	feed         *eventFeed // nil in approximate mode
+	feed         *backends.KVFeed // nil in approximate mode
 	eventsPushed atomic.Uint64
 	scrape       atomic.Pointer[scrapeStatus]
 }

@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"context"
 	"errors"
 	"strconv"
 	"strings"
@@ -16,52 +15,28 @@ import (
 	"github.com/kvproxy/kvproxy/router"
 )
 
-// eventFeed is how one backend's cache picture reaches the router index:
-// engine KV events over ZMQ or pushed over HTTP, applied by a KVApplier.
-type eventFeed struct {
-	applier *backends.KVApplier
-	sub     *backends.ZMQSubscriber // nil for http mode
-	cancel  context.CancelFunc
-	done    chan struct{}
-}
-
-// startEvents begins following the backend's KV events (mode zmq or http).
-// Its worker then leaves approximate mode.
+// startEvents begins following the backend's KV events (mode zmq or http);
+// its workers then leave approximate mode.
 func (b *backend) startEvents() {
 	mode := b.cfg.KVEvents.Mode
 	if mode == config.EventsNone || b.feed != nil {
 		return
 	}
-	f := &eventFeed{applier: backends.NewKVApplier(backends.KVApplierConfig{
-		Backend: b.cfg.ID, BlockSize: b.pool.cfg.BlockSize,
-	}, b.pool.rt)}
-	if mode == config.EventsZMQ {
-		f.sub = backends.NewZMQSubscriber(backends.ZMQConfig{
-			Endpoint: b.cfg.KVEvents.Endpoint, ReplayEndpoint: b.cfg.KVEvents.Replay, Topic: b.cfg.KVEvents.Topic,
-		}, f.applier)
-		ctx, cancel := context.WithCancel(context.Background())
-		f.cancel, f.done = cancel, make(chan struct{})
-		go func() {
-			defer close(f.done)
-			f.sub.Run(ctx)
-		}()
+	f, err := backends.StartKVFeed(backends.KVFeedConfig{
+		Backend: b.cfg.ID, Mode: mode, BlockSize: b.pool.cfg.BlockSize,
+		ZMQ: backends.ZMQConfig{Endpoint: b.cfg.KVEvents.Endpoint, ReplayEndpoint: b.cfg.KVEvents.Replay, Topic: b.cfg.KVEvents.Topic},
+	}, b.pool.rt)
+	if err != nil { // config validation makes this unreachable
+		b.log.Error().Err(err).Str("backend", b.cfg.ID).Msg("kv events not started")
+		return
 	}
 	b.feed = f
 }
 
-// stopEvents ends the feed and, when forget is set, drops every block the
-// backend's workers hold in the index.
-func (b *backend) stopEvents(forget bool) {
-	f := b.feed
-	if f == nil {
-		return
-	}
-	if f.cancel != nil {
-		f.cancel()
-		<-f.done
-	}
-	if forget {
-		f.applier.Clear()
+// stopEvents ends the feed and drops every block the backend's workers hold.
+func (b *backend) stopEvents() {
+	if b.feed != nil {
+		b.feed.Close()
 	}
 }
 
@@ -71,7 +46,7 @@ func (b *backend) workerIDs() []router.WorkerID {
 	if b.feed == nil {
 		return []router.WorkerID{b.worker}
 	}
-	return b.feed.applier.WorkerIDs()
+	return b.feed.Applier().WorkerIDs()
 }
 
 // dpRank parses the data-parallel rank out of a worker name ("id#3").
@@ -109,7 +84,7 @@ func (s *Server) handleKVEvents(ctx *fasthttp.RequestCtx, st *state) {
 		badRequest(ctx, "model", "backend "+strconv.Quote(batch.EngineID)+" serves "+strconv.Quote(b.cfg.Model)+", not "+strconv.Quote(batch.Model))
 		return
 	}
-	b.feed.applier.ApplyEvents(batch.DPRank, batch.Events)
+	b.feed.Push(batch)
 	b.eventsPushed.Add(uint64(len(batch.Events)))
 	writeJSON(ctx, map[string]any{"applied": len(batch.Events)})
 }
@@ -171,14 +146,14 @@ func (b *backend) eventCounters() *eventCounters {
 	if b.feed == nil {
 		return &eventCounters{Mode: config.EventsNone}
 	}
-	as := b.feed.applier.Stats()
+	fs := b.feed.Stats()
+	as := fs.Apply
 	c := &eventCounters{Mode: b.cfg.KVEvents.Mode, Clears: as.Clears, OrphanBlocks: as.OrphanBlocks,
 		BlocksPerTier: map[string]int64{}, Events: b.eventsPushed.Load()}
 	for t := kv.Tier(0); t < kv.NumTiers; t++ {
 		c.BlocksPerTier[t.String()] = as.Blocks[t]
 	}
-	if b.feed.sub != nil {
-		zs := b.feed.sub.Stats()
+	if zs := fs.ZMQ; zs != nil {
 		c.Connected, c.LastSeq = &zs.Connected, &zs.LastSeq
 		c.Events, c.Replays, c.LastError = zs.Events, zs.Replays, zs.LastError
 	}

@@ -200,7 +200,7 @@ func (s *Server) activate(st, prev *state) {
 		// starts, so the index never mixes two feeds' mappings.
 		for id, old := range prev.backends {
 			if nb := st.backends[id]; nb != nil && nb != old && nb.pool == old.pool {
-				old.stopEvents(true)
+				old.stopEvents()
 			}
 		}
 	}
@@ -245,7 +245,7 @@ func (s *Server) retire(b *backend, replaced bool, timeout time.Duration) {
 	if !replaced {
 		if cur := s.st.Load().backends[b.cfg.ID]; cur == nil || cur.pool != b.pool {
 			ids := b.workerIDs()
-			b.stopEvents(true)
+			b.stopEvents()
 			for _, w := range ids {
 				b.pool.rt.RemoveWorker(w)
 			}
@@ -342,7 +342,7 @@ func (s *Server) Shutdown() error {
 		<-s.scrapeDone
 	}
 	for _, b := range s.st.Load().backends {
-		b.stopEvents(false)
+		b.stopEvents()
 		b.stop()
 	}
 	return err

@@ -143,6 +143,9 @@ func startMocks(cfg *config.Config, running map[string]*mockengine.Engine, log z
 		if b.Mock.CacheBlocks > 0 {
 			mc.CacheBlocks = b.Mock.CacheBlocks
 		}
+		if b.Mock.HostCacheBlocks > 0 {
+			mc.HostCacheBlocks = b.Mock.HostCacheBlocks
+		}
 		if b.Mock.MaxNumSeqs > 0 {
 			mc.MaxNumSeqs = b.Mock.MaxNumSeqs
 		}
