@@ -76,6 +76,7 @@ type KVApplier struct {
 	idx     router.Index
 
 	mu     sync.Mutex
+	closed bool      // Close was called: events are ignored
 	ranks  []*rankKV // by data-parallel rank; nil until the rank is seen
 	own    []kv.BlockHash
 	stale  []kv.BlockHash
@@ -187,6 +188,9 @@ func (a *KVApplier) rank(r int) *rankKV {
 func (a *KVApplier) ApplyEvents(dpRank int, events []kv.Event) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	if a.closed {
+		return
+	}
 	if dpRank < 0 || dpRank > MaxDPRank {
 		a.stats.BadRank++
 		return
@@ -217,10 +221,24 @@ func (a *KVApplier) ClearRanks(ranks []int) {
 	}
 }
 
-// Clear drops every block of every rank (backend removed, HTTP feed reset).
+// Clear drops every block of every rank (HTTP feed reset).
 func (a *KVApplier) Clear() {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	a.clearAll()
+}
+
+// Close drops every block of every rank and ignores events from then on
+// (backend removed from configuration: a late push must not bring its
+// blocks back).
+func (a *KVApplier) Close() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.clearAll()
+	a.closed = true
+}
+
+func (a *KVApplier) clearAll() {
 	for _, r := range a.ranks {
 		if r != nil {
 			a.clearRank(r)

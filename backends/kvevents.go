@@ -93,13 +93,13 @@ func (f *KVFeed) Stats() KVFeedStats {
 	return s
 }
 
-// Close stops the subscriber and drops every block the backend's workers
-// hold (backend removed from configuration). Removing the workers from the
-// router (Applier().WorkerIDs()) is the caller's part.
+// Close stops the subscriber, drops every block the backend's workers hold
+// and ignores later pushes (backend removed from configuration). Removing
+// the workers from the router (Applier().WorkerIDs()) is the caller's part.
 func (f *KVFeed) Close() {
 	if f.cancel != nil {
 		f.cancel()
 	}
 	<-f.done
-	f.applier.Clear()
+	f.applier.Close()
 }

@@ -37,6 +37,10 @@ func TestKVFeedHTTPPush(t *testing.T) {
 	if r.Index().Len() != 0 {
 		t.Fatalf("a closed feed left %d entries", r.Index().Len())
 	}
+	f.Push(b) // a late push of a removed backend
+	if r.Index().Len() != 0 {
+		t.Fatalf("a push after Close added %d entries", r.Index().Len())
+	}
 }
 
 func TestKVFeedZMQ(t *testing.T) {
