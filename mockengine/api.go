@@ -51,6 +51,7 @@ type apiRequest struct {
 		IncludeUsage bool `json:"include_usage"`
 	} `json:"stream_options"`
 	CacheSalt string `json:"cache_salt"`
+	N         *int   `json:"n"`
 }
 
 type apiMessage struct {
@@ -150,6 +151,9 @@ func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiR
 		return nil, nil, 0, &badRequest{status: http.StatusNotFound, typ: "NotFoundError", param: "model",
 			msg: fmt.Sprintf("The model `%s` does not exist.", req.Model)}
 	}
+	if req.N != nil && *req.N != 1 {
+		return nil, nil, 0, invalid("n", "the simulated engine generates one choice per request (n = 1), got n = %d", *req.N)
+	}
 	maxTokens := DefaultMaxTokens
 	if req.MaxCompletionTokens != nil {
 		maxTokens = *req.MaxCompletionTokens
@@ -178,7 +182,10 @@ func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiR
 			}
 			msgs[i] = tokenize.Message{Role: m.Role, Content: text}
 		}
-		prompt = e.enc.EncodeChat(nil, msgs, true)
+		if prompt, err = e.enc.TryEncodeChat(nil, msgs, true); err != nil {
+			// vLLM answers 400 when the chat template raises.
+			return nil, nil, 0, invalid("messages", "chat template: %v", err)
+		}
 	} else {
 		if prompt, err = e.promptTokens(req.Prompt); err != nil {
 			return nil, nil, 0, err

@@ -31,8 +31,10 @@ type Config struct {
 	// Seed varies the generated lengths and words.
 	Seed int64
 
-	Tokenizer string // tokenize.Get name
-	Template  string // tokenize.GetTemplate name
+	// Tokenizer and Template name the prompt encoding as tokenize.Load and
+	// tokenize.LoadTemplate take them: built-in names or Hugging Face files.
+	Tokenizer string
+	Template  string
 
 	// HostCacheBlocks sizes the host (CPU) tier in blocks; 0 turns it off.
 	HostCacheBlocks int
@@ -167,11 +169,11 @@ type delivery struct {
 // Serve or Start.
 func New(cfg Config) (*Engine, error) {
 	cfg = cfg.withDefaults()
-	tok, err := tokenize.Get(cfg.Tokenizer)
+	tok, err := tokenize.Load(cfg.Tokenizer)
 	if err != nil {
 		return nil, err
 	}
-	tmpl, err := tokenize.GetTemplate(cfg.Template)
+	tmpl, err := tokenize.LoadTemplate(cfg.Template)
 	if err != nil {
 		return nil, err
 	}
