@@ -103,6 +103,9 @@ type Stats struct {
 	Rejected uint64 // answered with an error
 	InFlight int    // handlers still running
 
+	PromptTokens     uint64 // prompt tokens of accepted requests
+	GenerationTokens uint64 // output tokens sent to clients
+
 	Running, Waiting int
 	KVUsage          float64 // fraction of blocks held by running sequences
 	CachedBlocks     int
@@ -136,6 +139,7 @@ type Engine struct {
 	loopWG sync.WaitGroup
 
 	requests, finished, aborts, rejected atomic.Uint64
+	promptToks, genToks                  atomic.Uint64
 
 	idleMu      sync.Mutex
 	inflight    int
@@ -281,6 +285,8 @@ func (e *Engine) Stats() Stats {
 	st.Finished = e.finished.Load()
 	st.Aborts = e.aborts.Load()
 	st.Rejected = e.rejected.Load()
+	st.PromptTokens = e.promptToks.Load()
+	st.GenerationTokens = e.genToks.Load()
 	st.InFlight = inflight
 	return st
 }
@@ -335,6 +341,7 @@ func (e *Engine) submit(r *request) error {
 	e.reqs[r.seq.ID] = r
 	e.mu.Unlock()
 	e.requests.Add(1)
+	e.promptToks.Add(uint64(len(r.seq.Prompt)))
 	select {
 	case e.wake <- struct{}{}:
 	default:

@@ -481,7 +481,8 @@ func TestMetrics(t *testing.T) {
 			t.Fatalf("missing %s in %v", n, got)
 		}
 	}
-	if got["vllm:prefix_cache_queries_total"] != 2 || types["vllm:prefix_cache_hits_total"] != "counter" {
+	if got["vllm:prefix_cache_queries_total"] != 2 || types["vllm:prefix_cache_hits_total"] != "counter" ||
+		got["vllm:prompt_tokens_total"] != 2 || got["vllm:generation_tokens_total"] < 1 {
 		t.Fatalf("queries %v", got)
 	}
 }

@@ -174,6 +174,7 @@ func (rs *responder) stream(ctx context.Context, w http.ResponseWriter, r *reque
 		done := r.done.Load() // before generated: done implies the final count
 		g := int(r.generated.Load())
 		buf = buf[:0]
+		rs.e.genToks.Add(uint64(g - sent))
 		for ; sent < g; sent++ {
 			buf = rs.chunk(buf, r, sent, done && sent == g-1)
 		}
@@ -210,6 +211,7 @@ func (rs *responder) whole(ctx context.Context, w http.ResponseWriter, r *reques
 		}
 	}
 	n := len(r.words)
+	rs.e.genToks.Add(uint64(n))
 	b := make([]byte, 0, 256+8*n)
 	b = rs.head(b, rs.object(false))
 	b = append(b, `[{"index":0,`...)
