@@ -1,12 +1,16 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"encoding/binary"
 	"io"
 	"net/http"
+	"os"
+	"os/exec"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -138,5 +142,53 @@ func TestFleetPublishesEvents(t *testing.T) {
 	// 40 tokens: two full blocks of 16 were stored, with their token ids.
 	if len(stored) != 32 || stored[0] != 2000 || stored[31] != 2031 {
 		t.Fatalf("stored tokens %v", stored)
+	}
+}
+
+// TestMain lets a test run the real main in a child process.
+func TestMain(m *testing.M) {
+	if os.Getenv("KVMOCK_RUN_MAIN") == "1" {
+		os.Args = append([]string{"kvmock"}, strings.Fields(os.Getenv("KVMOCK_ARGS"))...)
+		main()
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// The real process logs one line per engine and exits 0 on SIGTERM.
+func TestSignalExit(t *testing.T) {
+	for _, sig := range []os.Signal{syscall.SIGTERM, os.Interrupt} {
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), "KVMOCK_RUN_MAIN=1", "KVMOCK_ARGS=-n 2 -base-port 0")
+		stderr, err := cmd.StderrPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		sc := bufio.NewScanner(stderr)
+		var addrs []string
+		for len(addrs) < 2 && sc.Scan() {
+			line := sc.Text()
+			if i := strings.Index(line, "http://"); i >= 0 && strings.Contains(line, "engine mock-") {
+				addrs = append(addrs, strings.Fields(line[i:])[0])
+			}
+		}
+		if len(addrs) != 2 {
+			cmd.Process.Kill()
+			t.Fatalf("want one line per engine, got %v", addrs)
+		}
+		resp, err := http.Get(addrs[1] + "/health")
+		if err != nil || resp.StatusCode != 200 {
+			cmd.Process.Kill()
+			t.Fatal("engine 1 not serving", err)
+		}
+		resp.Body.Close()
+		cmd.Process.Signal(sig)
+		io.Copy(io.Discard, stderr)
+		if err := cmd.Wait(); err != nil {
+			t.Fatalf("%v: exit %v", sig, err)
+		}
 	}
 }
