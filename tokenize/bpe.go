@@ -27,18 +27,16 @@ func (b *bpe) rankOf(piece string, parts []bpePart, i, skip int) uint32 {
 
 // appendPiece appends the tokens of one pre-tokenized piece, merging the
 // lowest-ranked adjacent pair first (leftmost on ties), exactly as tiktoken's
-// byte_pair_merge. Pieces shorter than 128 bytes do not allocate.
+// byte_pair_merge. Pieces shorter than largePiece bytes do not allocate.
 func (b *bpe) appendPiece(dst []uint32, piece string) []uint32 {
 	if r, ok := b.ranks[piece]; ok {
 		return append(dst, r)
 	}
-	var stack [128]bpePart
-	var parts []bpePart
-	if len(piece)+1 <= len(stack) {
-		parts = stack[:len(piece)+1]
-	} else {
-		parts = make([]bpePart, len(piece)+1)
+	if len(piece) >= largePiece {
+		return b.appendLargePiece(dst, piece)
 	}
+	var stack [largePiece + 1]bpePart
+	parts := stack[:len(piece)+1]
 	for i := range parts {
 		parts[i] = bpePart{start: i, rank: noRank}
 	}

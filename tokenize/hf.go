@@ -359,12 +359,20 @@ func (t *hfTokenizer) appendWord(dst []uint32, w string) []uint32 {
 
 // merge appends the BPE tokens of w, merging from its bytes.
 func (t *hfTokenizer) merge(dst []uint32, w string) []uint32 {
-	var symStack [128]uint32
-	var rankStack [128]uint64
-	syms, ranks := symStack[:0], rankStack[:0]
-	if len(w) > len(symStack) {
-		syms, ranks = make([]uint32, 0, len(w)), make([]uint64, 0, len(w))
+	switch {
+	case len(w) == 0:
+		return dst
+	case len(w) >= largePiece:
+		return t.mergeLarge(dst, w)
 	}
+	var symStack [largePiece]uint32
+	var rankStack [largePiece]uint64
+	return t.mergeQuadratic(dst, w, symStack[:0], rankStack[:0])
+}
+
+// mergeQuadratic rescans every pair after each merge: fastest for short
+// words. syms and ranks are scratch space of capacity len(w).
+func (t *hfTokenizer) mergeQuadratic(dst []uint32, w string, syms []uint32, ranks []uint64) []uint32 {
 	for i := 0; i < len(w); i++ {
 		syms = append(syms, t.byteID[w[i]])
 	}

@@ -1,0 +1,76 @@
+package tokenize
+
+import (
+	"math/rand/v2"
+	"os"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+// longPieces returns long single pieces (and texts made of them) of the
+// kinds a hostile or unusual prompt holds.
+func longPieces() []string {
+	rng := rand.New(rand.NewPCG(1, 2))
+	randFrom := func(alphabet []rune, n int) string {
+		var b strings.Builder
+		for range n {
+			b.WriteRune(alphabet[rng.IntN(len(alphabet))])
+		}
+		return b.String()
+	}
+	return []string{
+		strings.Repeat("a", 300),
+		strings.Repeat("ab", 700),
+		randFrom([]rune("abcdefghij"), 2000),
+		randFrom([]rune("aeiourstln"), 1500),
+		randFrom([]rune("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"), 1000), // base64-like
+		randFrom([]rune("!@#$%^&*()_=+[]{};:,.<>?"), 1000),
+		randFrom([]rune("日本語中文한국어"), 500),
+		randFrom([]rune("éèêàâîôûç"), 600),
+		strings.Repeat(" ", 1000) + "x",
+		strings.Repeat("\u00a0", 300),
+	}
+}
+
+func TestLargePiecesMatchPkoukk(t *testing.T) {
+	for _, s := range longPieces() {
+		compareWithRef(t, s)
+	}
+}
+
+func TestLargePiecesHFMatchQuadratic(t *testing.T) {
+	paths := []string{tinyHF(t, nil)}
+	for _, m := range []string{"llama3", "qwen3"} { // real vocabularies, when installed
+		if _, err := os.Stat(refModelDir(m)); err == nil {
+			paths = append(paths, refModelDir(m))
+		}
+	}
+	for _, p := range paths {
+		tok, err := Load(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		h := tok.(*hfTokenizer)
+		for _, s := range append(longPieces(), strings.Repeat("hello", 100), strings.Repeat("hel", 333)+"lo") {
+			want := h.mergeQuadratic(nil, s, make([]uint32, 0, len(s)), make([]uint64, 0, len(s)))
+			if got := h.mergeLarge(nil, s); !slices.Equal(got, want) {
+				t.Fatalf("%s: %.40q...: heap merge differs from the quadratic merge", p, s)
+			}
+		}
+	}
+}
+
+func TestLongPieceIsNotQuadratic(t *testing.T) {
+	tok := mustGet(t, "cl100k_base")
+	s := strings.Repeat("ab", 50_000) // one 100 kB piece: minutes if quadratic
+	start := time.Now()
+	ids := tok.Encode(nil, s)
+	if d := time.Since(start); d > 10*time.Second {
+		t.Fatalf("100 kB piece took %v", d)
+	}
+	if len(ids) == 0 {
+		t.Fatal("no tokens")
+	}
+}
