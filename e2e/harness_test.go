@@ -93,6 +93,101 @@ func tail(s string, n int) string {
 }
 
 var listenRe = regexp.MustCompile(`listening on http://([0-9.:]+)`)
+var eventsRe = regexp.MustCompile(`kv events (tcp://[0-9.:]+) replay (tcp://[0-9.:]+)`)
+
+// engine is one simulated engine of a kvmock fleet.
+type engine struct {
+	addr, pub, replay string
+}
+
+// fleetWithEvents runs kvmock with KV events on and returns each engine's
+// HTTP, publisher and replay addresses, and the process.
+func fleetWithEvents(t *testing.T, n int, extra ...string) ([]engine, *proc) {
+	t.Helper()
+	args := append([]string{"-n", fmt.Sprint(n), "-kv-events"}, extra...)
+	if !strings.Contains(strings.Join(extra, " "), "-base-port") {
+		args = append(args, "-base-port", "0", "-kv-events-base-port", "0")
+	}
+	p := start(t, "kvmock", args...)
+	deadline := time.Now().Add(15 * time.Second)
+	for time.Now().Before(deadline) {
+		out := p.output()
+		if m := listenRe.FindAllStringSubmatch(out, -1); len(m) == n {
+			ev := eventsRe.FindAllStringSubmatch(out, -1)
+			if len(ev) != n {
+				t.Fatalf("kvmock did not report its event endpoints:\n%s", out)
+			}
+			es := make([]engine, n)
+			for i := range m {
+				es[i] = engine{addr: m[i][1], pub: ev[i][1], replay: ev[i][2]}
+			}
+			return es, p
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatalf("kvmock did not start %d engines:\n%s", n, p.output())
+	return nil, nil
+}
+
+// startProxyConfig writes body (everything but listen) as kvproxy's config,
+// starts it and waits until it is healthy. It returns the URL, the process
+// and the config path (rewrite it and send SIGHUP to reload).
+func startProxyConfig(t *testing.T, body string) (string, *proc, string) {
+	t.Helper()
+	listen := freePort(t)
+	path := filepath.Join(t.TempDir(), "kvproxy.yaml")
+	if err := os.WriteFile(path, []byte("listen: "+listen+"\n"+body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p := start(t, "kvproxy", "-config", path)
+	url := "http://" + listen
+	waitHealthy(t, url, p)
+	return url, p, path
+}
+
+func waitHealthy(t *testing.T, url string, p *proc) {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for time.Now().Before(deadline) {
+		if resp, err := http.Get(url + "/health"); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return
+			}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Fatalf("kvproxy did not become healthy:\n%s", p.output())
+}
+
+// rewriteConfig replaces kvproxy's config (keeping its listen line) and
+// sends SIGHUP.
+func rewriteConfig(t *testing.T, p *proc, path, body string) {
+	t.Helper()
+	old, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	listen := strings.SplitN(string(old), "\n", 2)[0]
+	if err := os.WriteFile(path, []byte(listen+"\n"+body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitFor polls cond until it holds or the deadline passes.
+func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
 
 // fleet runs kvmock with n engines on free ports and returns their addresses.
 func fleet(t *testing.T, n int, extra ...string) []string {
@@ -111,6 +206,27 @@ func fleet(t *testing.T, n int, extra ...string) []string {
 	}
 	t.Fatalf("kvmock did not start %d engines:\n%s", n, p.output())
 	return nil
+}
+
+// freePortPair finds a port p such that p and p+1 are both free (kvmock's
+// event publisher and replay socket).
+func freePortPair(t *testing.T) int {
+	t.Helper()
+	for i := 0; i < 50; i++ {
+		a, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := a.Addr().(*net.TCPAddr).Port
+		b, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p+1))
+		a.Close()
+		if err == nil {
+			b.Close()
+			return p
+		}
+	}
+	t.Fatal("no pair of free ports")
+	return 0
 }
 
 func freePort(t *testing.T) string {
@@ -140,22 +256,18 @@ func kvproxy(t *testing.T, engines []string, policy string) (string, *proc) {
 	p := start(t, "kvproxy", "-config", path)
 	listen := strings.TrimPrefix(strings.SplitN(b.String(), "\n", 2)[0], "listen: ")
 	url := "http://" + listen
-	deadline := time.Now().Add(15 * time.Second)
-	for time.Now().Before(deadline) {
-		if resp, err := http.Get(url + "/health"); err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == 200 {
-				return url, p
-			}
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	t.Fatalf("kvproxy did not become healthy:\n%s", p.output())
-	return "", nil
+	waitHealthy(t, url, p)
+	return url, p
 }
 
 type backendRow struct {
 	ID            string `json:"id"`
+	KVEvents      struct {
+		Mode    string           `json:"mode"`
+		Events  uint64           `json:"events_received"`
+		Clears  uint64           `json:"clears"`
+		PerTier map[string]int64 `json:"blocks_per_tier"`
+	} `json:"kv_events"`
 	Healthy       bool   `json:"healthy"`
 	Inflight      int64  `json:"inflight"`
 	PrefillTokens int64  `json:"prefill_tokens"`

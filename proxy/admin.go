@@ -2,11 +2,13 @@ package proxy
 
 import (
 	"sort"
+	"strconv"
 	"time"
 
 	"github.com/goccy/go-json"
 	"github.com/valyala/fasthttp"
 
+	"github.com/kvproxy/kvproxy/kv"
 	"github.com/kvproxy/kvproxy/router"
 )
 
@@ -132,4 +134,45 @@ func writeJSON(ctx *fasthttp.RequestCtx, v any) {
 	}
 	ctx.Response.Header.SetContentType("application/json")
 	ctx.SetBody(b)
+}
+
+type indexLookup struct {
+	Model  string   `json:"model"`
+	Hashes []uint64 `json:"hashes"`
+}
+
+// handleIndexLookup answers, for a list of block hashes, how many of them each
+// backend holds in the index (POST /admin/index/lookup). It lets operators
+// and tests compare the router's picture with an engine's real cache.
+func (s *Server) handleIndexLookup(ctx *fasthttp.RequestCtx, st *state) {
+	var q indexLookup
+	if err := json.Unmarshal(ctx.PostBody(), &q); err != nil {
+		badRequest(ctx, "", "want {\"model\": name, \"hashes\": [u64...]}: "+err.Error())
+		return
+	}
+	p := st.models[q.Model]
+	if p == nil && len(st.pools) == 1 && q.Model == "" {
+		p = st.pools[0]
+	}
+	if p == nil {
+		writeError(ctx, fasthttp.StatusNotFound, "unknown model "+strconv.Quote(q.Model), "invalid_request_error", "model", "model_not_found")
+		return
+	}
+	names := map[router.WorkerID]string{}
+	for _, w := range p.rt.Workers() {
+		if !w.Removed {
+			names[w.ID] = w.Name
+		}
+	}
+	held := map[string]int{}
+	var buf []router.Overlap
+	for _, h := range q.Hashes {
+		buf = p.rt.Index().Match([]kv.BlockHash{kv.BlockHash(h)}, buf[:0])
+		for _, o := range buf {
+			if n, ok := names[o.Worker]; ok {
+				held[n]++
+			}
+		}
+	}
+	writeJSON(ctx, map[string]any{"held": held})
 }

@@ -395,6 +395,12 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 			return
 		}
 		s.handleKVEvents(ctx, st)
+	case "/admin/index/lookup":
+		if !st.auth.isAdmin(ctx) {
+			unauthorized(ctx)
+			return
+		}
+		s.handleIndexLookup(ctx, st)
 	case "/admin/reload":
 		if !st.auth.isAdmin(ctx) {
 			unauthorized(ctx)
