@@ -261,18 +261,18 @@ func kvproxy(t *testing.T, engines []string, policy string) (string, *proc) {
 }
 
 type backendRow struct {
-	ID            string `json:"id"`
-	KVEvents      struct {
+	ID       string `json:"id"`
+	KVEvents struct {
 		Mode    string           `json:"mode"`
 		Events  uint64           `json:"events_received"`
 		Clears  uint64           `json:"clears"`
 		PerTier map[string]int64 `json:"blocks_per_tier"`
 	} `json:"kv_events"`
-	Healthy       bool   `json:"healthy"`
-	Inflight      int64  `json:"inflight"`
-	PrefillTokens int64  `json:"prefill_tokens"`
-	ActiveBlocks  int64  `json:"active_blocks"`
-	IndexedBlocks int64  `json:"indexed_blocks"`
+	Healthy       bool  `json:"healthy"`
+	Inflight      int64 `json:"inflight"`
+	PrefillTokens int64 `json:"prefill_tokens"`
+	ActiveBlocks  int64 `json:"active_blocks"`
+	IndexedBlocks int64 `json:"indexed_blocks"`
 }
 
 func adminBackends(t *testing.T, url string) []backendRow {
