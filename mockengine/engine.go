@@ -242,7 +242,8 @@ func (e *Engine) Start(addr string) (string, error) {
 }
 
 // Close stops serving (open connections are closed, which aborts their
-// requests) and stops the scheduler. It is safe to call more than once.
+// requests), waits for the handlers to return and stops the scheduler. It
+// is safe to call more than once.
 func (e *Engine) Close() error {
 	e.srvMu.Lock()
 	if e.closed {
@@ -256,6 +257,11 @@ func (e *Engine) Close() error {
 	for _, s := range srvs {
 		err = errors.Join(err, s.Close())
 	}
+	// Closed connections cancel their handlers' contexts; let them return
+	// (and apply their aborts) before the scheduler stops.
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	e.WaitIdle(ctx)
+	cancel()
 	close(e.done)
 	e.loopWG.Wait()
 	return err

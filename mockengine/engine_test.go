@@ -633,3 +633,46 @@ func TestResetPrefixCacheEndpoint(t *testing.T) {
 		t.Fatal("reset cache still hits")
 	}
 }
+
+// Close in the middle of streams ends them, leaves no handler behind and
+// frees every block.
+func TestCloseDuringStreams(t *testing.T) {
+	e, err := New(Config{Speedup: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr, err := e.Start("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 8
+	started := make(chan struct{}, n)
+	ended := make(chan struct{}, n)
+	for i := 0; i < n; i++ {
+		go func(i int) {
+			defer func() { ended <- struct{}{} }()
+			body := fmt.Sprintf(`{"prompt":"stream %d","max_tokens":100000,"ignore_eos":true,"stream":true}`, i)
+			resp, err := http.Post("http://"+addr+"/v1/completions", "application/json", strings.NewReader(body))
+			if err != nil {
+				started <- struct{}{}
+				return
+			}
+			defer resp.Body.Close()
+			started <- struct{}{}
+			io.Copy(io.Discard, resp.Body)
+		}(i)
+	}
+	for i := 0; i < n; i++ {
+		<-started
+	}
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < n; i++ {
+		<-ended
+	}
+	st := e.Stats()
+	if st.InFlight != 0 || st.Running != 0 || st.Waiting != 0 || st.KVUsage != 0 || st.Aborts != n {
+		t.Fatalf("after Close: %+v", st)
+	}
+}
