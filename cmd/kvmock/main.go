@@ -19,6 +19,7 @@ import (
 	"os"
 	"os/signal"
 	"strconv"
+	"strings"
 	"syscall"
 
 	"github.com/kvproxy/kvproxy/kv"
@@ -55,6 +56,7 @@ func run(ctx context.Context, args []string, ready func([]endpoints)) error {
 	hostBlocks := fs.Int("host-cache-blocks", 0, "host (CPU) tier capacity per engine, in blocks (0: off)")
 	blockSize := fs.Int("block-size", d.BlockSize, "tokens per KV block")
 	speedup := fs.Float64("speedup", d.Speedup, "time compression: a step of d takes d/speedup")
+	speeds := fs.String("speeds", "", "comma-separated relative speed per engine, e.g. 1,1,0.5,0.5 for a heterogeneous fleet (default all 1)")
 	seed := fs.Int64("seed", d.Seed, "seed of generated lengths and words")
 	maxSeqs := fs.Int("max-num-seqs", d.MaxNumSeqs, "running sequences per step at most")
 	maxBatched := fs.Int("max-num-batched-tokens", d.MaxNumBatchedTokens, "tokens per step at most (chunked prefill)")
@@ -72,6 +74,10 @@ func run(ctx context.Context, args []string, ready func([]endpoints)) error {
 	}
 	if *basePort < 0 || *basePort+*n-1 > 65535 {
 		return fmt.Errorf("-base-port %d leaves no room for %d engines", *basePort, *n)
+	}
+	speed, err := parseSpeeds(*speeds, *n)
+	if err != nil {
+		return err
 	}
 	var enc kv.VLLMEncoding
 	switch *eventsEnc {
@@ -102,7 +108,7 @@ func run(ctx context.Context, args []string, ready func([]endpoints)) error {
 			ID: "mock-" + strconv.Itoa(i), Model: *model,
 			BlockSize: *blockSize, CacheBlocks: *cacheBlocks, HostCacheBlocks: *hostBlocks,
 			MaxNumSeqs: *maxSeqs, MaxNumBatchedTokens: *maxBatched,
-			Speedup: *speedup, Seed: *seed,
+			Speedup: *speedup * speed[i], Seed: *seed,
 			Tokenizer: *tokenizer, Template: *template,
 		}
 		var pub *mockengine.Publisher
@@ -154,4 +160,27 @@ func run(ctx context.Context, args []string, ready func([]endpoints)) error {
 	<-ctx.Done()
 	log.Printf("kvmock: stopping %d engines", len(engines))
 	return nil
+}
+
+// parseSpeeds reads -speeds: one positive factor per engine.
+func parseSpeeds(list string, n int) ([]float64, error) {
+	speed := make([]float64, n)
+	for i := range speed {
+		speed[i] = 1
+	}
+	if list == "" {
+		return speed, nil
+	}
+	parts := strings.Split(list, ",")
+	if len(parts) != n {
+		return nil, fmt.Errorf("-speeds has %d values for %d engines", len(parts), n)
+	}
+	for i, p := range parts {
+		v, err := strconv.ParseFloat(strings.TrimSpace(p), 64)
+		if err != nil || v <= 0 {
+			return nil, fmt.Errorf("-speeds value %q: want a positive number", p)
+		}
+		speed[i] = v
+	}
+	return speed, nil
 }

@@ -66,6 +66,8 @@ func TestBadFlags(t *testing.T) {
 		{"-tokenizer", "nope", "-base-port", "0"},
 		{"-bogus"},
 		{"-kv-events-encoding", "xml", "-base-port", "0"},
+		{"-n", "2", "-speeds", "1", "-base-port", "0"},
+		{"-n", "2", "-speeds", "1,0", "-base-port", "0"},
 	} {
 		if err := run(context.Background(), args, nil); err == nil {
 			t.Fatalf("%v: want an error", args)
@@ -190,5 +192,15 @@ func TestSignalExit(t *testing.T) {
 		if err := cmd.Wait(); err != nil {
 			t.Fatalf("%v: exit %v", sig, err)
 		}
+	}
+}
+
+func TestParseSpeeds(t *testing.T) {
+	s, err := parseSpeeds("1, 0.5,2", 3)
+	if err != nil || s[0] != 1 || s[1] != 0.5 || s[2] != 2 {
+		t.Fatalf("%v %v", s, err)
+	}
+	if s, err := parseSpeeds("", 2); err != nil || s[0] != 1 || s[1] != 1 {
+		t.Fatalf("default speeds %v %v", s, err)
 	}
 }
