@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/valyala/fasthttp"
 	"github.com/valyala/fasthttp/fasthttpadaptor"
@@ -34,6 +35,9 @@ func newMetrics(reg *prometheus.Registry, s *Server) *metrics {
 		}),
 	}
 	reg.MustRegister(m.requests, m.ttft, m.hitRatio, m.route, &loadCollector{s: s})
+	// Goroutines, heap and RSS: what a soak test and an operator watch for leaks.
+	reg.Register(collectors.NewGoCollector())
+	reg.Register(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.handler = fasthttpadaptor.NewFastHTTPHandler(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	return m
 }
