@@ -314,10 +314,12 @@ func (e *Engine) serveMetrics(w http.ResponseWriter, _ *http.Request) {
 }
 
 // DebugCache is the /debug/cache answer: every block findable in the
-// engine's prefix cache. Hash is in the router's scheme,
-// kv.HashBlocks(tokens, BlockSize, 0) chained from the start of the
-// sequence, with no namespace even when the request had a cache_salt;
-// EngineHash is what the engine's events carry.
+// engine's prefix cache, device tier first (medium GPU), then host (CPU).
+// Hash is in the router's scheme, kv.HashBlocks(tokens, BlockSize, 0)
+// chained from the start of the sequence, with no namespace even when the
+// request had a cache_salt; EngineHash and Parent are what the engine's
+// events carry. With ?tokens=1 each block also lists its token ids, so a
+// consumer can rehash under another namespace.
 type DebugCache struct {
 	ID        string       `json:"id"`
 	Model     string       `json:"model"`
@@ -327,16 +329,35 @@ type DebugCache struct {
 
 // DebugBlock is one resident block.
 type DebugBlock struct {
-	Hash       uint64 `json:"hash"`
-	EngineHash uint64 `json:"engine_hash"`
-	Medium     string `json:"medium"`
+	Hash       uint64   `json:"hash"`
+	EngineHash uint64   `json:"engine_hash"`
+	Parent     *uint64  `json:"parent,omitempty"` // absent for a sequence's first block
+	Medium     string   `json:"medium"`
+	Tokens     []uint32 `json:"tokens,omitempty"`
 }
 
-func (e *Engine) serveDebugCache(w http.ResponseWriter, _ *http.Request) {
-	res := e.appendResident(nil)
-	out := DebugCache{ID: e.cfg.ID, Model: e.cfg.Model, BlockSize: e.cfg.BlockSize, Blocks: make([]DebugBlock, len(res))}
-	for i, r := range res {
-		out.Blocks[i] = DebugBlock{Hash: uint64(r.Hash), EngineHash: uint64(r.EngineHash), Medium: kv.MediumOf(r.Tier)}
+func (e *Engine) serveDebugCache(w http.ResponseWriter, r *http.Request) {
+	withTokens := r.URL.Query().Get("tokens") == "1"
+	e.mu.Lock()
+	res := e.model.AppendResident(nil)
+	var toks []uint32
+	if withTokens {
+		toks = e.model.AppendResidentTokens(nil)
+	}
+	e.mu.Unlock()
+	bs := e.cfg.BlockSize
+	out := DebugCache{ID: e.cfg.ID, Model: e.cfg.Model, BlockSize: bs, Blocks: make([]DebugBlock, len(res))}
+	parents := make([]uint64, len(res))
+	for i, rb := range res {
+		b := DebugBlock{Hash: uint64(rb.Hash), EngineHash: uint64(rb.EngineHash), Medium: kv.MediumOf(rb.Tier)}
+		if rb.HasParent {
+			parents[i] = uint64(rb.Parent)
+			b.Parent = &parents[i]
+		}
+		if withTokens {
+			b.Tokens = toks[i*bs : (i+1)*bs]
+		}
+		out.Blocks[i] = b
 	}
 	b, _ := json.Marshal(&out)
 	w.Header().Set("Content-Type", "application/json")

@@ -447,6 +447,7 @@ func (e *Engine) publishEvents() {
 	}
 }
 
+
 // appendResident lists the cached blocks under the engine lock.
 func (e *Engine) appendResident(dst []ResidentBlock) []ResidentBlock {
 	e.mu.Lock()

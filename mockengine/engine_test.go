@@ -528,8 +528,24 @@ func TestModelsHealthDebugCache(t *testing.T) {
 		t.Fatalf("debug cache %+v", dc)
 	}
 	for i, h := range want {
-		if dc.Blocks[i].Hash != uint64(h) || dc.Blocks[i].Medium != "GPU" {
+		if dc.Blocks[i].Hash != uint64(h) || dc.Blocks[i].Medium != "GPU" || dc.Blocks[i].Tokens != nil {
 			t.Fatalf("block %d: %+v, want hash %d", i, dc.Blocks[i], h)
+		}
+		if (i == 0) != (dc.Blocks[i].Parent == nil) || (i > 0 && *dc.Blocks[i].Parent != dc.Blocks[i-1].EngineHash) {
+			t.Fatalf("block %d: parent %v", i, dc.Blocks[i].Parent)
+		}
+	}
+	resp, err = http.Get(url + "/debug/cache?tokens=1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dc = DebugCache{}
+	json.NewDecoder(resp.Body).Decode(&dc)
+	resp.Body.Close()
+	for i := range want {
+		tk := dc.Blocks[i].Tokens
+		if len(tk) != 16 || tk[0] != ids[i*16] || tk[15] != ids[i*16+15] {
+			t.Fatalf("block %d tokens %v", i, tk)
 		}
 	}
 	resp, _ = http.Get(url + "/nope")

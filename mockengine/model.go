@@ -585,7 +585,10 @@ type ResidentBlock struct {
 	Hash kv.BlockHash
 	// EngineHash is the engine's own (opaque) hash, as events carry it.
 	EngineHash kv.BlockHash
-	Tier       kv.Tier
+	// Parent is the EngineHash of the block before, if HasParent.
+	Parent    kv.BlockHash
+	HasParent bool
+	Tier      kv.Tier
 }
 
 // AppendResident appends every cached block: the device tier, then the host
@@ -594,12 +597,28 @@ func (m *Model) AppendResident(dst []ResidentBlock) []ResidentBlock {
 	for i := range m.cache.blocks {
 		bl := &m.cache.blocks[i]
 		if bl.cached {
-			dst = append(dst, ResidentBlock{Hash: bl.rhash, EngineHash: bl.hash, Tier: kv.TierDevice})
+			dst = append(dst, ResidentBlock{Hash: bl.rhash, EngineHash: bl.hash, Parent: bl.parent, HasParent: bl.hasParent, Tier: kv.TierDevice})
 		}
 	}
 	if m.host != nil {
 		for _, e := range m.host.entries[:m.host.n] {
-			dst = append(dst, ResidentBlock{Hash: e.rhash, EngineHash: e.hash, Tier: kv.TierHost})
+			dst = append(dst, ResidentBlock{Hash: e.rhash, EngineHash: e.hash, Parent: e.parent, HasParent: e.hasParent, Tier: kv.TierHost})
+		}
+	}
+	return dst
+}
+
+// AppendResidentTokens appends the token ids of every cached block,
+// BlockSize per block, in AppendResident's order.
+func (m *Model) AppendResidentTokens(dst []uint32) []uint32 {
+	for i := range m.cache.blocks {
+		if m.cache.blocks[i].cached {
+			dst = append(dst, m.devBlockTokens(int32(i))...)
+		}
+	}
+	if m.host != nil {
+		for i := 0; i < m.host.n; i++ {
+			dst = append(dst, m.host.blockTokens(int32(i))...)
 		}
 	}
 	return dst
