@@ -447,7 +447,6 @@ func (e *Engine) publishEvents() {
 	}
 }
 
-
 // appendResident lists the cached blocks under the engine lock.
 func (e *Engine) appendResident(dst []ResidentBlock) []ResidentBlock {
 	e.mu.Lock()
