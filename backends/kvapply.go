@@ -32,6 +32,10 @@ type KVApplierConfig struct {
 	// Shared marks a pool-wide cache layer: its blocks are indexed in tier
 	// shared whatever medium the events name.
 	Shared bool
+	// Namespace seeds block 0 of a stored sequence from its LoRA name and
+	// cache salt; it must agree with how the proxy hashes requests. nil means
+	// kv.NewNamespace(salt, lora) (either alone: kv.NewNamespace of it).
+	Namespace func(lora, salt string) kv.Namespace
 }
 
 // MaxDPRank bounds the data-parallel ranks of one backend; batches from a
@@ -54,8 +58,8 @@ type KVApplyStats struct {
 
 // KVApplier applies one backend's KV events to the router index. The router
 // never trusts engine hashes: it recomputes its own block hashes from the
-// events' token ids (kv.ContinueHashes, block 0 seeded by kv.NewNamespace of
-// the LoRA name) and keeps, per worker, engine hash → own hash, so later
+// events' token ids (kv.ContinueHashes, block 0 seeded by Config.Namespace
+// of the LoRA name and cache salt) and keeps, per worker, engine hash → own hash, so later
 // BlockRemoved events and child blocks (which name their parent by engine
 // hash) find them again.
 //
@@ -65,8 +69,8 @@ type KVApplyStats struct {
 // events are dropped and counted (OrphanBlocks); the index is never given a
 // hash it cannot vouch for.
 //
-// Two engine blocks that differ only in what the router does not hash (e.g. a
-// cache_salt in vLLM's extra_keys) share one own hash; removing either
+// Two engine blocks that differ only in what the router does not hash (e.g.
+// multimodal keys in vLLM's extra_keys) share one own hash; removing either
 // removes the index entry. That under-reports, never over-reports.
 //
 // Safe for concurrent use (the ZMQ feed and HTTP pushes may both deliver).
@@ -84,6 +88,8 @@ type KVApplier struct {
 	one    []kv.BlockHash
 	stats  KVApplyStats
 	lora   string
+	salt   string
+	nsSet  bool
 	loraNS kv.Namespace
 }
 
@@ -120,13 +126,16 @@ type partialBlock struct {
 	tokens    []uint32
 }
 
-var _ EventSink = (*KVApplier)(nil)
+var _ SaltedSink = (*KVApplier)(nil)
 
 // NewKVApplier returns the applier of one backend. The worker of rank 0 is
 // registered at once and put in event mode; other ranks when first seen.
 func NewKVApplier(cfg KVApplierConfig, workers Workers) *KVApplier {
 	if cfg.BlockSize <= 0 {
 		cfg.BlockSize = kv.DefaultBlockSize
+	}
+	if cfg.Namespace == nil {
+		cfg.Namespace = func(lora, salt string) kv.Namespace { return kv.NewNamespace(salt, lora) }
 	}
 	a := &KVApplier{cfg: cfg, workers: workers, idx: workers.Index()}
 	a.rank(0)
@@ -184,8 +193,18 @@ func (a *KVApplier) rank(r int) *rankKV {
 	return a.ranks[r]
 }
 
-// ApplyEvents applies the events of one batch of rank dpRank, in order.
+// ApplyEvents applies the events of one batch of rank dpRank, in order,
+// with no cache salts.
 func (a *KVApplier) ApplyEvents(dpRank int, events []kv.Event) {
+	a.ApplySalted(dpRank, events, nil)
+}
+
+// ApplySalted is ApplyEvents where salt(i), if salt is not nil, is the cache
+// salt the engine hashed into event i (vLLM: a BlockStored that starts a
+// sequence, see kv.VLLMDecoder.CacheSalt; HTTP: the pushing tenant's). Block 0
+// of a sequence is then seeded with Namespace(lora name, salt), so tenant-
+// salted blocks match the tenant's requests. Implements SaltedSink.
+func (a *KVApplier) ApplySalted(dpRank int, events []kv.Event, salt func(i int) string) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.closed {
@@ -200,7 +219,11 @@ func (a *KVApplier) ApplyEvents(dpRank int, events []kv.Event) {
 		ev := &events[i]
 		switch ev.Kind {
 		case kv.BlockStored:
-			a.stored(r, ev)
+			cs := ""
+			if salt != nil && !ev.HasParent {
+				cs = salt(i)
+			}
+			a.stored(r, ev, cs)
 		case kv.BlockRemoved:
 			a.removed(r, ev)
 		case kv.AllBlocksCleared:
@@ -261,9 +284,12 @@ func (a *KVApplier) tier(t kv.Tier) kv.Tier {
 	return t
 }
 
-func (a *KVApplier) namespace(lora string) kv.Namespace {
-	if lora != a.lora {
-		a.lora, a.loraNS = lora, kv.NewNamespace(lora)
+// namespace is Config.Namespace(lora, salt), remembered for the last pair
+// (they repeat from event to event).
+func (a *KVApplier) namespace(lora, salt string) kv.Namespace {
+	if lora != a.lora || salt != a.salt || !a.nsSet {
+		a.lora, a.salt, a.nsSet = lora, salt, true
+		a.loraNS = a.cfg.Namespace(lora, salt)
 	}
 	return a.loraNS
 }
@@ -273,7 +299,7 @@ func (a *KVApplier) namespace(lora string) kv.Namespace {
 // pages) are gathered along their parent chain until they fill a router
 // block, whose hash is then indexed; a chain that does not land exactly on
 // router block boundaries is dropped (BlockSizeMismatch).
-func (a *KVApplier) stored(r *rankKV, ev *kv.Event) {
+func (a *KVApplier) stored(r *rankKV, ev *kv.Event, salt string) {
 	n := len(ev.EngineHashes)
 	if n == 0 {
 		return
@@ -292,7 +318,7 @@ func (a *KVApplier) stored(r *rankKV, ev *kv.Event) {
 		}
 		prev = p
 	}
-	ns := a.namespace(ev.LoRAName)
+	ns := a.namespace(ev.LoRAName, salt)
 	t := a.tier(ev.Tier)
 	a.own = a.own[:0]
 	if ev.BlockSize == bs && (!ev.HasParent || int(prev.fill) == bs) {

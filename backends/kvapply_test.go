@@ -549,3 +549,20 @@ func BenchmarkKVApplyPages1(b *testing.B) {
 	b.ReportMetric(float64(b.N)*128/b.Elapsed().Seconds(), "blockevents/s")
 	b.ReportMetric(float64(b.N)*128/(cpuTime()-cpu0).Seconds(), "blockevents/cpu-s")
 }
+
+// A tenant's cache salt seeds block 0 of its sequences, as the proxy seeds
+// the tenant's requests (kv.NewNamespace(salt)); children follow by chaining.
+func TestKVApplySaltedNamespace(t *testing.T) {
+	r := newRouter(t)
+	a := NewKVApplier(KVApplierConfig{Backend: "b"}, r)
+	toks := tokens(48, 5)
+	salt := func(int) string { return "tenant-salt" }
+	a.ApplySalted(0, []kv.Event{stored([]uint64{1, 2}, nil, toks[:32], kv.TierDevice)}, salt)
+	a.ApplySalted(0, []kv.Event{stored([]uint64{3}, ptr(2), toks[32:], kv.TierDevice)}, salt)
+	if d, _ := depth(t, r, "b", toks, kv.NewNamespace("tenant-salt")); d != 3 {
+		t.Fatalf("salted depth %d", d)
+	}
+	if d, _ := depth(t, r, "b", toks, 0); d != 0 {
+		t.Fatalf("unsalted requests must not match a tenant's blocks, depth %d", d)
+	}
+}

@@ -31,6 +31,14 @@ type EventSink interface {
 	ClearRanks(ranks []int)
 }
 
+// SaltedSink is an EventSink that also takes each event's cache salt
+// (salt(i) for events[i], valid during the call), which vLLM reports in
+// extra_keys: the subscriber uses ApplySalted when its sink has it.
+type SaltedSink interface {
+	EventSink
+	ApplySalted(dpRank int, events []kv.Event, salt func(i int) string)
+}
+
 // ZMQConfig configures one backend's vLLM/SGLang ZMQ event feed.
 // Zero durations take the defaults noted.
 type ZMQConfig struct {
@@ -106,6 +114,7 @@ type ZMQSubscriber struct {
 	subHave    bool   // a live message has been seen in this engine incarnation
 	subLast    uint64 // last seq seen on the live stream
 	ranks      []int  // data-parallel ranks seen on this feed
+	saltOf     func(int) string
 
 	connected                          atomic.Bool
 	batches, events, replays, replayed atomic.Uint64
@@ -120,6 +129,7 @@ type ZMQSubscriber struct {
 // NewZMQSubscriber returns a subscriber feeding sink. Call Run to start it.
 func NewZMQSubscriber(cfg ZMQConfig, sink EventSink) *ZMQSubscriber {
 	s := &ZMQSubscriber{cfg: cfg.withDefaults(), sink: sink}
+	s.saltOf = s.dec.CacheSalt
 	s.lastSeq.Store(-1)
 	return s
 }
@@ -296,7 +306,11 @@ func (s *ZMQSubscriber) deliver(seq uint64, payload []byte) bool {
 		s.ranks = append(s.ranks, rank)
 	}
 	s.unknownMedia.Store(s.dec.UnknownMedia)
-	s.sink.ApplyEvents(rank, events)
+	if ss, ok := s.sink.(SaltedSink); ok {
+		ss.ApplySalted(rank, events, s.saltOf)
+	} else {
+		s.sink.ApplyEvents(rank, events)
+	}
 	s.have, s.applied, s.appliedSum = true, seq, xxh3.Hash(payload)
 	s.batches.Add(1)
 	s.events.Add(uint64(len(events)))

@@ -1,6 +1,7 @@
 package backends
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"sync"
@@ -8,6 +9,7 @@ import (
 	"time"
 
 	"github.com/go-zeromq/zmq4"
+	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/kvproxy/kvproxy/kv"
 )
@@ -477,5 +479,44 @@ func TestZMQSubscriberReconnectWithoutReplayClears(t *testing.T) {
 	}
 	if st := f.sub.Stats(); st.Clears != 1 {
 		t.Fatalf("stats %+v", st)
+	}
+}
+
+// vLLM reports a request's cache_salt in extra_keys of its first block; the
+// subscriber hands it to a SaltedSink, so the blocks land in the tenant's
+// namespace.
+func TestZMQSubscriberCacheSalt(t *testing.T) {
+	eng := newTestEngine(t, 100)
+	r := newRouter(t)
+	a := NewKVApplier(KVApplierConfig{Backend: "s"}, r)
+	f := startSubSink(t, eng, ZMQConfig{ReplayEndpoint: eng.replayAddr()}, a)
+	f.warmUp()
+	toks := tokens(16, 40)
+	var buf bytes.Buffer
+	enc := msgpack.NewEncoder(&buf)
+	must := func(err error) {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(enc.EncodeArrayLen(3))
+	must(enc.EncodeFloat64(1))
+	must(enc.EncodeArrayLen(1))
+	must(enc.EncodeArrayLen(9))
+	must(enc.EncodeString("BlockStored"))
+	must(enc.Encode([]uint64{77}))
+	must(enc.EncodeNil())
+	must(enc.Encode(toks))
+	must(enc.EncodeInt(16))
+	must(enc.EncodeNil())
+	must(enc.EncodeString("GPU"))
+	must(enc.EncodeNil())
+	must(enc.Encode([][]string{{"salt-of-acme"}}))
+	must(enc.EncodeInt(0))
+	eng.publishRaw(buf.Bytes())
+	last := int64(eng.next - 1)
+	f.wait("salted batch", func(s ZMQStats) bool { return s.LastSeq == last })
+	if d, _ := depth(t, r, "s", toks, kv.NewNamespace("salt-of-acme")); d != 1 {
+		t.Fatalf("salted depth %d (stats %+v)", d, f.sub.Stats())
 	}
 }

@@ -66,6 +66,7 @@ type VLLMDecoder struct {
 	hashes  []uint64
 	tokens  []uint32
 	names   map[string]string
+	salts   []string // cache salt per event ("" if none)
 
 	// UnknownMedia counts events whose medium was not recognised; they
 	// were given TierDisk.
@@ -96,6 +97,7 @@ func (d *VLLMDecoder) Decode(payload []byte) (ts float64, events []Event, dpRank
 		d.dec.ResetReader(&d.rd)
 	}
 	d.events = d.events[:0]
+	d.salts = d.salts[:0]
 	d.spans = d.spans[:0]
 	d.hashes = d.hashes[:0]
 	d.tokens = d.tokens[:0]
@@ -238,6 +240,8 @@ type pending struct {
 	sawHashes  bool
 	sawBlockSz bool
 	groupIdx   int64
+	extra      [4]string // string elements of extra_keys[0]
+	nExtra     int
 }
 
 func (d *VLLMDecoder) event() error {
@@ -312,13 +316,14 @@ const (
 	fMedium
 	fLoraName
 	fGroupIdx
+	fExtraKeys
 )
 
-var fieldNames = [...]string{"unknown field", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "group_idx"}
+var fieldNames = [...]string{"unknown field", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "group_idx", "extra_keys"}
 
 // Positional field order of the array encoding, after the tag.
 var (
-	storedOrder  = [...]fieldID{fBlockHashes, fParent, fTokenIDs, fBlockSize, fLoraID, fMedium, fLoraName, fUnknown /* extra_keys */, fGroupIdx}
+	storedOrder  = [...]fieldID{fBlockHashes, fParent, fTokenIDs, fBlockSize, fLoraID, fMedium, fLoraName, fExtraKeys, fGroupIdx}
 	removedOrder = [...]fieldID{fBlockHashes, fMedium, fGroupIdx}
 )
 
@@ -340,6 +345,8 @@ func fieldOf(key []byte) fieldID {
 		return fLoraName
 	case "group_idx":
 		return fGroupIdx
+	case "extra_keys":
+		return fExtraKeys
 	}
 	return fUnknown
 }
@@ -417,6 +424,8 @@ func (d *VLLMDecoder) field(p *pending, f fieldID) error {
 		}
 	case fMedium:
 		p.medium, err = d.optStr()
+	case fExtraKeys:
+		err = d.extraKeys(p)
 	case fGroupIdx:
 		p.groupIdx, err = d.dec.DecodeInt64() // nil decodes as 0
 	case fLoraName:
@@ -432,6 +441,7 @@ func (d *VLLMDecoder) field(p *pending, f fieldID) error {
 
 func (d *VLLMDecoder) finish(p *pending) error {
 	ev := Event{Kind: p.kind}
+	salt := ""
 	sp := span{h0: p.sp.h0, h1: p.sp.h0, t0: p.sp.t0, t1: p.sp.t0}
 	switch p.kind {
 	case BlockStored:
@@ -447,6 +457,9 @@ func (d *VLLMDecoder) finish(p *pending) error {
 		}
 		ev.BlockSize = int(p.blockSize)
 		ev.HasParent, ev.EngineParent = p.hasParent, p.parent
+		if !p.hasParent {
+			salt = p.cacheSalt()
+		}
 		ev.LoRAName = p.loraName
 		if ev.LoRAName == "" && p.hasLoraID {
 			d.scratch = strconv.AppendInt(append(d.scratch[:0], "lora_id:"...), p.loraID, 10)
@@ -473,8 +486,79 @@ func (d *VLLMDecoder) finish(p *pending) error {
 	d.hashes = d.hashes[:sp.h1]
 	d.tokens = d.tokens[:sp.t1]
 	d.events = append(d.events, ev)
+	d.salts = append(d.salts, salt)
 	d.spans = append(d.spans, sp)
 	return nil
+}
+
+// extraKeys reads extra_keys (one entry per block, each nil or a tuple) and
+// keeps the string elements of the first block's tuple: vLLM builds it as
+// lora_name?, multimodal keys (tuples), cache_salt?, prompt-embedding keys.
+func (d *VLLMDecoder) extraKeys(p *pending) error {
+	n, err := d.dec.DecodeArrayLen()
+	if err != nil || n <= 0 {
+		return err // nil (n == -1) or empty
+	}
+	if err := d.checkLen(n, 1); err != nil {
+		return err
+	}
+	for i := 0; i < n; i++ {
+		if i > 0 {
+			if err := d.dec.Skip(); err != nil {
+				return err
+			}
+			continue
+		}
+		m, err := d.dec.DecodeArrayLen()
+		if err != nil {
+			return err
+		}
+		if m <= 0 { // nil: no extra keys for block 0
+			continue
+		}
+		if err := d.checkLen(m, 1); err != nil {
+			return err
+		}
+		for j := 0; j < m; j++ {
+			c, err := d.dec.PeekCode()
+			if err != nil {
+				return err
+			}
+			if !msgpcode.IsString(c) || p.nExtra == len(p.extra) {
+				if err := d.dec.Skip(); err != nil {
+					return err
+				}
+				continue
+			}
+			if p.extra[p.nExtra], err = d.optStr(); err != nil {
+				return err
+			}
+			p.nExtra++
+		}
+	}
+	return nil
+}
+
+// cacheSalt picks the cache_salt out of the first block's extra keys: the
+// first string that is not the LoRA name leading the tuple.
+func (p *pending) cacheSalt() string {
+	ks := p.extra[:p.nExtra]
+	if len(ks) > 0 && p.loraName != "" && ks[0] == p.loraName {
+		ks = ks[1:]
+	}
+	if len(ks) == 0 {
+		return ""
+	}
+	return ks[0]
+}
+
+// CacheSalt is the cache_salt vLLM hashed into event i of the last Decode
+// (a BlockStored starting a sequence, from its extra_keys), or "".
+func (d *VLLMDecoder) CacheSalt(i int) string {
+	if i < 0 || i >= len(d.salts) {
+		return ""
+	}
+	return d.salts[i]
 }
 
 func (d *VLLMDecoder) hashList() error {

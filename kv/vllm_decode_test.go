@@ -372,3 +372,37 @@ func TestDecodeVLLMUnknownMedium(t *testing.T) {
 		t.Fatalf("%+v %v unknown=%d", evs, err, d.UnknownMedia)
 	}
 }
+
+// vLLM hashes a request's cache_salt into the first block only, via
+// extra_keys[0] = (lora_name?, multimodal keys..., cache_salt?, ...).
+func TestDecodeVLLMCacheSalt(t *testing.T) {
+	f := newFixture(t)
+	f.arr(3).fl(1).arr(5)
+	// salt only
+	f.arr(9).str("BlockStored").ints(1, 2).nil_().ints(toks(4, 0)...).i(2).nil_().str("GPU").nil_().arr(2).arr(1).str("tenant-salt").nil_()
+	// LoRA, an image, a salt
+	f.arr(9).str("BlockStored").ints(3).nil_().ints(toks(2, 0)...).i(2).nil_().str("GPU").str("ad").
+		arr(1).arr(3).str("ad").arr(2).str("img-1").i(0).str("salt-b")
+	// LoRA only
+	f.arr(9).str("BlockStored").ints(4).nil_().ints(toks(2, 0)...).i(2).nil_().str("GPU").str("ad").arr(1).arr(1).str("ad")
+	// not the first block of a sequence: no salt
+	f.arr(9).str("BlockStored").ints(5).i(4).ints(toks(2, 0)...).i(2).nil_().str("GPU").nil_().arr(1).arr(1).str("x")
+	// map form, extra_keys before lora_name
+	f.mp(7).str("type").str("BlockStored").str("block_hashes").ints(6).str("parent_block_hash").nil_().
+		str("token_ids").ints(toks(2, 0)...).str("block_size").i(2).str("extra_keys").arr(1).arr(2).str("ad").str("salt-m").str("lora_name").str("ad")
+	f.i(0)
+	var d VLLMDecoder
+	_, evs, _, err := d.Decode(f.bytes())
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"tenant-salt", "salt-b", "", "", "salt-m"}
+	for i, w := range want {
+		if got := d.CacheSalt(i); got != w {
+			t.Errorf("event %d (%+v): salt %q, want %q", i, evs[i], got, w)
+		}
+	}
+	if d.CacheSalt(-1) != "" || d.CacheSalt(99) != "" {
+		t.Error("out of range must be empty")
+	}
+}
