@@ -83,6 +83,17 @@ func (f *KVFeed) Push(b kv.HTTPBatch) {
 	f.applier.ApplyEvents(b.DPRank, b.Events)
 }
 
+// PushSalted is Push for a batch whose sequences were cached under a cache
+// salt (the salt the proxy gives b.Tenant): stored sequences are seeded in
+// that tenant's namespace.
+func (f *KVFeed) PushSalted(b kv.HTTPBatch, salt string) {
+	if salt == "" {
+		f.Push(b)
+		return
+	}
+	f.applier.ApplySalted(b.DPRank, b.Events, func(int) string { return salt })
+}
+
 // Stats snapshots the feed's counters.
 func (f *KVFeed) Stats() KVFeedStats {
 	s := KVFeedStats{Mode: f.cfg.Mode, Apply: f.applier.Stats()}

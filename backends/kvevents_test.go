@@ -33,6 +33,11 @@ func TestKVFeedHTTPPush(t *testing.T) {
 	if s := f.Stats(); s.Mode != FeedHTTP || s.ZMQ != nil || s.Apply.StoredBlocks != 2 || s.Apply.Blocks[kv.TierShared] != 2 {
 		t.Fatalf("stats %+v", s)
 	}
+	// The same blocks pushed for a salted tenant land in its namespace.
+	f.PushSalted(b, "acme-salt")
+	if d, _ := depth(t, r, "lmcache#1", toks, kv.NewNamespace("acme-salt")); d != 2 {
+		t.Fatalf("salted push depth %d", d)
+	}
 	f.Close()
 	if r.Index().Len() != 0 {
 		t.Fatalf("a closed feed left %d entries", r.Index().Len())
