@@ -185,6 +185,9 @@ func TestChatStreaming(t *testing.T) {
 			if c.Object != "chat.completion.chunk" || c.Usage != nil || len(c.Choices) != 1 || c.Choices[0].Delta == nil {
 				t.Fatalf("chunk %d: %s", i, d)
 			}
+			if includeUsage != strings.Contains(d, `"usage":null`) {
+				t.Fatalf("chunk %d: usage null exactly when include_usage: %s", i, d)
+			}
 			ch := c.Choices[0]
 			if len(strings.Fields(*ch.Delta.Content)) != 1 {
 				t.Fatalf("chunk %d must carry one word: %s", i, d)

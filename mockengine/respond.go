@@ -122,8 +122,9 @@ func (rs *responder) object(chunk bool) string {
 	return "text_completion"
 }
 
-// chunk appends the SSE event of output token j.
-func (rs *responder) chunk(b []byte, r *request, j int, last bool) []byte {
+// chunk appends the SSE event of output token j. With include_usage every
+// token chunk carries "usage":null, as OpenAI documents.
+func (rs *responder) chunk(b []byte, r *request, j int, last, includeUsage bool) []byte {
 	b = append(b, "data: "...)
 	b = rs.head(b, rs.object(true))
 	b = append(b, `[{"index":0,`...)
@@ -148,6 +149,9 @@ func (rs *responder) chunk(b []byte, r *request, j int, last bool) []byte {
 		b = append(b, '"')
 	} else {
 		b = append(b, "null"...)
+	}
+	if includeUsage {
+		return append(b, "}],\"usage\":null}\n\n"...)
 	}
 	return append(b, "}]}\n\n"...)
 }
@@ -176,7 +180,7 @@ func (rs *responder) stream(ctx context.Context, w http.ResponseWriter, r *reque
 		buf = buf[:0]
 		rs.e.genToks.Add(uint64(g - sent))
 		for ; sent < g; sent++ {
-			buf = rs.chunk(buf, r, sent, done && sent == g-1)
+			buf = rs.chunk(buf, r, sent, done && sent == g-1, includeUsage)
 		}
 		if done {
 			if includeUsage {
