@@ -321,16 +321,19 @@ func (a *KVApplier) stored(r *rankKV, ev *kv.Event, salt string) {
 	ns := a.namespace(ev.LoRAName, salt)
 	t := a.tier(ev.Tier)
 	a.own = a.own[:0]
+	applied := n
 	if ev.BlockSize == bs && (!ev.HasParent || int(prev.fill) == bs) {
 		a.own = kv.ContinueHashes(a.own, prev.own, !ev.HasParent, ev.Tokens, bs, ns)
 		for i, eh := range ev.EngineHashes {
 			a.put(r, eh, ownBlock{own: a.own[i], fill: uint32(bs)}, t, nil)
 		}
-	} else if !a.storedSmall(r, ev, prev, ns, t) {
-		return
+	} else {
+		applied = a.storedSmall(r, ev, prev, ns, t)
 	}
-	a.idx.Store(r.id, a.own, t, 0)
-	a.stats.StoredBlocks += uint64(n)
+	if len(a.own) > 0 {
+		a.idx.Store(r.id, a.own, t, 0)
+	}
+	a.stats.StoredBlocks += uint64(applied)
 	if len(a.stale) > 0 {
 		// Keep an old own hash that a block of this event now ends.
 		a.stale = slices.DeleteFunc(a.stale, func(h kv.BlockHash) bool {
@@ -347,10 +350,10 @@ func (a *KVApplier) stored(r *rankKV, ev *kv.Event, salt string) {
 }
 
 // storedSmall applies engine blocks smaller than the router's, one at a
-// time, appending the router blocks they complete to a.own. It returns false
-// (and counts) when the chain is misaligned or a partial ancestor is gone;
-// blocks before that point stay applied.
-func (a *KVApplier) storedSmall(r *rankKV, ev *kv.Event, prev ownBlock, ns kv.Namespace, t kv.Tier) bool {
+// time, appending the router blocks they complete to a.own, and returns how
+// many it applied. It stops (and counts the rest) where the chain leaves the
+// router's block grid or a partial ancestor is gone.
+func (a *KVApplier) storedSmall(r *rankKV, ev *kv.Event, prev ownBlock, ns kv.Namespace, t kv.Tier) int {
 	bs, e := a.cfg.BlockSize, ev.BlockSize
 	hasPrev, prevHash := ev.HasParent, ev.EngineParent
 	for i, eh := range ev.EngineHashes {
@@ -367,14 +370,14 @@ func (a *KVApplier) storedSmall(r *rankKV, ev *kv.Event, prev ownBlock, ns kv.Na
 		}
 		if int(rec.fill) > bs {
 			a.stats.BlockSizeMismatch += uint64(len(ev.EngineHashes) - i)
-			return i > 0
+			return i
 		}
 		var pb *partialBlock
 		if int(rec.fill) == bs {
 			full := a.gatherBlock(r, toks, hasPrev && int(prev.fill) < bs, prevHash)
 			if full == nil {
 				a.stats.OrphanBlocks += uint64(len(ev.EngineHashes) - i)
-				return i > 0
+				return i
 			}
 			a.one = kv.ContinueHashes(a.one[:0], rec.own, rec.flags&noBase != 0, full, bs, ns)
 			rec = ownBlock{own: a.one[0], fill: uint32(bs)}
@@ -385,7 +388,7 @@ func (a *KVApplier) storedSmall(r *rankKV, ev *kv.Event, prev ownBlock, ns kv.Na
 		rec = a.put(r, eh, rec, t, pb)
 		prev, hasPrev, prevHash = rec, true, eh
 	}
-	return true
+	return len(ev.EngineHashes)
 }
 
 // gatherBlock assembles the router block ended by an engine block with
@@ -415,9 +418,9 @@ func (a *KVApplier) gatherBlock(r *rankKV, last []uint32, walk bool, parent uint
 }
 
 // put records that engine block eh (now rec) is held in tier t and returns
-// the record. A router block it ends is appended to a.own for indexing. If
-// the engine had the hash for other content, the old router block is
-// queued in a.stale for removal.
+// the record (the caller queues a router block it ends in a.own for
+// indexing). If the engine had the hash for other content, the old router
+// block is queued in a.stale for removal.
 func (a *KVApplier) put(r *rankKV, eh uint64, rec ownBlock, t kv.Tier, pb *partialBlock) ownBlock {
 	bs := uint32(a.cfg.BlockSize)
 	bit := uint8(1) << t
