@@ -147,8 +147,11 @@ func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiR
 		return nil, nil, 0, err
 	}
 	var req apiRequest
-	dec := json.NewDecoder(bytes.NewReader(body))
-	if err := dec.Decode(&req); err != nil {
+	if err := json.Unmarshal(body, &req); err != nil {
+		var te *json.UnmarshalTypeError
+		if errors.As(err, &te) && te.Field != "" {
+			return nil, nil, 0, invalid(te.Field, "%s must be of type %s, got %s", te.Field, te.Type, te.Value)
+		}
 		return nil, nil, 0, invalid("", "request body is not valid JSON: %v", err)
 	}
 	if req.Model != "" && req.Model != e.cfg.Model {

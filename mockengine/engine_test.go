@@ -368,6 +368,8 @@ func TestBadRequests(t *testing.T) {
 		{"/v1/completions", `{"prompt":[]}`, "prompt", 400},
 		{"/v1/completions", `{"prompt":"x","max_tokens":100000000}`, "max_tokens", 400},
 		{"/v1/completions", `{"prompt":"x","n":2}`, "n", 400},
+		{"/v1/completions", `{"prompt":"x","max_tokens":"5"}`, "max_tokens", 400},
+		{"/v1/completions", `{"prompt":"x"} trailing`, "", 400},
 	} {
 		code, r := raw(c.path, c.body)
 		if code != c.code || r.Error == nil || r.Error.Message == "" || r.Error.Type == "" || r.Error.Code != c.code {
@@ -383,7 +385,7 @@ func TestBadRequests(t *testing.T) {
 		t.Fatalf("content parts: %d %+v", code, r.Error)
 	}
 	waitIdle(t, e)
-	if st := e.Stats(); st.Rejected != 12 || st.Requests != 1 {
+	if st := e.Stats(); st.Rejected != 14 || st.Requests != 1 {
 		t.Fatalf("stats %+v", st)
 	}
 }
