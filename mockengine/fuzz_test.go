@@ -1,0 +1,39 @@
+package mockengine
+
+import (
+	"net/http/httptest"
+	"strings"
+	"testing"
+)
+
+// FuzzParseRequest feeds arbitrary bodies to the request parser: it must
+// answer every one with a request or a client error, never panic.
+func FuzzParseRequest(f *testing.F) {
+	for _, s := range []string{
+		`{"model":"mock-model","messages":[{"role":"user","content":"hi"}],"max_tokens":3,"stream":true,"stream_options":{"include_usage":true}}`,
+		`{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url"}]}]}`,
+		`{"prompt":[1,2,3],"max_completion_tokens":2,"ignore_eos":true,"cache_salt":"x"}`,
+		`{"prompt":[[1,2]]}`, `{"prompt":["x"]}`, `{"prompt":null}`, `{"messages":null}`, `[]`, `{`, `""`,
+	} {
+		f.Add(s, strings.Contains(s, "messages"))
+	}
+	e, err := New(Config{})
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Cleanup(func() { e.Close() })
+	f.Fuzz(func(t *testing.T, body string, chat bool) {
+		r := httptest.NewRequest("POST", "/v1/completions", strings.NewReader(body))
+		w := httptest.NewRecorder()
+		req, prompt, maxTokens, err := e.parse(w, r, chat)
+		if err != nil {
+			if _, ok := err.(*badRequest); !ok {
+				t.Fatalf("non-client error %T %v", err, err)
+			}
+			return
+		}
+		if req == nil || len(prompt) == 0 || maxTokens < 1 {
+			t.Fatalf("accepted a request with prompt %d tokens, max_tokens %d", len(prompt), maxTokens)
+		}
+	})
+}
