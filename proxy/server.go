@@ -129,6 +129,7 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 			return fasthttp.RequestConfig{ReadTimeout: s.limits.BodyTimeout}
 		},
 		IdleTimeout:                  120 * time.Second,
+		MaxIdleWorkerDuration:        5 * time.Second,
 		DisablePreParseMultipartForm: true,
 		ErrorHandler:                 s.transportError,
 		Logger:                       fasthttpLogger{s.log},
