@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"strconv"
+	"strings"
 
 	"github.com/kvproxy/kvproxy/kv"
 )
@@ -18,9 +21,15 @@ const (
 type KVFeedConfig struct {
 	Backend   string    // backend id (the worker name of data-parallel rank 0)
 	Mode      string    // FeedZMQ or FeedHTTP
-	ZMQ       ZMQConfig // FeedZMQ: endpoints and topic
+	ZMQ       ZMQConfig // FeedZMQ: endpoints and topic (of rank 0)
 	BlockSize int       // the router's block size (0: kv.DefaultBlockSize)
 	Shared    bool      // a pool-wide cache layer: blocks go to tier shared
+	// DPSize is the number of data-parallel ranks of a zmq backend. vLLM
+	// publishes rank r on the endpoints' port + r (OffsetEndpoint); one
+	// subscriber follows each. 0 or 1: one rank.
+	DPSize int
+	// Namespace is KVApplierConfig.Namespace (nil: its default).
+	Namespace func(lora, salt string) kv.Namespace
 }
 
 // KVFeed is one backend's KV event feed: its applier and, in zmq mode, the
@@ -28,16 +37,19 @@ type KVFeedConfig struct {
 type KVFeed struct {
 	cfg     KVFeedConfig
 	applier *KVApplier
-	sub     *ZMQSubscriber
+	subs    []*ZMQSubscriber // one per data-parallel rank (zmq mode)
 	cancel  context.CancelFunc
 	done    chan struct{}
 }
 
 // KVFeedStats is what /admin/backends shows of a feed.
 type KVFeedStats struct {
-	Mode  string
-	ZMQ   *ZMQStats // nil in http mode
-	Apply KVApplyStats
+	Mode string
+	// ZMQ sums the subscribers' counters (nil in http mode): Connected
+	// when every rank is, LastSeq of rank 0, the first LastError.
+	ZMQ      *ZMQStats
+	ZMQRanks []ZMQStats // per data-parallel rank
+	Apply    KVApplyStats
 }
 
 // StartKVFeed starts a backend's feed (in zmq mode, a subscriber goroutine
@@ -56,26 +68,84 @@ func StartKVFeed(cfg KVFeedConfig, workers Workers) (*KVFeed, error) {
 	default:
 		return nil, fmt.Errorf("kv feed %s: mode %q, want %s or %s", cfg.Backend, cfg.Mode, FeedZMQ, FeedHTTP)
 	}
-	f.applier = NewKVApplier(KVApplierConfig{Backend: cfg.Backend, BlockSize: cfg.BlockSize, Shared: cfg.Shared}, workers)
-	if cfg.Mode != FeedZMQ {
+	var zcfgs []ZMQConfig
+	if cfg.Mode == FeedZMQ {
+		for r := 0; r < max(1, cfg.DPSize); r++ {
+			z := cfg.ZMQ
+			var err error
+			if z.Endpoint, err = OffsetEndpoint(z.Endpoint, r); err != nil {
+				return nil, fmt.Errorf("kv feed %s: %w", cfg.Backend, err)
+			}
+			if z.ReplayEndpoint != "" {
+				if z.ReplayEndpoint, err = OffsetEndpoint(z.ReplayEndpoint, r); err != nil {
+					return nil, fmt.Errorf("kv feed %s: %w", cfg.Backend, err)
+				}
+			}
+			zcfgs = append(zcfgs, z)
+		}
+	}
+	f.applier = NewKVApplier(KVApplierConfig{Backend: cfg.Backend, BlockSize: cfg.BlockSize, Shared: cfg.Shared, Namespace: cfg.Namespace}, workers)
+	if len(zcfgs) == 0 {
 		close(f.done)
 		return f, nil
 	}
-	f.sub = NewZMQSubscriber(cfg.ZMQ, f.applier)
 	ctx, cancel := context.WithCancel(context.Background())
 	f.cancel = cancel
+	running := make(chan struct{}, len(zcfgs))
+	for _, z := range zcfgs {
+		sub := NewZMQSubscriber(z, f.applier)
+		f.subs = append(f.subs, sub)
+		go func() {
+			defer func() { running <- struct{}{} }()
+			sub.Run(ctx)
+		}()
+	}
 	go func() {
-		defer close(f.done)
-		f.sub.Run(ctx)
+		for range zcfgs {
+			<-running
+		}
+		close(f.done)
 	}()
 	return f, nil
+}
+
+// OffsetEndpoint is the endpoint of data-parallel rank r, as vLLM derives
+// it from rank 0's: tcp ports are offset by r (tcp://host:5557 →
+// tcp://host:5558 for rank 1), inproc names get the suffix "_dp<r>".
+func OffsetEndpoint(ep string, r int) (string, error) {
+	if r == 0 {
+		return ep, nil
+	}
+	switch {
+	case strings.HasPrefix(ep, "inproc://"):
+		return ep + "_dp" + strconv.Itoa(r), nil
+	case strings.HasPrefix(ep, "tcp://"):
+		host, port, err := net.SplitHostPort(ep[len("tcp://"):])
+		if err != nil {
+			return "", fmt.Errorf("endpoint %q: %w", ep, err)
+		}
+		p, err := strconv.Atoi(port)
+		if err != nil || p+r > 65535 {
+			return "", fmt.Errorf("endpoint %q: cannot offset port %q by rank %d", ep, port, r)
+		}
+		return "tcp://" + net.JoinHostPort(host, strconv.Itoa(p+r)), nil
+	}
+	return "", fmt.Errorf("endpoint %q: data-parallel ranks need a tcp:// or inproc:// endpoint", ep)
 }
 
 // Applier is the feed's applier (for HTTP pushes, inspection).
 func (f *KVFeed) Applier() *KVApplier { return f.applier }
 
-// Subscriber is the feed's ZMQ subscriber, nil in http mode.
-func (f *KVFeed) Subscriber() *ZMQSubscriber { return f.sub }
+// Subscriber is the ZMQ subscriber of rank 0, nil in http mode.
+func (f *KVFeed) Subscriber() *ZMQSubscriber {
+	if len(f.subs) == 0 {
+		return nil
+	}
+	return f.subs[0]
+}
+
+// Subscribers are the ZMQ subscribers, one per data-parallel rank.
+func (f *KVFeed) Subscribers() []*ZMQSubscriber { return f.subs }
 
 // Push applies a batch pushed over HTTP (already validated by
 // kv.ParseHTTPBatch). A zmq-mode feed accepts pushes too.
@@ -97,10 +167,30 @@ func (f *KVFeed) PushSalted(b kv.HTTPBatch, salt string) {
 // Stats snapshots the feed's counters.
 func (f *KVFeed) Stats() KVFeedStats {
 	s := KVFeedStats{Mode: f.cfg.Mode, Apply: f.applier.Stats()}
-	if f.sub != nil {
-		z := f.sub.Stats()
-		s.ZMQ = &z
+	if len(f.subs) == 0 {
+		return s
 	}
+	sum := ZMQStats{Connected: true}
+	for i, sub := range f.subs {
+		z := sub.Stats()
+		s.ZMQRanks = append(s.ZMQRanks, z)
+		if i == 0 {
+			sum.LastSeq = z.LastSeq
+		}
+		if sum.LastError == "" {
+			sum.LastError = z.LastError
+		}
+		sum.Connected = sum.Connected && z.Connected
+		sum.Batches += z.Batches
+		sum.Events += z.Events
+		sum.Replays += z.Replays
+		sum.Replayed += z.Replayed
+		sum.Clears += z.Clears
+		sum.Reconnects += z.Reconnects
+		sum.DecodeErrors += z.DecodeErrors
+		sum.UnknownMedia += z.UnknownMedia
+	}
+	s.ZMQ = &sum
 	return s
 }
 

@@ -2,8 +2,10 @@ package backends
 
 import (
 	"fmt"
+	"net"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvproxy/kvproxy/kv"
 )
@@ -78,6 +80,92 @@ func TestKVFeedConfigErrors(t *testing.T) {
 	for _, c := range []KVFeedConfig{{Mode: FeedHTTP}, {Backend: "b", Mode: "nats"}, {Backend: "b", Mode: FeedZMQ}} {
 		if _, err := StartKVFeed(c, r); err == nil {
 			t.Errorf("%+v accepted", c)
+		}
+	}
+}
+
+// freePortPair finds a loopback port p such that p and p+1 are free.
+func freePortPair(t *testing.T) int {
+	for i := 0; i < 100; i++ {
+		l1, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := l1.Addr().(*net.TCPAddr).Port
+		l2, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p+1))
+		l1.Close()
+		if err == nil {
+			l2.Close()
+			return p
+		}
+	}
+	t.Fatal("no free port pair")
+	return 0
+}
+
+// vLLM with data parallelism publishes rank r on port + r: one subscriber per
+// rank feeds one applier, each rank its own worker; a restart seen on one
+// rank's feed clears only that rank.
+func TestKVFeedDataParallel(t *testing.T) {
+	pub, rep := freePortPair(t), freePortPair(t)
+	engs := []*testEngine{
+		newTestEngineAt(t, 100, fmt.Sprintf("tcp://127.0.0.1:%d", pub), fmt.Sprintf("tcp://127.0.0.1:%d", rep)),
+		newTestEngineAt(t, 100, fmt.Sprintf("tcp://127.0.0.1:%d", pub+1), fmt.Sprintf("tcp://127.0.0.1:%d", rep+1)),
+	}
+	r := newRouter(t)
+	f, err := StartKVFeed(KVFeedConfig{Backend: "dp", Mode: FeedZMQ, DPSize: 2,
+		ZMQ: ZMQConfig{Endpoint: engs[0].pubAddr, ReplayEndpoint: engs[0].replayAddr(), BackoffMin: 5 * time.Millisecond}}, r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	fx := make([]*subFixture, 2)
+	toks := tokens(32, 8)
+	for i, e := range engs {
+		fx[i] = &subFixture{t: t, eng: e, sub: f.Subscribers()[i], rank: i}
+		fx[i].warmUp()
+		e.publish(i, stored([]uint64{1, 2}, nil, toks, kv.TierDevice))
+		last := int64(e.next - 1)
+		fx[i].wait("stored", func(s ZMQStats) bool { return s.LastSeq == last })
+	}
+	for _, w := range []string{"dp", "dp#1"} {
+		if d, _ := depth(t, r, w, toks, 0); d != 2 {
+			t.Fatalf("%s depth %d", w, d)
+		}
+	}
+	engs[1].restart()
+	engs[1].publish(1, removed(99))
+	fx[1].wait("restart", func(s ZMQStats) bool { return s.Clears == 1 })
+	if d, _ := depth(t, r, "dp#1", toks, 0); d != 0 {
+		t.Fatalf("rank 1 after its restart: depth %d", d)
+	}
+	if d, _ := depth(t, r, "dp", toks, 0); d != 2 {
+		t.Fatalf("rank 0 after rank 1's restart: depth %d", d)
+	}
+	if s := f.Stats(); len(s.ZMQRanks) != 2 || s.ZMQ.Clears != 1 || !s.ZMQ.Connected {
+		t.Fatalf("stats %+v", s)
+	}
+}
+
+func TestOffsetEndpoint(t *testing.T) {
+	for _, c := range []struct {
+		in   string
+		r    int
+		want string
+	}{
+		{"tcp://10.0.0.5:5557", 0, "tcp://10.0.0.5:5557"},
+		{"tcp://10.0.0.5:5557", 3, "tcp://10.0.0.5:5560"},
+		{"tcp://[::1]:5557", 1, "tcp://[::1]:5558"},
+		{"inproc://cache", 2, "inproc://cache_dp2"},
+		{"ipc:///tmp/x", 0, "ipc:///tmp/x"},
+	} {
+		if got, err := OffsetEndpoint(c.in, c.r); err != nil || got != c.want {
+			t.Errorf("%s rank %d: %q %v", c.in, c.r, got, err)
+		}
+	}
+	for _, bad := range []string{"ipc:///tmp/x", "tcp://host", "tcp://h:65535"} {
+		if _, err := OffsetEndpoint(bad, 1); err == nil {
+			t.Errorf("%s accepted", bad)
 		}
 	}
 }

@@ -32,11 +32,15 @@ type testEngine struct {
 }
 
 func newTestEngine(t *testing.T, bufMax int) *testEngine {
+	return newTestEngineAt(t, bufMax, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+}
+
+func newTestEngineAt(t *testing.T, bufMax int, pubEP, replayEP string) *testEngine {
 	ctx, cancel := context.WithCancel(context.Background())
 	e := &testEngine{t: t, ctx: ctx, bufMax: bufMax, topic: "kv@test"}
-	e.listenPub("tcp://127.0.0.1:0")
+	e.listenPub(pubEP)
 	e.router = zmq4.NewRouter(ctx)
-	if err := e.router.Listen("tcp://127.0.0.1:0"); err != nil {
+	if err := e.router.Listen(replayEP); err != nil {
 		t.Fatal(err)
 	}
 	done := make(chan struct{})
@@ -168,6 +172,7 @@ type subFixture struct {
 	eng  *testEngine
 	sink *recordSink
 	sub  *ZMQSubscriber
+	rank int // data-parallel rank of the warm-up batches
 }
 
 func startSub(t *testing.T, eng *testEngine, cfg ZMQConfig) *subFixture {
@@ -207,7 +212,7 @@ func (f *subFixture) warmUp() {
 	f.t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for i := uint64(0); ; i++ {
-		f.eng.publish(0, removed(1000+i))
+		f.eng.publish(f.rank, removed(1000+i))
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
 		err := f.sub.Wait(ctx, func(s ZMQStats) bool { return s.LastSeq >= int64(i) })
 		cancel()
