@@ -184,7 +184,6 @@ func (x *MemIndex) Remove(w WorkerID, hashes []kv.BlockHash, tier kv.Tier) {
 		if i, ok := x.find(h, w); ok {
 			x.slots[i].tiers &^= mask
 			if x.slots[i].tiers == 0 {
-				x.slots[i].tiers = 1 // still occupied for delete's accounting
 				x.delete(i)
 			}
 		}

@@ -102,7 +102,7 @@ type Decision struct {
 	Overlap         int // blocks of the prompt the chosen worker holds (leading prefix)
 	Total           int // len(Hashes)
 	PredictedTTFTms float64
-	Candidates      []Candidate // every available worker, in WorkerID order
+	Candidates      []Candidate // every available worker, in WorkerID order (backed by Request.CandidateBuf when given)
 }
 
 // WorkerStatus is an advisory snapshot of one worker.
