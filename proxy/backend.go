@@ -33,6 +33,7 @@ type backend struct {
 	ejections   int // consecutive passive failures
 	ejected     bool
 	draining    bool
+	full        bool // at max_concurrency: healthy but takes nothing new
 	available   bool
 	ejectTimer  *time.Timer
 	forgetTimer *time.Timer
@@ -127,14 +128,20 @@ func (b *backend) drain() {
 	b.applyLocked()
 }
 
+func (b *backend) healthyLocked() bool { return b.probeOK && !b.ejected && !b.draining }
+
 func (b *backend) applyLocked() {
-	avail := b.probeOK && !b.ejected && !b.draining
+	healthy := b.healthyLocked()
+	avail := healthy && !b.full
 	if avail == b.available {
 		return
 	}
 	b.available = avail
 	for _, w := range b.workerIDs() {
 		b.pool.rt.SetAvailable(w, avail)
+	}
+	if b.full && healthy {
+		return // at capacity: a normal, quiet state
 	}
 	if avail {
 		b.log.Info().Str("backend", b.cfg.ID).Msg("backend available")
@@ -174,4 +181,81 @@ func (b *backend) stop() {
 	}
 	b.mu.Unlock()
 	b.up.CloseIdle()
+}
+
+// acquire takes one of the backend's max_concurrency slots; false when all
+// are taken. The backend leaves selection while it is full.
+func (b *backend) acquire() bool {
+	if b.slots == nil {
+		return true
+	}
+	select {
+	case b.slots <- struct{}{}:
+	default:
+		return false
+	}
+	if len(b.slots) == cap(b.slots) {
+		b.mu.Lock()
+		b.full = len(b.slots) == cap(b.slots)
+		b.applyLocked()
+		b.mu.Unlock()
+	}
+	return true
+}
+
+// release returns a slot taken by acquire.
+func (b *backend) release() {
+	if b.slots == nil {
+		return
+	}
+	<-b.slots
+	b.mu.Lock()
+	if b.full {
+		b.full = false
+		b.applyLocked()
+	}
+	b.mu.Unlock()
+}
+
+// anyFull reports whether the pool has a healthy backend that is
+// only full, so a request may wait for it.
+func (p *modelPool) anyFull() bool {
+	for _, b := range *p.workers.Load() {
+		if b == nil {
+			continue
+		}
+		b.mu.Lock()
+		full := b.full && b.healthyLocked()
+		b.mu.Unlock()
+		if full {
+			return true
+		}
+	}
+	return false
+}
+
+// waitQueue lets requests wait for a backend slot to free up.
+type waitQueue struct {
+	waiters atomic.Int64
+	mu      sync.Mutex
+	ch      chan struct{}
+}
+
+func newWaitQueue() *waitQueue { return &waitQueue{ch: make(chan struct{})} }
+
+// changed returns a channel closed at the next signal.
+func (q *waitQueue) changed() <-chan struct{} {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.ch
+}
+
+func (q *waitQueue) signal() {
+	if q.waiters.Load() == 0 {
+		return
+	}
+	q.mu.Lock()
+	close(q.ch)
+	q.ch = make(chan struct{})
+	q.mu.Unlock()
 }

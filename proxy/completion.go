@@ -9,6 +9,7 @@ import (
 	"net"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -37,6 +38,8 @@ type exchange struct {
 	ab      *backends.Abort
 	stopped func()
 	rank    int // data-parallel rank of the chosen worker
+	// released: the backend slot was returned
+	released bool
 
 	status       int
 	ttft         time.Duration
@@ -157,24 +160,8 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	s.retries.deposit()
 	x := &exchange{s: s, id: rid, model: req.model, chat: chat, stream: req.stream, start: start, p: p, cachedTokens: -1}
 	for attempt := 1; ; attempt++ {
-		t0 := time.Now()
-		d, active, err := p.rt.Route(&rr)
-		s.metrics.route.Observe(time.Since(t0).Seconds())
-		if err != nil {
-			s.noWorker(ctx, rid, req.model, start, err)
-			return
-		}
-		if d.Total > 0 {
-			s.metrics.hitRatio.Observe(float64(d.Overlap) / float64(d.Total))
-		}
-		x.d, x.active, x.b, x.rank = d, active, p.backend(d.Worker), 0
-		if x.b == nil && strings.Contains(d.Name, "#") {
-			// A data-parallel rank of a backend: same endpoint, rank header.
-			x.b, x.rank = st.backends[d.Name[:strings.LastIndexByte(d.Name, '#')]], dpRank(d.Name)
-		}
-		if x.b == nil { // removed by a reload between Route and here
-			active.Free()
-			unavailable(ctx, 1, "the chosen backend was just removed; retry")
+		if err := x.route(ctx, st, &rr); err != nil {
+			s.routeFailed(ctx, rid, req.model, start, err)
 			return
 		}
 		salt := ""
@@ -183,7 +170,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		}
 		body, err := req.forwardBody(x.b.cfg.ServedModel, salt)
 		if err != nil {
-			active.Free()
+			x.release()
 			writeError(ctx, fasthttp.StatusInternalServerError, "could not encode the request for the engine", "server_error", "", "")
 			return
 		}
@@ -200,6 +187,111 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 			return
 		}
 		s.log.Warn().Str("request_id", rid).Str("backend", x.b.cfg.ID).Str("reason", x.errMsg).Msg("rerouting")
+	}
+}
+
+var (
+	errQueueFull    = errors.New("every backend is at its concurrency limit and the wait queue is full")
+	errQueueTimeout = errors.New("no backend had capacity within the queue timeout")
+	errClientGone   = errors.New("the client left while waiting")
+	errRemoved      = errors.New("the chosen backend was just removed")
+)
+
+// route picks a worker, registers the request and takes a slot on its
+// backend. When every healthy backend is at its max_concurrency, it waits
+// (bounded by limits.max_queue waiters and limits.queue_timeout) for a slot.
+func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request) error {
+	s, p := x.s, x.p
+	var waiting bool
+	var timer *time.Timer
+	var gone chan struct{}
+	defer func() {
+		if waiting {
+			s.queue.waiters.Add(-1)
+			timer.Stop()
+		}
+	}()
+	var stopWatch func()
+	defer func() {
+		if stopWatch != nil {
+			stopWatch()
+		}
+	}()
+	for {
+		changed := s.queue.changed()
+		t0 := time.Now()
+		d, active, err := p.rt.Route(rr)
+		s.metrics.route.Observe(time.Since(t0).Seconds())
+		if err == nil {
+			b, rank := p.backend(d.Worker), 0
+			if b == nil && strings.Contains(d.Name, "#") {
+				// A data-parallel rank of a backend: same endpoint, rank header.
+				b, rank = st.backends[d.Name[:strings.LastIndexByte(d.Name, '#')]], dpRank(d.Name)
+			}
+			if b == nil {
+				active.Free()
+				return errRemoved
+			}
+			if !b.acquire() {
+				// Lost the race for its last slot; it is now unselectable.
+				active.Free()
+				continue
+			}
+			if d.Total > 0 {
+				s.metrics.hitRatio.Observe(float64(d.Overlap) / float64(d.Total))
+			}
+			x.d, x.active, x.b, x.rank = d, active, b, rank
+			return nil
+		}
+		if !p.anyFull() {
+			return err
+		}
+		if !waiting {
+			lim := st.cfg.Limits
+			if s.queue.waiters.Add(1) > int64(lim.MaxQueue) {
+				s.queue.waiters.Add(-1)
+				return errQueueFull
+			}
+			waiting = true
+			timer = time.NewTimer(lim.QueueTimeout)
+			gone = make(chan struct{})
+			var once sync.Once
+			stopWatch = s.watcher.Watch(ctx.Conn(), func() { once.Do(func() { close(gone) }) })
+		}
+		select {
+		case <-changed:
+		case <-timer.C:
+			return errQueueTimeout
+		case <-gone:
+			return errClientGone
+		}
+	}
+}
+
+// release frees the exchange's router slot and backend slot (idempotent for
+// the router; the backend slot is returned once).
+func (x *exchange) release() {
+	x.active.Free()
+	if x.b != nil && !x.released {
+		x.released = true
+		x.b.release()
+		x.s.queue.signal()
+	}
+}
+
+func (s *Server) routeFailed(ctx *fasthttp.RequestCtx, rid, model string, start time.Time, err error) {
+	switch {
+	case errors.Is(err, errQueueFull), errors.Is(err, errQueueTimeout):
+		unavailable(ctx, 1, err.Error())
+		ctx.Response.Header.Set("X-Kvproxy-Overloaded", "1")
+		s.logRejected(rid, model, fasthttp.StatusServiceUnavailable, start, err.Error())
+	case errors.Is(err, errClientGone):
+		s.logRejected(rid, model, 499, start, err.Error())
+	case errors.Is(err, errRemoved):
+		unavailable(ctx, 1, err.Error()+"; retry")
+		s.logRejected(rid, model, fasthttp.StatusServiceUnavailable, start, err.Error())
+	default:
+		s.noWorker(ctx, rid, model, start, err)
 	}
 }
 
@@ -268,7 +360,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			x.errMsg = "backend " + b.cfg.ID + " refused the connection"
 			if mayRetry {
 				x.stopWatch()
-				x.active.Free()
+				x.release()
+				x.released = false // a new attempt takes a new slot
 				return retryable
 			}
 			x.failUpstream(ctx, fasthttp.StatusBadGateway, x.errMsg)
@@ -311,7 +404,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			}
 			fasthttp.ReleaseResponse(resp)
 			x.stopWatch()
-			x.active.Free()
+			x.release()
+			x.released = false // a new attempt takes a new slot
 			return retryable
 		}
 		if code >= 500 {
@@ -385,7 +479,7 @@ func (x *exchange) stopWatch() {
 // (idempotent), records metrics and writes the access log line.
 func (x *exchange) finish() {
 	x.stopWatch()
-	x.active.Free()
+	x.release()
 	x.logLine()
 	x.s.inflight.Done()
 }

@@ -361,3 +361,50 @@ func TestReloadAddsAndRemovesBackendsDuringStreams(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+func TestConcurrencyLimitQueuesThenSheds(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 600 * time.Millisecond })
+	run := func(yaml string, n int) map[int]int {
+		p := startProxyYAML(t, yaml, e)
+		codes := make(chan int, n)
+		for i := 0; i < n; i++ {
+			go func() {
+				resp, b := post(t, p.url+"/v1/chat/completions", chatBody)
+				if resp.StatusCode == 503 && (resp.Header.Get("Retry-After") == "" || !strings.Contains(string(b), `"error"`)) {
+					t.Errorf("503 without Retry-After or error object: %s", b)
+				}
+				codes <- resp.StatusCode
+			}()
+		}
+		got := map[int]int{}
+		for i := 0; i < n; i++ {
+			got[<-codes]++
+		}
+		p.waitIdle(t)
+		if max := inflightPeak(e); max > 2 {
+			t.Fatalf("engine saw %d concurrent requests with max_concurrency 2", max)
+		}
+		return got
+	}
+	// Short queue timeout: 2 served, 2 wait and time out, 2 shed at once.
+	got := run(`
+models: [{name: m, aliases: [alias-m]}]
+backends: [{id: e0, url: 'http://{{e0}}', max_concurrency: 2}]
+limits: {max_queue: 2, queue_timeout: 200ms}
+`, 6)
+	if got[200] != 2 || got[503] != 4 {
+		t.Fatalf("want 2 served and 4 shed, got %v", got)
+	}
+	// A queue timeout longer than a request: waiting requests get served.
+	got = run(`
+models: [{name: m, aliases: [alias-m]}]
+backends: [{id: e0, url: 'http://{{e0}}', max_concurrency: 2}]
+limits: {max_queue: 8, queue_timeout: 5s}
+`, 6)
+	if got[200] != 6 {
+		t.Fatalf("queued requests should all be served, got %v", got)
+	}
+}
+
+// inflightPeak is the most requests the fake engine had at once.
+func inflightPeak(f *fakeEngine) int64 { return f.peak.Load() }

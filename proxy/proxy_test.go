@@ -29,6 +29,8 @@ type fakeEngine struct {
 	bodies   []map[string]any
 	aborted  atomic.Int64
 	requests atomic.Int64
+	current  atomic.Int64
+	peak     atomic.Int64
 	// behaviour
 	prefillDelay time.Duration
 	tokens       int
@@ -61,6 +63,10 @@ func startFake(t *testing.T, id string, setup func(*fakeEngine)) *fakeEngine {
 
 func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 	f.requests.Add(1)
+	if c := f.current.Add(1); c > f.peak.Load() {
+		f.peak.Store(c)
+	}
+	defer f.current.Add(-1)
 	var body map[string]any
 	json.NewDecoder(r.Body).Decode(&body)
 	f.mu.Lock()

@@ -48,6 +48,7 @@ type Server struct {
 	srv      *fasthttp.Server
 	health   *backends.Prober
 	retries  *retryBudget
+	queue    *waitQueue
 	limits   config.Limits // fixed at start: they shape the HTTP server
 
 	reqPrefix string
@@ -96,7 +97,7 @@ func (p *modelPool) setBackend(b *backend) {
 // New builds the pools and backends of cfg; Serve starts answering.
 func New(cfg *config.Config, opts Options) (*Server, error) {
 	s := &Server{log: opts.Logger, opts: opts, watcher: newHangupWatcher(), limits: cfg.Limits,
-		retries: newRetryBudget(cfg.Limits.RetryBudget)}
+		retries: newRetryBudget(cfg.Limits.RetryBudget), queue: newWaitQueue()}
 	var rb [6]byte
 	rand.Read(rb[:])
 	s.reqPrefix = hex.EncodeToString(rb[:])
