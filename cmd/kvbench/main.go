@@ -140,7 +140,7 @@ func runSim(args []string, stdout io.Writer) error {
 	calibrate := fs.Bool("calibrate", true, "let the kv policy refit its coefficients from observed TTFTs")
 	approx := fs.Bool("approximate", false, "route without engine KV events (the router indexes its own decisions)")
 	hostBlocks := fs.Int("host-blocks", 0, "host (CPU) KV tier per engine in blocks (0: none)")
-	scrape := fs.Duration("scrape", 0, "feed engine load (waiting, running, KV usage) to the router at this interval (0: off)")
+	scrape := fs.Duration("scrape", time.Second, "feed engine load (waiting, running, KV usage) to the router at this interval, as kvproxy's /metrics scrape does (0: off)")
 	asJSON := fs.Bool("json", false, "print one JSON object instead of a table")
 	ceiling := fs.Bool("ceiling", true, "compute the hit-rate ceiling (one LRU cache of the whole fleet's capacity)")
 	plot := fs.String("plot", "", "write PNG charts (TTFT CDF, hit rate) into this directory")
