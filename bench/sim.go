@@ -40,6 +40,10 @@ type SimConfig struct {
 	// HostCacheBlocks gives each engine a host (CPU) tier of this many
 	// blocks (0: none).
 	HostCacheBlocks int
+	// Done, if set, is called at the end of each policy's run with the
+	// router's final view of its workers (fitted coefficients, index sizes).
+	// Runs of different policies call it concurrently.
+	Done func(policy string, workers []router.WorkerStatus)
 	// Scrape, when positive, feeds every engine's waiting and running
 	// requests and KV usage to the router at this interval, as the proxy's
 	// /metrics scrape does.
@@ -113,6 +117,9 @@ func Simulate(w *Workload, cfg SimConfig, policy string) (Result, error) {
 	s.run(w)
 	if !s.rt.Idle() {
 		return Result{}, fmt.Errorf("sim %s: router load counters not zero after the run", policy)
+	}
+	if cfg.Done != nil {
+		cfg.Done(policy, s.rt.Workers())
 	}
 	return s.rec.Result(policy), nil
 }

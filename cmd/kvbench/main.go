@@ -10,9 +10,11 @@ import (
 	"path/filepath"
 	"runtime/pprof"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/kvproxy/kvproxy/bench"
+	"github.com/kvproxy/kvproxy/router"
 )
 
 func main() {
@@ -135,6 +137,7 @@ func runSim(args []string, stdout io.Writer) error {
 	asJSON := fs.Bool("json", false, "print one JSON object instead of a table")
 	ceiling := fs.Bool("ceiling", true, "compute the hit-rate ceiling (one LRU cache of the whole fleet's capacity)")
 	plot := fs.String("plot", "", "write PNG charts (TTFT CDF, hit rate) into this directory")
+	verbose := fs.Bool("v", false, "print each policy's final per-worker view (fitted kv coefficients) to stderr")
 	cpuprofile := fs.String("cpuprofile", "", "write a CPU profile of the simulation to this file")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -157,6 +160,17 @@ func runSim(args []string, stdout io.Writer) error {
 		Engines: *engines, CacheBlocks: *cacheBlocks, BlockSize: *blockSize,
 		Approximate: *approx, NoCalibrate: !*calibrate, Seed: wf.seed, Scrape: *scrape,
 		HostCacheBlocks: *hostBlocks,
+	}
+	if *verbose {
+		var mu sync.Mutex
+		cfg.Done = func(policy string, ws []router.WorkerStatus) {
+			mu.Lock()
+			defer mu.Unlock()
+			for _, w := range ws {
+				fmt.Fprintf(os.Stderr, "%s %s: prefill %.4f ms/token, queue %.4f ms/token (%d TTFT samples), %d indexed blocks\n",
+					policy, w.Name, w.PrefillMsPerToken, w.QueueMsPerToken, w.TTFTSamples, w.IndexedBlocks)
+			}
+		}
 	}
 	if *hetero != 1 {
 		if *hetero <= 0 {
