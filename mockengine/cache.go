@@ -24,7 +24,7 @@ type block struct {
 type blockCache struct {
 	blocks     []block
 	free       []int32
-	index      map[kv.BlockHash]int32
+	index      blockIndex
 	head, tail int32 // LRU: head is evicted first
 	nLRU       int
 	used       int // blocks with ref > 0
@@ -34,7 +34,7 @@ func newBlockCache(n int) *blockCache {
 	c := &blockCache{
 		blocks: make([]block, n),
 		free:   make([]int32, n),
-		index:  make(map[kv.BlockHash]int32, n),
+		index:  newBlockIndex(n),
 		head:   noBlock,
 		tail:   noBlock,
 	}
@@ -86,7 +86,7 @@ func (c *blockCache) alloc() (b int32, evicted bool) {
 		b = c.head
 		c.unlink(b)
 		bl := &c.blocks[b]
-		delete(c.index, bl.hash)
+		c.index.remove(bl.hash)
 		bl.cached = false
 		evicted = true
 	}
@@ -126,10 +126,9 @@ func (c *blockCache) release(b int32) {
 // release). It reports whether the block was registered.
 func (c *blockCache) register(b int32) bool {
 	bl := &c.blocks[b]
-	if _, dup := c.index[bl.hash]; dup {
+	if !c.index.insert(bl.hash, b) {
 		return false
 	}
-	c.index[bl.hash] = b
 	bl.cached = true
 	return true
 }

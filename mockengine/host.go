@@ -17,7 +17,7 @@ type hostCache struct {
 	entries    []hostEntry
 	tokens     []uint32 // BlockSize tokens per entry, for events
 	bs         int
-	index      map[kv.BlockHash]int32
+	index      blockIndex
 	head, tail int32 // head is evicted first
 	n          int   // entries in use (slots n.. are unused)
 }
@@ -27,7 +27,7 @@ func newHostCache(n, bs int) *hostCache {
 		entries: make([]hostEntry, n),
 		tokens:  make([]uint32, n*bs),
 		bs:      bs,
-		index:   make(map[kv.BlockHash]int32, n),
+		index:   newBlockIndex(n),
 		head:    noBlock,
 		tail:    noBlock,
 	}
@@ -73,7 +73,7 @@ func (h *hostCache) touch(i int32) {
 // put stores a block (or refreshes it if present). It reports the hash of
 // the entry it had to evict, if any, and whether the block is new here.
 func (h *hostCache) put(hash, rhash, parent kv.BlockHash, hasParent bool, toks []uint32) (evicted kv.BlockHash, didEvict, added bool) {
-	if i, ok := h.index[hash]; ok {
+	if i, ok := h.index.get(hash); ok {
 		h.touch(i)
 		return 0, false, false
 	}
@@ -85,11 +85,11 @@ func (h *hostCache) put(hash, rhash, parent kv.BlockHash, hasParent bool, toks [
 		i = h.head
 		h.unlink(i)
 		evicted, didEvict = h.entries[i].hash, true
-		delete(h.index, evicted)
+		h.index.remove(evicted)
 	}
 	h.entries[i] = hostEntry{hash: hash, rhash: rhash, parent: parent, hasParent: hasParent}
 	h.pushTail(i)
-	h.index[hash] = i
+	h.index.insert(hash, i)
 	copy(h.blockTokens(i), toks)
 	return evicted, didEvict, true
 }

@@ -41,19 +41,22 @@ func checkInvariants(t *testing.T, m *Model) {
 	if n != c.nLRU {
 		t.Fatalf("LRU walk %d, count %d", n, c.nLRU)
 	}
-	for h, b := range c.index {
+	c.index.each(func(h kv.BlockHash, b int32) {
 		if c.blocks[b].hash != h || !c.blocks[b].cached {
 			t.Fatalf("index %x → block %d holding %x", h, b, c.blocks[b].hash)
 		}
-	}
+		if got, ok := c.index.get(h); !ok || got != b {
+			t.Fatalf("index entry %x not found by get", h)
+		}
+	})
 	cached := 0
 	for i := range c.blocks {
 		if c.blocks[i].cached {
 			cached++
 		}
 	}
-	if cached != len(c.index) {
-		t.Fatalf("%d cached blocks, %d indexed", cached, len(c.index))
+	if cached != c.index.len() {
+		t.Fatalf("%d cached blocks, %d indexed", cached, c.index.len())
 	}
 	refs := make(map[int32]int32)
 	for _, s := range m.running {
@@ -70,14 +73,17 @@ func checkInvariants(t *testing.T, m *Model) {
 		t.Fatalf("%d blocks held by running sequences, %d counted used", len(refs), c.used)
 	}
 	if h := m.host; h != nil {
-		if len(h.index) != h.n {
-			t.Fatalf("host: %d indexed, %d entries", len(h.index), h.n)
+		if h.index.len() != h.n {
+			t.Fatalf("host: %d indexed, %d entries", h.index.len(), h.n)
 		}
-		for k, i := range h.index {
+		h.index.each(func(k kv.BlockHash, i int32) {
 			if h.entries[i].hash != k {
 				t.Fatalf("host index %x → entry holding %x", k, h.entries[i].hash)
 			}
-		}
+			if got, ok := h.index.get(k); !ok || got != i {
+				t.Fatalf("host index entry %x not found by get", k)
+			}
+		})
 	}
 }
 

@@ -239,7 +239,7 @@ func (m *Model) Waiting() int { return m.waiting.len() }
 func (m *Model) Usage() float64 { return float64(m.cache.used) / float64(len(m.cache.blocks)) }
 
 // CachedBlocks is the number of blocks findable by a prefix hit.
-func (m *Model) CachedBlocks() int { return len(m.cache.index) }
+func (m *Model) CachedBlocks() int { return m.cache.index.len() }
 
 // Counters returns the cumulative prefix-cache counters.
 func (m *Model) Counters() Counters { return m.counters }
@@ -397,7 +397,7 @@ func (m *Model) admit(s *Seq, budget int) bool {
 	maxHit := min((total-1)/bs, len(s.hashes))
 	hits, inLRU := 0, 0
 	for hits < maxHit {
-		b, ok := m.cache.index[s.hashes[hits]]
+		b, ok := m.cache.index.get(s.hashes[hits])
 		if !ok {
 			break
 		}
@@ -409,7 +409,7 @@ func (m *Model) admit(s *Seq, budget int) bool {
 	loaded := hits
 	if m.host != nil {
 		for loaded < maxHit {
-			if _, ok := m.host.index[s.hashes[loaded]]; !ok {
+			if _, ok := m.host.index.get(s.hashes[loaded]); !ok {
 				break
 			}
 			loaded++
@@ -421,7 +421,7 @@ func (m *Model) admit(s *Seq, budget int) bool {
 		return false
 	}
 	for i := 0; i < hits; i++ {
-		b := m.cache.index[s.hashes[i]]
+		b, _ := m.cache.index.get(s.hashes[i])
 		m.cache.acquire(b)
 		s.blocks = append(s.blocks, b)
 	}
@@ -449,14 +449,14 @@ func (m *Model) admit(s *Seq, budget int) bool {
 // blocks pushed a needed host entry out.
 func (m *Model) loadFromHost(s *Seq, from, to int) int {
 	for i := from; i < to; i++ {
-		if _, ok := m.host.index[s.hashes[i]]; ok {
-			m.host.touch(m.host.index[s.hashes[i]])
+		if hi, ok := m.host.index.get(s.hashes[i]); ok {
+			m.host.touch(hi)
 		}
 	}
 	for i := from; i < to; i++ {
 		b := m.alloc()
 		s.blocks = append(s.blocks, b)
-		hi, ok := m.host.index[s.hashes[i]]
+		hi, ok := m.host.index.get(s.hashes[i])
 		if !ok {
 			return i - from // evicted meanwhile: recompute from here
 		}
@@ -629,7 +629,7 @@ func (m *Model) HostBlocks() int {
 	if m.host == nil {
 		return 0
 	}
-	return len(m.host.index)
+	return m.host.index.len()
 }
 
 // seqQueue is the waiting queue: FIFO, with preempted sequences put back at
