@@ -6,87 +6,51 @@ import (
 	"sync/atomic"
 )
 
-// calibrator refits one worker's PrefillMsPerToken and QueueMsPerToken from
-// observed TTFTs by recursive least squares with forgetting:
+// calibrator fits one worker's slowdown factor s from observed TTFTs, by
+// least squares with forgetting:
 //
-//	ttft − offset ≈ prefill·x + queue·q
+//	ttft − fetch ≈ s · p
 //
-// where x is the request's uncached tokens (its quadratic term folded in at
-// the configured ratio, see CostConfig.effectiveTokens), q the worker's queued prefill tokens at Commit, and
-// offset the rest of the prediction (base, decode pressure, fetch). Fitted
-// values are clamped to [1/8, 8] × the configured ones, so one bad sample
-// cannot make a worker look free or dead.
+// where p is what the configured coefficients predicted at Commit for the
+// request (base, decode pressure, queued and uncached tokens). A worker twice
+// as slow as configured converges to s = 2, and the cost model multiplies
+// its whole prediction (fetch aside) by s. One factor rather than one per
+// coefficient: TTFTs are noisy (admission waits, batching), and in the
+// fleet simulator the single factor beat a two-coefficient RLS fit on both
+// homogeneous and heterogeneous fleets. s is clamped to [1/8, 8].
 type calibrator struct {
 	enabled atomic.Bool
-	prefill atomic.Uint64 // float64 bits, ms per token
-	queue   atomic.Uint64
+	scale   atomic.Uint64 // float64 bits
 	samples atomic.Int64
 
-	mu   sync.Mutex
-	cfgP float64 // configured, ms per token
-	cfgQ float64
-	th   [2]float64    // ms per 1000 tokens
-	p    [2][2]float64 // covariance
+	mu       sync.Mutex
+	num, den float64 // Σ λ^k y·p, Σ λ^k p²
 }
 
 const (
-	calLambda = 0.98  // forgetting factor: about the last 50 samples count
-	calP0     = 100.0 // initial variance, (ms per 1k tokens)²
-	calPMax   = 1e4
+	calLambda = 0.995 // forgetting factor: about the last 200 samples count
+	// calPrior weighs the configured coefficients (s = 1) like a few
+	// typical samples (p ≈ 200 ms), so the first observations do not jump.
+	calPrior = 4 * 200 * 200
 )
 
-func (c *calibrator) init(cc *CostConfig) {
-	c.cfgP, c.cfgQ = cc.PrefillMsPerToken, cc.QueueMsPerToken
-	c.th = [2]float64{c.cfgP * 1000, c.cfgQ * 1000}
-	c.p = [2][2]float64{{calP0, 0}, {0, calP0}}
-	c.prefill.Store(math.Float64bits(c.cfgP))
-	c.queue.Store(math.Float64bits(c.cfgQ))
+func (c *calibrator) init() {
+	c.num, c.den = calPrior, calPrior
+	c.scale.Store(math.Float64bits(1))
 }
 
-func (c *calibrator) coeffs() coeffs {
-	return coeffs{math.Float64frombits(c.prefill.Load()), math.Float64frombits(c.queue.Load())}
-}
+func (c *calibrator) factor() float64 { return math.Float64frombits(c.scale.Load()) }
 
-// observe feeds one TTFT (ms) minus the offset, for a request with u
-// effective uncached tokens (CostConfig.effectiveTokens) behind q queued
-// tokens.
-func (c *calibrator) observe(y, u, q float64) {
-	if !c.enabled.Load() || y <= 0 || math.IsNaN(y) || math.IsInf(y, 0) {
-		return
-	}
-	x := [2]float64{u / 1000, q / 1000}
-	if x[0] == 0 && x[1] == 0 {
+// observe feeds one TTFT in ms, less fetch time, against its prediction p.
+func (c *calibrator) observe(y, p float64) {
+	if !c.enabled.Load() || !(y > 0) || !(p > 0) || math.IsInf(y, 0) {
 		return
 	}
 	c.mu.Lock()
-	defer c.mu.Unlock()
-	px := [2]float64{c.p[0][0]*x[0] + c.p[0][1]*x[1], c.p[1][0]*x[0] + c.p[1][1]*x[1]}
-	den := calLambda + x[0]*px[0] + x[1]*px[1]
-	k := [2]float64{px[0] / den, px[1] / den}
-	e := y - (c.th[0]*x[0] + c.th[1]*x[1])
-	c.th[0] += k[0] * e
-	c.th[1] += k[1] * e
-	for i := 0; i < 2; i++ {
-		for j := 0; j < 2; j++ {
-			c.p[i][j] = (c.p[i][j] - k[i]*px[j]) / calLambda
-		}
-	}
-	for i := 0; i < 2; i++ { // no wind-up along directions never excited
-		if c.p[i][i] > calPMax {
-			s := math.Sqrt(calPMax / c.p[i][i])
-			c.p[i][0] *= s
-			c.p[i][1] *= s
-			c.p[0][i] *= s
-			c.p[1][i] *= s
-		}
-	}
-	c.th[0] = clamp(c.th[0], c.cfgP*1000/8, c.cfgP*1000*8)
-	c.th[1] = clamp(c.th[1], c.cfgQ*1000/8, c.cfgQ*1000*8)
-	c.prefill.Store(math.Float64bits(c.th[0] / 1000))
-	c.queue.Store(math.Float64bits(c.th[1] / 1000))
+	c.num = calLambda*c.num + y*p
+	c.den = calLambda*c.den + p*p
+	s := math.Max(0.125, math.Min(8, c.num/c.den))
+	c.mu.Unlock()
+	c.scale.Store(math.Float64bits(s))
 	c.samples.Add(1)
-}
-
-func clamp(x, lo, hi float64) float64 {
-	return math.Max(lo, math.Min(hi, x))
 }

@@ -8,18 +8,15 @@ import (
 )
 
 // TestCalibrationConvergesOnSlowWorker feeds TTFTs of a worker that is twice
-// as slow as configured (prefill and queue) and of one that matches the
-// configuration, and checks the fitted coefficients and the routing.
+// as slow as configured and of one that matches the configuration, and
+// checks the fitted factors, coefficients and routing.
 func TestCalibrationConvergesOnSlowWorker(t *testing.T) {
 	r := newTestRouter(t, "kv", 2, nil)
 	cc := r.Config().Cost
 	rng := rand.New(rand.NewSource(3))
-	for i := 0; i < 400; i++ {
+	for i := 0; i < 600; i++ {
 		w := WorkerID(i % 2)
-		slow := 1.0
-		if w == 1 {
-			slow = 2
-		}
+		slow := 1.0 + float64(w)
 		// Some requests already queued on the worker.
 		var queued []*Active
 		for k := rng.Intn(4); k > 0; k-- {
@@ -27,11 +24,9 @@ func TestCalibrationConvergesOnSlowWorker(t *testing.T) {
 		}
 		q := &Request{Pinned: true, Pin: w, PromptTokens: 50 + rng.Intn(20000)}
 		d, a := mustRoute(t, r, q)
-		u, qt := float64(a.uncached), float64(a.queued)
-		chunk := math.Min(u, float64(cc.PrefillChunkTokens))
-		truth := a.offsetMs + slow*(cc.PrefillMsPerToken*u+cc.PrefillMsPerToken2*u*chunk+cc.QueueMsPerToken*qt)
-		truth *= 1 + 0.05*rng.NormFloat64() // measurement noise
-		_ = d
+		c := d.Candidates[w]
+		truth := slow * cc.compute(&c, q.PromptTokens, c.PrefillTokens) // nothing cached, no fetch
+		truth *= 1 + 0.1*rng.NormFloat64()                              // measurement noise
 		a.ObserveTTFT(time.Duration(truth * float64(time.Millisecond)))
 		a.ObserveTTFT(time.Hour) // only the first observation counts
 		a.Free()
@@ -40,22 +35,21 @@ func TestCalibrationConvergesOnSlowWorker(t *testing.T) {
 		}
 	}
 	st := r.Workers()
-	near := func(got, want float64) bool { return math.Abs(got-want) <= 0.1*want }
-	if !near(st[0].PrefillMsPerToken, cc.PrefillMsPerToken) || !near(st[0].QueueMsPerToken, cc.QueueMsPerToken) {
-		t.Errorf("normal worker fitted %.4f / %.4f, want %.4f / %.4f",
-			st[0].PrefillMsPerToken, st[0].QueueMsPerToken, cc.PrefillMsPerToken, cc.QueueMsPerToken)
+	near := func(got, want float64) bool { return math.Abs(got-want) <= 0.05*want }
+	if !near(st[0].Slowdown, 1) || !near(st[1].Slowdown, 2) {
+		t.Errorf("slowdowns %.3f and %.3f, want 1 and 2", st[0].Slowdown, st[1].Slowdown)
 	}
 	if !near(st[1].PrefillMsPerToken, 2*cc.PrefillMsPerToken) || !near(st[1].QueueMsPerToken, 2*cc.QueueMsPerToken) {
-		t.Errorf("slow worker fitted %.4f / %.4f, want %.4f / %.4f",
+		t.Errorf("slow worker coefficients %.4f / %.4f, want %.4f / %.4f",
 			st[1].PrefillMsPerToken, st[1].QueueMsPerToken, 2*cc.PrefillMsPerToken, 2*cc.QueueMsPerToken)
 	}
-	if st[1].TTFTSamples != 200 {
-		t.Errorf("samples %d, want 200", st[1].TTFTSamples)
+	if st[1].TTFTSamples != 300 {
+		t.Errorf("samples %d, want 300", st[1].TTFTSamples)
 	}
-	// The slow worker now looks slower for the same request.
+	// The slow worker now looks twice as slow for the same request.
 	d, _ := r.Select(&Request{PromptTokens: 4000})
-	if d.Worker != 0 || d.Candidates[1].CostMs < 1.5*d.Candidates[0].CostMs-20 {
-		t.Errorf("calibrated costs %+v", d.Candidates)
+	if d.Worker != 0 || !near(d.Candidates[1].CostMs, 2*d.Candidates[0].CostMs) {
+		t.Errorf("calibrated costs %.1f and %.1f", d.Candidates[0].CostMs, d.Candidates[1].CostMs)
 	}
 	if !r.Idle() {
 		t.Error("not idle")

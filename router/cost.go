@@ -57,20 +57,38 @@ func (c *CostConfig) validate() error {
 	return nil
 }
 
-// coeffs are one worker's fitted (or configured) linear coefficients.
-type coeffs struct{ prefill, queue float64 }
-
 // predict is the kv cost model: predicted TTFT in ms of a request with
-// promptTokens on the candidate c. It is a pure function of its arguments.
-// engineQueue is the engine's own view of queued prefill tokens (0 if none);
-// the larger of it and the router's view is used.
-func (cc *CostConfig) predict(co coeffs, c *Candidate, promptTokens, blockSize int, engineQueue int64) float64 {
+// promptTokens on the candidate c, whose worker runs at slowdown factor
+// scale (1 = as configured; see calibrator). It is a pure function of its
+// arguments. engineQueue is the engine's own view of queued prefill tokens
+// (0 if none); the larger of it and the router's view is used.
+func (cc *CostConfig) predict(scale float64, c *Candidate, promptTokens, blockSize int, engineQueue int64) float64 {
 	u := uncachedTokens(promptTokens, c.Overlap, blockSize)
 	q := c.PrefillTokens
 	if engineQueue > q {
 		q = engineQueue
 	}
-	return cc.offset(c, u) + co.queue*float64(q) + co.prefill*cc.effectiveTokens(u)
+	return scale*cc.compute(c, u, q) + cc.fetch(c)
+}
+
+// compute is the predicted compute time at the configured speed: base per
+// chunk, decode pressure, queued and uncached prefill.
+func (cc *CostConfig) compute(c *Candidate, uncached int, queued int64) float64 {
+	steps := 1
+	if cc.PrefillChunkTokens > 0 && uncached > cc.PrefillChunkTokens {
+		steps = (uncached + cc.PrefillChunkTokens - 1) / cc.PrefillChunkTokens
+	}
+	return cc.PrefillBaseMs*float64(steps) + cc.DecodeMsPerBlock*float64(c.ActiveBlocks) +
+		cc.QueueMsPerToken*float64(queued) + cc.PrefillMsPerToken*cc.effectiveTokens(uncached)
+}
+
+// fetch is the time to load the blocks c holds below the device tier.
+func (cc *CostConfig) fetch(c *Candidate) float64 {
+	ms := 0.0
+	for t := kv.TierHost; t < kv.NumTiers; t++ {
+		ms += float64(c.Tiers[t]) * cc.FetchMsPerBlock[t]
+	}
+	return ms
 }
 
 // effectiveTokens folds the quadratic term into the linear one: the tokens
@@ -84,20 +102,6 @@ func (cc *CostConfig) effectiveTokens(u int) float64 {
 		chunk = cc.PrefillChunkTokens
 	}
 	return float64(u) + cc.PrefillMsPerToken2/cc.PrefillMsPerToken*float64(u)*float64(chunk)
-}
-
-// offset is the part of the prediction that the fitted coefficients do not
-// scale: base per chunk, decode pressure and fetch of lower-tier blocks.
-func (cc *CostConfig) offset(c *Candidate, uncached int) float64 {
-	steps := 1
-	if cc.PrefillChunkTokens > 0 && uncached > cc.PrefillChunkTokens {
-		steps = (uncached + cc.PrefillChunkTokens - 1) / cc.PrefillChunkTokens
-	}
-	ms := cc.PrefillBaseMs*float64(steps) + cc.DecodeMsPerBlock*float64(c.ActiveBlocks)
-	for t := kv.TierHost; t < kv.NumTiers; t++ {
-		ms += float64(c.Tiers[t]) * cc.FetchMsPerBlock[t]
-	}
-	return ms
 }
 
 func uncachedTokens(promptTokens, overlap, blockSize int) int {

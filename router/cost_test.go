@@ -21,7 +21,7 @@ func mockPrefillMs(u int) float64 {
 
 func TestCostModelFollowsMockTiming(t *testing.T) {
 	cc := DefaultCostConfig()
-	co := coeffs{cc.PrefillMsPerToken, cc.QueueMsPerToken}
+	co := 1.0
 	for _, u := range []int{16, 500, 2000, 8000, 20000, 64000} {
 		got := cc.predict(co, &Candidate{}, u, 16, 0)
 		want := mockPrefillMs(u)
@@ -33,7 +33,7 @@ func TestCostModelFollowsMockTiming(t *testing.T) {
 
 func TestCostModelTerms(t *testing.T) {
 	cc := DefaultCostConfig()
-	co := coeffs{cc.PrefillMsPerToken, cc.QueueMsPerToken}
+	co := 1.0
 	base := cc.predict(co, &Candidate{}, 1600, 16, 0)
 	hit := cc.predict(co, &Candidate{Overlap: 50, Tiers: [kv.NumTiers]int32{50}}, 1600, 16, 0)
 	host := cc.predict(co, &Candidate{Overlap: 50, Tiers: [kv.NumTiers]int32{0, 50}}, 1600, 16, 0)

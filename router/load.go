@@ -37,16 +37,14 @@ type worker struct {
 	avgUncached            atomic.Uint64 // float64 bits: EWMA of uncached tokens per request
 }
 
-func newWorker(id WorkerID, name string, cost *CostConfig) *worker {
+func newWorker(id WorkerID, name string) *worker {
 	w := &worker{id: id, name: name, instance: InstanceID(name), refs: make(map[kv.BlockHash]int32)}
 	w.available.Store(true)
 	w.approx.Store(true)
 	w.engKVUsage.Store(math.Float64bits(math.NaN()))
-	w.cal.init(cost)
+	w.cal.init()
 	return w
 }
-
-func (w *worker) coeffs() coeffs { return w.cal.coeffs() }
 
 func (w *worker) engUsage() float64 {
 	u := math.Float64frombits(w.engKVUsage.Load())
@@ -78,7 +76,6 @@ func (w *worker) add(a *Active) bool {
 	if w.removed.Load() {
 		return false
 	}
-	a.queued = w.prefill.Load()
 	newBlocks := a.partial
 	for _, h := range a.hashes {
 		n := w.refs[h]
@@ -125,10 +122,10 @@ type Active struct {
 	out     int64 // output blocks counted in w.active
 	freed   bool
 
-	uncached int64   // predicted at Commit, for calibration; -1 once observed
-	queued   int64   // w's queued prefill tokens at Commit, for calibration
-	effTok   float64 // uncached tokens with the quadratic term folded in
-	offsetMs float64 // the prediction's part not explained by uncached or queued tokens
+	uncached int64   // predicted uncached prompt tokens
+	observed bool    // ObserveTTFT already counted
+	fetchMs  float64 // predicted at Commit: fetch time
+	computMs float64 // predicted at Commit: compute time at the configured speed
 }
 
 // live locks a and w and reports whether a still acts on w's counters; the
@@ -200,16 +197,16 @@ func (a *Active) Free() {
 }
 
 // ObserveTTFT reports the request's measured time to first token; with
-// Config.Calibrate it refits the worker's cost coefficients. Only the first
+// Config.Calibrate it refits the worker's slowdown factor. Only the first
 // observation of an Active counts; it is a no-op after Free.
 func (a *Active) ObserveTTFT(d time.Duration) {
 	a.mu.Lock()
-	if a.freed || a.w == nil || a.uncached < 0 {
+	if a.freed || a.w == nil || a.observed {
 		a.mu.Unlock()
 		return
 	}
-	u, q, off, w := a.effTok, a.queued, a.offsetMs, a.w
-	a.uncached = -1
+	a.observed = true
+	y, p, w := float64(d)/float64(time.Millisecond)-a.fetchMs, a.computMs, a.w
 	a.mu.Unlock()
-	w.cal.observe(float64(d)/float64(time.Millisecond)-off, u, float64(q))
+	w.cal.observe(y, p)
 }

@@ -117,7 +117,9 @@ type WorkerStatus struct {
 	PrefillTokens int64
 	ActiveBlocks  int64
 	IndexedBlocks int
-	// Cost coefficients in use (fitted when Config.Calibrate).
+	// Slowdown is the fitted speed factor (1 = as configured; 2 = twice as
+	// slow), and the coefficients below are the configured ones times it.
+	Slowdown          float64
 	PrefillMsPerToken float64
 	QueueMsPerToken   float64
 	TTFTSamples       int64
@@ -218,7 +220,7 @@ func (r *Router) AddWorker(name string) WorkerID {
 		return id.(WorkerID)
 	}
 	old := *r.workers.Load()
-	w := newWorker(WorkerID(len(old)), name, &r.cfg.Cost)
+	w := newWorker(WorkerID(len(old)), name)
 	w.cal.enabled.Store(r.cfg.Calibrate)
 	ws := make([]*worker, len(old)+1)
 	copy(ws, old)
@@ -299,13 +301,14 @@ func (r *Router) Workers() []WorkerStatus {
 	ws := *r.workers.Load()
 	out := make([]WorkerStatus, len(ws))
 	for i, w := range ws {
-		co := w.coeffs()
+		sc := w.cal.factor()
 		out[i] = WorkerStatus{
 			Name: w.name, ID: w.id, InstanceID: w.instance,
 			Available: w.available.Load(), Removed: w.removed.Load(), Approximate: w.approx.Load(),
 			Inflight: w.inflight.Load(), PrefillTokens: w.prefill.Load(), ActiveBlocks: w.active.Load(),
 			IndexedBlocks:     r.index.WorkerBlocks(w.id),
-			PrefillMsPerToken: co.prefill, QueueMsPerToken: co.queue,
+			Slowdown:          sc,
+			PrefillMsPerToken: sc * r.cfg.Cost.PrefillMsPerToken, QueueMsPerToken: sc * r.cfg.Cost.QueueMsPerToken,
 			TTFTSamples:   w.cal.samples.Load(),
 			EngineWaiting: w.engWaiting.Load(), EngineRunning: w.engRunning.Load(),
 			EngineKVUsage: w.engUsage(),
@@ -393,8 +396,7 @@ func (r *Router) selectWorker(req *Request) (Decision, error) {
 			c.Overlap, c.Tiers = int(o.Depth), o.Tiers
 			pos[w.id] = -1
 		}
-		co := w.coeffs()
-		c.CostMs = r.cfg.Cost.predict(co, &c, req.PromptTokens, bs, w.engineQueue(bs))
+		c.CostMs = r.cfg.Cost.predict(w.cal.factor(), &c, req.PromptTokens, bs, w.engineQueue(bs))
 		c.Score = c.CostMs
 		cands = append(cands, c)
 	}
@@ -450,12 +452,12 @@ func (r *Router) commit(req *Request, d *Decision) *Active {
 		partial = 1
 	}
 	a := &Active{w: w, partial: partial, prefill: uncached, uncached: uncached}
-	a.effTok = r.cfg.Cost.effectiveTokens(int(uncached))
+	c := Candidate{ActiveBlocks: w.active.Load(), PrefillTokens: w.prefill.Load()}
 	if k := candIndex(d.Candidates, d.Worker); k >= 0 {
-		a.offsetMs = r.cfg.Cost.offset(&d.Candidates[k], int(uncached))
-	} else {
-		a.offsetMs = r.cfg.Cost.offset(&Candidate{ActiveBlocks: w.active.Load()}, int(uncached))
+		c = d.Candidates[k]
 	}
+	a.fetchMs = r.cfg.Cost.fetch(&c)
+	a.computMs = r.cfg.Cost.compute(&c, int(uncached), c.PrefillTokens)
 	a.hashes = append([]kv.BlockHash(nil), req.Hashes...)
 	if !w.add(a) {
 		a.freed = true // worker removed meanwhile
