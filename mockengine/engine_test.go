@@ -697,3 +697,51 @@ func TestCloseDuringStreams(t *testing.T) {
 		t.Fatalf("after Close: %+v", st)
 	}
 }
+
+// The server keeps the model's time: first token after the prefill step,
+// the last after the decode steps, never earlier (a loaded machine may make
+// them later, hence the loose upper bound).
+func TestRealTimeFollowsModel(t *testing.T) {
+	e, url := startEngine(t, Config{Speedup: 1})
+	ids := make([]int, 2000)
+	for i := range ids {
+		ids[i] = 100 + i
+	}
+	// Compute the expected schedule with a Model of the same configuration.
+	m := NewModel(ModelConfig{BlockSize: 16, CacheBlocks: e.cfg.CacheBlocks, MaxNumSeqs: e.cfg.MaxNumSeqs, MaxNumBatchedTokens: e.cfg.MaxNumBatchedTokens})
+	p := make([]uint32, len(ids))
+	for i, v := range ids {
+		p[i] = uint32(v)
+	}
+	mustAdd(t, m, &Seq{ID: 1, Prompt: p, MaxTokens: 10})
+	var ttft, total time.Duration
+	for !m.Idle() {
+		d, out := m.Step()
+		total += d
+		if len(out) > 0 && out[0].Generated == 1 {
+			ttft = total
+		}
+	}
+	b, _ := json.Marshal(map[string]any{"prompt": ids, "max_tokens": 10, "ignore_eos": true, "stream": true})
+	start := time.Now()
+	resp, err := http.Post(url+"/v1/completions", "application/json", bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	var first time.Duration
+	for sc.Scan() {
+		if first == 0 && strings.HasPrefix(sc.Text(), "data: {") {
+			first = time.Since(start)
+		}
+	}
+	all := time.Since(start)
+	if first < ttft || first > ttft+300*time.Millisecond {
+		t.Fatalf("first token after %v, the model says %v", first, ttft)
+	}
+	if all < total || all > total+300*time.Millisecond {
+		t.Fatalf("last token after %v, the model says %v", all, total)
+	}
+	t.Logf("ttft %v (model %v), total %v (model %v)", first, ttft, all, total)
+}
