@@ -148,7 +148,7 @@ func (d *VLLMDecoder) batch() (ts float64, dpRank int, err error) {
 			case "data_parallel_rank":
 				dpRank, err = d.rank()
 			default:
-				err = d.dec.Skip()
+				err = d.skip()
 			}
 			if err != nil {
 				return 0, 0, err
@@ -178,7 +178,7 @@ func (d *VLLMDecoder) batch() (ts float64, dpRank int, err error) {
 		}
 	}
 	for i := 3; i < n; i++ {
-		if err := d.dec.Skip(); err != nil {
+		if err := d.skip(); err != nil {
 			return 0, 0, err
 		}
 	}
@@ -431,7 +431,7 @@ func (d *VLLMDecoder) field(p *pending, f fieldID) error {
 	case fLoraName:
 		p.loraName, err = d.optStr()
 	default:
-		err = d.dec.Skip()
+		err = d.skip()
 	}
 	if err != nil {
 		return fmt.Errorf("%s: %w", fieldNames[f], err)
@@ -504,7 +504,7 @@ func (d *VLLMDecoder) extraKeys(p *pending) error {
 	}
 	for i := 0; i < n; i++ {
 		if i > 0 {
-			if err := d.dec.Skip(); err != nil {
+			if err := d.skip(); err != nil {
 				return err
 			}
 			continue
@@ -525,7 +525,7 @@ func (d *VLLMDecoder) extraKeys(p *pending) error {
 				return err
 			}
 			if !msgpcode.IsString(c) || p.nExtra == len(p.extra) {
-				if err := d.dec.Skip(); err != nil {
+				if err := d.skip(); err != nil {
 					return err
 				}
 				continue
@@ -598,7 +598,7 @@ func (d *VLLMDecoder) optHash() (ok bool, h uint64, err error) {
 	}
 	switch {
 	case c == msgpcode.Nil:
-		return false, 0, d.dec.Skip()
+		return false, 0, d.skip()
 	case msgpcode.IsBin(c) || msgpcode.IsString(c):
 		b, err := d.str()
 		if err != nil {
@@ -672,11 +672,140 @@ func (d *VLLMDecoder) firstOfTuple() (uint64, error) {
 		return 0, fmt.Errorf("token id %d out of range", v)
 	}
 	for j := 1; j < n; j++ {
-		if err := d.dec.Skip(); err != nil {
+		if err := d.skip(); err != nil {
 			return 0, err
 		}
 	}
 	return uint64(v), nil
+}
+
+// maxSkipDepth bounds the nesting of a value skipped without decoding.
+const maxSkipDepth = 64
+
+// skip passes over one value of any type (unknown fields, extra keys). It
+// measures the value in the payload bytes and seeks past it: nothing is
+// allocated or copied, and a length that claims more bytes than are left is
+// an error at once.
+func (d *VLLMDecoder) skip() error {
+	buf := d.payload[len(d.payload)-d.rd.Len():]
+	n, err := mpSize(buf, 0)
+	if err != nil {
+		return err
+	}
+	_, err = d.rd.Seek(int64(n), io.SeekCurrent)
+	return err
+}
+
+var errTruncated = errors.New("value runs past the end of the payload")
+
+// mpSize is the encoded size of the msgpack value at the start of b.
+func mpSize(b []byte, depth int) (int, error) {
+	if len(b) == 0 {
+		return 0, errTruncated
+	}
+	if depth > maxSkipDepth {
+		return 0, errors.New("values nested too deeply")
+	}
+	c := b[0]
+	length := func(w int) (int, error) { // a big-endian length of w bytes after the code
+		if len(b) < 1+w {
+			return 0, errTruncated
+		}
+		switch w {
+		case 1:
+			return int(b[1]), nil
+		case 2:
+			return int(binary.BigEndian.Uint16(b[1:])), nil
+		}
+		return int(binary.BigEndian.Uint32(b[1:])), nil
+	}
+	blob := func(w, extra int) (int, error) { // length-prefixed bytes
+		n, err := length(w)
+		if err != nil {
+			return 0, err
+		}
+		if size := 1 + w + extra + n; size <= len(b) {
+			return size, nil
+		}
+		return 0, errTruncated
+	}
+	items := func(head, n int) (int, error) { // n values after a head of head bytes
+		if n > len(b)-head {
+			return 0, errTruncated
+		}
+		off := head
+		for i := 0; i < n; i++ {
+			m, err := mpSize(b[off:], depth+1)
+			if err != nil {
+				return 0, err
+			}
+			off += m
+		}
+		return off, nil
+	}
+	fixed := func(size int) (int, error) {
+		if size > len(b) {
+			return 0, errTruncated
+		}
+		return size, nil
+	}
+	switch {
+	case c <= 0x7f || c >= 0xe0 || c == 0xc0 || c == 0xc2 || c == 0xc3:
+		return 1, nil
+	case c <= 0x8f: // fixmap
+		return items(1, 2*int(c&0x0f))
+	case c <= 0x9f: // fixarray
+		return items(1, int(c&0x0f))
+	case c <= 0xbf: // fixstr
+		return fixed(1 + int(c&0x1f))
+	}
+	switch c {
+	case 0xc4, 0xd9: // bin8, str8
+		return blob(1, 0)
+	case 0xc5, 0xda:
+		return blob(2, 0)
+	case 0xc6, 0xdb:
+		return blob(4, 0)
+	case 0xc7: // ext8: len, type, data
+		return blob(1, 1)
+	case 0xc8:
+		return blob(2, 1)
+	case 0xc9:
+		return blob(4, 1)
+	case 0xca: // float32
+		return fixed(5)
+	case 0xcb:
+		return fixed(9)
+	case 0xcc, 0xd0:
+		return fixed(2)
+	case 0xcd, 0xd1:
+		return fixed(3)
+	case 0xce, 0xd2:
+		return fixed(5)
+	case 0xcf, 0xd3:
+		return fixed(9)
+	case 0xd4, 0xd5, 0xd6, 0xd7, 0xd8: // fixext 1, 2, 4, 8, 16: type, data
+		return fixed(2 + 1<<(c-0xd4))
+	case 0xdc, 0xde: // array16, map16
+		n, err := length(2)
+		if err != nil {
+			return 0, err
+		}
+		if c == 0xde {
+			n *= 2
+		}
+		return items(3, n)
+	case 0xdd, 0xdf:
+		n, err := length(4)
+		if err != nil {
+			return 0, err
+		}
+		if c == 0xdf {
+			n *= 2
+		}
+		return items(5, n)
+	}
+	return 0, fmt.Errorf("invalid msgpack code 0x%x", c)
 }
 
 // mpIntBitsAt decodes any msgpack integer at the start of b, keeping the
@@ -765,7 +894,7 @@ func (d *VLLMDecoder) optStr() (string, error) {
 		return "", err
 	}
 	if c == msgpcode.Nil {
-		return "", d.dec.Skip()
+		return "", d.skip()
 	}
 	b, err := d.str()
 	if err != nil {

@@ -406,3 +406,42 @@ func TestDecodeVLLMCacheSalt(t *testing.T) {
 		t.Error("out of range must be empty")
 	}
 }
+
+// mpSize measures every kind of msgpack value exactly as encoded by the
+// library, and rejects lengths that run past the input.
+func TestMsgpackSize(t *testing.T) {
+	vals := []any{
+		nil, true, false, 0, 1, -1, 127, 128, -33, 300, -300, 70000, -70000, 1 << 40, -(1 << 40), uint64(1 << 63),
+		float32(1.5), 2.5, "", "x", strings.Repeat("s", 31), strings.Repeat("s", 32), strings.Repeat("s", 300), strings.Repeat("s", 70000),
+		[]byte{}, []byte{1, 2}, bytes.Repeat([]byte{3}, 300), bytes.Repeat([]byte{3}, 70000),
+		[]any{}, []any{1, "a", []any{nil}}, make([]int, 20), make([]int, 70000),
+		map[string]any{}, map[string]any{"a": 1, "b": []any{map[string]any{"c": "d"}}}, map[string]int{"0": 0, "1": 1, "2": 2, "3": 3, "4": 4, "5": 5, "6": 6, "7": 7, "8": 8, "9": 9, "10": 10, "11": 11, "12": 12, "13": 13, "14": 14, "15": 15, "16": 16},
+	}
+	for _, v := range vals {
+		b, err := msgpack.Marshal(v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, err := mpSize(b, 0)
+		if err != nil || n != len(b) {
+			t.Fatalf("%T %.20v: size %d err %v, encoded %d bytes", v, v, n, err, len(b))
+		}
+		if len(b) > 1 {
+			if _, err := mpSize(b[:len(b)-1], 0); err == nil {
+				t.Fatalf("%T %.20v: truncated encoding accepted", v, v)
+			}
+		}
+	}
+	// ext types, fixed and variable
+	for _, ext := range [][]byte{{0xd4, 1, 9}, {0xd5, 1, 9, 9}, {0xd6, 1, 0, 0, 0, 0}, {0xd7, 1, 0, 0, 0, 0, 0, 0, 0, 0}, {0xc7, 2, 5, 7, 7}, {0xc8, 0, 1, 5, 7}, {0xc9, 0, 0, 0, 0, 5}} {
+		if n, err := mpSize(ext, 0); err != nil || n != len(ext) {
+			t.Fatalf("ext %x: %d %v", ext, n, err)
+		}
+	}
+	// a huge claimed length, deep nesting, the never-used code
+	for _, bad := range [][]byte{{0xc9, 0x08, 0xbe, 0x01, 0x4a, 0x89}, bytes.Repeat([]byte{0x91}, 200), {0xc1}} {
+		if _, err := mpSize(bad, 0); err == nil {
+			t.Fatalf("%x accepted", bad)
+		}
+	}
+}
