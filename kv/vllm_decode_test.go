@@ -265,12 +265,14 @@ func BenchmarkDecodeVLLM(b *testing.B) {
 	var d VLLMDecoder
 	b.SetBytes(int64(len(payload)))
 	b.ReportAllocs()
+	cpu0 := cpuTime()
 	for b.Loop() {
 		if _, _, _, err := d.Decode(payload); err != nil {
 			b.Fatal(err)
 		}
 	}
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*32), "ns/block")
+	b.ReportMetric(float64((cpuTime()-cpu0).Nanoseconds())/float64(b.N*32), "cpu-ns/block")
 }
 
 func FuzzDecodeVLLM(f *testing.F) {
