@@ -1,0 +1,7 @@
+//go:build !unix
+
+package mockengine
+
+import "time"
+
+func cpuTime() time.Duration { return -1 }
