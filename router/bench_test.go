@@ -40,11 +40,11 @@ func BenchmarkIndexMatch(b *testing.B) {
 	h := fillIndex(x, 1_000_000)
 	buf := make([]Overlap, 0, benchWorkers)
 	b.ReportAllocs()
-	b.ResetTimer()
+	t := startCPU(b)
 	for i := 0; i < b.N; i++ {
 		buf = x.Match(h, buf)
 	}
-	b.StopTimer()
+	t.stop()
 	if len(buf) != benchWorkers {
 		b.Fatalf("matched %d workers", len(buf))
 	}
@@ -58,10 +58,11 @@ func BenchmarkIndexStore(b *testing.B) {
 		convs[i] = seq(benchPrompt, uint64(1_000_000+i))
 	}
 	b.ReportAllocs()
-	b.ResetTimer()
+	t := startCPU(b)
 	for i := 0; i < b.N; i++ {
 		x.Store(WorkerID(i%benchWorkers), convs[i%len(convs)], kv.TierDevice, time.Minute)
 	}
+	t.stop()
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*benchPrompt), "ns/block")
 }
 
@@ -108,12 +109,13 @@ func BenchmarkSelect8k64Workers(b *testing.B) {
 				}
 			}
 			b.ReportAllocs()
-			b.ResetTimer()
+			t := startCPU(b)
 			for i := 0; i < b.N; i++ {
 				if _, err := r.Select(q); err != nil {
 					b.Fatal(err)
 				}
 			}
+			t.stop()
 		})
 	}
 }
@@ -130,11 +132,12 @@ func BenchmarkCommitFree(b *testing.B) {
 		b.Fatal(err)
 	}
 	b.ReportAllocs()
-	b.ResetTimer()
+	t := startCPU(b)
 	for i := 0; i < b.N; i++ {
 		a := r.Commit(q, d)
 		a.PrefillDone()
 		a.OutputBlock()
 		a.Free()
 	}
+	t.stop()
 }

@@ -274,11 +274,14 @@ func (x *MemIndex) Match(hashes []kv.BlockHash, dst []Overlap) []Overlap {
 		pos[s.worker] = int32(len(dst))
 		dst = append(dst, o)
 	}
-	alive := len(dst)
+	alive := len(dst) // workers holding the whole prefix so far
 	for d := int32(1); alive > 0 && int(d) < len(hashes); d++ {
+		prev := alive
 		alive = 0
 		h = hashes[d]
-		for i := x.home(h); slots[i].tiers != 0; i = (i + 1) & mask {
+		// Stop at the end of the probe run, or once every worker still in
+		// the running is found.
+		for i := x.home(h); alive < prev && slots[i].tiers != 0; i = (i + 1) & mask {
 			s := &slots[i]
 			if s.hash != h {
 				continue

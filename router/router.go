@@ -463,7 +463,7 @@ func (r *Router) commit(req *Request, d *Decision) *Active {
 		a.freed = true // worker removed meanwhile
 		return a
 	}
-	if w.approx.Load() && len(req.Hashes) > 0 {
+	if w.approx.Load() && len(req.Hashes) > 0 && !w.removed.Load() {
 		r.index.Store(w.id, req.Hashes, kv.TierDevice, r.cfg.IndexTTL)
 	}
 	r.policy.Commit(req, d)
