@@ -68,9 +68,10 @@ func (l *eventLog) cleared() {
 	l.list = append(l.list, kv.Event{Kind: kv.AllBlocksCleared})
 }
 
-// DrainEvents appends the cache events recorded since the last drain (only
-// with ModelConfig.RecordEvents) and forgets them. The events' slices are
-// never overwritten by the Model, so the caller may keep them.
+// DrainEvents appends the cache events recorded since the last drain (when
+// recording is on: ModelConfig.RecordEvents, SetRecordEvents) and forgets
+// them. The events' slices are never overwritten by the Model, so the
+// caller may keep them.
 func (m *Model) DrainEvents(dst []kv.Event) []kv.Event {
 	l := &m.events
 	dst = append(dst, l.list...)
