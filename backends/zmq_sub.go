@@ -239,7 +239,7 @@ func (s *ZMQSubscriber) dial(ctx context.Context) (zmq4.Socket, error) {
 		sub.Close()
 		return nil, err
 	}
-	if err := sub.Dial(s.cfg.Endpoint); err != nil {
+	if err := sub.Dial(dialEndpoint(s.cfg.Endpoint)); err != nil {
 		sub.Close()
 		return nil, err
 	}
@@ -408,7 +408,7 @@ func (s *ZMQSubscriber) replay(ctx context.Context, start uint64, fn func(seq ui
 	defer cancel()
 	dealer := zmq4.NewDealer(rctx, zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(s.cfg.DialTimeout))
 	defer dealer.Close()
-	if err := dealer.Dial(s.cfg.ReplayEndpoint); err != nil {
+	if err := dealer.Dial(dialEndpoint(s.cfg.ReplayEndpoint)); err != nil {
 		return err
 	}
 	var req [8]byte

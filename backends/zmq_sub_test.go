@@ -18,7 +18,7 @@ import (
 // [topic, seq, payload] and a ROUTER socket answering replay requests from a
 // bounded buffer, exactly as vLLM's ZmqEventPublisher does.
 type testEngine struct {
-	t        *testing.T
+	t        testing.TB
 	ctx      context.Context
 	pubAddr  string
 	pub      zmq4.Socket
@@ -31,11 +31,11 @@ type testEngine struct {
 	dropLive bool // buffer but do not publish (a lost message)
 }
 
-func newTestEngine(t *testing.T, bufMax int) *testEngine {
+func newTestEngine(t testing.TB, bufMax int) *testEngine {
 	return newTestEngineAt(t, bufMax, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
 }
 
-func newTestEngineAt(t *testing.T, bufMax int, pubEP, replayEP string) *testEngine {
+func newTestEngineAt(t testing.TB, bufMax int, pubEP, replayEP string) *testEngine {
 	ctx, cancel := context.WithCancel(context.Background())
 	e := &testEngine{t: t, ctx: ctx, bufMax: bufMax, topic: "kv@test"}
 	e.listenPub(pubEP)
@@ -524,4 +524,62 @@ func TestZMQSubscriberCacheSalt(t *testing.T) {
 	if d, _ := depth(t, r, "s", toks, kv.NewNamespace("salt-of-acme")); d != 1 {
 		t.Fatalf("salted depth %d (stats %+v)", d, f.sub.Stats())
 	}
+}
+
+// BenchmarkZMQFeed is the whole path over a real loopback socket: publish
+// vLLM batches (4 removals + 4 stores of 4 blocks: 32 block events each),
+// subscribe, decode, re-hash and index. It reports block events applied per
+// second.
+func BenchmarkZMQFeed(b *testing.B) {
+	eng := newTestEngine(b, 1<<20)
+	r := newRouter(b)
+	a := NewKVApplier(KVApplierConfig{Backend: "bench"}, r)
+	sub := NewZMQSubscriber(ZMQConfig{Endpoint: eng.pubAddr, ReplayEndpoint: eng.replayAddr(), BackoffMin: time.Millisecond}, a)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { sub.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	const ring = 64
+	payloads := make([][]byte, ring)
+	var first []kv.Event
+	for i := range payloads {
+		var evs []kv.Event
+		for e := 0; e < 4; e++ {
+			base := uint64(i*1000 + e*10)
+			hs := []uint64{base, base + 1, base + 2, base + 3}
+			evs = append(evs, kv.Event{Kind: kv.BlockRemoved, EngineHashes: hs})
+			first = append(first, kv.Event{Kind: kv.BlockStored, EngineHashes: hs, Tokens: tokens(64, uint32(base)), BlockSize: 16})
+		}
+		evs = append(evs, first[len(first)-4:]...)
+		payloads[i] = kv.AppendVLLMBatch(nil, 1, evs, 0, kv.VLLMArrays)
+	}
+	// Warm up until subscribed.
+	for {
+		seq := eng.publishRaw(kv.AppendVLLMBatch(nil, 1, first, 0, kv.VLLMArrays))
+		wctx, wcancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+		err := sub.Wait(wctx, func(s ZMQStats) bool { return s.LastSeq >= int64(seq) })
+		wcancel()
+		if err == nil {
+			break
+		}
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	cpu0 := cpuTime()
+	var last uint64
+	for i := 0; i < b.N; i++ {
+		last = eng.publishRaw(payloads[i%ring])
+	}
+	wctx, wcancel := context.WithTimeout(context.Background(), time.Minute)
+	defer wcancel()
+	if err := sub.Wait(wctx, func(s ZMQStats) bool { return s.LastSeq >= int64(last) }); err != nil {
+		b.Fatal(err)
+	}
+	b.StopTimer()
+	if st := sub.Stats(); st.Clears != 0 {
+		b.Fatalf("feed lost batches it could not replay: %+v", st)
+	}
+	b.ReportMetric(float64(b.N)*32/b.Elapsed().Seconds(), "blockevents/s")
+	// CPU of publisher and subscriber together, both in this process.
+	b.ReportMetric(float64(b.N)*32/(cpuTime()-cpu0).Seconds(), "blockevents/cpu-s")
 }
