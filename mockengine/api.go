@@ -199,7 +199,11 @@ func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiR
 		}
 	}
 	if len(prompt) == 0 {
-		return nil, nil, 0, invalid(map[bool]string{true: "messages", false: "prompt"}[chat], "the prompt is empty")
+		param := "prompt"
+		if chat {
+			param = "messages"
+		}
+		return nil, nil, 0, invalid(param, "the prompt is empty")
 	}
 	return &req, prompt, maxTokens, nil
 }
@@ -236,7 +240,11 @@ func (e *Engine) serveCompletion(w http.ResponseWriter, hr *http.Request, chat b
 		return
 	}
 	rs := &responder{e: e, chat: chat, created: time.Now().Unix(), promptTokens: len(prompt), maxTokens: maxTokens}
-	rs.id = fmt.Sprintf("%s-%s-%d", map[bool]string{true: "chatcmpl", false: "cmpl"}[chat], e.cfg.ID, r.seq.ID)
+	prefix := "cmpl"
+	if chat {
+		prefix = "chatcmpl"
+	}
+	rs.id = fmt.Sprintf("%s-%s-%d", prefix, e.cfg.ID, r.seq.ID)
 	ctx := hr.Context()
 	if req.Stream {
 		includeUsage := req.StreamOptions != nil && req.StreamOptions.IncludeUsage
