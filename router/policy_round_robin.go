@@ -10,12 +10,13 @@ func newRoundRobinPolicy(*Config) (Policy, error) { return &roundRobinPolicy{}, 
 
 // Pick takes the first candidate at or after the cursor, wrapping around.
 func (p *roundRobinPolicy) Pick(s *Snapshot) int {
-	next := WorkerID(p.next.Load())
-	for i := range s.Cands {
-		s.Cands[i].Score = float64((uint32(s.Cands[i].Worker) - uint32(next)) % (1 << 31))
+	next := int(p.next.Load())
+	n := int(s.Cands[len(s.Cands)-1].Worker) + 1
+	for i := range s.Cands { // distance from the cursor in cycle order
+		s.Cands[i].Score = float64((int(s.Cands[i].Worker) - next%n + n) % n)
 	}
 	for i := range s.Cands {
-		if s.Cands[i].Worker >= next {
+		if int(s.Cands[i].Worker) >= next {
 			return i
 		}
 	}
