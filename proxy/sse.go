@@ -35,32 +35,31 @@ var relayBufs = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b
 func (r *relay) run(w *bufio.Writer) {
 	x := r.x
 	bp := relayBufs.Get().(*[]byte)
-	buf := *bp
+	f := newSSEFramer(*bp)
 	defer func() {
-		*bp = buf[:cap(buf)]
-		relayBufs.Put(bp)
+		if cap(f.buf) <= 1<<20 {
+			*bp = f.buf
+			relayBufs.Put(bp)
+		}
 		r.body.Close()
 		fasthttp.ReleaseResponse(r.resp)
 		x.finish()
 	}()
-	start, end := 0, 0
 	for {
-		n, err := r.body.Read(buf[end:])
-		end += n
+		n, err := r.body.Read(f.free())
+		f.commit(n)
 		wrote := false
 		for {
-			i, sepLen := eventEnd(buf[start:end])
-			if i < 0 {
+			raw, content, ok := f.next()
+			if !ok {
 				break
 			}
-			ev := buf[start : start+i+sepLen]
-			r.onEvent(ev[:i])
-			if _, werr := w.Write(ev); werr != nil {
+			r.onEvent(content)
+			if _, werr := w.Write(raw); werr != nil {
 				r.clientGone()
 				return
 			}
 			wrote = true
-			start += i + sepLen
 		}
 		if wrote {
 			if ferr := w.Flush(); ferr != nil {
@@ -68,23 +67,13 @@ func (r *relay) run(w *bufio.Writer) {
 				return
 			}
 		}
-		if start > 0 {
-			end = copy(buf, buf[start:end])
-			start = 0
-		}
-		if end == len(buf) {
-			// One event larger than the buffer: grow.
-			nb := make([]byte, 2*len(buf))
-			copy(nb, buf[:end])
-			buf = nb
-		}
 		if err == nil {
 			continue
 		}
 		if errors.Is(err, io.EOF) && r.sawDone {
 			x.b.succeed()
-			if end > 0 { // bytes after [DONE] without a blank line
-				w.Write(buf[:end])
+			if rest := f.pending(); len(rest) > 0 { // bytes after [DONE] without a blank line
+				w.Write(rest)
 				w.Write([]byte("\n\n"))
 			}
 			w.Flush()
@@ -119,21 +108,6 @@ func (r *relay) clientGone() {
 	r.x.status = 499
 }
 
-// eventEnd finds the blank line ending the first SSE event in b: the index
-// where it starts and its length, or -1.
-func eventEnd(b []byte) (int, int) {
-	i := bytes.Index(b, []byte("\n\n"))
-	j := bytes.Index(b, []byte("\r\n\r\n"))
-	switch {
-	case i < 0 && j < 0:
-		return -1, 0
-	case j >= 0 && (i < 0 || j < i):
-		return j, 4
-	default:
-		return i, 2
-	}
-}
-
 var (
 	dataPrefix   = []byte("data:")
 	doneData     = []byte("[DONE]")
@@ -147,12 +121,15 @@ var (
 func (r *relay) onEvent(ev []byte) {
 	for len(ev) > 0 {
 		line := ev
-		if k := bytes.IndexByte(ev, '\n'); k >= 0 {
-			line, ev = ev[:k], ev[k+1:]
-		} else {
+		k := bytes.IndexAny(ev, "\r\n")
+		switch {
+		case k < 0:
 			ev = nil
+		case ev[k] == '\r' && k+1 < len(ev) && ev[k+1] == '\n':
+			line, ev = ev[:k], ev[k+2:]
+		default:
+			line, ev = ev[:k], ev[k+1:]
 		}
-		line = bytes.TrimSuffix(line, []byte("\r"))
 		if !bytes.HasPrefix(line, dataPrefix) {
 			continue
 		}

@@ -1,0 +1,74 @@
+package proxy
+
+// sseFramer cuts a byte stream into Server-Sent Events: the bytes up to and
+// including the blank line that ends each event. Lines may end in \n, \r\n or
+// \r (the SSE grammar). Events come out the same however the stream is split
+// into reads; a \r at the end of the data waits for the next byte, which may
+// make it \r\n.
+//
+// Use: read into free(), commit(n), then next() until it reports false.
+type sseFramer struct {
+	buf        []byte
+	start, end int
+}
+
+func newSSEFramer(buf []byte) *sseFramer { return &sseFramer{buf: buf[:cap(buf)]} }
+
+// free returns space to read into, compacting or growing the buffer.
+func (f *sseFramer) free() []byte {
+	if f.start > 0 {
+		f.end = copy(f.buf, f.buf[f.start:f.end])
+		f.start = 0
+	}
+	if f.end == len(f.buf) {
+		nb := make([]byte, 2*len(f.buf)+512) // one event larger than the buffer
+		copy(nb, f.buf[:f.end])
+		f.buf = nb
+	}
+	return f.buf[f.end:]
+}
+
+func (f *sseFramer) commit(n int) { f.end += n }
+
+// next returns the next complete event with its terminating blank line
+// (raw) and without it (content).
+func (f *sseFramer) next() (raw, content []byte, ok bool) {
+	b := f.buf[f.start:f.end]
+	contentEnd, total := eventEnd(b)
+	if contentEnd < 0 {
+		return nil, nil, false
+	}
+	f.start += total
+	return b[:total], b[:contentEnd], true
+}
+
+// pending is the start of an event not yet complete.
+func (f *sseFramer) pending() []byte { return f.buf[f.start:f.end] }
+
+// eventEnd finds the blank line ending the first event of b: the length of
+// the event's content and of the event with its blank line, or -1 when b
+// holds no complete event yet.
+func eventEnd(b []byte) (contentEnd, total int) {
+	pos := 0 // start of the current line
+	for i := 0; i < len(b); i++ {
+		c := b[i]
+		if c != '\n' && c != '\r' {
+			continue
+		}
+		n := 1
+		if c == '\r' {
+			if i+1 == len(b) {
+				return -1, 0 // \r or \r\n: undecided until the next byte
+			}
+			if b[i+1] == '\n' {
+				n = 2
+			}
+		}
+		if i == pos { // an empty line: the event ends
+			return pos, i + n
+		}
+		i += n - 1
+		pos = i + 1
+	}
+	return -1, 0
+}
