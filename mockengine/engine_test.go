@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -744,4 +745,62 @@ func TestRealTimeFollowsModel(t *testing.T) {
 		t.Fatalf("last token after %v, the model says %v", all, total)
 	}
 	t.Logf("ttft %v (model %v), total %v (model %v)", first, ttft, all, total)
+}
+
+// Many concurrent clients, a fifth of them hanging up mid-answer: every
+// request ends as finished or aborted, and nothing is left running,
+// allocated or parked in a goroutine.
+func TestConcurrentClientsWithDisconnects(t *testing.T) {
+	before := runtime.NumGoroutine()
+	e, err := New(Config{Speedup: 200, CacheBlocks: 2000, MaxNumSeqs: 32})
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr, err := e.Start("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := &http.Transport{MaxIdleConnsPerHost: 200}
+	client := &http.Client{Transport: tr}
+	const n = 200
+	shared := strings.Repeat("A shared system prompt that every client sends first. ", 4)
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			body := fmt.Sprintf(`{"prompt":"%s then question %d","max_tokens":%d,"stream":%v}`, shared, i%17, 5+i%40, i%2 == 0)
+			req, _ := http.NewRequestWithContext(ctx, "POST", "http://"+addr+"/v1/completions", strings.NewReader(body))
+			resp, err := client.Do(req)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			defer resp.Body.Close()
+			if i%5 == 0 {
+				cancel() // hang up early
+			}
+			io.Copy(io.Discard, resp.Body)
+		}(i)
+	}
+	wg.Wait()
+	waitIdle(t, e)
+	st := e.Stats()
+	if st.Requests != n || st.Finished+st.Aborts != n || st.Running != 0 || st.Waiting != 0 || st.KVUsage != 0 {
+		t.Fatalf("after the storm: %+v", st)
+	}
+	if st.Aborts == 0 || st.PrefixHits == 0 {
+		t.Fatalf("the storm must abort some requests and hit the cache: %+v", st)
+	}
+	tr.CloseIdleConnections()
+	e.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for runtime.NumGoroutine() > before+2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("goroutines: %d before, %d after", before, runtime.NumGoroutine())
+		}
+		runtime.Gosched()
+	}
 }
