@@ -123,6 +123,9 @@ type KVEvents struct {
 	Endpoint string `yaml:"endpoint"` // zmq: publisher, e.g. tcp://10.0.0.11:5557
 	Replay   string `yaml:"replay"`   // zmq: replay ROUTER endpoint (optional)
 	Topic    string `yaml:"topic"`    // zmq: topic filter ("" = all)
+	// DPSize is the engine's data-parallel size: rank r publishes on the
+	// endpoints' port + r, as vLLM does. 0 or 1: one rank.
+	DPSize int `yaml:"dp_size"`
 }
 
 // MockEngine settings for a kind: mock backend, started in-process on the
@@ -516,6 +519,9 @@ func (c *Config) Validate() error {
 			}
 		default:
 			add(f+".kv_events.mode", "want none, zmq or http, got %q", b.KVEvents.Mode)
+		}
+		if b.KVEvents.DPSize < 0 || b.KVEvents.DPSize > 1024 {
+			add(f+".kv_events.dp_size", "must be between 0 and 1024")
 		}
 		if b.MaxConcurrency < 0 {
 			add(f+".max_concurrency", "must not be negative")

@@ -35,7 +35,8 @@
 // §3); events carry token ids for the router to rehash. Only /debug/cache
 // also reports router-scheme hashes, for comparisons.
 //
-// mockengine must not know about the router, the proxy or any transport of KV
-// events (a publisher attaches through Config.OnEvents); it imports only kv
-// and tokenize.
+// mockengine must not know about the router or the proxy. The model and
+// server import only kv and tokenize; publisher.go adds the one transport a
+// simulated vLLM must speak, vLLM's ZMQ event publisher (zmq4), attached
+// through Config.OnEvents or PublishEvents.
 package mockengine

@@ -23,7 +23,7 @@ func (b *backend) startEvents() {
 		return
 	}
 	f, err := backends.StartKVFeed(backends.KVFeedConfig{
-		Backend: b.cfg.ID, Mode: mode, BlockSize: b.pool.cfg.BlockSize,
+		Backend: b.cfg.ID, Mode: mode, BlockSize: b.pool.cfg.BlockSize, DPSize: b.cfg.KVEvents.DPSize,
 		ZMQ: backends.ZMQConfig{Endpoint: b.cfg.KVEvents.Endpoint, ReplayEndpoint: b.cfg.KVEvents.Replay, Topic: b.cfg.KVEvents.Topic},
 	}, b.pool.rt)
 	if err != nil { // config validation makes this unreachable
