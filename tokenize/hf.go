@@ -1,6 +1,7 @@
 package tokenize
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -413,66 +414,101 @@ func (t *hfTokenizer) pairRank(l, r uint32) uint64 {
 	return noMerge
 }
 
-// addedVocab finds added tokens in text: leftmost match, longest at a
-// position, as Hugging Face's added-vocabulary split.
+// addedVocab finds added tokens in text: the leftmost match, the longest
+// at that position, as Hugging Face's added-vocabulary split. Tokens are
+// kept in a byte trie.
 type addedVocab struct {
-	ids     map[string]uint32
-	strip   map[string][2]bool // lstrip, rstrip
-	lengths []int              // distinct token lengths, longest first
-	first   [256]bool          // bytes an added token can start with
+	nodes []trieNode // nodes[0] is the root
+	toks  []addedTok
+	first [256]bool // bytes a token starts with
+}
+
+type trieNode struct {
+	edges []byte
+	child []int32
+	tok   int32 // index in toks of the token ending here, or -1
+}
+
+type addedTok struct {
+	id             uint32
+	lstrip, rstrip bool
 }
 
 func (a *addedVocab) add(content string, id uint32, lstrip, rstrip bool) {
 	if content == "" {
 		return
 	}
-	if a.ids == nil {
-		a.ids = make(map[string]uint32)
-		a.strip = make(map[string][2]bool)
-	}
-	a.ids[content] = id
-	if lstrip || rstrip {
-		a.strip[content] = [2]bool{lstrip, rstrip}
+	if a.nodes == nil {
+		a.nodes = []trieNode{{tok: -1}}
 	}
 	a.first[content[0]] = true
-	if !slices.Contains(a.lengths, len(content)) {
-		a.lengths = append(a.lengths, len(content))
-		slices.Sort(a.lengths)
-		slices.Reverse(a.lengths)
+	n := int32(0)
+	for i := 0; i < len(content); i++ {
+		k := bytes.IndexByte(a.nodes[n].edges, content[i])
+		if k < 0 {
+			a.nodes = append(a.nodes, trieNode{tok: -1})
+			a.nodes[n].edges = append(a.nodes[n].edges, content[i])
+			a.nodes[n].child = append(a.nodes[n].child, int32(len(a.nodes)-1))
+			k = len(a.nodes[n].edges) - 1
+		}
+		n = a.nodes[n].child[k]
 	}
+	if a.nodes[n].tok < 0 {
+		a.nodes[n].tok = int32(len(a.toks))
+		a.toks = append(a.toks, addedTok{})
+	}
+	a.toks[a.nodes[n].tok] = addedTok{id: id, lstrip: lstrip, rstrip: rstrip}
+}
+
+// longestAt returns the end of the longest added token starting at p, and
+// the token's index, or -1.
+func (a *addedVocab) longestAt(s string, p int) (end int, tok int32) {
+	n, tok := int32(0), int32(-1)
+	for k := p; k < len(s); k++ {
+		node := &a.nodes[n]
+		e := bytes.IndexByte(node.edges, s[k])
+		if e < 0 {
+			break
+		}
+		n = node.child[e]
+		if t := a.nodes[n].tok; t >= 0 {
+			end, tok = k+1, t
+		}
+	}
+	return end, tok
 }
 
 // next finds the first added token at or after i: text runs from i to
 // textEnd, the token (if tokEnd > textEnd) from textEnd to tokEnd. Without
 // a token, textEnd == tokEnd == len(s).
 func (a *addedVocab) next(s string, i int) (textEnd, tokEnd int, id uint32) {
-	if len(a.ids) == 0 {
+	if len(a.toks) == 0 {
 		return len(s), len(s), 0
 	}
+	root := a.nodes[0].edges
 	for p := i; p < len(s); p++ {
-		if !a.first[s[p]] {
+		if len(root) == 1 { // typically '<': jump to the next one
+			k := strings.IndexByte(s[p:], root[0])
+			if k < 0 {
+				break
+			}
+			p += k
+		} else if !a.first[s[p]] {
 			continue
 		}
-		for _, n := range a.lengths {
-			if p+n > len(s) {
-				continue
-			}
-			tok := s[p : p+n]
-			id, ok := a.ids[tok]
-			if !ok {
-				continue
-			}
-			start, end := p, p+n
-			if st, ok := a.strip[tok]; ok {
-				if st[0] {
-					start = i + len(strings.TrimRightFunc(s[i:start], unicode.IsSpace))
-				}
-				if st[1] {
-					end = len(s) - len(strings.TrimLeftFunc(s[end:], unicode.IsSpace))
-				}
-			}
-			return start, end, id
+		end, t := a.longestAt(s, p)
+		if t < 0 {
+			continue
 		}
+		tok := a.toks[t]
+		start := p
+		if tok.lstrip {
+			start = i + len(strings.TrimRightFunc(s[i:start], unicode.IsSpace))
+		}
+		if tok.rstrip {
+			end = len(s) - len(strings.TrimLeftFunc(s[end:], unicode.IsSpace))
+		}
+		return start, end, tok.id
 	}
 	return len(s), len(s), 0
 }
