@@ -16,8 +16,9 @@ import (
 // as slow as configured converges to s = 2, and the cost model multiplies
 // its whole prediction (fetch aside) by s. One factor rather than one per
 // coefficient: TTFTs are noisy (admission waits, batching), and in the
-// fleet simulator the single factor beat a two-coefficient RLS fit on both
-// homogeneous and heterogeneous fleets. s is clamped to [1/8, 8].
+// fleet simulator the single factor did as well as a two-coefficient RLS fit
+// on a homogeneous fleet and better on a heterogeneous one. s is clamped to
+// [1/8, 8].
 type calibrator struct {
 	enabled atomic.Bool
 	scale   atomic.Uint64 // float64 bits

@@ -35,8 +35,10 @@ type Config struct {
 	Dynamo         DynamoConfig     // kv_dynamo
 	PrefixHash     PrefixHashConfig // prefix_hash
 	CacheAware     CacheAwareConfig // cache_aware
-	// Calibrate refits each worker's PrefillMsPerToken and QueueMsPerToken
-	// online from ObserveTTFT. DefaultConfig turns it on.
+	// Calibrate fits each worker's slowdown factor online from ObserveTTFT
+	// (it scales the worker's predicted compute time; WorkerStatus shows it
+	// and the resulting PrefillMsPerToken and QueueMsPerToken). DefaultConfig
+	// turns it on.
 	Calibrate bool
 	// Now is the clock of index TTLs (nil: time.Now).
 	Now func() time.Time
