@@ -1,6 +1,7 @@
 package tokenize
 
 import (
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -12,6 +13,11 @@ import (
 // DefaultCacheEntries is the number of cached message renderings when
 // NewEncoder is given cacheEntries <= 0.
 const DefaultCacheEntries = 16384
+
+// CacheTokensPerEntry bounds the cache's memory: it holds at most
+// cacheEntries × CacheTokensPerEntry token ids (64 MiB of ids by default),
+// and never one piece above a quarter of a shard's share of that.
+const CacheTokensPerEntry = 1024
 
 const (
 	cacheShardBits = 6
@@ -49,7 +55,7 @@ func NewEncoder(tok Tokenizer, tmpl Template, cacheEntries int) *Encoder {
 	per := (cacheEntries + cacheShards - 1) / cacheShards
 	e := &Encoder{tok: tok, tmpl: tmpl}
 	for i := range e.shards {
-		e.shards[i].init(per)
+		e.shards[i].init(per, per*CacheTokensPerEntry)
 	}
 	e.scratch.New = func() any { return new(encScratch) }
 	return e
@@ -162,8 +168,10 @@ func pieceKey(p *piece) uint64 {
 type cacheShard struct {
 	mu      sync.RWMutex
 	index   map[uint64]int32 // key → position in entries
-	entries []cacheEntry
-	max     int
+	entries []cacheEntry     // a slot with ids == nil is free
+	max     int              // entries
+	budget  int              // tokens held by all entries
+	tokens  int
 	hand    int
 	_       [64]byte // keep shards on separate cache lines
 }
@@ -177,8 +185,8 @@ type cacheEntry struct {
 	ref     atomic.Bool
 }
 
-func (s *cacheShard) init(max int) {
-	s.max = max
+func (s *cacheShard) init(max, budget int) {
+	s.max, s.budget = max, budget
 	s.index = make(map[uint64]int32, max)
 	s.entries = make([]cacheEntry, 0, max)
 }
@@ -206,37 +214,54 @@ func (s *cacheShard) get(key uint64, p *piece) ([]uint32, bool) {
 }
 
 func (s *cacheShard) put(key uint64, p *piece, ids []uint32) {
+	if len(ids) == 0 || len(ids) > s.budget/4 { // not worth a slot, or would flush the shard
+		return
+	}
 	stored := cacheEntry{
 		key:     key,
 		literal: p.literal,
 		content: strings.Clone(p.msg.Content), // never pin a request buffer
-		ids:     append([]uint32(nil), ids...),
+		ids:     slices.Clone(ids),
 	}
 	if !p.literal {
 		stored.role = strings.Clone(p.msg.Role)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if i, ok := s.index[key]; ok { // raced with another miss, or a collision: replace
-		s.entries[i].set(&stored)
-		return
+	if i, ok := s.index[key]; ok { // raced with another miss, or a collision
+		s.evict(int(i))
 	}
+	slot := -1
 	if len(s.entries) < s.max {
 		s.entries = append(s.entries, cacheEntry{})
-		s.entries[len(s.entries)-1].set(&stored)
-		s.index[key] = int32(len(s.entries) - 1)
-		return
+		slot = len(s.entries) - 1
 	}
-	// CLOCK: skip (and clear) recently used entries, evict the first cold one.
-	for s.entries[s.hand].ref.Load() {
-		s.entries[s.hand].ref.Store(false)
+	// CLOCK: skip (and clear) recently used entries, evict cold ones until
+	// there is a slot and room for the tokens.
+	for slot < 0 || s.tokens+len(ids) > s.budget {
+		c := &s.entries[s.hand]
+		if c.ids != nil && c.ref.Load() {
+			c.ref.Store(false)
+		} else {
+			if c.ids != nil {
+				s.evict(s.hand)
+			}
+			if slot < 0 {
+				slot = s.hand
+			}
+		}
 		s.hand = (s.hand + 1) % len(s.entries)
 	}
-	victim := &s.entries[s.hand]
-	delete(s.index, victim.key)
-	victim.set(&stored)
-	s.index[key] = int32(s.hand)
-	s.hand = (s.hand + 1) % len(s.entries)
+	s.entries[slot].set(&stored)
+	s.index[key] = int32(slot)
+	s.tokens += len(ids)
+}
+
+func (s *cacheShard) evict(i int) {
+	c := &s.entries[i]
+	delete(s.index, c.key)
+	s.tokens -= len(c.ids)
+	c.set(&cacheEntry{})
 }
 
 func (c *cacheEntry) set(from *cacheEntry) {

@@ -109,6 +109,33 @@ func TestEncoderCacheIsBounded(t *testing.T) {
 	}
 }
 
+func TestEncoderCacheTokenBudget(t *testing.T) {
+	tok := mustGet(t, "cl100k_base")
+	tmpl := mustTemplate(t, "raw")
+	enc := NewEncoder(tok, tmpl, 2*cacheShards) // 2 entries, 2048 tokens per shard
+	for i := range 300 {
+		m := []Message{{"user", fmt.Sprintf("%d %s", i, longText(100+i%300))}} // ~150 to ~600 tokens
+		if got, want := enc.EncodeChat(nil, m, false), coldEncode(tok, tmpl, m, false); !slices.Equal(got, want) {
+			t.Fatalf("message %d differs", i)
+		}
+	}
+	cached := 0
+	for i := range enc.shards {
+		s := &enc.shards[i]
+		sum := 0
+		for j := range s.entries {
+			sum += len(s.entries[j].ids)
+		}
+		if sum != s.tokens || s.tokens > s.budget || len(s.index) > s.max {
+			t.Fatalf("shard %d: %d tokens (counted %d), budget %d, %d entries", i, sum, s.tokens, s.budget, len(s.index))
+		}
+		cached += len(s.index)
+	}
+	if cached == 0 {
+		t.Fatal("nothing cached")
+	}
+}
+
 func TestEncodeTextEqualsTokenizer(t *testing.T) {
 	tok := mustGet(t, "o200k_base")
 	enc := NewEncoder(tok, mustTemplate(t, "raw"), 0)
