@@ -32,6 +32,7 @@ type sample struct {
 	events  int64           // stream: SSE data events received (including [DONE])
 	elapsed time.Duration   // wall time of the cell
 	cpu     float64         // CPU seconds of the target's processes (0 for direct)
+	mallocs int64           // heap allocations of the target (kvproxy), -1 where unknown
 }
 
 func (s *sample) merge(o sample) {
@@ -41,6 +42,11 @@ func (s *sample) merge(o sample) {
 	s.events += o.events
 	s.elapsed += o.elapsed
 	s.cpu += o.cpu
+	if s.mallocs >= 0 && o.mallocs >= 0 {
+		s.mallocs += o.mallocs
+	} else {
+		s.mallocs = -1
+	}
 }
 
 // cellKey names a cell.
@@ -212,7 +218,7 @@ func measure(ctx context.Context, s *setup, o options, logf func(string, ...any)
 	}
 	warm := min(o.duration/2, 500*time.Millisecond)
 	for i, t := range s.targets {
-		for _, w := range []string{chat, stream} {
+		for _, w := range o.workloads {
 			// At the highest concurrency, so every connection exists
 			// before measuring.
 			if ws := loads[i].run(ctx, w, maxConc, warm); ws.ok == 0 {
@@ -220,20 +226,43 @@ func measure(ctx context.Context, s *setup, o options, logf func(string, ...any)
 			}
 		}
 	}
-	cells := len(o.conc) * 2 * len(s.targets)
+	cells := len(o.conc) * len(o.workloads) * len(s.targets)
 	logf("%d rounds of %d cells of %v: about %v", o.rounds, cells, o.duration,
 		(time.Duration(o.rounds*cells) * o.duration).Round(time.Second))
+	// What reading the allocation counter allocates itself, to subtract.
+	scrapeCost := map[string]uint64{}
+	for _, t := range s.targets {
+		if t.mallocs == nil {
+			continue
+		}
+		a, err1 := t.mallocs()
+		b, err2 := t.mallocs()
+		if err := errors.Join(err1, err2); err != nil {
+			return nil, fmt.Errorf("%s: %w", t.name, err)
+		}
+		scrapeCost[t.name] = b - a
+	}
 	res := results{}
 	for r := 0; r < o.rounds; r++ {
-		for _, w := range []string{chat, stream} {
+		for _, w := range o.workloads {
 			for _, c := range o.conc {
 				for k := range s.targets {
 					i := (k + r) % len(s.targets)
 					t := s.targets[i]
 					pids := t.pids()
+					var m0 uint64
+					if t.mallocs != nil {
+						m0, _ = t.mallocs()
+					}
 					cpu0 := cpuSeconds(pids)
 					smp := loads[i].run(ctx, w, c, o.duration)
 					smp.cpu = cpuSeconds(pids) - cpu0
+					smp.mallocs = -1
+					if t.mallocs != nil {
+						if m1, err := t.mallocs(); err == nil && m0 > 0 {
+							smp.mallocs = int64(m1-m0) - int64(scrapeCost[t.name])
+						}
+					}
 					if ctx.Err() != nil {
 						return nil, ctx.Err()
 					}

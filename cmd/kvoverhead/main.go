@@ -72,6 +72,7 @@ type options struct {
 	rounds                 int
 	duration               time.Duration
 	conc                   []int
+	workloads              []string
 	streamTokens           int
 	speedup                float64
 	json                   bool
@@ -89,6 +90,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.IntVar(&o.rounds, "rounds", 5, "rounds; each runs every cell once against every configuration")
 	fs.DurationVar(&o.duration, "duration", time.Second, "length of one cell (one workload, concurrency and configuration) per round")
 	conc := fs.String("conc", "1,16,64", "comma-separated concurrencies")
+	wl := fs.String("workloads", "chat,stream", "comma-separated workloads: chat, stream")
 	fs.IntVar(&o.streamTokens, "stream-tokens", 64, "max_tokens of each streamed request (ignore_eos)")
 	fs.Float64Var(&o.speedup, "speedup", 1000, "kvmock -speedup: engine steps take 1/speedup of a real engine's (1000: the engine is far faster than any proxy; ~10: one event per stream per write, as a busy real engine sends)")
 	fs.BoolVar(&o.json, "json", false, "print one JSON object instead of the table")
@@ -105,6 +107,12 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 			return o, fmt.Errorf("-conc value %q: want a positive integer", s)
 		}
 		o.conc = append(o.conc, n)
+	}
+	for _, w := range strings.Split(*wl, ",") {
+		if w = strings.TrimSpace(w); w != chat && w != stream {
+			return o, fmt.Errorf("-workloads value %q: want chat or stream", w)
+		}
+		o.workloads = append(o.workloads, strings.TrimSpace(w))
 	}
 	if o.rounds < 1 || o.duration <= 0 || o.streamTokens < 1 || o.nginxWorkers < 1 || o.speedup <= 0 {
 		return o, errors.New("-rounds, -duration, -stream-tokens, -nginx-workers and -speedup must be positive")

@@ -133,7 +133,7 @@ func TestReportRatiosAndTable(t *testing.T) {
 		{chat, 4, "kvproxy"}: {mk(800, 2, 2, 3)},
 		{chat, 4, "nginx"}:   {mk(400, 3, 3, 4), mk(600, 3)},
 	}
-	rep := buildReport(res, options{conc: []int{4}, rounds: 2, duration: time.Second, streamTokens: 8}, &setup{nginxWorkers: 2})
+	rep := buildReport(res, options{conc: []int{4}, workloads: []string{chat, stream}, rounds: 2, duration: time.Second, streamTokens: 8}, &setup{nginxWorkers: 2})
 	get := func(metric string) row {
 		for _, r := range rep.Results {
 			if r.Workload == chat && r.Metric == metric {
@@ -160,5 +160,15 @@ func TestReportRatiosAndTable(t *testing.T) {
 	}
 	if err := writeChart(filepath.Join(t.TempDir(), "o.png"), rep); err != nil {
 		t.Fatal(err)
+	}
+}
+
+func TestParseMallocs(t *testing.T) {
+	b := []byte("# HELP go_memstats_mallocs_total Total number of heap objects allocated.\n# TYPE go_memstats_mallocs_total counter\ngo_memstats_mallocs_total 1.234567e+06\ngo_memstats_frees_total 7\n")
+	if n, err := parseMallocs(b); err != nil || n != 1234567 {
+		t.Fatalf("parseMallocs = %d, %v; want 1234567", n, err)
+	}
+	if _, err := parseMallocs([]byte("go_memstats_frees_total 7\n")); err == nil {
+		t.Fatal("accepted /metrics without the counter")
 	}
 }

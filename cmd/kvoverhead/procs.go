@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -114,6 +115,9 @@ type target struct {
 	// pids lists the processes whose CPU counts as this target's cost
 	// (none for direct).
 	pids func() []int
+	// mallocs reads the target's heap allocations so far (kvproxy's
+	// go_memstats_mallocs_total); nil where there is none.
+	mallocs func() (uint64, error)
 }
 
 // setup is the running fleet: the engine and the proxies in front of it.
@@ -224,7 +228,9 @@ func startAll(ctx context.Context, tmp string, o options, nginxPath string, logf
 		return s, err
 	}
 	kpid := kp.cmd.Process.Pid
-	s.targets = append(s.targets, target{name: "kvproxy", addr: listen, pids: func() []int { return []int{kpid} }})
+	metricsURL := "http://" + listen + "/metrics"
+	s.targets = append(s.targets, target{name: "kvproxy", addr: listen, pids: func() []int { return []int{kpid} },
+		mallocs: func() (uint64, error) { return scrapeMallocs(metricsURL) }})
 	logf("kvproxy on %s (pid %d)", listen, kpid)
 
 	if nginxPath == "" {
@@ -433,4 +439,36 @@ func childrenOf(pid int) []int {
 		}
 	}
 	return kids
+}
+
+var mallocsLine = []byte("\ngo_memstats_mallocs_total ")
+
+// scrapeMallocs reads go_memstats_mallocs_total from a Prometheus endpoint.
+func scrapeMallocs(url string) (uint64, error) {
+	resp, err := http.Get(url)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return 0, err
+	}
+	return parseMallocs(b)
+}
+
+func parseMallocs(b []byte) (uint64, error) {
+	i := bytes.Index(b, mallocsLine)
+	if i < 0 {
+		return 0, errors.New("no go_memstats_mallocs_total in /metrics")
+	}
+	v := b[i+len(mallocsLine):]
+	if j := bytes.IndexByte(v, '\n'); j >= 0 {
+		v = v[:j]
+	}
+	f, err := strconv.ParseFloat(string(bytes.TrimSpace(v)), 64)
+	if err != nil {
+		return 0, fmt.Errorf("go_memstats_mallocs_total: %w", err)
+	}
+	return uint64(f), nil
 }

@@ -110,12 +110,14 @@ var metrics = []metric{
 	{"added_p50", "ms", "lower", chat, added(0.50)},
 	{"added_p99", "ms", "lower", chat, added(0.99)},
 	{"cpu_per_request", "µs", "lower", chat, cpuPer(func(c *cell) float64 { return float64(c.ok) })},
+	{"allocs_per_request", "allocs", "lower", chat, allocsPer(func(c *cell) float64 { return float64(c.ok) })},
 	{"first_event_p50", "ms", "lower", stream, func(c, _ *cell, _ bool) float64 { return percentile(c.lat, 0.50) }},
 	{"first_event_p99", "ms", "lower", stream, func(c, _ *cell, _ bool) float64 { return percentile(c.lat, 0.99) }},
 	{"added_first_event_p50", "ms", "lower", stream, added(0.50)},
 	{"added_first_event_p99", "ms", "lower", stream, added(0.99)},
 	{"events", "events/s", "higher", stream, func(c, _ *cell, _ bool) float64 { return c.eventRate }},
 	{"cpu_per_event", "µs", "lower", stream, cpuPer(func(c *cell) float64 { return float64(c.events) })},
+	{"allocs_per_event", "allocs", "lower", stream, allocsPer(func(c *cell) float64 { return float64(c.events) })},
 	{"errors", "count", "lower", "", func(c, _ *cell, _ bool) float64 { return float64(c.errors) }},
 }
 
@@ -137,6 +139,17 @@ func cpuPer(units func(*cell) float64) func(c, _ *cell, isDirect bool) float64 {
 	}
 }
 
+// allocsPer is heap allocations per unit, where the target reports them
+// (kvproxy: everything it allocated during the cell, per request or event).
+func allocsPer(units func(*cell) float64) func(c, _ *cell, _ bool) float64 {
+	return func(c, _ *cell, _ bool) float64 {
+		if c.mallocs < 0 {
+			return math.NaN()
+		}
+		return float64(c.mallocs) / units(c)
+	}
+}
+
 func buildReport(res results, o options, s *setup) report {
 	rep := report{Setup: setupInfo{
 		CPUs: runtime.NumCPU(), Rounds: o.rounds, DurationS: o.duration.Seconds(),
@@ -147,7 +160,7 @@ func buildReport(res results, o options, s *setup) report {
 	for k, rounds := range res {
 		cells[k] = newCell(rounds)
 	}
-	for _, w := range []string{chat, stream} {
+	for _, w := range o.workloads {
 		for _, c := range o.conc {
 			direct := cells[cellKey{w, c, "direct"}]
 			for _, m := range metrics {
