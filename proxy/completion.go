@@ -521,7 +521,7 @@ var cachedKey = []byte(`"cached_tokens":`)
 // cachedTokens finds usage.prompt_tokens_details.cached_tokens in an engine
 // answer without decoding it; -1 when absent.
 func cachedTokens(b []byte) int {
-	i := bytes.LastIndex(b, cachedKey)
+	i := bytes.Index(b, cachedKey)
 	if i < 0 {
 		return -1
 	}

@@ -22,12 +22,18 @@ import (
 // must not touch the RequestCtx.
 type relay struct {
 	x    *exchange
-	body *backends.Body
+	body streamBody
 	resp *fasthttp.Response
 
 	sawFirst bool
 	sawDone  bool
 	blocks   int
+}
+
+// streamBody is an engine's streamed answer (*backends.Body).
+type streamBody interface {
+	Read(p []byte) (int, error)
+	Close()
 }
 
 var relayBufs = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
@@ -121,14 +127,10 @@ var (
 func (r *relay) onEvent(ev []byte) {
 	for len(ev) > 0 {
 		line := ev
-		k := bytes.IndexAny(ev, "\r\n")
-		switch {
-		case k < 0:
+		if k, n := lineEnd(ev); k >= 0 {
+			line, ev = ev[:k], ev[k+n:]
+		} else {
 			ev = nil
-		case ev[k] == '\r' && k+1 < len(ev) && ev[k+1] == '\n':
-			line, ev = ev[:k], ev[k+2:]
-		default:
-			line, ev = ev[:k], ev[k+1:]
 		}
 		if !bytes.HasPrefix(line, dataPrefix) {
 			continue
@@ -157,7 +159,9 @@ func (r *relay) onData(data []byte) {
 			r.blocks++
 			x.active.OutputBlock()
 		}
+		return
 	}
+	// Usage arrives in a chunk of its own (stream_options.include_usage).
 	if c := cachedTokens(data); c >= 0 {
 		x.cachedTokens = c
 	}

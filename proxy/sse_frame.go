@@ -1,5 +1,7 @@
 package proxy
 
+import "bytes"
+
 // sseFramer cuts a byte stream into Server-Sent Events: the bytes up to and
 // including the blank line that ends each event. Lines may end in \n, \r\n or
 // \r (the SSE grammar). Events come out the same however the stream is split
@@ -50,25 +52,39 @@ func (f *sseFramer) pending() []byte { return f.buf[f.start:f.end] }
 // holds no complete event yet.
 func eventEnd(b []byte) (contentEnd, total int) {
 	pos := 0 // start of the current line
-	for i := 0; i < len(b); i++ {
-		c := b[i]
-		if c != '\n' && c != '\r' {
-			continue
+	for pos < len(b) {
+		end, n := lineEnd(b[pos:])
+		if end < 0 {
+			return -1, 0
 		}
-		n := 1
-		if c == '\r' {
-			if i+1 == len(b) {
-				return -1, 0 // \r or \r\n: undecided until the next byte
-			}
-			if b[i+1] == '\n' {
-				n = 2
-			}
+		if end == 0 { // an empty line: the event ends
+			return pos, pos + n
 		}
-		if i == pos { // an empty line: the event ends
-			return pos, i + n
-		}
-		i += n - 1
-		pos = i + 1
+		pos += end + n
 	}
 	return -1, 0
+}
+
+// lineEnd finds the first line terminator of b: where it starts and its
+// length (\n, \r\n or \r), or -1 when there is none yet (a final \r may still
+// become \r\n). The common \n-only case takes two vectorised scans.
+func lineEnd(b []byte) (int, int) {
+	i := bytes.IndexByte(b, '\n')
+	limit := len(b)
+	if i >= 0 {
+		limit = i
+	}
+	if j := bytes.IndexByte(b[:limit], '\r'); j >= 0 {
+		if j+1 == len(b) {
+			return -1, 0
+		}
+		if b[j+1] == '\n' {
+			return j, 2
+		}
+		return j, 1
+	}
+	if i < 0 {
+		return -1, 0
+	}
+	return i, 1
 }

@@ -1,0 +1,83 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"io"
+	"strings"
+	"testing"
+
+	"github.com/rs/zerolog"
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvproxy/kvproxy/backends"
+	"github.com/kvproxy/kvproxy/config"
+	"github.com/kvproxy/kvproxy/router"
+)
+
+type memBody struct{ r *bytes.Reader }
+
+func (m *memBody) Read(p []byte) (int, error) {
+	// Engines send one event per write; reads see about one event each.
+	if len(p) > 256 {
+		p = p[:256]
+	}
+	return m.r.Read(p)
+}
+func (m *memBody) Close() {}
+
+// BenchmarkSSERelay measures the relay's own work per streamed event:
+// framing, inspection (first token, output blocks), writing and flushing.
+func BenchmarkSSERelay(b *testing.B) {
+	cfg, err := config.Parse([]byte("models: [{name: m}]\nbackends: [{id: e0, url: 'http://127.0.0.1:1'}]\nlog_level: warn\n"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	s, err := New(cfg, Options{Logger: zerolog.Nop(), DisableHealthChecks: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	st := s.st.Load()
+	p, be := st.pools[0], st.backends["e0"]
+	const events = 256
+	var stream bytes.Buffer
+	for i := 0; i < events; i++ {
+		fmt.Fprintf(&stream, `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" tok%d"},"logprobs":null,"finish_reason":null}]}`+"\n\n", i)
+	}
+	stream.WriteString("data: [DONE]\n\n")
+	raw := stream.Bytes()
+	w := bufio.NewWriterSize(io.Discard, 4096)
+	req := router.Request{PromptTokens: 100}
+	b.SetBytes(int64(len(raw)))
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		_, active, _ := p.rt.Route(&req)
+		x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, cachedTokens: -1}
+		s.inflight.Add(1)
+		rl := &relay{x: x, body: &memBody{bytes.NewReader(raw)}, resp: fasthttp.AcquireResponse()}
+		rl.run(w)
+		if x.outputTokens != events {
+			b.Fatalf("counted %d tokens", x.outputTokens)
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*events), "ns/event")
+}
+
+// BenchmarkParseChat8k parses an 8k-token chat request (about 32 KiB).
+func BenchmarkParseChat8k(b *testing.B) {
+	body := []byte(`{"model":"m","stream":true,"max_tokens":128,"messages":[{"role":"system","content":"` +
+		strings.Repeat("You are a helpful assistant. ", 400) + `"},{"role":"user","content":"` + strings.Repeat("Tell me more. ", 600) + `"}]}`)
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for i := 0; i < b.N; i++ {
+		req, pe := parseRequest(body, true)
+		if pe != nil {
+			b.Fatal(pe.msg)
+		}
+		if _, err := req.forwardBody("served", "salt"); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
