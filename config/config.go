@@ -149,6 +149,19 @@ type Router struct {
 	Cost           Cost          `yaml:"cost"`
 	// OverlapWeight is kv_dynamo's weight of prefill blocks.
 	OverlapWeight float64 `yaml:"overlap_weight"`
+	// FetchUsPerMB is the time to bring a cached block up from a lower tier,
+	// per MB of KV (a block is the model's bytes_per_block).
+	FetchUsPerMB FetchCost `yaml:"fetch_us_per_mb"`
+	// Calibrate refits the kv policy's coefficients per backend from
+	// observed TTFTs (default true).
+	Calibrate *bool `yaml:"calibrate"`
+}
+
+// FetchCost is a per-tier transfer time in µs per MB.
+type FetchCost struct {
+	Host   float64 `yaml:"host"`
+	Disk   float64 `yaml:"disk"`
+	Shared float64 `yaml:"shared"`
 }
 
 // Cost holds the kv policy's coefficients; zero means the router's default.
@@ -372,6 +385,15 @@ func (c *Config) applyDefaults() {
 	if c.Router.Policy == "" {
 		c.Router.Policy = "kv"
 	}
+	if c.Router.FetchUsPerMB.Host == 0 {
+		c.Router.FetchUsPerMB.Host = 55
+	}
+	if c.Router.FetchUsPerMB.Disk == 0 {
+		c.Router.FetchUsPerMB.Disk = 280
+	}
+	if c.Router.FetchUsPerMB.Shared == 0 {
+		c.Router.FetchUsPerMB.Shared = 1800
+	}
 	if c.Router.IndexTTL == 0 {
 		c.Router.IndexTTL = 120 * time.Second
 	}
@@ -532,6 +554,9 @@ func (c *Config) Validate() error {
 	}
 	if !contains(Policies, c.Router.Policy) {
 		add("router.policy", "unknown policy %q (known: %s)", c.Router.Policy, strings.Join(Policies, ", "))
+	}
+	if f := c.Router.FetchUsPerMB; f.Host < 0 || f.Disk < 0 || f.Shared < 0 {
+		add("router.fetch_us_per_mb", "must not be negative")
 	}
 	if c.Router.Temperature < 0 {
 		add("router.temperature", "must not be negative")

@@ -37,6 +37,7 @@ type fakeEngine struct {
 	pauseAfter   int           // stream: stop after this many tokens for pause
 	pause        time.Duration // ...
 	dieAfter     int           // stream: drop the connection after this many tokens
+	errorAfter   int           // stream: send older vLLM's flat error frame after this many tokens
 	status       int           // non-200 answer
 	errBody      string
 }
@@ -98,6 +99,12 @@ func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 			hj, _ := w.(http.Hijacker)
 			c, _, _ := hj.Hijack()
 			c.Close()
+			return
+		}
+		if f.errorAfter > 0 && i == f.errorAfter {
+			fmt.Fprintf(w, "data: {\"object\":\"error\",\"message\":\"CUDA out of memory\",\"type\":\"InternalServerError\",\"param\":null,\"code\":500}\n\n")
+			fmt.Fprintf(w, "data: [DONE]\n\n")
+			fl.Flush()
 			return
 		}
 		if f.pauseAfter > 0 && i == f.pauseAfter {
@@ -536,4 +543,15 @@ func TestLogsNeverCarryPromptText(t *testing.T) {
 	if !strings.Contains(p.logs.String(), `"request_id":"req-`) {
 		t.Fatal("access log line missing")
 	}
+}
+
+func TestFlatEngineErrorFrameIsNormalized(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.tokens = 10; f.errorAfter = 3 })
+	p := startProxy(t, "kv", e)
+	_, body := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","stream":true}`)
+	s := string(body)
+	if !strings.Contains(s, `data: {"error":{"message":"CUDA out of memory","type":"InternalServerError"`) || strings.Contains(s, `"object":"error"`) || !strings.HasSuffix(s, "data: [DONE]\n\n") {
+		t.Fatalf("flat error frame not normalized:\n%s", s)
+	}
+	p.waitIdle(t)
 }

@@ -311,6 +311,14 @@ func routerConfig(cfg *config.Config, mc config.Model) router.Config {
 	if v := cfg.Router.OverlapWeight; v > 0 {
 		rc.Dynamo.OverlapWeight = v
 	}
+	mb := float64(mc.BytesPerBlock) / (1 << 20)
+	f := cfg.Router.FetchUsPerMB
+	rc.Cost.FetchMsPerBlock[kv.TierHost] = f.Host * mb / 1000
+	rc.Cost.FetchMsPerBlock[kv.TierDisk] = f.Disk * mb / 1000
+	rc.Cost.FetchMsPerBlock[kv.TierShared] = f.Shared * mb / 1000
+	if cfg.Router.Calibrate != nil {
+		rc.Calibrate = *cfg.Router.Calibrate
+	}
 	return rc
 }
 

@@ -60,7 +60,9 @@ func (r *relay) run(w *bufio.Writer) {
 			if !ok {
 				break
 			}
-			r.onEvent(content)
+			if fixed := r.onEvent(content); fixed != nil {
+				raw = fixed
+			}
 			if _, werr := w.Write(raw); werr != nil {
 				r.clientGone()
 				return
@@ -123,8 +125,11 @@ var (
 	toolCallsKey = []byte(`"tool_calls":[`)
 )
 
-// onEvent inspects one event (without its terminating blank line).
-func (r *relay) onEvent(ev []byte) {
+// onEvent inspects one event (without its terminating blank line). It
+// returns a replacement for the event when the engine's must not reach the
+// client as it is (an error frame in older vLLM's flat shape), else nil.
+func (r *relay) onEvent(ev []byte) []byte {
+	var fixed []byte
 	for len(ev) > 0 {
 		line := ev
 		if k, n := lineEnd(ev); k >= 0 {
@@ -140,9 +145,18 @@ func (r *relay) onEvent(ev []byte) {
 			r.sawDone = true
 			continue
 		}
+		if bytes.HasPrefix(data, flatErrorPrefix) {
+			// {"object":"error","message":...}: older vLLM's error frame.
+			r.x.errMsg = "engine error frame"
+			fixed = append(append(append(fixed, "data: "...), normalizeEngineError(500, data)...), "\n\n"...)
+			continue
+		}
 		r.onData(data)
 	}
+	return fixed
 }
+
+var flatErrorPrefix = []byte(`{"object":"error"`)
 
 func (r *relay) onData(data []byte) {
 	x := r.x
