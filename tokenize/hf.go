@@ -62,7 +62,7 @@ type hfJSON struct {
 		ByteFallback            bool              `json:"byte_fallback"`
 		IgnoreMerges            bool              `json:"ignore_merges"`
 		Vocab                   map[string]uint32 `json:"vocab"`
-		Merges                  []json.RawMessage `json:"merges"`
+		Merges                  json.RawMessage   `json:"merges"`
 	} `json:"model"`
 }
 
@@ -142,12 +142,13 @@ func parseHF(data []byte) (*hfTokenizer, error) {
 		}
 		t.byteID[b] = id
 	}
-	t.merges = make(map[uint64]uint64, len(m.Merges))
-	for rank, raw := range m.Merges {
-		left, right, err := parseMerge(raw)
-		if err != nil {
-			return nil, fmt.Errorf("merge %d: %w", rank, err)
-		}
+	merges, err := parseMerges(m.Merges)
+	if err != nil {
+		return nil, err
+	}
+	t.merges = make(map[uint64]uint64, len(merges))
+	for rank, mg := range merges {
+		left, right := mg[0], mg[1]
 		l, ok1 := m.Vocab[left]
 		r, ok2 := m.Vocab[right]
 		merged, ok3 := m.Vocab[left+right]
@@ -250,20 +251,26 @@ func (t *hfTokenizer) setPreTokenizer(p *hfComponent) error {
 	return nil
 }
 
-func parseMerge(raw json.RawMessage) (string, string, error) {
-	var s string
-	if err := json.Unmarshal(raw, &s); err == nil {
-		l, r, ok := strings.Cut(s, " ")
-		if !ok {
-			return "", "", fmt.Errorf("bad merge %q", s)
+// parseMerges reads merges written as "left right" strings or as
+// [left, right] pairs.
+func parseMerges(raw json.RawMessage) ([][2]string, error) {
+	var strs []string
+	if err := json.Unmarshal(raw, &strs); err == nil {
+		out := make([][2]string, len(strs))
+		for i, s := range strs {
+			l, r, ok := strings.Cut(s, " ")
+			if !ok {
+				return nil, fmt.Errorf("merge %d: bad merge %q", i, s)
+			}
+			out[i] = [2]string{l, r}
 		}
-		return l, r, nil
+		return out, nil
 	}
-	var pair []string
-	if err := json.Unmarshal(raw, &pair); err != nil || len(pair) != 2 {
-		return "", "", fmt.Errorf("bad merge %s", raw)
+	var pairs [][2]string
+	if err := json.Unmarshal(raw, &pairs); err != nil {
+		return nil, errors.New("merges are neither \"left right\" strings nor [left, right] pairs")
 	}
-	return pair[0], pair[1], nil
+	return pairs, nil
 }
 
 // byteLevelRune maps each byte to the printable rune GPT-2's byte-level BPE
