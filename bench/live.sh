@@ -4,7 +4,7 @@
 # kvproxy on loopback, KV events over ZMQ) sized like the simulation, then
 # runs kvbench sim on the same slice, and prints both tables.
 #
-#   bench/live.sh [TRACES_DIR] [ENGINE_SPEEDUP] [POLICY] [DURATION]
+#   bench/live.sh [TRACES_DIR] [ENGINE_SPEEDUP] [POLICY] [DURATION] [SPEEDUP] [SIM FLAGS...]
 #
 # ENGINE_SPEEDUP (default 1) runs the engines that many times faster than
 # real time; the replay compresses arrivals to match and reports in engine
@@ -14,6 +14,8 @@ traces=${1:-../shared/traces}
 k=${2:-1}
 policy=${3:-kv}
 dur=${4:-10m}
+base=${5:-3.5} # arrival speedup in engine time, as kvbench sim -speedup
+shift $(($# < 5 ? $# : 5))
 trace="$traces/mooncake/conversation_trace.jsonl"
 tmp=$(mktemp -d)
 go build -o "$tmp/kvproxy" ./cmd/kvproxy
@@ -43,9 +45,9 @@ for i in $(seq 50); do
 	curl -sf http://127.0.0.1:18080/v1/models > /dev/null && break
 	sleep 0.2
 done
-speedup=$(echo "3.5 * $k" | bc -l)
+speedup=$(echo "$base * $k" | bc -l)
 echo "live ($policy, engines at ${k}x, engine time):"
 "$tmp/kvbench" replay -url http://127.0.0.1:18080 -model mock -trace "$trace" \
 	-duration "$dur" -speedup "$speedup" -time-scale "$k" -label "live-$policy"
 echo "sim ($policy):"
-"$tmp/kvbench" sim -trace "$trace" -duration "$dur" -speedup 3.5 -policies "$policy"
+"$tmp/kvbench" sim -trace "$trace" -duration "$dur" -speedup "$base" -policies "$policy" "$@"

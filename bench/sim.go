@@ -40,6 +40,10 @@ type SimConfig struct {
 	// HostCacheBlocks gives each engine a host (CPU) tier of this many
 	// blocks (0: none).
 	HostCacheBlocks int
+	// StepOverhead is added to every engine step: the time a real engine
+	// (or a live mock engine) spends outside the fitted step time, such as
+	// scheduling and waking up. 0 models the fit alone.
+	StepOverhead time.Duration
 	// Done, if set, is called at the end of each policy's run with the
 	// router's final view of its workers (fitted coefficients, index sizes).
 	// Runs of different policies call it concurrently.
@@ -290,7 +294,7 @@ func (s *sim) startStep(e *simEngine) {
 		return
 	}
 	e.busy = true
-	e.end = s.now + time.Duration(float64(d)*e.slow)
+	e.end = s.now + time.Duration(float64(d)*e.slow) + s.cfg.StepOverhead
 	e.out = out
 	if !s.cfg.Approximate {
 		e.events = e.model.DrainEvents(e.events[:0])

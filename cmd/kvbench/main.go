@@ -132,6 +132,7 @@ func runSim(args []string, stdout io.Writer) error {
 	hetero := fs.Float64("hetero", 1, "speed of the second half of the engines (0.5: half the engines at half speed)")
 	calibrate := fs.Bool("calibrate", true, "let the kv policy refit its coefficients from observed TTFTs")
 	approx := fs.Bool("approximate", false, "route without engine KV events (the router indexes its own decisions)")
+	stepOverhead := fs.Duration("step-overhead", 0, "time added to every engine step (scheduling and wake-up of a real engine)")
 	hostBlocks := fs.Int("host-blocks", 0, "host (CPU) KV tier per engine in blocks (0: none)")
 	scrape := fs.Duration("scrape", time.Second, "feed engine load (waiting, running, KV usage) to the router at this interval, as kvproxy's /metrics scrape does (0: off)")
 	asJSON := fs.Bool("json", false, "print one JSON object instead of a table")
@@ -159,7 +160,7 @@ func runSim(args []string, stdout io.Writer) error {
 	cfg := bench.SimConfig{
 		Engines: *engines, CacheBlocks: *cacheBlocks, BlockSize: *blockSize,
 		Approximate: *approx, NoCalibrate: !*calibrate, Seed: wf.seed, Scrape: *scrape,
-		HostCacheBlocks: *hostBlocks,
+		HostCacheBlocks: *hostBlocks, StepOverhead: *stepOverhead,
 	}
 	if *verbose {
 		var mu sync.Mutex
