@@ -363,12 +363,16 @@ func (e *Engine) abort(r *request) {
 	e.mu.Unlock()
 }
 
+// maxLag is how far the scheduler may fall behind its clock and still catch
+// up (by skipping sleeps); after a longer stall it starts afresh.
+const maxLag = 250 * time.Millisecond
+
 // loop steps the model in real time: each step's results are published when
-// its (scaled) duration has passed. Deadlines accumulate, so oversleeping one
-// step shortens the next and the long-run rate stays exact.
+// its (scaled) duration has passed. Deadlines accumulate, so waking late
+// from one step shortens the next and the long-run rate stays exact.
 func (e *Engine) loop() {
 	defer e.loopWG.Done()
-	var clock time.Time
+	var clock time.Time // when the previous step ended; zero after idling
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	for {
@@ -381,6 +385,7 @@ func (e *Engine) loop() {
 			}
 			e.mu.Unlock()
 			e.publishEvents()
+			clock = time.Time{}
 			select {
 			case <-e.wake:
 				continue
@@ -409,8 +414,7 @@ func (e *Engine) loop() {
 			hook()
 		}
 
-		now := time.Now()
-		if clock.Before(now) {
+		if now := time.Now(); clock.IsZero() || now.Sub(clock) > maxLag {
 			clock = now
 		}
 		clock = clock.Add(time.Duration(float64(dur) / e.cfg.Speedup))

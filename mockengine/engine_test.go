@@ -772,6 +772,10 @@ func TestConcurrentClientsWithDisconnects(t *testing.T) {
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
 			body := fmt.Sprintf(`{"prompt":"%s then question %d","max_tokens":%d,"stream":%v}`, shared, i%17, 5+i%40, i%2 == 0)
+			leaver := i%5 == 0
+			if leaver { // a stream far too long to finish before we hang up
+				body = fmt.Sprintf(`{"prompt":"%s then question %d","max_tokens":30000,"ignore_eos":true,"stream":true}`, shared, i%17)
+			}
 			req, _ := http.NewRequestWithContext(ctx, "POST", "http://"+addr+"/v1/completions", strings.NewReader(body))
 			resp, err := client.Do(req)
 			if err != nil {
@@ -779,7 +783,7 @@ func TestConcurrentClientsWithDisconnects(t *testing.T) {
 				return
 			}
 			defer resp.Body.Close()
-			if i%5 == 0 {
+			if leaver {
 				cancel() // hang up early
 			}
 			io.Copy(io.Discard, resp.Body)
@@ -788,11 +792,11 @@ func TestConcurrentClientsWithDisconnects(t *testing.T) {
 	wg.Wait()
 	waitIdle(t, e)
 	st := e.Stats()
-	if st.Requests != n || st.Finished+st.Aborts != n || st.Running != 0 || st.Waiting != 0 || st.KVUsage != 0 {
+	if st.Requests != n || st.Finished != n*4/5 || st.Aborts != n/5 || st.Running != 0 || st.Waiting != 0 || st.KVUsage != 0 {
 		t.Fatalf("after the storm: %+v", st)
 	}
-	if st.Aborts == 0 || st.PrefixHits == 0 {
-		t.Fatalf("the storm must abort some requests and hit the cache: %+v", st)
+	if st.PrefixHits == 0 {
+		t.Fatalf("the shared prefix must hit the cache: %+v", st)
 	}
 	tr.CloseIdleConnections()
 	e.Close()
