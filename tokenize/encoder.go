@@ -67,9 +67,27 @@ func (e *Encoder) Tokenizer() Tokenizer { return e.tok }
 // Template returns the Encoder's chat template.
 func (e *Encoder) Template() Template { return e.tmpl }
 
-// EncodeText appends the token ids of a completions prompt. It is not cached.
+// EncodeText appends the token ids of a completions prompt as an engine
+// encodes it (add_special_tokens=True): with a tokenizer.json whose
+// post-processor adds special tokens (Llama 3's BOS), they are added around
+// the text; tiktoken encodings add none. It is not cached. For the text
+// alone, use Tokenizer().Encode.
 func (e *Encoder) EncodeText(dst []uint32, text string) []uint32 {
-	return e.tok.Encode(dst, text)
+	prefix, suffix := PromptSpecialTokens(e.tok)
+	dst = append(dst, prefix...)
+	dst = e.tok.Encode(dst, text)
+	return append(dst, suffix...)
+}
+
+// PromptSpecialTokens returns the ids a tokenizer adds before and after a
+// prompt with add_special_tokens=True: a tokenizer.json's TemplateProcessing
+// post-processor (such as Llama 3's <|begin_of_text|>); none for tiktoken
+// encodings. The slices must not be modified.
+func PromptSpecialTokens(tok Tokenizer) (prefix, suffix []uint32) {
+	if s, ok := tok.(interface{ specialTokensAround() ([]uint32, []uint32) }); ok {
+		return s.specialTokensAround()
+	}
+	return nil, nil
 }
 
 // EncodeChat appends the token ids of msgs rendered with the Encoder's

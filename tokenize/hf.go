@@ -27,6 +27,9 @@ type hfTokenizer struct {
 	vocab        map[string]uint32 // token bytes → id
 	merges       map[uint64]uint64 // left<<32|right → rank<<32|merged id
 	ignoreMerges bool              // a piece found whole in vocab is one token
+	// prefix and suffix are what add_special_tokens=True adds around a
+	// prompt (a TemplateProcessing post-processor, e.g. Llama 3's BOS).
+	prefix, suffix []uint32
 	// direct holds the pieces that encode to a single token without
 	// running the merges: the vocabulary itself with ignore_merges,
 	// otherwise the tokens their own merges rebuild (checked at load).
@@ -52,9 +55,10 @@ type hfJSON struct {
 		Rstrip     bool   `json:"rstrip"`
 		Normalized bool   `json:"normalized"`
 	} `json:"added_tokens"`
-	Normalizer   *hfComponent `json:"normalizer"`
-	PreTokenizer *hfComponent `json:"pre_tokenizer"`
-	Model        struct {
+	Normalizer    *hfComponent     `json:"normalizer"`
+	PreTokenizer  *hfComponent     `json:"pre_tokenizer"`
+	PostProcessor *hfPostProcessor `json:"post_processor"`
+	Model         struct {
 		Type                    string            `json:"type"`
 		Dropout                 *float64          `json:"dropout"`
 		ContinuingSubwordPrefix *string           `json:"continuing_subword_prefix"`
@@ -76,6 +80,54 @@ type hfComponent struct {
 	Invert         bool           `json:"invert"`
 	AddPrefixSpace bool           `json:"add_prefix_space"`
 	UseRegex       bool           `json:"use_regex"`
+}
+
+// hfPostProcessor is the part of a post_processor that decides which
+// special tokens add_special_tokens=True puts around a single sequence.
+type hfPostProcessor struct {
+	Type       string             `json:"type"`
+	Processors []*hfPostProcessor `json:"processors"`
+	Single     []struct {
+		SpecialToken *struct{ ID string } `json:"SpecialToken"`
+		Sequence     *struct{ ID string } `json:"Sequence"`
+	} `json:"single"`
+	SpecialTokens map[string]struct {
+		IDs []uint32 `json:"ids"`
+	} `json:"special_tokens"`
+}
+
+// specialAround returns the ids a TemplateProcessing puts before and after
+// a single sequence.
+func (p *hfPostProcessor) specialAround() (prefix, suffix []uint32) {
+	if p == nil {
+		return nil, nil
+	}
+	if p.Type == "Sequence" {
+		for _, c := range p.Processors {
+			if pre, suf := c.specialAround(); pre != nil || suf != nil {
+				return pre, suf
+			}
+		}
+		return nil, nil
+	}
+	if p.Type != "TemplateProcessing" {
+		return nil, nil
+	}
+	seen := false
+	for _, item := range p.Single {
+		switch {
+		case item.Sequence != nil:
+			seen = true
+		case item.SpecialToken != nil:
+			ids := p.SpecialTokens[item.SpecialToken.ID].IDs
+			if seen {
+				suffix = append(suffix, ids...)
+			} else {
+				prefix = append(prefix, ids...)
+			}
+		}
+	}
+	return prefix, suffix
 }
 
 type hfPattern struct {
@@ -126,6 +178,7 @@ func parseHF(data []byte) (*hfTokenizer, error) {
 		return nil, errors.New("unsupported: BPE continuing_subword_prefix / end_of_word_suffix")
 	}
 	t.ignoreMerges = m.IgnoreMerges
+	t.prefix, t.suffix = f.PostProcessor.specialAround()
 
 	t.vocab = make(map[string]uint32, len(m.Vocab))
 	for tok, id := range m.Vocab {
@@ -321,6 +374,8 @@ func (t *hfTokenizer) Encode(dst []uint32, text string) []uint32 {
 	}
 	return dst
 }
+
+func (t *hfTokenizer) specialTokensAround() (prefix, suffix []uint32) { return t.prefix, t.suffix }
 
 func (t *hfTokenizer) nextAdded(s string, i int) (textEnd, tokEnd int, id uint32) {
 	return t.added.next(s, i)

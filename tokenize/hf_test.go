@@ -89,6 +89,37 @@ func TestHFByteLevelBPE(t *testing.T) {
 	}
 }
 
+func TestHFPromptSpecialTokens(t *testing.T) {
+	tok, err := LoadHF(tinyHF(t, func(m map[string]any) {
+		m["post_processor"] = map[string]any{"type": "Sequence", "processors": []any{
+			map[string]any{"type": "ByteLevel"},
+			map[string]any{"type": "TemplateProcessing",
+				"single": []any{
+					map[string]any{"SpecialToken": map[string]any{"id": "<|im_start|>", "type_id": 0}},
+					map[string]any{"Sequence": map[string]any{"id": "A", "type_id": 0}},
+					map[string]any{"SpecialToken": map[string]any{"id": "<|im_end|>", "type_id": 0}},
+				},
+				"special_tokens": map[string]any{
+					"<|im_start|>": map[string]any{"id": "<|im_start|>", "ids": []int{1000}},
+					"<|im_end|>":   map[string]any{"id": "<|im_end|>", "ids": []int{1001}},
+				}},
+		}}
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	enc := NewEncoder(tok, mustTemplate(t, "raw"), 0)
+	if got := enc.EncodeText(nil, "hell"); !slices.Equal(got, []uint32{1000, tok.Encode(nil, "hell")[0], 1001}) {
+		t.Fatalf("EncodeText = %v", got)
+	}
+	if got := enc.EncodeText(nil, ""); !slices.Equal(got, []uint32{1000, 1001}) {
+		t.Fatalf("EncodeText(empty) = %v", got)
+	}
+	if pre, suf := PromptSpecialTokens(mustGet(t, "cl100k_base")); pre != nil || suf != nil {
+		t.Fatalf("tiktoken adds %v %v", pre, suf)
+	}
+}
+
 func TestHFUnsupportedKindsAreErrors(t *testing.T) {
 	cases := []struct {
 		name, want string
