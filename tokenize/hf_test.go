@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -174,5 +175,20 @@ func TestLoad(t *testing.T) {
 	}
 	if _, err := Load(filepath.Join(t.TempDir(), "nope", "tokenizer.json")); err == nil {
 		t.Fatal("Load of a missing file: no error")
+	}
+}
+
+func TestHFByteLevelWithRegexUsesGPT2Split(t *testing.T) {
+	tok, err := LoadHF(tinyHF(t, func(m map[string]any) {
+		m["pre_tokenizer"] = map[string]any{"type": "ByteLevel", "add_prefix_space": false, "use_regex": true}
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if reflect.ValueOf(tok.(*hfTokenizer).split).Pointer() != reflect.ValueOf(splitGPT2).Pointer() {
+		t.Fatal("ByteLevel with use_regex does not split like GPT-2")
+	}
+	if got := tok.Encode(nil, "hello world"); len(got) != 4 {
+		t.Fatalf("hello world = %v", got)
 	}
 }
