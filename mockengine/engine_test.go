@@ -808,3 +808,26 @@ func TestConcurrentClientsWithDisconnects(t *testing.T) {
 		runtime.Gosched()
 	}
 }
+
+// Many short steps: waking late from each must not add up. At speedup 1000
+// a 4000-token answer takes about 23 ms of wall time; a scheduler that lost
+// its timer's latency (≥ 50 µs) on every step would take 200 ms or more.
+func TestRealTimeDoesNotDrift(t *testing.T) {
+	e, url := startEngine(t, Config{Speedup: 1000})
+	m := NewModel(ModelConfig{BlockSize: 16, CacheBlocks: e.cfg.CacheBlocks})
+	mustAdd(t, m, &Seq{ID: 1, Prompt: []uint32{1, 2, 3}, MaxTokens: 4000})
+	model := run(t, m) / 1000
+	body := `{"prompt":[1,2,3],"max_tokens":4000,"ignore_eos":true}`
+	start := time.Now()
+	resp, err := http.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	took := time.Since(start)
+	if took < model || took > 3*model+20*time.Millisecond {
+		t.Fatalf("took %v for %v of scaled engine time", took, model)
+	}
+	t.Logf("took %v for %v of scaled engine time", took, model)
+}
