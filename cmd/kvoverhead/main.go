@@ -24,6 +24,10 @@
 // CPU is utime+stime from /proc/PID/stat of the kvproxy process and of the
 // nginx master and workers, read before and after each cell.
 //
+// With -kvproxy2 PATH a second kvproxy build runs alongside as one more
+// configuration (column kvproxy2, ratio kvproxy2/kvproxy): the way to A/B a
+// change of the hot path under the same noise.
+//
 // nginx is optional: with none found (-nginx, else nginx on PATH) the nginx
 // column is skipped with a message. To install it on Debian or Ubuntu:
 //
@@ -68,6 +72,7 @@ func main() {
 // options are the command's flags.
 type options struct {
 	kvproxy, kvmock, nginx string
+	kvproxy2               string
 	nginxWorkers           int
 	rounds                 int
 	duration               time.Duration
@@ -84,6 +89,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs := flag.NewFlagSet("kvoverhead", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&o.kvproxy, "kvproxy", "", "kvproxy binary (default: go build ./cmd/kvproxy into a temp dir)")
+	fs.StringVar(&o.kvproxy2, "kvproxy2", "", "a second kvproxy binary to compare with the first (A/B of a change), run alongside as column kvproxy2")
 	fs.StringVar(&o.kvmock, "kvmock", "", "kvmock binary (default: go build ./cmd/kvmock into a temp dir)")
 	fs.StringVar(&o.nginx, "nginx", "", "nginx binary (default: nginx on PATH; none: the nginx column is skipped)")
 	fs.IntVar(&o.nginxWorkers, "nginx-workers", 2, "nginx worker_processes at most (capped at the number of cores)")

@@ -133,7 +133,7 @@ type setup struct {
 // feed, from /admin/backends: proof that routing ran on live events.
 func (s *setup) kvproxyFeed() string {
 	for _, t := range s.targets {
-		if t.name != "kvproxy" {
+		if t.name != "kvproxy" { // kvproxy2 sees the same feed
 			continue
 		}
 		resp, err := http.Get("http://" + t.addr + "/admin/backends")
@@ -211,34 +211,21 @@ func startAll(ctx context.Context, tmp string, o options, nginxPath string, logf
 	s.targets = append(s.targets, target{name: "direct", addr: engineAddr, pids: func() []int { return nil }})
 	logf("engine on %s (events %s, replay %s)", engineAddr, pub, replay)
 
+	for _, k := range []struct{ name, path string }{{"kvproxy", o.kvproxy}, {"kvproxy2", o.kvproxy2}} {
+		if k.path == "" {
+			continue
+		}
+		if err := s.startKVProxy(ctx, tmp, k.name, k.path, engineAddr, pub, replay, logf); err != nil {
+			return s, err
+		}
+	}
+
 	listen, err := freePort()
 	if err != nil {
 		return s, err
 	}
-	cfgPath := filepath.Join(tmp, "kvproxy.yaml")
-	if err := os.WriteFile(cfgPath, []byte(kvproxyConfig(listen, engineAddr, pub, replay)), 0o600); err != nil {
-		return s, err
-	}
-	kp, err := startProc("kvproxy", o.kvproxy, "-config", cfgPath)
-	if err != nil {
-		return s, err
-	}
-	s.proxies = append(s.proxies, kp)
-	if err := waitHTTP(ctx, kp, "http://"+listen+"/health"); err != nil {
-		return s, err
-	}
-	kpid := kp.cmd.Process.Pid
-	metricsURL := "http://" + listen + "/metrics"
-	s.targets = append(s.targets, target{name: "kvproxy", addr: listen, pids: func() []int { return []int{kpid} },
-		mallocs: func() (uint64, error) { return scrapeMallocs(metricsURL) }})
-	logf("kvproxy on %s (pid %d)", listen, kpid)
-
 	if nginxPath == "" {
 		return s, nil
-	}
-	listen, err = freePort()
-	if err != nil {
-		return s, err
 	}
 	ndir := filepath.Join(tmp, "nginx")
 	if err := os.MkdirAll(ndir, 0o755); err != nil {
@@ -268,6 +255,32 @@ func startAll(ctx context.Context, tmp string, o options, nginxPath string, logf
 	}})
 	logf("nginx on %s (master pid %d, %d workers)", listen, master, o.nginxWorkers)
 	return s, nil
+}
+
+// startKVProxy starts one kvproxy in front of the engine as target name.
+func (s *setup) startKVProxy(ctx context.Context, tmp, name, path, engineAddr, pub, replay string, logf func(string, ...any)) error {
+	listen, err := freePort()
+	if err != nil {
+		return err
+	}
+	cfgPath := filepath.Join(tmp, name+".yaml")
+	if err := os.WriteFile(cfgPath, []byte(kvproxyConfig(listen, engineAddr, pub, replay)), 0o600); err != nil {
+		return err
+	}
+	kp, err := startProc(name, path, "-config", cfgPath)
+	if err != nil {
+		return err
+	}
+	s.proxies = append(s.proxies, kp)
+	if err := waitHTTP(ctx, kp, "http://"+listen+"/health"); err != nil {
+		return err
+	}
+	pid := kp.cmd.Process.Pid
+	metricsURL := "http://" + listen + "/metrics"
+	s.targets = append(s.targets, target{name: name, addr: listen, pids: func() []int { return []int{pid} },
+		mallocs: func() (uint64, error) { return scrapeMallocs(metricsURL) }})
+	logf("%s %s on %s (pid %d)", name, path, listen, pid)
+	return nil
 }
 
 // waitFor polls cond every 10ms for up to 15s, failing early if p exits.

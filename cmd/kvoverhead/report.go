@@ -28,6 +28,9 @@ type row struct {
 	// Ratios of kvproxy's value to direct's and to nginx's.
 	KVProxyDirect *float64 `json:"kvproxy_direct"`
 	KVProxyNginx  *float64 `json:"kvproxy_nginx"`
+	// With -kvproxy2: the second build's value and its ratio to kvproxy's.
+	KVProxy2        *float64 `json:"kvproxy2,omitempty"`
+	KVProxy2KVProxy *float64 `json:"kvproxy2_kvproxy,omitempty"`
 }
 
 type setupInfo struct {
@@ -44,6 +47,7 @@ type setupInfo struct {
 type report struct {
 	Setup   setupInfo `json:"setup"`
 	Results []row     `json:"results"`
+	hasKV2  bool
 }
 
 func ptr(v float64) *float64 {
@@ -175,12 +179,14 @@ func buildReport(res results, o options, s *setup) report {
 					}
 					return ptr(m.value(cl, direct, target == "direct"))
 				}
-				r.Direct, r.KVProxy, r.Nginx = val("direct"), val("kvproxy"), val("nginx")
+				r.Direct, r.KVProxy, r.Nginx, r.KVProxy2 = val("direct"), val("kvproxy"), val("nginx"), val("kvproxy2")
 				if m.name != "errors" && !strings.HasPrefix(m.name, "added") {
 					// Ratios of differences (and of error counts) mislead.
 					r.KVProxyDirect = ratio(r.KVProxy, r.Direct)
 					r.KVProxyNginx = ratio(r.KVProxy, r.Nginx)
+					r.KVProxy2KVProxy = ratio(r.KVProxy2, r.KVProxy)
 				}
+				rep.hasKV2 = rep.hasKV2 || cells[cellKey{w, c, "kvproxy2"}] != nil
 				rep.Results = append(rep.Results, r)
 			}
 		}
@@ -232,16 +238,24 @@ func writeTable(w io.Writer, rep report) {
 	fmt.Fprintf(w, "kvproxy overhead: %d CPUs, %d rounds × %gs per cell, streams of %d tokens, nginx %d workers, engine kvmock -speedup %g; kvproxy policy %s, KV events %s\n\n",
 		s.CPUs, s.Rounds, s.DurationS, s.StreamTokens, s.NginxWorkers, s.EngineSpeedup, s.KVProxyPolicy, s.KVProxyKVEvents)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "workload\tconc\tmetric\tunit\tdirect\tkvproxy\tnginx\tkvproxy/direct\tkvproxy/nginx\t")
+	kv2Head, kv2Gap := "", ""
+	if rep.hasKV2 {
+		kv2Head, kv2Gap = "kvproxy2\tkvproxy2/kvproxy\t", "\t\t"
+	}
+	fmt.Fprintln(tw, "workload\tconc\tmetric\tunit\tdirect\tkvproxy\tnginx\tkvproxy/direct\tkvproxy/nginx\t"+kv2Head)
 	prev := ""
 	for _, r := range rep.Results {
 		cell := r.Workload + strconv.Itoa(r.Concurrency)
 		if prev != "" && cell != prev {
-			fmt.Fprintln(tw, "\t\t\t\t\t\t\t\t\t")
+			fmt.Fprintln(tw, "\t\t\t\t\t\t\t\t\t"+kv2Gap)
 		}
 		prev = cell
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.Workload, r.Concurrency, r.Metric, r.Unit,
-			fmtVal(r.Direct), fmtVal(r.KVProxy), fmtVal(r.Nginx), fmtRatio(r.KVProxyDirect), fmtRatio(r.KVProxyNginx))
+		kv2 := ""
+		if rep.hasKV2 {
+			kv2 = fmtVal(r.KVProxy2) + "\t" + fmtRatio(r.KVProxy2KVProxy) + "\t"
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Workload, r.Concurrency, r.Metric, r.Unit,
+			fmtVal(r.Direct), fmtVal(r.KVProxy), fmtVal(r.Nginx), fmtRatio(r.KVProxyDirect), fmtRatio(r.KVProxyNginx), kv2)
 	}
 	tw.Flush()
 }
