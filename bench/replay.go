@@ -185,6 +185,7 @@ func (rp *replayer) send(ctx context.Context, r *Request) (o outcome) {
 		return o
 	}
 	o.prompt = r.InputLen
+	o.itl = make([]time.Duration, 0, r.OutputLen)
 	o.err = readStream(resp.Body, rp.t0, &o)
 	return o
 }
@@ -232,18 +233,32 @@ func readStream(body io.Reader, t0 time.Time, o *outcome) error {
 				}
 				return nil
 			}
-			var c sseChunk
-			if jerr := json.Unmarshal(data, &c); jerr != nil {
-				return fmt.Errorf("bad SSE chunk: %w", jerr)
-			}
-			if c.Error != nil {
-				return fmt.Errorf("stream error: %s", c.Error.Message)
-			}
 			text := false
-			for _, ch := range c.Choices {
-				if ch.Text != "" || ch.Delta.Content != "" {
-					text = true
+			if bytes.Contains(data, []byte(`"usage"`)) || bytes.Contains(data, []byte(`"error"`)) {
+				var c sseChunk
+				if jerr := json.Unmarshal(data, &c); jerr != nil {
+					return fmt.Errorf("bad SSE chunk: %w", jerr)
 				}
+				if c.Error != nil {
+					return fmt.Errorf("stream error: %s", c.Error.Message)
+				}
+				for _, ch := range c.Choices {
+					if ch.Text != "" || ch.Delta.Content != "" {
+						text = true
+					}
+				}
+				if u := c.Usage; u != nil {
+					o.output = u.CompletionTokens
+					if u.PromptTokens > 0 {
+						o.prompt = u.PromptTokens
+					}
+					if u.PromptTokensDetails != nil {
+						o.cached = u.PromptTokensDetails.CachedTokens
+					}
+				}
+			} else {
+				// Token chunks, the bulk of a stream, are only scanned.
+				text = hasText(data)
 			}
 			if text {
 				if chunks == 0 {
@@ -254,15 +269,6 @@ func readStream(body io.Reader, t0 time.Time, o *outcome) error {
 				last = now
 				chunks++
 			}
-			if u := c.Usage; u != nil {
-				o.output = u.CompletionTokens
-				if u.PromptTokens > 0 {
-					o.prompt = u.PromptTokens
-				}
-				if u.PromptTokensDetails != nil {
-					o.cached = u.PromptTokensDetails.CachedTokens
-				}
-			}
 		}
 		if err != nil {
 			if err == io.EOF {
@@ -271,6 +277,25 @@ func readStream(body io.Reader, t0 time.Time, o *outcome) error {
 			return err
 		}
 	}
+}
+
+// hasText reports whether a completion chunk carries a non-empty "text" or
+// "content" string (a chat chunk announcing the role only does not).
+func hasText(data []byte) bool {
+	for _, key := range [][]byte{[]byte(`"text":`), []byte(`"content":`)} {
+		rest := data
+		for {
+			i := bytes.Index(rest, key)
+			if i < 0 {
+				break
+			}
+			rest = bytes.TrimLeft(rest[i+len(key):], " \t")
+			if len(rest) >= 2 && rest[0] == '"' && rest[1] != '"' {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // body appends the JSON request body for r to b.

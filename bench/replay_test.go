@@ -174,3 +174,39 @@ func TestReplayCountsTransportErrors(t *testing.T) {
 		t.Fatalf("errors = %d, want %d", res.Errors, len(w.Requests))
 	}
 }
+
+func TestHasText(t *testing.T) {
+	for in, want := range map[string]bool{
+		`{"choices":[{"index":0,"text":" x","finish_reason":null}]}`:                true,
+		`{"choices":[{"index":0,"text":"","finish_reason":"stop"}]}`:                false,
+		`{"choices":[{"delta":{"role":"assistant","content":""}}]}`:                 false,
+		`{"choices":[{"delta":{"role":"assistant"},"content": null}]}`:              false,
+		`{"choices":[{"delta":{"content": "hi"}}]}`:                                 true,
+		`{"choices":[{"delta":{"content":"\"q\""}}]}`:                               true,
+		`{"choices":[{"text":"","logprobs":{"text":"","tokens":[]}},{"text":"b"}]}`: true,
+	} {
+		if got := hasText([]byte(in)); got != want {
+			t.Errorf("hasText(%s) = %v, want %v", in, got, want)
+		}
+	}
+}
+
+// BenchmarkReadStream measures the replay client's cost per SSE chunk.
+func BenchmarkReadStream(b *testing.B) {
+	var sb strings.Builder
+	for i := 0; i < 256; i++ {
+		sb.WriteString("data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\" word\",\"finish_reason\":null}]}\n\n")
+	}
+	sb.WriteString("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10,\"completion_tokens\":256,\"prompt_tokens_details\":{\"cached_tokens\":5}}}\n\ndata: [DONE]\n\n")
+	stream := sb.String()
+	t0 := time.Now()
+	b.ReportAllocs()
+	b.SetBytes(int64(len(stream)))
+	for b.Loop() {
+		var o outcome
+		if err := readStream(strings.NewReader(stream), t0, &o); err != nil || o.output != 256 {
+			b.Fatal(err, o.output)
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*257), "ns/chunk")
+}
