@@ -1,0 +1,68 @@
+package e2e
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/openai/openai-go"
+	"github.com/openai/openai-go/option"
+)
+
+// Tenant isolation end to end, in pairs: the same tenant gets the engine's
+// cached tokens, another tenant sending the very same prompt gets none (the
+// proxy's cache_salt keeps their KV caches apart inside the engine).
+func TestTenantIsolationInPairs(t *testing.T) {
+	engines := fleet(t, 1, "-speedup", "20")
+	url, p, _ := startProxyConfig(t, backendsYAML(map[string]string{"m": engines[0]}, `
+auth:
+  keys:
+    - {key: alpha-key-0001, tenant: alpha}
+    - {key: beta-key-00002, tenant: beta}
+    - {key: gamma-key-0003, tenant: gamma}
+    - {key: delta-key-0004, tenant: delta}
+  admin_keys: [admin-key-0005]
+  cache_salt_secret: e2e-secret
+tenants:
+  - {name: gamma, shared_cache: true}
+  - {name: delta, shared_cache: true}
+`))
+	prompt := strings.Repeat("A confidential document that only its owner should be able to probe. ", 20)
+	ask := func(key string) int64 {
+		c := openai.NewClient(option.WithBaseURL(url+"/v1/"), option.WithAPIKey(key), option.WithMaxRetries(0))
+		res, err := c.Chat.Completions.New(context.Background(), openai.ChatCompletionNewParams{
+			Model: "default", MaxTokens: openai.Int(2),
+			Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage(prompt)},
+		}, option.WithJSONSet("cache_salt", "a-client-chosen-salt"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.Usage.PromptTokensDetails.CachedTokens
+	}
+	if n := ask("alpha-key-0001"); n != 0 {
+		t.Fatalf("first request of alpha: %d cached tokens", n)
+	}
+	if n := ask("alpha-key-0001"); n == 0 {
+		t.Fatal("same tenant, same prompt: the engine must report cached tokens")
+	}
+	if n := ask("beta-key-00002"); n != 0 {
+		t.Fatalf("another tenant hit alpha's cache: %d cached tokens", n)
+	}
+	ask("gamma-key-0003")
+	if n := ask("delta-key-0004"); n == 0 {
+		t.Fatal("tenants sharing the cache namespace should share cached prefixes")
+	}
+	c := openai.NewClient(option.WithBaseURL(url+"/v1/"), option.WithAPIKey("not-a-key-000"), option.WithMaxRetries(0))
+	_, err := c.Chat.Completions.New(context.Background(), openai.ChatCompletionNewParams{Model: "default",
+		Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage("x")}})
+	var apiErr *openai.Error
+	if !asAPIError(err, &apiErr) || apiErr.StatusCode != 401 {
+		t.Fatalf("bad key: %v", err)
+	}
+	assertIdle(t, url)
+	for _, secret := range []string{"alpha-key-0001", "beta-key-00002", "admin-key-0005", "e2e-secret"} {
+		if strings.Contains(p.output(), secret) {
+			t.Fatalf("%q leaked into kvproxy's output", secret)
+		}
+	}
+}
