@@ -254,7 +254,16 @@ func (r *jrender) eval(e jexpr) (any, error) {
 		if err != nil {
 			return nil, err
 		}
-		return jApplyFilter(e.name, x, args)
+		var kwargs map[string]any
+		for k, ke := range e.kwargs {
+			if kwargs == nil {
+				kwargs = map[string]any{}
+			}
+			if kwargs[k], err = r.eval(ke); err != nil {
+				return nil, err
+			}
+		}
+		return jApplyFilter(e.name, x, args, kwargs)
 	case jTest:
 		x, err := r.eval(e.x)
 		if err != nil {
@@ -849,10 +858,44 @@ var jFilters = map[string]bool{
 	"length": true, "count": true, "trim": true, "tojson": true, "upper": true, "lower": true,
 	"default": true, "d": true, "first": true, "last": true, "join": true, "string": true, "int": true,
 	"float": true, "list": true, "items": true, "capitalize": true, "title": true, "replace": true,
-	"reverse": true, "safe": true,
+	"reverse": true, "safe": true, "select": true, "reject": true, "selectattr": true, "rejectattr": true,
+	"map": true, "unique": true,
 }
 
-func jApplyFilter(name string, x any, args []any) (any, error) {
+// jSelect implements select, reject, selectattr and rejectattr.
+func jSelect(name string, x any, args []any) (any, error) {
+	items, err := jIterate(x)
+	if err != nil {
+		return nil, err
+	}
+	attr := ""
+	if name == "selectattr" || name == "rejectattr" {
+		if len(args) == 0 {
+			return nil, fmt.Errorf("chat template: %s needs an attribute", name)
+		}
+		attr, args = jStr(args[0]), args[1:]
+	}
+	keep := name == "select" || name == "selectattr"
+	var out []any
+	for _, item := range items {
+		v := item
+		if attr != "" {
+			v = jGetAttr(item, attr)
+		}
+		ok := jTruthy(v)
+		if len(args) > 0 {
+			if ok, err = jApplyTest(jStr(args[0]), v, args[1:]); err != nil {
+				return nil, err
+			}
+		}
+		if ok == keep {
+			out = append(out, item)
+		}
+	}
+	return out, nil
+}
+
+func jApplyFilter(name string, x any, args []any, kwargs map[string]any) (any, error) {
 	if m, ok := x.(*jMsg); ok {
 		x = msgDict(m)
 	}
@@ -871,7 +914,15 @@ func jApplyFilter(name string, x any, args []any) (any, error) {
 		return strings.TrimFunc(jStr(x), unicode.IsSpace), nil
 	case "tojson":
 		var b strings.Builder
-		if err := jToJSON(&b, x); err != nil {
+		indent := 0
+		if n, ok := kwargs["indent"].(int64); ok {
+			indent = int(n)
+		} else if len(args) > 0 {
+			if n, ok := args[0].(int64); ok {
+				indent = int(n)
+			}
+		}
+		if err := jToJSON(&b, x, indent, 0); err != nil {
 			return nil, err
 		}
 		return b.String(), nil
@@ -960,6 +1011,39 @@ func jApplyFilter(name string, x any, args []any) (any, error) {
 			return nil, errors.New("chat template: replace needs two arguments")
 		}
 		return strings.ReplaceAll(jStr(x), jStr(args[0]), jStr(args[1])), nil
+	case "select", "reject", "selectattr", "rejectattr":
+		return jSelect(name, x, args)
+	case "map":
+		items, err := jIterate(x)
+		if err != nil {
+			return nil, err
+		}
+		out := make([]any, len(items))
+		for i, item := range items {
+			switch {
+			case kwargs["attribute"] != nil:
+				out[i] = jGetAttr(item, jStr(kwargs["attribute"]))
+			case len(args) > 0:
+				if out[i], err = jApplyFilter(jStr(args[0]), item, args[1:], nil); err != nil {
+					return nil, err
+				}
+			default:
+				return nil, errors.New("chat template: map needs attribute= or a filter name")
+			}
+		}
+		return out, nil
+	case "unique":
+		items, err := jIterate(x)
+		if err != nil {
+			return nil, err
+		}
+		var out []any
+		for _, item := range items {
+			if !slices.ContainsFunc(out, func(v any) bool { return jEqual(v, item) }) {
+				out = append(out, item)
+			}
+		}
+		return out, nil
 	case "reverse":
 		switch v := x.(type) {
 		case string:
@@ -1148,8 +1232,22 @@ func jRepr(b *strings.Builder, v any) {
 	}
 }
 
-// jToJSON writes v as Python's json.dumps(v, ensure_ascii=False) does.
-func jToJSON(b *strings.Builder, v any) error {
+// jToJSON writes v as Python's json.dumps(v, ensure_ascii=False,
+// indent=indent) does (indent 0: one line).
+func jToJSON(b *strings.Builder, v any, indent, level int) error {
+	newline := func(level int) {
+		if indent > 0 {
+			b.WriteByte('\n')
+			b.WriteString(strings.Repeat(" ", indent*level))
+		}
+	}
+	sep := ", "
+	if indent > 0 {
+		sep = ","
+	}
+	if m, ok := v.(*jMsg); ok {
+		v = msgDict(m)
+	}
 	switch v := v.(type) {
 	case nil, jUndefined:
 		b.WriteString("null")
@@ -1181,28 +1279,40 @@ func jToJSON(b *strings.Builder, v any) error {
 		}
 		b.WriteByte('"')
 	case []any:
+		if len(v) == 0 {
+			b.WriteString("[]")
+			return nil
+		}
 		b.WriteByte('[')
 		for i, x := range v {
 			if i > 0 {
-				b.WriteString(", ")
+				b.WriteString(sep)
 			}
-			if err := jToJSON(b, x); err != nil {
+			newline(level + 1)
+			if err := jToJSON(b, x, indent, level+1); err != nil {
 				return err
 			}
 		}
+		newline(level)
 		b.WriteByte(']')
 	case *jDictV:
+		if len(v.keys) == 0 {
+			b.WriteString("{}")
+			return nil
+		}
 		b.WriteByte('{')
 		for i, k := range v.keys {
 			if i > 0 {
-				b.WriteString(", ")
+				b.WriteString(sep)
 			}
-			_ = jToJSON(b, k)
+			newline(level + 1)
+			_ = jToJSON(b, k, indent, level+1)
 			b.WriteString(": ")
-			if err := jToJSON(b, v.m[k]); err != nil {
+			if err := jToJSON(b, v.m[k], indent, level+1); err != nil {
 				return err
 			}
 		}
+		newline(level)
 		b.WriteByte('}')
 	default:
 		return fmt.Errorf("chat template: tojson of %s", jTypeName(v))

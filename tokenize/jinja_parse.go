@@ -45,9 +45,10 @@ type (
 		kwargs map[string]jexpr
 	}
 	jFilter struct {
-		x    jexpr
-		name string
-		args []jexpr
+		x      jexpr
+		name   string
+		args   []jexpr
+		kwargs map[string]jexpr
 	}
 	jTest struct {
 		x    jexpr
@@ -461,7 +462,7 @@ func (p *jparser) parsePostfix() (jexpr, error) {
 				p.p++
 				var c *jCall
 				if c, err = p.parseArgs(); err == nil {
-					f.args = c.args
+					f.args, f.kwargs = c.args, c.kwargs
 				}
 			}
 			x = f

@@ -47,6 +47,14 @@ func TestJinjaExpressions(t *testing.T) {
 		{"{% for a, b in [[1, 2], [3, 4]] %}{{ a + b }}{% endfor %}{% for x in [] %}{% else %}empty{% endfor %}", "37empty"},
 		{"{% for m in messages if m.role != 'system' %}{{ loop.index }}{{ m.role }}{% endfor %}", "1user2assistant"},
 		{"{% if messages[0].role == 'user' %}u{% elif messages[0].role == 'system' %}s{% else %}x{% endif %}", "s"},
+		{"{{ ['a', 'code', 'b']|reject('equalto', 'code')|join(', ') }}|{{ [0, 1, 2]|select|list|length }}", "a, b|2"},
+		{"{{ messages|selectattr('role', 'equalto', 'user')|map(attribute='content')|first }}", " Hi "},
+		{"{{ messages|rejectattr('role', 'eq', 'system')|map(attribute='role')|join(',') }}|{{ [1, 1, 2]|unique|length }}", "user,assistant|2"},
+		{"{{ {'a': 1, 'b': [2]}|tojson(indent=2) }}", "{\n  \"a\": 1,\n  \"b\": [\n    2\n  ]\n}"},
+		{"{{ 'tool_calls' in messages[0] }} {{ 'role' in messages[0] }} {{ messages[0]|tojson }}", `False True {"role": "system", "content": "S"}`},
+		// Llama 3.1's habit: take the system message out, then loop over the rest.
+		{"{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content']|trim %}{% set messages = messages[1:] %}{% endif %}" +
+			"[{{ sys }}]{% for m in messages %}{{ m.role }};{% endfor %}", "[S]user;assistant;"},
 	}
 	for _, c := range cases {
 		if got := renderJinja(t, c.src, msgs, map[string]string{"bos_token": "<s>"}); got != c.want {
