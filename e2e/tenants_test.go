@@ -2,8 +2,11 @@ package e2e
 
 import (
 	"context"
+	"encoding/json"
+	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/openai/openai-go"
 	"github.com/openai/openai-go/option"
@@ -65,4 +68,41 @@ tenants:
 			t.Fatalf("%q leaked into kvproxy's output", secret)
 		}
 	}
+}
+
+// In event mode the index learns each tenant's salted blocks from the
+// engine's events (cache_salt in extra_keys), so a tenant's next turn routes
+// on its own prefix and never on another tenant's.
+func TestTenantsInEventMode(t *testing.T) {
+	es, _ := fleetWithEvents(t, 2, "-speedup", "20")
+	url, _, _ := startProxyConfig(t, eventBackends(es, `
+auth:
+  keys:
+    - {key: alpha-key-0001, tenant: alpha}
+    - {key: beta-key-00002, tenant: beta}
+  admin_keys: [admin-key-0005]
+`))
+	prompt := strings.Repeat("Tenant-private context for event mode. ", 40)
+	body := `{"model":"default","max_tokens":2,"messages":[{"role":"user","content":"` + prompt + `"}]}`
+	dry := strings.Replace(body, `"max_tokens":2`, `"max_tokens":2,"nvext":{"annotations":["query_instance_id"]}`, 1)
+	send := func(key, b string) map[string]any {
+		req, _ := http.NewRequest("POST", url+"/v1/chat/completions", strings.NewReader(b))
+		req.Header.Set("Authorization", "Bearer "+key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var out map[string]any
+		json.NewDecoder(resp.Body).Decode(&out)
+		return out
+	}
+	send("alpha-key-0001", body)
+	waitFor(t, 5*time.Second, "alpha's blocks indexed from events", func() bool {
+		return send("alpha-key-0001", dry)["overlap_blocks"].(float64) > 0
+	})
+	if n := send("beta-key-00002", dry)["overlap_blocks"].(float64); n != 0 {
+		t.Fatalf("beta matched %v blocks of alpha's prompt", n)
+	}
+	assertIdle(t, url)
 }

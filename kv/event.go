@@ -24,4 +24,8 @@ type Event struct {
 	BlockSize int
 	Tier      Tier
 	LoRAName  string
+	// CacheSalt is the cache_salt of a BlockStored that starts a sequence
+	// (no parent): vLLM folds it into block 0 and reports it in extra_keys.
+	// Encoding only; decoders report it through VLLMDecoder.CacheSalt.
+	CacheSalt string
 }

@@ -447,3 +447,20 @@ func TestMsgpackSize(t *testing.T) {
 		}
 	}
 }
+
+func TestCacheSaltRoundTrip(t *testing.T) {
+	for _, enc := range []VLLMEncoding{VLLMArrays, VLLMMaps} {
+		evs := []Event{
+			{Kind: BlockStored, EngineHashes: []uint64{1, 2}, Tokens: make([]uint32, 32), BlockSize: 16, CacheSalt: "tenant-salt"},
+			{Kind: BlockStored, EngineHashes: []uint64{3}, HasParent: true, EngineParent: 2, Tokens: make([]uint32, 16), BlockSize: 16, CacheSalt: "ignored-with-parent"},
+		}
+		var d VLLMDecoder
+		_, got, _, err := d.Decode(AppendVLLMBatch(nil, 1, evs, 0, enc))
+		if err != nil || len(got) != 2 {
+			t.Fatalf("encoding %d: %v %d", enc, err, len(got))
+		}
+		if d.CacheSalt(0) != "tenant-salt" || d.CacheSalt(1) != "" {
+			t.Fatalf("encoding %d: salts %q %q", enc, d.CacheSalt(0), d.CacheSalt(1))
+		}
+	}
+}

@@ -22,8 +22,9 @@ const (
 // vllm/distributed/kv_events.py). It is what a simulated engine publishes.
 // Engine hashes are written as unsigned integers; a missing parent is nil; an
 // event's medium is written from its Tier ("GPU", "CPU", "DISK", "SHARED");
-// lora_id is always nil. Fields that msgspec omits by default (extra_keys,
-// group_idx, ...) are omitted.
+// lora_id is always nil. extra_keys is written only to carry the cache_salt
+// of a sequence's first blocks (as vLLM does); other fields msgspec omits by
+// default (group_idx, ...) are omitted.
 func AppendVLLMBatch(dst []byte, ts float64, events []Event, dpRank int, enc VLLMEncoding) []byte {
 	if enc == VLLMMaps {
 		dst = mpMapLen(dst, 3)
@@ -67,11 +68,16 @@ func appendVLLMEvent(dst []byte, ev *Event, enc VLLMEncoding) []byte {
 	}
 	switch ev.Kind {
 	case BlockStored:
+		fields := 8
+		salted := ev.CacheSalt != "" && !ev.HasParent && len(ev.EngineHashes) > 0
+		if salted {
+			fields = 9 // + extra_keys
+		}
 		if maps {
-			dst = mpMapLen(dst, 8)
+			dst = mpMapLen(dst, fields)
 			dst = mpStr(dst, "type")
 		} else {
-			dst = mpArrayLen(dst, 8)
+			dst = mpArrayLen(dst, fields)
 		}
 		dst = mpStr(dst, "BlockStored")
 		dst = key(dst, "block_hashes")
@@ -95,9 +101,22 @@ func appendVLLMEvent(dst []byte, ev *Event, enc VLLMEncoding) []byte {
 		dst = mpStr(dst, MediumOf(ev.Tier))
 		dst = key(dst, "lora_name")
 		if ev.LoRAName == "" {
-			return mpNil(dst)
+			dst = mpNil(dst)
+		} else {
+			dst = mpStr(dst, ev.LoRAName)
 		}
-		return mpStr(dst, ev.LoRAName)
+		if !salted {
+			return dst
+		}
+		// extra_keys: one entry per block; block 0's tuple holds the salt.
+		dst = key(dst, "extra_keys")
+		dst = mpArrayLen(dst, len(ev.EngineHashes))
+		dst = mpArrayLen(dst, 1)
+		dst = mpStr(dst, ev.CacheSalt)
+		for range len(ev.EngineHashes) - 1 {
+			dst = mpNil(dst)
+		}
+		return dst
 	case BlockRemoved:
 		if maps {
 			dst = mpMapLen(dst, 3)

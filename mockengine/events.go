@@ -12,7 +12,8 @@ type eventLog struct {
 	tokens []uint32 // backing storage of Tokens
 }
 
-func (l *eventLog) stored(parent kv.BlockHash, hasParent bool, h kv.BlockHash, toks []uint32, tier kv.Tier) {
+// salt is the sequence's cache_salt, reported with block 0 (vLLM's extra_keys).
+func (l *eventLog) stored(parent kv.BlockHash, hasParent bool, h kv.BlockHash, toks []uint32, tier kv.Tier, salt string) {
 	if !l.on {
 		return
 	}
@@ -41,6 +42,7 @@ func (l *eventLog) stored(parent kv.BlockHash, hasParent bool, h kv.BlockHash, t
 		Tokens:       l.tokens[ts:len(l.tokens):len(l.tokens)],
 		BlockSize:    len(toks),
 		Tier:         tier,
+		CacheSalt:    salt,
 	})
 }
 

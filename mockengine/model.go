@@ -377,7 +377,7 @@ func (m *Model) offload(bl *block, toks []uint32) {
 		m.events.removed(old, kv.TierHost)
 	}
 	if added {
-		m.events.stored(bl.parent, bl.hasParent, bl.hash, toks, kv.TierHost)
+		m.events.stored(bl.parent, bl.hasParent, bl.hash, toks, kv.TierHost, "")
 	}
 }
 
@@ -466,7 +466,7 @@ func (m *Model) loadFromHost(s *Seq, from, to int) int {
 		toks := m.host.blockTokens(hi)
 		copy(m.devBlockTokens(b), toks)
 		if m.cache.register(b) {
-			m.events.stored(bl.parent, bl.hasParent, bl.hash, toks, kv.TierDevice)
+			m.events.stored(bl.parent, bl.hasParent, bl.hash, toks, kv.TierDevice, "")
 		}
 		m.hostLoads++
 	}
@@ -555,7 +555,11 @@ func (m *Model) fillBlock(s *Seq, i int) {
 	m.hbuf = kv.ContinueHashes(m.hbuf[:0], rparent, i == 0, toks, m.cfg.BlockSize, 0)
 	bl.rhash = m.hbuf[0]
 	if m.cache.register(b) {
-		m.events.stored(parent, i > 0, bl.hash, toks, kv.TierDevice)
+		salt := ""
+		if i == 0 {
+			salt = s.Salt
+		}
+		m.events.stored(parent, i > 0, bl.hash, toks, kv.TierDevice, salt)
 	}
 }
 
