@@ -117,6 +117,11 @@ func (r *jrender) exec(nodes []jnode) error {
 			if err := r.execFor(n); err != nil {
 				return err
 			}
+		case jLoopControl:
+			if n == "break" {
+				return errBreak
+			}
+			return errContinue
 		case *jSet:
 			v, err := r.eval(n.e)
 			if err != nil {
@@ -172,12 +177,21 @@ func (r *jrender) execFor(n *jFor) error {
 	for i, item := range items {
 		loop.index0 = i
 		bindLoopVars(scope, n.vars, item)
-		if err := r.exec(n.body); err != nil {
+		if err := r.exec(n.body); err == errBreak {
+			break
+		} else if err != nil && err != errContinue {
 			return err
 		}
 	}
 	return nil
 }
+
+// errBreak and errContinue carry {% break %} and {% continue %} to the
+// enclosing loop.
+var (
+	errBreak    = errors.New("chat template: {% break %} outside a loop")
+	errContinue = errors.New("chat template: {% continue %} outside a loop")
+)
 
 func bindLoopVars(scope map[string]any, vars []string, item any) {
 	if len(vars) == 1 {

@@ -22,7 +22,8 @@ type (
 		body []jnode
 		els  []jnode
 	}
-	jSet struct {
+	jLoopControl string // "break" or "continue"
+	jSet         struct {
 		name, attr string // name.attr = e when attr != ""
 		e          jexpr
 	}
@@ -176,6 +177,11 @@ func (p *jparser) parseBody() ([]jnode, string, error) {
 					return nil, "", err
 				}
 				body = append(body, n)
+			case "break", "continue": // transformers enables Jinja's loopcontrols
+				if err := p.expectKind(jtBlockClose, "%}"); err != nil {
+					return nil, "", err
+				}
+				body = append(body, jLoopControl(name))
 			case "elif", "else", "endif", "endfor":
 				return body, name, nil
 			default:
