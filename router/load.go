@@ -77,7 +77,7 @@ func (w *worker) add(a *Active) bool {
 		return false
 	}
 	newBlocks := a.partial
-	for _, h := range a.hashes {
+	for _, h := range *a.hashes {
 		n := w.refs[h]
 		if n == 0 {
 			newBlocks++
@@ -116,10 +116,10 @@ type Active struct {
 	mu      sync.Mutex
 	w       *worker
 	gen     uint64
-	hashes  []kv.BlockHash
-	partial int64 // 1 if the prompt ends in a partial block
-	prefill int64 // uncached tokens still counted in w.prefill
-	out     int64 // output blocks counted in w.active
+	hashes  *[]kv.BlockHash // a copy of the prompt's hashes, pooled after Free
+	partial int64           // 1 if the prompt ends in a partial block
+	prefill int64           // uncached tokens still counted in w.prefill
+	out     int64           // output blocks counted in w.active
 	freed   bool
 
 	uncached int64   // predicted uncached prompt tokens
@@ -179,7 +179,7 @@ func (a *Active) Free() {
 	}
 	w := a.w
 	gone := a.partial + a.out
-	for _, h := range a.hashes {
+	for _, h := range *a.hashes {
 		n := w.refs[h] - 1
 		if n <= 0 {
 			delete(w.refs, h)
@@ -192,6 +192,7 @@ func (a *Active) Free() {
 	w.prefill.Add(-a.prefill)
 	w.active.Add(-gone)
 	a.prefill, a.out, a.freed = 0, 0, true
+	hashPool.Put(a.hashes)
 	a.hashes = nil
 	a.unlock()
 }

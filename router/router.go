@@ -460,7 +460,7 @@ func (r *Router) commit(req *Request, d *Decision) *Active {
 	}
 	a.fetchMs = r.cfg.Cost.fetch(&c)
 	a.computMs = r.cfg.Cost.compute(&c, int(uncached), c.PrefillTokens)
-	a.hashes = append([]kv.BlockHash(nil), req.Hashes...)
+	a.hashes = getHashes(req.Hashes)
 	if !w.add(a) {
 		a.freed = true // worker removed meanwhile
 		return a
@@ -508,4 +508,13 @@ func (r *Router) SetEngineLoad(id WorkerID, waiting, running int, kvUsage float6
 	w.engWaiting.Store(int64(max(waiting, 0)))
 	w.engRunning.Store(int64(max(running, 0)))
 	w.engKVUsage.Store(math.Float64bits(kvUsage))
+}
+
+// hashPool recycles the prompt-hash copies Actives hold until Free.
+var hashPool = sync.Pool{New: func() any { return new([]kv.BlockHash) }}
+
+func getHashes(src []kv.BlockHash) *[]kv.BlockHash {
+	p := hashPool.Get().(*[]kv.BlockHash)
+	*p = append((*p)[:0], src...)
+	return p
 }
