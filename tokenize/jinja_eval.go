@@ -814,6 +814,19 @@ func jCallMethod(recv any, name string, args []any) (any, error) {
 			return pyCapitalize(x), nil
 		case "replace":
 			return strings.ReplaceAll(x, strArg(0, ""), strArg(1, "")), nil
+		case "join":
+			if len(args) != 1 {
+				return nil, errors.New("chat template: join() takes one argument")
+			}
+			items, err := jIterate(args[0])
+			if err != nil {
+				return nil, err
+			}
+			parts := make([]string, len(items))
+			for i, v := range items {
+				parts[i] = jStr(v)
+			}
+			return strings.Join(parts, x), nil
 		}
 	case *jDictV:
 		switch name {

@@ -53,6 +53,7 @@ func TestJinjaExpressions(t *testing.T) {
 		{"{{ {'a': 1, 'b': [2]}|tojson(indent=2) }}", "{\n  \"a\": 1,\n  \"b\": [\n    2\n  ]\n}"},
 		{"{{ 'tool_calls' in messages[0] }} {{ 'role' in messages[0] }} {{ messages[0]|tojson }}", `False True {"role": "system", "content": "S"}`},
 		{"{% for x in [1, 2, 3, 4] %}{% if x == 2 %}{% continue %}{% endif %}{% if x == 4 %}{% break %}{% endif %}{{ x }}{% endfor %}", "13"},
+		{"{{ ', '.join(['a', 'b']) }}", "a, b"},
 		// Llama 3.1's habit: take the system message out, then loop over the rest.
 		{"{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content']|trim %}{% set messages = messages[1:] %}{% endif %}" +
 			"[{{ sys }}]{% for m in messages %}{{ m.role }};{% endfor %}", "[S]user;assistant;"},
