@@ -32,7 +32,9 @@ type sample struct {
 	events  int64           // stream: SSE data events received (including [DONE])
 	elapsed time.Duration   // wall time of the cell
 	cpu     float64         // CPU seconds of the target's processes (0 for direct)
-	mallocs int64           // heap allocations of the target (kvproxy), -1 where unknown
+	mallocs int64           // heap allocations of the target (kvproxy)
+	// noMallocs: the target does not report allocations (or a scrape failed).
+	noMallocs bool
 }
 
 func (s *sample) merge(o sample) {
@@ -42,11 +44,8 @@ func (s *sample) merge(o sample) {
 	s.events += o.events
 	s.elapsed += o.elapsed
 	s.cpu += o.cpu
-	if s.mallocs >= 0 && o.mallocs >= 0 {
-		s.mallocs += o.mallocs
-	} else {
-		s.mallocs = -1
-	}
+	s.mallocs += o.mallocs
+	s.noMallocs = s.noMallocs || o.noMallocs
 }
 
 // cellKey names a cell.
@@ -257,10 +256,11 @@ func measure(ctx context.Context, s *setup, o options, logf func(string, ...any)
 					cpu0 := cpuSeconds(pids)
 					smp := loads[i].run(ctx, w, c, o.duration)
 					smp.cpu = cpuSeconds(pids) - cpu0
-					smp.mallocs = -1
+					smp.noMallocs = true
 					if t.mallocs != nil {
 						if m1, err := t.mallocs(); err == nil && m0 > 0 {
 							smp.mallocs = int64(m1-m0) - int64(scrapeCost[t.name])
+							smp.noMallocs = false
 						}
 					}
 					if ctx.Err() != nil {

@@ -129,7 +129,7 @@ func TestReportRatiosAndTable(t *testing.T) {
 		return s
 	}
 	res := results{
-		{chat, 4, "direct"}:  {mk(1000, 1, 1, 2)},
+		{chat, 4, "direct"}:  {func() sample { s := mk(1000, 1, 1, 2); s.noMallocs = true; return s }()},
 		{chat, 4, "kvproxy"}: {mk(800, 2, 2, 3)},
 		{chat, 4, "nginx"}:   {mk(400, 3, 3, 4), mk(600, 3)},
 	}
@@ -152,6 +152,9 @@ func TestReportRatiosAndTable(t *testing.T) {
 	}
 	if c := get("cpu_per_request"); c.Direct != nil || *c.KVProxy != 10 {
 		t.Errorf("cpu_per_request: %+v", c)
+	}
+	if a := get("allocs_per_request"); a.Direct != nil || a.KVProxy == nil {
+		t.Errorf("allocs_per_request: %+v", a)
 	}
 	var b bytes.Buffer
 	writeTable(&b, rep)

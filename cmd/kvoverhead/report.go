@@ -147,10 +147,12 @@ func cpuPer(units func(*cell) float64) func(c, _ *cell, isDirect bool) float64 {
 // (kvproxy: everything it allocated during the cell, per request or event).
 func allocsPer(units func(*cell) float64) func(c, _ *cell, _ bool) float64 {
 	return func(c, _ *cell, _ bool) float64 {
-		if c.mallocs < 0 {
+		if c.noMallocs {
 			return math.NaN()
 		}
-		return float64(c.mallocs) / units(c)
+		// Scrapes vary a little in cost: a cell with few allocations may
+		// come out slightly below zero.
+		return math.Max(0, float64(c.mallocs)/units(c))
 	}
 }
 
