@@ -1,0 +1,6 @@
+//go:build race
+
+package tokenize
+
+// raceEnabled: the race detector slows the regexp2 reference about tenfold.
+const raceEnabled = true
