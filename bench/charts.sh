@@ -4,7 +4,7 @@
 #
 #   bench/charts.sh [TRACES_DIR]
 #
-# Every run is deterministic (same seed, same numbers). About 10 minutes on 2 cores.
+# Every run is deterministic (same seed, same numbers). About 10 minutes on 2 idle cores.
 set -eu
 traces=${1:-../shared/traces}
 out=docs/img
@@ -27,4 +27,9 @@ mkdir -p "$out"
 "$bin" sim -trace "$traces/mooncake/conversation_trace.jsonl" -name conversation-hetero \
 	-hetero 0.5 -speedup 2.6 -policies kv,kv_fixed,kv_dynamo,least_load,round_robin \
 	-json -plot "$out" > "$out/conversation-hetero.json"
+# Generated multi-turn chat: 1,600 conversations (8 shared system prompts of
+# 2,000 tokens, ~6 turns of 400-token questions and 250-token answers, 10 s
+# between turns), 16 new conversations a second: round_robin near saturation.
+"$bin" sim -format multiturn -name multiturn -conversations 1600 -rate 16 -think 10s -speedup 1 \
+	-json -plot "$out" > "$out/multiturn.json"
 rm -f "$bin"
