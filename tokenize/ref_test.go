@@ -147,8 +147,8 @@ func TestReferenceTokenizers(t *testing.T) {
 	toks := map[string]func() (Tokenizer, error){
 		"cl100k_base": func() (Tokenizer, error) { return Get("cl100k_base") },
 		"o200k_base":  func() (Tokenizer, error) { return Get("o200k_base") },
-		"llama3":      func() (Tokenizer, error) { return LoadHF(refModelDir("llama3")) },
-		"qwen3":       func() (Tokenizer, error) { return LoadHF(refModelDir("qwen3")) },
+		"llama3":      func() (Tokenizer, error) { return Load(refModelDir("llama3")) },
+		"qwen3":       func() (Tokenizer, error) { return Load(refModelDir("qwen3")) },
 	}
 	for name, load := range toks {
 		t.Run(name, func(t *testing.T) {
