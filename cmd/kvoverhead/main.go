@@ -169,9 +169,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	rep := buildReport(res, o, setup)
 	if o.png != "" {
 		if err := writeChart(o.png, rep); err != nil {
-			return err
+			logf("no chart: %v", err)
+		} else {
+			logf("wrote %s", o.png)
 		}
-		logf("wrote %s", o.png)
 	}
 	if o.json {
 		return writeJSON(stdout, rep)
