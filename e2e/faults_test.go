@@ -57,6 +57,31 @@ func openStream(t *testing.T, url, body string) (*http.Response, *bufio.Reader) 
 	return resp, bufio.NewReader(resp.Body)
 }
 
+// startStreams opens n streams of the given length, reads their first
+// events, and returns a function that waits for the rest of each.
+func startStreams(t *testing.T, url string, n, tokens int) func() []string {
+	t.Helper()
+	var wg sync.WaitGroup
+	results := make([]string, n)
+	for i := 0; i < n; i++ {
+		resp, br := openStream(t, url, streamBody(fmt.Sprintf("stream %d", i), tokens))
+		if err := readEvents(br, 2); err != nil {
+			t.Fatal(err)
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer resp.Body.Close()
+			b, _ := io.ReadAll(br)
+			results[i] = string(b)
+		}()
+	}
+	return func() []string {
+		wg.Wait()
+		return results
+	}
+}
+
 func readEvents(br *bufio.Reader, n int) error {
 	for seen := 0; seen < n; {
 		l, err := br.ReadString('\n')
@@ -187,29 +212,13 @@ func TestSlowHeadersAndOversizedBodies(t *testing.T) {
 func TestReloadDuringStreams(t *testing.T) {
 	engines := fleet(t, 2, "-speedup", "4")
 	url, p, path := startProxyConfig(t, backendsYAML(map[string]string{"old": engines[0]}, ""))
-	var wg sync.WaitGroup
-	results := make(chan string, 4)
-	for i := 0; i < 4; i++ {
-		resp, br := openStream(t, url, streamBody(fmt.Sprintf("stream %d", i), 150))
-		if err := readEvents(br, 2); err != nil {
-			t.Fatal(err)
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer resp.Body.Close()
-			b, _ := io.ReadAll(br)
-			results <- string(b)
-		}()
-	}
+	rest := startStreams(t, url, 4, 150)
 	rewriteConfig(t, p, path, backendsYAML(map[string]string{"new": engines[1]}, ""))
 	waitFor(t, 5*time.Second, "the new backend to serve", func() bool {
 		resp := chat(t, url, `{"model":"default","max_tokens":1,"messages":[{"role":"user","content":"who?"}]}`)
 		return resp.Header.Get("x-kvproxy-worker") == "new"
 	})
-	wg.Wait()
-	close(results)
-	for s := range results {
+	for _, s := range rest() {
 		if strings.Contains(s, `"error"`) || !strings.HasSuffix(s, "data: [DONE]\n\n") {
 			t.Fatalf("a stream was disturbed by the reload:\n%s", tail(s, 400))
 		}
@@ -232,27 +241,11 @@ func TestReloadDuringStreams(t *testing.T) {
 func TestSIGTERMDrainsStreams(t *testing.T) {
 	engines := fleet(t, 1, "-speedup", "4")
 	url, p, _ := startProxyConfig(t, backendsYAML(map[string]string{"m": engines[0]}, "limits: {drain_timeout: 20s}\n"))
-	var wg sync.WaitGroup
-	results := make(chan string, 3)
-	for i := 0; i < 3; i++ {
-		resp, br := openStream(t, url, streamBody(fmt.Sprintf("drain %d", i), 120))
-		if err := readEvents(br, 2); err != nil {
-			t.Fatal(err)
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer resp.Body.Close()
-			b, _ := io.ReadAll(br)
-			results <- string(b)
-		}()
-	}
+	rest := startStreams(t, url, 3, 120)
 	p.cmd.Process.Signal(syscall.SIGTERM)
 	exited := make(chan error, 1)
 	go func() { exited <- p.cmd.Wait() }()
-	wg.Wait()
-	close(results)
-	for s := range results {
+	for _, s := range rest() {
 		if !strings.HasSuffix(s, "data: [DONE]\n\n") || strings.Contains(s, `"error"`) {
 			t.Fatalf("a stream was cut by SIGTERM:\n%s", tail(s, 400))
 		}

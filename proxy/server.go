@@ -57,6 +57,8 @@ type Server struct {
 	draining  atomic.Bool
 	inflight  sync.WaitGroup
 
+	routeTable map[string]route
+
 	startOnce  sync.Once
 	stopScrape chan struct{}
 	scrapeDone chan struct{}
@@ -111,6 +113,7 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 		return nil, err
 	}
 	s.activate(st, nil)
+	s.routeTable = s.routes()
 	reg := opts.Registry
 	if reg == nil {
 		reg = prometheus.NewRegistry()
@@ -368,62 +371,54 @@ func (s *Server) Idle() bool {
 	return true
 }
 
-func (s *Server) handle(ctx *fasthttp.RequestCtx) {
-	path := string(ctx.Path())
-	method := string(ctx.Method())
-	st := s.st.Load()
-	switch path {
-	case "/v1/chat/completions", "/v1/completions":
-		if method != fasthttp.MethodPost {
-			methodNotAllowed(ctx, "POST")
-			return
-		}
-		s.handleCompletion(ctx, st, path == "/v1/chat/completions")
-	case "/v1/models":
-		if st.auth.client(ctx) == nil {
-			unauthorized(ctx)
-			return
-		}
-		s.handleModels(ctx, st)
-	case "/health", "/healthz":
-		s.handleHealth(ctx, st)
-	case "/metrics":
-		s.metrics.serve(ctx)
-	case "/admin/backends":
-		if !st.auth.isAdmin(ctx) {
-			unauthorized(ctx)
-			return
-		}
-		s.handleAdminBackends(ctx, st)
-	case "/v1/kv_events":
-		if !st.auth.isAdmin(ctx) {
-			unauthorized(ctx)
-			return
-		}
-		if method != fasthttp.MethodPost {
-			methodNotAllowed(ctx, "POST")
-			return
-		}
-		s.handleKVEvents(ctx, st)
-	case "/admin/index/lookup":
-		if !st.auth.isAdmin(ctx) {
-			unauthorized(ctx)
-			return
-		}
-		s.handleIndexLookup(ctx, st)
-	case "/admin/reload":
-		if !st.auth.isAdmin(ctx) {
-			unauthorized(ctx)
-			return
-		}
-		if method != fasthttp.MethodPost {
-			methodNotAllowed(ctx, "POST")
-			return
-		}
-		s.handleAdminReload(ctx)
-	default:
-		writeError(ctx, fasthttp.StatusNotFound, "unknown path "+strconv.Quote(path), "invalid_request_error", "", "not_found")
+// access says who may call an endpoint.
+type access uint8
+
+const (
+	public access = iota // health, metrics
+	client               // an API key, when keys are configured
+	admin                // an admin key
+)
+
+type route struct {
+	method string // "" = any
+	access access
+	serve  func(ctx *fasthttp.RequestCtx, st *state)
+}
+
+func (s *Server) routes() map[string]route {
+	return map[string]route{
+		"/v1/chat/completions": {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, true) }},
+		"/v1/completions":      {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, false) }},
+		"/v1/models":           {"", client, s.handleModels},
+		"/health":              {"", public, s.handleHealth},
+		"/healthz":             {"", public, s.handleHealth},
+		"/metrics":             {"", public, func(ctx *fasthttp.RequestCtx, _ *state) { s.metrics.serve(ctx) }},
+		"/admin/backends":      {"", admin, s.handleAdminBackends},
+		"/admin/index/lookup":  {fasthttp.MethodPost, admin, s.handleIndexLookup},
+		"/admin/reload":        {fasthttp.MethodPost, admin, func(ctx *fasthttp.RequestCtx, _ *state) { s.handleAdminReload(ctx) }},
+		"/v1/kv_events":        {fasthttp.MethodPost, admin, s.handleKVEvents},
 	}
+}
+
+// handle dispatches a request. Completions check their key themselves
+// (after counting the request), other endpoints here.
+func (s *Server) handle(ctx *fasthttp.RequestCtx) {
+	r, ok := s.routeTable[string(ctx.Path())]
+	if !ok {
+		writeError(ctx, fasthttp.StatusNotFound, "unknown path "+strconv.Quote(string(ctx.Path())), "invalid_request_error", "", "not_found")
+		return
+	}
+	st := s.st.Load()
+	if (r.access == client && st.auth.client(ctx) == nil) || (r.access == admin && !st.auth.isAdmin(ctx)) {
+		unauthorized(ctx)
+		return
+	}
+	if r.method != "" && string(ctx.Method()) != r.method {
+		methodNotAllowed(ctx, r.method)
+		return
+	}
+	r.serve(ctx, st)
 }
 
 // ReloadFunc loads the configuration again (set by the command that knows
