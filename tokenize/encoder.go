@@ -30,10 +30,14 @@ const (
 // not tokenized again. It is safe for concurrent use; the cache is sharded,
 // and a cache hit takes one shard's read lock.
 //
-// Each message is tokenized on its own, so the ids at a boundary between two
-// messages can differ from tokenizing the whole rendered text at once when
-// the tokenizer would merge across it; the result is deterministic, which is
-// what prefix matching needs.
+// With a built-in template each message is tokenized on its own, so the ids
+// at a boundary between two messages can differ from tokenizing the whole
+// rendered text when a tiktoken encoding would merge across it (never for
+// chatml, whose boundaries the pre-tokenizer splits anyway); the result is
+// deterministic, which is what prefix matching needs. With a model's own
+// template the rendered conversation is cut at the tokenizer's added
+// tokens, where the model's tokenizer cuts it too, and each run of text
+// between them is cached: the ids are exactly the engine's.
 type Encoder struct {
 	tok     Tokenizer
 	tmpl    Template
