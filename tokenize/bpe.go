@@ -36,7 +36,12 @@ func (b *bpe) appendPiece(dst []uint32, piece string) []uint32 {
 		return b.appendLargePiece(dst, piece)
 	}
 	var stack [largePiece + 1]bpePart
-	parts := stack[:len(piece)+1]
+	return b.mergeQuadratic(dst, piece, stack[:len(piece)+1])
+}
+
+// mergeQuadratic rescans every pair after each merge: fastest for short
+// pieces. parts is scratch space of length len(piece)+1.
+func (b *bpe) mergeQuadratic(dst []uint32, piece string, parts []bpePart) []uint32 {
 	for i := range parts {
 		parts[i] = bpePart{start: i, rank: noRank}
 	}

@@ -80,3 +80,27 @@ func TestLongPieceIsNotQuadratic(t *testing.T) {
 		t.Fatal("no tokens")
 	}
 }
+
+// FuzzLargeMerge checks the heap merge against the quadratic one on long
+// pieces built from the input (repeated until past largePiece bytes).
+func FuzzLargeMerge(f *testing.F) {
+	for _, s := range []string{"ab", "hello", "aaa", "日本", "x!y", "the quick brown fox"} {
+		f.Add(s)
+	}
+	bpes := []*bpe{&mustGet(f, "cl100k_base").(*tiktokenEncoding).bpe, &mustGet(f, "o200k_base").(*tiktokenEncoding).bpe}
+	f.Fuzz(func(t *testing.T, s string) {
+		if s == "" {
+			return
+		}
+		piece := strings.Repeat(s, largePiece/len(s)+1)
+		if len(piece) > 4096 {
+			piece = piece[:4096]
+		}
+		for _, b := range bpes {
+			want := b.mergeQuadratic(nil, piece, make([]bpePart, len(piece)+1))
+			if got := b.appendLargePiece(nil, piece); !slices.Equal(got, want) {
+				t.Fatalf("%q: heap merge %v, quadratic %v", piece, got, want)
+			}
+		}
+	})
+}
