@@ -88,6 +88,16 @@ func TestJinjaErrors(t *testing.T) {
 	}
 }
 
+func TestJinjaPanicBecomesError(t *testing.T) {
+	tmpl, err := NewJinjaTemplate("boom", "{{ 'x' * -1 }}{{ 'x' * 9223372036854775807 }}", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Render(tmpl, nil, true); err == nil {
+		t.Fatal("no error from a template that panics")
+	}
+}
+
 func TestLoadTemplate(t *testing.T) {
 	for _, name := range []string{"chatml", "llama3", "raw"} {
 		if tmpl, err := LoadTemplate(name); err != nil || tmpl.Name() != name {

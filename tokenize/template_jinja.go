@@ -36,7 +36,12 @@ func NewJinjaTemplate(name, source string, vars map[string]string) (Template, er
 
 func (t *jinjaTemplate) Name() string { return t.name }
 
-func (t *jinjaTemplate) render(msgs []Message, addGenerationPrompt bool) (string, error) {
+func (t *jinjaTemplate) render(msgs []Message, addGenerationPrompt bool) (out string, err error) {
+	defer func() { // a template bug must not take the proxy down with a request
+		if p := recover(); p != nil {
+			out, err = "", fmt.Errorf("chat template %s: %v", t.name, p)
+		}
+	}()
 	list := make([]any, len(msgs))
 	vals := make([]jMsg, len(msgs))
 	size := 256
