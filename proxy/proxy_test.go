@@ -555,3 +555,39 @@ func TestFlatEngineErrorFrameIsNormalized(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// The watcher registers a keep-alive connection once: a hang-up during the
+// connection's second request is still noticed.
+func TestDisconnectOnKeepAliveConnection(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	br := bufio.NewReader(c)
+	send := func(body string) {
+		fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	}
+	send(`{"model":"m","prompt":"quick"}`)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("first request: %v %v", err, resp)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	e.prefillDelay = 10 * time.Second
+	send(`{"model":"m","prompt":"slow"}`)
+	for e.requests.Load() < 2 {
+		time.Sleep(time.Millisecond)
+	}
+	c.Close()
+	deadline := time.Now().Add(3 * time.Second)
+	for e.aborted.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("hang-up on a reused connection not noticed")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	p.waitIdle(t)
+}

@@ -136,7 +136,12 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 		MaxIdleWorkerDuration:        5 * time.Second,
 		DisablePreParseMultipartForm: true,
 		ErrorHandler:                 s.transportError,
-		Logger:                       fasthttpLogger{s.log},
+		ConnState: func(c net.Conn, cs fasthttp.ConnState) {
+			if cs == fasthttp.StateClosed || cs == fasthttp.StateHijacked {
+				s.watcher.Closed(c)
+			}
+		},
+		Logger: fasthttpLogger{s.log},
 	}
 	return s, nil
 }

@@ -12,19 +12,26 @@ import (
 
 // hangupWatcher notices a client closing its connection while the proxy is
 // not writing to it (a long prefill sends nothing for seconds). fasthttp has
-// no signal for this, so one goroutine waits on an epoll set for EPOLLRDHUP
-// on the connections of in-flight requests. The runtime's own poller keeps
-// the fd; epoll allows an fd in several sets.
+// no signal for this, so one goroutine waits on an epoll set for EPOLLRDHUP.
+// The runtime's own poller keeps the fd; epoll allows an fd in several sets.
+//
+// A connection is registered once, on its first watched request, edge
+// triggered, and stays registered until fasthttp reports it closed (closing
+// the fd removes it from the set): requests on a keep-alive connection only
+// swap the callback, with no system call.
 type hangupWatcher struct {
-	epfd int
-	mu   sync.Mutex
-	gen  uint32
-	cbs  map[int32]watchEntry
+	epfd   int
+	mu     sync.Mutex
+	gen    uint32
+	byConn map[net.Conn]*connWatch
+	byFD   map[int32]*connWatch
 }
 
-type watchEntry struct {
-	gen uint32
-	fn  func()
+type connWatch struct {
+	fd     int32
+	gen    uint32
+	fn     func() // the in-flight request's callback, nil between requests
+	hungUp bool
 }
 
 func newHangupWatcher() *hangupWatcher {
@@ -32,7 +39,7 @@ func newHangupWatcher() *hangupWatcher {
 	if err != nil {
 		return &hangupWatcher{epfd: -1}
 	}
-	w := &hangupWatcher{epfd: fd, cbs: map[int32]watchEntry{}}
+	w := &hangupWatcher{epfd: fd, byConn: map[net.Conn]*connWatch{}, byFD: map[int32]*connWatch{}}
 	go w.loop()
 	return w
 }
@@ -50,57 +57,86 @@ func (w *hangupWatcher) loop() {
 		for i := 0; i < n; i++ {
 			fd, gen := events[i].Fd, uint32(events[i].Pad)
 			w.mu.Lock()
-			e, ok := w.cbs[fd]
-			if ok && e.gen == gen {
-				delete(w.cbs, fd)
-				unix.EpollCtl(w.epfd, unix.EPOLL_CTL_DEL, int(fd), nil)
-			} else {
-				ok = false
+			cw := w.byFD[fd]
+			var fn func()
+			if cw != nil && cw.gen == gen {
+				cw.hungUp = true
+				fn, cw.fn = cw.fn, nil
 			}
 			w.mu.Unlock()
-			if ok {
-				e.fn()
+			if fn != nil {
+				fn()
 			}
 		}
 	}
 }
 
 // Watch calls fn once if the peer of c hangs up before stop is called.
-// stop must be called before c is closed (the fd could be reused).
 func (w *hangupWatcher) Watch(c net.Conn, fn func()) (stop func()) {
 	if w.epfd < 0 {
 		return func() {}
 	}
+	w.mu.Lock()
+	cw := w.byConn[c]
+	if cw == nil {
+		w.mu.Unlock()
+		cw = w.register(c)
+		if cw == nil {
+			return func() {}
+		}
+		w.mu.Lock()
+	}
+	if cw.hungUp {
+		w.mu.Unlock()
+		fn()
+		return func() {}
+	}
+	cw.fn = fn
+	w.mu.Unlock()
+	return func() {
+		w.mu.Lock()
+		cw.fn = nil
+		w.mu.Unlock()
+	}
+}
+
+func (w *hangupWatcher) register(c net.Conn) *connWatch {
 	sc, ok := c.(syscall.Conn)
 	if !ok {
-		return func() {}
+		return nil
 	}
 	rc, err := sc.SyscallConn()
 	if err != nil {
-		return func() {}
+		return nil
 	}
-	var fd int32 = -1
-	var gen uint32
+	var cw *connWatch
 	rc.Control(func(f uintptr) {
 		w.mu.Lock()
 		defer w.mu.Unlock()
 		w.gen++
-		gen = w.gen
-		ev := unix.EpollEvent{Events: unix.EPOLLRDHUP | unix.EPOLLONESHOT, Fd: int32(f), Pad: int32(gen)}
-		if unix.EpollCtl(w.epfd, unix.EPOLL_CTL_ADD, int(f), &ev) == nil {
-			fd = int32(f)
-			w.cbs[fd] = watchEntry{gen: gen, fn: fn}
+		ev := unix.EpollEvent{Events: unix.EPOLLRDHUP | unix.EPOLLET, Fd: int32(f), Pad: int32(w.gen)}
+		if unix.EpollCtl(w.epfd, unix.EPOLL_CTL_ADD, int(f), &ev) != nil {
+			return
 		}
+		cw = &connWatch{fd: int32(f), gen: w.gen}
+		w.byConn[c] = cw
+		w.byFD[cw.fd] = cw
 	})
-	if fd < 0 {
-		return func() {}
+	return cw
+}
+
+// Closed forgets a connection fasthttp has closed (its fd already left the
+// epoll set with the close).
+func (w *hangupWatcher) Closed(c net.Conn) {
+	if w.epfd < 0 {
+		return
 	}
-	return func() {
-		w.mu.Lock()
-		if e, ok := w.cbs[fd]; ok && e.gen == gen {
-			delete(w.cbs, fd)
-			unix.EpollCtl(w.epfd, unix.EPOLL_CTL_DEL, int(fd), nil)
+	w.mu.Lock()
+	if cw := w.byConn[c]; cw != nil {
+		delete(w.byConn, c)
+		if w.byFD[cw.fd] == cw {
+			delete(w.byFD, cw.fd)
 		}
-		w.mu.Unlock()
 	}
+	w.mu.Unlock()
 }

@@ -11,3 +11,5 @@ type hangupWatcher struct{}
 func newHangupWatcher() *hangupWatcher { return &hangupWatcher{} }
 
 func (w *hangupWatcher) Watch(c net.Conn, fn func()) (stop func()) { return func() {} }
+
+func (w *hangupWatcher) Closed(c net.Conn) {}
