@@ -71,12 +71,17 @@ func (e *Encoder) Tokenizer() Tokenizer { return e.tok }
 // Template returns the Encoder's chat template.
 func (e *Encoder) Template() Template { return e.tmpl }
 
-// EncodeText appends the token ids of a completions prompt as an engine
-// encodes it (add_special_tokens=True): with a tokenizer.json whose
-// post-processor adds special tokens (Llama 3's BOS), they are added around
-// the text; tiktoken encodings add none. It is not cached. For the text
-// alone, use Tokenizer().Encode.
+// EncodeText appends the token ids of text as Tokenizer().Encode does
+// (add_special_tokens=False: no BOS is added). It is not cached.
 func (e *Encoder) EncodeText(dst []uint32, text string) []uint32 {
+	return e.tok.Encode(dst, text)
+}
+
+// EncodePrompt appends the token ids of a completions prompt as an engine
+// encodes it (add_special_tokens=True): with a tokenizer.json whose
+// post-processor adds special tokens around a sequence (Llama 3's BOS),
+// they are added; tiktoken encodings add none. It is not cached.
+func (e *Encoder) EncodePrompt(dst []uint32, text string) []uint32 {
 	prefix, suffix := PromptSpecialTokens(e.tok)
 	dst = append(dst, prefix...)
 	dst = e.tok.Encode(dst, text)

@@ -110,11 +110,15 @@ func TestHFPromptSpecialTokens(t *testing.T) {
 		t.Fatal(err)
 	}
 	enc := NewEncoder(tok, mustTemplate(t, "raw"), 0)
-	if got := enc.EncodeText(nil, "hell"); !slices.Equal(got, []uint32{1000, tok.Encode(nil, "hell")[0], 1001}) {
-		t.Fatalf("EncodeText = %v", got)
+	hell := tok.Encode(nil, "hell")
+	if got := enc.EncodePrompt(nil, "hell"); !slices.Equal(got, []uint32{1000, hell[0], 1001}) {
+		t.Fatalf("EncodePrompt = %v", got)
 	}
-	if got := enc.EncodeText(nil, ""); !slices.Equal(got, []uint32{1000, 1001}) {
-		t.Fatalf("EncodeText(empty) = %v", got)
+	if got := enc.EncodePrompt(nil, ""); !slices.Equal(got, []uint32{1000, 1001}) {
+		t.Fatalf("EncodePrompt(empty) = %v", got)
+	}
+	if got := enc.EncodeText(nil, "hell"); !slices.Equal(got, hell) {
+		t.Fatalf("EncodeText = %v, want the text alone %v", got, hell)
 	}
 	if pre, suf := PromptSpecialTokens(mustGet(t, "cl100k_base")); pre != nil || suf != nil {
 		t.Fatalf("tiktoken adds %v %v", pre, suf)
