@@ -12,7 +12,7 @@ import (
 
 // tinyHF builds a byte-level BPE tokenizer.json: the 256 byte tokens (ids
 // 0-255 in byte order), then merged tokens in merge order.
-func tinyHF(t *testing.T, mutate func(m map[string]any)) string {
+func tinyHF(t testing.TB, mutate func(m map[string]any)) string {
 	t.Helper()
 	vocab := map[string]int{}
 	for b := range 256 {

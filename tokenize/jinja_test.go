@@ -176,3 +176,40 @@ func TestJinjaEncoderConcurrentUse(t *testing.T) {
 		}
 	}
 }
+
+// FuzzJinjaMessages renders arbitrary message contents through template
+// operations chat templates apply to them (Qwen 3's think-splitting,
+// Llama 3's trim): rendering must not fail, and the Encoder must give the
+// same ids as encoding the rendering.
+func FuzzJinjaMessages(f *testing.F) {
+	f.Add("hello", "<think>r</think>\n\nanswer")
+	f.Add("", "</think>")
+	f.Add("<|im_start|>", "\xff\n<think>\n")
+	src := "{%- for m in messages %}{%- set c = m.content %}" +
+		"{%- if '</think>' in c %}{%- set r = c.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}" +
+		"{%- set c = c.split('</think>')[-1].lstrip('\\n') %}{{ '<think>' + r.strip('\\n') + '</think>' }}{%- endif %}" +
+		"{{ '<|im_start|>' + m.role + '\\n' + c|trim + '<|im_end|>\\n' }}{{ c[::-1][:3] }}{{ c.startswith('<') }}{%- endfor %}" +
+		"{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+	tmpl, err := NewJinjaTemplate("fuzz", src, nil)
+	if err != nil {
+		f.Fatal(err)
+	}
+	tok, err := LoadHF(tinyHF(f, nil))
+	if err != nil {
+		f.Fatal(err)
+	}
+	enc := NewEncoder(tok, tmpl, 0)
+	f.Fuzz(func(t *testing.T, user, assistant string) {
+		msgs := []Message{{"user", user}, {"assistant", assistant}, {"user", assistant + user}}
+		text, err := Render(tmpl, msgs, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := tok.Encode(nil, text)
+		for range 2 {
+			if got := enc.EncodeChat(nil, msgs, true); !slices.Equal(got, want) {
+				t.Fatalf("EncodeChat differs from encoding the rendering %q", text)
+			}
+		}
+	})
+}
