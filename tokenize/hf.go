@@ -21,7 +21,7 @@ import (
 // text are recognized, no BOS/EOS is added.
 type hfTokenizer struct {
 	name         string
-	nfc          bool
+	norms        []norm.Form // normalizers, applied in order
 	split        func(s string, i int) int
 	byteID       [256]uint32
 	vocab        map[string]uint32 // token bytes → id
@@ -229,8 +229,10 @@ func parseHF(data []byte) (*hfTokenizer, error) {
 		if a.SingleWord {
 			return nil, fmt.Errorf("unsupported: added token %q has single_word", a.Content)
 		}
-		if a.Normalized && t.nfc && !norm.NFC.IsNormalString(a.Content) {
-			return nil, fmt.Errorf("unsupported: normalized added token %q changes under NFC", a.Content)
+		for _, f := range t.norms {
+			if a.Normalized && !f.IsNormalString(a.Content) {
+				return nil, fmt.Errorf("unsupported: normalized added token %q changes under normalization", a.Content)
+			}
 		}
 		t.added.add(a.Content, a.ID, a.Lstrip, a.Rstrip)
 	}
@@ -241,10 +243,12 @@ func (t *hfTokenizer) setNormalizer(n *hfComponent) error {
 	if n == nil {
 		return nil
 	}
-	switch n.Type {
-	case "NFC":
-		t.nfc = true
+	forms := map[string]norm.Form{"NFC": norm.NFC, "NFD": norm.NFD, "NFKC": norm.NFKC, "NFKD": norm.NFKD}
+	if f, ok := forms[n.Type]; ok {
+		t.norms = append(t.norms, f)
 		return nil
+	}
+	switch n.Type {
 	case "Sequence":
 		for _, c := range n.Normalizers {
 			if err := t.setNormalizer(c); err != nil {
@@ -253,7 +257,7 @@ func (t *hfTokenizer) setNormalizer(n *hfComponent) error {
 		}
 		return nil
 	}
-	return fmt.Errorf("unsupported normalizer %q (supported: none, NFC)", n.Type)
+	return fmt.Errorf("unsupported normalizer %q (supported: none, NFC, NFD, NFKC, NFKD, Sequence of those)", n.Type)
 }
 
 func (t *hfTokenizer) setPreTokenizer(p *hfComponent) error {
@@ -383,8 +387,11 @@ func (t *hfTokenizer) nextAdded(s string, i int) (textEnd, tokEnd int, id uint32
 
 // encodeText encodes text that holds no added token.
 func (t *hfTokenizer) encodeText(dst []uint32, s string) []uint32 {
-	if t.nfc && !isNFC(s) {
-		s = norm.NFC.String(s)
+	for _, f := range t.norms {
+		if f == norm.NFC && isNFC(s) || f != norm.NFC && f.IsNormalString(s) {
+			continue
+		}
+		s = f.String(s)
 	}
 	for i := 0; i < len(s); {
 		end := t.split(s, i)

@@ -125,6 +125,19 @@ func TestHFPromptSpecialTokens(t *testing.T) {
 	}
 }
 
+func TestHFNormalizerSequence(t *testing.T) {
+	tok, err := LoadHF(tinyHF(t, func(m map[string]any) {
+		m["normalizer"] = map[string]any{"type": "Sequence", "normalizers": []any{
+			map[string]any{"type": "NFKC"}, map[string]any{"type": "NFC"}}}
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := tok.Encode(nil, "\ufb01 e\u0301t"), tok.Encode(nil, "fi ét"); !slices.Equal(got, want) {
+		t.Fatalf("NFKC: got %v, want %v", got, want)
+	}
+}
+
 func TestHFUnsupportedKindsAreErrors(t *testing.T) {
 	cases := []struct {
 		name, want string
