@@ -11,15 +11,18 @@ import (
 // Tokenizer encodes text into token ids. Implementations are safe for
 // concurrent use.
 type Tokenizer interface {
-	// Name is the encoding's name, e.g. "cl100k_base".
+	// Name is the encoding's name, e.g. "cl100k_base", or the path of a
+	// tokenizer.json.
 	Name() string
-	// Encode appends the token ids of text, encoded like tiktoken's
-	// encode_ordinary (special-token look-alikes are plain text).
+	// Encode appends the token ids of text. tiktoken encodings encode like
+	// tiktoken's encode_ordinary (special-token look-alikes are plain
+	// text); a tokenizer.json model like its tokenizer with
+	// add_special_tokens=False (added tokens written in the text are
+	// recognized, no BOS is added).
 	Encode(dst []uint32, text string) []uint32
 }
 
-// builtin is a tokenizer that ships inside the binary, loaded once per
-// process on first use.
+// builtin is a tokenizer loaded once per process on first use.
 type builtin struct {
 	once sync.Once
 	load func() (Tokenizer, error)
@@ -44,7 +47,8 @@ func Names() []string {
 
 // Get returns the built-in tokenizer called name ("cl100k_base",
 // "o200k_base"). Its vocabulary is read from files embedded in the binary,
-// once per process; nothing is downloaded.
+// once per process; nothing is downloaded. Load also accepts tokenizer.json
+// files.
 func Get(name string) (Tokenizer, error) {
 	b, ok := builtins[name]
 	if !ok {
