@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 	"unicode"
+	"unicode/utf8"
 )
 
 // The reference test compares this package with implementations nobody on
@@ -96,6 +97,32 @@ func refTexts(n int) []string {
 	seps := []string{" ", "", "\n", "\r\n", "  ", "\t", ". ", ", "}
 	rng := rand.New(rand.NewPCG(4, 2))
 	texts := []string{"", " ", "\n", "a"}
+	// A quarter are random code points from the whole of Unicode, to check
+	// the character classes against the references' own Unicode tables.
+	for len(texts) < n/4 {
+		var b strings.Builder
+		for k := 1 + rng.IntN(40); k > 0; k-- {
+			var r rune
+			switch rng.IntN(4) {
+			case 0:
+				r = rune(0x20 + rng.IntN(0x60)) // ASCII
+			case 1:
+				r = rune(0x80 + rng.IntN(0x2f80)) // Latin to the end of the symbol blocks
+			case 2:
+				r = rune(0x3000 + rng.IntN(0xcfff)) // CJK, Hangul, compatibility forms
+			default:
+				r = rune(0x10000 + rng.IntN(0x20000)) // astral planes: emoji, historic scripts, CJK ext.
+			}
+			if !utf8.ValidRune(r) || unicode.Is(unicode.Cs, r) {
+				r = ' '
+			}
+			b.WriteRune(r)
+			if rng.IntN(5) == 0 {
+				b.WriteString([]string{" ", "\n", "'s", "12", ".", "\t"}[rng.IntN(6)])
+			}
+		}
+		texts = append(texts, b.String())
+	}
 	for len(texts) < n {
 		var b strings.Builder
 		for k := 1 + rng.IntN(12); k > 0; k-- {
