@@ -75,9 +75,12 @@ type Health struct {
 type Model struct {
 	Name    string   `yaml:"name"`
 	Aliases []string `yaml:"aliases"`
-	// Tokenizer names a tokenizer: cl100k_base or o200k_base.
+	// Tokenizer is cl100k_base, o200k_base, a path to a Hugging Face
+	// tokenizer.json (or a model directory holding one), or "engine": ask
+	// the backend's own /tokenize endpoint.
 	Tokenizer string `yaml:"tokenizer"`
-	// Template renders chat messages: chatml, llama3 or raw.
+	// Template renders chat messages: chatml, llama3, raw, or a path to the
+	// model's tokenizer_config.json (its chat_template).
 	Template  string `yaml:"template"`
 	BlockSize int    `yaml:"block_size"`
 	// BytesPerBlock is the KV size of one block, for tier fetch costs.
@@ -480,11 +483,11 @@ func (c *Config) Validate() error {
 				names[n] = fmt.Sprintf("%s.aliases[%d]", f, j-1)
 			}
 		}
-		if !contains(Tokenizers, m.Tokenizer) {
-			add(f+".tokenizer", "unknown tokenizer %q (known: %s)", m.Tokenizer, strings.Join(Tokenizers, ", "))
+		if !contains(Tokenizers, m.Tokenizer) && m.Tokenizer != TokenizerEngine && !fileExists(m.Tokenizer) {
+			add(f+".tokenizer", "unknown tokenizer %q (want %s, engine, or the path of a tokenizer.json)", m.Tokenizer, strings.Join(Tokenizers, ", "))
 		}
-		if !contains(Templates, m.Template) {
-			add(f+".template", "unknown template %q (known: %s)", m.Template, strings.Join(Templates, ", "))
+		if !contains(Templates, m.Template) && !fileExists(m.Template) {
+			add(f+".template", "unknown template %q (want %s, or the path of a tokenizer_config.json)", m.Template, strings.Join(Templates, ", "))
 		}
 		if m.BlockSize < 1 || m.BlockSize > 4096 {
 			add(f+".block_size", "must be between 1 and 4096, got %d", m.BlockSize)
@@ -652,6 +655,14 @@ func (c *Config) ModelByName(name string) (*Model, bool) {
 		}
 	}
 	return nil, false
+}
+
+// TokenizerEngine asks the engines to tokenize (vLLM's POST /tokenize).
+const TokenizerEngine = "engine"
+
+func fileExists(p string) bool {
+	_, err := os.Stat(p)
+	return p != "" && err == nil
 }
 
 func contains(list []string, s string) bool {

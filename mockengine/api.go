@@ -33,6 +33,7 @@ func (e *Engine) Handler() http.Handler {
 	})
 	mux.HandleFunc("GET /metrics", e.serveMetrics)
 	mux.HandleFunc("GET /debug/cache", e.serveDebugCache)
+	mux.HandleFunc("POST /tokenize", e.serveTokenize)
 	mux.HandleFunc("POST /reset_prefix_cache", e.serveResetPrefixCache)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "NotFoundError", "", "no route for "+r.Method+" "+r.URL.Path)
@@ -317,6 +318,7 @@ func (e *Engine) serveMetrics(w http.ResponseWriter, _ *http.Request) {
 	metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", u(st.PrefixHits))
 	metric("vllm:external_prefix_cache_hits_total", "counter", "Prefix cache hits from the host tier, in terms of number of loaded tokens.", u(st.HostHits))
 	metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions from the engine.", u(st.Preemptions))
+	metric("kvmock:tokenize_requests_total", "counter", "POST /tokenize requests answered.", u(st.TokenizeCalls))
 	metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", u(st.PromptTokens))
 	metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", u(st.GenerationTokens))
 	metric("vllm:request_success_total", "counter", "Count of successfully processed requests.", u(st.Finished))

@@ -115,6 +115,7 @@ type Stats struct {
 	HostHits         uint64 // prompt tokens loaded from the host tier
 	Preemptions      uint64
 	Steps            uint64
+	TokenizeCalls    uint64 // POST /tokenize answered
 }
 
 // Engine is a simulated vLLM serving the OpenAI API over HTTP.
@@ -140,6 +141,7 @@ type Engine struct {
 
 	requests, finished, aborts, rejected atomic.Uint64
 	promptToks, genToks                  atomic.Uint64
+	tokenizeCalls                        atomic.Uint64 // POST /tokenize answered
 
 	idleMu      sync.Mutex
 	inflight    int
@@ -285,6 +287,7 @@ func (e *Engine) Stats() Stats {
 		HostHits:      c.HostHits,
 		Preemptions:   c.Preemptions,
 		Steps:         e.steps,
+		TokenizeCalls: e.tokenizeCalls.Load(),
 	}
 	e.mu.Unlock()
 	st.Requests = e.requests.Load()

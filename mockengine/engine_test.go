@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"github.com/kvproxy/kvproxy/kv"
+
+	"github.com/kvproxy/kvproxy/tokenize"
 )
 
 // startEngine runs an engine on a loopback port for one test.
@@ -830,4 +832,39 @@ func TestRealTimeDoesNotDrift(t *testing.T) {
 		t.Fatalf("took %v for %v of scaled engine time", took, model)
 	}
 	t.Logf("took %v for %v of scaled engine time", took, model)
+}
+
+func TestTokenizeEndpoint(t *testing.T) {
+	e, url := startEngine(t, DefaultConfig())
+	post := func(body string) map[string]any {
+		resp, err := http.Post(url+"/tokenize", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var out map[string]any
+		json.NewDecoder(resp.Body).Decode(&out)
+		if resp.StatusCode != 200 {
+			t.Fatalf("status %d: %v", resp.StatusCode, out)
+		}
+		return out
+	}
+	out := post(`{"prompt":"hello world"}`)
+	if out["count"].(float64) != 2 || len(out["tokens"].([]any)) != 2 {
+		t.Fatalf("prompt: %v", out)
+	}
+	out = post(`{"messages":[{"role":"user","content":"hi"}]}`)
+	want := e.enc.EncodeChat(nil, []tokenize.Message{{Role: "user", Content: "hi"}}, true)
+	got := out["tokens"].([]any)
+	if len(got) != len(want) {
+		t.Fatalf("chat tokens %v, want %v", got, want)
+	}
+	for i := range want {
+		if uint32(got[i].(float64)) != want[i] {
+			t.Fatalf("chat tokens %v, want %v", got, want)
+		}
+	}
+	if e.Stats().TokenizeCalls != 2 {
+		t.Fatalf("tokenize calls %d", e.Stats().TokenizeCalls)
+	}
 }

@@ -72,6 +72,13 @@ func newBackend(bc config.Backend, cfg *config.Config, p *modelPool, log zerolog
 	return b
 }
 
+// isAvailable reports whether the backend takes new requests.
+func (b *backend) isAvailable() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.available
+}
+
 // setProbe records an active health probe result.
 func (b *backend) setProbe(ok bool) {
 	b.mu.Lock()

@@ -100,14 +100,21 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	switch {
 	case len(req.nv.TokenData) > 0:
 		tokens = req.nv.TokenData
-	case chat:
-		tokens = p.enc.EncodeChat(tokens[:0], req.messages, req.addGenPrompt)
 	case req.hasTokens:
 		tokens = req.promptTokens
+	case p.engineTok != nil:
+		ids, err := p.engineTok.tokens(p, req, chat)
+		if err != nil {
+			// Route by load alone rather than fail the request.
+			s.log.Warn().Str("request_id", rid).Err(err).Msg("engine tokenization failed")
+			ids = nil
+		}
+		tokens = ids
+	case chat:
+		tokens = p.enc.EncodeChat(tokens[:0], req.messages, req.addGenPrompt)
+		sc.tokens = tokens
 	default:
-		tokens = p.enc.EncodeText(tokens[:0], req.promptText)
-	}
-	if cap(tokens) > cap(sc.tokens) && len(req.nv.TokenData) == 0 && !req.hasTokens {
+		tokens = p.enc.EncodePrompt(tokens[:0], req.promptText)
 		sc.tokens = tokens
 	}
 	if len(tokens) > lim.MaxPromptTokens {

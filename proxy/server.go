@@ -75,7 +75,8 @@ type state struct {
 type modelPool struct {
 	cfg       config.Model
 	routerCfg config.Router
-	enc       *tokenize.Encoder
+	enc       *tokenize.Encoder // nil with tokenizer: engine
+	engineTok *engineTokenizer  // set with tokenizer: engine
 	rt        *router.Router
 	workers   atomic.Pointer[[]*backend] // indexed by router.WorkerID
 }
@@ -165,19 +166,24 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 			}
 		}
 		if p == nil {
-			tok, err := tokenize.Get(mc.Tokenizer)
-			if err != nil {
-				return nil, fmt.Errorf("model %s: %w", mc.Name, err)
-			}
-			tmpl, err := tokenize.GetTemplate(mc.Template)
-			if err != nil {
-				return nil, fmt.Errorf("model %s: %w", mc.Name, err)
-			}
 			rt, err := router.New(routerConfig(cfg, mc))
 			if err != nil {
 				return nil, fmt.Errorf("model %s: %w", mc.Name, err)
 			}
-			p = &modelPool{cfg: mc, routerCfg: cfg.Router, enc: tokenize.NewEncoder(tok, tmpl, 0), rt: rt}
+			p = &modelPool{cfg: mc, routerCfg: cfg.Router, rt: rt}
+			if mc.Tokenizer == config.TokenizerEngine {
+				p.engineTok = &engineTokenizer{}
+			} else {
+				tok, err := tokenize.Load(mc.Tokenizer)
+				if err != nil {
+					return nil, fmt.Errorf("model %s: %w", mc.Name, err)
+				}
+				tmpl, err := tokenize.LoadTemplate(mc.Template)
+				if err != nil {
+					return nil, fmt.Errorf("model %s: %w", mc.Name, err)
+				}
+				p.enc = tokenize.NewEncoder(tok, tmpl, 0)
+			}
 			p.workers.Store(&[]*backend{})
 		}
 		st.pools = append(st.pools, p)

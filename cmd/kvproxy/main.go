@@ -23,7 +23,7 @@ import (
 
 func main() {
 	if len(os.Args) > 1 && os.Args[1] == "tokenize" {
-		os.Exit(tokenizeCmd(os.Args[2:]))
+		os.Exit(tokenizeCmd(os.Args[2:], os.Stdin, os.Stdout, os.Stderr))
 	}
 	os.Exit(run())
 }

@@ -1,51 +1,56 @@
 package main
 
 import (
-	"bufio"
 	"flag"
 	"fmt"
 	"io"
-	"os"
 
 	"github.com/goccy/go-json"
 
 	"github.com/kvproxy/kvproxy/tokenize"
 )
 
-// tokenizeCmd prints the token ids kvproxy computes for stdin:
+// tokenizeCmd prints the token ids kvproxy computes for stdin, as the engine
+// would: plain text like tiktoken's encode_ordinary or a tokenizer.json with
+// add_special_tokens=False; with -chat, a JSON array of messages rendered
+// with the template and the generation prompt.
 //
-//	kvproxy tokenize -tokenizer cl100k_base [-template chatml] [-chat] < input
-func tokenizeCmd(args []string) int {
+//	kvproxy tokenize -tokenizer cl100k_base|o200k_base|PATH/tokenizer.json \
+//	    [-template chatml|llama3|PATH/tokenizer_config.json] [-chat] < input
+func tokenizeCmd(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("tokenize", flag.ContinueOnError)
-	tokName := fs.String("tokenizer", "cl100k_base", "tokenizer: cl100k_base or o200k_base")
-	tmplName := fs.String("template", "chatml", "chat template: chatml, llama3 or raw")
-	chat := fs.Bool("chat", false, "stdin is a JSON array of chat messages, rendered with the generation prompt")
+	fs.SetOutput(stderr)
+	tokSpec := fs.String("tokenizer", "cl100k_base", "cl100k_base, o200k_base, or the path of a tokenizer.json (or its model directory)")
+	tmplSpec := fs.String("template", "chatml", "chatml, llama3, raw, or the path of a tokenizer_config.json (its chat_template)")
+	chat := fs.Bool("chat", false, "stdin is a JSON array of chat messages, rendered with add_generation_prompt")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
-	in, err := io.ReadAll(bufio.NewReader(os.Stdin))
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "kvproxy tokenize:", err)
-		return 1
+	fail := func(code int, err error) int {
+		fmt.Fprintln(stderr, "kvproxy tokenize:", err)
+		return code
 	}
-	tok, err := tokenize.Get(*tokName)
+	in, err := io.ReadAll(stdin)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "kvproxy tokenize:", err)
-		return 2
+		return fail(1, err)
+	}
+	tok, err := tokenize.Load(*tokSpec)
+	if err != nil {
+		return fail(2, err)
 	}
 	var ids []uint32
 	if *chat {
-		tmpl, err := tokenize.GetTemplate(*tmplName)
+		tmpl, err := tokenize.LoadTemplate(*tmplSpec)
 		if err != nil {
-			fmt.Fprintln(os.Stderr, "kvproxy tokenize:", err)
-			return 2
+			return fail(2, err)
 		}
 		var msgs []tokenize.Message
 		if err := json.Unmarshal(in, &msgs); err != nil {
-			fmt.Fprintln(os.Stderr, "kvproxy tokenize: stdin is not a JSON array of {role, content} messages:", err)
-			return 2
+			return fail(2, fmt.Errorf("stdin is not a JSON array of {role, content} messages: %w", err))
 		}
-		ids = tokenize.NewEncoder(tok, tmpl, 0).EncodeChat(nil, msgs, true)
+		if ids, err = tokenize.NewEncoder(tok, tmpl, 0).TryEncodeChat(nil, msgs, true); err != nil {
+			return fail(1, err)
+		}
 	} else {
 		ids = tok.Encode(nil, string(in))
 	}
@@ -53,6 +58,6 @@ func tokenizeCmd(args []string) int {
 		ids = []uint32{}
 	}
 	out, _ := json.Marshal(ids)
-	fmt.Println(string(out))
+	fmt.Fprintln(stdout, string(out))
 	return 0
 }

@@ -1,0 +1,74 @@
+package mockengine
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+
+	"github.com/kvproxy/kvproxy/tokenize"
+)
+
+// tokenizeRequest is vLLM's POST /tokenize body: a completions prompt, or
+// chat messages rendered with the chat template.
+type tokenizeRequest struct {
+	Model               string          `json:"model"`
+	Prompt              json.RawMessage `json:"prompt"`
+	Messages            []apiMessage    `json:"messages"`
+	AddGenerationPrompt *bool           `json:"add_generation_prompt"`
+}
+
+// serveTokenize answers vLLM's /tokenize: {"count", "max_model_len",
+// "tokens"} with the ids the engine itself would compute.
+func (e *Engine) serveTokenize(w http.ResponseWriter, r *http.Request) {
+	body, err := readBody(w, r)
+	if err != nil {
+		e.fail(w, err)
+		return
+	}
+	var req tokenizeRequest
+	if err := json.Unmarshal(body, &req); err != nil {
+		e.fail(w, invalid("", "request body is not valid JSON: %v", err))
+		return
+	}
+	if req.Model != "" && req.Model != e.cfg.Model {
+		e.fail(w, &badRequest{status: http.StatusNotFound, typ: "NotFoundError", param: "model",
+			msg: fmt.Sprintf("The model `%s` does not exist.", req.Model)})
+		return
+	}
+	var ids []uint32
+	switch {
+	case req.Messages != nil:
+		if len(req.Messages) == 0 {
+			e.fail(w, invalid("messages", "messages must be a non-empty array"))
+			return
+		}
+		msgs := make([]tokenize.Message, len(req.Messages))
+		for i, m := range req.Messages {
+			text, err := messageText(m.Content, i)
+			if err != nil {
+				e.fail(w, err)
+				return
+			}
+			msgs[i] = tokenize.Message{Role: m.Role, Content: text}
+		}
+		gen := req.AddGenerationPrompt == nil || *req.AddGenerationPrompt
+		if ids, err = e.enc.TryEncodeChat(nil, msgs, gen); err != nil {
+			e.fail(w, invalid("messages", "chat template: %v", err))
+			return
+		}
+	case len(req.Prompt) > 0 && req.Prompt[0] == '"':
+		if ids, err = e.promptTokens(req.Prompt); err != nil {
+			e.fail(w, err)
+			return
+		}
+	default:
+		e.fail(w, invalid("prompt", "give a prompt string or chat messages"))
+		return
+	}
+	if ids == nil {
+		ids = []uint32{}
+	}
+	e.tokenizeCalls.Add(1)
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(map[string]any{"count": len(ids), "max_model_len": e.cfg.CacheBlocks * e.cfg.BlockSize, "tokens": ids})
+}
