@@ -50,10 +50,22 @@ func (r *Report) WriteJSON(w io.Writer) error {
 // WriteTable writes the report as an aligned text table.
 func (r *Report) WriteTable(w io.Writer) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "policy\tttft p50 ms\tp90 ms\tp99 ms\titl p50 ms\te2e p50 ms\ttok/s\thit rate\tforgone\terrors\t")
+	forgone := false // a simulator column; replay cannot know it
 	for _, x := range r.Results {
-		fmt.Fprintf(tw, "%s\t%.1f\t%.1f\t%.1f\t%.2f\t%.0f\t%.0f\t%.3f\t%.3f\t%d\t\n",
-			x.Policy, x.TTFTP50, x.TTFTP90, x.TTFTP99, x.ITLP50, x.E2EP50, x.ThroughputTokS, x.HitRate, x.ForgoneHitRate, x.Errors)
+		forgone = forgone || x.ForgoneHitRate > 0
+	}
+	fmt.Fprint(tw, "policy\tttft p50 ms\tp90 ms\tp99 ms\titl p50 ms\te2e p50 ms\ttok/s\thit rate\t")
+	if forgone {
+		fmt.Fprint(tw, "forgone\t")
+	}
+	fmt.Fprintln(tw, "errors\t")
+	for _, x := range r.Results {
+		fmt.Fprintf(tw, "%s\t%.1f\t%.1f\t%.1f\t%.2f\t%.0f\t%.0f\t%.3f\t",
+			x.Policy, x.TTFTP50, x.TTFTP90, x.TTFTP99, x.ITLP50, x.E2EP50, x.ThroughputTokS, x.HitRate)
+		if forgone {
+			fmt.Fprintf(tw, "%.3f\t", x.ForgoneHitRate)
+		}
+		fmt.Fprintf(tw, "%d\t\n", x.Errors)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
