@@ -276,12 +276,17 @@ func expandScalars(b []byte) ([]byte, error) {
 	return yaml.Marshal(&root)
 }
 
-var lineRef = regexp.MustCompile(`line (\d+): `)
+var (
+	lineRef = regexp.MustCompile(`line (\d+): `)
+	goType  = regexp.MustCompile(`field (\S+) not found in type \S+`)
+)
 
 // nameFields rewrites yaml's "line N: ..." messages to name the field at that
 // line, so a bad value reads "router.index_ttl (line 7): cannot unmarshal ...".
 func nameFields(src []byte, err error) error {
 	msg := strings.ReplaceAll(err.Error(), "yaml: unmarshal errors:\n  ", "")
+	msg = goType.ReplaceAllString(msg, "unknown field $1")
+	msg = strings.ReplaceAll(msg, "time.Duration", "a duration (like 30s)")
 	msg = strings.ReplaceAll(msg, "\n  ", "; ")
 	var root yaml.Node
 	if yaml.Unmarshal(src, &root) != nil {

@@ -22,7 +22,22 @@ func normalizeEngineError(status int, body []byte) []byte {
 	}
 	if json.Unmarshal(body, &probe) == nil {
 		if len(probe.Error) > 0 && probe.Error[0] == '{' {
-			return body
+			// OpenAI's shape; only a numeric code (vLLM sends the status)
+			// is turned into the string OpenAI clients expect.
+			var e struct {
+				Message string          `json:"message"`
+				Type    string          `json:"type"`
+				Param   *string         `json:"param"`
+				Code    json.RawMessage `json:"code"`
+			}
+			if json.Unmarshal(probe.Error, &e) != nil || len(e.Code) == 0 || e.Code[0] == '"' || string(e.Code) == "null" {
+				return body
+			}
+			param := ""
+			if e.Param != nil {
+				param = *e.Param
+			}
+			return errorJSON(e.Message, e.Type, param, codeString(e.Code))
 		}
 		if probe.Message != "" {
 			typ := probe.Type

@@ -408,3 +408,27 @@ limits: {max_queue: 8, queue_timeout: 5s}
 
 // inflightPeak is the most requests the fake engine had at once.
 func inflightPeak(f *fakeEngine) int64 { return f.peak.Load() }
+
+// A reload that changes only router settings keeps the router and all it
+// knows of the engines' caches.
+func TestReloadKeepsIndex(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	yaml := "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: e0, url: 'http://{{e0}}'}]\n"
+	p := startProxyYAML(t, yaml, e)
+	post(t, p.url+"/v1/chat/completions", chatBody)
+	p.waitIdle(t)
+	before := p.s.backendRows(p.s.st.Load())[0].IndexedBlocks
+	cfg, err := config.Parse([]byte(strings.ReplaceAll(yaml, "{{e0}}", e.addr) + "router: {temperature: 0.1}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if after := p.s.backendRows(p.s.st.Load())[0].IndexedBlocks; before == 0 || after != before {
+		t.Fatalf("indexed blocks %d before the reload, %d after", before, after)
+	}
+	if strings.Contains(p.logs.String(), "backend retired") {
+		t.Fatal("an unchanged backend was retired by the reload")
+	}
+}

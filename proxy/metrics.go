@@ -27,7 +27,7 @@ func newMetrics(reg *prometheus.Registry, s *Server) *metrics {
 		}),
 		hitRatio: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "kvproxy_prefix_hit_ratio", Help: "Cached prefix blocks on the chosen worker / prompt blocks, at routing time.",
-			Buckets: prometheus.LinearBuckets(0, 0.1, 11),
+			Buckets: []float64{0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1},
 		}),
 		route: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "kvproxy_route_seconds", Help: "Time to choose a worker (excluding tokenization).",

@@ -591,3 +591,18 @@ func TestDisconnectOnKeepAliveConnection(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+func TestNormalizeEngineError(t *testing.T) {
+	cases := map[string]string{
+		`{"error":{"message":"bad","type":"BadRequestError","param":null,"code":400}}`:         `{"error":{"message":"bad","type":"BadRequestError","param":null,"code":"400"}}`,
+		`{"error":{"message":"ok","type":"x","param":"p","code":"c"}}`:                         `{"error":{"message":"ok","type":"x","param":"p","code":"c"}}`,
+		`{"object":"error","message":"flat","type":"BadRequestError","param":null,"code":400}`: `{"error":{"message":"flat","type":"BadRequestError","param":null,"code":"400"}}`,
+		`Internal Server Error`:  `{"error":{"message":"Internal Server Error","type":"server_error","param":null,"code":null}}`,
+		`{"detail":"Not Found"}`: `{"error":{"message":"engine error: \"Not Found\"","type":"server_error","param":null,"code":null}}`,
+	}
+	for in, want := range cases {
+		if got := string(normalizeEngineError(500, []byte(in))); got != want {
+			t.Errorf("%s\n got %s\nwant %s", in, got, want)
+		}
+	}
+}

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"strconv"
 
@@ -61,7 +62,7 @@ func parseRequest(body []byte, chat bool) (*apiRequest, *paramError) {
 		return nil, perr("", "the request body is empty; expected a JSON object")
 	}
 	if err := json.Unmarshal(body, &r.fields); err != nil || r.fields == nil {
-		return nil, perr("", "the request body is not a valid JSON object: %s", jsonErrMsg(err))
+		return nil, perr("", "the request body is not a valid JSON object%s", jsonErrMsg(err))
 	}
 	raw, ok := r.fields["model"]
 	if !ok {
@@ -77,7 +78,7 @@ func parseRequest(body []byte, chat bool) (*apiRequest, *paramError) {
 	}
 	if raw, ok := r.fields["nvext"]; ok && string(raw) != "null" {
 		if err := json.Unmarshal(raw, &r.nv); err != nil {
-			return nil, perr("nvext", "nvext is malformed: %s", jsonErrMsg(err))
+			return nil, perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)")
 		}
 	}
 	if raw, ok := r.fields["add_generation_prompt"]; ok && chat {
@@ -95,11 +96,13 @@ func parseRequest(body []byte, chat bool) (*apiRequest, *paramError) {
 	return r, nil
 }
 
+// jsonErrMsg describes a JSON syntax error without Go type names.
 func jsonErrMsg(err error) string {
-	if err == nil {
-		return "not an object"
+	var se *json.SyntaxError
+	if errors.As(err, &se) {
+		return fmt.Sprintf(" (syntax error at byte %d)", se.Offset)
 	}
-	return err.Error()
+	return ""
 }
 
 type wireMessage struct {
@@ -121,7 +124,7 @@ func (r *apiRequest) parseMessages() *paramError {
 	}
 	var msgs []wireMessage
 	if err := json.Unmarshal(raw, &msgs); err != nil {
-		return perr("messages", "messages must be an array of message objects: %s", err)
+		return perr("messages", "messages must be an array of message objects with a string role")
 	}
 	if len(msgs) == 0 {
 		return perr("messages", "messages must contain at least one message")

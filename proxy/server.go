@@ -160,9 +160,15 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 	for _, mc := range cfg.Models {
 		var p *modelPool
 		if prev != nil {
-			if old := prev.models[mc.Name]; old != nil && old.cfg.Name == mc.Name &&
-				reflect.DeepEqual(old.cfg, mc) && reflect.DeepEqual(old.routerCfg, cfg.Router) {
+			if old := prev.models[mc.Name]; old != nil && old.cfg.Name == mc.Name && reflect.DeepEqual(old.cfg, mc) {
+				// The pool, its router, index and load carry over. A router
+				// cannot change its settings in place; rebuilding it would
+				// throw away what it knows of every engine's cache, so
+				// router settings take effect at the next restart.
 				p = old
+				if !reflect.DeepEqual(old.routerCfg, cfg.Router) {
+					s.log.Warn().Str("model", mc.Name).Msg("reload: router settings changed; they apply after a restart (the index is kept)")
+				}
 			}
 		}
 		if p == nil {

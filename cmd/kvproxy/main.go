@@ -112,7 +112,7 @@ wait:
 	if *drainFlag > 0 {
 		drain = *drainFlag
 	}
-	log.Info().Dur("drain_timeout", drain).Msg("draining")
+	log.Info().Str("drain_timeout", drain.String()).Msg("draining")
 	ctx, cancel := context.WithTimeout(context.Background(), drain)
 	defer cancel()
 	done := make(chan error, 1)
