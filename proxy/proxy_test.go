@@ -13,10 +13,6 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
-
-	"github.com/rs/zerolog"
-
-	"github.com/kvproxy/kvproxy/config"
 )
 
 // fakeEngine is an OpenAI-compatible server on a real loopback socket whose
@@ -159,26 +155,11 @@ func startProxy(t *testing.T, policy string, engines ...*fakeEngine) *testProxy 
 	var b strings.Builder
 	fmt.Fprintf(&b, "models:\n  - name: m\n    aliases: [alias-m]\n    tokenizer: cl100k_base\n    template: chatml\n    block_size: 16\n")
 	fmt.Fprintf(&b, "backends:\n")
-	for _, e := range engines {
-		fmt.Fprintf(&b, "  - {id: %s, url: 'http://%s', model: m, served_model: engine-m}\n", e.id, e.addr)
+	for i, e := range engines {
+		fmt.Fprintf(&b, "  - {id: %s, url: 'http://{{e%d}}', model: m, served_model: engine-m}\n", e.id, i)
 	}
 	fmt.Fprintf(&b, "router: {policy: %s}\nlimits: {max_request_body_bytes: 65536}\n", policy)
-	cfg, err := config.Parse([]byte(b.String()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	logs := &syncBuffer{}
-	s, err := New(cfg, Options{Logger: zerolog.New(logs), DisableHealthChecks: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go s.Serve(ln)
-	t.Cleanup(func() { s.Shutdown() })
-	return &testProxy{s: s, url: "http://" + ln.Addr().String(), logs: logs}
+	return startProxyYAML(t, b.String(), engines...)
 }
 
 // waitIdle waits until every load counter is zero: Free runs just after the
