@@ -78,6 +78,9 @@ func start(t *testing.T, name string, args ...string) *proc {
 			p.cmd.Process.Kill()
 			<-done
 		}
+		if strings.Contains(p.output(), "DATA RACE") {
+			t.Errorf("%s reported a data race (built with KVPROXY_E2E_RACE)", name)
+		}
 		if t.Failed() {
 			t.Logf("--- %s output ---\n%s", name, tail(p.output(), 4000))
 		}
