@@ -33,11 +33,11 @@ type engineTokenizeBody struct {
 func (et *engineTokenizer) tokens(p *modelPool, req *apiRequest, chat bool) ([]uint32, error) {
 	body := engineTokenizeBody{}
 	if chat {
-		body.Messages = req.fields["messages"]
+		body.Messages = req.fields.Messages
 		gen := req.addGenPrompt
 		body.AddGenerationPrompt = &gen
 	} else {
-		body.Prompt = req.fields["prompt"]
+		body.Prompt = req.fields.Prompt
 	}
 	h := xxh3.New()
 	if chat && req.addGenPrompt {

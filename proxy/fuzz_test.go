@@ -3,6 +3,7 @@ package proxy
 import (
 	"bytes"
 	"encoding/json"
+	"strings"
 	"testing"
 
 	"github.com/kvproxy/kvproxy/config"
@@ -119,12 +120,23 @@ func FuzzParseRequest(f *testing.F) {
 		if err != nil {
 			t.Fatalf("re-encoding failed: %v", err)
 		}
-		var fields map[string]any
+		var fields, orig map[string]json.RawMessage
 		if err := json.Unmarshal(out, &fields); err != nil {
-			t.Fatalf("the engine body is not JSON: %v", err)
+			t.Fatalf("the engine body is not JSON: %v\n%s", err, out)
 		}
-		if _, ok := fields["nvext"]; ok || fields["model"] != "served" || fields["cache_salt"] != "salt" {
+		if _, ok := fields["nvext"]; ok || string(fields["model"]) != `"served"` || string(fields["cache_salt"]) != `"salt"` {
 			t.Fatalf("engine body: nvext must go, model and cache_salt be ours: %s", out)
+		}
+		// Every other member reaches the engine unchanged.
+		if json.Unmarshal(body, &orig) == nil {
+			for k, v := range orig {
+				if strings.EqualFold(k, "model") || strings.EqualFold(k, "nvext") || strings.EqualFold(k, "cache_salt") {
+					continue
+				}
+				if got, ok := fields[k]; !ok || !bytes.Equal(bytes.TrimSpace(got), bytes.TrimSpace(v)) {
+					t.Fatalf("member %q changed on the way: %s -> %s", k, v, got)
+				}
+			}
 		}
 	})
 }

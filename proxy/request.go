@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/goccy/go-json"
 
@@ -29,9 +30,10 @@ func (n *nvext) has(annotation string) bool {
 }
 
 // apiRequest is what the proxy needs of a completion request; the rest of
-// the body is carried untouched in fields.
+// the body is forwarded byte for byte (see forwardBody).
 type apiRequest struct {
-	fields   map[string]json.RawMessage
+	body     []byte
+	fields   wireFields
 	model    string
 	stream   bool
 	nv       nvext
@@ -61,27 +63,32 @@ func parseRequest(body []byte, chat bool) (*apiRequest, *paramError) {
 	if len(bytes.TrimSpace(body)) == 0 {
 		return nil, perr("", "the request body is empty; expected a JSON object")
 	}
-	if err := json.Unmarshal(body, &r.fields); err != nil || r.fields == nil {
+	trimmed := bytes.TrimSpace(body)
+	if trimmed[0] != '{' || !json.Valid(trimmed) {
+		return nil, perr("", "the request body is not a valid JSON object")
+	}
+	if err := json.Unmarshal(trimmed, &r.fields); err != nil {
 		return nil, perr("", "the request body is not a valid JSON object%s", jsonErrMsg(err))
 	}
-	raw, ok := r.fields["model"]
+	r.body = trimmed
+	raw, ok := r.fields.Model, r.fields.Model != nil
 	if !ok {
 		return nil, perr("model", "you must provide a model parameter")
 	}
 	if err := json.Unmarshal(raw, &r.model); err != nil || r.model == "" {
 		return nil, perr("model", "model must be a non-empty string")
 	}
-	if raw, ok := r.fields["stream"]; ok && string(raw) != "null" {
+	if raw := r.fields.Stream; raw != nil && string(raw) != "null" {
 		if err := json.Unmarshal(raw, &r.stream); err != nil {
 			return nil, perr("stream", "stream must be a boolean")
 		}
 	}
-	if raw, ok := r.fields["nvext"]; ok && string(raw) != "null" {
+	if raw := r.fields.Nvext; raw != nil && string(raw) != "null" {
 		if err := json.Unmarshal(raw, &r.nv); err != nil {
 			return nil, perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)")
 		}
 	}
-	if raw, ok := r.fields["add_generation_prompt"]; ok && chat {
+	if raw := r.fields.AddGenerationPrompt; raw != nil && chat {
 		if err := json.Unmarshal(raw, &r.addGenPrompt); err != nil {
 			return nil, perr("add_generation_prompt", "add_generation_prompt must be a boolean")
 		}
@@ -118,8 +125,8 @@ type contentPart struct {
 }
 
 func (r *apiRequest) parseMessages() *paramError {
-	raw, ok := r.fields["messages"]
-	if !ok {
+	raw := r.fields.Messages
+	if raw == nil {
 		return perr("messages", "you must provide a messages parameter")
 	}
 	var msgs []wireMessage
@@ -184,8 +191,8 @@ func flattenContent(raw json.RawMessage, i int) (string, *paramError) {
 }
 
 func (r *apiRequest) parsePrompt() *paramError {
-	raw, ok := r.fields["prompt"]
-	if !ok || string(raw) == "null" {
+	raw := r.fields.Prompt
+	if raw == nil || string(raw) == "null" {
 		return perr("prompt", "you must provide a prompt parameter")
 	}
 	switch raw[0] {
@@ -249,18 +256,152 @@ func (n *nvext) pinned() (name string, instance uint64, isNum, ok bool) {
 	return "", v, true, true
 }
 
-// forwardBody is the body sent to the engine: nvext removed, model renamed,
-// and cache_salt set to the tenant's (salt "" removes it). A client's own
-// cache_salt is never forwarded.
+// wireFields are the top-level fields the proxy reads; decoding into a struct
+// skips the rest of the body without building it.
+type wireFields struct {
+	Model               json.RawMessage `json:"model"`
+	Stream              json.RawMessage `json:"stream"`
+	Nvext               json.RawMessage `json:"nvext"`
+	AddGenerationPrompt json.RawMessage `json:"add_generation_prompt"`
+	Messages            json.RawMessage `json:"messages"`
+	Prompt              json.RawMessage `json:"prompt"`
+}
+
+// forwardBody is the body sent to the engine: the client's body with nvext
+// and any cache_salt removed, model renamed, and the tenant's cache_salt
+// added (salt "" adds none). Every other member is copied byte for byte.
 func (r *apiRequest) forwardBody(servedModel, salt string) ([]byte, error) {
-	delete(r.fields, "nvext")
-	m, _ := json.Marshal(servedModel)
-	r.fields["model"] = m
-	if salt != "" {
-		s, _ := json.Marshal(salt)
-		r.fields["cache_salt"] = s
-	} else {
-		delete(r.fields, "cache_salt")
+	out := make([]byte, 0, len(r.body)+len(servedModel)+len(salt)+40)
+	out = append(out, '{')
+	n := 0
+	err := topLevelMembers(r.body, func(key string, member []byte) {
+		// Case-insensitive, as the JSON decoder that read them matches names.
+		if strings.EqualFold(key, "nvext") || strings.EqualFold(key, "cache_salt") || strings.EqualFold(key, "model") {
+			return
+		}
+		if n > 0 {
+			out = append(out, ',')
+		}
+		out = append(out, member...)
+		n++
+	})
+	if err != nil {
+		return nil, err
 	}
-	return json.Marshal(r.fields)
+	if n > 0 {
+		out = append(out, ',')
+	}
+	out = append(out, `"model":`...)
+	m, _ := json.Marshal(servedModel)
+	out = append(out, m...)
+	if salt != "" {
+		out = append(out, `,"cache_salt":`...)
+		sj, _ := json.Marshal(salt)
+		out = append(out, sj...)
+	}
+	return append(out, '}'), nil
+}
+
+var errNotObject = errors.New("not a JSON object")
+
+// topLevelMembers calls fn with each member of the JSON object b: its
+// unescaped key and its bytes ("key": value, whitespace trimmed). b has been
+// validated as JSON already; this only finds the boundaries.
+func topLevelMembers(b []byte, fn func(key string, member []byte)) error {
+	i := skipSpace(b, 0)
+	if i >= len(b) || b[i] != '{' {
+		return errNotObject
+	}
+	i = skipSpace(b, i+1)
+	if i < len(b) && b[i] == '}' {
+		return nil
+	}
+	for i < len(b) {
+		start := i
+		end, err := skipValue(b, i) // the key, a string
+		if err != nil || b[start] != '"' {
+			return errNotObject
+		}
+		rawKey := b[start:end]
+		key := string(rawKey[1 : len(rawKey)-1])
+		if bytes.IndexByte(rawKey, '\\') >= 0 {
+			if json.Unmarshal(rawKey, &key) != nil {
+				return errNotObject
+			}
+		}
+		i = skipSpace(b, end)
+		if i >= len(b) || b[i] != ':' {
+			return errNotObject
+		}
+		if end, err = skipValue(b, skipSpace(b, i+1)); err != nil {
+			return err
+		}
+		fn(key, b[start:end])
+		i = skipSpace(b, end)
+		if i >= len(b) {
+			return errNotObject
+		}
+		if b[i] == '}' {
+			return nil
+		}
+		if b[i] != ',' {
+			return errNotObject
+		}
+		i = skipSpace(b, i+1)
+	}
+	return errNotObject
+}
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// skipValue returns the end of the JSON value starting at b[i].
+func skipValue(b []byte, i int) (int, error) {
+	if i >= len(b) {
+		return 0, errNotObject
+	}
+	switch b[i] {
+	case '"':
+		for j := i + 1; j < len(b); j++ {
+			switch b[j] {
+			case '\\':
+				j++
+			case '"':
+				return j + 1, nil
+			}
+		}
+		return 0, errNotObject
+	case '{', '[':
+		depth := 0
+		for j := i; j < len(b); j++ {
+			switch b[j] {
+			case '"':
+				end, err := skipValue(b, j)
+				if err != nil {
+					return 0, err
+				}
+				j = end - 1
+			case '{', '[':
+				depth++
+			case '}', ']':
+				if depth--; depth == 0 {
+					return j + 1, nil
+				}
+			}
+		}
+		return 0, errNotObject
+	default: // number, true, false, null
+		j := i
+		for j < len(b) && b[j] != ',' && b[j] != '}' && b[j] != ']' && b[j] != ' ' && b[j] != '\t' && b[j] != '\n' && b[j] != '\r' {
+			j++
+		}
+		if j == i {
+			return 0, errNotObject
+		}
+		return j, nil
+	}
 }
