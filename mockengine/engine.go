@@ -71,18 +71,9 @@ func (c Config) withDefaults() Config {
 	if c.Model == "" {
 		c.Model = d.Model
 	}
-	if c.BlockSize <= 0 {
-		c.BlockSize = d.BlockSize
-	}
-	if c.CacheBlocks <= 0 {
-		c.CacheBlocks = d.CacheBlocks
-	}
-	if c.MaxNumSeqs <= 0 {
-		c.MaxNumSeqs = d.MaxNumSeqs
-	}
-	if c.MaxNumBatchedTokens <= 0 {
-		c.MaxNumBatchedTokens = d.MaxNumBatchedTokens
-	}
+	// The model's fields default where the model defaults them.
+	m := c.modelConfig().withDefaults()
+	c.BlockSize, c.CacheBlocks, c.MaxNumSeqs, c.MaxNumBatchedTokens = m.BlockSize, m.CacheBlocks, m.MaxNumSeqs, m.MaxNumBatchedTokens
 	if c.Speedup <= 0 {
 		c.Speedup = d.Speedup
 	}
@@ -93,6 +84,18 @@ func (c Config) withDefaults() Config {
 		c.Template = d.Template
 	}
 	return c
+}
+
+// modelConfig is the part of the engine's configuration its Model takes.
+func (c Config) modelConfig() ModelConfig {
+	return ModelConfig{
+		BlockSize:           c.BlockSize,
+		CacheBlocks:         c.CacheBlocks,
+		MaxNumSeqs:          c.MaxNumSeqs,
+		MaxNumBatchedTokens: c.MaxNumBatchedTokens,
+		HostCacheBlocks:     c.HostCacheBlocks,
+		RecordEvents:        c.OnEvents != nil,
+	}
 }
 
 // Stats is a snapshot of an engine's counters and state.
@@ -190,17 +193,10 @@ func New(cfg Config) (*Engine, error) {
 	}
 	mj, _ := json.Marshal(cfg.Model)
 	e := &Engine{
-		cfg:   cfg,
-		enc:   enc,
-		words: words,
-		model: NewModel(ModelConfig{
-			BlockSize:           cfg.BlockSize,
-			CacheBlocks:         cfg.CacheBlocks,
-			MaxNumSeqs:          cfg.MaxNumSeqs,
-			MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
-			HostCacheBlocks:     cfg.HostCacheBlocks,
-			RecordEvents:        cfg.OnEvents != nil,
-		}),
+		cfg:       cfg,
+		enc:       enc,
+		words:     words,
+		model:     NewModel(cfg.modelConfig()),
 		reqs:      make(map[uint64]*request),
 		wake:      make(chan struct{}, 1),
 		done:      make(chan struct{}),
