@@ -36,6 +36,22 @@ type upConn struct {
 	c  net.Conn
 	br *bufio.Reader
 	bw *bufio.Writer
+	// readBy is the read deadline set on c. Each exchange needs one at least
+	// ReadTimeout away; moving it costs a timer update, so it is moved only
+	// when it is closer than that (by more than deadlineSlack).
+	readBy time.Time
+}
+
+// deadlineSlack is how much later than ReadTimeout a silent engine may be
+// noticed, in exchange for not moving the deadline on every exchange.
+const deadlineSlack = time.Second
+
+// armRead makes sure the next read waits at least d.
+func (uc *upConn) armRead(now time.Time, d time.Duration) {
+	if uc.readBy.Sub(now) < d {
+		uc.readBy = now.Add(d + deadlineSlack)
+		uc.c.SetReadDeadline(uc.readBy)
+	}
 }
 
 // Abort cancels one exchange with an engine: it closes the connection the
@@ -95,14 +111,13 @@ func (e *ConnectError) Unwrap() error { return e.Err }
 // Body is a streamed response body. Read it to EOF, then Close; Close returns
 // the connection for reuse only when the body ended cleanly.
 type Body struct {
-	u     *Upstream
-	uc    *upConn
-	resp  *fasthttp.Response
-	r     io.Reader
-	ab    *Abort
-	eof   bool
-	err   error
-	reset time.Time
+	u    *Upstream
+	uc   *upConn
+	resp *fasthttp.Response
+	r    io.Reader
+	ab   *Abort
+	eof  bool
+	err  error
 }
 
 // Read reads the next bytes of the body, each wait bounded by ReadTimeout.
@@ -110,11 +125,7 @@ func (b *Body) Read(p []byte) (int, error) {
 	if b.err != nil {
 		return 0, b.err
 	}
-	// Moving the deadline costs a timer update; do it at most every 100ms.
-	if now := time.Now(); now.Sub(b.reset) > 100*time.Millisecond {
-		b.uc.c.SetReadDeadline(now.Add(b.u.readTimeout()))
-		b.reset = now
-	}
+	b.uc.armRead(time.Now(), b.u.readTimeout())
 	n, err := b.r.Read(p)
 	if err == io.EOF {
 		b.eof = true
@@ -184,19 +195,33 @@ func (u *Upstream) Do(req *fasthttp.Request, resp *fasthttp.Response, stream boo
 	}
 }
 
+// IsTimeout reports whether err is a deadline expiring: a net.Error or
+// fasthttp's ErrTimeout (which has Timeout but not the rest of net.Error).
+func IsTimeout(err error) bool {
+	var te interface{ Timeout() bool }
+	return errors.As(err, &te) && te.Timeout()
+}
+
 func isStaleConn(err error) bool {
 	return errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) || errors.Is(err, io.ErrUnexpectedEOF)
 }
 
 func (u *Upstream) exchange(uc *upConn, req *fasthttp.Request, resp *fasthttp.Response, stream bool, ab *Abort) (*Body, error) {
-	uc.c.SetWriteDeadline(time.Now().Add(30 * time.Second))
+	// A request fits the socket buffer of a live engine: the write waits
+	// only on a dead peer, which the read deadline then catches. Large
+	// bodies get a write deadline of their own.
+	now := time.Now()
+	if len(req.Body()) > 16<<10 {
+		uc.c.SetWriteDeadline(now.Add(30 * time.Second))
+		defer uc.c.SetWriteDeadline(time.Time{})
+	}
 	if err := req.Write(uc.bw); err != nil {
 		return nil, err
 	}
 	if err := uc.bw.Flush(); err != nil {
 		return nil, err
 	}
-	uc.c.SetReadDeadline(time.Now().Add(u.readTimeout()))
+	uc.armRead(now, u.readTimeout())
 	resp.StreamBody = stream
 	if err := resp.ReadLimitBody(uc.br, 0); err != nil {
 		return nil, err
@@ -208,7 +233,7 @@ func (u *Upstream) exchange(uc *upConn, req *fasthttp.Request, resp *fasthttp.Re
 		u.release(uc, !resp.ConnectionClose())
 		return nil, nil
 	}
-	return &Body{u: u, uc: uc, resp: resp, r: resp.BodyStream(), ab: ab, reset: time.Now()}, nil
+	return &Body{u: u, uc: uc, resp: resp, r: resp.BodyStream(), ab: ab}, nil
 }
 
 func (u *Upstream) get() (*upConn, bool, error) {
@@ -241,7 +266,6 @@ func (u *Upstream) release(uc *upConn, reuse bool) {
 		uc.c.Close()
 		return
 	}
-	uc.c.SetDeadline(time.Time{})
 	max := u.MaxIdle
 	if max <= 0 {
 		max = 512

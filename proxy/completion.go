@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"net"
 	"strconv"
 	"strings"
 	"sync"
@@ -375,8 +374,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		default:
 			b.fail(err.Error())
 			status := fasthttp.StatusBadGateway
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
+			if backends.IsTimeout(err) {
 				status = fasthttp.StatusGatewayTimeout
 			}
 			x.failUpstream(ctx, status, "backend "+b.cfg.ID+" failed: "+err.Error())

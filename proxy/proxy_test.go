@@ -587,3 +587,20 @@ func TestNormalizeEngineError(t *testing.T) {
 		}
 	}
 }
+
+// An engine silent for longer than limits.stream_idle_timeout before its
+// headers is a gateway timeout in OpenAI's shape, and the slot comes back.
+func TestSilentEngineIsGatewayTimeout(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 10 * time.Second })
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml}]\n"+
+		"backends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {stream_idle_timeout: 300ms}\n", e)
+	start := time.Now()
+	resp, body := post(t, p.url+"/v1/chat/completions", strings.Replace(chatBody, "alias-m", "m", 1))
+	if resp.StatusCode != 504 || !bytes.Contains(body, []byte(`"type":"timeout_error"`)) {
+		t.Fatalf("want 504 timeout_error, got %d %s", resp.StatusCode, body)
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Fatalf("answered after %v", took)
+	}
+	p.waitIdle(t)
+}

@@ -1,0 +1,157 @@
+package backends
+
+import (
+	"bufio"
+	"errors"
+	"io"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/valyala/fasthttp"
+)
+
+// rawEngine accepts connections on loopback and hands each to serve.
+func rawEngine(t *testing.T, serve func(c net.Conn, br *bufio.Reader)) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				serve(c, bufio.NewReader(c))
+			}()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+// readRequest consumes one request (headers and Content-Length body).
+func readRequest(br *bufio.Reader) error {
+	var req fasthttp.Request
+	return req.Read(br)
+}
+
+func newRequest(addr, body string) *fasthttp.Request {
+	req := fasthttp.AcquireRequest()
+	req.Header.SetMethod(fasthttp.MethodPost)
+	req.SetRequestURI("/v1/completions")
+	req.Header.SetHost(addr)
+	req.SetBodyString(body)
+	return req
+}
+
+func TestKeepAliveConnectionIsReused(t *testing.T) {
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		for readRequest(br) == nil {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		}
+	})
+	u := &Upstream{Addr: addr}
+	for i := 0; i < 3; i++ {
+		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+		if _, err := u.Do(req, resp, false, nil); err != nil {
+			t.Fatal(err)
+		}
+		if string(resp.Body()) != "ok" {
+			t.Fatalf("body %q", resp.Body())
+		}
+	}
+	if d := u.Dials.Load(); d != 1 {
+		t.Fatalf("%d dials for 3 sequential requests, want 1", d)
+	}
+}
+
+// A stream whose engine goes silent ends with a timeout after about
+// ReadTimeout (plus the deadline's slack), not never.
+func TestSilentStreamTimesOut(t *testing.T) {
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		readRequest(br)
+		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+		io.WriteString(c, "f\r\ndata: {\"a\":1}\n\n\r\n")
+		time.Sleep(10 * time.Second) // silent, connection open
+	})
+	u := &Upstream{Addr: addr, ReadTimeout: 200 * time.Millisecond}
+	req, resp := newRequest(addr, `{"stream":true}`), fasthttp.AcquireResponse()
+	body, err := u.Do(req, resp, true, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer body.Close()
+	start := time.Now()
+	got, err := io.ReadAll(body)
+	if !IsTimeout(err) {
+		t.Fatalf("read ended with %v, want a timeout", err)
+	}
+	if !strings.Contains(string(got), `data: {"a":1}`) {
+		t.Fatalf("lost the event before the silence: %q", got)
+	}
+	if took := time.Since(start); took > 200*time.Millisecond+deadlineSlack+2*time.Second {
+		t.Fatalf("timeout noticed after %v", took)
+	}
+}
+
+// An engine that never answers the headers times out too, also on a
+// connection reused from the pool whose earlier deadline had been pushed out.
+func TestSilentEngineTimesOutOnReusedConnection(t *testing.T) {
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		readRequest(br)
+		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		readRequest(br)
+		time.Sleep(10 * time.Second)
+	})
+	u := &Upstream{Addr: addr, ReadTimeout: 200 * time.Millisecond}
+	if _, err := u.Do(newRequest(addr, `{}`), fasthttp.AcquireResponse(), false, nil); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond) // the first deadline is now in the past
+	start := time.Now()
+	_, err := u.Do(newRequest(addr, `{}`), fasthttp.AcquireResponse(), false, nil)
+	if !IsTimeout(err) {
+		t.Fatalf("got %v, want a timeout", err)
+	}
+	if took := time.Since(start); took < 150*time.Millisecond {
+		t.Fatalf("timed out after %v: a stale deadline fired instead of a fresh one", took)
+	}
+	if u.Dials.Load() != 1 {
+		t.Fatalf("%d dials, want the pooled connection reused", u.Dials.Load())
+	}
+}
+
+// Abort during a silent prefill closes the engine connection at once.
+func TestAbortClosesTheEngineConnection(t *testing.T) {
+	closed := make(chan struct{})
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		readRequest(br)
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if _, err := br.ReadByte(); err != nil {
+			close(closed)
+		}
+	})
+	u := &Upstream{Addr: addr}
+	ab := &Abort{}
+	errc := make(chan error, 1)
+	go func() {
+		_, err := u.Do(newRequest(addr, `{}`), fasthttp.AcquireResponse(), true, ab)
+		errc <- err
+	}()
+	time.Sleep(50 * time.Millisecond)
+	ab.Abort()
+	if err := <-errc; !errors.Is(err, ErrAborted) {
+		t.Fatalf("Do returned %v, want ErrAborted", err)
+	}
+	select {
+	case <-closed:
+	case <-time.After(3 * time.Second):
+		t.Fatal("the engine did not see its connection close")
+	}
+}
