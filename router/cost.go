@@ -59,8 +59,8 @@ func (c *CostConfig) validate() error {
 
 // predict is the kv cost model: predicted TTFT in ms of a request with
 // promptTokens on the candidate c, whose worker runs at slowdown factor
-// scale (1 = as configured; see calibrator). It is a pure function of its
-// arguments. engineQueue is the engine's own view of queued prefill tokens
+// scale (1 = as configured; see calibrator), c.MemoryMs included. It is a
+// pure function of its arguments. engineQueue is the engine's own view of queued prefill tokens
 // (0 if none); the larger of it and the router's view is used.
 func (cc *CostConfig) predict(scale float64, c *Candidate, promptTokens, blockSize int, engineQueue int64) float64 {
 	u := uncachedTokens(promptTokens, c.Overlap, blockSize)
@@ -68,7 +68,27 @@ func (cc *CostConfig) predict(scale float64, c *Candidate, promptTokens, blockSi
 	if engineQueue > q {
 		q = engineQueue
 	}
-	return scale*cc.compute(c, u, q) + cc.fetch(c)
+	return scale*cc.compute(c, u, q) + cc.fetch(c) + c.MemoryMs
+}
+
+// externality prices the request's prefill by its cost to the requests that
+// come after it: computing u prompt tokens on a worker is work that later
+// arrivals there wait behind, and in a queue the expected number of requests
+// a unit of work delays is about the number in the system (M/G/1:
+// L = ρ/(1−ρ)). waiters is that number as the router sees it, the mean
+// count of requests awaiting their first token per worker. On an idle fleet
+// the term vanishes; as queues form, a cache miss (more tokens to compute,
+// cached blocks of others evicted) costs more than the requester's own
+// TTFT, so kv keeps conversations on their cache instead of spreading them,
+// which would add work and feed the overload. The configured speed is used,
+// not the worker's fitted slowdown: multiplied by waiters, the fit's noise
+// would outweigh its signal.
+func (cc *CostConfig) externality(c *Candidate, promptTokens, blockSize int, waiters float64) float64 {
+	if waiters <= 0 {
+		return 0
+	}
+	u := uncachedTokens(promptTokens, c.Overlap, blockSize)
+	return waiters * cc.PrefillMsPerToken * cc.effectiveTokens(u)
 }
 
 // compute is the predicted compute time at the configured speed: base per

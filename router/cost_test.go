@@ -3,6 +3,7 @@ package router
 import (
 	"math"
 	"testing"
+	"time"
 
 	"github.com/kvproxy/kvproxy/kv"
 )
@@ -54,5 +55,99 @@ func TestCostModelTerms(t *testing.T) {
 	}
 	if got := cc.predict(co, &Candidate{Overlap: 200}, 1600, 16, 0); got != cc.PrefillBaseMs {
 		t.Errorf("fully cached prompt costs %.3f, want the base %.1f", got, cc.PrefillBaseMs)
+	}
+}
+
+// TestExternalityPricesMissesByLoad: on an idle fleet kv minimises the
+// request's own TTFT; once requests wait for their first token, a cache
+// miss also costs them (Candidate.ExternalMs) and kv keeps the request on
+// its cache although its own TTFT would be lower elsewhere.
+func TestExternalityPricesMissesByLoad(t *testing.T) {
+	r := newTestRouter(t, "kv", 2, nil)
+	cc := r.Config().Cost
+	conv := seq(256, 1)
+	r.SetApproximate(0, false)
+	r.Index().Store(0, conv[:250], kv.TierDevice, 0) // worker 0 holds 4,000 of the 4,101 tokens
+	q := req(conv)
+	d, _ := r.Select(q)
+	if d.Worker != 0 || d.Candidates[0].ExternalMs != 0 || d.Candidates[1].ExternalMs != 0 {
+		t.Fatalf("idle fleet: worker %d, externalities %.2f %.2f, want worker 0 and none",
+			d.Worker, d.Candidates[0].ExternalMs, d.Candidates[1].ExternalMs)
+	}
+	// Two 2,500-token prompts queue on worker 0 and wait for their first token.
+	var queued []*Active
+	for i := 0; i < 2; i++ {
+		_, a := mustRoute(t, r, &Request{Pinned: true, Pin: 0, Hashes: seq(156, uint64(10+i)), PromptTokens: 2500})
+		queued = append(queued, a)
+	}
+	if st := r.Workers(); st[0].Pending != 2 || st[1].Pending != 0 {
+		t.Fatalf("pending %d and %d, want 2 and 0", st[0].Pending, st[1].Pending)
+	}
+	d, _ = r.Select(q)
+	c0, c1 := d.Candidates[0], d.Candidates[1]
+	if c1.CostMs >= c0.CostMs {
+		t.Fatalf("setup: own TTFT %.1f on the cache, %.1f elsewhere; want the cache worker slower", c0.CostMs, c1.CostMs)
+	}
+	waiters := 1.0 // 2 pending over 2 workers
+	if want := waiters * cc.PrefillMsPerToken * cc.effectiveTokens(q.PromptTokens); math.Abs(c1.ExternalMs-want) > 1e-9 {
+		t.Errorf("miss externality %.3f, want %.3f", c1.ExternalMs, want)
+	}
+	if want := waiters * cc.PrefillMsPerToken * cc.effectiveTokens(q.PromptTokens-250*16); math.Abs(c0.ExternalMs-want) > 1e-9 {
+		t.Errorf("hit externality %.3f, want %.3f", c0.ExternalMs, want)
+	}
+	if d.Worker != 0 || c0.Score != c0.CostMs+c0.ExternalMs {
+		t.Fatalf("loaded fleet: worker %d (scores %.1f %.1f), want the cache worker 0", d.Worker, c0.Score, c1.Score)
+	}
+	queued[0].PrefillDone()
+	queued[1].Free() // freed before its first token
+	if st := r.Workers(); st[0].Pending != 0 {
+		t.Fatalf("pending %d after first token and free, want 0", st[0].Pending)
+	}
+	queued[0].Free()
+	if !r.Idle() {
+		t.Fatalf("not idle: %+v", r.Workers())
+	}
+}
+
+// TestMemoryWaitFromEngineUsage: the engine's capacity is estimated from
+// its reported usage, and a request that would not fit next to the live
+// requests is predicted to wait for the excess to be freed.
+func TestMemoryWaitFromEngineUsage(t *testing.T) {
+	c := newFakeClock()
+	r := newTestRouter(t, "kv", 2, func(cfg *Config) { cfg.Now = c.Now })
+	_, a := mustRoute(t, r, &Request{Pinned: true, Pin: 0, PromptTokens: 100})
+	c.Advance(10 * time.Second) // a request lifetime of 10 s
+	a.Free()
+	// 600 blocks live on worker 0 at 60% usage, nothing waiting: 1,000 blocks.
+	live := r.Commit(&Request{Hashes: seq(600, 7), PromptTokens: 600 * 16}, Decision{Worker: 0})
+	live.PrefillDone()
+	r.SetEngineLoad(0, 4, 1, 0.9) // requests waiting: not a capacity sample
+	r.SetEngineLoad(0, 0, 1, 0.6)
+	st := r.Workers()[0]
+	if math.Abs(st.CacheBlocks-1000) > 1e-6 || st.LifetimeMs != 10000 {
+		t.Fatalf("capacity %.1f blocks, lifetime %.0f ms; want 1000 and 10000", st.CacheBlocks, st.LifetimeMs)
+	}
+	// 700 blocks, 200 of them cached on worker 0: 500 new blocks there, 100
+	// more than free; freeing 100 of 600 live blocks takes 1/6 lifetime.
+	conv := seq(700, 9)
+	r.SetApproximate(0, false)
+	r.Index().Store(0, conv[:200], kv.TierDevice, 0)
+	d, _ := r.Select(&Request{Hashes: conv, PromptTokens: 700 * 16})
+	c0, c1 := d.Candidates[0], d.Candidates[1]
+	if want := 10000.0 / 6; math.Abs(c0.MemoryMs-want) > 1e-6 || c1.MemoryMs != 0 {
+		t.Fatalf("memory waits %.1f and %.1f ms, want %.1f and 0", c0.MemoryMs, c1.MemoryMs, want)
+	}
+	cc := r.Config().Cost
+	noWait := c0
+	noWait.MemoryMs = 0
+	if got := c0.CostMs - cc.predict(1, &noWait, 700*16, 16, 0); math.Abs(got-c0.MemoryMs) > 1e-6 {
+		t.Fatalf("CostMs carries %.1f ms of memory wait, want %.1f", got, c0.MemoryMs)
+	}
+	if d.Worker != 1 {
+		t.Fatalf("went to worker %d, whose cache saves %.1f ms but whose memory is full", d.Worker, c1.CostMs-(c0.CostMs-c0.MemoryMs))
+	}
+	live.Free()
+	if !r.Idle() {
+		t.Fatal("not idle")
 	}
 }

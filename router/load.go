@@ -22,6 +22,7 @@ type worker struct {
 	approx    atomic.Bool
 
 	inflight atomic.Int64 // requests between Commit and Free
+	pending  atomic.Int64 // requests between Commit and PrefillDone (or Free)
 	prefill  atomic.Int64 // predicted uncached prompt tokens not yet computed
 	active   atomic.Int64 // distinct prompt blocks of live requests + output blocks
 
@@ -35,10 +36,17 @@ type worker struct {
 	engWaiting, engRunning atomic.Int64
 	engKVUsage             atomic.Uint64 // float64 bits; NaN = never set
 	avgUncached            atomic.Uint64 // float64 bits: EWMA of uncached tokens per request
+
+	// KV memory (see memoryWaitMs): the engine's capacity in blocks,
+	// estimated from its reported usage, and the EWMA of request lifetimes
+	// (Commit to Free) in ms; float64 bits, 0 = unknown.
+	capBlocks atomic.Uint64
+	lifeMs    atomic.Uint64
+	now       func() time.Time
 }
 
-func newWorker(id WorkerID, name string) *worker {
-	w := &worker{id: id, name: name, instance: InstanceID(name), refs: make(map[kv.BlockHash]int32)}
+func newWorker(id WorkerID, name string, now func() time.Time) *worker {
+	w := &worker{id: id, name: name, instance: InstanceID(name), refs: make(map[kv.BlockHash]int32), now: now}
 	w.available.Store(true)
 	w.approx.Store(true)
 	w.engKVUsage.Store(math.Float64bits(math.NaN()))
@@ -69,6 +77,50 @@ func (w *worker) engineQueue(blockSize int) int64 {
 	return int64(float64(n) * avg)
 }
 
+// memoryWaitMs predicts how long a request adding need blocks waits for KV
+// memory on w: when the blocks of the live requests plus its own exceed the
+// engine's capacity, the engine admits it only after requests holding the
+// excess have finished. Requests release their blocks over about one
+// lifetime, so freeing d of the active blocks takes d/active lifetimes.
+// It is 0 while the capacity or the lifetime is unknown.
+func (w *worker) memoryWaitMs(active int64, need int) float64 {
+	capacity := math.Float64frombits(w.capBlocks.Load())
+	life := math.Float64frombits(w.lifeMs.Load())
+	deficit := float64(active+int64(need)) - capacity
+	if capacity <= 0 || life <= 0 || deficit <= 0 {
+		return 0
+	}
+	return deficit / float64(max(active, 1)) * life
+}
+
+// observeCapacity takes one sample of the engine's KV capacity in blocks:
+// the router's active blocks over the engine's usage, when nothing waits
+// (every live request is running and holds its blocks) and the usage is
+// large enough for the ratio to be accurate.
+func (w *worker) observeCapacity(waiting int, usage float64) {
+	if waiting > 0 || !(usage >= 0.25 && usage <= 1) {
+		return
+	}
+	sample := float64(w.active.Load()) / usage
+	old := math.Float64frombits(w.capBlocks.Load())
+	if old > 0 {
+		sample = old + 0.1*(sample-old)
+	}
+	w.capBlocks.Store(math.Float64bits(sample))
+}
+
+// observeLifetime folds one request's Commit-to-Free time into the EWMA.
+func (w *worker) observeLifetime(ms float64) {
+	if !(ms > 0) {
+		return
+	}
+	old := math.Float64frombits(w.lifeMs.Load())
+	if old > 0 {
+		ms = old + 0.05*(ms-old)
+	}
+	w.lifeMs.Store(math.Float64bits(ms))
+}
+
 // add registers a on w; false if w was removed.
 func (w *worker) add(a *Active) bool {
 	w.mu.Lock()
@@ -86,6 +138,8 @@ func (w *worker) add(a *Active) bool {
 	}
 	a.gen = w.gen
 	w.inflight.Add(1)
+	w.pending.Add(1)
+	a.pending = true
 	w.prefill.Add(a.prefill)
 	w.active.Add(newBlocks)
 	avg := math.Float64frombits(w.avgUncached.Load())
@@ -98,6 +152,7 @@ func (w *worker) reset() {
 	w.mu.Lock()
 	w.gen++
 	w.inflight.Store(0)
+	w.pending.Store(0)
 	w.prefill.Store(0)
 	w.active.Store(0)
 	clear(w.refs)
@@ -107,7 +162,7 @@ func (w *worker) reset() {
 func (w *worker) idle() bool {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return w.inflight.Load() == 0 && w.prefill.Load() == 0 && w.active.Load() == 0 && len(w.refs) == 0
+	return w.inflight.Load() == 0 && w.pending.Load() == 0 && w.prefill.Load() == 0 && w.active.Load() == 0 && len(w.refs) == 0
 }
 
 // Active is one in-flight request. All methods are safe for concurrent use;
@@ -120,11 +175,13 @@ type Active struct {
 	partial int64           // 1 if the prompt ends in a partial block
 	prefill int64           // uncached tokens still counted in w.prefill
 	out     int64           // output blocks counted in w.active
+	pending bool            // counted in w.pending
 	freed   bool
 
+	start    int64   // Commit time, Unix ns (0: unknown)
 	uncached int64   // predicted uncached prompt tokens
 	observed bool    // ObserveTTFT already counted
-	fetchMs  float64 // predicted at Commit: fetch time
+	fetchMs  float64 // predicted at Commit: fetch time and wait for KV memory
 	computMs float64 // predicted at Commit: compute time at the configured speed
 }
 
@@ -159,6 +216,10 @@ func (a *Active) PrefillDone() {
 	}
 	a.w.prefill.Add(-a.prefill)
 	a.prefill = 0
+	if a.pending {
+		a.w.pending.Add(-1)
+		a.pending = false
+	}
 	a.unlock()
 }
 
@@ -189,9 +250,15 @@ func (a *Active) Free() {
 		}
 	}
 	w.inflight.Add(-1)
+	if a.pending {
+		w.pending.Add(-1)
+	}
 	w.prefill.Add(-a.prefill)
 	w.active.Add(-gone)
-	a.prefill, a.out, a.freed = 0, 0, true
+	a.prefill, a.out, a.pending, a.freed = 0, 0, false, true
+	if a.start != 0 {
+		w.observeLifetime(float64(w.now().UnixNano()-a.start) / 1e6)
+	}
 	hashPool.Put(a.hashes)
 	a.hashes = nil
 	a.unlock()

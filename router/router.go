@@ -89,11 +89,19 @@ type Candidate struct {
 	Overlap int                // leading prompt blocks the worker holds, any tier
 	Tiers   [kv.NumTiers]int32 // of those, how many at best in each tier
 	CostMs  float64            // predicted TTFT (kv cost model), whatever the policy
-	Score   float64            // the policy's own score, lower wins (= CostMs for kv)
+	Score   float64            // the policy's own score, lower wins (= CostMs + ExternalMs for kv)
 	// Load as read (advisory).
 	Inflight      int64
+	Pending       int64 // requests still waiting for their first token
 	PrefillTokens int64
 	ActiveBlocks  int64
+	// MemoryMs is the predicted wait for KV memory on the worker, part of
+	// CostMs (see worker.memoryWaitMs).
+	MemoryMs float64
+	// ExternalMs is what the request's prefill on the worker costs the
+	// requests after it (see CostConfig.externality); kv adds it to CostMs
+	// to score the worker.
+	ExternalMs float64
 }
 
 // Decision is the outcome of Select.
@@ -128,6 +136,13 @@ type WorkerStatus struct {
 	// Engine-reported load (SetEngineLoad); EngineKVUsage < 0 when never set.
 	EngineWaiting, EngineRunning int64
 	EngineKVUsage                float64
+	// Pending counts requests awaiting their first token. CacheBlocks is
+	// the engine's KV capacity in blocks as estimated from its reported
+	// usage, LifetimeMs the mean Commit-to-Free time of its requests; both
+	// 0 until known (they price the wait for KV memory).
+	Pending     int64
+	CacheBlocks float64
+	LifetimeMs  float64
 }
 
 // Router selects workers and tracks their load. Safe for concurrent use.
@@ -144,6 +159,7 @@ type Router struct {
 	commits atomic.Uint64             // advanced by Commit only: tie-break epoch
 	version atomic.Uint64             // membership / availability changes
 	seed    uint64
+	now     func() time.Time
 }
 
 // New validates cfg (zero fields take defaults) and returns a Router.
@@ -177,7 +193,10 @@ func New(cfg Config) (*Router, error) {
 	if !ok {
 		return nil, fmt.Errorf("router: unknown policy %q (want one of %s)", cfg.Policy, PolicyNames())
 	}
-	r := &Router{cfg: cfg, seed: mix64(uint64(cfg.Seed) ^ 0x9e3779b97f4a7c15)}
+	r := &Router{cfg: cfg, seed: mix64(uint64(cfg.Seed) ^ 0x9e3779b97f4a7c15), now: cfg.Now}
+	if r.now == nil {
+		r.now = time.Now
+	}
 	r.index = NewMemIndex(MemIndexConfig{MaxEntries: cfg.MaxIndexBlocks, Now: cfg.Now})
 	p, err := mk(&r.cfg)
 	if err != nil {
@@ -222,7 +241,7 @@ func (r *Router) AddWorker(name string) WorkerID {
 		return id.(WorkerID)
 	}
 	old := *r.workers.Load()
-	w := newWorker(WorkerID(len(old)), name)
+	w := newWorker(WorkerID(len(old)), name, r.now)
 	w.cal.enabled.Store(r.cfg.Calibrate)
 	ws := make([]*worker, len(old)+1)
 	copy(ws, old)
@@ -314,6 +333,9 @@ func (r *Router) Workers() []WorkerStatus {
 			TTFTSamples:   w.cal.samples.Load(),
 			EngineWaiting: w.engWaiting.Load(), EngineRunning: w.engRunning.Load(),
 			EngineKVUsage: w.engUsage(),
+			Pending:       w.pending.Load(),
+			CacheBlocks:   math.Float64frombits(w.capBlocks.Load()),
+			LifetimeMs:    math.Float64frombits(w.lifeMs.Load()),
 		}
 	}
 	return out
@@ -385,20 +407,23 @@ func (r *Router) selectWorker(req *Request) (Decision, error) {
 		cands = make([]Candidate, 0, len(ws))
 	}
 	bs := r.cfg.BlockSize
+	waiters := meanPending(ws)
 	for _, w := range ws {
 		if !w.available.Load() {
 			continue
 		}
 		c := Candidate{
 			Worker: w.id, Name: w.name,
-			Inflight: w.inflight.Load(), PrefillTokens: w.prefill.Load(), ActiveBlocks: w.active.Load(),
+			Inflight: w.inflight.Load(), Pending: w.pending.Load(), PrefillTokens: w.prefill.Load(), ActiveBlocks: w.active.Load(),
 		}
 		if p := pos[w.id]; p >= 0 {
 			o := &sc.ov[p]
 			c.Overlap, c.Tiers = int(o.Depth), o.Tiers
 			pos[w.id] = -1
 		}
+		c.MemoryMs = w.memoryWaitMs(c.ActiveBlocks, max((req.PromptTokens+bs-1)/bs-c.Overlap, 0))
 		c.CostMs = r.cfg.Cost.predict(w.cal.factor(), &c, req.PromptTokens, bs, w.engineQueue(bs))
+		c.ExternalMs = r.cfg.Cost.externality(&c, req.PromptTokens, bs, waiters)
 		c.Score = c.CostMs
 		cands = append(cands, c)
 	}
@@ -426,6 +451,22 @@ func (r *Router) selectWorker(req *Request) (Decision, error) {
 		Overlap: c.Overlap, Total: len(req.Hashes), PredictedTTFTms: c.CostMs,
 		Candidates: cands,
 	}, nil
+}
+
+// meanPending is the mean number of requests awaiting their first token per
+// available worker.
+func meanPending(ws []*worker) float64 {
+	n, sum := 0, int64(0)
+	for _, w := range ws {
+		if w.available.Load() {
+			n++
+			sum += w.pending.Load()
+		}
+	}
+	if n == 0 {
+		return 0
+	}
+	return float64(sum) / float64(n)
 }
 
 // tieSeed is deterministic for a request until the next Commit.
@@ -458,7 +499,8 @@ func (r *Router) commit(req *Request, d *Decision) *Active {
 	if k := candIndex(d.Candidates, d.Worker); k >= 0 {
 		c = d.Candidates[k]
 	}
-	a.fetchMs = r.cfg.Cost.fetch(&c)
+	a.fetchMs = r.cfg.Cost.fetch(&c) + c.MemoryMs // not scaled by the calibrator
+	a.start = r.now().UnixNano()
 	a.computMs = r.cfg.Cost.compute(&c, int(uncached), c.PrefillTokens)
 	a.hashes = getHashes(req.Hashes)
 	if !w.add(a) {
@@ -498,8 +540,10 @@ func putScratch(s *scratch) { scratchPool.Put(s) }
 // waiting and running requests and KV-cache usage in [0, 1]. The cost model
 // then uses as the worker's queue the larger of the router's own queued
 // prefill tokens and waiting × the worker's mean uncached tokens per
-// request, which catches traffic the router did not send. running and
-// kvUsage are shown in Workers.
+// request, which catches traffic the router did not send. While nothing
+// waits, kvUsage against the router's own active blocks estimates the
+// engine's KV capacity, which prices the wait for KV memory
+// (Candidate.MemoryMs). running and kvUsage are shown in Workers.
 func (r *Router) SetEngineLoad(id WorkerID, waiting, running int, kvUsage float64) {
 	w := r.worker(id)
 	if w == nil {
@@ -508,6 +552,7 @@ func (r *Router) SetEngineLoad(id WorkerID, waiting, running int, kvUsage float6
 	w.engWaiting.Store(int64(max(waiting, 0)))
 	w.engRunning.Store(int64(max(running, 0)))
 	w.engKVUsage.Store(math.Float64bits(kvUsage))
+	w.observeCapacity(waiting, kvUsage)
 }
 
 // hashPool recycles the prompt-hash copies Actives hold until Free.
