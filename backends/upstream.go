@@ -138,6 +138,16 @@ func (b *Body) Read(p []byte) (int, error) {
 	return n, err
 }
 
+// Buffered is how many bytes of the answer have arrived and not been read
+// yet: a Read now returns without waiting for the engine (unless only part
+// of a chunk's framing is here).
+func (b *Body) Buffered() int {
+	if b.uc == nil {
+		return 0
+	}
+	return b.uc.br.Buffered()
+}
+
 // Close releases the body and its connection.
 func (b *Body) Close() {
 	if b.uc == nil {

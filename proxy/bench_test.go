@@ -25,7 +25,8 @@ func (m *memBody) Read(p []byte) (int, error) {
 	}
 	return m.r.Read(p)
 }
-func (m *memBody) Close() {}
+func (m *memBody) Close()        {}
+func (m *memBody) Buffered() int { return 0 }
 
 // BenchmarkSSERelay measures the relay's own work per streamed event:
 // framing, inspection (first token, output blocks), writing and flushing.
@@ -56,8 +57,11 @@ func BenchmarkSSERelay(b *testing.B) {
 		_, active, _ := p.rt.Route(&req)
 		x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, cachedTokens: -1}
 		s.inflight.Add(1)
-		rl := &relay{x: x, body: &memBody{bytes.NewReader(raw)}, resp: fasthttp.AcquireResponse()}
-		rl.run(w)
+		rl := newRelay(x, &memBody{bytes.NewReader(raw)}, fasthttp.AcquireResponse())
+		if _, err := rl.WriteTo(w); err != nil {
+			b.Fatal(err)
+		}
+		rl.Close()
 		if x.outputTokens != events {
 			b.Fatalf("counted %d tokens", x.outputTokens)
 		}

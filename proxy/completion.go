@@ -430,8 +430,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	ctx.Response.Header.Set("Cache-Control", "no-cache")
 	ctx.Response.Header.Set("X-Accel-Buffering", "no")
 	x.status = fasthttp.StatusOK
-	rl := &relay{x: x, body: stream, resp: resp}
-	ctx.SetBodyStreamWriter(rl.run)
+	ctx.SetBodyStream(newRelay(x, stream, resp), -1)
 	return done
 }
 

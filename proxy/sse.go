@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"bufio"
 	"bytes"
 	"errors"
 	"io"
@@ -13,48 +12,100 @@ import (
 	"github.com/kvproxy/kvproxy/backends"
 )
 
-// relay copies an engine's SSE stream to the client event by event, flushing
-// after each read that completed events, and drives the request lifecycle:
-// first event → PrefillDone; every block_size output tokens → OutputBlock;
-// end, error or client gone → Free (exactly once, in finish).
+// relay copies an engine's SSE stream to the client event by event and
+// drives the request lifecycle: first event → PrefillDone; every block_size
+// output tokens → OutputBlock; end, error or client gone → Free (exactly
+// once, in Close).
 //
-// It runs as fasthttp's body stream writer, after the handler returned: it
+// It is the response's body stream. fasthttp calls WriteTo from the client
+// connection's own goroutine after the handler returned, and each Write there
+// is one HTTP chunk, flushed: so the events of one engine read go out as one
+// chunk, with no pipe and no goroutine between the engine and the client.
+// fasthttp calls Close once the response is written or abandoned. The relay
 // must not touch the RequestCtx.
 type relay struct {
 	x    *exchange
 	body streamBody
 	resp *fasthttp.Response
+	bufs *relayBuffers
+	f    sseFramer
+	pend []byte // Read: bytes of the current batch not yet returned
 
 	sawFirst bool
 	sawDone  bool
 	blocks   int
+	ended    bool // the engine's stream is over (or failed): nothing more to send
+	closed   bool
 }
 
 // streamBody is an engine's streamed answer (*backends.Body).
 type streamBody interface {
 	Read(p []byte) (int, error)
+	Buffered() int // bytes received and not yet read
 	Close()
 }
 
-var relayBufs = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
+// maxBatch bounds the events gathered into one client chunk.
+const maxBatch = 16 << 10
 
-func (r *relay) run(w *bufio.Writer) {
-	x := r.x
-	bp := relayBufs.Get().(*[]byte)
-	f := newSSEFramer(*bp)
-	defer func() {
-		if cap(f.buf) <= 1<<20 {
-			*bp = f.buf
-			relayBufs.Put(bp)
+// relayBuffers are one stream's read buffer (framed in place) and the batch
+// of events written to the client per engine read.
+type relayBuffers struct{ in, out []byte }
+
+var relayBufs = sync.Pool{New: func() any { return &relayBuffers{in: make([]byte, 32<<10), out: make([]byte, 0, 4<<10)} }}
+
+func newRelay(x *exchange, body streamBody, resp *fasthttp.Response) *relay {
+	r := &relay{x: x, body: body, resp: resp, bufs: relayBufs.Get().(*relayBuffers)}
+	r.f = sseFramer{buf: r.bufs.in[:cap(r.bufs.in)]}
+	return r
+}
+
+// SupportsBodyWriteTo tells fasthttp to call WriteTo rather than Read.
+func (r *relay) SupportsBodyWriteTo() bool { return true }
+
+// WriteTo relays the stream to w, one Write per engine read that completed
+// events.
+func (r *relay) WriteTo(w io.Writer) (int64, error) {
+	var total int64
+	for !r.ended {
+		out := r.nextBatch()
+		if len(out) == 0 {
+			continue
 		}
-		r.body.Close()
-		fasthttp.ReleaseResponse(r.resp)
-		x.finish()
-	}()
+		n, err := w.Write(out)
+		total += int64(n)
+		if err != nil {
+			r.clientGone()
+			return total, err
+		}
+	}
+	return total, nil
+}
+
+// Read serves the same bytes as WriteTo to a caller that reads.
+func (r *relay) Read(p []byte) (int, error) {
+	for len(r.pend) == 0 {
+		if r.ended {
+			return 0, io.EOF
+		}
+		r.pend = r.nextBatch()
+	}
+	n := copy(p, r.pend)
+	r.pend = r.pend[n:]
+	return n, nil
+}
+
+// nextBatch reads once from the engine and returns the complete events it
+// finished (inspected, and fixed where needed), plus the stream's ending when
+// the engine's stream is over.
+func (r *relay) nextBatch() []byte {
+	x, f := r.x, &r.f
+	out := r.bufs.out[:0]
+	var err error
 	for {
-		n, err := r.body.Read(f.free())
+		var n int
+		n, err = r.body.Read(f.free())
 		f.commit(n)
-		wrote := false
 		for {
 			raw, content, ok := f.next()
 			if !ok {
@@ -63,34 +114,28 @@ func (r *relay) run(w *bufio.Writer) {
 			if fixed := r.onEvent(content); fixed != nil {
 				raw = fixed
 			}
-			if _, werr := w.Write(raw); werr != nil {
-				r.clientGone()
-				return
-			}
-			wrote = true
+			out = append(out, raw...)
 		}
-		if wrote {
-			if ferr := w.Flush(); ferr != nil {
-				r.clientGone()
-				return
-			}
+		// What the engine has already sent goes out in the same chunk: one
+		// client write per burst, not per engine chunk, as a pipe would.
+		if err != nil || len(out) >= maxBatch || r.body.Buffered() == 0 {
+			break
 		}
-		if err == nil {
-			continue
+	}
+	defer func() { r.bufs.out = out[:0] }()
+	if err == nil {
+		return out
+	}
+	r.ended = true
+	switch {
+	case errors.Is(err, io.EOF) && r.sawDone:
+		x.b.succeed()
+		if rest := f.pending(); len(rest) > 0 { // bytes after [DONE] without a blank line
+			out = append(append(out, rest...), "\n\n"...)
 		}
-		if errors.Is(err, io.EOF) && r.sawDone {
-			x.b.succeed()
-			if rest := f.pending(); len(rest) > 0 { // bytes after [DONE] without a blank line
-				w.Write(rest)
-				w.Write([]byte("\n\n"))
-			}
-			w.Flush()
-			return
-		}
-		if errors.Is(err, backends.ErrAborted) || x.ab.Aborted() {
-			x.status = 499
-			return
-		}
+	case errors.Is(err, backends.ErrAborted) || x.ab.Aborted():
+		x.status = 499
+	default:
 		// The engine failed mid-stream (an error, or the connection ended
 		// before [DONE]: a dropped chunked stream reads as a plain EOF): tell
 		// the client in OpenAI's shape and end the stream properly.
@@ -100,18 +145,39 @@ func (r *relay) run(w *bufio.Writer) {
 		x.errMsg = "backend " + x.b.cfg.ID + " failed mid-stream: " + err.Error()
 		x.b.fail("mid-stream: " + err.Error())
 		x.status = fasthttp.StatusBadGateway
-		w.Write([]byte("data: "))
-		w.Write(errorJSON("the backend serving this request failed mid-stream", "upstream_error", "", "backend_failed"))
-		w.Write([]byte("\n\n"))
-		w.Write(doneEvent)
-		w.Flush()
-		return
+		out = append(out, "data: "...)
+		out = append(out, errorJSON("the backend serving this request failed mid-stream", "upstream_error", "", "backend_failed")...)
+		out = append(append(out, "\n\n"...), doneEvent...)
 	}
+	return out
+}
+
+// Close ends the exchange: the engine connection is released (or closed, if
+// the client left before the stream ended) and the slot freed. fasthttp calls
+// it after writing the response, or when it drops the response unwritten.
+func (r *relay) Close() error {
+	if r.closed {
+		return nil
+	}
+	r.closed = true
+	if !r.ended {
+		r.clientGone()
+	}
+	r.body.Close()
+	fasthttp.ReleaseResponse(r.resp)
+	if cap(r.f.buf) <= 1<<20 && cap(r.bufs.out) <= 1<<20 {
+		r.bufs.in = r.f.buf
+		relayBufs.Put(r.bufs)
+	}
+	r.bufs, r.f.buf, r.pend = nil, nil, nil
+	r.x.finish()
+	return nil
 }
 
 var doneEvent = []byte("data: [DONE]\n\n")
 
 func (r *relay) clientGone() {
+	r.ended = true
 	r.x.ab.Abort()
 	r.x.status = 499
 }

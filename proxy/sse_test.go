@@ -1,0 +1,150 @@
+package proxy
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"testing"
+
+	"github.com/rs/zerolog"
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvproxy/kvproxy/backends"
+	"github.com/kvproxy/kvproxy/config"
+	"github.com/kvproxy/kvproxy/router"
+)
+
+// burstBody is an engine stream that arrives in bursts: Read returns at most
+// step bytes, and Buffered reports what a burst still holds.
+type burstBody struct {
+	data        []byte
+	step, burst int // bytes per Read, bytes per burst
+	inBurst     int
+	closed      bool
+}
+
+func (b *burstBody) Read(p []byte) (int, error) {
+	if len(b.data) == 0 {
+		return 0, io.EOF
+	}
+	n := min(len(p), b.step, len(b.data))
+	copy(p, b.data[:n])
+	b.data = b.data[n:]
+	b.inBurst += n
+	if b.inBurst >= b.burst {
+		b.inBurst = 0
+	}
+	return n, nil
+}
+
+func (b *burstBody) Buffered() int {
+	if b.inBurst == 0 {
+		return 0 // the burst is over: the next Read would wait
+	}
+	return min(len(b.data), b.burst-b.inBurst)
+}
+
+func (b *burstBody) Close() { b.closed = true }
+
+// chunkRecorder records each Write, as fasthttp sends each as one chunk.
+type chunkRecorder struct{ chunks [][]byte }
+
+func (c *chunkRecorder) Write(p []byte) (int, error) {
+	c.chunks = append(c.chunks, bytes.Clone(p))
+	return len(p), nil
+}
+
+func relayFixture(t *testing.T) (*Server, *modelPool, *backend) {
+	t.Helper()
+	cfg, err := config.Parse([]byte("models: [{name: m, block_size: 4}]\nbackends: [{id: e0, url: 'http://127.0.0.1:1'}]\nlog_level: warn\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(cfg, Options{Logger: zerolog.Nop(), DisableHealthChecks: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := s.st.Load()
+	return s, st.pools[0], st.backends["e0"]
+}
+
+func sseEvents(n int) []byte {
+	var b bytes.Buffer
+	for i := 0; i < n; i++ {
+		fmt.Fprintf(&b, "data: {\"choices\":[{\"delta\":{\"content\":\"t%d\"}}]}\n\n", i)
+	}
+	b.WriteString("data: [DONE]\n\n")
+	return b.Bytes()
+}
+
+func startRelay(t *testing.T, s *Server, p *modelPool, be *backend, body streamBody) (*relay, *exchange) {
+	t.Helper()
+	_, active, err := p.rt.Route(&router.Request{PromptTokens: 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	x := &exchange{s: s, p: p, b: be, active: active, stream: true, cachedTokens: -1, status: 200}
+	x.ab = &backends.Abort{}
+	s.inflight.Add(1)
+	return newRelay(x, body, fasthttp.AcquireResponse()), x
+}
+
+// Events that arrive in one burst leave in one chunk; every event arrives
+// intact, in order, and the slot is freed once, when fasthttp closes the body.
+func TestRelayBatchesBurstsIntoChunks(t *testing.T) {
+	s, p, be := relayFixture(t)
+	raw := sseEvents(20)
+	body := &burstBody{data: raw, step: 40, burst: len(raw)/2 + 1}
+	r, x := startRelay(t, s, p, be, body)
+	var rec chunkRecorder
+	if _, err := r.WriteTo(&rec); err != nil {
+		t.Fatal(err)
+	}
+	if got := bytes.Join(rec.chunks, nil); !bytes.Equal(got, raw) {
+		t.Fatalf("relayed bytes differ:\n%s", got)
+	}
+	if len(rec.chunks) > 3 {
+		t.Fatalf("%d chunks for 2 bursts, want at most 3", len(rec.chunks))
+	}
+	if x.outputTokens != 20 {
+		t.Fatalf("counted %d tokens, want 20", x.outputTokens)
+	}
+	if p.rt.Idle() {
+		t.Fatal("slot freed before fasthttp closed the body")
+	}
+	r.Close()
+	r.Close()
+	if !p.rt.Idle() || !body.closed || x.status != 200 {
+		t.Fatalf("after Close: idle %v, engine body closed %v, status %d", p.rt.Idle(), body.closed, x.status)
+	}
+}
+
+// Read, fasthttp's fallback, yields exactly what WriteTo would.
+func TestRelayReadMatchesWriteTo(t *testing.T) {
+	s, p, be := relayFixture(t)
+	raw := sseEvents(50)
+	r, _ := startRelay(t, s, p, be, &burstBody{data: raw, step: 7, burst: 7})
+	got, err := io.ReadAll(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, raw) {
+		t.Fatalf("Read relayed:\n%s", got)
+	}
+	r.Close()
+	if !p.rt.Idle() {
+		t.Fatal("slot not freed")
+	}
+}
+
+// A response fasthttp drops unwritten (the client left before the headers
+// went out) still frees the slot and closes the engine's stream.
+func TestRelayClosedUnwrittenFreesTheSlot(t *testing.T) {
+	s, p, be := relayFixture(t)
+	body := &burstBody{data: sseEvents(5), step: 64, burst: 64}
+	r, x := startRelay(t, s, p, be, body)
+	r.Close()
+	if !p.rt.Idle() || !body.closed || x.status != 499 || !x.ab.Aborted() {
+		t.Fatalf("idle %v, body closed %v, status %d, aborted %v", p.rt.Idle(), body.closed, x.status, x.ab.Aborted())
+	}
+}
