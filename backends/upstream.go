@@ -231,7 +231,7 @@ func (u *Upstream) exchange(uc *upConn, req *fasthttp.Request, resp *fasthttp.Re
 	if err := uc.bw.Flush(); err != nil {
 		return nil, err
 	}
-	uc.armRead(now, u.readTimeout())
+	uc.armRead(time.Now(), u.readTimeout())
 	resp.StreamBody = stream
 	if err := resp.ReadLimitBody(uc.br, 0); err != nil {
 		return nil, err

@@ -130,7 +130,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		return
 	}
 	sc.hashes = kv.HashBlocks(sc.hashes[:0], tokens, p.cfg.BlockSize, t.ns)
-	rr := router.Request{Hashes: sc.hashes, PromptTokens: len(tokens)}
+	rr := router.Request{Hashes: sc.hashes, PromptTokens: len(tokens), Unstreamed: !req.stream}
 
 	if name, inst, isNum, ok := req.nv.pinned(); ok {
 		w, found := p.rt.WorkerByName(name)

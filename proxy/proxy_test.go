@@ -604,3 +604,36 @@ func TestSilentEngineIsGatewayTimeout(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// A non-streamed request is in flight but never "awaiting its first token"
+// for the router (it cannot see that token): streamed ones are.
+func TestOnlyStreamedRequestsCountAsPending(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 400 * time.Millisecond })
+	p := startProxy(t, "kv", e)
+	rt := p.s.st.Load().pools[0].rt
+	for _, stream := range []bool{false, true} {
+		body := chatBody
+		if stream {
+			body = strings.Replace(chatBody, `"temperature"`, `"stream":true,"temperature"`, 1)
+		}
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			post(t, p.url+"/v1/chat/completions", body)
+		}()
+		deadline := time.Now().Add(3 * time.Second)
+		for rt.Workers()[0].Inflight == 0 && time.Now().Before(deadline) {
+			time.Sleep(5 * time.Millisecond)
+		}
+		st := rt.Workers()[0]
+		want := int64(0)
+		if stream {
+			want = 1
+		}
+		if st.Inflight != 1 || st.Pending != want {
+			t.Fatalf("stream %v: inflight %d pending %d, want 1 and %d", stream, st.Inflight, st.Pending, want)
+		}
+		<-done
+		p.waitIdle(t)
+	}
+}

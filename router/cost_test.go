@@ -117,6 +117,7 @@ func TestMemoryWaitFromEngineUsage(t *testing.T) {
 	r := newTestRouter(t, "kv", 2, func(cfg *Config) { cfg.Now = c.Now })
 	_, a := mustRoute(t, r, &Request{Pinned: true, Pin: 0, PromptTokens: 100})
 	c.Advance(10 * time.Second) // a request lifetime of 10 s
+	a.PrefillDone()
 	a.Free()
 	// 600 blocks live on worker 0 at 60% usage, nothing waiting: 1,000 blocks.
 	live := r.Commit(&Request{Hashes: seq(600, 7), PromptTokens: 600 * 16}, Decision{Worker: 0})
@@ -149,5 +150,40 @@ func TestMemoryWaitFromEngineUsage(t *testing.T) {
 	live.Free()
 	if !r.Idle() {
 		t.Fatal("not idle")
+	}
+}
+
+// TestLoadSignalsIgnoreRequestsThatDoNotReport: a non-streamed request is not
+// "awaiting its first token" for its whole answer, a request freed before
+// it ran (a retry elsewhere) has no lifetime, and a capacity sample needs
+// blocks of this router's own on the engine.
+func TestLoadSignalsIgnoreRequestsThatDoNotReport(t *testing.T) {
+	c := newFakeClock()
+	r := newTestRouter(t, "kv", 2, func(cfg *Config) { cfg.Now = c.Now })
+	_, whole := mustRoute(t, r, &Request{Pinned: true, Pin: 0, Hashes: seq(10, 1), PromptTokens: 160, Unstreamed: true})
+	_, streamed := mustRoute(t, r, &Request{Pinned: true, Pin: 0, Hashes: seq(10, 2), PromptTokens: 160})
+	if st := r.Workers()[0]; st.Pending != 1 || st.Inflight != 2 {
+		t.Fatalf("pending %d inflight %d, want 1 (the streamed request) and 2", st.Pending, st.Inflight)
+	}
+	c.Advance(5 * time.Second)
+	streamed.Free() // never ran: refused, retried elsewhere
+	if st := r.Workers()[0]; st.LifetimeMs != 0 {
+		t.Fatalf("lifetime %.0f ms from a request that never ran", st.LifetimeMs)
+	}
+	whole.PrefillDone()
+	whole.Free()
+	if st := r.Workers()[0]; st.LifetimeMs != 5000 {
+		t.Fatalf("lifetime %.0f ms, want 5000 from the request that ran", st.LifetimeMs)
+	}
+	ours := r.Commit(&Request{Hashes: seq(100, 3), PromptTokens: 1600}, Decision{Worker: 1})
+	ours.PrefillDone()
+	r.SetEngineLoad(1, 0, 1, 0.5) // our 100 blocks are half the engine: 200
+	ours.Free()
+	r.SetEngineLoad(1, 0, 3, 0.5) // busy with other clients' requests, none of ours
+	if st := r.Workers()[1]; math.Abs(st.CacheBlocks-200) > 1e-9 {
+		t.Fatalf("capacity %.1f blocks, want 200 kept when none of the engine's blocks are ours", st.CacheBlocks)
+	}
+	if !r.Idle() {
+		t.Fatalf("not idle: %+v", r.Workers())
 	}
 }

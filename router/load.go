@@ -96,12 +96,16 @@ func (w *worker) memoryWaitMs(active int64, need int) float64 {
 // observeCapacity takes one sample of the engine's KV capacity in blocks:
 // the router's active blocks over the engine's usage, when nothing waits
 // (every live request is running and holds its blocks) and the usage is
-// large enough for the ratio to be accurate.
+// large enough for the ratio to be accurate. It assumes this router sends
+// all of the engine's traffic: with several proxy replicas (or other
+// clients) on one engine the capacity is underestimated by this router's
+// share, and the predicted wait for memory is too high.
 func (w *worker) observeCapacity(waiting int, usage float64) {
-	if waiting > 0 || !(usage >= 0.25 && usage <= 1) {
+	active := w.active.Load()
+	if waiting > 0 || active <= 0 || !(usage >= 0.25 && usage <= 1) {
 		return
 	}
-	sample := float64(w.active.Load()) / usage
+	sample := float64(active) / usage
 	old := math.Float64frombits(w.capBlocks.Load())
 	if old > 0 {
 		sample = old + 0.1*(sample-old)
@@ -138,8 +142,10 @@ func (w *worker) add(a *Active) bool {
 	}
 	a.gen = w.gen
 	w.inflight.Add(1)
-	w.pending.Add(1)
-	a.pending = true
+	if !a.unstreamed {
+		w.pending.Add(1)
+		a.pending = true
+	}
 	w.prefill.Add(a.prefill)
 	w.active.Add(newBlocks)
 	avg := math.Float64frombits(w.avgUncached.Load())
@@ -177,6 +183,9 @@ type Active struct {
 	out     int64           // output blocks counted in w.active
 	pending bool            // counted in w.pending
 	freed   bool
+	// unstreamed: not counted in w.pending (Request.Unstreamed); started:
+	// PrefillDone was called, so the request held KV memory on the engine.
+	unstreamed, started bool
 
 	start    int64   // Commit time, Unix ns (0: unknown)
 	uncached int64   // predicted uncached prompt tokens
@@ -216,6 +225,7 @@ func (a *Active) PrefillDone() {
 	}
 	a.w.prefill.Add(-a.prefill)
 	a.prefill = 0
+	a.started = true
 	if a.pending {
 		a.w.pending.Add(-1)
 		a.pending = false
@@ -256,7 +266,9 @@ func (a *Active) Free() {
 	w.prefill.Add(-a.prefill)
 	w.active.Add(-gone)
 	a.prefill, a.out, a.pending, a.freed = 0, 0, false, true
-	if a.start != 0 {
+	// Only requests the engine ran have a lifetime: one freed before its
+	// first token (a retry elsewhere, a lost slot race) held no memory.
+	if a.start != 0 && a.started {
 		w.observeLifetime(float64(w.now().UnixNano()-a.start) / 1e6)
 	}
 	hashPool.Put(a.hashes)

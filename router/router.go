@@ -77,6 +77,11 @@ type Request struct {
 	PromptTokens int            // all prompt tokens incl. the partial block
 	Pin          WorkerID       // used when Pinned
 	Pinned       bool
+	// Unstreamed marks a request whose first token the caller cannot see
+	// (a non-streamed answer: PrefillDone comes with the whole answer). It
+	// is not counted as awaiting its first token (Candidate.Pending), which
+	// would otherwise last its whole decode.
+	Unstreamed bool
 	// CandidateBuf, if its capacity is at least the number of workers, is
 	// reused for Decision.Candidates instead of allocating.
 	CandidateBuf []Candidate
@@ -494,7 +499,7 @@ func (r *Router) commit(req *Request, d *Decision) *Active {
 	if req.PromptTokens > len(req.Hashes)*bs {
 		partial = 1
 	}
-	a := &Active{w: w, partial: partial, prefill: uncached, uncached: uncached}
+	a := &Active{w: w, partial: partial, prefill: uncached, uncached: uncached, unstreamed: req.Unstreamed}
 	c := Candidate{ActiveBlocks: w.active.Load(), PrefillTokens: w.prefill.Load()}
 	if k := candIndex(d.Candidates, d.Worker); k >= 0 {
 		c = d.Candidates[k]
