@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"math"
 	"sort"
 	"strconv"
 	"time"
@@ -70,6 +71,13 @@ type backendJSON struct {
 	PrefillMsPerToken float64 `json:"prefill_ms_per_token"`
 	QueueMsPerToken   float64 `json:"queue_ms_per_token"`
 	TTFTSamples       int64   `json:"ttft_samples"`
+	// Inputs of the kv policy's miss externality and wait for KV memory:
+	// requests awaiting their first token, the engine's KV capacity as
+	// estimated from its reported usage, the mean request lifetime (0 until
+	// known).
+	Pending        int64   `json:"pending"`
+	CacheBlocksEst float64 `json:"cache_blocks_estimated"`
+	MeanLifetimeMs float64 `json:"mean_lifetime_ms"`
 }
 
 type scrapeJSON struct {
@@ -100,14 +108,16 @@ func (s *Server) backendRows(st *state) []backendJSON {
 				ActiveBlocks: int64(w.ActiveBlocks), IndexedBlocks: int64(w.IndexedBlocks),
 				KVEvents:          b.eventCounters(),
 				PrefillMsPerToken: w.PrefillMsPerToken, QueueMsPerToken: w.QueueMsPerToken, TTFTSamples: w.TTFTSamples,
+				Pending: w.Pending, CacheBlocksEst: math.Round(w.CacheBlocks), MeanLifetimeMs: math.Round(w.LifetimeMs),
 			})
 			row := &rows[len(rows)-1]
 			if b.feed != nil { // load and index over all data-parallel ranks
-				row.IndexedBlocks, row.Inflight, row.PrefillTokens, row.ActiveBlocks = 0, 0, 0, 0
+				row.IndexedBlocks, row.Inflight, row.PrefillTokens, row.ActiveBlocks, row.Pending = 0, 0, 0, 0, 0
 				for _, id := range b.workerIDs() {
 					ws := status[id]
 					row.IndexedBlocks += int64(ws.IndexedBlocks)
 					row.Inflight += ws.Inflight
+					row.Pending += ws.Pending
 					row.PrefillTokens += ws.PrefillTokens
 					row.ActiveBlocks += ws.ActiveBlocks
 				}

@@ -477,7 +477,7 @@ func TestConnectRefusedReroutes(t *testing.T) {
 }
 
 func TestModelsHealthAdminMetrics(t *testing.T) {
-	e := startFake(t, "e0", nil)
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 20 * time.Millisecond })
 	p := startProxy(t, "kv", e)
 	post(t, p.url+"/v1/chat/completions", chatBody)
 	get := func(path string) []byte {
@@ -501,6 +501,9 @@ func TestModelsHealthAdminMetrics(t *testing.T) {
 	json.Unmarshal(get("/admin/backends"), &rows)
 	if len(rows) != 1 || rows[0].ID != "e0" || !rows[0].Healthy || rows[0].IndexedBlocks == 0 {
 		t.Fatalf("/admin/backends: %+v", rows)
+	}
+	if rows[0].Pending != 0 || rows[0].MeanLifetimeMs < 15 {
+		t.Fatalf("/admin/backends: pending %d, mean lifetime %.0f ms; want 0 and the request's ≥ 20 ms", rows[0].Pending, rows[0].MeanLifetimeMs)
 	}
 	m := string(get("/metrics"))
 	for _, name := range []string{"kvproxy_requests_total{backend=\"e0\",code=\"200\"} 1", "kvproxy_inflight_requests{backend=\"e0\"} 0", "kvproxy_route_seconds_count", "kvproxy_prefix_hit_ratio_count", "kvproxy_ttft_seconds"} {
