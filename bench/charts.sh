@@ -4,7 +4,9 @@
 #
 #   bench/charts.sh [TRACES_DIR]
 #
-# Every run is deterministic (same seed, same numbers). About 10 minutes on 2 idle cores.
+# The simulations are deterministic (same seed, same numbers): about 3 minutes on 2 idle
+# cores. With nginx installed it also measures the proxy overhead (about 4 minutes, not
+# deterministic: alternating configurations, ratios measured in one run).
 set -eu
 traces=${1:-../shared/traces}
 out=docs/img
@@ -33,3 +35,11 @@ mkdir -p "$out"
 "$bin" sim -format multiturn -name multiturn -conversations 1600 -rate 16 -think 10s -speedup 1 \
 	-json -plot "$out" > "$out/multiturn.json"
 rm -f "$bin"
+
+# Proxy overhead against direct access and nginx (needs nginx: apt-get install -y nginx-light).
+if command -v nginx > /dev/null 2>&1; then
+	go run ./cmd/kvoverhead -png "$out/overhead.png" > "$out/overhead.txt"
+	go run ./cmd/kvoverhead -speedup 10 -png "$out/overhead-paced.png" > "$out/overhead-paced.txt"
+else
+	echo "charts.sh: nginx not found; overhead charts not regenerated (apt-get install -y nginx-light)" >&2
+fi
