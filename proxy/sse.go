@@ -3,6 +3,7 @@ package proxy
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"sync"
 	"time"
@@ -66,6 +67,16 @@ func (r *relay) SupportsBodyWriteTo() bool { return true }
 // WriteTo relays the stream to w, one Write per engine read that completed
 // events.
 func (r *relay) WriteTo(w io.Writer) (int64, error) {
+	defer func() {
+		if p := recover(); p != nil {
+			// fasthttp recovers it and closes the body: log a server error,
+			// not the client hang-up Close would assume.
+			r.ended = true
+			r.x.status = fasthttp.StatusInternalServerError
+			r.x.errMsg = fmt.Sprint("relay panic: ", p)
+			panic(p)
+		}
+	}()
 	var total int64
 	for !r.ended {
 		out := r.nextBatch()

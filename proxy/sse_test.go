@@ -148,3 +148,23 @@ func TestRelayClosedUnwrittenFreesTheSlot(t *testing.T) {
 		t.Fatalf("idle %v, body closed %v, status %d, aborted %v", p.rt.Idle(), body.closed, x.status, x.ab.Aborted())
 	}
 }
+
+type panicBody struct{ burstBody }
+
+func (*panicBody) Read([]byte) (int, error) { panic("engine body exploded") }
+
+// A panic while relaying is a server error in the access log (fasthttp
+// recovers it and closes the body), and the slot is still freed.
+func TestRelayPanicIsAServerError(t *testing.T) {
+	s, p, be := relayFixture(t)
+	body := &panicBody{}
+	r, x := startRelay(t, s, p, be, body)
+	func() {
+		defer func() { recover() }()
+		r.WriteTo(&chunkRecorder{})
+	}()
+	r.Close()
+	if x.status != 500 || !p.rt.Idle() || !body.closed {
+		t.Fatalf("status %d, idle %v, body closed %v; want 500, freed, closed", x.status, p.rt.Idle(), body.closed)
+	}
+}
