@@ -20,6 +20,11 @@ type EngineMetrics struct {
 	KVUsage float64 // fraction of KV cache blocks in use, 0..1
 	// HasKVUsage is false when the engine exports no KV usage gauge.
 	HasKVUsage bool
+	// CacheBlocks is the engine's KV capacity in blocks of CacheBlockSize
+	// tokens, from vLLM's cache_config_info (labels num_gpu_blocks and
+	// block_size); 0 when not exported. With several series (one per
+	// data-parallel engine) it is the largest, one engine's capacity.
+	CacheBlocks, CacheBlockSize int
 }
 
 // Metric names read, per engine kind. Series of one name with different
@@ -31,7 +36,8 @@ var (
 	usageNames   = [][]byte{[]byte("vllm:kv_cache_usage_perc"), []byte("sglang:token_usage")}
 	// vLLM before 0.10 named KV usage gpu_cache_usage_perc; read only if
 	// the newer name is absent (some versions export both).
-	usageOldName = []byte("vllm:gpu_cache_usage_perc")
+	usageOldName  = []byte("vllm:gpu_cache_usage_perc")
+	cacheInfoName = []byte("vllm:cache_config_info")
 )
 
 // ErrNoEngineMetrics: the page holds none of the load metrics kvproxy reads.
@@ -58,6 +64,12 @@ func ParseEngineMetrics(page []byte) (EngineMetrics, error) {
 		}
 		name, v, ok := parseSample(line)
 		if !ok {
+			continue
+		}
+		if bytes.Equal(name, cacheInfoName) {
+			if n := labelInt(line, "num_gpu_blocks"); n > m.CacheBlocks {
+				m.CacheBlocks, m.CacheBlockSize = n, labelInt(line, "block_size")
+			}
 			continue
 		}
 		switch {
@@ -87,6 +99,36 @@ func ParseEngineMetrics(page []byte) (EngineMetrics, error) {
 	}
 	m.KVUsage = max(0, min(1, m.KVUsage))
 	return m, nil
+}
+
+// labelInt reads the integer value of label key in a sample line
+// (`name{a="1",key="42"} 1`); 0 if absent or not a positive integer.
+func labelInt(line []byte, key string) int {
+	open := bytes.IndexByte(line, '{')
+	if open < 0 {
+		return 0
+	}
+	labels := line[open:]
+	for i := 0; ; {
+		j := bytes.Index(labels[i:], []byte(key))
+		if j < 0 {
+			return 0
+		}
+		at := i + j
+		i = at + len(key)
+		prev := labels[at-1]
+		if (prev != '{' && prev != ',' && prev != ' ') || !bytes.HasPrefix(labels[i:], []byte(`="`)) {
+			continue // a longer label name that ends in key
+		}
+		n, k := 0, i+2
+		for ; k < len(labels) && labels[k] >= '0' && labels[k] <= '9' && n < math.MaxInt32/10; k++ {
+			n = n*10 + int(labels[k]-'0')
+		}
+		if k == i+2 || k >= len(labels) || labels[k] != '"' {
+			return 0
+		}
+		return n
+	}
 }
 
 func oneOf(name []byte, names [][]byte) bool {

@@ -23,6 +23,10 @@ vllm:kv_cache_usage_perc{engine="1",model_name="meta-llama/Llama-3.1-8B"} 0.25
 vllm:gpu_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B"} 0.99
 vllm:prefix_cache_hits_total{engine="0",model_name="meta-llama/Llama-3.1-8B"} 12345.0
 vllm:num_requests_waiting_by_reason{reason="cap"} 100
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="32",cache_dtype="auto",cpu_offload_num_gpu_blocks="9",engine="0",num_cpu_blocks="4096",num_gpu_blocks="27000"} 1.0
+vllm:cache_config_info{block_size="32",cache_dtype="auto",engine="1",num_gpu_blocks="26500"} 1.0
 `
 
 func TestParseEngineMetricsVLLM(t *testing.T) {
@@ -31,7 +35,9 @@ func TestParseEngineMetricsVLLM(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Ranks are summed; usage averaged; the older usage name ignored when the new one exists.
-	want := EngineMetrics{Waiting: 7, Running: 7, KVUsage: 0.375, HasKVUsage: true}
+	// The capacity is one engine's (the largest), with its block size; a
+	// label whose name only ends in num_gpu_blocks is not it.
+	want := EngineMetrics{Waiting: 7, Running: 7, KVUsage: 0.375, HasKVUsage: true, CacheBlocks: 27000, CacheBlockSize: 32}
 	if m != want {
 		t.Fatalf("got %+v want %+v", m, want)
 	}
@@ -116,6 +122,26 @@ func BenchmarkParseEngineMetrics(b *testing.B) {
 	for b.Loop() {
 		if _, err := ParseEngineMetrics(page); err != nil {
 			b.Fatal(err)
+		}
+	}
+}
+
+func TestLabelInt(t *testing.T) {
+	for _, c := range []struct {
+		line, key string
+		want      int
+	}{
+		{`m{a="1",num_gpu_blocks="42"} 1`, "num_gpu_blocks", 42},
+		{`m{num_gpu_blocks="42"} 1`, "num_gpu_blocks", 42},
+		{`m{xnum_gpu_blocks="7",num_gpu_blocks="42"} 1`, "num_gpu_blocks", 42},
+		{`m{num_gpu_blocks="None"} 1`, "num_gpu_blocks", 0},
+		{`m{num_gpu_blocks="12`, "num_gpu_blocks", 0},
+		{`m{num_gpu_blocks=42} 1`, "num_gpu_blocks", 0},
+		{`m 1`, "num_gpu_blocks", 0},
+		{`m{a="num_gpu_blocks"} 1`, "num_gpu_blocks", 0},
+	} {
+		if got := labelInt([]byte(c.line), c.key); got != c.want {
+			t.Errorf("labelInt(%s, %s) = %d, want %d", c.line, c.key, got, c.want)
 		}
 	}
 }

@@ -223,6 +223,8 @@ func (s *sim) run(w *Workload) {
 			s.now = max(s.now, nextScrape)
 			for _, en := range s.engines {
 				s.rt.SetEngineLoad(en.id, en.model.Waiting(), en.model.Running(), en.model.Usage())
+				// The capacity vLLM reports in cache_config_info, as kvproxy reads it.
+				s.rt.SetEngineCapacity(en.id, float64(s.cfg.CacheBlocks))
 			}
 			nextScrape += s.cfg.Scrape
 			continue

@@ -146,6 +146,16 @@ func TestEventModeIndexMatchesEngines(t *testing.T) {
 			t.Fatalf("%s: event feed not used: %+v", r.ID, r.KVEvents)
 		}
 	}
+	// The router prices KV memory with the capacity the engines report on
+	// /metrics (scraped every second), not an estimate.
+	waitFor(t, 5*time.Second, "the engines' reported capacity", func() bool {
+		for _, r := range adminBackends(t, url) {
+			if r.CacheBlocks != 400 {
+				return false
+			}
+		}
+		return true
+	})
 	if engineMetric(t, es[0].addr, "vllm:prefix_cache_queries_total") == 0 {
 		t.Fatal("engine saw no queries")
 	}

@@ -317,6 +317,8 @@ func (e *Engine) serveMetrics(w http.ResponseWriter, _ *http.Request) {
 	metric("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.", u(st.PrefixQueries))
 	metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", u(st.PrefixHits))
 	metric("vllm:external_prefix_cache_hits_total", "counter", "Prefix cache hits from the host tier, in terms of number of loaded tokens.", u(st.HostHits))
+	b = fmt.Appendf(b, "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size=\"%d\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",num_cpu_blocks=\"%d\",num_gpu_blocks=\"%d\"} 1.0\n",
+		e.cfg.BlockSize, e.cfg.HostCacheBlocks, e.cfg.CacheBlocks)
 	metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions from the engine.", u(st.Preemptions))
 	metric("kvmock:tokenize_requests_total", "counter", "POST /tokenize requests answered.", u(st.TokenizeCalls))
 	metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", u(st.PromptTokens))

@@ -472,7 +472,9 @@ func TestMetrics(t *testing.T) {
 		}
 		name, rest, ok := strings.Cut(line, "{")
 		labels, value, ok2 := strings.Cut(rest, "} ")
-		if !ok || !ok2 || labels != `model_name="m-1"` {
+		// Every sample is the model's, except vLLM's cache config, whose
+		// labels are the config (kvproxy reads the capacity there).
+		if !ok || !ok2 || (labels != `model_name="m-1"` && (name != "vllm:cache_config_info" || !strings.Contains(labels, `num_gpu_blocks="`))) {
 			t.Fatalf("malformed sample %q", line)
 		}
 		v, err := strconv.ParseFloat(value, 64)
@@ -484,7 +486,7 @@ func TestMetrics(t *testing.T) {
 		}
 		got[name] = v
 	}
-	for _, n := range []string{"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"} {
+	for _, n := range []string{"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:cache_config_info"} {
 		if _, ok := got[n]; !ok {
 			t.Fatalf("missing %s in %v", n, got)
 		}

@@ -72,9 +72,9 @@ type backendJSON struct {
 	QueueMsPerToken   float64 `json:"queue_ms_per_token"`
 	TTFTSamples       int64   `json:"ttft_samples"`
 	// Inputs of the kv policy's miss externality and wait for KV memory:
-	// requests awaiting their first token, the engine's KV capacity as
-	// estimated from its reported usage, the mean request lifetime (0 until
-	// known).
+	// requests awaiting their first token, the engine's KV capacity in the
+	// router's blocks (reported by vLLM's cache_config_info, else estimated
+	// from KV usage), the mean request lifetime (0 until known).
 	Pending        int64   `json:"pending"`
 	CacheBlocksEst float64 `json:"cache_blocks_estimated"`
 	MeanLifetimeMs float64 `json:"mean_lifetime_ms"`

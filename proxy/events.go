@@ -116,6 +116,13 @@ func (s *Server) scrapeLoop(stop <-chan struct{}) {
 					ss.err = err.Error()
 				} else {
 					b.pool.rt.SetEngineLoad(b.worker, m.Waiting, m.Running, m.KVUsage)
+					if m.CacheBlocks > 0 {
+						blocks := float64(m.CacheBlocks) // in the router's blocks
+						if bs := b.pool.cfg.BlockSize; m.CacheBlockSize > 0 && bs > 0 {
+							blocks = blocks * float64(m.CacheBlockSize) / float64(bs)
+						}
+						b.pool.rt.SetEngineCapacity(b.worker, blocks)
+					}
 				}
 				b.scrape.Store(ss)
 			}(b)

@@ -187,3 +187,27 @@ func TestLoadSignalsIgnoreRequestsThatDoNotReport(t *testing.T) {
 		t.Fatalf("not idle: %+v", r.Workers())
 	}
 }
+
+// TestEngineReportedCapacityWins: the engine's own capacity figure replaces
+// the estimate from usage (which is low when others share the engine) and
+// is not overwritten by later usage samples; 0 returns to estimating.
+func TestEngineReportedCapacityWins(t *testing.T) {
+	r := newTestRouter(t, "kv", 2, nil)
+	ours := r.Commit(&Request{Hashes: seq(100, 5), PromptTokens: 1600}, Decision{Worker: 0})
+	ours.PrefillDone()
+	r.SetEngineLoad(0, 0, 4, 0.5) // our 100 blocks are half of what the engine uses: estimate 200
+	if st := r.Workers()[0]; math.Abs(st.CacheBlocks-200) > 1e-9 {
+		t.Fatalf("estimated capacity %.1f, want 200", st.CacheBlocks)
+	}
+	r.SetEngineCapacity(0, 1000)
+	r.SetEngineLoad(0, 0, 4, 0.5)
+	if st := r.Workers()[0]; st.CacheBlocks != 1000 {
+		t.Fatalf("capacity %.1f after the engine reported 1000", st.CacheBlocks)
+	}
+	r.SetEngineCapacity(0, 0)
+	r.SetEngineLoad(0, 0, 4, 0.5)
+	if st := r.Workers()[0]; st.CacheBlocks >= 1000 {
+		t.Fatalf("capacity %.1f: usage samples ignored after the report was withdrawn", st.CacheBlocks)
+	}
+	ours.Free()
+}

@@ -38,11 +38,12 @@ type worker struct {
 	avgUncached            atomic.Uint64 // float64 bits: EWMA of uncached tokens per request
 
 	// KV memory (see memoryWaitMs): the engine's capacity in blocks,
-	// estimated from its reported usage, and the EWMA of request lifetimes
+	// reported by the engine (SetEngineCapacity) or estimated from its usage, and the EWMA of request lifetimes
 	// (Commit to Free) in ms; float64 bits, 0 = unknown.
-	capBlocks atomic.Uint64
-	lifeMs    atomic.Uint64
-	now       func() time.Time
+	capBlocks   atomic.Uint64
+	capReported atomic.Bool // capBlocks is the engine's own figure (SetEngineCapacity)
+	lifeMs      atomic.Uint64
+	now         func() time.Time
 }
 
 func newWorker(id WorkerID, name string, now func() time.Time) *worker {
@@ -102,7 +103,7 @@ func (w *worker) memoryWaitMs(active int64, need int) float64 {
 // share, and the predicted wait for memory is too high.
 func (w *worker) observeCapacity(waiting int, usage float64) {
 	active := w.active.Load()
-	if waiting > 0 || active <= 0 || !(usage >= 0.25 && usage <= 1) {
+	if w.capReported.Load() || waiting > 0 || active <= 0 || !(usage >= 0.25 && usage <= 1) {
 		return
 	}
 	sample := float64(active) / usage

@@ -549,6 +549,19 @@ func putScratch(s *scratch) { scratchPool.Put(s) }
 // waits, kvUsage against the router's own active blocks estimates the
 // engine's KV capacity, which prices the wait for KV memory
 // (Candidate.MemoryMs). running and kvUsage are shown in Workers.
+// SetEngineCapacity feeds the engine's KV capacity in the router's blocks,
+// as the engine reports it (vLLM's cache_config_info). It replaces the
+// estimate from usage, which is low when other proxies or clients share the
+// engine. 0 goes back to estimating.
+func (r *Router) SetEngineCapacity(id WorkerID, blocks float64) {
+	w := r.worker(id)
+	if w == nil || !(blocks >= 0) || math.IsInf(blocks, 0) {
+		return
+	}
+	w.capReported.Store(blocks > 0)
+	w.capBlocks.Store(math.Float64bits(blocks))
+}
+
 func (r *Router) SetEngineLoad(id WorkerID, waiting, running int, kvUsage float64) {
 	w := r.worker(id)
 	if w == nil {
