@@ -39,6 +39,11 @@ type exchange struct {
 	rank    int // data-parallel rank of the chosen worker
 	// released: the backend slot was returned
 	released bool
+	// prefillTimer ends a non-streamed request's prefill for the router at
+	// its predicted TTFT: the proxy sees no first token until the whole
+	// answer, and would otherwise count the prompt as queued prefill for the
+	// whole decode.
+	prefillTimer *time.Timer
 
 	status       int
 	ttft         time.Duration
@@ -277,6 +282,10 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 // release frees the exchange's router slot and backend slot (idempotent for
 // the router; the backend slot is returned once).
 func (x *exchange) release() {
+	if x.prefillTimer != nil {
+		x.prefillTimer.Stop()
+		x.prefillTimer = nil
+	}
 	x.active.Free()
 	if x.b != nil && !x.released {
 		x.released = true
@@ -349,6 +358,9 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 
 	x.ab = &backends.Abort{}
 	ab, active := x.ab, x.active
+	if !x.stream {
+		x.prefillTimer = time.AfterFunc(time.Duration(x.d.PredictedTTFTms*float64(time.Millisecond)), active.PrefillDone)
+	}
 	x.stopped = s.watcher.Watch(ctx.Conn(), func() {
 		ab.Abort()
 		active.Free()

@@ -640,3 +640,32 @@ func TestOnlyStreamedRequestsCountAsPending(t *testing.T) {
 		p.waitIdle(t)
 	}
 }
+
+// A non-streamed request stops counting as queued prefill once its
+// predicted TTFT has passed, though its answer is still being generated.
+func TestUnstreamedPrefillEndsAtPredictedTTFT(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 800 * time.Millisecond })
+	p := startProxy(t, "kv", e)
+	rt := p.s.st.Load().pools[0].rt
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		post(t, p.url+"/v1/chat/completions", chatBody)
+	}()
+	deadline := time.Now().Add(3 * time.Second)
+	for rt.Workers()[0].Inflight == 0 && time.Now().Before(deadline) {
+		time.Sleep(2 * time.Millisecond)
+	}
+	if st := rt.Workers()[0]; st.PrefillTokens == 0 {
+		t.Fatalf("no queued prefill right after routing: %+v", st)
+	}
+	// The prompt is short: its predicted TTFT is tens of milliseconds.
+	for rt.Workers()[0].PrefillTokens != 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if st := rt.Workers()[0]; st.PrefillTokens != 0 || st.Inflight != 1 {
+		t.Fatalf("want the prefill ended and the request still in flight: %+v", st)
+	}
+	<-done
+	p.waitIdle(t)
+}
