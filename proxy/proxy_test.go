@@ -298,6 +298,11 @@ func TestErrorsAreOpenAIShaped(t *testing.T) {
 		{"too large", "/v1/completions", `{"model":"m","prompt":"` + strings.Repeat("a", 70000) + `"}`, 413, "", "request_too_large"},
 		{"unknown path", "/v2/whatever", `{}`, 404, "", "not_found"},
 	}
+	// An oversized body is refused while the client is still sending it:
+	// the client must get the 413, not a connection reset, every time.
+	for i := 0; i < 20; i++ {
+		cases = append(cases, cases[len(cases)-2])
+	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			resp, body := post(t, p.url+tc.path, tc.body)

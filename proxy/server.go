@@ -475,6 +475,7 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	var ne net.Error
 	switch {
 	case errors.Is(err, fasthttp.ErrBodyTooLarge):
+		s.drainRejectedBody(ctx)
 		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", s.limits.MaxRequestBodyBytes), "invalid_request_error", "", "request_too_large")
 	case errors.As(err, &small) || errors.Is(err, fasthttp.ErrSmallReadBuffer):
 		writeError(ctx, fasthttp.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers exceed the limit of %d bytes", s.limits.MaxHeaderBytes), "invalid_request_error", "", "headers_too_large")
@@ -482,6 +483,33 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 		writeError(ctx, fasthttp.StatusRequestTimeout, "the request was not received in time", "invalid_request_error", "", "request_timeout")
 	default:
 		writeError(ctx, fasthttp.StatusBadRequest, "malformed HTTP request", "invalid_request_error", "", "bad_request")
+	}
+}
+
+// maxDrain bounds how much of a rejected body is read and thrown away.
+const maxDrain = 8 << 20
+
+// drainRejectedBody reads the rest of a body refused for its size before
+// the 413 goes out and the connection closes: closing a socket with unread
+// data sends a reset, and a client still writing its body would get
+// "connection reset" instead of the answer. Bounded by maxDrain and a
+// deadline; what fasthttp already buffered is not known, so it stops one
+// read buffer short of the declared length rather than wait for bytes that
+// will not come.
+func (s *Server) drainRejectedBody(ctx *fasthttp.RequestCtx) {
+	left := ctx.Request.Header.ContentLength() - s.srv.ReadBufferSize
+	if left <= 0 || left > maxDrain {
+		return
+	}
+	c := ctx.Conn()
+	c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	buf := make([]byte, 32<<10)
+	for left > 0 {
+		n, err := c.Read(buf)
+		left -= n
+		if err != nil {
+			return
+		}
 	}
 }
 
