@@ -57,7 +57,7 @@ var relayBufs = sync.Pool{New: func() any { return &relayBuffers{in: make([]byte
 
 func newRelay(x *exchange, body streamBody, resp *fasthttp.Response) *relay {
 	r := &relay{x: x, body: body, resp: resp, bufs: relayBufs.Get().(*relayBuffers)}
-	r.f = sseFramer{buf: r.bufs.in[:cap(r.bufs.in)]}
+	r.f = *newSSEFramer(r.bufs.in)
 	return r
 }
 
@@ -106,9 +106,9 @@ func (r *relay) Read(p []byte) (int, error) {
 	return n, nil
 }
 
-// nextBatch reads once from the engine and returns the complete events it
-// finished (inspected, and fixed where needed), plus the stream's ending when
-// the engine's stream is over.
+// nextBatch reads from the engine (once, and again while it has already
+// sent more) and returns the complete events read (inspected, and fixed
+// where needed), plus the stream's ending when the engine's stream is over.
 func (r *relay) nextBatch() []byte {
 	x, f := r.x, &r.f
 	out := r.bufs.out[:0]
