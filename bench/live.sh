@@ -9,6 +9,8 @@
 # ENGINE_SPEEDUP (default 1) runs the engines that many times faster than
 # real time; the replay compresses arrivals to match and reports in engine
 # time (-time-scale). The machine must keep up: on 2 shared cores use 1.
+# With DUMP=PREFIX set, per-request CSVs go to PREFIX-live.csv and
+# PREFIX-sim.csv (kvbench -dump) and the proxy's log to PREFIX-kvproxy.log.
 set -eu
 traces=${1:-../shared/traces}
 k=${2:-1}
@@ -40,7 +42,8 @@ cfg="$tmp/kvproxy.yaml"
 } > "$cfg"
 "$tmp/kvproxy" -config "$cfg" > "$tmp/kvproxy.log" 2>&1 &
 proxy=$!
-trap 'kill $proxy 2>/dev/null; wait $proxy 2>/dev/null; rm -rf "$tmp"' EXIT
+dump=${DUMP:-}
+trap 'kill $proxy 2>/dev/null; wait $proxy 2>/dev/null; [ -z "$dump" ] || cp "$tmp/kvproxy.log" "$dump-kvproxy.log"; rm -rf "$tmp"' EXIT
 for i in $(seq 50); do
 	curl -sf http://127.0.0.1:18080/v1/models > /dev/null && break
 	sleep 0.2
@@ -48,6 +51,8 @@ done
 speedup=$(echo "$base * $k" | bc -l)
 echo "live ($policy, engines at ${k}x, engine time):"
 "$tmp/kvbench" replay -url http://127.0.0.1:18080 -model mock -trace "$trace" \
-	-duration "$dur" -speedup "$speedup" -time-scale "$k" -label "live-$policy"
+	-duration "$dur" -speedup "$speedup" -time-scale "$k" -label "live-$policy" \
+	${dump:+-dump "$dump-live.csv"}
 echo "sim ($policy):"
-"$tmp/kvbench" sim -trace "$trace" -duration "$dur" -speedup "$base" -policies "$policy" "$@"
+"$tmp/kvbench" sim -trace "$trace" -duration "$dur" -speedup "$base" -policies "$policy" \
+	${dump:+-dump "$dump-sim.csv"} "$@"

@@ -42,10 +42,18 @@ type ReplayConfig struct {
 	// Client is the HTTP client to use (default: one with keep-alive
 	// connections sized for the load).
 	Client *http.Client
+	// OnRequest, if set, receives each request's record as it ends (one
+	// call at a time, in completion order).
+	OnRequest func(RequestRecord)
 }
+
+// workerHeader names the backend that served a request in kvproxy's answers.
+const workerHeader = "x-kvproxy-worker"
 
 // outcome is what one request measured.
 type outcome struct {
+	index            int
+	worker           string
 	start, end, ttft time.Duration
 	itl              []time.Duration
 	prompt, cached   int
@@ -93,6 +101,15 @@ func Replay(ctx context.Context, w *Workload, cfg ReplayConfig, label string) (R
 	done := func(o outcome) {
 		mu.Lock()
 		defer mu.Unlock()
+		if cfg.OnRequest != nil {
+			r := &w.Requests[o.index]
+			rr := RequestRecord{Index: o.index, Arrival: r.Arrival, Sent: o.start, Worker: o.worker,
+				Prompt: o.prompt, Cached: o.cached, Output: o.output, TTFT: o.ttft}
+			if o.err != nil {
+				rr.Err = o.err.Error()
+			}
+			cfg.OnRequest(rr)
+		}
 		if o.err != nil {
 			rec.Error(o.start, o.end)
 			return
@@ -109,7 +126,7 @@ func Replay(ctx context.Context, w *Workload, cfg ReplayConfig, label string) (R
 		for range cfg.Concurrency {
 			wg.Go(func() {
 				for i := range next {
-					done(rp.send(ctx, &w.Requests[i]))
+					done(rp.send(ctx, i, &w.Requests[i]))
 				}
 			})
 		}
@@ -136,7 +153,7 @@ func Replay(ctx context.Context, w *Workload, cfg ReplayConfig, label string) (R
 				}
 			}
 			r := &w.Requests[i]
-			wg.Go(func() { done(rp.send(ctx, r)) })
+			wg.Go(func() { done(rp.send(ctx, i, r)) })
 		}
 	}
 	wg.Wait()
@@ -150,7 +167,8 @@ type replayer struct {
 	bufs     sync.Pool
 }
 
-func (rp *replayer) send(ctx context.Context, r *Request) (o outcome) {
+func (rp *replayer) send(ctx context.Context, i int, r *Request) (o outcome) {
+	o.index = i
 	o.start = time.Since(rp.t0)
 	defer func() { o.end = time.Since(rp.t0) }()
 	bp, _ := rp.bufs.Get().(*[]byte)
@@ -179,6 +197,7 @@ func (rp *replayer) send(ctx context.Context, r *Request) (o outcome) {
 		return o
 	}
 	defer resp.Body.Close()
+	o.worker = resp.Header.Get(workerHeader)
 	if resp.StatusCode != http.StatusOK {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 		o.err = fmt.Errorf("status %d: %s", resp.StatusCode, bytes.TrimSpace(msg))

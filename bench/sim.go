@@ -48,6 +48,14 @@ type SimConfig struct {
 	// router's final view of its workers (fitted coefficients, index sizes).
 	// Runs of different policies call it concurrently.
 	Done func(policy string, workers []router.WorkerStatus)
+	// OnRequest, if set, receives each finished request's record (Worker is
+	// the engine's name, engine-N). Runs of different policies call it
+	// concurrently.
+	OnRequest func(policy string, r RequestRecord)
+	// Pin, if set, sends request i to engine Pin[i] (when 0 ≤ Pin[i] <
+	// Engines) instead of where the policy would: replays a recorded
+	// assignment.
+	Pin []int
 	// Scrape, when positive, feeds every engine's waiting and running
 	// requests and KV usage to the router at this interval, as the proxy's
 	// /metrics scrape does.
@@ -132,6 +140,7 @@ var simEpoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 
 type sim struct {
 	cfg     SimConfig
+	policy  string
 	syn     Synth
 	rt      *router.Router
 	engines []*simEngine
@@ -145,6 +154,7 @@ type sim struct {
 
 type simEngine struct {
 	id     router.WorkerID
+	name   string
 	model  *mockengine.Model
 	slow   float64 // step time multiplier
 	busy   bool
@@ -173,7 +183,7 @@ func newSim(cfg SimConfig, policy string) (*sim, error) {
 	rc.BlockSize = cfg.BlockSize
 	rc.Calibrate = !cfg.NoCalibrate
 	rc.Seed = int64(cfg.Seed)
-	s := &sim{cfg: cfg, syn: Synth{Seed: cfg.Seed}}
+	s := &sim{cfg: cfg, policy: policy, syn: Synth{Seed: cfg.Seed}}
 	rc.Now = func() time.Time { return simEpoch.Add(s.now) }
 	rt, err := router.New(rc)
 	if err != nil {
@@ -181,8 +191,10 @@ func newSim(cfg SimConfig, policy string) (*sim, error) {
 	}
 	s.rt = rt
 	for i := 0; i < cfg.Engines; i++ {
+		name := fmt.Sprintf("engine-%d", i)
 		e := &simEngine{
-			id: rt.AddWorker(fmt.Sprintf("engine-%d", i)),
+			id:   rt.AddWorker(name),
+			name: name,
 			model: mockengine.NewModel(mockengine.ModelConfig{
 				BlockSize:           cfg.BlockSize,
 				CacheBlocks:         cfg.CacheBlocks,
@@ -252,6 +264,9 @@ func (s *sim) arrive(i int, r *Request) {
 	tok = s.syn.Tokens(tok, r)
 	s.hashes = kv.HashBlocks(s.hashes[:0], tok, s.cfg.BlockSize, 0)
 	req := router.Request{Hashes: s.hashes, PromptTokens: len(tok), CandidateBuf: s.cands}
+	if i < len(s.cfg.Pin) && s.cfg.Pin[i] >= 0 && s.cfg.Pin[i] < len(s.engines) {
+		req.Pinned, req.Pin = true, s.engines[s.cfg.Pin[i]].id
+	}
 	d, act, err := s.rt.Route(&req)
 	if err != nil {
 		s.tokPool = append(s.tokPool, tok)
@@ -324,6 +339,10 @@ func (s *sim) finishStep(e *simEngine) {
 		if res.Finished {
 			sr.act.Free()
 			s.rec.Request(sr.arrival, s.now, sr.ttft, len(sr.seq.Prompt), res.CachedTokens, res.Generated)
+			if s.cfg.OnRequest != nil {
+				s.cfg.OnRequest(s.policy, RequestRecord{Index: id, Arrival: sr.arrival, Sent: sr.arrival, Worker: e.name,
+					Prompt: len(sr.seq.Prompt), Cached: res.CachedTokens, Output: res.Generated, TTFT: sr.ttft})
+			}
 			s.tokPool = append(s.tokPool, sr.seq.Prompt)
 			s.reqs[id] = nil
 		}

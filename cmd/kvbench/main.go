@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/csv"
 	"flag"
 	"fmt"
 	"io"
@@ -9,6 +10,8 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime/pprof"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -140,12 +143,18 @@ func runSim(args []string, stdout io.Writer) error {
 	plot := fs.String("plot", "", "write PNG charts (TTFT CDF, hit rate) into this directory")
 	verbose := fs.Bool("v", false, "print each policy's final per-worker view (fitted kv coefficients) to stderr")
 	cpuprofile := fs.String("cpuprofile", "", "write a CPU profile of the simulation to this file")
+	dump := fs.String("dump", "", "write one CSV line per request to this file (one policy only)")
+	pin := fs.String("pin", "", "send each request to the engine a -dump file (of replay or sim) names for it: engine index = the worker name's trailing number")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	w, err := wf.load()
 	if err != nil {
 		return err
+	}
+	pols := bench.ParsePolicies(*policies)
+	if *dump != "" && len(pols) != 1 {
+		return fmt.Errorf("-dump needs exactly one policy")
 	}
 	if *cpuprofile != "" {
 		f, err := os.Create(*cpuprofile)
@@ -173,6 +182,15 @@ func runSim(args []string, stdout io.Writer) error {
 			}
 		}
 	}
+	var recs []bench.RequestRecord
+	if *dump != "" {
+		cfg.OnRequest = func(_ string, r bench.RequestRecord) { recs = append(recs, r) }
+	}
+	if *pin != "" {
+		if cfg.Pin, err = readPins(*pin, len(w.Requests)); err != nil {
+			return err
+		}
+	}
 	if *hetero != 1 {
 		if *hetero <= 0 {
 			return fmt.Errorf("-hetero must be positive")
@@ -183,7 +201,6 @@ func runSim(args []string, stdout io.Writer) error {
 	fmt.Fprintf(os.Stderr, "kvbench sim: %s: %d requests, %d prompt tokens, %d output tokens over %v; %d engines × %d blocks\n",
 		w.Name, st.Requests, st.InputTokens, st.OutputTokens, st.Duration.Round(time.Second), *engines, *cacheBlocks)
 
-	pols := bench.ParsePolicies(*policies)
 	ceil := make(chan float64, 1)
 	if *ceiling {
 		go func() {
@@ -201,6 +218,11 @@ func runSim(args []string, stdout io.Writer) error {
 		rep.CeilingHitRate = &c
 	}
 	fmt.Fprintf(os.Stderr, "kvbench sim: %d policies in %v\n", len(pols), time.Since(start).Round(time.Millisecond))
+	if *dump != "" {
+		if err := writeDump(*dump, recs); err != nil {
+			return err
+		}
+	}
 	if *plot != "" {
 		if err := bench.WriteCharts(*plot, w.Name, &rep); err != nil {
 			return err
@@ -226,6 +248,7 @@ func runReplay(args []string, stdout io.Writer) error {
 	timeout := fs.Duration("timeout", 10*time.Minute, "per-request timeout")
 	asJSON := fs.Bool("json", false, "print one JSON object instead of a table")
 	plot := fs.String("plot", "", "write PNG charts (TTFT CDF, hit rate) into this directory")
+	dump := fs.String("dump", "", "write one CSV line per request (worker from the x-kvproxy-worker header) to this file")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -233,16 +256,26 @@ func runReplay(args []string, stdout io.Writer) error {
 	if err != nil {
 		return err
 	}
+	var recs []bench.RequestRecord
+	var onReq func(bench.RequestRecord)
+	if *dump != "" {
+		onReq = func(r bench.RequestRecord) { recs = append(recs, r) }
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
 	st := w.Stats()
 	fmt.Fprintf(os.Stderr, "kvbench replay: %s: %d requests over %v to %s\n", w.Name, st.Requests, st.Duration.Round(time.Second), *url)
 	res, err := bench.Replay(ctx, w, bench.ReplayConfig{
 		URL: *url, Model: *model, APIKey: *key, Mode: *mode, Concurrency: *conc,
-		Synth: bench.Synth{Seed: wf.seed}, Timeout: *timeout,
+		Synth: bench.Synth{Seed: wf.seed}, Timeout: *timeout, OnRequest: onReq,
 	}, *label)
 	if err != nil && ctx.Err() == nil {
 		return err
+	}
+	if *dump != "" {
+		if err := writeDump(*dump, recs); err != nil {
+			return err
+		}
 	}
 	res.ScaleTime(*timeScale)
 	rep := bench.Report{Results: []bench.Result{res}}
@@ -255,4 +288,54 @@ func runReplay(args []string, stdout io.Writer) error {
 		return rep.WriteJSON(stdout)
 	}
 	return rep.WriteTable(stdout)
+}
+
+// writeDump writes per-request records, sorted by request index.
+func writeDump(path string, recs []bench.RequestRecord) error {
+	slices.SortFunc(recs, func(a, b bench.RequestRecord) int { return a.Index - b.Index })
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if err := bench.WriteRecords(f, recs); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// readPins reads a -dump file's assignment: for request i, the trailing
+// number of its worker's name (-1 where unknown).
+func readPins(path string, n int) ([]int, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	rows, err := csv.NewReader(f).ReadAll()
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	pins := make([]int, n)
+	for i := range pins {
+		pins[i] = -1
+	}
+	for _, row := range rows[min(1, len(rows)):] {
+		if len(row) < 4 {
+			return nil, fmt.Errorf("%s: short line %q", path, row)
+		}
+		i, err := strconv.Atoi(row[0])
+		if err != nil || i < 0 || i >= n {
+			return nil, fmt.Errorf("%s: bad request index %q", path, row[0])
+		}
+		name := row[3]
+		k := len(name)
+		for k > 0 && name[k-1] >= '0' && name[k-1] <= '9' {
+			k--
+		}
+		if e, err := strconv.Atoi(name[k:]); err == nil {
+			pins[i] = e
+		}
+	}
+	return pins, nil
 }

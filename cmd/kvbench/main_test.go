@@ -3,10 +3,13 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvproxy/kvproxy/bench"
 )
 
 var smallSim = []string{"-format", "multiturn", "-conversations", "20", "-system-len", "300",
@@ -75,5 +78,36 @@ func TestSimRejectsBadFlags(t *testing.T) {
 		if err := runSim(args, &bytes.Buffer{}); err == nil {
 			t.Errorf("kvbench sim %v succeeded", args)
 		}
+	}
+}
+
+// A sim's -dump, fed back with -pin, reproduces the run; -dump takes one
+// policy only.
+func TestSimDumpAndPin(t *testing.T) {
+	dir := t.TempDir()
+	dump := filepath.Join(dir, "rr.csv")
+	run := func(extra ...string) []byte {
+		var out bytes.Buffer
+		args := append(append([]string(nil), smallSim...), append([]string{"-json", "-policies", "round_robin", "-ceiling=false"}, extra...)...)
+		if err := runSim(args, &out); err != nil {
+			t.Fatal(err)
+		}
+		return out.Bytes()
+	}
+	a := run("-dump", dump)
+	b, err := os.ReadFile(dump)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	if lines[0] != bench.DumpHeader || len(lines) < 20 || !strings.HasPrefix(lines[1], "0,") || !strings.Contains(lines[1], ",engine-") {
+		t.Fatalf("dump:\n%s", b)
+	}
+	if again := run("-pin", dump); !bytes.Equal(a, again) {
+		t.Fatalf("pinned to its own dump, the run differs:\n%s\n%s", a, again)
+	}
+	args := append(append([]string(nil), smallSim...), "-policies", "kv,round_robin", "-dump", dump)
+	if err := runSim(args, io.Discard); err == nil {
+		t.Fatal("-dump with two policies accepted")
 	}
 }
