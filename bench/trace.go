@@ -105,6 +105,34 @@ func (w *Workload) Scale(speedup float64) *Workload {
 	return out
 }
 
+// ShuffleTies returns the workload with each run of requests of equal
+// arrival time in a random order drawn from seed (0: unchanged). Traces
+// with coarse timestamps (the Mooncake traces arrive in whole seconds, ~9
+// requests each) list simultaneous requests in file order, but a live
+// proxy routes them in whatever order they reach it; for order-sensitive
+// policies such as round_robin each seed is one such order.
+func (w *Workload) ShuffleTies(seed uint64) *Workload {
+	if seed == 0 {
+		return w
+	}
+	out := &Workload{Name: w.Name, Requests: make([]Request, len(w.Requests))}
+	copy(out.Requests, w.Requests)
+	rng := newRand(seed)
+	rs := out.Requests
+	for i := 0; i < len(rs); {
+		j := i + 1
+		for j < len(rs) && rs[j].Arrival == rs[i].Arrival {
+			j++
+		}
+		for k := j - 1; k > i; k-- { // Fisher–Yates over rs[i:j]
+			m := i + int(rng.next()%uint64(k-i+1))
+			rs[k], rs[m] = rs[m], rs[k]
+		}
+		i = j
+	}
+	return out
+}
+
 // Stats are aggregate sizes of a workload.
 type Stats struct {
 	Requests     int

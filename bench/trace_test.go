@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -185,5 +186,38 @@ func TestWorkloadScaleAndSlice(t *testing.T) {
 	sl := w.Slice(100*time.Millisecond, 200*time.Millisecond)
 	if len(sl.Requests) != 2 || sl.Requests[0].Arrival != 0 || sl.Requests[1].Arrival != 150*time.Millisecond {
 		t.Fatalf("slice: %+v", sl.Requests)
+	}
+}
+
+// ShuffleTies permutes only requests of equal arrival, keeps every request,
+// and the same seed gives the same order.
+func TestShuffleTies(t *testing.T) {
+	w := &Workload{Name: "ties"}
+	for i := 0; i < 40; i++ {
+		w.Requests = append(w.Requests, Request{Arrival: time.Duration(i/10) * time.Second, InputLen: i, Session: -1})
+	}
+	if w.ShuffleTies(0) != w {
+		t.Fatal("seed 0 must leave the workload as it is")
+	}
+	a, b := w.ShuffleTies(7), w.ShuffleTies(7)
+	if !reflect.DeepEqual(a, b) {
+		t.Fatal("same seed, different orders")
+	}
+	moved := 0
+	seen := make([]bool, 40)
+	for i, r := range a.Requests {
+		if r.Arrival != w.Requests[i].Arrival || r.InputLen/10 != i/10 || seen[r.InputLen] {
+			t.Fatalf("position %d holds %+v", i, r)
+		}
+		seen[r.InputLen] = true
+		if r.InputLen != i {
+			moved++
+		}
+	}
+	if moved < 20 {
+		t.Fatalf("only %d of 40 requests moved", moved)
+	}
+	if w.Requests[5].InputLen != 5 {
+		t.Fatal("the original workload changed")
 	}
 }
