@@ -110,7 +110,7 @@ func (r *relay) Read(p []byte) (int, error) {
 // sent more) and returns the complete events read (inspected, and fixed
 // where needed), plus the stream's ending when the engine's stream is over.
 func (r *relay) nextBatch() []byte {
-	x, f := r.x, &r.f
+	f := &r.f
 	out := r.bufs.out[:0]
 	var err error
 	for {
@@ -133,15 +133,23 @@ func (r *relay) nextBatch() []byte {
 			break
 		}
 	}
-	defer func() { r.bufs.out = out[:0] }()
-	if err == nil {
-		return out
+	if err != nil {
+		out = r.end(out, err)
 	}
+	r.bufs.out = out // keep what the buffer grew to
+	return out
+}
+
+// end appends the stream's ending to out once the engine's stream is over
+// (err): nothing more after [DONE], or an OpenAI error event and [DONE] when
+// the engine failed; it records the outcome on the exchange.
+func (r *relay) end(out []byte, err error) []byte {
+	x := r.x
 	r.ended = true
 	switch {
 	case errors.Is(err, io.EOF) && r.sawDone:
 		x.b.succeed()
-		if rest := f.pending(); len(rest) > 0 { // bytes after [DONE] without a blank line
+		if rest := r.f.pending(); len(rest) > 0 { // bytes after [DONE] without a blank line
 			out = append(append(out, rest...), "\n\n"...)
 		}
 	case errors.Is(err, backends.ErrAborted) || x.ab.Aborted():
