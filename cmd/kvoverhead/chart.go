@@ -31,6 +31,7 @@ var (
 	colBetter = color.RGBA{0x2c, 0xa0, 0x2c, 0xff}
 	colWorse  = color.RGBA{0xd6, 0x27, 0x28, 0xff}
 	colGrid   = color.RGBA{0xcc, 0xcc, 0xcc, 0xff}
+	colFloor  = color.RGBA{0x99, 0x99, 0x99, 0xff}
 	colText   = color.Black
 )
 
@@ -42,6 +43,7 @@ func writeChart(path string, rep report) error {
 		label  string
 		v      float64
 		better bool
+		floor  *float64 // the plain fasthttp proxy's ratio to nginx, if measured
 	}
 	var groups [][]bar
 	var names []string
@@ -56,11 +58,17 @@ func writeChart(path string, rep report) error {
 			if r.Better == "higher" {
 				better = v >= 1
 			}
-			g = append(g, bar{fmt.Sprint(r.Concurrency), v, better})
+			g = append(g, bar{fmt.Sprint(r.Concurrency), v, better, r.FloorNginx})
 		}
 		if len(g) > 0 {
 			groups = append(groups, g)
 			names = append(names, cm.label)
+		}
+	}
+	floor := false
+	for _, g := range groups {
+		for _, b := range g {
+			floor = floor || b.floor != nil
 		}
 	}
 	if len(groups) == 0 {
@@ -106,12 +114,22 @@ func writeChart(path string, rep report) error {
 			if b.better {
 				c = colBetter
 			}
-			rect(bx+2, y(1), bx+bw-2, y(b.v), c)
+			if b.floor == nil {
+				rect(bx+2, y(1), bx+bw-2, y(b.v), c)
+			} else {
+				mid := bx + bw/2
+				rect(bx+2, y(1), mid, y(b.v), c)
+				rect(mid+1, y(1), bx+bw-2, y(*b.floor), colFloor)
+			}
 			text(bx+bw/2-3*len(b.label), bott+14, b.label)
 		}
 		text(x0+gw/2-7*len(names[gi])/2, bott+32, names[gi])
 	}
-	text(left, bott+52, "bars labelled by concurrency")
+	legend := "bars labelled by concurrency"
+	if floor {
+		legend += "; grey: a plain fasthttp proxy with no logic (the floor of kvproxy's stack) / nginx"
+	}
+	text(left, bott+52, legend)
 
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return err

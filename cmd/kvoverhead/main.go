@@ -24,6 +24,12 @@
 // CPU is utime+stime from /proc/PID/stat of the kvproxy process and of the
 // nginx master and workers, read before and after each cell.
 //
+// The fasthttp column (-floor, on by default) is the floor of kvproxy's
+// stack: a plain fasthttp reverse proxy with no parsing, routing, metrics or
+// logging, this binary run again as "kvoverhead floor-proxy LISTEN ENGINE".
+// kvproxy/fasthttp is what kvproxy's own work costs; fasthttp/nginx is what
+// Go's runtime and fasthttp cost against nginx's event loop.
+//
 // With -kvproxy2 PATH a second kvproxy build runs alongside as one more
 // configuration (column kvproxy2, ratio kvproxy2/kvproxy): the way to A/B a
 // change of the hot path under the same noise.
@@ -60,6 +66,13 @@ import (
 )
 
 func main() {
+	if len(os.Args) == 4 && os.Args[1] == floorCommand {
+		if err := serveFloor(os.Args[2], os.Args[3]); err != nil {
+			fmt.Fprintln(os.Stderr, "kvoverhead floor-proxy:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
@@ -74,6 +87,7 @@ type options struct {
 	kvproxy, kvmock, nginx string
 	kvproxy2               string
 	nginxWorkers           int
+	floor                  bool
 	rounds                 int
 	duration               time.Duration
 	conc                   []int
@@ -92,6 +106,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.kvproxy2, "kvproxy2", "", "a second kvproxy binary to compare with the first (A/B of a change), run alongside as column kvproxy2")
 	fs.StringVar(&o.kvmock, "kvmock", "", "kvmock binary (default: go build ./cmd/kvmock into a temp dir)")
 	fs.StringVar(&o.nginx, "nginx", "", "nginx binary (default: nginx on PATH; none: the nginx column is skipped)")
+	fs.BoolVar(&o.floor, "floor", true, "also measure the floor of kvproxy's stack: a plain fasthttp reverse proxy with no logic (column fasthttp), this binary run again")
 	fs.IntVar(&o.nginxWorkers, "nginx-workers", 2, "nginx worker_processes at most (capped at the number of cores)")
 	fs.IntVar(&o.rounds, "rounds", 5, "rounds; each runs every cell once against every configuration")
 	fs.DurationVar(&o.duration, "duration", time.Second, "length of one cell (one workload, concurrency and configuration) per round")

@@ -129,9 +129,10 @@ func TestReportRatiosAndTable(t *testing.T) {
 		return s
 	}
 	res := results{
-		{chat, 4, "direct"}:  {func() sample { s := mk(1000, 1, 1, 2); s.noMallocs = true; return s }()},
-		{chat, 4, "kvproxy"}: {mk(800, 2, 2, 3)},
-		{chat, 4, "nginx"}:   {mk(400, 3, 3, 4), mk(600, 3)},
+		{chat, 4, "direct"}:   {func() sample { s := mk(1000, 1, 1, 2); s.noMallocs = true; return s }()},
+		{chat, 4, "kvproxy"}:  {mk(800, 2, 2, 3)},
+		{chat, 4, "nginx"}:    {mk(400, 3, 3, 4), mk(600, 3)},
+		{chat, 4, "fasthttp"}: {mk(640, 2, 2, 2)},
 	}
 	rep := buildReport(res, options{conc: []int{4}, workloads: []string{chat, stream}, rounds: 2, duration: time.Second, streamTokens: 8}, &setup{nginxWorkers: 2})
 	get := func(metric string) row {
@@ -147,6 +148,9 @@ func TestReportRatiosAndTable(t *testing.T) {
 	if *thr.Nginx != 500 || *thr.KVProxyDirect != 0.8 || *thr.KVProxyNginx != 1.6 {
 		t.Errorf("throughput row %v %v %v: want nginx median 500, ratios 0.8 and 1.6", *thr.Nginx, *thr.KVProxyDirect, *thr.KVProxyNginx)
 	}
+	if *thr.Floor != 640 || *thr.KVProxyFloor != 1.25 || *thr.FloorNginx != 1.28 {
+		t.Errorf("throughput row fasthttp %v, ratios %v %v: want 640, 1.25 and 1.28", *thr.Floor, *thr.KVProxyFloor, *thr.FloorNginx)
+	}
 	if a := get("added_p50"); a.Direct != nil || *a.KVProxy != 1 || a.KVProxyNginx != nil {
 		t.Errorf("added_p50: %+v", a)
 	}
@@ -158,7 +162,8 @@ func TestReportRatiosAndTable(t *testing.T) {
 	}
 	var b bytes.Buffer
 	writeTable(&b, rep)
-	if !strings.Contains(b.String(), "kvproxy/nginx") || !strings.Contains(b.String(), "1.60×") {
+	if !strings.Contains(b.String(), "kvproxy/nginx") || !strings.Contains(b.String(), "1.60×") ||
+		!strings.Contains(b.String(), "kvproxy/fasthttp") || !strings.Contains(b.String(), "1.25×") {
 		t.Errorf("table:\n%s", b.String())
 	}
 	if err := writeChart(filepath.Join(t.TempDir(), "o.png"), rep); err != nil {

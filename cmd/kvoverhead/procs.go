@@ -110,7 +110,7 @@ func (p *proc) stop() {
 
 // target is one way to reach the engine.
 type target struct {
-	name string // direct, kvproxy, nginx
+	name string // direct, kvproxy, kvproxy2, fasthttp, nginx
 	addr string // host:port
 	// pids lists the processes whose CPU counts as this target's cost
 	// (none for direct).
@@ -216,6 +216,12 @@ func startAll(ctx context.Context, tmp string, o options, nginxPath string, logf
 			continue
 		}
 		if err := s.startKVProxy(ctx, tmp, k.name, k.path, engineAddr, pub, replay, logf); err != nil {
+			return s, err
+		}
+	}
+
+	if o.floor {
+		if err := s.startFloor(ctx, engineAddr, logf); err != nil {
 			return s, err
 		}
 	}

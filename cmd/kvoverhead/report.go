@@ -28,6 +28,11 @@ type row struct {
 	// Ratios of kvproxy's value to direct's and to nginx's.
 	KVProxyDirect *float64 `json:"kvproxy_direct"`
 	KVProxyNginx  *float64 `json:"kvproxy_nginx"`
+	// The floor proxy's value (plain fasthttp), kvproxy's ratio to it and
+	// its ratio to nginx.
+	Floor        *float64 `json:"fasthttp,omitempty"`
+	KVProxyFloor *float64 `json:"kvproxy_fasthttp,omitempty"`
+	FloorNginx   *float64 `json:"fasthttp_nginx,omitempty"`
 	// With -kvproxy2: the second build's value and its ratio to kvproxy's.
 	KVProxy2        *float64 `json:"kvproxy2,omitempty"`
 	KVProxy2KVProxy *float64 `json:"kvproxy2_kvproxy,omitempty"`
@@ -45,9 +50,10 @@ type setupInfo struct {
 }
 
 type report struct {
-	Setup   setupInfo `json:"setup"`
-	Results []row     `json:"results"`
-	hasKV2  bool
+	Setup    setupInfo `json:"setup"`
+	Results  []row     `json:"results"`
+	hasKV2   bool
+	hasFloor bool
 }
 
 func ptr(v float64) *float64 {
@@ -182,12 +188,16 @@ func buildReport(res results, o options, s *setup) report {
 					return ptr(m.value(cl, direct, target == "direct"))
 				}
 				r.Direct, r.KVProxy, r.Nginx, r.KVProxy2 = val("direct"), val("kvproxy"), val("nginx"), val("kvproxy2")
+				r.Floor = val("fasthttp")
 				if m.name != "errors" && !strings.HasPrefix(m.name, "added") {
 					// Ratios of differences (and of error counts) mislead.
 					r.KVProxyDirect = ratio(r.KVProxy, r.Direct)
 					r.KVProxyNginx = ratio(r.KVProxy, r.Nginx)
 					r.KVProxy2KVProxy = ratio(r.KVProxy2, r.KVProxy)
+					r.KVProxyFloor = ratio(r.KVProxy, r.Floor)
+					r.FloorNginx = ratio(r.Floor, r.Nginx)
 				}
+				rep.hasFloor = rep.hasFloor || cells[cellKey{w, c, "fasthttp"}] != nil
 				rep.hasKV2 = rep.hasKV2 || cells[cellKey{w, c, "kvproxy2"}] != nil
 				rep.Results = append(rep.Results, r)
 			}
@@ -241,8 +251,11 @@ func writeTable(w io.Writer, rep report) {
 		s.CPUs, s.Rounds, s.DurationS, s.StreamTokens, s.NginxWorkers, s.EngineSpeedup, s.KVProxyPolicy, s.KVProxyKVEvents)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	kv2Head, kv2Gap := "", ""
+	if rep.hasFloor {
+		kv2Head, kv2Gap = "fasthttp\tkvproxy/fasthttp\tfasthttp/nginx\t", "\t\t\t"
+	}
 	if rep.hasKV2 {
-		kv2Head, kv2Gap = "kvproxy2\tkvproxy2/kvproxy\t", "\t\t"
+		kv2Head, kv2Gap = kv2Head+"kvproxy2\tkvproxy2/kvproxy\t", kv2Gap+"\t\t"
 	}
 	fmt.Fprintln(tw, "workload\tconc\tmetric\tunit\tdirect\tkvproxy\tnginx\tkvproxy/direct\tkvproxy/nginx\t"+kv2Head)
 	prev := ""
@@ -253,8 +266,11 @@ func writeTable(w io.Writer, rep report) {
 		}
 		prev = cell
 		kv2 := ""
+		if rep.hasFloor {
+			kv2 = fmtVal(r.Floor) + "\t" + fmtRatio(r.KVProxyFloor) + "\t" + fmtRatio(r.FloorNginx) + "\t"
+		}
 		if rep.hasKV2 {
-			kv2 = fmtVal(r.KVProxy2) + "\t" + fmtRatio(r.KVProxy2KVProxy) + "\t"
+			kv2 += fmtVal(r.KVProxy2) + "\t" + fmtRatio(r.KVProxy2KVProxy) + "\t"
 		}
 		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Workload, r.Concurrency, r.Metric, r.Unit,
 			fmtVal(r.Direct), fmtVal(r.KVProxy), fmtVal(r.Nginx), fmtRatio(r.KVProxyDirect), fmtRatio(r.KVProxyNginx), kv2)
