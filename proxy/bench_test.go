@@ -80,7 +80,7 @@ func BenchmarkParseChat8k(b *testing.B) {
 		if pe != nil {
 			b.Fatal(pe.msg)
 		}
-		if _, err := req.forwardBody("served", "salt"); err != nil {
+		if _, err := req.forwardBody(nil, "served", "salt"); err != nil {
 			b.Fatal(err)
 		}
 	}

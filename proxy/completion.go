@@ -169,7 +169,13 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	}
 
 	s.retries.deposit()
-	x := &exchange{s: s, id: rid, model: req.model, chat: chat, stream: req.stream, start: start, p: p, cachedTokens: -1}
+	// req's strings point into the request body; a streamed answer's
+	// exchange outlives it.
+	model := p.cfg.Name
+	if req.model != model {
+		model = strings.Clone(req.model)
+	}
+	x := &exchange{s: s, id: rid, model: model, chat: chat, stream: req.stream, start: start, p: p, cachedTokens: -1}
 	for attempt := 1; ; attempt++ {
 		if err := x.route(ctx, st, &rr); err != nil {
 			s.routeFailed(ctx, rid, req.model, start, err)
@@ -179,7 +185,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		if x.b.salted {
 			salt = t.salt
 		}
-		body, err := req.forwardBody(x.b.cfg.ServedModel, salt)
+		body, err := req.forwardBody(nil, x.b.cfg.ServedModel, salt)
 		if err != nil {
 			x.release()
 			writeError(ctx, fasthttp.StatusInternalServerError, "could not encode the request for the engine", "server_error", "", "")

@@ -116,7 +116,7 @@ func FuzzParseRequest(f *testing.F) {
 			t.Fatal("parsed request without a model")
 		}
 		req.nv.pinned()
-		out, err := req.forwardBody("served", "salt")
+		out, err := req.forwardBody(nil, "served", "salt")
 		if err != nil {
 			t.Fatalf("re-encoding failed: %v", err)
 		}

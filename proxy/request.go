@@ -2,10 +2,10 @@ package proxy
 
 import (
 	"bytes"
-	"errors"
 	"fmt"
 	"strconv"
-	"strings"
+	"unicode/utf8"
+	"unsafe"
 
 	"github.com/goccy/go-json"
 
@@ -31,6 +31,10 @@ func (n *nvext) has(annotation string) bool {
 
 // apiRequest is what the proxy needs of a completion request; the rest of
 // the body is forwarded byte for byte (see forwardBody).
+//
+// Its strings (model, message roles and contents, promptText) point into
+// the request body or into text, without copies: they are valid while the
+// body is, which is until the handler returns. Copy what must outlive it.
 type apiRequest struct {
 	body     []byte
 	fields   wireFields
@@ -43,6 +47,9 @@ type apiRequest struct {
 	promptTokens []uint32
 	hasTokens    bool
 	addGenPrompt bool
+
+	wire []wireMessage // messages as scanned, before validation
+	text []byte        // decoded strings that are not the body's own bytes
 }
 
 // paramError is a client mistake in one field.
@@ -56,72 +63,110 @@ func perr(param, format string, a ...any) *paramError {
 	return &paramError{param: param, msg: fmt.Sprintf(format, a...)}
 }
 
-var validRoles = map[string]bool{"system": true, "developer": true, "user": true, "assistant": true, "tool": true, "function": true}
+func validRole(role string) bool {
+	switch role {
+	case "system", "developer", "user", "assistant", "tool", "function":
+		return true
+	}
+	return false
+}
 
+// parseRequest parses a completion request into a new apiRequest.
 func parseRequest(body []byte, chat bool) (*apiRequest, *paramError) {
-	r := &apiRequest{addGenPrompt: true}
-	if len(bytes.TrimSpace(body)) == 0 {
-		return nil, perr("", "the request body is empty; expected a JSON object")
-	}
-	trimmed := bytes.TrimSpace(body)
-	if trimmed[0] != '{' || !json.Valid(trimmed) {
-		return nil, perr("", "the request body is not a valid JSON object")
-	}
-	if err := json.Unmarshal(trimmed, &r.fields); err != nil {
-		return nil, perr("", "the request body is not a valid JSON object%s", jsonErrMsg(err))
-	}
-	r.body = trimmed
-	raw, ok := r.fields.Model, r.fields.Model != nil
-	if !ok {
-		return nil, perr("model", "you must provide a model parameter")
-	}
-	if err := json.Unmarshal(raw, &r.model); err != nil || r.model == "" {
-		return nil, perr("model", "model must be a non-empty string")
-	}
-	if raw := r.fields.Stream; raw != nil && string(raw) != "null" {
-		if err := json.Unmarshal(raw, &r.stream); err != nil {
-			return nil, perr("stream", "stream must be a boolean")
-		}
-	}
-	if raw := r.fields.Nvext; raw != nil && string(raw) != "null" {
-		if err := json.Unmarshal(raw, &r.nv); err != nil {
-			return nil, perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)")
-		}
-	}
-	if raw := r.fields.AddGenerationPrompt; raw != nil && chat {
-		if err := json.Unmarshal(raw, &r.addGenPrompt); err != nil {
-			return nil, perr("add_generation_prompt", "add_generation_prompt must be a boolean")
-		}
-	}
-	if chat {
-		if pe := r.parseMessages(); pe != nil {
-			return nil, pe
-		}
-	} else if pe := r.parsePrompt(); pe != nil {
+	r := &apiRequest{}
+	if pe := r.parse(body, chat); pe != nil {
 		return nil, pe
 	}
 	return r, nil
 }
 
-// jsonErrMsg describes a JSON syntax error without Go type names.
-func jsonErrMsg(err error) string {
-	var se *json.SyntaxError
-	if errors.As(err, &se) {
-		return fmt.Sprintf(" (syntax error at byte %d)", se.Offset)
+// reset empties r for the next request, keeping its buffers.
+func (r *apiRequest) reset() {
+	clear(r.messages)
+	clear(r.wire)
+	*r = apiRequest{messages: r.messages[:0], wire: r.wire[:0], text: r.text[:0]}
+}
+
+// parse fills r, which is new or reset, from body. The body is validated as
+// JSON first; after that the fields the proxy needs are read by scanning,
+// with the meaning the JSON decoder gives them: member names match
+// case-insensitively, the last of a repeated member wins, null leaves a
+// string as it was, and strings decode as encoding/json decodes them.
+func (r *apiRequest) parse(body []byte, chat bool) *paramError {
+	r.addGenPrompt = true
+	trimmed := bytes.TrimSpace(body)
+	if len(trimmed) == 0 {
+		return perr("", "the request body is empty; expected a JSON object")
 	}
-	return ""
+	if trimmed[0] != '{' || !json.Valid(trimmed) {
+		return perr("", "the request body is not a valid JSON object")
+	}
+	r.body = trimmed
+	f := &r.fields
+	for m := (members{b: trimmed}); m.next(); {
+		switch {
+		case keyIs(m.key, "model"):
+			f.Model = m.value
+		case keyIs(m.key, "stream"):
+			f.Stream = m.value
+		case keyIs(m.key, "nvext"):
+			f.Nvext = m.value
+		case keyIs(m.key, "add_generation_prompt"):
+			f.AddGenerationPrompt = m.value
+		case keyIs(m.key, "messages"):
+			f.Messages = m.value
+		case keyIs(m.key, "prompt"):
+			f.Prompt = m.value
+		}
+	}
+	if f.Model == nil {
+		return perr("model", "you must provide a model parameter")
+	}
+	if f.Model[0] == '"' {
+		r.model = r.decodeString(f.Model)
+	}
+	if r.model == "" {
+		return perr("model", "model must be a non-empty string")
+	}
+	if raw := f.Stream; raw != nil && !isNull(raw) {
+		var ok bool
+		if r.stream, ok = jsonBool(raw); !ok {
+			return perr("stream", "stream must be a boolean")
+		}
+	}
+	if raw := f.Nvext; raw != nil && !isNull(raw) {
+		if err := json.Unmarshal(raw, &r.nv); err != nil {
+			return perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)")
+		}
+	}
+	if raw := f.AddGenerationPrompt; raw != nil && chat && !isNull(raw) {
+		var ok bool
+		if r.addGenPrompt, ok = jsonBool(raw); !ok {
+			return perr("add_generation_prompt", "add_generation_prompt must be a boolean")
+		}
+	}
+	if chat {
+		return r.parseMessages()
+	}
+	return r.parsePrompt()
 }
 
+func isNull(v []byte) bool { return string(v) == "null" }
+
+func jsonBool(v []byte) (value, ok bool) {
+	switch string(v) {
+	case "true":
+		return true, true
+	case "false":
+		return false, true
+	}
+	return false, false
+}
+
+// wireMessage is one element of messages as scanned: raw JSON values, nil
+// when absent.
 type wireMessage struct {
-	Role      string          `json:"role"`
-	Content   json.RawMessage `json:"content"`
-	ToolCalls json.RawMessage `json:"tool_calls"`
-	Name      string          `json:"name"`
-}
-
-type contentPart struct {
-	Type string `json:"type"`
-	Text string `json:"text"`
+	role, content, toolCalls []byte
 }
 
 func (r *apiRequest) parseMessages() *paramError {
@@ -129,77 +174,156 @@ func (r *apiRequest) parseMessages() *paramError {
 	if raw == nil {
 		return perr("messages", "you must provide a messages parameter")
 	}
-	var msgs []wireMessage
-	if err := json.Unmarshal(raw, &msgs); err != nil {
-		return perr("messages", "messages must be an array of message objects with a string role")
-	}
-	if len(msgs) == 0 {
+	if isNull(raw) {
 		return perr("messages", "messages must contain at least one message")
 	}
-	r.messages = make([]tokenize.Message, len(msgs))
-	for i, m := range msgs {
-		if !validRoles[m.Role] {
-			return perr(fmt.Sprintf("messages[%d].role", i), "invalid role %q (want system, developer, user, assistant or tool)", m.Role)
+	// Every element is decoded before any is validated, so a malformed
+	// element anywhere wins over an invalid role earlier on.
+	const notMessages = "messages must be an array of message objects with a string role"
+	if raw[0] != '[' {
+		return perr("messages", notMessages)
+	}
+	for e := (elements{b: raw}); e.next(); {
+		var w wireMessage
+		switch e.value[0] {
+		case 'n': // null: a message with no role
+		case '{':
+			for m := (members{b: e.value}); m.next(); {
+				v := m.value
+				switch {
+				case keyIs(m.key, "role"):
+					if v[0] == '"' {
+						w.role = v
+					} else if !isNull(v) {
+						return perr("messages", notMessages)
+					}
+				case keyIs(m.key, "content"):
+					w.content = v
+				case keyIs(m.key, "tool_calls"):
+					w.toolCalls = v
+				case keyIs(m.key, "name"):
+					if v[0] != '"' && !isNull(v) {
+						return perr("messages", notMessages)
+					}
+				}
+			}
+		default:
+			return perr("messages", notMessages)
 		}
-		content, pe := flattenContent(m.Content, i)
+		r.wire = append(r.wire, w)
+	}
+	if len(r.wire) == 0 {
+		return perr("messages", "messages must contain at least one message")
+	}
+	for i := range r.wire {
+		w := &r.wire[i]
+		var role string
+		if w.role != nil {
+			role = r.decodeString(w.role)
+		}
+		if !validRole(role) {
+			return perr(fmt.Sprintf("messages[%d].role", i), "invalid role %q (want system, developer, user, assistant or tool)", role)
+		}
+		content, pe := r.flattenContent(w, i)
 		if pe != nil {
 			return pe
 		}
-		if len(m.ToolCalls) > 0 && string(m.ToolCalls) != "null" {
-			// Tool calls are part of what the engine caches: keep them in the
-			// routed text so two histories with different calls differ.
-			content += string(m.ToolCalls)
-		}
-		r.messages[i] = tokenize.Message{Role: m.Role, Content: content}
+		r.messages = append(r.messages, tokenize.Message{Role: role, Content: content})
 	}
 	return nil
 }
 
-func flattenContent(raw json.RawMessage, i int) (string, *paramError) {
-	if len(raw) == 0 || string(raw) == "null" {
-		return "", nil
+// flattenContent is the routed text of a message: its content string, or
+// its content parts joined, followed by its tool calls.
+func (r *apiRequest) flattenContent(w *wireMessage, i int) (string, *paramError) {
+	raw, calls := w.content, w.toolCalls
+	if len(calls) == 0 || isNull(calls) {
+		calls = nil
 	}
-	switch raw[0] {
-	case '"':
-		var s string
-		if err := json.Unmarshal(raw, &s); err != nil {
-			return "", perr(fmt.Sprintf("messages[%d].content", i), "content is not a valid string")
-		}
-		return s, nil
-	case '[':
-		var parts []json.RawMessage
-		if err := json.Unmarshal(raw, &parts); err != nil {
-			return "", perr(fmt.Sprintf("messages[%d].content", i), "content must be a string or an array of content parts")
-		}
-		var b []byte
-		for j, p := range parts {
-			var cp contentPart
-			if err := json.Unmarshal(p, &cp); err != nil || cp.Type == "" {
+	if len(raw) == 0 || isNull(raw) {
+		raw = nil
+	}
+	if raw != nil && raw[0] == '"' && calls == nil {
+		return r.decodeString(raw), nil
+	}
+	start := len(r.text)
+	switch {
+	case raw == nil:
+	case raw[0] == '"':
+		r.text = appendJSONString(r.text, raw)
+	case raw[0] == '[':
+		j := 0
+		for e := (elements{b: raw}); e.next(); j++ {
+			typ, text, ok := contentPart(e.value)
+			if !ok || typ == nil || string(typ) == `""` {
 				return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type")
 			}
-			if cp.Type == "text" {
-				b = append(b, cp.Text...)
+			if string(typ) == `"text"` || textType(typ) {
+				if text != nil {
+					r.text = appendJSONString(r.text, text)
+				}
 			} else {
 				// Images and audio change what the engine caches; their raw
 				// JSON stands in for them in the routed prompt.
-				b = append(b, p...)
+				r.text = append(r.text, e.value...)
 			}
 		}
-		return string(b), nil
+	default:
+		return "", perr(fmt.Sprintf("messages[%d].content", i), "content must be a string or an array of content parts")
 	}
-	return "", perr(fmt.Sprintf("messages[%d].content", i), "content must be a string or an array of content parts")
+	// Tool calls are part of what the engine caches: keep them in the
+	// routed text so two histories with different calls differ.
+	r.text = append(r.text, calls...)
+	return r.textFrom(start), nil
+}
+
+// contentPart reads a content part: an object whose type and text are
+// strings or null (null keeps what an earlier member of the same name
+// set). ok is false for anything else.
+func contentPart(v []byte) (typ, text []byte, ok bool) {
+	switch v[0] {
+	case 'n':
+		return nil, nil, true
+	case '{':
+	default:
+		return nil, nil, false
+	}
+	for m := (members{b: v}); m.next(); {
+		isType := keyIs(m.key, "type")
+		if !isType && !keyIs(m.key, "text") {
+			continue
+		}
+		switch {
+		case isNull(m.value):
+		case m.value[0] != '"':
+			return nil, nil, false
+		case isType:
+			typ = m.value
+		default:
+			text = m.value
+		}
+	}
+	return typ, text, true
+}
+
+// textType reports whether the JSON string tok, which has escapes or
+// non-ASCII bytes, decodes to "text".
+func textType(tok []byte) bool {
+	if len(tok) > 32 || bytes.IndexByte(tok, '\\') < 0 {
+		return false
+	}
+	var buf [32]byte
+	return string(appendJSONString(buf[:0], tok)) == "text"
 }
 
 func (r *apiRequest) parsePrompt() *paramError {
 	raw := r.fields.Prompt
-	if raw == nil || string(raw) == "null" {
+	if raw == nil || isNull(raw) {
 		return perr("prompt", "you must provide a prompt parameter")
 	}
 	switch raw[0] {
 	case '"':
-		if err := json.Unmarshal(raw, &r.promptText); err != nil {
-			return perr("prompt", "prompt is not a valid string")
-		}
+		r.promptText = r.decodeString(raw)
 		return nil
 	case '[':
 		// An array of token ids, an array of strings, or an array of token
@@ -232,6 +356,29 @@ func (r *apiRequest) parsePrompt() *paramError {
 	return perr("prompt", "prompt must be a string, an array of strings, or an array of token ids (integers 0..4294967295)")
 }
 
+// decodeString is the value of the JSON string tok: tok's own bytes when
+// they need no decoding, else its decoded text, kept in r.text.
+func (r *apiRequest) decodeString(tok []byte) string {
+	s := tok[1 : len(tok)-1]
+	if plainString(s) {
+		return unsafe.String(unsafe.SliceData(s), len(s))
+	}
+	start := len(r.text)
+	r.text = appendJSONString(r.text, tok)
+	return r.textFrom(start)
+}
+
+// textFrom is r.text[start:] as a string. Later appends never change those
+// bytes (a growing r.text moves to a new array), so the string stays valid
+// until the next request resets r.
+func (r *apiRequest) textFrom(start int) string {
+	s := r.text[start:]
+	if len(s) == 0 {
+		return ""
+	}
+	return unsafe.String(&s[0], len(s))
+}
+
 // pinned parses nvext.backend_instance_id: a backend id string or a numeric
 // instance id (as a number or a decimal string).
 func (n *nvext) pinned() (name string, instance uint64, isNum, ok bool) {
@@ -256,8 +403,8 @@ func (n *nvext) pinned() (name string, instance uint64, isNum, ok bool) {
 	return "", v, true, true
 }
 
-// wireFields are the top-level fields the proxy reads; decoding into a struct
-// skips the rest of the body without building it.
+// wireFields are the raw values of the top-level fields the proxy reads
+// (nil when absent), slices of the request body.
 type wireFields struct {
 	Model               json.RawMessage `json:"model"`
 	Stream              json.RawMessage `json:"stream"`
@@ -267,141 +414,50 @@ type wireFields struct {
 	Prompt              json.RawMessage `json:"prompt"`
 }
 
-// forwardBody is the body sent to the engine: the client's body with nvext
-// and any cache_salt removed, model renamed, and the tenant's cache_salt
-// added (salt "" adds none). Every other member is copied byte for byte.
-func (r *apiRequest) forwardBody(servedModel, salt string) ([]byte, error) {
-	out := make([]byte, 0, len(r.body)+len(servedModel)+len(salt)+40)
-	out = append(out, '{')
+// forwardBody appends to dst the body sent to the engine: the client's body
+// with nvext and any cache_salt removed, model renamed, and the tenant's
+// cache_salt added (salt "" adds none). Every other member is copied byte
+// for byte.
+func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, error) {
+	out := append(dst, '{')
 	n := 0
-	err := topLevelMembers(r.body, func(key string, member []byte) {
+	m := members{b: r.body}
+	for m.next() {
 		// Case-insensitive, as the JSON decoder that read them matches names.
-		if strings.EqualFold(key, "nvext") || strings.EqualFold(key, "cache_salt") || strings.EqualFold(key, "model") {
-			return
+		if keyIs(m.key, "nvext") || keyIs(m.key, "cache_salt") || keyIs(m.key, "model") {
+			continue
 		}
 		if n > 0 {
 			out = append(out, ',')
 		}
-		out = append(out, member...)
+		out = append(out, m.member...)
 		n++
-	})
-	if err != nil {
-		return nil, err
+	}
+	if m.err != nil {
+		return nil, m.err
 	}
 	if n > 0 {
 		out = append(out, ',')
 	}
 	out = append(out, `"model":`...)
-	m, _ := json.Marshal(servedModel)
-	out = append(out, m...)
+	out = appendJSONQuoted(out, servedModel)
 	if salt != "" {
 		out = append(out, `,"cache_salt":`...)
-		sj, _ := json.Marshal(salt)
-		out = append(out, sj...)
+		out = appendJSONQuoted(out, salt)
 	}
 	return append(out, '}'), nil
 }
 
-var errNotObject = errors.New("not a JSON object")
-
-// topLevelMembers calls fn with each member of the JSON object b: its
-// unescaped key and its bytes ("key": value, whitespace trimmed). b has been
-// validated as JSON already; this only finds the boundaries.
-func topLevelMembers(b []byte, fn func(key string, member []byte)) error {
-	i := skipSpace(b, 0)
-	if i >= len(b) || b[i] != '{' {
-		return errNotObject
+// appendJSONQuoted appends s as a JSON string, exactly as json.Marshal
+// writes it.
+func appendJSONQuoted(dst []byte, s string) []byte {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < 0x20 || c >= utf8.RuneSelf || c == '"' || c == '\\' || c == '<' || c == '>' || c == '&' {
+			q, _ := json.Marshal(s)
+			return append(dst, q...)
+		}
 	}
-	i = skipSpace(b, i+1)
-	if i < len(b) && b[i] == '}' {
-		return nil
-	}
-	for i < len(b) {
-		start := i
-		end, err := skipValue(b, i) // the key, a string
-		if err != nil || b[start] != '"' {
-			return errNotObject
-		}
-		rawKey := b[start:end]
-		key := string(rawKey[1 : len(rawKey)-1])
-		if bytes.IndexByte(rawKey, '\\') >= 0 {
-			if json.Unmarshal(rawKey, &key) != nil {
-				return errNotObject
-			}
-		}
-		i = skipSpace(b, end)
-		if i >= len(b) || b[i] != ':' {
-			return errNotObject
-		}
-		if end, err = skipValue(b, skipSpace(b, i+1)); err != nil {
-			return err
-		}
-		fn(key, b[start:end])
-		i = skipSpace(b, end)
-		if i >= len(b) {
-			return errNotObject
-		}
-		if b[i] == '}' {
-			return nil
-		}
-		if b[i] != ',' {
-			return errNotObject
-		}
-		i = skipSpace(b, i+1)
-	}
-	return errNotObject
-}
-
-func skipSpace(b []byte, i int) int {
-	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
-		i++
-	}
-	return i
-}
-
-// skipValue returns the end of the JSON value starting at b[i].
-func skipValue(b []byte, i int) (int, error) {
-	if i >= len(b) {
-		return 0, errNotObject
-	}
-	switch b[i] {
-	case '"':
-		for j := i + 1; j < len(b); j++ {
-			switch b[j] {
-			case '\\':
-				j++
-			case '"':
-				return j + 1, nil
-			}
-		}
-		return 0, errNotObject
-	case '{', '[':
-		depth := 0
-		for j := i; j < len(b); j++ {
-			switch b[j] {
-			case '"':
-				end, err := skipValue(b, j)
-				if err != nil {
-					return 0, err
-				}
-				j = end - 1
-			case '{', '[':
-				depth++
-			case '}', ']':
-				if depth--; depth == 0 {
-					return j + 1, nil
-				}
-			}
-		}
-		return 0, errNotObject
-	default: // number, true, false, null
-		j := i
-		for j < len(b) && b[j] != ',' && b[j] != '}' && b[j] != ']' && b[j] != ' ' && b[j] != '\t' && b[j] != '\n' && b[j] != '\r' {
-			j++
-		}
-		if j == i {
-			return 0, errNotObject
-		}
-		return j, nil
-	}
+	dst = append(dst, '"')
+	dst = append(dst, s...)
+	return append(dst, '"')
 }

@@ -1,0 +1,297 @@
+package proxy
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/goccy/go-json"
+
+	"github.com/kvproxy/kvproxy/tokenize"
+)
+
+// The request parser as it was when it decoded with goccy/go-json into
+// RawMessages: the reference FuzzParseRequestMatchesDecoder holds the
+// scanning parser to, error for error and string for string.
+
+type refRequest struct {
+	refFields    refWireFields
+	body         []byte
+	model        string
+	stream       bool
+	nv           nvext
+	messages     []tokenize.Message
+	promptText   string
+	promptTokens []uint32
+	hasTokens    bool
+	addGenPrompt bool
+}
+
+type refWireFields struct {
+	Model               json.RawMessage `json:"model"`
+	Stream              json.RawMessage `json:"stream"`
+	Nvext               json.RawMessage `json:"nvext"`
+	AddGenerationPrompt json.RawMessage `json:"add_generation_prompt"`
+	Messages            json.RawMessage `json:"messages"`
+	Prompt              json.RawMessage `json:"prompt"`
+}
+
+func refParseRequest(body []byte, chat bool) (*refRequest, *paramError) {
+	r := &refRequest{addGenPrompt: true}
+	if len(bytes.TrimSpace(body)) == 0 {
+		return nil, perr("", "the request body is empty; expected a JSON object")
+	}
+	trimmed := bytes.TrimSpace(body)
+	if trimmed[0] != '{' || !json.Valid(trimmed) {
+		return nil, perr("", "the request body is not a valid JSON object")
+	}
+	if err := json.Unmarshal(trimmed, &r.refFields); err != nil {
+		return nil, perr("", "the request body is not a valid JSON object%s", refJSONErrMsg(err))
+	}
+	r.body = trimmed
+	raw, ok := r.refFields.Model, r.refFields.Model != nil
+	if !ok {
+		return nil, perr("model", "you must provide a model parameter")
+	}
+	if err := json.Unmarshal(raw, &r.model); err != nil || r.model == "" {
+		return nil, perr("model", "model must be a non-empty string")
+	}
+	if raw := r.refFields.Stream; raw != nil && string(raw) != "null" {
+		if err := json.Unmarshal(raw, &r.stream); err != nil {
+			return nil, perr("stream", "stream must be a boolean")
+		}
+	}
+	if raw := r.refFields.Nvext; raw != nil && string(raw) != "null" {
+		if err := json.Unmarshal(raw, &r.nv); err != nil {
+			return nil, perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)")
+		}
+	}
+	if raw := r.refFields.AddGenerationPrompt; raw != nil && chat {
+		if err := json.Unmarshal(raw, &r.addGenPrompt); err != nil {
+			return nil, perr("add_generation_prompt", "add_generation_prompt must be a boolean")
+		}
+	}
+	if chat {
+		if pe := r.refParseMessages(); pe != nil {
+			return nil, pe
+		}
+	} else if pe := r.refParsePrompt(); pe != nil {
+		return nil, pe
+	}
+	return r, nil
+}
+
+// refJSONErrMsg describes a JSON syntax error without Go type names.
+func refJSONErrMsg(err error) string {
+	var se *json.SyntaxError
+	if errors.As(err, &se) {
+		return fmt.Sprintf(" (syntax error at byte %d)", se.Offset)
+	}
+	return ""
+}
+
+type refWireMessage struct {
+	Role      string          `json:"role"`
+	Content   json.RawMessage `json:"content"`
+	ToolCalls json.RawMessage `json:"tool_calls"`
+	Name      string          `json:"name"`
+}
+
+type refContentPart struct {
+	Type string `json:"type"`
+	Text string `json:"text"`
+}
+
+func (r *refRequest) refParseMessages() *paramError {
+	raw := r.refFields.Messages
+	if raw == nil {
+		return perr("messages", "you must provide a messages parameter")
+	}
+	var msgs []refWireMessage
+	if err := json.Unmarshal(raw, &msgs); err != nil {
+		return perr("messages", "messages must be an array of message objects with a string role")
+	}
+	if len(msgs) == 0 {
+		return perr("messages", "messages must contain at least one message")
+	}
+	r.messages = make([]tokenize.Message, len(msgs))
+	for i, m := range msgs {
+		if !refValidRoles[m.Role] {
+			return perr(fmt.Sprintf("messages[%d].role", i), "invalid role %q (want system, developer, user, assistant or tool)", m.Role)
+		}
+		content, pe := refFlattenContent(m.Content, i)
+		if pe != nil {
+			return pe
+		}
+		if len(m.ToolCalls) > 0 && string(m.ToolCalls) != "null" {
+			// Tool calls are part of what the engine caches: keep them in the
+			// routed text so two histories with different calls differ.
+			content += string(m.ToolCalls)
+		}
+		r.messages[i] = tokenize.Message{Role: m.Role, Content: content}
+	}
+	return nil
+}
+
+func refFlattenContent(raw json.RawMessage, i int) (string, *paramError) {
+	if len(raw) == 0 || string(raw) == "null" {
+		return "", nil
+	}
+	switch raw[0] {
+	case '"':
+		var s string
+		if err := json.Unmarshal(raw, &s); err != nil {
+			return "", perr(fmt.Sprintf("messages[%d].content", i), "content is not a valid string")
+		}
+		return s, nil
+	case '[':
+		var parts []json.RawMessage
+		if err := json.Unmarshal(raw, &parts); err != nil {
+			return "", perr(fmt.Sprintf("messages[%d].content", i), "content must be a string or an array of content parts")
+		}
+		var b []byte
+		for j, p := range parts {
+			var cp refContentPart
+			if err := json.Unmarshal(p, &cp); err != nil || cp.Type == "" {
+				return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type")
+			}
+			if cp.Type == "text" {
+				b = append(b, cp.Text...)
+			} else {
+				// Images and audio change what the engine caches; their raw
+				// JSON stands in for them in the routed prompt.
+				b = append(b, p...)
+			}
+		}
+		return string(b), nil
+	}
+	return "", perr(fmt.Sprintf("messages[%d].content", i), "content must be a string or an array of content parts")
+}
+
+func (r *refRequest) refParsePrompt() *paramError {
+	raw := r.refFields.Prompt
+	if raw == nil || string(raw) == "null" {
+		return perr("prompt", "you must provide a prompt parameter")
+	}
+	switch raw[0] {
+	case '"':
+		if err := json.Unmarshal(raw, &r.promptText); err != nil {
+			return perr("prompt", "prompt is not a valid string")
+		}
+		return nil
+	case '[':
+		// An array of token ids, an array of strings, or an array of token
+		// arrays (a batch: routed by its first prompt).
+		var ids []uint32
+		if err := json.Unmarshal(raw, &ids); err == nil {
+			if len(ids) == 0 {
+				return perr("prompt", "prompt must not be empty")
+			}
+			r.promptTokens, r.hasTokens = ids, true
+			return nil
+		}
+		var strs []string
+		if err := json.Unmarshal(raw, &strs); err == nil {
+			if len(strs) == 0 {
+				return perr("prompt", "prompt must not be empty")
+			}
+			r.promptText = strs[0]
+			return nil
+		}
+		var batch [][]uint32
+		if err := json.Unmarshal(raw, &batch); err == nil {
+			if len(batch) == 0 || len(batch[0]) == 0 {
+				return perr("prompt", "prompt must not be empty")
+			}
+			r.promptTokens, r.hasTokens = batch[0], true
+			return nil
+		}
+	}
+	return perr("prompt", "prompt must be a string, an array of strings, or an array of token ids (integers 0..4294967295)")
+}
+
+var refValidRoles = map[string]bool{"system": true, "developer": true, "user": true, "assistant": true, "tool": true, "function": true}
+
+// forwardBody is the body sent to the engine: the client's body with nvext
+// and any cache_salt removed, model renamed, and the tenant's cache_salt
+// added (salt "" adds none). Every other member is copied byte for byte.
+func (r *refRequest) refForwardBody(servedModel, salt string) ([]byte, error) {
+	out := make([]byte, 0, len(r.body)+len(servedModel)+len(salt)+40)
+	out = append(out, '{')
+	n := 0
+	err := refTopLevelMembers(r.body, func(key string, member []byte) {
+		// Case-insensitive, as the JSON decoder that read them matches names.
+		if strings.EqualFold(key, "nvext") || strings.EqualFold(key, "cache_salt") || strings.EqualFold(key, "model") {
+			return
+		}
+		if n > 0 {
+			out = append(out, ',')
+		}
+		out = append(out, member...)
+		n++
+	})
+	if err != nil {
+		return nil, err
+	}
+	if n > 0 {
+		out = append(out, ',')
+	}
+	out = append(out, `"model":`...)
+	m, _ := json.Marshal(servedModel)
+	out = append(out, m...)
+	if salt != "" {
+		out = append(out, `,"cache_salt":`...)
+		sj, _ := json.Marshal(salt)
+		out = append(out, sj...)
+	}
+	return append(out, '}'), nil
+}
+
+// refTopLevelMembers calls fn with each member of the JSON object b: its
+// unescaped key and its bytes ("key": value, whitespace trimmed). b has been
+// validated as JSON already; this only finds the boundaries.
+func refTopLevelMembers(b []byte, fn func(key string, member []byte)) error {
+	i := skipSpace(b, 0)
+	if i >= len(b) || b[i] != '{' {
+		return errNotObject
+	}
+	i = skipSpace(b, i+1)
+	if i < len(b) && b[i] == '}' {
+		return nil
+	}
+	for i < len(b) {
+		start := i
+		end, err := skipValue(b, i) // the key, a string
+		if err != nil || b[start] != '"' {
+			return errNotObject
+		}
+		rawKey := b[start:end]
+		key := string(rawKey[1 : len(rawKey)-1])
+		if bytes.IndexByte(rawKey, '\\') >= 0 {
+			if json.Unmarshal(rawKey, &key) != nil {
+				return errNotObject
+			}
+		}
+		i = skipSpace(b, end)
+		if i >= len(b) || b[i] != ':' {
+			return errNotObject
+		}
+		if end, err = skipValue(b, skipSpace(b, i+1)); err != nil {
+			return err
+		}
+		fn(key, b[start:end])
+		i = skipSpace(b, end)
+		if i >= len(b) {
+			return errNotObject
+		}
+		if b[i] == '}' {
+			return nil
+		}
+		if b[i] != ',' {
+			return errNotObject
+		}
+		i = skipSpace(b, i+1)
+	}
+	return errNotObject
+}

@@ -1,0 +1,184 @@
+package proxy
+
+import (
+	"bytes"
+	"reflect"
+	"testing"
+)
+
+// TestParseRequestStrings: strings decode as encoding/json decodes them,
+// whether or not they need decoding, and content parts and tool calls join.
+func TestParseRequestStrings(t *testing.T) {
+	cases := []struct {
+		name, messages string
+		want           []string // role, content, role, content, ...
+	}{
+		{"plain", `[{"role":"user","content":"héllo"}]`, []string{"user", "héllo"}},
+		{"escapes", `[{"role":"user","content":"a\nb\t\"q\"\\ \/ \b\f\r \u00e9\u4e16 \ud83d\ude00"}]`,
+			[]string{"user", "a\nb\t\"q\"\\ / \b\f\r é世 😀"}},
+		{"lone surrogates", `[{"role":"user","content":"\ud800x\udc00\ud83dA\ud83d\ud83d\ude00"}]`,
+			[]string{"user", "\uFFFDx\uFFFD\uFFFDA\uFFFD😀"}},
+		{"invalid utf-8", "[{\"role\":\"user\",\"content\":\"a\xff\xe2\x82b\"}]", []string{"user", "a\uFFFD\uFFFD\uFFFDb"}},
+		{"escaped role and key", `[{"R\u006fle":"\u0075ser","CONTENT":"x"}]`, []string{"user", "x"}},
+		{"last member wins, null keeps a string", `[{"role":"tool","role":"user","role":null,"content":"a","content":"b"}]`, []string{"user", "b"}},
+		{"parts", `[{"role":"user","content":[{"type":"text","text":"a\n"},{"type":"image_url","image_url":{"url":"u"}} ,{"type":"t\u0065xt","text":"\u00e9"},{"type":"text"}]}]`,
+			[]string{"user", `a` + "\n" + `{"type":"image_url","image_url":{"url":"u"}}é`}},
+		{"tool calls", `[{"role":"assistant","content":"c\n","tool_calls":[{"id":"1"}]},{"role":"tool","content":null,"tool_calls":[2]}]`,
+			[]string{"assistant", "c\n" + `[{"id":"1"}]`, "tool", `[2]`}},
+		{"backslashes before a quote", `[{"role":"user","content":"x\\"},{"role":"user","content":"\\\"y\\\\"}]`, []string{"user", `x\`, "user", `\"y\\`}},
+		{"no content", `[{"role":"system"},{"role":"user","content":null,"name":"n"}]`, []string{"system", "", "user", ""}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			body := `{"model":"m\u0031","messages":` + c.messages + `}`
+			req, pe := parseRequest([]byte(body), true)
+			if pe != nil {
+				t.Fatalf("error %s: %s", pe.param, pe.msg)
+			}
+			if req.model != "m1" {
+				t.Fatalf("model %q", req.model)
+			}
+			var got []string
+			for _, m := range req.messages {
+				got = append(got, m.Role, m.Content)
+			}
+			if !reflect.DeepEqual(got, c.want) {
+				t.Fatalf("got %q\nwant %q", got, c.want)
+			}
+		})
+	}
+}
+
+// TestParseRequestErrors: every validation error keeps its parameter and
+// message.
+func TestParseRequestErrors(t *testing.T) {
+	const notMessages = "messages must be an array of message objects with a string role"
+	cases := []struct {
+		body       string
+		chat       bool
+		param, msg string
+	}{
+		{" ", true, "", "the request body is empty; expected a JSON object"},
+		{`[1]`, true, "", "the request body is not a valid JSON object"},
+		{`{"model":"m",}`, true, "", "the request body is not a valid JSON object"},
+		{"{\"model\":\"m\x01\"}", true, "", "the request body is not a valid JSON object"},
+		{`{"messages":[]}`, true, "model", "you must provide a model parameter"},
+		{`{"model":null}`, true, "model", "model must be a non-empty string"},
+		{`{"model":""}`, true, "model", "model must be a non-empty string"},
+		{`{"model":7}`, true, "model", "model must be a non-empty string"},
+		{`{"model":"m","stream":"true"}`, true, "stream", "stream must be a boolean"},
+		{`{"model":"m","nvext":[]}`, true, "nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)"},
+		{`{"model":"m","add_generation_prompt":1,"messages":[]}`, true, "add_generation_prompt", "add_generation_prompt must be a boolean"},
+		{`{"model":"m"}`, true, "messages", "you must provide a messages parameter"},
+		{`{"model":"m","messages":null}`, true, "messages", "messages must contain at least one message"},
+		{`{"model":"m","messages":[]}`, true, "messages", "messages must contain at least one message"},
+		{`{"model":"m","messages":{}}`, true, "messages", notMessages},
+		{`{"model":"m","messages":[{"role":"bad"},{"role":1}]}`, true, "messages", notMessages},
+		{`{"model":"m","messages":[{"role":"user","name":2}]}`, true, "messages", notMessages},
+		{`{"model":"m","messages":[{"role":"user"},3]}`, true, "messages", notMessages},
+		{`{"model":"m","messages":[{"role":"user"},null]}`, true, "messages[1].role", `invalid role "" (want system, developer, user, assistant or tool)`},
+		{`{"model":"m","messages":[{"role":"\u00e9\n"}]}`, true, "messages[0].role", `invalid role "é\n" (want system, developer, user, assistant or tool)`},
+		{`{"model":"m","messages":[{"role":"user","content":5}]}`, true, "messages[0].content", "content must be a string or an array of content parts"},
+		{`{"model":"m","messages":[{"role":"user","content":{}}]}`, true, "messages[0].content", "content must be a string or an array of content parts"},
+		{`{"model":"m","messages":[{"role":"user","content":[{"type":"text"},{"text":"x"}]}]}`, true, "messages[0].content[1]", "content part must be an object with a type"},
+		{`{"model":"m","messages":[{"role":"user","content":[{"type":""}]}]}`, true, "messages[0].content[0]", "content part must be an object with a type"},
+		{`{"model":"m","messages":[{"role":"user","content":[null]}]}`, true, "messages[0].content[0]", "content part must be an object with a type"},
+		{`{"model":"m","messages":[{"role":"user","content":["x"]}]}`, true, "messages[0].content[0]", "content part must be an object with a type"},
+		{`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":1}]}]}`, true, "messages[0].content[0]", "content part must be an object with a type"},
+		{`{"model":"m","prompt":null}`, false, "prompt", "you must provide a prompt parameter"},
+		{`{"model":"m","prompt":[]}`, false, "prompt", "prompt must not be empty"},
+		{`{"model":"m","prompt":{}}`, false, "prompt", "prompt must be a string, an array of strings, or an array of token ids (integers 0..4294967295)"},
+	}
+	for _, c := range cases {
+		_, pe := parseRequest([]byte(c.body), c.chat)
+		if pe == nil {
+			t.Errorf("%s: accepted", c.body)
+			continue
+		}
+		if pe.param != c.param || pe.msg != c.msg {
+			t.Errorf("%s:\n got %s: %s\nwant %s: %s", c.body, pe.param, pe.msg, c.param, c.msg)
+		}
+	}
+}
+
+// TestParseRequestReuse: a reset request parses the next body as a new one
+// would, and strings of the next request do not overwrite nothing it still
+// needs while parsing.
+func TestParseRequestReuse(t *testing.T) {
+	var r apiRequest
+	bodies := []string{
+		`{"model":"a\n","stream":true,"add_generation_prompt":false,"nvext":{"annotations":["x"]},"messages":[{"role":"user","content":"\u00e9"},{"role":"assistant","content":[{"type":"text","text":"p"}]}]}`,
+		`{"model":"b","messages":[{"role":"user","content":"x\ny"}]}`,
+	}
+	for _, body := range bodies {
+		r.reset()
+		if pe := r.parse([]byte(body), true); pe != nil {
+			t.Fatal(pe.msg)
+		}
+		want, _ := parseRequest([]byte(body), true)
+		if r.model != want.model || r.stream != want.stream || r.addGenPrompt != want.addGenPrompt ||
+			!reflect.DeepEqual(r.messages, want.messages) || !reflect.DeepEqual(r.nv, want.nv) {
+			t.Fatalf("reused request differs from a new one:\n%+v\n%+v", r, *want)
+		}
+	}
+}
+
+// FuzzParseRequestMatchesDecoder holds the scanning parser to the one that
+// decoded with goccy/go-json (request_ref_test.go): the same errors, the
+// same fields, the same strings, the same engine body.
+func FuzzParseRequestMatchesDecoder(f *testing.F) {
+	seeds := []string{
+		chatBody,
+		`{"model":"m","messages":[{"role":"user","content":"a\nb\u00e9\ud800\ud83d\ude00"}],"Stream":false,"ADD_GENERATION_PROMPT":null}`,
+		`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"x"},{"type":"image_url","image_url":{"url":"u"}}]}],"cache_salt":"evil"}`,
+		`{"model":"m","messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"c"}]},{"role":"tool","content":"r","name":null}]}`,
+		`{"model":"m","messages":[{"role":"user","role":null}, null, 1]}`,
+		`{"model":"m","ſtream":true,"mesſages":[{"ROLE":"\u0075ser","Content":"\t"}],"model":"n"}`,
+		`{"\u006dodel":"m\"","prompt":"p\n","nvext":{"token_data":[1,2],"backend_instance_id":"b"}}`,
+		`{"model":"m","prompt":[[1],[2]]}`,
+		"{\"model\":\"m\xff\",\"messages\":[{\"role\":\"user\",\"content\":\"\xe2\x82\"}]}",
+		`{"model":"m","messages":[{"role":"user","content":[{"type":"t\u0065xt","text":"a","text":null},{"type":null,"type":"x"}]}]}`,
+	}
+	for _, s := range seeds {
+		f.Add([]byte(s), true)
+		f.Add([]byte(s), false)
+	}
+	f.Fuzz(func(t *testing.T, body []byte, chat bool) {
+		ref, rpe := refParseRequest(body, chat)
+		var got apiRequest
+		got.text = make([]byte, 0, 1) // force growth while strings are held
+		pe := got.parse(body, chat)
+		if (pe == nil) != (rpe == nil) {
+			t.Fatalf("error %v, reference %v", pe, rpe)
+		}
+		if pe != nil {
+			if *pe != *rpe {
+				t.Fatalf("error %s: %q, reference %s: %q", pe.param, pe.msg, rpe.param, rpe.msg)
+			}
+			return
+		}
+		if got.model != ref.model || got.stream != ref.stream || got.addGenPrompt != ref.addGenPrompt ||
+			got.promptText != ref.promptText || got.hasTokens != ref.hasTokens || !reflect.DeepEqual(got.promptTokens, ref.promptTokens) ||
+			!reflect.DeepEqual(got.nv, ref.nv) || len(got.messages) != len(ref.messages) {
+			t.Fatalf("fields differ:\n%+v\n%+v", got, *ref)
+		}
+		for i := range got.messages {
+			if got.messages[i] != ref.messages[i] {
+				t.Fatalf("message %d: %q, reference %q", i, got.messages[i], ref.messages[i])
+			}
+		}
+		gf, rf := got.fields, ref.refFields
+		for _, p := range [][2][]byte{{gf.Model, rf.Model}, {gf.Stream, rf.Stream}, {gf.Nvext, rf.Nvext}, {gf.AddGenerationPrompt, rf.AddGenerationPrompt}, {gf.Messages, rf.Messages}, {gf.Prompt, rf.Prompt}} {
+			if (p[0] == nil) != (p[1] == nil) || !bytes.Equal(p[0], p[1]) {
+				t.Fatalf("raw field %q, reference %q", p[0], p[1])
+			}
+		}
+		for _, salt := range []string{"", "s<alt>"} {
+			out, err := got.forwardBody(nil, "served\n", salt)
+			rout, rerr := ref.refForwardBody("served\n", salt)
+			if (err == nil) != (rerr == nil) || !bytes.Equal(out, rout) {
+				t.Fatalf("engine body %s (%v), reference %s (%v)", out, err, rout, rerr)
+			}
+		}
+	})
+}
