@@ -79,8 +79,10 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		s.rateLimited(ctx, rid, start, wait, "requests")
 		return
 	}
-	req, pe := parseRequest(ctx.PostBody(), chat)
-	if pe != nil {
+	sc := s.getScratch()
+	defer s.putScratch(sc)
+	req := &sc.req
+	if pe := req.parse(ctx.PostBody(), chat); pe != nil {
 		badRequest(ctx, pe.param, pe.msg)
 		s.logRejected(rid, "", fasthttp.StatusBadRequest, start, pe.msg)
 		return
@@ -98,8 +100,6 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		return
 	}
 
-	sc := s.getScratch()
-	defer s.putScratch(sc)
 	tokens := sc.tokens
 	switch {
 	case len(req.nv.TokenData) > 0:
@@ -135,7 +135,8 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		return
 	}
 	sc.hashes = kv.HashBlocks(sc.hashes[:0], tokens, p.cfg.BlockSize, t.ns)
-	rr := router.Request{Hashes: sc.hashes, PromptTokens: len(tokens), Unstreamed: !req.stream}
+	rr := &sc.route
+	*rr = router.Request{Hashes: sc.hashes, PromptTokens: len(tokens), Unstreamed: !req.stream, CandidateBuf: sc.cands}
 
 	if name, inst, isNum, ok := req.nv.pinned(); ok {
 		w, found := p.rt.WorkerByName(name)
@@ -155,12 +156,13 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 
 	if req.nv.has("query_instance_id") {
 		t0 := time.Now()
-		d, err := p.rt.Select(&rr)
+		d, err := p.rt.Select(rr)
 		s.metrics.route.Observe(time.Since(t0).Seconds())
 		if err != nil {
 			s.noWorker(ctx, rid, req.model, start, err)
 			return
 		}
+		sc.keepCandidates(d.Candidates)
 		s.writeDecision(ctx, req.stream, d, tokens)
 		s.log.Info().Str("request_id", rid).Str("model", req.model).Str("backend", d.Name).
 			Int("overlap_blocks", d.Overlap).Int("total_blocks", d.Total).Bool("dry_run", true).
@@ -177,15 +179,18 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	}
 	x := &exchange{s: s, id: rid, model: model, chat: chat, stream: req.stream, start: start, p: p, cachedTokens: -1}
 	for attempt := 1; ; attempt++ {
-		if err := x.route(ctx, st, &rr); err != nil {
+		if err := x.route(ctx, st, rr); err != nil {
 			s.routeFailed(ctx, rid, req.model, start, err)
 			return
 		}
+		sc.keepCandidates(x.d.Candidates)
+		x.d.Candidates = nil // the scratch's
 		salt := ""
 		if x.b.salted {
 			salt = t.salt
 		}
-		body, err := req.forwardBody(nil, x.b.cfg.ServedModel, salt)
+		body, err := req.forwardBody(sc.body[:0], x.b.cfg.ServedModel, salt)
+		sc.body = body
 		if err != nil {
 			x.release()
 			writeError(ctx, fasthttp.StatusInternalServerError, "could not encode the request for the engine", "server_error", "", "")

@@ -523,10 +523,15 @@ func (f fasthttpLogger) Printf(format string, args ...any) {
 	f.l.Debug().Msgf(format, args...)
 }
 
-// scratch holds per-request buffers reused across requests.
+// scratch holds per-request buffers reused across requests. Nothing in it
+// may be kept past the handler, which a streamed answer's exchange outlives.
 type scratch struct {
+	req    apiRequest
 	tokens []uint32
 	hashes []kv.BlockHash
+	route  router.Request
+	cands  []router.Candidate // Request.CandidateBuf
+	body   []byte             // the body sent to the engine
 }
 
 func (s *Server) getScratch() *scratch {
@@ -536,10 +541,27 @@ func (s *Server) getScratch() *scratch {
 	return &scratch{}
 }
 
-func (s *Server) putScratch(sc *scratch) {
-	if cap(sc.tokens) > 1<<20 {
-		sc.tokens = nil // don't pin the memory of one huge prompt
+// keepCandidates keeps the candidate buffer a router grew for the next
+// request.
+func (sc *scratch) keepCandidates(c []router.Candidate) {
+	if cap(c) > cap(sc.cands) {
+		sc.cands = c[:0]
 	}
+}
+
+func (s *Server) putScratch(sc *scratch) {
+	// Don't pin the memory of one huge request.
+	if cap(sc.tokens) > 1<<20 {
+		sc.tokens = nil
+	}
+	if cap(sc.body) > 1<<20 {
+		sc.body = nil
+	}
+	if cap(sc.req.text) > 1<<20 {
+		sc.req.text = nil
+	}
+	sc.req.reset()
+	sc.route = router.Request{}
 	sc.tokens, sc.hashes = sc.tokens[:0], sc.hashes[:0]
 	s.bufs.Put(sc)
 }
