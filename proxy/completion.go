@@ -8,7 +8,6 @@ import (
 	"math"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -24,19 +23,21 @@ const maxAttempts = 3
 
 // exchange is one proxied request from routing to the end of its answer.
 type exchange struct {
-	s       *Server
-	id      string
-	model   string
-	chat    bool
-	stream  bool
-	start   time.Time
-	p       *modelPool
-	b       *backend
-	d       router.Decision
-	active  *router.Active
-	ab      *backends.Abort
-	stopped func()
-	rank    int // data-parallel rank of the chosen worker
+	s      *Server
+	id     string
+	model  string
+	chat   bool
+	stream bool
+	start  time.Time
+	p      *modelPool
+	b      *backend
+	d      router.Decision
+	active *router.Active
+	ab     *backends.Abort // &abort: one for every attempt, as a client leaves once
+	abort  backends.Abort
+	first  attempt    // the first attempt's hang-up handler
+	watch  *connWatch // the current attempt's hang-up watch
+	rank   int        // data-parallel rank of the chosen worker
 	// released: the backend slot was returned
 	released bool
 	// prefillTimer ends a non-streamed request's prefill for the router at
@@ -178,6 +179,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		model = strings.Clone(req.model)
 	}
 	x := &exchange{s: s, id: rid, model: model, chat: chat, stream: req.stream, start: start, p: p, cachedTokens: -1}
+	x.ab = &x.abort
 	for attempt := 1; ; attempt++ {
 		if err := x.route(ctx, st, rr); err != nil {
 			s.routeFailed(ctx, rid, req.model, start, err)
@@ -226,17 +228,13 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 	s, p := x.s, x.p
 	var waiting bool
 	var timer *time.Timer
-	var gone chan struct{}
+	var gone clientGone
+	var watch *connWatch
 	defer func() {
 		if waiting {
 			s.queue.waiters.Add(-1)
 			timer.Stop()
-		}
-	}()
-	var stopWatch func()
-	defer func() {
-		if stopWatch != nil {
-			stopWatch()
+			s.watcher.Unwatch(watch)
 		}
 	}()
 	for {
@@ -276,9 +274,8 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 			}
 			waiting = true
 			timer = time.NewTimer(lim.QueueTimeout)
-			gone = make(chan struct{})
-			var once sync.Once
-			stopWatch = s.watcher.Watch(ctx.Conn(), func() { once.Do(func() { close(gone) }) })
+			gone = make(clientGone)
+			watch = s.watcher.Watch(ctx.Conn(), gone)
 		}
 		select {
 		case <-changed:
@@ -288,6 +285,23 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 			return errClientGone
 		}
 	}
+}
+
+// clientGone is closed when a queued request's client hangs up.
+type clientGone chan struct{}
+
+func (g clientGone) hungUp() { close(g) } // the watcher calls it at most once
+
+// attempt is what a client hanging up cancels: one attempt's engine
+// exchange and router slot.
+type attempt struct {
+	ab     *backends.Abort
+	active *router.Active
+}
+
+func (a *attempt) hungUp() {
+	a.ab.Abort()
+	a.active.Free()
 }
 
 // release frees the exchange's router slot and backend slot (idempotent for
@@ -367,15 +381,17 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	}
 	fr.SetBodyRaw(body)
 
-	x.ab = &backends.Abort{}
-	ab, active := x.ab, x.active
+	active := x.active
 	if !x.stream {
 		x.prefillTimer = time.AfterFunc(time.Duration(x.d.PredictedTTFTms*float64(time.Millisecond)), active.PrefillDone)
 	}
-	x.stopped = s.watcher.Watch(ctx.Conn(), func() {
-		ab.Abort()
-		active.Free()
-	})
+	at := &x.first
+	if at.active != nil {
+		// A retry: the previous attempt's hang-up may still be running.
+		at = &attempt{}
+	}
+	*at = attempt{ab: x.ab, active: active}
+	x.watch = s.watcher.Watch(ctx.Conn(), at)
 	resp := fasthttp.AcquireResponse()
 	stream, err := b.up.Do(fr, resp, x.stream, x.ab)
 	if err != nil {
@@ -496,10 +512,8 @@ func (x *exchange) failUpstream(ctx *fasthttp.RequestCtx, status int, msg string
 }
 
 func (x *exchange) stopWatch() {
-	if x.stopped != nil {
-		x.stopped()
-		x.stopped = nil
-	}
+	x.s.watcher.Unwatch(x.watch)
+	x.watch = nil
 }
 
 // finish ends the exchange: stops watching the client, frees the slot

@@ -432,3 +432,48 @@ func TestReloadKeepsIndex(t *testing.T) {
 		t.Fatal("an unchanged backend was retired by the reload")
 	}
 }
+
+// A client that hangs up while its request waits in the queue leaves the
+// queue at once (499), long before the queue timeout.
+func TestQueuedClientHangsUp(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 2 * time.Second })
+	p := startProxyYAML(t, `
+models: [{name: m}]
+backends: [{id: e0, url: 'http://{{e0}}', max_concurrency: 1}]
+limits: {max_queue: 4, queue_timeout: 10s}
+`, e)
+	first := make(chan int)
+	go func() {
+		resp, _ := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"first"}`)
+		first <- resp.StatusCode
+	}()
+	waitFor(t, "the first request at the engine", func() bool { return e.requests.Load() == 1 })
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := `{"model":"m","prompt":"second"}`
+	fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	waitFor(t, "the second request in the queue", func() bool { return p.s.queue.waiters.Load() == 1 })
+	c.Close()
+	waitFor(t, "the queue to let the departed client go", func() bool { return p.s.queue.waiters.Load() == 0 })
+	if code := <-first; code != 200 {
+		t.Fatalf("first request: %d", code)
+	}
+	if !strings.Contains(p.logs.String(), errClientGone.Error()) || e.requests.Load() != 1 {
+		t.Fatalf("the departed client's request was not dropped (engine requests %d):\n%s", e.requests.Load(), p.logs.String())
+	}
+	p.waitIdle(t)
+}
+
+// waitFor polls cond for up to a second.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}

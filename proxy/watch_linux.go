@@ -27,10 +27,13 @@ type hangupWatcher struct {
 	byFD   map[int32]*connWatch
 }
 
+// hangupHandler is told that a watched request's client hung up.
+type hangupHandler interface{ hungUp() }
+
 type connWatch struct {
 	fd     int32
 	gen    uint32
-	fn     func() // the in-flight request's callback, nil between requests
+	h      hangupHandler // the in-flight request's, nil between requests
 	hungUp bool
 }
 
@@ -58,23 +61,25 @@ func (w *hangupWatcher) loop() {
 			fd, gen := events[i].Fd, uint32(events[i].Pad)
 			w.mu.Lock()
 			cw := w.byFD[fd]
-			var fn func()
+			var h hangupHandler
 			if cw != nil && cw.gen == gen {
 				cw.hungUp = true
-				fn, cw.fn = cw.fn, nil
+				h, cw.h = cw.h, nil
 			}
 			w.mu.Unlock()
-			if fn != nil {
-				fn()
+			if h != nil {
+				h.hungUp()
 			}
 		}
 	}
 }
 
-// Watch calls fn once if the peer of c hangs up before stop is called.
-func (w *hangupWatcher) Watch(c net.Conn, fn func()) (stop func()) {
+// Watch calls h.hungUp once if the peer of c hangs up before Unwatch is
+// called with the watch it returns (nil: nothing to unwatch). A call
+// already under way when Unwatch returns may still finish after it.
+func (w *hangupWatcher) Watch(c net.Conn, h hangupHandler) *connWatch {
 	if w.epfd < 0 {
-		return func() {}
+		return nil
 	}
 	w.mu.Lock()
 	cw := w.byConn[c]
@@ -82,22 +87,28 @@ func (w *hangupWatcher) Watch(c net.Conn, fn func()) (stop func()) {
 		w.mu.Unlock()
 		cw = w.register(c)
 		if cw == nil {
-			return func() {}
+			return nil
 		}
 		w.mu.Lock()
 	}
 	if cw.hungUp {
 		w.mu.Unlock()
-		fn()
-		return func() {}
+		h.hungUp()
+		return nil
 	}
-	cw.fn = fn
+	cw.h = h
 	w.mu.Unlock()
-	return func() {
-		w.mu.Lock()
-		cw.fn = nil
-		w.mu.Unlock()
+	return cw
+}
+
+// Unwatch ends a watch Watch returned; nil is ignored.
+func (w *hangupWatcher) Unwatch(cw *connWatch) {
+	if cw == nil {
+		return
 	}
+	w.mu.Lock()
+	cw.h = nil
+	w.mu.Unlock()
 }
 
 func (w *hangupWatcher) register(c net.Conn) *connWatch {

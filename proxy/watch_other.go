@@ -10,6 +10,13 @@ type hangupWatcher struct{}
 
 func newHangupWatcher() *hangupWatcher { return &hangupWatcher{} }
 
-func (w *hangupWatcher) Watch(c net.Conn, fn func()) (stop func()) { return func() {} }
+// hangupHandler is told that a watched request's client hung up.
+type hangupHandler interface{ hungUp() }
+
+type connWatch struct{}
+
+func (w *hangupWatcher) Watch(c net.Conn, h hangupHandler) *connWatch { return nil }
+
+func (w *hangupWatcher) Unwatch(cw *connWatch) {}
 
 func (w *hangupWatcher) Closed(c net.Conn) {}
