@@ -157,6 +157,7 @@ type Router struct {
 	index  *MemIndex
 
 	mu      sync.Mutex                // serialises Commit (and Route's Select+Commit)
+	dec     Decision                  // under mu: the copy policy.Commit sees, so callers' Decisions stay on the stack
 	wmu     sync.Mutex                // membership changes
 	workers atomic.Pointer[[]*worker] // copy-on-write, indexed by WorkerID
 	byName  sync.Map                  // string → WorkerID
@@ -515,7 +516,9 @@ func (r *Router) commit(req *Request, d *Decision) *Active {
 	if w.approx.Load() && len(req.Hashes) > 0 && !w.removed.Load() {
 		r.index.Store(w.id, req.Hashes, kv.TierDevice, r.cfg.IndexTTL)
 	}
-	r.policy.Commit(req, d)
+	r.dec = *d
+	r.policy.Commit(req, &r.dec)
+	r.dec = Decision{}
 	r.commits.Add(1)
 	return a
 }
