@@ -85,3 +85,23 @@ func BenchmarkParseChat8k(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkParseChatSmall parses and re-encodes BenchmarkProxyChat's request,
+// reusing the request as the handler does.
+func BenchmarkParseChatSmall(b *testing.B) {
+	body := []byte(`{"model":"m","max_tokens":1,"messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Say hi to the whole wide world, please."}]}`)
+	var req apiRequest
+	var out []byte
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for i := 0; i < b.N; i++ {
+		req.reset()
+		if pe := req.parse(body, true); pe != nil {
+			b.Fatal(pe.msg)
+		}
+		var err error
+		if out, err = req.forwardBody(out[:0], "served", "salt"); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

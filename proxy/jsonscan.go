@@ -108,12 +108,28 @@ func (e *elements) next() bool {
 // keyIs reports whether the raw member name key (as members gives it)
 // names the field name, matched as the JSON decoder matches struct fields:
 // after decoding escapes, case-insensitively (Unicode simple folding).
+// name must be lowercase ASCII.
 func keyIs(key []byte, name string) bool {
+	if len(key) == len(name) {
+		// Equal lengths: key can only match as ASCII, since a rune that
+		// folds to an ASCII letter without being one (ſ, K) and an escape
+		// both take more than one byte.
+		for i := 0; i < len(key); i++ {
+			c := key[i]
+			if 'A' <= c && c <= 'Z' {
+				c += 'a' - 'A'
+			}
+			if c != name[i] {
+				return false
+			}
+		}
+		return true
+	}
+	if len(key) < len(name) || len(key) > 6*len(name) { // 6: every rune escaped
+		return false
+	}
 	if plainString(key) {
 		return strings.EqualFold(unsafe.String(unsafe.SliceData(key), len(key)), name)
-	}
-	if len(key) > 6*len(name) { // longer than name with every rune escaped
-		return false
 	}
 	var buf [128]byte
 	d := appendUnquoted(buf[:0], key)

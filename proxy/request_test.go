@@ -182,3 +182,17 @@ func FuzzParseRequestMatchesDecoder(f *testing.F) {
 		}
 	})
 }
+
+func TestKeyIs(t *testing.T) {
+	for key, want := range map[string]bool{
+		`stream`: true, `STREAM`: true, `sTrEaM`: true, `ſtream`: true, `\u0073tream`: true, `\u017Ftream`: true,
+		`\u0053TREAM`: true, `strea`: false, `streams`: false, `stre@m`: false, `ſtreams`: false, `stream\u0000`: false, ``: false,
+	} {
+		if got := keyIs([]byte(key), "stream"); got != want {
+			t.Errorf("keyIs(%s, stream) = %v", key, got)
+		}
+	}
+	if !keyIs([]byte("ADD_GENERATION_PROMPT"), "add_generation_prompt") || keyIs([]byte("add-generation-prompt"), "add_generation_prompt") {
+		t.Error("underscores")
+	}
+}
