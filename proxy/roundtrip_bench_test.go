@@ -162,6 +162,7 @@ func benchRoundTrips(b *testing.B, stream bool, events int) {
 		strconv.Itoa(len(body)) + "\r\n\r\n" + body)
 	b.ReportAllocs()
 	b.SetParallelism(8)
+	cpu0 := processCPU()
 	b.RunParallel(func(pb *testing.PB) {
 		c, err := net.Dial("tcp", addr)
 		if err != nil {
@@ -186,6 +187,11 @@ func benchRoundTrips(b *testing.B, stream bool, events int) {
 			}
 		}
 	})
+	if cpu1 := processCPU(); cpu0 >= 0 && cpu1 >= 0 {
+		// The whole process's CPU: proxy, client and engine. It stays
+		// comparable on a busy machine, where ns/op does not.
+		b.ReportMetric(float64(cpu1-cpu0)/float64(b.N), "cpu-ns/op")
+	}
 	if stream {
 		b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*events), "ns/event")
 	}

@@ -1,0 +1,5 @@
+//go:build !linux
+
+package proxy
+
+func processCPU() int64 { return -1 }
