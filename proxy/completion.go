@@ -62,7 +62,7 @@ const (
 )
 
 func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool) {
-	start := time.Now()
+	start := ctx.Time() // fasthttp reads the clock just before calling the handler
 	rid := s.newRequestID()
 	ctx.Response.Header.Set("x-request-id", rid)
 	if s.draining.Load() {
@@ -527,7 +527,7 @@ func (x *exchange) finish() {
 
 func (x *exchange) logLine() {
 	s := x.s
-	s.metrics.requests.WithLabelValues(x.b.cfg.ID, strconv.Itoa(x.status)).Inc()
+	s.metrics.countRequest(x.b.cfg.ID, x.status)
 	ev := s.log.Info()
 	if x.status >= 500 {
 		ev = s.log.Warn()
@@ -552,7 +552,7 @@ func (x *exchange) logLine() {
 }
 
 func (s *Server) logRejected(rid, model string, status int, start time.Time, reason string) {
-	s.metrics.requests.WithLabelValues("", strconv.Itoa(status)).Inc()
+	s.metrics.countRequest("", status)
 	s.log.Info().Str("request_id", rid).Str("model", model).Int("status", status).
 		Dur("duration", time.Since(start)).Str("error", reason).Msg("request")
 }

@@ -1,6 +1,9 @@
 package proxy
 
 import (
+	"strconv"
+	"sync"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -10,6 +13,7 @@ import (
 
 type metrics struct {
 	requests *prometheus.CounterVec
+	ok       sync.Map // backend id → its requests counter for status 200
 	ttft     prometheus.Histogram
 	hitRatio prometheus.Histogram
 	route    prometheus.Histogram
@@ -43,6 +47,20 @@ func newMetrics(reg *prometheus.Registry, s *Server) *metrics {
 }
 
 func (m *metrics) serve(ctx *fasthttp.RequestCtx) { m.handler(ctx) }
+
+// countRequest counts one completion request. A backend's 200s, nearly all
+// requests, skip the vector's label lookup.
+func (m *metrics) countRequest(backend string, status int) {
+	if status != fasthttp.StatusOK {
+		m.requests.WithLabelValues(backend, strconv.Itoa(status)).Inc()
+		return
+	}
+	c, ok := m.ok.Load(backend)
+	if !ok {
+		c, _ = m.ok.LoadOrStore(backend, m.requests.WithLabelValues(backend, "200"))
+	}
+	c.(prometheus.Counter).Inc()
+}
 
 var (
 	inflightDesc = prometheus.NewDesc("kvproxy_inflight_requests", "Requests in flight per backend.", []string{"backend"}, nil)
