@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unsafe"
 
 	"github.com/valyala/fasthttp"
 
@@ -53,6 +54,16 @@ type exchange struct {
 	errMsg       string
 }
 
+// The per-request headers' names as fasthttp normalizes them, so setting
+// them skips the normalizing.
+var (
+	hdrRequestID = []byte("X-Request-Id")
+	hdrWorker    = []byte("X-Kvproxy-Worker") // WorkerHeader
+)
+
+// stringBytes is s's bytes, for fasthttp calls that copy them.
+func stringBytes(s string) []byte { return unsafe.Slice(unsafe.StringData(s), len(s)) }
+
 // outcome of one attempt at a backend.
 type outcome int
 
@@ -64,7 +75,7 @@ const (
 func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool) {
 	start := ctx.Time() // fasthttp reads the clock just before calling the handler
 	rid := s.newRequestID()
-	ctx.Response.Header.Set("x-request-id", rid)
+	ctx.Response.Header.SetCanonical(hdrRequestID, stringBytes(rid))
 	if s.draining.Load() {
 		ctx.Response.Header.Set("Connection", "close")
 		unavailable(ctx, 1, "kvproxy is shutting down")
@@ -369,7 +380,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	fr.SetRequestURI(path)
 	fr.Header.SetHost(b.host)
 	fr.Header.SetContentType("application/json")
-	fr.Header.Set("X-Request-Id", x.id)
+	fr.Header.SetCanonical(hdrRequestID, stringBytes(x.id))
 	if b.authHeader != "" {
 		fr.Header.Set("Authorization", b.authHeader)
 	}
@@ -457,13 +468,13 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		} else if code == fasthttp.StatusOK {
 			b.succeed()
 		}
-		ctx.Response.Header.Set(WorkerHeader, b.cfg.ID)
+		ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 		x.relayWhole(ctx, resp)
 		fasthttp.ReleaseResponse(resp)
 		x.finish()
 		return done
 	}
-	ctx.Response.Header.Set(WorkerHeader, b.cfg.ID)
+	ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 	ctx.SetStatusCode(fasthttp.StatusOK)
 	ctx.Response.Header.SetContentType("text/event-stream")
 	ctx.Response.Header.Set("Cache-Control", "no-cache")

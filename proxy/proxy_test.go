@@ -23,6 +23,7 @@ type fakeEngine struct {
 	addr     string
 	mu       sync.Mutex
 	bodies   []map[string]any
+	ids      []string // X-Request-Id of each request
 	aborted  atomic.Int64
 	requests atomic.Int64
 	current  atomic.Int64
@@ -68,6 +69,7 @@ func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 	json.NewDecoder(r.Body).Decode(&body)
 	f.mu.Lock()
 	f.bodies = append(f.bodies, body)
+	f.ids = append(f.ids, r.Header.Get("X-Request-Id"))
 	f.mu.Unlock()
 	if f.status != 0 {
 		w.WriteHeader(f.status)
@@ -210,6 +212,12 @@ func TestNonStreamingForwardsAndRewrites(t *testing.T) {
 	}
 	if fwd["temperature"] != 0.5 || fwd["x_vendor_param"] == nil {
 		t.Fatalf("unknown fields must pass untouched: %v", fwd)
+	}
+	e.mu.Lock()
+	engineID := e.ids[len(e.ids)-1]
+	e.mu.Unlock()
+	if id := resp.Header.Get("X-Request-Id"); !strings.HasPrefix(id, "req-") || id != engineID {
+		t.Fatalf("request id %q to the client, %q to the engine", id, engineID)
 	}
 	p.waitIdle(t)
 	if !strings.Contains(p.logs.String(), `"cached_tokens":3`) {

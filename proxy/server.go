@@ -513,8 +513,14 @@ func (s *Server) drainRejectedBody(ctx *fasthttp.RequestCtx) {
 	}
 }
 
+// newRequestID is req-<process prefix>-<sequence in base 36>, built in one
+// allocation.
 func (s *Server) newRequestID() string {
-	return "req-" + s.reqPrefix + "-" + strconv.FormatUint(s.reqSeq.Add(1), 36)
+	var b [40]byte
+	id := append(b[:0], "req-"...)
+	id = append(id, s.reqPrefix...)
+	id = append(id, '-')
+	return string(strconv.AppendUint(id, s.reqSeq.Add(1), 36))
 }
 
 type fasthttpLogger struct{ l zerolog.Logger }
