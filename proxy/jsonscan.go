@@ -110,30 +110,52 @@ func (e *elements) next() bool {
 // after decoding escapes, case-insensitively (Unicode simple folding).
 // name must be lowercase ASCII.
 func keyIs(key []byte, name string) bool {
+	if string(key) == name {
+		return true
+	}
+	return len(key) >= len(name) && len(key) > 0 && keyFolds(key, name)
+}
+
+func keyFolds(key []byte, name string) bool {
+	if c := key[0]; c < utf8.RuneSelf && c != '\\' && lowerASCII(c) != name[0] {
+		return false // the first rune is this ASCII byte
+	}
 	if len(key) == len(name) {
 		// Equal lengths: key can only match as ASCII, since a rune that
 		// folds to an ASCII letter without being one (ſ, K) and an escape
 		// both take more than one byte.
 		for i := 0; i < len(key); i++ {
-			c := key[i]
-			if 'A' <= c && c <= 'Z' {
-				c += 'a' - 'A'
-			}
-			if c != name[i] {
+			if lowerASCII(key[i]) != name[i] {
 				return false
 			}
 		}
 		return true
 	}
-	if len(key) < len(name) || len(key) > 6*len(name) { // 6: every rune escaped
+	if len(key) > 6*len(name) { // 6: every rune escaped
 		return false
 	}
-	if plainString(key) {
-		return strings.EqualFold(unsafe.String(unsafe.SliceData(key), len(key)), name)
+	// Longer than name: only escapes or non-ASCII runes can make up the
+	// difference.
+	ascii := true
+	for _, c := range key {
+		if c == '\\' || c >= utf8.RuneSelf {
+			ascii = false
+			break
+		}
+	}
+	if ascii {
+		return false
 	}
 	var buf [128]byte
 	d := appendUnquoted(buf[:0], key)
 	return strings.EqualFold(unsafe.String(unsafe.SliceData(d), len(d)), name)
+}
+
+func lowerASCII(c byte) byte {
+	if 'A' <= c && c <= 'Z' {
+		return c + 'a' - 'A'
+	}
+	return c
 }
 
 // plainString reports whether the contents of a JSON string (without
@@ -235,7 +257,20 @@ func skipValue(b []byte, i int) (int, error) {
 	}
 	switch b[i] {
 	case '"':
-		for j := i + 1; ; {
+		// Most strings in a request (names, roles) are short: walk them.
+		j := i + 1
+		for end := min(j+32, len(b)); j < end; j++ {
+			switch b[j] {
+			case '\\':
+				j++
+			case '"':
+				return j + 1, nil
+			}
+		}
+		for {
+			if j >= len(b) {
+				return 0, errNotObject
+			}
 			k := bytes.IndexByte(b[j:], '"')
 			if k < 0 {
 				return 0, errNotObject
