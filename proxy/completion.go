@@ -182,7 +182,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		return
 	}
 
-	s.retries.deposit()
+	s.retries.deposit(start)
 	// req's strings point into the request body; a streamed answer's
 	// exchange outlives it.
 	model := p.cfg.Name

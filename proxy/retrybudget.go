@@ -26,6 +26,9 @@ func newRetryBudget(ratio float64) *retryBudget {
 }
 
 func (b *retryBudget) refill(now time.Time) {
+	if !now.After(b.last) {
+		return // requests deposit with their arrival times, which interleave
+	}
 	b.balance += now.Sub(b.last).Seconds() * retryReservePerSec
 	if b.balance > retryBalanceMax {
 		b.balance = retryBalanceMax
@@ -33,9 +36,10 @@ func (b *retryBudget) refill(now time.Time) {
 	b.last = now
 }
 
-func (b *retryBudget) deposit() {
+// deposit credits one request that arrived at now.
+func (b *retryBudget) deposit(now time.Time) {
 	b.mu.Lock()
-	b.refill(time.Now())
+	b.refill(now)
 	b.balance += b.ratio
 	if b.balance > retryBalanceMax {
 		b.balance = retryBalanceMax
