@@ -242,27 +242,26 @@ func (p *modelPool) anyFull() bool {
 }
 
 // waitQueue lets requests wait for a backend slot to free up.
+// Every request reads the channel before routing, so reading takes no lock.
 type waitQueue struct {
 	waiters atomic.Int64
-	mu      sync.Mutex
-	ch      chan struct{}
+	ch      atomic.Pointer[chan struct{}]
 }
 
-func newWaitQueue() *waitQueue { return &waitQueue{ch: make(chan struct{})} }
+func newWaitQueue() *waitQueue {
+	q := &waitQueue{}
+	ch := make(chan struct{})
+	q.ch.Store(&ch)
+	return q
+}
 
 // changed returns a channel closed at the next signal.
-func (q *waitQueue) changed() <-chan struct{} {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	return q.ch
-}
+func (q *waitQueue) changed() <-chan struct{} { return *q.ch.Load() }
 
 func (q *waitQueue) signal() {
 	if q.waiters.Load() == 0 {
 		return
 	}
-	q.mu.Lock()
-	close(q.ch)
-	q.ch = make(chan struct{})
-	q.mu.Unlock()
+	next := make(chan struct{})
+	close(*q.ch.Swap(&next)) // each swapped-out channel is closed once
 }
