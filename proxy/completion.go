@@ -41,11 +41,6 @@ type exchange struct {
 	rank   int        // data-parallel rank of the chosen worker
 	// released: the backend slot was returned
 	released bool
-	// prefillTimer ends a non-streamed request's prefill for the router at
-	// its predicted TTFT: the proxy sees no first token until the whole
-	// answer, and would otherwise count the prompt as queued prefill for the
-	// whole decode.
-	prefillTimer *time.Timer
 
 	status       int
 	ttft         time.Duration
@@ -318,10 +313,6 @@ func (a *attempt) hungUp() {
 // release frees the exchange's router slot and backend slot (idempotent for
 // the router; the backend slot is returned once).
 func (x *exchange) release() {
-	if x.prefillTimer != nil {
-		x.prefillTimer.Stop()
-		x.prefillTimer = nil
-	}
 	x.active.Free()
 	if x.b != nil && !x.released {
 		x.released = true
@@ -392,10 +383,9 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	}
 	fr.SetBodyRaw(body)
 
+	// A non-streamed request's prefill ends, for the router, at its
+	// predicted TTFT (router.Request.Unstreamed): no first token is seen.
 	active := x.active
-	if !x.stream {
-		x.prefillTimer = time.AfterFunc(time.Duration(x.d.PredictedTTFTms*float64(time.Millisecond)), active.PrefillDone)
-	}
 	at := &x.first
 	if at.active != nil {
 		// A retry: the previous attempt's hang-up may still be running.

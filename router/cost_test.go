@@ -211,3 +211,44 @@ func TestEngineReportedCapacityWins(t *testing.T) {
 	}
 	ours.Free()
 }
+
+// TestUnstreamedPrefillEndsAtPredictedTTFT: a non-streamed request leaves
+// the worker's queued prefill once its predicted TTFT has passed, with no
+// call from the caller (whose first token it never sees) and no timer; a
+// streamed one stays until its PrefillDone.
+func TestUnstreamedPrefillEndsAtPredictedTTFT(t *testing.T) {
+	c := newFakeClock()
+	r := newTestRouter(t, "kv", 2, func(cfg *Config) { cfg.Now = c.Now })
+	dw, whole := mustRoute(t, r, &Request{Pinned: true, Pin: 0, Hashes: seq(10, 1), PromptTokens: 160, Unstreamed: true})
+	_, streamed := mustRoute(t, r, &Request{Pinned: true, Pin: 0, Hashes: seq(10, 2), PromptTokens: 160})
+	_, early := mustRoute(t, r, &Request{Pinned: true, Pin: 0, Hashes: seq(10, 3), PromptTokens: 160, Unstreamed: true})
+	if dw.PredictedTTFTms <= 0 {
+		t.Fatalf("predicted TTFT %v", dw.PredictedTTFTms)
+	}
+	if st := r.Workers()[0]; st.PrefillTokens != 480 {
+		t.Fatalf("queued prefill %d, want 480", st.PrefillTokens)
+	}
+	early.Free() // answered before its predicted TTFT: nothing left to end
+
+	c.Advance(time.Duration(dw.PredictedTTFTms * 0.9 * float64(time.Millisecond)))
+	if st := r.Workers()[0]; st.PrefillTokens != 320 {
+		t.Fatalf("queued prefill %d before the predicted TTFT, want 320", st.PrefillTokens)
+	}
+	c.Advance(time.Duration(dw.PredictedTTFTms * 10 * float64(time.Millisecond)))
+	// Routing sees it too, not only the status.
+	d, other := mustRoute(t, r, &Request{Pinned: true, Pin: 0, Hashes: seq(10, 4), PromptTokens: 160, Unstreamed: true})
+	if k := candIndex(d.Candidates, 0); d.Candidates[k].PrefillTokens != 160 {
+		t.Fatalf("routing saw %d queued prefill tokens, want 160 (the streamed request's)", d.Candidates[k].PrefillTokens)
+	}
+	if st := r.Workers()[0]; st.Inflight != 3 || st.Pending != 1 {
+		t.Fatalf("inflight %d pending %d, want 3 and 1", st.Inflight, st.Pending)
+	}
+	whole.PrefillDone() // the whole answer arrived: a no-op for the counters
+	whole.Free()
+	streamed.PrefillDone()
+	streamed.Free()
+	other.Free()
+	if !r.Idle() {
+		t.Fatalf("not idle: %+v", r.Workers()[0])
+	}
+}

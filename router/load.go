@@ -29,6 +29,10 @@ type worker struct {
 	mu   sync.Mutex
 	gen  uint64                 // bumped by reset; Actives of older generations are inert
 	refs map[kv.BlockHash]int32 // prompt blocks of live requests, reference-counted
+	// due are the unstreamed requests whose prefill ends at their predicted
+	// TTFT (no first token is seen); nextDue is the earliest, 0 = none.
+	due     []dueAt
+	nextDue atomic.Int64
 
 	cal calibrator
 
@@ -148,16 +152,62 @@ func (w *worker) add(a *Active) bool {
 		a.pending = true
 	}
 	w.prefill.Add(a.prefill)
+	if a.dueNs > 0 && a.prefill > 0 {
+		w.due = append(w.due, dueAt{a.dueNs, a})
+		if next := w.nextDue.Load(); next == 0 || a.dueNs < next {
+			w.nextDue.Store(a.dueNs)
+		}
+	}
 	w.active.Add(newBlocks)
 	avg := math.Float64frombits(w.avgUncached.Load())
 	w.avgUncached.Store(math.Float64bits(avg + 0.1*(float64(a.uncached)-avg)))
 	return true
 }
 
+// dueAt is when an unstreamed request's prefill is taken to end.
+type dueAt struct {
+	ns int64 // Unix ns
+	a  *Active
+}
+
+// endDuePrefills ends the prefill of every unstreamed request whose
+// predicted TTFT is before now (Unix ns). It runs where the counters are
+// read, not on a timer per request: a timer would wake a thread of the
+// runtime for every non-streamed request.
+func (w *worker) endDuePrefills(now int64) {
+	if next := w.nextDue.Load(); next == 0 || now < next {
+		return
+	}
+	var buf [16]*Active
+	ended := buf[:0]
+	w.mu.Lock()
+	keep, next := w.due[:0], int64(0)
+	for _, d := range w.due {
+		if d.ns <= now {
+			ended = append(ended, d.a)
+			continue
+		}
+		keep = append(keep, d)
+		if next == 0 || d.ns < next {
+			next = d.ns
+		}
+	}
+	clear(w.due[len(keep):])
+	w.due = keep
+	w.nextDue.Store(next)
+	w.mu.Unlock()
+	for _, a := range ended {
+		a.PrefillDone() // a no-op for a request freed meanwhile
+	}
+}
+
 // reset zeroes every counter and makes all open Actives inert.
 func (w *worker) reset() {
 	w.mu.Lock()
 	w.gen++
+	clear(w.due)
+	w.due = w.due[:0]
+	w.nextDue.Store(0)
 	w.inflight.Store(0)
 	w.pending.Store(0)
 	w.prefill.Store(0)
@@ -189,6 +239,7 @@ type Active struct {
 	unstreamed, started bool
 
 	start    int64   // Commit time, Unix ns (0: unknown)
+	dueNs    int64   // unstreamed: the predicted end of prefill, Unix ns (0: none)
 	uncached int64   // predicted uncached prompt tokens
 	observed bool    // ObserveTTFT already counted
 	fetchMs  float64 // predicted at Commit: fetch time and wait for KV memory

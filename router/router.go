@@ -80,7 +80,9 @@ type Request struct {
 	// Unstreamed marks a request whose first token the caller cannot see
 	// (a non-streamed answer: PrefillDone comes with the whole answer). It
 	// is not counted as awaiting its first token (Candidate.Pending), which
-	// would otherwise last its whole decode.
+	// would otherwise last its whole decode, and its prefill is taken to
+	// end at its predicted TTFT (Decision.PredictedTTFTms) if PrefillDone
+	// has not come by then.
 	Unstreamed bool
 	// CandidateBuf, if its capacity is at least the number of workers, is
 	// reused for Decision.Candidates instead of allocating.
@@ -327,7 +329,9 @@ func (r *Router) worker(id WorkerID) *worker {
 func (r *Router) Workers() []WorkerStatus {
 	ws := *r.workers.Load()
 	out := make([]WorkerStatus, len(ws))
+	now := r.now().UnixNano()
 	for i, w := range ws {
+		w.endDuePrefills(now)
 		sc := w.cal.factor()
 		out[i] = WorkerStatus{
 			Name: w.name, ID: w.id, InstanceID: w.instance,
@@ -414,10 +418,12 @@ func (r *Router) selectWorker(req *Request) (Decision, error) {
 	}
 	bs := r.cfg.BlockSize
 	waiters := meanPending(ws)
+	now := r.now().UnixNano()
 	for _, w := range ws {
 		if !w.available.Load() {
 			continue
 		}
+		w.endDuePrefills(now)
 		c := Candidate{
 			Worker: w.id, Name: w.name,
 			Inflight: w.inflight.Load(), Pending: w.pending.Load(), PrefillTokens: w.prefill.Load(), ActiveBlocks: w.active.Load(),
@@ -507,6 +513,9 @@ func (r *Router) commit(req *Request, d *Decision) *Active {
 	}
 	a.fetchMs = r.cfg.Cost.fetch(&c) + c.MemoryMs // not scaled by the calibrator
 	a.start = r.now().UnixNano()
+	if req.Unstreamed && d.PredictedTTFTms > 0 {
+		a.dueNs = a.start + int64(d.PredictedTTFTms*float64(time.Millisecond))
+	}
 	a.computMs = r.cfg.Cost.compute(&c, int(uncached), c.PrefillTokens)
 	a.hashes = getHashes(req.Hashes)
 	if !w.add(a) {
