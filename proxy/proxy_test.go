@@ -657,22 +657,25 @@ func TestOnlyStreamedRequestsCountAsPending(t *testing.T) {
 // A non-streamed request stops counting as queued prefill once its
 // predicted TTFT has passed, though its answer is still being generated.
 func TestUnstreamedPrefillEndsAtPredictedTTFT(t *testing.T) {
-	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 800 * time.Millisecond })
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 2 * time.Second })
 	p := startProxy(t, "kv", e)
 	rt := p.s.st.Load().pools[0].rt
+	// A prompt of some 15k tokens: its predicted TTFT (about 0.015 ms a
+	// token) is a few hundred ms, long enough to see it queued right after
+	// routing, and well before the engine answers.
+	body := strings.Replace(chatBody, "Say hi", strings.Repeat("hi ", 15000), 1)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		post(t, p.url+"/v1/chat/completions", chatBody)
+		post(t, p.url+"/v1/chat/completions", body)
 	}()
-	deadline := time.Now().Add(3 * time.Second)
+	deadline := time.Now().Add(5 * time.Second)
 	for rt.Workers()[0].Inflight == 0 && time.Now().Before(deadline) {
 		time.Sleep(2 * time.Millisecond)
 	}
 	if st := rt.Workers()[0]; st.PrefillTokens == 0 {
 		t.Fatalf("no queued prefill right after routing: %+v", st)
 	}
-	// The prompt is short: its predicted TTFT is tens of milliseconds.
 	for rt.Workers()[0].PrefillTokens != 0 && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond)
 	}
