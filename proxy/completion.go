@@ -232,13 +232,15 @@ var (
 // (bounded by limits.max_queue waiters and limits.queue_timeout) for a slot.
 func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request) error {
 	s, p := x.s, x.p
-	var waiting bool
+	var waiting, rechecked bool
 	var timer *time.Timer
 	var gone clientGone
 	var watch *connWatch
 	defer func() {
 		if waiting {
 			s.queue.waiters.Add(-1)
+		}
+		if timer != nil {
 			timer.Stop()
 			s.watcher.Unwatch(watch)
 		}
@@ -269,16 +271,33 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 			x.d, x.active, x.b, x.rank = d, active, b, rank
 			return nil
 		}
-		if !p.anyFull() {
-			return err
-		}
+		lim := st.cfg.Limits
 		if !waiting {
-			lim := st.cfg.Limits
+			// Count the request as a waiter, then route again: a slot freed
+			// before it was counted signalled no one, and may already have
+			// left no backend full.
 			if s.queue.waiters.Add(1) > int64(lim.MaxQueue) {
 				s.queue.waiters.Add(-1)
-				return errQueueFull
+				if p.anyFull() {
+					return errQueueFull
+				}
+				return err
 			}
 			waiting = true
+			continue
+		}
+		if !p.anyFull() {
+			// No backend is full: none is healthy, or a slot was freed
+			// since this Route (it signals only after that). Route again
+			// once before giving up.
+			if rechecked {
+				return err
+			}
+			rechecked = true
+			continue
+		}
+		rechecked = false
+		if timer == nil {
 			timer = time.NewTimer(lim.QueueTimeout)
 			gone = make(clientGone)
 			watch = s.watcher.Watch(ctx.Conn(), gone)

@@ -4,9 +4,11 @@ import (
 	"bufio"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -476,4 +478,52 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 		}
 		time.Sleep(time.Millisecond)
 	}
+}
+
+// A healthy backend at its max_concurrency queues requests; none is told
+// that no backend is available, even when a slot frees just as it routes
+// (the backend is full when the router looks, and no longer when the
+// request decides whether to wait).
+func TestFullBackendNeverAnswersNoBackend(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, `
+models: [{name: m, aliases: [alias-m]}]
+backends: [{id: e0, url: 'http://{{e0}}', max_concurrency: 1}]
+limits: {max_queue: 64, queue_timeout: 5s}
+`, e)
+	const clients, each = 16, 100
+	errs := make(chan string, clients*each)
+	var wg sync.WaitGroup
+	for g := 0; g < clients; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			cl := &http.Client{Transport: &http.Transport{}}
+			defer cl.CloseIdleConnections()
+			for i := 0; i < each; i++ {
+				resp, err := cl.Post(p.url+"/v1/chat/completions", "application/json", strings.NewReader(chatBody))
+				if err != nil {
+					errs <- err.Error()
+					return
+				}
+				b, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode != 200 {
+					errs <- fmt.Sprintf("%d: %s", resp.StatusCode, b)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	n := 0
+	for msg := range errs {
+		if n++; n <= 3 {
+			t.Error(msg)
+		}
+	}
+	if n > 0 {
+		t.Fatalf("%d of %d requests failed", n, clients*each)
+	}
+	p.waitIdle(t)
 }
