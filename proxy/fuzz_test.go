@@ -127,10 +127,19 @@ func FuzzParseRequest(f *testing.F) {
 		if _, ok := fields["nvext"]; ok || string(fields["model"]) != `"served"` || string(fields["cache_salt"]) != `"salt"` {
 			t.Fatalf("engine body: nvext must go, model and cache_salt be ours: %s", out)
 		}
+		// The engine reads the stream flag the proxy relays by.
+		if st := string(fields["stream"]); req.stream != (st == "true") {
+			t.Fatalf("engine body: stream %q, the proxy read %v: %s", st, req.stream, out)
+		}
+		for k := range fields {
+			if k != "stream" && strings.EqualFold(k, "stream") {
+				t.Fatalf("engine body: a stream member spelled %q: %s", k, out)
+			}
+		}
 		// Every other member reaches the engine unchanged.
 		if json.Unmarshal(body, &orig) == nil {
 			for k, v := range orig {
-				if strings.EqualFold(k, "model") || strings.EqualFold(k, "nvext") || strings.EqualFold(k, "cache_salt") {
+				if strings.EqualFold(k, "model") || strings.EqualFold(k, "nvext") || strings.EqualFold(k, "cache_salt") || strings.EqualFold(k, "stream") {
 					continue
 				}
 				if got, ok := fields[k]; !ok || !bytes.Equal(bytes.TrimSpace(got), bytes.TrimSpace(v)) {

@@ -685,3 +685,39 @@ func TestUnstreamedPrefillEndsAtPredictedTTFT(t *testing.T) {
 	<-done
 	p.waitIdle(t)
 }
+
+// The proxy reads member names as the JSON decoder does (any case, the last
+// one wins), but an engine's own parser takes only "stream": whatever
+// spelling the proxy read, the engine gets the same stream flag, so a
+// client's "Stream" neither breaks its answer nor ejects the backend.
+func TestStreamFlagReachesEngineAsRead(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	for _, tc := range []struct{ members, want string }{
+		{`"Stream":true,`, "stream"},
+		{`"stream":false,"STREAM":true,`, "stream"},
+		{`"stream":true,"Stream":false,`, "whole"},
+		{`"\u0053tream":null,`, "whole"},
+	} {
+		resp, b := post(t, p.url+"/v1/chat/completions", strings.Replace(chatBody, `"nvext"`, tc.members+`"nvext"`, 1))
+		got := "whole"
+		if strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+			got = "stream"
+		}
+		if resp.StatusCode != 200 || got != tc.want || strings.Contains(string(b), `"error"`) {
+			t.Fatalf("%s: %d, %s answer, want %s: %s", tc.members, resp.StatusCode, got, tc.want, b)
+		}
+		e.mu.Lock()
+		fwd := e.bodies[len(e.bodies)-1]
+		e.mu.Unlock()
+		if s, _ := fwd["stream"].(bool); s != (tc.want == "stream") {
+			t.Fatalf("%s: the engine got stream %v: %v", tc.members, fwd["stream"], fwd)
+		}
+		for k := range fwd {
+			if k != "stream" && strings.EqualFold(k, "stream") {
+				t.Fatalf("%s: the engine got %q", tc.members, k)
+			}
+		}
+	}
+	p.waitIdle(t)
+}

@@ -415,16 +415,21 @@ type wireFields struct {
 }
 
 // forwardBody appends to dst the body sent to the engine: the client's body
-// with nvext and any cache_salt removed, model renamed, and the tenant's
-// cache_salt added (salt "" adds none). Every other member is copied byte
-// for byte.
+// with nvext and any cache_salt removed, model renamed, stream spelled as
+// engines read it, and the tenant's cache_salt added (salt "" adds none).
+// Every other member is copied byte for byte.
+//
+// The proxy reads member names as the JSON decoder does (any case, escapes
+// decoded, the last one wins); an engine's parser takes only "stream". So
+// every spelling of stream is dropped and the value the proxy read is sent
+// as "stream": the engine answers in the form the proxy relays.
 func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, error) {
 	out := append(dst, '{')
 	n := 0
 	m := members{b: r.body}
 	for m.next() {
 		// Case-insensitive, as the JSON decoder that read them matches names.
-		if keyIs(m.key, "nvext") || keyIs(m.key, "cache_salt") || keyIs(m.key, "model") {
+		if keyIs(m.key, "nvext") || keyIs(m.key, "cache_salt") || keyIs(m.key, "model") || keyIs(m.key, "stream") {
 			continue
 		}
 		if n > 0 {
@@ -441,6 +446,10 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 	}
 	out = append(out, `"model":`...)
 	out = appendJSONQuoted(out, servedModel)
+	if r.fields.Stream != nil {
+		out = append(out, `,"stream":`...)
+		out = append(out, r.fields.Stream...)
+	}
 	if salt != "" {
 		out = append(out, `,"cache_salt":`...)
 		out = appendJSONQuoted(out, salt)

@@ -222,7 +222,7 @@ func (r *refRequest) refForwardBody(servedModel, salt string) ([]byte, error) {
 	n := 0
 	err := refTopLevelMembers(r.body, func(key string, member []byte) {
 		// Case-insensitive, as the JSON decoder that read them matches names.
-		if strings.EqualFold(key, "nvext") || strings.EqualFold(key, "cache_salt") || strings.EqualFold(key, "model") {
+		if strings.EqualFold(key, "nvext") || strings.EqualFold(key, "cache_salt") || strings.EqualFold(key, "model") || strings.EqualFold(key, "stream") {
 			return
 		}
 		if n > 0 {
@@ -240,6 +240,10 @@ func (r *refRequest) refForwardBody(servedModel, salt string) ([]byte, error) {
 	out = append(out, `"model":`...)
 	m, _ := json.Marshal(servedModel)
 	out = append(out, m...)
+	if r.refFields.Stream != nil { // the stream flag as read, as engines spell it
+		out = append(out, `,"stream":`...)
+		out = append(out, r.refFields.Stream...)
+	}
 	if salt != "" {
 		out = append(out, `,"cache_salt":`...)
 		sj, _ := json.Marshal(salt)
