@@ -527,3 +527,48 @@ limits: {max_queue: 64, queue_timeout: 5s}
 	}
 	p.waitIdle(t)
 }
+
+// A client that hangs up while its request's second attempt waits for the
+// engine (the first was refused with 429) aborts that attempt and frees
+// both slots: the router's and the backend's.
+func TestHangUpDuringRetriedAttempt(t *testing.T) {
+	for _, stream := range []bool{true, false} {
+		t.Run(fmt.Sprint("stream=", stream), func(t *testing.T) {
+			busy := startFake(t, "busy", func(f *fakeEngine) { f.status = 429; f.errBody = `{"error":{"message":"busy"}}` })
+			slow := startFake(t, "slow", func(f *fakeEngine) { f.prefillDelay = 10 * time.Second })
+			p := startProxyYAML(t, `
+models: [{name: m, aliases: [alias-m]}]
+backends: [{id: busy, url: 'http://{{e0}}', max_concurrency: 1}, {id: slow, url: 'http://{{e1}}', max_concurrency: 1}]
+router: {policy: round_robin}
+`, busy, slow)
+			for i := int64(1); i <= 2; i++ {
+				c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+				if err != nil {
+					t.Fatal(err)
+				}
+				body := fmt.Sprintf(`{"model":"m","prompt":"slow","stream":%v}`, stream)
+				fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+				deadline := time.Now().Add(3 * time.Second)
+				for slow.current.Load() == 0 && time.Now().Before(deadline) {
+					time.Sleep(time.Millisecond)
+				}
+				if busy.requests.Load() != i || slow.requests.Load() != i {
+					t.Fatalf("request %d: busy saw %d, slow %d: want a refused first attempt and a second", i, busy.requests.Load(), slow.requests.Load())
+				}
+				c.Close()
+				for slow.aborted.Load() != i {
+					if time.Now().After(deadline) {
+						t.Fatal("the engine never saw the abort")
+					}
+					time.Sleep(time.Millisecond)
+				}
+				p.waitIdle(t)
+				for _, b := range *p.s.st.Load().pools[0].workers.Load() {
+					if b != nil && len(b.slots) != 0 {
+						t.Fatalf("backend %s still holds %d slots", b.cfg.ID, len(b.slots))
+					}
+				}
+			}
+		})
+	}
+}
