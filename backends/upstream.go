@@ -92,10 +92,24 @@ func (a *Abort) attach(c net.Conn) bool {
 	return true
 }
 
-func (a *Abort) detach() {
+// detach forgets the connection, so a later Abort cannot close it, and
+// reports whether Abort was called before (and may have closed it).
+func (a *Abort) detach() (aborted bool) {
 	a.mu.Lock()
 	a.conn = nil
+	aborted = a.aborted
 	a.mu.Unlock()
+	return aborted
+}
+
+// done ends uc's exchange: back to the pool if reuse and ab (optional) did
+// not fire, closed otherwise. An Abort may close the connection at any time
+// until it is detached, even after the answer was read in full.
+func (u *Upstream) done(uc *upConn, reuse bool, ab *Abort) {
+	if ab != nil && ab.detach() {
+		reuse = false
+	}
+	u.release(uc, reuse)
 }
 
 // ErrAborted is returned when the exchange was aborted by the caller.
@@ -154,14 +168,7 @@ func (b *Body) Close() {
 		return
 	}
 	b.resp.CloseBodyStream()
-	reuse := b.eof && !b.resp.ConnectionClose() && b.resp.Header.ContentLength() != -2
-	if b.ab != nil {
-		b.ab.detach()
-		if b.ab.Aborted() {
-			reuse = false
-		}
-	}
-	b.u.release(b.uc, reuse)
+	b.u.done(b.uc, b.eof && !b.resp.ConnectionClose() && b.resp.Header.ContentLength() != -2, b.ab)
 	b.uc = nil
 }
 
@@ -237,10 +244,7 @@ func (u *Upstream) exchange(uc *upConn, req *fasthttp.Request, resp *fasthttp.Re
 		return nil, err
 	}
 	if !stream {
-		if ab != nil {
-			ab.detach()
-		}
-		u.release(uc, !resp.ConnectionClose())
+		u.done(uc, !resp.ConnectionClose(), ab)
 		return nil, nil
 	}
 	return &Body{u: u, uc: uc, resp: resp, r: resp.BodyStream(), ab: ab}, nil

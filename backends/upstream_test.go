@@ -155,3 +155,39 @@ func TestAbortClosesTheEngineConnection(t *testing.T) {
 		t.Fatal("the engine did not see its connection close")
 	}
 }
+
+// An Abort that fires after the whole answer was read, before the exchange
+// let go of its connection, has closed that connection: it must not go back
+// to the pool, or the next, unrelated request fails on it.
+func TestConnectionClosedByLateAbortIsNotPooled(t *testing.T) {
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		for readRequest(br) == nil {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		}
+	})
+	u := &Upstream{Addr: addr}
+	uc, _, err := u.get()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ab := &Abort{}
+	if !ab.attach(uc.c) {
+		t.Fatal("attach refused")
+	}
+	ab.Abort() // the client hung up just as the answer came in
+	u.done(uc, true, ab)
+	if n := len(u.idle); n != 0 {
+		t.Fatalf("%d pooled connections, want the aborted one closed", n)
+	}
+	resp := fasthttp.AcquireResponse()
+	if _, err := u.Do(newRequest(addr, `{}`), resp, false, nil); err != nil || string(resp.Body()) != "ok" {
+		t.Fatalf("next request: %v %q", err, resp.Body())
+	}
+
+	// Not aborted: the connection is reused.
+	uc, _, _ = u.get()
+	u.done(uc, true, &Abort{})
+	if n := len(u.idle); n != 1 {
+		t.Fatalf("%d pooled connections, want 1", n)
+	}
+}
