@@ -362,9 +362,10 @@ func (r *Router) Idle() bool {
 	return true
 }
 
-// Select decides where req would go. It has no side effects: a dry run uses
-// it alone, and a Route of the same request with nothing changed in between
-// picks the same worker.
+// Select decides where req would go. It changes nothing a later decision
+// would not see the same (it only ends unstreamed prefills already due, as
+// any read of the counters does): a dry run uses it alone, and a Route of
+// the same request with nothing changed in between picks the same worker.
 func (r *Router) Select(req *Request) (Decision, error) {
 	return r.selectWorker(req)
 }
