@@ -21,6 +21,7 @@ var chartMetrics = []struct{ workload, metric, label string }{
 	{chat, "throughput", "chat req/s"},
 	{chat, "latency_p50", "chat p50"},
 	{chat, "latency_p99", "chat p99"},
+	{chat, "cpu_per_request", "CPU/req"},
 	{stream, "first_event_p50", "1st event p50"},
 	{stream, "first_event_p99", "1st event p99"},
 	{stream, "events", "events/s"},
