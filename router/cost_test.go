@@ -2,6 +2,7 @@ package router
 
 import (
 	"math"
+	"slices"
 	"testing"
 	"time"
 
@@ -250,5 +251,72 @@ func TestUnstreamedPrefillEndsAtPredictedTTFT(t *testing.T) {
 	other.Free()
 	if !r.Idle() {
 		t.Fatalf("not idle: %+v", r.Workers()[0])
+	}
+}
+
+// Many unstreamed requests with different predicted TTFTs, some freed
+// early: at every moment the worker's queued prefill is exactly that of the
+// live ones not yet due (the due times are a heap; this checks its order).
+func TestUnstreamedPrefillsEndInDueOrder(t *testing.T) {
+	c := newFakeClock()
+	r := newTestRouter(t, "kv", 1, func(cfg *Config) { cfg.Now = c.Now })
+	type req struct {
+		a      *Active
+		due    int64
+		tokens int64
+		freed  bool
+	}
+	var reqs []*req
+	route := func(i, tokens int) {
+		_, a := mustRoute(t, r, &Request{Pinned: true, Pin: 0, Hashes: seq(tokens/16, uint64(1000+i)), PromptTokens: tokens, Unstreamed: true})
+		reqs = append(reqs, &req{a: a, due: a.dueNs, tokens: a.prefill})
+		c.Advance(time.Duration(i%3) * time.Millisecond)
+	}
+	// Large prompts first, due later and later as the queue grows; most of
+	// them answered early; then small ones, due sooner than the large ones
+	// still waiting: pushed after them, they must come out first.
+	for i := 0; i < 100; i++ {
+		route(i, 16*(100+(i*37)%400))
+	}
+	for i, q := range reqs {
+		if i%4 != 0 {
+			q.a.Free()
+			q.freed = true
+		}
+	}
+	for i := 100; i < 200; i++ {
+		route(i, 16*(1+(i*37)%20))
+	}
+	// Just before and at every due time still ahead (the routing took
+	// simulated time: some are due already).
+	var times []int64
+	for _, q := range reqs {
+		if q.due > c.Now().UnixNano() {
+			times = append(times, q.due-1, q.due)
+		}
+	}
+	if len(times) < 100 {
+		t.Fatalf("only %d due times ahead", len(times)/2)
+	}
+	slices.Sort(times)
+	for _, at := range times {
+		if d := at - c.Now().UnixNano(); d > 0 {
+			c.Advance(time.Duration(d))
+		}
+		want := int64(0)
+		for _, q := range reqs {
+			if !q.freed && q.due > at {
+				want += q.tokens
+			}
+		}
+		if got := r.Workers()[0].PrefillTokens; got != want {
+			t.Fatalf("at %d: queued prefill %d, want %d", at, got, want)
+		}
+	}
+	for _, q := range reqs {
+		q.a.Free()
+	}
+	if !r.Idle() {
+		t.Fatal("not idle")
 	}
 }

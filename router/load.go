@@ -30,7 +30,8 @@ type worker struct {
 	gen  uint64                 // bumped by reset; Actives of older generations are inert
 	refs map[kv.BlockHash]int32 // prompt blocks of live requests, reference-counted
 	// due are the unstreamed requests whose prefill ends at their predicted
-	// TTFT (no first token is seen); nextDue is the earliest, 0 = none.
+	// TTFT (no first token is seen), a min-heap on that time; nextDue is the
+	// earliest, 0 = none.
 	due     []dueAt
 	nextDue atomic.Int64
 
@@ -153,10 +154,8 @@ func (w *worker) add(a *Active) bool {
 	}
 	w.prefill.Add(a.prefill)
 	if a.dueNs > 0 && a.prefill > 0 {
-		w.due = append(w.due, dueAt{a.dueNs, a})
-		if next := w.nextDue.Load(); next == 0 || a.dueNs < next {
-			w.nextDue.Store(a.dueNs)
-		}
+		w.pushDue(dueAt{a.dueNs, a})
+		w.nextDue.Store(w.due[0].ns)
 	}
 	w.active.Add(newBlocks)
 	avg := math.Float64frombits(w.avgUncached.Load())
@@ -181,24 +180,56 @@ func (w *worker) endDuePrefills(now int64) {
 	var buf [16]*Active
 	ended := buf[:0]
 	w.mu.Lock()
-	keep, next := w.due[:0], int64(0)
-	for _, d := range w.due {
-		if d.ns <= now {
-			ended = append(ended, d.a)
-			continue
-		}
-		keep = append(keep, d)
-		if next == 0 || d.ns < next {
-			next = d.ns
-		}
+	for len(w.due) > 0 && w.due[0].ns <= now {
+		ended = append(ended, w.popDue().a)
 	}
-	clear(w.due[len(keep):])
-	w.due = keep
+	next := int64(0)
+	if len(w.due) > 0 {
+		next = w.due[0].ns
+	}
 	w.nextDue.Store(next)
 	w.mu.Unlock()
 	for _, a := range ended {
 		a.PrefillDone() // a no-op for a request freed meanwhile
 	}
+}
+
+// pushDue and popDue keep w.due a binary min-heap on ns (w.mu held): a
+// Route pays O(log n) for the prefills it ends, not a scan of all n.
+func (w *worker) pushDue(d dueAt) {
+	h := append(w.due, d)
+	for i := len(h) - 1; i > 0; {
+		p := (i - 1) / 2
+		if h[p].ns <= h[i].ns {
+			break
+		}
+		h[p], h[i] = h[i], h[p]
+		i = p
+	}
+	w.due = h
+}
+
+func (w *worker) popDue() dueAt {
+	h := w.due
+	top, n := h[0], len(h)-1
+	h[0], h[n] = h[n], dueAt{}
+	h = h[:n]
+	for i := 0; ; {
+		m, l := i, 2*i+1
+		if l < n && h[l].ns < h[m].ns {
+			m = l
+		}
+		if r := l + 1; r < n && h[r].ns < h[m].ns {
+			m = r
+		}
+		if m == i {
+			break
+		}
+		h[i], h[m] = h[m], h[i]
+		i = m
+	}
+	w.due = h
+	return top
 }
 
 // reset zeroes every counter and makes all open Actives inert.
