@@ -378,11 +378,18 @@ func (s *Server) Shutdown() error {
 	return err
 }
 
-// Idle reports whether every load counter of every worker is zero.
+// Idle reports whether every load counter of every worker is zero and no
+// backend slot (max_concurrency) is held. A request frees its router slot
+// just before its backend slot: both are checked.
 func (s *Server) Idle() bool {
 	for _, p := range s.st.Load().pools {
 		if !p.rt.Idle() {
 			return false
+		}
+		for _, b := range *p.workers.Load() {
+			if b != nil && len(b.slots) != 0 {
+				return false
+			}
 		}
 	}
 	return true
