@@ -450,12 +450,7 @@ limits: {max_queue: 4, queue_timeout: 10s}
 		first <- resp.StatusCode
 	}()
 	waitFor(t, "the first request at the engine", func() bool { return e.requests.Load() == 1 })
-	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	body := `{"model":"m","prompt":"second"}`
-	fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	c := rawCompletion(t, p, `{"model":"m","prompt":"second"}`)
 	waitFor(t, "the second request in the queue", func() bool { return p.s.queue.waiters.Load() == 1 })
 	c.Close()
 	waitFor(t, "the queue to let the departed client go", func() bool { return p.s.queue.waiters.Load() == 0 })
@@ -542,12 +537,7 @@ backends: [{id: busy, url: 'http://{{e0}}', max_concurrency: 1}, {id: slow, url:
 router: {policy: round_robin}
 `, busy, slow)
 			for i := int64(1); i <= 2; i++ {
-				c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
-				if err != nil {
-					t.Fatal(err)
-				}
-				body := fmt.Sprintf(`{"model":"m","prompt":"slow","stream":%v}`, stream)
-				fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+				c := rawCompletion(t, p, fmt.Sprintf(`{"model":"m","prompt":"slow","stream":%v}`, stream))
 				deadline := time.Now().Add(3 * time.Second)
 				for slow.current.Load() == 0 && time.Now().Before(deadline) {
 					time.Sleep(time.Millisecond)

@@ -177,6 +177,19 @@ func (p *testProxy) waitIdle(t *testing.T) {
 	}
 }
 
+// rawCompletion opens a raw connection to the proxy and sends one
+// /v1/completions request with body on it, leaving the answer unread: for
+// tests that hang up mid-request.
+func rawCompletion(t *testing.T, p *testProxy, body string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	return c
+}
+
 func post(t *testing.T, url, body string) (*http.Response, []byte) {
 	t.Helper()
 	resp, err := http.Post(url, "application/json", strings.NewReader(body))
@@ -433,12 +446,7 @@ func TestClientDisconnectDuringPrefillAbortsUpstream(t *testing.T) {
 		t.Run(fmt.Sprint("stream=", stream), func(t *testing.T) {
 			e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 10 * time.Second })
 			p := startProxy(t, "kv", e)
-			c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			body := fmt.Sprintf(`{"model":"m","prompt":"slow","stream":%v}`, stream)
-			fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+			c := rawCompletion(t, p, fmt.Sprintf(`{"model":"m","prompt":"slow","stream":%v}`, stream))
 			deadline := time.Now().Add(3 * time.Second)
 			for e.requests.Load() == 0 && time.Now().Before(deadline) {
 				time.Sleep(time.Millisecond)
