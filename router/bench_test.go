@@ -151,7 +151,7 @@ func BenchmarkRouteUnstreamed(b *testing.B) {
 	var now atomic.Int64
 	now.Store(time.Unix(1_700_000_000, 0).UnixNano())
 	cfg := DefaultConfig()
-	cfg.Now = func() time.Time { return time.Unix(0, now.Add(2_000)) }
+	cfg.Now = func() time.Time { return time.Unix(0, now.Add(4_000)) } // one read per Route
 	r, _ := New(cfg)
 	r.AddWorker("worker-0")
 	// No full block: nothing is ever cached, every request has a prefill.

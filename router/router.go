@@ -367,14 +367,14 @@ func (r *Router) Idle() bool {
 // any read of the counters does): a dry run uses it alone, and a Route of
 // the same request with nothing changed in between picks the same worker.
 func (r *Router) Select(req *Request) (Decision, error) {
-	return r.selectWorker(req)
+	return r.selectWorker(req, r.now().UnixNano())
 }
 
 // Commit registers req on d.Worker: load, approximate-mode index records,
 // policy state. The caller ends the returned Active with Free.
 func (r *Router) Commit(req *Request, d Decision) *Active {
 	r.mu.Lock()
-	a := r.commit(req, &d)
+	a := r.commit(req, &d, r.now().UnixNano())
 	r.mu.Unlock()
 	return a
 }
@@ -384,14 +384,16 @@ func (r *Router) Commit(req *Request, d Decision) *Active {
 func (r *Router) Route(req *Request) (Decision, *Active, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	d, err := r.selectWorker(req)
+	now := r.now().UnixNano() // one clock read for both halves
+	d, err := r.selectWorker(req, now)
 	if err != nil {
 		return d, nil, err
 	}
-	return d, r.commit(req, &d), nil
+	return d, r.commit(req, &d, now), nil
 }
 
-func (r *Router) selectWorker(req *Request) (Decision, error) {
+// selectWorker and commit take the time (Unix ns) from their caller.
+func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 	ws := *r.workers.Load()
 	if req.Pinned {
 		if int(req.Pin) >= len(ws) || !ws[req.Pin].available.Load() {
@@ -419,7 +421,6 @@ func (r *Router) selectWorker(req *Request) (Decision, error) {
 	}
 	bs := r.cfg.BlockSize
 	waiters := meanPending(ws)
-	now := r.now().UnixNano()
 	for _, w := range ws {
 		if !w.available.Load() {
 			continue
@@ -493,7 +494,7 @@ func (r *Router) tieSeed(req *Request) uint64 {
 	return mix64(h ^ r.seed ^ mix64(r.commits.Load()))
 }
 
-func (r *Router) commit(req *Request, d *Decision) *Active {
+func (r *Router) commit(req *Request, d *Decision, now int64) *Active {
 	w := r.worker(d.Worker)
 	if w == nil {
 		return &Active{freed: true}
@@ -513,7 +514,7 @@ func (r *Router) commit(req *Request, d *Decision) *Active {
 		c = d.Candidates[k]
 	}
 	a.fetchMs = r.cfg.Cost.fetch(&c) + c.MemoryMs // not scaled by the calibrator
-	a.start = r.now().UnixNano()
+	a.start = now
 	if req.Unstreamed && d.PredictedTTFTms > 0 {
 		a.dueNs = a.start + int64(d.PredictedTTFTms*float64(time.Millisecond))
 	}
