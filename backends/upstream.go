@@ -34,12 +34,30 @@ type Upstream struct {
 
 type upConn struct {
 	c  net.Conn
+	rd peerReader // what br reads through
 	br *bufio.Reader
 	bw *bufio.Writer
 	// readBy is the read deadline set on c. Each exchange needs one at least
 	// ReadTimeout away; moving it costs a timer update, so it is moved only
 	// when it is closer than that (by more than deadlineSlack).
 	readBy time.Time
+}
+
+// peerReader reads the engine's connection for br, counting the bytes that
+// arrived and noting when the engine closed its side.
+type peerReader struct {
+	c      net.Conn
+	n      int64 // bytes read from the engine
+	closed bool  // a read returned io.EOF: the engine sends nothing more
+}
+
+func (r *peerReader) Read(p []byte) (int, error) {
+	n, err := r.c.Read(p)
+	r.n += int64(n)
+	if err == io.EOF {
+		r.closed = true
+	}
+	return n, err
 }
 
 // deadlineSlack is how much later than ReadTimeout a silent engine may be
@@ -141,6 +159,12 @@ func (b *Body) Read(p []byte) (int, error) {
 	}
 	b.uc.armRead(time.Now(), b.u.readTimeout())
 	n, err := b.r.Read(p)
+	if err == io.EOF && b.uc.rd.closed && b.resp.Header.ContentLength() == -1 {
+		// fasthttp reports a chunked body whose connection closed between
+		// two chunks, before the terminating one, as a plain EOF: the
+		// engine died mid-answer, which must not pass for a complete one.
+		err = io.ErrUnexpectedEOF
+	}
 	if err == io.EOF {
 		b.eof = true
 	} else if err != nil {
@@ -184,7 +208,9 @@ func (u *Upstream) readTimeout() time.Duration {
 // the returned Body is nil. ab (optional) aborts the exchange from elsewhere.
 func (u *Upstream) Do(req *fasthttp.Request, resp *fasthttp.Response, stream bool, ab *Abort) (*Body, error) {
 	for attempt := 0; ; attempt++ {
-		uc, reused, err := u.get()
+		// A retry after a stale pooled connection dials: after an engine
+		// restart every pooled connection is as dead as the first one was.
+		uc, reused, err := u.get(attempt > 0)
 		if err != nil {
 			return nil, &ConnectError{Err: err}
 		}
@@ -192,6 +218,7 @@ func (u *Upstream) Do(req *fasthttp.Request, resp *fasthttp.Response, stream boo
 			uc.c.Close()
 			return nil, ErrAborted
 		}
+		sent := uc.rd.n
 		body, err := u.exchange(uc, req, resp, stream, ab)
 		if err == nil {
 			return body, nil
@@ -205,7 +232,8 @@ func (u *Upstream) Do(req *fasthttp.Request, resp *fasthttp.Response, stream boo
 		}
 		// A pooled connection the engine closed while idle fails before any
 		// response byte: the engine never saw the request, so try a fresh one.
-		if reused && attempt == 0 && isStaleConn(err) {
+		// Once a byte of an answer arrived, the engine took the request.
+		if reused && attempt == 0 && uc.rd.n == sent && isStaleConn(err) {
 			continue
 		}
 		return nil, err
@@ -250,9 +278,9 @@ func (u *Upstream) exchange(uc *upConn, req *fasthttp.Request, resp *fasthttp.Re
 	return &Body{u: u, uc: uc, resp: resp, r: resp.BodyStream(), ab: ab}, nil
 }
 
-func (u *Upstream) get() (*upConn, bool, error) {
+func (u *Upstream) get(dial bool) (*upConn, bool, error) {
 	u.mu.Lock()
-	if n := len(u.idle); n > 0 {
+	if n := len(u.idle); n > 0 && !dial {
 		uc := u.idle[n-1]
 		u.idle[n-1] = nil
 		u.idle = u.idle[:n-1]
@@ -272,7 +300,9 @@ func (u *Upstream) get() (*upConn, bool, error) {
 		tc.SetNoDelay(true)
 	}
 	u.Dials.Add(1)
-	return &upConn{c: c, br: bufio.NewReaderSize(c, 16<<10), bw: bufio.NewWriterSize(c, 16<<10)}, false, nil
+	uc := &upConn{c: c, rd: peerReader{c: c}, bw: bufio.NewWriterSize(c, 16<<10)}
+	uc.br = bufio.NewReaderSize(&uc.rd, 16<<10)
+	return uc, false, nil
 }
 
 func (u *Upstream) release(uc *upConn, reuse bool) {

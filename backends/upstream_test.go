@@ -166,7 +166,7 @@ func TestConnectionClosedByLateAbortIsNotPooled(t *testing.T) {
 		}
 	})
 	u := &Upstream{Addr: addr}
-	uc, _, err := u.get()
+	uc, _, err := u.get(false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -185,7 +185,7 @@ func TestConnectionClosedByLateAbortIsNotPooled(t *testing.T) {
 	}
 
 	// Not aborted: the connection is reused.
-	uc, _, _ = u.get()
+	uc, _, _ = u.get(false)
 	u.done(uc, true, &Abort{})
 	if n := len(u.idle); n != 1 {
 		t.Fatalf("%d pooled connections, want 1", n)

@@ -1,0 +1,199 @@
+package backends
+
+import (
+	"bufio"
+	"errors"
+	"io"
+	"net"
+	"runtime"
+	"sync"
+	"testing"
+
+	"github.com/valyala/fasthttp"
+)
+
+// restartableEngine answers every request on keep-alive connections; restart
+// closes every open connection (as an engine process that restarts on the
+// same port does) and returns once they are closed.
+type restartableEngine struct {
+	addr  string
+	mu    sync.Mutex
+	conns map[net.Conn]bool
+	// hold, while non-nil, makes answers wait until it is closed, so
+	// concurrent requests each need a connection of their own.
+	hold chan struct{}
+}
+
+func newRestartableEngine(t *testing.T) *restartableEngine {
+	e := &restartableEngine{conns: map[net.Conn]bool{}}
+	e.addr = rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		e.mu.Lock()
+		e.conns[c] = true
+		e.mu.Unlock()
+		for readRequest(br) == nil {
+			e.mu.Lock()
+			hold := e.hold
+			e.mu.Unlock()
+			if hold != nil {
+				<-hold
+			}
+			if _, err := io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"); err != nil {
+				return
+			}
+		}
+	})
+	return e
+}
+
+func (e *restartableEngine) restart() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for c := range e.conns {
+		c.Close()
+		delete(e.conns, c)
+	}
+}
+
+// After an engine restart every pooled connection is dead. A request must
+// still succeed: it may meet a stale connection once, but its retry must
+// not take another stale one from the pool (which the engine never answers
+// either, and the proxy would report as a 502).
+func TestEngineRestartWithSeveralPooledConnections(t *testing.T) {
+	e := newRestartableEngine(t)
+	u := &Upstream{Addr: e.addr}
+	const n = 4
+	hold := make(chan struct{})
+	e.mu.Lock()
+	e.hold = hold
+	e.mu.Unlock()
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req, resp := newRequest(e.addr, `{}`), fasthttp.AcquireResponse()
+			_, err := u.Do(req, resp, false, nil)
+			errs <- err
+		}()
+	}
+	// Every request holds a connection of its own before any is answered.
+	for {
+		e.mu.Lock()
+		open := len(e.conns)
+		e.mu.Unlock()
+		if open == n {
+			break
+		}
+		runtimeGosched()
+	}
+	e.mu.Lock()
+	e.hold = nil
+	e.mu.Unlock()
+	close(hold)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := len(u.idle); got != n {
+		t.Fatalf("%d pooled connections, want %d", got, n)
+	}
+	e.restart()
+	for i := 0; i < n; i++ {
+		req, resp := newRequest(e.addr, `{}`), fasthttp.AcquireResponse()
+		if _, err := u.Do(req, resp, false, nil); err != nil {
+			t.Fatalf("request %d after the engine restarted: %v", i, err)
+		}
+		if string(resp.Body()) != "ok" {
+			t.Fatalf("body %q", resp.Body())
+		}
+	}
+}
+
+// A streamed body cut short by the engine (the connection closes inside a
+// chunked body or before Content-Length bytes) must end in an error, never
+// a clean EOF: a clean EOF tells the proxy the answer was complete and puts
+// a dead connection back in the pool.
+func TestTruncatedStreamIsAnError(t *testing.T) {
+	for name, answer := range map[string]string{
+		"chunked mid-chunk":     "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\ndata: {\"a\"",
+		"chunked between":       "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+		"content-length":        "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly a part",
+		"chunked bad size line": "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n",
+	} {
+		t.Run(name, func(t *testing.T) {
+			addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+				readRequest(br)
+				io.WriteString(c, answer)
+			})
+			u := &Upstream{Addr: addr}
+			req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+			body, err := u.Do(req, resp, true, nil)
+			if err != nil {
+				return // refused at the headers: fine
+			}
+			_, err = io.ReadAll(body)
+			body.Close()
+			if err == nil {
+				t.Fatal("truncated body read to a clean EOF")
+			}
+			if errors.Is(err, io.EOF) {
+				t.Fatalf("truncated body ended with %v", err)
+			}
+			if len(u.idle) != 0 {
+				t.Fatal("connection of a truncated answer was pooled")
+			}
+		})
+	}
+}
+
+func runtimeGosched() { runtime.Gosched() }
+
+// An engine that took a request on a pooled connection and died after
+// sending part of its answer must not get the request again: it was not a
+// stale connection (the engine saw the request), and a completion is not
+// idempotent.
+func TestPartialAnswerOnPooledConnectionIsNotResent(t *testing.T) {
+	for name, partial := range map[string]string{
+		"headers only": "HTTP/1.1 200 OK\r\n",
+		"part of body": "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly a part",
+	} {
+		t.Run(name, func(t *testing.T) {
+			var mu sync.Mutex
+			received := 0
+			addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+				for readRequest(br) == nil {
+					mu.Lock()
+					received++
+					n := received
+					mu.Unlock()
+					if n == 1 {
+						io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+						continue
+					}
+					io.WriteString(c, partial)
+					return // the engine dies
+				}
+			})
+			u := &Upstream{Addr: addr}
+			for i := 0; i < 2; i++ {
+				req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+				_, err := u.Do(req, resp, false, nil)
+				if i == 0 && err != nil {
+					t.Fatal(err)
+				}
+				if i == 1 && err == nil {
+					t.Fatal("a partial answer passed for a whole one")
+				}
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if received != 2 {
+				t.Fatalf("the engine received %d requests, want 2: a request it had begun answering was sent again", received)
+			}
+		})
+	}
+}
