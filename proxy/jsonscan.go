@@ -3,10 +3,8 @@ package proxy
 import (
 	"bytes"
 	"errors"
-	"strings"
 	"unicode/utf16"
 	"unicode/utf8"
-	"unsafe"
 )
 
 // Scanning of JSON that json.Valid has accepted: these helpers find value
@@ -106,56 +104,18 @@ func (e *elements) next() bool {
 }
 
 // keyIs reports whether the raw member name key (as members gives it)
-// names the field name, matched as the JSON decoder matches struct fields:
-// after decoding escapes, case-insensitively (Unicode simple folding).
-// name must be lowercase ASCII.
+// names the field name, matched as the engines' parsers (Python's json and
+// pydantic) match names: exactly, after decoding escapes. name must be ASCII.
 func keyIs(key []byte, name string) bool {
 	if string(key) == name {
 		return true
 	}
-	return len(key) >= len(name) && len(key) > 0 && keyFolds(key, name)
-}
-
-func keyFolds(key []byte, name string) bool {
-	if c := key[0]; c < utf8.RuneSelf && c != '\\' && lowerASCII(c) != name[0] {
-		return false // the first rune is this ASCII byte
-	}
-	if len(key) == len(name) {
-		// Equal lengths: key can only match as ASCII, since a rune that
-		// folds to an ASCII letter without being one (ſ, K) and an escape
-		// both take more than one byte.
-		for i := 0; i < len(key); i++ {
-			if lowerASCII(key[i]) != name[i] {
-				return false
-			}
-		}
-		return true
-	}
-	if len(key) > 6*len(name) { // 6: every rune escaped
-		return false
-	}
-	// Longer than name: only escapes or non-ASCII runes can make up the
-	// difference.
-	ascii := true
-	for _, c := range key {
-		if c == '\\' || c >= utf8.RuneSelf {
-			ascii = false
-			break
-		}
-	}
-	if ascii {
+	// Only an escape can make a longer key equal name; 6: every rune escaped.
+	if len(key) <= len(name) || len(key) > 6*len(name) || bytes.IndexByte(key, '\\') < 0 {
 		return false
 	}
 	var buf [128]byte
-	d := appendUnquoted(buf[:0], key)
-	return strings.EqualFold(unsafe.String(unsafe.SliceData(d), len(d)), name)
-}
-
-func lowerASCII(c byte) byte {
-	if 'A' <= c && c <= 'Z' {
-		return c + 'a' - 'A'
-	}
-	return c
+	return string(appendUnquoted(buf[:0], key)) == name
 }
 
 // plainString reports whether the contents of a JSON string (without

@@ -694,18 +694,20 @@ func TestUnstreamedPrefillEndsAtPredictedTTFT(t *testing.T) {
 	p.waitIdle(t)
 }
 
-// The proxy reads member names as the JSON decoder does (any case, the last
-// one wins), but an engine's own parser takes only "stream": whatever
-// spelling the proxy read, the engine gets the same stream flag, so a
-// client's "Stream" neither breaks its answer nor ejects the backend.
+// The proxy reads member names as the engines do (exactly, escapes decoded,
+// the last one wins) and sends the engine the stream flag it read as
+// "stream": the engine answers in the form the proxy relays, whatever the
+// client spelt, so a client's "Stream" neither breaks its answer nor ejects
+// the backend. Other spellings reach the engine unread, as they came.
 func TestStreamFlagReachesEngineAsRead(t *testing.T) {
 	e := startFake(t, "e0", nil)
 	p := startProxy(t, "kv", e)
-	for _, tc := range []struct{ members, want string }{
-		{`"Stream":true,`, "stream"},
-		{`"stream":false,"STREAM":true,`, "stream"},
-		{`"stream":true,"Stream":false,`, "whole"},
-		{`"\u0053tream":null,`, "whole"},
+	for _, tc := range []struct{ members, want, passed string }{
+		{`"Stream":true,`, "whole", "Stream"},
+		{`"stream":false,"STREAM":true,`, "whole", "STREAM"},
+		{`"stream":true,"Stream":false,`, "stream", "Stream"},
+		{`"\u0073tream":true,`, "stream", ""},
+		{`"stream":true,"stream":null,`, "whole", ""},
 	} {
 		resp, b := post(t, p.url+"/v1/chat/completions", strings.Replace(chatBody, `"nvext"`, tc.members+`"nvext"`, 1))
 		got := "whole"
@@ -722,9 +724,12 @@ func TestStreamFlagReachesEngineAsRead(t *testing.T) {
 			t.Fatalf("%s: the engine got stream %v: %v", tc.members, fwd["stream"], fwd)
 		}
 		for k := range fwd {
-			if k != "stream" && strings.EqualFold(k, "stream") {
+			if k != "stream" && strings.EqualFold(k, "stream") && k != tc.passed {
 				t.Fatalf("%s: the engine got %q", tc.members, k)
 			}
+		}
+		if _, ok := fwd[tc.passed]; tc.passed != "" && !ok {
+			t.Fatalf("%s: %q did not reach the engine: %v", tc.members, tc.passed, fwd)
 		}
 	}
 	p.waitIdle(t)

@@ -20,6 +20,33 @@ type nvext struct {
 	Annotations       []string        `json:"annotations"`
 }
 
+// parse reads nvext from raw, a JSON object, with member names matched as
+// apiRequest.parse matches them.
+func (n *nvext) parse(raw []byte) bool {
+	if raw[0] != '{' {
+		return false
+	}
+	var tokens, instance, annotations []byte
+	for m := (members{b: raw}); m.next(); {
+		switch {
+		case keyIs(m.key, "token_data"):
+			tokens = m.value
+		case keyIs(m.key, "backend_instance_id"):
+			instance = m.value
+		case keyIs(m.key, "annotations"):
+			annotations = m.value
+		}
+	}
+	if tokens != nil && json.Unmarshal(tokens, &n.TokenData) != nil {
+		return false
+	}
+	if annotations != nil && json.Unmarshal(annotations, &n.Annotations) != nil {
+		return false
+	}
+	n.BackendInstanceID = instance
+	return true
+}
+
 func (n *nvext) has(annotation string) bool {
 	for _, a := range n.Annotations {
 		if a == annotation {
@@ -89,9 +116,11 @@ func (r *apiRequest) reset() {
 
 // parse fills r, which is new or reset, from body. The body is validated as
 // JSON first; after that the fields the proxy needs are read by scanning,
-// with the meaning the JSON decoder gives them: member names match
-// case-insensitively, the last of a repeated member wins, null leaves a
-// string as it was, and strings decode as encoding/json decodes them.
+// with the meaning the engines' parsers (Python's json, pydantic) give them:
+// member names match exactly after decoding escapes, the last of a repeated
+// member wins (null included), and strings decode as encoding/json decodes
+// them. A member spelt otherwise ("Stream") is not read here and reaches the
+// engine as it came, which ignores it too.
 func (r *apiRequest) parse(body []byte, chat bool) *paramError {
 	r.addGenPrompt = true
 	trimmed := bytes.TrimSpace(body)
@@ -135,7 +164,7 @@ func (r *apiRequest) parse(body []byte, chat bool) *paramError {
 		}
 	}
 	if raw := f.Nvext; raw != nil && !isNull(raw) {
-		if err := json.Unmarshal(raw, &r.nv); err != nil {
+		if !r.nv.parse(raw) {
 			return perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)")
 		}
 	}
@@ -194,7 +223,9 @@ func (r *apiRequest) parseMessages() *paramError {
 				case keyIs(m.key, "role"):
 					if v[0] == '"' {
 						w.role = v
-					} else if !isNull(v) {
+					} else if isNull(v) {
+						w.role = nil
+					} else {
 						return perr("messages", notMessages)
 					}
 				case keyIs(m.key, "content"):
@@ -278,8 +309,7 @@ func (r *apiRequest) flattenContent(w *wireMessage, i int) (string, *paramError)
 }
 
 // contentPart reads a content part: an object whose type and text are
-// strings or null (null keeps what an earlier member of the same name
-// set). ok is false for anything else.
+// strings or null. ok is false for anything else.
 func contentPart(v []byte) (typ, text []byte, ok bool) {
 	switch v[0] {
 	case 'n':
@@ -293,14 +323,17 @@ func contentPart(v []byte) (typ, text []byte, ok bool) {
 		if !isType && !keyIs(m.key, "text") {
 			continue
 		}
+		v := m.value
 		switch {
-		case isNull(m.value):
-		case m.value[0] != '"':
+		case isNull(v):
+			v = nil
+		case v[0] != '"':
 			return nil, nil, false
-		case isType:
-			typ = m.value
-		default:
-			text = m.value
+		}
+		if isType {
+			typ = v
+		} else {
+			text = v
 		}
 	}
 	return typ, text, true
@@ -419,16 +452,14 @@ type wireFields struct {
 // engines read it, and the tenant's cache_salt added (salt "" adds none).
 // Every other member is copied byte for byte.
 //
-// The proxy reads member names as the JSON decoder does (any case, escapes
-// decoded, the last one wins); an engine's parser takes only "stream". So
-// every spelling of stream is dropped and the value the proxy read is sent
-// as "stream": the engine answers in the form the proxy relays.
+// Members are matched as parse matches them (exactly, escapes decoded), so
+// every stream member the proxy read is dropped and the value it used is
+// sent as "stream": the engine answers in the form the proxy relays.
 func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, error) {
 	out := append(dst, '{')
 	n := 0
 	m := members{b: r.body}
 	for m.next() {
-		// Case-insensitive, as the JSON decoder that read them matches names.
 		if keyIs(m.key, "nvext") || keyIs(m.key, "cache_salt") || keyIs(m.key, "model") || keyIs(m.key, "stream") {
 			continue
 		}

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"strings"
 
 	"github.com/goccy/go-json"
 
@@ -13,7 +12,9 @@ import (
 
 // The request parser as it was when it decoded with goccy/go-json into
 // RawMessages: the reference FuzzParseRequestMatchesDecoder holds the
-// scanning parser to, error for error and string for string.
+// scanning parser to, error for error and string for string. Objects are
+// decoded into maps, so member names match exactly and the last of a
+// repeated member wins, as in the engines' Python parsers.
 
 type refRequest struct {
 	refFields    refWireFields
@@ -46,9 +47,12 @@ func refParseRequest(body []byte, chat bool) (*refRequest, *paramError) {
 	if trimmed[0] != '{' || !json.Valid(trimmed) {
 		return nil, perr("", "the request body is not a valid JSON object")
 	}
-	if err := json.Unmarshal(trimmed, &r.refFields); err != nil {
+	top, err := refObject(trimmed)
+	if err != nil {
 		return nil, perr("", "the request body is not a valid JSON object%s", refJSONErrMsg(err))
 	}
+	r.refFields = refWireFields{Model: top["model"], Stream: top["stream"], Nvext: top["nvext"],
+		AddGenerationPrompt: top["add_generation_prompt"], Messages: top["messages"], Prompt: top["prompt"]}
 	r.body = trimmed
 	raw, ok := r.refFields.Model, r.refFields.Model != nil
 	if !ok {
@@ -63,7 +67,7 @@ func refParseRequest(body []byte, chat bool) (*refRequest, *paramError) {
 		}
 	}
 	if raw := r.refFields.Nvext; raw != nil && string(raw) != "null" {
-		if err := json.Unmarshal(raw, &r.nv); err != nil {
+		if err := refNvext(raw, &r.nv); err != nil {
 			return nil, perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)")
 		}
 	}
@@ -91,16 +95,100 @@ func refJSONErrMsg(err error) string {
 	return ""
 }
 
+// refObject decodes the JSON object raw into its members, exactly named.
+func refObject(raw []byte) (map[string]json.RawMessage, error) {
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &m); err != nil {
+		return nil, err
+	}
+	if m == nil && string(raw) != "null" {
+		return nil, errNotObject
+	}
+	return m, nil
+}
+
+// refString decodes a string member that may be absent or null ("").
+func refString(raw json.RawMessage) (string, error) {
+	var s string
+	if raw == nil {
+		return "", nil
+	}
+	err := json.Unmarshal(raw, &s)
+	return s, err
+}
+
+func refNvext(raw []byte, n *nvext) error {
+	if raw[0] != '{' {
+		return errNotObject
+	}
+	m, err := refObject(raw)
+	if err != nil {
+		return err
+	}
+	if raw := m["token_data"]; raw != nil {
+		if err := json.Unmarshal(raw, &n.TokenData); err != nil {
+			return err
+		}
+	}
+	if raw := m["annotations"]; raw != nil {
+		if err := json.Unmarshal(raw, &n.Annotations); err != nil {
+			return err
+		}
+	}
+	n.BackendInstanceID = m["backend_instance_id"]
+	return nil
+}
+
 type refWireMessage struct {
-	Role      string          `json:"role"`
-	Content   json.RawMessage `json:"content"`
-	ToolCalls json.RawMessage `json:"tool_calls"`
-	Name      string          `json:"name"`
+	Role      string
+	Content   json.RawMessage
+	ToolCalls json.RawMessage
+}
+
+func refMessage(raw json.RawMessage) (refWireMessage, error) {
+	var w refWireMessage
+	if string(raw) == "null" {
+		return w, nil
+	}
+	if raw[0] != '{' {
+		return w, errNotObject
+	}
+	m, err := refObject(raw)
+	if err != nil {
+		return w, err
+	}
+	if w.Role, err = refString(m["role"]); err != nil {
+		return w, err
+	}
+	if _, err = refString(m["name"]); err != nil {
+		return w, err
+	}
+	w.Content, w.ToolCalls = m["content"], m["tool_calls"]
+	return w, nil
 }
 
 type refContentPart struct {
-	Type string `json:"type"`
-	Text string `json:"text"`
+	Type string
+	Text string
+}
+
+func refPart(raw json.RawMessage) (refContentPart, error) {
+	var cp refContentPart
+	if string(raw) == "null" {
+		return cp, nil
+	}
+	if raw[0] != '{' {
+		return cp, errNotObject
+	}
+	m, err := refObject(raw)
+	if err != nil {
+		return cp, err
+	}
+	if cp.Type, err = refString(m["type"]); err != nil {
+		return cp, err
+	}
+	cp.Text, err = refString(m["text"])
+	return cp, err
 }
 
 func (r *refRequest) refParseMessages() *paramError {
@@ -108,9 +196,16 @@ func (r *refRequest) refParseMessages() *paramError {
 	if raw == nil {
 		return perr("messages", "you must provide a messages parameter")
 	}
-	var msgs []refWireMessage
-	if err := json.Unmarshal(raw, &msgs); err != nil {
+	var rawMsgs []json.RawMessage
+	if err := json.Unmarshal(raw, &rawMsgs); err != nil {
 		return perr("messages", "messages must be an array of message objects with a string role")
+	}
+	msgs := make([]refWireMessage, len(rawMsgs))
+	for i, m := range rawMsgs {
+		var err error
+		if msgs[i], err = refMessage(m); err != nil {
+			return perr("messages", "messages must be an array of message objects with a string role")
+		}
 	}
 	if len(msgs) == 0 {
 		return perr("messages", "messages must contain at least one message")
@@ -152,8 +247,8 @@ func refFlattenContent(raw json.RawMessage, i int) (string, *paramError) {
 		}
 		var b []byte
 		for j, p := range parts {
-			var cp refContentPart
-			if err := json.Unmarshal(p, &cp); err != nil || cp.Type == "" {
+			cp, err := refPart(p)
+			if err != nil || cp.Type == "" {
 				return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type")
 			}
 			if cp.Type == "text" {
@@ -221,8 +316,7 @@ func (r *refRequest) refForwardBody(servedModel, salt string) ([]byte, error) {
 	out = append(out, '{')
 	n := 0
 	err := refTopLevelMembers(r.body, func(key string, member []byte) {
-		// Case-insensitive, as the JSON decoder that read them matches names.
-		if strings.EqualFold(key, "nvext") || strings.EqualFold(key, "cache_salt") || strings.EqualFold(key, "model") || strings.EqualFold(key, "stream") {
+		if key == "nvext" || key == "cache_salt" || key == "model" || key == "stream" {
 			return
 		}
 		if n > 0 {

@@ -19,8 +19,9 @@ func TestParseRequestStrings(t *testing.T) {
 		{"lone surrogates", `[{"role":"user","content":"\ud800x\udc00\ud83dA\ud83d\ud83d\ude00"}]`,
 			[]string{"user", "\uFFFDx\uFFFD\uFFFDA\uFFFD😀"}},
 		{"invalid utf-8", "[{\"role\":\"user\",\"content\":\"a\xff\xe2\x82b\"}]", []string{"user", "a\uFFFD\uFFFD\uFFFDb"}},
-		{"escaped role and key", `[{"R\u006fle":"\u0075ser","CONTENT":"x"}]`, []string{"user", "x"}},
-		{"last member wins, null keeps a string", `[{"role":"tool","role":"user","role":null,"content":"a","content":"b"}]`, []string{"user", "b"}},
+		{"escaped role and key", `[{"r\u006fle":"\u0075ser","c\u006Fntent":"x"}]`, []string{"user", "x"}},
+		{"names match exactly", `[{"role":"user","Role":"tool","content":"x","CONTENT":"y"}]`, []string{"user", "x"}},
+		{"last member wins, null too", `[{"role":"tool","role":"user","content":"a","content":"b"},{"role":"user","content":"c","content":null}]`, []string{"user", "b", "user", ""}},
 		{"parts", `[{"role":"user","content":[{"type":"text","text":"a\n"},{"type":"image_url","image_url":{"url":"u"}} ,{"type":"t\u0065xt","text":"\u00e9"},{"type":"text"}]}]`,
 			[]string{"user", `a` + "\n" + `{"type":"image_url","image_url":{"url":"u"}}é`}},
 		{"tool calls", `[{"role":"assistant","content":"c\n","tool_calls":[{"id":"1"}]},{"role":"tool","content":null,"tool_calls":[2]}]`,
@@ -63,6 +64,11 @@ func TestParseRequestErrors(t *testing.T) {
 		{`{"model":"m",}`, true, "", "the request body is not a valid JSON object"},
 		{"{\"model\":\"m\x01\"}", true, "", "the request body is not a valid JSON object"},
 		{`{"messages":[]}`, true, "model", "you must provide a model parameter"},
+		{`{"Model":"m","messages":[]}`, true, "model", "you must provide a model parameter"},
+		{`{"model":"m","model":null}`, true, "model", "model must be a non-empty string"},
+		{`{"model":"m","nvext":{"token_data":"x"}}`, true, "nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)"},
+		{`{"model":"m","Messages":[{"role":"user"}]}`, true, "messages", "you must provide a messages parameter"},
+		{`{"model":"m","messages":[{"role":"user","role":null}]}`, true, "messages[0].role", `invalid role "" (want system, developer, user, assistant or tool)`},
 		{`{"model":null}`, true, "model", "model must be a non-empty string"},
 		{`{"model":""}`, true, "model", "model must be a non-empty string"},
 		{`{"model":7}`, true, "model", "model must be a non-empty string"},
@@ -185,14 +191,29 @@ func FuzzParseRequestMatchesDecoder(f *testing.F) {
 
 func TestKeyIs(t *testing.T) {
 	for key, want := range map[string]bool{
-		`stream`: true, `STREAM`: true, `sTrEaM`: true, `ſtream`: true, `\u0073tream`: true, `\u017Ftream`: true,
-		`\u0053TREAM`: true, `strea`: false, `streams`: false, `stre@m`: false, `ſtreams`: false, `stream\u0000`: false, ``: false,
+		`stream`: true, `\u0073tream`: true, `\u0073\u0074\u0072\u0065\u0061\u006D`: true, `s\u0074ream`: true,
+		`STREAM`: false, `sTrEaM`: false, `ſtream`: false, `\u017Ftream`: false, `\u0053tream`: false,
+		`strea`: false, `streams`: false, `stre@m`: false, `stream\u0000`: false, `\u0000stream`: false, ``: false,
 	} {
 		if got := keyIs([]byte(key), "stream"); got != want {
 			t.Errorf("keyIs(%s, stream) = %v", key, got)
 		}
 	}
-	if !keyIs([]byte("ADD_GENERATION_PROMPT"), "add_generation_prompt") || keyIs([]byte("add-generation-prompt"), "add_generation_prompt") {
+	if !keyIs([]byte(`add_generation_prompt`), "add_generation_prompt") || keyIs([]byte("add-generation-prompt"), "add_generation_prompt") {
 		t.Error("underscores")
+	}
+}
+
+// TestNvextNamesMatchExactly: nvext's members are read as the rest of the
+// request is, by exact name with the last one winning.
+func TestNvextNamesMatchExactly(t *testing.T) {
+	body := `{"model":"m","prompt":[1],"nvext":{"token_data":[9],"Token_Data":[8],"token_data":[1,2],` +
+		`"annotations":["a"],"ANNOTATIONS":["b"],"backend_instance_id":"x","Backend_Instance_Id":"y"}}`
+	req, pe := parseRequest([]byte(body), false)
+	if pe != nil {
+		t.Fatalf("error %s: %s", pe.param, pe.msg)
+	}
+	if !reflect.DeepEqual(req.nv.TokenData, []uint32{1, 2}) || !reflect.DeepEqual(req.nv.Annotations, []string{"a"}) || string(req.nv.BackendInstanceID) != `"x"` {
+		t.Fatalf("nvext %+v", req.nv)
 	}
 }
