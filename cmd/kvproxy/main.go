@@ -8,16 +8,16 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
 	"net"
-	"net/url"
 	"os"
 	"os/signal"
+	"sync"
 	"syscall"
 
 	"github.com/rs/zerolog"
 
 	"github.com/kvproxy/kvproxy/config"
-	"github.com/kvproxy/kvproxy/mockengine"
 	"github.com/kvproxy/kvproxy/proxy"
 )
 
@@ -25,19 +25,38 @@ func main() {
 	if len(os.Args) > 1 && os.Args[1] == "tokenize" {
 		os.Exit(tokenizeCmd(os.Args[2:], os.Stdin, os.Stdout, os.Stderr))
 	}
-	os.Exit(run())
+	// Signals are caught from the start: a SIGHUP while the engines and
+	// tokenizers load must not end the process.
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
+	c := &command{sigs: sigs, stderr: os.Stderr}
+	os.Exit(c.run(os.Args[1:]))
 }
 
-func run() int {
-	cfgPath := flag.String("config", "config.example.yaml", "path to the YAML config")
-	listen := flag.String("listen", "", "listen address, overrides the config's listen")
-	drainFlag := flag.Duration("drain-timeout", 0, "how long SIGTERM waits for in-flight requests (default: limits.drain_timeout)")
-	flag.Parse()
+// command is one run of kvproxy: signals arrive on sigs; ready, when set,
+// is told the listen address once serving (tests).
+type command struct {
+	sigs   <-chan os.Signal
+	stderr io.Writer
+	ready  func(addr string)
 
-	log := zerolog.New(os.Stderr).With().Timestamp().Logger()
+	mocks *mockFleet
+}
+
+func (c *command) run(args []string) int {
+	fs := flag.NewFlagSet("kvproxy", flag.ContinueOnError)
+	fs.SetOutput(c.stderr)
+	cfgPath := fs.String("config", "config.example.yaml", "path to the YAML config")
+	listen := fs.String("listen", "", "listen address, overrides the config's listen")
+	drainFlag := fs.Duration("drain-timeout", 0, "how long SIGTERM waits for in-flight requests (default: limits.drain_timeout)")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+
+	log := zerolog.New(c.stderr).With().Timestamp().Logger()
 	cfg, err := config.Load(*cfgPath)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "kvproxy:", err)
+		fmt.Fprintln(c.stderr, "kvproxy:", err)
 		return 2
 	}
 	if *listen != "" {
@@ -47,60 +66,73 @@ func run() int {
 		log = log.Level(lvl)
 	}
 
-	mocks := map[string]*mockengine.Engine{}
-	defer func() {
-		for _, m := range mocks {
-			m.Close()
-		}
-	}()
-	if err := startMocks(cfg, mocks, log); err != nil {
-		fmt.Fprintln(os.Stderr, "kvproxy:", err)
+	c.mocks = newMockFleet(log)
+	defer c.mocks.close()
+	started, err := c.mocks.start(cfg)
+	if err != nil {
+		fmt.Fprintln(c.stderr, "kvproxy:", err)
 		return 1
 	}
+	c.mocks.commit(cfg, started)
 
 	srv, err := proxy.New(cfg, proxy.Options{Logger: log})
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "kvproxy:", err)
+		fmt.Fprintln(c.stderr, "kvproxy:", err)
 		return 1
 	}
 	ln, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "kvproxy:", err)
+		fmt.Fprintln(c.stderr, "kvproxy:", err)
 		return 1
 	}
 	log.Info().Str("listen", ln.Addr().String()).Int("backends", len(cfg.Backends)).
 		Str("policy", cfg.Router.Policy).Msg("kvproxy serving")
 
+	// A reload (SIGHUP or POST /admin/reload, which may come at once) is
+	// applied whole under reloadMu: load, start the mocks it adds, swap the
+	// proxy's configuration, retire the mocks it drops. Whatever fails
+	// leaves the configuration in force and its mocks as they were.
+	var reloadMu sync.Mutex
+	current := cfg
 	reload := func() (*config.Config, error) {
+		reloadMu.Lock()
+		defer reloadMu.Unlock()
 		next, err := config.Load(*cfgPath)
 		if err != nil {
 			return nil, err
 		}
-		next.Listen = cfg.Listen
-		if err := startMocks(next, mocks, log); err != nil {
+		next.Listen = current.Listen
+		started, err := c.mocks.start(next)
+		if err != nil {
 			return nil, err
 		}
+		if err := srv.Reload(next); err != nil {
+			c.mocks.abort(started)
+			return nil, err
+		}
+		c.mocks.commit(next, started)
+		current = next
 		return next, nil
 	}
+	// The admin endpoint applies what ReloadFunc returns once more: the
+	// same configuration again, which changes nothing.
 	proxy.ReloadFunc = reload
+	defer func() { proxy.ReloadFunc = nil }()
 
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
-	sigs := make(chan os.Signal, 1)
-	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
+	if c.ready != nil {
+		c.ready(ln.Addr().String())
+	}
 wait:
 	for {
 		select {
 		case err := <-errc:
 			log.Error().Err(err).Msg("server stopped")
 			return 1
-		case sig := <-sigs:
+		case sig := <-c.sigs:
 			if sig == syscall.SIGHUP {
-				next, err := reload()
-				if err == nil {
-					err = srv.Reload(next)
-				}
-				if err != nil {
+				if _, err := reload(); err != nil {
 					log.Error().Err(err).Msg("reload rejected; the current configuration keeps serving")
 				}
 				continue
@@ -108,7 +140,9 @@ wait:
 			break wait
 		}
 	}
-	drain := cfg.Limits.DrainTimeout
+	reloadMu.Lock()
+	drain := current.Limits.DrainTimeout
+	reloadMu.Unlock()
 	if *drainFlag > 0 {
 		drain = *drainFlag
 	}
@@ -126,60 +160,5 @@ wait:
 	return 0
 }
 
-// startMocks runs, in-process, the simulated engines of kind: mock backends
-// not yet running.
-func startMocks(cfg *config.Config, running map[string]*mockengine.Engine, log zerolog.Logger) error {
-	for _, b := range cfg.Backends {
-		if b.Kind != config.KindMock || running[b.ID] != nil {
-			continue
-		}
-		m, _ := cfg.ModelByName(b.Model)
-		mc := mockengine.DefaultConfig()
-		mc.ID = b.ID
-		mc.Model = b.ServedModel
-		mc.BlockSize = m.BlockSize
-		mc.Tokenizer = m.Tokenizer
-		mc.Template = m.Template
-		if b.Mock.CacheBlocks > 0 {
-			mc.CacheBlocks = b.Mock.CacheBlocks
-		}
-		if b.Mock.HostCacheBlocks > 0 {
-			mc.HostCacheBlocks = b.Mock.HostCacheBlocks
-		}
-		if b.Mock.MaxNumSeqs > 0 {
-			mc.MaxNumSeqs = b.Mock.MaxNumSeqs
-		}
-		if b.Mock.MaxNumBatchedTokens > 0 {
-			mc.MaxNumBatchedTokens = b.Mock.MaxNumBatchedTokens
-		}
-		if b.Mock.Speedup > 0 {
-			mc.Speedup = b.Mock.Speedup
-		}
-		if b.Mock.Seed != 0 {
-			mc.Seed = b.Mock.Seed
-		}
-		e, err := mockengine.New(mc)
-		if err != nil {
-			return fmt.Errorf("mock backend %s: %w", b.ID, err)
-		}
-		u, _ := url.Parse(b.URL)
-		addr, err := e.Start(u.Host)
-		if err != nil {
-			return fmt.Errorf("mock backend %s: %w", b.ID, err)
-		}
-		if b.KVEvents.Mode == config.EventsZMQ {
-			pub, err := mockengine.NewPublisher(mockengine.PublisherConfig{
-				Endpoint: b.KVEvents.Endpoint, ReplayEndpoint: b.KVEvents.Replay, Topic: b.KVEvents.Topic,
-			})
-			if err != nil {
-				e.Close()
-				return fmt.Errorf("mock backend %s: event publisher: %w", b.ID, err)
-			}
-			e.PublishEvents(pub)
-			log.Info().Str("backend", b.ID).Str("publisher", pub.Endpoint()).Msg("simulated engine publishes KV events")
-		}
-		log.Info().Str("backend", b.ID).Str("addr", addr).Msg("simulated engine started")
-		running[b.ID] = e
-	}
-	return nil
-}
+// waitRetired waits until every mock dropped by a reload has stopped.
+func (c *command) waitRetired() { c.mocks.retired.Wait() }

@@ -1,0 +1,300 @@
+package main
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// freePort returns a loopback port nothing listens on (at the time asked).
+func freePort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+type mockSpec struct {
+	id      string
+	port    int
+	speedup float64 // 0: 1000 (fast)
+}
+
+// writeConfig writes a config of kind: mock backends to path.
+func writeConfig(t *testing.T, path, extra string, mocks ...mockSpec) {
+	t.Helper()
+	var b strings.Builder
+	b.WriteString("listen: 127.0.0.1:0\nlog_level: warn\nmodels:\n  - name: m\n    tokenizer: cl100k_base\n    template: chatml\nbackends:\n")
+	for _, m := range mocks {
+		sp := m.speedup
+		if sp == 0 {
+			sp = 1000
+		}
+		fmt.Fprintf(&b, "  - {id: %s, url: \"http://127.0.0.1:%d\", model: m, kind: mock, mock: {speedup: %g}}\n", m.id, m.port, sp)
+	}
+	b.WriteString(extra)
+	if err := os.WriteFile(path, []byte(b.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// proxyRun is kvproxy running in this process, driven by signals sent on
+// sigs.
+type proxyRun struct {
+	c    *command
+	sigs chan os.Signal
+	addr string
+	code chan int
+	logs *syncBuffer
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func startProxy(t *testing.T, cfgPath string) *proxyRun {
+	t.Helper()
+	p := &proxyRun{sigs: make(chan os.Signal, 1), code: make(chan int, 1), logs: &syncBuffer{}}
+	ready := make(chan string, 1)
+	p.c = &command{sigs: p.sigs, stderr: p.logs, ready: func(a string) { ready <- a }}
+	go func() { p.code <- p.c.run([]string{"-config", cfgPath}) }()
+	select {
+	case p.addr = <-ready:
+	case code := <-p.code:
+		t.Fatalf("kvproxy exited with %d at start: %s", code, p.logs.String())
+	}
+	t.Cleanup(func() {
+		select {
+		case p.sigs <- syscall.SIGTERM:
+		default:
+		}
+		select {
+		case <-p.code:
+		case <-time.After(20 * time.Second):
+			t.Errorf("kvproxy did not exit after SIGTERM")
+		}
+		if t.Failed() {
+			t.Logf("kvproxy log:\n%s", p.logs.String())
+		}
+	})
+	return p
+}
+
+// reload sends SIGHUP and waits for it to be handled: a SIGHUP is handled by
+// the loop that reads sigs, so a second send on the unbuffered-full channel
+// returns once the first was taken; an admin reload is answered when done.
+func (p *proxyRun) reload(t *testing.T) {
+	t.Helper()
+	resp, err := http.Post("http://"+p.addr+"/admin/reload", "application/json", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("reload: %d %s", resp.StatusCode, body)
+	}
+}
+
+func (p *proxyRun) reloadRejected(t *testing.T) string {
+	t.Helper()
+	resp, err := http.Post("http://"+p.addr+"/admin/reload", "application/json", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode == 200 {
+		t.Fatalf("reload accepted: %s", body)
+	}
+	return string(body)
+}
+
+func (p *proxyRun) complete(t *testing.T, stream bool, maxTokens int) (int, string) {
+	t.Helper()
+	body := fmt.Sprintf(`{"model":"m","prompt":"hello there","max_tokens":%d,"stream":%v}`, maxTokens, stream)
+	resp, err := http.Post("http://"+p.addr+"/v1/completions", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+func listening(port int) bool {
+	c, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", port), time.Second)
+	if err != nil {
+		return false
+	}
+	c.Close()
+	return true
+}
+
+// A reload that is rejected (here: a new mock's port is taken) must leave
+// nothing of itself running: the mocks it started before failing stop.
+func TestRejectedReloadStopsTheMocksItStarted(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "c.yaml")
+	m0, m1 := mockSpec{id: "m0", port: freePort(t)}, mockSpec{id: "m1", port: freePort(t)}
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	m2 := mockSpec{id: "m2", port: taken.Addr().(*net.TCPAddr).Port}
+	writeConfig(t, cfg, "", m0)
+	p := startProxy(t, cfg)
+	writeConfig(t, cfg, "", m0, m1, m2)
+	msg := p.reloadRejected(t)
+	if !strings.Contains(msg, "m2") {
+		t.Fatalf("rejection does not name the backend: %s", msg)
+	}
+	if listening(m1.port) {
+		t.Fatal("a rejected reload left the mock engine it started running")
+	}
+	// And the same reload succeeds once the port is free.
+	taken.Close()
+	p.reload(t)
+	if code, body := p.complete(t, false, 2); code != 200 {
+		t.Fatalf("after the reload: %d %s", code, body)
+	}
+}
+
+// A mock removed from the configuration stops once its requests are done,
+// and can be added back by a later reload.
+func TestReloadStopsRemovedMocks(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "c.yaml")
+	m0, m1 := mockSpec{id: "m0", port: freePort(t)}, mockSpec{id: "m1", port: freePort(t)}
+	writeConfig(t, cfg, "", m0, m1)
+	p := startProxy(t, cfg)
+	writeConfig(t, cfg, "", m0)
+	p.reload(t)
+	p.c.waitRetired()
+	if listening(m1.port) {
+		t.Fatal("the removed mock engine still listens")
+	}
+	writeConfig(t, cfg, "", m0, m1)
+	p.reload(t)
+	if !listening(m1.port) {
+		t.Fatal("the mock engine added back does not listen")
+	}
+}
+
+// Changing a running mock's address by reload must not leave its backend
+// pointing where nothing listens: the reload is refused and the mock keeps
+// serving where it was.
+func TestReloadMovingAMockKeepsItServing(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "c.yaml")
+	m0 := mockSpec{id: "m0", port: freePort(t)}
+	writeConfig(t, cfg, "", m0)
+	p := startProxy(t, cfg)
+	moved := mockSpec{id: "m0", port: freePort(t)}
+	writeConfig(t, cfg, "", moved)
+	resp, err := http.Post("http://"+p.addr+"/admin/reload", "application/json", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	for i := 0; i < 3; i++ {
+		if code, body := p.complete(t, false, 2); code != 200 {
+			t.Fatalf("request %d after moving the mock by reload: %d %s", i, code, body)
+		}
+	}
+}
+
+// SIGHUP and POST /admin/reload at the same time: each reload starts and
+// stops mocks; run with -race.
+func TestConcurrentReloads(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "c.yaml")
+	mocks := []mockSpec{{id: "m0", port: freePort(t)}}
+	writeConfig(t, cfg, "", mocks...)
+	p := startProxy(t, cfg)
+	for i := 1; i <= 4; i++ {
+		mocks = append(mocks, mockSpec{id: fmt.Sprintf("m%d", i), port: freePort(t)})
+		writeConfig(t, cfg, "", mocks...)
+		var wg sync.WaitGroup
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp, err := http.Post("http://"+p.addr+"/admin/reload", "application/json", nil)
+			if err == nil {
+				resp.Body.Close()
+			}
+		}()
+		p.sigs <- syscall.SIGHUP
+		wg.Wait()
+		p.reload(t) // after the SIGHUP: the loop takes one signal at a time
+		if !listening(mocks[i].port) {
+			t.Fatalf("the added mock %s does not listen", mocks[i].id)
+		}
+	}
+	if code, body := p.complete(t, false, 2); code != 200 {
+		t.Fatalf("after the reloads: %d %s", code, body)
+	}
+}
+
+// SIGTERM waits for streams at most the drain_timeout of the configuration
+// in force, the reloaded one included, then exits 0.
+func TestDrainTimeoutOfTheReloadedConfig(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "c.yaml")
+	slow := mockSpec{id: "m0", port: freePort(t), speedup: 0.02}
+	writeConfig(t, cfg, "limits: {drain_timeout: 60s}\n", slow)
+	p := startProxy(t, cfg)
+	writeConfig(t, cfg, "limits: {drain_timeout: 300ms}\n", slow)
+	p.reload(t)
+	started := make(chan struct{})
+	go func() {
+		body := `{"model":"m","prompt":"hello there","max_tokens":4000,"stream":true}`
+		resp, err := http.Post("http://"+p.addr+"/v1/completions", "application/json", strings.NewReader(body))
+		close(started)
+		if err == nil {
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+	}()
+	<-started // headers are in: the stream is in flight
+	t0 := time.Now()
+	p.sigs <- syscall.SIGTERM
+	select {
+	case code := <-p.code:
+		p.code <- code // for Cleanup
+		if code != 0 {
+			t.Fatalf("exit code %d", code)
+		}
+		if d := time.Since(t0); d > 5*time.Second {
+			t.Fatalf("drained for %v with drain_timeout 300ms", d)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("still draining 10s after SIGTERM with drain_timeout 300ms")
+	}
+}

@@ -1,0 +1,210 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"net/url"
+	"sync"
+
+	"github.com/rs/zerolog"
+
+	"github.com/kvproxy/kvproxy/config"
+	"github.com/kvproxy/kvproxy/mockengine"
+)
+
+// mockFleet runs, in-process, the simulated engines of the kind: mock
+// backends of the configuration in force. A reload starts the mocks it adds
+// (start), then either keeps them and retires the mocks it dropped (commit)
+// or, rejected, stops what it started (abort). Callers serialise reloads.
+type mockFleet struct {
+	log      zerolog.Logger
+	mu       sync.Mutex
+	running  map[string]*mockRun // by backend id
+	retiring map[*mockRun]bool
+	retired  sync.WaitGroup
+}
+
+// mockRun is one simulated engine and its KV event publisher (if any).
+type mockRun struct {
+	id   string
+	key  mockKey
+	e    *mockengine.Engine
+	feed *mockengine.EventFeed
+	pub  *mockengine.Publisher
+}
+
+// mockKey is what a mock was started with. A running mock cannot change
+// it in place: its address and cache are the engine itself.
+type mockKey struct {
+	url, servedModel    string
+	mock                config.MockEngine
+	events              config.KVEvents
+	blockSize           int
+	tokenizer, template string
+}
+
+func keyOf(cfg *config.Config, b config.Backend) mockKey {
+	k := mockKey{url: b.URL, servedModel: b.ServedModel, mock: b.Mock, events: b.KVEvents}
+	if m, ok := cfg.ModelByName(b.Model); ok {
+		k.blockSize, k.tokenizer, k.template = m.BlockSize, m.Tokenizer, m.Template
+	}
+	return k
+}
+
+func newMockFleet(log zerolog.Logger) *mockFleet {
+	return &mockFleet{log: log, running: map[string]*mockRun{}, retiring: map[*mockRun]bool{}}
+}
+
+// start runs the mocks of cfg not running yet and returns them; nothing is
+// left running if it fails. A running mock whose settings differ in cfg is
+// an error: it keeps serving as it is.
+func (f *mockFleet) start(cfg *config.Config) ([]*mockRun, error) {
+	var started []*mockRun
+	for i, b := range cfg.Backends {
+		if b.Kind != config.KindMock {
+			continue
+		}
+		key := keyOf(cfg, b)
+		f.mu.Lock()
+		r := f.running[b.ID]
+		f.mu.Unlock()
+		if r != nil {
+			if r.key != key {
+				f.abort(started)
+				return nil, fmt.Errorf("backends[%d] (%s): a running mock engine's url, mock, kv_events and model settings cannot change on reload; restart kvproxy, or remove the backend in one reload and add it back in the next", i, b.ID)
+			}
+			continue
+		}
+		r, err := f.startOne(cfg, b, key)
+		if err != nil {
+			f.abort(started)
+			return nil, err
+		}
+		started = append(started, r)
+	}
+	return started, nil
+}
+
+func (f *mockFleet) startOne(cfg *config.Config, b config.Backend, key mockKey) (*mockRun, error) {
+	mc := mockengine.DefaultConfig()
+	mc.ID = b.ID
+	mc.Model = b.ServedModel
+	mc.BlockSize = key.blockSize
+	mc.Tokenizer = key.tokenizer
+	mc.Template = key.template
+	if b.Mock.CacheBlocks > 0 {
+		mc.CacheBlocks = b.Mock.CacheBlocks
+	}
+	if b.Mock.HostCacheBlocks > 0 {
+		mc.HostCacheBlocks = b.Mock.HostCacheBlocks
+	}
+	if b.Mock.MaxNumSeqs > 0 {
+		mc.MaxNumSeqs = b.Mock.MaxNumSeqs
+	}
+	if b.Mock.MaxNumBatchedTokens > 0 {
+		mc.MaxNumBatchedTokens = b.Mock.MaxNumBatchedTokens
+	}
+	if b.Mock.Speedup > 0 {
+		mc.Speedup = b.Mock.Speedup
+	}
+	if b.Mock.Seed != 0 {
+		mc.Seed = b.Mock.Seed
+	}
+	e, err := mockengine.New(mc)
+	if err != nil {
+		return nil, fmt.Errorf("mock backend %s: %w", b.ID, err)
+	}
+	u, _ := url.Parse(b.URL)
+	addr, err := e.Start(u.Host)
+	if err != nil {
+		e.Close()
+		return nil, fmt.Errorf("mock backend %s: %w", b.ID, err)
+	}
+	r := &mockRun{id: b.ID, key: key, e: e}
+	if b.KVEvents.Mode == config.EventsZMQ {
+		pub, err := mockengine.NewPublisher(mockengine.PublisherConfig{
+			Endpoint: b.KVEvents.Endpoint, ReplayEndpoint: b.KVEvents.Replay, Topic: b.KVEvents.Topic,
+		})
+		if err != nil {
+			e.Close()
+			return nil, fmt.Errorf("mock backend %s: event publisher: %w", b.ID, err)
+		}
+		r.pub = pub
+		r.feed = e.PublishEvents(pub)
+		f.log.Info().Str("backend", b.ID).Str("publisher", pub.Endpoint()).Msg("simulated engine publishes KV events")
+	}
+	f.log.Info().Str("backend", b.ID).Str("addr", addr).Msg("simulated engine started")
+	return r, nil
+}
+
+// commit makes started part of the fleet and retires every mock cfg no
+// longer has: it stops once its requests are done, or after cfg's
+// drain_timeout.
+func (f *mockFleet) commit(cfg *config.Config, started []*mockRun) {
+	keep := map[string]bool{}
+	for _, b := range cfg.Backends {
+		if b.Kind == config.KindMock {
+			keep[b.ID] = true
+		}
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, r := range started {
+		f.running[r.id] = r
+	}
+	for id, r := range f.running {
+		if keep[id] {
+			continue
+		}
+		delete(f.running, id)
+		f.retiring[r] = true
+		f.retired.Add(1)
+		go func() {
+			defer f.retired.Done()
+			ctx, cancel := context.WithTimeout(context.Background(), cfg.Limits.DrainTimeout)
+			r.e.WaitIdle(ctx)
+			cancel()
+			r.close()
+			f.mu.Lock()
+			delete(f.retiring, r)
+			f.mu.Unlock()
+			f.log.Info().Str("backend", r.id).Msg("simulated engine stopped")
+		}()
+	}
+}
+
+// abort stops mocks start returned for a reload that was rejected.
+func (f *mockFleet) abort(started []*mockRun) {
+	for _, r := range started {
+		r.close()
+	}
+}
+
+// close stops every mock, running or retiring.
+func (f *mockFleet) close() {
+	f.mu.Lock()
+	var all []*mockRun
+	for _, r := range f.running {
+		all = append(all, r)
+	}
+	for r := range f.retiring {
+		all = append(all, r)
+	}
+	f.running = map[string]*mockRun{}
+	f.mu.Unlock()
+	for _, r := range all {
+		r.close()
+	}
+	f.retired.Wait()
+}
+
+// close stops the engine and its publisher. Safe to call more than once.
+func (r *mockRun) close() {
+	if r.feed != nil {
+		r.feed.Stop()
+	}
+	if r.pub != nil {
+		r.pub.Close()
+	}
+	r.e.Close()
+}
