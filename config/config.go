@@ -9,6 +9,7 @@ import (
 	"net/url"
 	"os"
 	"regexp"
+	"strconv"
 	"strings"
 	"time"
 
@@ -223,7 +224,12 @@ func Parse(b []byte) (*Config, error) {
 	if err != nil {
 		return nil, err
 	}
-	var c Config
+	// Defaults where an explicit 0 means something are set before decoding,
+	// so only an absent field gets them; the rest are filled after.
+	c := Config{
+		Limits: Limits{RetryBudget: 0.2, MaxQueue: 1024, DrainTimeout: 30 * time.Second},
+		Health: Health{ForgetAfter: time.Minute},
+	}
 	dec := yaml.NewDecoder(bytes.NewReader(expanded))
 	dec.KnownFields(true)
 	if err := dec.Decode(&c); err != nil {
@@ -433,18 +439,12 @@ func (c *Config) applyDefaults() {
 	defInt(&c.Limits.MaxMessages, 4096)
 	defInt(&c.Limits.MaxPromptTokens, 1<<20)
 	def(&c.Limits.QueueTimeout, 10*time.Second)
-	defInt(&c.Limits.MaxQueue, 1024)
-	if c.Limits.RetryBudget == 0 {
-		c.Limits.RetryBudget = 0.2
-	}
-	def(&c.Limits.DrainTimeout, 30*time.Second)
 	def(&c.Health.Interval, 2*time.Second)
 	def(&c.Health.Timeout, time.Second)
 	defInt(&c.Health.Rise, 1)
 	defInt(&c.Health.Fall, 2)
 	def(&c.Health.EjectBase, time.Second)
 	def(&c.Health.EjectMax, time.Minute)
-	def(&c.Health.ForgetAfter, time.Minute)
 	for i := range c.Backends {
 		if c.Backends[i].KVEvents.Mode == "" {
 			c.Backends[i].KVEvents.Mode = EventsNone
@@ -505,6 +505,7 @@ func (c *Config) Validate() error {
 		add("backends", "at least one backend is required")
 	}
 	ids := map[string]int{}
+	mockAddrs := map[string]int{}
 	for i, b := range c.Backends {
 		f := fmt.Sprintf("backends[%d]", i)
 		if b.ID == "" {
@@ -544,8 +545,22 @@ func (c *Config) Validate() error {
 		switch b.KVEvents.Mode {
 		case EventsNone, EventsHTTP:
 		case EventsZMQ:
-			if !strings.HasPrefix(b.KVEvents.Endpoint, "tcp://") && !strings.HasPrefix(b.KVEvents.Endpoint, "ipc://") {
-				add(f+".kv_events.endpoint", "zmq mode needs a tcp:// or ipc:// publisher endpoint, got %q", b.KVEvents.Endpoint)
+			ev := b.KVEvents
+			if msg := checkZMQEndpoint(ev.Endpoint); msg != "" {
+				add(f+".kv_events.endpoint", "zmq mode needs a publisher endpoint (%s), got %q", msg, ev.Endpoint)
+			} else if ev.DPSize > 1 && !strings.HasPrefix(ev.Endpoint, "tcp://") {
+				add(f+".kv_events.dp_size", "data-parallel ranks publish on port + rank: the endpoint must be tcp://, got %q", ev.Endpoint)
+			} else if msg := checkZMQPorts(ev.Endpoint, ev.DPSize); msg != "" {
+				add(f+".kv_events.dp_size", "%s", msg)
+			}
+			if ev.Replay != "" {
+				if msg := checkZMQEndpoint(ev.Replay); msg != "" {
+					add(f+".kv_events.replay", "want a replay endpoint (%s), got %q", msg, ev.Replay)
+				} else if ev.DPSize > 1 && !strings.HasPrefix(ev.Replay, "tcp://") {
+					add(f+".kv_events.dp_size", "data-parallel ranks replay on port + rank: the replay endpoint must be tcp://, got %q", ev.Replay)
+				} else if msg := checkZMQPorts(ev.Replay, ev.DPSize); msg != "" {
+					add(f+".kv_events.dp_size", "%s", msg)
+				}
 			}
 		default:
 			add(f+".kv_events.mode", "want none, zmq or http, got %q", b.KVEvents.Mode)
@@ -556,8 +571,14 @@ func (c *Config) Validate() error {
 		if b.MaxConcurrency < 0 {
 			add(f+".max_concurrency", "must not be negative")
 		}
-		if b.Mock.Speedup < 0 || b.Mock.CacheBlocks < 0 || b.Mock.MaxNumSeqs < 0 || b.Mock.MaxNumBatchedTokens < 0 {
+		if m := b.Mock; m.Speedup < 0 || m.CacheBlocks < 0 || m.HostCacheBlocks < 0 || m.MaxNumSeqs < 0 || m.MaxNumBatchedTokens < 0 {
 			add(f+".mock", "values must not be negative")
+		}
+		if b.Kind == KindMock && err == nil && u.Host != "" {
+			if j, ok := mockAddrs[u.Host]; ok {
+				add(f+".url", "mock backends[%d] already listens on %s", j, u.Host)
+			}
+			mockAddrs[u.Host] = i
 		}
 	}
 	if !contains(Policies, c.Router.Policy) {
@@ -565,6 +586,9 @@ func (c *Config) Validate() error {
 	}
 	if f := c.Router.FetchUsPerMB; f.Host < 0 || f.Disk < 0 || f.Shared < 0 {
 		add("router.fetch_us_per_mb", "must not be negative")
+	}
+	if c.Router.OverlapWeight < 0 {
+		add("router.overlap_weight", "must not be negative")
 	}
 	if c.Router.Temperature < 0 {
 		add("router.temperature", "must not be negative")
@@ -584,6 +608,9 @@ func (c *Config) Validate() error {
 	if c.Limits.MaxHeaderBytes < 1024 {
 		add("limits.max_header_bytes", "must be at least 1024")
 	}
+	if c.Limits.MaxConnsPerBackend < 0 {
+		add("limits.max_conns_per_backend", "must not be negative")
+	}
 	if c.Limits.MaxMessages < 1 || c.Limits.MaxPromptTokens < 1 || c.Limits.MaxQueue < 0 {
 		add("limits", "max_messages and max_prompt_tokens must be positive, max_queue not negative")
 	}
@@ -595,7 +622,8 @@ func (c *Config) Validate() error {
 		v    time.Duration
 	}{{"limits.header_timeout", c.Limits.HeaderTimeout}, {"limits.body_timeout", c.Limits.BodyTimeout},
 		{"limits.stream_idle_timeout", c.Limits.StreamIdleTimeout}, {"limits.queue_timeout", c.Limits.QueueTimeout},
-		{"limits.drain_timeout", c.Limits.DrainTimeout}, {"health.interval", c.Health.Interval},
+		{"limits.drain_timeout", c.Limits.DrainTimeout}, {"limits.upstream_connect_timeout", c.Limits.UpstreamConnectTime},
+		{"health.interval", c.Health.Interval},
 		{"health.timeout", c.Health.Timeout}, {"health.eject_base", c.Health.EjectBase},
 		{"health.eject_max", c.Health.EjectMax}, {"health.forget_after", c.Health.ForgetAfter}} {
 		if d.v < 0 {
@@ -640,6 +668,39 @@ func (c *Config) Validate() error {
 		return errors.New(strings.Join(errs, "; "))
 	}
 	return nil
+}
+
+// checkZMQEndpoint says what is wrong with a ZMQ endpoint ("" if nothing):
+// tcp://host:port (a numeric port) or ipc://path.
+func checkZMQEndpoint(ep string) string {
+	switch {
+	case strings.HasPrefix(ep, "ipc://") && len(ep) > len("ipc://"):
+		return ""
+	case strings.HasPrefix(ep, "tcp://"):
+		host, port, err := net.SplitHostPort(ep[len("tcp://"):])
+		if err != nil || host == "" {
+			return "tcp://host:port"
+		}
+		if p, err := strconv.Atoi(port); err != nil || p < 1 || p > 65535 {
+			return "a port between 1 and 65535"
+		}
+		return ""
+	}
+	return "tcp://host:port or ipc://path"
+}
+
+// checkZMQPorts says whether the ports of every data-parallel rank of a
+// valid tcp endpoint (port + rank) exist.
+func checkZMQPorts(ep string, dpSize int) string {
+	if dpSize <= 1 || !strings.HasPrefix(ep, "tcp://") {
+		return ""
+	}
+	_, port, _ := net.SplitHostPort(ep[len("tcp://"):])
+	p, _ := strconv.Atoi(port)
+	if p+dpSize-1 > 65535 {
+		return fmt.Sprintf("rank %d would publish on port %d of %s: past 65535", dpSize-1, p+dpSize-1, ep)
+	}
+	return ""
 }
 
 func (c *Config) isModelName(n string) bool {

@@ -1,0 +1,69 @@
+package config
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+// An explicit 0 where 0 means something (no retry share, no wait queue, no
+// drain wait, never forget) is kept; only an absent field gets its default.
+func TestExplicitZeroIsKept(t *testing.T) {
+	c, err := Parse([]byte(minimal + `
+limits: {retry_budget: 0, max_queue: 0, drain_timeout: 0s}
+health: {forget_after: 0s}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Limits.RetryBudget != 0 || c.Limits.MaxQueue != 0 || c.Limits.DrainTimeout != 0 || c.Health.ForgetAfter != 0 {
+		t.Fatalf("explicit zeros replaced by defaults: retry_budget %g, max_queue %d, drain_timeout %v, forget_after %v",
+			c.Limits.RetryBudget, c.Limits.MaxQueue, c.Limits.DrainTimeout, c.Health.ForgetAfter)
+	}
+	// Absent, or in a section left empty: the defaults.
+	for _, doc := range []string{minimal, minimal + "limits:\nhealth:\n", minimal + "limits: {}\nhealth: {}\n"} {
+		c, err := Parse([]byte(doc))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.Limits.RetryBudget != 0.2 || c.Limits.MaxQueue != 1024 || c.Limits.DrainTimeout != 30*time.Second || c.Health.ForgetAfter != time.Minute {
+			t.Fatalf("defaults missing for %q: %+v %+v", doc, c.Limits, c.Health)
+		}
+	}
+}
+
+// Every numeric field rejects a negative value, and event endpoints are
+// checked before a subscriber fails on them at run time.
+func TestValidationRejects(t *testing.T) {
+	backend := func(extra string) string {
+		return "models:\n  - name: m\nbackends:\n  - {id: a, url: \"http://127.0.0.1:9000\"" + extra + "}\n"
+	}
+	cases := map[string]struct{ yaml, want string }{
+		"negative connect timeout": {minimal + "limits: {upstream_connect_timeout: -1s}\n", "limits.upstream_connect_timeout"},
+		"negative conns":           {minimal + "limits: {max_conns_per_backend: -1}\n", "limits.max_conns_per_backend"},
+		"negative overlap weight":  {minimal + "router: {overlap_weight: -1}\n", "router.overlap_weight"},
+		"negative host cache":      {backend(", kind: mock, mock: {host_cache_blocks: -5}"), "backends[0].mock"},
+		"replay without scheme": {backend(`, kv_events: {mode: zmq, endpoint: "tcp://127.0.0.1:5557", replay: "127.0.0.1:5558"}`),
+			"backends[0].kv_events.replay"},
+		"dp ranks on ipc": {backend(`, kv_events: {mode: zmq, endpoint: "ipc:///tmp/kv.sock", dp_size: 2}`),
+			"backends[0].kv_events.dp_size"},
+		"dp ranks past the last port": {backend(`, kv_events: {mode: zmq, endpoint: "tcp://127.0.0.1:65535", dp_size: 2}`),
+			"backends[0].kv_events.dp_size"},
+		"zmq endpoint without port": {backend(`, kv_events: {mode: zmq, endpoint: "tcp://127.0.0.1"}`),
+			"backends[0].kv_events.endpoint"},
+		"two mocks on one address": {"models:\n  - name: m\nbackends:\n" +
+			"  - {id: a, url: \"http://127.0.0.1:9000\", kind: mock}\n  - {id: b, url: \"http://127.0.0.1:9000\", kind: mock}\n",
+			"backends[1].url"},
+	}
+	for name, tc := range cases {
+		t.Run(name, func(t *testing.T) {
+			_, err := Parse([]byte(tc.yaml))
+			if err == nil {
+				t.Fatalf("accepted:\n%s", tc.yaml)
+			}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("error %q does not name %s", err, tc.want)
+			}
+		})
+	}
+}
