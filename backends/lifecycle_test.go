@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 
@@ -193,6 +194,50 @@ func TestPartialAnswerOnPooledConnectionIsNotResent(t *testing.T) {
 			defer mu.Unlock()
 			if received != 2 {
 				t.Fatalf("the engine received %d requests, want 2: a request it had begun answering was sent again", received)
+			}
+		})
+	}
+}
+
+// An engine announcing an absurd Content-Length (a bug, a proxy in between,
+// garbage) must cost an error, not an allocation of that size: fasthttp
+// allocates a fixed-size body up front, and a failed allocation takes the
+// whole process down.
+func TestHugeContentLengthIsRefused(t *testing.T) {
+	for _, stream := range []bool{false, true} {
+		addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+			readRequest(br)
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1125899906842624\r\n\r\n{\"id\":")
+		})
+		u := &Upstream{Addr: addr}
+		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+		body, err := u.Do(req, resp, stream, nil)
+		if body != nil {
+			_, err = io.ReadAll(body)
+			body.Close()
+		}
+		if err == nil {
+			t.Fatalf("stream=%v: a 1 PiB answer was accepted", stream)
+		}
+	}
+}
+
+// An answer read whole stops at MaxBodySize, whatever its framing.
+func TestWholeAnswerIsBounded(t *testing.T) {
+	for name, answer := range map[string]string{
+		"content-length": "HTTP/1.1 200 OK\r\nContent-Length: 4096\r\n\r\n" + strings.Repeat("x", 4096),
+		"chunked":        "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + strings.Repeat("400\r\n"+strings.Repeat("x", 1024)+"\r\n", 4) + "0\r\n\r\n",
+		"until close":    "HTTP/1.1 200 OK\r\n\r\n" + strings.Repeat("x", 4096),
+	} {
+		t.Run(name, func(t *testing.T) {
+			addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+				readRequest(br)
+				io.WriteString(c, answer)
+			})
+			u := &Upstream{Addr: addr, MaxBodySize: 1024}
+			req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+			if _, err := u.Do(req, resp, false, nil); !errors.Is(err, fasthttp.ErrBodyTooLarge) {
+				t.Fatalf("a 4 KiB answer with MaxBodySize 1 KiB: err %v, body %d bytes", err, len(resp.Body()))
 			}
 		})
 	}

@@ -25,6 +25,9 @@ type Upstream struct {
 	// ReadTimeout bounds each wait for upstream bytes (headers or the next
 	// stream chunk): an idle timer, not a whole-response limit.
 	ReadTimeout time.Duration // default 5m
+	// MaxBodySize bounds an answer read whole (not streamed); a larger one
+	// is an error. Default 64 MiB.
+	MaxBodySize int
 
 	mu   sync.Mutex
 	idle []*upConn
@@ -196,6 +199,13 @@ func (b *Body) Close() {
 	b.uc = nil
 }
 
+func (u *Upstream) maxBodySize() int {
+	if u.MaxBodySize > 0 {
+		return u.MaxBodySize
+	}
+	return 64 << 20
+}
+
 func (u *Upstream) readTimeout() time.Duration {
 	if u.ReadTimeout > 0 {
 		return u.ReadTimeout
@@ -268,7 +278,9 @@ func (u *Upstream) exchange(uc *upConn, req *fasthttp.Request, resp *fasthttp.Re
 	}
 	uc.armRead(time.Now(), u.readTimeout())
 	resp.StreamBody = stream
-	if err := resp.ReadLimitBody(uc.br, 0); err != nil {
+	// The bound matters beyond memory: fasthttp allocates a Content-Length
+	// body up front, and an absurd length would panic the process.
+	if err := resp.ReadLimitBody(uc.br, u.maxBodySize()); err != nil {
 		return nil, err
 	}
 	if !stream {
