@@ -51,8 +51,10 @@ func NewProber(cfg ProbeConfig) *Prober {
 		cfg.Fall = 2
 	}
 	return &Prober{
-		cfg:    cfg,
-		client: &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: time.Minute},
+		cfg: cfg,
+		// A bounded body: fasthttp allocates a Content-Length body up
+		// front, and an absurd one from a broken engine would panic.
+		client: &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: time.Minute, MaxResponseBodySize: 1 << 20},
 		target: map[string]*probeTarget{},
 		stop:   make(chan struct{}),
 	}

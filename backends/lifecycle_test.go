@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/valyala/fasthttp"
 )
@@ -240,5 +241,28 @@ func TestWholeAnswerIsBounded(t *testing.T) {
 				t.Fatalf("a 4 KiB answer with MaxBodySize 1 KiB: err %v, body %d bytes", err, len(resp.Body()))
 			}
 		})
+	}
+}
+
+// A health endpoint answering with an absurd Content-Length is a failed
+// probe, not a panic of the prober's goroutine (which ends the process).
+func TestProbeOfHugeAnswerFails(t *testing.T) {
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		for readRequest(br) == nil {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 1125899906842624\r\n\r\nok")
+		}
+	})
+	p := NewProber(ProbeConfig{Interval: time.Hour, Timeout: time.Second, Fall: 1})
+	changed := make(chan bool, 4)
+	p.Add("a", "http://"+addr+"/health", func(ok bool) { changed <- ok })
+	p.Start()
+	defer p.Stop()
+	select {
+	case ok := <-changed:
+		if ok {
+			t.Fatal("probe passed")
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no probe result")
 	}
 }
