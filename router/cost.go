@@ -2,6 +2,7 @@ package router
 
 import (
 	"fmt"
+	"math"
 
 	"github.com/kvproxy/kvproxy/kv"
 )
@@ -46,13 +47,13 @@ func DefaultCostConfig() CostConfig {
 }
 
 func (c *CostConfig) validate() error {
-	bad := c.PrefillMsPerToken < 0 || c.QueueMsPerToken < 0 || c.DecodeMsPerBlock < 0 ||
-		c.PrefillBaseMs < 0 || c.PrefillMsPerToken2 < 0 || c.PrefillChunkTokens < 0
+	bad := !finiteNonNeg(c.PrefillMsPerToken) || !finiteNonNeg(c.QueueMsPerToken) || !finiteNonNeg(c.DecodeMsPerBlock) ||
+		!finiteNonNeg(c.PrefillBaseMs) || !finiteNonNeg(c.PrefillMsPerToken2) || c.PrefillChunkTokens < 0
 	for _, f := range c.FetchMsPerBlock {
-		bad = bad || f < 0
+		bad = bad || !finiteNonNeg(f)
 	}
 	if bad {
-		return fmt.Errorf("router: cost coefficients must not be negative")
+		return fmt.Errorf("router: cost coefficients must be finite and not negative")
 	}
 	return nil
 }
@@ -131,3 +132,7 @@ func uncachedTokens(promptTokens, overlap, blockSize int) int {
 	}
 	return u
 }
+
+// finiteNonNeg reports whether x is a finite number ≥ 0 (NaN and ±Inf pass
+// a plain "x < 0" check, and make every cost NaN).
+func finiteNonNeg(x float64) bool { return x >= 0 && !math.IsInf(x, 1) }

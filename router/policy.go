@@ -77,6 +77,9 @@ func pickLowest(s *Snapshot, temperature float64) int {
 		}
 		return len(c) - 1
 	}
+	if ties == 0 { // every score NaN: no order to follow
+		return int(s.Seed % uint64(len(c)))
+	}
 	k := int(s.Seed % uint64(ties))
 	for i := range c {
 		if c[i].Score == lo {

@@ -2,6 +2,7 @@ package router
 
 import (
 	"fmt"
+	"math"
 	"time"
 )
 
@@ -45,7 +46,7 @@ func newCacheAwarePolicy(cfg *Config) (Policy, error) {
 	if c.MaxTreeBlocks == 0 {
 		c.MaxTreeBlocks = d.MaxTreeBlocks
 	}
-	if c.BalanceAbsThreshold < 0 || c.BalanceRelThreshold < 1 || c.CacheThreshold < 0 || c.CacheThreshold > 1 || c.MaxTreeBlocks < 0 {
+	if c.BalanceAbsThreshold < 0 || !(c.BalanceRelThreshold >= 1) || math.IsInf(c.BalanceRelThreshold, 1) || !(c.CacheThreshold >= 0 && c.CacheThreshold <= 1) || c.MaxTreeBlocks < 0 {
 		return nil, fmt.Errorf("bad cache_aware thresholds %+v", *c)
 	}
 	return &cacheAwarePolicy{cfg: *c, tree: NewMemIndex(MemIndexConfig{MaxEntries: c.MaxTreeBlocks, Now: cfg.Now})}, nil

@@ -17,8 +17,8 @@ func newDynamoPolicy(cfg *Config) (Policy, error) {
 	if cfg.Dynamo.OverlapWeight == 0 {
 		cfg.Dynamo.OverlapWeight = 1
 	}
-	if cfg.Dynamo.OverlapWeight < 0 {
-		return nil, fmt.Errorf("overlap_weight %v must not be negative", cfg.Dynamo.OverlapWeight)
+	if !finiteNonNeg(cfg.Dynamo.OverlapWeight) {
+		return nil, fmt.Errorf("overlap_weight %v must be finite and not negative", cfg.Dynamo.OverlapWeight)
 	}
 	return dynamoPolicy{cfg.Dynamo.OverlapWeight, cfg.Temperature}, nil
 }

@@ -45,7 +45,7 @@ func newPrefixHashPolicy(cfg *Config) (Policy, error) {
 	if c.PrefixBlocks == 0 {
 		c.PrefixBlocks = 4
 	}
-	if c.VirtualNodes < 1 || c.LoadBound < 1 || c.PrefixBlocks < 1 {
+	if c.VirtualNodes < 1 || !(c.LoadBound >= 1) || math.IsInf(c.LoadBound, 1) || c.PrefixBlocks < 1 {
 		return nil, fmt.Errorf("virtual_nodes and prefix_blocks must be positive and load_bound at least 1 (got %d, %d, %v)",
 			c.VirtualNodes, c.PrefixBlocks, c.LoadBound)
 	}

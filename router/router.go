@@ -188,8 +188,8 @@ func New(cfg Config) (*Router, error) {
 	if cfg.MaxIndexBlocks == 0 {
 		cfg.MaxIndexBlocks = def.MaxIndexBlocks
 	}
-	if cfg.IndexTTL < 0 || cfg.MaxIndexBlocks < 0 || cfg.Temperature < 0 {
-		return nil, fmt.Errorf("router: index_ttl, max_index_blocks and temperature must not be negative")
+	if cfg.IndexTTL < 0 || cfg.MaxIndexBlocks < 0 || !finiteNonNeg(cfg.Temperature) {
+		return nil, fmt.Errorf("router: index_ttl, max_index_blocks and temperature must not be negative (temperature finite)")
 	}
 	if cfg.Cost == (CostConfig{}) {
 		cfg.Cost = def.Cost

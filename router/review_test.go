@@ -1,0 +1,57 @@
+package router
+
+import (
+	"math"
+	"testing"
+	_ "time"
+
+	"github.com/kvproxy/kvproxy/kv"
+)
+
+// Non-finite coefficients pass a "not negative" check (NaN < 0 is false)
+// and make every cost NaN, or Inf×0 = NaN: New must refuse them.
+func TestNewRejectsNonFiniteCosts(t *testing.T) {
+	for _, v := range []float64{math.NaN(), math.Inf(1)} {
+		for i, set := range []func(c *CostConfig){
+			func(c *CostConfig) { c.PrefillMsPerToken = v },
+			func(c *CostConfig) { c.QueueMsPerToken = v },
+			func(c *CostConfig) { c.DecodeMsPerBlock = v },
+			func(c *CostConfig) { c.PrefillBaseMs = v },
+			func(c *CostConfig) { c.PrefillMsPerToken2 = v },
+			func(c *CostConfig) { c.FetchMsPerBlock[kv.TierHost] = v },
+		} {
+			cfg := DefaultConfig()
+			set(&cfg.Cost)
+			if _, err := New(cfg); err == nil {
+				t.Errorf("coefficient %d = %v accepted", i, v)
+			}
+		}
+	}
+	for _, v := range []float64{math.NaN(), math.Inf(1)} {
+		for i, set := range []func(c *Config){
+			func(c *Config) { c.Temperature = v },
+			func(c *Config) { c.Policy, c.Dynamo.OverlapWeight = "kv_dynamo", v },
+			func(c *Config) { c.Policy, c.PrefixHash.LoadBound = "prefix_hash", v },
+			func(c *Config) { c.Policy, c.CacheAware.BalanceRelThreshold = "cache_aware", v },
+			func(c *Config) { c.Policy, c.CacheAware.CacheThreshold = "cache_aware", v },
+		} {
+			cfg := DefaultConfig()
+			set(&cfg)
+			if _, err := New(cfg); err == nil {
+				t.Errorf("setting %d = %v accepted", i, v)
+			}
+		}
+	}
+}
+
+// A policy whose scores are all NaN must still pick a candidate, not
+// divide by zero ties.
+func TestPickLowestAllNaN(t *testing.T) {
+	cands := []Candidate{{Worker: 0, Score: math.NaN()}, {Worker: 1, Score: math.NaN()}}
+	s := &Snapshot{Cands: cands, Seed: 7}
+	for _, temp := range []float64{0, 0.5} {
+		if k := pickLowest(s, temp); k < 0 || k >= len(cands) {
+			t.Fatalf("temperature %v: picked %d", temp, k)
+		}
+	}
+}
