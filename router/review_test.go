@@ -3,7 +3,7 @@ package router
 import (
 	"math"
 	"testing"
-	_ "time"
+	"time"
 
 	"github.com/kvproxy/kvproxy/kv"
 )
@@ -53,5 +53,30 @@ func TestPickLowestAllNaN(t *testing.T) {
 		if k := pickLowest(s, temp); k < 0 || k >= len(cands) {
 			t.Fatalf("temperature %v: picked %d", temp, k)
 		}
+	}
+}
+
+// An engine that reports waiting requests (traffic this router did not
+// send) is predicted to queue them (CostConfig.predict takes the larger of
+// the router's and the engine's queue). The calibrator must regress the
+// observed TTFT on that same prediction: if it regresses on the router's
+// queue alone, an engine exactly as fast as configured is fitted as slower,
+// and the foreign queue is then counted twice.
+func TestCalibrationSeesEngineReportedQueue(t *testing.T) {
+	r := newTestRouter(t, "kv", 1, nil)
+	cc := r.Config().Cost
+	r.SetEngineLoad(0, 20, 4, 0.1)
+	for i := 0; i < 300; i++ {
+		q := &Request{Pinned: true, Pin: 0, PromptTokens: 2000}
+		eq := r.worker(0).engineQueue(r.Config().BlockSize)
+		d, a := mustRoute(t, r, q)
+		c := d.Candidates[0]
+		truth := cc.compute(&c, q.PromptTokens, max(c.PrefillTokens, eq)) // as configured, engine queue included
+		a.ObserveTTFT(time.Duration(truth * float64(time.Millisecond)))
+		a.PrefillDone()
+		a.Free()
+	}
+	if s := r.Workers()[0].Slowdown; math.Abs(s-1) > 0.05 {
+		t.Fatalf("slowdown %.3f for an engine exactly as configured, want 1", s)
 	}
 }

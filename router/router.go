@@ -518,7 +518,10 @@ func (r *Router) commit(req *Request, d *Decision, now int64) *Active {
 	if req.Unstreamed && d.PredictedTTFTms > 0 {
 		a.dueNs = a.start + int64(d.PredictedTTFTms*float64(time.Millisecond))
 	}
-	a.computMs = r.cfg.Cost.compute(&c, int(uncached), c.PrefillTokens)
+	// The calibrator regresses on what predict priced: the larger of the
+	// router's and the engine's queue (else an engine's own queue would be
+	// fitted as slowness, then counted again).
+	a.computMs = r.cfg.Cost.compute(&c, int(uncached), max(c.PrefillTokens, w.engineQueue(bs)))
 	a.hashes = getHashes(req.Hashes)
 	if !w.add(a) {
 		a.freed = true // worker removed meanwhile
