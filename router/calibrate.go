@@ -18,7 +18,7 @@ import (
 // coefficient: TTFTs are noisy (admission waits, batching), and in the
 // fleet simulator the single factor did as well as a two-coefficient RLS fit
 // on a homogeneous fleet and better on a heterogeneous one. s is clamped to
-// [1/8, 8].
+// [1/8, 8], and each sample's ratio y/p to [1/16, 16].
 type calibrator struct {
 	enabled atomic.Bool
 	scale   atomic.Uint64 // float64 bits
@@ -33,6 +33,7 @@ const (
 	// calPrior weighs the configured coefficients (s = 1) like a few
 	// typical samples (p ≈ 200 ms), so the first observations do not jump.
 	calPrior = 4 * 200 * 200
+	calClamp = 8 // s stays in [1/calClamp, calClamp]
 )
 
 func (c *calibrator) init() {
@@ -44,13 +45,18 @@ func (c *calibrator) factor() float64 { return math.Float64frombits(c.scale.Load
 
 // observe feeds one TTFT in ms, less fetch time, against its prediction p.
 func (c *calibrator) observe(y, p float64) {
-	if !c.enabled.Load() || !(y > 0) || !(p > 0) || math.IsInf(y, 0) {
+	if !c.enabled.Load() || !(y > 0) || !(p > 0) || math.IsInf(y, 0) || math.IsInf(p, 0) {
 		return
 	}
+	// Bound each sample's ratio: least squares weighs a sample by its
+	// squared residual, so one stalled request (y = 500·p) would pin s at
+	// the clamp for hundreds of requests. Beyond twice the clamp a ratio
+	// says nothing the clamp would not cut anyway.
+	y = math.Max(p/(2*calClamp), math.Min(2*calClamp*p, y))
 	c.mu.Lock()
 	c.num = calLambda*c.num + y*p
 	c.den = calLambda*c.den + p*p
-	s := math.Max(0.125, math.Min(8, c.num/c.den))
+	s := math.Max(1/calClamp, math.Min(calClamp, c.num/c.den))
 	c.mu.Unlock()
 	c.scale.Store(math.Float64bits(s))
 	c.samples.Add(1)

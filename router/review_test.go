@@ -80,3 +80,49 @@ func TestCalibrationSeesEngineReportedQueue(t *testing.T) {
 		t.Fatalf("slowdown %.3f for an engine exactly as configured, want 1", s)
 	}
 }
+
+// One stalled request (a TTFT hundreds of times the prediction: an engine
+// hiccup, a preemption) must not make a worker look slow for the hundreds
+// of requests after it. Least squares gives the sample a weight of its
+// squared residual; each sample's ratio is bounded instead.
+func TestCalibrationSurvivesOneStall(t *testing.T) {
+	r := newTestRouter(t, "kv", 1, nil)
+	cc := r.Config().Cost
+	observe := func(times float64) {
+		q := &Request{Pinned: true, Pin: 0, PromptTokens: 2000}
+		d, a := mustRoute(t, r, q)
+		c := d.Candidates[0]
+		truth := times * cc.compute(&c, q.PromptTokens, c.PrefillTokens)
+		a.ObserveTTFT(time.Duration(truth * float64(time.Millisecond)))
+		a.PrefillDone()
+		a.Free()
+	}
+	for i := 0; i < 300; i++ {
+		observe(1)
+	}
+	observe(500)
+	for i := 0; i < 20; i++ {
+		observe(1)
+	}
+	if s := r.Workers()[0].Slowdown; s > 1.25 {
+		t.Fatalf("slowdown %.3f 20 requests after one stalled request, want about 1", s)
+	}
+}
+
+// A worker that really is 6× slow still fits 6 with the bounded samples.
+func TestCalibrationFitsLargeSlowdown(t *testing.T) {
+	r := newTestRouter(t, "kv", 1, nil)
+	cc := r.Config().Cost
+	for i := 0; i < 600; i++ {
+		q := &Request{Pinned: true, Pin: 0, PromptTokens: 100 + 37*i%5000}
+		d, a := mustRoute(t, r, q)
+		c := d.Candidates[0]
+		truth := 6 * cc.compute(&c, q.PromptTokens, c.PrefillTokens)
+		a.ObserveTTFT(time.Duration(truth * float64(time.Millisecond)))
+		a.PrefillDone()
+		a.Free()
+	}
+	if s := r.Workers()[0].Slowdown; math.Abs(s-6) > 0.3 {
+		t.Fatalf("slowdown %.3f, want 6", s)
+	}
+}
