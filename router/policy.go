@@ -26,6 +26,12 @@ type Policy interface {
 	Commit(req *Request, d *Decision)
 }
 
+// workerForgetter is implemented by policies that keep per-worker state
+// (cache_aware's tree); RemoveWorker calls it, with no Commit running.
+type workerForgetter interface {
+	forgetWorker(w WorkerID)
+}
+
 // policies maps Config.Policy names to constructors, which validate their
 // part of the config and fill its defaults.
 var policies = map[string]func(cfg *Config) (Policy, error){

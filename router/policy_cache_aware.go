@@ -93,3 +93,6 @@ func (p *cacheAwarePolicy) Commit(req *Request, d *Decision) {
 		p.tree.Store(d.Worker, req.Hashes, 0, time.Duration(0))
 	}
 }
+
+// forgetWorker drops the routing history of a removed worker.
+func (p *cacheAwarePolicy) forgetWorker(w WorkerID) { p.tree.ClearWorker(w) }

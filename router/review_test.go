@@ -126,3 +126,25 @@ func TestCalibrationFitsLargeSlowdown(t *testing.T) {
 		t.Fatalf("slowdown %.3f, want 6", s)
 	}
 }
+
+// A removed worker's routing history must go with it, as its index entries
+// do (SGLang's router drops the worker's tree too): when it comes back (an
+// engine restarted with a cold cache) cache_aware must neither claim its old
+// prefixes nor count its old tree against it.
+func TestCacheAwareForgetsRemovedWorker(t *testing.T) {
+	r := newTestRouter(t, "cache_aware", 2, nil)
+	tree := r.policy.(*cacheAwarePolicy).tree
+	_, a := mustRoute(t, r, &Request{Pinned: true, Pin: 0, Hashes: seq(20, 1), PromptTokens: 20 * 16})
+	a.Free()
+	_, b := mustRoute(t, r, &Request{Pinned: true, Pin: 1, Hashes: seq(5, 2), PromptTokens: 5 * 16})
+	b.Free()
+	r.RemoveWorker(0)
+	r.AddWorker("w0")
+	if n := tree.WorkerBlocks(0); n != 0 {
+		t.Errorf("re-added worker still has %d blocks of routing history", n)
+	}
+	// A new prompt goes to the smallest tree: the fresh worker's.
+	if d, _ := r.Select(req(seq(8, 3))); d.Worker != 0 {
+		t.Errorf("new prompt went to %d, want the re-added (empty) worker 0", d.Worker)
+	}
+}

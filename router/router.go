@@ -261,19 +261,25 @@ func (r *Router) AddWorker(name string) WorkerID {
 	return w.id
 }
 
-// RemoveWorker makes a worker unselectable, drops its index entries and
-// zeroes its load; Actives still open on it become no-ops.
+// RemoveWorker makes a worker unselectable, drops its index entries (and
+// any routing history its policy keeps) and zeroes its load; Actives still
+// open on it become no-ops.
 func (r *Router) RemoveWorker(id WorkerID) {
 	w := r.worker(id)
 	if w == nil {
 		return
 	}
 	r.wmu.Lock()
+	r.mu.Lock() // no Commit in between: it would store the worker's blocks again
 	w.removed.Store(true)
 	w.available.Store(false)
 	w.reset()
 	r.index.ClearWorker(id)
+	if f, ok := r.policy.(workerForgetter); ok {
+		f.forgetWorker(id)
+	}
 	r.version.Add(1)
+	r.mu.Unlock()
 	r.wmu.Unlock()
 }
 
