@@ -1,6 +1,7 @@
 package router
 
 import (
+	"math"
 	"math/bits"
 	"sync"
 	"time"
@@ -122,11 +123,15 @@ func (x *MemIndex) expiry(ttl time.Duration) uint32 {
 	if ttl <= 0 {
 		return 0
 	}
-	d := x.now().Sub(x.base) + ttl
-	if d < 0 {
-		d = 0
+	el := x.now().Sub(x.base)
+	if el < 0 {
+		el = 0
 	}
-	return uint32((d+time.Second-1)/time.Second) + 1
+	// In unsigned nanoseconds: el + ttl cannot overflow, and a TTL beyond
+	// the 32-bit ticks saturates (never wraps to an earlier tick).
+	const sec = uint64(time.Second)
+	t := (uint64(el)+uint64(ttl)+sec-1)/sec + 1
+	return uint32(min(t, math.MaxUint32))
 }
 
 func (s *slot) dead(now uint32) bool { return s.expires != 0 && now >= s.expires }

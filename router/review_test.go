@@ -148,3 +148,21 @@ func TestCacheAwareForgetsRemovedWorker(t *testing.T) {
 		t.Errorf("new prompt went to %d, want the re-added (empty) worker 0", d.Worker)
 	}
 }
+
+// A TTL beyond what the index's 32-bit second ticks hold (or one whose sum
+// with the clock overflows a Duration) means "for as long as it can", not
+// "already expired".
+func TestMemIndexHugeTTLDoesNotExpireAtOnce(t *testing.T) {
+	c := newFakeClock()
+	x := NewMemIndex(MemIndexConfig{Now: c.Now})
+	c.Advance(time.Hour)
+	h := seq(4, 1)
+	for _, ttl := range []time.Duration{math.MaxInt64, (1 << 32) * time.Second} {
+		x.Store(0, h, kv.TierDevice, ttl)
+		c.Advance(time.Hour)
+		if ov := x.Match(h, nil); len(ov) != 1 || ov[0].Depth != 4 {
+			t.Errorf("ttl %v: match %+v an hour after Store, want depth 4", ttl, ov)
+		}
+		x.ClearWorker(0)
+	}
+}
