@@ -101,10 +101,14 @@ func HashBlocks(dst []BlockHash, tokens []uint32, blockSize int, ns Namespace) [
 
 // ContinueHashes hashes the full blocks of tokens that follow a sequence whose
 // last sequence hash is parent (the zero parent with start==true means block 0
-// of a new sequence). It is how KV events are re-hashed block by block.
+// of a new sequence). It is how KV events are re-hashed block by block. A
+// non-positive blockSize means DefaultBlockSize, as for HashBlocks.
 func ContinueHashes(dst []BlockHash, parent BlockHash, first bool, tokens []uint32, blockSize int, ns Namespace) []BlockHash {
 	if first {
 		return HashBlocks(dst, tokens, blockSize, ns)
+	}
+	if blockSize <= 0 {
+		blockSize = DefaultBlockSize
 	}
 	n := len(tokens) / blockSize
 	prev := parent
