@@ -186,21 +186,25 @@ func TestRejectedReloadStopsTheMocksItStarted(t *testing.T) {
 	}
 }
 
-// A mock removed from the configuration stops once its requests are done,
-// and can be added back by a later reload.
+// drain1s bounds how long a removed mock waits for the proxy's connections
+// to it (idle probe connections last longer).
+const drain1s = "limits: {drain_timeout: 1s}\n"
+
+// A mock removed from the configuration stops once the proxy is done with
+// it, and can be added back by a later reload.
 func TestReloadStopsRemovedMocks(t *testing.T) {
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "c.yaml")
 	m0, m1 := mockSpec{id: "m0", port: freePort(t)}, mockSpec{id: "m1", port: freePort(t)}
-	writeConfig(t, cfg, "", m0, m1)
+	writeConfig(t, cfg, drain1s, m0, m1)
 	p := startProxy(t, cfg)
-	writeConfig(t, cfg, "", m0)
+	writeConfig(t, cfg, drain1s, m0)
 	p.reload(t)
 	p.c.waitRetired()
 	if listening(m1.port) {
 		t.Fatal("the removed mock engine still listens")
 	}
-	writeConfig(t, cfg, "", m0, m1)
+	writeConfig(t, cfg, drain1s, m0, m1)
 	p.reload(t)
 	if !listening(m1.port) {
 		t.Fatal("the mock engine added back does not listen")
@@ -297,4 +301,67 @@ func TestDrainTimeoutOfTheReloadedConfig(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("still draining 10s after SIGTERM with drain_timeout 300ms")
 	}
+}
+
+// Streams keep flowing, and each ends with [DONE], while reloads add and
+// remove a backend under them (run with -race).
+func TestReloadDuringStreams(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "c.yaml")
+	m0, m1 := mockSpec{id: "m0", port: freePort(t), speedup: 20}, mockSpec{id: "m1", port: freePort(t), speedup: 20}
+	writeConfig(t, cfg, drain1s, m0, m1)
+	p := startProxy(t, cfg)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var bad []string
+	streams := 0
+	for i := 0; i < 6; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				body := `{"model":"m","prompt":"hello there, a prompt of a few words","max_tokens":24,"stream":true}`
+				resp, err := http.Post("http://"+p.addr+"/v1/completions", "application/json", strings.NewReader(body))
+				if err != nil {
+					mu.Lock()
+					bad = append(bad, err.Error())
+					mu.Unlock()
+					return
+				}
+				b, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				mu.Lock()
+				streams++
+				if resp.StatusCode != 200 || !strings.HasSuffix(strings.TrimSpace(string(b)), "data: [DONE]") || strings.Contains(string(b), `"error"`) {
+					bad = append(bad, fmt.Sprintf("%d %q", resp.StatusCode, b))
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	for i := 0; i < 6; i++ {
+		if i%2 == 0 {
+			writeConfig(t, cfg, drain1s, m0)
+		} else {
+			p.c.waitRetired() // m1's port is free again
+			writeConfig(t, cfg, drain1s, m0, m1)
+		}
+		p.reload(t)
+		p.reload(t) // the same configuration twice
+	}
+	close(stop)
+	wg.Wait()
+	if len(bad) > 0 {
+		t.Fatalf("%d of %d streams went wrong, first: %s", len(bad), streams, bad[0])
+	}
+	if streams == 0 {
+		t.Fatal("no stream completed")
+	}
+	t.Logf("%d streams across 12 reloads", streams)
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"net"
 	"net/url"
 	"sync"
 
@@ -28,6 +29,7 @@ type mockFleet struct {
 type mockRun struct {
 	id   string
 	key  mockKey
+	ln   *connListener
 	e    *mockengine.Engine
 	feed *mockengine.EventFeed
 	pub  *mockengine.Publisher
@@ -115,18 +117,21 @@ func (f *mockFleet) startOne(cfg *config.Config, b config.Backend, key mockKey) 
 		return nil, fmt.Errorf("mock backend %s: %w", b.ID, err)
 	}
 	u, _ := url.Parse(b.URL)
-	addr, err := e.Start(u.Host)
+	ln, err := net.Listen("tcp", u.Host)
 	if err != nil {
 		e.Close()
 		return nil, fmt.Errorf("mock backend %s: %w", b.ID, err)
 	}
-	r := &mockRun{id: b.ID, key: key, e: e}
+	addr := ln.Addr().String()
+	r := &mockRun{id: b.ID, key: key, e: e, ln: newConnListener(ln)}
+	go e.Serve(r.ln)
 	if b.KVEvents.Mode == config.EventsZMQ {
 		pub, err := mockengine.NewPublisher(mockengine.PublisherConfig{
 			Endpoint: b.KVEvents.Endpoint, ReplayEndpoint: b.KVEvents.Replay, Topic: b.KVEvents.Topic,
 		})
 		if err != nil {
 			e.Close()
+			r.ln.Close()
 			return nil, fmt.Errorf("mock backend %s: event publisher: %w", b.ID, err)
 		}
 		r.pub = pub
@@ -138,8 +143,12 @@ func (f *mockFleet) startOne(cfg *config.Config, b config.Backend, key mockKey) 
 }
 
 // commit makes started part of the fleet and retires every mock cfg no
-// longer has: it stops once its requests are done, or after cfg's
-// drain_timeout.
+// longer has. A retiring mock keeps serving until the proxy has closed its
+// connections to it, which it does once it has retired the backend (its
+// requests are over), or until cfg's drain_timeout, when the proxy gives up
+// on them too. Its own idleness is not enough: a request routed just
+// before the reload may be on its way. Nor is closing its listener first:
+// a connection the kernel already accepted would be reset.
 func (f *mockFleet) commit(cfg *config.Config, started []*mockRun) {
 	keep := map[string]bool{}
 	for _, b := range cfg.Backends {
@@ -162,7 +171,7 @@ func (f *mockFleet) commit(cfg *config.Config, started []*mockRun) {
 		go func() {
 			defer f.retired.Done()
 			ctx, cancel := context.WithTimeout(context.Background(), cfg.Limits.DrainTimeout)
-			r.e.WaitIdle(ctx)
+			r.ln.waitClosed(ctx)
 			cancel()
 			r.close()
 			f.mu.Lock()
@@ -207,4 +216,62 @@ func (r *mockRun) close() {
 		r.pub.Close()
 	}
 	r.e.Close()
+}
+
+// connListener is a listener that knows how many of its connections are
+// open.
+type connListener struct {
+	net.Listener
+	mu      sync.Mutex
+	open    int
+	changed chan struct{} // closed and replaced when open drops
+}
+
+func newConnListener(ln net.Listener) *connListener {
+	return &connListener{Listener: ln, changed: make(chan struct{})}
+}
+
+func (l *connListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	l.mu.Lock()
+	l.open++
+	l.mu.Unlock()
+	return &countedConn{Conn: c, l: l}, nil
+}
+
+// waitClosed waits until every accepted connection is closed, or ctx ends.
+func (l *connListener) waitClosed(ctx context.Context) {
+	for {
+		l.mu.Lock()
+		open, ch := l.open, l.changed
+		l.mu.Unlock()
+		if open == 0 {
+			return
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return
+		}
+	}
+}
+
+type countedConn struct {
+	net.Conn
+	l    *connListener
+	once sync.Once
+}
+
+func (c *countedConn) Close() error {
+	c.once.Do(func() {
+		c.l.mu.Lock()
+		c.l.open--
+		close(c.l.changed)
+		c.l.changed = make(chan struct{})
+		c.l.mu.Unlock()
+	})
+	return c.Conn.Close()
 }
