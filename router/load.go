@@ -87,7 +87,8 @@ func (w *worker) engineQueue(blockSize int) int64 {
 // memory on w: when the blocks of the live requests plus its own exceed the
 // engine's capacity, the engine admits it only after requests holding the
 // excess have finished. Requests release their blocks over about one
-// lifetime, so freeing d of the active blocks takes d/active lifetimes.
+// lifetime, so freeing d of the active blocks takes d/active lifetimes, and
+// the wait is at most one lifetime.
 // It is 0 while the capacity or the lifetime is unknown.
 func (w *worker) memoryWaitMs(active int64, need int) float64 {
 	capacity := math.Float64frombits(w.capBlocks.Load())
@@ -96,7 +97,10 @@ func (w *worker) memoryWaitMs(active int64, need int) float64 {
 	if capacity <= 0 || life <= 0 || deficit <= 0 {
 		return 0
 	}
-	return deficit / float64(max(active, 1)) * life
+	// Once every live request has finished (one lifetime) nothing more is
+	// freed: a deficit beyond the active blocks (a request larger than the
+	// capacity, or an under-estimated capacity) waits no longer than that.
+	return min(deficit, float64(active)) / float64(max(active, 1)) * life
 }
 
 // observeCapacity takes one sample of the engine's KV capacity in blocks:

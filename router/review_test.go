@@ -166,3 +166,31 @@ func TestMemIndexHugeTTLDoesNotExpireAtOnce(t *testing.T) {
 		x.ClearWorker(0)
 	}
 }
+
+// Waiting for KV memory ends, at the latest, when every request live on the
+// worker has finished: about one lifetime. A request needing more blocks
+// than the (possibly under-estimated: several proxy replicas on one
+// engine) capacity was priced deficit/active lifetimes: 40 lifetimes on a
+// nearly idle worker, against 1.1 on a busy one, so it went to the busy one.
+func TestMemoryWaitAtMostOneLifetime(t *testing.T) {
+	r := newTestRouter(t, "kv", 2, nil)
+	for id := WorkerID(0); id < 2; id++ {
+		r.SetEngineCapacity(id, 1000)
+		r.worker(id).lifeMs.Store(math.Float64bits(10_000))
+	}
+	idle := r.Commit(&Request{Hashes: seq(10, 1), PromptTokens: 10 * 16}, Decision{Worker: 0})
+	busy := r.Commit(&Request{Hashes: seq(900, 2), PromptTokens: 900 * 16}, Decision{Worker: 1})
+	idle.PrefillDone()
+	busy.PrefillDone()
+	d, _ := r.Select(&Request{Hashes: seq(1400, 3), PromptTokens: 1400 * 16})
+	for _, c := range d.Candidates {
+		if c.MemoryMs > 10_000 {
+			t.Errorf("worker %d: memory wait %.0f ms, more than one lifetime (10000 ms)", c.Worker, c.MemoryMs)
+		}
+	}
+	if d.Worker != 0 {
+		t.Errorf("went to the busy worker %d: %+v", d.Worker, d.Candidates)
+	}
+	idle.Free()
+	busy.Free()
+}
