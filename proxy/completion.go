@@ -86,10 +86,15 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		s.rateLimited(ctx, rid, start, wait, "requests")
 		return
 	}
+	body, ok := requestBody(ctx, st.cfg.Limits.MaxRequestBodyBytes)
+	if !ok {
+		s.logRejected(rid, "", ctx.Response.StatusCode(), start, "undecodable body")
+		return
+	}
 	sc := s.getScratch()
 	defer s.putScratch(sc)
 	req := &sc.req
-	if pe := req.parse(ctx.PostBody(), chat); pe != nil {
+	if pe := req.parse(body, chat); pe != nil {
 		badRequest(ctx, pe.param, pe.msg)
 		s.logRejected(rid, "", fasthttp.StatusBadRequest, start, pe.msg)
 		return

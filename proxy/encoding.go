@@ -1,0 +1,42 @@
+package proxy
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+
+	"github.com/valyala/fasthttp"
+)
+
+// requestBody is the request's body, decompressed when the client sent it
+// with a Content-Encoding (gzip, deflate, br or zstd: what the SDKs and
+// HTTP clients send), and no larger than max once decompressed. When it
+// fails it has written the error and returns ok false.
+func requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
+	enc := ctx.Request.Header.ContentEncoding()
+	if len(enc) == 0 || string(enc) == "identity" {
+		return ctx.PostBody(), true
+	}
+	// Content codings are case-insensitive; fasthttp matches lowercase.
+	lower := bytes.ToLower(bytes.TrimSpace(enc))
+	ctx.Request.Header.SetContentEncodingBytes(lower)
+	if string(lower) == "identity" {
+		return ctx.PostBody(), true
+	}
+	body, err := ctx.Request.BodyUncompressedWithLimit(max)
+	switch {
+	case err == nil:
+		return body, true
+	case errors.Is(err, fasthttp.ErrContentEncodingUnsupported):
+		writeError(ctx, fasthttp.StatusUnsupportedMediaType,
+			fmt.Sprintf("unsupported Content-Encoding %q: send the body uncompressed or as gzip, deflate, br or zstd", enc),
+			"invalid_request_error", "", "unsupported_content_encoding")
+	case errors.Is(err, fasthttp.ErrBodyTooLarge):
+		writeError(ctx, fasthttp.StatusRequestEntityTooLarge,
+			fmt.Sprintf("the request body is larger than %d bytes once decompressed", max),
+			"invalid_request_error", "", "request_too_large")
+	default:
+		badRequest(ctx, "", fmt.Sprintf("the request body is not valid %s data: %v", lower, err))
+	}
+	return nil, false
+}

@@ -1,0 +1,85 @@
+package proxy
+
+import (
+	"bytes"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/valyala/fasthttp"
+)
+
+func postEncoded(t *testing.T, url, encoding string, body []byte) (int, map[string]any) {
+	t.Helper()
+	req, _ := http.NewRequest("POST", url, bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Content-Encoding", encoding)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	var out map[string]any
+	if err := json.Unmarshal(b, &out); err != nil {
+		t.Fatalf("%s: answer is not JSON: %s", encoding, b)
+	}
+	return resp.StatusCode, out
+}
+
+// TestCompressedRequestBodies: a body sent with a Content-Encoding is
+// decompressed before it is read, routed and forwarded (the engine gets
+// plain JSON and no Content-Encoding), within the body limit; an unknown
+// coding, a corrupt body and a decompression bomb get clear errors.
+func TestCompressedRequestBodies(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	plain := []byte(chatBody)
+	for _, tc := range []struct {
+		encoding string
+		body     []byte
+	}{
+		{"gzip", fasthttp.AppendGzipBytes(nil, plain)},
+		{"GZIP", fasthttp.AppendGzipBytes(nil, plain)},
+		{"deflate", fasthttp.AppendDeflateBytes(nil, plain)},
+		{"br", fasthttp.AppendBrotliBytes(nil, plain)},
+		{"zstd", fasthttp.AppendZstdBytes(nil, plain)},
+		{"identity", plain},
+	} {
+		status, out := postEncoded(t, p.url+"/v1/chat/completions", tc.encoding, tc.body)
+		if status != 200 || out["choices"] == nil {
+			t.Fatalf("%s: %d %v", tc.encoding, status, out)
+		}
+		e.mu.Lock()
+		fwd := e.bodies[len(e.bodies)-1]
+		e.mu.Unlock()
+		if fwd["model"] != "engine-m" || fwd["temperature"] != 0.5 {
+			t.Fatalf("%s: the engine got %v", tc.encoding, fwd)
+		}
+	}
+
+	bomb := fasthttp.AppendGzipBytes(nil, []byte(`{"model":"m","prompt":"`+strings.Repeat("a", 1<<20)+`"}`))
+	if len(bomb) > 65536 {
+		t.Fatalf("the bomb is %d bytes compressed, over the raw limit", len(bomb))
+	}
+	for _, tc := range []struct {
+		encoding string
+		body     []byte
+		status   int
+		code     string
+	}{
+		{"compress", plain, 415, "unsupported_content_encoding"},
+		{"gzip", plain, 400, ""},
+		{"br", plain, 400, ""},
+		{"gzip", bomb, 413, "request_too_large"},
+	} {
+		status, out := postEncoded(t, p.url+"/v1/completions", tc.encoding, tc.body)
+		errObj, _ := out["error"].(map[string]any)
+		if status != tc.status || errObj == nil || errObj["message"] == "" || (tc.code != "" && errObj["code"] != tc.code) {
+			t.Fatalf("%s: %d %v, want %d %s", tc.encoding, status, out, tc.status, tc.code)
+		}
+	}
+	p.waitIdle(t)
+}
