@@ -135,9 +135,9 @@ func (p *Prober) probe(t *probeTarget) {
 	case t.healthy && t.failures >= p.cfg.Fall:
 		t.healthy = false
 		t.onChange(false)
-	case ok && t.successes == 1:
+	case ok && t.healthy && t.successes == 1:
 		// A worker taken out by a failed request (not by probes) comes back
-		// on the next good probe.
+		// on the next good probe. One taken out by probes waits for Rise.
 		t.onChange(true)
 	}
 }

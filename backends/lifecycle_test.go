@@ -266,3 +266,53 @@ func TestProbeOfHugeAnswerFails(t *testing.T) {
 		t.Fatal("no probe result")
 	}
 }
+
+// With rise: 3, an engine that was failing its probes is readmitted after
+// three good probes in a row, not after the first.
+func TestProbeRiseNeedsConsecutiveSuccesses(t *testing.T) {
+	var mu sync.Mutex
+	probes := 0
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		for readRequest(br) == nil {
+			mu.Lock()
+			probes++
+			n := probes
+			mu.Unlock()
+			status := "200 OK"
+			if n <= 2 {
+				status = "503 Service Unavailable"
+			}
+			io.WriteString(c, "HTTP/1.1 "+status+"\r\nContent-Length: 0\r\n\r\n")
+		}
+	})
+	const rise = 3
+	p := NewProber(ProbeConfig{Interval: 5 * time.Millisecond, Timeout: time.Second, Rise: rise, Fall: 2})
+	type change struct {
+		healthy bool
+		probe   int
+	}
+	changes := make(chan change, 16)
+	p.Add("a", "http://"+addr+"/health", func(ok bool) {
+		mu.Lock()
+		n := probes
+		mu.Unlock()
+		changes <- change{ok, n}
+	})
+	p.Start()
+	defer p.Stop()
+	next := func() change {
+		select {
+		case c := <-changes:
+			return c
+		case <-time.After(10 * time.Second):
+			t.Fatal("no health change")
+		}
+		return change{}
+	}
+	if c := next(); c.healthy || c.probe != 2 {
+		t.Fatalf("first change %+v, want unhealthy at probe 2 (fall 2)", c)
+	}
+	if c := next(); !c.healthy || c.probe != 2+rise {
+		t.Fatalf("readmitted at probe %d, want %d (rise %d after 2 failures)", c.probe, 2+rise, rise)
+	}
+}
