@@ -400,6 +400,11 @@ func (r *Router) Route(req *Request) (Decision, *Active, error) {
 
 // selectWorker and commit take the time (Unix ns) from their caller.
 func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
+	// The version is read before availability: a policy caching per
+	// version (prefix_hash's ring) must never file candidates older than
+	// the version under it, or a worker made available meanwhile would be
+	// left out of the cached ring until the next change.
+	version := r.version.Load()
 	ws := *r.workers.Load()
 	if req.Pinned {
 		if int(req.Pin) >= len(ws) || !ws[req.Pin].available.Load() {
@@ -461,7 +466,7 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 			return Decision{}, ErrWorkerUnavailable
 		}
 	} else {
-		sc.snap = Snapshot{Req: req, Cands: cands, BlockSize: bs, Seed: r.tieSeed(req), Version: r.version.Load(), Temperature: r.cfg.Temperature}
+		sc.snap = Snapshot{Req: req, Cands: cands, BlockSize: bs, Seed: r.tieSeed(req), Version: version, Temperature: r.cfg.Temperature}
 		k = r.policy.Pick(&sc.snap)
 		sc.snap = Snapshot{}
 	}
