@@ -73,6 +73,14 @@ func TestOpenAISDKStreamingAndNonStreaming(t *testing.T) {
 	if err != nil || len(comp.Choices) != 1 {
 		t.Fatalf("completions with token ids: %v %+v", err, comp)
 	}
+
+	if m, err := c.Models.Get(ctx, "mock-model"); err != nil || m.ID != "mock-model" {
+		t.Fatalf("models.retrieve: %v %+v", err, m)
+	}
+	var apiErr *openai.Error
+	if _, err := c.Models.Get(ctx, "no-such-model"); !asAPIError(err, &apiErr) || apiErr.StatusCode != 404 || apiErr.Code != "model_not_found" {
+		t.Fatalf("models.retrieve of an unknown model: %v", err)
+	}
 	assertIdle(t, url)
 }
 

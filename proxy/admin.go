@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"fmt"
 	"math"
 	"sort"
 	"strconv"
@@ -32,6 +33,26 @@ func (s *Server) handleModels(ctx *fasthttp.RequestCtx, st *state) {
 		}
 	}
 	writeJSON(ctx, map[string]any{"object": "list", "data": data})
+}
+
+var modelPathPrefix = []byte("/v1/models/")
+
+// handleModel answers GET /v1/models/{id}: one model (ids may contain "/").
+func (s *Server) handleModel(ctx *fasthttp.RequestCtx, st *state) {
+	id := string(ctx.Path()[len(modelPathPrefix):])
+	for _, m := range st.cfg.Models {
+		if m.Name == id {
+			writeJSON(ctx, modelJSON{ID: m.Name, Object: "model", Created: startTime, OwnedBy: "kvproxy"})
+			return
+		}
+		for _, a := range m.Aliases {
+			if a == id {
+				writeJSON(ctx, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Root: m.Name})
+				return
+			}
+		}
+	}
+	writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", id), "invalid_request_error", "model", "model_not_found")
 }
 
 func (s *Server) handleHealth(ctx *fasthttp.RequestCtx, st *state) {

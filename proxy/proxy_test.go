@@ -518,6 +518,19 @@ func TestModelsHealthAdminMetrics(t *testing.T) {
 	if models.Object != "list" || len(models.Data) != 2 || models.Data[0].ID != "m" || models.Data[1].ID != "alias-m" {
 		t.Fatalf("/v1/models: %+v", models)
 	}
+	var one struct{ ID, Object, Root string }
+	json.Unmarshal(get("/v1/models/alias-m"), &one)
+	if one.ID != "alias-m" || one.Object != "model" || one.Root != "m" {
+		t.Fatalf("/v1/models/alias-m: %+v", one)
+	}
+	if resp, b := post(t, p.url+"/v1/models/m", ""); resp.StatusCode != 405 {
+		t.Fatalf("POST /v1/models/m: %d %s", resp.StatusCode, b)
+	}
+	if resp, err := http.Get(p.url + "/v1/models/nope"); err != nil || resp.StatusCode != 404 {
+		t.Fatalf("GET /v1/models/nope: %v %v", err, resp)
+	} else {
+		resp.Body.Close()
+	}
 	var rows []backendJSON
 	json.Unmarshal(get("/admin/backends"), &rows)
 	if len(rows) != 1 || rows[0].ID != "e0" || !rows[0].Healthy || rows[0].IndexedBlocks == 0 {

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
@@ -429,6 +430,9 @@ func (s *Server) routes() map[string]route {
 // (after counting the request), other endpoints here.
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	r, ok := s.routeTable[string(ctx.Path())]
+	if !ok && bytes.HasPrefix(ctx.Path(), modelPathPrefix) {
+		r, ok = route{fasthttp.MethodGet, client, s.handleModel}, true
+	}
 	if !ok {
 		writeError(ctx, fasthttp.StatusNotFound, "unknown path "+strconv.Quote(string(ctx.Path())), "invalid_request_error", "", "not_found")
 		return
