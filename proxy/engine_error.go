@@ -7,7 +7,8 @@ import (
 )
 
 // normalizeEngineError turns an engine's error answer into OpenAI's shape.
-// OpenAI-shaped bodies pass through; older vLLM's flat
+// Complete OpenAI-shaped bodies pass through, incomplete ones are filled in;
+// older vLLM's flat
 // {"object":"error","message","type","param","code"} and anything else
 // (plain text, HTML from a load balancer) are wrapped.
 func normalizeEngineError(status int, body []byte) []byte {
@@ -22,22 +23,35 @@ func normalizeEngineError(status int, body []byte) []byte {
 	}
 	if json.Unmarshal(body, &probe) == nil {
 		if len(probe.Error) > 0 && probe.Error[0] == '{' {
-			// OpenAI's shape; only a numeric code (vLLM sends the status)
-			// is turned into the string OpenAI clients expect.
+			// OpenAI's shape. Passed on as it is when complete; filled in
+			// when a member is missing, and a numeric code (vLLM sends the
+			// status) is turned into the string OpenAI clients expect.
 			var e struct {
-				Message string          `json:"message"`
-				Type    string          `json:"type"`
-				Param   *string         `json:"param"`
+				Message *string         `json:"message"`
+				Type    *string         `json:"type"`
+				Param   json.RawMessage `json:"param"`
 				Code    json.RawMessage `json:"code"`
 			}
-			if json.Unmarshal(probe.Error, &e) != nil || len(e.Code) == 0 || e.Code[0] == '"' || string(e.Code) == "null" {
+			if json.Unmarshal(probe.Error, &e) != nil {
 				return body
 			}
-			param := ""
-			if e.Param != nil {
-				param = *e.Param
+			if e.Message != nil && e.Type != nil && len(e.Param) > 0 && len(e.Code) > 0 && (e.Code[0] == '"' || string(e.Code) == "null") {
+				return body
 			}
-			return errorJSON(e.Message, e.Type, param, codeString(e.Code))
+			msg, typ, param := "", defaultErrorType(status), ""
+			if e.Message != nil {
+				msg = *e.Message
+			}
+			if msg == "" {
+				msg = "the engine answered with status " + strconv.Itoa(status)
+			}
+			if e.Type != nil && *e.Type != "" {
+				typ = *e.Type
+			}
+			if len(e.Param) > 0 && e.Param[0] == '"' {
+				json.Unmarshal(e.Param, &param)
+			}
+			return errorJSON(msg, typ, param, codeString(e.Code))
 		}
 		if probe.Message != "" {
 			typ := probe.Type

@@ -615,8 +615,11 @@ func TestNormalizeEngineError(t *testing.T) {
 		`{"error":{"message":"bad","type":"BadRequestError","param":null,"code":400}}`:         `{"error":{"message":"bad","type":"BadRequestError","param":null,"code":"400"}}`,
 		`{"error":{"message":"ok","type":"x","param":"p","code":"c"}}`:                         `{"error":{"message":"ok","type":"x","param":"p","code":"c"}}`,
 		`{"object":"error","message":"flat","type":"BadRequestError","param":null,"code":400}`: `{"error":{"message":"flat","type":"BadRequestError","param":null,"code":"400"}}`,
-		`Internal Server Error`:  `{"error":{"message":"Internal Server Error","type":"server_error","param":null,"code":null}}`,
-		`{"detail":"Not Found"}`: `{"error":{"message":"engine error: \"Not Found\"","type":"server_error","param":null,"code":null}}`,
+		`{"error":{"message":"slow down"}}`:                                                    `{"error":{"message":"slow down","type":"server_error","param":null,"code":null}}`,
+		`{"error":{"message":"m","type":"t","code":"c"}}`:                                      `{"error":{"message":"m","type":"t","param":null,"code":"c"}}`,
+		`{"error":{"type":"t","param":"p","code":null}}`:                                       `{"error":{"message":"the engine answered with status 500","type":"t","param":"p","code":null}}`,
+		`Internal Server Error`:                                                                `{"error":{"message":"Internal Server Error","type":"server_error","param":null,"code":null}}`,
+		`{"detail":"Not Found"}`:                                                               `{"error":{"message":"engine error: \"Not Found\"","type":"server_error","param":null,"code":null}}`,
 	}
 	for in, want := range cases {
 		if got := string(normalizeEngineError(500, []byte(in))); got != want {
