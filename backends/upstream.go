@@ -133,6 +133,20 @@ func (u *Upstream) done(uc *upConn, reuse bool, ab *Abort) {
 	u.release(uc, reuse)
 }
 
+// ErrTruncated is returned when the engine closed the connection inside a
+// chunked body, before its last chunk. It is not io.EOF (the body is
+// incomplete, and its connection is not reused), but errors.Is matches it
+// with both io.ErrUnexpectedEOF and io.EOF: a caller that already has
+// what it needed (an SSE stream's [DONE]) may take it as the end.
+var ErrTruncated error = truncatedError{}
+
+type truncatedError struct{}
+
+func (truncatedError) Error() string { return "engine closed the connection inside a chunked body" }
+func (truncatedError) Is(target error) bool {
+	return target == io.EOF || target == io.ErrUnexpectedEOF
+}
+
 // ErrAborted is returned when the exchange was aborted by the caller.
 var ErrAborted = errors.New("upstream exchange aborted")
 
@@ -166,7 +180,7 @@ func (b *Body) Read(p []byte) (int, error) {
 		// fasthttp reports a chunked body whose connection closed between
 		// two chunks, before the terminating one, as a plain EOF: the
 		// engine died mid-answer, which must not pass for a complete one.
-		err = io.ErrUnexpectedEOF
+		err = ErrTruncated
 	}
 	if err == io.EOF {
 		b.eof = true
