@@ -177,3 +177,30 @@ func BenchmarkRouteUnstreamed(b *testing.B) {
 	b.ReportMetric(float64(len(w.due)), "awaiting")
 	w.mu.Unlock()
 }
+
+// BenchmarkCommitFreeEventMode is BenchmarkCommitFree on event-mode workers:
+// a Commit stores nothing, and touches the 512 blocks the request hits.
+func BenchmarkCommitFreeEventMode(b *testing.B) {
+	r, _ := New(DefaultConfig())
+	for i := 0; i < benchWorkers; i++ {
+		r.SetApproximate(r.AddWorker(fmt.Sprintf("worker-%d", i)), false)
+	}
+	h := fillIndex(r.Index(), 1_000_000)
+	q := &Request{Hashes: h, PromptTokens: benchPrompt * 16, CandidateBuf: make([]Candidate, 0, benchWorkers)}
+	d, err := r.Select(q)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if d.Overlap != benchPrompt {
+		b.Fatalf("overlap %d", d.Overlap)
+	}
+	b.ReportAllocs()
+	t := startCPU(b)
+	for i := 0; i < b.N; i++ {
+		a := r.Commit(q, d)
+		a.PrefillDone()
+		a.OutputBlock()
+		a.Free()
+	}
+	t.stop()
+}

@@ -178,6 +178,25 @@ func (x *MemIndex) Store(w WorkerID, hashes []kv.BlockHash, tier kv.Tier, ttl ti
 	x.mu.Unlock()
 }
 
+// Touch marks w's entries of hashes as recently used, so that the size
+// bound prunes them last, without storing any that are absent or changing
+// tiers and expiry. Event-mode entries are stored once, by the engine's
+// event, while every cache hit keeps them hot in the engine: the router
+// touches the prefix a request hits, or the bound would prune the hottest
+// prefixes (a system prompt) first.
+func (x *MemIndex) Touch(w WorkerID, hashes []kv.BlockHash) {
+	if len(hashes) == 0 || x.max <= 0 { // unbounded: stamps are unused
+		return
+	}
+	x.mu.Lock()
+	for _, h := range hashes {
+		if i, ok := x.find(h, w); ok {
+			x.slots[i].stamp = x.clock
+		}
+	}
+	x.mu.Unlock()
+}
+
 // Remove implements Index.
 func (x *MemIndex) Remove(w WorkerID, hashes []kv.BlockHash, tier kv.Tier) {
 	mask := uint8(0xff)

@@ -237,3 +237,33 @@ func TestPrefixHashRingFollowsAvailability(t *testing.T) {
 		t.Fatalf("%d rounds left a ring without worker 3 cached under the current version", bad)
 	}
 }
+
+// In event mode the engine reports a block once, when it stores it; every
+// later hit keeps it hot in the engine but told the index nothing, so the
+// size bound (least recently *stored*) pruned the hottest prefix first: the
+// shared system prompt stopped matching after 101 of 400 requests.
+func TestEventModeHotPrefixSurvivesSizeBound(t *testing.T) {
+	r := newTestRouter(t, "kv", 2, func(c *Config) { c.MaxIndexBlocks = 2000 })
+	r.SetApproximate(0, false)
+	r.SetApproximate(1, false)
+	system := seq(8, 1)
+	r.Index().Store(0, system, kv.TierDevice, 0) // the engine stored it once
+	hits := 0
+	for i := 0; i < 400; i++ {
+		// every request shares the system prompt; the engine reports only its new blocks
+		conv := append(append([]kv.BlockHash{}, system...), seq(20, uint64(100+i))...)
+		d, a, err := r.Route(&Request{Hashes: conv, PromptTokens: len(conv) * 16})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Overlap >= 8 {
+			hits++
+		}
+		r.Index().Store(d.Worker, conv[8:], kv.TierDevice, 0) // BlockStored of the new blocks (parent known)
+		a.Free()
+	}
+	t.Logf("hits %d of 400, index len %d", hits, r.Index().Len())
+	if ov := r.Index().Match(system, nil); len(ov) == 0 {
+		t.Fatalf("the hottest prefix was evicted: hits %d of 400", hits)
+	}
+}

@@ -538,8 +538,12 @@ func (r *Router) commit(req *Request, d *Decision, now int64) *Active {
 		a.freed = true // worker removed meanwhile
 		return a
 	}
-	if w.approx.Load() && len(req.Hashes) > 0 && !w.removed.Load() {
-		r.index.Store(w.id, req.Hashes, kv.TierDevice, r.cfg.IndexTTL)
+	if w.approx.Load() {
+		if len(req.Hashes) > 0 {
+			r.index.Store(w.id, req.Hashes, kv.TierDevice, r.cfg.IndexTTL)
+		}
+	} else if n := min(d.Overlap, len(req.Hashes)); n > 0 {
+		r.index.Touch(w.id, req.Hashes[:n]) // event mode: the hit keeps them hot
 	}
 	r.dec = *d
 	r.policy.Commit(req, &r.dec)
