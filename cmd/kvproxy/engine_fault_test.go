@@ -9,7 +9,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 )
 
 // rawVLLM serves, on loopback, health probes and completions whose stream
@@ -86,5 +88,77 @@ func TestEngineClosingBetweenChunks(t *testing.T) {
 				t.Fatalf("error event %v, want %v:\n%s", got, tc.wantError, out)
 			}
 		})
+	}
+}
+
+// Engines close keep-alive connections left idle (uvicorn, under vLLM and
+// SGLang, after 5 s). Once they have, a request through kvproxy must still
+// succeed, however many idle connections its pool held.
+func TestEngineClosesIdleConnections(t *testing.T) {
+	const n = 4
+	arrived := make(chan struct{}, n)
+	release := make(chan struct{})
+	closed := make(chan struct{}, 64)
+	srv := &http.Server{
+		IdleTimeout: 100 * time.Millisecond,
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if !strings.HasPrefix(r.URL.Path, "/v1/") {
+				return
+			}
+			select {
+			case arrived <- struct{}{}:
+				<-release
+			default:
+			}
+			w.Header().Set("Content-Type", "application/json")
+			io.WriteString(w, `{"id":"c","object":"text_completion","choices":[{"index":0,"text":"hi","finish_reason":"stop"}],"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3}}`)
+		}),
+	}
+	var mu sync.Mutex
+	var completionConns = map[net.Conn]bool{}
+	srv.ConnState = func(c net.Conn, s http.ConnState) {
+		mu.Lock()
+		defer mu.Unlock()
+		if s == http.StateActive {
+			completionConns[c] = true
+		}
+		if s == http.StateClosed && completionConns[c] {
+			closed <- struct{}{}
+		}
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(ln)
+	defer srv.Close()
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	body := "listen: 127.0.0.1:0\nlog_level: error\nhealth: {interval: 1h}\nmodels:\n  - {name: m}\nbackends:\n  - {id: e, url: \"http://" + ln.Addr().String() + "\"}\n"
+	if err := os.WriteFile(cfg, []byte(body), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	p := startProxy(t, cfg)
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if code, out := p.complete(t, false, 1); code != 200 {
+				t.Errorf("status %d: %s", code, out)
+			}
+		}()
+	}
+	for i := 0; i < n; i++ {
+		<-arrived // n requests, n connections
+	}
+	close(release)
+	wg.Wait()
+	for i := 0; i < n; i++ {
+		<-closed // the engine closed them all, idle
+	}
+	for i := 0; i < 2; i++ {
+		if code, out := p.complete(t, false, 1); code != 200 {
+			t.Fatalf("request %d after the engine closed its idle connections: %d %s", i, code, out)
+		}
 	}
 }
