@@ -56,7 +56,7 @@ func BenchmarkSSERelay(b *testing.B) {
 	for i := 0; i < b.N; i++ {
 		_, active, _ := p.rt.Route(&req)
 		x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, cachedTokens: -1}
-		s.inflight.Add(1)
+		s.live.add(x)
 		rl := newRelay(x, &memBody{bytes.NewReader(raw)}, fasthttp.AcquireResponse())
 		if _, err := rl.WriteTo(w); err != nil {
 			b.Fatal(err)

@@ -49,6 +49,9 @@ type exchange struct {
 	errMsg       string
 }
 
+// errCutMsg answers the requests still in flight at the drain deadline.
+const errCutMsg = "kvproxy is shutting down: the request was cut at the drain deadline; retry"
+
 // The per-request headers' names as fasthttp normalizes them, so setting
 // them skips the normalizing.
 var (
@@ -209,12 +212,12 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 			writeError(ctx, fasthttp.StatusInternalServerError, "could not encode the request for the engine", "server_error", "", "")
 			return
 		}
-		s.inflight.Add(1)
+		s.live.add(x)
 		res := x.forward(ctx, body, attempt < maxAttempts && !rr.Pinned)
 		if res == done {
 			return
 		}
-		s.inflight.Done()
+		s.live.done(x)
 		if !s.retries.withdraw() {
 			x.failUpstream(ctx, fasthttp.StatusServiceUnavailable, "backend "+x.b.cfg.ID+" could not take the request and the retry budget is spent")
 			ctx.Response.Header.Set("Retry-After", "1")
@@ -423,6 +426,10 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		fasthttp.ReleaseResponse(resp)
 		var ce *backends.ConnectError
 		switch {
+		case errors.Is(err, backends.ErrAborted) && s.live.isCut():
+			ctx.Response.Header.Set("Connection", "close")
+			ctx.Response.Header.Set("Retry-After", "1")
+			x.failUpstream(ctx, fasthttp.StatusServiceUnavailable, errCutMsg)
 		case errors.Is(err, backends.ErrAborted):
 			x.status = 499 // client closed the request
 		case errors.As(err, &ce):
@@ -547,7 +554,7 @@ func (x *exchange) finish() {
 	x.stopWatch()
 	x.release()
 	x.logLine()
-	x.s.inflight.Done()
+	x.s.live.done(x)
 }
 
 func (x *exchange) logLine() {

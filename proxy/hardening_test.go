@@ -562,3 +562,65 @@ router: {policy: round_robin}
 		})
 	}
 }
+
+// TestCutAtDrainDeadline: requests still in flight when the drain deadline
+// passes are answered, not dropped: a stream ends with an OpenAI error event
+// and [DONE], a request whose answer has not begun gets a 503, and no slot
+// is left behind.
+func TestCutAtDrainDeadline(t *testing.T) {
+	slowStream := startFake(t, "e0", func(f *fakeEngine) { f.tokens, f.pauseAfter, f.pause = 5, 2, 10*time.Second })
+	slowPrefill := startFake(t, "e1", func(f *fakeEngine) { f.prefillDelay = 10 * time.Second })
+	p := startProxy(t, "kv", slowStream, slowPrefill)
+	pinned := func(id string, stream bool) string {
+		b := strings.Replace(chatBody, `"nvext":{"annotations":[]}`, `"nvext":{"backend_instance_id":"`+id+`"}`, 1)
+		if stream {
+			b = strings.Replace(b, `"model"`, `"stream":true,"model"`, 1)
+		}
+		return b
+	}
+	resp, err := http.Post(p.url+"/v1/chat/completions", "application/json", strings.NewReader(pinned("e0", true)))
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("stream: %v %v", err, resp)
+	}
+	defer resp.Body.Close()
+	rd := bufio.NewReader(resp.Body)
+	for seen := 0; seen < 3; { // the role chunk and two tokens, then the engine pauses
+		line, err := rd.ReadString('\n')
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.HasPrefix(line, "data: ") {
+			seen++
+		}
+	}
+	whole := make(chan string, 1)
+	go func() {
+		r, b := post(t, p.url+"/v1/chat/completions", pinned("e1", false))
+		whole <- fmt.Sprintf("%d %s", r.StatusCode, b)
+	}()
+	for slowPrefill.requests.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+
+	start := time.Now()
+	if n := p.s.Cut(); n != 2 {
+		t.Fatalf("cut %d requests, want 2", n)
+	}
+	rest, err := io.ReadAll(rd)
+	if err != nil {
+		t.Fatalf("the stream did not end cleanly: %v", err)
+	}
+	if !strings.Contains(string(rest), `"code":"shutting_down"`) || !strings.HasSuffix(string(rest), "data: [DONE]\n\n") {
+		t.Fatalf("stream ending: %q", rest)
+	}
+	if got := <-whole; !strings.HasPrefix(got, "503 ") || !strings.Contains(got, "shutting down") {
+		t.Fatalf("non-streamed request: %s", got)
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Fatalf("answered %v after the cut", took)
+	}
+	if r, b := post(t, p.url+"/v1/chat/completions", pinned("e0", false)); r.StatusCode != 503 {
+		t.Fatalf("a request after the cut: %d %s", r.StatusCode, b)
+	}
+	p.waitIdle(t)
+}

@@ -56,7 +56,7 @@ type Server struct {
 	reqSeq    atomic.Uint64
 	bufs      sync.Pool
 	draining  atomic.Bool
-	inflight  sync.WaitGroup
+	live      liveExchanges
 
 	routeTable map[string]route
 
@@ -364,7 +364,7 @@ func (s *Server) Serve(ln net.Listener) error {
 func (s *Server) Shutdown() error {
 	s.draining.Store(true)
 	err := s.srv.Shutdown()
-	s.inflight.Wait() // streams outlive fasthttp's view of the handler
+	s.live.wait() // streams outlive fasthttp's view of the handler
 	if s.health != nil {
 		s.health.Stop()
 	}
@@ -377,6 +377,15 @@ func (s *Server) Shutdown() error {
 		b.stop()
 	}
 	return err
+}
+
+// Cut ends the requests still in flight, for when the drain deadline has
+// passed: a stream gets an OpenAI error event and [DONE], a request whose
+// answer has not begun a 503, instead of a connection dropped mid-answer.
+// Shutdown returns once they are answered. It reports how many were cut.
+func (s *Server) Cut() int {
+	s.draining.Store(true)
+	return s.live.cutAll()
 }
 
 // Idle reports whether every load counter of every worker is zero and no

@@ -152,6 +152,12 @@ func (r *relay) end(out []byte, err error) []byte {
 		if rest := r.f.pending(); len(rest) > 0 { // bytes after [DONE] without a blank line
 			out = append(append(out, rest...), "\n\n"...)
 		}
+	case (errors.Is(err, backends.ErrAborted) || x.ab.Aborted()) && x.s.live.isCut():
+		x.errMsg = errCutMsg
+		x.status = fasthttp.StatusServiceUnavailable
+		out = append(out, "data: "...)
+		out = append(out, errorJSON(errCutMsg, "service_unavailable", "", "shutting_down")...)
+		out = append(append(out, "\n\n"...), doneEvent...)
 	case errors.Is(err, backends.ErrAborted) || x.ab.Aborted():
 		x.status = 499
 	default:

@@ -85,7 +85,7 @@ func startRelay(t *testing.T, s *Server, p *modelPool, be *backend, body streamB
 	}
 	x := &exchange{s: s, p: p, b: be, active: active, stream: true, cachedTokens: -1, status: 200}
 	x.ab = &backends.Abort{}
-	s.inflight.Add(1)
+	s.live.add(x)
 	return newRelay(x, body, fasthttp.AcquireResponse()), x
 }
 

@@ -1,0 +1,56 @@
+package proxy
+
+import (
+	"sync"
+	"sync/atomic"
+)
+
+// liveExchanges are the requests in flight towards engines. Shutdown waits
+// for them; cut ends them when the drain deadline has passed.
+type liveExchanges struct {
+	wg  sync.WaitGroup
+	mu  sync.Mutex
+	set map[*exchange]struct{}
+	cut atomic.Bool
+}
+
+// add registers x; after cut, x is aborted at once.
+func (l *liveExchanges) add(x *exchange) {
+	l.wg.Add(1)
+	l.mu.Lock()
+	cut := l.cut.Load()
+	if !cut {
+		if l.set == nil {
+			l.set = make(map[*exchange]struct{})
+		}
+		l.set[x] = struct{}{}
+	}
+	l.mu.Unlock()
+	if cut {
+		x.ab.Abort()
+	}
+}
+
+func (l *liveExchanges) done(x *exchange) {
+	l.mu.Lock()
+	delete(l.set, x)
+	l.mu.Unlock()
+	l.wg.Done()
+}
+
+// cutAll aborts every exchange's engine connection. The relays and the
+// waiting requests see the abort, and isCut tells them to answer the
+// client rather than treat it as a client hang-up.
+func (l *liveExchanges) cutAll() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.cut.Store(true)
+	for x := range l.set {
+		x.ab.Abort()
+	}
+	return len(l.set)
+}
+
+func (l *liveExchanges) isCut() bool { return l.cut.Load() }
+
+func (l *liveExchanges) wait() { l.wg.Wait() }
