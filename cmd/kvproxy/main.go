@@ -14,6 +14,7 @@ import (
 	"os/signal"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/rs/zerolog"
 
@@ -155,10 +156,22 @@ wait:
 	case <-done:
 		log.Info().Msg("drained, exiting")
 	case <-ctx.Done():
-		log.Warn().Msg("drain timeout, exiting with requests in flight")
+		// Answer what is left (an error event and [DONE], or a 503) rather
+		// than drop it mid-answer; a client that does not read gets cutGrace.
+		n := srv.Cut()
+		log.Warn().Int("requests", n).Msg("drain timeout: cutting the requests still in flight")
+		select {
+		case <-done:
+		case <-time.After(cutGrace):
+			log.Warn().Msg("exiting with requests still unanswered")
+		}
 	}
 	return 0
 }
+
+// cutGrace is how long the requests cut at the drain deadline have to
+// receive their ending.
+const cutGrace = 2 * time.Second
 
 // waitRetired waits until every mock dropped by a reload has stopped.
 func (c *command) waitRetired() { c.mocks.retired.Wait() }

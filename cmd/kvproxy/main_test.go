@@ -267,7 +267,8 @@ func TestConcurrentReloads(t *testing.T) {
 }
 
 // SIGTERM waits for streams at most the drain_timeout of the configuration
-// in force, the reloaded one included, then exits 0.
+// in force, the reloaded one included, ends what is left with an error event
+// and [DONE], then exits 0.
 func TestDrainTimeoutOfTheReloadedConfig(t *testing.T) {
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "c.yaml")
@@ -277,14 +278,18 @@ func TestDrainTimeoutOfTheReloadedConfig(t *testing.T) {
 	writeConfig(t, cfg, "limits: {drain_timeout: 300ms}\n", slow)
 	p.reload(t)
 	started := make(chan struct{})
+	ending := make(chan string, 1)
 	go func() {
 		body := `{"model":"m","prompt":"hello there","max_tokens":4000,"stream":true}`
 		resp, err := http.Post("http://"+p.addr+"/v1/completions", "application/json", strings.NewReader(body))
 		close(started)
-		if err == nil {
-			io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
+		if err != nil {
+			ending <- err.Error()
+			return
 		}
+		b, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		ending <- fmt.Sprintf("%s (read error %v)", b[max(0, len(b)-300):], err)
 	}()
 	<-started // headers are in: the stream is in flight
 	t0 := time.Now()
@@ -297,6 +302,14 @@ func TestDrainTimeoutOfTheReloadedConfig(t *testing.T) {
 		}
 		if d := time.Since(t0); d > 5*time.Second {
 			t.Fatalf("drained for %v with drain_timeout 300ms", d)
+		}
+		select {
+		case e := <-ending:
+			if !strings.Contains(e, `"code":"shutting_down"`) || !strings.Contains(e, "data: [DONE]\n\n (read error <nil>)") {
+				t.Fatalf("the stream cut at the deadline ended with %q", e)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("the stream in flight at the drain deadline did not end")
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("still draining 10s after SIGTERM with drain_timeout 300ms")
