@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvproxy/kvproxy/kv"
 	"github.com/kvproxy/kvproxy/router"
 )
 
@@ -58,5 +59,34 @@ func TestFeedCloseLeavesNoGoroutines(t *testing.T) {
 	if n := settle(base + 2); n > base+2 {
 		buf := make([]byte, 1<<20)
 		t.Fatalf("%d goroutines after 4 feed cycles, %d before:\n%s", n, base, buf[:runtime.Stack(buf, true)])
+	}
+}
+
+// Closing a feed twice must not clear, the second time, what a newer feed of
+// the same backend (the same router worker) has indexed since: a backend
+// removed and added back gets a new feed while the old one may be closed
+// again on its way out.
+func TestFeedCloseTwiceKeepsTheNewFeedsBlocks(t *testing.T) {
+	r := newRouter(t)
+	cfg := KVFeedConfig{Backend: "x", Mode: FeedHTTP}
+	old, err := StartKVFeed(cfg, r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	toks := tokens(32, 0)
+	stored := kv.HTTPBatch{Events: []kv.Event{{Kind: kv.BlockStored, EngineHashes: []uint64{1, 2}, Tokens: toks, BlockSize: 16}}}
+	old.Push(stored)
+	old.Close()
+	next, err := StartKVFeed(cfg, r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	next.Push(stored)
+	if d, _ := depth(t, r, "x", toks, 0); d != 2 {
+		t.Fatalf("the new feed indexed depth %d, want 2", d)
+	}
+	old.Close()
+	if d, _ := depth(t, r, "x", toks, 0); d != 2 {
+		t.Fatalf("closing the old feed again left depth %d of the new feed's 2", d)
 	}
 }

@@ -253,10 +253,14 @@ func (a *KVApplier) Clear() {
 
 // Close drops every block of every rank and ignores events from then on
 // (backend removed from configuration: a late push must not bring its
-// blocks back).
+// blocks back). Only the first call clears: by a later one, the same
+// workers may belong to a newer applier of the same backend.
 func (a *KVApplier) Close() {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	if a.closed {
+		return
+	}
 	a.clearAll()
 	a.closed = true
 }

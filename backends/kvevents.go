@@ -197,6 +197,7 @@ func (f *KVFeed) Stats() KVFeedStats {
 // Close stops the subscriber, drops every block the backend's workers hold
 // and ignores later pushes (backend removed from configuration). Removing
 // the workers from the router (Applier().WorkerIDs()) is the caller's part.
+// Calling it again does nothing.
 func (f *KVFeed) Close() {
 	if f.cancel != nil {
 		f.cancel()
