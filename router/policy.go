@@ -14,6 +14,7 @@ type Snapshot struct {
 	BlockSize   int
 	Seed        uint64  // deterministic per request until the next Commit: tie-breaks, sampling
 	Version     uint64  // changes when workers or their availability change
+	Partial     bool    // Cands leaves out available workers (Request.Avoid): not the membership of Version
 	Temperature float64 // Config.Temperature
 }
 

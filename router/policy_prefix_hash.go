@@ -53,16 +53,26 @@ func newPrefixHashPolicy(cfg *Config) (Policy, error) {
 }
 
 // ringFor returns the ring of s's candidates, rebuilt when membership or
-// availability changed.
+// availability changed. A partial snapshot's ring is built for it alone
+// (the version's full ring serves it too: Pick skips the workers left out).
 func (p *prefixHashPolicy) ringFor(s *Snapshot) *hashRing {
 	if r := p.ring.Load(); r != nil && r.version == s.Version {
 		return r
+	}
+	if s.Partial {
+		return p.buildRing(s)
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if r := p.ring.Load(); r != nil && r.version == s.Version {
 		return r
 	}
+	r := p.buildRing(s)
+	p.ring.Store(r)
+	return r
+}
+
+func (p *prefixHashPolicy) buildRing(s *Snapshot) *hashRing {
 	r := &hashRing{version: s.Version, points: make([]ringPoint, 0, len(s.Cands)*p.vnodes)}
 	for _, c := range s.Cands {
 		id := InstanceID(c.Name)
@@ -79,7 +89,6 @@ func (p *prefixHashPolicy) ringFor(s *Snapshot) *hashRing {
 		}
 		return int(a.w) - int(b.w)
 	})
-	p.ring.Store(r)
 	return r
 }
 

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -87,6 +88,10 @@ type Request struct {
 	// CandidateBuf, if its capacity is at least the number of workers, is
 	// reused for Decision.Candidates instead of allocating.
 	CandidateBuf []Candidate
+	// Avoid lists workers not to choose, though available: those that
+	// already refused this request (a retry goes to the next best). Ignored
+	// when Pinned. ErrNoWorker when it leaves none.
+	Avoid []WorkerID
 }
 
 // Candidate is one available worker as the router saw it for a request.
@@ -432,8 +437,13 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 	}
 	bs := r.cfg.BlockSize
 	waiters := meanPending(ws)
+	partial := false
 	for _, w := range ws {
 		if !w.available.Load() {
+			continue
+		}
+		if !req.Pinned && slices.Contains(req.Avoid, w.id) {
+			partial = true
 			continue
 		}
 		w.endDuePrefills(now)
@@ -466,7 +476,7 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 			return Decision{}, ErrWorkerUnavailable
 		}
 	} else {
-		sc.snap = Snapshot{Req: req, Cands: cands, BlockSize: bs, Seed: r.tieSeed(req), Version: version, Temperature: r.cfg.Temperature}
+		sc.snap = Snapshot{Req: req, Cands: cands, BlockSize: bs, Seed: r.tieSeed(req), Version: version, Partial: partial, Temperature: r.cfg.Temperature}
 		k = r.policy.Pick(&sc.snap)
 		sc.snap = Snapshot{}
 	}

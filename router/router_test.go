@@ -511,3 +511,54 @@ func TestRouterHasNoTransportDeps(t *testing.T) {
 		}
 	}
 }
+
+// TestAvoidedWorkersSkipped: a worker in Request.Avoid is never chosen, even
+// holding the whole prefix, under every policy; with every worker avoided
+// the answer is ErrNoWorker. A pin overrides Avoid.
+func TestAvoidedWorkersSkipped(t *testing.T) {
+	for _, p := range strings.Split(PolicyNames(), ", ") {
+		r := newTestRouter(t, p, 3, nil)
+		hashes := seq(8, 100)
+		_, a := mustRoute(t, r, &Request{Hashes: hashes, PromptTokens: 128, Pinned: true, Pin: 1})
+		a.Free()
+		for i := 0; i < 20; i++ {
+			d, a := mustRoute(t, r, &Request{Hashes: hashes, PromptTokens: 128, Avoid: []WorkerID{1}})
+			if d.Worker == 1 || len(d.Candidates) != 2 {
+				t.Fatalf("%s: chose %d among %d candidates, avoiding 1", p, d.Worker, len(d.Candidates))
+			}
+			a.Free()
+		}
+		if _, _, err := r.Route(&Request{Hashes: hashes, PromptTokens: 128, Avoid: []WorkerID{0, 1, 2}}); !errors.Is(err, ErrNoWorker) {
+			t.Fatalf("%s: every worker avoided: %v", p, err)
+		}
+		if d, a := mustRoute(t, r, &Request{Hashes: hashes, PromptTokens: 128, Pinned: true, Pin: 1, Avoid: []WorkerID{1}}); d.Worker != 1 {
+			t.Fatalf("%s: pinned to 1, chose %d", p, d.Worker)
+		} else {
+			a.Free()
+		}
+	}
+}
+
+// TestPrefixHashRingNotCachedFromAPartialSnapshot: the first request after
+// a membership change avoids a worker; the ring cached for that version
+// must still hold the worker, or every later request of its arc would move.
+func TestPrefixHashRingNotCachedFromAPartialSnapshot(t *testing.T) {
+	r := newTestRouter(t, "prefix_hash", 3, nil)
+	owner := make(map[uint64]WorkerID)
+	for i := uint64(0); i < 60; i++ {
+		d, a := mustRoute(t, r, req(seq(4, i*10)))
+		owner[i] = d.Worker
+		a.Free()
+	}
+	r.SetAvailable(2, false) // a new version
+	r.SetAvailable(2, true)  // and another, with the same members
+	_, a := mustRoute(t, r, &Request{Hashes: seq(4, 5000), PromptTokens: 64, Avoid: []WorkerID{2}})
+	a.Free()
+	for i := uint64(0); i < 60; i++ {
+		d, a := mustRoute(t, r, req(seq(4, i*10)))
+		if d.Worker != owner[i] {
+			t.Fatalf("request %d moved from %d to %d after a partial snapshot", i, owner[i], d.Worker)
+		}
+		a.Free()
+	}
+}
