@@ -200,6 +200,12 @@ func TestReloadStopsRemovedMocks(t *testing.T) {
 	p := startProxy(t, cfg)
 	writeConfig(t, cfg, drain1s, m0)
 	p.reload(t)
+	// Added back while it drains: refused, saying why.
+	writeConfig(t, cfg, drain1s, m0, m1)
+	if msg := p.reloadRejected(t); !strings.Contains(msg, "still draining") {
+		t.Fatalf("re-adding a draining mock: %s", msg)
+	}
+	writeConfig(t, cfg, drain1s, m0)
 	p.c.waitRetired()
 	if listening(m1.port) {
 		t.Fatal("the removed mock engine still listens")

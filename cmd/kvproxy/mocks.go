@@ -69,7 +69,15 @@ func (f *mockFleet) start(cfg *config.Config) ([]*mockRun, error) {
 		key := keyOf(cfg, b)
 		f.mu.Lock()
 		r := f.running[b.ID]
+		draining := false
+		for old := range f.retiring {
+			draining = draining || old.id == b.ID
+		}
 		f.mu.Unlock()
+		if r == nil && draining {
+			f.abort(started)
+			return nil, fmt.Errorf("backends[%d] (%s): the mock engine a previous reload removed is still draining (up to limits.drain_timeout); reload again once it has stopped", i, b.ID)
+		}
 		if r != nil {
 			if r.key != key {
 				f.abort(started)
