@@ -43,6 +43,8 @@ type exchange struct {
 	released bool
 
 	status       int
+	refused      int                          // the status of the last refusal that made it retry
+	avoid        [maxAttempts]router.WorkerID // the workers that refused it
 	ttft         time.Duration
 	outputTokens int
 	cachedTokens int
@@ -196,6 +198,14 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	x.ab = &x.abort
 	for attempt := 1; ; attempt++ {
 		if err := x.route(ctx, st, rr); err != nil {
+			if x.refused != 0 && errors.Is(err, router.ErrNoWorker) {
+				// Every engine left has refused it too, or is down: answer
+				// as the last refusal did.
+				x.failUpstream(ctx, x.refused, x.errMsg)
+				ctx.Response.Header.Set("Retry-After", "1")
+				x.logLine()
+				return
+			}
 			s.routeFailed(ctx, rid, req.model, start, err)
 			return
 		}
@@ -225,6 +235,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 			return
 		}
 		s.log.Warn().Str("request_id", rid).Str("backend", x.b.cfg.ID).Str("reason", x.errMsg).Msg("rerouting")
+		rr.Avoid = append(x.avoid[:attempt-1], x.d.Worker) // the next best, not the same again
 	}
 }
 
@@ -436,6 +447,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			b.fail("connect: " + ce.Err.Error())
 			x.errMsg = "backend " + b.cfg.ID + " refused the connection"
 			if mayRetry {
+				x.refused = fasthttp.StatusBadGateway
 				x.stopWatch()
 				x.release()
 				x.released = false // a new attempt takes a new slot
@@ -475,6 +487,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			// The engine refused before starting: another may take it. An
 			// overloaded engine (503) also gets a short break.
 			x.errMsg = "backend " + b.cfg.ID + " answered " + strconv.Itoa(code)
+			x.refused = code
 			if code == fasthttp.StatusServiceUnavailable {
 				b.fail(x.errMsg)
 			}
@@ -537,8 +550,11 @@ func (x *exchange) failUpstream(ctx *fasthttp.RequestCtx, status int, msg string
 	x.status = status
 	x.errMsg = msg
 	typ := "upstream_error"
-	if status == fasthttp.StatusGatewayTimeout {
+	switch status {
+	case fasthttp.StatusGatewayTimeout:
 		typ = "timeout_error"
+	case fasthttp.StatusTooManyRequests:
+		typ = "rate_limit_error"
 	}
 	writeError(ctx, status, msg, typ, "", "")
 }

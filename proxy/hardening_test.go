@@ -624,3 +624,39 @@ func TestCutAtDrainDeadline(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// TestRefusedRequestGoesToTheNextBest: a request an engine refuses (429)
+// is retried on another engine, even when the refusing one holds its prefix
+// and is still available; when every engine refuses, the client gets the
+// refusal (429, Retry-After), not "no healthy backend".
+func TestRefusedRequestGoesToTheNextBest(t *testing.T) {
+	busy := startFake(t, "busy", func(f *fakeEngine) { f.status = 429; f.errBody = `{"error":{"message":"busy"}}` })
+	ok := startFake(t, "ok", nil)
+	p := startProxy(t, "kv", busy, ok)
+	pinned := strings.Replace(chatBody, `"nvext":{"annotations":[]}`, `"nvext":{"backend_instance_id":"busy"}`, 1)
+	if resp, b := post(t, p.url+"/v1/chat/completions", pinned); resp.StatusCode != 429 {
+		t.Fatalf("pinned to busy: %d %s", resp.StatusCode, b) // and the prompt is now busy's, for the router
+	}
+	for i := 0; i < 3; i++ {
+		resp, b := post(t, p.url+"/v1/chat/completions", chatBody)
+		if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "ok" {
+			t.Fatalf("request %d: %d from %q: %s", i, resp.StatusCode, resp.Header.Get(WorkerHeader), b)
+		}
+	}
+	if n := busy.requests.Load(); n > 4 {
+		t.Fatalf("busy saw %d requests: a retry went back to it", n)
+	}
+	p.waitIdle(t)
+
+	busy2 := startFake(t, "busy2", func(f *fakeEngine) { f.status = 429; f.errBody = `{"error":{"message":"busy"}}` })
+	p2 := startProxy(t, "kv", busy, busy2)
+	before := busy.requests.Load()
+	resp, b := post(t, p2.url+"/v1/chat/completions", chatBody)
+	if resp.StatusCode != 429 || resp.Header.Get("Retry-After") == "" || !strings.Contains(string(b), `"type":"rate_limit_error"`) {
+		t.Fatalf("every engine refuses: %d %v %s", resp.StatusCode, resp.Header, b)
+	}
+	if busy.requests.Load()-before != 1 || busy2.requests.Load() != 1 {
+		t.Fatalf("busy saw %d, busy2 %d attempts; want one each", busy.requests.Load()-before, busy2.requests.Load())
+	}
+	p2.waitIdle(t)
+}
