@@ -267,3 +267,22 @@ func TestEventModeHotPrefixSurvivesSizeBound(t *testing.T) {
 		t.Fatalf("the hottest prefix was evicted: hits %d of 400", hits)
 	}
 }
+
+// A worker removed and added again comes back as a new worker would:
+// approximate, until an event feed says otherwise. It stayed in event mode,
+// so a backend re-added without an event feed was never indexed at all.
+func TestReAddedWorkerIsApproximateAgain(t *testing.T) {
+	r := newTestRouter(t, "kv", 2, nil)
+	r.SetApproximate(0, false) // an event feed ran for it
+	r.RemoveWorker(0)
+	r.AddWorker("w0") // back, with no event feed
+	if !r.Workers()[0].Approximate {
+		t.Fatal("re-added worker still in event mode")
+	}
+	h := seq(8, 1)
+	_, a := mustRoute(t, r, &Request{Pinned: true, Pin: 0, Hashes: h, PromptTokens: 8 * 16})
+	a.Free()
+	if d, _ := r.Select(req(h)); d.Overlap != 8 || d.Worker != 0 {
+		t.Fatalf("overlap %d on %d after routing there, want 8 on 0", d.Overlap, d.Worker)
+	}
+}

@@ -235,15 +235,19 @@ func InstanceID(name string) uint64 {
 
 // AddWorker registers a worker by name (its backend id) and returns its id.
 // It is idempotent; a removed worker comes back under the same id. New
-// workers are available and in approximate mode.
+// workers, and removed ones coming back, are available and in approximate
+// mode.
 func (r *Router) AddWorker(name string) WorkerID {
 	if id, ok := r.byName.Load(name); ok {
 		w := r.worker(id.(WorkerID))
 		if w.removed.Load() {
 			r.wmu.Lock()
-			w.removed.Store(false)
-			w.available.Store(true)
-			r.version.Add(1)
+			if w.removed.Load() { // not revived meanwhile (and maybe set to event mode since)
+				w.approx.Store(true) // as a new worker: an event feed sets it again
+				w.removed.Store(false)
+				w.available.Store(true)
+				r.version.Add(1)
+			}
 			r.wmu.Unlock()
 		}
 		return w.id
