@@ -3,7 +3,10 @@ package backends
 import (
 	"bufio"
 	"context"
+	"encoding/binary"
+	"errors"
 	"net"
+	"strconv"
 	"strings"
 
 	"github.com/go-zeromq/zmq4"
@@ -43,7 +46,7 @@ func (bufTransport) Dial(ctx context.Context, d transport.Dialer, addr string) (
 	if err != nil {
 		return nil, err
 	}
-	return &bufConn{Conn: c, r: bufio.NewReaderSize(c, 64<<10)}, nil
+	return &bufConn{Conn: c, r: bufio.NewReaderSize(c, 64<<10), skip: zmtpGreeting}, nil
 }
 
 func (bufTransport) Listen(ctx context.Context, addr string) (net.Listener, error) {
@@ -55,11 +58,77 @@ func (bufTransport) Addr(ep string) (string, error) {
 	return transport.New("tcp").Addr(ep)
 }
 
+// MaxZMQFrame bounds one ZMTP frame a subscriber accepts. zmq4 allocates a
+// frame's announced size before reading it, and a failed allocation (an
+// absurd size from a broken peer or garbage on the wire) panics in its
+// reader goroutine, ending the process; a larger frame ends the connection
+// instead, and the subscriber reconnects. vLLM's event batches are far
+// smaller.
+const MaxZMQFrame = 64 << 20
+
+// zmtpGreeting is the size of the ZMTP 3 greeting that precedes the frames.
+const zmtpGreeting = 64
+
+// errFrameTooLarge is the read error of a frame over MaxZMQFrame.
+var errFrameTooLarge = errors.New("zmq frame larger than " + strconv.Itoa(MaxZMQFrame>>20) + " MiB")
+
 // bufConn reads through a buffer; writes, deadlines and Close go to the
-// connection.
+// connection. It follows the ZMTP framing of what it reads (a greeting,
+// then frames: a flags byte, a size of 1 byte or, with flag 0x02, 8 bytes,
+// the body) to refuse frames over MaxZMQFrame before zmq4 sees their size.
 type bufConn struct {
 	net.Conn
 	r *bufio.Reader
+
+	skip int64   // bytes of the greeting or of a frame body still to pass
+	hdr  [9]byte // the frame header being read
+	hdrN int
+	err  error
 }
 
-func (c *bufConn) Read(p []byte) (int, error) { return c.r.Read(p) }
+func (c *bufConn) Read(p []byte) (int, error) {
+	if c.err != nil {
+		return 0, c.err
+	}
+	n, err := c.r.Read(p)
+	if ferr := c.follow(p[:n]); ferr != nil {
+		// The bytes before the header may go; the header may not.
+		c.err = ferr
+		return 0, ferr
+	}
+	return n, err
+}
+
+// follow advances the framing over b and checks each frame's size.
+func (c *bufConn) follow(b []byte) error {
+	for len(b) > 0 {
+		if c.skip > 0 {
+			k := int64(len(b))
+			if k > c.skip {
+				k = c.skip
+			}
+			c.skip -= k
+			b = b[k:]
+			continue
+		}
+		c.hdr[c.hdrN] = b[0]
+		c.hdrN++
+		b = b[1:]
+		need := 2
+		if c.hdr[0]&0x02 != 0 {
+			need = 9
+		}
+		if c.hdrN < need {
+			continue
+		}
+		size := uint64(c.hdr[1])
+		if need == 9 {
+			size = binary.BigEndian.Uint64(c.hdr[1:9])
+		}
+		if size > MaxZMQFrame {
+			return errFrameTooLarge
+		}
+		c.skip, c.hdrN = int64(size), 0
+	}
+	return nil
+}
