@@ -4,6 +4,7 @@ import (
 	"math"
 	"sync"
 	"sync/atomic"
+	"time"
 )
 
 // calibrator fits one worker's slowdown factor s from observed TTFTs, by
@@ -19,13 +20,22 @@ import (
 // fleet simulator the single factor did as well as a two-coefficient RLS fit
 // on a homogeneous fleet and better on a heterogeneous one. s is clamped to
 // [1/8, 8], and each sample's ratio y/p to [1/16, 16].
+//
+// A fit that makes a worker look slow takes its traffic away, and with it
+// the samples that could correct the fit: a burst at start-up (a cold
+// engine, one slow request) could leave a worker at 8× for good. So a
+// worker without samples for longer than calIdleGrace drifts back to the
+// configured coefficients (s = 1), with half-life calIdleHalfLife, until
+// it gets traffic and is measured again.
 type calibrator struct {
 	enabled atomic.Bool
 	scale   atomic.Uint64 // float64 bits
 	samples atomic.Int64
+	relaxed atomic.Int64 // Unix ns of the last relax check
 
 	mu       sync.Mutex
 	num, den float64 // Σ λ^k y·p, Σ λ^k p²
+	last     int64   // Unix ns of the last sample
 }
 
 const (
@@ -34,6 +44,10 @@ const (
 	// typical samples (p ≈ 200 ms), so the first observations do not jump.
 	calPrior = 4 * 200 * 200
 	calClamp = 8 // s stays in [1/calClamp, calClamp]
+
+	calIdleGrace    = int64(10 * time.Second)
+	calIdleHalfLife = 30 * time.Second
+	calRelaxEvery   = int64(time.Second) // how often relax recomputes s
 )
 
 func (c *calibrator) init() {
@@ -43,8 +57,38 @@ func (c *calibrator) init() {
 
 func (c *calibrator) factor() float64 { return math.Float64frombits(c.scale.Load()) }
 
-// observe feeds one TTFT in ms, less fetch time, against its prediction p.
-func (c *calibrator) observe(y, p float64) {
+// idleWeight is the weight left to the fit at now (Unix ns): 1 within
+// calIdleGrace of the last sample, then halving every calIdleHalfLife.
+// c.mu is held.
+func (c *calibrator) idleWeight(now int64) float64 {
+	idle := now - c.last - calIdleGrace
+	if idle <= 0 {
+		return 1
+	}
+	return math.Exp2(-float64(idle) / float64(calIdleHalfLife))
+}
+
+// relax recomputes s at now for the time without samples (at most once
+// per calRelaxEvery); the fit itself changes only when a sample comes.
+func (c *calibrator) relax(now int64) {
+	if now-c.relaxed.Load() < calRelaxEvery || !c.enabled.Load() {
+		return
+	}
+	c.relaxed.Store(now)
+	c.mu.Lock()
+	d := c.idleWeight(now)
+	s := calFit(d*c.num+(1-d)*calPrior, d*c.den+(1-d)*calPrior)
+	c.mu.Unlock()
+	c.scale.Store(math.Float64bits(s))
+}
+
+func calFit(num, den float64) float64 {
+	return math.Max(1/calClamp, math.Min(calClamp, num/den))
+}
+
+// observe feeds one TTFT in ms, less fetch time, against its prediction p,
+// observed at now (Unix ns).
+func (c *calibrator) observe(y, p float64, now int64) {
 	if !c.enabled.Load() || !(y > 0) || !(p > 0) || math.IsInf(y, 0) || math.IsInf(p, 0) {
 		return
 	}
@@ -54,9 +98,14 @@ func (c *calibrator) observe(y, p float64) {
 	// says nothing the clamp would not cut anyway.
 	y = math.Max(p/(2*calClamp), math.Min(2*calClamp*p, y))
 	c.mu.Lock()
+	if d := c.idleWeight(now); d < 1 {
+		c.num = d*c.num + (1-d)*calPrior
+		c.den = d*c.den + (1-d)*calPrior
+	}
+	c.last = now
 	c.num = calLambda*c.num + y*p
 	c.den = calLambda*c.den + p*p
-	s := math.Max(1/calClamp, math.Min(calClamp, c.num/c.den))
+	s := calFit(c.num, c.den)
 	c.mu.Unlock()
 	c.scale.Store(math.Float64bits(s))
 	c.samples.Add(1)

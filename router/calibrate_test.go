@@ -65,3 +65,67 @@ func TestCalibrationOffKeepsConfig(t *testing.T) {
 		t.Fatalf("calibration off still fitted: %+v", st)
 	}
 }
+
+// TestCalibrationRelaxesOnAnIdleWorker: a burst makes worker 1 look 8× slow,
+// so kv sends it nothing and no sample can correct the fit. Without samples
+// its factor drifts back to 1 (after calIdleGrace, half-life
+// calIdleHalfLife), it gets traffic again, and the fit follows what it
+// measures then. A worker with regular samples does not drift.
+func TestCalibrationRelaxesOnAnIdleWorker(t *testing.T) {
+	clock := newFakeClock()
+	r := newTestRouter(t, "kv", 2, func(c *Config) { c.Now = clock.Now })
+	cc := r.Config().Cost
+	observe := func(w WorkerID, times float64) {
+		q := &Request{Pinned: true, Pin: w, PromptTokens: 2000}
+		d, a := mustRoute(t, r, q)
+		c := d.Candidates[w]
+		a.ObserveTTFT(time.Duration(times * cc.compute(&c, q.PromptTokens, c.PrefillTokens) * float64(time.Millisecond)))
+		a.PrefillDone()
+		a.Free()
+	}
+	for i := 0; i < 200; i++ {
+		observe(1, 20) // a cold start: far slower than configured
+		observe(0, 1)
+	}
+	if s := r.Workers()[1].Slowdown; s != calClamp {
+		t.Fatalf("slowdown %.2f after the burst, want the clamp", s)
+	}
+	unpinned := func() WorkerID {
+		d, a := mustRoute(t, r, &Request{PromptTokens: 2000})
+		a.Free()
+		return d.Worker
+	}
+	if w := unpinned(); w != 0 {
+		t.Fatalf("routed to %d right after the burst", w)
+	}
+	// Worker 0 is busy (three prompts queued) and keeps getting samples
+	// every second: it does not drift.
+	for i := 0; i < 3; i++ {
+		a := r.Commit(&Request{PromptTokens: 2000}, Decision{Worker: 0})
+		defer a.Free()
+	}
+	if w := unpinned(); w != 0 {
+		t.Fatalf("routed to %d, 8x slow, rather than to the busy worker", w)
+	}
+	var back time.Duration
+	for back = 0; back < 10*time.Minute; back += time.Second {
+		clock.Advance(time.Second)
+		observe(0, 1)
+		if unpinned() == 1 {
+			break
+		}
+	}
+	if back < 10*time.Second || back > 3*time.Minute {
+		t.Fatalf("worker 1 got traffic again after %v idle, want between the grace (10s) and 3 min", back)
+	}
+	if s := r.Workers()[0].Slowdown; math.Abs(s-1) > 0.05 {
+		t.Fatalf("worker 0, sampled every second, drifted to %.3f", s)
+	}
+	// Measured again, the fit follows the worker as it is now.
+	for i := 0; i < 1000; i++ { // λ^1000 < 1%
+		observe(1, 1)
+	}
+	if s := r.Workers()[1].Slowdown; math.Abs(s-1) > 0.05 {
+		t.Fatalf("slowdown %.3f once the worker is measured again at 1x", s)
+	}
+}

@@ -375,5 +375,5 @@ func (a *Active) ObserveTTFT(d time.Duration) {
 	a.observed = true
 	y, p, w := float64(d)/float64(time.Millisecond)-a.fetchMs, a.computMs, a.w
 	a.mu.Unlock()
-	w.cal.observe(y, p)
+	w.cal.observe(y, p, w.now().UnixNano())
 }

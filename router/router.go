@@ -347,6 +347,7 @@ func (r *Router) Workers() []WorkerStatus {
 	now := r.now().UnixNano()
 	for i, w := range ws {
 		w.endDuePrefills(now)
+		w.cal.relax(now)
 		sc := w.cal.factor()
 		out[i] = WorkerStatus{
 			Name: w.name, ID: w.id, InstanceID: w.instance,
@@ -451,6 +452,7 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 			continue
 		}
 		w.endDuePrefills(now)
+		w.cal.relax(now)
 		c := Candidate{
 			Worker: w.id, Name: w.name,
 			Inflight: w.inflight.Load(), Pending: w.pending.Load(), PrefillTokens: w.prefill.Load(), ActiveBlocks: w.active.Load(),
