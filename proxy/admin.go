@@ -181,6 +181,10 @@ func (s *Server) handleIndexLookup(ctx *fasthttp.RequestCtx, st *state) {
 		badRequest(ctx, "", "want {\"model\": name, \"hashes\": [u64...]}: "+err.Error())
 		return
 	}
+	if len(q.Hashes) == 0 {
+		badRequest(ctx, "hashes", "hashes must be a non-empty array of block hashes (a dry run's block_hashes)")
+		return
+	}
 	p := st.models[q.Model]
 	if p == nil && len(st.pools) == 1 && q.Model == "" {
 		p = st.pools[0]

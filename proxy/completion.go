@@ -180,7 +180,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 			return
 		}
 		sc.keepCandidates(d.Candidates)
-		s.writeDecision(ctx, req.stream, d, tokens)
+		s.writeDecision(ctx, req.stream, d, tokens, sc.hashes)
 		s.log.Info().Str("request_id", rid).Str("model", req.model).Str("backend", d.Name).
 			Int("overlap_blocks", d.Overlap).Int("total_blocks", d.Total).Bool("dry_run", true).
 			Int("status", 200).Dur("duration", time.Since(start)).Msg("request")

@@ -6,6 +6,7 @@ import (
 	"github.com/goccy/go-json"
 	"github.com/valyala/fasthttp"
 
+	"github.com/kvproxy/kvproxy/kv"
 	"github.com/kvproxy/kvproxy/router"
 )
 
@@ -23,16 +24,20 @@ type decisionJSON struct {
 	TotalBlocks     int             `json:"total_blocks"`
 	PredictedTTFTms float64         `json:"predicted_ttft_ms"`
 	TokenIDs        []uint32        `json:"token_ids"`
+	BlockHashes     []kv.BlockHash  `json:"block_hashes"` // the router's, as /admin/index/lookup takes them
 	Candidates      []candidateJSON `json:"candidates"`
 }
 
 // writeDecision answers a dry-run (nvext.annotations: ["query_instance_id"]).
 // Streaming requests get Dynamo's SSE form: the instance id and the token
 // ids as annotated events (SSE comments), then [DONE].
-func (s *Server) writeDecision(ctx *fasthttp.RequestCtx, stream bool, d router.Decision, tokens []uint32) {
+func (s *Server) writeDecision(ctx *fasthttp.RequestCtx, stream bool, d router.Decision, tokens []uint32, hashes []kv.BlockHash) {
 	ctx.Response.Header.Set(WorkerHeader, d.Name)
 	if tokens == nil {
 		tokens = []uint32{}
+	}
+	if hashes == nil {
+		hashes = []kv.BlockHash{}
 	}
 	if stream {
 		ctx.Response.Header.SetContentType("text/event-stream")
@@ -55,6 +60,7 @@ func (s *Server) writeDecision(ctx *fasthttp.RequestCtx, stream bool, d router.D
 		TotalBlocks:     d.Total,
 		PredictedTTFTms: d.PredictedTTFTms,
 		TokenIDs:        tokens,
+		BlockHashes:     hashes,
 		Candidates:      make([]candidateJSON, len(d.Candidates)),
 	}
 	for i, c := range d.Candidates {

@@ -408,6 +408,20 @@ func TestDryRunMatchesRealDecision(t *testing.T) {
 	if before != 1 {
 		t.Fatalf("dry-run must not reach an engine")
 	}
+	// Its block hashes are what /admin/index/lookup takes: the warm worker
+	// holds the shared ones.
+	if len(d.BlockHashes) != d.TotalBlocks {
+		t.Fatalf("dry run: %d block hashes for %d blocks", len(d.BlockHashes), d.TotalBlocks)
+	}
+	lookup, _ := json.Marshal(map[string]any{"model": "m", "hashes": d.BlockHashes})
+	resp, body = post(t, p.url+"/admin/index/lookup", string(lookup))
+	var held struct{ Held map[string]int }
+	if json.Unmarshal(body, &held) != nil || resp.StatusCode != 200 || held.Held[warm] != d.OverlapBlocks {
+		t.Fatalf("lookup of the dry run's hashes: %d %s, want %s holding %d", resp.StatusCode, body, warm, d.OverlapBlocks)
+	}
+	if resp, body = post(t, p.url+"/admin/index/lookup", `{}`); resp.StatusCode != 400 {
+		t.Fatalf("lookup without hashes: %d %s", resp.StatusCode, body)
+	}
 	resp, _ = post(t, p.url+"/v1/chat/completions", next+`}`)
 	if got := resp.Header.Get(WorkerHeader); got != d.WorkerID {
 		t.Fatalf("real request went to %s, dry-run said %s", got, d.WorkerID)
