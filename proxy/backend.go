@@ -168,8 +168,10 @@ func (b *backend) applyLocked() {
 			defer b.mu.Unlock()
 			b.forgetTimer = nil
 			if !b.available {
-				for _, w := range b.workerIDs() {
-					b.pool.rt.Index().ClearWorker(w)
+				if b.feed != nil {
+					b.feed.Applier().Clear() // the index entries and the feed's own record of them
+				} else {
+					b.pool.rt.Index().ClearWorker(b.worker)
 				}
 				b.log.Warn().Str("backend", b.cfg.ID).Msg("backend gone too long: index entries dropped")
 			}

@@ -19,7 +19,13 @@ import (
 // its workers then leave approximate mode.
 func (b *backend) startEvents() {
 	mode := b.cfg.KVEvents.Mode
-	if mode == config.EventsNone || b.feed != nil {
+	if b.feed != nil {
+		return
+	}
+	if mode == config.EventsNone {
+		// The worker may be handed over from a configuration with events:
+		// without them, the router must record its own decisions again.
+		b.pool.rt.SetApproximate(b.worker, true)
 		return
 	}
 	f, err := backends.StartKVFeed(backends.KVFeedConfig{

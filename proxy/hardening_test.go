@@ -660,3 +660,80 @@ func TestRefusedRequestGoesToTheNextBest(t *testing.T) {
 	}
 	p2.waitIdle(t)
 }
+
+// TestReloadEventsToNoneIsApproximate: a backend reconfigured from pushed
+// KV events to none keeps its worker, which must go back to approximate
+// mode (the router records its own decisions), or nothing would ever index
+// it again.
+func TestReloadEventsToNoneIsApproximate(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	conf := func(mode string) string {
+		return "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n" +
+			"backends: [{id: e0, url: 'http://" + e.addr + "', model: m, kv_events: {mode: " + mode + "}}]\n"
+	}
+	p := startProxyYAML(t, conf("http"))
+	prompt := `{"model":"m","prompt":"` + strings.Repeat("a long shared prompt ", 20) + `"`
+	overlap := func() int {
+		t.Helper()
+		if resp, b := post(t, p.url+"/v1/completions", prompt+`}`); resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+		_, b := post(t, p.url+"/v1/completions", prompt+`,"nvext":{"annotations":["query_instance_id"]}}`)
+		var d decisionJSON
+		if err := json.Unmarshal(b, &d); err != nil || d.TotalBlocks == 0 {
+			t.Fatalf("dry run: %s", b)
+		}
+		return d.OverlapBlocks
+	}
+	if n := overlap(); n != 0 {
+		t.Fatalf("event mode with no events pushed: overlap %d", n)
+	}
+	cfg, err := config.Parse([]byte(conf("none")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if n := overlap(); n == 0 {
+		t.Fatal("after the reload to kv_events none, the routed prompt is not recorded")
+	}
+	p.waitIdle(t)
+}
+
+// TestForgetClearsThroughTheEventFeed: a backend away longer than
+// health.forget_after loses its index entries, and its event feed forgets
+// its blocks with them (the feed's counts and engine-hash map must not
+// outlive the index entries they describe).
+func TestForgetClearsThroughTheEventFeed(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends: [{id: e0, url: 'http://"+e.addr+"', model: m, kv_events: {mode: http}}]\n"+
+		"health: {forget_after: 50ms}\n")
+	tokens := make([]string, 32)
+	for i := range tokens {
+		tokens[i] = fmt.Sprint(100 + i)
+	}
+	batch := `{"engine_id":"e0","events":[{"type":"block_stored","block_hashes":[11,12],"parent_block_hash":null,"token_ids":[` +
+		strings.Join(tokens, ",") + `],"block_size":16}]}`
+	if resp, b := post(t, p.url+"/v1/kv_events", batch); resp.StatusCode != 200 {
+		t.Fatalf("push: %d %s", resp.StatusCode, b)
+	}
+	b := p.s.st.Load().backends["e0"]
+	if st := b.feed.Applier().Stats(); st.Blocks[0] != 2 {
+		t.Fatalf("feed holds %v blocks, want 2 on the device", st.Blocks)
+	}
+	e.srv.Close() // the engine goes away; the next request ejects it
+	post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`)
+	deadline := time.Now().Add(5 * time.Second)
+	for b.feed.Applier().Stats().Blocks[0] != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the feed still counts %v blocks after forget_after", b.feed.Applier().Stats().Blocks)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if n := p.s.st.Load().pools[0].rt.Index().WorkerBlocks(b.worker); n != 0 {
+		t.Fatalf("the index still holds %d blocks", n)
+	}
+	p.waitIdle(t)
+}
