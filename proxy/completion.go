@@ -549,6 +549,9 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 func (x *exchange) failUpstream(ctx *fasthttp.RequestCtx, status int, msg string) {
 	x.status = status
 	x.errMsg = msg
+	if x.b != nil {
+		ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(x.b.cfg.ID))
+	}
 	typ := "upstream_error"
 	switch status {
 	case fasthttp.StatusGatewayTimeout:

@@ -737,3 +737,21 @@ func TestForgetClearsThroughTheEventFeed(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// TestAdminClosedWithoutAdminKeys: with client keys and no admin keys the
+// admin endpoints are closed, and the answer says why and what to set.
+func TestAdminClosedWithoutAdminKeys(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, strings.Replace(tenantsYAML, "  admin_keys: [admin-key-xyz]\n", "", 1), e)
+	req, _ := http.NewRequest("GET", p.url+"/admin/backends", nil)
+	req.Header.Set("Authorization", "Bearer key-alpha-123")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 403 || !strings.Contains(string(b), "auth.admin_keys") || !strings.Contains(string(b), `"code":"admin_disabled"`) {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+}

@@ -650,8 +650,8 @@ func TestSilentEngineIsGatewayTimeout(t *testing.T) {
 		"backends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {stream_idle_timeout: 300ms}\n", e)
 	start := time.Now()
 	resp, body := post(t, p.url+"/v1/chat/completions", strings.Replace(chatBody, "alias-m", "m", 1))
-	if resp.StatusCode != 504 || !bytes.Contains(body, []byte(`"type":"timeout_error"`)) {
-		t.Fatalf("want 504 timeout_error, got %d %s", resp.StatusCode, body)
+	if resp.StatusCode != 504 || !bytes.Contains(body, []byte(`"type":"timeout_error"`)) || resp.Header.Get(WorkerHeader) != "e0" {
+		t.Fatalf("want 504 timeout_error from e0, got %d %s %v", resp.StatusCode, body, resp.Header)
 	}
 	if took := time.Since(start); took > 5*time.Second {
 		t.Fatalf("answered after %v", took)

@@ -447,6 +447,10 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	st := s.st.Load()
+	if r.access == admin && len(st.auth.admin) == 0 && st.auth.anonymous == nil {
+		writeError(ctx, fasthttp.StatusForbidden, "admin endpoints are closed: client keys are configured and auth.admin_keys is not (add an admin key; SIGHUP still reloads)", "invalid_request_error", "", "admin_disabled")
+		return
+	}
 	if (r.access == client && st.auth.client(ctx) == nil) || (r.access == admin && !st.auth.isAdmin(ctx)) {
 		unauthorized(ctx)
 		return
