@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net"
 	"strconv"
 	"strings"
 	"time"
@@ -514,8 +515,28 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	ctx.Response.Header.Set("Cache-Control", "no-cache")
 	ctx.Response.Header.Set("X-Accel-Buffering", "no")
 	x.status = fasthttp.StatusOK
-	ctx.SetBodyStream(newRelay(x, stream, resp), -1)
+	rl := newRelay(x, stream, resp)
+	if !ctx.Request.Header.IsHTTP11() {
+		relayUntilClose(ctx, rl)
+		return done
+	}
+	ctx.SetBodyStream(rl, -1)
 	return done
+}
+
+// relayUntilClose streams to an HTTP/1.0 client, which knows no chunked
+// encoding (fasthttp would send it): the body ends when the connection
+// closes.
+func relayUntilClose(ctx *fasthttp.RequestCtx, rl *relay) {
+	ctx.Response.Header.SetContentLength(-2) // no length, no chunks: Connection: close
+	head := append([]byte(nil), ctx.Response.Header.Header()...)
+	ctx.HijackSetNoResponse(true)
+	ctx.Hijack(func(c net.Conn) {
+		defer rl.Close() // fasthttp closes c after this returns
+		if _, err := c.Write(head); err == nil {
+			rl.WriteTo(c)
+		}
+	})
 }
 
 // relayWhole passes a complete engine answer to the client.

@@ -755,3 +755,40 @@ func TestAdminClosedWithoutAdminKeys(t *testing.T) {
 		t.Fatalf("%d %s", resp.StatusCode, b)
 	}
 }
+
+// TestHTTP10StreamIsCloseDelimited: HTTP/1.0 has no chunked encoding, so a
+// stream to an HTTP/1.0 client carries no Transfer-Encoding and ends by
+// closing the connection, with every event intact; a whole answer keeps its
+// Content-Length.
+func TestHTTP10StreamIsCloseDelimited(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.tokens = 20 })
+	p := startProxy(t, "kv", e)
+	send := func(body string) (head, payload string) {
+		c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		fmt.Fprintf(c, "POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+		all, err := io.ReadAll(c) // to EOF: the proxy must close
+		if err != nil {
+			t.Fatalf("reading to the close: %v", err)
+		}
+		h, b, _ := strings.Cut(string(all), "\r\n\r\n")
+		return strings.ToLower(h), b
+	}
+	head, body := send(`{"model":"m","prompt":"hello","stream":true}`)
+	if !strings.Contains(head, " 200 ") || strings.Contains(head, "transfer-encoding") || strings.Contains(head, "content-length") ||
+		!strings.Contains(head, "connection: close") || !strings.Contains(head, "x-kvproxy-worker: e0") {
+		t.Fatalf("stream head:\n%s", head)
+	}
+	if n := strings.Count(body, "data: {"); n != 21 || !strings.HasSuffix(body, "data: [DONE]\n\n") {
+		t.Fatalf("stream body (%d events):\n%q", n, body)
+	}
+	head, body = send(`{"model":"m","prompt":"hello"}`)
+	if !strings.Contains(head, " 200 ") || !strings.Contains(head, fmt.Sprintf("content-length: %d", len(body))) {
+		t.Fatalf("whole answer head:\n%s\n%s", head, body)
+	}
+	p.waitIdle(t)
+}
