@@ -75,7 +75,10 @@ const (
 
 func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool) {
 	start := ctx.Time() // fasthttp reads the clock just before calling the handler
-	rid := s.newRequestID()
+	rid := clientRequestID(ctx)
+	if rid == "" {
+		rid = s.newRequestID()
+	}
 	ctx.Response.Header.SetCanonical(hdrRequestID, stringBytes(rid))
 	if s.draining.Load() {
 		ctx.Response.Header.Set("Connection", "close")

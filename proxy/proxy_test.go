@@ -236,6 +236,24 @@ func TestNonStreamingForwardsAndRewrites(t *testing.T) {
 	if !strings.Contains(p.logs.String(), `"cached_tokens":3`) {
 		t.Fatalf("access log lacks cached tokens: %s", p.logs.String())
 	}
+
+	// The client's own request id is kept when it is a plain one.
+	for id, kept := range map[string]bool{"trace-42:a.b_c": true, "has space": false, strings.Repeat("x", 129): false} {
+		req, _ := http.NewRequest("POST", p.url+"/v1/chat/completions", strings.NewReader(chatBody))
+		req.Header.Set("X-Request-Id", id)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		e.mu.Lock()
+		engineID := e.ids[len(e.ids)-1]
+		e.mu.Unlock()
+		got := resp.Header.Get("X-Request-Id")
+		if (got == id) != kept || got != engineID || !kept && !strings.HasPrefix(got, "req-") {
+			t.Fatalf("client id %q: %q to the client, %q to the engine", id, got, engineID)
+		}
+	}
 }
 
 func TestStreamingRelaysEveryEventAndFrees(t *testing.T) {

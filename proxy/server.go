@@ -537,6 +537,22 @@ func (s *Server) drainRejectedBody(ctx *fasthttp.RequestCtx) {
 	}
 }
 
+// clientRequestID is the client's X-Request-Id when it is one a log can
+// carry as it is (1–128 of A–Z a–z 0–9 - _ . :), so a request can be
+// followed from the client through kvproxy to the engine; "" otherwise.
+func clientRequestID(ctx *fasthttp.RequestCtx) string {
+	id := ctx.Request.Header.PeekBytes(hdrRequestID)
+	if len(id) == 0 || len(id) > 128 {
+		return ""
+	}
+	for _, c := range id {
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '-' || c == '_' || c == '.' || c == ':') {
+			return ""
+		}
+	}
+	return string(id)
+}
+
 // newRequestID is req-<process prefix>-<sequence in base 36>, built in one
 // allocation.
 func (s *Server) newRequestID() string {
