@@ -107,6 +107,18 @@ func refObject(raw []byte) (map[string]json.RawMessage, error) {
 	return m, nil
 }
 
+// refMembers decodes an element that must be an object or null (no
+// members).
+func refMembers(raw json.RawMessage) (map[string]json.RawMessage, error) {
+	if string(raw) == "null" {
+		return nil, nil
+	}
+	if raw[0] != '{' {
+		return nil, errNotObject
+	}
+	return refObject(raw)
+}
+
 // refString decodes a string member that may be absent or null ("").
 func refString(raw json.RawMessage) (string, error) {
 	var s string
@@ -147,13 +159,7 @@ type refWireMessage struct {
 
 func refMessage(raw json.RawMessage) (refWireMessage, error) {
 	var w refWireMessage
-	if string(raw) == "null" {
-		return w, nil
-	}
-	if raw[0] != '{' {
-		return w, errNotObject
-	}
-	m, err := refObject(raw)
+	m, err := refMembers(raw)
 	if err != nil {
 		return w, err
 	}
@@ -174,13 +180,7 @@ type refContentPart struct {
 
 func refPart(raw json.RawMessage) (refContentPart, error) {
 	var cp refContentPart
-	if string(raw) == "null" {
-		return cp, nil
-	}
-	if raw[0] != '{' {
-		return cp, errNotObject
-	}
-	m, err := refObject(raw)
+	m, err := refMembers(raw)
 	if err != nil {
 		return cp, err
 	}
