@@ -66,6 +66,7 @@ func (c *command) run(args []string) int {
 	if lvl, err := zerolog.ParseLevel(cfg.LogLevel); err == nil {
 		log = log.Level(lvl)
 	}
+	log.Info().Str("config", *cfgPath).Msg("kvproxy starting")
 
 	c.mocks = newMockFleet(log)
 	defer c.mocks.close()
