@@ -25,6 +25,7 @@ type Prober struct {
 	stop    chan struct{}
 	wg      sync.WaitGroup
 	running bool // guarded by mu
+	stopped bool // guarded by mu: Stop was called, nothing starts again
 }
 
 type probeTarget struct {
@@ -66,7 +67,7 @@ func (p *Prober) Add(id, url string, onChange func(healthy bool)) {
 	defer p.mu.Unlock()
 	t := &probeTarget{url: url, onChange: onChange, healthy: true, quit: make(chan struct{})}
 	p.target[id] = t
-	if p.running {
+	if p.running && !p.stopped {
 		p.run(t)
 	}
 }
@@ -85,7 +86,7 @@ func (p *Prober) Remove(id string) {
 func (p *Prober) Start() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.running {
+	if p.running || p.stopped {
 		return
 	}
 	p.running = true
@@ -142,12 +143,14 @@ func (p *Prober) probe(t *probeTarget) {
 	}
 }
 
-// Stop ends every probe loop and waits for them.
+// Stop ends every probe loop and waits for them; Start and Add start no
+// loop after it. Safe to call more than once, and concurrently with Start.
 func (p *Prober) Stop() {
-	select {
-	case <-p.stop:
-	default:
+	p.mu.Lock()
+	if !p.stopped {
+		p.stopped = true
 		close(p.stop)
 	}
-	p.wg.Wait()
+	p.mu.Unlock()
+	p.wg.Wait() // no wg.Add after stopped is set: they happen under mu
 }

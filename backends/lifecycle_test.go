@@ -316,3 +316,34 @@ func TestProbeRiseNeedsConsecutiveSuccesses(t *testing.T) {
 		t.Fatalf("readmitted at probe %d, want %d (rise %d after 2 failures)", c.probe, 2+rise, rise)
 	}
 }
+
+// A SIGTERM right at start-up stops the prober while it is being started,
+// possibly twice (run with -race: Start's goroutines were added to the
+// wait group Stop was already waiting on, and two Stops could both close).
+func TestProberStopRacingStart(t *testing.T) {
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		for readRequest(br) == nil {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+		}
+	})
+	for i := 0; i < 20; i++ {
+		p := NewProber(ProbeConfig{Interval: time.Millisecond})
+		p.Add("a", "http://"+addr+"/health", func(bool) {})
+		var wg sync.WaitGroup
+		wg.Add(3)
+		go func() { defer wg.Done(); p.Start() }()
+		go func() { defer wg.Done(); p.Stop() }()
+		go func() { defer wg.Done(); p.Stop() }()
+		wg.Wait()
+		// Once stopped, nothing starts again.
+		p.Start()
+		p.Add("b", "http://"+addr+"/health", func(bool) {})
+		p.mu.Lock()
+		running := p.running && !p.stopped
+		p.mu.Unlock()
+		if running {
+			t.Fatal("a stopped prober runs again")
+		}
+		p.Stop()
+	}
+}
