@@ -27,17 +27,21 @@ func main() {
 		os.Exit(tokenizeCmd(os.Args[2:], os.Stdin, os.Stdout, os.Stderr))
 	}
 	// Signals are caught from the start: a SIGHUP while the engines and
-	// tokenizers load must not end the process.
-	sigs := make(chan os.Signal, 1)
-	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
-	c := &command{sigs: sigs, stderr: os.Stderr}
+	// tokenizers load must not end the process. SIGHUP has a channel of its
+	// own: signal delivery drops what does not fit, and a SIGTERM must
+	// not be dropped because a SIGHUP waits (a reload may take a while).
+	hup, term := make(chan os.Signal, 1), make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	signal.Notify(term, syscall.SIGTERM, syscall.SIGINT)
+	c := &command{hup: hup, term: term, stderr: os.Stderr}
 	os.Exit(c.run(os.Args[1:]))
 }
 
-// command is one run of kvproxy: signals arrive on sigs; ready, when set,
-// is told the listen address once serving (tests).
+// command is one run of kvproxy: SIGHUP arrives on hup, SIGTERM and SIGINT
+// on term; ready, when set, is told the listen address once serving (tests).
 type command struct {
-	sigs   <-chan os.Signal
+	hup    <-chan os.Signal
+	term   <-chan os.Signal
 	stderr io.Writer
 	ready  func(addr string)
 
@@ -132,13 +136,11 @@ wait:
 		case err := <-errc:
 			log.Error().Err(err).Msg("server stopped")
 			return 1
-		case sig := <-c.sigs:
-			if sig == syscall.SIGHUP {
-				if _, err := reload(); err != nil {
-					log.Error().Err(err).Msg("reload rejected; the current configuration keeps serving")
-				}
-				continue
+		case <-c.hup:
+			if _, err := reload(); err != nil {
+				log.Error().Err(err).Msg("reload rejected; the current configuration keeps serving")
 			}
+		case <-c.term:
 			break wait
 		}
 	}

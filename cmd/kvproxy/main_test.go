@@ -51,10 +51,11 @@ func writeConfig(t *testing.T, path, extra string, mocks ...mockSpec) {
 }
 
 // proxyRun is kvproxy running in this process, driven by signals sent on
-// sigs.
+// hup and term.
 type proxyRun struct {
 	c    *command
-	sigs chan os.Signal
+	hup  chan os.Signal
+	term chan os.Signal
 	addr string
 	code chan int
 	logs *syncBuffer
@@ -79,9 +80,9 @@ func (s *syncBuffer) String() string {
 
 func startProxy(t *testing.T, cfgPath string) *proxyRun {
 	t.Helper()
-	p := &proxyRun{sigs: make(chan os.Signal, 1), code: make(chan int, 1), logs: &syncBuffer{}}
+	p := &proxyRun{hup: make(chan os.Signal, 1), term: make(chan os.Signal, 1), code: make(chan int, 1), logs: &syncBuffer{}}
 	ready := make(chan string, 1)
-	p.c = &command{sigs: p.sigs, stderr: p.logs, ready: func(a string) { ready <- a }}
+	p.c = &command{hup: p.hup, term: p.term, stderr: p.logs, ready: func(a string) { ready <- a }}
 	go func() { p.code <- p.c.run([]string{"-config", cfgPath}) }()
 	select {
 	case p.addr = <-ready:
@@ -90,8 +91,8 @@ func startProxy(t *testing.T, cfgPath string) *proxyRun {
 	}
 	t.Cleanup(func() {
 		select {
-		case p.sigs <- syscall.SIGTERM:
-		default:
+		case p.term <- syscall.SIGTERM:
+		default: // the test sent one
 		}
 		select {
 		case <-p.code:
@@ -105,9 +106,7 @@ func startProxy(t *testing.T, cfgPath string) *proxyRun {
 	return p
 }
 
-// reload sends SIGHUP and waits for it to be handled: a SIGHUP is handled by
-// the loop that reads sigs, so a second send on the unbuffered-full channel
-// returns once the first was taken; an admin reload is answered when done.
+// reload reloads through POST /admin/reload, answered once done.
 func (p *proxyRun) reload(t *testing.T) {
 	t.Helper()
 	resp, err := http.Post("http://"+p.addr+"/admin/reload", "application/json", nil)
@@ -260,7 +259,7 @@ func TestConcurrentReloads(t *testing.T) {
 				resp.Body.Close()
 			}
 		}()
-		p.sigs <- syscall.SIGHUP
+		p.hup <- syscall.SIGHUP
 		wg.Wait()
 		p.reload(t) // after the SIGHUP: the loop takes one signal at a time
 		if !listening(mocks[i].port) {
@@ -299,7 +298,7 @@ func TestDrainTimeoutOfTheReloadedConfig(t *testing.T) {
 	}()
 	<-started // headers are in: the stream is in flight
 	t0 := time.Now()
-	p.sigs <- syscall.SIGTERM
+	p.term <- syscall.SIGTERM
 	select {
 	case code := <-p.code:
 		p.code <- code // for Cleanup

@@ -2,10 +2,13 @@ package main
 
 import (
 	"bufio"
+	"encoding/json"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -27,12 +30,26 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// A SIGHUP while kvproxy is still starting (loading tokenizers, starting
-// engines) must not end the process, whose default action for SIGHUP is to
-// exit: config tooling sends SIGHUP right after a deploy.
-func TestSIGHUPDuringStartup(t *testing.T) {
-	cfg := filepath.Join(t.TempDir(), "c.yaml")
-	os.WriteFile(cfg, []byte("listen: 127.0.0.1:0\nlog_level: info\nmodels:\n  - {name: m, tokenizer: o200k_base}\nbackends:\n  - {id: a, url: \"http://127.0.0.1:1\"}\n"), 0o644)
+// child is kvproxy as a process of its own.
+type child struct {
+	t      *testing.T
+	cmd    *exec.Cmd
+	lines  chan string
+	exited chan error
+	mu     sync.Mutex
+	log    []string
+}
+
+func (c *child) output() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return strings.Join(c.log, "\n")
+}
+
+const childConfig = "listen: 127.0.0.1:0\nlog_level: info\nmodels:\n  - {name: m, tokenizer: o200k_base}\nbackends:\n  - {id: a, url: \"http://127.0.0.1:1\", model: m}\n"
+
+func startChild(t *testing.T, cfg string) *child {
+	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$", "--", "-config", cfg)
 	cmd.Env = append(os.Environ(), "KVPROXY_TEST_MAIN=1")
 	stderr, err := cmd.StderrPipe()
@@ -42,40 +59,112 @@ func TestSIGHUPDuringStartup(t *testing.T) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	lines := make(chan string, 64)
+	c := &child{t: t, cmd: cmd, lines: make(chan string, 1024), exited: make(chan error, 1)}
 	go func() {
 		sc := bufio.NewScanner(stderr)
 		for sc.Scan() {
-			lines <- sc.Text()
+			c.mu.Lock()
+			c.log = append(c.log, sc.Text())
+			c.mu.Unlock()
+			c.lines <- sc.Text()
 		}
-		close(lines)
+		close(c.lines)
+		c.exited <- cmd.Wait()
 	}()
-	waitLine := func(what string, each func()) {
-		deadline := time.After(60 * time.Second)
-		for {
-			if each != nil {
-				each()
+	t.Cleanup(func() { cmd.Process.Kill() })
+	return c
+}
+
+// waitLine waits for a log line containing what, calling each (if set)
+// every 2 ms meanwhile, and returns it.
+func (c *child) waitLine(what string, each func()) string {
+	c.t.Helper()
+	deadline := time.After(60 * time.Second)
+	for {
+		if each != nil {
+			each()
+		}
+		select {
+		case l, ok := <-c.lines:
+			if !ok {
+				c.t.Fatalf("kvproxy exited before %q: %v", what, <-c.exited)
 			}
-			select {
-			case l, ok := <-lines:
-				if !ok {
-					t.Fatalf("kvproxy exited before %q: %v", what, cmd.Wait())
-				}
-				if strings.Contains(l, what) {
-					return
-				}
-			case <-time.After(2 * time.Millisecond):
-			case <-deadline:
-				t.Fatalf("no %q", what)
+			if strings.Contains(l, what) {
+				return l
 			}
+		case <-time.After(2 * time.Millisecond):
+		case <-deadline:
+			c.t.Fatalf("no %q", what)
 		}
 	}
-	waitLine("kvproxy starting", nil)
-	hups := 0
-	waitLine("kvproxy serving", func() { cmd.Process.Signal(syscall.SIGHUP); hups++ })
-	cmd.Process.Signal(syscall.SIGTERM)
-	if err := cmd.Wait(); err != nil {
-		t.Fatalf("after %d SIGHUPs during startup and a SIGTERM: %v", hups, err)
+}
+
+// waitServing waits until kvproxy answers HTTP, calling each meanwhile.
+// (A SIGTERM before that races proxy.Server's Serve with its Shutdown.)
+func (c *child) waitServing(each func()) {
+	c.t.Helper()
+	l := c.waitLine("kvproxy serving", each)
+	var v struct{ Listen string }
+	if err := json.Unmarshal([]byte(l), &v); err != nil {
+		c.t.Fatal(err)
 	}
+	for {
+		if each != nil {
+			each()
+		}
+		resp, err := http.Get("http://" + v.Listen + "/health")
+		if err == nil {
+			resp.Body.Close()
+			return
+		}
+	}
+}
+
+// waitExit expects the process to exit with status 0 within 20 s.
+func (c *child) waitExit(what string) {
+	c.t.Helper()
+	go func() {
+		for range c.lines {
+		}
+	}()
+	select {
+	case err := <-c.exited:
+		if err != nil {
+			c.t.Fatalf("%s: %v\n%s", what, err, c.output())
+		}
+	case <-time.After(20 * time.Second):
+		c.cmd.Process.Kill()
+		c.t.Fatalf("%s: kvproxy did not exit within 20 s of SIGTERM\n%s", what, c.output())
+	}
+}
+
+// A SIGHUP while kvproxy is still starting (loading tokenizers, starting
+// engines) must not end the process, whose default action for SIGHUP is to
+// exit: config tooling sends SIGHUP right after a deploy.
+func TestSIGHUPDuringStartup(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(cfg, []byte(childConfig), 0o644)
+	c := startChild(t, cfg)
+	c.waitLine("kvproxy starting", nil)
+	hups := 0
+	c.waitServing(func() { c.cmd.Process.Signal(syscall.SIGHUP); hups++ })
+	c.cmd.Process.Signal(syscall.SIGTERM)
+	c.waitExit("SIGTERM after SIGHUPs during startup")
 	t.Logf("%d SIGHUPs during startup", hups)
+}
+
+// A SIGTERM sent while a reload runs and another SIGHUP waits is not lost
+// (signal delivery drops what the channel has no room for).
+func TestSIGTERMWhileReloading(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(cfg, []byte(childConfig), 0o644)
+	c := startChild(t, cfg)
+	c.waitServing(nil)
+	// The reload loads a tokenizer for a new model: it takes a while.
+	os.WriteFile(cfg, []byte(strings.Replace(childConfig, "models:\n", "models:\n  - {name: m2, tokenizer: cl100k_base}\n", 1)), 0o644)
+	c.cmd.Process.Signal(syscall.SIGHUP)
+	time.Sleep(20 * time.Millisecond) // that reload is under way; no hook in another process
+	c.cmd.Process.Signal(syscall.SIGHUP)
+	c.cmd.Process.Signal(syscall.SIGTERM)
+	c.waitExit("SIGTERM during a reload")
 }
