@@ -347,3 +347,35 @@ func TestProberStopRacingStart(t *testing.T) {
 		p.Stop()
 	}
 }
+
+// A retired backend's pool is closed while some of its streams may still
+// run (the drain timeout passed): those connections, released after, must
+// be closed too, not pooled where nothing will ever close them.
+func TestConnectionReleasedAfterCloseIsClosed(t *testing.T) {
+	engineSawClose := make(chan struct{})
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		for readRequest(br) == nil {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		}
+		close(engineSawClose)
+	})
+	u := &Upstream{Addr: addr}
+	req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+	body, err := u.Do(req, resp, true, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.CloseIdle() // the backend is retired while the stream runs
+	if _, err := io.ReadAll(body); err != nil {
+		t.Fatal(err)
+	}
+	body.Close()
+	if n := len(u.idle); n != 0 {
+		t.Fatalf("%d connections pooled after the pool was closed", n)
+	}
+	select {
+	case <-engineSawClose:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the engine's connection was never closed")
+	}
+}

@@ -29,8 +29,9 @@ type Upstream struct {
 	// is an error. Default 64 MiB.
 	MaxBodySize int
 
-	mu   sync.Mutex
-	idle []*upConn
+	mu     sync.Mutex
+	idle   []*upConn
+	closed bool // Close was called: released connections are closed, not pooled
 
 	Dials atomic.Int64 // connections opened, for tests and metrics
 }
@@ -341,7 +342,7 @@ func (u *Upstream) release(uc *upConn, reuse bool) {
 		max = 512
 	}
 	u.mu.Lock()
-	if len(u.idle) < max {
+	if len(u.idle) < max && !u.closed {
 		u.idle = append(u.idle, uc)
 		u.mu.Unlock()
 		return
@@ -350,13 +351,22 @@ func (u *Upstream) release(uc *upConn, reuse bool) {
 	uc.c.Close()
 }
 
-// CloseIdle closes every pooled connection.
-func (u *Upstream) CloseIdle() {
+// Close retires the upstream: it closes every pooled connection, and each
+// connection still in an exchange is closed when released instead of
+// pooled (nothing would close it later). Exchanges still work, on
+// connections of their own.
+func (u *Upstream) Close() {
 	u.mu.Lock()
 	idle := u.idle
 	u.idle = nil
+	u.closed = true
 	u.mu.Unlock()
 	for _, uc := range idle {
 		uc.c.Close()
 	}
 }
+
+// CloseIdle is Close: its one use is retiring a backend.
+//
+// Deprecated: use Close.
+func (u *Upstream) CloseIdle() { u.Close() }
