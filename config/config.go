@@ -477,6 +477,9 @@ func (c *Config) Validate() error {
 		}
 		for j, n := range append([]string{m.Name}, m.Aliases...) {
 			if n == "" {
+				if j > 0 {
+					add(fmt.Sprintf("%s.aliases[%d]", f, j-1), "must not be empty")
+				}
 				continue
 			}
 			if prev, ok := names[n]; ok {

@@ -51,6 +51,8 @@ func TestValidationRejects(t *testing.T) {
 			"backends[0].kv_events.dp_size"},
 		"zmq endpoint without port": {backend(`, kv_events: {mode: zmq, endpoint: "tcp://127.0.0.1"}`),
 			"backends[0].kv_events.endpoint"},
+		"empty alias": {"models:\n  - {name: m, aliases: [x, \"\"]}\nbackends:\n  - {id: a, url: \"http://127.0.0.1:9000\"}\n",
+			"models[0].aliases[1]"},
 		"two mocks on one address": {"models:\n  - name: m\nbackends:\n" +
 			"  - {id: a, url: \"http://127.0.0.1:9000\", kind: mock}\n  - {id: b, url: \"http://127.0.0.1:9000\", kind: mock}\n",
 			"backends[1].url"},
