@@ -197,6 +197,15 @@ func TestReloadStopsRemovedMocks(t *testing.T) {
 	m0, m1 := mockSpec{id: "m0", port: freePort(t)}, mockSpec{id: "m1", port: freePort(t)}
 	writeConfig(t, cfg, drain1s, m0, m1)
 	p := startProxy(t, cfg)
+	// A keep-alive connection to m1, as the proxy's pool holds: m1 drains
+	// until it closes (or drain_timeout).
+	held := &http.Client{Transport: &http.Transport{}}
+	resp, err := held.Get(fmt.Sprintf("http://127.0.0.1:%d/health", m1.port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
 	writeConfig(t, cfg, drain1s, m0)
 	p.reload(t)
 	// Added back while it drains: refused, saying why.
@@ -205,6 +214,7 @@ func TestReloadStopsRemovedMocks(t *testing.T) {
 		t.Fatalf("re-adding a draining mock: %s", msg)
 	}
 	writeConfig(t, cfg, drain1s, m0)
+	held.CloseIdleConnections() // the last connection goes: m1 stops
 	p.c.waitRetired()
 	if listening(m1.port) {
 		t.Fatal("the removed mock engine still listens")
