@@ -248,10 +248,11 @@ func (s *Server) activate(st, prev *state) {
 		}
 		replaced := st.backends[id] != nil && st.backends[id].pool == old.pool
 		if !replaced {
-			if s.health != nil {
+			if s.health != nil && st.backends[id] == nil {
 				s.health.Remove(id)
 			}
 			old.drain()
+			old.stopEvents()
 		}
 		go s.retire(old, replaced, st.cfg.Limits.DrainTimeout)
 	}
@@ -362,6 +363,7 @@ func (s *Server) Serve(ln net.Listener) error {
 // Shutdown stops accepting, lets in-flight requests and streams finish, and
 // stops probes. Bound it with a deadline from outside if needed.
 func (s *Server) Shutdown() error {
+	s.startOnce.Do(func() {}) // a Serve still starting has set up the scrape loop, or never will
 	s.draining.Store(true)
 	err := s.srv.Shutdown()
 	s.live.wait() // streams outlive fasthttp's view of the handler

@@ -114,6 +114,10 @@ func (r *relay) nextBatch() []byte {
 	out := r.bufs.out[:0]
 	var err error
 	for {
+		if f.tooLarge() {
+			err = errEventTooLarge
+			break
+		}
 		var n int
 		n, err = r.body.Read(f.free())
 		f.commit(n)
@@ -200,6 +204,8 @@ func (r *relay) Close() error {
 }
 
 var doneEvent = []byte("data: [DONE]\n\n")
+
+var errEventTooLarge = fmt.Errorf("an SSE event larger than %d MiB", maxSSEEvent>>20)
 
 func (r *relay) clientGone() {
 	r.ended = true

@@ -12,7 +12,16 @@ import "bytes"
 type sseFramer struct {
 	buf        []byte
 	start, end int
+	scanned    int // from start: the first line not yet ended (earlier ones hold no blank line)
 }
+
+// maxSSEEvent bounds one event (an engine's largest, a first chunk with
+// prompt logprobs, is far smaller): a stream that never ends its event must
+// not be buffered without limit.
+const maxSSEEvent = 8 << 20
+
+// tooLarge reports whether the event being read has reached maxSSEEvent.
+func (f *sseFramer) tooLarge() bool { return f.end-f.start >= maxSSEEvent }
 
 func newSSEFramer(buf []byte) *sseFramer { return &sseFramer{buf: buf[:cap(buf)]} }
 
@@ -36,33 +45,37 @@ func (f *sseFramer) commit(n int) { f.end += n }
 // (raw) and without it (content).
 func (f *sseFramer) next() (raw, content []byte, ok bool) {
 	b := f.buf[f.start:f.end]
-	contentEnd, total := eventEnd(b)
+	contentEnd, total := eventEnd(b, f.scanned)
 	if contentEnd < 0 {
+		f.scanned = total // resume there: a large event is not scanned again from its start
 		return nil, nil, false
 	}
 	f.start += total
+	f.scanned = 0
 	return b[:total], b[:contentEnd], true
 }
 
 // pending is the start of an event not yet complete.
 func (f *sseFramer) pending() []byte { return f.buf[f.start:f.end] }
 
-// eventEnd finds the blank line ending the first event of b: the length of
-// the event's content and of the event with its blank line, or -1 when b
-// holds no complete event yet.
-func eventEnd(b []byte) (contentEnd, total int) {
-	pos := 0 // start of the current line
+// eventEnd finds the blank line ending the first event of b, scanning from
+// from, the start of a line (the lines before it are known not to be
+// blank): the length of the event's content and of the event with its blank
+// line, or -1 and the start of the line not yet ended when b holds no
+// complete event yet.
+func eventEnd(b []byte, from int) (contentEnd, total int) {
+	pos := from // start of the current line
 	for pos < len(b) {
 		end, n := lineEnd(b[pos:])
 		if end < 0 {
-			return -1, 0
+			return -1, pos
 		}
 		if end == 0 { // an empty line: the event ends
 			return pos, pos + n
 		}
 		pos += end + n
 	}
-	return -1, 0
+	return -1, pos
 }
 
 // lineEnd finds the first line terminator of b: where it starts and its

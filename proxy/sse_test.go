@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"io"
+	"strings"
 	"testing"
 
 	"github.com/rs/zerolog"
@@ -166,5 +167,51 @@ func TestRelayPanicIsAServerError(t *testing.T) {
 	r.Close()
 	if x.status != 500 || !p.rt.Idle() || !body.closed {
 		t.Fatalf("status %d, idle %v, body closed %v; want 500, freed, closed", x.status, p.rt.Idle(), body.closed)
+	}
+}
+
+// endlessEvent is an engine that starts one event and never ends it.
+type endlessEvent struct {
+	read            int
+	started, closed bool
+}
+
+func (e *endlessEvent) Read(p []byte) (int, error) {
+	if !e.started {
+		e.started = true
+		return copy(p, `data: {"choices":[{"text":"`), nil
+	}
+	if e.read >= 64<<20 { // a bound for the test itself
+		return 0, io.EOF
+	}
+	for i := range p {
+		p[i] = 'x'
+	}
+	e.read += len(p)
+	return len(p), nil
+}
+func (e *endlessEvent) Buffered() int { return 0 }
+func (e *endlessEvent) Close()        { e.closed = true }
+
+// TestEndlessEventIsBounded: an event that never ends is not buffered
+// without limit: past maxSSEEvent the stream ends with an OpenAI error event
+// and [DONE], and the backend is marked failed.
+func TestEndlessEventIsBounded(t *testing.T) {
+	s, p, be := relayFixture(t)
+	body := &endlessEvent{}
+	r, x := startRelay(t, s, p, be, body)
+	var out bytes.Buffer
+	if _, err := r.WriteTo(&out); err != nil {
+		t.Fatal(err)
+	}
+	r.Close()
+	if body.read > 2*maxSSEEvent {
+		t.Fatalf("read %d MiB of one event", body.read>>20)
+	}
+	if !strings.Contains(out.String(), `"code":"backend_failed"`) || !strings.HasSuffix(out.String(), "data: [DONE]\n\n") || x.status != 502 {
+		t.Fatalf("ending %q, status %d", out.String(), x.status)
+	}
+	if !body.closed || !p.rt.Idle() {
+		t.Fatalf("engine body closed %v, router idle %v", body.closed, p.rt.Idle())
 	}
 }
