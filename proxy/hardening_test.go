@@ -792,3 +792,27 @@ func TestHTTP10StreamIsCloseDelimited(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// TestAdminReloadCallsTheReloaderOnce: POST /admin/reload is the command's
+// reload, applied once (it used to apply the loaded configuration a second
+// time itself); its refusal is a 400 that keeps the running configuration.
+func TestAdminReloadCallsTheReloaderOnce(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	if resp, b := post(t, p.url+"/admin/reload", ""); resp.StatusCode != 501 {
+		t.Fatalf("without a reloader: %d %s", resp.StatusCode, b)
+	}
+	calls := 0
+	var fail error
+	p.s.SetReloader(func() error { calls++; return fail })
+	if resp, b := post(t, p.url+"/admin/reload", ""); resp.StatusCode != 200 || calls != 1 {
+		t.Fatalf("reload: %d %s, %d calls", resp.StatusCode, b, calls)
+	}
+	fail = fmt.Errorf("backends[0].url: bad")
+	if resp, b := post(t, p.url+"/admin/reload", ""); resp.StatusCode != 400 || calls != 2 || !strings.Contains(string(b), "backends[0].url: bad") {
+		t.Fatalf("refused reload: %d %s, %d calls", resp.StatusCode, b, calls)
+	}
+	if strings.Count(p.logs.String(), "configuration reloaded") != 0 {
+		t.Fatal("the endpoint applied a configuration itself")
+	}
+}

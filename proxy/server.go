@@ -59,6 +59,7 @@ type Server struct {
 	live      liveExchanges
 
 	routeTable map[string]route
+	reloader   atomic.Pointer[func() error] // SetReloader
 
 	startOnce  sync.Once
 	stopScrape chan struct{}
@@ -464,20 +465,19 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	r.serve(ctx, st)
 }
 
-// ReloadFunc loads the configuration again (set by the command that knows
-// the file); nil disables /admin/reload.
-var ReloadFunc func() (*config.Config, error)
+// SetReloader gives POST /admin/reload what SIGHUP does: f loads the
+// configuration file again and applies it whole (Reload and whatever else
+// the command owns), or changes nothing and says why. Without one the
+// endpoint answers 501.
+func (s *Server) SetReloader(f func() error) { s.reloader.Store(&f) }
 
 func (s *Server) handleAdminReload(ctx *fasthttp.RequestCtx) {
-	if ReloadFunc == nil {
+	f := s.reloader.Load()
+	if f == nil || *f == nil {
 		writeError(ctx, fasthttp.StatusNotImplemented, "reload is not available", "invalid_request_error", "", "")
 		return
 	}
-	cfg, err := ReloadFunc()
-	if err == nil {
-		err = s.Reload(cfg)
-	}
-	if err != nil {
+	if err := (*f)(); err != nil {
 		writeError(ctx, fasthttp.StatusBadRequest, "reload rejected, the current configuration keeps serving: "+err.Error(), "invalid_request_error", "", "invalid_config")
 		return
 	}

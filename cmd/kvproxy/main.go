@@ -100,30 +100,27 @@ func (c *command) run(args []string) int {
 	// leaves the configuration in force and its mocks as they were.
 	var reloadMu sync.Mutex
 	current := cfg
-	reload := func() (*config.Config, error) {
+	reload := func() error {
 		reloadMu.Lock()
 		defer reloadMu.Unlock()
 		next, err := config.Load(*cfgPath)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		next.Listen = current.Listen
 		started, err := c.mocks.start(next)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		if err := srv.Reload(next); err != nil {
 			c.mocks.abort(started)
-			return nil, err
+			return err
 		}
 		c.mocks.commit(next, started)
 		current = next
-		return next, nil
+		return nil
 	}
-	// The admin endpoint applies what ReloadFunc returns once more: the
-	// same configuration again, which changes nothing.
-	proxy.ReloadFunc = reload
-	defer func() { proxy.ReloadFunc = nil }()
+	srv.SetReloader(reload)
 
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
@@ -137,7 +134,7 @@ wait:
 			log.Error().Err(err).Msg("server stopped")
 			return 1
 		case <-c.hup:
-			if _, err := reload(); err != nil {
+			if err := reload(); err != nil {
 				log.Error().Err(err).Msg("reload rejected; the current configuration keeps serving")
 			}
 		case <-c.term:
