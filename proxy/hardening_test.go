@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -802,15 +803,21 @@ func TestAdminReloadCallsTheReloaderOnce(t *testing.T) {
 	if resp, b := post(t, p.url+"/admin/reload", ""); resp.StatusCode != 501 {
 		t.Fatalf("without a reloader: %d %s", resp.StatusCode, b)
 	}
-	calls := 0
-	var fail error
-	p.s.SetReloader(func() error { calls++; return fail })
-	if resp, b := post(t, p.url+"/admin/reload", ""); resp.StatusCode != 200 || calls != 1 {
-		t.Fatalf("reload: %d %s, %d calls", resp.StatusCode, b, calls)
+	var calls atomic.Int64
+	var fail atomic.Bool
+	p.s.SetReloader(func() error {
+		calls.Add(1)
+		if fail.Load() {
+			return fmt.Errorf("backends[0].url: bad")
+		}
+		return nil
+	})
+	if resp, b := post(t, p.url+"/admin/reload", ""); resp.StatusCode != 200 || calls.Load() != 1 {
+		t.Fatalf("reload: %d %s, %d calls", resp.StatusCode, b, calls.Load())
 	}
-	fail = fmt.Errorf("backends[0].url: bad")
-	if resp, b := post(t, p.url+"/admin/reload", ""); resp.StatusCode != 400 || calls != 2 || !strings.Contains(string(b), "backends[0].url: bad") {
-		t.Fatalf("refused reload: %d %s, %d calls", resp.StatusCode, b, calls)
+	fail.Store(true)
+	if resp, b := post(t, p.url+"/admin/reload", ""); resp.StatusCode != 400 || calls.Load() != 2 || !strings.Contains(string(b), "backends[0].url: bad") {
+		t.Fatalf("refused reload: %d %s, %d calls", resp.StatusCode, b, calls.Load())
 	}
 	if strings.Count(p.logs.String(), "configuration reloaded") != 0 {
 		t.Fatal("the endpoint applied a configuration itself")
