@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/url"
 	"os"
@@ -574,8 +575,8 @@ func (c *Config) Validate() error {
 		if b.MaxConcurrency < 0 {
 			add(f+".max_concurrency", "must not be negative")
 		}
-		if m := b.Mock; m.Speedup < 0 || m.CacheBlocks < 0 || m.HostCacheBlocks < 0 || m.MaxNumSeqs < 0 || m.MaxNumBatchedTokens < 0 {
-			add(f+".mock", "values must not be negative")
+		if m := b.Mock; !finiteNonNegative(m.Speedup) || m.CacheBlocks < 0 || m.HostCacheBlocks < 0 || m.MaxNumSeqs < 0 || m.MaxNumBatchedTokens < 0 {
+			add(f+".mock", "values must be numbers, not negative")
 		}
 		if b.Kind == KindMock && err == nil && u.Host != "" {
 			if j, ok := mockAddrs[u.Host]; ok {
@@ -587,14 +588,14 @@ func (c *Config) Validate() error {
 	if !contains(Policies, c.Router.Policy) {
 		add("router.policy", "unknown policy %q (known: %s)", c.Router.Policy, strings.Join(Policies, ", "))
 	}
-	if f := c.Router.FetchUsPerMB; f.Host < 0 || f.Disk < 0 || f.Shared < 0 {
-		add("router.fetch_us_per_mb", "must not be negative")
+	if f := c.Router.FetchUsPerMB; !finiteNonNegative(f.Host, f.Disk, f.Shared) {
+		add("router.fetch_us_per_mb", "must be a number, not negative")
 	}
-	if c.Router.OverlapWeight < 0 {
-		add("router.overlap_weight", "must not be negative")
+	if !finiteNonNegative(c.Router.OverlapWeight) {
+		add("router.overlap_weight", "must be a number, not negative")
 	}
-	if c.Router.Temperature < 0 {
-		add("router.temperature", "must not be negative")
+	if !finiteNonNegative(c.Router.Temperature) {
+		add("router.temperature", "must be a number, not negative")
 	}
 	if c.Router.IndexTTL < 0 {
 		add("router.index_ttl", "must not be negative")
@@ -602,8 +603,8 @@ func (c *Config) Validate() error {
 	if c.Router.MaxIndexBlocks < 0 {
 		add("router.max_index_blocks", "must not be negative")
 	}
-	if c.Router.Cost.PrefillMsPerToken < 0 || c.Router.Cost.QueueMsPerToken < 0 || c.Router.Cost.DecodeMsPerBlock < 0 {
-		add("router.cost", "coefficients must not be negative")
+	if cc := c.Router.Cost; !finiteNonNegative(cc.PrefillMsPerToken, cc.QueueMsPerToken, cc.DecodeMsPerBlock) {
+		add("router.cost", "coefficients must be numbers, not negative")
 	}
 	if c.Limits.MaxRequestBodyBytes < 1024 {
 		add("limits.max_request_body_bytes", "must be at least 1024")
@@ -617,7 +618,7 @@ func (c *Config) Validate() error {
 	if c.Limits.MaxMessages < 1 || c.Limits.MaxPromptTokens < 1 || c.Limits.MaxQueue < 0 {
 		add("limits", "max_messages and max_prompt_tokens must be positive, max_queue not negative")
 	}
-	if c.Limits.RetryBudget < 0 || c.Limits.RetryBudget > 1 {
+	if !(c.Limits.RetryBudget >= 0 && c.Limits.RetryBudget <= 1) {
 		add("limits.retry_budget", "must be between 0 and 1, got %g", c.Limits.RetryBudget)
 	}
 	for _, d := range []struct {
@@ -645,8 +646,8 @@ func (c *Config) Validate() error {
 			add(f+".name", "%q listed twice", t.Name)
 		}
 		tenants[t.Name] = true
-		if t.RequestsPerSecond < 0 || t.TokensPerMinute < 0 {
-			add(f, "rate limits must not be negative")
+		if !finiteNonNegative(t.RequestsPerSecond, t.TokensPerMinute) {
+			add(f, "rate limits must be numbers, not negative")
 		}
 	}
 	keys := map[string]bool{}
@@ -741,4 +742,15 @@ func contains(list []string, s string) bool {
 		}
 	}
 	return false
+}
+
+// finiteNonNegative reports whether every v is a number ≥ 0 (YAML's .nan and
+// .inf are not: they pass a "< 0" check and break the router's arithmetic).
+func finiteNonNegative(vs ...float64) bool {
+	for _, v := range vs {
+		if !(v >= 0) || math.IsInf(v, 1) {
+			return false
+		}
+	}
+	return true
 }
