@@ -89,4 +89,8 @@ func TestFeedCloseTwiceKeepsTheNewFeedsBlocks(t *testing.T) {
 	if d, _ := depth(t, r, "x", toks, 0); d != 2 {
 		t.Fatalf("closing the old feed again left depth %d of the new feed's 2", d)
 	}
+	old.Applier().Clear() // the old backend's forget timer, firing late
+	if d, _ := depth(t, r, "x", toks, 0); d != 2 {
+		t.Fatalf("clearing the closed feed left depth %d of the new feed's 2", d)
+	}
 }

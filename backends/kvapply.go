@@ -244,11 +244,15 @@ func (a *KVApplier) ClearRanks(ranks []int) {
 	}
 }
 
-// Clear drops every block of every rank (HTTP feed reset).
+// Clear drops every block of every rank (an HTTP feed reset, a backend
+// away too long). After Close it does nothing: the workers may belong to a
+// newer applier of the same backend by then.
 func (a *KVApplier) Clear() {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	a.clearAll()
+	if !a.closed {
+		a.clearAll()
+	}
 }
 
 // Close drops every block of every rank and ignores events from then on
