@@ -520,7 +520,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	x.status = fasthttp.StatusOK
 	rl := newRelay(x, stream, resp)
 	if !ctx.Request.Header.IsHTTP11() {
-		relayUntilClose(ctx, rl)
+		s.relayUntilClose(ctx, rl)
 		return done
 	}
 	ctx.SetBodyStream(rl, -1)
@@ -530,12 +530,18 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 // relayUntilClose streams to an HTTP/1.0 client, which knows no chunked
 // encoding (fasthttp would send it): the body ends when the connection
 // closes.
-func relayUntilClose(ctx *fasthttp.RequestCtx, rl *relay) {
+//
+// The hang-up watcher keeps watching the hijacked connection (fasthttp
+// reports no close for it) until the relay has ended; then it forgets it,
+// before fasthttp closes it.
+func (s *Server) relayUntilClose(ctx *fasthttp.RequestCtx, rl *relay) {
 	ctx.Response.Header.SetContentLength(-2) // no length, no chunks: Connection: close
 	head := append([]byte(nil), ctx.Response.Header.Header()...)
+	conn := ctx.Conn()
 	ctx.HijackSetNoResponse(true)
 	ctx.Hijack(func(c net.Conn) {
-		defer rl.Close() // fasthttp closes c after this returns
+		defer s.watcher.Closed(conn) // after rl.Close; fasthttp closes c after this returns
+		defer rl.Close()
 		if _, err := c.Write(head); err == nil {
 			rl.WriteTo(c)
 		}

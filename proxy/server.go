@@ -140,7 +140,9 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 		DisablePreParseMultipartForm: true,
 		ErrorHandler:                 s.transportError,
 		ConnState: func(c net.Conn, cs fasthttp.ConnState) {
-			if cs == fasthttp.StateClosed || cs == fasthttp.StateHijacked {
+			// A hijacked connection (an HTTP/1.0 stream) is still watched
+			// for hang-ups while its relay runs: relayUntilClose forgets it.
+			if cs == fasthttp.StateClosed {
 				s.watcher.Closed(c)
 			}
 		},
