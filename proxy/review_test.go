@@ -3,7 +3,9 @@ package proxy
 import (
 	"bufio"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -46,4 +48,68 @@ func TestStreamHangUpDuringEnginePause(t *testing.T) {
 			p.waitIdle(t)
 		})
 	}
+}
+
+// holdingEngine answers every request with a stream that sends its events
+// and [DONE] but leaves the chunked body open: the proxy has the whole
+// answer before the engine's stream ends.
+func holdingEngine(t *testing.T) *fakeEngine {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				rd := bufio.NewReader(c)
+				req, err := http.ReadRequest(rd)
+				if err != nil {
+					return
+				}
+				io.Copy(io.Discard, req.Body)
+				events := "data: {\"choices\":[{\"index\":0,\"text\":\"hi\"}]}\n\ndata: [DONE]\n\n"
+				fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n", len(events), events)
+				io.Copy(io.Discard, rd) // until the proxy closes it
+			}()
+		}
+	}()
+	return &fakeEngine{id: "e0", addr: ln.Addr().String()}
+}
+
+// TestCutAfterDoneAddsNothing: a stream whose [DONE] has gone out is
+// complete; a cut at the drain deadline must not append an error event and
+// a second [DONE] to it.
+func TestCutAfterDoneAddsNothing(t *testing.T) {
+	e := holdingEngine(t)
+	p := startProxy(t, "kv", e)
+	resp, err := http.Post(p.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"hello","stream":true}`))
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("%v %v", err, resp)
+	}
+	defer resp.Body.Close()
+	rd := bufio.NewReader(resp.Body)
+	for {
+		line, err := rd.ReadString('\n')
+		if err != nil {
+			t.Fatal(err)
+		}
+		if line == "data: [DONE]\n" {
+			break
+		}
+	}
+	if n := p.s.Cut(); n != 1 {
+		t.Fatalf("cut %d requests, want 1", n)
+	}
+	rest, err := io.ReadAll(rd)
+	if err != nil || strings.TrimSpace(string(rest)) != "" {
+		t.Fatalf("after [DONE]: %q %v", rest, err)
+	}
+	p.waitIdle(t)
 }

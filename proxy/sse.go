@@ -151,7 +151,9 @@ func (r *relay) end(out []byte, err error) []byte {
 	x := r.x
 	r.ended = true
 	switch {
-	case errors.Is(err, io.EOF) && r.sawDone:
+	case r.sawDone && (errors.Is(err, io.EOF) || x.s.live.isCut()):
+		// Complete: a cut after [DONE] (the engine had not closed its
+		// stream yet) adds nothing to it.
 		x.b.succeed()
 		if rest := r.f.pending(); len(rest) > 0 { // bytes after [DONE] without a blank line
 			out = append(append(out, rest...), "\n\n"...)
