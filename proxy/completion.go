@@ -44,8 +44,7 @@ type exchange struct {
 	released bool
 
 	status       int
-	refused      int                          // the status of the last refusal that made it retry
-	avoid        [maxAttempts]router.WorkerID // the workers that refused it
+	refused      int // the status of the last refusal that made it retry
 	ttft         time.Duration
 	outputTokens int
 	cachedTokens int
@@ -239,7 +238,9 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 			return
 		}
 		s.log.Warn().Str("request_id", rid).Str("backend", x.b.cfg.ID).Str("reason", x.errMsg).Msg("rerouting")
-		rr.Avoid = append(x.avoid[:attempt-1], x.d.Worker) // the next best, not the same again
+		// The next best, not the same engine again: none of its
+		// data-parallel ranks either.
+		rr.Avoid = append(append(rr.Avoid, x.d.Worker), x.b.workerIDs()...)
 	}
 }
 

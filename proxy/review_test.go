@@ -113,3 +113,35 @@ func TestCutAfterDoneAddsNothing(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// TestRefusalAvoidsEveryRankOfTheEngine: the data-parallel ranks of one
+// engine ("busy", "busy#1", "busy#2") are one engine: a request it refuses
+// goes next to another engine, not to another rank of the same one.
+func TestRefusalAvoidsEveryRankOfTheEngine(t *testing.T) {
+	busy := startFake(t, "busy", func(f *fakeEngine) { f.status = 429; f.errBody = `{"error":{"message":"busy"}}` })
+	ok := startFake(t, "ok", nil)
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n"+
+		"  - {id: busy, url: 'http://{{e0}}', model: m, kv_events: {mode: http}}\n"+
+		"  - {id: ok, url: 'http://{{e1}}', model: m}\n", busy, ok)
+	tokens := make([]string, 64)
+	for i := range tokens {
+		tokens[i] = fmt.Sprint(100 + i)
+	}
+	ids := strings.Join(tokens, ",")
+	for rank := 0; rank < 3; rank++ {
+		batch := fmt.Sprintf(`{"engine_id":"busy","data_parallel_rank":%d,"events":[{"type":"block_stored","block_hashes":[%d,%d,%d,%d],"parent_block_hash":null,"token_ids":[%s],"block_size":16}]}`,
+			rank, 10*rank+1, 10*rank+2, 10*rank+3, 10*rank+4, ids)
+		if resp, b := post(t, p.url+"/v1/kv_events", batch); resp.StatusCode != 200 {
+			t.Fatalf("push: %d %s", resp.StatusCode, b)
+		}
+	}
+	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":[`+ids+`]}`)
+	if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "ok" {
+		t.Fatalf("%d from %q: %s", resp.StatusCode, resp.Header.Get(WorkerHeader), b)
+	}
+	if n := busy.requests.Load(); n != 1 {
+		t.Fatalf("the refusing engine saw %d attempts, want 1", n)
+	}
+	p.waitIdle(t)
+}
