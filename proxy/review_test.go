@@ -145,3 +145,52 @@ func TestRefusalAvoidsEveryRankOfTheEngine(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// TestShutdownCutsHTTP10Stream: Shutdown waits for an HTTP/1.0 stream (a
+// hijacked connection fasthttp no longer counts); Cut ends it with an error
+// event and [DONE], the connection closes, Shutdown returns and no slot is
+// left.
+func TestShutdownCutsHTTP10Stream(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.tokens, f.pauseAfter, f.pause = 5, 2, 10*time.Second })
+	p := startProxy(t, "kv", e)
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	body := `{"model":"m","prompt":"hello","stream":true}`
+	fmt.Fprintf(c, "POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	rd := bufio.NewReader(c)
+	for seen := 0; seen < 3; {
+		line, err := rd.ReadString('\n')
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.HasPrefix(line, "data: ") {
+			seen++
+		}
+	}
+	shut := make(chan error, 1)
+	go func() { shut <- p.s.Shutdown() }()
+	select {
+	case err := <-shut:
+		t.Fatalf("Shutdown returned with a stream in flight: %v", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	if n := p.s.Cut(); n != 1 {
+		t.Fatalf("cut %d, want 1", n)
+	}
+	rest, err := io.ReadAll(rd)
+	if err != nil || !strings.Contains(string(rest), `"code":"shutting_down"`) || !strings.HasSuffix(string(rest), "data: [DONE]\n\n") {
+		t.Fatalf("ending: %q %v", rest, err)
+	}
+	select {
+	case <-shut:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Shutdown did not return after the cut")
+	}
+	if !p.s.Idle() {
+		t.Fatalf("slots left: %+v", p.s.backendRows(p.s.st.Load()))
+	}
+}

@@ -62,6 +62,7 @@ type Server struct {
 	reloader   atomic.Pointer[func() error] // SetReloader
 
 	startOnce  sync.Once
+	stopOnce   sync.Once // Shutdown's stopping of probes, scrapes and backends
 	stopScrape chan struct{}
 	scrapeDone chan struct{}
 }
@@ -369,18 +370,20 @@ func (s *Server) Shutdown() error {
 	s.startOnce.Do(func() {}) // a Serve still starting has set up the scrape loop, or never will
 	s.draining.Store(true)
 	err := s.srv.Shutdown()
-	s.live.wait() // streams outlive fasthttp's view of the handler
-	if s.health != nil {
-		s.health.Stop()
-	}
-	if s.stopScrape != nil {
-		close(s.stopScrape)
-		<-s.scrapeDone
-	}
-	for _, b := range s.st.Load().backends {
-		b.stopEvents()
-		b.stop()
-	}
+	s.live.wait()          // streams outlive fasthttp's view of the handler
+	s.stopOnce.Do(func() { // a second Shutdown (a test's cleanup) must not panic
+		if s.health != nil {
+			s.health.Stop()
+		}
+		if s.stopScrape != nil {
+			close(s.stopScrape)
+			<-s.scrapeDone
+		}
+		for _, b := range s.st.Load().backends {
+			b.stopEvents()
+			b.stop()
+		}
+	})
 	return err
 }
 
