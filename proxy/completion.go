@@ -240,7 +240,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		s.log.Warn().Str("request_id", rid).Str("backend", x.b.cfg.ID).Str("reason", x.errMsg).Msg("rerouting")
 		// The next best, not the same engine again: none of its
 		// data-parallel ranks either.
-		rr.Avoid = append(append(rr.Avoid, x.d.Worker), x.b.workerIDs()...)
+		rr.Avoid = append(append(rr.Avoid, x.d.Worker, x.b.worker), x.b.workerIDs()...)
 	}
 }
 

@@ -129,7 +129,7 @@ func TestRefusalAvoidsEveryRankOfTheEngine(t *testing.T) {
 		tokens[i] = fmt.Sprint(100 + i)
 	}
 	ids := strings.Join(tokens, ",")
-	for rank := 0; rank < 3; rank++ {
+	for rank := 1; rank < 3; rank++ { // rank 0 ("busy") has sent no events
 		batch := fmt.Sprintf(`{"engine_id":"busy","data_parallel_rank":%d,"events":[{"type":"block_stored","block_hashes":[%d,%d,%d,%d],"parent_block_hash":null,"token_ids":[%s],"block_size":16}]}`,
 			rank, 10*rank+1, 10*rank+2, 10*rank+3, 10*rank+4, ids)
 		if resp, b := post(t, p.url+"/v1/kv_events", batch); resp.StatusCode != 200 {
@@ -193,4 +193,48 @@ func TestShutdownCutsHTTP10Stream(t *testing.T) {
 	if !p.s.Idle() {
 		t.Fatalf("slots left: %+v", p.s.backendRows(p.s.st.Load()))
 	}
+}
+
+// TestCutAnswersQueuedRequests: a request waiting in the queue for a full
+// backend when the drain deadline passes is answered at once (503), not
+// after queue_timeout.
+func TestCutAnswersQueuedRequests(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 10 * time.Second })
+	p := startProxyYAML(t, `
+models: [{name: m}]
+backends: [{id: e0, url: 'http://{{e0}}', max_concurrency: 1}]
+limits: {max_queue: 4, queue_timeout: 10s}
+`, e)
+	codes := make(chan int, 2)
+	for _, prompt := range []string{"first", "second"} {
+		go func() {
+			resp, err := http.Post(p.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"`+prompt+`"}`))
+			if err != nil {
+				codes <- 0
+				return
+			}
+			resp.Body.Close()
+			codes <- resp.StatusCode
+		}()
+		if prompt == "first" {
+			waitFor(t, "the first request at the engine", func() bool { return e.requests.Load() == 1 })
+		}
+	}
+	waitFor(t, "the second request in the queue", func() bool { return p.s.queue.waiters.Load() == 1 })
+	start := time.Now()
+	p.s.Cut()
+	for i := 0; i < 2; i++ {
+		select {
+		case code := <-codes:
+			if code != 503 {
+				t.Fatalf("answer %d: %d", i, code)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("answer %d not given %v after the cut", i, time.Since(start))
+		}
+	}
+	if e.requests.Load() != 1 {
+		t.Fatalf("the engine saw %d requests after the cut", e.requests.Load())
+	}
+	p.waitIdle(t)
 }
