@@ -80,8 +80,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	}
 	ctx.Response.Header.SetCanonical(hdrRequestID, stringBytes(rid))
 	if s.draining.Load() {
-		ctx.Response.Header.Set("Connection", "close")
-		unavailable(ctx, 1, "kvproxy is shutting down")
+		shuttingDown(ctx, "kvproxy is shutting down; retry")
 		return
 	}
 	t := st.auth.client(ctx)
@@ -443,9 +442,9 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		var ce *backends.ConnectError
 		switch {
 		case errors.Is(err, backends.ErrAborted) && s.live.isCut():
-			ctx.Response.Header.Set("Connection", "close")
-			ctx.Response.Header.Set("Retry-After", "1")
-			x.failUpstream(ctx, fasthttp.StatusServiceUnavailable, errCutMsg)
+			x.status, x.errMsg = fasthttp.StatusServiceUnavailable, errCutMsg
+			ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
+			shuttingDown(ctx, errCutMsg)
 		case errors.Is(err, backends.ErrAborted):
 			x.status = 499 // client closed the request
 		case errors.As(err, &ce):

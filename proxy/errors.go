@@ -46,3 +46,12 @@ func unavailable(ctx *fasthttp.RequestCtx, retryAfter int, msg string) {
 	ctx.Response.Header.Set("Retry-After", strconv.Itoa(retryAfter))
 	writeError(ctx, fasthttp.StatusServiceUnavailable, msg, "service_unavailable", "", "no_backend_available")
 }
+
+// shuttingDown answers a request kvproxy will not serve because it is
+// shutting down (draining, or cut at the drain deadline), in the shape of a
+// cut stream's error event: service_unavailable, code shutting_down.
+func shuttingDown(ctx *fasthttp.RequestCtx, msg string) {
+	ctx.Response.Header.Set("Connection", "close")
+	ctx.Response.Header.Set("Retry-After", "1")
+	writeError(ctx, fasthttp.StatusServiceUnavailable, msg, "service_unavailable", "", "shutting_down")
+}

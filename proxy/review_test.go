@@ -238,3 +238,32 @@ limits: {max_queue: 4, queue_timeout: 10s}
 	}
 	p.waitIdle(t)
 }
+
+// TestShuttingDownAnswersShareOneShape: the 503 of a request cut before its
+// answer began and the 503 of a request that arrives while draining carry
+// the same error type and code as a cut stream's error event
+// (service_unavailable, shutting_down), so a client tells them apart from
+// "no backend available".
+func TestShuttingDownAnswersShareOneShape(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 10 * time.Second })
+	p := startProxy(t, "kv", e)
+	type answer struct {
+		status int
+		retry  string
+		body   string
+	}
+	first := make(chan answer, 1)
+	go func() {
+		resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"slow"}`)
+		first <- answer{resp.StatusCode, resp.Header.Get("Retry-After"), string(b)}
+	}()
+	waitFor(t, "the request at the engine", func() bool { return e.requests.Load() == 1 })
+	p.s.Cut()
+	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"late"}`)
+	for name, a := range map[string]answer{"cut": <-first, "draining": {resp.StatusCode, resp.Header.Get("Retry-After"), string(b)}} {
+		if a.status != 503 || a.retry == "" || !strings.Contains(a.body, `"type":"service_unavailable"`) || !strings.Contains(a.body, `"code":"shutting_down"`) {
+			t.Errorf("%s: %d Retry-After %q %s", name, a.status, a.retry, a.body)
+		}
+	}
+	p.waitIdle(t)
+}
