@@ -267,3 +267,28 @@ func TestShuttingDownAnswersShareOneShape(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// TestServeAfterShutdownReturns: "Serve answers on ln until Shutdown" holds
+// when SIGTERM's Shutdown wins the race with a Serve still starting: Serve
+// returns at once instead of serving on with probes restarted.
+func TestServeAfterShutdownReturns(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	p.s.Shutdown()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	served := make(chan error, 1)
+	go func() { served <- p.s.Serve(ln) }()
+	select {
+	case <-served:
+	case <-time.After(2 * time.Second):
+		resp, err := http.Get("http://" + ln.Addr().String() + "/health")
+		if err == nil {
+			resp.Body.Close()
+		}
+		t.Fatalf("Serve after Shutdown is still serving (GET /health: %v %v)", resp, err)
+	}
+}

@@ -63,6 +63,9 @@ type Server struct {
 
 	startOnce  sync.Once
 	stopOnce   sync.Once // Shutdown's stopping of probes, scrapes and backends
+	serveMu    sync.Mutex
+	stopped    bool           // Shutdown has begun (serveMu)
+	listeners  []net.Listener // Serve's (serveMu)
 	stopScrape chan struct{}
 	scrapeDone chan struct{}
 }
@@ -348,8 +351,16 @@ func routerConfig(cfg *config.Config, mc config.Model) router.Config {
 	return rc
 }
 
-// Serve answers on ln until Shutdown.
+// Serve answers on ln until Shutdown. After Shutdown (which may win the
+// race with a Serve still starting) it closes ln and returns nil.
 func (s *Server) Serve(ln net.Listener) error {
+	s.serveMu.Lock()
+	if s.stopped {
+		s.serveMu.Unlock()
+		ln.Close()
+		return nil
+	}
+	s.listeners = append(s.listeners, ln)
 	if s.health != nil {
 		s.health.Start()
 	}
@@ -361,15 +372,26 @@ func (s *Server) Serve(ln net.Listener) error {
 			s.scrapeLoop(s.stopScrape)
 		}()
 	})
+	s.serveMu.Unlock()
 	return s.srv.Serve(ln)
 }
 
 // Shutdown stops accepting, lets in-flight requests and streams finish, and
 // stops probes. Bound it with a deadline from outside if needed.
 func (s *Server) Shutdown() error {
+	s.serveMu.Lock()
+	s.stopped = true          // a Serve from now on returns at once
 	s.startOnce.Do(func() {}) // a Serve still starting has set up the scrape loop, or never will
+	s.serveMu.Unlock()
 	s.draining.Store(true)
 	err := s.srv.Shutdown()
+	// fasthttp closes only the listeners its Serve had registered: one still
+	// being registered is closed here (closing one twice is harmless).
+	s.serveMu.Lock()
+	for _, ln := range s.listeners {
+		ln.Close()
+	}
+	s.serveMu.Unlock()
 	s.live.wait()          // streams outlive fasthttp's view of the handler
 	s.stopOnce.Do(func() { // a second Shutdown (a test's cleanup) must not panic
 		if s.health != nil {
