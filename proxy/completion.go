@@ -25,21 +25,22 @@ const maxAttempts = 3
 
 // exchange is one proxied request from routing to the end of its answer.
 type exchange struct {
-	s      *Server
-	id     string
-	model  string
-	chat   bool
-	stream bool
-	start  time.Time
-	p      *modelPool
-	b      *backend
-	d      router.Decision
-	active *router.Active
-	ab     *backends.Abort // &abort: one for every attempt, as a client leaves once
-	abort  backends.Abort
-	first  attempt    // the first attempt's hang-up handler
-	watch  *connWatch // the current attempt's hang-up watch
-	rank   int        // data-parallel rank of the chosen worker
+	s        *Server
+	id       string // the request's id, to the client and in the log
+	engineID string // the id sent to the engine
+	model    string
+	chat     bool
+	stream   bool
+	start    time.Time
+	p        *modelPool
+	b        *backend
+	d        router.Decision
+	active   *router.Active
+	ab       *backends.Abort // &abort: one for every attempt, as a client leaves once
+	abort    backends.Abort
+	first    attempt    // the first attempt's hang-up handler
+	watch    *connWatch // the current attempt's hang-up watch
+	rank     int        // data-parallel rank of the chosen worker
 	// released: the backend slot was returned
 	released bool
 
@@ -74,9 +75,13 @@ const (
 
 func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool) {
 	start := ctx.Time() // fasthttp reads the clock just before calling the handler
-	rid := clientRequestID(ctx)
-	if rid == "" {
-		rid = s.newRequestID()
+	// rid names the request to the client and in the log: the client's own
+	// id when it sent a plain one. The engine gets an id unique in flight
+	// (vLLM keys requests by it), with the client's appended.
+	rid := s.newRequestID()
+	engineID := rid
+	if cid := clientRequestID(ctx); cid != "" {
+		rid, engineID = cid, rid+"."+cid
 	}
 	ctx.Response.Header.SetCanonical(hdrRequestID, stringBytes(rid))
 	if s.draining.Load() {
@@ -196,7 +201,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	if req.model != model {
 		model = strings.Clone(req.model)
 	}
-	x := &exchange{s: s, id: rid, model: model, chat: chat, stream: req.stream, start: start, p: p, cachedTokens: -1}
+	x := &exchange{s: s, id: rid, engineID: engineID, model: model, chat: chat, stream: req.stream, start: start, p: p, cachedTokens: -1}
 	x.ab = &x.abort
 	for attempt := 1; ; attempt++ {
 		if err := x.route(ctx, st, rr); err != nil {
@@ -413,7 +418,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	fr.SetRequestURI(path)
 	fr.Header.SetHost(b.host)
 	fr.Header.SetContentType("application/json")
-	fr.Header.SetCanonical(hdrRequestID, stringBytes(x.id))
+	fr.Header.SetCanonical(hdrRequestID, stringBytes(x.engineID))
 	if b.authHeader != "" {
 		fr.Header.Set("Authorization", b.authHeader)
 	}

@@ -166,6 +166,14 @@ func (r *relay) end(out []byte, err error) []byte {
 		out = append(append(out, "\n\n"...), doneEvent...)
 	case errors.Is(err, backends.ErrAborted) || x.ab.Aborted():
 		x.status = 499
+	case errors.Is(err, errEventTooLarge):
+		// This request's answer, not the engine, is at fault (a first chunk
+		// with prompt logprobs of a huge prompt): the engine stays in.
+		x.errMsg = "backend " + x.b.cfg.ID + " sent " + err.Error()
+		x.status = fasthttp.StatusBadGateway
+		out = append(out, "data: "...)
+		out = append(out, errorJSON("the answer holds "+err.Error()+", more than kvproxy relays", "upstream_error", "", "event_too_large")...)
+		out = append(append(out, "\n\n"...), doneEvent...)
 	default:
 		// The engine failed mid-stream (an error, or the connection ended
 		// before [DONE]: a dropped chunked stream reads as a plain EOF): tell

@@ -15,10 +15,11 @@ type sseFramer struct {
 	scanned    int // from start: the first line not yet ended (earlier ones hold no blank line)
 }
 
-// maxSSEEvent bounds one event (an engine's largest, a first chunk with
-// prompt logprobs, is far smaller): a stream that never ends its event must
-// not be buffered without limit.
-const maxSSEEvent = 8 << 20
+// maxSSEEvent bounds one event, as backends.Upstream bounds a whole answer:
+// a stream that never ends its event must not be buffered without limit.
+// An engine's largest, a first chunk with the prompt logprobs of a long
+// prompt, can reach megabytes.
+const maxSSEEvent = 64 << 20
 
 // tooLarge reports whether the event being read has reached maxSSEEvent.
 func (f *sseFramer) tooLarge() bool { return f.end-f.start >= maxSSEEvent }

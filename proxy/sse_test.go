@@ -181,7 +181,7 @@ func (e *endlessEvent) Read(p []byte) (int, error) {
 		e.started = true
 		return copy(p, `data: {"choices":[{"text":"`), nil
 	}
-	if e.read >= 64<<20 { // a bound for the test itself
+	if e.read >= 4*maxSSEEvent { // a bound for the test itself
 		return 0, io.EOF
 	}
 	for i := range p {
@@ -195,7 +195,7 @@ func (e *endlessEvent) Close()        { e.closed = true }
 
 // TestEndlessEventIsBounded: an event that never ends is not buffered
 // without limit: past maxSSEEvent the stream ends with an OpenAI error event
-// and [DONE], and the backend is marked failed.
+// and [DONE]. The request's answer is at fault, not the engine: it stays in.
 func TestEndlessEventIsBounded(t *testing.T) {
 	s, p, be := relayFixture(t)
 	body := &endlessEvent{}
@@ -208,8 +208,14 @@ func TestEndlessEventIsBounded(t *testing.T) {
 	if body.read > 2*maxSSEEvent {
 		t.Fatalf("read %d MiB of one event", body.read>>20)
 	}
-	if !strings.Contains(out.String(), `"code":"backend_failed"`) || !strings.HasSuffix(out.String(), "data: [DONE]\n\n") || x.status != 502 {
-		t.Fatalf("ending %q, status %d", out.String(), x.status)
+	if !strings.Contains(out.String(), `"code":"event_too_large"`) || !strings.HasSuffix(out.String(), "data: [DONE]\n\n") || x.status != 502 {
+		t.Fatalf("ending %q, status %d", out.String()[max(0, out.Len()-300):], x.status)
+	}
+	be.mu.Lock()
+	ejected := be.ejected
+	be.mu.Unlock()
+	if ejected {
+		t.Fatal("the engine was ejected for one request's answer")
 	}
 	if !body.closed || !p.rt.Idle() {
 		t.Fatalf("engine body closed %v, router idle %v", body.closed, p.rt.Idle())
