@@ -45,7 +45,9 @@ type exchange struct {
 	released bool
 
 	status       int
-	refused      int // the status of the last refusal that made it retry
+	refused      int    // the status of the last refusal that made it retry
+	refusal      []byte // its error body, in OpenAI's shape (nil: none, a refused connection)
+	refusalRetry string // its Retry-After
 	ttft         time.Duration
 	outputTokens int
 	cachedTokens int
@@ -206,11 +208,8 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	for attempt := 1; ; attempt++ {
 		if err := x.route(ctx, st, rr); err != nil {
 			if x.refused != 0 && errors.Is(err, router.ErrNoWorker) {
-				// Every engine left has refused it too, or is down: answer
-				// as the last refusal did.
-				x.failUpstream(ctx, x.refused, x.errMsg)
-				ctx.Response.Header.Set("Retry-After", "1")
-				x.logLine()
+				// Every engine left has refused it too, or is down.
+				x.answerRefusal(ctx)
 				return
 			}
 			s.routeFailed(ctx, rid, req.model, start, err)
@@ -236,9 +235,8 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		}
 		s.live.done(x)
 		if !s.retries.withdraw() {
-			x.failUpstream(ctx, fasthttp.StatusServiceUnavailable, "backend "+x.b.cfg.ID+" could not take the request and the retry budget is spent")
-			ctx.Response.Header.Set("Retry-After", "1")
-			x.logLine()
+			x.errMsg += "; the retry budget is spent"
+			x.answerRefusal(ctx)
 			return
 		}
 		s.log.Warn().Str("request_id", rid).Str("backend", x.b.cfg.ID).Str("reason", x.errMsg).Msg("rerouting")
@@ -456,20 +454,24 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			b.fail("connect: " + ce.Err.Error())
 			x.errMsg = "backend " + b.cfg.ID + " refused the connection"
 			if mayRetry {
-				x.refused = fasthttp.StatusBadGateway
+				x.refused, x.refusal, x.refusalRetry = fasthttp.StatusBadGateway, nil, ""
 				x.stopWatch()
 				x.release()
 				x.released = false // a new attempt takes a new slot
 				return retryable
 			}
 			x.failUpstream(ctx, fasthttp.StatusBadGateway, x.errMsg)
+		case backends.IsTimeout(err):
+			msg := "backend " + b.cfg.ID + " sent nothing for " + b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
+			if x.stream {
+				// Engines send a stream's headers at once: this one is stuck.
+				// A whole answer comes only when done, and may just be long.
+				b.fail(msg)
+			}
+			x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, msg)
 		default:
 			b.fail(err.Error())
-			status := fasthttp.StatusBadGateway
-			if backends.IsTimeout(err) {
-				status = fasthttp.StatusGatewayTimeout
-			}
-			x.failUpstream(ctx, status, "backend "+b.cfg.ID+" failed: "+err.Error())
+			x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" failed: "+err.Error())
 		}
 		x.finish()
 		return done
@@ -497,6 +499,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			// overloaded engine (503) also gets a short break.
 			x.errMsg = "backend " + b.cfg.ID + " answered " + strconv.Itoa(code)
 			x.refused = code
+			x.refusal = append(x.refusal[:0], normalizeEngineError(code, resp.Body())...)
+			x.refusalRetry = string(resp.Header.Peek("Retry-After"))
 			if code == fasthttp.StatusServiceUnavailable {
 				b.fail(x.errMsg)
 			}
@@ -579,6 +583,27 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 	}
 	ctx.Response.Header.SetContentTypeBytes(ct)
 	ctx.SetBody(body)
+}
+
+// answerRefusal answers with the last refusal that made the request retry,
+// as the engine gave it (status, error, Retry-After), when no other engine
+// may take it.
+func (x *exchange) answerRefusal(ctx *fasthttp.RequestCtx) {
+	if x.refusal == nil {
+		x.failUpstream(ctx, x.refused, x.errMsg)
+	} else {
+		x.status = x.refused
+		ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(x.b.cfg.ID))
+		ctx.SetStatusCode(x.refused)
+		ctx.Response.Header.SetContentType("application/json")
+		ctx.SetBody(x.refusal)
+	}
+	ra := x.refusalRetry
+	if ra == "" {
+		ra = "1"
+	}
+	ctx.Response.Header.Set("Retry-After", ra)
+	x.logLine()
 }
 
 func (x *exchange) failUpstream(ctx *fasthttp.RequestCtx, status int, msg string) {

@@ -649,17 +649,30 @@ func TestRefusedRequestGoesToTheNextBest(t *testing.T) {
 	}
 	p.waitIdle(t)
 
-	busy2 := startFake(t, "busy2", func(f *fakeEngine) { f.status = 429; f.errBody = `{"error":{"message":"busy"}}` })
+	busy2 := startFake(t, "busy2", func(f *fakeEngine) {
+		f.status, f.retryAfter = 429, "7"
+		f.errBody = `{"object":"error","message":"engine busy","type":"RateLimitError","param":null,"code":429}`
+	})
 	p2 := startProxy(t, "kv", busy, busy2)
 	before := busy.requests.Load()
 	resp, b := post(t, p2.url+"/v1/chat/completions", chatBody)
-	if resp.StatusCode != 429 || resp.Header.Get("Retry-After") == "" || !strings.Contains(string(b), `"type":"rate_limit_error"`) {
+	if resp.StatusCode != 429 || resp.Header.Get("Retry-After") == "" || !strings.Contains(string(b), `"message":"`) {
 		t.Fatalf("every engine refuses: %d %v %s", resp.StatusCode, resp.Header, b)
 	}
 	if busy.requests.Load()-before != 1 || busy2.requests.Load() != 1 {
 		t.Fatalf("busy saw %d, busy2 %d attempts; want one each", busy.requests.Load()-before, busy2.requests.Load())
 	}
 	p2.waitIdle(t)
+
+	// The refusal reaches the client as its engine gave it: message, type
+	// and Retry-After (SDKs wait that long).
+	p3 := startProxy(t, "kv", busy2)
+	resp, b = post(t, p3.url+"/v1/chat/completions", chatBody)
+	if resp.StatusCode != 429 || resp.Header.Get("Retry-After") != "7" || resp.Header.Get(WorkerHeader) != "busy2" ||
+		!strings.Contains(string(b), `{"error":{"message":"engine busy","type":"RateLimitError","param":null,"code":"429"}}`) {
+		t.Fatalf("the engine's refusal: %d %v %s", resp.StatusCode, resp.Header, b)
+	}
+	p3.waitIdle(t)
 }
 
 // TestReloadEventsToNoneIsApproximate: a backend reconfigured from pushed

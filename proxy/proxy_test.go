@@ -37,6 +37,7 @@ type fakeEngine struct {
 	errorAfter   int           // stream: send older vLLM's flat error frame after this many tokens
 	status       int           // non-200 answer
 	errBody      string
+	retryAfter   string // Retry-After of the non-200 answer
 }
 
 func startFake(t *testing.T, id string, setup func(*fakeEngine)) *fakeEngine {
@@ -72,6 +73,9 @@ func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 	f.ids = append(f.ids, r.Header.Get("X-Request-Id"))
 	f.mu.Unlock()
 	if f.status != 0 {
+		if f.retryAfter != "" {
+			w.Header().Set("Retry-After", f.retryAfter)
+		}
 		w.WriteHeader(f.status)
 		w.Write([]byte(f.errBody))
 		return
@@ -565,6 +569,23 @@ func TestModelsHealthAdminMetrics(t *testing.T) {
 	if resp, b := post(t, p.url+"/v1/models/m", ""); resp.StatusCode != 405 {
 		t.Fatalf("POST /v1/models/m: %d %s", resp.StatusCode, b)
 	}
+	for _, c := range []struct {
+		method, path string
+		status       int
+	}{
+		{"DELETE", "/v1/models", 405}, {"POST", "/health", 405}, {"POST", "/metrics", 405}, {"PUT", "/admin/backends", 405},
+		{"HEAD", "/health", 200}, {"HEAD", "/v1/models", 200}, {"GET", "/v1/chat/completions", 405},
+	} {
+		req, _ := http.NewRequest(c.method, p.url+c.path, nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != c.status || c.status == 405 && resp.Header.Get("Allow") == "" {
+			t.Fatalf("%s %s: %d (Allow %q), want %d", c.method, c.path, resp.StatusCode, resp.Header.Get("Allow"), c.status)
+		}
+	}
 	if resp, err := http.Get(p.url + "/v1/models/nope"); err != nil || resp.StatusCode != 404 {
 		t.Fatalf("GET /v1/models/nope: %v %v", err, resp)
 	} else {
@@ -675,11 +696,20 @@ func TestSilentEngineIsGatewayTimeout(t *testing.T) {
 		"backends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {stream_idle_timeout: 300ms}\n", e)
 	start := time.Now()
 	resp, body := post(t, p.url+"/v1/chat/completions", strings.Replace(chatBody, "alias-m", "m", 1))
-	if resp.StatusCode != 504 || !bytes.Contains(body, []byte(`"type":"timeout_error"`)) || resp.Header.Get(WorkerHeader) != "e0" {
+	if resp.StatusCode != 504 || !bytes.Contains(body, []byte(`"type":"timeout_error"`)) || resp.Header.Get(WorkerHeader) != "e0" ||
+		!bytes.Contains(body, []byte("sent nothing for 300ms (limits.stream_idle_timeout)")) {
 		t.Fatalf("want 504 timeout_error from e0, got %d %s %v", resp.StatusCode, body, resp.Header)
 	}
 	if took := time.Since(start); took > 5*time.Second {
 		t.Fatalf("answered after %v", took)
+	}
+	// A whole answer may just be long: the engine is not ejected for it.
+	b := p.s.st.Load().backends["e0"]
+	b.mu.Lock()
+	ejected := b.ejected
+	b.mu.Unlock()
+	if ejected {
+		t.Fatal("one long non-streamed answer ejected the engine")
 	}
 	p.waitIdle(t)
 }

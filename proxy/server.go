@@ -445,7 +445,7 @@ const (
 )
 
 type route struct {
-	method string // "" = any
+	method string // the one allowed (GET allows HEAD too)
 	access access
 	serve  func(ctx *fasthttp.RequestCtx, st *state)
 }
@@ -454,11 +454,11 @@ func (s *Server) routes() map[string]route {
 	return map[string]route{
 		"/v1/chat/completions": {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, true) }},
 		"/v1/completions":      {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, false) }},
-		"/v1/models":           {"", client, s.handleModels},
-		"/health":              {"", public, s.handleHealth},
-		"/healthz":             {"", public, s.handleHealth},
-		"/metrics":             {"", public, func(ctx *fasthttp.RequestCtx, _ *state) { s.metrics.serve(ctx) }},
-		"/admin/backends":      {"", admin, s.handleAdminBackends},
+		"/v1/models":           {fasthttp.MethodGet, client, s.handleModels},
+		"/health":              {fasthttp.MethodGet, public, s.handleHealth},
+		"/healthz":             {fasthttp.MethodGet, public, s.handleHealth},
+		"/metrics":             {fasthttp.MethodGet, public, func(ctx *fasthttp.RequestCtx, _ *state) { s.metrics.serve(ctx) }},
+		"/admin/backends":      {fasthttp.MethodGet, admin, s.handleAdminBackends},
 		"/admin/index/lookup":  {fasthttp.MethodPost, admin, s.handleIndexLookup},
 		"/admin/reload":        {fasthttp.MethodPost, admin, func(ctx *fasthttp.RequestCtx, _ *state) { s.handleAdminReload(ctx) }},
 		"/v1/kv_events":        {fasthttp.MethodPost, admin, s.handleKVEvents},
@@ -485,8 +485,12 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		unauthorized(ctx)
 		return
 	}
-	if r.method != "" && string(ctx.Method()) != r.method {
-		methodNotAllowed(ctx, r.method)
+	if m := string(ctx.Method()); m != r.method && !(r.method == fasthttp.MethodGet && m == fasthttp.MethodHead) {
+		allow := r.method
+		if allow == fasthttp.MethodGet {
+			allow = "GET, HEAD"
+		}
+		methodNotAllowed(ctx, allow)
 		return
 	}
 	r.serve(ctx, st)
