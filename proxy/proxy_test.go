@@ -394,7 +394,11 @@ func TestNoHealthyBackendIs503(t *testing.T) {
 	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" || !bytes.Contains(body, []byte(`"error"`)) {
 		t.Fatalf("want 503 with Retry-After, got %d %v %s", resp.StatusCode, resp.Header, body)
 	}
-	resp, _ = post(t, p.url+"/health", "")
+	resp, err := http.Get(p.url + "/health")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
 	if resp.StatusCode != 503 {
 		t.Fatalf("/health with no healthy backend: %d", resp.StatusCode)
 	}
