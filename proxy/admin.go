@@ -168,8 +168,24 @@ func writeJSON(ctx *fasthttp.RequestCtx, v any) {
 }
 
 type indexLookup struct {
-	Model  string   `json:"model"`
-	Hashes []uint64 `json:"hashes"`
+	Model  string      `json:"model"`
+	Hashes []blockHash `json:"hashes"`
+}
+
+// blockHash is a block hash as JSON carries it: a decimal string (as a dry
+// run gives it) or an integer.
+type blockHash uint64
+
+func (h *blockHash) UnmarshalJSON(b []byte) error {
+	if len(b) > 0 && b[0] == '"' {
+		b = b[1 : len(b)-1]
+	}
+	v, err := strconv.ParseUint(string(b), 10, 64)
+	if err != nil {
+		return fmt.Errorf("block hash %s: want an unsigned 64-bit integer or its decimal string", b)
+	}
+	*h = blockHash(v)
+	return nil
 }
 
 // handleIndexLookup answers, for a list of block hashes, how many of them each

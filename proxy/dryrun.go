@@ -24,7 +24,7 @@ type decisionJSON struct {
 	TotalBlocks     int             `json:"total_blocks"`
 	PredictedTTFTms float64         `json:"predicted_ttft_ms"`
 	TokenIDs        []uint32        `json:"token_ids"`
-	BlockHashes     []kv.BlockHash  `json:"block_hashes"` // the router's, as /admin/index/lookup takes them
+	BlockHashes     []string        `json:"block_hashes"` // the router's, as /admin/index/lookup takes them: decimal strings, since JavaScript's numbers hold 53 bits
 	Candidates      []candidateJSON `json:"candidates"`
 }
 
@@ -36,9 +36,7 @@ func (s *Server) writeDecision(ctx *fasthttp.RequestCtx, stream bool, d router.D
 	if tokens == nil {
 		tokens = []uint32{}
 	}
-	if hashes == nil {
-		hashes = []kv.BlockHash{}
-	}
+
 	if stream {
 		ctx.Response.Header.SetContentType("text/event-stream")
 		ctx.Response.Header.Set("Cache-Control", "no-cache")
@@ -60,8 +58,11 @@ func (s *Server) writeDecision(ctx *fasthttp.RequestCtx, stream bool, d router.D
 		TotalBlocks:     d.Total,
 		PredictedTTFTms: d.PredictedTTFTms,
 		TokenIDs:        tokens,
-		BlockHashes:     hashes,
+		BlockHashes:     make([]string, len(hashes)),
 		Candidates:      make([]candidateJSON, len(d.Candidates)),
+	}
+	for i, h := range hashes {
+		out.BlockHashes[i] = strconv.FormatUint(uint64(h), 10)
 	}
 	for i, c := range d.Candidates {
 		out.Candidates[i] = candidateJSON{WorkerID: c.Name, InstanceID: router.InstanceID(c.Name), OverlapBlocks: c.Overlap, CostMs: c.CostMs}

@@ -452,8 +452,16 @@ func TestDryRunMatchesRealDecision(t *testing.T) {
 	if json.Unmarshal(body, &held) != nil || resp.StatusCode != 200 || held.Held[warm] != d.OverlapBlocks {
 		t.Fatalf("lookup of the dry run's hashes: %d %s, want %s holding %d", resp.StatusCode, body, warm, d.OverlapBlocks)
 	}
-	if resp, body = post(t, p.url+"/admin/index/lookup", `{}`); resp.StatusCode != 400 {
-		t.Fatalf("lookup without hashes: %d %s", resp.StatusCode, body)
+	// Plain integers work too; anything else is a 400.
+	lookup = []byte(`{"model":"m","hashes":[` + strings.Join(d.BlockHashes, ",") + `]}`)
+	resp, body = post(t, p.url+"/admin/index/lookup", string(lookup))
+	if json.Unmarshal(body, &held) != nil || resp.StatusCode != 200 || held.Held[warm] != d.OverlapBlocks {
+		t.Fatalf("lookup with integer hashes: %d %s", resp.StatusCode, body)
+	}
+	for _, bad := range []string{`{}`, `{"hashes":["x1"]}`, `{"hashes":[-1]}`, `{"hashes":[1.5]}`} {
+		if resp, body = post(t, p.url+"/admin/index/lookup", bad); resp.StatusCode != 400 {
+			t.Fatalf("lookup %s: %d %s", bad, resp.StatusCode, body)
+		}
 	}
 	resp, _ = post(t, p.url+"/v1/chat/completions", next+`}`)
 	if got := resp.Header.Get(WorkerHeader); got != d.WorkerID {
