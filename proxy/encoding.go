@@ -2,8 +2,10 @@ package proxy
 
 import (
 	"bytes"
+	"compress/flate"
 	"errors"
 	"fmt"
+	"io"
 
 	"github.com/valyala/fasthttp"
 )
@@ -24,6 +26,11 @@ func requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
 		return ctx.PostBody(), true
 	}
 	body, err := ctx.Request.BodyUncompressedWithLimit(max)
+	if err != nil && string(lower) == "deflate" && !errors.Is(err, fasthttp.ErrBodyTooLarge) {
+		// "deflate" is zlib-wrapped by the standard; some clients send the
+		// raw stream.
+		body, err = inflateRaw(ctx.PostBody(), max)
+	}
 	switch {
 	case err == nil:
 		return body, true
@@ -39,4 +46,18 @@ func requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
 		badRequest(ctx, "", fmt.Sprintf("the request body is not valid %s data: %v", lower, err))
 	}
 	return nil, false
+}
+
+// inflateRaw decompresses a raw DEFLATE stream of at most max bytes.
+func inflateRaw(b []byte, max int) ([]byte, error) {
+	r := flate.NewReader(bytes.NewReader(b))
+	defer r.Close()
+	out, err := io.ReadAll(io.LimitReader(r, int64(max)+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(out) > max {
+		return nil, fasthttp.ErrBodyTooLarge
+	}
+	return out, nil
 }

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"compress/flate"
 	"encoding/json"
 	"io"
 	"net/http"
@@ -46,6 +47,7 @@ func TestCompressedRequestBodies(t *testing.T) {
 		{"deflate", fasthttp.AppendDeflateBytes(nil, plain)},
 		{"br", fasthttp.AppendBrotliBytes(nil, plain)},
 		{"zstd", fasthttp.AppendZstdBytes(nil, plain)},
+		{"deflate", rawDeflate(t, plain)}, // without the zlib wrapper, as some clients send it
 		{"identity", plain},
 	} {
 		status, out := postEncoded(t, p.url+"/v1/chat/completions", tc.encoding, tc.body)
@@ -74,6 +76,7 @@ func TestCompressedRequestBodies(t *testing.T) {
 		{"gzip", plain, 400, ""},
 		{"br", plain, 400, ""},
 		{"gzip", bomb, 413, "request_too_large"},
+		{"deflate", rawDeflate(t, []byte(`{"model":"m","prompt":"`+strings.Repeat("a", 1<<20)+`"}`)), 413, "request_too_large"},
 	} {
 		status, out := postEncoded(t, p.url+"/v1/completions", tc.encoding, tc.body)
 		errObj, _ := out["error"].(map[string]any)
@@ -82,4 +85,15 @@ func TestCompressedRequestBodies(t *testing.T) {
 		}
 	}
 	p.waitIdle(t)
+}
+
+func rawDeflate(t *testing.T, b []byte) []byte {
+	var out bytes.Buffer
+	w, err := flate.NewWriter(&out, flate.DefaultCompression)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.Write(b)
+	w.Close()
+	return out.Bytes()
 }
