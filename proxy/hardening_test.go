@@ -832,6 +832,9 @@ func TestAdminReloadCallsTheReloaderOnce(t *testing.T) {
 	if resp, b := post(t, p.url+"/admin/reload", ""); resp.StatusCode != 400 || calls.Load() != 2 || !strings.Contains(string(b), "backends[0].url: bad") {
 		t.Fatalf("refused reload: %d %s, %d calls", resp.StatusCode, b, calls.Load())
 	}
+	if !strings.Contains(p.logs.String(), "backends[0].url: bad") {
+		t.Fatal("the refused reload is not logged")
+	}
 	if strings.Count(p.logs.String(), "configuration reloaded") != 0 {
 		t.Fatal("the endpoint applied a configuration itself")
 	}

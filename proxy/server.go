@@ -509,6 +509,7 @@ func (s *Server) handleAdminReload(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	if err := (*f)(); err != nil {
+		s.log.Error().Err(err).Msg("reload rejected (POST /admin/reload); the current configuration keeps serving")
 		writeError(ctx, fasthttp.StatusBadRequest, "reload rejected, the current configuration keeps serving: "+err.Error(), "invalid_request_error", "", "invalid_config")
 		return
 	}
