@@ -3,6 +3,7 @@ package proxy
 import (
 	"net"
 	"net/url"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -34,8 +35,10 @@ type backend struct {
 	ejected     bool
 	draining    bool
 	full        bool // at max_concurrency: healthy but takes nothing new
+	cooling     bool // refused a request with 429: left out until coolTimer
 	available   bool
 	ejectTimer  *time.Timer
+	coolTimer   *time.Timer
 	forgetTimer *time.Timer
 	slots       chan struct{} // max_concurrency semaphore; nil = unlimited
 
@@ -135,11 +138,61 @@ func (b *backend) drain() {
 	b.applyLocked()
 }
 
+// coolDown leaves the backend out of selection for d (its Retry-After)
+// after it refused a request with 429, as clients are asked to: the next
+// requests go to the other engines instead of paying a refused round trip
+// first. The model's last available backend is never cooled: its refusals
+// reach the clients, with the engine's Retry-After.
+func (b *backend) coolDown(d time.Duration) {
+	others := false
+	for _, w := range b.pool.rt.Workers() {
+		if w.Available && !b.owns(w.Name) {
+			others = true
+			break
+		}
+	}
+	if !others {
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.cooling = true
+	if b.coolTimer != nil {
+		b.coolTimer.Stop()
+	}
+	b.coolTimer = time.AfterFunc(d, func() {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		b.coolTimer = nil
+		b.cooling = false
+		b.applyLocked()
+	})
+	b.log.Info().Str("backend", b.cfg.ID).Dur("cooling_for", d).Msg("backend refused with 429: cooling down")
+	b.applyLocked()
+}
+
+// owns reports whether the router worker named name is this backend (or
+// one of its data-parallel ranks, "id#r").
+func (b *backend) owns(name string) bool {
+	id := b.cfg.ID
+	return name == id || len(name) > len(id) && name[:len(id)] == id && name[len(id)] == '#'
+}
+
+// coolingFor is how long a 429 with this Retry-After (seconds) keeps the
+// backend out: 1 s by default, at most 30 s.
+func coolingFor(retryAfter []byte) time.Duration {
+	secs, err := strconv.Atoi(string(retryAfter))
+	if err != nil || secs < 1 {
+		secs = 1
+	}
+	return time.Duration(min(secs, 30)) * time.Second
+}
+
 func (b *backend) healthyLocked() bool { return b.probeOK && !b.ejected && !b.draining }
 
 func (b *backend) applyLocked() {
 	healthy := b.healthyLocked()
-	avail := healthy && !b.full
+	avail := healthy && !b.full && !b.cooling
 	if avail == b.available {
 		return
 	}
@@ -147,8 +200,8 @@ func (b *backend) applyLocked() {
 	for _, w := range b.workerIDs() {
 		b.pool.rt.SetAvailable(w, avail)
 	}
-	if b.full && healthy {
-		return // at capacity: a normal, quiet state
+	if (b.full || b.cooling) && healthy {
+		return // at capacity, or cooling down after a 429: normal, quiet states
 	}
 	if avail {
 		b.log.Info().Str("backend", b.cfg.ID).Msg("backend available")
@@ -184,6 +237,9 @@ func (b *backend) stop() {
 	b.mu.Lock()
 	if b.ejectTimer != nil {
 		b.ejectTimer.Stop()
+	}
+	if b.coolTimer != nil {
+		b.coolTimer.Stop()
 	}
 	if b.forgetTimer != nil {
 		b.forgetTimer.Stop()

@@ -503,6 +503,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			x.refusalRetry = string(resp.Header.Peek("Retry-After"))
 			if code == fasthttp.StatusServiceUnavailable {
 				b.fail(x.errMsg)
+			} else {
+				b.coolDown(coolingFor(resp.Header.Peek("Retry-After")))
 			}
 			fasthttp.ReleaseResponse(resp)
 			x.stopWatch()

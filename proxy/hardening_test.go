@@ -538,6 +538,7 @@ backends: [{id: busy, url: 'http://{{e0}}', max_concurrency: 1}, {id: slow, url:
 router: {policy: round_robin}
 `, busy, slow)
 			for i := int64(1); i <= 2; i++ {
+				waitCooled(t, p, "busy") // the first refusal cooled it down
 				c := rawCompletion(t, p, fmt.Sprintf(`{"model":"m","prompt":"slow","stream":%v}`, stream))
 				deadline := time.Now().Add(3 * time.Second)
 				for slow.current.Load() == 0 && time.Now().Before(deadline) {
@@ -644,8 +645,15 @@ func TestRefusedRequestGoesToTheNextBest(t *testing.T) {
 			t.Fatalf("request %d: %d from %q: %s", i, resp.StatusCode, resp.Header.Get(WorkerHeader), b)
 		}
 	}
-	if n := busy.requests.Load(); n > 4 {
-		t.Fatalf("busy saw %d requests: a retry went back to it", n)
+	// One refused attempt: the 429 cooled busy down (for its Retry-After,
+	// 1 s by default), so the later requests went straight to ok.
+	if n := busy.requests.Load(); n != 2 {
+		t.Fatalf("busy saw %d requests, want the pinned one and one refused attempt", n)
+	}
+	// Once the cooling is over, busy is chosen again (it holds the prefix).
+	waitCooled(t, p, "busy")
+	if resp, b := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 200 || busy.requests.Load() != 3 {
+		t.Fatalf("after cooling: %d %s, busy saw %d", resp.StatusCode, b, busy.requests.Load())
 	}
 	p.waitIdle(t)
 
@@ -666,11 +674,19 @@ func TestRefusedRequestGoesToTheNextBest(t *testing.T) {
 
 	// The refusal reaches the client as its engine gave it: message, type
 	// and Retry-After (SDKs wait that long).
+	// A model's last available backend is never cooled down: each request
+	// still reaches it.
 	p3 := startProxy(t, "kv", busy2)
-	resp, b = post(t, p3.url+"/v1/chat/completions", chatBody)
-	if resp.StatusCode != 429 || resp.Header.Get("Retry-After") != "7" || resp.Header.Get(WorkerHeader) != "busy2" ||
-		!strings.Contains(string(b), `{"error":{"message":"engine busy","type":"RateLimitError","param":null,"code":"429"}}`) {
-		t.Fatalf("the engine's refusal: %d %v %s", resp.StatusCode, resp.Header, b)
+	for i := int64(1); i <= 3; i++ {
+		before := busy2.requests.Load()
+		resp, b = post(t, p3.url+"/v1/chat/completions", chatBody)
+		if resp.StatusCode != 429 || resp.Header.Get("Retry-After") != "7" || resp.Header.Get(WorkerHeader) != "busy2" ||
+			!strings.Contains(string(b), `{"error":{"message":"engine busy","type":"RateLimitError","param":null,"code":"429"}}`) {
+			t.Fatalf("the engine's refusal: %d %v %s", resp.StatusCode, resp.Header, b)
+		}
+		if busy2.requests.Load() != before+1 {
+			t.Fatalf("request %d did not reach the only backend", i)
+		}
 	}
 	p3.waitIdle(t)
 }
@@ -837,5 +853,24 @@ func TestAdminReloadCallsTheReloaderOnce(t *testing.T) {
 	}
 	if strings.Count(p.logs.String(), "configuration reloaded") != 0 {
 		t.Fatal("the endpoint applied a configuration itself")
+	}
+}
+
+// waitCooled waits until backend id is no longer cooling down after a 429.
+func waitCooled(t *testing.T, p *testProxy, id string) {
+	t.Helper()
+	b := p.s.st.Load().backends[id]
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		b.mu.Lock()
+		cooling := b.cooling
+		b.mu.Unlock()
+		if !cooling {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s never came back from cooling down", id)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }
