@@ -144,6 +144,8 @@ func (b *backend) drain() {
 // first. The model's last available backend is never cooled: its refusals
 // reach the clients, with the engine's Retry-After.
 func (b *backend) coolDown(d time.Duration) {
+	b.pool.coolMu.Lock()
+	defer b.pool.coolMu.Unlock()
 	others := false
 	for _, w := range b.pool.rt.Workers() {
 		if w.Available && !b.owns(w.Name) {

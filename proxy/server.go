@@ -85,6 +85,7 @@ type modelPool struct {
 	engineTok *engineTokenizer  // set with tokenizer: engine
 	rt        *router.Router
 	workers   atomic.Pointer[[]*backend] // indexed by router.WorkerID
+	coolMu    sync.Mutex                 // one backend cools down at a time: never the last
 }
 
 func (p *modelPool) backend(w router.WorkerID) *backend {
