@@ -874,3 +874,35 @@ func waitCooled(t *testing.T, p *testProxy, id string) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// TestReloadSaysWhatWaitsForARestart: a reload that changes the listen
+// address or router settings keeps the running ones, and the admin answer
+// says so instead of a bare "reloaded".
+func TestReloadSaysWhatWaitsForARestart(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	conf := func(listen, policy string) *config.Config {
+		c, err := config.Parse([]byte("listen: " + listen + "\nmodels: [{name: m}]\nbackends: [{id: e0, url: 'http://" + e.addr + "', model: m}]\nrouter: {policy: " + policy + "}\n"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	p := startProxyYAML(t, "listen: 127.0.0.1:8080\nmodels: [{name: m}]\nbackends: [{id: e0, url: 'http://"+e.addr+"', model: m}]\nrouter: {policy: kv}\n")
+	var next atomic.Pointer[config.Config]
+	p.s.SetReloader(func() error { return p.s.Reload(next.Load()) })
+	for _, c := range []struct {
+		cfg  *config.Config
+		want string
+	}{
+		{conf("127.0.0.1:8080", "kv"), `{"status":"reloaded"}`},
+		{conf("127.0.0.1:9999", "round_robin"), `{"restart_needed":["router (model m)","listen"],"status":"reloaded"}`},
+	} {
+		next.Store(c.cfg)
+		if resp, b := post(t, p.url+"/admin/reload", ""); resp.StatusCode != 200 || string(b) != c.want {
+			t.Fatalf("reload: %d %s, want %s", resp.StatusCode, b, c.want)
+		}
+	}
+	if got := p.s.st.Load().cfg.Listen; got != "127.0.0.1:8080" {
+		t.Fatalf("listen became %q", got)
+	}
+}

@@ -76,6 +76,9 @@ type state struct {
 	pools    []*modelPool
 	backends map[string]*backend // by id
 	auth     *authTable
+	// restartNeeded names the settings this configuration changed that
+	// apply only after a restart (the running ones are kept).
+	restartNeeded []string
 }
 
 type modelPool struct {
@@ -177,6 +180,7 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 				p = old
 				if !reflect.DeepEqual(old.routerCfg, cfg.Router) {
 					s.log.Warn().Str("model", mc.Name).Msg("reload: router settings changed; they apply after a restart (the index is kept)")
+					st.restartNeeded = append(st.restartNeeded, "router (model "+mc.Name+")")
 				}
 			}
 		}
@@ -296,12 +300,17 @@ func (s *Server) Reload(cfg *config.Config) error {
 		return err
 	}
 	prev := s.st.Load()
-	if cfg.Listen != prev.cfg.Listen {
+	listenChanged := cfg.Listen != prev.cfg.Listen
+	if listenChanged {
 		s.log.Warn().Msg("reload: listen address changes need a restart; keeping the current one")
+		cfg.Listen = prev.cfg.Listen
 	}
 	st, err := s.build(cfg, prev)
 	if err != nil {
 		return err
+	}
+	if listenChanged {
+		st.restartNeeded = append(st.restartNeeded, "listen")
 	}
 	s.activate(st, prev)
 	s.log.Info().Int("backends", len(st.backends)).Int("models", len(st.pools)).Msg("configuration reloaded")
@@ -514,7 +523,11 @@ func (s *Server) handleAdminReload(ctx *fasthttp.RequestCtx) {
 		writeError(ctx, fasthttp.StatusBadRequest, "reload rejected, the current configuration keeps serving: "+err.Error(), "invalid_request_error", "", "invalid_config")
 		return
 	}
-	writeJSON(ctx, map[string]any{"status": "reloaded"})
+	answer := map[string]any{"status": "reloaded"}
+	if later := s.st.Load().restartNeeded; len(later) > 0 {
+		answer["restart_needed"] = later
+	}
+	writeJSON(ctx, answer)
 }
 
 func methodNotAllowed(ctx *fasthttp.RequestCtx, allow string) {

@@ -107,7 +107,9 @@ func (c *command) run(args []string) int {
 		if err != nil {
 			return err
 		}
-		next.Listen = current.Listen
+		if *listen != "" {
+			next.Listen = current.Listen // the flag, not the file, says where to listen
+		}
 		started, err := c.mocks.start(next)
 		if err != nil {
 			return err
