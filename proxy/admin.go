@@ -56,12 +56,13 @@ func (s *Server) handleModel(ctx *fasthttp.RequestCtx, st *state) {
 }
 
 func (s *Server) handleHealth(ctx *fasthttp.RequestCtx, st *state) {
+	// Healthy, not available: a backend at max_concurrency or cooling down
+	// after a 429 is busy, and a proxy whose backends are all busy is not
+	// one to take out of service.
 	healthy := 0
-	for _, p := range st.pools {
-		for _, w := range p.rt.Workers() {
-			if w.Available {
-				healthy++
-			}
+	for _, b := range st.backends {
+		if b.healthy() {
+			healthy++
 		}
 	}
 	if healthy == 0 {

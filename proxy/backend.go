@@ -173,6 +173,68 @@ func (b *backend) coolDown(d time.Duration) {
 	b.applyLocked()
 }
 
+// endCooling ends the cool-down of the pool's backends when no other
+// backend is healthy (the others were ejected or went down after these
+// cooled): the engines that only refused with 429 take requests again and
+// their refusals reach the clients. Busy (full) healthy backends keep the
+// cooling on: requests wait for them. It reports whether a backend became
+// available.
+func (p *modelPool) endCooling() bool {
+	p.coolMu.Lock()
+	defer p.coolMu.Unlock()
+	ws := *p.workers.Load()
+	for _, b := range ws {
+		if b == nil {
+			continue
+		}
+		b.mu.Lock()
+		other := b.healthyLocked() && !b.cooling
+		b.mu.Unlock()
+		if other {
+			return false
+		}
+	}
+	back := false
+	for _, b := range ws {
+		if b == nil {
+			continue
+		}
+		b.mu.Lock()
+		if b.cooling {
+			b.cooling = false
+			if b.coolTimer != nil {
+				b.coolTimer.Stop()
+				b.coolTimer = nil
+			}
+			b.applyLocked()
+			back = back || b.available
+		}
+		b.mu.Unlock()
+	}
+	return back
+}
+
+// admitRank reports whether the backend takes new requests, for its
+// data-parallel rank worker w, and leaves w out of selection when it does
+// not: the KV feed registers a rank at its first event as available,
+// whatever the state of its backend (full, cooling, ejected).
+// applyLocked makes it available again with the rest of the backend.
+func (b *backend) admitRank(w router.WorkerID) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !b.available {
+		b.pool.rt.SetAvailable(w, false)
+	}
+	return b.available
+}
+
+// healthy reports whether the backend is up (full or cooling down included).
+func (b *backend) healthy() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.healthyLocked()
+}
+
 // owns reports whether the router worker named name is this backend (or
 // one of its data-parallel ranks, "id#r").
 func (b *backend) owns(name string) bool {

@@ -286,6 +286,10 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 				active.Free()
 				return errRemoved
 			}
+			if rank > 0 && !b.admitRank(d.Worker) {
+				active.Free()
+				continue
+			}
 			if !b.acquire() {
 				// Lost the race for its last slot; it is now unselectable.
 				active.Free()
@@ -296,6 +300,9 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 			}
 			x.d, x.active, x.b, x.rank = d, active, b, rank
 			return nil
+		}
+		if !rr.Pinned && errors.Is(err, router.ErrNoWorker) && p.endCooling() {
+			continue // the backends cooling down after a 429 were the last ones
 		}
 		lim := st.cfg.Limits
 		if !waiting {

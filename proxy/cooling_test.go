@@ -1,0 +1,153 @@
+package proxy
+
+import (
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+// pushRank pushes one block_stored batch of the given tokens for a
+// data-parallel rank of backend id (kv_events mode http).
+func pushRank(t *testing.T, p *testProxy, id string, rank int, ids string) {
+	t.Helper()
+	batch := fmt.Sprintf(`{"engine_id":%q,"data_parallel_rank":%d,"events":[{"type":"block_stored","block_hashes":[%d,%d,%d,%d],"parent_block_hash":null,"token_ids":[%s],"block_size":16}]}`,
+		id, rank, 10*rank+1, 10*rank+2, 10*rank+3, 10*rank+4, ids)
+	if resp, b := post(t, p.url+"/v1/kv_events", batch); resp.StatusCode != 200 {
+		t.Fatalf("push: %d %s", resp.StatusCode, b)
+	}
+}
+
+func promptIDs(first int) string {
+	tokens := make([]string, 64)
+	for i := range tokens {
+		tokens[i] = fmt.Sprint(first + i)
+	}
+	return strings.Join(tokens, ",")
+}
+
+// TestNewRankOfACoolingBackendIsLeftOut: a data-parallel rank that first
+// shows up (its first KV event) while its backend cools down after a 429
+// is left out like the backend's other ranks; it was selectable, and the
+// next request went straight back to the engine that had just refused.
+func TestNewRankOfACoolingBackendIsLeftOut(t *testing.T) {
+	busy := startFake(t, "busy", func(f *fakeEngine) { f.status, f.retryAfter, f.errBody = 429, "30", `{"error":{"message":"busy"}}` })
+	ok := startFake(t, "ok", nil)
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n"+
+		"  - {id: busy, url: 'http://{{e0}}', model: m, kv_events: {mode: http}}\n"+
+		"  - {id: ok, url: 'http://{{e1}}', model: m}\n", busy, ok)
+	ids := promptIDs(100)
+	pushRank(t, p, "busy", 1, ids)
+	body := `{"model":"m","prompt":[` + ids + `]}`
+	if resp, b := post(t, p.url+"/v1/completions", body); resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "ok" || busy.requests.Load() != 1 {
+		t.Fatalf("%d from %q: %s (busy saw %d)", resp.StatusCode, resp.Header.Get(WorkerHeader), b, busy.requests.Load())
+	}
+	// A rank busy had not named yet, holding a prompt no one else holds.
+	ids = promptIDs(500)
+	pushRank(t, p, "busy", 2, ids)
+	if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":[`+ids+`]}`); resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "ok" {
+		t.Fatalf("%d from %q: %s", resp.StatusCode, resp.Header.Get(WorkerHeader), b)
+	}
+	if n := busy.requests.Load(); n != 1 {
+		t.Fatalf("the cooling engine saw %d requests, want 1: its new rank was selectable", n)
+	}
+	p.waitIdle(t)
+}
+
+// TestNewRankOfAFullBackendDoesNotSpin: a rank that first shows up while
+// its backend is at max_concurrency must not be chosen: route took it,
+// failed to take a slot and chose it again, spinning until a slot freed,
+// instead of queueing (here: max_queue 0, so a 503 at once).
+func TestNewRankOfAFullBackendDoesNotSpin(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 2 * time.Second })
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n"+
+		"  - {id: e0, url: 'http://{{e0}}', model: m, max_concurrency: 1, kv_events: {mode: http}}\n"+
+		"limits: {max_queue: 0}\n", e)
+	ids := promptIDs(100)
+	first := make(chan int, 1)
+	go func() {
+		resp, err := http.Post(p.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"hold the slot"}`))
+		if err != nil {
+			first <- 0
+			return
+		}
+		resp.Body.Close()
+		first <- resp.StatusCode
+	}()
+	deadline := time.Now().Add(3 * time.Second)
+	for e.current.Load() == 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	pushRank(t, p, "e0", 1, ids) // e0 is full: its new rank must not be selectable
+	start := time.Now()
+	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":[`+ids+`]}`)
+	if took := time.Since(start); resp.StatusCode != 503 || took > time.Second {
+		t.Fatalf("with the only backend full and no queue: %d after %v: %s", resp.StatusCode, took, b)
+	}
+	if c := <-first; c != 200 {
+		t.Fatalf("the first request: %d", c)
+	}
+	p.waitIdle(t)
+}
+
+// TestCoolingEndsWhenTheOtherBackendsGo: a backend cooling down after a 429
+// is the model's last one once the other is ejected; it takes requests
+// again rather than leave the model with none (503 no healthy backend).
+func TestCoolingEndsWhenTheOtherBackendsGo(t *testing.T) {
+	busy := startFake(t, "busy", func(f *fakeEngine) { f.status, f.retryAfter, f.errBody = 429, "30", `{"error":{"message":"busy"}}` })
+	ok := startFake(t, "ok", nil)
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n"+
+		"  - {id: busy, url: 'http://{{e0}}', model: m}\n"+
+		"  - {id: ok, url: 'http://{{e1}}', model: m}\n"+
+		"router: {policy: round_robin}\n", busy, ok)
+	for i := 0; busy.requests.Load() == 0; i++ {
+		if i == 4 {
+			t.Fatal("busy never got a request")
+		}
+		if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+	}
+	ok.srv.Close() // ok goes away: its next request is refused and ejects it
+	post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`)
+	before := busy.requests.Load()
+	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`)
+	if resp.StatusCode != 429 || resp.Header.Get(WorkerHeader) != "busy" || resp.Header.Get("Retry-After") != "30" || busy.requests.Load() != before+1 {
+		t.Fatalf("with busy the last backend: %d from %q (Retry-After %q): %s", resp.StatusCode, resp.Header.Get(WorkerHeader), resp.Header.Get("Retry-After"), b)
+	}
+	p.waitIdle(t)
+}
+
+// TestHealthCountsFullBackends: a backend at max_concurrency is healthy;
+// /health answered 503 "unavailable" while the only one was busy.
+func TestHealthCountsFullBackends(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = time.Second })
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n"+
+		"  - {id: e0, url: 'http://{{e0}}', model: m, max_concurrency: 1}\n", e)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if resp, err := http.Post(p.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"x"}`)); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	deadline := time.Now().Add(3 * time.Second)
+	for e.current.Load() == 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	resp, err := http.Get(p.url + "/health")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("/health with its only backend busy: %d", resp.StatusCode)
+	}
+	<-done
+	p.waitIdle(t)
+}
