@@ -29,13 +29,17 @@ type backend struct {
 	health     config.Health
 	log        zerolog.Logger
 
-	mu          sync.Mutex
-	probeOK     bool
-	ejections   int // consecutive passive failures
-	ejected     bool
-	draining    bool
-	full        bool // at max_concurrency: healthy but takes nothing new
-	cooling     bool // refused a request with 429: left out until coolTimer
+	mu        sync.Mutex
+	probeOK   bool
+	ejections int // consecutive passive failures
+	ejected   bool
+	draining  bool
+	full      bool // at max_concurrency: healthy but takes nothing new
+	cooling   bool // refused a request with 429: left out until coolTimer
+	// replaced: a reload handed the router worker(s) to a new backend of
+	// the same id; this one only finishes its requests and must not change
+	// the workers' availability (its timers and last answers would).
+	replaced    bool
 	available   bool
 	ejectTimer  *time.Timer
 	coolTimer   *time.Timer
@@ -146,6 +150,12 @@ func (b *backend) drain() {
 func (b *backend) coolDown(d time.Duration) {
 	b.pool.coolMu.Lock()
 	defer b.pool.coolMu.Unlock()
+	b.mu.Lock()
+	replaced := b.replaced
+	b.mu.Unlock()
+	if replaced {
+		return
+	}
 	others := false
 	for _, w := range b.pool.rt.Workers() {
 		if w.Available && !b.owns(w.Name) {
@@ -261,6 +271,9 @@ func (b *backend) applyLocked() {
 		return
 	}
 	b.available = avail
+	if b.replaced {
+		return // the workers are its successor's now
+	}
 	for _, w := range b.workerIDs() {
 		b.pool.rt.SetAvailable(w, avail)
 	}
@@ -294,6 +307,20 @@ func (b *backend) applyLocked() {
 			}
 		})
 	}
+}
+
+// handOver marks a backend whose workers a reload gave to a new backend of
+// the same id,
+// to next: what b did to them since next was built is undone.
+func (b *backend) handOver(next *backend) {
+	b.mu.Lock()
+	b.replaced = true
+	b.mu.Unlock()
+	next.mu.Lock()
+	for _, w := range next.workerIDs() {
+		next.pool.rt.SetAvailable(w, next.available)
+	}
+	next.mu.Unlock()
 }
 
 // stop releases timers and connections of a removed backend.

@@ -2,10 +2,16 @@ package proxy
 
 import (
 	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/kvproxy/kvproxy/config"
 )
 
 // pushRank pushes one block_stored batch of the given tokens for a
@@ -149,5 +155,84 @@ func TestHealthCountsFullBackends(t *testing.T) {
 		t.Fatalf("/health with its only backend busy: %d", resp.StatusCode)
 	}
 	<-done
+	p.waitIdle(t)
+}
+
+// TestReplacedBackendLeavesItsWorkerAlone: a backend replaced by a reload
+// (same id, new settings) shares its router worker with its successor. A
+// 429 reaching the old one's last request after the reload cooled the
+// shared worker down, and retiring the old one stopped the timer that
+// would have ended it: the new backend stayed unselectable (a pinned
+// request got 503) for good.
+func TestReplacedBackendLeavesItsWorkerAlone(t *testing.T) {
+	arrived, hold := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	mux := http.NewServeMux()
+	mux.HandleFunc("/health", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok")) })
+	var held atomic.Bool
+	mux.HandleFunc("/v1/", func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		if held.CompareAndSwap(false, true) {
+			once.Do(func() { close(arrived) })
+			<-hold
+			w.Header().Set("Retry-After", "1")
+			w.WriteHeader(429)
+			w.Write([]byte(`{"error":{"message":"busy"}}`))
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Write([]byte(`{"id":"x","object":"text_completion","choices":[{"index":0,"text":"hi","finish_reason":"stop"}]}`))
+	})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: mux}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	ok := startFake(t, "ok", nil)
+	yaml := func(maxConc int) string {
+		return "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n" +
+			"backends:\n" +
+			fmt.Sprintf("  - {id: busy, url: 'http://%s', model: m, max_concurrency: %d}\n", ln.Addr(), maxConc) +
+			"  - {id: ok, url: 'http://" + ok.addr + "', model: m}\n" +
+			"router: {policy: round_robin}\n"
+	}
+	p := startProxyYAML(t, yaml(4))
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := 0; i < 4 && !held.Load(); i++ {
+			if resp, err := http.Post(p.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"x"}`)); err == nil {
+				resp.Body.Close()
+			}
+		}
+	}()
+	select {
+	case <-arrived:
+	case <-time.After(5 * time.Second):
+		t.Fatal("busy never got a request")
+	}
+	cfg, err := config.Parse([]byte(yaml(5)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	close(hold) // the old backend's request is refused now
+	<-done
+	deadline := time.Now().Add(5 * time.Second)
+	for !strings.Contains(p.logs.String(), `"backend":"busy","replaced":true,"message":"backend retired"`) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the old busy never retired: %s", p.logs.String())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(1500 * time.Millisecond) // past the 1 s Retry-After
+	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","nvext":{"backend_instance_id":"busy"}}`)
+	if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "busy" {
+		t.Fatalf("pinned to the new busy: %d %s", resp.StatusCode, b)
+	}
 	p.waitIdle(t)
 }

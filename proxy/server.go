@@ -235,6 +235,7 @@ func (s *Server) activate(st, prev *state) {
 		// starts, so the index never mixes two feeds' mappings.
 		for id, old := range prev.backends {
 			if nb := st.backends[id]; nb != nil && nb != old && nb.pool == old.pool {
+				old.handOver(nb)
 				old.stopEvents()
 			}
 		}
