@@ -43,6 +43,7 @@ type backend struct {
 	available   bool
 	ejectTimer  *time.Timer
 	coolTimer   *time.Timer
+	coolUntil   time.Time // when cooling ends
 	forgetTimer *time.Timer
 	slots       chan struct{} // max_concurrency semaphore; nil = unlimited
 
@@ -169,6 +170,7 @@ func (b *backend) coolDown(d time.Duration) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.cooling = true
+	b.coolUntil = time.Now().Add(d)
 	if b.coolTimer != nil {
 		b.coolTimer.Stop()
 	}
@@ -236,6 +238,17 @@ func (b *backend) admitRank(w router.WorkerID) bool {
 		b.pool.rt.SetAvailable(w, false)
 	}
 	return b.available
+}
+
+// coolingLeft is how long the backend still cools down after a 429; 0
+// when it does not (or is also down).
+func (b *backend) coolingLeft() time.Duration {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !b.cooling || !b.healthyLocked() {
+		return 0
+	}
+	return max(time.Until(b.coolUntil), time.Millisecond)
 }
 
 // healthy reports whether the backend is up (full or cooling down included).

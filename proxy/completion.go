@@ -212,6 +212,9 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 				x.answerRefusal(ctx)
 				return
 			}
+			if rr.Pinned && errors.Is(err, router.ErrWorkerUnavailable) && s.pinnedCooling(ctx, st, p, rr.Pin, rid, req.model, start) {
+				return
+			}
 			s.routeFailed(ctx, rid, req.model, start, err)
 			return
 		}
@@ -387,6 +390,33 @@ func (s *Server) routeFailed(ctx *fasthttp.RequestCtx, rid, model string, start 
 	default:
 		s.noWorker(ctx, rid, model, start, err)
 	}
+}
+
+// pinnedCooling answers a request pinned to a backend that cools down
+// after a 429 as the engine did: 429, to come back when the cooling ends.
+// It reports false, answering nothing, when the backend is not cooling.
+func (s *Server) pinnedCooling(ctx *fasthttp.RequestCtx, st *state, p *modelPool, w router.WorkerID, rid, model string, start time.Time) bool {
+	b := p.backend(w)
+	if b == nil { // a data-parallel rank ("id#r")
+		for _, ws := range p.rt.Workers() {
+			if ws.ID == w && strings.Contains(ws.Name, "#") {
+				b = st.backends[ws.Name[:strings.LastIndexByte(ws.Name, '#')]]
+			}
+		}
+	}
+	if b == nil {
+		return false
+	}
+	left := b.coolingLeft()
+	if left == 0 {
+		return false
+	}
+	secs := strconv.Itoa(int(math.Ceil(left.Seconds())))
+	ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
+	ctx.Response.Header.Set("Retry-After", secs)
+	writeError(ctx, fasthttp.StatusTooManyRequests, "backend "+b.cfg.ID+" refused a request with 429 and takes new ones again in "+secs+"s", "rate_limit_error", "", "backend_cooling_down")
+	s.logRejected(rid, model, fasthttp.StatusTooManyRequests, start, "pinned backend cooling down")
+	return true
 }
 
 func (s *Server) rateLimited(ctx *fasthttp.RequestCtx, rid string, start time.Time, wait time.Duration, what string) {

@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -233,6 +234,32 @@ func TestReplacedBackendLeavesItsWorkerAlone(t *testing.T) {
 	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","nvext":{"backend_instance_id":"busy"}}`)
 	if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "busy" {
 		t.Fatalf("pinned to the new busy: %d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+}
+
+// TestPinnedToACoolingBackendIs429: a request pinned to a backend cooling
+// down after a 429 is told to come back when the cooling ends (429 with
+// that Retry-After), as the engine said; it was a 503 "not available",
+// retried every second, for a backend that is up.
+func TestPinnedToACoolingBackendIs429(t *testing.T) {
+	busy := startFake(t, "busy", func(f *fakeEngine) { f.status, f.retryAfter, f.errBody = 429, "30", `{"error":{"message":"busy"}}` })
+	ok := startFake(t, "ok", nil)
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n"+
+		"  - {id: busy, url: 'http://{{e0}}', model: m}\n"+
+		"  - {id: ok, url: 'http://{{e1}}', model: m}\n"+
+		"router: {policy: round_robin}\n", busy, ok)
+	for i := 0; busy.requests.Load() == 0; i++ {
+		if i == 4 {
+			t.Fatal("busy never got a request")
+		}
+		post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`)
+	}
+	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","nvext":{"backend_instance_id":"busy"}}`)
+	ra, _ := strconv.Atoi(resp.Header.Get("Retry-After"))
+	if resp.StatusCode != 429 || ra < 29 || ra > 30 || !strings.Contains(string(b), `"type":"rate_limit_error"`) || resp.Header.Get(WorkerHeader) != "busy" {
+		t.Fatalf("pinned to the cooling backend: %d (Retry-After %q): %s", resp.StatusCode, resp.Header.Get("Retry-After"), b)
 	}
 	p.waitIdle(t)
 }
