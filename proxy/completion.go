@@ -46,8 +46,10 @@ type exchange struct {
 
 	status       int
 	refused      int    // the status of the last refusal that made it retry
-	refusal      []byte // its error body, in OpenAI's shape (nil: none, a refused connection)
+	refusal      []byte // the last engine refusal's error body, in OpenAI's shape (nil: only refused connections)
+	refusalCode  int    // its status
 	refusalRetry string // its Retry-After
+	refusalBy    string // its backend
 	ttft         time.Duration
 	outputTokens int
 	cachedTokens int
@@ -491,7 +493,9 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			b.fail("connect: " + ce.Err.Error())
 			x.errMsg = "backend " + b.cfg.ID + " refused the connection"
 			if mayRetry {
-				x.refused, x.refusal, x.refusalRetry = fasthttp.StatusBadGateway, nil, ""
+				// An engine's own refusal, if one came, stays the answer:
+				// it tells the client more than an engine that is down.
+				x.refused = fasthttp.StatusBadGateway
 				x.stopWatch()
 				x.release()
 				x.released = false // a new attempt takes a new slot
@@ -537,6 +541,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			x.errMsg = "backend " + b.cfg.ID + " answered " + strconv.Itoa(code)
 			x.refused = code
 			x.refusal = append(x.refusal[:0], normalizeEngineError(code, resp.Body())...)
+			x.refusalCode, x.refusalBy = code, b.cfg.ID
 			x.refusalRetry = string(resp.Header.Peek("Retry-After"))
 			if code == fasthttp.StatusServiceUnavailable {
 				b.fail(x.errMsg)
@@ -624,16 +629,16 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 	ctx.SetBody(body)
 }
 
-// answerRefusal answers with the last refusal that made the request retry,
-// as the engine gave it (status, error, Retry-After), when no other engine
-// may take it.
+// answerRefusal answers with the last engine refusal that made the request
+// retry, as the engine gave it (status, error, Retry-After), when no other
+// engine may take it; with a 502 when every attempt found its engine down.
 func (x *exchange) answerRefusal(ctx *fasthttp.RequestCtx) {
 	if x.refusal == nil {
 		x.failUpstream(ctx, x.refused, x.errMsg)
 	} else {
-		x.status = x.refused
-		ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(x.b.cfg.ID))
-		ctx.SetStatusCode(x.refused)
+		x.status = x.refusalCode
+		ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(x.refusalBy))
+		ctx.SetStatusCode(x.refusalCode)
 		ctx.Response.Header.SetContentType("application/json")
 		ctx.SetBody(x.refusal)
 	}

@@ -263,3 +263,33 @@ func TestPinnedToACoolingBackendIs429(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// TestEngineRefusalOutlivesARefusedConnection: when the last engine up
+// refuses with 429 and the other one cannot be reached, the client gets
+// the engine's 429 and Retry-After, whatever order they were tried in; a
+// refused connection tried after the 429 turned it into a 502.
+func TestEngineRefusalOutlivesARefusedConnection(t *testing.T) {
+	busy := startFake(t, "busy", func(f *fakeEngine) {
+		f.status, f.retryAfter, f.errBody = 429, "7", `{"error":{"message":"engine busy","type":"rate_limit_error"}}`
+	})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := ln.Addr().String()
+	ln.Close()
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n"+
+		"  - {id: busy, url: 'http://{{e0}}', model: m}\n"+
+		"  - {id: dead, url: 'http://"+dead+"', model: m}\n"+
+		"health: {eject_base: 1ms, eject_max: 1ms}\n"+
+		"router: {policy: round_robin}\n", busy)
+	for i := 0; i < 4; i++ {
+		time.Sleep(5 * time.Millisecond) // dead's 1 ms ejection ends: it is tried again
+		resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`)
+		if resp.StatusCode != 429 || resp.Header.Get("Retry-After") != "7" || resp.Header.Get(WorkerHeader) != "busy" || !strings.Contains(string(b), "engine busy") {
+			t.Fatalf("request %d: %d from %q (Retry-After %q): %s", i, resp.StatusCode, resp.Header.Get(WorkerHeader), resp.Header.Get("Retry-After"), b)
+		}
+	}
+	p.waitIdle(t)
+}
