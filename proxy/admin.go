@@ -178,10 +178,13 @@ type indexLookup struct {
 type blockHash uint64
 
 func (h *blockHash) UnmarshalJSON(b []byte) error {
+	str := string(b)
 	if len(b) > 0 && b[0] == '"' {
-		b = b[1 : len(b)-1]
+		if err := json.Unmarshal(b, &str); err != nil { // escapes: "\u0031" is "1"
+			return err
+		}
 	}
-	v, err := strconv.ParseUint(string(b), 10, 64)
+	v, err := strconv.ParseUint(str, 10, 64)
 	if err != nil {
 		return fmt.Errorf("block hash %s: want an unsigned 64-bit integer or its decimal string", b)
 	}
@@ -195,7 +198,7 @@ func (h *blockHash) UnmarshalJSON(b []byte) error {
 func (s *Server) handleIndexLookup(ctx *fasthttp.RequestCtx, st *state) {
 	var q indexLookup
 	if err := json.Unmarshal(ctx.PostBody(), &q); err != nil {
-		badRequest(ctx, "", "want {\"model\": name, \"hashes\": [u64...]}: "+err.Error())
+		badRequest(ctx, "", "want {\"model\": name, \"hashes\": [block hashes, as decimal strings or integers]}: "+err.Error())
 		return
 	}
 	if len(q.Hashes) == 0 {
