@@ -46,6 +46,9 @@ type backend struct {
 	coolUntil   time.Time // when cooling ends
 	forgetTimer *time.Timer
 	slots       chan struct{} // max_concurrency semaphore; nil = unlimited
+	// wake tells the requests queued for a full backend that this one
+	// became available (its cooling or ejection ended, its probe passed).
+	wake func()
 
 	feed         *backends.KVFeed // nil in approximate mode
 	eventsPushed atomic.Uint64
@@ -289,6 +292,9 @@ func (b *backend) applyLocked() {
 	}
 	for _, w := range b.workerIDs() {
 		b.pool.rt.SetAvailable(w, avail)
+	}
+	if avail && b.wake != nil {
+		b.wake()
 	}
 	if (b.full || b.cooling) && healthy {
 		return // at capacity, or cooling down after a 429: normal, quiet states

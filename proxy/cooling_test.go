@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -291,5 +292,87 @@ func TestEngineRefusalOutlivesARefusedConnection(t *testing.T) {
 			t.Fatalf("request %d: %d from %q (Retry-After %q): %s", i, resp.StatusCode, resp.Header.Get(WorkerHeader), resp.Header.Get("Retry-After"), b)
 		}
 	}
+	p.waitIdle(t)
+}
+
+// TestQueuedRequestTakesABackendBackFromCooling: a request queued for a
+// full backend is woken when another backend's cooling down ends; it
+// waited on for a slot of the full one (or queue_timeout).
+func TestQueuedRequestTakesABackendBackFromCooling(t *testing.T) {
+	handler := func(serve func(w http.ResponseWriter, prompt string)) string {
+		mux := http.NewServeMux()
+		mux.HandleFunc("/health", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok")) })
+		mux.HandleFunc("/v1/", func(w http.ResponseWriter, r *http.Request) {
+			var body struct{ Prompt string }
+			json.NewDecoder(r.Body).Decode(&body)
+			serve(w, body.Prompt)
+		})
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := &http.Server{Handler: mux}
+		go srv.Serve(ln)
+		t.Cleanup(func() { srv.Close() })
+		return ln.Addr().String()
+	}
+	answer := func(w http.ResponseWriter) {
+		w.Header().Set("Content-Type", "application/json")
+		w.Write([]byte(`{"id":"x","object":"text_completion","choices":[{"index":0,"text":"hi","finish_reason":"stop"}]}`))
+	}
+	var refused atomic.Bool
+	busy := handler(func(w http.ResponseWriter, _ string) {
+		if refused.CompareAndSwap(false, true) {
+			w.Header().Set("Retry-After", "1")
+			w.WriteHeader(429)
+			w.Write([]byte(`{"error":{"message":"busy"}}`))
+			return
+		}
+		answer(w)
+	})
+	slow := handler(func(w http.ResponseWriter, prompt string) {
+		if prompt == "slow" {
+			time.Sleep(4 * time.Second)
+		}
+		answer(w)
+	})
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n"+
+		"  - {id: busy, url: 'http://"+busy+"', model: m}\n"+
+		"  - {id: slow, url: 'http://"+slow+"', model: m, max_concurrency: 1}\n"+
+		"router: {policy: round_robin}\n"+
+		"limits: {queue_timeout: 10s}\n")
+	for i := 0; !refused.Load(); i++ {
+		if i == 4 {
+			t.Fatal("busy never got a request")
+		}
+		post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`)
+	}
+	cooled := time.Now() // busy cools down for 1 s
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if resp, err := http.Post(p.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"slow"}`)); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	b := p.s.st.Load().backends["slow"]
+	for deadline := time.Now().Add(time.Second); ; {
+		b.mu.Lock()
+		full := b.full
+		b.mu.Unlock()
+		if full {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("slow never got the slow request")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	resp, body := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`) // queued: slow is full, busy cooling
+	if took := time.Since(cooled); resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "busy" || took > 2500*time.Millisecond {
+		t.Fatalf("queued request: %d from %q after %v: %s", resp.StatusCode, resp.Header.Get(WorkerHeader), took, body)
+	}
+	<-done
 	p.waitIdle(t)
 }

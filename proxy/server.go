@@ -221,6 +221,7 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 			}
 		}
 		b := newBackend(bc, cfg, p, s.log)
+		b.wake = s.queue.signal
 		st.backends[bc.ID] = b
 	}
 	return st, nil
