@@ -41,6 +41,7 @@ type backend struct {
 	// the workers' availability (its timers and last answers would).
 	replaced    bool
 	available   bool
+	down        bool // not healthy, as last logged: forgetTimer runs
 	ejectTimer  *time.Timer
 	coolTimer   *time.Timer
 	coolUntil   time.Time // when cooling ends
@@ -280,26 +281,30 @@ func coolingFor(retryAfter []byte) time.Duration {
 
 func (b *backend) healthyLocked() bool { return b.probeOK && !b.ejected && !b.draining }
 
+// applyLocked brings the router workers' availability in line with the
+// backend's state, and logs and times (forget_after) the backend's going
+// down and coming back. Health is followed on its own: a backend may go
+// down while it was already left out (full, or cooling down after a 429).
 func (b *backend) applyLocked() {
 	healthy := b.healthyLocked()
 	avail := healthy && !b.full && !b.cooling
-	if avail == b.available {
-		return
+	if avail != b.available {
+		b.available = avail
+		if b.replaced {
+			return // the workers are its successor's now
+		}
+		for _, w := range b.workerIDs() {
+			b.pool.rt.SetAvailable(w, avail)
+		}
+		if avail && b.wake != nil {
+			b.wake()
+		}
 	}
-	b.available = avail
-	if b.replaced {
-		return // the workers are its successor's now
+	if healthy != b.down || b.replaced {
+		return // no change of health (down is its negation)
 	}
-	for _, w := range b.workerIDs() {
-		b.pool.rt.SetAvailable(w, avail)
-	}
-	if avail && b.wake != nil {
-		b.wake()
-	}
-	if (b.full || b.cooling) && healthy {
-		return // at capacity, or cooling down after a 429: normal, quiet states
-	}
-	if avail {
+	b.down = !healthy
+	if healthy {
 		b.log.Info().Str("backend", b.cfg.ID).Msg("backend available")
 		if b.forgetTimer != nil {
 			b.forgetTimer.Stop()
@@ -316,7 +321,7 @@ func (b *backend) applyLocked() {
 			b.mu.Lock()
 			defer b.mu.Unlock()
 			b.forgetTimer = nil
-			if !b.available {
+			if b.down && !b.replaced {
 				if b.feed != nil {
 					b.feed.Applier().Clear() // the index entries and the feed's own record of them
 				} else {

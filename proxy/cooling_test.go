@@ -376,3 +376,48 @@ func TestQueuedRequestTakesABackendBackFromCooling(t *testing.T) {
 	<-done
 	p.waitIdle(t)
 }
+
+// TestBackendDownWhileCoolingIsForgotten: a backend whose probe fails while
+// it cools down after a 429 is down: it is logged so and, after
+// health.forget_after, loses its index entries. Its availability did not
+// change (cooling had already left it out), so neither happened, ever.
+func TestBackendDownWhileCoolingIsForgotten(t *testing.T) {
+	busy := startFake(t, "busy", func(f *fakeEngine) { f.status, f.retryAfter, f.errBody = 429, "30", `{"error":{"message":"busy"}}` })
+	ok := startFake(t, "ok", nil)
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n"+
+		"  - {id: busy, url: 'http://{{e0}}', model: m}\n"+
+		"  - {id: ok, url: 'http://{{e1}}', model: m}\n"+
+		"health: {forget_after: 100ms}\n"+
+		"router: {policy: round_robin}\n", busy, ok)
+	body := `{"model":"m","prompt":[` + promptIDs(100) + `]}`
+	for i := 0; busy.requests.Load() == 0; i++ {
+		if i == 4 {
+			t.Fatal("busy never got a request")
+		}
+		post(t, p.url+"/v1/completions", body)
+	}
+	b := p.s.st.Load().backends["busy"]
+	blocks := func() int {
+		for _, w := range b.pool.rt.Workers() {
+			if w.ID == b.worker {
+				return w.IndexedBlocks
+			}
+		}
+		return -1
+	}
+	if blocks() == 0 {
+		t.Fatal("busy holds no blocks to forget")
+	}
+	b.setProbe(false) // as the prober does when the engine stops answering /health
+	for deadline := time.Now().Add(3 * time.Second); blocks() != 0; {
+		if time.Now().After(deadline) {
+			t.Fatalf("busy, down for 3s with forget_after 100ms, still holds %d blocks; log: %s", blocks(), p.logs.String())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if !strings.Contains(p.logs.String(), `"backend":"busy","probe_ok":false`) {
+		t.Fatal("busy going down was not logged")
+	}
+	p.waitIdle(t)
+}
