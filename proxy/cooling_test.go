@@ -421,3 +421,35 @@ func TestBackendDownWhileCoolingIsForgotten(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// TestReloadedBodyLimitApplies: a reload that raises
+// limits.max_request_body_bytes takes effect (the HTTP server kept the
+// first limit: a body under the new one got 413), and settings the running
+// server cannot change are named in restart_needed.
+func TestReloadedBodyLimitApplies(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	conf := func(limits string) string {
+		return "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n" +
+			"backends: [{id: e0, url: 'http://" + e.addr + "', model: m}]\n" +
+			"limits: {" + limits + "}\n"
+	}
+	p := startProxyYAML(t, conf("max_request_body_bytes: 2048"))
+	var next atomic.Pointer[config.Config]
+	p.s.SetReloader(func() error { return p.s.Reload(next.Load()) })
+	body := `{"model":"m","prompt":"` + strings.Repeat("a ", 2000) + `"}`
+	if resp, b := post(t, p.url+"/v1/completions", body); resp.StatusCode != 413 {
+		t.Fatalf("4 KB under a 2 KB limit: %d %s", resp.StatusCode, b)
+	}
+	cfg, err := config.Parse([]byte(conf("max_request_body_bytes: 65536, max_header_bytes: 32768")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	next.Store(cfg)
+	if resp, b := post(t, p.url+"/admin/reload", ""); resp.StatusCode != 200 || !strings.Contains(string(b), "limits.max_header_bytes") {
+		t.Fatalf("reload: %d %s", resp.StatusCode, b)
+	}
+	if resp, b := post(t, p.url+"/v1/completions", body); resp.StatusCode != 200 {
+		t.Fatalf("4 KB under a reloaded 64 KB limit: %d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+}

@@ -50,7 +50,7 @@ type Server struct {
 	health   *backends.Prober
 	retries  *retryBudget
 	queue    *waitQueue
-	limits   config.Limits // fixed at start: they shape the HTTP server
+	limits   config.Limits // fixed at start: the header limits shape the HTTP server
 
 	reqPrefix string
 	reqSeq    atomic.Uint64
@@ -141,7 +141,9 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 		// streams, which have an idle timer instead.
 		ReadTimeout: cfg.Limits.HeaderTimeout,
 		HeaderReceived: func(*fasthttp.RequestHeader) fasthttp.RequestConfig {
-			return fasthttp.RequestConfig{ReadTimeout: s.limits.BodyTimeout}
+			// The body's limits are read per request: a reload changes them.
+			l := &s.st.Load().cfg.Limits
+			return fasthttp.RequestConfig{ReadTimeout: l.BodyTimeout, MaxRequestBodySize: l.MaxRequestBodyBytes}
 		},
 		IdleTimeout:                  120 * time.Second,
 		MaxIdleWorkerDuration:        5 * time.Second,
@@ -313,6 +315,27 @@ func (s *Server) Reload(cfg *config.Config) error {
 	}
 	if listenChanged {
 		st.restartNeeded = append(st.restartNeeded, "listen")
+	}
+	// Read once at start: the HTTP server's header limits, the retry
+	// budget, the prober's schedule.
+	pl, l := prev.cfg.Limits, cfg.Limits
+	ph, h := prev.cfg.Health, cfg.Health
+	for _, c := range []struct {
+		name    string
+		changed bool
+	}{
+		{"limits.max_header_bytes", pl.MaxHeaderBytes != l.MaxHeaderBytes},
+		{"limits.header_timeout", pl.HeaderTimeout != l.HeaderTimeout},
+		{"limits.retry_budget", pl.RetryBudget != l.RetryBudget},
+		{"health.interval", ph.Interval != h.Interval},
+		{"health.timeout", ph.Timeout != h.Timeout},
+		{"health.rise", ph.Rise != h.Rise},
+		{"health.fall", ph.Fall != h.Fall},
+	} {
+		if c.changed {
+			s.log.Warn().Str("setting", c.name).Msg("reload: this setting applies after a restart")
+			st.restartNeeded = append(st.restartNeeded, c.name)
+		}
 	}
 	s.activate(st, prev)
 	s.log.Info().Int("backends", len(st.backends)).Int("models", len(st.pools)).Msg("configuration reloaded")
@@ -550,7 +573,7 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	switch {
 	case errors.Is(err, fasthttp.ErrBodyTooLarge):
 		s.drainRejectedBody(ctx)
-		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", s.limits.MaxRequestBodyBytes), "invalid_request_error", "", "request_too_large")
+		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", s.st.Load().cfg.Limits.MaxRequestBodyBytes), "invalid_request_error", "", "request_too_large")
 	case errors.As(err, &small) || errors.Is(err, fasthttp.ErrSmallReadBuffer):
 		writeError(ctx, fasthttp.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers exceed the limit of %d bytes", s.limits.MaxHeaderBytes), "invalid_request_error", "", "headers_too_large")
 	case errors.As(err, &ne) && ne.Timeout():
