@@ -453,3 +453,32 @@ func TestReloadedBodyLimitApplies(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// TestReloadedUpstreamLimitsApply: a reload that changes
+// limits.upstream_connect_timeout or max_conns_per_backend reaches the
+// backends (they were kept as they were, the change silently ignored).
+func TestReloadedUpstreamLimitsApply(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	conf := func(limits string) *config.Config {
+		c, err := config.Parse([]byte("models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n" +
+			"backends: [{id: e0, url: 'http://" + e.addr + "', model: m}]\n" +
+			"limits: {" + limits + "}\n"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends: [{id: e0, url: 'http://{{e0}}', model: m}]\n"+
+		"limits: {upstream_connect_timeout: 1s, max_conns_per_backend: 10}\n", e)
+	if err := p.s.Reload(conf("upstream_connect_timeout: 3s, max_conns_per_backend: 20")); err != nil {
+		t.Fatal(err)
+	}
+	if up := p.s.st.Load().backends["e0"].up; up.DialTimeout != 3*time.Second || up.MaxIdle != 20 {
+		t.Fatalf("after the reload: dial timeout %v, max idle %d", up.DialTimeout, up.MaxIdle)
+	}
+	if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+}

@@ -217,7 +217,8 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 		p := st.models[bc.Model]
 		if prev != nil {
 			if old := prev.backends[bc.ID]; old != nil && old.pool == p && reflect.DeepEqual(old.cfg, bc) &&
-				reflect.DeepEqual(old.health, cfg.Health) && old.up.ReadTimeout == cfg.Limits.StreamIdleTimeout {
+				reflect.DeepEqual(old.health, cfg.Health) && old.up.ReadTimeout == cfg.Limits.StreamIdleTimeout &&
+				old.up.DialTimeout == cfg.Limits.UpstreamConnectTime && old.up.MaxIdle == cfg.Limits.MaxConnsPerBackend {
 				st.backends[bc.ID] = old
 				continue
 			}
