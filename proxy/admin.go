@@ -76,16 +76,20 @@ func (s *Server) handleHealth(ctx *fasthttp.RequestCtx, st *state) {
 // backendJSON is one row of /admin/backends. Load figures are advisory
 // snapshots: a torn read between fields is possible and harmless.
 type backendJSON struct {
-	ID            string `json:"id"`
-	URL           string `json:"url"`
-	Model         string `json:"model"`
-	Kind          string `json:"kind"`
-	InstanceID    uint64 `json:"instance_id"`
-	Healthy       bool   `json:"healthy"`
-	Inflight      int64  `json:"inflight"`
-	PrefillTokens int64  `json:"prefill_tokens"`
-	ActiveBlocks  int64  `json:"active_blocks"`
-	IndexedBlocks int64  `json:"indexed_blocks"`
+	ID         string `json:"id"`
+	URL        string `json:"url"`
+	Model      string `json:"model"`
+	Kind       string `json:"kind"`
+	InstanceID uint64 `json:"instance_id"`
+	Healthy    bool   `json:"healthy"`
+	// Available: takes new requests (healthy, below max_concurrency, not
+	// cooling down after a 429 for CoolingMs more).
+	Available     bool  `json:"available"`
+	CoolingMs     int64 `json:"cooling_ms,omitempty"`
+	Inflight      int64 `json:"inflight"`
+	PrefillTokens int64 `json:"prefill_tokens"`
+	ActiveBlocks  int64 `json:"active_blocks"`
+	IndexedBlocks int64 `json:"indexed_blocks"`
 
 	KVEvents *eventCounters `json:"kv_events"`
 	Scrape   *scrapeJSON    `json:"engine_metrics"`
@@ -125,7 +129,7 @@ func (s *Server) backendRows(st *state) []backendJSON {
 			w := status[b.worker]
 			rows = append(rows, backendJSON{
 				ID: b.cfg.ID, URL: b.cfg.URL, Model: b.cfg.Model, Kind: b.cfg.Kind,
-				InstanceID: w.InstanceID, Healthy: w.Available,
+				InstanceID: w.InstanceID, Healthy: b.healthy(), Available: w.Available, CoolingMs: b.coolingLeft().Milliseconds(),
 				Inflight: int64(w.Inflight), PrefillTokens: int64(w.PrefillTokens),
 				ActiveBlocks: int64(w.ActiveBlocks), IndexedBlocks: int64(w.IndexedBlocks),
 				KVEvents:          b.eventCounters(),

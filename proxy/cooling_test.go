@@ -482,3 +482,39 @@ func TestReloadedUpstreamLimitsApply(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// TestAdminBackendsShowsCooling: /admin/backends tells a backend cooling
+// down after a 429 (healthy, not available, for how long) from a down one;
+// it showed "healthy": false, as /health no longer counts it.
+func TestAdminBackendsShowsCooling(t *testing.T) {
+	busy := startFake(t, "busy", func(f *fakeEngine) { f.status, f.retryAfter, f.errBody = 429, "30", `{"error":{"message":"busy"}}` })
+	ok := startFake(t, "ok", nil)
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n"+
+		"  - {id: busy, url: 'http://{{e0}}', model: m}\n"+
+		"  - {id: ok, url: 'http://{{e1}}', model: m}\n"+
+		"router: {policy: round_robin}\n", busy, ok)
+	for i := 0; busy.requests.Load() == 0; i++ {
+		if i == 4 {
+			t.Fatal("busy never got a request")
+		}
+		post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`)
+	}
+	resp, err := http.Get(p.url + "/admin/backends")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rows []struct {
+		ID        string `json:"id"`
+		Healthy   bool   `json:"healthy"`
+		Available bool   `json:"available"`
+		CoolingMs int64  `json:"cooling_ms"`
+	}
+	err = json.NewDecoder(resp.Body).Decode(&rows)
+	resp.Body.Close()
+	if err != nil || len(rows) != 2 || rows[0].ID != "busy" || !rows[0].Healthy || rows[0].Available || rows[0].CoolingMs < 29000 ||
+		!rows[1].Healthy || !rows[1].Available || rows[1].CoolingMs != 0 {
+		t.Fatalf("rows: %+v %v", rows, err)
+	}
+	p.waitIdle(t)
+}
