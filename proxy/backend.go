@@ -119,13 +119,18 @@ func (b *backend) fail(reason string) {
 	if b.ejectTimer != nil {
 		b.ejectTimer.Stop()
 	}
-	b.ejectTimer = time.AfterFunc(d, func() {
+	var t *time.Timer
+	t = time.AfterFunc(d, func() {
 		b.mu.Lock()
 		defer b.mu.Unlock()
+		if b.ejectTimer != t {
+			return // fired while being replaced or stopped: the newer timer decides
+		}
 		b.ejectTimer = nil
 		b.ejected = false
 		b.applyLocked()
 	})
+	b.ejectTimer = t
 	b.log.Warn().Str("backend", b.cfg.ID).Str("reason", reason).Dur("ejected_for", d).Msg("backend ejected")
 	b.applyLocked()
 }
@@ -173,20 +178,30 @@ func (b *backend) coolDown(d time.Duration) {
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	b.coolLocked(d)
+	b.log.Info().Str("backend", b.cfg.ID).Dur("cooling_for", d).Msg("backend refused with 429: cooling down")
+	b.applyLocked()
+}
+
+// coolLocked (re)arms the cooling for d. b.mu is held.
+func (b *backend) coolLocked(d time.Duration) {
 	b.cooling = true
 	b.coolUntil = time.Now().Add(d)
 	if b.coolTimer != nil {
 		b.coolTimer.Stop()
 	}
-	b.coolTimer = time.AfterFunc(d, func() {
+	var t *time.Timer
+	t = time.AfterFunc(d, func() {
 		b.mu.Lock()
 		defer b.mu.Unlock()
+		if b.coolTimer != t {
+			return // fired while being replaced or stopped: the newer timer decides
+		}
 		b.coolTimer = nil
 		b.cooling = false
 		b.applyLocked()
 	})
-	b.log.Info().Str("backend", b.cfg.ID).Dur("cooling_for", d).Msg("backend refused with 429: cooling down")
-	b.applyLocked()
+	b.coolTimer = t
 }
 
 // endCooling ends the cool-down of the pool's backends when no other

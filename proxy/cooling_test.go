@@ -518,3 +518,29 @@ func TestAdminBackendsShowsCooling(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// TestRearmedCoolingOutlivesTheOldTimer: a cooling timer that fired while
+// the cooling was re-armed (it waits for the lock) must not end the new
+// cooling early.
+func TestRearmedCoolingOutlivesTheOldTimer(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	b := p.s.st.Load().backends["e0"]
+	b.mu.Lock()
+	b.coolLocked(10 * time.Millisecond)
+	b.mu.Unlock()
+	b.mu.Lock()
+	time.Sleep(60 * time.Millisecond) // the old timer fires and waits for b.mu
+	b.coolLocked(time.Hour)
+	b.mu.Unlock()
+	time.Sleep(30 * time.Millisecond)
+	b.mu.Lock()
+	cooling := b.cooling
+	if b.coolTimer != nil {
+		b.coolTimer.Stop()
+	}
+	b.mu.Unlock()
+	if !cooling {
+		t.Fatal("the re-armed cooling was ended by the timer it replaced")
+	}
+}
