@@ -105,21 +105,7 @@ func TestNewRankOfAFullBackendDoesNotSpin(t *testing.T) {
 // is the model's last one once the other is ejected; it takes requests
 // again rather than leave the model with none (503 no healthy backend).
 func TestCoolingEndsWhenTheOtherBackendsGo(t *testing.T) {
-	busy := startFake(t, "busy", func(f *fakeEngine) { f.status, f.retryAfter, f.errBody = 429, "30", `{"error":{"message":"busy"}}` })
-	ok := startFake(t, "ok", nil)
-	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
-		"backends:\n"+
-		"  - {id: busy, url: 'http://{{e0}}', model: m}\n"+
-		"  - {id: ok, url: 'http://{{e1}}', model: m}\n"+
-		"router: {policy: round_robin}\n", busy, ok)
-	for i := 0; busy.requests.Load() == 0; i++ {
-		if i == 4 {
-			t.Fatal("busy never got a request")
-		}
-		if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 {
-			t.Fatalf("%d %s", resp.StatusCode, b)
-		}
-	}
+	busy, ok, p := coolingPair(t, "", `{"model":"m","prompt":"x"}`)
 	ok.srv.Close() // ok goes away: its next request is refused and ejects it
 	post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`)
 	before := busy.requests.Load()
@@ -244,19 +230,7 @@ func TestReplacedBackendLeavesItsWorkerAlone(t *testing.T) {
 // that Retry-After), as the engine said; it was a 503 "not available",
 // retried every second, for a backend that is up.
 func TestPinnedToACoolingBackendIs429(t *testing.T) {
-	busy := startFake(t, "busy", func(f *fakeEngine) { f.status, f.retryAfter, f.errBody = 429, "30", `{"error":{"message":"busy"}}` })
-	ok := startFake(t, "ok", nil)
-	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
-		"backends:\n"+
-		"  - {id: busy, url: 'http://{{e0}}', model: m}\n"+
-		"  - {id: ok, url: 'http://{{e1}}', model: m}\n"+
-		"router: {policy: round_robin}\n", busy, ok)
-	for i := 0; busy.requests.Load() == 0; i++ {
-		if i == 4 {
-			t.Fatal("busy never got a request")
-		}
-		post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`)
-	}
+	_, _, p := coolingPair(t, "", `{"model":"m","prompt":"x"}`)
 	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","nvext":{"backend_instance_id":"busy"}}`)
 	ra, _ := strconv.Atoi(resp.Header.Get("Retry-After"))
 	if resp.StatusCode != 429 || ra < 29 || ra > 30 || !strings.Contains(string(b), `"type":"rate_limit_error"`) || resp.Header.Get(WorkerHeader) != "busy" {
@@ -382,21 +356,8 @@ func TestQueuedRequestTakesABackendBackFromCooling(t *testing.T) {
 // health.forget_after, loses its index entries. Its availability did not
 // change (cooling had already left it out), so neither happened, ever.
 func TestBackendDownWhileCoolingIsForgotten(t *testing.T) {
-	busy := startFake(t, "busy", func(f *fakeEngine) { f.status, f.retryAfter, f.errBody = 429, "30", `{"error":{"message":"busy"}}` })
-	ok := startFake(t, "ok", nil)
-	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
-		"backends:\n"+
-		"  - {id: busy, url: 'http://{{e0}}', model: m}\n"+
-		"  - {id: ok, url: 'http://{{e1}}', model: m}\n"+
-		"health: {forget_after: 100ms}\n"+
-		"router: {policy: round_robin}\n", busy, ok)
 	body := `{"model":"m","prompt":[` + promptIDs(100) + `]}`
-	for i := 0; busy.requests.Load() == 0; i++ {
-		if i == 4 {
-			t.Fatal("busy never got a request")
-		}
-		post(t, p.url+"/v1/completions", body)
-	}
+	_, _, p := coolingPair(t, "health: {forget_after: 100ms}\n", body)
 	b := p.s.st.Load().backends["busy"]
 	blocks := func() int {
 		for _, w := range b.pool.rt.Workers() {
@@ -487,19 +448,7 @@ func TestReloadedUpstreamLimitsApply(t *testing.T) {
 // down after a 429 (healthy, not available, for how long) from a down one;
 // it showed "healthy": false, as /health no longer counts it.
 func TestAdminBackendsShowsCooling(t *testing.T) {
-	busy := startFake(t, "busy", func(f *fakeEngine) { f.status, f.retryAfter, f.errBody = 429, "30", `{"error":{"message":"busy"}}` })
-	ok := startFake(t, "ok", nil)
-	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
-		"backends:\n"+
-		"  - {id: busy, url: 'http://{{e0}}', model: m}\n"+
-		"  - {id: ok, url: 'http://{{e1}}', model: m}\n"+
-		"router: {policy: round_robin}\n", busy, ok)
-	for i := 0; busy.requests.Load() == 0; i++ {
-		if i == 4 {
-			t.Fatal("busy never got a request")
-		}
-		post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`)
-	}
+	_, _, p := coolingPair(t, "", `{"model":"m","prompt":"x"}`)
 	resp, err := http.Get(p.url + "/admin/backends")
 	if err != nil {
 		t.Fatal(err)
@@ -543,4 +492,28 @@ func TestRearmedCoolingOutlivesTheOldTimer(t *testing.T) {
 	if !cooling {
 		t.Fatal("the re-armed cooling was ended by the timer it replaced")
 	}
+}
+
+// coolingPair starts a round_robin proxy over "busy", an engine that
+// answers 429 with Retry-After 30, and "ok", plus extraYAML, and sends body
+// until busy has refused a request (each is retried on ok): busy is then
+// cooling down.
+func coolingPair(t *testing.T, extraYAML, body string) (busy, ok *fakeEngine, p *testProxy) {
+	t.Helper()
+	busy = startFake(t, "busy", func(f *fakeEngine) { f.status, f.retryAfter, f.errBody = 429, "30", `{"error":{"message":"busy"}}` })
+	ok = startFake(t, "ok", nil)
+	p = startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n"+
+		"  - {id: busy, url: 'http://{{e0}}', model: m}\n"+
+		"  - {id: ok, url: 'http://{{e1}}', model: m}\n"+
+		extraYAML+"router: {policy: round_robin}\n", busy, ok)
+	for i := 0; busy.requests.Load() == 0; i++ {
+		if i == 4 {
+			t.Fatal("busy never got a request")
+		}
+		if resp, b := post(t, p.url+"/v1/completions", body); resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+	}
+	return busy, ok, p
 }
