@@ -586,15 +586,7 @@ func TestCutAtDrainDeadline(t *testing.T) {
 	}
 	defer resp.Body.Close()
 	rd := bufio.NewReader(resp.Body)
-	for seen := 0; seen < 3; { // the role chunk and two tokens, then the engine pauses
-		line, err := rd.ReadString('\n')
-		if err != nil {
-			t.Fatal(err)
-		}
-		if strings.HasPrefix(line, "data: ") {
-			seen++
-		}
-	}
+	readEvents(t, rd, 3) // the role chunk and two tokens, then the engine pauses
 	whole := make(chan string, 1)
 	go func() {
 		r, b := post(t, p.url+"/v1/chat/completions", pinned("e1", false))
@@ -904,5 +896,19 @@ func TestReloadSaysWhatWaitsForARestart(t *testing.T) {
 	}
 	if got := p.s.st.Load().cfg.Listen; got != "127.0.0.1:8080" {
 		t.Fatalf("listen became %q", got)
+	}
+}
+
+// readEvents reads n SSE data lines of a stream.
+func readEvents(t *testing.T, rd *bufio.Reader, n int) {
+	t.Helper()
+	for seen := 0; seen < n; {
+		line, err := rd.ReadString('\n')
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.HasPrefix(line, "data: ") {
+			seen++
+		}
 	}
 }

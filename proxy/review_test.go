@@ -27,15 +27,7 @@ func TestStreamHangUpDuringEnginePause(t *testing.T) {
 			fmt.Fprintf(c, "POST /v1/completions %s\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", proto, len(body), body)
 			c.SetDeadline(time.Now().Add(5 * time.Second))
 			rd := bufio.NewReader(c)
-			for seen := 0; seen < 3; { // the role chunk and two tokens, then the engine pauses
-				line, err := rd.ReadString('\n')
-				if err != nil {
-					t.Fatal(err)
-				}
-				if strings.HasPrefix(line, "data: ") {
-					seen++
-				}
-			}
+			readEvents(t, rd, 3) // the role chunk and two tokens, then the engine pauses
 			start := time.Now()
 			c.Close()
 			for e.aborted.Load() == 0 {
@@ -162,15 +154,7 @@ func TestShutdownCutsHTTP10Stream(t *testing.T) {
 	fmt.Fprintf(c, "POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
 	c.SetDeadline(time.Now().Add(5 * time.Second))
 	rd := bufio.NewReader(c)
-	for seen := 0; seen < 3; {
-		line, err := rd.ReadString('\n')
-		if err != nil {
-			t.Fatal(err)
-		}
-		if strings.HasPrefix(line, "data: ") {
-			seen++
-		}
-	}
+	readEvents(t, rd, 3) // the role chunk and two tokens, then the engine pauses
 	shut := make(chan error, 1)
 	go func() { shut <- p.s.Shutdown() }()
 	select {
