@@ -116,21 +116,7 @@ func (b *backend) fail(reason string) {
 		d = b.health.EjectMax
 	}
 	b.ejected = true
-	if b.ejectTimer != nil {
-		b.ejectTimer.Stop()
-	}
-	var t *time.Timer
-	t = time.AfterFunc(d, func() {
-		b.mu.Lock()
-		defer b.mu.Unlock()
-		if b.ejectTimer != t {
-			return // fired while being replaced or stopped: the newer timer decides
-		}
-		b.ejectTimer = nil
-		b.ejected = false
-		b.applyLocked()
-	})
-	b.ejectTimer = t
+	b.armLocked(&b.ejectTimer, d, func() { b.ejected = false })
 	b.log.Warn().Str("backend", b.cfg.ID).Str("reason", reason).Dur("ejected_for", d).Msg("backend ejected")
 	b.applyLocked()
 }
@@ -187,21 +173,28 @@ func (b *backend) coolDown(d time.Duration) {
 func (b *backend) coolLocked(d time.Duration) {
 	b.cooling = true
 	b.coolUntil = time.Now().Add(d)
-	if b.coolTimer != nil {
-		b.coolTimer.Stop()
+	b.armLocked(&b.coolTimer, d, func() { b.cooling = false })
+}
+
+// armLocked (re)arms *slot to run end, then applyLocked, under b.mu after d.
+// A timer that fires while being replaced or stopped (it waits for b.mu)
+// does nothing: only the current one acts. b.mu is held.
+func (b *backend) armLocked(slot **time.Timer, d time.Duration, end func()) {
+	if *slot != nil {
+		(*slot).Stop()
 	}
 	var t *time.Timer
 	t = time.AfterFunc(d, func() {
 		b.mu.Lock()
 		defer b.mu.Unlock()
-		if b.coolTimer != t {
-			return // fired while being replaced or stopped: the newer timer decides
+		if *slot != t {
+			return
 		}
-		b.coolTimer = nil
-		b.cooling = false
+		*slot = nil
+		end()
 		b.applyLocked()
 	})
-	b.coolTimer = t
+	*slot = t
 }
 
 // endCooling ends the cool-down of the pool's backends when no other
@@ -348,9 +341,9 @@ func (b *backend) applyLocked() {
 	}
 }
 
-// handOver marks a backend whose workers a reload gave to a new backend of
-// the same id,
-// to next: what b did to them since next was built is undone.
+// handOver marks b as replaced by next, a new backend of the same id that
+// a reload gave b's router workers to, and sets the workers' availability
+// from next again, undoing whatever b did to them since next was built.
 func (b *backend) handOver(next *backend) {
 	b.mu.Lock()
 	b.replaced = true

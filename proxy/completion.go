@@ -283,9 +283,9 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 		s.metrics.route.Observe(time.Since(t0).Seconds())
 		if err == nil {
 			b, rank := p.backend(d.Worker), 0
-			if b == nil && strings.Contains(d.Name, "#") {
+			if b == nil {
 				// A data-parallel rank of a backend: same endpoint, rank header.
-				b, rank = st.backends[d.Name[:strings.LastIndexByte(d.Name, '#')]], dpRank(d.Name)
+				b, rank = st.rankBackend(d.Name)
 			}
 			if b == nil {
 				active.Free()
@@ -401,8 +401,8 @@ func (s *Server) pinnedCooling(ctx *fasthttp.RequestCtx, st *state, p *modelPool
 	b := p.backend(w)
 	if b == nil { // a data-parallel rank ("id#r")
 		for _, ws := range p.rt.Workers() {
-			if ws.ID == w && strings.Contains(ws.Name, "#") {
-				b = st.backends[ws.Name[:strings.LastIndexByte(ws.Name, '#')]]
+			if ws.ID == w {
+				b, _ = st.rankBackend(ws.Name)
 			}
 		}
 	}

@@ -55,6 +55,16 @@ func (b *backend) workerIDs() []router.WorkerID {
 	return b.feed.Applier().WorkerIDs()
 }
 
+// rankBackend is the backend a data-parallel rank's worker ("id#r") belongs
+// to, and the rank; nil for any other name.
+func (st *state) rankBackend(name string) (*backend, int) {
+	i := strings.LastIndexByte(name, '#')
+	if i < 0 {
+		return nil, 0
+	}
+	return st.backends[name[:i]], dpRank(name)
+}
+
 // dpRank parses the data-parallel rank out of a worker name ("id#3").
 func dpRank(name string) int {
 	if i := strings.LastIndexByte(name, '#'); i >= 0 {
