@@ -47,6 +47,9 @@ type backend struct {
 	coolUntil   time.Time // when cooling ends
 	forgetTimer *time.Timer
 	slots       chan struct{} // max_concurrency semaphore; nil = unlimited
+	// inflight counts the requests holding a slot, on any of the backend's
+	// data-parallel ranks: a removed backend retires once it is 0.
+	inflight atomic.Int64
 	// wake tells the requests queued for a full backend that this one
 	// became available (its cooling or ejection ended, its probe passed).
 	wake func()
@@ -375,6 +378,7 @@ func (b *backend) stop() {
 // are taken. The backend leaves selection while it is full.
 func (b *backend) acquire() bool {
 	if b.slots == nil {
+		b.inflight.Add(1)
 		return true
 	}
 	select {
@@ -382,6 +386,7 @@ func (b *backend) acquire() bool {
 	default:
 		return false
 	}
+	b.inflight.Add(1)
 	if len(b.slots) == cap(b.slots) {
 		b.mu.Lock()
 		b.full = len(b.slots) == cap(b.slots)
@@ -393,6 +398,7 @@ func (b *backend) acquire() bool {
 
 // release returns a slot taken by acquire.
 func (b *backend) release() {
+	b.inflight.Add(-1)
 	if b.slots == nil {
 		return
 	}

@@ -280,7 +280,7 @@ func (s *Server) activate(st, prev *state) {
 // configuration of the same id keeps its worker and index.
 func (s *Server) retire(b *backend, replaced bool, timeout time.Duration) {
 	deadline := time.Now().Add(timeout)
-	for time.Now().Before(deadline) && inflightOf(b.pool.rt, b.worker) > 0 {
+	for time.Now().Before(deadline) && b.inflight.Load() > 0 {
 		time.Sleep(50 * time.Millisecond)
 	}
 	if !replaced {
@@ -341,15 +341,6 @@ func (s *Server) Reload(cfg *config.Config) error {
 	s.activate(st, prev)
 	s.log.Info().Int("backends", len(st.backends)).Int("models", len(st.pools)).Msg("configuration reloaded")
 	return nil
-}
-
-func inflightOf(rt *router.Router, w router.WorkerID) int {
-	for _, ws := range rt.Workers() {
-		if ws.ID == w {
-			return int(ws.Inflight)
-		}
-	}
-	return 0
 }
 
 func routerConfig(cfg *config.Config, mc config.Model) router.Config {

@@ -1,0 +1,75 @@
+package proxy
+
+import (
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvproxy/kvproxy/config"
+)
+
+// TestRetireWaitsForEveryRank: a backend removed by a reload is retired
+// (its router workers removed, its connections closed) only once the
+// requests on all its data-parallel ranks have ended. It used to wait for
+// rank 0's alone, and retired at once while a rank 1 stream was running.
+func TestRetireWaitsForEveryRank(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 800 * time.Millisecond })
+	other := startFake(t, "e1", nil)
+	head := "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n" +
+		"backends:\n" +
+		"  - {id: e1, url: 'http://" + other.addr + "', model: m}\n"
+	p := startProxyYAML(t, head+"  - {id: e0, url: 'http://{{e0}}', model: m, kv_events: {mode: http}}\n", e)
+	ids := promptIDs(100)
+	pushRank(t, p, "e0", 1, ids) // only e0's rank 1 holds the prompt
+
+	type result struct {
+		status int
+		worker string
+		body   string
+		at     time.Time
+	}
+	res := make(chan result, 1)
+	go func() {
+		resp, err := http.Post(p.url+"/v1/completions", "application/json",
+			strings.NewReader(`{"model":"m","prompt":[`+ids+`],"stream":true}`))
+		if err != nil {
+			res <- result{body: err.Error(), at: time.Now()}
+			return
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		res <- result{resp.StatusCode, resp.Header.Get(WorkerHeader), string(b), time.Now()}
+	}()
+	deadline := time.Now().Add(3 * time.Second)
+	for e.current.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("e0 never got the request")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	cfg, err := config.Parse([]byte(head)) // e0 removed
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	var retired time.Time
+	for deadline := time.Now().Add(5 * time.Second); retired.IsZero(); time.Sleep(5 * time.Millisecond) {
+		if strings.Contains(p.logs.String(), `"backend":"e0","replaced":false,"message":"backend retired"`) {
+			retired = time.Now()
+		} else if time.Now().After(deadline) {
+			t.Fatalf("e0 never retired: %s", p.logs.String())
+		}
+	}
+	r := <-res
+	if r.status != 200 || r.worker != "e0" || !strings.HasSuffix(strings.TrimSpace(r.body), "data: [DONE]") {
+		t.Fatalf("the stream on rank 1: %d from %q: %s", r.status, r.worker, r.body)
+	}
+	if retired.Before(r.at.Add(-20 * time.Millisecond)) {
+		t.Fatalf("e0 retired %v before its rank 1 stream ended", r.at.Sub(retired))
+	}
+	p.waitIdle(t)
+}
