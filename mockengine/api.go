@@ -34,6 +34,7 @@ func (e *Engine) Handler() http.Handler {
 	mux.HandleFunc("GET /metrics", e.serveMetrics)
 	mux.HandleFunc("GET /debug/cache", e.serveDebugCache)
 	mux.HandleFunc("POST /tokenize", e.serveTokenize)
+	mux.HandleFunc("POST /v1/embeddings", e.serveEmbeddings)
 	mux.HandleFunc("POST /reset_prefix_cache", e.serveResetPrefixCache)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "NotFoundError", "", "no route for "+r.Method+" "+r.URL.Path)
