@@ -29,7 +29,7 @@ type exchange struct {
 	id       string // the request's id, to the client and in the log
 	engineID string // the id sent to the engine
 	model    string
-	chat     bool
+	path     string // the engine's endpoint
 	stream   bool
 	start    time.Time
 	p        *modelPool
@@ -69,15 +69,19 @@ var (
 // stringBytes is s's bytes, for fasthttp calls that copy them.
 func stringBytes(s string) []byte { return unsafe.Slice(unsafe.StringData(s), len(s)) }
 
-// outcome of one attempt at a backend.
-type outcome int
+// admitted is a request past the checks every proxied request passes.
+type admitted struct {
+	rid      string // the request's id, to the client and in the log
+	engineID string // the id sent to the engine
+	start    time.Time
+	t        *tenant
+	body     []byte // decoded (Content-Encoding), within the size limit
+}
 
-const (
-	done      outcome = iota // answered (or failed) towards the client
-	retryable                // the engine never took the request: try another
-)
-
-func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool) {
+// admit names the request and checks what comes before reading it: the
+// proxy is not draining, the API key, the tenant's request rate, the body.
+// When it reports false the request has been answered.
+func (s *Server) admit(ctx *fasthttp.RequestCtx, st *state) (admitted, bool) {
 	start := ctx.Time() // fasthttp reads the clock just before calling the handler
 	// rid names the request to the client and in the log: the client's own
 	// id when it sent a plain one. The engine gets an id unique in flight
@@ -90,23 +94,40 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	ctx.Response.Header.SetCanonical(hdrRequestID, stringBytes(rid))
 	if s.draining.Load() {
 		shuttingDown(ctx, "kvproxy is shutting down; retry")
-		return
+		return admitted{}, false
 	}
 	t := st.auth.client(ctx)
 	if t == nil {
 		unauthorized(ctx)
 		s.logRejected(rid, "", fasthttp.StatusUnauthorized, start, "invalid api key")
-		return
+		return admitted{}, false
 	}
 	if ok, wait := t.requests.take(1); !ok {
 		s.rateLimited(ctx, rid, start, wait, "requests")
-		return
+		return admitted{}, false
 	}
 	body, ok := requestBody(ctx, st.cfg.Limits.MaxRequestBodyBytes)
 	if !ok {
 		s.logRejected(rid, "", ctx.Response.StatusCode(), start, "undecodable body")
+		return admitted{}, false
+	}
+	return admitted{rid, engineID, start, t, body}, true
+}
+
+// outcome of one attempt at a backend.
+type outcome int
+
+const (
+	done      outcome = iota // answered (or failed) towards the client
+	retryable                // the engine never took the request: try another
+)
+
+func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool) {
+	in, ok := s.admit(ctx, st)
+	if !ok {
 		return
 	}
+	rid, engineID, start, t, body := in.rid, in.engineID, in.start, in.t, in.body
 	sc := s.getScratch()
 	defer s.putScratch(sc)
 	req := &sc.req
@@ -198,15 +219,37 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		return
 	}
 
-	s.retries.deposit(start)
-	// req's strings point into the request body; a streamed answer's
-	// exchange outlives it.
-	model := p.cfg.Name
-	if req.model != model {
-		model = strings.Clone(req.model)
+	path := "/v1/completions"
+	if chat {
+		path = "/v1/chat/completions"
 	}
-	x := &exchange{s: s, id: rid, engineID: engineID, model: model, chat: chat, stream: req.stream, start: start, p: p, cachedTokens: -1}
+	salt := t.salt
+	s.dispatch(ctx, st, sc, s.newExchange(rid, engineID, path, req.stream, start, p, req.model), salt)
+}
+
+// newExchange starts the exchange of a request for the model pool p, to be
+// sent to its engine's path. model is the name the client asked for.
+func (s *Server) newExchange(rid, engineID, path string, stream bool, start time.Time, p *modelPool, model string) *exchange {
+	// model points into the request body; a streamed answer's exchange
+	// outlives it.
+	if model == p.cfg.Name {
+		model = p.cfg.Name
+	} else {
+		model = strings.Clone(model)
+	}
+	x := &exchange{s: s, id: rid, engineID: engineID, model: model, path: path, stream: stream, start: start, p: p, cachedTokens: -1}
 	x.ab = &x.abort
+	return x
+}
+
+// dispatch routes the request in sc (sc.req parsed, sc.route filled), sends
+// it to the chosen engine and relays the answer; an engine that refuses it
+// before starting (connection refused, 429, 503) is avoided and the next
+// best tried, up to maxAttempts and the retry budget. salt is the tenant's
+// cache_salt, sent to engines that take one.
+func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *exchange, salt string) {
+	rr, req, rid, start := &sc.route, &sc.req, x.id, x.start
+	s.retries.deposit(start)
 	for attempt := 1; ; attempt++ {
 		if err := x.route(ctx, st, rr); err != nil {
 			if x.refused != 0 && errors.Is(err, router.ErrNoWorker) {
@@ -214,19 +257,19 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 				x.answerRefusal(ctx)
 				return
 			}
-			if rr.Pinned && errors.Is(err, router.ErrWorkerUnavailable) && s.pinnedCooling(ctx, st, p, rr.Pin, rid, req.model, start) {
+			if rr.Pinned && errors.Is(err, router.ErrWorkerUnavailable) && s.pinnedCooling(ctx, st, x.p, rr.Pin, rid, x.model, start) {
 				return
 			}
-			s.routeFailed(ctx, rid, req.model, start, err)
+			s.routeFailed(ctx, rid, x.model, start, err)
 			return
 		}
 		sc.keepCandidates(x.d.Candidates)
 		x.d.Candidates = nil // the scratch's
-		salt := ""
+		engineSalt := ""
 		if x.b.salted {
-			salt = t.salt
+			engineSalt = salt
 		}
-		body, err := req.forwardBody(sc.body[:0], x.b.cfg.ServedModel, salt)
+		body, err := req.forwardBody(sc.body[:0], x.b.cfg.ServedModel, engineSalt)
 		sc.body = body
 		if err != nil {
 			x.release()
@@ -445,14 +488,10 @@ func (s *Server) noWorker(ctx *fasthttp.RequestCtx, rid, model string, start tim
 // when mayRetry and the engine never took the request.
 func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool) outcome {
 	s, b := x.s, x.b
-	path := "/v1/completions"
-	if x.chat {
-		path = "/v1/chat/completions"
-	}
 	fr := fasthttp.AcquireRequest()
 	defer fasthttp.ReleaseRequest(fr)
 	fr.Header.SetMethod(fasthttp.MethodPost)
-	fr.SetRequestURI(path)
+	fr.SetRequestURI(x.path)
 	fr.Header.SetHost(b.host)
 	fr.Header.SetContentType("application/json")
 	fr.Header.SetCanonical(hdrRequestID, stringBytes(x.engineID))

@@ -24,6 +24,7 @@ type fakeEngine struct {
 	mu       sync.Mutex
 	bodies   []map[string]any
 	ids      []string // X-Request-Id of each request
+	paths    []string // the path of each request
 	aborted  atomic.Int64
 	requests atomic.Int64
 	current  atomic.Int64
@@ -54,6 +55,11 @@ func startFake(t *testing.T, id string, setup func(*fakeEngine)) *fakeEngine {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/health", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok")) })
 	mux.HandleFunc("/v1/", f.serve)
+	for path := range passthroughPaths {
+		if !strings.HasPrefix(path, "/v1/") {
+			mux.HandleFunc(path, f.serve)
+		}
+	}
 	f.srv = &http.Server{Handler: mux}
 	go f.srv.Serve(ln)
 	t.Cleanup(func() { f.srv.Close() })
@@ -71,6 +77,7 @@ func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 	f.mu.Lock()
 	f.bodies = append(f.bodies, body)
 	f.ids = append(f.ids, r.Header.Get("X-Request-Id"))
+	f.paths = append(f.paths, r.URL.Path)
 	f.mu.Unlock()
 	if f.status != 0 {
 		if f.retryAfter != "" {
@@ -84,6 +91,11 @@ func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 	case <-time.After(f.prefillDelay):
 	case <-r.Context().Done():
 		f.aborted.Add(1)
+		return
+	}
+	if !strings.HasSuffix(r.URL.Path, "completions") {
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"object":"list","path":%q,"model":%q,"served_by":%q}`, r.URL.Path, body["model"], f.id)
 		return
 	}
 	stream, _ := body["stream"].(bool)

@@ -478,7 +478,7 @@ type route struct {
 }
 
 func (s *Server) routes() map[string]route {
-	return map[string]route{
+	t := map[string]route{
 		"/v1/chat/completions": {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, true) }},
 		"/v1/completions":      {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, false) }},
 		"/v1/models":           {fasthttp.MethodGet, client, s.handleModels},
@@ -490,6 +490,10 @@ func (s *Server) routes() map[string]route {
 		"/admin/reload":        {fasthttp.MethodPost, admin, func(ctx *fasthttp.RequestCtx, _ *state) { s.handleAdminReload(ctx) }},
 		"/v1/kv_events":        {fasthttp.MethodPost, admin, s.handleKVEvents},
 	}
+	for path := range passthroughPaths {
+		t[path] = route{fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handlePassthrough(ctx, st, path) }}
+	}
+	return t
 }
 
 // handle dispatches a request. Completions check their key themselves

@@ -1,0 +1,131 @@
+package proxy
+
+import (
+	"encoding/json"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestPassthroughEndpoints: embeddings, scoring, reranking and tokenizing
+// requests reach an engine of their model at the same path, with the model
+// rewritten to the engine's name, nvext and cache_salt dropped and the rest
+// untouched; the engine's answer comes back as it was.
+func TestPassthroughEndpoints(t *testing.T) {
+	e0, e1 := startFake(t, "e0", nil), startFake(t, "e1", nil)
+	p := startProxy(t, "kv", e0, e1)
+	for path := range passthroughPaths {
+		body := `{"model":"alias-m","input":["a b c",[1,2,3]],"encoding_format":"float","nvext":{"annotations":["query_instance_id"]},"cache_salt":"mine"}`
+		req, _ := http.NewRequest("POST", p.url+path, strings.NewReader(body))
+		req.Header.Set("X-Request-Id", "client-7")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got struct{ Path, Model, Served_by string }
+		json.NewDecoder(resp.Body).Decode(&got)
+		resp.Body.Close()
+		worker := resp.Header.Get(WorkerHeader)
+		if resp.StatusCode != 200 || got.Path != path || got.Model != "engine-m" || got.Served_by != worker || resp.Header.Get("X-Request-Id") != "client-7" {
+			t.Fatalf("%s: %d %+v from %q (request id %q)", path, resp.StatusCode, got, worker, resp.Header.Get("X-Request-Id"))
+		}
+		e := e0
+		if worker == "e1" {
+			e = e1
+		}
+		sent := e.lastBody()
+		in, _ := json.Marshal(sent["input"])
+		if _, ok := sent["nvext"]; ok || sent["cache_salt"] != nil || sent["encoding_format"] != "float" || string(in) != `["a b c",[1,2,3]]` {
+			t.Fatalf("%s: the engine got %v", path, sent)
+		}
+	}
+	p.waitIdle(t)
+}
+
+func TestPassthroughErrors(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	for _, c := range []struct {
+		body   string
+		status int
+		param  string
+	}{
+		{`{"input":"x"}`, 400, "model"},
+		{`{"model":7,"input":"x"}`, 400, "model"},
+		{`{"Model":"m","input":"x"}`, 400, "model"}, // names match exactly, as engines match them
+		{`{"model":"nope","input":"x"}`, 404, "model"},
+		{`["model","m"]`, 400, ""},
+		{`{"model":"m",`, 400, ""},
+		{``, 400, ""},
+	} {
+		resp, b := post(t, p.url+"/v1/embeddings", c.body)
+		var answer struct {
+			Error *struct{ Message, Type, Param string }
+		}
+		json.Unmarshal([]byte(b), &answer)
+		if resp.StatusCode != c.status || answer.Error == nil || answer.Error.Param != c.param || answer.Error.Message == "" {
+			t.Fatalf("%s: %d %s", c.body, resp.StatusCode, b)
+		}
+	}
+	resp, err := http.Get(p.url + "/v1/embeddings")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 405 || resp.Header.Get("Allow") != "POST" {
+		t.Fatalf("GET: %d, Allow %q", resp.StatusCode, resp.Header.Get("Allow"))
+	}
+	if n := e.requests.Load(); n != 0 {
+		t.Fatalf("the engine saw %d bad requests: %v %v", n, e.paths, e.bodies)
+	}
+	p.waitIdle(t)
+}
+
+// TestPassthroughLoadAndRetry: a pass-through request holds a load slot
+// while it runs, so the next one goes to the other engine; an engine that
+// refuses the connection is skipped, and an engine's own error comes back
+// in OpenAI's shape.
+func TestPassthroughLoadAndRetry(t *testing.T) {
+	for _, policy := range []string{"kv", "least_load"} {
+		slow := func(f *fakeEngine) { f.prefillDelay = 400 * time.Millisecond }
+		e0, e1 := startFake(t, "e0", slow), startFake(t, "e1", slow)
+		p := startProxy(t, policy, e0, e1)
+		first := make(chan string, 1)
+		go func() {
+			resp, _ := post(t, p.url+"/v1/embeddings", `{"model":"m","input":"one"}`)
+			first <- resp.Header.Get(WorkerHeader)
+		}()
+		deadline := time.Now().Add(3 * time.Second)
+		for e0.current.Load()+e1.current.Load() == 0 && time.Now().Before(deadline) {
+			time.Sleep(2 * time.Millisecond)
+		}
+		resp, b := post(t, p.url+"/v1/embeddings", `{"model":"m","input":"two"}`)
+		if w := <-first; resp.StatusCode != 200 || w == "" || resp.Header.Get(WorkerHeader) == w {
+			t.Fatalf("%s: both went to %q: %d %s", policy, w, resp.StatusCode, b)
+		}
+		p.waitIdle(t)
+	}
+
+	down, up := startFake(t, "down", nil), startFake(t, "up", nil)
+	down.srv.Close()
+	p := startProxy(t, "round_robin", down, up)
+	for i := 0; i < 4; i++ {
+		if resp, b := post(t, p.url+"/v1/rerank", `{"model":"m","query":"q","documents":["a","b"]}`); resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "up" {
+			t.Fatalf("request %d: %d from %q: %s", i, resp.StatusCode, resp.Header.Get(WorkerHeader), b)
+		}
+	}
+	p.waitIdle(t)
+
+	bad := startFake(t, "bad", func(f *fakeEngine) { f.status, f.errBody = 500, `{"detail":"pooling failed"}` })
+	p = startProxy(t, "kv", bad)
+	resp, b := post(t, p.url+"/v1/embeddings", `{"model":"m","input":"x"}`)
+	var answer struct {
+		Error *struct{ Message, Type string }
+	}
+	json.Unmarshal([]byte(b), &answer)
+	if resp.StatusCode != 500 || answer.Error == nil || !strings.Contains(answer.Error.Message, "pooling failed") || resp.Header.Get(WorkerHeader) != "bad" {
+		t.Fatalf("engine error: %d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+}
