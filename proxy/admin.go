@@ -200,8 +200,12 @@ func (h *blockHash) UnmarshalJSON(b []byte) error {
 // backend holds in the index (POST /admin/index/lookup). It lets operators
 // and tests compare the router's picture with an engine's real cache.
 func (s *Server) handleIndexLookup(ctx *fasthttp.RequestCtx, st *state) {
+	body, ok := requestBody(ctx, st.cfg.Limits.MaxRequestBodyBytes)
+	if !ok {
+		return
+	}
 	var q indexLookup
-	if err := json.Unmarshal(ctx.PostBody(), &q); err != nil {
+	if err := json.Unmarshal(body, &q); err != nil {
 		badRequest(ctx, "", "want {\"model\": name, \"hashes\": [block hashes, as decimal strings or integers]}: "+err.Error())
 		return
 	}

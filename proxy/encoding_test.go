@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"compress/flate"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -96,4 +97,40 @@ func rawDeflate(t *testing.T, b []byte) []byte {
 	w.Write(b)
 	w.Close()
 	return out.Bytes()
+}
+
+// TestCompressedEventsAndLookups: KV event pushes and index lookups are
+// decompressed as completions are (they were parsed compressed: 400).
+func TestCompressedEventsAndLookups(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n  - {id: e0, url: 'http://{{e0}}', model: m, kv_events: {mode: http}}\n", e)
+	batch := `{"engine_id":"e0","events":[{"type":"block_stored","block_hashes":[1,2],"parent_block_hash":null,"token_ids":[` + tokenList(32) + `],"block_size":16}]}`
+	if status, out := postEncoded(t, p.url+"/v1/kv_events", "gzip", fasthttp.AppendGzipBytes(nil, []byte(batch))); status != 200 {
+		t.Fatalf("gzip event batch: %d %v", status, out)
+	}
+	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":[`+tokenList(32)+`],"nvext":{"annotations":["query_instance_id"]}}`)
+	var d struct {
+		BlockHashes []string `json:"block_hashes"`
+	}
+	if err := json.Unmarshal([]byte(b), &d); err != nil || resp.StatusCode != 200 || len(d.BlockHashes) != 2 {
+		t.Fatalf("dry run: %d %s", resp.StatusCode, b)
+	}
+	q, _ := json.Marshal(map[string]any{"model": "m", "hashes": d.BlockHashes})
+	status, out := postEncoded(t, p.url+"/admin/index/lookup", "zstd", fasthttp.AppendZstdBytes(nil, q))
+	if held, _ := out["held"].(map[string]any); status != 200 || held["e0"] != 2.0 {
+		t.Fatalf("zstd lookup: %d %v", status, out)
+	}
+	if status, out := postEncoded(t, p.url+"/v1/kv_events", "compress", []byte(batch)); status != 415 {
+		t.Fatalf("unknown coding: %d %v", status, out)
+	}
+}
+
+// tokenList is "0,1,...,n-1".
+func tokenList(n int) string {
+	s := make([]string, n)
+	for i := range s {
+		s[i] = fmt.Sprint(i)
+	}
+	return strings.Join(s, ",")
 }

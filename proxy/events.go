@@ -78,7 +78,11 @@ func dpRank(name string) int {
 // handleKVEvents takes a pushed JSON batch (POST /v1/kv_events) for a
 // backend in http event mode. A malformed batch changes nothing.
 func (s *Server) handleKVEvents(ctx *fasthttp.RequestCtx, st *state) {
-	batch, err := kv.ParseHTTPBatch(ctx.PostBody())
+	body, ok := requestBody(ctx, st.cfg.Limits.MaxRequestBodyBytes)
+	if !ok {
+		return
+	}
+	batch, err := kv.ParseHTTPBatch(body)
 	if err != nil {
 		var be *kv.HTTPBatchError
 		param := ""
