@@ -66,6 +66,11 @@ var (
 	hdrWorker    = []byte("X-Kvproxy-Worker") // WorkerHeader
 )
 
+// traceHeaders are the client headers an engine gets: W3C trace context
+// (vLLM joins the client's OpenTelemetry trace with them) and baggage.
+// Others stay here: they may carry the client's credentials.
+var traceHeaders = [][]byte{[]byte("Traceparent"), []byte("Tracestate"), []byte("Baggage")}
+
 // stringBytes is s's bytes, for fasthttp calls that copy them.
 func stringBytes(s string) []byte { return unsafe.Slice(unsafe.StringData(s), len(s)) }
 
@@ -500,6 +505,11 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	}
 	if x.rank > 0 {
 		fr.Header.Set("X-Data-Parallel-Rank", strconv.Itoa(x.rank))
+	}
+	for _, h := range traceHeaders {
+		if v := ctx.Request.Header.PeekBytes(h); len(v) > 0 {
+			fr.Header.SetCanonical(h, v)
+		}
 	}
 	if x.stream {
 		fr.Header.Set("Accept", "text/event-stream")

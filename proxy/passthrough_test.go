@@ -129,3 +129,32 @@ func TestPassthroughLoadAndRetry(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// TestTraceContextReachesTheEngine: W3C trace context and baggage go on to
+// the engine (vLLM joins the client's trace with them); the client's other
+// headers, its API key above all, do not.
+func TestTraceContextReachesTheEngine(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	for _, path := range []string{"/v1/chat/completions", "/v1/embeddings"} {
+		req, _ := http.NewRequest("POST", p.url+path, strings.NewReader(chatBody))
+		req.Header.Set("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+		req.Header.Set("tracestate", "congo=t61rcWkgMzE")
+		req.Header.Set("baggage", "userId=alice")
+		req.Header.Set("Authorization", "Bearer client-secret")
+		req.Header.Set("X-Custom", "1")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		e.mu.Lock()
+		h := e.headers[len(e.headers)-1]
+		e.mu.Unlock()
+		if resp.StatusCode != 200 || h.Get("Traceparent") != "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01" ||
+			h.Get("Tracestate") != "congo=t61rcWkgMzE" || h.Get("Baggage") != "userId=alice" || h.Get("Authorization") != "" || h.Get("X-Custom") != "" {
+			t.Fatalf("%s: %d, the engine got %v", path, resp.StatusCode, h)
+		}
+	}
+	p.waitIdle(t)
+}

@@ -25,6 +25,7 @@ type fakeEngine struct {
 	bodies   []map[string]any
 	ids      []string // X-Request-Id of each request
 	paths    []string // the path of each request
+	headers  []http.Header
 	aborted  atomic.Int64
 	requests atomic.Int64
 	current  atomic.Int64
@@ -78,6 +79,7 @@ func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 	f.bodies = append(f.bodies, body)
 	f.ids = append(f.ids, r.Header.Get("X-Request-Id"))
 	f.paths = append(f.paths, r.URL.Path)
+	f.headers = append(f.headers, r.Header.Clone())
 	f.mu.Unlock()
 	if f.status != 0 {
 		if f.retryAfter != "" {
