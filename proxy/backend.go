@@ -32,10 +32,13 @@ type backend struct {
 	mu        sync.Mutex
 	probeOK   bool
 	ejections int // consecutive passive failures
-	ejected   bool
-	draining  bool
-	full      bool // at max_concurrency: healthy but takes nothing new
-	cooling   bool // refused a request with 429: left out until coolTimer
+	// silentWhole counts the non-streamed requests in a row the engine
+	// left unanswered for stream_idle_timeout (see wholeTimedOut).
+	silentWhole int
+	ejected     bool
+	draining    bool
+	full        bool // at max_concurrency: healthy but takes nothing new
+	cooling     bool // refused a request with 429: left out until coolTimer
 	// replaced: a reload handed the router worker(s) to a new backend of
 	// the same id; this one only finishes its requests and must not change
 	// the workers' availability (its timers and last answers would).
@@ -124,13 +127,33 @@ func (b *backend) fail(reason string) {
 	b.applyLocked()
 }
 
-// succeed resets the failure streak after a good answer.
+// succeed resets the failure streaks after a good answer.
 func (b *backend) succeed() {
 	b.mu.Lock()
-	if b.ejections != 0 {
-		b.ejections = 0
+	b.ejections, b.silentWhole = 0, 0
+	b.mu.Unlock()
+}
+
+// silentWholeLimit is how many non-streamed requests in a row may go
+// unanswered for stream_idle_timeout before the engine is ejected.
+const silentWholeLimit = 3
+
+// wholeTimedOut records a non-streamed request the engine sent nothing for
+// within stream_idle_timeout. A whole answer comes only when it is done, so
+// one may just be long; silentWholeLimit in a row, with no good answer in
+// between, is an engine that takes requests and never finishes them (its
+// health probe may still pass), and ejects it.
+func (b *backend) wholeTimedOut(reason string) {
+	b.mu.Lock()
+	b.silentWhole++
+	eject := b.silentWhole >= silentWholeLimit
+	if eject {
+		b.silentWhole = 0
 	}
 	b.mu.Unlock()
+	if eject {
+		b.fail(reason + ", " + strconv.Itoa(silentWholeLimit) + " non-streamed requests in a row")
+	}
 }
 
 // drain stops new requests to the backend (it is being removed).

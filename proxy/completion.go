@@ -555,8 +555,9 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			msg := "backend " + b.cfg.ID + " sent nothing for " + b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
 			if x.stream {
 				// Engines send a stream's headers at once: this one is stuck.
-				// A whole answer comes only when done, and may just be long.
 				b.fail(msg)
+			} else {
+				b.wholeTimedOut(msg)
 			}
 			x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, msg)
 		default:

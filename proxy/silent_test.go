@@ -1,0 +1,61 @@
+package proxy
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+func ejected(p *testProxy, id string) bool {
+	b := p.s.st.Load().backends[id]
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.ejected
+}
+
+// TestEngineThatNeverAnswersWholeRequestsIsEjected: an engine that takes
+// non-streamed requests and never answers them (its health probe may
+// pass) is ejected after silentWholeLimit timeouts in a row; before, every
+// request sent to it waited out stream_idle_timeout for good.
+func TestEngineThatNeverAnswersWholeRequestsIsEjected(t *testing.T) {
+	hung := startFake(t, "hung", func(f *fakeEngine) { f.prefillDelay = 10 * time.Second })
+	ok := startFake(t, "ok", nil)
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml}]\n"+
+		"backends: [{id: hung, url: 'http://{{e0}}', model: m}, {id: ok, url: 'http://{{e1}}', model: m}]\n"+
+		"limits: {stream_idle_timeout: 200ms}\n", hung, ok)
+	pinned := `{"model":"m","prompt":"x","nvext":{"backend_instance_id":"hung"}}`
+	for i := 1; i <= silentWholeLimit; i++ {
+		if resp, b := post(t, p.url+"/v1/completions", pinned); resp.StatusCode != 504 {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, b)
+		}
+		if got, want := ejected(p, "hung"), i == silentWholeLimit; got != want {
+			t.Fatalf("after %d silent requests: ejected %v", i, got)
+		}
+	}
+	if !strings.Contains(p.logs.String(), "non-streamed requests in a row") {
+		t.Fatalf("the ejection's reason is not logged: %s", p.logs.String())
+	}
+	for i := 0; i < 4; i++ {
+		if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "ok" {
+			t.Fatalf("after the ejection: %d from %q: %s", resp.StatusCode, resp.Header.Get(WorkerHeader), b)
+		}
+	}
+	p.waitIdle(t)
+}
+
+// A good answer between silent ones starts the count again: long answers
+// now and then do not eject a working engine.
+func TestAnAnswerResetsTheSilentCount(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	b := p.s.st.Load().backends["e0"]
+	for round := 0; round < 3; round++ {
+		for i := 1; i < silentWholeLimit; i++ {
+			b.wholeTimedOut("silent")
+		}
+		b.succeed()
+	}
+	if ejected(p, "e0") {
+		t.Fatal("ejected although every streak ended in an answer")
+	}
+}
