@@ -14,7 +14,8 @@ import (
 type metrics struct {
 	requests *prometheus.CounterVec
 	ok       sync.Map // backend id → its requests counter for status 200
-	ttft     prometheus.Histogram
+	ttft     *prometheus.HistogramVec
+	ttftOf   sync.Map // backend id → its TTFT observer
 	hitRatio prometheus.Histogram
 	route    prometheus.Histogram
 	handler  fasthttp.RequestHandler
@@ -23,12 +24,12 @@ type metrics struct {
 func newMetrics(reg *prometheus.Registry, s *Server) *metrics {
 	m := &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvproxy_requests_total", Help: "Completion requests by backend and HTTP status.",
+			Name: "kvproxy_requests_total", Help: "Proxied requests by backend and HTTP status (backend empty: answered by kvproxy).",
 		}, []string{"backend", "code"}),
-		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name: "kvproxy_ttft_seconds", Help: "Time from request arrival to the first streamed event.",
+		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kvproxy_ttft_seconds", Help: "Time from request arrival to the first streamed token, by backend.",
 			Buckets: prometheus.ExponentialBuckets(0.005, 2, 14),
-		}),
+		}, []string{"backend"}),
 		hitRatio: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "kvproxy_prefix_hit_ratio", Help: "Cached prefix blocks on the chosen worker / prompt blocks, at routing time.",
 			Buckets: []float64{0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1},
@@ -60,6 +61,15 @@ func (m *metrics) countRequest(backend string, status int) {
 		c, _ = m.ok.LoadOrStore(backend, m.requests.WithLabelValues(backend, "200"))
 	}
 	c.(prometheus.Counter).Inc()
+}
+
+// observeTTFT records a stream's time to first token on its backend.
+func (m *metrics) observeTTFT(backend string, seconds float64) {
+	o, ok := m.ttftOf.Load(backend)
+	if !ok {
+		o, _ = m.ttftOf.LoadOrStore(backend, m.ttft.WithLabelValues(backend))
+	}
+	o.(prometheus.Observer).Observe(seconds)
 }
 
 var (

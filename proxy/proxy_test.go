@@ -570,6 +570,7 @@ func TestModelsHealthAdminMetrics(t *testing.T) {
 	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 20 * time.Millisecond })
 	p := startProxy(t, "kv", e)
 	post(t, p.url+"/v1/chat/completions", chatBody)
+	post(t, p.url+"/v1/chat/completions", strings.Replace(chatBody, `"temperature"`, `"stream":true,"temperature"`, 1))
 	get := func(path string) []byte {
 		resp, err := http.Get(p.url + path)
 		if err != nil || resp.StatusCode != 200 {
@@ -626,7 +627,7 @@ func TestModelsHealthAdminMetrics(t *testing.T) {
 		t.Fatalf("/admin/backends: pending %d, mean lifetime %.0f ms; want 0 and the request's ≥ 20 ms", rows[0].Pending, rows[0].MeanLifetimeMs)
 	}
 	m := string(get("/metrics"))
-	for _, name := range []string{"kvproxy_requests_total{backend=\"e0\",code=\"200\"} 1", "kvproxy_inflight_requests{backend=\"e0\"} 0", "kvproxy_route_seconds_count", "kvproxy_prefix_hit_ratio_count", "kvproxy_ttft_seconds"} {
+	for _, name := range []string{"kvproxy_requests_total{backend=\"e0\",code=\"200\"} 2", "kvproxy_inflight_requests{backend=\"e0\"} 0", "kvproxy_route_seconds_count", "kvproxy_prefix_hit_ratio_count", "kvproxy_ttft_seconds_count{backend=\"e0\"} 1"} {
 		if !strings.Contains(m, name) {
 			t.Fatalf("/metrics lacks %q", name)
 		}

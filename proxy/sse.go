@@ -272,7 +272,7 @@ func (r *relay) onData(data []byte) {
 		x.ttft = time.Since(x.start)
 		x.active.PrefillDone()
 		x.active.ObserveTTFT(x.ttft)
-		x.s.metrics.ttft.Observe(x.ttft.Seconds())
+		x.s.metrics.observeTTFT(x.b.cfg.ID, x.ttft.Seconds())
 	}
 	if carriesToken(data) {
 		x.outputTokens++
