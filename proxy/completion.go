@@ -560,6 +560,11 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				b.wholeTimedOut(msg)
 			}
 			x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, msg)
+		case errors.Is(err, fasthttp.ErrBodyTooLarge):
+			// The request asked for more than kvproxy reads whole (a big
+			// batch of float embeddings): the engine did its work, and is
+			// not ejected for it.
+			x.failUpstream(ctx, fasthttp.StatusBadGateway, "the answer of backend "+b.cfg.ID+" is larger than kvproxy reads whole (64 MiB); ask for less at once (fewer inputs, or encoding_format base64)")
 		default:
 			b.fail(err.Error())
 			x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" failed: "+err.Error())

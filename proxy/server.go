@@ -446,15 +446,16 @@ func (s *Server) Cut() int {
 }
 
 // Idle reports whether every load counter of every worker is zero and no
-// backend slot (max_concurrency) is held. A request frees its router slot
-// just before its backend slot: both are checked.
+// backend slot (max_concurrency) is held nor any request counted on a
+// backend (what retiring a removed one waits for). A request frees its
+// router slot just before its backend slot: both are checked.
 func (s *Server) Idle() bool {
 	for _, p := range s.st.Load().pools {
 		if !p.rt.Idle() {
 			return false
 		}
 		for _, b := range *p.workers.Load() {
-			if b != nil && len(b.slots) != 0 {
+			if b != nil && (len(b.slots) != 0 || b.inflight.Load() != 0) {
 				return false
 			}
 		}

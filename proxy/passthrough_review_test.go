@@ -1,0 +1,188 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"compress/gzip"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestPassthroughClientHangUp: a client that leaves while the engine works
+// on its embeddings request cancels the engine's request and frees the
+// router's and the backend's counts.
+func TestPassthroughClientHangUp(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 2 * time.Second })
+	p := startProxy(t, "kv", e)
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := `{"model":"m","input":"hello"}`
+	fmt.Fprintf(c, "POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	waitFor(t, "the engine to get the request", func() bool { return e.current.Load() == 1 })
+	c.Close()
+	waitFor(t, "the engine's request to be cancelled", func() bool { return e.aborted.Load() == 1 })
+	p.waitIdle(t)
+}
+
+// TestPassthroughHTTP10: an HTTP/1.0 client gets the whole answer.
+func TestPassthroughHTTP10(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	body := `{"model":"m","input":"hello","stream":true}`
+	fmt.Fprintf(c, "POST /v1/embeddings HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	var got struct{ Path, Model string }
+	if resp.StatusCode != 200 || json.Unmarshal(b, &got) != nil || got.Path != "/v1/embeddings" || got.Model != "engine-m" {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	if sent := e.lastBody(); sent["stream"] != true {
+		t.Fatalf("the engine got %v", sent)
+	}
+	p.waitIdle(t)
+}
+
+// TestPassthroughGzip: a gzip body is decoded before it is read and sent
+// on uncompressed.
+func TestPassthroughGzip(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	var zb bytes.Buffer
+	zw := gzip.NewWriter(&zb)
+	zw.Write([]byte(`{"model":"alias-m","input":["a","b"]}`))
+	zw.Close()
+	req, _ := http.NewRequest("POST", p.url+"/v1/embeddings", &zb)
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Content-Encoding", "gzip")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	if sent := e.lastBody(); sent["model"] != "engine-m" || fmt.Sprint(sent["input"]) != "[a b]" {
+		t.Fatalf("the engine got %v", sent)
+	}
+	p.waitIdle(t)
+}
+
+// TestPassthroughQueueAndRefusal: a pass-through request waits for a full
+// backend's slot, times out of the queue with a 503 in OpenAI's shape, and
+// an engine's 429 comes back as the engine gave it; no count is left.
+func TestPassthroughQueueAndRefusal(t *testing.T) {
+	slow := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 600 * time.Millisecond })
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends: [{id: e0, url: 'http://{{e0}}', model: m, max_concurrency: 1}]\n"+
+		"limits: {max_queue: 4, queue_timeout: 150ms}\n", slow)
+	first := make(chan int, 1)
+	go func() {
+		resp, _ := post(t, p.url+"/v1/embeddings", `{"model":"m","input":"one"}`)
+		first <- resp.StatusCode
+	}()
+	waitFor(t, "the first request to reach the engine", func() bool { return slow.current.Load() == 1 })
+	resp, b := post(t, p.url+"/v1/embeddings", `{"model":"m","input":"two"}`)
+	var answer struct {
+		Error *struct {
+			Message, Type string
+			Param, Code   any
+		}
+	}
+	json.Unmarshal(b, &answer)
+	if resp.StatusCode != 503 || answer.Error == nil || answer.Error.Message == "" || resp.Header.Get("Retry-After") == "" {
+		t.Fatalf("queued past its timeout: %d %s", resp.StatusCode, b)
+	}
+	if code := <-first; code != 200 {
+		t.Fatalf("first: %d", code)
+	}
+	p.waitIdle(t)
+
+	busy := startFake(t, "busy", func(f *fakeEngine) {
+		f.status, f.errBody, f.retryAfter = 429, `{"error":{"message":"busy","type":"rate_limit_error","param":null,"code":429}}`, "7"
+	})
+	p = startProxy(t, "kv", busy)
+	resp, b = post(t, p.url+"/v1/rerank", `{"model":"m","query":"q","documents":["a"]}`)
+	answer.Error = nil
+	json.Unmarshal(b, &answer)
+	if resp.StatusCode != 429 || answer.Error == nil || answer.Error.Message != "busy" || resp.Header.Get("Retry-After") != "7" {
+		t.Fatalf("engine refusal: %d %s (Retry-After %q)", resp.StatusCode, b, resp.Header.Get("Retry-After"))
+	}
+	p.waitIdle(t)
+}
+
+// TestPassthroughDrainCut: a pass-through request still running at the
+// drain deadline is answered 503 and leaves no count behind.
+func TestPassthroughDrainCut(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 3 * time.Second })
+	p := startProxy(t, "kv", e)
+	res := make(chan string, 1)
+	go func() {
+		resp, b := post(t, p.url+"/v1/embeddings", `{"model":"m","input":"one"}`)
+		res <- fmt.Sprint(resp.StatusCode, " ", string(b))
+	}()
+	waitFor(t, "the request to reach the engine", func() bool { return e.current.Load() == 1 })
+	if n := p.s.Cut(); n != 1 {
+		t.Fatalf("cut %d requests", n)
+	}
+	if r := <-res; !strings.HasPrefix(r, "503 ") || !strings.Contains(r, `"error"`) {
+		t.Fatalf("cut: %s", r)
+	}
+	p.waitIdle(t)
+}
+
+// TestPassthroughHugeAnswer: an answer larger than kvproxy reads whole (a
+// big batch of float embeddings) fails that request alone: the engine that
+// made it is not ejected, and the model's next request is served.
+func TestPassthroughHugeAnswer(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := bytes.Repeat([]byte("0.123456789,"), (65<<20)/12)
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var req struct{ Input string }
+		json.NewDecoder(r.Body).Decode(&req)
+		w.Header().Set("Content-Type", "application/json")
+		if req.Input == "big" {
+			fmt.Fprintf(w, `{"object":"list","data":[{"embedding":[%s1]}]}`, big)
+			return
+		}
+		w.Write([]byte(`{"object":"list","data":[{"embedding":[1]}]}`))
+	})}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends: [{id: e0, url: 'http://"+ln.Addr().String()+"', model: m}]\n")
+	resp, b := post(t, p.url+"/v1/embeddings", `{"model":"m","input":"big"}`)
+	var answer struct {
+		Error *struct{ Message, Type string }
+	}
+	json.Unmarshal(b, &answer)
+	if resp.StatusCode != 502 || answer.Error == nil || !strings.Contains(answer.Error.Message, "larger than") {
+		t.Fatalf("huge answer: %d %.300s", resp.StatusCode, b)
+	}
+	resp, b = post(t, p.url+"/v1/embeddings", `{"model":"m","input":"small"}`)
+	if resp.StatusCode != 200 {
+		t.Fatalf("the next request: %d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+}
