@@ -43,6 +43,9 @@ type exchange struct {
 	rank     int        // data-parallel rank of the chosen worker
 	// released: the backend slot was returned
 	released bool
+	// pass: a pass-through request (passthroughPaths), which holds no KV
+	// memory on the engine.
+	pass bool
 
 	status       int
 	refused      int    // the status of the last refusal that made it retry
@@ -662,8 +665,12 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 	x.status = code
 	body := resp.Body()
 	if code == fasthttp.StatusOK {
-		x.active.PrefillDone()
-		x.cachedTokens = cachedTokens(body)
+		if !x.pass {
+			// The request ran and held KV memory: its lifetime counts
+			// in the router's mean (a pass-through one's does not).
+			x.active.PrefillDone()
+			x.cachedTokens = cachedTokens(body)
+		}
 	} else {
 		body = normalizeEngineError(code, body)
 		x.errMsg = "engine answered " + strconv.Itoa(code)

@@ -58,7 +58,9 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 		return
 	}
 	sc.route = router.Request{PromptTokens: tokens, Unstreamed: true, CandidateBuf: sc.cands}
-	s.dispatch(ctx, st, sc, s.newExchange(in.rid, in.engineID, path, false, in.start, p, req.model), "")
+	x := s.newExchange(in.rid, in.engineID, path, false, in.start, p, req.model)
+	x.pass = true
+	s.dispatch(ctx, st, sc, x, "")
 }
 
 // parseModel fills r from a pass-through request body: a JSON object whose

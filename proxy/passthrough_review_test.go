@@ -186,3 +186,36 @@ func TestPassthroughHugeAnswer(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// TestPassthroughNoLifetime: tokenizing holds no KV memory on the engine,
+// so it does not count in the mean request lifetime the kv policy prices
+// the wait for memory with; a completion does.
+func TestPassthroughNoLifetime(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	lifetime := func() float64 {
+		for _, pool := range p.s.st.Load().pools {
+			for _, w := range pool.rt.Workers() {
+				return w.LifetimeMs
+			}
+		}
+		t.Fatal("no worker")
+		return 0
+	}
+	for i := 0; i < 5; i++ {
+		if resp, b := post(t, p.url+"/tokenize", `{"model":"m","prompt":"hello there"}`); resp.StatusCode != 200 {
+			t.Fatalf("tokenize: %d %s", resp.StatusCode, b)
+		}
+	}
+	p.waitIdle(t)
+	if l := lifetime(); l != 0 {
+		t.Fatalf("after tokenize requests alone the mean lifetime is %vms", l)
+	}
+	if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"hello there"}`); resp.StatusCode != 200 {
+		t.Fatalf("completion: %d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+	if l := lifetime(); l <= 0 {
+		t.Fatalf("after a completion the mean lifetime is %vms", l)
+	}
+}
