@@ -12,6 +12,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvproxy/kvproxy/config"
 )
 
 // TestPassthroughClientHangUp: a client that leaves while the engine works
@@ -218,4 +220,48 @@ func TestPassthroughNoLifetime(t *testing.T) {
 	if l := lifetime(); l <= 0 {
 		t.Fatalf("after a completion the mean lifetime is %vms", l)
 	}
+}
+
+// TestRequestAtReplacedBackend: a queued request that a reload's new
+// backend (same id, a new URL) takes at once goes to the new engine, and
+// reads the new backend's event feed (for its data-parallel ranks) only
+// once the feed is set: the backend was put in the pool first, a data race
+// with every request routed to it meanwhile.
+func TestRequestAtReplacedBackend(t *testing.T) {
+	old := startFake(t, "old", func(f *fakeEngine) { f.prefillDelay = 500 * time.Millisecond })
+	nu := startFake(t, "new", nil)
+	head := "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n" +
+		"limits: {max_queue: 4, queue_timeout: 5s}\n" +
+		"backends:\n"
+	p := startProxyYAML(t, head+"  - {id: e0, url: 'http://{{e0}}', model: m, max_concurrency: 1, kv_events: {mode: http}}\n", old)
+	ids := promptIDs(100)
+	pushRank(t, p, "e0", 1, ids)
+	body := `{"model":"m","prompt":[` + ids + `]}`
+	res := make(chan int, 2)
+	go func() {
+		resp, _ := post(t, p.url+"/v1/completions", body)
+		res <- resp.StatusCode
+	}()
+	waitFor(t, "the first request at the old engine", func() bool { return old.current.Load() == 1 })
+	go func() {
+		resp, _ := post(t, p.url+"/v1/completions", body)
+		res <- resp.StatusCode
+	}()
+	waitFor(t, "the second request to queue", func() bool { return p.s.queue.waiters.Load() == 1 })
+	cfg, err := config.Parse([]byte(head + "  - {id: e0, url: 'http://" + nu.addr + "', model: m, max_concurrency: 1, kv_events: {mode: http}}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 2; i++ {
+		if code := <-res; code != 200 {
+			t.Fatalf("status %d", code)
+		}
+	}
+	if old.requests.Load() != 1 || nu.requests.Load() != 1 {
+		t.Fatalf("the old engine got %d requests, the new one %d", old.requests.Load(), nu.requests.Load())
+	}
+	p.waitIdle(t)
 }

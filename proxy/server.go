@@ -248,8 +248,10 @@ func (s *Server) activate(st, prev *state) {
 		if prev != nil && prev.backends[b.cfg.ID] == b {
 			continue
 		}
-		b.pool.setBackend(b)
+		// Its feed first: requests reach b once it is set in the pool,
+		// and read its feed for its data-parallel ranks.
 		b.startEvents()
+		b.pool.setBackend(b)
 		if s.health != nil {
 			s.health.Remove(b.cfg.ID)
 			s.health.Add(b.cfg.ID, "http://"+b.up.Addr+"/health", b.setProbe)
