@@ -335,8 +335,13 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 		if err == nil {
 			b, rank := p.backend(d.Worker), 0
 			if b == nil {
-				// A data-parallel rank of a backend: same endpoint, rank header.
-				b, rank = st.rankBackend(d.Name)
+				// A data-parallel rank of a backend: same endpoint, rank
+				// header. The current configuration's backend, as for rank
+				// 0: a reload may have replaced it since the request came.
+				b, rank = s.st.Load().rankBackend(d.Name)
+				if b != nil && b.pool != p {
+					b = nil
+				}
 			}
 			if b == nil {
 				active.Free()

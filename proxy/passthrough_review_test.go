@@ -261,7 +261,50 @@ func TestRequestAtReplacedBackend(t *testing.T) {
 		}
 	}
 	if old.requests.Load() != 1 || nu.requests.Load() != 1 {
-		t.Fatalf("the old engine got %d requests, the new one %d", old.requests.Load(), nu.requests.Load())
+		t.Fatalf("the old engine got %d requests (ranks %q), the new one %d", old.requests.Load(), old.headers, nu.requests.Load())
+	}
+	p.waitIdle(t)
+}
+
+// TestQueuedRankRequestAfterReplace: a request queued across a reload that
+// replaced its backend (same id, a new URL), then routed to one of the
+// backend's data-parallel ranks, goes to the new engine as one routed to
+// rank 0 does; it went to the old backend, the old engine.
+func TestQueuedRankRequestAfterReplace(t *testing.T) {
+	slow := func(f *fakeEngine) { f.prefillDelay = 600 * time.Millisecond }
+	old, nu := startFake(t, "old", slow), startFake(t, "new", slow)
+	head := "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n" +
+		"limits: {max_queue: 4, queue_timeout: 5s}\n" +
+		"backends:\n"
+	p := startProxyYAML(t, head+"  - {id: e0, url: 'http://{{e0}}', model: m, max_concurrency: 1, kv_events: {mode: http}}\n", old)
+	ids := promptIDs(100)
+	body := `{"model":"m","prompt":[` + ids + `]}`
+	res := make(chan int, 3)
+	send := func() {
+		resp, _ := post(t, p.url+"/v1/completions", body)
+		res <- resp.StatusCode
+	}
+	go send()
+	waitFor(t, "the first request at the old engine", func() bool { return old.current.Load() == 1 })
+	go send()
+	go send()
+	waitFor(t, "two requests to queue", func() bool { return p.s.queue.waiters.Load() == 2 })
+	cfg, err := config.Parse([]byte(head + "  - {id: e0, url: 'http://" + nu.addr + "', model: m, max_concurrency: 1, kv_events: {mode: http}}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "a queued request at the new engine", func() bool { return nu.current.Load() == 1 })
+	pushRank(t, p, "e0", 1, ids) // the new engine's rank 1 holds the prompt
+	for i := 0; i < 3; i++ {
+		if code := <-res; code != 200 {
+			t.Fatalf("status %d", code)
+		}
+	}
+	if old.requests.Load() != 1 || nu.requests.Load() != 2 || nu.headers[1].Get("X-Data-Parallel-Rank") != "1" {
+		t.Fatalf("the old engine got %d requests (ranks %q), the new one %d", old.requests.Load(), old.headers, nu.requests.Load())
 	}
 	p.waitIdle(t)
 }
