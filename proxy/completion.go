@@ -43,8 +43,8 @@ type exchange struct {
 	rank     int        // data-parallel rank of the chosen worker
 	// released: the backend slot was returned
 	released bool
-	// pass: a pass-through request (passthroughPaths), which holds no KV
-	// memory on the engine.
+	// pass: a pass-through request (passthroughPaths): its answer is
+	// relayed as it comes, unread.
 	pass bool
 
 	status       int
@@ -535,7 +535,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	*at = attempt{ab: x.ab, active: active}
 	x.watch = s.watcher.Watch(ctx.Conn(), at)
 	resp := fasthttp.AcquireResponse()
-	stream, err := b.up.Do(fr, resp, x.stream, x.ab)
+	stream, err := b.up.Do(fr, resp, x.stream || x.pass, x.ab)
 	if err != nil {
 		fasthttp.ReleaseResponse(resp)
 		var ce *backends.ConnectError
@@ -569,10 +569,10 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			}
 			x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, msg)
 		case errors.Is(err, fasthttp.ErrBodyTooLarge):
-			// The request asked for more than kvproxy reads whole (a big
-			// batch of float embeddings): the engine did its work, and is
-			// not ejected for it.
-			x.failUpstream(ctx, fasthttp.StatusBadGateway, "the answer of backend "+b.cfg.ID+" is larger than kvproxy reads whole (64 MiB); ask for less at once (fewer inputs, or encoding_format base64)")
+			// The request asked for more than kvproxy reads whole (many
+			// choices with logprobs, unstreamed): the engine did its work,
+			// and is not ejected for it. Pass-through answers are streamed.
+			x.failUpstream(ctx, fasthttp.StatusBadGateway, "the answer of backend "+b.cfg.ID+" is larger than kvproxy reads whole (64 MiB); ask for less at once, or stream it")
 		default:
 			b.fail(err.Error())
 			x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" failed: "+err.Error())
@@ -630,10 +630,24 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	}
 	ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 	ctx.SetStatusCode(fasthttp.StatusOK)
+	x.status = fasthttp.StatusOK
+	if x.pass {
+		x.active.PrefillDone() // the engine has done its work: the answer is here
+		if ct := resp.Header.ContentType(); len(ct) > 0 {
+			ctx.Response.Header.SetContentTypeBytes(ct)
+		}
+		rr := &rawRelay{x: x, body: stream, resp: resp}
+		size := resp.Header.ContentLength()
+		if size < 0 && !ctx.Request.Header.IsHTTP11() {
+			s.relayUntilClose(ctx, rr)
+			return done
+		}
+		ctx.SetBodyStream(rr, max(size, -1))
+		return done
+	}
 	ctx.Response.Header.SetContentType("text/event-stream")
 	ctx.Response.Header.Set("Cache-Control", "no-cache")
 	ctx.Response.Header.Set("X-Accel-Buffering", "no")
-	x.status = fasthttp.StatusOK
 	rl := newRelay(x, stream, resp)
 	if !ctx.Request.Header.IsHTTP11() {
 		s.relayUntilClose(ctx, rl)
@@ -650,7 +664,10 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 // The hang-up watcher keeps watching the hijacked connection (fasthttp
 // reports no close for it) until the relay has ended; then it forgets it,
 // before fasthttp closes it.
-func (s *Server) relayUntilClose(ctx *fasthttp.RequestCtx, rl *relay) {
+func (s *Server) relayUntilClose(ctx *fasthttp.RequestCtx, rl interface {
+	io.WriterTo
+	io.Closer
+}) {
 	ctx.Response.Header.SetContentLength(-2) // no length, no chunks: Connection: close
 	head := append([]byte(nil), ctx.Response.Header.Header()...)
 	conn := ctx.Conn()
@@ -670,12 +687,8 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 	x.status = code
 	body := resp.Body()
 	if code == fasthttp.StatusOK {
-		if !x.pass {
-			// The request ran and held KV memory: its lifetime counts
-			// in the router's mean (a pass-through one's does not).
-			x.active.PrefillDone()
-			x.cachedTokens = cachedTokens(body)
-		}
+		x.active.PrefillDone()
+		x.cachedTokens = cachedTokens(body)
 	} else {
 		body = normalizeEngineError(code, body)
 		x.errMsg = "engine answered " + strconv.Itoa(code)

@@ -2,11 +2,14 @@ package proxy
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
+	"io"
 
 	"github.com/goccy/go-json"
 	"github.com/valyala/fasthttp"
 
+	"github.com/kvproxy/kvproxy/backends"
 	"github.com/kvproxy/kvproxy/router"
 )
 
@@ -57,7 +60,7 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 		s.rateLimited(ctx, in.rid, in.start, wait, "tokens")
 		return
 	}
-	sc.route = router.Request{PromptTokens: tokens, Unstreamed: true, CandidateBuf: sc.cands}
+	sc.route = router.Request{PromptTokens: tokens, Unstreamed: true, Auxiliary: true, CandidateBuf: sc.cands}
 	x := s.newExchange(in.rid, in.engineID, path, false, in.start, p, req.model)
 	x.pass = true
 	s.dispatch(ctx, st, sc, x, "")
@@ -92,5 +95,92 @@ func (r *apiRequest) parseModel(body []byte) *paramError {
 	if r.model == "" {
 		return perr("model", "model must be a non-empty string")
 	}
+	return nil
+}
+
+// rawRelay passes a pass-through answer to the client as it arrives, byte
+// for byte: an embeddings batch can be larger than anything worth holding,
+// and the proxy reads nothing in it. Like relay it is the response's body
+// stream and ends the exchange in Close. A body the engine breaks off
+// cannot be mended as an SSE stream is: the client's answer is cut short
+// (its connection closed), which HTTP clients report as an error.
+type rawRelay struct {
+	x      *exchange
+	body   streamBody
+	resp   *fasthttp.Response
+	err    error // how the engine's body ended: io.EOF when whole
+	closed bool
+}
+
+// Read serves fasthttp (a body with a length, and chunked ones). After a
+// break it keeps failing: fasthttp would end a chunked body properly on a
+// later io.EOF.
+func (r *rawRelay) Read(p []byte) (int, error) {
+	if r.err != nil {
+		return 0, r.err
+	}
+	n, err := r.body.Read(p)
+	if err != nil {
+		r.end(err)
+	}
+	return n, r.err
+}
+
+// WriteTo serves relayUntilClose (HTTP/1.0 clients).
+func (r *rawRelay) WriteTo(w io.Writer) (int64, error) {
+	buf := make([]byte, 32<<10)
+	var total int64
+	for {
+		n, err := r.Read(buf)
+		if n > 0 {
+			m, werr := w.Write(buf[:n])
+			total += int64(m)
+			if werr != nil {
+				return total, werr
+			}
+		}
+		if err == io.EOF {
+			return total, nil
+		}
+		if err != nil {
+			return total, err
+		}
+	}
+}
+
+var errClientLeft = errors.New("the client left")
+
+// end records how the engine's body ended.
+func (r *rawRelay) end(err error) {
+	x := r.x
+	r.err = err
+	switch {
+	case err == io.EOF: // not errors.Is: backends.ErrTruncated matches io.EOF
+		x.b.succeed()
+	case (errors.Is(err, backends.ErrAborted) || x.ab.Aborted()) && x.s.live.isCut():
+		x.status, x.errMsg = fasthttp.StatusServiceUnavailable, errCutMsg
+	case errors.Is(err, backends.ErrAborted) || x.ab.Aborted():
+		x.status = 499
+	default:
+		x.errMsg = "backend " + x.b.cfg.ID + " failed mid-answer: " + err.Error()
+		x.b.fail("mid-answer: " + err.Error())
+		x.status = fasthttp.StatusBadGateway
+	}
+}
+
+// Close ends the exchange; before the body's end, the client left.
+func (r *rawRelay) Close() error {
+	if r.closed {
+		return nil
+	}
+	r.closed = true
+	if r.err == nil {
+		r.err = errClientLeft
+		r.x.ab.Abort()
+		r.x.status = 499
+	}
+	r.body.Close()
+	fasthttp.ReleaseResponse(r.resp)
+	r.x.finish()
 	return nil
 }

@@ -151,9 +151,10 @@ func TestPassthroughDrainCut(t *testing.T) {
 	p.waitIdle(t)
 }
 
-// TestPassthroughHugeAnswer: an answer larger than kvproxy reads whole (a
-// big batch of float embeddings) fails that request alone: the engine that
-// made it is not ejected, and the model's next request is served.
+// TestPassthroughHugeAnswer: a pass-through answer is streamed to the
+// client as it comes, however large (a big batch of float embeddings went
+// over the 64 MiB kvproxy reads whole: a 502, and the engine ejected); a
+// non-streamed completion that large fails alone, and the engine stays in.
 func TestPassthroughHugeAnswer(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -161,10 +162,10 @@ func TestPassthroughHugeAnswer(t *testing.T) {
 	}
 	big := bytes.Repeat([]byte("0.123456789,"), (65<<20)/12)
 	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		var req struct{ Input string }
+		var req struct{ Input, Prompt string }
 		json.NewDecoder(r.Body).Decode(&req)
 		w.Header().Set("Content-Type", "application/json")
-		if req.Input == "big" {
+		if req.Input == "big" || req.Prompt == "big" {
 			fmt.Fprintf(w, `{"object":"list","data":[{"embedding":[%s1]}]}`, big)
 			return
 		}
@@ -175,15 +176,20 @@ func TestPassthroughHugeAnswer(t *testing.T) {
 	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
 		"backends: [{id: e0, url: 'http://"+ln.Addr().String()+"', model: m}]\n")
 	resp, b := post(t, p.url+"/v1/embeddings", `{"model":"m","input":"big"}`)
+	if want := len(big) + len(`{"object":"list","data":[{"embedding":[1]}]}`); resp.StatusCode != 200 || len(b) != want ||
+		resp.Header.Get("Content-Type") != "application/json" || !bytes.HasSuffix(b, []byte(",1]}]}")) {
+		t.Fatalf("huge answer: %d, %d bytes of %d: %.300s", resp.StatusCode, len(b), want, b)
+	}
+	resp, b = post(t, p.url+"/v1/completions", `{"model":"m","prompt":"big"}`)
 	var answer struct {
 		Error *struct{ Message, Type string }
 	}
 	json.Unmarshal(b, &answer)
 	if resp.StatusCode != 502 || answer.Error == nil || !strings.Contains(answer.Error.Message, "larger than") {
-		t.Fatalf("huge answer: %d %.300s", resp.StatusCode, b)
+		t.Fatalf("huge unstreamed completion: %d %.300s", resp.StatusCode, b)
 	}
 	resp, b = post(t, p.url+"/v1/embeddings", `{"model":"m","input":"small"}`)
-	if resp.StatusCode != 200 {
+	if resp.StatusCode != 200 || string(b) != `{"object":"list","data":[{"embedding":[1]}]}` {
 		t.Fatalf("the next request: %d %s", resp.StatusCode, b)
 	}
 	p.waitIdle(t)

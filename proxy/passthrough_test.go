@@ -1,9 +1,14 @@
 package proxy
 
 import (
+	"bytes"
 	"encoding/json"
+	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -157,4 +162,111 @@ func TestTraceContextReachesTheEngine(t *testing.T) {
 		}
 	}
 	p.waitIdle(t)
+}
+
+// TestPassthroughBodyBrokenOff: an engine that dies partway through a
+// pass-through answer cuts the client's answer short (an error for any
+// HTTP client, never a shorter body taken for whole) and is ejected; a
+// client that leaves partway through cancels the engine's answer. Either
+// way the load is freed.
+func TestPassthroughBodyBrokenOff(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cancelled atomic.Int64
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var req struct{ Input string }
+		json.NewDecoder(r.Body).Decode(&req)
+		w.Header().Set("Content-Type", "application/json")
+		switch req.Input {
+		case "sized", "chunked":
+			if req.Input == "sized" {
+				w.Header().Set("Content-Length", "100000")
+			}
+			w.Write([]byte(`{"object":"list","data":[{"embedding":[0.5,`))
+			w.(http.Flusher).Flush()
+			c, _, _ := w.(http.Hijacker).Hijack()
+			c.Close()
+		case "parts":
+			for _, part := range []string{`{"object":"list",`, `"data":[]}`} {
+				w.Write([]byte(part))
+				w.(http.Flusher).Flush()
+			}
+		case "endless":
+			for {
+				if _, err := w.Write(bytes.Repeat([]byte("0.5,"), 4096)); err != nil {
+					cancelled.Add(1)
+					return
+				}
+				w.(http.Flusher).Flush()
+				time.Sleep(5 * time.Millisecond)
+			}
+		default:
+			w.Write([]byte(`{"object":"list","data":[]}`))
+		}
+	})}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends: [{id: e0, url: 'http://"+ln.Addr().String()+"', model: m}]\n"+
+		"health: {eject_base: 50ms, eject_max: 50ms}\n")
+	for _, input := range []string{"sized", "chunked"} {
+		// The client learns of the break when the headers or the body end
+		// early, whichever fasthttp had sent.
+		resp, err := http.Post(p.url+"/v1/embeddings", "application/json", strings.NewReader(`{"model":"m","input":"`+input+`"}`))
+		if err == nil {
+			b, rerr := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if rerr == nil {
+				t.Fatalf("%s: the broken answer read as whole: %d %q", input, resp.StatusCode, b)
+			}
+		}
+		p.waitIdle(t)
+		if !ejected(p, "e0") {
+			t.Fatalf("%s: the engine that broke off is still in", input)
+		}
+		for ejected(p, "e0") { // back after eject_base
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+
+	// A chunked answer to an HTTP/1.0 client: the body as it was, ended by
+	// closing the connection.
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := `{"model":"m","input":"parts"}`
+	fmt.Fprintf(c, "POST /v1/embeddings HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	raw, err := io.ReadAll(c)
+	c.Close()
+	if err != nil || !bytes.HasPrefix(raw, []byte("HTTP/1.0 200")) && !bytes.HasPrefix(raw, []byte("HTTP/1.1 200")) ||
+		!bytes.HasSuffix(raw, []byte("\r\n\r\n"+`{"object":"list","data":[]}`)) || bytes.Contains(raw, []byte("chunked")) {
+		t.Fatalf("HTTP/1.0: %v %q", err, raw)
+	}
+	p.waitIdle(t)
+
+	c, err = net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body = `{"model":"m","input":"endless"}`
+	fmt.Fprintf(c, "POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	if _, err := io.ReadFull(c, make([]byte, 64<<10)); err != nil {
+		t.Fatalf("the endless answer did not flow: %v", err)
+	}
+	c.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for cancelled.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the engine kept writing after the client left")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	p.waitIdle(t)
+	if ejected(p, "e0") {
+		t.Fatal("a client leaving ejected the engine")
+	}
 }

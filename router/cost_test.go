@@ -320,3 +320,38 @@ func TestUnstreamedPrefillsEndInDueOrder(t *testing.T) {
 		t.Fatal("not idle")
 	}
 }
+
+// TestAuxiliaryRequestsStayOutOfTheStatistics: embeddings and tokenize
+// requests (Request.Auxiliary) are load while they run, but do not pull
+// the mean lifetime (the wait for KV memory) or the mean uncached tokens
+// (the size of the engine's reported queue) towards their own.
+func TestAuxiliaryRequestsStayOutOfTheStatistics(t *testing.T) {
+	c := newFakeClock()
+	r := newTestRouter(t, "kv", 2, func(cfg *Config) { cfg.Now = c.Now })
+	_, gen := mustRoute(t, r, &Request{Pinned: true, Pin: 0, Hashes: seq(100, 1), PromptTokens: 1600})
+	c.Advance(5 * time.Second)
+	gen.PrefillDone()
+	gen.Free()
+	r.SetEngineLoad(0, 10, 1, 0.1) // ten requests waiting on the engine
+	probe := &Request{Pinned: true, Pin: 0, Hashes: seq(10, 9), PromptTokens: 160}
+	before, _ := r.Select(probe)
+	for i := 0; i < 20; i++ {
+		_, aux := mustRoute(t, r, &Request{Pinned: true, Pin: 0, Auxiliary: true, Unstreamed: true})
+		if st := r.Workers()[0]; st.Inflight != 1 {
+			t.Fatalf("an auxiliary request is not in flight: %+v", st)
+		}
+		c.Advance(10 * time.Millisecond)
+		aux.PrefillDone()
+		aux.Free()
+	}
+	after, _ := r.Select(probe)
+	if st := r.Workers()[0]; st.LifetimeMs != 5000 {
+		t.Fatalf("lifetime %.0f ms, want the generation's 5000", st.LifetimeMs)
+	}
+	if b, a := before.Candidates[0].CostMs, after.Candidates[0].CostMs; b != a {
+		t.Fatalf("predicted TTFT %.2f ms before the auxiliary requests, %.2f after: the engine's queue was resized", b, a)
+	}
+	if !r.Idle() {
+		t.Fatal("not idle")
+	}
+}

@@ -162,8 +162,10 @@ func (w *worker) add(a *Active) bool {
 		w.nextDue.Store(w.due[0].ns)
 	}
 	w.active.Add(newBlocks)
-	avg := math.Float64frombits(w.avgUncached.Load())
-	w.avgUncached.Store(math.Float64bits(avg + 0.1*(float64(a.uncached)-avg)))
+	if !a.aux {
+		avg := math.Float64frombits(w.avgUncached.Load())
+		w.avgUncached.Store(math.Float64bits(avg + 0.1*(float64(a.uncached)-avg)))
+	}
 	return true
 }
 
@@ -272,6 +274,7 @@ type Active struct {
 	// unstreamed: not counted in w.pending (Request.Unstreamed); started:
 	// PrefillDone was called, so the request held KV memory on the engine.
 	unstreamed, started bool
+	aux                 bool // Request.Auxiliary
 
 	start    int64   // Commit time, Unix ns (0: unknown)
 	dueNs    int64   // unstreamed: the predicted end of prefill, Unix ns (0: none)
@@ -355,7 +358,7 @@ func (a *Active) Free() {
 	a.prefill, a.out, a.pending, a.freed = 0, 0, false, true
 	// Only requests the engine ran have a lifetime: one freed before its
 	// first token (a retry elsewhere, a lost slot race) held no memory.
-	if a.start != 0 && a.started {
+	if a.start != 0 && a.started && !a.aux {
 		w.observeLifetime(float64(w.now().UnixNano()-a.start) / 1e6)
 	}
 	hashPool.Put(a.hashes)

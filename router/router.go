@@ -85,6 +85,13 @@ type Request struct {
 	// end at its predicted TTFT (Decision.PredictedTTFTms) if PrefillDone
 	// has not come by then.
 	Unstreamed bool
+	// Auxiliary marks a request that is no generation (embeddings, scores,
+	// tokenizing): it counts in flight and as prefill work like any other,
+	// but stays out of the worker's per-request statistics (the mean
+	// uncached tokens, which sizes the engine's reported queue, and the mean
+	// lifetime, which prices the wait for KV memory). A client tokenizing
+	// before every chat request would otherwise halve both.
+	Auxiliary bool
 	// CandidateBuf, if its capacity is at least the number of workers, is
 	// reused for Decision.Candidates instead of allocating.
 	CandidateBuf []Candidate
@@ -535,7 +542,7 @@ func (r *Router) commit(req *Request, d *Decision, now int64) *Active {
 	if req.PromptTokens > len(req.Hashes)*bs {
 		partial = 1
 	}
-	a := &Active{w: w, partial: partial, prefill: uncached, uncached: uncached, unstreamed: req.Unstreamed}
+	a := &Active{w: w, partial: partial, prefill: uncached, uncached: uncached, unstreamed: req.Unstreamed, aux: req.Auxiliary}
 	c := Candidate{ActiveBlocks: w.active.Load(), PrefillTokens: w.prefill.Load()}
 	if k := candIndex(d.Candidates, d.Worker); k >= 0 {
 		c = d.Candidates[k]
