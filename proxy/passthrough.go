@@ -50,6 +50,17 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 		return
 	}
 	p := st.models[req.model]
+	if req.fields.Model == nil {
+		// vLLM's pooling and tokenizing requests may leave the model out:
+		// it means the one the engine serves.
+		if len(st.pools) != 1 {
+			badRequest(ctx, "model", "you must provide a model parameter (kvproxy serves several models)")
+			s.logRejected(in.rid, "", fasthttp.StatusBadRequest, in.start, "no model")
+			return
+		}
+		p = st.pools[0]
+		req.model = p.cfg.Name
+	}
 	if p == nil {
 		writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", req.model), "invalid_request_error", "model", "model_not_found")
 		s.logRejected(in.rid, req.model, fasthttp.StatusNotFound, in.start, "unknown model")
@@ -67,8 +78,8 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 }
 
 // parseModel fills r from a pass-through request body: a JSON object whose
-// model member (matched as parse matches it) names a model. Its stream
-// member, if any, is forwarded as it came.
+// model member (matched as parse matches it), if there is one, names a
+// model. Its stream member, if any, is forwarded as it came.
 func (r *apiRequest) parseModel(body []byte) *paramError {
 	trimmed := bytes.TrimSpace(body)
 	if len(trimmed) == 0 {
@@ -87,7 +98,7 @@ func (r *apiRequest) parseModel(body []byte) *paramError {
 		}
 	}
 	if r.fields.Model == nil {
-		return perr("model", "you must provide a model parameter")
+		return nil // the caller decides
 	}
 	if r.fields.Model[0] == '"' {
 		r.model = r.decodeString(r.fields.Model)

@@ -56,9 +56,8 @@ func TestPassthroughErrors(t *testing.T) {
 		status int
 		param  string
 	}{
-		{`{"input":"x"}`, 400, "model"},
 		{`{"model":7,"input":"x"}`, 400, "model"},
-		{`{"Model":"m","input":"x"}`, 400, "model"}, // names match exactly, as engines match them
+		{`{"model":"","input":"x"}`, 400, "model"},
 		{`{"model":"nope","input":"x"}`, 404, "model"},
 		{`["model","m"]`, 400, ""},
 		{`{"model":"m",`, 400, ""},
@@ -85,6 +84,30 @@ func TestPassthroughErrors(t *testing.T) {
 		t.Fatalf("the engine saw %d bad requests: %v %v", n, e.paths, e.bodies)
 	}
 	p.waitIdle(t)
+}
+
+// TestPassthroughWithoutModel: vLLM's pooling and tokenizing requests may
+// leave the model out; with one model configured they go to it (a member
+// spelt otherwise, "Model", is no model member), with several they are a
+// 400 naming model.
+func TestPassthroughWithoutModel(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	for _, body := range []string{`{"prompt":"x"}`, `{"Model":"m","prompt":"x"}`} {
+		if resp, b := post(t, p.url+"/tokenize", body); resp.StatusCode != 200 || e.lastBody()["model"] != "engine-m" {
+			t.Fatalf("%s: %d %s, the engine got %v", body, resp.StatusCode, b, e.lastBody())
+		}
+	}
+	p.waitIdle(t)
+
+	two := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml}, {name: n, tokenizer: cl100k_base, template: chatml}]\n"+
+		"backends: [{id: e0, url: 'http://{{e0}}', model: m}, {id: e1, url: 'http://{{e0}}', model: n}]\n", e)
+	resp, b := post(t, two.url+"/tokenize", `{"prompt":"x"}`)
+	var answer struct{ Error *struct{ Param string } }
+	json.Unmarshal([]byte(b), &answer)
+	if resp.StatusCode != 400 || answer.Error == nil || answer.Error.Param != "model" {
+		t.Fatalf("two models, none named: %d %s", resp.StatusCode, b)
+	}
 }
 
 // TestPassthroughLoadAndRetry: a pass-through request holds a load slot
