@@ -156,9 +156,8 @@ func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiR
 		}
 		return nil, nil, 0, invalid("", "request body is not valid JSON: %v", err)
 	}
-	if req.Model != "" && req.Model != e.cfg.Model {
-		return nil, nil, 0, &badRequest{status: http.StatusNotFound, typ: "NotFoundError", param: "model",
-			msg: fmt.Sprintf("The model `%s` does not exist.", req.Model)}
+	if err := e.checkModel(req.Model); err != nil {
+		return nil, nil, 0, err
 	}
 	if req.N != nil && *req.N != 1 {
 		return nil, nil, 0, invalid("n", "the simulated engine generates one choice per request (n = 1), got n = %d", *req.N)
@@ -208,6 +207,28 @@ func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiR
 		return nil, nil, 0, invalid(param, "the prompt is empty")
 	}
 	return &req, prompt, maxTokens, nil
+}
+
+// checkModel is vLLM's 404 for a request naming a model the engine does
+// not serve ("" names none).
+func (e *Engine) checkModel(model string) error {
+	if model == "" || model == e.cfg.Model {
+		return nil
+	}
+	return &badRequest{status: http.StatusNotFound, typ: "NotFoundError", param: "model",
+		msg: fmt.Sprintf("The model `%s` does not exist.", model)}
+}
+
+// decodeJSON reads the request body into v: a 400 when it is not JSON.
+func decodeJSON(w http.ResponseWriter, r *http.Request, v any) error {
+	body, err := readBody(w, r)
+	if err != nil {
+		return err
+	}
+	if err := json.Unmarshal(body, v); err != nil {
+		return invalid("", "request body is not valid JSON: %v", err)
+	}
+	return nil
 }
 
 func readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {

@@ -28,19 +28,13 @@ type embeddingsRequest struct {
 // fixed pseudo-random vector per token, so equal inputs get equal vectors
 // and inputs sharing tokens point the same way.
 func (e *Engine) serveEmbeddings(w http.ResponseWriter, r *http.Request) {
-	body, err := readBody(w, r)
+	var req embeddingsRequest
+	err := decodeJSON(w, r, &req)
+	if err == nil {
+		err = e.checkModel(req.Model)
+	}
 	if err != nil {
 		e.fail(w, err)
-		return
-	}
-	var req embeddingsRequest
-	if err := json.Unmarshal(body, &req); err != nil {
-		e.fail(w, invalid("", "request body is not valid JSON: %v", err))
-		return
-	}
-	if req.Model != "" && req.Model != e.cfg.Model {
-		e.fail(w, &badRequest{status: http.StatusNotFound, typ: "NotFoundError", param: "model",
-			msg: fmt.Sprintf("The model `%s` does not exist.", req.Model)})
 		return
 	}
 	dims := DefaultEmbeddingDims

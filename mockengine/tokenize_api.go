@@ -2,7 +2,6 @@ package mockengine
 
 import (
 	"encoding/json"
-	"fmt"
 	"net/http"
 
 	"github.com/kvproxy/kvproxy/tokenize"
@@ -20,19 +19,13 @@ type tokenizeRequest struct {
 // serveTokenize answers vLLM's /tokenize: {"count", "max_model_len",
 // "tokens"} with the ids the engine itself would compute.
 func (e *Engine) serveTokenize(w http.ResponseWriter, r *http.Request) {
-	body, err := readBody(w, r)
+	var req tokenizeRequest
+	err := decodeJSON(w, r, &req)
+	if err == nil {
+		err = e.checkModel(req.Model)
+	}
 	if err != nil {
 		e.fail(w, err)
-		return
-	}
-	var req tokenizeRequest
-	if err := json.Unmarshal(body, &req); err != nil {
-		e.fail(w, invalid("", "request body is not valid JSON: %v", err))
-		return
-	}
-	if req.Model != "" && req.Model != e.cfg.Model {
-		e.fail(w, &badRequest{status: http.StatusNotFound, typ: "NotFoundError", param: "model",
-			msg: fmt.Sprintf("The model `%s` does not exist.", req.Model)})
 		return
 	}
 	var ids []uint32

@@ -1,12 +1,10 @@
 package proxy
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"io"
 
-	"github.com/goccy/go-json"
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvproxy/kvproxy/backends"
@@ -81,15 +79,10 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 // model member (matched as parse matches it), if there is one, names a
 // model. Its stream member, if any, is forwarded as it came.
 func (r *apiRequest) parseModel(body []byte) *paramError {
-	trimmed := bytes.TrimSpace(body)
-	if len(trimmed) == 0 {
-		return perr("", "the request body is empty; expected a JSON object")
+	if pe := r.setBody(body); pe != nil {
+		return pe
 	}
-	if trimmed[0] != '{' || !json.Valid(trimmed) {
-		return perr("", "the request body is not a valid JSON object")
-	}
-	r.body = trimmed
-	for m := (members{b: trimmed}); m.next(); {
+	for m := (members{b: r.body}); m.next(); {
 		switch {
 		case keyIs(m.key, "model"):
 			r.fields.Model = m.value

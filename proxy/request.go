@@ -123,16 +123,11 @@ func (r *apiRequest) reset() {
 // engine as it came, which ignores it too.
 func (r *apiRequest) parse(body []byte, chat bool) *paramError {
 	r.addGenPrompt = true
-	trimmed := bytes.TrimSpace(body)
-	if len(trimmed) == 0 {
-		return perr("", "the request body is empty; expected a JSON object")
+	if pe := r.setBody(body); pe != nil {
+		return pe
 	}
-	if trimmed[0] != '{' || !json.Valid(trimmed) {
-		return perr("", "the request body is not a valid JSON object")
-	}
-	r.body = trimmed
 	f := &r.fields
-	for m := (members{b: trimmed}); m.next(); {
+	for m := (members{b: r.body}); m.next(); {
 		switch {
 		case keyIs(m.key, "model"):
 			f.Model = m.value
@@ -452,6 +447,19 @@ type wireFields struct {
 // engines read it, and the tenant's cache_salt added (salt "" adds none).
 // Every other member is copied byte for byte.
 //
+// setBody checks that body is one valid JSON object and keeps it.
+func (r *apiRequest) setBody(body []byte) *paramError {
+	trimmed := bytes.TrimSpace(body)
+	if len(trimmed) == 0 {
+		return perr("", "the request body is empty; expected a JSON object")
+	}
+	if trimmed[0] != '{' || !json.Valid(trimmed) {
+		return perr("", "the request body is not a valid JSON object")
+	}
+	r.body = trimmed
+	return nil
+}
+
 // Members are matched as parse matches them (exactly, escapes decoded), so
 // every stream member the proxy read is dropped and the value it used is
 // sent as "stream": the engine answers in the form the proxy relays.
