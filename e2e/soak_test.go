@@ -69,7 +69,7 @@ func isOpenAIError(b []byte) bool {
 
 // TestSoak: 200 concurrent clients against kvproxy and three engines for a
 // bounded time; 20% of the streams disconnect midway, 10% of the requests
-// are malformed; one engine is killed and restarted, the config is reloaded
+// are malformed, 5% are embeddings (passed through); one engine is killed and restarted, the config is reloaded
 // once. Afterwards the proxy serves, every request ended in a completion or
 // an OpenAI error, every load counter is zero, goroutines are back to their
 // baseline and memory stayed bounded. KVPROXY_SOAK_SECONDS sets the length
@@ -222,12 +222,16 @@ func soakOne(r *rand.Rand, client *http.Client, url string, s *soakStats) {
 	}
 	stream := roll < 0.70
 	disconnect := roll >= 0.50 && roll < 0.70 // 20% of all requests
+	embed := roll >= 0.95                     // 5%: embeddings, passed through
 	conv := r.Intn(40)
 	prompt := strings.Repeat(fmt.Sprintf("conversation %d shares this long system prompt. ", conv), 10) + fmt.Sprintf(" question %d", r.Intn(1000))
 	tokens := 5 + r.Intn(40)
-	body := fmt.Sprintf(`{"model":"default","stream":%v,"max_tokens":%d,"ignore_eos":true,"messages":[{"role":"user","content":%q}]}`, stream, tokens, prompt)
+	path, body := "/v1/chat/completions", fmt.Sprintf(`{"model":"default","stream":%v,"max_tokens":%d,"ignore_eos":true,"messages":[{"role":"user","content":%q}]}`, stream, tokens, prompt)
+	if embed {
+		path, body = "/v1/embeddings", fmt.Sprintf(`{"model":"default","input":[%q,"second input"]}`, prompt)
+	}
 	start := time.Now()
-	resp, err := client.Post(url+"/v1/chat/completions", "application/json", strings.NewReader(body))
+	resp, err := client.Post(url+path, "application/json", strings.NewReader(body))
 	if err != nil {
 		s.fail("transport error " + err.Error())
 		return
@@ -269,6 +273,13 @@ func soakOne(r *rand.Rand, client *http.Client, url string, s *soakStats) {
 		case strings.HasSuffix(str, "data: [DONE]\n\n") && strings.Count(str, `"content"`) >= tokens:
 			ok = true
 		}
+	} else if embed {
+		var e struct {
+			Data []struct {
+				Embedding []float64 `json:"embedding"`
+			} `json:"data"`
+		}
+		ok = json.Unmarshal(b, &e) == nil && len(e.Data) == 2 && len(e.Data[1].Embedding) > 0
 	} else {
 		var c struct {
 			Choices []struct{} `json:"choices"`
