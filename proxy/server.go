@@ -493,6 +493,9 @@ func (s *Server) routes() map[string]route {
 		"/admin/reload":        {fasthttp.MethodPost, admin, func(ctx *fasthttp.RequestCtx, _ *state) { s.handleAdminReload(ctx) }},
 		"/v1/kv_events":        {fasthttp.MethodPost, admin, s.handleKVEvents},
 	}
+	t["/v1/responses"] = route{fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, _ *state) {
+		writeError(ctx, fasthttp.StatusNotFound, "kvproxy does not proxy the Responses API: an engine keeps each response it made, and previous_response_id would have to reach that engine; use /v1/chat/completions", "invalid_request_error", "", "unsupported_endpoint")
+	}}
 	for path := range passthroughPaths {
 		t[path] = route{fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handlePassthrough(ctx, st, path) }}
 	}
