@@ -12,7 +12,7 @@ import (
 	"github.com/openai/openai-go/option"
 )
 
-// The OpenAI SDK's embeddings call, and vLLM's /tokenize, through kvproxy
+// The OpenAI SDK's embeddings call, and vLLM's /tokenize and /v1/rerank, through kvproxy
 // to simulated engines in their own processes: the model alias is resolved,
 // the vectors come back whole in both encodings, and the load is freed.
 func TestEmbeddingsAndTokenizeThroughTheProxy(t *testing.T) {
@@ -74,6 +74,20 @@ func TestEmbeddingsAndTokenizeThroughTheProxy(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != 200 || tok.Count != 2 || len(tok.Tokens) != 2 {
 		t.Fatalf("/tokenize: %d %+v", resp.StatusCode, tok)
+	}
+	resp, err = http.Post(url+"/v1/rerank", "application/json", strings.NewReader(`{"model":"default","query":"the cat sat on the mat","documents":["stock prices fell","the cat sat on the hat"]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rr struct {
+		Results []struct {
+			Index int `json:"index"`
+		} `json:"results"`
+	}
+	json.NewDecoder(resp.Body).Decode(&rr)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || len(rr.Results) != 2 || rr.Results[0].Index != 1 {
+		t.Fatalf("/v1/rerank: %d %+v", resp.StatusCode, rr)
 	}
 	assertIdle(t, url)
 }

@@ -35,6 +35,12 @@ func (e *Engine) Handler() http.Handler {
 	mux.HandleFunc("GET /debug/cache", e.serveDebugCache)
 	mux.HandleFunc("POST /tokenize", e.serveTokenize)
 	mux.HandleFunc("POST /v1/embeddings", e.serveEmbeddings)
+	for _, path := range []string{"/score", "/v1/score"} {
+		mux.HandleFunc("POST "+path, e.serveScore)
+	}
+	for _, path := range []string{"/rerank", "/v1/rerank", "/v2/rerank"} {
+		mux.HandleFunc("POST "+path, e.serveRerank)
+	}
 	mux.HandleFunc("POST /reset_prefix_cache", e.serveResetPrefixCache)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "NotFoundError", "", "no route for "+r.Method+" "+r.URL.Path)

@@ -114,3 +114,66 @@ func TestEmbeddings(t *testing.T) {
 		t.Fatalf("unknown model: %d", code)
 	}
 }
+
+// Scoring and reranking rank by the same similarity the embeddings have:
+// a near-identical text above an unrelated one.
+func TestScoreAndRerank(t *testing.T) {
+	_, url := startEngine(t, Config{})
+	postJSON := func(path string, body any, out any) int {
+		t.Helper()
+		b, _ := json.Marshal(body)
+		resp, err := http.Post(url+path, "application/json", bytes.NewReader(b))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		raw, _ := io.ReadAll(resp.Body)
+		if err := json.Unmarshal(raw, out); err != nil {
+			t.Fatalf("%s: not JSON: %s", path, raw)
+		}
+		return resp.StatusCode
+	}
+	docs := []string{"quarterly revenue grew by four percent", "the cat sat on the hat", "a dog barked"}
+	var score struct {
+		Object string
+		Data   []struct {
+			Index  int
+			Object string
+			Score  float64
+		}
+		Usage struct {
+			PromptTokens int `json:"prompt_tokens"`
+		}
+	}
+	for _, path := range []string{"/score", "/v1/score"} {
+		if code := postJSON(path, map[string]any{"text_1": "the cat sat on the mat", "text_2": docs}, &score); code != 200 ||
+			score.Object != "list" || len(score.Data) != 3 || score.Data[1].Score <= score.Data[0].Score || score.Data[1].Object != "score" || score.Usage.PromptTokens == 0 {
+			t.Fatalf("%s: %d %+v", path, code, score)
+		}
+	}
+	var rerank struct {
+		Results []struct {
+			Index          int
+			Document       struct{ Text string }
+			RelevanceScore float64 `json:"relevance_score"`
+		}
+	}
+	for _, path := range []string{"/rerank", "/v1/rerank", "/v2/rerank"} {
+		if code := postJSON(path, map[string]any{"model": "mock-model", "query": "the cat sat on the mat", "documents": docs, "top_n": 2}, &rerank); code != 200 ||
+			len(rerank.Results) != 2 || rerank.Results[0].Index != 1 || rerank.Results[0].Document.Text != docs[1] || rerank.Results[0].RelevanceScore < rerank.Results[1].RelevanceScore {
+			t.Fatalf("%s: %d %+v", path, code, rerank)
+		}
+	}
+	var bad struct{ Error *struct{ Param string } }
+	for path, body := range map[string]any{
+		"/score":     map[string]any{"text_1": []string{"a", "b"}, "text_2": docs},
+		"/v1/score":  map[string]any{"text_1": "a"},
+		"/rerank":    map[string]any{"query": "q", "documents": []string{}},
+		"/v2/rerank": map[string]any{"query": "q", "documents": docs, "top_n": -1},
+	} {
+		bad.Error = nil
+		if code := postJSON(path, body, &bad); code != 400 || bad.Error == nil {
+			t.Fatalf("%s %v: %d %+v", path, body, code, bad)
+		}
+	}
+}
