@@ -91,3 +91,51 @@ func TestEmbeddingsAndTokenizeThroughTheProxy(t *testing.T) {
 	}
 	assertIdle(t, url)
 }
+
+// Pass-through requests answer to the same keys and tenant limits as
+// completions: no key is a 401 that never reaches an engine, a tenant's
+// prompt-token budget counts their bodies (4 bytes a token), and the
+// tenant's key stays at the proxy.
+func TestPassthroughKeysAndTenantLimits(t *testing.T) {
+	engines := fleet(t, 1, "-speedup", "20")
+	url, p, _ := startProxyConfig(t, backendsYAML(map[string]string{"m": engines[0]}, `
+auth:
+  keys:
+    - {key: alpha-key-0001, tenant: alpha}
+    - {key: small-key-0002, tenant: small}
+  admin_keys: [admin-key-0005]
+tenants:
+  - {name: small, tokens_per_minute: 600}
+`))
+	embed := func(key, input string) (*openai.CreateEmbeddingResponse, error) {
+		c := openai.NewClient(option.WithBaseURL(url+"/v1/"), option.WithAPIKey(key), option.WithMaxRetries(0))
+		return c.Embeddings.New(context.Background(), openai.EmbeddingNewParams{
+			Model: "default", Input: openai.EmbeddingNewParamsInputUnion{OfString: openai.String(input)},
+		})
+	}
+	var apiErr *openai.Error
+	if _, err := embed("not-a-key-000", "x"); !asAPIError(err, &apiErr) || apiErr.StatusCode != 401 {
+		t.Fatalf("bad key: %v", err)
+	}
+	if res, err := embed("alpha-key-0001", "hello"); err != nil || len(res.Data) != 1 {
+		t.Fatalf("alpha: %v %+v", err, res)
+	}
+	// ≈ 2,800 bytes, counted as 700 tokens: more than the bucket holds, so
+	// it takes a full bucket, and the next one waits for it to refill.
+	long := strings.Repeat("tokens of a long document to embed ", 80)
+	if res, err := embed("small-key-0002", long); err != nil || len(res.Data) != 1 {
+		t.Fatalf("small, a full bucket: %v %+v", err, res)
+	}
+	if _, err := embed("small-key-0002", long); !asAPIError(err, &apiErr) || apiErr.StatusCode != 429 {
+		t.Fatalf("over the tenant's tokens per minute: %v", err)
+	}
+	if res, err := embed("alpha-key-0001", long); err != nil || len(res.Data) != 1 {
+		t.Fatalf("alpha, unlimited: %v %+v", err, res)
+	}
+	assertIdle(t, url)
+	for _, secret := range []string{"alpha-key-0001", "small-key-0002"} {
+		if strings.Contains(p.output(), secret) {
+			t.Fatalf("%q leaked into kvproxy's output", secret)
+		}
+	}
+}
