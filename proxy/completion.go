@@ -585,8 +585,12 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	if stream == nil || code != fasthttp.StatusOK {
 		if stream != nil {
 			// An engine's error answer to a streaming request: read it whole.
+			// A 204 or 304 has no body, and no body stream to read.
 			var eb bytes.Buffer
-			_, rerr := eb.ReadFrom(io.LimitReader(stream, 1<<20))
+			var rerr error
+			if resp.BodyStream() != nil {
+				_, rerr = eb.ReadFrom(io.LimitReader(stream, 1<<20))
+			}
 			stream.Close()
 			if rerr != nil {
 				b.fail(rerr.Error())
