@@ -640,6 +640,11 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		if ct := resp.Header.ContentType(); len(ct) > 0 {
 			ctx.Response.Header.SetContentTypeBytes(ct)
 		}
+		// The bytes go as they came: so does their coding (an engine, or
+		// a gateway in front of it, may compress unasked).
+		if ce := resp.Header.ContentEncoding(); len(ce) > 0 {
+			ctx.Response.Header.SetContentEncodingBytes(ce)
+		}
 		rr := &rawRelay{x: x, body: stream, resp: resp}
 		size := resp.Header.ContentLength()
 		if size < 0 && !ctx.Request.Header.IsHTTP11() {
