@@ -86,6 +86,9 @@ func (r *apiRequest) parseModel(body []byte) *paramError {
 		switch {
 		case keyIs(m.key, "model"):
 			r.fields.Model = m.value
+			if string(m.value) == "null" { // vLLM's None: no model
+				r.fields.Model = nil
+			}
 		case keyIs(m.key, "stream"):
 			r.fields.Stream = m.value
 		}

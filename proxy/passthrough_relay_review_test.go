@@ -50,3 +50,28 @@ func TestPassthroughNoContentAnswer(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// TestPassthroughNullModel: vLLM's tokenizing and pooling requests take
+// "model": null (what a Python client sends for None) as no model: with one
+// model configured it goes to that model, as a request without model does.
+func TestPassthroughNullModel(t *testing.T) {
+	addr := startRawEngine(t, func(w http.ResponseWriter, r *http.Request) {
+		var req struct{ Model *string }
+		json.NewDecoder(r.Body).Decode(&req)
+		w.Header().Set("Content-Type", "application/json")
+		if req.Model == nil || *req.Model != "engine-m" {
+			w.WriteHeader(http.StatusBadRequest)
+			w.Write([]byte(`{"error":{"message":"bad model"}}`))
+			return
+		}
+		w.Write([]byte(`{"count":1,"tokens":[1]}`))
+	})
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends: [{id: e0, url: 'http://"+addr+"', model: m, served_model: engine-m}]\n")
+	for _, body := range []string{`{"prompt":"hi"}`, `{"model":null,"prompt":"hi"}`} {
+		if resp, b := post(t, p.url+"/tokenize", body); resp.StatusCode != 200 || string(b) != `{"count":1,"tokens":[1]}` {
+			t.Fatalf("%s: %d %s", body, resp.StatusCode, b)
+		}
+	}
+	p.waitIdle(t)
+}
