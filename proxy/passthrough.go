@@ -135,7 +135,11 @@ func (r *rawRelay) Read(p []byte) (int, error) {
 
 // WriteTo serves relayUntilClose (HTTP/1.0 clients).
 func (r *rawRelay) WriteTo(w io.Writer) (int64, error) {
-	buf := make([]byte, 32<<10)
+	// fasthttp writes a sized body through WriteTo too: the buffer is the
+	// SSE relays' pooled one, not 32 KiB of garbage per request.
+	bufs := relayBufs.Get().(*relayBuffers)
+	defer relayBufs.Put(bufs)
+	buf := bufs.in[:cap(bufs.in)]
 	var total int64
 	for {
 		n, err := r.Read(buf)

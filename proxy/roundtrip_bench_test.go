@@ -158,7 +158,16 @@ func benchRoundTrips(b *testing.B, stream bool, events int) {
 		body = `{"model":"m","stream":true,"max_tokens":64,"messages":[{"role":"user","content":"Say hi to the whole wide world, please."}]}`
 		want = []byte("data: [DONE]")
 	}
-	req := []byte("POST /v1/chat/completions HTTP/1.1\r\nHost: kvproxy\r\nContent-Type: application/json\r\nContent-Length: " +
+	roundTrips(b, addr, "/v1/chat/completions", body, want)
+	if stream {
+		b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*events), "ns/event")
+	}
+}
+
+// roundTrips sends body to path over keep-alive connections (parallelism ×
+// GOMAXPROCS of them) and checks that every answer holds want.
+func roundTrips(b *testing.B, addr, path, body string, want []byte) {
+	req := []byte("POST " + path + " HTTP/1.1\r\nHost: kvproxy\r\nContent-Type: application/json\r\nContent-Length: " +
 		strconv.Itoa(len(body)) + "\r\n\r\n" + body)
 	b.ReportAllocs()
 	b.SetParallelism(8)
@@ -192,9 +201,6 @@ func benchRoundTrips(b *testing.B, stream bool, events int) {
 		// comparable on a busy machine, where ns/op does not.
 		b.ReportMetric(float64(cpu1-cpu0)/float64(b.N), "cpu-ns/op")
 	}
-	if stream {
-		b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*events), "ns/event")
-	}
 }
 
 // BenchmarkProxyChat is a whole non-streaming request through the proxy over
@@ -205,3 +211,11 @@ func BenchmarkProxyChat(b *testing.B) { benchRoundTrips(b, false, 0) }
 
 // BenchmarkProxyStream is a streamed request of 64 events through the proxy.
 func BenchmarkProxyStream(b *testing.B) { benchRoundTrips(b, true, 64) }
+
+// BenchmarkProxyEmbeddings is a pass-through request (its answer relayed as
+// it arrives, unread) through the proxy.
+func BenchmarkProxyEmbeddings(b *testing.B) {
+	e := startCannedEngine(b, 0)
+	addr := startBenchProxy(b, e.ln.Addr().String())
+	roundTrips(b, addr, "/v1/embeddings", `{"model":"m","input":"Say hi to the whole wide world, please."}`, []byte(`"cached_tokens":16`))
+}
