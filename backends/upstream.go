@@ -175,6 +175,10 @@ func (b *Body) Read(p []byte) (int, error) {
 	if b.err != nil {
 		return 0, b.err
 	}
+	if b.r == nil { // a bodiless answer (204, 304): fasthttp gives no stream
+		b.eof = true
+		return 0, io.EOF
+	}
 	b.uc.armRead(time.Now(), b.u.readTimeout())
 	n, err := b.r.Read(p)
 	if err == io.EOF && b.uc.rd.closed && b.resp.Header.ContentLength() == -1 {
@@ -210,7 +214,9 @@ func (b *Body) Close() {
 		return
 	}
 	b.resp.CloseBodyStream()
-	b.u.done(b.uc, b.eof && !b.resp.ConnectionClose() && b.resp.Header.ContentLength() != -2, b.ab)
+	// A body that ends with the connection (no length, not chunked) leaves
+	// nothing to reuse; a bodiless answer (204, 304) leaves it clean.
+	b.u.done(b.uc, b.eof && !b.resp.ConnectionClose() && (b.r == nil || b.resp.Header.ContentLength() != -2), b.ab)
 	b.uc = nil
 }
 

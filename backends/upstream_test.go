@@ -191,3 +191,30 @@ func TestConnectionClosedByLateAbortIsNotPooled(t *testing.T) {
 		t.Fatalf("%d pooled connections, want 1", n)
 	}
 }
+
+// A bodiless answer (204, 304) to a streamed exchange reads as an empty
+// body, and its connection is reused: fasthttp gives such an answer no body
+// stream, and reading it dereferenced nil, which no handler recovers.
+func TestBodilessStreamedAnswer(t *testing.T) {
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		for readRequest(br) == nil {
+			io.WriteString(c, "HTTP/1.1 204 No Content\r\n\r\n")
+		}
+	})
+	u := &Upstream{Addr: addr}
+	for i := 0; i < 2; i++ {
+		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+		body, err := u.Do(req, resp, true, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := io.ReadAll(body)
+		body.Close()
+		if err != nil || len(got) != 0 || resp.StatusCode() != 204 {
+			t.Fatalf("%d %q %v", resp.StatusCode(), got, err)
+		}
+	}
+	if d := u.Dials.Load(); d != 1 {
+		t.Fatalf("%d dials for 2 sequential requests, want 1", d)
+	}
+}
