@@ -607,7 +607,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			// overloaded engine (503) also gets a short break.
 			x.errMsg = "backend " + b.cfg.ID + " answered " + strconv.Itoa(code)
 			x.refused = code
-			x.refusal = append(x.refusal[:0], normalizeEngineError(code, resp.Body())...)
+			x.refusal = append(x.refusal[:0], normalizeEngineError(code, plainBody(resp))...)
 			x.refusalCode, x.refusalBy = code, b.cfg.ID
 			x.refusalRetry = string(resp.Header.Peek("Retry-After"))
 			if code == fasthttp.StatusServiceUnavailable {
@@ -690,11 +690,26 @@ func (s *Server) relayUntilClose(ctx *fasthttp.RequestCtx, rl interface {
 	})
 }
 
+// plainBody is a whole engine answer's body, decompressed if the engine
+// (or a gateway before it) sent it with a Content-Encoding kvproxy never
+// asked for: it is read here, and goes to the client plain. A body that
+// does not decompress (within the whole-answer bound) is taken as it is.
+func plainBody(resp *fasthttp.Response) []byte {
+	if len(resp.Header.ContentEncoding()) == 0 {
+		return resp.Body()
+	}
+	b, err := resp.BodyUncompressedWithLimit(64 << 20)
+	if err != nil {
+		return resp.Body()
+	}
+	return b
+}
+
 // relayWhole passes a complete engine answer to the client.
 func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response) {
 	code := resp.StatusCode()
 	x.status = code
-	body := resp.Body()
+	body := plainBody(resp)
 	if code == fasthttp.StatusOK {
 		x.active.PrefillDone()
 		x.cachedTokens = cachedTokens(body)

@@ -2,7 +2,9 @@ package proxy
 
 import (
 	"compress/gzip"
+	"io"
 	"net/http"
+	"strings"
 	"testing"
 )
 
@@ -24,6 +26,48 @@ func TestPassthroughKeepsContentEncoding(t *testing.T) {
 	resp, b := post(t, p.url+"/v1/embeddings", `{"model":"m","input":"x"}`)
 	if resp.StatusCode != 200 || string(b) != answer {
 		t.Fatalf("gzipped answer: %d %q (Content-Encoding %q)", resp.StatusCode, b, resp.Header.Get("Content-Encoding"))
+	}
+	p.waitIdle(t)
+}
+
+// TestWholeAnswerFromAGzippingEngine: a non-streamed completion, or an
+// error, that the engine gzipped anyway reaches the client plain (kvproxy
+// reads it: cached_tokens, error reshaping); it went out as compressed
+// bytes without their Content-Encoding.
+func TestWholeAnswerFromAGzippingEngine(t *testing.T) {
+	const answer = `{"id":"x","object":"text_completion","choices":[{"index":0,"text":"hi"}],"usage":{"prompt_tokens":4,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":3}}}`
+	addr := startRawEngine(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Content-Encoding", "gzip")
+		body := answer
+		if r.URL.Path == "/v1/chat/completions" {
+			w.WriteHeader(400)
+			body = `{"object":"error","message":"bad temperature","type":"BadRequestError","param":"temperature","code":400}`
+		}
+		zw := gzip.NewWriter(w)
+		zw.Write([]byte(body))
+		zw.Close()
+	})
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends: [{id: e0, url: 'http://"+addr+"', model: m}]\n")
+	// A raw request: Go's client would decode gzip itself and hide the bug.
+	req, _ := http.NewRequest("POST", p.url+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"x"}`))
+	req.Header.Set("Accept-Encoding", "identity")
+	resp, err := http.DefaultTransport.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || string(b) != answer || resp.Header.Get("Content-Encoding") != "" {
+		t.Fatalf("completion: %d %q (Content-Encoding %q)", resp.StatusCode, b, resp.Header.Get("Content-Encoding"))
+	}
+	if !strings.Contains(p.logs.String(), `"cached_tokens":3`) {
+		t.Fatalf("cached tokens not read from the gzipped answer: %s", p.logs.String())
+	}
+	resp2, b2 := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"x"}]}`)
+	if resp2.StatusCode != 400 || !strings.Contains(string(b2), `"message":"bad temperature"`) || !strings.Contains(string(b2), `"error":{`) {
+		t.Fatalf("error: %d %s", resp2.StatusCode, b2)
 	}
 	p.waitIdle(t)
 }

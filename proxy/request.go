@@ -442,11 +442,6 @@ type wireFields struct {
 	Prompt              json.RawMessage `json:"prompt"`
 }
 
-// forwardBody appends to dst the body sent to the engine: the client's body
-// with nvext and any cache_salt removed, model renamed, stream spelled as
-// engines read it, and the tenant's cache_salt added (salt "" adds none).
-// Every other member is copied byte for byte.
-//
 // setBody checks that body is one valid JSON object and keeps it.
 func (r *apiRequest) setBody(body []byte) *paramError {
 	trimmed := bytes.TrimSpace(body)
@@ -460,6 +455,11 @@ func (r *apiRequest) setBody(body []byte) *paramError {
 	return nil
 }
 
+// forwardBody appends to dst the body sent to the engine: the client's body
+// with nvext and any cache_salt removed, model renamed, stream spelled as
+// engines read it, and the tenant's cache_salt added (salt "" adds none).
+// Every other member is copied byte for byte.
+//
 // Members are matched as parse matches them (exactly, escapes decoded), so
 // every stream member the proxy read is dropped and the value it used is
 // sent as "stream": the engine answers in the form the proxy relays.
