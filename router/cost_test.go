@@ -355,3 +355,27 @@ func TestAuxiliaryRequestsStayOutOfTheStatistics(t *testing.T) {
 		t.Fatal("not idle")
 	}
 }
+
+// TestRemoteLoadIsWeighedLikeOwn: the load other replicas report on a
+// worker (SetRemoteLoad) counts in selection as this router's own would,
+// and shows apart in the status.
+func TestRemoteLoadIsWeighedLikeOwn(t *testing.T) {
+	for _, policy := range []string{"kv", "least_load", "kv_dynamo", "cache_aware", "prefix_hash"} {
+		r := newTestRouter(t, policy, 2, nil)
+		req := &Request{Hashes: seq(20, 5), PromptTokens: 320}
+		for i := 0; i < 2; i++ {
+			d, _ := r.Select(req)
+			busy := d.Worker // the one it would pick, busy elsewhere now
+			r.SetRemoteLoad(busy, Load{Inflight: 40, Pending: 8, PrefillTokens: 60000, ActiveBlocks: 4000})
+			r.SetRemoteLoad(1-busy, Load{})
+			if d2, _ := r.Select(req); d2.Worker == busy {
+				t.Fatalf("%s: chose worker %d, which other replicas keep busy", policy, busy)
+			}
+			st := r.Workers()[busy]
+			if st.Remote.Inflight != 40 || st.Inflight != 0 {
+				t.Fatalf("%s: status %+v", policy, st)
+			}
+			r.SetRemoteLoad(busy, Load{}) // the replicas' load ended
+		}
+	}
+}

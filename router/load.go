@@ -26,6 +26,9 @@ type worker struct {
 	prefill  atomic.Int64 // predicted uncached prompt tokens not yet computed
 	active   atomic.Int64 // distinct prompt blocks of live requests + output blocks
 
+	// Load other routers report on the worker (SetRemoteLoad).
+	remInflight, remPending, remPrefill, remActive atomic.Int64
+
 	mu   sync.Mutex
 	gen  uint64                 // bumped by reset; Actives of older generations are inert
 	refs map[kv.BlockHash]int32 // prompt blocks of live requests, reference-counted
@@ -106,12 +109,12 @@ func (w *worker) memoryWaitMs(active int64, need int) float64 {
 // observeCapacity takes one sample of the engine's KV capacity in blocks:
 // the router's active blocks over the engine's usage, when nothing waits
 // (every live request is running and holds its blocks) and the usage is
-// large enough for the ratio to be accurate. It assumes this router sends
-// all of the engine's traffic: with several proxy replicas (or other
-// clients) on one engine the capacity is underestimated by this router's
-// share, and the predicted wait for memory is too high.
+// large enough for the ratio to be accurate. The blocks are this router's
+// and those other replicas report (SetRemoteLoad): with clients that
+// bypass every kvproxy the capacity is underestimated by their share, and
+// the predicted wait for memory is too high.
 func (w *worker) observeCapacity(waiting int, usage float64) {
-	active := w.active.Load()
+	active := w.active.Load() + w.remActive.Load() // other replicas' blocks are in the usage too
 	if w.capReported.Load() || waiting > 0 || active <= 0 || !(usage >= 0.25 && usage <= 1) {
 		return
 	}

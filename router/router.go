@@ -162,6 +162,17 @@ type WorkerStatus struct {
 	Pending     int64
 	CacheBlocks float64
 	LifetimeMs  float64
+	// Remote is the load other kvproxy replicas report on the worker
+	// (SetRemoteLoad); the fields above are this router's own.
+	Remote Load
+}
+
+// Load is the load requests put on a worker, as one router counts it.
+type Load struct {
+	Inflight      int64 `json:"inflight"`
+	Pending       int64 `json:"pending"` // awaiting their first token
+	PrefillTokens int64 `json:"prefill_tokens"`
+	ActiveBlocks  int64 `json:"active_blocks"`
 }
 
 // Router selects workers and tracks their load. Safe for concurrent use.
@@ -369,6 +380,8 @@ func (r *Router) Workers() []WorkerStatus {
 			Pending:       w.pending.Load(),
 			CacheBlocks:   math.Float64frombits(w.capBlocks.Load()),
 			LifetimeMs:    math.Float64frombits(w.lifeMs.Load()),
+			Remote: Load{Inflight: w.remInflight.Load(), Pending: w.remPending.Load(),
+				PrefillTokens: w.remPrefill.Load(), ActiveBlocks: w.remActive.Load()},
 		}
 	}
 	return out
@@ -462,7 +475,8 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 		w.cal.relax(now)
 		c := Candidate{
 			Worker: w.id, Name: w.name,
-			Inflight: w.inflight.Load(), Pending: w.pending.Load(), PrefillTokens: w.prefill.Load(), ActiveBlocks: w.active.Load(),
+			Inflight: w.inflight.Load() + w.remInflight.Load(), Pending: w.pending.Load() + w.remPending.Load(),
+			PrefillTokens: w.prefill.Load() + w.remPrefill.Load(), ActiveBlocks: w.active.Load() + w.remActive.Load(),
 		}
 		if p := pos[w.id]; p >= 0 {
 			o := &sc.ov[p]
@@ -508,7 +522,7 @@ func meanPending(ws []*worker) float64 {
 	for _, w := range ws {
 		if w.available.Load() {
 			n++
-			sum += w.pending.Load()
+			sum += w.pending.Load() + w.remPending.Load()
 		}
 	}
 	if n == 0 {
@@ -615,6 +629,20 @@ func (r *Router) SetEngineCapacity(id WorkerID, blocks float64) {
 	}
 	w.capReported.Store(blocks > 0)
 	w.capBlocks.Store(math.Float64bits(blocks))
+}
+
+// SetRemoteLoad sets the load other routers (kvproxy replicas) put on the
+// worker, summed over them: selection weighs it like this router's own, so
+// replicas do not pile onto one engine. It replaces the previous value.
+func (r *Router) SetRemoteLoad(id WorkerID, l Load) {
+	w := r.worker(id)
+	if w == nil {
+		return
+	}
+	w.remInflight.Store(max(l.Inflight, 0))
+	w.remPending.Store(max(l.Pending, 0))
+	w.remPrefill.Store(max(l.PrefillTokens, 0))
+	w.remActive.Store(max(l.ActiveBlocks, 0))
 }
 
 func (r *Router) SetEngineLoad(id WorkerID, waiting, running int, kvUsage float64) {
