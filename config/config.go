@@ -30,6 +30,17 @@ type Config struct {
 	Health   Health    `yaml:"health"`
 	Auth     Auth      `yaml:"auth"`
 	Tenants  []Tenant  `yaml:"tenants"`
+	Replicas Replicas  `yaml:"replicas"`
+}
+
+// Replicas shares the load this kvproxy puts on the engines with the other
+// replicas of one fleet over NATS, so they do not pile onto one engine.
+// Without NATS set a replica routes on its own load alone.
+type Replicas struct {
+	NATS     string        `yaml:"nats"`     // nats://host:4222 (comma-separated for a cluster)
+	Subject  string        `yaml:"subject"`  // default kvproxy.load; one per fleet
+	ID       string        `yaml:"id"`       // default hostname-pid; unique per replica
+	Interval time.Duration `yaml:"interval"` // how often each replica reports; default 100ms
 }
 
 // Auth maps API keys to tenants. With no keys, every request is accepted as
@@ -629,13 +640,19 @@ func (c *Config) Validate() error {
 		{"limits.drain_timeout", c.Limits.DrainTimeout}, {"limits.upstream_connect_timeout", c.Limits.UpstreamConnectTime},
 		{"health.interval", c.Health.Interval},
 		{"health.timeout", c.Health.Timeout}, {"health.eject_base", c.Health.EjectBase},
-		{"health.eject_max", c.Health.EjectMax}, {"health.forget_after", c.Health.ForgetAfter}} {
+		{"health.eject_max", c.Health.EjectMax}, {"health.forget_after", c.Health.ForgetAfter},
+		{"replicas.interval", c.Replicas.Interval}} {
 		if d.v < 0 {
 			add(d.name, "must not be negative")
 		}
 	}
 	if c.Health.Rise < 1 || c.Health.Fall < 1 {
 		add("health", "rise and fall must be at least 1")
+	}
+	for _, u := range strings.Split(c.Replicas.NATS, ",") {
+		if u = strings.TrimSpace(u); u != "" && !strings.HasPrefix(u, "nats://") && !strings.HasPrefix(u, "tls://") {
+			add("replicas.nats", "want nats://host:port or tls://host:port, got %q", u)
+		}
 	}
 	tenants := map[string]bool{}
 	for i, t := range c.Tenants {

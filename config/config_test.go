@@ -55,6 +55,8 @@ backends: [{id: a, url: "http://127.0.0.1:1"}]`, "tokeniser"},
 		"no backends":       {"models: [{name: m}]\n", "backends"},
 		"empty":             {"", "empty"},
 		"bad listen":        {minimal + "listen: nope\n", "listen"},
+		"bad nats url":      {minimal + "replicas: {nats: 'http://h:4222'}\n", "replicas.nats"},
+		"negative interval": {minimal + "replicas: {nats: 'nats://h:4222', interval: -1s}\n", "replicas.interval"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {

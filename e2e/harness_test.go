@@ -279,6 +279,10 @@ type backendRow struct {
 	// The engine's KV capacity as the router holds it (from the engine's
 	// vllm:cache_config_info, in the router's blocks).
 	CacheBlocks float64 `json:"cache_blocks_estimated"`
+	// The load other kvproxy replicas report on the backend.
+	Remote struct {
+		Inflight int64 `json:"inflight"`
+	} `json:"remote"`
 }
 
 func adminBackends(t *testing.T, url string) []backendRow {

@@ -104,6 +104,8 @@ type backendJSON struct {
 	Pending        int64   `json:"pending"`
 	CacheBlocksEst float64 `json:"cache_blocks_estimated"`
 	MeanLifetimeMs float64 `json:"mean_lifetime_ms"`
+	// The load the other kvproxy replicas report on the backend (replicas.nats).
+	Remote router.Load `json:"remote"`
 }
 
 type scrapeJSON struct {
@@ -135,12 +137,18 @@ func (s *Server) backendRows(st *state) []backendJSON {
 				KVEvents:          b.eventCounters(),
 				PrefillMsPerToken: w.PrefillMsPerToken, QueueMsPerToken: w.QueueMsPerToken, TTFTSamples: w.TTFTSamples,
 				Pending: w.Pending, CacheBlocksEst: math.Round(w.CacheBlocks), MeanLifetimeMs: math.Round(w.LifetimeMs),
+				Remote: w.Remote,
 			})
 			row := &rows[len(rows)-1]
 			if b.feed != nil { // load and index over all data-parallel ranks
 				row.IndexedBlocks, row.Inflight, row.PrefillTokens, row.ActiveBlocks, row.Pending = 0, 0, 0, 0, 0
+				row.Remote = router.Load{}
 				for _, id := range b.workerIDs() {
 					ws := status[id]
+					row.Remote.Inflight += ws.Remote.Inflight
+					row.Remote.Pending += ws.Remote.Pending
+					row.Remote.PrefillTokens += ws.Remote.PrefillTokens
+					row.Remote.ActiveBlocks += ws.Remote.ActiveBlocks
 					row.IndexedBlocks += int64(ws.IndexedBlocks)
 					row.Inflight += ws.Inflight
 					row.Pending += ws.Pending

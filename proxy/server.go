@@ -20,6 +20,7 @@ import (
 	"github.com/kvproxy/kvproxy/backends"
 	"github.com/kvproxy/kvproxy/config"
 	"github.com/kvproxy/kvproxy/kv"
+	"github.com/kvproxy/kvproxy/replicas"
 	"github.com/kvproxy/kvproxy/router"
 	"github.com/kvproxy/kvproxy/tokenize"
 )
@@ -68,6 +69,7 @@ type Server struct {
 	listeners  []net.Listener // Serve's (serveMu)
 	stopScrape chan struct{}
 	scrapeDone chan struct{}
+	replicas   *replicas.Sync // nil without replicas.nats
 }
 
 type state struct {
@@ -130,6 +132,12 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 		reg = prometheus.NewRegistry()
 	}
 	s.metrics = newMetrics(reg, s)
+	if rc := cfg.Replicas; rc.NATS != "" {
+		if s.replicas, err = replicas.Start(replicas.Config{URL: rc.NATS, Subject: rc.Subject, ID: rc.ID, Interval: rc.Interval},
+			s.localLoad, s.applyRemoteLoad, s.log); err != nil {
+			return nil, err
+		}
+	}
 	s.srv = &fasthttp.Server{
 		Handler:               s.handle,
 		Name:                  "kvproxy",
@@ -334,6 +342,7 @@ func (s *Server) Reload(cfg *config.Config) error {
 		{"health.timeout", ph.Timeout != h.Timeout},
 		{"health.rise", ph.Rise != h.Rise},
 		{"health.fall", ph.Fall != h.Fall},
+		{"replicas", prev.cfg.Replicas != cfg.Replicas},
 	} {
 		if c.changed {
 			s.log.Warn().Str("setting", c.name).Msg("reload: this setting applies after a restart")
@@ -434,8 +443,35 @@ func (s *Server) Shutdown() error {
 			b.stopEvents()
 			b.stop()
 		}
+		if s.replicas != nil {
+			s.replicas.Close()
+		}
 	})
 	return err
+}
+
+// localLoad is the load this replica puts on each worker, for the others.
+func (s *Server) localLoad() []replicas.Entry {
+	var out []replicas.Entry
+	for _, p := range s.st.Load().pools {
+		for _, w := range p.rt.Workers() {
+			if !w.Removed {
+				out = append(out, replicas.Entry{Model: p.cfg.Name, Worker: w.Name,
+					Load: router.Load{Inflight: w.Inflight, Pending: w.Pending, PrefillTokens: w.PrefillTokens, ActiveBlocks: w.ActiveBlocks}})
+			}
+		}
+	}
+	return out
+}
+
+// applyRemoteLoad gives each worker the load the other replicas report on
+// it (none where they report nothing).
+func (s *Server) applyRemoteLoad(sum map[replicas.Key]router.Load) {
+	for _, p := range s.st.Load().pools {
+		for _, w := range p.rt.Workers() {
+			p.rt.SetRemoteLoad(w.ID, sum[replicas.Key{Model: p.cfg.Name, Worker: w.Name}])
+		}
+	}
 }
 
 // Cut ends the requests still in flight, for when the drain deadline has

@@ -1,0 +1,215 @@
+package replicas
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/rs/zerolog"
+
+	"github.com/kvproxy/kvproxy/router"
+)
+
+// Config says where and how often the replicas meet.
+type Config struct {
+	URL      string        // NATS server(s), comma-separated: nats://host:4222
+	Subject  string        // the subject every replica of one fleet shares
+	ID       string        // this replica's name, unique in the fleet
+	Interval time.Duration // how often each replica reports
+}
+
+// Default is the configuration for a NATS server at url.
+func Default(url string) Config {
+	host, _ := os.Hostname()
+	return Config{URL: url, Subject: "kvproxy.load", ID: fmt.Sprintf("%s-%d", host, os.Getpid()), Interval: 100 * time.Millisecond}
+}
+
+// Key names a worker of a model.
+type Key struct{ Model, Worker string }
+
+// Entry is one worker's load as one replica counts it.
+type Entry struct {
+	Model  string `json:"model"`
+	Worker string `json:"worker"`
+	router.Load
+}
+
+// report is what a replica publishes every interval.
+type report struct {
+	Replica string  `json:"replica"`
+	Loads   []Entry `json:"loads"`
+}
+
+type peer struct {
+	loads []Entry
+	seen  time.Time
+}
+
+// Sync publishes this replica's load and gathers the others'.
+type Sync struct {
+	cfg   Config
+	local func() []Entry
+	apply func(map[Key]router.Load)
+	log   zerolog.Logger
+	nc    *nats.Conn
+	sub   *nats.Subscription
+
+	mu    sync.Mutex
+	peers map[string]*peer // the other replicas' last reports, by id
+
+	stop chan struct{}
+	done chan struct{}
+}
+
+// Start connects to NATS (retrying in the background when it is not up
+// yet) and starts reporting: local is called every interval for this
+// replica's load, apply with the other replicas' load summed per worker
+// whenever it changes (workers missing from the map carry none).
+func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), log zerolog.Logger) (*Sync, error) {
+	d := Default(cfg.URL)
+	if cfg.Subject == "" {
+		cfg.Subject = d.Subject
+	}
+	if cfg.ID == "" {
+		cfg.ID = d.ID
+	}
+	if cfg.Interval <= 0 {
+		cfg.Interval = d.Interval
+	}
+	if cfg.URL == "" {
+		return nil, errors.New("replicas: no NATS URL")
+	}
+	s := &Sync{cfg: cfg, local: local, apply: apply, log: log, peers: map[string]*peer{},
+		stop: make(chan struct{}), done: make(chan struct{})}
+	nc, err := nats.Connect(cfg.URL,
+		nats.Name("kvproxy "+cfg.ID),
+		nats.RetryOnFailedConnect(true),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(500*time.Millisecond),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			log.Warn().Err(err).Msg("replicas: disconnected from NATS; routing on this replica's load until it is back")
+		}),
+		nats.ReconnectHandler(func(c *nats.Conn) {
+			log.Info().Str("server", c.ConnectedUrlRedacted()).Msg("replicas: connected to NATS")
+		}),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("replicas: %w", err)
+	}
+	s.nc = nc
+	if s.sub, err = nc.Subscribe(cfg.Subject, s.receive); err != nil {
+		nc.Close()
+		return nil, fmt.Errorf("replicas: subscribe %s: %w", cfg.Subject, err)
+	}
+	go s.loop()
+	return s, nil
+}
+
+func (s *Sync) loop() {
+	defer close(s.done)
+	t := time.NewTicker(s.cfg.Interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.stop:
+			return
+		case <-t.C:
+			s.Publish()
+			if s.expire(time.Now()) {
+				s.applySum()
+			}
+		}
+	}
+}
+
+// Publish reports this replica's load now (it also does every interval).
+func (s *Sync) Publish() {
+	b, err := json.Marshal(report{Replica: s.cfg.ID, Loads: s.local()})
+	if err != nil {
+		return
+	}
+	if err := s.nc.Publish(s.cfg.Subject, b); err != nil && !errors.Is(err, nats.ErrConnectionReconnecting) {
+		s.log.Debug().Err(err).Msg("replicas: publish")
+	}
+}
+
+func (s *Sync) receive(m *nats.Msg) {
+	var r report
+	if err := json.Unmarshal(m.Data, &r); err != nil || r.Replica == "" {
+		s.log.Warn().Str("subject", m.Subject).Msg("replicas: a malformed load report; ignored")
+		return
+	}
+	if r.Replica == s.cfg.ID {
+		return // our own
+	}
+	s.mu.Lock()
+	s.peers[r.Replica] = &peer{loads: r.Loads, seen: time.Now()}
+	s.mu.Unlock()
+	s.applySum()
+}
+
+// expire drops the peers silent for three intervals (at least a second);
+// it reports whether any went.
+func (s *Sync) expire(now time.Time) bool {
+	ttl := max(3*s.cfg.Interval, time.Second)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	gone := false
+	for id, p := range s.peers {
+		if now.Sub(p.seen) > ttl {
+			delete(s.peers, id)
+			gone = true
+			s.log.Info().Str("replica", id).Msg("replicas: a replica stopped reporting; its load no longer counts")
+		}
+	}
+	return gone
+}
+
+// applySum hands the peers' load, summed per worker, to apply.
+func (s *Sync) applySum() {
+	s.mu.Lock()
+	sum := map[Key]router.Load{}
+	for _, p := range s.peers {
+		for _, e := range p.loads {
+			k := Key{e.Model, e.Worker}
+			l := sum[k]
+			l.Inflight += e.Inflight
+			l.Pending += e.Pending
+			l.PrefillTokens += e.PrefillTokens
+			l.ActiveBlocks += e.ActiveBlocks
+			sum[k] = l
+		}
+	}
+	// Under the lock: two reports arriving together must not apply their
+	// sums in the wrong order.
+	s.apply(sum)
+	s.mu.Unlock()
+}
+
+// Peers is how many other replicas are reporting.
+func (s *Sync) Peers() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.peers)
+}
+
+// Connected reports whether the NATS connection is up.
+func (s *Sync) Connected() bool { return s.nc.IsConnected() }
+
+// Close stops reporting and leaves NATS; the others drop this replica's
+// load after their expiry.
+func (s *Sync) Close() {
+	select {
+	case <-s.stop:
+		return
+	default:
+	}
+	close(s.stop)
+	<-s.done
+	s.sub.Unsubscribe()
+	s.nc.Close()
+}

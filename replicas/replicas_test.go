@@ -1,0 +1,144 @@
+package replicas
+
+import (
+	"fmt"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/rs/zerolog"
+
+	"github.com/kvproxy/kvproxy/router"
+)
+
+// startNATS runs a real NATS server on a loopback port for one test.
+func startNATS(t *testing.T) *server.Server {
+	t.Helper()
+	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go ns.Start()
+	if !ns.ReadyForConnections(5 * time.Second) {
+		t.Fatal("NATS did not start")
+	}
+	t.Cleanup(ns.Shutdown)
+	return ns
+}
+
+// sink keeps the last sum a Sync applied, and lets a test wait for one.
+type sink struct {
+	mu   sync.Mutex
+	last map[Key]router.Load
+	cond chan struct{}
+}
+
+func newSink() *sink { return &sink{cond: make(chan struct{}, 1)} }
+
+func (k *sink) apply(m map[Key]router.Load) {
+	k.mu.Lock()
+	k.last = m
+	k.mu.Unlock()
+	select {
+	case k.cond <- struct{}{}:
+	default:
+	}
+}
+
+func (k *sink) waitFor(t *testing.T, what string, ok func(map[Key]router.Load) bool) {
+	t.Helper()
+	deadline := time.After(5 * time.Second)
+	for {
+		k.mu.Lock()
+		done := k.last != nil && ok(k.last)
+		k.mu.Unlock()
+		if done {
+			return
+		}
+		select {
+		case <-k.cond:
+		case <-deadline:
+			t.Fatalf("never saw %s; last %v", what, k.last)
+		}
+	}
+}
+
+func start(t *testing.T, url, id string, loads []Entry, k *sink) *Sync {
+	t.Helper()
+	s, err := Start(Config{URL: url, ID: id, Interval: 20 * time.Millisecond},
+		func() []Entry { return loads }, k.apply, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	return s
+}
+
+// Each replica gets the others' load summed per worker, never its own;
+// a replica that leaves stops counting; a malformed report changes nothing.
+func TestReplicasShareLoad(t *testing.T) {
+	url := startNATS(t).ClientURL()
+	ka, kb, kc := newSink(), newSink(), newSink()
+	a := start(t, url, "a", []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: 3, Pending: 1, PrefillTokens: 900, ActiveBlocks: 40}}}, ka)
+	start(t, url, "b", []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: 2, PrefillTokens: 100}}, {Model: "m", Worker: "e1", Load: router.Load{Inflight: 1}}}, kb)
+	c := start(t, url, "c", []Entry{{Model: "m", Worker: "e1", Load: router.Load{Inflight: 5}}}, kc)
+
+	ka.waitFor(t, "b's and c's load at a", func(m map[Key]router.Load) bool {
+		return m[Key{"m", "e0"}] == router.Load{Inflight: 2, PrefillTokens: 100} && m[Key{"m", "e1"}].Inflight == 6
+	})
+	kb.waitFor(t, "a's and c's load at b", func(m map[Key]router.Load) bool {
+		return m[Key{"m", "e0"}] == router.Load{Inflight: 3, Pending: 1, PrefillTokens: 900, ActiveBlocks: 40} && m[Key{"m", "e1"}].Inflight == 5
+	})
+	if a.Peers() != 2 || !a.Connected() {
+		t.Fatalf("a: %d peers, connected %v", a.Peers(), a.Connected())
+	}
+
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	nc.Publish("kvproxy.load", []byte(`{"loads":"not a list"}`))
+	nc.Publish("kvproxy.load", []byte(`garbage`))
+	nc.Flush()
+
+	c.Close()
+	ka.waitFor(t, "c's load gone at a", func(m map[Key]router.Load) bool {
+		return m[Key{"m", "e1"}].Inflight == 1 && m[Key{"m", "e0"}].Inflight == 2
+	})
+	if a.Peers() != 1 {
+		t.Fatalf("a still counts %d peers", a.Peers())
+	}
+}
+
+// With NATS down at start the replica still starts (and routes alone),
+// and joins the others once the server is up.
+func TestReplicaStartsWithoutNATS(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close() // nothing listens there yet
+
+	ka, kb := newSink(), newSink()
+	url := fmt.Sprintf("nats://127.0.0.1:%d", port)
+	a := start(t, url, "a", []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: 7}}}, ka)
+	if a.Connected() {
+		t.Fatal("connected to a server that is down")
+	}
+	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, NoLog: true, NoSigs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go ns.Start()
+	if !ns.ReadyForConnections(5 * time.Second) {
+		t.Fatal("NATS did not start")
+	}
+	t.Cleanup(ns.Shutdown)
+	start(t, url, "b", nil, kb)
+	kb.waitFor(t, "a's load once NATS is up", func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}].Inflight == 7 })
+}
