@@ -631,18 +631,24 @@ func (r *Router) SetEngineCapacity(id WorkerID, blocks float64) {
 	w.capBlocks.Store(math.Float64bits(blocks))
 }
 
+// MaxRemoteLoad bounds each field of a remote load (SetRemoteLoad): far
+// above any real load, and far enough below the int64 limit that adding
+// this router's own (and summing over workers) cannot wrap negative.
+const MaxRemoteLoad = 1 << 40
+
 // SetRemoteLoad sets the load other routers (kvproxy replicas) put on the
 // worker, summed over them: selection weighs it like this router's own, so
-// replicas do not pile onto one engine. It replaces the previous value.
+// replicas do not pile onto one engine. It replaces the previous value;
+// each field is clamped to [0, MaxRemoteLoad].
 func (r *Router) SetRemoteLoad(id WorkerID, l Load) {
 	w := r.worker(id)
 	if w == nil {
 		return
 	}
-	w.remInflight.Store(max(l.Inflight, 0))
-	w.remPending.Store(max(l.Pending, 0))
-	w.remPrefill.Store(max(l.PrefillTokens, 0))
-	w.remActive.Store(max(l.ActiveBlocks, 0))
+	w.remInflight.Store(min(max(l.Inflight, 0), MaxRemoteLoad))
+	w.remPending.Store(min(max(l.Pending, 0), MaxRemoteLoad))
+	w.remPrefill.Store(min(max(l.PrefillTokens, 0), MaxRemoteLoad))
+	w.remActive.Store(min(max(l.ActiveBlocks, 0), MaxRemoteLoad))
 }
 
 func (r *Router) SetEngineLoad(id WorkerID, waiting, running int, kvUsage float64) {
