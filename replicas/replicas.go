@@ -1,6 +1,8 @@
 package replicas
 
 import (
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -40,26 +42,38 @@ type Entry struct {
 
 // report is what a replica publishes every interval.
 type report struct {
-	Replica string  `json:"replica"`
-	Loads   []Entry `json:"loads"`
+	Replica string `json:"replica"`
+	// Instance is random per Sync: it tells this replica's reports from
+	// those of another that shares its id (copied config; two containers
+	// of one host name, both pid 1).
+	Instance   string  `json:"instance,omitempty"`
+	IntervalMs int64   `json:"interval_ms,omitempty"` // the publisher's interval; expiry waits three of them
+	Loads      []Entry `json:"loads"`
 }
 
 type peer struct {
 	loads []Entry
 	seen  time.Time
+	ttl   time.Duration
 }
+
+// maxPeerInterval bounds the interval a peer claims, so that one claiming
+// hours does not linger that long once gone.
+const maxPeerInterval = 20 * time.Second
 
 // Sync publishes this replica's load and gathers the others'.
 type Sync struct {
-	cfg   Config
-	local func() []Entry
-	apply func(map[Key]router.Load)
-	log   zerolog.Logger
-	nc    *nats.Conn
-	sub   *nats.Subscription
+	cfg      Config
+	instance string
+	local    func() []Entry
+	apply    func(map[Key]router.Load)
+	log      zerolog.Logger
+	nc       *nats.Conn
+	sub      *nats.Subscription
 
-	mu    sync.Mutex
-	peers map[string]*peer // the other replicas' last reports, by id
+	mu      sync.Mutex
+	peers   map[string]*peer // the other replicas' last reports, by id and instance
+	warnDup bool             // another replica's use of this id was logged
 
 	stop chan struct{}
 	done chan struct{}
@@ -83,10 +97,13 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 	if cfg.URL == "" {
 		return nil, errors.New("replicas: no NATS URL")
 	}
-	s := &Sync{cfg: cfg, local: local, apply: apply, log: log, peers: map[string]*peer{},
+	var nonce [8]byte
+	rand.Read(nonce[:])
+	s := &Sync{cfg: cfg, instance: hex.EncodeToString(nonce[:]), local: local, apply: apply, log: log, peers: map[string]*peer{},
 		stop: make(chan struct{}), done: make(chan struct{})}
 	nc, err := nats.Connect(cfg.URL,
 		nats.Name("kvproxy "+cfg.ID),
+		nats.NoEcho(), // this replica's own reports are not delivered back to it
 		nats.RetryOnFailedConnect(true),
 		nats.MaxReconnects(-1),
 		nats.ReconnectWait(500*time.Millisecond),
@@ -128,7 +145,7 @@ func (s *Sync) loop() {
 
 // Publish reports this replica's load now (it also does every interval).
 func (s *Sync) Publish() {
-	b, err := json.Marshal(report{Replica: s.cfg.ID, Loads: s.local()})
+	b, err := json.Marshal(report{Replica: s.cfg.ID, Instance: s.instance, IntervalMs: s.cfg.Interval.Milliseconds(), Loads: s.local()})
 	if err != nil {
 		return
 	}
@@ -143,24 +160,39 @@ func (s *Sync) receive(m *nats.Msg) {
 		s.log.Warn().Str("subject", m.Subject).Msg("replicas: a malformed load report; ignored")
 		return
 	}
-	if r.Replica == s.cfg.ID {
-		return // our own
+	if r.Instance == s.instance {
+		return // our own (were it echoed)
+	}
+	for i := range r.Loads { // a buggy or hostile publisher must not cancel the others' load, nor wrap the sum
+		l := &r.Loads[i].Load
+		l.Inflight, l.Pending = clamp(l.Inflight), clamp(l.Pending)
+		l.PrefillTokens, l.ActiveBlocks = clamp(l.PrefillTokens), clamp(l.ActiveBlocks)
+	}
+	iv := s.cfg.Interval
+	if r.IntervalMs > 0 {
+		iv = min(time.Duration(r.IntervalMs)*time.Millisecond, maxPeerInterval)
 	}
 	s.mu.Lock()
-	s.peers[r.Replica] = &peer{loads: r.Loads, seen: time.Now()}
+	if r.Replica == s.cfg.ID && !s.warnDup {
+		s.warnDup = true
+		s.log.Warn().Str("replica", r.Replica).Msg("replicas: another replica uses this replica's id; give each its own (replicas.id)")
+	}
+	s.peers[r.Replica+"/"+r.Instance] = &peer{loads: r.Loads, seen: time.Now(), ttl: max(3*iv, time.Second)}
 	s.mu.Unlock()
 	s.applySum()
 }
 
-// expire drops the peers silent for three intervals (at least a second);
-// it reports whether any went.
+// clamp bounds one reported load figure to [0, router.MaxRemoteLoad].
+func clamp(v int64) int64 { return min(max(v, 0), router.MaxRemoteLoad) }
+
+// expire drops the peers silent for three of their intervals (at least a
+// second); it reports whether any went.
 func (s *Sync) expire(now time.Time) bool {
-	ttl := max(3*s.cfg.Interval, time.Second)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	gone := false
 	for id, p := range s.peers {
-		if now.Sub(p.seen) > ttl {
+		if now.Sub(p.seen) > p.ttl {
 			delete(s.peers, id)
 			gone = true
 			s.log.Info().Str("replica", id).Msg("replicas: a replica stopped reporting; its load no longer counts")
@@ -177,10 +209,11 @@ func (s *Sync) applySum() {
 		for _, e := range p.loads {
 			k := Key{e.Model, e.Worker}
 			l := sum[k]
-			l.Inflight += e.Inflight
-			l.Pending += e.Pending
-			l.PrefillTokens += e.PrefillTokens
-			l.ActiveBlocks += e.ActiveBlocks
+			// Both terms are at most router.MaxRemoteLoad: no wrap.
+			l.Inflight = clamp(l.Inflight + e.Inflight)
+			l.Pending = clamp(l.Pending + e.Pending)
+			l.PrefillTokens = clamp(l.PrefillTokens + e.PrefillTokens)
+			l.ActiveBlocks = clamp(l.ActiveBlocks + e.ActiveBlocks)
 			sum[k] = l
 		}
 	}

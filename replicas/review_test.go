@@ -1,0 +1,92 @@
+package replicas
+
+import (
+	"encoding/json"
+	"math"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/rs/zerolog"
+
+	"github.com/kvproxy/kvproxy/router"
+)
+
+// Two replicas given the same id (a copied config; or the default
+// hostname-pid of two containers sharing the host's name, both pid 1)
+// still count each other: neither takes the other's report for its own
+// echo.
+func TestSameIDStillShares(t *testing.T) {
+	url := startNATS(t).ClientURL()
+	k1, k2 := newSink(), newSink()
+	start(t, url, "dup", []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: 3}}}, k1)
+	start(t, url, "dup", []Entry{{Model: "m", Worker: "e1", Load: router.Load{Inflight: 4}}}, k2)
+	k1.waitFor(t, "the other dup's load", func(m map[Key]router.Load) bool {
+		return m[Key{"m", "e1"}].Inflight == 4 && m[Key{"m", "e0"}].Inflight == 0
+	})
+	k2.waitFor(t, "the other dup's load", func(m map[Key]router.Load) bool {
+		return m[Key{"m", "e0"}].Inflight == 3 && m[Key{"m", "e1"}].Inflight == 0
+	})
+}
+
+// A hostile or buggy publisher on the subject cannot cancel the others'
+// load with negative numbers, nor wrap the sum negative with huge ones.
+func TestHostileReportsAreClamped(t *testing.T) {
+	url := startNATS(t).ClientURL()
+	ka, kb := newSink(), newSink()
+	start(t, url, "a", nil, ka)
+	start(t, url, "b", []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: 2}}}, kb)
+
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	huge := router.Load{Inflight: math.MaxInt64, Pending: math.MaxInt64, PrefillTokens: math.MaxInt64, ActiveBlocks: math.MaxInt64}
+	for _, id := range []string{"evil1", "evil2"} {
+		b, _ := json.Marshal(report{Replica: id, Loads: []Entry{
+			{Model: "m", Worker: "e0", Load: router.Load{Inflight: -5, Pending: -1}},
+			{Model: "m", Worker: "e1", Load: huge},
+		}})
+		if err := nc.Publish("kvproxy.load", b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	nc.Flush()
+	ka.waitFor(t, "b's load and the evil reports at a", func(m map[Key]router.Load) bool {
+		return m[Key{"m", "e1"}].Inflight != 0 && m[Key{"m", "e0"}].Inflight != 0
+	})
+	ka.mu.Lock()
+	m := ka.last
+	ka.mu.Unlock()
+	if l := m[Key{"m", "e0"}]; l.Inflight != 2 || l.Pending != 0 {
+		t.Fatalf("e0: %+v: negative reports cancelled b's load", l)
+	}
+	if l := m[Key{"m", "e1"}]; l.Inflight != router.MaxRemoteLoad || l.ActiveBlocks != router.MaxRemoteLoad {
+		t.Fatalf("e1: %+v: want every field at router.MaxRemoteLoad", l)
+	}
+}
+
+// A peer is expired after three of its own intervals, not the receiver's:
+// one configured to report every 1.5 s (a rolling config change) must not
+// drop out at a replica reporting every 20 ms between its reports.
+func TestPeerExpiresAfterItsOwnInterval(t *testing.T) {
+	url := startNATS(t).ClientURL()
+	ka := newSink()
+	a := start(t, url, "a", nil, ka)
+	b, err := Start(Config{URL: url, ID: "b", Interval: 1500 * time.Millisecond},
+		func() []Entry { return []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: 1}}} },
+		func(map[Key]router.Load) {}, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(b.Close)
+	b.Publish()
+	ka.waitFor(t, "b's load at a", func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}].Inflight == 1 })
+	if a.expire(time.Now().Add(1600*time.Millisecond)) || a.Peers() != 1 {
+		t.Fatal("b dropped out 1.6 s after its report, though it reports every 1.5 s")
+	}
+	if !a.expire(time.Now().Add(5*time.Second)) || a.Peers() != 0 {
+		t.Fatal("b still counted 5 s after its last report")
+	}
+}
