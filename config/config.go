@@ -652,6 +652,8 @@ func (c *Config) Validate() error {
 	for _, u := range strings.Split(c.Replicas.NATS, ",") {
 		if u = strings.TrimSpace(u); u != "" && !strings.HasPrefix(u, "nats://") && !strings.HasPrefix(u, "tls://") {
 			add("replicas.nats", "want nats://host:port or tls://host:port, got %q", u)
+		} else if _, err := url.Parse(u); err != nil { // else the proxy fails to start, after validation passed
+			add("replicas.nats", "%v", err)
 		}
 	}
 	tenants := map[string]bool{}

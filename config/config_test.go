@@ -56,6 +56,7 @@ backends: [{id: a, url: "http://127.0.0.1:1"}]`, "tokeniser"},
 		"empty":             {"", "empty"},
 		"bad listen":        {minimal + "listen: nope\n", "listen"},
 		"bad nats url":      {minimal + "replicas: {nats: 'http://h:4222'}\n", "replicas.nats"},
+		"unparsable nats":   {minimal + "replicas: {nats: 'nats://[::1'}\n", "replicas.nats"},
 		"negative interval": {minimal + "replicas: {nats: 'nats://h:4222', interval: -1s}\n", "replicas.interval"},
 	}
 	for name, tc := range cases {
