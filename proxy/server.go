@@ -127,17 +127,21 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 	}
 	s.activate(st, nil)
 	s.routeTable = s.routes()
+	if rc := cfg.Replicas; rc.NATS != "" {
+		if s.replicas, err = replicas.Start(replicas.Config{URL: rc.NATS, Subject: rc.Subject, ID: rc.ID, Interval: rc.Interval},
+			s.localLoad, s.applyRemoteLoad, s.log); err != nil {
+			for _, b := range st.backends { // activate started their event feeds
+				b.stopEvents()
+				b.stop()
+			}
+			return nil, err
+		}
+	}
 	reg := opts.Registry
 	if reg == nil {
 		reg = prometheus.NewRegistry()
 	}
 	s.metrics = newMetrics(reg, s)
-	if rc := cfg.Replicas; rc.NATS != "" {
-		if s.replicas, err = replicas.Start(replicas.Config{URL: rc.NATS, Subject: rc.Subject, ID: rc.ID, Interval: rc.Interval},
-			s.localLoad, s.applyRemoteLoad, s.log); err != nil {
-			return nil, err
-		}
-	}
 	s.srv = &fasthttp.Server{
 		Handler:               s.handle,
 		Name:                  "kvproxy",
