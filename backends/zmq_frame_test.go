@@ -84,3 +84,46 @@ func TestHugeZMQFrameDropsTheConnection(t *testing.T) {
 		}
 	}
 }
+
+// A peer that accepts TCP but never speaks ZMTP: the subscriber gives up
+// the handshake after handshakeTimeout and dials again, and its Run ends as
+// soon as it is cancelled (it waited for the greeting for good, and so did
+// a proxy's Shutdown).
+func TestSilentZMQPeer(t *testing.T) {
+	old := handshakeTimeout
+	handshakeTimeout = 200 * time.Millisecond
+	defer func() { handshakeTimeout = old }()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	accepted := make(chan net.Conn, 16)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			accepted <- c // held open, never written to
+		}
+	}()
+	sub := NewZMQSubscriber(ZMQConfig{Endpoint: "tcp://" + ln.Addr().String(), BackoffMin: 5 * time.Millisecond, BackoffMax: 20 * time.Millisecond}, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { sub.Run(ctx); close(done) }()
+	for i := 0; i < 2; i++ { // a second connection: the first handshake was given up
+		select {
+		case c := <-accepted:
+			defer c.Close()
+		case <-time.After(5 * time.Second):
+			t.Fatalf("connection %d never came", i+1)
+		}
+	}
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(2 * time.Second):
+		t.Fatal("Run did not end when cancelled during a handshake")
+	}
+}

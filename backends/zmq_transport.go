@@ -8,6 +8,7 @@ import (
 	"net"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/go-zeromq/zmq4/transport"
@@ -41,12 +42,22 @@ func dialEndpoint(ep string) string {
 
 type bufTransport struct{}
 
+// handshakeTimeout bounds the ZMTP handshake (greeting and READY) after a
+// connection is made: zmq4 reads them with no deadline, and a peer that
+// accepts TCP but never speaks ZMTP held the subscriber there for good
+// (no redial, and Close waiting on it forever).
+var handshakeTimeout = 5 * time.Second
+
 func (bufTransport) Dial(ctx context.Context, d transport.Dialer, addr string) (net.Conn, error) {
 	c, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
 		return nil, err
 	}
-	return &bufConn{Conn: c, r: bufio.NewReaderSize(c, 64<<10), skip: zmtpGreeting}, nil
+	// ctx is the socket's: closing the socket (or cancelling its owner)
+	// also ends a handshake in progress.
+	context.AfterFunc(ctx, func() { c.Close() })
+	c.SetReadDeadline(time.Now().Add(handshakeTimeout))
+	return &bufConn{Conn: c, r: bufio.NewReaderSize(c, 64<<10), skip: zmtpGreeting, shaking: true}, nil
 }
 
 func (bufTransport) Listen(ctx context.Context, addr string) (net.Listener, error) {
@@ -84,6 +95,10 @@ type bufConn struct {
 	hdr  [9]byte // the frame header being read
 	hdrN int
 	err  error
+	// shaking: the handshake deadline is armed until the first frame after
+	// the greeting (the peer's READY) has been read.
+	shaking bool
+	frames  int
 }
 
 func (c *bufConn) Read(p []byte) (int, error) {
@@ -109,6 +124,9 @@ func (c *bufConn) follow(b []byte) error {
 			}
 			c.skip -= k
 			b = b[k:]
+			if c.skip == 0 {
+				c.passed()
+			}
 			continue
 		}
 		c.hdr[c.hdrN] = b[0]
@@ -129,6 +147,19 @@ func (c *bufConn) follow(b []byte) error {
 			return errFrameTooLarge
 		}
 		c.skip, c.hdrN = int64(size), 0
+		c.frames++
+		if size == 0 {
+			c.passed()
+		}
 	}
 	return nil
+}
+
+// passed is called when the greeting or a frame has been read whole: after
+// the first frame (the peer's READY) the handshake is over.
+func (c *bufConn) passed() {
+	if c.shaking && c.frames > 0 {
+		c.shaking = false
+		c.Conn.SetReadDeadline(time.Time{})
+	}
 }
