@@ -61,6 +61,10 @@ type peer struct {
 // hours does not linger that long once gone.
 const maxPeerInterval = 20 * time.Second
 
+// maxPeers bounds the replicas one keeps reports of: a publisher inventing
+// ids cannot grow the memory without end.
+const maxPeers = 256
+
 // Sync publishes this replica's load and gathers the others'.
 type Sync struct {
 	cfg      Config
@@ -74,6 +78,7 @@ type Sync struct {
 	mu      sync.Mutex
 	peers   map[string]*peer // the other replicas' last reports, by id and instance
 	warnDup bool             // another replica's use of this id was logged
+	warnMax bool             // maxPeers reached was logged
 
 	stop chan struct{}
 	done chan struct{}
@@ -177,7 +182,16 @@ func (s *Sync) receive(m *nats.Msg) {
 		s.warnDup = true
 		s.log.Warn().Str("replica", r.Replica).Msg("replicas: another replica uses this replica's id; give each its own (replicas.id)")
 	}
-	s.peers[r.Replica+"/"+r.Instance] = &peer{loads: r.Loads, seen: time.Now(), ttl: max(3*iv, time.Second)}
+	key := r.Replica + "/" + r.Instance
+	if _, known := s.peers[key]; !known && len(s.peers) >= maxPeers {
+		if !s.warnMax {
+			s.warnMax = true
+			s.log.Warn().Int("max", maxPeers).Msg("replicas: too many replicas report on the subject; the newest are ignored")
+		}
+		s.mu.Unlock()
+		return
+	}
+	s.peers[key] = &peer{loads: r.Loads, seen: time.Now(), ttl: max(3*iv, time.Second)}
 	s.mu.Unlock()
 	s.applySum()
 }

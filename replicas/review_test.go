@@ -2,6 +2,7 @@ package replicas
 
 import (
 	"encoding/json"
+	"fmt"
 	"math"
 	"testing"
 	"time"
@@ -88,5 +89,38 @@ func TestPeerExpiresAfterItsOwnInterval(t *testing.T) {
 	}
 	if !a.expire(time.Now().Add(5*time.Second)) || a.Peers() != 0 {
 		t.Fatal("b still counted 5 s after its last report")
+	}
+}
+
+// A publisher inventing replica ids keeps at most maxPeers of them in
+// memory; the replicas already known keep counting.
+func TestPeersAreBounded(t *testing.T) {
+	url := startNATS(t).ClientURL()
+	ka, kb := newSink(), newSink()
+	a := start(t, url, "a", nil, ka)
+	start(t, url, "b", []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: 2}}}, kb)
+	ka.waitFor(t, "b's load at a", func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}].Inflight == 2 })
+
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	for i := 0; i < 3*maxPeers; i++ {
+		b, _ := json.Marshal(report{Replica: fmt.Sprint("fake", i), Instance: fmt.Sprint(i), IntervalMs: 20000,
+			Loads: []Entry{{Model: "m", Worker: "e1", Load: router.Load{Inflight: 1}}}})
+		nc.Publish("kvproxy.load", b)
+	}
+	nc.Flush()
+	ka.waitFor(t, "the fake reports at a", func(m map[Key]router.Load) bool { return m[Key{"m", "e1"}].Inflight >= maxPeers-1 })
+	time.Sleep(100 * time.Millisecond) // b reports every 20 ms meanwhile
+	if n := a.Peers(); n > maxPeers {
+		t.Fatalf("%d peers kept, at most %d", n, maxPeers)
+	}
+	ka.mu.Lock()
+	m := ka.last
+	ka.mu.Unlock()
+	if m[Key{"m", "e0"}].Inflight != 2 || m[Key{"m", "e1"}].Inflight > maxPeers {
+		t.Fatalf("e0 %+v (b's must still count), e1 %+v", m[Key{"m", "e0"}], m[Key{"m", "e1"}])
 	}
 }
