@@ -60,6 +60,14 @@ type SimConfig struct {
 	// requests and KV usage to the router at this interval, as the proxy's
 	// /metrics scrape does.
 	Scrape time.Duration
+	// Replicas is how many kvproxy replicas route (0 or 1: one), each with
+	// a router of its own, behind a balancer that hands them requests in
+	// turn. Every replica's index follows the engines' events (or its own
+	// decisions in approximate mode).
+	Replicas int
+	// ShareLoad, with several replicas, is how often each tells the others
+	// its load, as replicas.nats does (0: never; each sees only its own).
+	ShareLoad time.Duration
 }
 
 // DefaultSimConfig is the reference fleet: 8 engines sized like
@@ -127,11 +135,13 @@ func Simulate(w *Workload, cfg SimConfig, policy string) (Result, error) {
 		return Result{}, err
 	}
 	s.run(w)
-	if !s.rt.Idle() {
-		return Result{}, fmt.Errorf("sim %s: router load counters not zero after the run", policy)
+	for _, rt := range s.rts {
+		if !rt.Idle() {
+			return Result{}, fmt.Errorf("sim %s: router load counters not zero after the run", policy)
+		}
 	}
 	if cfg.Done != nil {
-		cfg.Done(policy, s.rt.Workers())
+		cfg.Done(policy, s.rts[0].Workers())
 	}
 	return s.rec.Result(policy), nil
 }
@@ -142,7 +152,7 @@ type sim struct {
 	cfg     SimConfig
 	policy  string
 	syn     Synth
-	rt      *router.Router
+	rts     []*router.Router // one per replica
 	engines []*simEngine
 	now     time.Duration
 	rec     Recorder
@@ -185,15 +195,22 @@ func newSim(cfg SimConfig, policy string) (*sim, error) {
 	rc.Seed = int64(cfg.Seed)
 	s := &sim{cfg: cfg, policy: policy, syn: Synth{Seed: cfg.Seed}}
 	rc.Now = func() time.Time { return simEpoch.Add(s.now) }
-	rt, err := router.New(rc)
-	if err != nil {
-		return nil, err
+	for range max(cfg.Replicas, 1) {
+		rt, err := router.New(rc)
+		if err != nil {
+			return nil, err
+		}
+		s.rts = append(s.rts, rt)
 	}
-	s.rt = rt
 	for i := 0; i < cfg.Engines; i++ {
 		name := fmt.Sprintf("engine-%d", i)
+		var id router.WorkerID
+		for _, rt := range s.rts { // the same ids in every replica
+			id = rt.AddWorker(name)
+			rt.SetApproximate(id, cfg.Approximate)
+		}
 		e := &simEngine{
-			id:   rt.AddWorker(name),
+			id:   id,
 			name: name,
 			model: mockengine.NewModel(mockengine.ModelConfig{
 				BlockSize:           cfg.BlockSize,
@@ -209,7 +226,6 @@ func newSim(cfg SimConfig, policy string) (*sim, error) {
 		if i < len(cfg.Speed) && cfg.Speed[i] > 0 {
 			e.slow = 1 / cfg.Speed[i]
 		}
-		rt.SetApproximate(e.id, cfg.Approximate)
 		s.engines = append(s.engines, e)
 	}
 	s.cands = make([]router.Candidate, 0, cfg.Engines)
@@ -222,6 +238,11 @@ func (s *sim) run(w *Workload) {
 	s.reqs = make([]*simReq, len(w.Requests))
 	next := 0
 	nextScrape := s.cfg.Scrape
+	share := s.cfg.ShareLoad
+	if len(s.rts) < 2 {
+		share = 0
+	}
+	nextShare := share
 	for {
 		e := -1
 		for i, en := range s.engines {
@@ -229,14 +250,24 @@ func (s *sim) run(w *Workload) {
 				e = i
 			}
 		}
+		if share > 0 && (next < len(w.Requests) || e >= 0) &&
+			(next >= len(w.Requests) || nextShare <= w.Requests[next].Arrival) &&
+			(e < 0 || nextShare <= s.engines[e].end) {
+			s.now = max(s.now, nextShare)
+			s.shareLoad()
+			nextShare += share
+			continue
+		}
 		if s.cfg.Scrape > 0 && (next < len(w.Requests) || e >= 0) &&
 			(next >= len(w.Requests) || nextScrape <= w.Requests[next].Arrival) &&
 			(e < 0 || nextScrape <= s.engines[e].end) {
 			s.now = max(s.now, nextScrape)
 			for _, en := range s.engines {
-				s.rt.SetEngineLoad(en.id, en.model.Waiting(), en.model.Running(), en.model.Usage())
-				// The capacity vLLM reports in cache_config_info, as kvproxy reads it.
-				s.rt.SetEngineCapacity(en.id, float64(s.cfg.CacheBlocks))
+				for _, rt := range s.rts {
+					rt.SetEngineLoad(en.id, en.model.Waiting(), en.model.Running(), en.model.Usage())
+					// The capacity vLLM reports in cache_config_info, as kvproxy reads it.
+					rt.SetEngineCapacity(en.id, float64(s.cfg.CacheBlocks))
+				}
 			}
 			nextScrape += s.cfg.Scrape
 			continue
@@ -267,7 +298,7 @@ func (s *sim) arrive(i int, r *Request) {
 	if i < len(s.cfg.Pin) && s.cfg.Pin[i] >= 0 && s.cfg.Pin[i] < len(s.engines) {
 		req.Pinned, req.Pin = true, s.engines[s.cfg.Pin[i]].id
 	}
-	d, act, err := s.rt.Route(&req)
+	d, act, err := s.rts[i%len(s.rts)].Route(&req)
 	if err != nil {
 		s.tokPool = append(s.tokPool, tok)
 		s.rec.Error(r.Arrival, s.now)
@@ -349,10 +380,34 @@ func (s *sim) finishStep(e *simEngine) {
 	}
 	e.out = nil
 	for i := range e.events {
-		e.mapper.apply(s.rt.Index(), e.id, &e.events[i])
+		e.mapper.apply(s.rts, e.id, &e.events[i])
 	}
 	clear(e.events)
 	e.events = e.events[:0]
+}
+
+// shareLoad gives each replica's router the others' load, summed per
+// worker, as replicas.nats does every interval.
+func (s *sim) shareLoad() {
+	own := make([][]router.WorkerStatus, len(s.rts))
+	for i, rt := range s.rts {
+		own[i] = rt.Workers()
+	}
+	for i, rt := range s.rts {
+		for k, w := range own[i] {
+			var l router.Load
+			for j := range s.rts {
+				if j != i {
+					o := own[j][k]
+					l.Inflight += o.Inflight
+					l.Pending += o.Pending
+					l.PrefillTokens += o.PrefillTokens
+					l.ActiveBlocks += o.ActiveBlocks
+				}
+			}
+			rt.SetRemoteLoad(w.ID, l)
+		}
+	}
 }
 
 // eventMapper turns one engine's cache events into router index updates,
@@ -369,7 +424,8 @@ type mappedBlock struct {
 	tiers uint8 // bit t: held in tier t
 }
 
-func (em *eventMapper) apply(ix router.Index, w router.WorkerID, ev *kv.Event) {
+// apply updates every replica's index with the event.
+func (em *eventMapper) apply(rts []*router.Router, w router.WorkerID, ev *kv.Event) {
 	switch ev.Kind {
 	case kv.BlockStored:
 		var parent kv.BlockHash
@@ -389,7 +445,9 @@ func (em *eventMapper) apply(ix router.Index, w router.WorkerID, ev *kv.Event) {
 				em.m[ev.EngineHashes[i]] = b
 			}
 		}
-		ix.Store(w, em.buf, ev.Tier, 0)
+		for _, rt := range rts {
+			rt.Index().Store(w, em.buf, ev.Tier, 0)
+		}
 	case kv.BlockRemoved:
 		em.buf = em.buf[:0]
 		for _, eh := range ev.EngineHashes {
@@ -404,9 +462,13 @@ func (em *eventMapper) apply(ix router.Index, w router.WorkerID, ev *kv.Event) {
 				em.m[eh] = b
 			}
 		}
-		ix.Remove(w, em.buf, ev.Tier)
+		for _, rt := range rts {
+			rt.Index().Remove(w, em.buf, ev.Tier)
+		}
 	case kv.AllBlocksCleared:
-		ix.ClearWorker(w)
+		for _, rt := range rts {
+			rt.Index().ClearWorker(w)
+		}
 		clear(em.m)
 	}
 }

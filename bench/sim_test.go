@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"sync"
 	"testing"
 	"time"
 )
@@ -213,4 +214,31 @@ func TestSimKVKeepsConversationsUnderOverload(t *testing.T) {
 		t.Fatalf("under overload kv hit %.3f, p90 %.0f ms; cache_aware hit %.3f, p90 %.0f ms: kv should keep conversations together",
 			kv.HitRate, kv.TTFTP90, ca.HitRate, ca.TTFTP90)
 	}
+}
+
+// TestSimReplicasShareLoad: two replicas taking requests in turn, each
+// with a router of its own. Exchanging their load (ShareLoad) they spread
+// a paced run of long requests over every engine as one router would;
+// without it each counts only its own, and the run ends with every
+// replica's counters at zero either way.
+func TestSimReplicasShareLoad(t *testing.T) {
+	w := &Workload{Name: "paced"}
+	for i := 0; i < 4; i++ {
+		w.Requests = append(w.Requests, Request{Arrival: time.Duration(i) * 50 * time.Millisecond,
+			Segments: []Segment{{Key: uint64(100 + i), Len: 2048}}, InputLen: 2048, OutputLen: 400, Session: -1})
+	}
+	engines := func(share time.Duration) map[string]int {
+		seen := map[string]int{}
+		var mu sync.Mutex
+		cfg := SimConfig{Engines: 4, CacheBlocks: 4000, Replicas: 2, ShareLoad: share,
+			OnRequest: func(_ string, r RequestRecord) { mu.Lock(); seen[r.Worker]++; mu.Unlock() }}
+		if _, err := Simulate(w, cfg, "least_load"); err != nil {
+			t.Fatal(err)
+		}
+		return seen
+	}
+	if got := engines(10 * time.Millisecond); len(got) != 4 {
+		t.Fatalf("sharing load, 4 long requests 50 ms apart used %d engines (%v), want 4", len(got), got)
+	}
+	t.Logf("without sharing: %v", engines(0))
 }
