@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"encoding/json"
-	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -110,12 +109,8 @@ func TestPassthroughMidBody(t *testing.T) {
 // client's connection once the first part has arrived.
 func startStall(t *testing.T, p *testProxy) net.Conn {
 	t.Helper()
-	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
 	body := `{"model":"m","input":"stall"}`
-	fmt.Fprintf(c, "POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	c := rawPost(t, p, "HTTP/1.1", "/v1/embeddings", body)
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	buf := make([]byte, 4096)
 	for got := 0; got < 8<<10; {
@@ -135,13 +130,8 @@ func TestPassthroughSizedHTTP10(t *testing.T) {
 	addr := midBodyEngine(t, &cancelled)
 	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
 		"backends: [{id: e0, url: 'http://"+addr+"', model: m}]\n")
-	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
 	body := `{"model":"m","input":"x"}`
-	fmt.Fprintf(c, "POST /v1/embeddings HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	c := rawPost(t, p, "HTTP/1.0", "/v1/embeddings", body)
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	raw, err := io.ReadAll(c)
 	want := midBodyHead + `0.25]}]}`

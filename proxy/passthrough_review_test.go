@@ -22,12 +22,8 @@ import (
 func TestPassthroughClientHangUp(t *testing.T) {
 	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 2 * time.Second })
 	p := startProxy(t, "kv", e)
-	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
 	body := `{"model":"m","input":"hello"}`
-	fmt.Fprintf(c, "POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	c := rawPost(t, p, "HTTP/1.1", "/v1/embeddings", body)
 	waitFor(t, "the engine to get the request", func() bool { return e.current.Load() == 1 })
 	c.Close()
 	waitFor(t, "the engine's request to be cancelled", func() bool { return e.aborted.Load() == 1 })
@@ -38,13 +34,8 @@ func TestPassthroughClientHangUp(t *testing.T) {
 func TestPassthroughHTTP10(t *testing.T) {
 	e := startFake(t, "e0", nil)
 	p := startProxy(t, "kv", e)
-	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
 	body := `{"model":"m","input":"hello","stream":true}`
-	fmt.Fprintf(c, "POST /v1/embeddings HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	c := rawPost(t, p, "HTTP/1.0", "/v1/embeddings", body)
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
 	if err != nil {

@@ -3,7 +3,6 @@ package proxy
 import (
 	"bytes"
 	"encoding/json"
-	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -260,12 +259,8 @@ func TestPassthroughBodyBrokenOff(t *testing.T) {
 
 	// A chunked answer to an HTTP/1.0 client: the body as it was, ended by
 	// closing the connection.
-	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
 	body := `{"model":"m","input":"parts"}`
-	fmt.Fprintf(c, "POST /v1/embeddings HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	c := rawPost(t, p, "HTTP/1.0", "/v1/embeddings", body)
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	raw, err := io.ReadAll(c)
 	c.Close()
@@ -275,12 +270,8 @@ func TestPassthroughBodyBrokenOff(t *testing.T) {
 	}
 	p.waitIdle(t)
 
-	c, err = net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
 	body = `{"model":"m","input":"endless"}`
-	fmt.Fprintf(c, "POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	c = rawPost(t, p, "HTTP/1.1", "/v1/embeddings", body)
 	if _, err := io.ReadFull(c, make([]byte, 64<<10)); err != nil {
 		t.Fatalf("the endless answer did not flow: %v", err)
 	}

@@ -846,3 +846,21 @@ func TestStreamFlagReachesEngineAsRead(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// rawPost opens a connection to the proxy and sends one POST of body to
+// path in proto (HTTP/1.0 or HTTP/1.1), for tests that read the answer
+// raw or hang up midway; the connection is closed when the test ends.
+func rawPost(t *testing.T, p *testProxy, proto, path, body string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	host := ""
+	if proto == "HTTP/1.1" {
+		host = "Host: x\r\n"
+	}
+	fmt.Fprintf(c, "POST %s %s\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", path, proto, host, len(body), body)
+	return c
+}

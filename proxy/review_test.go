@@ -145,13 +145,8 @@ func TestRefusalAvoidsEveryRankOfTheEngine(t *testing.T) {
 func TestShutdownCutsHTTP10Stream(t *testing.T) {
 	e := startFake(t, "e0", func(f *fakeEngine) { f.tokens, f.pauseAfter, f.pause = 5, 2, 10*time.Second })
 	p := startProxy(t, "kv", e)
-	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
 	body := `{"model":"m","prompt":"hello","stream":true}`
-	fmt.Fprintf(c, "POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	c := rawPost(t, p, "HTTP/1.0", "/v1/completions", body)
 	c.SetDeadline(time.Now().Add(5 * time.Second))
 	rd := bufio.NewReader(c)
 	readEvents(t, rd, 3) // the role chunk and two tokens, then the engine pauses

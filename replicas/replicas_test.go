@@ -15,9 +15,12 @@ import (
 )
 
 // startNATS runs a real NATS server on a loopback port for one test.
-func startNATS(t *testing.T) *server.Server {
+func startNATS(t *testing.T) *server.Server { return startNATSOn(t, -1) }
+
+// startNATSOn runs it on port (-1: any free one).
+func startNATSOn(t *testing.T, port int) *server.Server {
 	t.Helper()
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true})
+	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, NoLog: true, NoSigs: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -130,15 +133,7 @@ func TestReplicaStartsWithoutNATS(t *testing.T) {
 	if a.Connected() {
 		t.Fatal("connected to a server that is down")
 	}
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, NoLog: true, NoSigs: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	if !ns.ReadyForConnections(5 * time.Second) {
-		t.Fatal("NATS did not start")
-	}
-	t.Cleanup(ns.Shutdown)
+	startNATSOn(t, port)
 	start(t, url, "b", nil, kb)
 	kb.waitFor(t, "a's load once NATS is up", func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}].Inflight == 7 })
 }
