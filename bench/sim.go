@@ -68,6 +68,9 @@ type SimConfig struct {
 	// ShareLoad, with several replicas, is how often each tells the others
 	// its load, as replicas.nats does (0: never; each sees only its own).
 	ShareLoad time.Duration
+	// Temperature is the router's (router.temperature): above 0, a
+	// policy samples among near-best workers instead of taking the best.
+	Temperature float64
 }
 
 // DefaultSimConfig is the reference fleet: 8 engines sized like
@@ -193,6 +196,7 @@ func newSim(cfg SimConfig, policy string) (*sim, error) {
 	rc.BlockSize = cfg.BlockSize
 	rc.Calibrate = !cfg.NoCalibrate
 	rc.Seed = int64(cfg.Seed)
+	rc.Temperature = cfg.Temperature
 	s := &sim{cfg: cfg, policy: policy, syn: Synth{Seed: cfg.Seed}}
 	rc.Now = func() time.Time { return simEpoch.Add(s.now) }
 	for range max(cfg.Replicas, 1) {

@@ -141,6 +141,7 @@ func runSim(args []string, stdout io.Writer) error {
 	hostBlocks := fs.Int("host-blocks", 0, "host (CPU) KV tier per engine in blocks (0: none)")
 	scrape := fs.Duration("scrape", time.Second, "feed engine load (waiting, running, KV usage) to the router at this interval, as kvproxy's /metrics scrape does (0: off)")
 	replicas := fs.Int("replicas", 1, "kvproxy replicas, each with its own router, taking the requests in turn")
+	temperature := fs.Float64("temperature", 0, "the router's temperature: above 0, sample among near-best workers")
 	shareLoad := fs.Duration("share-load", 0, "with -replicas > 1, how often replicas exchange their load, as replicas.nats does (0: never)")
 	asJSON := fs.Bool("json", false, "print one JSON object instead of a table")
 	ceiling := fs.Bool("ceiling", true, "compute the hit-rate ceiling (one LRU cache of the whole fleet's capacity)")
@@ -174,7 +175,7 @@ func runSim(args []string, stdout io.Writer) error {
 		Engines: *engines, CacheBlocks: *cacheBlocks, BlockSize: *blockSize,
 		Approximate: *approx, NoCalibrate: !*calibrate, Seed: wf.seed, Scrape: *scrape,
 		HostCacheBlocks: *hostBlocks, StepOverhead: *stepOverhead,
-		Replicas: *replicas, ShareLoad: *shareLoad,
+		Replicas: *replicas, ShareLoad: *shareLoad, Temperature: *temperature,
 	}
 	if *verbose {
 		var mu sync.Mutex
