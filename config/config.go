@@ -656,6 +656,17 @@ func (c *Config) Validate() error {
 			add("replicas.nats", "%v", err)
 		}
 	}
+	if sub := c.Replicas.Subject; sub != "" {
+		for _, tok := range strings.Split(sub, ".") {
+			if tok == "" || tok == "*" || tok == ">" || strings.ContainsAny(tok, " \t\r\n") {
+				add("replicas.subject", "want a NATS subject of plain dot-separated tokens (no spaces, no * or > wildcards: every replica publishes and listens on it), got %q", sub)
+				break
+			}
+		}
+	}
+	if iv := c.Replicas.Interval; iv != 0 && iv < 10*time.Millisecond {
+		add("replicas.interval", "must be at least 10ms, got %v", iv)
+	}
 	tenants := map[string]bool{}
 	for i, t := range c.Tenants {
 		f := fmt.Sprintf("tenants[%d]", i)

@@ -34,7 +34,7 @@ func TestReplicasShareLoadOverNATS(t *testing.T) {
 		url, p, _ := startProxyConfig(t, backendsYAML(addrs, fmt.Sprintf("replicas: {nats: '%s', id: %s, interval: 50ms}\n", ns.ClientURL(), id)))
 		return url, p
 	}
-	urlA, _ := replica("a")
+	urlA, procA := replica("a")
 	urlB, procB := replica("b")
 
 	// B: four long streams pinned to e0.
@@ -60,6 +60,18 @@ func TestReplicasShareLoadOverNATS(t *testing.T) {
 		return -1
 	}
 	waitFor(t, 10*time.Second, "A to see B's four streams on e0", func() bool { return remote("e0") == 4 })
+	metrics := func() string {
+		resp, err := http.Get(urlA + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return string(b)
+	}
+	if m := metrics(); !strings.Contains(m, "kvproxy_replicas_connected 1") || !strings.Contains(m, "kvproxy_replicas_peers 1") {
+		t.Fatalf("A's metrics do not show it connected with one peer")
+	}
 
 	for i := 0; i < 6; i++ {
 		body := fmt.Sprintf(`{"model":"default","max_tokens":2,"messages":[{"role":"user","content":"short question number %d about something else"}]}`, i)
@@ -76,6 +88,11 @@ func TestReplicasShareLoadOverNATS(t *testing.T) {
 
 	procB.cmd.Process.Signal(syscall.SIGKILL)
 	waitFor(t, 10*time.Second, "B's load to stop counting at A", func() bool { return remote("e0") == 0 })
+	waitFor(t, 5*time.Second, "A to count no peer", func() bool { return strings.Contains(metrics(), "kvproxy_replicas_peers 0") })
+	if out := procA.output(); !strings.Contains(out, "replicas: connected to NATS") || !strings.Contains(out, "replicas: a replica reports") ||
+		!strings.Contains(out, "replicas: a replica stopped reporting") {
+		t.Fatalf("A's log does not tell the replicas' story:\n%s", out)
+	}
 	wg.Wait()
 	assertIdle(t, urlA)
 }

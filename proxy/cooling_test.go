@@ -412,6 +412,20 @@ func TestReloadedBodyLimitApplies(t *testing.T) {
 	if resp, b := post(t, p.url+"/v1/completions", body); resp.StatusCode != 200 {
 		t.Fatalf("4 KB under a reloaded 64 KB limit: %d %s", resp.StatusCode, b)
 	}
+	// The same file again: the header limit still waits for a restart (it
+	// was compared with the last reload's, and the answer forgot it).
+	if resp, b := post(t, p.url+"/admin/reload", ""); resp.StatusCode != 200 || !strings.Contains(string(b), "limits.max_header_bytes") {
+		t.Fatalf("second reload: %d %s", resp.StatusCode, b)
+	}
+	// Back to the running value: nothing waits.
+	cfg, err = config.Parse([]byte(conf("max_request_body_bytes: 65536")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	next.Store(cfg)
+	if resp, b := post(t, p.url+"/admin/reload", ""); resp.StatusCode != 200 || strings.Contains(string(b), "restart_needed") {
+		t.Fatalf("reload to the running header limit: %d %s", resp.StatusCode, b)
+	}
 	p.waitIdle(t)
 }
 

@@ -40,6 +40,18 @@ func newMetrics(reg *prometheus.Registry, s *Server) *metrics {
 		}),
 	}
 	reg.MustRegister(m.requests, m.ttft, m.hitRatio, m.route, &loadCollector{s: s})
+	if r := s.replicas; r != nil {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "kvproxy_replicas_connected", Help: "1 while connected to NATS, sharing load with the other replicas (replicas.nats).",
+		}, func() float64 {
+			if r.Connected() {
+				return 1
+			}
+			return 0
+		}), prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "kvproxy_replicas_peers", Help: "Other kvproxy replicas whose load reports count.",
+		}, func() float64 { return float64(r.Peers()) }))
+	}
 	// Goroutines, heap and RSS: what a soak test and an operator watch for leaks.
 	reg.Register(collectors.NewGoCollector())
 	reg.Register(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))

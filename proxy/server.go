@@ -52,6 +52,9 @@ type Server struct {
 	retries  *retryBudget
 	queue    *waitQueue
 	limits   config.Limits // fixed at start: the header limits shape the HTTP server
+	// started is the configuration New was given: the settings read only
+	// at start keep its values, whatever reloads came since.
+	started *config.Config
 
 	reqPrefix string
 	reqSeq    atomic.Uint64
@@ -111,7 +114,7 @@ func (p *modelPool) setBackend(b *backend) {
 
 // New builds the pools and backends of cfg; Serve starts answering.
 func New(cfg *config.Config, opts Options) (*Server, error) {
-	s := &Server{log: opts.Logger, opts: opts, watcher: newHangupWatcher(), limits: cfg.Limits,
+	s := &Server{log: opts.Logger, opts: opts, watcher: newHangupWatcher(), limits: cfg.Limits, started: cfg,
 		retries: newRetryBudget(cfg.Limits.RetryBudget), queue: newWaitQueue()}
 	var rb [6]byte
 	rand.Read(rb[:])
@@ -332,9 +335,11 @@ func (s *Server) Reload(cfg *config.Config) error {
 		st.restartNeeded = append(st.restartNeeded, "listen")
 	}
 	// Read once at start: the HTTP server's header limits, the retry
-	// budget, the prober's schedule.
-	pl, l := prev.cfg.Limits, cfg.Limits
-	ph, h := prev.cfg.Health, cfg.Health
+	// budget, the prober's schedule, the replicas' NATS connection. Compared
+	// with what runs, not with the last reload (which may not have applied).
+	run := s.started
+	pl, l := run.Limits, cfg.Limits
+	ph, h := run.Health, cfg.Health
 	for _, c := range []struct {
 		name    string
 		changed bool
@@ -346,7 +351,7 @@ func (s *Server) Reload(cfg *config.Config) error {
 		{"health.timeout", ph.Timeout != h.Timeout},
 		{"health.rise", ph.Rise != h.Rise},
 		{"health.fall", ph.Fall != h.Fall},
-		{"replicas", prev.cfg.Replicas != cfg.Replicas},
+		{"replicas", run.Replicas != cfg.Replicas},
 	} {
 		if c.changed {
 			s.log.Warn().Str("setting", c.name).Msg("reload: this setting applies after a restart")

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -106,6 +107,12 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 	rand.Read(nonce[:])
 	s := &Sync{cfg: cfg, instance: hex.EncodeToString(nonce[:]), local: local, apply: apply, log: log, peers: map[string]*peer{},
 		stop: make(chan struct{}), done: make(chan struct{})}
+	var up atomic.Bool // each transition is logged once
+	connected := func(c *nats.Conn) {
+		if !up.Swap(true) {
+			log.Info().Str("server", c.ConnectedUrlRedacted()).Str("subject", cfg.Subject).Str("id", cfg.ID).Msg("replicas: connected to NATS")
+		}
+	}
 	nc, err := nats.Connect(cfg.URL,
 		nats.Name("kvproxy "+cfg.ID),
 		nats.NoEcho(), // this replica's own reports are not delivered back to it
@@ -113,14 +120,23 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 		nats.MaxReconnects(-1),
 		nats.ReconnectWait(500*time.Millisecond),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
-			log.Warn().Err(err).Msg("replicas: disconnected from NATS; routing on this replica's load until it is back")
+			if up.Swap(false) {
+				log.Warn().Err(err).Msg("replicas: disconnected from NATS; routing on this replica's load until it is back")
+			}
 		}),
-		nats.ReconnectHandler(func(c *nats.Conn) {
-			log.Info().Str("server", c.ConnectedUrlRedacted()).Msg("replicas: connected to NATS")
+		nats.ConnectHandler(connected), // a first connection made while retrying
+		nats.ReconnectHandler(connected),
+		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
+			log.Warn().Err(err).Msg("replicas: NATS error")
 		}),
 	)
 	if err != nil {
 		return nil, fmt.Errorf("replicas: %w", err)
+	}
+	if nc.IsConnected() {
+		connected(nc)
+	} else {
+		log.Warn().Str("nats", cfg.URL).Msg("replicas: cannot reach NATS yet; routing on this replica's load, retrying every 500ms")
 	}
 	s.nc = nc
 	if s.sub, err = nc.Subscribe(cfg.Subject, s.receive); err != nil {
@@ -155,7 +171,7 @@ func (s *Sync) Publish() {
 		return
 	}
 	if err := s.nc.Publish(s.cfg.Subject, b); err != nil && !errors.Is(err, nats.ErrConnectionReconnecting) {
-		s.log.Debug().Err(err).Msg("replicas: publish")
+		s.log.Warn().Err(err).Msg("replicas: publish")
 	}
 }
 
@@ -190,6 +206,9 @@ func (s *Sync) receive(m *nats.Msg) {
 		}
 		s.mu.Unlock()
 		return
+	}
+	if _, known := s.peers[key]; !known {
+		s.log.Info().Str("replica", r.Replica).Msg("replicas: a replica reports; its load counts")
 	}
 	s.peers[key] = &peer{loads: r.Loads, seen: time.Now(), ttl: max(3*iv, time.Second)}
 	s.mu.Unlock()

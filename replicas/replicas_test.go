@@ -3,6 +3,7 @@ package replicas
 import (
 	"fmt"
 	"net"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -129,11 +130,38 @@ func TestReplicaStartsWithoutNATS(t *testing.T) {
 
 	ka, kb := newSink(), newSink()
 	url := fmt.Sprintf("nats://127.0.0.1:%d", port)
-	a := start(t, url, "a", []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: 7}}}, ka)
-	if a.Connected() {
-		t.Fatal("connected to a server that is down")
+	var logs syncBuffer
+	a, err := Start(Config{URL: url, ID: "a", Interval: 20 * time.Millisecond},
+		func() []Entry { return []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: 7}}} }, ka.apply, zerolog.New(&logs))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Close)
+	if a.Connected() || !strings.Contains(logs.String(), "cannot reach NATS yet") {
+		t.Fatalf("connected %v to a server that is down; log: %s", a.Connected(), logs.String())
 	}
 	startNATSOn(t, port)
 	start(t, url, "b", nil, kb)
 	kb.waitFor(t, "a's load once NATS is up", func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}].Inflight == 7 })
+	if n := strings.Count(logs.String(), "replicas: connected to NATS"); n != 1 || strings.Contains(logs.String(), "disconnected") {
+		t.Fatalf("%d connected lines (want 1), log: %s", n, logs.String())
+	}
+}
+
+// syncBuffer is a log sink safe for the NATS client's goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
