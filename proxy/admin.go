@@ -84,8 +84,12 @@ type backendJSON struct {
 	Healthy    bool   `json:"healthy"`
 	// Available: takes new requests (healthy, below max_concurrency, not
 	// cooling down after a 429 for CoolingMs more).
-	Available     bool  `json:"available"`
-	CoolingMs     int64 `json:"cooling_ms,omitempty"`
+	Available bool  `json:"available"`
+	CoolingMs int64 `json:"cooling_ms,omitempty"`
+	// Draining: a reload removed or replaced this backend; it takes nothing
+	// new and leaves once its Inflight requests have ended (or
+	// limits.drain_timeout has passed).
+	Draining      bool  `json:"draining,omitempty"`
 	Inflight      int64 `json:"inflight"`
 	PrefillTokens int64 `json:"prefill_tokens"`
 	ActiveBlocks  int64 `json:"active_blocks"`
@@ -162,7 +166,13 @@ func (s *Server) backendRows(st *state) []backendJSON {
 			}
 		}
 	}
-	sort.Slice(rows, func(i, j int) bool { return rows[i].ID < rows[j].ID })
+	s.retiring.Range(func(k, _ any) bool {
+		b := k.(*backend)
+		rows = append(rows, backendJSON{ID: b.cfg.ID, URL: b.cfg.URL, Model: b.cfg.Model, Kind: b.cfg.Kind,
+			Draining: true, Inflight: b.inflight.Load()})
+		return true
+	})
+	sort.SliceStable(rows, func(i, j int) bool { return rows[i].ID < rows[j].ID })
 	return rows
 }
 

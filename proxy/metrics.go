@@ -104,6 +104,9 @@ func (c *loadCollector) Describe(ch chan<- *prometheus.Desc) {
 
 func (c *loadCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, r := range c.s.backendRows(c.s.st.Load()) {
+		if r.Draining { // a replaced backend shares its id with its successor
+			continue
+		}
 		ch <- prometheus.MustNewConstMetric(inflightDesc, prometheus.GaugeValue, float64(r.Inflight), r.ID)
 		ch <- prometheus.MustNewConstMetric(blocksDesc, prometheus.GaugeValue, float64(r.ActiveBlocks), r.ID)
 		ch <- prometheus.MustNewConstMetric(indexDesc, prometheus.GaugeValue, float64(r.IndexedBlocks), r.ID)

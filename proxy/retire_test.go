@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"encoding/json"
 	"io"
 	"net/http"
 	"strings"
@@ -70,6 +71,78 @@ func TestRetireWaitsForEveryRank(t *testing.T) {
 	}
 	if retired.Before(r.at.Add(-20 * time.Millisecond)) {
 		t.Fatalf("e0 retired %v before its rank 1 stream ended", r.at.Sub(retired))
+	}
+	p.waitIdle(t)
+}
+
+// TestDrainingBackendShowsInAdmin: a backend a reload removed or replaced
+// stays in /admin/backends, marked draining with its in-flight requests,
+// until it has retired; /metrics keeps one series per backend id.
+func TestDrainingBackendShowsInAdmin(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 600 * time.Millisecond })
+	other := startFake(t, "e1", nil)
+	head := "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n" +
+		"backends:\n  - {id: e1, url: 'http://" + other.addr + "', model: m}\n"
+	p := startProxyYAML(t, head+"  - {id: e0, url: 'http://{{e0}}', model: m}\n", e)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","nvext":{"backend_instance_id":"e0"}}`)
+	}()
+	for deadline := time.Now().Add(3 * time.Second); e.current.Load() == 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("e0 never got the request")
+		}
+	}
+	// e0 replaced (another URL, the same id) and the old one draining.
+	cfg, err := config.Parse([]byte(head + "  - {id: e0, url: 'http://" + other.addr + "', model: m, max_concurrency: 7}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	get := func(url string) (*http.Response, []byte) {
+		resp, err := http.Get(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp, b
+	}
+	rows := func() []backendJSON {
+		resp, b := get(p.url + "/admin/backends")
+		var out []backendJSON
+		if err := json.Unmarshal(b, &out); err != nil || resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+		return out
+	}
+	var draining *backendJSON
+	for _, r := range rows() {
+		if r.Draining {
+			draining = &r
+		}
+	}
+	if draining == nil || draining.ID != "e0" || draining.Inflight != 1 || draining.URL != "http://"+e.addr {
+		t.Fatalf("no draining e0 with its request in %+v", rows())
+	}
+	if resp, b := get(p.url + "/metrics"); resp.StatusCode != 200 || strings.Count(string(b), `kvproxy_inflight_requests{backend="e0"}`) != 1 {
+		t.Fatalf("/metrics: %d, e0 series %d", resp.StatusCode, strings.Count(string(b), `kvproxy_inflight_requests{backend="e0"}`))
+	}
+	<-done
+	for deadline := time.Now().Add(3 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		left := false
+		for _, r := range rows() {
+			left = left || r.Draining
+		}
+		if !left {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the old e0 never left: %+v", rows())
+		}
 	}
 	p.waitIdle(t)
 }

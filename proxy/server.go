@@ -73,6 +73,7 @@ type Server struct {
 	stopScrape chan struct{}
 	scrapeDone chan struct{}
 	replicas   *replicas.Sync // nil without replicas.nats
+	retiring   sync.Map       // *backend → struct{}: removed or replaced by a reload, finishing its requests
 }
 
 type state struct {
@@ -288,6 +289,7 @@ func (s *Server) activate(st, prev *state) {
 			old.drain()
 			old.stopEvents()
 		}
+		s.retiring.Store(old, struct{}{})
 		go s.retire(old, replaced, st.cfg.Limits.DrainTimeout)
 	}
 }
@@ -310,6 +312,7 @@ func (s *Server) retire(b *backend, replaced bool, timeout time.Duration) {
 		}
 	}
 	b.stop()
+	s.retiring.Delete(b)
 	s.log.Info().Str("backend", b.cfg.ID).Bool("replaced", replaced).Msg("backend retired")
 }
 
