@@ -80,6 +80,8 @@ type Sync struct {
 	peers   map[string]*peer // the other replicas' last reports, by id and instance
 	warnDup bool             // another replica's use of this id was logged
 	warnMax bool             // maxPeers reached was logged
+	warnBad bool             // a malformed report was logged
+	pubErr  string           // the publish error last logged, "" once one succeeds
 
 	stop chan struct{}
 	done chan struct{}
@@ -119,6 +121,9 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 		nats.RetryOnFailedConnect(true),
 		nats.MaxReconnects(-1),
 		nats.ReconnectWait(500*time.Millisecond),
+		// No reports are kept while disconnected: they would reach the
+		// others stale, megabytes at once, when the server is back.
+		nats.ReconnectBufSize(-1),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			if up.Swap(false) {
 				log.Warn().Err(err).Msg("replicas: disconnected from NATS; routing on this replica's load until it is back")
@@ -170,15 +175,35 @@ func (s *Sync) Publish() {
 	if err != nil {
 		return
 	}
-	if err := s.nc.Publish(s.cfg.Subject, b); err != nil && !errors.Is(err, nats.ErrConnectionReconnecting) {
-		s.log.Warn().Err(err).Msg("replicas: publish")
+	err = s.nc.Publish(s.cfg.Subject, b)
+	if errors.Is(err, nats.ErrReconnectBufExceeded) || errors.Is(err, nats.ErrConnectionReconnecting) {
+		return // disconnected: said once, by the connection's handlers
+	}
+	// Any other error (a report over the server's max_payload) is said
+	// once, not every interval, until a report goes out again.
+	msg := ""
+	if err != nil {
+		msg = err.Error()
+	}
+	s.mu.Lock()
+	logIt := msg != "" && msg != s.pubErr
+	s.pubErr = msg
+	s.mu.Unlock()
+	if logIt {
+		s.log.Warn().Err(err).Msg("replicas: publish; this replica's load does not reach the others")
 	}
 }
 
 func (s *Sync) receive(m *nats.Msg) {
 	var r report
 	if err := json.Unmarshal(m.Data, &r); err != nil || r.Replica == "" {
-		s.log.Warn().Str("subject", m.Subject).Msg("replicas: a malformed load report; ignored")
+		s.mu.Lock()
+		warn := !s.warnBad
+		s.warnBad = true
+		s.mu.Unlock()
+		if warn { // once: a foreign publisher sends one every interval
+			s.log.Warn().Str("subject", m.Subject).Msg("replicas: a malformed load report (another program or version on the subject?); ignored, as are the next ones")
+		}
 		return
 	}
 	if r.Instance == s.instance {
