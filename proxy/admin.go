@@ -168,6 +168,9 @@ func (s *Server) backendRows(st *state) []backendJSON {
 	}
 	s.retiring.Range(func(k, _ any) bool {
 		b := k.(*backend)
+		if st.backends[b.cfg.ID] == b { // st predates the reload: listed above
+			return true
+		}
 		rows = append(rows, backendJSON{ID: b.cfg.ID, URL: b.cfg.URL, Model: b.cfg.Model, Kind: b.cfg.Kind,
 			Draining: true, Inflight: b.inflight.Load()})
 		return true
