@@ -664,7 +664,7 @@ func (c *Config) Validate() error {
 			}
 		}
 	}
-	if iv := c.Replicas.Interval; iv != 0 && iv < 10*time.Millisecond {
+	if iv := c.Replicas.Interval; iv > 0 && iv < 10*time.Millisecond {
 		add("replicas.interval", "must be at least 10ms, got %v", iv)
 	}
 	tenants := map[string]bool{}
