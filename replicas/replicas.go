@@ -85,6 +85,10 @@ type Sync struct {
 
 	stop chan struct{}
 	done chan struct{}
+	// closing: Close is leaving NATS, which is no outage to warn of;
+	// closed ends when nats.go has run its last handler.
+	closing atomic.Bool
+	closed  chan struct{}
 }
 
 // Start connects to NATS (retrying in the background when it is not up
@@ -108,7 +112,7 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 	var nonce [8]byte
 	rand.Read(nonce[:])
 	s := &Sync{cfg: cfg, instance: hex.EncodeToString(nonce[:]), local: local, apply: apply, log: log, peers: map[string]*peer{},
-		stop: make(chan struct{}), done: make(chan struct{})}
+		stop: make(chan struct{}), done: make(chan struct{}), closed: make(chan struct{})}
 	var up atomic.Bool // each transition is logged once
 	connected := func(c *nats.Conn) {
 		if !up.Swap(true) {
@@ -125,12 +129,13 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 		// others stale, megabytes at once, when the server is back.
 		nats.ReconnectBufSize(-1),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
-			if up.Swap(false) {
+			if up.Swap(false) && !s.closing.Load() {
 				log.Warn().Err(err).Msg("replicas: disconnected from NATS; routing on this replica's load until it is back")
 			}
 		}),
 		nats.ConnectHandler(connected), // a first connection made while retrying
 		nats.ReconnectHandler(connected),
+		nats.ClosedHandler(func(*nats.Conn) { close(s.closed) }),
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
 			log.Warn().Err(err).Msg("replicas: NATS error")
 		}),
@@ -145,6 +150,7 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 	}
 	s.nc = nc
 	if s.sub, err = nc.Subscribe(cfg.Subject, s.receive); err != nil {
+		s.closing.Store(true)
 		nc.Close()
 		return nil, fmt.Errorf("replicas: subscribe %s: %w", cfg.Subject, err)
 	}
@@ -301,6 +307,13 @@ func (s *Sync) Close() {
 	}
 	close(s.stop)
 	<-s.done
+	s.closing.Store(true)
 	s.sub.Unsubscribe()
 	s.nc.Close()
+	// Its handlers run after Close, on nats.go's goroutine: none logs
+	// once Close has returned.
+	select {
+	case <-s.closed:
+	case <-time.After(time.Second):
+	}
 }
