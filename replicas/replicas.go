@@ -6,7 +6,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/url"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -135,7 +137,12 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 		}),
 		nats.ConnectHandler(connected), // a first connection made while retrying
 		nats.ReconnectHandler(connected),
-		nats.ClosedHandler(func(*nats.Conn) { close(s.closed) }),
+		nats.ClosedHandler(func(c *nats.Conn) {
+			if !s.closing.Load() { // nats.go gave up (the server refused this client)
+				log.Error().Err(c.LastError()).Str("nats", redactURLs(cfg.URL)).Msg("replicas: NATS closed the connection for good; this replica routes on its own load until restarted")
+			}
+			close(s.closed)
+		}),
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
 			log.Warn().Err(err).Msg("replicas: NATS error")
 		}),
@@ -146,7 +153,7 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 	if nc.IsConnected() {
 		connected(nc)
 	} else {
-		log.Warn().Str("nats", cfg.URL).Msg("replicas: cannot reach NATS yet; routing on this replica's load, retrying every 500ms")
+		log.Warn().Str("nats", redactURLs(cfg.URL)).Msg("replicas: cannot reach NATS yet; routing on this replica's load, retrying every 500ms")
 	}
 	s.nc = nc
 	if s.sub, err = nc.Subscribe(cfg.Subject, s.receive); err != nil {
@@ -182,8 +189,8 @@ func (s *Sync) Publish() {
 		return
 	}
 	err = s.nc.Publish(s.cfg.Subject, b)
-	if errors.Is(err, nats.ErrReconnectBufExceeded) || errors.Is(err, nats.ErrConnectionReconnecting) {
-		return // disconnected: said once, by the connection's handlers
+	if errors.Is(err, nats.ErrReconnectBufExceeded) || errors.Is(err, nats.ErrConnectionReconnecting) || errors.Is(err, nats.ErrConnectionClosed) {
+		return // disconnected or closed: said once, by the connection's handlers
 	}
 	// Any other error (a report over the server's max_payload) is said
 	// once, not every interval, until a report goes out again.
@@ -316,4 +323,21 @@ func (s *Sync) Close() {
 	case <-s.closed:
 	case <-time.After(time.Second):
 	}
+}
+
+// redactURLs is the comma-separated NATS URLs with their passwords (or
+// tokens) hidden, for the log.
+func redactURLs(urls string) string {
+	parts := strings.Split(urls, ",")
+	for i, p := range parts {
+		if u, err := url.Parse(strings.TrimSpace(p)); err == nil && u.User != nil {
+			if _, has := u.User.Password(); has {
+				parts[i] = u.Redacted()
+			} else {
+				u.User = url.User("xxxxx") // a bare token
+				parts[i] = u.String()
+			}
+		}
+	}
+	return strings.Join(parts, ",")
 }
