@@ -607,7 +607,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			// overloaded engine (503) also gets a short break.
 			x.errMsg = "backend " + b.cfg.ID + " answered " + strconv.Itoa(code)
 			x.refused = code
-			x.refusal = append(x.refusal[:0], normalizeEngineError(code, plainBody(resp))...)
+			plain, _ := plainBody(resp)
+			x.refusal = append(x.refusal[:0], normalizeEngineError(code, plain)...)
 			x.refusalCode, x.refusalBy = code, b.cfg.ID
 			x.refusalRetry = string(resp.Header.Peek("Retry-After"))
 			if code == fasthttp.StatusServiceUnavailable {
@@ -693,23 +694,27 @@ func (s *Server) relayUntilClose(ctx *fasthttp.RequestCtx, rl interface {
 // plainBody is a whole engine answer's body, decompressed if the engine
 // (or a gateway before it) sent it with a Content-Encoding kvproxy never
 // asked for: it is read here, and goes to the client plain. A body that
-// does not decompress (within the whole-answer bound) is taken as it is.
-func plainBody(resp *fasthttp.Response) []byte {
-	if len(resp.Header.ContentEncoding()) == 0 {
-		return resp.Body()
+// does not decompress (an unknown coding, corrupt, or beyond the
+// whole-answer bound once decompressed) is taken as it is, and enc names
+// its coding for the client.
+func plainBody(resp *fasthttp.Response) (body, enc []byte) {
+	coding := bytes.ToLower(bytes.TrimSpace(resp.Header.ContentEncoding()))
+	if len(coding) == 0 || string(coding) == "identity" {
+		return resp.Body(), nil
 	}
+	resp.Header.SetContentEncodingBytes(coding) // fasthttp matches lowercase
 	b, err := resp.BodyUncompressedWithLimit(64 << 20)
 	if err != nil {
-		return resp.Body()
+		return resp.Body(), coding
 	}
-	return b
+	return b, nil
 }
 
 // relayWhole passes a complete engine answer to the client.
 func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response) {
 	code := resp.StatusCode()
 	x.status = code
-	body := plainBody(resp)
+	body, enc := plainBody(resp)
 	if code == fasthttp.StatusOK {
 		x.active.PrefillDone()
 		x.cachedTokens = cachedTokens(body)
@@ -730,6 +735,9 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 		ct = []byte("application/json")
 	}
 	ctx.Response.Header.SetContentTypeBytes(ct)
+	if enc != nil && code == fasthttp.StatusOK {
+		ctx.Response.Header.SetContentEncodingBytes(enc)
+	}
 	ctx.SetBody(body)
 }
 

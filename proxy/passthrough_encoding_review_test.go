@@ -1,7 +1,9 @@
 package proxy
 
 import (
+	"bytes"
 	"compress/gzip"
+	"encoding/json"
 	"io"
 	"net/http"
 	"strings"
@@ -68,6 +70,57 @@ func TestWholeAnswerFromAGzippingEngine(t *testing.T) {
 	resp2, b2 := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"x"}]}`)
 	if resp2.StatusCode != 400 || !strings.Contains(string(b2), `"message":"bad temperature"`) || !strings.Contains(string(b2), `"error":{`) {
 		t.Fatalf("error: %d %s", resp2.StatusCode, b2)
+	}
+	p.waitIdle(t)
+}
+
+// TestWholeAnswerCodings: a coding named in capitals is decompressed too;
+// one kvproxy cannot decompress (unknown, or a bomb beyond the whole-answer
+// bound) reaches the client as it came, with its Content-Encoding: not as
+// compressed bytes labelled plain JSON.
+func TestWholeAnswerCodings(t *testing.T) {
+	const answer = `{"id":"x","object":"text_completion","choices":[{"index":0,"text":"hi"}]}`
+	var zipped, bomb bytes.Buffer
+	zw := gzip.NewWriter(&zipped)
+	zw.Write([]byte(answer))
+	zw.Close()
+	zw = gzip.NewWriter(&bomb)
+	zw.Write(make([]byte, 65<<20)) // zeros: 64 KiB compressed
+	zw.Close()
+	addr := startRawEngine(t, func(w http.ResponseWriter, r *http.Request) {
+		var req struct{ Prompt string }
+		json.NewDecoder(r.Body).Decode(&req)
+		w.Header().Set("Content-Type", "application/json")
+		switch req.Prompt {
+		case "caps":
+			w.Header().Set("Content-Encoding", "GZIP")
+			w.Write(zipped.Bytes())
+		case "custom":
+			w.Header().Set("Content-Encoding", "x-custom")
+			w.Write([]byte("opaque"))
+		case "bomb":
+			w.Header().Set("Content-Encoding", "gzip")
+			w.Write(bomb.Bytes())
+		}
+	})
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends: [{id: e0, url: 'http://"+addr+"', model: m}]\n")
+	for _, c := range []struct{ prompt, body, coding string }{
+		{"caps", answer, ""},
+		{"custom", "opaque", "x-custom"},
+		{"bomb", bomb.String(), "gzip"},
+	} {
+		req, _ := http.NewRequest("POST", p.url+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"`+c.prompt+`"}`))
+		req.Header.Set("Accept-Encoding", "identity")
+		resp, err := http.DefaultTransport.RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || string(b) != c.body || resp.Header.Get("Content-Encoding") != c.coding {
+			t.Fatalf("%s: %d, %d bytes (want %d), Content-Encoding %q (want %q)", c.prompt, resp.StatusCode, len(b), len(c.body), resp.Header.Get("Content-Encoding"), c.coding)
+		}
 	}
 	p.waitIdle(t)
 }
