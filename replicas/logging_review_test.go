@@ -96,15 +96,7 @@ func jsonReport(id string) ([]byte, error) {
 // A report the server refuses (over its max_payload) is warned about once,
 // not at every interval; a smaller one goes out again.
 func TestPublishErrorWarnsOnce(t *testing.T) {
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true, MaxPayload: 2048})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	if !ns.ReadyForConnections(5 * time.Second) {
-		t.Fatal("NATS did not start")
-	}
-	t.Cleanup(ns.Shutdown)
+	ns := startNATSWith(t, &server.Options{Port: -1, MaxPayload: 2048})
 	big := make([]Entry, 100)
 	for i := range big {
 		big[i] = Entry{Model: "m", Worker: fmt.Sprint("w", i), Load: router.Load{Inflight: 1}}

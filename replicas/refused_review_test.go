@@ -17,15 +17,7 @@ import (
 // good, which is said as an error once, not as a publish warning at every
 // interval (nor as "retrying").
 func TestRefusedConnectionIsAnError(t *testing.T) {
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true, Authorization: "secret"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	if !ns.ReadyForConnections(5 * time.Second) {
-		t.Fatal("NATS did not start")
-	}
-	t.Cleanup(ns.Shutdown)
+	ns := startNATSWith(t, &server.Options{Port: -1, Authorization: "secret"})
 	var logs syncBuffer
 	a, err := Start(Config{URL: ns.ClientURL(), ID: "a", Interval: 10 * time.Millisecond},
 		func() []Entry { return nil }, func(map[Key]router.Load) {}, zerolog.New(&logs))

@@ -20,8 +20,14 @@ func startNATS(t *testing.T) *server.Server { return startNATSOn(t, -1) }
 
 // startNATSOn runs it on port (-1: any free one).
 func startNATSOn(t *testing.T, port int) *server.Server {
+	return startNATSWith(t, &server.Options{Port: port})
+}
+
+// startNATSWith runs one with opts (on loopback, quiet).
+func startNATSWith(t *testing.T, opts *server.Options) *server.Server {
 	t.Helper()
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, NoLog: true, NoSigs: true})
+	opts.Host, opts.NoLog, opts.NoSigs = "127.0.0.1", true, true
+	ns, err := server.NewServer(opts)
 	if err != nil {
 		t.Fatal(err)
 	}
