@@ -136,17 +136,15 @@ func (u *Upstream) done(uc *upConn, reuse bool, ab *Abort) {
 
 // ErrTruncated is returned when the engine closed the connection inside a
 // chunked body, before its last chunk. It is not io.EOF (the body is
-// incomplete, and its connection is not reused), but errors.Is matches it
-// with both io.ErrUnexpectedEOF and io.EOF: a caller that already has
-// what it needed (an SSE stream's [DONE]) may take it as the end.
+// incomplete, and its connection is not reused); errors.Is matches it with
+// io.ErrUnexpectedEOF. A caller that already has what it needed (an SSE
+// stream's [DONE]) may take it as the end.
 var ErrTruncated error = truncatedError{}
 
 type truncatedError struct{}
 
-func (truncatedError) Error() string { return "engine closed the connection inside a chunked body" }
-func (truncatedError) Is(target error) bool {
-	return target == io.EOF || target == io.ErrUnexpectedEOF
-}
+func (truncatedError) Error() string        { return "engine closed the connection inside a chunked body" }
+func (truncatedError) Is(target error) bool { return target == io.ErrUnexpectedEOF }
 
 // ErrAborted is returned when the exchange was aborted by the caller.
 var ErrAborted = errors.New("upstream exchange aborted")

@@ -166,7 +166,7 @@ func (r *rawRelay) end(err error) {
 	x := r.x
 	r.err = err
 	switch {
-	case err == io.EOF: // not errors.Is: backends.ErrTruncated matches io.EOF
+	case errors.Is(err, io.EOF):
 		x.b.succeed()
 	case (errors.Is(err, backends.ErrAborted) || x.ab.Aborted()) && x.s.live.isCut():
 		x.status, x.errMsg = fasthttp.StatusServiceUnavailable, errCutMsg

@@ -151,9 +151,9 @@ func (r *relay) end(out []byte, err error) []byte {
 	x := r.x
 	r.ended = true
 	switch {
-	case r.sawDone && (errors.Is(err, io.EOF) || x.s.live.isCut()):
+	case r.sawDone && (errors.Is(err, io.EOF) || errors.Is(err, backends.ErrTruncated) || x.s.live.isCut()):
 		// Complete: a cut after [DONE] (the engine had not closed its
-		// stream yet) adds nothing to it.
+		// stream yet), or a connection dropped after it, adds nothing.
 		x.b.succeed()
 		if rest := r.f.pending(); len(rest) > 0 { // bytes after [DONE] without a blank line
 			out = append(append(out, rest...), "\n\n"...)
@@ -178,7 +178,7 @@ func (r *relay) end(out []byte, err error) []byte {
 		// The engine failed mid-stream (an error, or the connection ended
 		// before [DONE]: a dropped chunked stream reads as a plain EOF): tell
 		// the client in OpenAI's shape and end the stream properly.
-		if errors.Is(err, io.EOF) {
+		if errors.Is(err, io.EOF) || errors.Is(err, backends.ErrTruncated) {
 			err = errors.New("stream ended without [DONE]")
 		}
 		x.errMsg = "backend " + x.b.cfg.ID + " failed mid-stream: " + err.Error()
