@@ -129,7 +129,7 @@ func fleetProc(t *testing.T, n int, extra ...string) ([]string, *proc) {
 	p := start(t, "kvmock", append([]string{"-n", fmt.Sprint(n), "-base-port", "0"}, extra...)...)
 	var addrs []string
 	waitFor(t, 15*time.Second, "kvmock to start", func() bool {
-		m := listenRe.FindAllStringSubmatch(p.output(), -1)
+		m := listenRe.FindAllStringSubmatch(p.String(), -1)
 		if len(m) != n {
 			return false
 		}
@@ -231,7 +231,7 @@ func TestReloadDuringStreams(t *testing.T) {
 	rewriteConfig(t, p, path, "models: [{name: broken\n")
 	time.Sleep(200 * time.Millisecond)
 	chat(t, url, `{"model":"default","max_tokens":1,"messages":[{"role":"user","content":"still here"}]}`)
-	if !strings.Contains(p.output(), "reload rejected") {
+	if !strings.Contains(p.String(), "reload rejected") {
 		t.Fatal("the invalid config was not reported")
 	}
 	assertIdle(t, url)

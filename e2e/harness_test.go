@@ -12,10 +12,11 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kvproxy/kvproxy/internal/testutil"
 )
 
 var binDir string
@@ -45,20 +46,7 @@ func TestMain(m *testing.M) {
 // proc is a child process whose output is kept for failure reports.
 type proc struct {
 	cmd *exec.Cmd
-	mu  sync.Mutex
-	out strings.Builder
-}
-
-func (p *proc) Write(b []byte) (int, error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.out.Write(b)
-}
-
-func (p *proc) output() string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.out.String()
+	testutil.SyncBuffer
 }
 
 func start(t *testing.T, name string, args ...string) *proc {
@@ -78,11 +66,11 @@ func start(t *testing.T, name string, args ...string) *proc {
 			p.cmd.Process.Kill()
 			<-done
 		}
-		if strings.Contains(p.output(), "DATA RACE") {
+		if strings.Contains(p.String(), "DATA RACE") {
 			t.Errorf("%s reported a data race (built with KVPROXY_E2E_RACE)", name)
 		}
 		if t.Failed() {
-			t.Logf("--- %s output ---\n%s", name, tail(p.output(), 4000))
+			t.Logf("--- %s output ---\n%s", name, tail(p.String(), 4000))
 		}
 	})
 	return p
@@ -114,7 +102,7 @@ func fleetWithEvents(t *testing.T, n int, extra ...string) ([]engine, *proc) {
 	p := start(t, "kvmock", args...)
 	deadline := time.Now().Add(15 * time.Second)
 	for time.Now().Before(deadline) {
-		out := p.output()
+		out := p.String()
 		if m := listenRe.FindAllStringSubmatch(out, -1); len(m) == n {
 			ev := eventsRe.FindAllStringSubmatch(out, -1)
 			if len(ev) != n {
@@ -128,7 +116,7 @@ func fleetWithEvents(t *testing.T, n int, extra ...string) ([]engine, *proc) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	t.Fatalf("kvmock did not start %d engines:\n%s", n, p.output())
+	t.Fatalf("kvmock did not start %d engines:\n%s", n, p.String())
 	return nil, nil
 }
 
@@ -160,7 +148,7 @@ func waitHealthy(t *testing.T, url string, p *proc) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	t.Fatalf("kvproxy did not become healthy:\n%s", p.output())
+	t.Fatalf("kvproxy did not become healthy:\n%s", p.String())
 }
 
 // rewriteConfig replaces kvproxy's config (keeping its listen line) and
@@ -198,7 +186,7 @@ func fleet(t *testing.T, n int, extra ...string) []string {
 	p := start(t, "kvmock", append([]string{"-n", fmt.Sprint(n), "-base-port", "0"}, extra...)...)
 	deadline := time.Now().Add(15 * time.Second)
 	for time.Now().Before(deadline) {
-		if m := listenRe.FindAllStringSubmatch(p.output(), -1); len(m) == n {
+		if m := listenRe.FindAllStringSubmatch(p.String(), -1); len(m) == n {
 			addrs := make([]string, n)
 			for i := range m {
 				addrs[i] = m[i][1]
@@ -207,7 +195,7 @@ func fleet(t *testing.T, n int, extra ...string) []string {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	t.Fatalf("kvmock did not start %d engines:\n%s", n, p.output())
+	t.Fatalf("kvmock did not start %d engines:\n%s", n, p.String())
 	return nil
 }
 

@@ -134,7 +134,7 @@ tenants:
 	}
 	assertIdle(t, url)
 	for _, secret := range []string{"alpha-key-0001", "small-key-0002"} {
-		if strings.Contains(p.output(), secret) {
+		if strings.Contains(p.String(), secret) {
 			t.Fatalf("%q leaked into kvproxy's output", secret)
 		}
 	}

@@ -89,7 +89,7 @@ func TestReplicasShareLoadOverNATS(t *testing.T) {
 	procB.cmd.Process.Signal(syscall.SIGKILL)
 	waitFor(t, 10*time.Second, "B's load to stop counting at A", func() bool { return remote("e0") == 0 })
 	waitFor(t, 5*time.Second, "A to count no peer", func() bool { return strings.Contains(metrics(), "kvproxy_replicas_peers 0") })
-	if out := procA.output(); !strings.Contains(out, "replicas: connected to NATS") || !strings.Contains(out, "replicas: a replica reports") ||
+	if out := procA.String(); !strings.Contains(out, "replicas: connected to NATS") || !strings.Contains(out, "replicas: a replica reports") ||
 		!strings.Contains(out, "replicas: a replica stopped reporting") {
 		t.Fatalf("A's log does not tell the replicas' story:\n%s", out)
 	}

@@ -153,7 +153,7 @@ func TestSoak(t *testing.T) {
 			if f := os.Getenv("KVPROXY_SOAK_DUMP"); f != "" {
 				p.cmd.Process.Signal(syscall.SIGQUIT)
 				time.Sleep(time.Second)
-				os.WriteFile(f, []byte(p.output()), 0o644)
+				os.WriteFile(f, []byte(p.String()), 0o644)
 			}
 			t.Fatalf("kvproxy goroutines %.0f, baseline %.0f", goroutines, baseGoroutines)
 		}
@@ -164,7 +164,7 @@ func TestSoak(t *testing.T) {
 	if rss > 1<<30 {
 		t.Fatalf("kvproxy RSS %.0f MiB after the soak", rss/(1<<20))
 	}
-	if !strings.Contains(p.output(), "configuration reloaded") {
+	if !strings.Contains(p.String(), "configuration reloaded") {
 		t.Fatal("the reload did not happen")
 	}
 	stats.mu.Lock()

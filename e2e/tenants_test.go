@@ -64,7 +64,7 @@ tenants:
 	}
 	assertIdle(t, url)
 	for _, secret := range []string{"alpha-key-0001", "beta-key-00002", "admin-key-0005", "e2e-secret"} {
-		if strings.Contains(p.output(), secret) {
+		if strings.Contains(p.String(), secret) {
 			t.Fatalf("%q leaked into kvproxy's output", secret)
 		}
 	}

@@ -52,15 +52,7 @@ func TestWholeAnswerFromAGzippingEngine(t *testing.T) {
 	})
 	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
 		"backends: [{id: e0, url: 'http://"+addr+"', model: m}]\n")
-	// A raw request: Go's client would decode gzip itself and hide the bug.
-	req, _ := http.NewRequest("POST", p.url+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"x"}`))
-	req.Header.Set("Accept-Encoding", "identity")
-	resp, err := http.DefaultTransport.RoundTrip(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
+	resp, b := postUndecoded(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`)
 	if resp.StatusCode != 200 || string(b) != answer || resp.Header.Get("Content-Encoding") != "" {
 		t.Fatalf("completion: %d %q (Content-Encoding %q)", resp.StatusCode, b, resp.Header.Get("Content-Encoding"))
 	}
@@ -110,17 +102,26 @@ func TestWholeAnswerCodings(t *testing.T) {
 		{"custom", "opaque", "x-custom"},
 		{"bomb", bomb.String(), "gzip"},
 	} {
-		req, _ := http.NewRequest("POST", p.url+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"`+c.prompt+`"}`))
-		req.Header.Set("Accept-Encoding", "identity")
-		resp, err := http.DefaultTransport.RoundTrip(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		b, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
+		resp, b := postUndecoded(t, p.url+"/v1/completions", `{"model":"m","prompt":"`+c.prompt+`"}`)
 		if resp.StatusCode != 200 || string(b) != c.body || resp.Header.Get("Content-Encoding") != c.coding {
 			t.Fatalf("%s: %d, %d bytes (want %d), Content-Encoding %q (want %q)", c.prompt, resp.StatusCode, len(b), len(c.body), resp.Header.Get("Content-Encoding"), c.coding)
 		}
 	}
 	p.waitIdle(t)
+}
+
+// postUndecoded posts body and returns the answer's bytes as they came:
+// Go's client would decode a gzip answer itself and hide a missing or
+// wrong Content-Encoding.
+func postUndecoded(t *testing.T, url, body string) (*http.Response, []byte) {
+	t.Helper()
+	req, _ := http.NewRequest("POST", url, strings.NewReader(body))
+	req.Header.Set("Accept-Encoding", "identity")
+	resp, err := http.DefaultTransport.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, b
 }

@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/kvproxy/kvproxy/internal/testutil"
 )
 
 // fakeEngine is an OpenAI-compatible server on a real loopback socket whose
@@ -153,22 +155,8 @@ type testProxy struct {
 	logs *syncBuffer
 }
 
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
+// syncBuffer is the log sink the tests read while servers write.
+type syncBuffer = testutil.SyncBuffer
 
 func startProxy(t *testing.T, policy string, engines ...*fakeEngine) *testProxy {
 	t.Helper()

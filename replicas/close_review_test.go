@@ -5,8 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rs/zerolog"
-
 	"github.com/kvproxy/kvproxy/router"
 )
 
@@ -14,12 +12,8 @@ import (
 // disconnection "until it is back", and nothing is logged once it returned.
 func TestCloseIsNoOutage(t *testing.T) {
 	url := startNATS(t).ClientURL()
-	var logs syncBuffer
-	a, err := Start(Config{URL: url, ID: "a", Interval: 20 * time.Millisecond},
-		func() []Entry { return nil }, func(map[Key]router.Load) {}, zerolog.New(&logs))
-	if err != nil {
-		t.Fatal(err)
-	}
+	a, logs := startLogged(t, Config{URL: url, ID: "a", Interval: 20 * time.Millisecond},
+		func() []Entry { return nil }, func(map[Key]router.Load) {})
 	a.Close()
 	if l := logs.String(); strings.Contains(l, "disconnected") || !strings.Contains(l, "connected to NATS") {
 		t.Fatalf("log after Close: %s", l)

@@ -11,7 +11,6 @@ import (
 
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
-	"github.com/rs/zerolog"
 
 	"github.com/kvproxy/kvproxy/router"
 )
@@ -33,13 +32,8 @@ func TestOutageLogsOnceAndKeepsNoReports(t *testing.T) {
 	for i := range loads {
 		loads[i] = Entry{Model: "model", Worker: fmt.Sprintf("worker-%04d", i), Load: router.Load{Inflight: 1}}
 	}
-	var logs syncBuffer
-	a, err := Start(Config{URL: url, ID: "a", Interval: 10 * time.Millisecond},
-		func() []Entry { return loads }, func(map[Key]router.Load) {}, zerolog.New(&logs))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Close()
+	a, logs := startLogged(t, Config{URL: url, ID: "a", Interval: 10 * time.Millisecond},
+		func() []Entry { return loads }, func(map[Key]router.Load) {})
 	for i := 0; i < 200; i++ {
 		a.Publish()
 	}
@@ -56,13 +50,8 @@ func TestOutageLogsOnceAndKeepsNoReports(t *testing.T) {
 // warned about once, not at every one of its reports.
 func TestMalformedReportsWarnOnce(t *testing.T) {
 	url := startNATS(t).ClientURL()
-	var logs syncBuffer
-	a, err := Start(Config{URL: url, ID: "a", Interval: 20 * time.Millisecond},
-		func() []Entry { return nil }, func(map[Key]router.Load) {}, zerolog.New(&logs))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Close()
+	_, logs := startLogged(t, Config{URL: url, ID: "a", Interval: 20 * time.Millisecond},
+		func() []Entry { return nil }, func(map[Key]router.Load) {})
 	ks := newSink()
 	start(t, url, "b", []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: 1}}}, ks)
 	nc, err := nats.Connect(url)
@@ -103,13 +92,8 @@ func TestPublishErrorWarnsOnce(t *testing.T) {
 	}
 	var mu sync.Mutex
 	loads := big
-	var logs syncBuffer
-	a, err := Start(Config{URL: ns.ClientURL(), ID: "a", Interval: time.Hour},
-		func() []Entry { mu.Lock(); defer mu.Unlock(); return loads }, func(map[Key]router.Load) {}, zerolog.New(&logs))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Close()
+	a, logs := startLogged(t, Config{URL: ns.ClientURL(), ID: "a", Interval: time.Hour},
+		func() []Entry { mu.Lock(); defer mu.Unlock(); return loads }, func(map[Key]router.Load) {})
 	for i := 0; i < 20; i++ {
 		a.Publish()
 	}

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
-	"github.com/rs/zerolog"
 
 	"github.com/kvproxy/kvproxy/router"
 )
@@ -18,13 +17,8 @@ import (
 // interval (nor as "retrying").
 func TestRefusedConnectionIsAnError(t *testing.T) {
 	ns := startNATSWith(t, &server.Options{Port: -1, Authorization: "secret"})
-	var logs syncBuffer
-	a, err := Start(Config{URL: ns.ClientURL(), ID: "a", Interval: 10 * time.Millisecond},
-		func() []Entry { return nil }, func(map[Key]router.Load) {}, zerolog.New(&logs))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Close()
+	a, logs := startLogged(t, Config{URL: ns.ClientURL(), ID: "a", Interval: 10 * time.Millisecond},
+		func() []Entry { return nil }, func(map[Key]router.Load) {})
 	select {
 	case <-a.closed:
 	case <-time.After(10 * time.Second):
@@ -47,12 +41,8 @@ func TestNATSCredentialsStayOutOfTheLog(t *testing.T) {
 	}
 	port := ln.Addr().(*net.TCPAddr).Port
 	ln.Close()
-	var logs syncBuffer
-	a, err := Start(Config{URL: fmt.Sprintf("nats://kv:hunter2@127.0.0.1:%d, nats://s3cr3ttoken@127.0.0.1:%d", port, port), ID: "a"},
-		func() []Entry { return nil }, func(map[Key]router.Load) {}, zerolog.New(&logs))
-	if err != nil {
-		t.Fatal(err)
-	}
+	a, logs := startLogged(t, Config{URL: fmt.Sprintf("nats://kv:hunter2@127.0.0.1:%d, nats://s3cr3ttoken@127.0.0.1:%d", port, port), ID: "a"},
+		func() []Entry { return nil }, func(map[Key]router.Load) {})
 	a.Close()
 	if l := logs.String(); !strings.Contains(l, "cannot reach NATS") || strings.Contains(l, "hunter2") || strings.Contains(l, "s3cr3ttoken") {
 		t.Fatalf("log: %s", l)

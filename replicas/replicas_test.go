@@ -13,6 +13,8 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvproxy/kvproxy/router"
+
+	"github.com/kvproxy/kvproxy/internal/testutil"
 )
 
 // startNATS runs a real NATS server on a loopback port for one test.
@@ -136,13 +138,8 @@ func TestReplicaStartsWithoutNATS(t *testing.T) {
 
 	ka, kb := newSink(), newSink()
 	url := fmt.Sprintf("nats://127.0.0.1:%d", port)
-	var logs syncBuffer
-	a, err := Start(Config{URL: url, ID: "a", Interval: 20 * time.Millisecond},
-		func() []Entry { return []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: 7}}} }, ka.apply, zerolog.New(&logs))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(a.Close)
+	a, logs := startLogged(t, Config{URL: url, ID: "a", Interval: 20 * time.Millisecond},
+		func() []Entry { return []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: 7}}} }, ka.apply)
 	if a.Connected() || !strings.Contains(logs.String(), "cannot reach NATS yet") {
 		t.Fatalf("connected %v to a server that is down; log: %s", a.Connected(), logs.String())
 	}
@@ -154,20 +151,18 @@ func TestReplicaStartsWithoutNATS(t *testing.T) {
 	}
 }
 
-// syncBuffer is a log sink safe for the NATS client's goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
+// startLogged starts a Sync whose log the test reads; it closes when the
+// test ends.
+func startLogged(t *testing.T, cfg Config, local func() []Entry, apply func(map[Key]router.Load)) (*Sync, *syncBuffer) {
+	t.Helper()
+	logs := &syncBuffer{}
+	s, err := Start(cfg, local, apply, zerolog.New(logs))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	return s, logs
 }
 
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
+// syncBuffer is the log sink the tests read while servers write.
+type syncBuffer = testutil.SyncBuffer

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"fmt"
 	"io"
 	"net"
@@ -13,6 +12,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kvproxy/kvproxy/internal/testutil"
 )
 
 // freePort returns a loopback port nothing listens on (at the time asked).
@@ -61,22 +62,8 @@ type proxyRun struct {
 	logs *syncBuffer
 }
 
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
+// syncBuffer is the log sink the tests read while servers write.
+type syncBuffer = testutil.SyncBuffer
 
 func startProxy(t *testing.T, cfgPath string) *proxyRun {
 	t.Helper()
