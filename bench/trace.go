@@ -133,6 +133,55 @@ func (w *Workload) ShuffleTies(seed uint64) *Workload {
 	return out
 }
 
+// SpreadTies returns the workload with each run of requests of equal
+// arrival time spread over the gap to the next distinct time, as a Poisson
+// process with that many arrivals in it would place them (sorted uniform
+// draws from seed; 0: unchanged), keeping their order. The Mooncake
+// conversation trace's 12,031 requests carry 1,180 distinct timestamps about
+// 3 s apart: replayed as they are, each bucket lands as one burst. The last
+// run spreads over the mean gap between distinct times.
+func (w *Workload) SpreadTies(seed uint64) *Workload {
+	if seed == 0 || len(w.Requests) == 0 {
+		return w
+	}
+	out := &Workload{Name: w.Name, Requests: make([]Request, len(w.Requests))}
+	copy(out.Requests, w.Requests)
+	rs := out.Requests
+	distinct := 1
+	for i := 1; i < len(rs); i++ {
+		if rs[i].Arrival != rs[i-1].Arrival {
+			distinct++
+		}
+	}
+	meanGap := time.Duration(0)
+	if distinct > 1 {
+		meanGap = (rs[len(rs)-1].Arrival - rs[0].Arrival) / time.Duration(distinct-1)
+	}
+	rng := newRand(seed)
+	var u []float64
+	for i := 0; i < len(rs); {
+		j := i + 1
+		for j < len(rs) && rs[j].Arrival == rs[i].Arrival {
+			j++
+		}
+		gap := meanGap
+		if j < len(rs) {
+			gap = rs[j].Arrival - rs[i].Arrival
+		}
+		u = u[:0]
+		for k := i; k < j; k++ {
+			u = append(u, rng.float())
+		}
+		sort.Float64s(u)
+		t0 := rs[i].Arrival
+		for k := i; k < j; k++ {
+			rs[k].Arrival = t0 + time.Duration(u[k-i]*float64(gap))
+		}
+		i = j
+	}
+	return out
+}
+
 // Stats are aggregate sizes of a workload.
 type Stats struct {
 	Requests     int

@@ -221,3 +221,36 @@ func TestShuffleTies(t *testing.T) {
 		t.Fatal("the original workload changed")
 	}
 }
+
+// SpreadTies moves each run of equal arrivals into the gap before the next
+// distinct time, keeps order and count, and is deterministic.
+func TestSpreadTies(t *testing.T) {
+	w := &Workload{Name: "ties"}
+	for i := 0; i < 40; i++ {
+		w.Requests = append(w.Requests, Request{Arrival: time.Duration(i/10) * 3 * time.Second, InputLen: i, Session: -1})
+	}
+	if w.SpreadTies(0) != w {
+		t.Fatal("seed 0 must leave the workload as it is")
+	}
+	a, b := w.SpreadTies(3), w.SpreadTies(3)
+	if !reflect.DeepEqual(a, b) {
+		t.Fatal("same seed, different arrivals")
+	}
+	distinct := map[time.Duration]bool{}
+	for i, r := range a.Requests {
+		lo := time.Duration(i/10) * 3 * time.Second
+		if r.InputLen != i || r.Arrival < lo || r.Arrival >= lo+3*time.Second {
+			t.Fatalf("request %d at %v (bucket from %v)", i, r.Arrival, lo)
+		}
+		if i > 0 && r.Arrival < a.Requests[i-1].Arrival {
+			t.Fatalf("request %d arrives before request %d", i, i-1)
+		}
+		distinct[r.Arrival] = true
+	}
+	if len(distinct) != 40 {
+		t.Fatalf("%d distinct arrivals of 40", len(distinct))
+	}
+	if w.Requests[15].Arrival != 3*time.Second {
+		t.Fatal("the original workload changed")
+	}
+}

@@ -66,6 +66,7 @@ type workloadFlags struct {
 	speedup       float64
 	seed          uint64
 	shuffleTies   uint64
+	spreadTies    uint64
 	limit         int
 	from, dur     time.Duration
 	mt            bench.MultiTurnConfig
@@ -78,6 +79,7 @@ func (wf *workloadFlags) register(fs *flag.FlagSet) {
 	fs.Float64Var(&wf.speedup, "speedup", DefaultSpeedup, "divide arrival times by this factor")
 	fs.Uint64Var(&wf.seed, "seed", 1, "seed of token synthesis, the multi-turn generator and the router's tie-breaks")
 	fs.Uint64Var(&wf.shuffleTies, "shuffle-ties", 0, "put requests of equal arrival time in a random order drawn from this seed, as a live proxy sees them (0: file order)")
+	fs.Uint64Var(&wf.spreadTies, "spread-ties", 0, "spread requests of equal arrival time over the gap to the next one, as Poisson arrivals drawn from this seed (0: as in the file)")
 	fs.IntVar(&wf.limit, "limit", 0, "use only the first N requests (0: all)")
 	fs.DurationVar(&wf.from, "from", 0, "start of the slice of the trace to use (trace time, before -speedup)")
 	fs.DurationVar(&wf.dur, "duration", 0, "length of the slice of the trace to use (0: to the end)")
@@ -115,7 +117,7 @@ func (wf *workloadFlags) load() (*bench.Workload, error) {
 		}
 		w = w.Slice(wf.from, d)
 	}
-	w = w.ShuffleTies(wf.shuffleTies).Limit(wf.limit)
+	w = w.ShuffleTies(wf.shuffleTies).SpreadTies(wf.spreadTies).Limit(wf.limit)
 	if wf.name != "" {
 		w.Name = wf.name
 	}
