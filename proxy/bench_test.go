@@ -55,7 +55,7 @@ func BenchmarkSSERelay(b *testing.B) {
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		_, active, _ := p.rt.Route(&req)
-		x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, cachedTokens: -1}
+		x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, usage: tokenUsage{-1, -1, -1}}
 		s.live.add(x)
 		rl := newRelay(x, &memBody{bytes.NewReader(raw)}, fasthttp.AcquireResponse())
 		if _, err := rl.WriteTo(w); err != nil {

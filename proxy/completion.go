@@ -54,8 +54,11 @@ type exchange struct {
 	refusalRetry string // its Retry-After
 	refusalBy    string // its backend
 	ttft         time.Duration
-	outputTokens int
-	cachedTokens int
+	tenant       string // the client's tenant ("" without keys)
+	promptTokens int    // as kvproxy counted them for routing
+	outputTokens int    // streams: the chunks that carried output
+	accepted     bool   // the engine took the request (answered 200)
+	usage        tokenUsage
 	errMsg       string
 }
 
@@ -231,8 +234,9 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	if chat {
 		path = "/v1/chat/completions"
 	}
-	salt := t.salt
-	s.dispatch(ctx, st, sc, s.newExchange(rid, engineID, path, req.stream, start, p, req.model), salt)
+	x := s.newExchange(rid, engineID, path, req.stream, start, p, req.model)
+	x.tenant, x.promptTokens = t.name, len(tokens)
+	s.dispatch(ctx, st, sc, x, t.salt)
 }
 
 // newExchange starts the exchange of a request for the model pool p, to be
@@ -245,7 +249,7 @@ func (s *Server) newExchange(rid, engineID, path string, stream bool, start time
 	} else {
 		model = strings.Clone(model)
 	}
-	x := &exchange{s: s, id: rid, engineID: engineID, model: model, path: path, stream: stream, start: start, p: p, cachedTokens: -1}
+	x := &exchange{s: s, id: rid, engineID: engineID, model: model, path: path, stream: stream, start: start, p: p, usage: tokenUsage{-1, -1, -1}}
 	x.ab = &x.abort
 	return x
 }
@@ -636,6 +640,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 	ctx.SetStatusCode(fasthttp.StatusOK)
 	x.status = fasthttp.StatusOK
+	x.accepted = true
 	if x.pass {
 		x.active.PrefillDone() // the engine has done its work: the answer is here
 		if ct := resp.Header.ContentType(); len(ct) > 0 {
@@ -717,7 +722,8 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 	body, enc := plainBody(resp)
 	if code == fasthttp.StatusOK {
 		x.active.PrefillDone()
-		x.cachedTokens = cachedTokens(body)
+		x.accepted = true
+		x.usage.read(body)
 	} else {
 		body = normalizeEngineError(code, body)
 		x.errMsg = "engine answered " + strconv.Itoa(code)
@@ -795,22 +801,33 @@ func (x *exchange) finish() {
 func (x *exchange) logLine() {
 	s := x.s
 	s.metrics.countRequest(x.b.cfg.ID, x.status)
+	s.metrics.observeDuration(x.b.cfg.ID, time.Since(x.start).Seconds())
+	prompt, completion, cached := x.tokens()
+	if x.accepted && !x.pass {
+		s.metrics.countTokens(x.p.cfg.Name, x.tenant, prompt, completion, cached)
+	}
 	ev := s.log.Info()
 	if x.status >= 500 {
 		ev = s.log.Warn()
 	}
-	ev = ev.Str("request_id", x.id).Str("model", x.model).Str("backend", x.b.cfg.ID).
-		Int("overlap_blocks", x.d.Overlap).Int("total_blocks", x.d.Total).
+	ev = ev.Str("request_id", x.id).Str("model", x.model).Str("backend", x.b.cfg.ID)
+	if x.tenant != "" {
+		ev = ev.Str("tenant", x.tenant)
+	}
+	if x.pass {
+		ev = ev.Str("path", x.path)
+	}
+	ev = ev.Int("overlap_blocks", x.d.Overlap).Int("total_blocks", x.d.Total).
 		Bool("stream", x.stream).Int("status", x.status).
 		Dur("duration", time.Since(x.start))
 	if x.ttft > 0 {
 		ev = ev.Dur("ttft", x.ttft)
 	}
-	if x.outputTokens > 0 {
-		ev = ev.Int("output_tokens", x.outputTokens)
-	}
-	if x.cachedTokens >= 0 {
-		ev = ev.Int("cached_tokens", x.cachedTokens)
+	if x.accepted && !x.pass {
+		ev = ev.Int("prompt_tokens", prompt).Int("output_tokens", completion)
+		if x.usage.cached >= 0 {
+			ev = ev.Int("cached_tokens", cached)
+		}
 	}
 	if x.errMsg != "" {
 		ev = ev.Str("error", x.errMsg)
@@ -818,29 +835,22 @@ func (x *exchange) logLine() {
 	ev.Msg("request")
 }
 
+// tokens are the request's prompt, output and cached tokens: the engine's
+// own usage where it reported one, else what kvproxy counted (the prompt
+// it tokenized for routing, the stream chunks that carried output).
+func (x *exchange) tokens() (prompt, completion, cached int) {
+	prompt, completion, cached = x.usage.prompt, x.usage.completion, max(x.usage.cached, 0)
+	if prompt < 0 {
+		prompt = x.promptTokens
+	}
+	if completion < 0 {
+		completion = x.outputTokens
+	}
+	return prompt, completion, cached
+}
+
 func (s *Server) logRejected(rid, model string, status int, start time.Time, reason string) {
 	s.metrics.countRequest("", status)
 	s.log.Info().Str("request_id", rid).Str("model", model).Int("status", status).
 		Dur("duration", time.Since(start)).Str("error", reason).Msg("request")
-}
-
-var cachedKey = []byte(`"cached_tokens":`)
-
-// cachedTokens finds usage.prompt_tokens_details.cached_tokens in an engine
-// answer without decoding it; -1 when absent.
-func cachedTokens(b []byte) int {
-	i := bytes.Index(b, cachedKey)
-	if i < 0 {
-		return -1
-	}
-	b = bytes.TrimLeft(b[i+len(cachedKey):], " ")
-	n, j := 0, 0
-	for j < len(b) && b[j] >= '0' && b[j] <= '9' {
-		n = n*10 + int(b[j]-'0')
-		j++
-	}
-	if j == 0 {
-		return -1
-	}
-	return n
 }

@@ -85,7 +85,8 @@ func FuzzSSEFramer(f *testing.F) {
 		}
 		for _, ev := range whole {
 			carriesToken(ev)
-			cachedTokens(ev)
+			u := tokenUsage{-1, -1, -1}
+			u.read(ev)
 		}
 	})
 }

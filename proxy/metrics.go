@@ -12,13 +12,18 @@ import (
 )
 
 type metrics struct {
-	requests *prometheus.CounterVec
-	ok       sync.Map // backend id → its requests counter for status 200
-	ttft     *prometheus.HistogramVec
-	ttftOf   sync.Map // backend id → its TTFT observer
-	hitRatio prometheus.Histogram
-	route    prometheus.Histogram
-	handler  fasthttp.RequestHandler
+	requests   *prometheus.CounterVec
+	ok         sync.Map // backend id → its requests counter for status 200
+	ttft       *prometheus.HistogramVec
+	ttftOf     sync.Map // backend id → its TTFT observer
+	duration   *prometheus.HistogramVec
+	durationOf sync.Map // backend id → its duration observer
+	tokens     *prometheus.CounterVec
+	tokensMu   sync.RWMutex
+	tokensOf   map[[2]string]*[3]prometheus.Counter // model, tenant → prompt, completion, cached
+	hitRatio   prometheus.Histogram
+	route      prometheus.Histogram
+	handler    fasthttp.RequestHandler
 }
 
 func newMetrics(reg *prometheus.Registry, s *Server) *metrics {
@@ -30,6 +35,14 @@ func newMetrics(reg *prometheus.Registry, s *Server) *metrics {
 			Name: "kvproxy_ttft_seconds", Help: "Time from request arrival to the first streamed token, by backend.",
 			Buckets: prometheus.ExponentialBuckets(0.005, 2, 14),
 		}, []string{"backend"}),
+		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kvproxy_request_duration_seconds", Help: "Time from request arrival to the end of its answer, by backend (every status, streams included).",
+			Buckets: prometheus.ExponentialBuckets(0.005, 2, 16),
+		}, []string{"backend"}),
+		tokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvproxy_tokens_total", Help: "Tokens of the completion requests engines took, by model, tenant and type: prompt, completion (output) and cached (prompt tokens the engine found in its cache); the engine's usage where it reported one, else kvproxy's count.",
+		}, []string{"model", "tenant", "type"}),
+		tokensOf: map[[2]string]*[3]prometheus.Counter{},
 		hitRatio: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "kvproxy_prefix_hit_ratio", Help: "Cached prefix blocks on the chosen worker / prompt blocks, at routing time.",
 			Buckets: []float64{0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1},
@@ -39,7 +52,7 @@ func newMetrics(reg *prometheus.Registry, s *Server) *metrics {
 			Buckets: prometheus.ExponentialBuckets(1e-6, 2, 16),
 		}),
 	}
-	reg.MustRegister(m.requests, m.ttft, m.hitRatio, m.route, &loadCollector{s: s})
+	reg.MustRegister(m.requests, m.ttft, m.duration, m.tokens, m.hitRatio, m.route, &loadCollector{s: s})
 	if r := s.replicas; r != nil {
 		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvproxy_replicas_connected", Help: "1 while connected to NATS, sharing load with the other replicas (replicas.nats).",
@@ -82,6 +95,33 @@ func (m *metrics) observeTTFT(backend string, seconds float64) {
 		o, _ = m.ttftOf.LoadOrStore(backend, m.ttft.WithLabelValues(backend))
 	}
 	o.(prometheus.Observer).Observe(seconds)
+}
+
+// observeDuration records a proxied request's time from arrival to end.
+func (m *metrics) observeDuration(backend string, seconds float64) {
+	o, ok := m.durationOf.Load(backend)
+	if !ok {
+		o, _ = m.durationOf.LoadOrStore(backend, m.duration.WithLabelValues(backend))
+	}
+	o.(prometheus.Observer).Observe(seconds)
+}
+
+// countTokens adds a completion request's tokens to its model and tenant.
+func (m *metrics) countTokens(model, tenant string, prompt, completion, cached int) {
+	key := [2]string{model, tenant}
+	m.tokensMu.RLock()
+	c := m.tokensOf[key]
+	m.tokensMu.RUnlock()
+	if c == nil {
+		c = &[3]prometheus.Counter{m.tokens.WithLabelValues(model, tenant, "prompt"),
+			m.tokens.WithLabelValues(model, tenant, "completion"), m.tokens.WithLabelValues(model, tenant, "cached")}
+		m.tokensMu.Lock()
+		m.tokensOf[key] = c
+		m.tokensMu.Unlock()
+	}
+	c[0].Add(float64(prompt))
+	c[1].Add(float64(completion))
+	c[2].Add(float64(cached))
 }
 
 var (

@@ -71,7 +71,7 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 	}
 	sc.route = router.Request{PromptTokens: tokens, Unstreamed: true, Auxiliary: true, CandidateBuf: sc.cands}
 	x := s.newExchange(in.rid, in.engineID, path, false, in.start, p, req.model)
-	x.pass = true
+	x.pass, x.tenant = true, in.t.name
 	s.dispatch(ctx, st, sc, x, "")
 }
 

@@ -136,6 +136,10 @@ func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t%d \"}}]}\n\n", i)
 		fl.Flush()
 	}
+	if so, _ := body["stream_options"].(map[string]any); so["include_usage"] == true {
+		// Two tokens a chunk, as vLLM's --stream-interval 2 sends them.
+		fmt.Fprintf(w, "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10,\"completion_tokens\":%d,\"total_tokens\":%d,\"prompt_tokens_details\":{\"cached_tokens\":3}}}\n\n", 2*f.tokens, 10+2*f.tokens)
+	}
 	fmt.Fprintf(w, "data: [DONE]\n\n")
 	fl.Flush()
 }

@@ -283,9 +283,7 @@ func (r *relay) onData(data []byte) {
 		return
 	}
 	// Usage arrives in a chunk of its own (stream_options.include_usage).
-	if c := cachedTokens(data); c >= 0 {
-		x.cachedTokens = c
-	}
+	x.usage.read(data)
 }
 
 // carriesToken reports whether a chunk carries generated output. Engines

@@ -84,7 +84,7 @@ func startRelay(t *testing.T, s *Server, p *modelPool, be *backend, body streamB
 	if err != nil {
 		t.Fatal(err)
 	}
-	x := &exchange{s: s, p: p, b: be, active: active, stream: true, cachedTokens: -1, status: 200}
+	x := &exchange{s: s, p: p, b: be, active: active, stream: true, usage: tokenUsage{-1, -1, -1}, status: 200}
 	x.ab = &backends.Abort{}
 	s.live.add(x)
 	return newRelay(x, body, fasthttp.AcquireResponse()), x

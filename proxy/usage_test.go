@@ -1,0 +1,104 @@
+package proxy
+
+import (
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+)
+
+// Every completion an engine took adds its tokens to its model and tenant:
+// the engine's usage where the answer has one, else kvproxy's own count
+// (the prompt it tokenized, the chunks that carried output). Dry runs and
+// pass-through requests add none; every proxied request is timed.
+func TestTokensCountedPerTenant(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.tokens = 5 })
+	p := startProxyYAML(t, tenantsYAML, e)
+	chat := func(extra string) string {
+		return `{"model":"m","messages":[{"role":"user","content":"count these tokens please"}]` + extra + `}`
+	}
+	send := func(key, path, body string) string {
+		t.Helper()
+		resp, b := postAuth(t, p.url+path, key, body)
+		if resp.StatusCode != 200 {
+			t.Fatalf("%s %s: %d %s", path, body, resp.StatusCode, b)
+		}
+		return b
+	}
+	var dry struct {
+		TokenIDs []int `json:"token_ids"`
+	}
+	if err := json.Unmarshal([]byte(send("key-beta-4567", "/v1/chat/completions", chat(`,"nvext":{"annotations":["query_instance_id"]}`))), &dry); err != nil || len(dry.TokenIDs) == 0 {
+		t.Fatalf("dry run: %v %v", err, dry)
+	}
+	send("key-alpha-123", "/v1/chat/completions", chat(""))                                                       // usage 10 / 1 / 3
+	send("key-alpha-123", "/v1/chat/completions", chat(`,"stream":true,"stream_options":{"include_usage":true}`)) // usage 10 / 10 / 3 in 5 chunks
+	send("key-beta-4567", "/v1/chat/completions", chat(`,"stream":true`))                                         // no usage: counted
+	send("key-alpha-123", "/v1/embeddings", `{"model":"m","input":"not a completion"}`)
+	p.waitIdle(t)
+
+	resp, err := http.Get(p.url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	want := map[string]int{
+		`kvproxy_tokens_total{model="m",tenant="alpha",type="prompt"}`:     20,
+		`kvproxy_tokens_total{model="m",tenant="alpha",type="completion"}`: 11,
+		`kvproxy_tokens_total{model="m",tenant="alpha",type="cached"}`:     6,
+		`kvproxy_tokens_total{model="m",tenant="beta",type="prompt"}`:      len(dry.TokenIDs),
+		`kvproxy_tokens_total{model="m",tenant="beta",type="completion"}`:  5,
+		`kvproxy_tokens_total{model="m",tenant="beta",type="cached"}`:      0,
+		`kvproxy_request_duration_seconds_count{backend="e0"}`:             4,
+	}
+	for series, v := range want {
+		if line := series + " " + itoa(v) + "\n"; !strings.Contains(string(m), line) {
+			t.Errorf("/metrics lacks %q", strings.TrimSpace(line))
+		}
+	}
+	if strings.Count(string(m), "kvproxy_tokens_total{") != 6 {
+		t.Errorf("token series other than alpha's and beta's:\n%s", grepLines(string(m), "kvproxy_tokens_total{"))
+	}
+	logs := p.logs.String()
+	for _, s := range []string{`"tenant":"alpha","overlap_blocks"`, `"prompt_tokens":10,"output_tokens":10,"cached_tokens":3`, `"tenant":"beta"`, `"path":"/v1/embeddings"`} {
+		if !strings.Contains(logs, s) {
+			t.Errorf("access log lacks %s:\n%s", s, logs)
+		}
+	}
+}
+
+func itoa(n int) string { b, _ := json.Marshal(n); return string(b) }
+
+func grepLines(s, sub string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, sub) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
+}
+
+// usage.read takes the figures of the usage object only, keeps known ones
+// where a chunk has none, and ignores the same keys in generated text.
+func TestUsageRead(t *testing.T) {
+	u := tokenUsage{-1, -1, -1}
+	u.read([]byte(`{"choices":[{"delta":{"content":"\"prompt_tokens\":99"}}],"usage":null}`))
+	if u != (tokenUsage{-1, -1, -1}) {
+		t.Fatalf("after a chunk without usage: %+v", u)
+	}
+	u.read([]byte(`{"choices":[],"usage":{"prompt_tokens": 12,"completion_tokens":7,"total_tokens":19}}`))
+	if u != (tokenUsage{12, 7, -1}) {
+		t.Fatalf("usage without details: %+v", u)
+	}
+	u.read([]byte(`{"usage":{"prompt_tokens":12,"completion_tokens":8,"prompt_tokens_details":{"cached_tokens":4}}}`))
+	if u != (tokenUsage{12, 8, 4}) {
+		t.Fatalf("usage with details: %+v", u)
+	}
+	u.read([]byte(`{"usage":{"prompt_tokens":"x"}}`))
+	if u != (tokenUsage{12, 8, 4}) {
+		t.Fatalf("malformed usage changed known figures: %+v", u)
+	}
+}
