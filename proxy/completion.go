@@ -224,7 +224,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		}
 		sc.keepCandidates(d.Candidates)
 		s.writeDecision(ctx, req.stream, d, tokens, sc.hashes)
-		s.log.Info().Str("request_id", rid).Str("model", req.model).Str("backend", d.Name).
+		s.log.Info().Str("request_id", rid).Str("model", req.model).Str("tenant", t.name).Str("backend", d.Name).
 			Int("overlap_blocks", d.Overlap).Int("total_blocks", d.Total).Bool("dry_run", true).
 			Int("status", 200).Dur("duration", time.Since(start)).Msg("request")
 		return
@@ -810,10 +810,7 @@ func (x *exchange) logLine() {
 	if x.status >= 500 {
 		ev = s.log.Warn()
 	}
-	ev = ev.Str("request_id", x.id).Str("model", x.model).Str("backend", x.b.cfg.ID)
-	if x.tenant != "" {
-		ev = ev.Str("tenant", x.tenant)
-	}
+	ev = ev.Str("request_id", x.id).Str("model", x.model).Str("tenant", x.tenant).Str("backend", x.b.cfg.ID)
 	if x.pass {
 		ev = ev.Str("path", x.path)
 	}

@@ -62,7 +62,7 @@ func TestTokensCountedPerTenant(t *testing.T) {
 		t.Errorf("token series other than alpha's and beta's:\n%s", grepLines(string(m), "kvproxy_tokens_total{"))
 	}
 	logs := p.logs.String()
-	for _, s := range []string{`"tenant":"alpha","overlap_blocks"`, `"prompt_tokens":10,"output_tokens":10,"cached_tokens":3`, `"tenant":"beta"`, `"path":"/v1/embeddings"`} {
+	for _, s := range []string{`"tenant":"alpha","backend":"e0","overlap_blocks"`, `"prompt_tokens":10,"output_tokens":10,"cached_tokens":3`, `"tenant":"beta"`, `"path":"/v1/embeddings"`} {
 		if !strings.Contains(logs, s) {
 			t.Errorf("access log lacks %s:\n%s", s, logs)
 		}
