@@ -19,6 +19,11 @@ mkdir -p "$out"
 "$bin" sim -trace "$traces/mooncake/conversation_trace.jsonl" -name conversation \
 	-json -plot "$out" > "$out/conversation.json"
 
+# The same with the requests of each timestamp spread over the ~3 s to the next
+# one (Poisson arrivals, seed 1) instead of arriving as one burst.
+"$bin" sim -trace "$traces/mooncake/conversation_trace.jsonl" -name conversation-spread \
+	-spread-ties 1 -json -plot "$out" > "$out/conversation-spread.json"
+
 # No-reuse control: Azure conversation trace (unique prompts), speedup 22 (round_robin near saturation).
 "$bin" sim -trace "$traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv" -name azure-conv \
 	-speedup 22 -json -plot "$out" > "$out/azure-conv.json"
