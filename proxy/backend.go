@@ -35,10 +35,12 @@ type backend struct {
 	// silentWhole counts the non-streamed requests in a row the engine
 	// left unanswered for stream_idle_timeout (see wholeTimedOut).
 	silentWhole int
-	ejected     bool
-	draining    bool
-	full        bool // at max_concurrency: healthy but takes nothing new
-	cooling     bool // refused a request with 429: left out until coolTimer
+	// errorAnswers counts the error answers in a row (errorAnswerLimit).
+	errorAnswers int
+	ejected      bool
+	draining     bool
+	full         bool // at max_concurrency: healthy but takes nothing new
+	cooling      bool // refused a request with 429: left out until coolTimer
 	// replaced: a reload handed the router worker(s) to a new backend of
 	// the same id; this one only finishes its requests and must not change
 	// the workers' availability (its timers and last answers would).
@@ -127,16 +129,39 @@ func (b *backend) fail(reason string) {
 	b.applyLocked()
 }
 
-// succeed resets the failure streaks after a good answer.
+// succeed resets the failure streaks after an answer that shows the
+// engine up: a good one, or a client error (the request's fault).
 func (b *backend) succeed() {
 	b.mu.Lock()
-	b.ejections, b.silentWhole = 0, 0
+	b.ejections, b.silentWhole, b.errorAnswers = 0, 0, 0
 	b.mu.Unlock()
 }
 
 // silentWholeLimit is how many non-streamed requests in a row may go
 // unanswered for stream_idle_timeout before the engine is ejected.
 const silentWholeLimit = 3
+
+// errorAnswerLimit is how many error answers in a row (500, or a refusal
+// of kvproxy's credentials) eject the engine. One may be the request's
+// own doing (vLLM answers 500 to some inputs it fails on), and ejecting on
+// it would let a client's retried bad request take engine after engine
+// out; a broken engine fails every request.
+const errorAnswerLimit = 3
+
+// answeredError records an error answer that is the engine's fault or the
+// request's, as errorAnswerLimit describes.
+func (b *backend) answeredError(reason string) {
+	b.mu.Lock()
+	b.errorAnswers++
+	eject := b.errorAnswers >= errorAnswerLimit
+	if eject {
+		b.errorAnswers = 0
+	}
+	b.mu.Unlock()
+	if eject {
+		b.fail(reason + ", " + strconv.Itoa(errorAnswerLimit) + " answers in a row")
+	}
+}
 
 // wholeTimedOut records a non-streamed request the engine sent nothing for
 // within stream_idle_timeout. A whole answer comes only when it is done, so

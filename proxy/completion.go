@@ -626,10 +626,24 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			x.released = false // a new attempt takes a new slot
 			return retryable
 		}
-		if code >= 500 {
+		switch {
+		case code == fasthttp.StatusUnauthorized || code == fasthttp.StatusForbidden:
+			// The engine gets kvproxy's key (backends[].api_key), never
+			// the client's: a refusal is kvproxy's configuration at
+			// fault, which the client must not take for its own key.
+			plain, _ := plainBody(resp)
+			msg := "backend " + b.cfg.ID + " refused kvproxy's credentials (" + strconv.Itoa(code) + " " + engineMessage(code, plain) + "); check its api_key"
+			b.answeredError(msg)
+			x.failUpstream(ctx, fasthttp.StatusBadGateway, msg)
+			fasthttp.ReleaseResponse(resp)
+			x.finish()
+			return done
+		case code == fasthttp.StatusInternalServerError:
+			b.answeredError("status 500")
+		case code >= 500:
 			b.fail("status " + strconv.Itoa(code))
-		} else if code == fasthttp.StatusOK {
-			b.succeed()
+		case code != fasthttp.StatusTooManyRequests:
+			b.succeed() // up and answering; a 4xx is the request's fault
 		}
 		ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 		x.relayWhole(ctx, resp)

@@ -100,3 +100,18 @@ func defaultErrorType(status int) string {
 	}
 	return "upstream_error"
 }
+
+// engineMessage is the message of an engine's error answer, cut to 200 bytes.
+func engineMessage(status int, body []byte) string {
+	var e struct {
+		Error struct {
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	json.Unmarshal(normalizeEngineError(status, body), &e)
+	m := e.Error.Message
+	if len(m) > 200 {
+		m = m[:200]
+	}
+	return m
+}

@@ -284,12 +284,12 @@ health: {eject_base: 300ms, eject_max: 1s}
 			t.Fatalf("engine 500 not normalized: %s", b)
 		}
 	}
-	if codes[500] != 1 || bad.requests.Load() != 1 {
-		t.Fatalf("after one 500 the backend must be ejected: codes %v, bad saw %d", codes, bad.requests.Load())
+	if codes[500] != errorAnswerLimit || bad.requests.Load() != errorAnswerLimit {
+		t.Fatalf("after %d 500s in a row the backend must be ejected: codes %v, bad saw %d", errorAnswerLimit, codes, bad.requests.Load())
 	}
 	bad.status = 0 // it recovers
 	deadline := time.Now().Add(3 * time.Second)
-	for bad.requests.Load() < 2 {
+	for bad.requests.Load() < errorAnswerLimit+1 {
 		if time.Now().After(deadline) {
 			t.Fatal("the ejected backend never came back")
 		}
