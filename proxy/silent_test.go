@@ -59,3 +59,21 @@ func TestAnAnswerResetsTheSilentCount(t *testing.T) {
 		t.Fatal("ejected although every streak ended in an answer")
 	}
 }
+
+// A stream the engine leaves silent past stream_idle_timeout ends with an
+// error event that says so (504 in the log), and the engine is ejected.
+func TestSilentMidStreamSaysTimeout(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.tokens, f.pauseAfter, f.pause = 4, 2, 5*time.Second })
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {stream_idle_timeout: 200ms}\n", e)
+	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","stream":true}`)
+	if resp.StatusCode != 200 || !strings.Contains(string(b), `went silent mid-stream: backend e0 sent nothing for 200ms (limits.stream_idle_timeout)","type":"timeout_error","param":null,"code":"backend_timeout"}}`) || !strings.HasSuffix(string(b), "data: [DONE]\n\n") {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	if !ejected(p, "e0") {
+		t.Fatal("a silent stream did not eject its engine")
+	}
+	p.waitIdle(t)
+	if !strings.Contains(p.logs.String(), `"status":504`) {
+		t.Fatalf("access log: %s", p.logs.String())
+	}
+}

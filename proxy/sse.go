@@ -174,6 +174,14 @@ func (r *relay) end(out []byte, err error) []byte {
 		out = append(out, "data: "...)
 		out = append(out, errorJSON("the answer holds "+err.Error()+", more than kvproxy relays", "upstream_error", "", "event_too_large")...)
 		out = append(append(out, "\n\n"...), doneEvent...)
+	case backends.IsTimeout(err):
+		msg := "backend " + x.b.cfg.ID + " sent nothing for " + x.b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
+		x.errMsg = msg + " mid-stream"
+		x.b.fail("silent mid-stream")
+		x.status = fasthttp.StatusGatewayTimeout
+		out = append(out, "data: "...)
+		out = append(out, errorJSON("the backend serving this request went silent mid-stream: "+msg, "timeout_error", "", "backend_timeout")...)
+		out = append(append(out, "\n\n"...), doneEvent...)
 	default:
 		// The engine failed mid-stream (an error, or the connection ended
 		// before [DONE]: a dropped chunked stream reads as a plain EOF): tell
