@@ -55,7 +55,10 @@ func NewProber(cfg ProbeConfig) *Prober {
 		cfg: cfg,
 		// A bounded body: fasthttp allocates a Content-Length body up
 		// front, and an absurd one from a broken engine would panic.
-		client: &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: time.Minute, MaxResponseBodySize: 1 << 20},
+		// Idle connections last just past the next probe: a connection
+		// to an engine a reload removed closes soon after its last probe
+		// (a retiring in-process mock waits for its connections to end).
+		client: &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: cfg.Interval + time.Second, MaxResponseBodySize: 1 << 20},
 		target: map[string]*probeTarget{},
 		stop:   make(chan struct{}),
 	}

@@ -248,7 +248,7 @@ func (s *MetricsScraper) client() *fasthttp.Client {
 		s.own = &fasthttp.Client{
 			Name:                "kvproxy-scraper",
 			MaxResponseBodySize: s.maxBody(),
-			MaxIdleConnDuration: 30 * time.Second,
+			MaxIdleConnDuration: 3 * time.Second, // past kvproxy's 1 s scrape interval, and no longer: see NewProber
 		}
 	})
 	return s.own

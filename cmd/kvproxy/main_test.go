@@ -213,6 +213,32 @@ func TestReloadStopsRemovedMocks(t *testing.T) {
 	}
 }
 
+// An idle mock a reload removed stops within seconds, not at drain_timeout
+// (30 s here): the proxy's health probes and metrics scrapes keep their idle
+// connections only just past their next use, and there is none.
+func TestRemovedIdleMockStopsSoon(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "c.yaml")
+	m0, m1 := mockSpec{id: "m0", port: freePort(t)}, mockSpec{id: "m1", port: freePort(t)}
+	writeConfig(t, cfg, "limits: {drain_timeout: 30s}\n", m0, m1)
+	p := startProxy(t, cfg)
+	time.Sleep(1500 * time.Millisecond) // probed and scraped at least once
+	writeConfig(t, cfg, "limits: {drain_timeout: 30s}\n", m0)
+	p.reload(t)
+	deadline := time.Now().Add(12 * time.Second)
+	for listening(m1.port) {
+		if time.Now().After(deadline) {
+			t.Fatal("the removed idle mock still listens 12 s after the reload")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	writeConfig(t, cfg, "limits: {drain_timeout: 30s}\n", m0, m1)
+	p.reload(t)
+	if !listening(m1.port) {
+		t.Fatal("the mock engine added back does not listen")
+	}
+}
+
 // Changing a running mock's address by reload must not leave its backend
 // pointing where nothing listens: the reload is refused and the mock keeps
 // serving where it was.
