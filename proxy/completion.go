@@ -194,7 +194,12 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		s.rateLimited(ctx, rid, start, wait, "tokens")
 		return
 	}
-	sc.hashes = kv.HashBlocks(sc.hashes[:0], tokens, p.cfg.BlockSize, t.ns)
+	salt, ns := t.salt, t.ns
+	if req.cacheSalt != "" {
+		salt = composeSalt(t.salt, req.cacheSalt)
+		ns = kv.NewNamespace(salt)
+	}
+	sc.hashes = kv.HashBlocks(sc.hashes[:0], tokens, p.cfg.BlockSize, ns)
 	rr := &sc.route
 	*rr = router.Request{Hashes: sc.hashes, PromptTokens: len(tokens), Unstreamed: !req.stream, CandidateBuf: sc.cands}
 
@@ -236,7 +241,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	}
 	x := s.newExchange(rid, engineID, path, req.stream, start, p, req.model)
 	x.tenant, x.promptTokens = t.name, len(tokens)
-	s.dispatch(ctx, st, sc, x, t.salt)
+	s.dispatch(ctx, st, sc, x, salt)
 }
 
 // newExchange starts the exchange of a request for the model pool p, to be

@@ -74,6 +74,7 @@ type apiRequest struct {
 	promptTokens []uint32
 	hasTokens    bool
 	addGenPrompt bool
+	cacheSalt    string // the client's own, within its tenant's (composeSalt)
 
 	wire []wireMessage // messages as scanned, before validation
 	text []byte        // decoded strings that are not the body's own bytes
@@ -141,6 +142,8 @@ func (r *apiRequest) parse(body []byte, chat bool) *paramError {
 			f.Messages = m.value
 		case keyIs(m.key, "prompt"):
 			f.Prompt = m.value
+		case keyIs(m.key, "cache_salt"):
+			f.CacheSalt = m.value
 		}
 	}
 	if f.Model == nil {
@@ -161,6 +164,14 @@ func (r *apiRequest) parse(body []byte, chat bool) *paramError {
 	if raw := f.Nvext; raw != nil && !isNull(raw) {
 		if !r.nv.parse(raw) {
 			return perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)")
+		}
+	}
+	if raw := f.CacheSalt; raw != nil && !isNull(raw) {
+		if raw[0] != '"' {
+			return perr("cache_salt", "cache_salt must be a string")
+		}
+		if r.cacheSalt = r.decodeString(raw); r.cacheSalt == "" {
+			return perr("cache_salt", "cache_salt must be a non-empty string if provided")
 		}
 	}
 	if raw := f.AddGenerationPrompt; raw != nil && chat && !isNull(raw) {
@@ -440,6 +451,7 @@ type wireFields struct {
 	AddGenerationPrompt json.RawMessage `json:"add_generation_prompt"`
 	Messages            json.RawMessage `json:"messages"`
 	Prompt              json.RawMessage `json:"prompt"`
+	CacheSalt           json.RawMessage `json:"cache_salt"`
 }
 
 // setBody checks that body is one valid JSON object and keeps it.
@@ -457,7 +469,7 @@ func (r *apiRequest) setBody(body []byte) *paramError {
 
 // forwardBody appends to dst the body sent to the engine: the client's body
 // with nvext and any cache_salt removed, model renamed, stream spelled as
-// engines read it, and the tenant's cache_salt added (salt "" adds none).
+// engines read it, and salt (composeSalt's) added as cache_salt ("" adds none).
 // Every other member is copied byte for byte.
 //
 // Members are matched as parse matches them (exactly, escapes decoded), so

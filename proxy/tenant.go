@@ -108,6 +108,18 @@ func cacheSalt(secret, namespace string) string {
 	return hex.EncodeToString(m.Sum(nil)[:16])
 }
 
+// composeSalt is the cache_salt an engine gets for a request whose client
+// sent its own: the client's alone from the anonymous tenant of a proxy
+// without keys, else the tenant's followed by the client's. A client can
+// split its tenant's cache (per end user, as vLLM's cache_salt is meant
+// for) but never reach another tenant's: the tenant part is fixed-length.
+func composeSalt(tenantSalt, clientSalt string) string {
+	if tenantSalt == "" {
+		return clientSalt
+	}
+	return tenantSalt + "/" + clientSalt
+}
+
 func bearer(ctx *fasthttp.RequestCtx) string {
 	h := string(ctx.Request.Header.Peek("Authorization"))
 	if len(h) > 7 && strings.EqualFold(h[:7], "bearer ") {
