@@ -461,6 +461,28 @@ func (b *backend) release() {
 
 // anyFull reports whether the pool has a healthy backend that is
 // only full, so a request may wait for it.
+// fullFor reports whether a request may wait for a slot: its pinned
+// backend is full, or, unpinned, any backend of the pool is.
+func (p *modelPool) fullFor(rr *router.Request) bool {
+	if !rr.Pinned {
+		return p.anyFull()
+	}
+	b := p.backend(rr.Pin)
+	if b == nil {
+		return false
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.full && b.healthyLocked()
+}
+
+// isDraining reports whether a reload removed the backend.
+func (b *backend) isDraining() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.draining
+}
+
 func (p *modelPool) anyFull() bool {
 	for _, b := range *p.workers.Load() {
 		if b == nil {

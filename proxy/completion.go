@@ -208,7 +208,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		if !found && isNum {
 			w, found = p.rt.WorkerByInstance(inst)
 		}
-		if !found || p.backend(w) == nil {
+		if !found || p.backend(w) == nil || p.backend(w).isDraining() {
 			badRequest(ctx, "nvext.backend_instance_id", fmt.Sprintf("no backend %s serves model %q", string(req.nv.BackendInstanceID), req.model))
 			s.logRejected(rid, req.model, fasthttp.StatusBadRequest, start, "unknown pinned backend")
 			return
@@ -381,7 +381,7 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 			// left no backend full.
 			if s.queue.waiters.Add(1) > int64(lim.MaxQueue) {
 				s.queue.waiters.Add(-1)
-				if p.anyFull() {
+				if p.fullFor(rr) {
 					return errQueueFull
 				}
 				return err
@@ -389,7 +389,7 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 			waiting = true
 			continue
 		}
-		if !p.anyFull() {
+		if !p.fullFor(rr) {
 			// No backend is full: none is healthy, or a slot was freed
 			// since this Route (it signals only after that). Route again
 			// once before giving up.

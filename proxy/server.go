@@ -277,6 +277,9 @@ func (s *Server) activate(st, prev *state) {
 	if prev == nil {
 		return
 	}
+	// Queued requests look again: there may be new backends or slots, or
+	// none left to wait for.
+	defer s.queue.signal()
 	for id, old := range prev.backends {
 		if st.backends[id] == old {
 			continue

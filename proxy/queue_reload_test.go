@@ -1,0 +1,147 @@
+package proxy
+
+import (
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvproxy/kvproxy/config"
+)
+
+// Tests from the sixth session's review: requests waiting for a slot, and
+// pinned requests, across reloads and cooling backends.
+
+// A request queued behind a full backend should be served by a backend a
+// reload adds ("added backends get traffic at once"), not wait out
+// queue_timeout.
+func TestQueuedRequestTakesABackendAReloadAdds(t *testing.T) {
+	busy := startFake(t, "busy", func(f *fakeEngine) { f.prefillDelay = 4 * time.Second })
+	added := startFake(t, "added", nil)
+	base := "models: [{name: m, aliases: [alias-m]}]\nlimits: {max_queue: 8, queue_timeout: 3s}\nbackends:\n  - {id: busy, url: 'http://{{e0}}', max_concurrency: 1}\n"
+	p := startProxyYAML(t, base, busy)
+	go postAsync(p.url+"/v1/chat/completions", chatBody) // occupies busy's only slot for 4s
+	for busy.requests.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	type res struct {
+		code   int
+		worker string
+		took   time.Duration
+	}
+	done := make(chan res, 1)
+	go func() {
+		t0 := time.Now()
+		code, worker := postAsync(p.url+"/v1/chat/completions", chatBody)
+		done <- res{code, worker, time.Since(t0)}
+	}()
+	time.Sleep(300 * time.Millisecond) // it is queued now
+	y := strings.ReplaceAll(base, "{{e0}}", busy.addr) + "  - {id: added, url: 'http://" + added.addr + "'}\n"
+	cfg, err := config.Parse([]byte(y))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	r := <-done
+	t.Logf("queued request: status %d worker %q after %v", r.code, r.worker, r.took)
+	if r.code != 200 || r.worker != "added" || r.took > time.Second {
+		t.Fatalf("queued request did not move to the added backend at once: %+v", r)
+	}
+}
+
+// Same with a reload that raises the full backend's max_concurrency.
+func TestQueuedRequestTakesASlotAReloadAdds(t *testing.T) {
+	busy := startFake(t, "busy", func(f *fakeEngine) { f.prefillDelay = 2 * time.Second })
+	base := "models: [{name: m, aliases: [alias-m]}]\nlimits: {max_queue: 8, queue_timeout: 3s}\nbackends:\n  - {id: busy, url: 'http://{{e0}}', max_concurrency: 1}\n"
+	p := startProxyYAML(t, base, busy)
+	go postAsync(p.url+"/v1/chat/completions", chatBody)
+	for busy.requests.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	done := make(chan time.Duration, 1)
+	go func() {
+		t0 := time.Now()
+		postAsync(p.url+"/v1/chat/completions", chatBody)
+		done <- time.Since(t0)
+	}()
+	time.Sleep(300 * time.Millisecond)
+	y := strings.ReplaceAll(strings.ReplaceAll(base, "{{e0}}", busy.addr), "max_concurrency: 1", "max_concurrency: 4")
+	cfg, _ := config.Parse([]byte(y))
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(time.Second)
+	for busy.requests.Load() != 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("1 s after the reload raised max_concurrency to 4 the engine has %d requests, want 2 (the queued one)", busy.requests.Load())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if took := <-done; took > 3*time.Second { // its own 2 s, not 2 s more behind the running one
+		t.Fatalf("the queued request waited for the running one: %v", took)
+	}
+}
+
+// Pinned to a backend cooling after a 429 while another backend is full:
+// the pinned request waits out queue_timeout and gets 503 "no backend had
+// capacity" instead of the immediate 429 backend_cooling_down.
+func TestPinnedToCoolingBackendIsNotQueuedBehindAnother(t *testing.T) {
+	busy := startFake(t, "busy", func(f *fakeEngine) { f.status, f.retryAfter, f.errBody = 429, "30", `{"error":{"message":"busy"}}` })
+	ok := startFake(t, "ok", func(f *fakeEngine) { f.prefillDelay = 3000 * time.Millisecond })
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n  - {id: busy, url: 'http://{{e0}}', model: m}\n  - {id: ok, url: 'http://{{e1}}', model: m, max_concurrency: 1}\n"+
+		"limits: {queue_timeout: 2s}\nrouter: {policy: round_robin}\n", busy, ok)
+	for i := 0; busy.requests.Load() == 0; i++ {
+		if i == 4 {
+			t.Fatal("busy never got a request")
+		}
+		post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`)
+	}
+	if p.s.st.Load().backends["busy"].coolingLeft() == 0 {
+		t.Fatal("busy is not cooling")
+	}
+	n := ok.requests.Load()
+	go postAsync(p.url+"/v1/completions", `{"model":"m","prompt":"y"}`) // fills ok
+	for ok.requests.Load() == n {
+		time.Sleep(time.Millisecond)
+	}
+	t0 := time.Now()
+	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","nvext":{"backend_instance_id":"busy"}}`)
+	if took := time.Since(t0); resp.StatusCode != 429 || !strings.Contains(string(b), "backend_cooling_down") || took > time.Second {
+		t.Fatalf("pinned to cooling busy while ok is full: %d after %v: %s; want the immediate 429 backend_cooling_down", resp.StatusCode, took, b)
+	}
+}
+
+// Pinned to a backend a reload removed: the pool keeps the old backend in
+// its worker table, so the "no backend serves" 400 never comes; the client
+// got 503 + Retry-After 1 forever. It is a 400, as for a name never known.
+func TestPinnedToRemovedBackendIs400(t *testing.T) {
+	a, b := startFake(t, "a", nil), startFake(t, "b", nil)
+	y := "models: [{name: m, aliases: [alias-m]}]\nbackends:\n  - {id: a, url: 'http://{{e0}}'}\n  - {id: b, url: 'http://{{e1}}'}\n"
+	p := startProxyYAML(t, y, a, b)
+	cfg, _ := config.Parse([]byte("models: [{name: m, aliases: [alias-m]}]\nbackends:\n  - {id: a, url: 'http://" + a.addr + "'}\n"))
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{"b", "nosuch"} {
+		resp, out := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","nvext":{"backend_instance_id":"`+id+`"}}`)
+		if resp.StatusCode != 400 || !strings.Contains(string(out), `no backend \"`+id+`\" serves model`) {
+			t.Fatalf("pinned to %s: %d %s", id, resp.StatusCode, out)
+		}
+	}
+}
+
+// postAsync posts from a goroutine other than the test's: the status and
+// the worker that answered (0 when the request failed).
+func postAsync(url, body string) (status int, worker string) {
+	resp, err := http.Post(url, "application/json", strings.NewReader(body))
+	if err != nil {
+		return 0, ""
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return resp.StatusCode, resp.Header.Get(WorkerHeader)
+}
