@@ -37,6 +37,9 @@ type backend struct {
 	silentWhole int
 	// errorAnswers counts the error answers in a row (errorAnswerLimit).
 	errorAnswers int
+	// tokenizeDown: until when (unix ns) its /tokenize is not asked, after
+	// it failed (engineTokenizeBackoff).
+	tokenizeDown atomic.Int64
 	ejected      bool
 	draining     bool
 	full         bool // at max_concurrency: healthy but takes nothing new

@@ -167,7 +167,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	case req.hasTokens:
 		tokens = req.promptTokens
 	case p.engineTok != nil:
-		ids, err := p.engineTok.tokens(p, req, chat)
+		ids, err := p.engineTok.tokens(p, req, chat, lim.MaxPromptTokens)
 		if err != nil {
 			// Route by load alone rather than fail the request.
 			s.log.Warn().Str("request_id", rid).Err(err).Msg("engine tokenization failed")

@@ -5,10 +5,13 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/goccy/go-json"
 	"github.com/valyala/fasthttp"
 	"github.com/zeebo/xxh3"
+
+	"github.com/kvproxy/kvproxy/backends"
 )
 
 // engineTokenizer asks a backend's own POST /tokenize (vLLM's endpoint takes
@@ -22,15 +25,32 @@ type engineTokenizer struct {
 	calls atomic.Uint64 // engine calls made
 }
 
+// engineTokenizeTimeout bounds one /tokenize call: past it the request is
+// routed by load alone rather than wait (stream_idle_timeout is minutes).
+const engineTokenizeTimeout = 5 * time.Second
+
+// engineTokenizeBackoff is how long a backend whose /tokenize failed is not
+// asked again, so that one stuck engine does not delay every request.
+const engineTokenizeBackoff = 30 * time.Second
+
 type engineTokenizeBody struct {
 	Model               string          `json:"model"`
 	Prompt              json.RawMessage `json:"prompt,omitempty"`
 	Messages            json.RawMessage `json:"messages,omitempty"`
 	AddGenerationPrompt *bool           `json:"add_generation_prompt,omitempty"`
+	// What else the engine's chat template or tokenizer renders: tools
+	// (Llama 3.1 and Qwen 2.5 put them in the prompt), and the template
+	// and its arguments a request may choose.
+	Tools                json.RawMessage `json:"tools,omitempty"`
+	ChatTemplate         json.RawMessage `json:"chat_template,omitempty"`
+	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs,omitempty"`
+	ContinueFinalMessage json.RawMessage `json:"continue_final_message,omitempty"`
+	AddSpecialTokens     json.RawMessage `json:"add_special_tokens,omitempty"`
 }
 
-// tokens returns the engine's token ids for req.
-func (et *engineTokenizer) tokens(p *modelPool, req *apiRequest, chat bool) ([]uint32, error) {
+// tokens returns the engine's token ids for req; more than maxTokens are
+// returned but not cached (the request is refused for them).
+func (et *engineTokenizer) tokens(p *modelPool, req *apiRequest, chat bool, maxTokens int) ([]uint32, error) {
 	body := engineTokenizeBody{}
 	if chat {
 		body.Messages = req.fields.Messages
@@ -45,24 +65,54 @@ func (et *engineTokenizer) tokens(p *modelPool, req *apiRequest, chat bool) ([]u
 	}
 	h.Write(body.Messages)
 	h.Write(body.Prompt)
+	for m := (members{b: req.body}); m.next(); {
+		if isNull(m.value) {
+			continue
+		}
+		var f *json.RawMessage
+		switch {
+		case keyIs(m.key, "add_special_tokens"):
+			f = &body.AddSpecialTokens
+		case !chat:
+			continue
+		case keyIs(m.key, "tools"):
+			f = &body.Tools
+		case keyIs(m.key, "chat_template"):
+			f = &body.ChatTemplate
+		case keyIs(m.key, "chat_template_kwargs"):
+			f = &body.ChatTemplateKwargs
+		case keyIs(m.key, "continue_final_message"):
+			f = &body.ContinueFinalMessage
+		default:
+			continue
+		}
+		*f = m.value
+		h.Write([]byte{0})
+		h.Write(m.key)
+		h.Write(m.value)
+	}
 	key := h.Sum64()
 	if ids, ok := et.cache.get(key); ok {
 		return ids, nil
 	}
 	ws := *p.workers.Load()
 	var lastErr error = errors.New("no available backend to tokenize with")
+	now := time.Now().UnixNano()
 	for range ws {
 		b := ws[int(et.next.Add(1))%len(ws)]
-		if b == nil || !b.isAvailable() {
+		if b == nil || !b.isAvailable() || b.tokenizeDown.Load() > now {
 			continue
 		}
 		body.Model = b.cfg.ServedModel
 		ids, err := et.ask(b, &body)
 		if err != nil {
+			b.tokenizeDown.Store(time.Now().Add(engineTokenizeBackoff).UnixNano())
 			lastErr = err
 			continue
 		}
-		et.cache.put(key, ids)
+		if len(ids) <= maxTokens {
+			et.cache.put(key, ids)
+		}
 		return ids, nil
 	}
 	return nil, lastErr
@@ -86,7 +136,13 @@ func (et *engineTokenizer) ask(b *backend, body *engineTokenizeBody) ([]uint32, 
 		req.Header.Set("Authorization", b.authHeader)
 	}
 	req.SetBodyRaw(raw)
-	if _, err := b.up.Do(req, resp, false, nil); err != nil {
+	var ab backends.Abort
+	timer := time.AfterFunc(engineTokenizeTimeout, ab.Abort)
+	defer timer.Stop()
+	if _, err := b.up.Do(req, resp, false, &ab); err != nil {
+		if ab.Aborted() {
+			return nil, fmt.Errorf("backend %s /tokenize: no answer within %v", b.cfg.ID, engineTokenizeTimeout)
+		}
 		return nil, fmt.Errorf("backend %s /tokenize: %w", b.cfg.ID, err)
 	}
 	if resp.StatusCode() != fasthttp.StatusOK {
@@ -101,14 +157,19 @@ func (et *engineTokenizer) ask(b *backend, body *engineTokenizeBody) ([]uint32, 
 	return out.Tokens, nil
 }
 
-// tokenCache is a bounded map of token ids by content hash; when full it
-// drops half of its entries (cheap, and good enough for a fallback path).
+// tokenCache is a map of token ids by content hash, bounded in entries and
+// in ids; when either is full it drops half of its entries (cheap, and good
+// enough for a fallback path).
 type tokenCache struct {
-	mu sync.Mutex
-	m  map[uint64][]uint32
+	mu  sync.Mutex
+	m   map[uint64][]uint32
+	ids int // token ids held
 }
 
-const tokenCacheEntries = 4096
+const (
+	tokenCacheEntries = 4096
+	tokenCacheIDs     = 8 << 20 // 32 MiB of ids
+)
 
 func (c *tokenCache) get(k uint64) ([]uint32, bool) {
 	c.mu.Lock()
@@ -118,19 +179,30 @@ func (c *tokenCache) get(k uint64) ([]uint32, bool) {
 }
 
 func (c *tokenCache) put(k uint64, ids []uint32) {
+	if len(ids) > tokenCacheIDs/4 {
+		return
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.m == nil {
 		c.m = make(map[uint64][]uint32)
 	}
-	if len(c.m) >= tokenCacheEntries {
-		n := 0
-		for k := range c.m {
-			if n++; n > tokenCacheEntries/2 {
+	for len(c.m) >= tokenCacheEntries || c.ids+len(ids) > tokenCacheIDs {
+		n, half := 0, len(c.m)/2
+		for k, v := range c.m {
+			if n++; n > half {
 				break
 			}
+			c.ids -= len(v)
 			delete(c.m, k)
 		}
+		if len(c.m) == 0 {
+			break
+		}
+	}
+	if old, ok := c.m[k]; ok {
+		c.ids -= len(old)
 	}
 	c.m[k] = ids
+	c.ids += len(ids)
 }

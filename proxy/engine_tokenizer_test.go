@@ -1,0 +1,162 @@
+package proxy
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// tokenizeEngine answers /tokenize with ids for what it got (the request
+// bodies are kept) and every other path with an empty completion.
+type tokenizeEngine struct {
+	mu     sync.Mutex
+	bodies []map[string]any
+	ids    func(body map[string]any) string // the JSON array to answer
+	stuck  bool
+	calls  atomic.Int64
+}
+
+func (e *tokenizeEngine) serve(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Content-Type", "application/json")
+	if r.URL.Path != "/tokenize" {
+		io.Copy(io.Discard, r.Body)
+		w.Write([]byte(`{"choices":[]}`))
+		return
+	}
+	e.calls.Add(1)
+	if e.stuck {
+		<-r.Context().Done()
+		return
+	}
+	var body map[string]any
+	json.NewDecoder(r.Body).Decode(&body)
+	e.mu.Lock()
+	e.bodies = append(e.bodies, body)
+	e.mu.Unlock()
+	w.Write([]byte(`{"tokens":` + e.ids(body) + `}`))
+}
+
+func few(map[string]any) string { return "[1,2,3]" }
+
+// With tokenizer: engine, what the engine's template renders besides the
+// messages (tools, the template and its arguments, special tokens) goes to
+// its /tokenize, and tells cached answers apart: a tool-calling request is
+// hashed on the engine's own tokens.
+func TestEngineTokenizerSendsWhatTheTemplateRenders(t *testing.T) {
+	e := &tokenizeEngine{ids: func(b map[string]any) string {
+		if b["tools"] != nil {
+			return "[1,2,3,4]"
+		}
+		return "[1,2,3]"
+	}}
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: engine, block_size: 2}]\nbackends: [{id: e0, url: 'http://"+startRawEngine(t, e.serve)+"', model: m}]\n")
+	msgs := `"messages":[{"role":"user","content":"weather?"}]`
+	tools := `"tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object"}}}]`
+	dry := func(extra string) []int {
+		t.Helper()
+		resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m",`+msgs+extra+`,"nvext":{"annotations":["query_instance_id"]}}`)
+		var d struct {
+			TokenIDs []int `json:"token_ids"`
+		}
+		if resp.StatusCode != 200 || json.Unmarshal(b, &d) != nil {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+		return d.TokenIDs
+	}
+	if n := len(dry("")); n != 3 {
+		t.Fatalf("without tools: %d tokens", n)
+	}
+	if n := len(dry("," + tools + `,"chat_template_kwargs":{"enable_thinking":false},"add_special_tokens":false,"continue_final_message":null`)); n != 4 {
+		t.Fatalf("with tools: %d tokens, want the engine's 4 (a cached answer without tools?)", n)
+	}
+	e.mu.Lock()
+	last := e.bodies[len(e.bodies)-1]
+	e.mu.Unlock()
+	if last["tools"] == nil || last["chat_template_kwargs"] == nil || last["add_special_tokens"] != false {
+		t.Fatalf("the engine's /tokenize got %v", last)
+	}
+	if _, sent := last["continue_final_message"]; sent {
+		t.Fatalf("a null member was sent: %v", last)
+	}
+	if calls := e.calls.Load(); calls != 2 {
+		t.Fatalf("%d /tokenize calls for two distinct requests", calls)
+	}
+	dry("," + tools + `,"chat_template_kwargs":{"enable_thinking":false},"add_special_tokens":false`)
+	if calls := e.calls.Load(); calls != 2 {
+		t.Fatalf("a repeated request asked the engine again (%d calls)", calls)
+	}
+}
+
+// Token ids of a prompt refused as too long are not cached, and the cache
+// is bounded in ids, not only in entries (found by the sixth session's
+// review: 40 refused requests held 8M ids).
+func TestEngineTokenCacheKeepsNoRefusedPrompts(t *testing.T) {
+	const n = 200_000
+	ids := "[" + strings.TrimSuffix(strings.Repeat("7,", n), ",") + "]"
+	e := &tokenizeEngine{ids: func(map[string]any) string { return ids }}
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: engine, block_size: 16}]\n"+
+		"limits: {max_prompt_tokens: 1000}\nbackends: [{id: e0, url: 'http://"+startRawEngine(t, e.serve)+"', model: m}]\n")
+	for i := 0; i < 10; i++ {
+		if resp, b := post(t, p.url+"/v1/completions", fmt.Sprintf(`{"model":"m","prompt":"distinct prompt %d"}`, i)); resp.StatusCode != 400 {
+			t.Fatalf("want 400 context_length_exceeded, got %d %s", resp.StatusCode, b)
+		}
+	}
+	c := &p.s.st.Load().pools[0].engineTok.cache
+	c.mu.Lock()
+	entries, held := len(c.m), c.ids
+	c.mu.Unlock()
+	if entries != 0 || held != 0 {
+		t.Fatalf("refused prompts cached: %d entries, %d ids", entries, held)
+	}
+
+	var tc tokenCache
+	big := make([]uint32, tokenCacheIDs/8)
+	for k := uint64(0); k < 20; k++ {
+		tc.put(k, big)
+		if tc.ids > tokenCacheIDs {
+			t.Fatalf("the cache holds %d ids, over its %d", tc.ids, tokenCacheIDs)
+		}
+	}
+	sum := 0
+	for _, v := range tc.m {
+		sum += len(v)
+	}
+	if sum != tc.ids || len(tc.m) == 0 {
+		t.Fatalf("cache count %d, held %d in %d entries", tc.ids, sum, len(tc.m))
+	}
+}
+
+// An engine whose /tokenize never answers costs one request at most
+// engineTokenizeTimeout, and is not asked again for a while: the requests
+// after it are tokenized by the other engine at once.
+func TestStuckEngineTokenizerIsSkipped(t *testing.T) {
+	stuck := &tokenizeEngine{stuck: true, ids: few}
+	ok := &tokenizeEngine{ids: few}
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: engine, block_size: 16}]\n"+
+		"backends: [{id: stuck, url: 'http://"+startRawEngine(t, stuck.serve)+"', model: m}, {id: ok, url: 'http://"+startRawEngine(t, ok.serve)+"', model: m}]\n")
+	var slow int
+	for i := 0; i < 6; i++ {
+		t0 := time.Now()
+		if resp, b := post(t, p.url+"/v1/completions", fmt.Sprintf(`{"model":"m","prompt":"p%d"}`, i)); resp.StatusCode != 200 {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, b)
+		}
+		if took := time.Since(t0); took > engineTokenizeTimeout/2 {
+			slow++
+			if took > engineTokenizeTimeout+2*time.Second {
+				t.Fatalf("request %d waited %v for a stuck /tokenize", i, took)
+			}
+		}
+	}
+	if slow > 1 || stuck.calls.Load() > 1 {
+		t.Fatalf("%d slow requests, %d calls to the stuck /tokenize: it should be asked once", slow, stuck.calls.Load())
+	}
+	if ok.calls.Load() != 6 {
+		t.Fatalf("the working engine tokenized %d of 6 requests", ok.calls.Load())
+	}
+}
