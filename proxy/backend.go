@@ -154,16 +154,7 @@ const errorAnswerLimit = 3
 // answeredError records an error answer that is the engine's fault or the
 // request's, as errorAnswerLimit describes.
 func (b *backend) answeredError(reason string) {
-	b.mu.Lock()
-	b.errorAnswers++
-	eject := b.errorAnswers >= errorAnswerLimit
-	if eject {
-		b.errorAnswers = 0
-	}
-	b.mu.Unlock()
-	if eject {
-		b.fail(reason + ", " + strconv.Itoa(errorAnswerLimit) + " answers in a row")
-	}
+	b.strike(&b.errorAnswers, errorAnswerLimit, reason+", "+strconv.Itoa(errorAnswerLimit)+" answers in a row")
 }
 
 // wholeTimedOut records a non-streamed request the engine sent nothing for
@@ -172,15 +163,21 @@ func (b *backend) answeredError(reason string) {
 // between, is an engine that takes requests and never finishes them (its
 // health probe may still pass), and ejects it.
 func (b *backend) wholeTimedOut(reason string) {
+	b.strike(&b.silentWhole, silentWholeLimit, reason+", "+strconv.Itoa(silentWholeLimit)+" non-streamed requests in a row")
+}
+
+// strike counts one failure of a streak (a field of b, guarded by b.mu)
+// and ejects the backend when it reaches limit; succeed ends streaks.
+func (b *backend) strike(streak *int, limit int, reason string) {
 	b.mu.Lock()
-	b.silentWhole++
-	eject := b.silentWhole >= silentWholeLimit
+	*streak++
+	eject := *streak >= limit
 	if eject {
-		b.silentWhole = 0
+		*streak = 0
 	}
 	b.mu.Unlock()
 	if eject {
-		b.fail(reason + ", " + strconv.Itoa(silentWholeLimit) + " non-streamed requests in a row")
+		b.fail(reason)
 	}
 }
 
