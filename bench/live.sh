@@ -11,6 +11,7 @@
 # time (-time-scale). The machine must keep up: on 2 shared cores use 1.
 # With DUMP=PREFIX set, per-request CSVs go to PREFIX-live.csv and
 # PREFIX-sim.csv (kvbench -dump) and the proxy's log to PREFIX-kvproxy.log.
+# With SPREAD=SEED both spread each timestamp's requests (-spread-ties).
 set -eu
 traces=${1:-../shared/traces}
 k=${2:-1}
@@ -52,7 +53,7 @@ speedup=$(echo "$base * $k" | bc -l)
 echo "live ($policy, engines at ${k}x, engine time):"
 "$tmp/kvbench" replay -url http://127.0.0.1:18080 -model mock -trace "$trace" \
 	-duration "$dur" -speedup "$speedup" -time-scale "$k" -label "live-$policy" \
-	${dump:+-dump "$dump-live.csv"}
+	${dump:+-dump "$dump-live.csv"} ${SPREAD:+-spread-ties "$SPREAD"}
 echo "sim ($policy):"
 "$tmp/kvbench" sim -trace "$trace" -duration "$dur" -speedup "$base" -policies "$policy" \
-	${dump:+-dump "$dump-sim.csv"} "$@"
+	${dump:+-dump "$dump-sim.csv"} ${SPREAD:+-spread-ties "$SPREAD"} "$@"
