@@ -459,8 +459,6 @@ func (b *backend) release() {
 	b.mu.Unlock()
 }
 
-// anyFull reports whether the pool has a healthy backend that is
-// only full, so a request may wait for it.
 // fullFor reports whether a request may wait for a slot: its pinned
 // backend is full, or, unpinned, any backend of the pool is.
 func (p *modelPool) fullFor(rr *router.Request) bool {
@@ -483,6 +481,8 @@ func (b *backend) isDraining() bool {
 	return b.draining
 }
 
+// anyFull reports whether the pool has a healthy backend that is
+// only full, so a request may wait for it.
 func (p *modelPool) anyFull() bool {
 	for _, b := range *p.workers.Load() {
 		if b == nil {

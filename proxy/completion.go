@@ -110,16 +110,16 @@ func (s *Server) admit(ctx *fasthttp.RequestCtx, st *state) (admitted, bool) {
 	t := st.auth.client(ctx)
 	if t == nil {
 		unauthorized(ctx)
-		s.logRejected(rid, "", fasthttp.StatusUnauthorized, start, "invalid api key")
+		s.logRejected(rid, "", "", fasthttp.StatusUnauthorized, start, "invalid api key")
 		return admitted{}, false
 	}
 	if ok, wait := t.requests.take(1); !ok {
-		s.rateLimited(ctx, rid, start, wait, "requests")
+		s.rateLimited(ctx, rid, t.name, start, wait, "requests")
 		return admitted{}, false
 	}
 	body, ok := requestBody(ctx, st.cfg.Limits.MaxRequestBodyBytes)
 	if !ok {
-		s.logRejected(rid, "", ctx.Response.StatusCode(), start, "undecodable body")
+		s.logRejected(rid, t.name, "", ctx.Response.StatusCode(), start, "undecodable body")
 		return admitted{}, false
 	}
 	return admitted{rid, engineID, start, t, body}, true
@@ -144,19 +144,19 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	req := &sc.req
 	if pe := req.parse(body, chat); pe != nil {
 		badRequest(ctx, pe.param, pe.msg)
-		s.logRejected(rid, "", fasthttp.StatusBadRequest, start, pe.msg)
+		s.logRejected(rid, t.name, "", fasthttp.StatusBadRequest, start, pe.msg)
 		return
 	}
 	p := st.models[req.model]
 	if p == nil {
 		writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", req.model), "invalid_request_error", "model", "model_not_found")
-		s.logRejected(rid, req.model, fasthttp.StatusNotFound, start, "unknown model")
+		s.logRejected(rid, t.name, req.model, fasthttp.StatusNotFound, start, "unknown model")
 		return
 	}
 	lim := st.cfg.Limits
 	if len(req.messages) > lim.MaxMessages {
 		badRequest(ctx, "messages", fmt.Sprintf("%d messages exceed the limit of %d", len(req.messages), lim.MaxMessages))
-		s.logRejected(rid, req.model, fasthttp.StatusBadRequest, start, "too many messages")
+		s.logRejected(rid, t.name, req.model, fasthttp.StatusBadRequest, start, "too many messages")
 		return
 	}
 
@@ -187,11 +187,11 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 			param = "messages"
 		}
 		writeError(ctx, fasthttp.StatusBadRequest, fmt.Sprintf("the prompt has %d tokens, more than the limit of %d", len(tokens), lim.MaxPromptTokens), "invalid_request_error", param, "context_length_exceeded")
-		s.logRejected(rid, req.model, fasthttp.StatusBadRequest, start, "prompt too long")
+		s.logRejected(rid, t.name, req.model, fasthttp.StatusBadRequest, start, "prompt too long")
 		return
 	}
 	if ok, wait := t.tokens.take(float64(len(tokens))); !ok {
-		s.rateLimited(ctx, rid, start, wait, "tokens")
+		s.rateLimited(ctx, rid, t.name, start, wait, "tokens")
 		return
 	}
 	salt, ns := t.salt, t.ns
@@ -208,9 +208,9 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		if !found && isNum {
 			w, found = p.rt.WorkerByInstance(inst)
 		}
-		if !found || p.backend(w) == nil || p.backend(w).isDraining() {
+		if b := p.backend(w); !found || b == nil || b.isDraining() {
 			badRequest(ctx, "nvext.backend_instance_id", fmt.Sprintf("no backend %s serves model %q", string(req.nv.BackendInstanceID), req.model))
-			s.logRejected(rid, req.model, fasthttp.StatusBadRequest, start, "unknown pinned backend")
+			s.logRejected(rid, t.name, req.model, fasthttp.StatusBadRequest, start, "unknown pinned backend")
 			return
 		}
 		rr.Pin, rr.Pinned = w, true
@@ -224,7 +224,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		d, err := p.rt.Select(rr)
 		s.metrics.route.Observe(time.Since(t0).Seconds())
 		if err != nil {
-			s.noWorker(ctx, rid, req.model, start, err)
+			s.noWorker(ctx, rid, t.name, req.model, start, err)
 			return
 		}
 		sc.keepCandidates(d.Candidates)
@@ -274,10 +274,10 @@ func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *e
 				x.answerRefusal(ctx)
 				return
 			}
-			if rr.Pinned && errors.Is(err, router.ErrWorkerUnavailable) && s.pinnedCooling(ctx, st, x.p, rr.Pin, rid, x.model, start) {
+			if rr.Pinned && errors.Is(err, router.ErrWorkerUnavailable) && s.pinnedCooling(ctx, st, x.p, rr.Pin, rid, x.tenant, x.model, start) {
 				return
 			}
-			s.routeFailed(ctx, rid, x.model, start, err)
+			s.routeFailed(ctx, rid, x.tenant, x.model, start, err)
 			return
 		}
 		sc.keepCandidates(x.d.Candidates)
@@ -443,26 +443,26 @@ func (x *exchange) release() {
 	}
 }
 
-func (s *Server) routeFailed(ctx *fasthttp.RequestCtx, rid, model string, start time.Time, err error) {
+func (s *Server) routeFailed(ctx *fasthttp.RequestCtx, rid, tenant, model string, start time.Time, err error) {
 	switch {
 	case errors.Is(err, errQueueFull), errors.Is(err, errQueueTimeout):
 		unavailable(ctx, 1, err.Error())
 		ctx.Response.Header.Set("X-Kvproxy-Overloaded", "1")
-		s.logRejected(rid, model, fasthttp.StatusServiceUnavailable, start, err.Error())
+		s.logRejected(rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
 	case errors.Is(err, errClientGone):
-		s.logRejected(rid, model, 499, start, err.Error())
+		s.logRejected(rid, tenant, model, 499, start, err.Error())
 	case errors.Is(err, errRemoved):
 		unavailable(ctx, 1, err.Error()+"; retry")
-		s.logRejected(rid, model, fasthttp.StatusServiceUnavailable, start, err.Error())
+		s.logRejected(rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
 	default:
-		s.noWorker(ctx, rid, model, start, err)
+		s.noWorker(ctx, rid, tenant, model, start, err)
 	}
 }
 
 // pinnedCooling answers a request pinned to a backend that cools down
 // after a 429 as the engine did: 429, to come back when the cooling ends.
 // It reports false, answering nothing, when the backend is not cooling.
-func (s *Server) pinnedCooling(ctx *fasthttp.RequestCtx, st *state, p *modelPool, w router.WorkerID, rid, model string, start time.Time) bool {
+func (s *Server) pinnedCooling(ctx *fasthttp.RequestCtx, st *state, p *modelPool, w router.WorkerID, rid, tenant, model string, start time.Time) bool {
 	b := p.backend(w)
 	if b == nil { // a data-parallel rank ("id#r")
 		for _, ws := range p.rt.Workers() {
@@ -482,27 +482,27 @@ func (s *Server) pinnedCooling(ctx *fasthttp.RequestCtx, st *state, p *modelPool
 	ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 	ctx.Response.Header.Set("Retry-After", secs)
 	writeError(ctx, fasthttp.StatusTooManyRequests, "backend "+b.cfg.ID+" refused a request with 429 and takes new ones again in "+secs+"s", "rate_limit_error", "", "backend_cooling_down")
-	s.logRejected(rid, model, fasthttp.StatusTooManyRequests, start, "pinned backend cooling down")
+	s.logRejected(rid, tenant, model, fasthttp.StatusTooManyRequests, start, "pinned backend cooling down")
 	return true
 }
 
-func (s *Server) rateLimited(ctx *fasthttp.RequestCtx, rid string, start time.Time, wait time.Duration, what string) {
+func (s *Server) rateLimited(ctx *fasthttp.RequestCtx, rid, tenant string, start time.Time, wait time.Duration, what string) {
 	secs := int(math.Ceil(wait.Seconds()))
 	if secs < 1 {
 		secs = 1
 	}
 	ctx.Response.Header.Set("Retry-After", strconv.Itoa(secs))
 	writeError(ctx, fasthttp.StatusTooManyRequests, "rate limit reached for "+what+"; retry after "+strconv.Itoa(secs)+"s", "rate_limit_error", "", "rate_limit_exceeded")
-	s.logRejected(rid, "", fasthttp.StatusTooManyRequests, start, "rate limited: "+what)
+	s.logRejected(rid, tenant, "", fasthttp.StatusTooManyRequests, start, "rate limited: "+what)
 }
 
-func (s *Server) noWorker(ctx *fasthttp.RequestCtx, rid, model string, start time.Time, err error) {
+func (s *Server) noWorker(ctx *fasthttp.RequestCtx, rid, tenant, model string, start time.Time, err error) {
 	if errors.Is(err, router.ErrWorkerUnavailable) {
 		unavailable(ctx, 1, "the pinned backend is not available")
 	} else {
 		unavailable(ctx, 1, "no healthy backend is available for model "+strconv.Quote(model))
 	}
-	s.logRejected(rid, model, fasthttp.StatusServiceUnavailable, start, err.Error())
+	s.logRejected(rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
 }
 
 // forward sends the request to the chosen engine and relays the answer. It
@@ -636,19 +636,30 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			// The engine gets kvproxy's key (backends[].api_key), never
 			// the client's: a refusal is kvproxy's configuration at
 			// fault, which the client must not take for its own key.
+			// The engine never took the request: another may.
 			plain, _ := plainBody(resp)
 			msg := "backend " + b.cfg.ID + " refused kvproxy's credentials (" + strconv.Itoa(code) + " " + engineMessage(code, plain) + "); check its api_key"
 			b.answeredError(msg)
-			x.failUpstream(ctx, fasthttp.StatusBadGateway, msg)
 			fasthttp.ReleaseResponse(resp)
+			if mayRetry {
+				x.errMsg = msg
+				if x.refusal == nil { // an engine's 429 or 503 says more
+					x.refused = fasthttp.StatusBadGateway
+				}
+				x.stopWatch()
+				x.release()
+				x.released = false
+				return retryable
+			}
+			x.failUpstream(ctx, fasthttp.StatusBadGateway, msg)
 			x.finish()
 			return done
 		case code == fasthttp.StatusInternalServerError:
 			b.answeredError("status 500")
 		case code >= 500:
 			b.fail("status " + strconv.Itoa(code))
-		case code != fasthttp.StatusTooManyRequests:
-			b.succeed() // up and answering; a 4xx is the request's fault
+		case code == fasthttp.StatusOK:
+			b.succeed()
 		}
 		ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 		x.relayWhole(ctx, resp)
@@ -859,14 +870,14 @@ func (x *exchange) tokens() (prompt, completion, cached int) {
 	if prompt < 0 {
 		prompt = x.promptTokens
 	}
-	if completion < 0 {
-		completion = x.outputTokens
-	}
+	// A stream cut before its last usage (continuous_usage_stats) has at
+	// least a token per chunk that carried output.
+	completion = max(completion, x.outputTokens)
 	return prompt, completion, cached
 }
 
-func (s *Server) logRejected(rid, model string, status int, start time.Time, reason string) {
+func (s *Server) logRejected(rid, tenant, model string, status int, start time.Time, reason string) {
 	s.metrics.countRequest("", status)
-	s.log.Info().Str("request_id", rid).Str("model", model).Int("status", status).
+	s.log.Info().Str("request_id", rid).Str("model", model).Str("tenant", tenant).Int("status", status).
 		Dur("duration", time.Since(start)).Str("error", reason).Msg("request")
 }

@@ -1,14 +1,16 @@
 package proxy
 
 import (
+	"io"
+	"net/http"
 	"strings"
 	"testing"
 )
 
 // One 500 may be the request's doing: an engine answering 500s is ejected
-// only after errorAnswerLimit of them in a row, and an answer that shows it
-// up (here a 400, the request's fault) starts the count again. A gateway's
-// 502 in front of an engine ejects it at once.
+// only after errorAnswerLimit of them in a row, and a good answer starts
+// the count again. A 4xx does not: vLLM's frontend answers those without
+// its engine core, which may be the part that is broken.
 func TestErrorAnswersEjectOnlyInARow(t *testing.T) {
 	e := startFake(t, "e0", nil)
 	p := startProxyYAML(t, `
@@ -24,16 +26,70 @@ health: {eject_base: 1m, eject_max: 1m}
 		resp, _ := post(t, p.url+"/v1/chat/completions", chatBody)
 		return resp.StatusCode
 	}
-	for i, st := range []int{500, 500, 400, 500, 500} {
+	for i, st := range []int{500, 500, 200, 500, 400, 500} {
 		if got := answer(st); got != st {
 			t.Fatalf("answer %d: %d, want the engine's %d (ejected too early)", i, got, st)
 		}
 	}
 	if got := answer(500); got != 500 {
-		t.Fatalf("third 500 in a row: %d", got)
+		t.Fatalf("third 500 since the good answer: %d", got)
 	}
 	if got := answer(200); got != 503 {
-		t.Fatalf("after three 500s in a row: %d, want 503 (ejected)", got)
+		t.Fatalf("after three 500s with only a 400 between: %d, want 503 (ejected)", got)
+	}
+}
+
+// An engine whose core hangs while its frontend still answers 400s to bad
+// requests is ejected after silentWholeLimit silent requests: the 400s do
+// not reset the count (found by the sixth session's review of the change
+// above, which had let any 4xx reset it).
+func TestClientErrorsDoNotHideAHungEngine(t *testing.T) {
+	h := func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		if strings.Contains(string(b), "BAD") {
+			w.WriteHeader(400)
+			w.Write([]byte(`{"error":{"message":"max_tokens must be at least 1"}}`))
+			return
+		}
+		<-r.Context().Done() // the engine core is stuck
+	}
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml}]\n"+
+		"backends: [{id: hung, url: 'http://"+startRawEngine(t, h)+"', model: m}]\n"+
+		"limits: {stream_idle_timeout: 200ms}\n")
+	silent := func() {
+		t.Helper()
+		if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 504 {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+	}
+	for i := 1; i < silentWholeLimit; i++ {
+		silent()
+	}
+	if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"BAD"}`); resp.StatusCode != 400 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	silent()
+	if !ejected(p, "hung") {
+		t.Fatalf("%d silent requests with a 400 between them did not eject the engine", silentWholeLimit)
+	}
+}
+
+// One backend with a wrong api_key beside a good one: its 401 (the engine
+// never took the request) is retried on the other, so no client sees it.
+func TestWrongKeyBackendIsRetriedElsewhere(t *testing.T) {
+	bad := startFake(t, "bad", func(f *fakeEngine) { f.status, f.errBody = 401, `{"error":{"message":"Unauthorized"}}` })
+	good := startFake(t, "good", nil)
+	p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: bad, url: 'http://{{e0}}', api_key: wrong}, {id: good, url: 'http://{{e1}}'}]\nrouter: {policy: round_robin}\n", bad, good)
+	for i := 0; i < 6; i++ {
+		if resp, b := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "good" {
+			t.Fatalf("request %d: %d from %q: %s", i, resp.StatusCode, resp.Header.Get(WorkerHeader), b)
+		}
+	}
+	if bad.requests.Load() == 0 {
+		t.Fatal("the wrong-key backend was never tried")
+	}
+	if !strings.Contains(p.logs.String(), "refused kvproxy's credentials") {
+		t.Fatal("the refusal is not logged")
 	}
 }
 

@@ -105,6 +105,12 @@ func (et *engineTokenizer) tokens(p *modelPool, req *apiRequest, chat bool, maxT
 		}
 		body.Model = b.cfg.ServedModel
 		ids, err := et.ask(b, &body)
+		if errors.As(err, new(requestRefused)) {
+			// The request's own fault (a template error, a chat_template
+			// the engine does not trust): every engine would refuse it,
+			// and the next request may be fine.
+			return nil, err
+		}
 		if err != nil {
 			b.tokenizeDown.Store(time.Now().Add(engineTokenizeBackoff).UnixNano())
 			lastErr = err
@@ -145,8 +151,12 @@ func (et *engineTokenizer) ask(b *backend, body *engineTokenizeBody) ([]uint32, 
 		}
 		return nil, fmt.Errorf("backend %s /tokenize: %w", b.cfg.ID, err)
 	}
-	if resp.StatusCode() != fasthttp.StatusOK {
-		return nil, fmt.Errorf("backend %s /tokenize answered %d", b.cfg.ID, resp.StatusCode())
+	if code := resp.StatusCode(); code != fasthttp.StatusOK {
+		err := fmt.Errorf("backend %s /tokenize answered %d: %s", b.cfg.ID, code, engineMessage(code, resp.Body()))
+		if code >= 400 && code < 500 && code != fasthttp.StatusTooManyRequests && code != fasthttp.StatusRequestTimeout {
+			return nil, requestRefused{err}
+		}
+		return nil, err
 	}
 	var out struct {
 		Tokens []uint32 `json:"tokens"`
@@ -156,6 +166,11 @@ func (et *engineTokenizer) ask(b *backend, body *engineTokenizeBody) ([]uint32, 
 	}
 	return out.Tokens, nil
 }
+
+// requestRefused is an engine's 4xx to a request: not the engine's fault.
+type requestRefused struct{ error }
+
+func (e requestRefused) Unwrap() error { return e.error }
 
 // tokenCache is a map of token ids by content hash, bounded in entries and
 // in ids; when either is full it drops half of its entries (cheap, and good
@@ -188,16 +203,13 @@ func (c *tokenCache) put(k uint64, ids []uint32) {
 		c.m = make(map[uint64][]uint32)
 	}
 	for len(c.m) >= tokenCacheEntries || c.ids+len(ids) > tokenCacheIDs {
-		n, half := 0, len(c.m)/2
+		n, half := 0, (len(c.m)+1)/2
 		for k, v := range c.m {
 			if n++; n > half {
 				break
 			}
 			c.ids -= len(v)
 			delete(c.m, k)
-		}
-		if len(c.m) == 0 {
-			break
 		}
 	}
 	if old, ok := c.m[k]; ok {

@@ -160,3 +160,40 @@ func TestStuckEngineTokenizerIsSkipped(t *testing.T) {
 		t.Fatalf("the working engine tokenized %d of 6 requests", ok.calls.Load())
 	}
 }
+
+// An engine refusing one request's /tokenize (a template error, a
+// chat_template it does not trust: 400) is the request's fault: the next
+// requests are tokenized as before, and their limits hold (found by the
+// sixth session's review: every engine was skipped for 30 s).
+func TestTokenizeRefusalIsTheRequestsAlone(t *testing.T) {
+	ids := "[" + strings.TrimSuffix(strings.Repeat("7,", 100), ",") + "]"
+	var refused atomic.Int64
+	h := func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		if r.URL.Path == "/tokenize" {
+			if strings.Contains(string(b), "chat_template") {
+				refused.Add(1)
+				w.WriteHeader(400)
+				w.Write([]byte(`{"error":{"message":"Chat template is passed with request, but --trust-request-chat-template is not set."}}`))
+				return
+			}
+			w.Write([]byte(`{"tokens":` + ids + `}`))
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Write([]byte(`{"choices":[]}`))
+	}
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: engine, block_size: 16}]\nlimits: {max_prompt_tokens: 50}\n"+
+		"backends: [{id: e0, url: 'http://"+startRawEngine(t, h)+"', model: m}, {id: e1, url: 'http://"+startRawEngine(t, h)+"', model: m}]\n")
+	long := `{"model":"m","messages":[{"role":"user","content":"a prompt of 100 engine tokens"}]}`
+	if resp, b := post(t, p.url+"/v1/chat/completions", long); resp.StatusCode != 400 {
+		t.Fatalf("before: %d %s", resp.StatusCode, b)
+	}
+	post(t, p.url+"/v1/chat/completions", `{"model":"m","chat_template":"{{ messages }}","messages":[{"role":"user","content":"x"}]}`)
+	if n := refused.Load(); n != 1 {
+		t.Fatalf("the refused /tokenize was asked of %d engines", n)
+	}
+	if resp, b := post(t, p.url+"/v1/chat/completions", long); resp.StatusCode != 400 || !strings.Contains(string(b), "context_length_exceeded") {
+		t.Fatalf("after another request's refused /tokenize: %d %s, want the 400 of a prompt over max_prompt_tokens", resp.StatusCode, b)
+	}
+}

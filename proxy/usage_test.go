@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -100,5 +101,55 @@ func TestUsageRead(t *testing.T) {
 	u.read([]byte(`{"usage":{"prompt_tokens":"x"}}`))
 	if u != (tokenUsage{12, 8, 4}) {
 		t.Fatalf("malformed usage changed known figures: %+v", u)
+	}
+}
+
+// A stream with continuous_usage_stats (usage in every chunk) that the
+// engine breaks off before its last chunk counts at least the chunks that
+// carried output, not the 0 of the role chunk's usage.
+func TestCutStreamWithContinuousUsage(t *testing.T) {
+	h := func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":0,\"total_tokens\":7}}\n\n")
+		for i := 1; i <= 5; i++ {
+			fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t%d\"}}],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":%d,\"total_tokens\":%d}}\n\n", i, i, 7+i)
+		}
+		w.(http.Flusher).Flush()
+		c, _, _ := w.(http.Hijacker).Hijack()
+		c.Close() // before the final usage chunk and [DONE]
+	}
+	p := startProxyYAML(t, "models: [{name: m, block_size: 16}]\nbackends: [{id: e0, url: 'http://"+startRawEngine(t, h)+"', model: m}]\n")
+	post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true},"messages":[{"role":"user","content":"hi"}]}`)
+	p.waitIdle(t)
+	resp, err := http.Get(p.url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(m), `kvproxy_tokens_total{model="m",tenant="",type="completion"} 5`+"\n") || !strings.Contains(string(m), `kvproxy_tokens_total{model="m",tenant="",type="prompt"} 7`+"\n") {
+		t.Fatalf("5 chunks carried output of a 7-token prompt:\n%s", grepLines(string(m), "kvproxy_tokens_total{"))
+	}
+}
+
+// Every access log line names the tenant, those of requests refused before
+// they reach an engine too.
+func TestRefusedRequestsLogTheirTenant(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, tenantsYAML, e)
+	got429 := false
+	for i := 0; i < 6 && !got429; i++ { // delta: 2 requests/s
+		resp, _ := postAuth(t, p.url+"/v1/chat/completions", "key-delta-890", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)
+		got429 = resp.StatusCode == 429
+	}
+	if !got429 {
+		t.Fatal("no 429")
+	}
+	postAuth(t, p.url+"/v1/chat/completions", "key-alpha-123", `{"model":"nosuch","messages":[{"role":"user","content":"hi"}]}`)
+	for _, want := range []string{`"tenant":"delta","status":429`, `"model":"nosuch","tenant":"alpha","status":404`} {
+		if !strings.Contains(p.logs.String(), want) {
+			t.Errorf("no log line with %s:\n%s", want, p.logs.String())
+		}
 	}
 }
