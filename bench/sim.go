@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -475,6 +476,20 @@ func (em *eventMapper) apply(rts []*router.Router, w router.WorkerID, ev *kv.Eve
 		}
 		clear(em.m)
 	}
+}
+
+// CheckPolicies reports an empty list or an unknown name, before a run.
+func CheckPolicies(policies []string) error {
+	if len(policies) == 0 {
+		return errors.New("no policy given")
+	}
+	known := append(SimPolicies(), PolicyKVFixed)
+	for _, p := range policies {
+		if !slices.Contains(known, p) {
+			return fmt.Errorf("unknown policy %q (want all, or some of %s)", p, strings.Join(known, ", "))
+		}
+	}
+	return nil
 }
 
 // ParsePolicies splits a comma-separated policy list; "all" or "" is every

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/csv"
 	"encoding/json"
 	"errors"
@@ -233,16 +234,28 @@ func mix64(z uint64) uint64 {
 
 type mooncakeLine struct {
 	Timestamp    *float64 `json:"timestamp"`
-	InputLength  *int     `json:"input_length"`
-	OutputLength *int     `json:"output_length"`
+	InputLength  *float64 `json:"input_length"` // 2048.0 too, as pandas writes it
+	OutputLength *float64 `json:"output_length"`
 	HashIDs      []uint64 `json:"hash_ids"`
+}
+
+// maxTraceMs bounds a timestamp: the largest time.Duration, in ms.
+const maxTraceMs = float64(math.MaxInt64 / int64(time.Millisecond))
+
+// length is a trace's token count: a whole number in [0, 2^31).
+func length(v float64) (int, bool) {
+	if v < 0 || v >= 1<<31 || v != math.Trunc(v) {
+		return 0, false
+	}
+	return int(v), true
 }
 
 // LoadMooncake reads a Mooncake trace: one JSON object per line with
 // timestamp (ms), input_length, output_length and hash_ids, each hash id
 // standing for 512 prefix-chained tokens. The last block is cut to
 // input_length; hash ids beyond input_length are dropped, and tokens beyond
-// the hash ids are filled with tokens unique to the request.
+// the hash ids are filled with tokens unique to the request. Arrivals start
+// at the earliest timestamp (a trace may carry epoch milliseconds).
 func LoadMooncake(r io.Reader) (*Workload, error) {
 	w := &Workload{Name: "mooncake"}
 	sc := bufio.NewScanner(r)
@@ -251,7 +264,10 @@ func LoadMooncake(r io.Reader) (*Workload, error) {
 	for sc.Scan() {
 		line++
 		b := sc.Bytes()
-		if len(strings.TrimSpace(string(b))) == 0 {
+		if line == 1 {
+			b = bytes.TrimPrefix(b, []byte("\ufeff"))
+		}
+		if len(bytes.TrimSpace(b)) == 0 {
 			continue
 		}
 		var m mooncakeLine
@@ -261,13 +277,18 @@ func LoadMooncake(r io.Reader) (*Workload, error) {
 		if m.Timestamp == nil || m.InputLength == nil || m.OutputLength == nil {
 			return nil, fmt.Errorf("mooncake line %d: timestamp, input_length and output_length are required", line)
 		}
-		if *m.InputLength < 0 || *m.OutputLength < 0 || *m.Timestamp < 0 || math.IsNaN(*m.Timestamp) {
-			return nil, fmt.Errorf("mooncake line %d: negative timestamp or length", line)
+		in, ok1 := length(*m.InputLength)
+		out, ok2 := length(*m.OutputLength)
+		if !ok1 || !ok2 {
+			return nil, fmt.Errorf("mooncake line %d: input_length and output_length must be whole numbers from 0 to 2^31", line)
+		}
+		if !(*m.Timestamp >= 0 && *m.Timestamp <= maxTraceMs) { // NaN too
+			return nil, fmt.Errorf("mooncake line %d: timestamp %v ms is negative or beyond 292 years", line, *m.Timestamp)
 		}
 		req := Request{
 			Arrival:   time.Duration(*m.Timestamp * float64(time.Millisecond)),
-			InputLen:  *m.InputLength,
-			OutputLen: *m.OutputLength,
+			InputLen:  in,
+			OutputLen: out,
 			Session:   -1,
 		}
 		left := req.InputLen
@@ -288,7 +309,19 @@ func LoadMooncake(r io.Reader) (*Workload, error) {
 		return nil, err
 	}
 	sortByArrival(w.Requests)
+	rebase(w.Requests)
 	return w, nil
+}
+
+// rebase makes sorted arrivals start at 0.
+func rebase(rs []Request) {
+	if len(rs) == 0 {
+		return
+	}
+	t0 := rs[0].Arrival
+	for i := range rs {
+		rs[i].Arrival -= t0
+	}
 }
 
 // azureTimeLayout is the timestamp format of the Azure LLM inference traces.
@@ -317,14 +350,15 @@ func LoadAzure(r io.Reader) (*Workload, error) {
 	}
 	w := &Workload{Name: "azure"}
 	var t0 time.Time
-	for line := 2; ; line++ {
+	for {
 		rec, err := cr.Read()
 		if err == io.EOF {
 			break
 		}
 		if err != nil {
-			return nil, fmt.Errorf("azure line %d: %w", line, err)
+			return nil, fmt.Errorf("azure: %w", err) // csv's errors name the line
 		}
+		line, _ := cr.FieldPos(0)
 		ts, err := time.Parse(azureTimeLayout, strings.TrimSpace(rec[ti]))
 		if err != nil {
 			return nil, fmt.Errorf("azure line %d: %w", line, err)
@@ -335,10 +369,10 @@ func LoadAzure(r io.Reader) (*Workload, error) {
 			return nil, fmt.Errorf("azure line %d: bad token counts %q, %q", line, rec[ci], rec[gi])
 		}
 		if len(w.Requests) == 0 {
-			t0 = ts
+			t0 = ts // arrivals are kept from the first row, and rebased once sorted
 		}
 		w.Requests = append(w.Requests, Request{
-			Arrival:   max(ts.Sub(t0), 0),
+			Arrival:   ts.Sub(t0),
 			Segments:  []Segment{{Key: keyUnique | uint64(len(w.Requests)), Len: ctx}},
 			InputLen:  ctx,
 			OutputLen: gen,
@@ -346,6 +380,7 @@ func LoadAzure(r io.Reader) (*Workload, error) {
 		})
 	}
 	sortByArrival(w.Requests)
+	rebase(w.Requests)
 	return w, nil
 }
 

@@ -102,10 +102,32 @@ func TestMooncakeRejectsBadLines(t *testing.T) {
 		`{"timestamp": 0, "input_length": 10}`,
 		`{"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": []}`,
 		`not json`,
+		`{"timestamp": 0, "input_length": 10.5, "output_length": 1}`,
+		`{"timestamp": 1e300, "input_length": 10, "output_length": 1}`,
+		`{"timestamp": 0, "input_length": 1e12, "output_length": 1}`,
 	} {
 		if _, err := LoadMooncake(strings.NewReader(in)); err == nil {
 			t.Errorf("accepted %q", in)
 		}
+	}
+}
+
+// Traces written by other tools load too: epoch-millisecond timestamps
+// start at the earliest, a UTF-8 BOM is skipped, and lengths may be
+// written as floats (2048.0, as pandas writes them).
+func TestMooncakeFromOtherTools(t *testing.T) {
+	in := "\ufeff" + `{"timestamp": 1732270003000, "input_length": 2048.0, "output_length": 10.0, "hash_ids": [1, 2, 3, 4]}` + "\r\n" +
+		`{"timestamp": 1732270000000, "input_length": 100, "output_length": 1, "hash_ids": [1]}` + "\n"
+	w, err := LoadMooncake(strings.NewReader(in))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := w.Requests
+	if len(r) != 2 || r[0].Arrival != 0 || r[1].Arrival != 3*time.Second || r[1].InputLen != 2048 || r[1].OutputLen != 10 {
+		t.Fatalf("%+v", r)
+	}
+	if w.Duration() != 3*time.Second {
+		t.Fatalf("duration %v", w.Duration())
 	}
 }
 
@@ -135,6 +157,14 @@ func TestAzureUniqueTokens(t *testing.T) {
 	}
 	if a[0] == b[0] && a[1] == b[1] && a[2] == b[2] {
 		t.Fatal("azure prompts must not share a prefix")
+	}
+	// Rows out of order: arrivals start at the earliest, not the first row.
+	unsorted := "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:50.0,10,1\n2023-11-16 18:15:46.0,20,1\n"
+	if w, err := LoadAzure(strings.NewReader(unsorted)); err != nil || w.Requests[0].InputLen != 20 || w.Requests[0].Arrival != 0 || w.Requests[1].Arrival != 4*time.Second {
+		t.Fatalf("unsorted rows: %v %+v", err, w)
+	}
+	if _, err := LoadAzure(strings.NewReader("TIMESTAMP,ContextTokens,GeneratedTokens\n\n\n2023-11-16 18:15:50.0,x,1\n")); err == nil || !strings.Contains(err.Error(), "line 4") {
+		t.Fatalf("a bad row on line 4: %v", err)
 	}
 	if _, err := LoadAzure(strings.NewReader("a,b,c\n1,2,3\n")); err == nil {
 		t.Fatal("accepted a CSV without the Azure header")

@@ -8,6 +8,13 @@
 // it to a live kvproxy. Both print a table, or with -json one object
 // {"results":[...]}. -plot DIR writes PNG charts (TTFT CDF, hit rate).
 //
+// Traces: Mooncake JSONL (timestamp ms, input_length, output_length,
+// hash_ids; arrivals start at the earliest timestamp) and Azure CSV
+// (TIMESTAMP, ContextTokens, GeneratedTokens), or the generated multiturn
+// workload. -spread-ties spreads requests that share a timestamp. replay
+// -mode completions sends token ids and keeps the trace's lengths exactly;
+// -mode chat sends text, which a tokenizer makes longer.
+//
 // bench/charts.sh regenerates docs/img from the traces; bench/live.sh
 // compares a live kvproxy in front of simulated engines with the simulator.
 //

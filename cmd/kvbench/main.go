@@ -3,9 +3,11 @@ package main
 import (
 	"context"
 	"encoding/csv"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -96,8 +98,17 @@ func (wf *workloadFlags) register(fs *flag.FlagSet) {
 }
 
 func (wf *workloadFlags) load() (*bench.Workload, error) {
+	if wf.limit < 0 || wf.from < 0 || wf.dur < 0 {
+		return nil, fmt.Errorf("-limit, -from and -duration must not be negative")
+	}
+	if wf.speedup <= 0 {
+		return nil, fmt.Errorf("-speedup must be positive")
+	}
 	var w *bench.Workload
 	if wf.format == bench.FormatMultiTurn {
+		if wf.mt.Conversations <= 0 || wf.mt.Rate <= 0 || wf.mt.Think < 0 || wf.mt.Turns <= 0 {
+			return nil, fmt.Errorf("multiturn: -conversations, -rate and -turns must be positive, -think not negative")
+		}
 		wf.mt.Seed = wf.seed
 		w = bench.GenerateMultiTurn(wf.mt)
 	} else {
@@ -121,8 +132,8 @@ func (wf *workloadFlags) load() (*bench.Workload, error) {
 	if wf.name != "" {
 		w.Name = wf.name
 	}
-	if wf.speedup <= 0 {
-		return nil, fmt.Errorf("-speedup must be positive")
+	if len(w.Requests) == 0 {
+		return nil, fmt.Errorf("%s: no requests (an empty trace, or a slice or -limit that keeps none)", w.Name)
 	}
 	return w.Scale(wf.speedup), nil
 }
@@ -155,13 +166,26 @@ func runSim(args []string, stdout io.Writer) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	if *engines <= 0 || *cacheBlocks <= 0 || *blockSize <= 0 || *replicas <= 0 {
+		return fmt.Errorf("-engines, -cache-blocks, -block-size and -replicas must be positive")
+	}
+	if *hostBlocks < 0 || *scrape < 0 || *shareLoad < 0 || *stepOverhead < 0 || *temperature < 0 {
+		return fmt.Errorf("-host-blocks, -scrape, -share-load, -step-overhead and -temperature must not be negative")
+	}
+	pols := bench.ParsePolicies(*policies)
+	if err := bench.CheckPolicies(pols); err != nil {
+		return err
+	}
+	if *dump != "" && len(pols) != 1 {
+		return fmt.Errorf("-dump needs exactly one policy")
+	}
+	// Unwritable outputs fail now, not after the simulation.
+	if err := checkOutputs(*dump, *plot); err != nil {
+		return err
+	}
 	w, err := wf.load()
 	if err != nil {
 		return err
-	}
-	pols := bench.ParsePolicies(*policies)
-	if *dump != "" && len(pols) != 1 {
-		return fmt.Errorf("-dump needs exactly one policy")
 	}
 	if *cpuprofile != "" {
 		f, err := os.Create(*cpuprofile)
@@ -247,9 +271,9 @@ func runReplay(args []string, stdout io.Writer) error {
 	var wf workloadFlags
 	wf.register(fs)
 	url := fs.String("url", "http://127.0.0.1:8080", "kvproxy base URL")
-	model := fs.String("model", "mock", "model name sent in requests")
+	model := fs.String("model", "", "model name sent in requests (default: the first the proxy's /v1/models lists)")
 	key := fs.String("api-key", os.Getenv("KVBENCH_API_KEY"), "API key (default $KVBENCH_API_KEY)")
-	mode := fs.String("mode", bench.ModeCompletions, "completions (token ids) or chat (text messages)")
+	mode := fs.String("mode", bench.ModeCompletions, "completions (token ids: the trace's lengths exactly) or chat (text messages, one made-up word per token: a real tokenizer splits them, so prompts run about 2.3× the trace's lengths with cl100k; the prefix sharing stays)")
 	conc := fs.Int("concurrency", 0, "closed loop with N requests in flight (0: open loop at trace times / speedup)")
 	label := fs.String("label", "live", "policy column of the report")
 	timeScale := fs.Float64("time-scale", 1, "engines run this many times faster than real time (kvmock -speedup): report durations × this, throughput ÷ this")
@@ -260,14 +284,19 @@ func runReplay(args []string, stdout io.Writer) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	if err := checkOutputs(*dump, *plot); err != nil {
+		return err
+	}
 	w, err := wf.load()
 	if err != nil {
 		return err
 	}
 	var recs []bench.RequestRecord
-	var onReq func(bench.RequestRecord)
-	if *dump != "" {
-		onReq = func(r bench.RequestRecord) { recs = append(recs, r) }
+	onReq := func(r bench.RequestRecord) { recs = append(recs, r) }
+	if *model == "" {
+		if *model, err = firstModel(*url, *key); err != nil {
+			return err
+		}
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
@@ -285,6 +314,7 @@ func runReplay(args []string, stdout io.Writer) error {
 			return err
 		}
 	}
+	failed := reportErrors(os.Stderr, recs)
 	res.ScaleTime(*timeScale)
 	rep := bench.Report{Results: []bench.Result{res}}
 	if *plot != "" {
@@ -293,9 +323,94 @@ func runReplay(args []string, stdout io.Writer) error {
 		}
 	}
 	if *asJSON {
-		return rep.WriteJSON(stdout)
+		err = rep.WriteJSON(stdout)
+	} else {
+		err = rep.WriteTable(stdout)
 	}
-	return rep.WriteTable(stdout)
+	if err == nil && failed == len(w.Requests) {
+		err = fmt.Errorf("every request failed")
+	}
+	return err
+}
+
+// firstModel is the first model a proxy's GET /v1/models lists.
+func firstModel(url, key string) (string, error) {
+	req, err := http.NewRequest(http.MethodGet, strings.TrimSuffix(url, "/")+"/v1/models", nil)
+	if err != nil {
+		return "", err
+	}
+	if key != "" {
+		req.Header.Set("Authorization", "Bearer "+key)
+	}
+	c := &http.Client{Timeout: 10 * time.Second}
+	resp, err := c.Do(req)
+	if err != nil {
+		return "", fmt.Errorf("no -model given, and the proxy's model list: %w", err)
+	}
+	defer resp.Body.Close()
+	var list struct {
+		Data []struct {
+			ID string `json:"id"`
+		} `json:"data"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&list); err != nil || resp.StatusCode != http.StatusOK || len(list.Data) == 0 {
+		return "", fmt.Errorf("no -model given, and %s/v1/models answered %s with no model", url, resp.Status)
+	}
+	return list.Data[0].ID, nil
+}
+
+// reportErrors tells how many requests failed, by reason, with the most
+// common reasons first; it returns how many failed.
+func reportErrors(out io.Writer, recs []bench.RequestRecord) int {
+	count := map[string]int{}
+	failed := 0
+	for _, r := range recs {
+		if r.Err != "" {
+			count[r.Err]++
+			failed++
+		}
+	}
+	if failed == 0 {
+		return 0
+	}
+	reasons := make([]string, 0, len(count))
+	for e := range count {
+		reasons = append(reasons, e)
+	}
+	slices.SortFunc(reasons, func(a, b string) int { return count[b] - count[a] })
+	fmt.Fprintf(out, "kvbench replay: %d of %d requests failed:\n", failed, len(recs))
+	for i, e := range reasons {
+		if i == 5 {
+			fmt.Fprintf(out, "  ... and %d other reasons\n", len(reasons)-i)
+			break
+		}
+		fmt.Fprintf(out, "  %d × %s\n", count[e], e)
+	}
+	return failed
+}
+
+// checkOutputs fails early when a -dump file or -plot directory cannot be
+// written.
+func checkOutputs(dump, plot string) error {
+	if dump != "" {
+		f, err := os.OpenFile(dump, os.O_WRONLY|os.O_CREATE, 0o644)
+		if err != nil {
+			return err
+		}
+		f.Close()
+	}
+	if plot != "" {
+		if err := os.MkdirAll(plot, 0o755); err != nil {
+			return err
+		}
+		f, err := os.CreateTemp(plot, ".kvbench-*")
+		if err != nil {
+			return err
+		}
+		f.Close()
+		os.Remove(f.Name())
+	}
+	return nil
 }
 
 // writeDump writes per-request records, sorted by request index.

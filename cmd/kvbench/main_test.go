@@ -4,6 +4,9 @@ import (
 	"bytes"
 	"encoding/json"
 	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -69,10 +72,24 @@ func TestSimTableAndCharts(t *testing.T) {
 }
 
 func TestSimRejectsBadFlags(t *testing.T) {
+	empty := filepath.Join(t.TempDir(), "empty.jsonl")
+	os.WriteFile(empty, []byte("\n\n"), 0o644)
 	for _, args := range [][]string{
 		{"-trace", filepath.Join(t.TempDir(), "missing.jsonl")},
 		{"-format", "multiturn", "-speedup", "0"},
 		{"-format", "multiturn", "-policies", "nope"},
+		{"-format", "multiturn", "-policies", ","},
+		{"-format", "multiturn", "-block-size", "0"},
+		{"-format", "multiturn", "-engines", "-3"},
+		{"-format", "multiturn", "-cache-blocks", "0"},
+		{"-format", "multiturn", "-replicas", "0"},
+		{"-format", "multiturn", "-rate", "0"},
+		{"-format", "multiturn", "-think", "-10s"},
+		{"-format", "multiturn", "-conversations", "0"},
+		{"-format", "multiturn", "-limit", "-5"},
+		{"-format", "multiturn", "-from", "10h"}, // keeps no request
+		{"-format", "multiturn", "-dump", filepath.Join(t.TempDir(), "no", "such", "dir", "d.csv"), "-policies", "kv"},
+		{"-trace", empty},
 		{},
 	} {
 		if err := runSim(args, &bytes.Buffer{}); err == nil {
@@ -109,5 +126,46 @@ func TestSimDumpAndPin(t *testing.T) {
 	args := append(append([]string(nil), smallSim...), "-policies", "kv,round_robin", "-dump", dump)
 	if err := runSim(args, io.Discard); err == nil {
 		t.Fatal("-dump with two policies accepted")
+	}
+}
+
+// A replay where every request fails says so and exits non-zero; the
+// reasons are counted (reportErrors).
+func TestReplayEveryRequestFailed(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := "http://" + ln.Addr().String()
+	ln.Close() // nothing listens there now
+	if _, err := firstModel(url, ""); err == nil {
+		t.Fatal("a model from a proxy that is not there")
+	}
+	args := []string{"-url", url, "-model", "m", "-format", "multiturn", "-conversations", "3", "-limit", "3", "-speedup", "1000", "-timeout", "2s"}
+	if err := runReplay(args, io.Discard); err == nil || !strings.Contains(err.Error(), "every request failed") {
+		t.Fatalf("replay against nothing: %v", err)
+	}
+	var out bytes.Buffer
+	n := reportErrors(&out, []bench.RequestRecord{{Err: "status 404"}, {}, {Err: "status 404"}, {Err: "refused"}})
+	if n != 3 || !strings.Contains(out.String(), "3 of 4 requests failed:\n  2 × status 404\n  1 × refused\n") {
+		t.Fatalf("%d failed: %q", n, out.String())
+	}
+}
+
+// Without -model, replay sends the first model the proxy lists.
+func TestReplayAsksTheProxyForAModel(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/models" || r.Header.Get("Authorization") != "Bearer k" {
+			http.NotFound(w, r)
+			return
+		}
+		w.Write([]byte(`{"object":"list","data":[{"id":"llama-3.1-8b-instruct","object":"model"},{"id":"llama","object":"model"}]}`))
+	}))
+	defer srv.Close()
+	if m, err := firstModel(srv.URL+"/", "k"); err != nil || m != "llama-3.1-8b-instruct" {
+		t.Fatalf("%q %v", m, err)
+	}
+	if _, err := firstModel(srv.URL, "wrong"); err == nil {
+		t.Fatal("a model from a 404")
 	}
 }
