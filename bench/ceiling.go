@@ -97,14 +97,20 @@ func CachedLimit(n, blockSize int) int {
 
 // CeilingHitRate replays the workload's prompts in arrival order through one
 // LRU cache of capacityBlocks blocks and returns cached prompt tokens over
-// prompt tokens.
-func CeilingHitRate(w *Workload, syn Synth, blockSize, capacityBlocks int) float64 {
+// prompt tokens. Requests no engine of engineBlocks blocks can take (an
+// empty prompt, or prompt and output beyond its cache: the simulator counts
+// them as errors, outside its hit rates) are left out; engineBlocks 0 takes
+// every request.
+func CeilingHitRate(w *Workload, syn Synth, blockSize, capacityBlocks, engineBlocks int) float64 {
 	l := NewLRU(capacityBlocks)
 	var tokens []uint32
 	var hashes []kv.BlockHash
 	var prompt, cached int64
 	for i := range w.Requests {
 		r := &w.Requests[i]
+		if engineBlocks > 0 && (r.InputLen == 0 || (r.InputLen+max(r.OutputLen, 1)+blockSize-1)/blockSize > engineBlocks) {
+			continue
+		}
 		tokens = syn.Tokens(tokens[:0], r)
 		hashes = kv.HashBlocks(hashes[:0], tokens, blockSize, 0)
 		hit := l.Lookup(hashes, CachedLimit(len(tokens), blockSize))

@@ -80,13 +80,20 @@ func TestCeilingHitRate(t *testing.T) {
 	w := loadFixture(t)
 	// Request order: ids[0,1,2]/1100, ids[0,3]/700, ids[0,1]/1024, ids[4]/600.
 	// Hits with a big cache: 0, 512 (id 0), 1008 (ids 0,1 minus the last block), 0.
-	got := CeilingHitRate(w, Synth{}, 16, 1<<20)
+	got := CeilingHitRate(w, Synth{}, 16, 1<<20, 0)
 	want := float64(512+1008) / float64(1100+700+1024+600)
 	if got != want {
 		t.Fatalf("ceiling %v want %v", got, want)
 	}
-	if small := CeilingHitRate(w, Synth{}, 16, 10); small >= got {
+	if small := CeilingHitRate(w, Synth{}, 16, 10, 0); small >= got {
 		t.Fatalf("a 10-block cache (%v) must hit less than a big one (%v)", small, got)
+	}
+	// Engines of 66 blocks (1,056 tokens) cannot take the 1,100-token
+	// request and its output (the simulator fails it): the ceiling leaves
+	// it out, and the 1,024-token one finds only id 0 (from the 700).
+	out := CeilingHitRate(w, Synth{}, 16, 1<<20, 66)
+	if want := float64(512) / float64(700+1024+600); out != want {
+		t.Fatalf("ceiling without the request that fits no engine: %v want %v", out, want)
 	}
 }
 

@@ -55,7 +55,7 @@ func TestSimSameSeedSameNumbers(t *testing.T) {
 
 func TestSimKVPolicyFindsPrefixes(t *testing.T) {
 	w := smallChat()
-	ceiling := CeilingHitRate(w, Synth{Seed: 3}, 16, 4*2000)
+	ceiling := CeilingHitRate(w, Synth{Seed: 3}, 16, 4*2000, 2000)
 	res, err := SimulateAll(w, smallFleet(), []string{"kv", "round_robin"})
 	if err != nil {
 		t.Fatal(err)

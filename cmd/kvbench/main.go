@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/csv"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -39,6 +40,9 @@ func main() {
 	default:
 		usage(os.Stderr)
 		os.Exit(2)
+	}
+	if errors.Is(err, flag.ErrHelp) {
+		return // the flag set has printed its usage
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "kvbench:", err)
@@ -236,7 +240,7 @@ func runSim(args []string, stdout io.Writer) error {
 	ceil := make(chan float64, 1)
 	if *ceiling {
 		go func() {
-			ceil <- bench.CeilingHitRate(w, bench.Synth{Seed: wf.seed}, *blockSize, *engines**cacheBlocks)
+			ceil <- bench.CeilingHitRate(w, bench.Synth{Seed: wf.seed}, *blockSize, *engines**cacheBlocks, *cacheBlocks)
 		}()
 	}
 	start := time.Now()
