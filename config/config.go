@@ -68,6 +68,8 @@ type Tenant struct {
 	SharedCache       bool    `yaml:"shared_cache"`
 	RequestsPerSecond float64 `yaml:"requests_per_second"`
 	TokensPerMinute   float64 `yaml:"tokens_per_minute"`
+	// MaxConcurrency caps the tenant's requests in flight (0: no cap).
+	MaxConcurrency int `yaml:"max_concurrency"`
 }
 
 // Health configures active probes and passive ejection.
@@ -678,6 +680,9 @@ func (c *Config) Validate() error {
 		tenants[t.Name] = true
 		if !finiteNonNegative(t.RequestsPerSecond, t.TokensPerMinute) {
 			add(f, "rate limits must be numbers, not negative")
+		}
+		if t.MaxConcurrency < 0 {
+			add(f+".max_concurrency", "must not be negative (0: no cap)")
 		}
 	}
 	keys := map[string]bool{}

@@ -58,6 +58,7 @@ type exchange struct {
 	promptTokens int    // as kvproxy counted them for routing
 	outputTokens int    // streams: the chunks that carried output
 	accepted     bool   // the engine took the request (answered 200)
+	slot         *tenantSlot
 	usage        tokenUsage
 	errMsg       string
 }
@@ -86,7 +87,8 @@ type admitted struct {
 	engineID string // the id sent to the engine
 	start    time.Time
 	t        *tenant
-	body     []byte // decoded (Content-Encoding), within the size limit
+	body     []byte      // decoded (Content-Encoding), within the size limit
+	slot     *tenantSlot // the tenant's max_concurrency; the handler calls handlerDone
 }
 
 // admit names the request and checks what comes before reading it: the
@@ -122,7 +124,14 @@ func (s *Server) admit(ctx *fasthttp.RequestCtx, st *state) (admitted, bool) {
 		s.logRejected(rid, t.name, "", ctx.Response.StatusCode(), start, "undecodable body")
 		return admitted{}, false
 	}
-	return admitted{rid, engineID, start, t, body}, true
+	slot, ok := t.acquire()
+	if !ok {
+		ctx.Response.Header.Set("Retry-After", "1")
+		writeError(ctx, fasthttp.StatusTooManyRequests, fmt.Sprintf("too many requests in flight: the limit is %d at once; retry when one has ended", t.maxInflight), "rate_limit_error", "", "concurrency_limit_exceeded")
+		s.logRejected(rid, t.name, "", fasthttp.StatusTooManyRequests, start, "tenant max_concurrency")
+		return admitted{}, false
+	}
+	return admitted{rid, engineID, start, t, body, slot}, true
 }
 
 // outcome of one attempt at a backend.
@@ -138,6 +147,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	if !ok {
 		return
 	}
+	defer in.slot.handlerDone()
 	rid, engineID, start, t, body := in.rid, in.engineID, in.start, in.t, in.body
 	sc := s.getScratch()
 	defer s.putScratch(sc)
@@ -240,7 +250,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		path = "/v1/chat/completions"
 	}
 	x := s.newExchange(rid, engineID, path, req.stream, start, p, req.model)
-	x.tenant, x.promptTokens = t.name, len(tokens)
+	x.tenant, x.promptTokens, x.slot = t.name, len(tokens), in.slot
 	s.dispatch(ctx, st, sc, x, salt)
 }
 
@@ -671,6 +681,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	ctx.SetStatusCode(fasthttp.StatusOK)
 	x.status = fasthttp.StatusOK
 	x.accepted = true
+	x.slot.hand() // every way on from here streams the answer, and finish releases it
 	if x.pass {
 		x.active.PrefillDone() // the engine has done its work: the answer is here
 		if ct := resp.Header.ContentType(); len(ct) > 0 {
@@ -824,6 +835,7 @@ func (x *exchange) stopWatch() {
 func (x *exchange) finish() {
 	x.stopWatch()
 	x.release()
+	x.slot.release()
 	x.logLine()
 	x.s.live.done(x)
 }

@@ -129,6 +129,7 @@ var (
 	blocksDesc   = prometheus.NewDesc("kvproxy_active_blocks", "Active KV blocks per backend, as tracked by the router.", []string{"backend"}, nil)
 	indexDesc    = prometheus.NewDesc("kvproxy_indexed_blocks", "Blocks in the prefix index per backend.", []string{"backend"}, nil)
 	healthyDesc  = prometheus.NewDesc("kvproxy_backend_healthy", "1 when the backend receives traffic.", []string{"backend"}, nil)
+	tenantDesc   = prometheus.NewDesc("kvproxy_tenant_inflight_requests", "Requests in flight per tenant with a max_concurrency.", []string{"tenant"}, nil)
 )
 
 // loadCollector reads the router's load at scrape time, so the hot path
@@ -140,10 +141,17 @@ func (c *loadCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- blocksDesc
 	ch <- indexDesc
 	ch <- healthyDesc
+	ch <- tenantDesc
 }
 
 func (c *loadCollector) Collect(ch chan<- prometheus.Metric) {
-	for _, r := range c.s.backendRows(c.s.st.Load()) {
+	st := c.s.st.Load()
+	for name, t := range st.auth.tenants {
+		if t.inflight != nil {
+			ch <- prometheus.MustNewConstMetric(tenantDesc, prometheus.GaugeValue, float64(t.inflight.Load()), name)
+		}
+	}
+	for _, r := range c.s.backendRows(st) {
 		if r.Draining { // a replaced backend shares its id with its successor
 			continue
 		}

@@ -39,6 +39,7 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 	if !ok {
 		return
 	}
+	defer in.slot.handlerDone()
 	sc := s.getScratch()
 	defer s.putScratch(sc)
 	req := &sc.req
@@ -71,7 +72,7 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 	}
 	sc.route = router.Request{PromptTokens: tokens, Unstreamed: true, Auxiliary: true, CandidateBuf: sc.cands}
 	x := s.newExchange(in.rid, in.engineID, path, false, in.start, p, req.model)
-	x.pass, x.tenant = true, in.t.name
+	x.pass, x.tenant, x.slot = true, in.t.name, in.slot
 	s.dispatch(ctx, st, sc, x, "")
 }
 

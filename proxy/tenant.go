@@ -7,6 +7,7 @@ import (
 	"math"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -27,6 +28,52 @@ type tenant struct {
 	ns       kv.Namespace
 	requests *bucket // nil: unlimited
 	tokens   *bucket
+	// inflight counts the requests in flight against maxInflight (both
+	// zero: no cap, nothing counted). A reload keeps the count.
+	maxInflight int64
+	inflight    *atomic.Int64
+}
+
+// tenantSlot is a request's place in its tenant's max_concurrency, taken
+// at admission and given back once when the request ends: when its handler
+// returns, or, for an answer streamed after that, when the stream ends.
+type tenantSlot struct {
+	count    *atomic.Int64
+	handed   bool // a streamed answer gives it back (set and read on the handler's goroutine)
+	released atomic.Bool
+}
+
+// acquire takes a slot of t's max_concurrency; nil when t has no cap, and
+// ok false when it is full.
+func (t *tenant) acquire() (slot *tenantSlot, ok bool) {
+	if t.maxInflight == 0 {
+		return nil, true
+	}
+	if t.inflight.Add(1) > t.maxInflight {
+		t.inflight.Add(-1)
+		return nil, false
+	}
+	return &tenantSlot{count: t.inflight}, true
+}
+
+func (s *tenantSlot) release() {
+	if s != nil && s.released.CompareAndSwap(false, true) {
+		s.count.Add(-1)
+	}
+}
+
+// hand leaves the release to the answer's stream.
+func (s *tenantSlot) hand() {
+	if s != nil {
+		s.handed = true
+	}
+}
+
+// handlerDone releases the slot unless a streamed answer holds it.
+func (s *tenantSlot) handlerDone() {
+	if s != nil && !s.handed {
+		s.release()
+	}
 }
 
 // authTable resolves API keys. Keys are looked up by their SHA-256 so the
@@ -68,6 +115,12 @@ func newAuthTable(cfg *config.Config, prev *authTable) *authTable {
 		}
 		t.requests = reuseBucket(old, true, ts.RequestsPerSecond, math.Max(1, ts.RequestsPerSecond))
 		t.tokens = reuseBucket(old, false, ts.TokensPerMinute/60, ts.TokensPerMinute)
+		if ts.MaxConcurrency > 0 {
+			t.maxInflight, t.inflight = int64(ts.MaxConcurrency), new(atomic.Int64)
+			if old != nil && old.inflight != nil {
+				t.inflight = old.inflight // its requests in flight still count
+			}
+		}
 		a.tenants[name] = t
 		return t
 	}
