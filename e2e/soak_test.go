@@ -18,7 +18,19 @@ import (
 	"time"
 )
 
-// promValue reads one unlabelled sample from kvproxy's /metrics.
+// soakKey is the soak clients' API key.
+const soakKey = "soak-key-12345"
+
+// keyed sends every request with soakKey.
+type keyed struct{ http.RoundTripper }
+
+func (k keyed) RoundTrip(r *http.Request) (*http.Response, error) {
+	r = r.Clone(r.Context())
+	r.Header.Set("Authorization", "Bearer "+soakKey)
+	return k.RoundTripper.RoundTrip(r)
+}
+
+// promValue reads one sample (name with its labels, if any) from kvproxy's /metrics.
 func promValue(t *testing.T, url, name string) float64 {
 	t.Helper()
 	resp, err := http.Get(url + "/metrics")
@@ -69,9 +81,10 @@ func isOpenAIError(b []byte) bool {
 
 // TestSoak: 200 concurrent clients against kvproxy and three engines for a
 // bounded time; 20% of the streams disconnect midway, 10% of the requests
-// are malformed, 5% are embeddings (passed through); one engine is killed and restarted, the config is reloaded
-// once. Afterwards the proxy serves, every request ended in a completion or
-// an OpenAI error, every load counter is zero, goroutines are back to their
+// are malformed, 5% are embeddings (passed through); all come with one
+// tenant's key, whose max_concurrency (150) is below the clients' count; one
+// engine is killed and restarted, the config is reloaded once. Afterwards the proxy serves, every request ended in a completion or
+// an OpenAI error, every load counter is zero (the tenant's in-flight count too), goroutines are back to their
 // baseline and memory stayed bounded. KVPROXY_SOAK_SECONDS sets the length
 // (default 60; 15 with -short).
 func TestSoak(t *testing.T) {
@@ -92,7 +105,11 @@ func TestSoak(t *testing.T) {
 	victimProc.cmd.Wait()
 	victimAddrs, victimProc := fleetProc(t, 1, victimArgs...)
 	backends := map[string]string{"a0": a[0], "a1": a[1], "victim": victimAddrs[0]}
-	health := "health: {interval: 250ms, fall: 1, eject_base: 200ms, eject_max: 2s, forget_after: 3s}\n"
+	// Clients come with a key, as one tenant whose max_concurrency is below
+	// the clients' count: its places must all come back too.
+	health := "health: {interval: 250ms, fall: 1, eject_base: 200ms, eject_max: 2s, forget_after: 3s}\n" +
+		"auth: {keys: [{key: " + soakKey + ", tenant: soak}], admin_keys: [admin-key-0005]}\n" +
+		"tenants: [{name: soak, max_concurrency: 150}]\n"
 	url, p, path := startProxyConfig(t, backendsYAML(backends, health))
 
 	http.DefaultTransport.(*http.Transport).MaxIdleConnsPerHost = clients
@@ -106,7 +123,7 @@ func TestSoak(t *testing.T) {
 		go func(seed int64) {
 			defer wg.Done()
 			r := rand.New(rand.NewSource(seed))
-			client := &http.Client{Timeout: 30 * time.Second}
+			client := &http.Client{Timeout: 30 * time.Second, Transport: keyed{http.DefaultTransport}}
 			for {
 				select {
 				case <-stop:
@@ -137,8 +154,16 @@ func TestSoak(t *testing.T) {
 	// Still serving, nothing leaked. Client keep-alive connections are
 	// closed first: each holds a server goroutine by design.
 	http.DefaultTransport.(*http.Transport).CloseIdleConnections()
-	chat(t, url, `{"model":"default","max_tokens":2,"messages":[{"role":"user","content":"are you alive?"}]}`)
+	alive, err := (&http.Client{Transport: keyed{http.DefaultTransport}}).Post(url+"/v1/chat/completions", "application/json",
+		strings.NewReader(`{"model":"default","max_tokens":2,"messages":[{"role":"user","content":"are you alive?"}]}`))
+	if err != nil || alive.StatusCode != 200 {
+		t.Fatalf("after the soak: %v %v", err, alive)
+	}
+	alive.Body.Close()
 	assertIdle(t, url)
+	if n := promValue(t, url, `kvproxy_tenant_inflight_requests{tenant="soak"}`); n != 0 {
+		t.Fatalf("the tenant has %v requests in flight after the soak", n)
+	}
 	var goroutines float64
 	// fasthttp keeps idle worker goroutines for MaxIdleWorkerDuration (5s
 	// here) before they exit: wait a few of its sweeps.
