@@ -5,7 +5,8 @@
 #   bench/charts.sh [TRACES_DIR]
 #
 # The simulations are deterministic (same seed, same numbers): about 3 minutes on 2 idle
-# cores. With nginx installed it also measures the proxy overhead (about 4 minutes, not
+# cores. It also measures the proxy overhead against nginx (installed from Debian's packages
+# when missing and run as root; about 4 minutes, not
 # deterministic: alternating configurations, ratios measured in one run).
 set -eu
 traces=${1:-../shared/traces}
@@ -41,7 +42,11 @@ mkdir -p "$out"
 	-json -plot "$out" > "$out/multiturn.json"
 rm -f "$bin"
 
-# Proxy overhead against direct access and nginx (needs nginx: apt-get install -y nginx-light).
+# Proxy overhead against direct access and nginx, installed from Debian's
+# packages when it is missing (as root, with apt-get).
+if ! command -v nginx > /dev/null 2>&1 && command -v apt-get > /dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+	apt-get install -y nginx-light > /dev/null 2>&1 || { apt-get update > /dev/null 2>&1 && apt-get install -y nginx-light > /dev/null 2>&1; } || true
+fi
 if command -v nginx > /dev/null 2>&1; then
 	go run ./cmd/kvoverhead -png "$out/overhead.png" > "$out/overhead.txt"
 	go run ./cmd/kvoverhead -speedup 10 -png "$out/overhead-paced.png" > "$out/overhead-paced.txt"
