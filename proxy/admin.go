@@ -25,6 +25,7 @@ type modelJSON struct {
 var startTime = time.Now().Unix()
 
 func (s *Server) handleModels(ctx *fasthttp.RequestCtx, st *state) {
+	s.requestIDs(ctx)
 	var data []modelJSON
 	for _, m := range st.cfg.Models {
 		data = append(data, modelJSON{ID: m.Name, Object: "model", Created: startTime, OwnedBy: "kvproxy"})
@@ -39,6 +40,7 @@ var modelPathPrefix = []byte("/v1/models/")
 
 // handleModel answers GET /v1/models/{id}: one model (ids may contain "/").
 func (s *Server) handleModel(ctx *fasthttp.RequestCtx, st *state) {
+	s.requestIDs(ctx)
 	id := string(ctx.Path()[len(modelPathPrefix):])
 	for _, m := range st.cfg.Models {
 		if m.Name == id {

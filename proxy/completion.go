@@ -96,15 +96,7 @@ type admitted struct {
 // When it reports false the request has been answered.
 func (s *Server) admit(ctx *fasthttp.RequestCtx, st *state) (admitted, bool) {
 	start := ctx.Time() // fasthttp reads the clock just before calling the handler
-	// rid names the request to the client and in the log: the client's own
-	// id when it sent a plain one. The engine gets an id unique in flight
-	// (vLLM keys requests by it), with the client's appended.
-	rid := s.newRequestID()
-	engineID := rid
-	if cid := clientRequestID(ctx); cid != "" {
-		rid, engineID = cid, rid+"."+cid
-	}
-	ctx.Response.Header.SetCanonical(hdrRequestID, stringBytes(rid))
+	rid, engineID := s.requestIDs(ctx)
 	if s.draining.Load() {
 		shuttingDown(ctx, "kvproxy is shutting down; retry")
 		return admitted{}, false
@@ -132,6 +124,20 @@ func (s *Server) admit(ctx *fasthttp.RequestCtx, st *state) (admitted, bool) {
 		return admitted{}, false
 	}
 	return admitted{rid, engineID, start, t, body, slot}, true
+}
+
+// requestIDs names a request and answers with its id (x-request-id): rid
+// names it to the client and in the log, the client's own id when it sent
+// a plain one; the engine gets engineID, unique in flight (vLLM keys
+// requests by it), with the client's appended.
+func (s *Server) requestIDs(ctx *fasthttp.RequestCtx) (rid, engineID string) {
+	rid = s.newRequestID()
+	engineID = rid
+	if cid := clientRequestID(ctx); cid != "" {
+		rid, engineID = cid, rid+"."+cid
+	}
+	ctx.Response.Header.SetCanonical(hdrRequestID, stringBytes(rid))
+	return rid, engineID
 }
 
 // outcome of one attempt at a backend.

@@ -585,6 +585,18 @@ func TestModelsHealthAdminMetrics(t *testing.T) {
 	if one.ID != "alias-m" || one.Object != "model" || one.Root != "m" {
 		t.Fatalf("/v1/models/alias-m: %+v", one)
 	}
+	for _, path := range []string{"/v1/models", "/v1/models/alias-m", "/v1/models/nosuch"} {
+		req, _ := http.NewRequest("GET", p.url+path, nil)
+		req.Header.Set("X-Request-Id", "client-id-7")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.Header.Get("X-Request-Id") != "client-id-7" {
+			t.Fatalf("GET %s: x-request-id %q", path, resp.Header.Get("X-Request-Id"))
+		}
+	}
 	if resp, b := post(t, p.url+"/v1/models/m", ""); resp.StatusCode != 405 {
 		t.Fatalf("POST /v1/models/m: %d %s", resp.StatusCode, b)
 	}
