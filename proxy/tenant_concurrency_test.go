@@ -3,9 +3,7 @@ package proxy
 import (
 	"bufio"
 	"fmt"
-	"io"
 	"net"
-	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -105,14 +103,9 @@ func TestTenantMaxConcurrency(t *testing.T) {
 		waitInflight(t, p, 0)
 	}
 	p.waitIdle(t)
-	resp, err = http.Get(p.url + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	if !strings.Contains(string(m), `kvproxy_tenant_inflight_requests{tenant="capped"} 0`+"\n") || strings.Contains(string(m), `kvproxy_tenant_inflight_requests{tenant="free"}`) {
-		t.Fatalf("/metrics: %s", grepLines(string(m), "kvproxy_tenant_inflight"))
+	m := p.metrics(t)
+	if !strings.Contains(m, `kvproxy_tenant_inflight_requests{tenant="capped"} 0`+"\n") || strings.Contains(m, `kvproxy_tenant_inflight_requests{tenant="free"}`) {
+		t.Fatalf("/metrics: %s", grepLines(m, "kvproxy_tenant_inflight"))
 	}
 }
 

@@ -39,12 +39,7 @@ func TestTokensCountedPerTenant(t *testing.T) {
 	send("key-alpha-123", "/v1/embeddings", `{"model":"m","input":"not a completion"}`)
 	p.waitIdle(t)
 
-	resp, err := http.Get(p.url + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
+	m := p.metrics(t)
 	want := map[string]int{
 		`kvproxy_tokens_total{model="m",tenant="alpha",type="prompt"}`:     20,
 		`kvproxy_tokens_total{model="m",tenant="alpha",type="completion"}`: 11,
@@ -55,12 +50,12 @@ func TestTokensCountedPerTenant(t *testing.T) {
 		`kvproxy_request_duration_seconds_count{backend="e0"}`:             4,
 	}
 	for series, v := range want {
-		if line := series + " " + itoa(v) + "\n"; !strings.Contains(string(m), line) {
+		if line := series + " " + itoa(v) + "\n"; !strings.Contains(m, line) {
 			t.Errorf("/metrics lacks %q", strings.TrimSpace(line))
 		}
 	}
-	if strings.Count(string(m), "kvproxy_tokens_total{") != 6 {
-		t.Errorf("token series other than alpha's and beta's:\n%s", grepLines(string(m), "kvproxy_tokens_total{"))
+	if strings.Count(m, "kvproxy_tokens_total{") != 6 {
+		t.Errorf("token series other than alpha's and beta's:\n%s", grepLines(m, "kvproxy_tokens_total{"))
 	}
 	logs := p.logs.String()
 	for _, s := range []string{`"tenant":"alpha","backend":"e0","overlap_blocks"`, `"prompt_tokens":10,"output_tokens":10,"cached_tokens":3`, `"tenant":"beta"`, `"path":"/v1/embeddings"`} {
@@ -68,6 +63,18 @@ func TestTokensCountedPerTenant(t *testing.T) {
 			t.Errorf("access log lacks %s:\n%s", s, logs)
 		}
 	}
+}
+
+// metrics is the proxy's /metrics page.
+func (p *testProxy) metrics(t *testing.T) string {
+	t.Helper()
+	resp, err := http.Get(p.url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
 }
 
 func itoa(n int) string { b, _ := json.Marshal(n); return string(b) }
@@ -122,14 +129,9 @@ func TestCutStreamWithContinuousUsage(t *testing.T) {
 	p := startProxyYAML(t, "models: [{name: m, block_size: 16}]\nbackends: [{id: e0, url: 'http://"+startRawEngine(t, h)+"', model: m}]\n")
 	post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true},"messages":[{"role":"user","content":"hi"}]}`)
 	p.waitIdle(t)
-	resp, err := http.Get(p.url + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	if !strings.Contains(string(m), `kvproxy_tokens_total{model="m",tenant="",type="completion"} 5`+"\n") || !strings.Contains(string(m), `kvproxy_tokens_total{model="m",tenant="",type="prompt"} 7`+"\n") {
-		t.Fatalf("5 chunks carried output of a 7-token prompt:\n%s", grepLines(string(m), "kvproxy_tokens_total{"))
+	m := p.metrics(t)
+	if !strings.Contains(m, `kvproxy_tokens_total{model="m",tenant="",type="completion"} 5`+"\n") || !strings.Contains(m, `kvproxy_tokens_total{model="m",tenant="",type="prompt"} 7`+"\n") {
+		t.Fatalf("5 chunks carried output of a 7-token prompt:\n%s", grepLines(m, "kvproxy_tokens_total{"))
 	}
 }
 
