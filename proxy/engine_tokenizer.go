@@ -153,7 +153,9 @@ func (et *engineTokenizer) ask(b *backend, body *engineTokenizeBody) ([]uint32, 
 	}
 	if code := resp.StatusCode(); code != fasthttp.StatusOK {
 		err := fmt.Errorf("backend %s /tokenize answered %d: %s", b.cfg.ID, code, engineMessage(code, resp.Body()))
-		if code >= 400 && code < 500 && code != fasthttp.StatusTooManyRequests && code != fasthttp.StatusRequestTimeout {
+		// What the request asked for, not the engine (a 404 is an engine
+		// without /tokenize, a 401 a wrong api_key: try the next).
+		if code == fasthttp.StatusBadRequest || code == fasthttp.StatusRequestEntityTooLarge || code == fasthttp.StatusUnprocessableEntity {
 			return nil, requestRefused{err}
 		}
 		return nil, err

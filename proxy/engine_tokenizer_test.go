@@ -197,3 +197,44 @@ func TestTokenizeRefusalIsTheRequestsAlone(t *testing.T) {
 		t.Fatalf("after another request's refused /tokenize: %d %s, want the 400 of a prompt over max_prompt_tokens", resp.StatusCode, b)
 	}
 }
+
+// One engine without a usable /tokenize (404: not vLLM, or an older one;
+// 401: it refuses kvproxy's key there) and one with: every request should
+// still be tokenized (by the working engine), and the broken one should
+// not be asked on every request (found by the sixth session's review).
+func TestEngineWithoutTokenizeIsSkipped(t *testing.T) {
+	for _, code := range []int{404, 401} {
+		t.Run(fmt.Sprint(code), func(t *testing.T) {
+			var badCalls, goodCalls atomic.Int64
+			bad := func(w http.ResponseWriter, r *http.Request) {
+				io.ReadAll(r.Body)
+				if r.URL.Path == "/tokenize" {
+					badCalls.Add(1)
+					w.WriteHeader(code)
+					w.Write([]byte(`{"detail":"Not Found"}`))
+					return
+				}
+				w.Header().Set("Content-Type", "application/json")
+				w.Write([]byte(`{"choices":[]}`))
+			}
+			good := func(w http.ResponseWriter, r *http.Request) {
+				io.ReadAll(r.Body)
+				if r.URL.Path == "/tokenize" {
+					goodCalls.Add(1)
+					w.Write([]byte(`{"tokens":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}`))
+					return
+				}
+				w.Header().Set("Content-Type", "application/json")
+				w.Write([]byte(`{"choices":[]}`))
+			}
+			p := startProxyYAML(t, "models: [{name: m, tokenizer: engine, block_size: 16}]\n"+
+				"backends: [{id: e0, url: 'http://"+startRawEngine(t, bad)+"', model: m}, {id: e1, url: 'http://"+startRawEngine(t, good)+"', model: m}]\n")
+			for i := 0; i < 10; i++ {
+				post(t, p.url+"/v1/completions", fmt.Sprintf(`{"model":"m","prompt":"distinct prompt %d"}`, i))
+			}
+			if badCalls.Load() > 1 || goodCalls.Load() < 9 {
+				t.Fatalf("bad engine's /tokenize asked %d times, good one %d times (10 distinct requests)", badCalls.Load(), goodCalls.Load())
+			}
+		})
+	}
+}

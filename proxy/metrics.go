@@ -147,7 +147,7 @@ func (c *loadCollector) Describe(ch chan<- *prometheus.Desc) {
 func (c *loadCollector) Collect(ch chan<- prometheus.Metric) {
 	st := c.s.st.Load()
 	for name, t := range st.auth.tenants {
-		if t.inflight != nil {
+		if t.maxInflight > 0 {
 			ch <- prometheus.MustNewConstMetric(tenantDesc, prometheus.GaugeValue, float64(t.inflight.Load()), name)
 		}
 	}

@@ -28,8 +28,8 @@ type tenant struct {
 	ns       kv.Namespace
 	requests *bucket // nil: unlimited
 	tokens   *bucket
-	// inflight counts the requests in flight against maxInflight (both
-	// zero: no cap, nothing counted). A reload keeps the count.
+	// inflight counts the requests in flight against maxInflight (0: no
+	// cap, nothing counted). A reload keeps the count.
 	maxInflight int64
 	inflight    *atomic.Int64
 }
@@ -115,10 +115,16 @@ func newAuthTable(cfg *config.Config, prev *authTable) *authTable {
 		}
 		t.requests = reuseBucket(old, true, ts.RequestsPerSecond, math.Max(1, ts.RequestsPerSecond))
 		t.tokens = reuseBucket(old, false, ts.TokensPerMinute/60, ts.TokensPerMinute)
+		if old != nil && old.inflight != nil {
+			// The requests it admitted under a cap still count, even
+			// through a reload that lifts the cap and one that brings it
+			// back (those admitted without a cap are not counted).
+			t.inflight = old.inflight
+		}
 		if ts.MaxConcurrency > 0 {
-			t.maxInflight, t.inflight = int64(ts.MaxConcurrency), new(atomic.Int64)
-			if old != nil && old.inflight != nil {
-				t.inflight = old.inflight // its requests in flight still count
+			t.maxInflight = int64(ts.MaxConcurrency)
+			if t.inflight == nil {
+				t.inflight = new(atomic.Int64)
 			}
 		}
 		a.tenants[name] = t

@@ -116,3 +116,32 @@ func TestTenantMaxConcurrencyValidated(t *testing.T) {
 		t.Fatalf("%v", err)
 	}
 }
+
+// A reload that lifts a tenant's cap and one that restores it keep counting
+// the requests admitted under the cap (found by the sixth session's review:
+// the cap was exceeded).
+func TestReloadLiftingAndRestoringACapKeepsTheCount(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.tokens, f.pauseAfter, f.pause = 4, 1, 3*time.Second })
+	p := startProxyYAML(t, concurrencyYAML, e)
+	stream := `{"model":"m","prompt":"x","stream":true}`
+	sendAuth(t, p, "HTTP/1.1", "/v1/completions", "key-capped-123", stream)
+	sendAuth(t, p, "HTTP/1.1", "/v1/completions", "key-capped-123", stream)
+	waitInflight(t, p, 2)
+	reload := func(y string) {
+		cfg, err := config.Parse([]byte(strings.ReplaceAll(y, "{{e0}}", e.addr)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := p.s.Reload(cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	reload(strings.Replace(concurrencyYAML, "max_concurrency: 2", "max_concurrency: 0", 1))
+	reload(concurrencyYAML)
+	sendAuth(t, p, "HTTP/1.1", "/v1/completions", "key-capped-123", stream)
+	sendAuth(t, p, "HTTP/1.1", "/v1/completions", "key-capped-123", stream)
+	time.Sleep(300 * time.Millisecond)
+	if n := e.current.Load(); n > 2 {
+		t.Fatalf("capped tenant (max_concurrency: 2) has %d requests at the engine; counter says %d", n, cappedInflight(p))
+	}
+}
