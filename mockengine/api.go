@@ -155,7 +155,7 @@ func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiR
 		return nil, nil, 0, err
 	}
 	var req apiRequest
-	if err := json.Unmarshal(body, &req); err != nil {
+	if err := unmarshalExact(body, &req); err != nil {
 		var te *json.UnmarshalTypeError
 		if errors.As(err, &te) && te.Field != "" {
 			return nil, nil, 0, invalid(te.Field, "%s must be of type %s, got %s", te.Field, te.Type, te.Value)
@@ -231,7 +231,7 @@ func decodeJSON(w http.ResponseWriter, r *http.Request, v any) error {
 	if err != nil {
 		return err
 	}
-	if err := json.Unmarshal(body, v); err != nil {
+	if err := unmarshalExact(body, v); err != nil {
 		return invalid("", "request body is not valid JSON: %v", err)
 	}
 	return nil
