@@ -698,7 +698,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		if ce := resp.Header.ContentEncoding(); len(ce) > 0 {
 			ctx.Response.Header.SetContentEncodingBytes(ce)
 		}
-		rr := &rawRelay{x: x, body: stream, resp: resp}
+		rr := &rawRelay{x: x, body: stream, resp: resp, coded: len(resp.Header.ContentEncoding()) > 0}
 		size := resp.Header.ContentLength()
 		if size < 0 && !ctx.Request.Header.IsHTTP11() {
 			s.relayUntilClose(ctx, rr)
@@ -851,7 +851,8 @@ func (x *exchange) logLine() {
 	s.metrics.countRequest(x.b.cfg.ID, x.status)
 	s.metrics.observeDuration(x.b.cfg.ID, time.Since(x.start).Seconds())
 	prompt, completion, cached := x.tokens()
-	if x.accepted && !x.pass {
+	metered := x.accepted && (!x.pass || x.usage.prompt >= 0) // pass-through: only an answer's own usage
+	if metered {
 		s.metrics.countTokens(x.p.cfg.Name, x.tenant, prompt, completion, cached)
 	}
 	ev := s.log.Info()
@@ -868,7 +869,7 @@ func (x *exchange) logLine() {
 	if x.ttft > 0 {
 		ev = ev.Dur("ttft", x.ttft)
 	}
-	if x.accepted && !x.pass {
+	if metered {
 		ev = ev.Int("prompt_tokens", prompt).Int("output_tokens", completion)
 		if x.usage.cached >= 0 {
 			ev = ev.Int("cached_tokens", cached)

@@ -40,7 +40,7 @@ func newMetrics(reg *prometheus.Registry, s *Server) *metrics {
 			Buckets: prometheus.ExponentialBuckets(0.005, 2, 16),
 		}, []string{"backend"}),
 		tokens: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvproxy_tokens_total", Help: "Tokens of the completion requests engines took, by model, tenant and type: prompt, completion (output) and cached (prompt tokens the engine found in its cache); the engine's usage where it reported one, else kvproxy's estimate.",
+			Name: "kvproxy_tokens_total", Help: "Tokens of the completion requests engines took (and of pass-through answers with a usage), by model, tenant and type: prompt, completion (output) and cached (prompt tokens the engine found in its cache); the engine's usage where it reported one, else kvproxy's estimate.",
 		}, []string{"model", "tenant", "type"}),
 		tokensOf: map[[2]string]*[3]prometheus.Counter{},
 		hitRatio: prometheus.NewHistogram(prometheus.HistogramOpts{

@@ -118,6 +118,22 @@ type rawRelay struct {
 	resp   *fasthttp.Response
 	err    error // how the engine's body ended: io.EOF when whole
 	closed bool
+	// tail is the answer's last bytes, where OpenAI's and vLLM's answers
+	// put their usage (plain answers only: coded is true otherwise).
+	tail  [512]byte
+	tailN int
+	coded bool
+}
+
+// keepTail keeps the last len(r.tail) bytes relayed.
+func (r *rawRelay) keepTail(b []byte) {
+	if len(b) >= len(r.tail) {
+		r.tailN = copy(r.tail[:], b[len(b)-len(r.tail):])
+		return
+	}
+	keep := min(r.tailN, len(r.tail)-len(b))
+	copy(r.tail[:], r.tail[r.tailN-keep:r.tailN])
+	r.tailN = keep + copy(r.tail[keep:], b)
 }
 
 // Read serves fasthttp (a body with a length, and chunked ones). After a
@@ -128,6 +144,9 @@ func (r *rawRelay) Read(p []byte) (int, error) {
 		return 0, r.err
 	}
 	n, err := r.body.Read(p)
+	if !r.coded {
+		r.keepTail(p[:n])
+	}
 	if err != nil {
 		r.end(err)
 	}
@@ -169,6 +188,9 @@ func (r *rawRelay) end(err error) {
 	switch {
 	case errors.Is(err, io.EOF):
 		x.b.succeed()
+		if !r.coded {
+			x.usage.read(r.tail[:r.tailN]) // for the tenant's token count
+		}
 	case (errors.Is(err, backends.ErrAborted) || x.ab.Aborted()) && x.s.live.isCut():
 		x.status, x.errMsg = fasthttp.StatusServiceUnavailable, errCutMsg
 	case errors.Is(err, backends.ErrAborted) || x.ab.Aborted():

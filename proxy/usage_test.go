@@ -155,3 +155,54 @@ func TestRefusedRequestsLogTheirTenant(t *testing.T) {
 		}
 	}
 }
+
+// Pass-through answers are relayed unread, but their last bytes are kept:
+// an embeddings answer's usage (where OpenAI and vLLM put it, at the end)
+// counts the tenant's prompt tokens, whatever the answer's size or framing.
+// An answer without usage, or compressed, counts none.
+func TestPassthroughUsageCounted(t *testing.T) {
+	vec := strings.TrimSuffix(strings.Repeat("0.0123456789,", 3000), ",")
+	h := func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		answer := `{"object":"list","data":[{"object":"embedding","index":0,"embedding":[` + vec + `]}],"model":"m","usage":{"prompt_tokens":17,"total_tokens":17,"completion_tokens":0,"prompt_tokens_details":null}}`
+		w.Header().Set("Content-Type", "application/json")
+		switch {
+		case strings.Contains(string(b), "chunked"):
+			w.Write([]byte(answer[:1000]))
+			w.(http.Flusher).Flush() // no length: chunked
+			w.Write([]byte(answer[1000:]))
+		case strings.Contains(string(b), "plain"):
+			w.Header().Set("Content-Length", itoa(len(answer)))
+			w.Write([]byte(answer))
+		default:
+			w.Write([]byte(`{"object":"list","data":[]}`)) // no usage
+		}
+	}
+	p := startProxyYAML(t, tenantsYAML, &fakeEngine{addr: startRawEngine(t, h)})
+	for _, in := range []string{"plain", "chunked", "none"} {
+		resp, b := postAuth(t, p.url+"/v1/embeddings", "key-alpha-123", `{"model":"m","input":"`+in+`"}`)
+		if resp.StatusCode != 200 || (in != "none" && !strings.HasSuffix(b, `"prompt_tokens_details":null}}`)) {
+			t.Fatalf("%s: %d %.200s", in, resp.StatusCode, b)
+		}
+	}
+	p.waitIdle(t)
+	m := p.metrics(t)
+	if !strings.Contains(m, `kvproxy_tokens_total{model="m",tenant="alpha",type="prompt"} 34`+"\n") || !strings.Contains(m, `kvproxy_tokens_total{model="m",tenant="alpha",type="completion"} 0`+"\n") {
+		t.Fatalf("two embeddings answers of 17 prompt tokens each:\n%s", grepLines(m, "kvproxy_tokens_total{"))
+	}
+}
+
+// keepTail keeps the last bytes across reads of any size.
+func TestRawRelayKeepsTheTail(t *testing.T) {
+	var r rawRelay
+	var all []byte
+	for i, n := range []int{3, 700, 1, 511, 512, 0, 40, 1000, 2} {
+		b := []byte(strings.Repeat(string(rune('a'+i)), n))
+		r.keepTail(b)
+		all = append(all, b...)
+		want := all[max(0, len(all)-len(r.tail)):]
+		if string(r.tail[:r.tailN]) != string(want) {
+			t.Fatalf("after %d reads: tail %q…, want %q…", i+1, r.tail[:min(r.tailN, 20)], want[:min(len(want), 20)])
+		}
+	}
+}
