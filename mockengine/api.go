@@ -225,8 +225,9 @@ func (e *Engine) checkModel(model string) error {
 		msg: fmt.Sprintf("The model `%s` does not exist.", model)}
 }
 
-// decodeJSON reads the request body into v: a 400 when it is not JSON.
-func decodeJSON(w http.ResponseWriter, r *http.Request, v any) error {
+// decodeRequest reads a request body into v (a 400 when it is not JSON)
+// and checks the model it names (*model, a field of v).
+func (e *Engine) decodeRequest(w http.ResponseWriter, r *http.Request, v any, model *string) error {
 	body, err := readBody(w, r)
 	if err != nil {
 		return err
@@ -234,7 +235,7 @@ func decodeJSON(w http.ResponseWriter, r *http.Request, v any) error {
 	if err := unmarshalExact(body, v); err != nil {
 		return invalid("", "request body is not valid JSON: %v", err)
 	}
-	return nil
+	return e.checkModel(*model)
 }
 
 func readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {

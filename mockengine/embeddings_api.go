@@ -29,10 +29,7 @@ type embeddingsRequest struct {
 // and inputs sharing tokens point the same way.
 func (e *Engine) serveEmbeddings(w http.ResponseWriter, r *http.Request) {
 	var req embeddingsRequest
-	err := decodeJSON(w, r, &req)
-	if err == nil {
-		err = e.checkModel(req.Model)
-	}
+	err := e.decodeRequest(w, r, &req, &req.Model)
 	if err != nil {
 		e.fail(w, err)
 		return

@@ -52,10 +52,7 @@ func textOrTexts(raw json.RawMessage, param string) ([]string, error) {
 // serveScore answers vLLM's /score and /v1/score.
 func (e *Engine) serveScore(w http.ResponseWriter, r *http.Request) {
 	var req scoreRequest
-	err := decodeJSON(w, r, &req)
-	if err == nil {
-		err = e.checkModel(req.Model)
-	}
+	err := e.decodeRequest(w, r, &req, &req.Model)
 	var t1, t2 []string
 	if err == nil {
 		t1, err = textOrTexts(req.Text1, "text_1")
@@ -97,10 +94,7 @@ func (e *Engine) serveScore(w http.ResponseWriter, r *http.Request) {
 // documents by relevance to the query, best first, top_n of them (0: all).
 func (e *Engine) serveRerank(w http.ResponseWriter, r *http.Request) {
 	var req rerankRequest
-	err := decodeJSON(w, r, &req)
-	if err == nil {
-		err = e.checkModel(req.Model)
-	}
+	err := e.decodeRequest(w, r, &req, &req.Model)
 	if err == nil && len(req.Documents) == 0 {
 		err = invalid("documents", "documents must be a non-empty array of strings")
 	}

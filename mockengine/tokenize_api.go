@@ -20,10 +20,7 @@ type tokenizeRequest struct {
 // "tokens"} with the ids the engine itself would compute.
 func (e *Engine) serveTokenize(w http.ResponseWriter, r *http.Request) {
 	var req tokenizeRequest
-	err := decodeJSON(w, r, &req)
-	if err == nil {
-		err = e.checkModel(req.Model)
-	}
+	err := e.decodeRequest(w, r, &req, &req.Model)
 	if err != nil {
 		e.fail(w, err)
 		return

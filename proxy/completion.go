@@ -578,10 +578,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				// An engine's own refusal, if one came, stays the answer:
 				// it tells the client more than an engine that is down.
 				x.refused = fasthttp.StatusBadGateway
-				x.stopWatch()
-				x.release()
-				x.released = false // a new attempt takes a new slot
-				return retryable
+				return x.endAttempt()
 			}
 			x.failUpstream(ctx, fasthttp.StatusBadGateway, x.errMsg)
 		case backends.IsTimeout(err):
@@ -642,10 +639,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				b.coolDown(coolingFor(resp.Header.Peek("Retry-After")))
 			}
 			fasthttp.ReleaseResponse(resp)
-			x.stopWatch()
-			x.release()
-			x.released = false // a new attempt takes a new slot
-			return retryable
+			return x.endAttempt()
 		}
 		switch {
 		case code == fasthttp.StatusUnauthorized || code == fasthttp.StatusForbidden:
@@ -662,10 +656,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				if x.refusal == nil { // an engine's 429 or 503 says more
 					x.refused = fasthttp.StatusBadGateway
 				}
-				x.stopWatch()
-				x.release()
-				x.released = false
-				return retryable
+				return x.endAttempt()
 			}
 			x.failUpstream(ctx, fasthttp.StatusBadGateway, msg)
 			x.finish()
@@ -829,6 +820,15 @@ func (x *exchange) failUpstream(ctx *fasthttp.RequestCtx, status int, msg string
 		typ = "rate_limit_error"
 	}
 	writeError(ctx, status, msg, typ, "", "")
+}
+
+// endAttempt ends an attempt the engine never took: its watch and slots
+// go, and the next attempt takes new ones.
+func (x *exchange) endAttempt() outcome {
+	x.stopWatch()
+	x.release()
+	x.released = false
+	return retryable
 }
 
 func (x *exchange) stopWatch() {
