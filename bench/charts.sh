@@ -48,8 +48,8 @@ if ! command -v nginx > /dev/null 2>&1 && command -v apt-get > /dev/null 2>&1 &&
 	apt-get install -y nginx-light > /dev/null 2>&1 || { apt-get update > /dev/null 2>&1 && apt-get install -y nginx-light > /dev/null 2>&1; } || true
 fi
 if command -v nginx > /dev/null 2>&1; then
-	go run ./cmd/kvoverhead -png "$out/overhead.png" > "$out/overhead.txt"
-	go run ./cmd/kvoverhead -speedup 10 -png "$out/overhead-paced.png" > "$out/overhead-paced.txt"
+	go run ./cmd/kvoverhead -eventloop -png "$out/overhead.png" > "$out/overhead.txt"
+	go run ./cmd/kvoverhead -eventloop -speedup 10 -png "$out/overhead-paced.png" > "$out/overhead-paced.txt"
 else
 	echo "charts.sh: nginx not found; overhead charts not regenerated (apt-get install -y nginx-light)" >&2
 fi

@@ -10,9 +10,14 @@ import (
 	"github.com/valyala/fasthttp"
 )
 
-// floorCommand is the hidden first argument that makes kvoverhead run as
-// the floor proxy instead of measuring: kvoverhead floor-proxy LISTEN UPSTREAM.
-const floorCommand = "floor-proxy"
+// The hidden first arguments that make kvoverhead run as a floor proxy
+// instead of measuring: kvoverhead floor-proxy LISTEN UPSTREAM (plain
+// fasthttp), kvoverhead eventloop-proxy LISTEN UPSTREAM (Go on its own
+// epoll loop, Linux only).
+const (
+	floorCommand     = "floor-proxy"
+	eventLoopCommand = "eventloop-proxy"
+)
 
 // serveFloor runs the floor of kvproxy's stack: a plain fasthttp reverse
 // proxy with no parsing, routing, metrics or logging: the request goes to
@@ -72,9 +77,11 @@ func floorHandler(upstream string) fasthttp.RequestHandler {
 	}
 }
 
-// startFloor starts this binary again as the floor proxy in front of the
-// engine, as target "fasthttp".
-func (s *setup) startFloor(ctx context.Context, engineAddr string, logf func(string, ...any)) error {
+// startFloor starts this binary again as a floor proxy in front of the
+// engine: as target "fasthttp" (command floorCommand) or "eventloop"
+// (eventLoopCommand, which forwards every path, so it has no allocation
+// counter of its own to scrape).
+func (s *setup) startFloor(ctx context.Context, name, command, engineAddr string, logf func(string, ...any)) error {
 	self, err := os.Executable()
 	if err != nil {
 		return err
@@ -83,7 +90,7 @@ func (s *setup) startFloor(ctx context.Context, engineAddr string, logf func(str
 	if err != nil {
 		return err
 	}
-	fp, err := startProc("fasthttp", self, floorCommand, listen, engineAddr)
+	fp, err := startProc(name, self, command, listen, engineAddr)
 	if err != nil {
 		return err
 	}
@@ -92,9 +99,12 @@ func (s *setup) startFloor(ctx context.Context, engineAddr string, logf func(str
 		return err
 	}
 	pid := fp.cmd.Process.Pid
-	metricsURL := "http://" + listen + "/metrics"
-	s.targets = append(s.targets, target{name: "fasthttp", addr: listen, pids: func() []int { return []int{pid} },
-		mallocs: func() (uint64, error) { return scrapeMallocs(metricsURL) }})
-	logf("fasthttp floor proxy on %s (pid %d)", listen, pid)
+	t := target{name: name, addr: listen, pids: func() []int { return []int{pid} }}
+	if command == floorCommand {
+		metricsURL := "http://" + listen + "/metrics"
+		t.mallocs = func() (uint64, error) { return scrapeMallocs(metricsURL) }
+	}
+	s.targets = append(s.targets, t)
+	logf("%s floor proxy on %s (pid %d)", name, listen, pid)
 	return nil
 }

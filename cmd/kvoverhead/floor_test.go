@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"io"
 	"net"
@@ -15,7 +16,8 @@ import (
 	"github.com/valyala/fasthttp"
 )
 
-// testUpstream serves a JSON answer on /json and three SSE events on /sse.
+// testUpstream serves a JSON answer on /json, three SSE events on /sse, 320 KB
+// on /big and 200 on /health.
 func testUpstream(t *testing.T) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -24,6 +26,10 @@ func testUpstream(t *testing.T) string {
 	}
 	srv := &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
 		switch string(ctx.Path()) {
+		case "/health":
+			ctx.SetBodyString("ok")
+		case "/big":
+			ctx.SetBody(bytes.Repeat([]byte("0123456789abcdef"), 20000)) // 320 KB: many reads, a full socket buffer
 		case "/json":
 			ctx.SetContentType("application/json")
 			ctx.SetBody(append([]byte(`{"echo":`), append(ctx.PostBody(), '}')...))
@@ -45,9 +51,11 @@ func testUpstream(t *testing.T) string {
 	return ln.Addr().String()
 }
 
-// TestFloorProxyProcess runs kvoverhead as the floor proxy, a process of its
-// own as the benchmark runs it, and checks it relays what the engine sends.
-func TestFloorProxyProcess(t *testing.T) {
+// startFloorProc builds kvoverhead and runs it as a floor proxy (command)
+// in front of upstream, a process of its own as the benchmark runs it; it
+// returns the proxy's base URL.
+func startFloorProc(t *testing.T, command, upstream string) string {
+	t.Helper()
 	if testing.Short() {
 		t.Skip("builds kvoverhead")
 	}
@@ -55,21 +63,24 @@ func TestFloorProxyProcess(t *testing.T) {
 	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
 		t.Fatalf("go build: %v\n%s", err, out)
 	}
-	up := testUpstream(t)
 	listen, err := freePort()
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := startProc("fasthttp", bin, floorCommand, listen, up)
+	p, err := startProc(command, bin, command, listen, upstream)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer p.stop()
+	t.Cleanup(p.stop)
 	if err := waitHTTP(context.Background(), p, "http://"+listen+"/health"); err != nil {
 		t.Fatal(err)
 	}
-	base := "http://" + listen
+	return "http://" + listen
+}
 
+// checkRelays checks that the proxy at base relays what testUpstream sends.
+func checkRelays(t *testing.T, base string) {
+	t.Helper()
 	resp, err := http.Post(base+"/json", "application/json", strings.NewReader(`[1,2]`))
 	if err != nil {
 		t.Fatal(err)
@@ -99,6 +110,21 @@ func TestFloorProxyProcess(t *testing.T) {
 		t.Fatalf("upstream's 404 came back as %d", resp.StatusCode)
 	}
 
+	resp, err = http.Get(base + "/big")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if want := bytes.Repeat([]byte("0123456789abcdef"), 20000); !bytes.Equal(b, want) {
+		t.Fatalf("big: %d bytes, want %d", len(b), len(want))
+	}
+}
+
+// TestFloorProxyProcess runs kvoverhead as the fasthttp floor proxy.
+func TestFloorProxyProcess(t *testing.T) {
+	base := startFloorProc(t, floorCommand, testUpstream(t))
+	checkRelays(t, base)
 	if n, err := scrapeMallocs(base + "/metrics"); err != nil || n == 0 {
 		t.Fatalf("mallocs %d, %v", n, err)
 	}

@@ -30,6 +30,12 @@
 // kvproxy/fasthttp is what kvproxy's own work costs; fasthttp/nginx is what
 // Go's runtime and fasthttp cost against nginx's event loop.
 //
+// The eventloop column (-eventloop) is Go with nginx's I/O model: a minimal
+// HTTP relay on one epoll loop per core, edge-triggered, no goroutine per
+// connection (this binary run again as "kvoverhead eventloop-proxy LISTEN
+// ENGINE", Linux only). eventloop/nginx is what Go itself costs against C
+// when the runtime's netpoller and scheduler are out of the way.
+//
 // With -kvproxy2 PATH a second kvproxy build runs alongside as one more
 // configuration (column kvproxy2, ratio kvproxy2/kvproxy): the way to A/B a
 // change of the hot path under the same noise.
@@ -66,9 +72,13 @@ import (
 )
 
 func main() {
-	if len(os.Args) == 4 && os.Args[1] == floorCommand {
-		if err := serveFloor(os.Args[2], os.Args[3]); err != nil {
-			fmt.Fprintln(os.Stderr, "kvoverhead floor-proxy:", err)
+	if len(os.Args) == 4 && (os.Args[1] == floorCommand || os.Args[1] == eventLoopCommand) {
+		serve := serveFloor
+		if os.Args[1] == eventLoopCommand {
+			serve = serveEventLoop
+		}
+		if err := serve(os.Args[2], os.Args[3]); err != nil {
+			fmt.Fprintln(os.Stderr, "kvoverhead "+os.Args[1]+":", err)
 			os.Exit(1)
 		}
 		return
@@ -87,7 +97,7 @@ type options struct {
 	kvproxy, kvmock, nginx string
 	kvproxy2               string
 	nginxWorkers           int
-	floor                  bool
+	floor, eventLoop       bool
 	rounds                 int
 	duration               time.Duration
 	conc                   []int
@@ -107,6 +117,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.kvmock, "kvmock", "", "kvmock binary (default: go build ./cmd/kvmock into a temp dir)")
 	fs.StringVar(&o.nginx, "nginx", "", "nginx binary (default: nginx on PATH; none: the nginx column is skipped)")
 	fs.BoolVar(&o.floor, "floor", true, "also measure the floor of kvproxy's stack: a plain fasthttp reverse proxy with no logic (column fasthttp), this binary run again")
+	fs.BoolVar(&o.eventLoop, "eventloop", false, "also measure Go with nginx's I/O model: a minimal HTTP relay on its own epoll loops, no goroutine per connection (column eventloop; Linux only), this binary run again")
 	fs.IntVar(&o.nginxWorkers, "nginx-workers", 2, "nginx worker_processes at most (capped at the number of cores)")
 	fs.IntVar(&o.rounds, "rounds", 5, "rounds; each runs every cell once against every configuration")
 	fs.DurationVar(&o.duration, "duration", time.Second, "length of one cell (one workload, concurrency and configuration) per round")

@@ -129,10 +129,11 @@ func TestReportRatiosAndTable(t *testing.T) {
 		return s
 	}
 	res := results{
-		{chat, 4, "direct"}:   {func() sample { s := mk(1000, 1, 1, 2); s.noMallocs = true; return s }()},
-		{chat, 4, "kvproxy"}:  {mk(800, 2, 2, 3)},
-		{chat, 4, "nginx"}:    {mk(400, 3, 3, 4), mk(600, 3)},
-		{chat, 4, "fasthttp"}: {mk(640, 2, 2, 2)},
+		{chat, 4, "direct"}:    {func() sample { s := mk(1000, 1, 1, 2); s.noMallocs = true; return s }()},
+		{chat, 4, "kvproxy"}:   {mk(800, 2, 2, 3)},
+		{chat, 4, "nginx"}:     {mk(400, 3, 3, 4), mk(600, 3)},
+		{chat, 4, "fasthttp"}:  {mk(640, 2, 2, 2)},
+		{chat, 4, "eventloop"}: {mk(450, 2, 2, 2)},
 	}
 	rep := buildReport(res, options{conc: []int{4}, workloads: []string{chat, stream}, rounds: 2, duration: time.Second, streamTokens: 8}, &setup{nginxWorkers: 2})
 	get := func(metric string) row {
@@ -151,6 +152,9 @@ func TestReportRatiosAndTable(t *testing.T) {
 	if *thr.Floor != 640 || *thr.KVProxyFloor != 1.25 || *thr.FloorNginx != 1.28 {
 		t.Errorf("throughput row fasthttp %v, ratios %v %v: want 640, 1.25 and 1.28", *thr.Floor, *thr.KVProxyFloor, *thr.FloorNginx)
 	}
+	if *thr.EventLoop != 450 || *thr.EventLoopNginx != 0.9 {
+		t.Errorf("throughput row eventloop %v, ratio %v: want 450 and 0.9", *thr.EventLoop, *thr.EventLoopNginx)
+	}
 	if a := get("added_p50"); a.Direct != nil || *a.KVProxy != 1 || a.KVProxyNginx != nil {
 		t.Errorf("added_p50: %+v", a)
 	}
@@ -163,7 +167,8 @@ func TestReportRatiosAndTable(t *testing.T) {
 	var b bytes.Buffer
 	writeTable(&b, rep)
 	if !strings.Contains(b.String(), "kvproxy/nginx") || !strings.Contains(b.String(), "1.60×") ||
-		!strings.Contains(b.String(), "kvproxy/fasthttp") || !strings.Contains(b.String(), "1.25×") {
+		!strings.Contains(b.String(), "kvproxy/fasthttp") || !strings.Contains(b.String(), "1.25×") ||
+		!strings.Contains(b.String(), "eventloop/nginx") || !strings.Contains(b.String(), "0.90×") {
 		t.Errorf("table:\n%s", b.String())
 	}
 	if err := writeChart(filepath.Join(t.TempDir(), "o.png"), rep); err != nil {

@@ -221,7 +221,12 @@ func startAll(ctx context.Context, tmp string, o options, nginxPath string, logf
 	}
 
 	if o.floor {
-		if err := s.startFloor(ctx, engineAddr, logf); err != nil {
+		if err := s.startFloor(ctx, "fasthttp", floorCommand, engineAddr, logf); err != nil {
+			return s, err
+		}
+	}
+	if o.eventLoop {
+		if err := s.startFloor(ctx, "eventloop", eventLoopCommand, engineAddr, logf); err != nil {
 			return s, err
 		}
 	}

@@ -33,6 +33,9 @@ type row struct {
 	Floor        *float64 `json:"fasthttp,omitempty"`
 	KVProxyFloor *float64 `json:"kvproxy_fasthttp,omitempty"`
 	FloorNginx   *float64 `json:"fasthttp_nginx,omitempty"`
+	// With -eventloop: the event-loop proxy's value and its ratio to nginx.
+	EventLoop      *float64 `json:"eventloop,omitempty"`
+	EventLoopNginx *float64 `json:"eventloop_nginx,omitempty"`
 	// With -kvproxy2: the second build's value and its ratio to kvproxy's.
 	KVProxy2        *float64 `json:"kvproxy2,omitempty"`
 	KVProxy2KVProxy *float64 `json:"kvproxy2_kvproxy,omitempty"`
@@ -50,10 +53,11 @@ type setupInfo struct {
 }
 
 type report struct {
-	Setup    setupInfo `json:"setup"`
-	Results  []row     `json:"results"`
-	hasKV2   bool
-	hasFloor bool
+	Setup        setupInfo `json:"setup"`
+	Results      []row     `json:"results"`
+	hasKV2       bool
+	hasFloor     bool
+	hasEventLoop bool
 }
 
 func ptr(v float64) *float64 {
@@ -188,7 +192,7 @@ func buildReport(res results, o options, s *setup) report {
 					return ptr(m.value(cl, direct, target == "direct"))
 				}
 				r.Direct, r.KVProxy, r.Nginx, r.KVProxy2 = val("direct"), val("kvproxy"), val("nginx"), val("kvproxy2")
-				r.Floor = val("fasthttp")
+				r.Floor, r.EventLoop = val("fasthttp"), val("eventloop")
 				if m.name != "errors" && !strings.HasPrefix(m.name, "added") {
 					// Ratios of differences (and of error counts) mislead.
 					r.KVProxyDirect = ratio(r.KVProxy, r.Direct)
@@ -196,8 +200,10 @@ func buildReport(res results, o options, s *setup) report {
 					r.KVProxy2KVProxy = ratio(r.KVProxy2, r.KVProxy)
 					r.KVProxyFloor = ratio(r.KVProxy, r.Floor)
 					r.FloorNginx = ratio(r.Floor, r.Nginx)
+					r.EventLoopNginx = ratio(r.EventLoop, r.Nginx)
 				}
 				rep.hasFloor = rep.hasFloor || cells[cellKey{w, c, "fasthttp"}] != nil
+				rep.hasEventLoop = rep.hasEventLoop || cells[cellKey{w, c, "eventloop"}] != nil
 				rep.hasKV2 = rep.hasKV2 || cells[cellKey{w, c, "kvproxy2"}] != nil
 				rep.Results = append(rep.Results, r)
 			}
@@ -254,6 +260,9 @@ func writeTable(w io.Writer, rep report) {
 	if rep.hasFloor {
 		kv2Head, kv2Gap = "fasthttp\tkvproxy/fasthttp\tfasthttp/nginx\t", "\t\t\t"
 	}
+	if rep.hasEventLoop {
+		kv2Head, kv2Gap = kv2Head+"eventloop\teventloop/nginx\t", kv2Gap+"\t\t"
+	}
 	if rep.hasKV2 {
 		kv2Head, kv2Gap = kv2Head+"kvproxy2\tkvproxy2/kvproxy\t", kv2Gap+"\t\t"
 	}
@@ -268,6 +277,9 @@ func writeTable(w io.Writer, rep report) {
 		kv2 := ""
 		if rep.hasFloor {
 			kv2 = fmtVal(r.Floor) + "\t" + fmtRatio(r.KVProxyFloor) + "\t" + fmtRatio(r.FloorNginx) + "\t"
+		}
+		if rep.hasEventLoop {
+			kv2 += fmtVal(r.EventLoop) + "\t" + fmtRatio(r.EventLoopNginx) + "\t"
 		}
 		if rep.hasKV2 {
 			kv2 += fmtVal(r.KVProxy2) + "\t" + fmtRatio(r.KVProxy2KVProxy) + "\t"
