@@ -117,10 +117,17 @@ func (b *backend) setProbe(ok bool) {
 }
 
 // fail ejects the backend after a passive failure (connect refused, 5xx,
-// died mid-stream) for a back-off that doubles with each consecutive failure.
+// died mid-stream) for a back-off that doubles with each consecutive
+// failure. Failures while an ejection is in force are the same incident:
+// an engine that dies fails every request it had at once, and doubling
+// for each would keep it out for eject_max after it is back.
 func (b *backend) fail(reason string) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if b.ejected && b.ejectTimer != nil {
+		b.log.Debug().Str("backend", b.cfg.ID).Str("reason", reason).Msg("backend failed while ejected")
+		return
+	}
 	b.ejections++
 	d := b.health.EjectBase << min(b.ejections-1, 16)
 	if d > b.health.EjectMax || d <= 0 {

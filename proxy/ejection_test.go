@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 )
 
 // One 500 may be the request's doing: an engine answering 500s is ejected
@@ -115,4 +116,36 @@ health: {eject_base: 1m, eject_max: 1m}
 		t.Fatalf("after %d refusals: %d %s, want 503 (ejected)", errorAnswerLimit, resp.StatusCode, b)
 	}
 	p.waitIdle(t)
+}
+
+// An engine that dies fails every request it had in flight at once: one
+// incident, one ejection of eject_base, not a back-off doubled per request
+// (found by the seventh session's trial: 8 streams cut by one kill -9 kept
+// the engine out for 60 s after it was back). A failure after the ejection
+// ended is a new incident and doubles it.
+func TestFailuresDuringAnEjectionAreOneIncident(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, `
+models: [{name: m}]
+backends: [{id: e0, url: 'http://{{e0}}'}]
+health: {eject_base: 100ms, eject_max: 1m}
+`, e)
+	b := p.s.st.Load().backends["e0"]
+	for range 8 {
+		b.fail("mid-stream: connection reset")
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for ejected(p, "e0") {
+		if time.Now().After(deadline) {
+			t.Fatal("8 failures of one incident kept the engine ejected for more than 5 s (eject_base is 100 ms)")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	b.fail("connect: refused")
+	b.mu.Lock()
+	n := b.ejections
+	b.mu.Unlock()
+	if n != 2 {
+		t.Fatalf("consecutive incidents counted %d, want 2", n)
+	}
 }
