@@ -176,10 +176,17 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		return
 	}
 
+	// tokens are what the request is routed on; counted is the prompt's
+	// size for the limits, which never take a client's word for it: a
+	// tenant with a token budget has its prompt counted by kvproxy even
+	// when it sends nvext.token_data, and a prompt the engine could not
+	// tokenize counts at 4 bytes a token rather than none.
 	tokens := sc.tokens
+	counted := 0
+	hint := req.nv.TokenData
 	switch {
-	case len(req.nv.TokenData) > 0:
-		tokens = req.nv.TokenData
+	case len(hint) > 0 && t.tokens == nil:
+		tokens = hint
 	case req.hasTokens:
 		tokens = req.promptTokens
 	case p.engineTok != nil:
@@ -187,7 +194,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		if err != nil {
 			// Route by load alone rather than fail the request.
 			s.log.Warn().Str("request_id", rid).Err(err).Msg("engine tokenization failed")
-			ids = nil
+			ids, counted = nil, (len(req.fields.Messages)+len(req.fields.Prompt)+3)/4
 		}
 		tokens = ids
 	case chat:
@@ -197,16 +204,20 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		tokens = p.enc.EncodePrompt(tokens[:0], req.promptText)
 		sc.tokens = tokens
 	}
-	if len(tokens) > lim.MaxPromptTokens {
+	counted = max(counted, len(tokens))
+	if len(hint) > 0 {
+		tokens = hint
+	}
+	if counted > lim.MaxPromptTokens || len(tokens) > lim.MaxPromptTokens {
 		param := "prompt"
 		if chat {
 			param = "messages"
 		}
-		writeError(ctx, fasthttp.StatusBadRequest, fmt.Sprintf("the prompt has %d tokens, more than the limit of %d", len(tokens), lim.MaxPromptTokens), "invalid_request_error", param, "context_length_exceeded")
+		writeError(ctx, fasthttp.StatusBadRequest, fmt.Sprintf("the prompt has %d tokens, more than the limit of %d", max(counted, len(tokens)), lim.MaxPromptTokens), "invalid_request_error", param, "context_length_exceeded")
 		s.logRejected(rid, t.name, req.model, fasthttp.StatusBadRequest, start, "prompt too long")
 		return
 	}
-	if ok, wait := t.tokens.take(float64(len(tokens))); !ok {
+	if ok, wait := t.tokens.take(float64(counted)); !ok {
 		s.rateLimited(ctx, rid, t.name, start, wait, "tokens")
 		return
 	}
@@ -217,7 +228,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	}
 	sc.hashes = kv.HashBlocks(sc.hashes[:0], tokens, p.cfg.BlockSize, ns)
 	rr := &sc.route
-	*rr = router.Request{Hashes: sc.hashes, PromptTokens: len(tokens), Unstreamed: !req.stream, CandidateBuf: sc.cands}
+	*rr = router.Request{Hashes: sc.hashes, PromptTokens: max(counted, len(tokens)), Unstreamed: !req.stream, CandidateBuf: sc.cands}
 
 	if name, inst, isNum, ok := req.nv.pinned(); ok {
 		w, found := p.rt.WorkerByName(name)
@@ -256,7 +267,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		path = "/v1/chat/completions"
 	}
 	x := s.newExchange(rid, engineID, path, req.stream, start, p, req.model)
-	x.tenant, x.promptTokens, x.slot = t.name, len(tokens), in.slot
+	x.tenant, x.promptTokens, x.slot = t.name, max(counted, len(tokens)), in.slot
 	s.dispatch(ctx, st, sc, x, salt)
 }
 

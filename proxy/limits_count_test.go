@@ -1,0 +1,69 @@
+package proxy
+
+import (
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+)
+
+// A tenant's token budget and max_prompt_tokens never take the client's
+// word for a prompt's size: nvext.token_data steers routing, but a tenant
+// with tokens_per_minute has its prompt counted by kvproxy (found by the
+// seventh session's trial: token_data [1] let a 2,000-word prompt through a
+// 100-token budget five times a second). Tenants without a budget keep
+// token_data's saving: their prompts are not tokenized.
+func TestTokenDataDoesNotBypassTheTokenBudget(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, `
+models: [{name: m, block_size: 16, tokenizer: cl100k_base, template: chatml}]
+backends: [{id: e0, url: 'http://{{e0}}', model: m}]
+auth:
+  keys:
+    - {key: key-small-123, tenant: small}
+    - {key: key-free-4567, tenant: free}
+tenants:
+  - {name: small, tokens_per_minute: 100}
+`, e)
+	long := strings.Repeat("many words of a long prompt ", 400)
+	body := `{"model":"m","messages":[{"role":"user","content":"` + long + `"}],"nvext":{"token_data":[1]}}`
+	if resp, b := postAuth(t, p.url+"/v1/chat/completions", "key-small-123", body); resp.StatusCode != 200 {
+		t.Fatalf("first request (a full bucket): %d %s", resp.StatusCode, b)
+	}
+	resp, b := postAuth(t, p.url+"/v1/chat/completions", "key-small-123", body)
+	if resp.StatusCode != 429 || !strings.Contains(b, "rate_limit_exceeded") {
+		t.Fatalf("second ~2,400-token prompt claiming 1 token: %d %s, want 429", resp.StatusCode, b)
+	}
+	for range 3 {
+		if resp, b := postAuth(t, p.url+"/v1/chat/completions", "key-free-4567", body); resp.StatusCode != 200 {
+			t.Fatalf("a tenant without a budget: %d %s", resp.StatusCode, b)
+		}
+	}
+	p.waitIdle(t)
+}
+
+// A prompt the engine could not tokenize counts at 4 bytes a token for
+// max_prompt_tokens and the tenant's budget, not as none.
+func TestUntokenizedPromptStillCounts(t *testing.T) {
+	engine := func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		if r.URL.Path == "/tokenize" {
+			w.WriteHeader(500)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Write([]byte(`{"choices":[]}`))
+	}
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: engine, block_size: 16}]\n"+
+		"backends: [{id: e0, url: 'http://"+startRawEngine(t, engine)+"', model: m}]\n"+
+		"limits: {max_prompt_tokens: 1000}\n")
+	body := `{"model":"m","prompt":"` + strings.Repeat("x", 8000) + `"}`
+	resp, b := post(t, p.url+"/v1/completions", body)
+	if resp.StatusCode != 400 || !strings.Contains(string(b), "context_length_exceeded") {
+		t.Fatalf("8,000 bytes the engine did not tokenize, limit 1,000 tokens: %d %s, want 400", resp.StatusCode, b)
+	}
+	if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"short"}`); resp.StatusCode != 200 {
+		t.Fatalf("a short prompt: %d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+}
