@@ -151,11 +151,25 @@ func (c *loadCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(tenantDesc, prometheus.GaugeValue, float64(t.inflight.Load()), name)
 		}
 	}
-	for _, r := range c.s.backendRows(st) {
-		if r.Draining { // a replaced backend shares its id with its successor
+	// One series per backend id. A backend a reload removed, or moved to
+	// another model, is listed apart while it drains, and its requests are
+	// still in flight on that engine: they count under its id, beside a
+	// new backend of the same id if there is one. One a reload replaced in
+	// place is already counted in its successor's load.
+	rows := c.s.backendRows(st)
+	draining := map[string]int64{}
+	for _, r := range rows {
+		if r.Draining && !r.handedOver {
+			draining[r.ID] += r.Inflight
+		}
+	}
+	for _, r := range rows {
+		if r.Draining {
 			continue
 		}
-		ch <- prometheus.MustNewConstMetric(inflightDesc, prometheus.GaugeValue, float64(r.Inflight), r.ID)
+		inflight := r.Inflight + draining[r.ID]
+		delete(draining, r.ID)
+		ch <- prometheus.MustNewConstMetric(inflightDesc, prometheus.GaugeValue, float64(inflight), r.ID)
 		ch <- prometheus.MustNewConstMetric(blocksDesc, prometheus.GaugeValue, float64(r.ActiveBlocks), r.ID)
 		ch <- prometheus.MustNewConstMetric(indexDesc, prometheus.GaugeValue, float64(r.IndexedBlocks), r.ID)
 		h := 0.0
@@ -163,5 +177,8 @@ func (c *loadCollector) Collect(ch chan<- prometheus.Metric) {
 			h = 1
 		}
 		ch <- prometheus.MustNewConstMetric(healthyDesc, prometheus.GaugeValue, h, r.ID)
+	}
+	for id, n := range draining { // removed: no live backend of that id
+		ch <- prometheus.MustNewConstMetric(inflightDesc, prometheus.GaugeValue, float64(n), id)
 	}
 }

@@ -128,8 +128,9 @@ func TestDrainingBackendShowsInAdmin(t *testing.T) {
 	if draining == nil || draining.ID != "e0" || draining.Inflight != 1 || draining.URL != "http://"+e.addr {
 		t.Fatalf("no draining e0 with its request in %+v", rows())
 	}
-	if resp, b := get(p.url + "/metrics"); resp.StatusCode != 200 || strings.Count(string(b), `kvproxy_inflight_requests{backend="e0"}`) != 1 {
-		t.Fatalf("/metrics: %d, e0 series %d", resp.StatusCode, strings.Count(string(b), `kvproxy_inflight_requests{backend="e0"}`))
+	if resp, b := get(p.url + "/metrics"); resp.StatusCode != 200 || strings.Count(string(b), `kvproxy_inflight_requests{backend="e0"}`) != 1 ||
+		!strings.Contains(string(b), `kvproxy_inflight_requests{backend="e0"} 1`) {
+		t.Fatalf("/metrics: %d, e0 series %d (want one, of 1 request):\n%s", resp.StatusCode, strings.Count(string(b), `kvproxy_inflight_requests{backend="e0"}`), b)
 	}
 	<-done
 	for deadline := time.Now().Add(3 * time.Second); ; time.Sleep(10 * time.Millisecond) {
@@ -145,4 +146,51 @@ func TestDrainingBackendShowsInAdmin(t *testing.T) {
 		}
 	}
 	p.waitIdle(t)
+}
+
+// A backend a reload removed, or moved to another model, keeps counting
+// its requests in kvproxy_inflight_requests while they drain: they are
+// still running on that engine (found by the seventh session's trial: a
+// model rename showed 0 in flight while 6 streams ran).
+func TestDrainingRequestsStayInTheMetrics(t *testing.T) {
+	for _, c := range []struct{ name, after string }{
+		{"removed", ""},
+		{"moved", "  - {id: e0, url: 'http://{{e0}}', model: m2}\n"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 600 * time.Millisecond })
+			other := startFake(t, "e1", nil)
+			head := "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}, {name: m2, tokenizer: cl100k_base, template: chatml}]\n" +
+				"backends:\n  - {id: e1, url: 'http://" + other.addr + "', model: m}\n"
+			p := startProxyYAML(t, head+"  - {id: e0, url: 'http://{{e0}}', model: m}\n", e)
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","nvext":{"backend_instance_id":"e0"}}`)
+			}()
+			for deadline := time.Now().Add(3 * time.Second); e.current.Load() == 0; time.Sleep(5 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatal("e0 never got the request")
+				}
+			}
+			cfg, err := config.Parse([]byte(head + strings.ReplaceAll(c.after, "{{e0}}", e.addr)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := p.s.Reload(cfg); err != nil {
+				t.Fatal(err)
+			}
+			resp, err := http.Get(p.url + "/metrics")
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if n := strings.Count(string(b), `kvproxy_inflight_requests{backend="e0"}`); n != 1 || !strings.Contains(string(b), `kvproxy_inflight_requests{backend="e0"} 1`) {
+				t.Fatalf("e0 series %d, want one of 1 request in flight:\n%s", n, b)
+			}
+			<-done
+			p.waitIdle(t)
+		})
+	}
 }
