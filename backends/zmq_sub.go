@@ -49,6 +49,11 @@ type ZMQConfig struct {
 	BackoffMin     time.Duration // first retry delay after a failed dial or a lost connection, default 100ms
 	BackoffMax     time.Duration // retry delay cap, default 5s
 	ReplayTimeout  time.Duration // a whole replay exchange, default 3s
+	// OnChange, when set, hears of the feed's connections (problem "") and
+	// of its problems (a failed dial, a lost connection, a malformed
+	// message, a failed replay, an index cleared), from the feed's
+	// goroutine; not of every batch.
+	OnChange func(problem string)
 }
 
 func (c ZMQConfig) withDefaults() ZMQConfig {
@@ -169,6 +174,15 @@ func (s *ZMQSubscriber) Wait(ctx context.Context, cond func(ZMQStats) bool) erro
 	}
 }
 
+// report tells OnChange of a connection (problem "") or a problem, and
+// wakes Wait.
+func (s *ZMQSubscriber) report(problem string) {
+	if s.cfg.OnChange != nil {
+		s.cfg.OnChange(problem)
+	}
+	s.notify(problem)
+}
+
 func (s *ZMQSubscriber) notify(errMsg string) {
 	s.mu.Lock()
 	if errMsg != "" {
@@ -191,7 +205,7 @@ func (s *ZMQSubscriber) Run(ctx context.Context) error {
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
-			s.notify("dial " + s.cfg.Endpoint + ": " + err.Error())
+			s.report("dial " + s.cfg.Endpoint + ": " + err.Error())
 			if !sleepCtx(ctx, backoff) {
 				return ctx.Err()
 			}
@@ -207,7 +221,7 @@ func (s *ZMQSubscriber) Run(ctx context.Context) error {
 			}
 		}
 		everConnected = true
-		s.notify("")
+		s.report("")
 		err = s.readLoop(ctx, sub)
 		sub.Close()
 		s.connected.Store(false)
@@ -215,7 +229,7 @@ func (s *ZMQSubscriber) Run(ctx context.Context) error {
 			s.notify("")
 			return ctx.Err()
 		}
-		s.notify("connection to " + s.cfg.Endpoint + " lost: " + err.Error())
+		s.report("connection to " + s.cfg.Endpoint + " lost: " + err.Error())
 		if !sleepCtx(ctx, backoff) {
 			return ctx.Err()
 		}
@@ -253,7 +267,7 @@ func (s *ZMQSubscriber) readLoop(ctx context.Context, sub zmq4.Socket) error {
 			return err
 		}
 		if len(msg.Frames) != 3 || len(msg.Frames[1]) != 8 {
-			s.notify(fmt.Sprintf("malformed message: %d frames", len(msg.Frames)))
+			s.report(fmt.Sprintf("malformed message: %d frames", len(msg.Frames)))
 			continue
 		}
 		if !strings.HasPrefix(string(msg.Frames[0]), s.cfg.Topic) {
@@ -325,7 +339,7 @@ func (s *ZMQSubscriber) clear(reason string) {
 	}
 	s.have = false
 	s.clears.Add(1)
-	s.notify("cleared: " + reason)
+	s.report("cleared: " + reason)
 }
 
 // catchUp replays every buffered batch from seq start and applies them. If
@@ -348,7 +362,7 @@ func (s *ZMQSubscriber) catchUp(ctx context.Context, start uint64) {
 		// Nothing of the gap arrived: the state is stale.
 		s.clear(fmt.Sprintf("replay from %d: %v", start, err))
 	} else if err != nil {
-		s.notify(fmt.Sprintf("replay from %d: %v", start, err))
+		s.report(fmt.Sprintf("replay from %d: %v", start, err))
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/rs/zerolog"
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvproxy/kvproxy/backends"
@@ -30,13 +31,43 @@ func (b *backend) startEvents() {
 	}
 	f, err := backends.StartKVFeed(backends.KVFeedConfig{
 		Backend: b.cfg.ID, Mode: mode, BlockSize: b.pool.cfg.BlockSize, DPSize: b.cfg.KVEvents.DPSize,
-		ZMQ: backends.ZMQConfig{Endpoint: b.cfg.KVEvents.Endpoint, ReplayEndpoint: b.cfg.KVEvents.Replay, Topic: b.cfg.KVEvents.Topic},
+		ZMQ: backends.ZMQConfig{Endpoint: b.cfg.KVEvents.Endpoint, ReplayEndpoint: b.cfg.KVEvents.Replay, Topic: b.cfg.KVEvents.Topic,
+			OnChange: (&feedLog{log: b.log, backend: b.cfg.ID}).change},
 	}, b.pool.rt)
 	if err != nil { // config validation makes this unreachable
 		b.log.Error().Err(err).Str("backend", b.cfg.ID).Msg("kv events not started")
 		return
 	}
 	b.feed = f
+}
+
+// feedLog writes what an operator needs of an event feed's health: its
+// first connection, a problem (a warning, then at most once a minute while
+// the same kind of problem lasts, as a dial retried every few seconds
+// would), and the connection that ends a problem. The details stay in
+// /admin/backends' kv_events.
+type feedLog struct {
+	log       zerolog.Logger
+	backend   string
+	connected bool // a connection has been logged and no problem since
+	troubled  bool // a problem was logged and no connection since
+	lastWarn  time.Time
+}
+
+func (f *feedLog) change(problem string) {
+	if problem == "" {
+		if !f.connected {
+			f.log.Info().Str("backend", f.backend).Msg("kv event feed connected")
+		}
+		f.connected, f.troubled = true, false
+		return
+	}
+	f.connected = false
+	if f.troubled && time.Since(f.lastWarn) < time.Minute {
+		return
+	}
+	f.troubled, f.lastWarn = true, time.Now()
+	f.log.Warn().Str("backend", f.backend).Str("problem", problem).Msg("kv event feed problem (the index of this backend may be behind; see kv_events in /admin/backends)")
 }
 
 // stopEvents ends the feed and drops every block the backend's workers hold.
