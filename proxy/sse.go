@@ -234,10 +234,10 @@ func (r *relay) clientGone() {
 var (
 	dataPrefix   = []byte("data:")
 	doneData     = []byte("[DONE]")
-	contentKey   = []byte(`"content":"`)
-	textKey      = []byte(`"text":"`)
-	reasoningKey = []byte(`"reasoning_content":"`)
-	toolCallsKey = []byte(`"tool_calls":[`)
+	contentKey   = []byte(`"content":`)
+	textKey      = []byte(`"text":`)
+	reasoningKey = []byte(`"reasoning_content":`)
+	toolCallsKey = []byte(`"tool_calls":`)
 )
 
 // onEvent inspects one event (without its terminating blank line). It
@@ -294,15 +294,30 @@ func (r *relay) onData(data []byte) {
 	x.usage.read(data)
 }
 
-// carriesToken reports whether a chunk carries generated output. Engines
-// stream one token per chunk; role-only and usage-only chunks carry none.
+// carriesToken reports whether a chunk carries generated output: a
+// non-empty content, text or reasoning_content string, or tool_calls.
+// Engines stream one token per chunk; role-only and usage-only chunks carry
+// none. Engines that write JSON with spaces (Python's json.dumps) count as
+// compact ones do.
 func carriesToken(data []byte) bool {
 	for _, key := range [...][]byte{contentKey, textKey, reasoningKey} {
-		if i := bytes.Index(data, key); i >= 0 {
-			if k := i + len(key); k < len(data) && data[k] != '"' {
-				return true
-			}
+		if v := valueAfter(data, key); len(v) > 1 && v[0] == '"' && v[1] != '"' {
+			return true
 		}
 	}
-	return bytes.Contains(data, toolCallsKey)
+	v := valueAfter(data, toolCallsKey)
+	return len(v) > 1 && v[0] == '[' && v[1] != ']'
+}
+
+// valueAfter is what follows the first key in data, spaces skipped.
+func valueAfter(data, key []byte) []byte {
+	i := bytes.Index(data, key)
+	if i < 0 {
+		return nil
+	}
+	v := data[i+len(key):]
+	for len(v) > 0 && (v[0] == ' ' || v[0] == '\t') {
+		v = v[1:]
+	}
+	return v
 }
