@@ -108,7 +108,7 @@ func (s *Server) admit(ctx *fasthttp.RequestCtx, st *state) (admitted, bool) {
 		return admitted{}, false
 	}
 	if ok, wait := t.requests.take(1); !ok {
-		s.rateLimited(ctx, rid, t.name, start, wait, "requests")
+		s.rateLimited(ctx, rid, t.name, "", start, wait, "requests") // before the body is read
 		return admitted{}, false
 	}
 	body, ok := requestBody(ctx, st.cfg.Limits.MaxRequestBodyBytes)
@@ -218,7 +218,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		return
 	}
 	if ok, wait := t.tokens.take(float64(counted)); !ok {
-		s.rateLimited(ctx, rid, t.name, start, wait, "tokens")
+		s.rateLimited(ctx, rid, t.name, req.model, start, wait, "tokens")
 		return
 	}
 	salt, ns := t.salt, t.ns
@@ -513,14 +513,14 @@ func (s *Server) pinnedCooling(ctx *fasthttp.RequestCtx, st *state, p *modelPool
 	return true
 }
 
-func (s *Server) rateLimited(ctx *fasthttp.RequestCtx, rid, tenant string, start time.Time, wait time.Duration, what string) {
+func (s *Server) rateLimited(ctx *fasthttp.RequestCtx, rid, tenant, model string, start time.Time, wait time.Duration, what string) {
 	secs := int(math.Ceil(wait.Seconds()))
 	if secs < 1 {
 		secs = 1
 	}
 	ctx.Response.Header.Set("Retry-After", strconv.Itoa(secs))
 	writeError(ctx, fasthttp.StatusTooManyRequests, "rate limit reached for "+what+"; retry after "+strconv.Itoa(secs)+"s", "rate_limit_error", "", "rate_limit_exceeded")
-	s.logRejected(rid, tenant, "", fasthttp.StatusTooManyRequests, start, "rate limited: "+what)
+	s.logRejected(rid, tenant, model, fasthttp.StatusTooManyRequests, start, "rate limited: "+what)
 }
 
 func (s *Server) noWorker(ctx *fasthttp.RequestCtx, rid, tenant, model string, start time.Time, err error) {

@@ -34,6 +34,9 @@ tenants:
 	if resp.StatusCode != 429 || !strings.Contains(b, "rate_limit_exceeded") {
 		t.Fatalf("second ~2,400-token prompt claiming 1 token: %d %s, want 429", resp.StatusCode, b)
 	}
+	if !strings.Contains(p.logs.String(), `"model":"m","tenant":"small","status":429`) {
+		t.Errorf("the 429's log line lacks the model:\n%s", p.logs.String())
+	}
 	for range 3 {
 		if resp, b := postAuth(t, p.url+"/v1/chat/completions", "key-free-4567", body); resp.StatusCode != 200 {
 			t.Fatalf("a tenant without a budget: %d %s", resp.StatusCode, b)

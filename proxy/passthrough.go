@@ -67,7 +67,7 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 	}
 	tokens := int(float64(len(req.body)) * passthroughPaths[path])
 	if ok, wait := in.t.tokens.take(float64(tokens)); !ok {
-		s.rateLimited(ctx, in.rid, in.t.name, in.start, wait, "tokens")
+		s.rateLimited(ctx, in.rid, in.t.name, req.model, in.start, wait, "tokens")
 		return
 	}
 	sc.route = router.Request{PromptTokens: tokens, Unstreamed: true, Auxiliary: true, CandidateBuf: sc.cands}

@@ -546,6 +546,7 @@ func (s *Server) routes() map[string]route {
 	}
 	t["/v1/responses"] = route{fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, _ *state) {
 		writeError(ctx, fasthttp.StatusNotFound, "kvproxy does not proxy the Responses API: an engine keeps each response it made, and previous_response_id would have to reach that engine; use /v1/chat/completions", "invalid_request_error", "", "unsupported_endpoint")
+		s.logUnrouted(ctx, "the Responses API is not proxied")
 	}}
 	for path := range passthroughPaths {
 		t[path] = route{fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handlePassthrough(ctx, st, path) }}
@@ -562,15 +563,18 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	}
 	if !ok {
 		writeError(ctx, fasthttp.StatusNotFound, "unknown path "+strconv.Quote(string(ctx.Path())), "invalid_request_error", "", "not_found")
+		s.logUnrouted(ctx, "unknown path")
 		return
 	}
 	st := s.st.Load()
 	if r.access == admin && len(st.auth.admin) == 0 && st.auth.anonymous == nil {
 		writeError(ctx, fasthttp.StatusForbidden, "admin endpoints are closed: client keys are configured and auth.admin_keys is not (add an admin key; SIGHUP still reloads)", "invalid_request_error", "", "admin_disabled")
+		s.logUnrouted(ctx, "admin endpoints closed")
 		return
 	}
 	if (r.access == client && st.auth.client(ctx) == nil) || (r.access == admin && !st.auth.isAdmin(ctx)) {
 		unauthorized(ctx)
+		s.logUnrouted(ctx, "invalid api key")
 		return
 	}
 	if m := string(ctx.Method()); m != r.method && !(r.method == fasthttp.MethodGet && m == fasthttp.MethodHead) {
@@ -579,6 +583,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 			allow = "GET, HEAD"
 		}
 		methodNotAllowed(ctx, allow)
+		s.logUnrouted(ctx, "method not allowed")
 		return
 	}
 	r.serve(ctx, st)
@@ -618,22 +623,42 @@ func unauthorized(ctx *fasthttp.RequestCtx) {
 	writeError(ctx, fasthttp.StatusUnauthorized, "missing or invalid API key (send Authorization: Bearer <key>)", "invalid_request_error", "", "invalid_api_key")
 }
 
+// logUnrouted writes the access-log line of a request answered before any
+// endpoint took it (unknown path, wrong method, bad key on a non-completion
+// path), or refused by fasthttp before the handler; the path is cut at 200
+// bytes.
+func (s *Server) logUnrouted(ctx *fasthttp.RequestCtx, reason string) {
+	path := ctx.Path()
+	if len(path) > 200 {
+		path = path[:200]
+	}
+	s.log.Info().Str("method", string(ctx.Method())).Str("path", string(path)).Int("status", ctx.Response.StatusCode()).
+		Dur("duration", time.Since(ctx.Time())).Str("error", reason).Msg("request")
+}
+
 // transportError answers requests fasthttp rejects before the handler:
 // oversized bodies or headers, malformed HTTP, slow clients.
 func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	var small *fasthttp.ErrSmallBuffer
 	var ne net.Error
+	// The log gets a fixed reason: fasthttp's errors may quote the
+	// request's headers, API keys included.
+	reason := "malformed HTTP request"
 	switch {
 	case errors.Is(err, fasthttp.ErrBodyTooLarge):
 		s.drainRejectedBody(ctx)
 		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", s.st.Load().cfg.Limits.MaxRequestBodyBytes), "invalid_request_error", "", "request_too_large")
+		reason = "body too large"
 	case errors.As(err, &small) || errors.Is(err, fasthttp.ErrSmallReadBuffer):
 		writeError(ctx, fasthttp.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers exceed the limit of %d bytes", s.limits.MaxHeaderBytes), "invalid_request_error", "", "headers_too_large")
+		reason = "headers too large"
 	case errors.As(err, &ne) && ne.Timeout():
 		writeError(ctx, fasthttp.StatusRequestTimeout, "the request was not received in time", "invalid_request_error", "", "request_timeout")
+		reason = "request not received in time"
 	default:
 		writeError(ctx, fasthttp.StatusBadRequest, "malformed HTTP request", "invalid_request_error", "", "bad_request")
 	}
+	s.logUnrouted(ctx, reason)
 }
 
 // maxDrain bounds how much of a rejected body is read and thrown away.

@@ -1,0 +1,77 @@
+package proxy
+
+import (
+	"bufio"
+	"fmt"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+// Requests answered before an endpoint takes them (unknown path, wrong
+// method, a bad key on /v1/models, the Responses API, headers too large)
+// get an access-log line like every other request, and the log never
+// quotes their headers: an API key stays out of it.
+func TestUnroutedRequestsAreLogged(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, tenantsYAML, e)
+	do := func(method, path string) int {
+		req, _ := http.NewRequest(method, p.url+path, nil)
+		req.Header.Set("Authorization", "Bearer wrong-secret-key-0001")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	for _, c := range []struct {
+		method, path string
+		status       int
+	}{
+		{"GET", "/no/such/path", 404},
+		{"GET", "/v1/models", 401},
+		{"POST", "/v1/responses", 404},
+		{"PUT", "/health", 405},
+	} {
+		if got := do(c.method, c.path); got != c.status {
+			t.Fatalf("%s %s: %d, want %d", c.method, c.path, got, c.status)
+		}
+	}
+	conn, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(5 * time.Second))
+	fmt.Fprintf(conn, "GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer header-secret-key-0002\r\nX-Big: %s\r\n\r\n", strings.Repeat("a", 200<<10))
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil || resp.StatusCode != 431 {
+		t.Fatalf("200 KB of headers: %v %v", resp, err)
+	}
+	var logs string
+	for deadline := time.Now().Add(3 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		logs = p.logs.String()
+		if strings.Contains(logs, `"status":431`) || time.Now().After(deadline) {
+			break
+		}
+	}
+	for _, want := range []string{
+		`"method":"GET","path":"/no/such/path","status":404`,
+		`"method":"GET","path":"/v1/models","status":401`,
+		`"method":"POST","path":"/v1/responses","status":404`,
+		`"method":"PUT","path":"/health","status":405`,
+		`"status":431`,
+	} {
+		if !strings.Contains(logs, want) {
+			t.Errorf("no access-log line with %s in:\n%s", want, logs)
+		}
+	}
+	for _, secret := range []string{"wrong-secret-key-0001", "header-secret-key-0002"} {
+		if strings.Contains(logs, secret) {
+			t.Errorf("%s leaked into the log", secret)
+		}
+	}
+}
