@@ -252,6 +252,9 @@ func Parse(b []byte) (*Config, error) {
 		}
 		return nil, nameFields(expanded, err)
 	}
+	if err := wholeNumbers(expanded); err != nil {
+		return nil, err
+	}
 	c.applyDefaults()
 	if err := c.Validate(); err != nil {
 		return nil, err
@@ -628,8 +631,14 @@ func (c *Config) Validate() error {
 	if c.Limits.MaxConnsPerBackend < 0 {
 		add("limits.max_conns_per_backend", "must not be negative")
 	}
-	if c.Limits.MaxMessages < 1 || c.Limits.MaxPromptTokens < 1 || c.Limits.MaxQueue < 0 {
-		add("limits", "max_messages and max_prompt_tokens must be positive, max_queue not negative")
+	if c.Limits.MaxMessages < 1 {
+		add("limits.max_messages", "must be positive")
+	}
+	if c.Limits.MaxPromptTokens < 1 {
+		add("limits.max_prompt_tokens", "must be positive")
+	}
+	if c.Limits.MaxQueue < 0 {
+		add("limits.max_queue", "must not be negative")
 	}
 	if !(c.Limits.RetryBudget >= 0 && c.Limits.RetryBudget <= 1) {
 		add("limits.retry_budget", "must be between 0 and 1, got %g", c.Limits.RetryBudget)
