@@ -33,8 +33,15 @@ var (
 	colWorse  = color.RGBA{0xd6, 0x27, 0x28, 0xff}
 	colGrid   = color.RGBA{0xcc, 0xcc, 0xcc, 0xff}
 	colFloor  = color.RGBA{0x99, 0x99, 0x99, 0xff}
+	colLoop   = color.RGBA{0x1f, 0x77, 0xb4, 0xff}
 	colText   = color.Black
 )
+
+// part is one bar of a slot: a ratio and its colour.
+type part struct {
+	v *float64
+	c color.Color
+}
 
 // writeChart draws kvproxy's value over nginx's for each metric and
 // concurrency as bars around 1 (green where kvproxy is better, red where
@@ -45,6 +52,7 @@ func writeChart(path string, rep report) error {
 		v      float64
 		better bool
 		floor  *float64 // the plain fasthttp proxy's ratio to nginx, if measured
+		loop   *float64 // the event-loop proxy's ratio to nginx, if measured
 	}
 	var groups [][]bar
 	var names []string
@@ -59,17 +67,18 @@ func writeChart(path string, rep report) error {
 			if r.Better == "higher" {
 				better = v >= 1
 			}
-			g = append(g, bar{fmt.Sprint(r.Concurrency), v, better, r.FloorNginx})
+			g = append(g, bar{fmt.Sprint(r.Concurrency), v, better, r.FloorNginx, r.EventLoopNginx})
 		}
 		if len(g) > 0 {
 			groups = append(groups, g)
 			names = append(names, cm.label)
 		}
 	}
-	floor := false
+	floor, loop := false, false
 	for _, g := range groups {
 		for _, b := range g {
 			floor = floor || b.floor != nil
+			loop = loop || b.loop != nil
 		}
 	}
 	if len(groups) == 0 {
@@ -115,12 +124,17 @@ func writeChart(path string, rep report) error {
 			if b.better {
 				c = colBetter
 			}
-			if b.floor == nil {
-				rect(bx+2, y(1), bx+bw-2, y(b.v), c)
-			} else {
-				mid := bx + bw/2
-				rect(bx+2, y(1), mid, y(b.v), c)
-				rect(mid+1, y(1), bx+bw-2, y(*b.floor), colFloor)
+			// kvproxy's bar, then the floors' beside it, sharing the slot.
+			parts := []part{{&b.v, c}}
+			if b.floor != nil {
+				parts = append(parts, part{b.floor, colFloor})
+			}
+			if b.loop != nil {
+				parts = append(parts, part{b.loop, colLoop})
+			}
+			pw := (bw - 4) / len(parts)
+			for i, pt := range parts {
+				rect(bx+2+i*pw, y(1), bx+2+(i+1)*pw-1, y(*pt.v), pt.c)
 			}
 			text(bx+bw/2-3*len(b.label), bott+14, b.label)
 		}
@@ -128,7 +142,13 @@ func writeChart(path string, rep report) error {
 	}
 	legend := "bars labelled by concurrency"
 	if floor {
-		legend += "; grey: a plain fasthttp proxy with no logic (the floor of kvproxy's stack) / nginx"
+		legend += "; grey: plain fasthttp proxy (kvproxy's floor)"
+	}
+	if loop {
+		legend += "; blue: Go on its own epoll loop"
+	}
+	if floor || loop {
+		legend += ", each / nginx"
 	}
 	text(left, bott+52, legend)
 
