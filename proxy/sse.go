@@ -121,16 +121,10 @@ func (r *relay) nextBatch() []byte {
 		var n int
 		n, err = r.body.Read(f.free())
 		f.commit(n)
-		for {
-			raw, content, ok := f.next()
-			if !ok {
-				break
-			}
-			if fixed := r.onEvent(content); fixed != nil {
-				raw = fixed
-			}
-			out = append(out, raw...)
+		if err != nil && (errors.Is(err, io.EOF) || errors.Is(err, backends.ErrTruncated)) {
+			f.atEOF()
 		}
+		out = r.events(out)
 		// What the engine has already sent goes out in the same chunk: one
 		// client write per burst, not per engine chunk, as a pipe would.
 		if err != nil || len(out) >= maxBatch || r.body.Buffered() == 0 {
@@ -142,6 +136,21 @@ func (r *relay) nextBatch() []byte {
 	}
 	r.bufs.out = out // keep what the buffer grew to
 	return out
+}
+
+// events appends the complete events the framer holds to out, inspected
+// (and fixed where needed).
+func (r *relay) events(out []byte) []byte {
+	for {
+		raw, content, ok := r.f.next()
+		if !ok {
+			return out
+		}
+		if fixed := r.onEvent(content); fixed != nil {
+			raw = fixed
+		}
+		out = append(out, raw...)
+	}
 }
 
 // end appends the stream's ending to out once the engine's stream is over
@@ -221,7 +230,10 @@ func (r *relay) Close() error {
 	return nil
 }
 
-var doneEvent = []byte("data: [DONE]\n\n")
+var (
+	doneEvent = []byte("data: [DONE]\n\n")
+	cr        = []byte("\r")
+)
 
 var errEventTooLarge = fmt.Errorf("an SSE event larger than %d MiB", maxSSEEvent>>20)
 
@@ -250,7 +262,9 @@ func (r *relay) onEvent(ev []byte) []byte {
 		if k, n := lineEnd(ev); k >= 0 {
 			line, ev = ev[:k], ev[k+n:]
 		} else {
-			ev = nil
+			// The event's last line: a final \r is its end (lineEnd
+			// waits for a \n that a complete event will not get).
+			line, ev = bytes.TrimSuffix(ev, cr), nil
 		}
 		if !bytes.HasPrefix(line, dataPrefix) {
 			continue

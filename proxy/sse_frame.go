@@ -56,6 +56,16 @@ func (f *sseFramer) next() (raw, content []byte, ok bool) {
 	return b[:total], b[:contentEnd], true
 }
 
+// atEOF tells the framer the stream is over: a \r at its very end ends a
+// line, as it cannot become \r\n any more (an engine framing with \r alone
+// ends its last event with one).
+func (f *sseFramer) atEOF() {
+	if f.end > f.start && f.buf[f.end-1] == '\r' {
+		f.free()[0] = '\n' // \r\n: the same line end
+		f.commit(1)
+	}
+}
+
 // pending is the start of an event not yet complete.
 func (f *sseFramer) pending() []byte { return f.buf[f.start:f.end] }
 
