@@ -156,9 +156,8 @@ func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiR
 	}
 	var req apiRequest
 	if err := unmarshalExact(body, &req); err != nil {
-		var te *json.UnmarshalTypeError
-		if errors.As(err, &te) && te.Field != "" {
-			return nil, nil, 0, invalid(te.Field, "%s must be of type %s, got %s", te.Field, te.Type, te.Value)
+		if fe := fieldError(err); fe != nil {
+			return nil, nil, 0, fe
 		}
 		return nil, nil, 0, invalid("", "request body is not valid JSON: %v", err)
 	}
@@ -233,6 +232,9 @@ func (e *Engine) decodeRequest(w http.ResponseWriter, r *http.Request, v any, mo
 		return err
 	}
 	if err := unmarshalExact(body, v); err != nil {
+		if fe := fieldError(err); fe != nil {
+			return fe
+		}
 		return invalid("", "request body is not valid JSON: %v", err)
 	}
 	return e.checkModel(*model)

@@ -2,6 +2,7 @@ package mockengine
 
 import (
 	"encoding/json"
+	"errors"
 	"reflect"
 	"strings"
 	"sync"
@@ -27,6 +28,37 @@ func unmarshalExact(body []byte, v any) error {
 		}
 	}
 	return json.Unmarshal(body, v)
+}
+
+// fieldError is a wrong-typed member as a 400 naming it and the JSON type
+// it wants (as vLLM does, not in Go's types), or nil for other errors.
+func fieldError(err error) *badRequest {
+	var te *json.UnmarshalTypeError
+	if !errors.As(err, &te) || te.Field == "" {
+		return nil
+	}
+	return invalid(te.Field, "%s must be %s, got %s", te.Field, jsonKind(te.Type), te.Value)
+}
+
+// jsonKind names the JSON value a Go type is decoded from.
+func jsonKind(t reflect.Type) string {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	switch t.Kind() {
+	case reflect.Struct, reflect.Map:
+		return "an object"
+	case reflect.Slice, reflect.Array:
+		return "an array"
+	case reflect.String:
+		return "a string"
+	case reflect.Bool:
+		return "a boolean"
+	case reflect.Interface:
+		return "a value"
+	default:
+		return "a number"
+	}
 }
 
 var foldedCache sync.Map // reflect.Type → map[lowercased name]name

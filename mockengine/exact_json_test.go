@@ -19,3 +19,13 @@ func TestMembersMatchExactly(t *testing.T) {
 		t.Fatalf("%v %+v", err, req)
 	}
 }
+
+// A member of the wrong type is named with the JSON type it wants, not a
+// Go type (found by the seventh session's trial).
+func TestWrongTypeNamesTheField(t *testing.T) {
+	var req apiRequest
+	fe := fieldError(unmarshalExact([]byte(`{"model":"m","prompt":"x","stream_options":"yes"}`), &req))
+	if fe == nil || fe.param != "stream_options" || fe.msg != "stream_options must be an object, got string" {
+		t.Fatalf("%+v", fe)
+	}
+}
