@@ -75,16 +75,17 @@ func TestRetireWaitsForEveryRank(t *testing.T) {
 	p.waitIdle(t)
 }
 
-// TestDrainingBackendShowsInAdmin: a backend a reload removed or replaced
-// stays in /admin/backends, marked draining with its in-flight requests,
-// until it has retired; /metrics keeps one series per backend id.
-func TestDrainingBackendShowsInAdmin(t *testing.T) {
-	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 600 * time.Millisecond })
-	other := startFake(t, "e1", nil)
-	head := "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n" +
+// startSlowOnE0 starts a proxy for models m and m2 with backends e1 and e0
+// (model m) and one request on e0 that takes 600 ms; it returns once e0 has
+// it. head is the config without e0; done closes when the request ends.
+func startSlowOnE0(t *testing.T) (p *testProxy, e, other *fakeEngine, head string, done chan struct{}) {
+	t.Helper()
+	e = startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 600 * time.Millisecond })
+	other = startFake(t, "e1", nil)
+	head = "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}, {name: m2, tokenizer: cl100k_base, template: chatml}]\n" +
 		"backends:\n  - {id: e1, url: 'http://" + other.addr + "', model: m}\n"
-	p := startProxyYAML(t, head+"  - {id: e0, url: 'http://{{e0}}', model: m}\n", e)
-	done := make(chan struct{})
+	p = startProxyYAML(t, head+"  - {id: e0, url: 'http://{{e0}}', model: m}\n", e)
+	done = make(chan struct{})
 	go func() {
 		defer close(done)
 		post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","nvext":{"backend_instance_id":"e0"}}`)
@@ -94,6 +95,14 @@ func TestDrainingBackendShowsInAdmin(t *testing.T) {
 			t.Fatal("e0 never got the request")
 		}
 	}
+	return p, e, other, head, done
+}
+
+// TestDrainingBackendShowsInAdmin: a backend a reload removed or replaced
+// stays in /admin/backends, marked draining with its in-flight requests,
+// until it has retired; /metrics keeps one series per backend id.
+func TestDrainingBackendShowsInAdmin(t *testing.T) {
+	p, e, other, head, done := startSlowOnE0(t)
 	// e0 replaced (another URL, the same id) and the old one draining.
 	cfg, err := config.Parse([]byte(head + "  - {id: e0, url: 'http://" + other.addr + "', model: m, max_concurrency: 7}\n"))
 	if err != nil {
@@ -158,21 +167,7 @@ func TestDrainingRequestsStayInTheMetrics(t *testing.T) {
 		{"moved", "  - {id: e0, url: 'http://{{e0}}', model: m2}\n"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 600 * time.Millisecond })
-			other := startFake(t, "e1", nil)
-			head := "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}, {name: m2, tokenizer: cl100k_base, template: chatml}]\n" +
-				"backends:\n  - {id: e1, url: 'http://" + other.addr + "', model: m}\n"
-			p := startProxyYAML(t, head+"  - {id: e0, url: 'http://{{e0}}', model: m}\n", e)
-			done := make(chan struct{})
-			go func() {
-				defer close(done)
-				post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","nvext":{"backend_instance_id":"e0"}}`)
-			}()
-			for deadline := time.Now().Add(3 * time.Second); e.current.Load() == 0; time.Sleep(5 * time.Millisecond) {
-				if time.Now().After(deadline) {
-					t.Fatal("e0 never got the request")
-				}
-			}
+			p, e, _, head, done := startSlowOnE0(t)
 			cfg, err := config.Parse([]byte(head + strings.ReplaceAll(c.after, "{{e0}}", e.addr)))
 			if err != nil {
 				t.Fatal(err)
