@@ -1,6 +1,7 @@
 package backends
 
 import (
+	"crypto/tls"
 	"sync"
 	"time"
 
@@ -18,18 +19,22 @@ type ProbeConfig struct {
 // Prober actively checks engines' health endpoints and reports transitions.
 // A backend starts healthy (optimistic) so traffic flows before the first probe.
 type Prober struct {
-	cfg     ProbeConfig
-	client  *fasthttp.Client
-	mu      sync.Mutex
-	target  map[string]*probeTarget
-	stop    chan struct{}
-	wg      sync.WaitGroup
-	running bool // guarded by mu
-	stopped bool // guarded by mu: Stop was called, nothing starts again
+	cfg    ProbeConfig
+	client *fasthttp.Client
+	// insecure probes the https engines configured to skip certificate
+	// checks; client checks every certificate.
+	insecure *fasthttp.Client
+	mu       sync.Mutex
+	target   map[string]*probeTarget
+	stop     chan struct{}
+	wg       sync.WaitGroup
+	running  bool // guarded by mu
+	stopped  bool // guarded by mu: Stop was called, nothing starts again
 }
 
 type probeTarget struct {
 	url       string
+	insecure  bool
 	onChange  func(healthy bool)
 	healthy   bool
 	successes int
@@ -58,17 +63,20 @@ func NewProber(cfg ProbeConfig) *Prober {
 		// Idle connections last just past the next probe: a connection
 		// to an engine a reload removed closes soon after its last probe
 		// (a retiring in-process mock waits for its connections to end).
-		client: &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: cfg.Interval + time.Second, MaxResponseBodySize: 1 << 20},
-		target: map[string]*probeTarget{},
-		stop:   make(chan struct{}),
+		client:   &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: cfg.Interval + time.Second, MaxResponseBodySize: 1 << 20},
+		insecure: &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: cfg.Interval + time.Second, MaxResponseBodySize: 1 << 20, TLSConfig: &tls.Config{InsecureSkipVerify: true}},
+		target:   map[string]*probeTarget{},
+		stop:     make(chan struct{}),
 	}
 }
 
-// Add registers an engine; onChange is called on every health transition.
-func (p *Prober) Add(id, url string, onChange func(healthy bool)) {
+// Add registers an engine (url: http or https; insecure: an https engine
+// whose certificate is not checked); onChange is called on every health
+// transition.
+func (p *Prober) Add(id, url string, insecure bool, onChange func(healthy bool)) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	t := &probeTarget{url: url, onChange: onChange, healthy: true, quit: make(chan struct{})}
+	t := &probeTarget{url: url, insecure: insecure, onChange: onChange, healthy: true, quit: make(chan struct{})}
 	p.target[id] = t
 	if p.running && !p.stopped {
 		p.run(t)
@@ -123,7 +131,11 @@ func (p *Prober) probe(t *probeTarget) {
 	defer fasthttp.ReleaseRequest(req)
 	defer fasthttp.ReleaseResponse(resp)
 	req.SetRequestURI(t.url)
-	err := p.client.DoTimeout(req, resp, p.cfg.Timeout)
+	c := p.client
+	if t.insecure {
+		c = p.insecure
+	}
+	err := c.DoTimeout(req, resp, p.cfg.Timeout)
 	ok := err == nil && resp.StatusCode() == fasthttp.StatusOK
 	if ok {
 		t.successes++

@@ -2,6 +2,7 @@ package backends
 
 import (
 	"bytes"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"math"
@@ -198,15 +199,20 @@ type MetricsScraper struct {
 	// MaxBodySize bounds a page, default 4 MiB.
 	MaxBodySize int
 
-	once sync.Once
-	own  *fasthttp.Client
+	once     sync.Once
+	own      *fasthttp.Client
+	insecure *fasthttp.Client // for https engines whose certificate is not checked
 }
 
 // Scrape fetches url and parses it. A non-200 status, a timeout, a page over
 // the size bound or a page without load metrics is an error; the caller marks
 // the backend's scrape as failed.
-func (s *MetricsScraper) Scrape(url string) (EngineMetrics, error) {
+// insecure skips the certificate check of an https engine.
+func (s *MetricsScraper) Scrape(url string, insecure bool) (EngineMetrics, error) {
 	c := s.client()
+	if insecure {
+		c = s.insecure
+	}
 	timeout := s.Timeout
 	if timeout <= 0 {
 		timeout = 2 * time.Second
@@ -241,15 +247,21 @@ func (s *MetricsScraper) maxBody() int {
 }
 
 func (s *MetricsScraper) client() *fasthttp.Client {
-	if s.Client != nil {
-		return s.Client
-	}
 	s.once.Do(func() {
 		s.own = &fasthttp.Client{
 			Name:                "kvproxy-scraper",
 			MaxResponseBodySize: s.maxBody(),
 			MaxIdleConnDuration: 3 * time.Second, // past kvproxy's 1 s scrape interval, and no longer: see NewProber
 		}
+		s.insecure = &fasthttp.Client{
+			Name:                "kvproxy-scraper",
+			MaxResponseBodySize: s.maxBody(),
+			MaxIdleConnDuration: 3 * time.Second,
+			TLSConfig:           &tls.Config{InsecureSkipVerify: true},
+		}
 	})
+	if s.Client != nil {
+		return s.Client
+	}
 	return s.own
 }

@@ -104,12 +104,12 @@ func TestMetricsScraperScrape(t *testing.T) {
 	defer close(slow)
 
 	s := &MetricsScraper{Timeout: 200 * time.Millisecond, MaxBodySize: 8 << 10}
-	m, err := s.Scrape(srv.URL + "/metrics")
+	m, err := s.Scrape(srv.URL+"/metrics", false)
 	if err != nil || m.Waiting != 7 || m.Running != 7 {
 		t.Fatalf("scrape: %+v %v", m, err)
 	}
 	for _, path := range []string{"/fail", "/slow", "/empty", "/big"} {
-		if _, err := s.Scrape(srv.URL + path); err == nil || !strings.Contains(err.Error(), path) {
+		if _, err := s.Scrape(srv.URL+path, false); err == nil || !strings.Contains(err.Error(), path) {
 			t.Errorf("%s: want an error naming the URL, got %v", path, err)
 		}
 	}

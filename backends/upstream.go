@@ -2,6 +2,8 @@ package backends
 
 import (
 	"bufio"
+	"context"
+	"crypto/tls"
 	"errors"
 	"io"
 	"net"
@@ -21,7 +23,10 @@ import (
 type Upstream struct {
 	Addr        string        // host:port
 	DialTimeout time.Duration // default 3s
-	MaxIdle     int           // idle connections kept, default 512
+	// TLS, when set, makes every connection TLS (an https engine); the
+	// handshake is part of the dial and bounded by DialTimeout.
+	TLS     *tls.Config
+	MaxIdle int // idle connections kept, default 512
 	// ReadTimeout bounds each wait for upstream bytes (headers or the next
 	// stream chunk): an idle timer, not a whole-response limit.
 	ReadTimeout time.Duration // default 5m
@@ -35,6 +40,17 @@ type Upstream struct {
 
 	Dials atomic.Int64 // connections opened, for tests and metrics
 }
+
+// TLSError is a failed TLS handshake with an https engine: a certificate
+// it does not trust, a name that does not match, or a peer that does not
+// speak TLS. The engine never got the request.
+type TLSError struct {
+	Addr string
+	Err  error
+}
+
+func (e *TLSError) Error() string { return "tls handshake with " + e.Addr + ": " + e.Err.Error() }
+func (e *TLSError) Unwrap() error { return e.Err }
 
 type upConn struct {
 	c  net.Conn
@@ -329,6 +345,17 @@ func (u *Upstream) get(dial bool) (*upConn, bool, error) {
 	}
 	if tc, ok := c.(*net.TCPConn); ok {
 		tc.SetNoDelay(true)
+	}
+	if u.TLS != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), d)
+		tc := tls.Client(c, u.TLS)
+		err := tc.HandshakeContext(ctx)
+		cancel()
+		if err != nil {
+			c.Close()
+			return nil, false, &TLSError{Addr: u.Addr, Err: err}
+		}
+		c = tc
 	}
 	u.Dials.Add(1)
 	uc := &upConn{c: c, rd: peerReader{c: c}, bw: bufio.NewWriterSize(c, 16<<10)}

@@ -120,6 +120,9 @@ type Backend struct {
 	ServedModel string `yaml:"served_model"`
 	// APIKey is sent to the engine as a bearer token (never the client's).
 	APIKey string `yaml:"api_key"`
+	// InsecureSkipVerify accepts any certificate from an https engine
+	// (testing only: anyone on the path can then read the traffic).
+	InsecureSkipVerify bool `yaml:"insecure_skip_verify"`
 	// MaxConcurrency caps requests in flight on this engine (0: no cap).
 	MaxConcurrency int `yaml:"max_concurrency"`
 	// KVEvents says how kvproxy learns what the engine caches.
@@ -539,10 +542,13 @@ func (c *Config) Validate() error {
 		u, err := url.Parse(b.URL)
 		if b.URL == "" {
 			add(f+".url", "required")
-		} else if err != nil || (u.Scheme != "http") || u.Host == "" {
-			add(f+".url", "want http://host:port, got %q", b.URL)
+		} else if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			add(f+".url", "want http://host:port or https://host[:port], got %q", b.URL)
 		} else if u.Path != "" && u.Path != "/" {
 			add(f+".url", "must not have a path (kvproxy appends /v1/...), got %q", b.URL)
+		}
+		if b.InsecureSkipVerify && (err != nil || u.Scheme != "https") {
+			add(f+".insecure_skip_verify", "only applies to an https url")
 		}
 		switch b.Kind {
 		case KindVLLM, KindSGLang, KindOpenAI:
@@ -554,6 +560,9 @@ func (c *Config) Validate() error {
 				}
 				if u.Port() == "" {
 					add(f+".url", "a mock backend needs an explicit port")
+				}
+				if u.Scheme != "http" {
+					add(f+".url", "a mock backend serves plain http, got %q", b.URL)
 				}
 			}
 		default:

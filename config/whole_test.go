@@ -33,3 +33,21 @@ func fill(s string, vals ...string) string {
 	}
 	return s
 }
+
+func TestHTTPSBackendURLs(t *testing.T) {
+	for _, c := range []struct{ backend, err string }{
+		{"{id: e0, url: 'https://engine.example:8443', model: m}", ""},
+		{"{id: e0, url: 'https://engine.example', model: m, insecure_skip_verify: true}", ""},
+		{"{id: e0, url: 'http://engine.example:8000', model: m, insecure_skip_verify: true}", "backends[0].insecure_skip_verify: only applies to an https url"},
+		{"{id: e0, url: 'https://127.0.0.1:9000', model: m, kind: mock}", "a mock backend serves plain http"},
+		{"{id: e0, url: 'ftp://engine.example', model: m}", "want http://host:port or https://host[:port]"},
+	} {
+		_, err := Parse([]byte("models: [{name: m}]\nbackends: [" + c.backend + "]\n"))
+		switch {
+		case c.err == "" && err != nil:
+			t.Errorf("%s: %v", c.backend, err)
+		case c.err != "" && (err == nil || !strings.Contains(err.Error(), c.err)):
+			t.Errorf("%s: %v, want %q", c.backend, err, c.err)
+		}
+	}
+}

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"crypto/tls"
 	"net"
 	"net/url"
 	"strconv"
@@ -24,6 +25,7 @@ type backend struct {
 	worker     router.WorkerID
 	up         *backends.Upstream
 	host       string
+	base       string // scheme://host:port, for its /health and /metrics
 	authHeader string // the engine's own key, never the client's
 	salted     bool   // the engine honours cache_salt (vLLM, SGLang, the mock)
 	health     config.Health
@@ -71,10 +73,14 @@ func newBackend(bc config.Backend, cfg *config.Config, p *modelPool, log zerolog
 	u, _ := url.Parse(bc.URL)
 	addr := u.Host
 	if u.Port() == "" {
-		addr = net.JoinHostPort(u.Hostname(), "80")
+		port := "80"
+		if u.Scheme == "https" {
+			port = "443"
+		}
+		addr = net.JoinHostPort(u.Hostname(), port)
 	}
 	b := &backend{
-		cfg: bc, pool: p, host: u.Host, health: cfg.Health, log: log,
+		cfg: bc, pool: p, host: u.Host, health: cfg.Health, log: log, base: u.Scheme + "://" + addr,
 		salted:  bc.Kind == config.KindVLLM || bc.Kind == config.KindSGLang || bc.Kind == config.KindMock,
 		probeOK: true, available: true,
 		up: &backends.Upstream{
@@ -83,6 +89,9 @@ func newBackend(bc config.Backend, cfg *config.Config, p *modelPool, log zerolog
 			ReadTimeout: cfg.Limits.StreamIdleTimeout,
 			MaxIdle:     cfg.Limits.MaxConnsPerBackend,
 		},
+	}
+	if u.Scheme == "https" {
+		b.up.TLS = &tls.Config{ServerName: u.Hostname(), InsecureSkipVerify: bc.InsecureSkipVerify, MinVersion: tls.VersionTLS12}
 	}
 	if bc.APIKey != "" {
 		b.authHeader = "Bearer " + bc.APIKey

@@ -585,6 +585,10 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		case errors.As(err, &ce):
 			b.fail("connect: " + ce.Err.Error())
 			x.errMsg = "backend " + b.cfg.ID + " refused the connection"
+			var te *backends.TLSError
+			if errors.As(err, &te) { // an https engine kvproxy does not trust, or one not speaking TLS
+				x.errMsg = "backend " + b.cfg.ID + ": " + te.Error()
+			}
 			if mayRetry {
 				// An engine's own refusal, if one came, stays the answer:
 				// it tells the client more than an engine that is down.

@@ -161,7 +161,7 @@ func (s *Server) scrapeLoop(stop <-chan struct{}) {
 			wg.Add(1)
 			go func(b *backend) {
 				defer wg.Done()
-				m, err := scraper.Scrape("http://" + b.up.Addr + "/metrics")
+				m, err := scraper.Scrape(b.base+"/metrics", b.cfg.InsecureSkipVerify)
 				ss := &scrapeStatus{ok: err == nil, m: m, at: time.Now()}
 				if err != nil {
 					ss.err = err.Error()

@@ -48,10 +48,12 @@ func (c *child) output() string {
 
 const childConfig = "listen: 127.0.0.1:0\nlog_level: info\nmodels:\n  - {name: m, tokenizer: o200k_base}\nbackends:\n  - {id: a, url: \"http://127.0.0.1:1\", model: m}\n"
 
-func startChild(t *testing.T, cfg string) *child {
+// startChild runs kvproxy with the config file cfg and the environment
+// variables env (NAME=value) added to this process's.
+func startChild(t *testing.T, cfg string, env ...string) *child {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$", "--", "-config", cfg)
-	cmd.Env = append(os.Environ(), "KVPROXY_TEST_MAIN=1")
+	cmd.Env = append(append(os.Environ(), "KVPROXY_TEST_MAIN=1"), env...)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
