@@ -51,8 +51,9 @@ type ZMQConfig struct {
 	ReplayTimeout  time.Duration // a whole replay exchange, default 3s
 	// OnChange, when set, hears of the feed's connections (problem "") and
 	// of its problems (a failed dial, a lost connection, a malformed
-	// message, a failed replay, an index cleared), from the feed's
-	// goroutine; not of every batch.
+	// message, a failed replay, an index cleared), from the goroutine of
+	// each feed this config starts (one per data-parallel rank, at the
+	// same time); not of every batch.
 	OnChange func(problem string)
 }
 

@@ -45,28 +45,34 @@ func (b *backend) startEvents() {
 // first connection, a problem (a warning, then at most once a minute while
 // the same kind of problem lasts, as a dial retried every few seconds
 // would), and the connection that ends a problem. The details stay in
-// /admin/backends' kv_events.
+// /admin/backends' kv_events. The feeds of a backend's data-parallel
+// ranks share it.
 type feedLog struct {
-	log       zerolog.Logger
-	backend   string
-	connected bool // a connection has been logged and no problem since
-	troubled  bool // a problem was logged and no connection since
+	log     zerolog.Logger
+	backend string
+
+	mu        sync.Mutex
+	connected bool   // a connection has been logged and no problem since
+	kind      string // the kind of problem last warned of, while it lasts
 	lastWarn  time.Time
 }
 
 func (f *feedLog) change(problem string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
 	if problem == "" {
 		if !f.connected {
 			f.log.Info().Str("backend", f.backend).Msg("kv event feed connected")
 		}
-		f.connected, f.troubled = true, false
+		f.connected, f.kind = true, ""
 		return
 	}
 	f.connected = false
-	if f.troubled && time.Since(f.lastWarn) < time.Minute {
+	kind, _, _ := strings.Cut(problem, " ") // dial, connection, malformed, cleared:, replay
+	if kind == f.kind && time.Since(f.lastWarn) < time.Minute {
 		return
 	}
-	f.troubled, f.lastWarn = true, time.Now()
+	f.kind, f.lastWarn = kind, time.Now()
 	f.log.Warn().Str("backend", f.backend).Str("problem", problem).Msg("kv event feed problem (the index of this backend may be behind; see kv_events in /admin/backends)")
 }
 
