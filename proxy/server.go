@@ -625,8 +625,7 @@ func unauthorized(ctx *fasthttp.RequestCtx) {
 
 // logUnrouted writes the access-log line of a request answered before any
 // endpoint took it (unknown path, wrong method, bad key on a non-completion
-// path), or refused by fasthttp before the handler; the path is cut at 200
-// bytes.
+// path); the path is cut at 200 bytes.
 func (s *Server) logUnrouted(ctx *fasthttp.RequestCtx, reason string) {
 	path := ctx.Path()
 	if len(path) > 200 {
@@ -658,7 +657,10 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	default:
 		writeError(ctx, fasthttp.StatusBadRequest, "malformed HTTP request", "invalid_request_error", "", "bad_request")
 	}
-	s.logUnrouted(ctx, reason)
+	// fasthttp calls this before it has a request: no method, path or
+	// start time to log (its defaults would say GET / and 292 years).
+	s.log.Info().Str("remote", ctx.RemoteIP().String()).Int("status", ctx.Response.StatusCode()).
+		Str("error", reason).Msg("request")
 }
 
 // maxDrain bounds how much of a rejected body is read and thrown away.

@@ -63,11 +63,14 @@ func TestUnroutedRequestsAreLogged(t *testing.T) {
 		`"method":"GET","path":"/v1/models","status":401`,
 		`"method":"POST","path":"/v1/responses","status":404`,
 		`"method":"PUT","path":"/health","status":405`,
-		`"status":431`,
+		`"remote":"127.0.0.1","status":431,"error":"headers too large"`,
 	} {
 		if !strings.Contains(logs, want) {
 			t.Errorf("no access-log line with %s in:\n%s", want, logs)
 		}
+	}
+	if strings.Contains(logs, `"duration":9223372036854`) {
+		t.Errorf("a transport error logged a duration from fasthttp's zero start time:\n%s", logs)
 	}
 	for _, secret := range []string{"wrong-secret-key-0001", "header-secret-key-0002"} {
 		if strings.Contains(logs, secret) {
