@@ -16,6 +16,8 @@ func TestCarriesToken(t *testing.T) {
 		{`{"choices":[{"text":"hi","index":0}]}`, true},
 		{`{"choices": [{"text": "hi", "index": 0}]}`, true},
 		{`{"choices":[{"delta":{"reasoning_content": "hmm"}}]}`, true},
+		{`{"choices":[{"index":0,"delta":{"reasoning":"Let"},"logprobs":null,"finish_reason":null}]}`, true},
+		{`{"choices":[{"index":0,"delta":{"reasoning":null,"content":""}}]}`, false},
 		{`{"choices":[{"delta":{"tool_calls": [{"index":0}]}}]}`, true},
 		{`{"choices":[{"delta":{"role":"assistant","content":""}}]}`, false},
 		{`{"choices": [{"delta": {"role": "assistant", "content": ""}}]}`, false},

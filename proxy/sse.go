@@ -249,6 +249,7 @@ var (
 	contentKey   = []byte(`"content":`)
 	textKey      = []byte(`"text":`)
 	reasoningKey = []byte(`"reasoning_content":`)
+	reasonKey    = []byte(`"reasoning":`) // vLLM's name for it since early 2026
 	toolCallsKey = []byte(`"tool_calls":`)
 )
 
@@ -309,12 +310,13 @@ func (r *relay) onData(data []byte) {
 }
 
 // carriesToken reports whether a chunk carries generated output: a
-// non-empty content, text or reasoning_content string, or tool_calls.
+// non-empty content, text, reasoning or reasoning_content string, or
+// tool_calls.
 // Engines stream one token per chunk; role-only and usage-only chunks carry
 // none. Engines that write JSON with spaces (Python's json.dumps) count as
 // compact ones do.
 func carriesToken(data []byte) bool {
-	for _, key := range [...][]byte{contentKey, textKey, reasoningKey} {
+	for _, key := range [...][]byte{contentKey, textKey, reasoningKey, reasonKey} {
 		if v := valueAfter(data, key); len(v) > 1 && v[0] == '"' && v[1] != '"' {
 			return true
 		}
