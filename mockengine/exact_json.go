@@ -56,8 +56,10 @@ func jsonKind(t reflect.Type) string {
 		return "a boolean"
 	case reflect.Interface:
 		return "a value"
-	default:
+	case reflect.Float32, reflect.Float64:
 		return "a number"
+	default:
+		return "an integer"
 	}
 }
 

@@ -1,6 +1,11 @@
 package mockengine
 
-import "testing"
+import (
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+)
 
 // Member names are matched exactly, as vLLM's pydantic models match them:
 // "Stream": true does not stream, and "Max_Tokens" sets nothing.
@@ -27,5 +32,25 @@ func TestWrongTypeNamesTheField(t *testing.T) {
 	fe := fieldError(unmarshalExact([]byte(`{"model":"m","prompt":"x","stream_options":"yes"}`), &req))
 	if fe == nil || fe.param != "stream_options" || fe.msg != "stream_options must be an object, got string" {
 		t.Fatalf("%+v", fe)
+	}
+}
+
+// Every endpoint answers a wrong-typed member with a 400 naming it: the
+// embeddings endpoint's dimensions, over HTTP.
+func TestWrongTypeOverHTTP(t *testing.T) {
+	_, url := startEngine(t, Config{})
+	for body, want := range map[string]string{
+		`{"input":"hi","dimensions":"8"}`: "dimensions must be an integer, got string",
+		`{"input":"hi","dimensions":1.5}`: "dimensions must be an integer, got number 1.5",
+	} {
+		resp, err := http.Post(url+"/v1/embeddings", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 400 || !strings.Contains(string(b), want) || !strings.Contains(string(b), `"param":"dimensions"`) {
+			t.Errorf("%s: %d %s, want 400 naming dimensions: %q", body, resp.StatusCode, b, want)
+		}
 	}
 }

@@ -177,9 +177,11 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	}
 
 	// tokens are what the request is routed on; counted is the prompt's
-	// size for the limits, which never take a client's word for it: a
-	// tenant with a token budget has its prompt counted by kvproxy even
-	// when it sends nvext.token_data, and a prompt the engine could not
+	// size for the limits. A token budget never takes the client's word
+	// for it: a tenant with one has its prompt counted by kvproxy even when
+	// it sends nvext.token_data (for others, max_prompt_tokens applies to
+	// token_data as given: counting would cost what token_data saves, and
+	// the engine still checks its context). A prompt the engine could not
 	// tokenize counts at 4 bytes a token rather than none.
 	tokens := sc.tokens
 	counted := 0
