@@ -2,6 +2,7 @@ package config
 
 import (
 	"bytes"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -22,6 +23,7 @@ import (
 // Config is the whole file.
 type Config struct {
 	Listen   string    `yaml:"listen"`
+	TLS      TLS       `yaml:"tls"`
 	LogLevel string    `yaml:"log_level"`
 	Models   []Model   `yaml:"models"`
 	Backends []Backend `yaml:"backends"`
@@ -31,6 +33,25 @@ type Config struct {
 	Auth     Auth      `yaml:"auth"`
 	Tenants  []Tenant  `yaml:"tenants"`
 	Replicas Replicas  `yaml:"replicas"`
+}
+
+// TLS makes kvproxy's listener serve HTTPS with a certificate and key in
+// PEM files, read again on every reload (certificate rotation).
+type TLS struct {
+	CertFile string `yaml:"cert_file"`
+	KeyFile  string `yaml:"key_file"`
+}
+
+// Enabled reports whether the listener serves HTTPS.
+func (t TLS) Enabled() bool { return t.CertFile != "" || t.KeyFile != "" }
+
+// Load reads the certificate and key.
+func (t TLS) Load() (*tls.Certificate, error) {
+	c, err := tls.LoadX509KeyPair(t.CertFile, t.KeyFile)
+	if err != nil {
+		return nil, err
+	}
+	return &c, nil
 }
 
 // Replicas shares the load this kvproxy puts on the engines with the other
@@ -480,6 +501,13 @@ func (c *Config) Validate() error {
 	}
 	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
 		add("listen", "want host:port, got %q", c.Listen)
+	}
+	if c.TLS.Enabled() {
+		if c.TLS.CertFile == "" || c.TLS.KeyFile == "" {
+			add("tls", "cert_file and key_file go together")
+		} else if _, err := c.TLS.Load(); err != nil {
+			add("tls", "%v", err)
+		}
 	}
 	switch c.LogLevel {
 	case "debug", "info", "warn", "error":

@@ -3,6 +3,7 @@ package proxy
 import (
 	"bytes"
 	"crypto/rand"
+	"crypto/tls"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -52,6 +53,9 @@ type Server struct {
 	retries  *retryBudget
 	queue    *waitQueue
 	limits   config.Limits // fixed at start: the header limits shape the HTTP server
+	// cert is the listener's certificate (tls in the config), replaced by
+	// reloads; nil serves plain HTTP.
+	cert atomic.Pointer[tls.Certificate]
 	// started is the configuration New was given: the settings read only
 	// at start keep its values, whatever reloads came since.
 	started *config.Config
@@ -120,6 +124,13 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 	var rb [6]byte
 	rand.Read(rb[:])
 	s.reqPrefix = hex.EncodeToString(rb[:])
+	if cfg.TLS.Enabled() {
+		c, err := cfg.TLS.Load()
+		if err != nil {
+			return nil, fmt.Errorf("tls: %w", err)
+		}
+		s.cert.Store(c)
+	}
 	if !opts.DisableHealthChecks {
 		s.health = backends.NewProber(backends.ProbeConfig{
 			Interval: cfg.Health.Interval, Timeout: cfg.Health.Timeout, Rise: cfg.Health.Rise, Fall: cfg.Health.Fall,
@@ -333,12 +344,31 @@ func (s *Server) Reload(cfg *config.Config) error {
 		s.log.Warn().Msg("reload: listen address changes need a restart; keeping the current one")
 		cfg.Listen = prev.cfg.Listen
 	}
+	// The listener's certificate is read again (rotation); turning TLS on
+	// or off needs a restart, as the listener does.
+	var cert *tls.Certificate
+	tlsChanged := cfg.TLS.Enabled() != s.started.TLS.Enabled()
+	if tlsChanged {
+		s.log.Warn().Msg("reload: turning tls on or off needs a restart; the listener keeps serving as it does")
+	} else if cfg.TLS.Enabled() {
+		c, err := cfg.TLS.Load()
+		if err != nil {
+			return fmt.Errorf("tls: %w", err)
+		}
+		cert = c
+	}
 	st, err := s.build(cfg, prev)
 	if err != nil {
 		return err
 	}
 	if listenChanged {
 		st.restartNeeded = append(st.restartNeeded, "listen")
+	}
+	if tlsChanged {
+		st.restartNeeded = append(st.restartNeeded, "tls")
+	}
+	if cert != nil {
+		s.cert.Store(cert)
 	}
 	// Read once at start: the HTTP server's header limits, the retry
 	// budget, the prober's schedule, the replicas' NATS connection. Compared
@@ -412,6 +442,13 @@ func (s *Server) Serve(ln net.Listener) error {
 		s.serveMu.Unlock()
 		ln.Close()
 		return nil
+	}
+	if s.cert.Load() != nil {
+		ln = tls.NewListener(ln, &tls.Config{
+			GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) { return s.cert.Load(), nil },
+			MinVersion:     tls.VersionTLS12,
+			NextProtos:     []string{"http/1.1"},
+		})
 	}
 	s.listeners = append(s.listeners, ln)
 	if s.health != nil {

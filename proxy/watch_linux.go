@@ -3,6 +3,7 @@
 package proxy
 
 import (
+	"crypto/tls"
 	"net"
 	"sync"
 	"syscall"
@@ -112,7 +113,11 @@ func (w *hangupWatcher) Unwatch(cw *connWatch) {
 }
 
 func (w *hangupWatcher) register(c net.Conn) *connWatch {
-	sc, ok := c.(syscall.Conn)
+	raw := c
+	if tc, ok := c.(*tls.Conn); ok { // a TLS client's socket hangs up as a plain one does
+		raw = tc.NetConn()
+	}
+	sc, ok := raw.(syscall.Conn)
 	if !ok {
 		return nil
 	}

@@ -91,7 +91,7 @@ func (c *command) run(args []string) int {
 		fmt.Fprintln(c.stderr, "kvproxy:", err)
 		return 1
 	}
-	log.Info().Str("listen", ln.Addr().String()).Int("backends", len(cfg.Backends)).
+	log.Info().Str("listen", ln.Addr().String()).Bool("tls", cfg.TLS.Enabled()).Int("backends", len(cfg.Backends)).
 		Str("policy", cfg.Router.Policy).Msg("kvproxy serving")
 
 	// A reload (SIGHUP or POST /admin/reload, which may come at once) is

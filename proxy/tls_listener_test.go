@@ -1,0 +1,104 @@
+package proxy
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"fmt"
+	"io"
+	"net/http"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvproxy/kvproxy/config"
+	"github.com/kvproxy/kvproxy/internal/testutil"
+)
+
+// With tls configured kvproxy serves HTTPS: requests and streams, a reload
+// that rotates the certificate (new connections get the new one), and a
+// client hanging up while the engine is silent is noticed under TLS as on
+// a plain socket (the request is cut at the engine and its slot freed).
+func TestTLSListener(t *testing.T) {
+	dir := t.TempDir()
+	first := testutil.SelfSignedCert(t, dir, 1)
+	e := startFake(t, "e0", nil)
+	slow := startFake(t, "e1", func(f *fakeEngine) { f.prefillDelay = 10 * time.Second })
+	yaml := fmt.Sprintf("tls: {cert_file: %s, key_file: %s}\nmodels: [{name: m, tokenizer: cl100k_base, template: chatml}, {name: slow, tokenizer: cl100k_base, template: chatml}]\n"+
+		"backends: [{id: e0, url: 'http://{{e0}}', model: m}, {id: e1, url: 'http://{{e1}}', model: slow}]\n",
+		filepath.Join(dir, "cert.pem"), filepath.Join(dir, "key.pem"))
+	p := startProxyYAML(t, yaml, e, slow)
+	addr := strings.TrimPrefix(p.url, "http://")
+
+	client := func(trust *x509.Certificate) *http.Client {
+		pool := x509.NewCertPool()
+		pool.AddCert(trust)
+		return &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}, Timeout: 5 * time.Second}
+	}
+	post := func(c *http.Client, body string) (*http.Response, string) {
+		t.Helper()
+		resp, err := c.Post("https://"+addr+"/v1/chat/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp, string(b)
+	}
+	if resp, b := post(client(first), `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`); resp.StatusCode != 200 || resp.TLS == nil || !strings.HasSuffix(strings.TrimSpace(b), "data: [DONE]") {
+		t.Fatalf("over TLS: %d %s", resp.StatusCode, b)
+	}
+	if _, err := http.Get(p.url + "/health"); err == nil {
+		t.Fatal("plain HTTP was answered on a TLS listener")
+	}
+
+	// Rotation: the files change, a reload reads them again.
+	second := testutil.SelfSignedCert(t, dir, 2)
+	cfg, err := config.Parse([]byte(strings.NewReplacer("{{e0}}", e.addr, "{{e1}}", slow.addr).Replace(yaml)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	resp, b := post(client(second), `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)
+	if resp.StatusCode != 200 || resp.TLS.PeerCertificates[0].SerialNumber.Int64() != 2 {
+		t.Fatalf("after rotation: %d %s", resp.StatusCode, b)
+	}
+
+	// A client that hangs up while the engine is silent.
+	conn, err := tls.Dial("tcp", addr, &tls.Config{RootCAs: func() *x509.CertPool { p := x509.NewCertPool(); p.AddCert(second); return p }()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := `{"model":"slow","messages":[{"role":"user","content":"hi"}]}`
+	fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	for deadline := time.Now().Add(3 * time.Second); slow.current.Load() == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the slow engine never got the request")
+		}
+	}
+	conn.Close()
+	for deadline := time.Now().Add(3 * time.Second); slow.aborted.Load() == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("a TLS client's hang-up was not noticed while the engine was silent")
+		}
+	}
+	p.waitIdle(t)
+}
+
+// tls needs both files, and they must hold a certificate and its key.
+func TestTLSListenerConfig(t *testing.T) {
+	dir := t.TempDir()
+	testutil.SelfSignedCert(t, dir, 1)
+	base := "models: [{name: m}]\nbackends: [{id: e0, url: 'http://127.0.0.1:9', model: m}]\n"
+	for _, c := range []struct{ tls, err string }{
+		{"tls: {cert_file: " + filepath.Join(dir, "cert.pem") + "}\n", "cert_file and key_file go together"},
+		{"tls: {cert_file: " + filepath.Join(dir, "cert.pem") + ", key_file: " + filepath.Join(dir, "missing.pem") + "}\n", "missing.pem"},
+		{"tls: {cert_file: " + filepath.Join(dir, "key.pem") + ", key_file: " + filepath.Join(dir, "cert.pem") + "}\n", "tls:"},
+	} {
+		if _, err := config.Parse([]byte(c.tls + base)); err == nil || !strings.Contains(err.Error(), c.err) {
+			t.Errorf("%s: %v, want %q", c.tls, err, c.err)
+		}
+	}
+}
