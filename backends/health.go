@@ -2,7 +2,11 @@ package backends
 
 import (
 	"crypto/tls"
+	"errors"
+	"io"
+	"strconv"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -35,7 +39,7 @@ type Prober struct {
 type probeTarget struct {
 	url       string
 	insecure  bool
-	onChange  func(healthy bool)
+	onChange  func(healthy bool, why string)
 	healthy   bool
 	successes int
 	failures  int
@@ -63,17 +67,19 @@ func NewProber(cfg ProbeConfig) *Prober {
 		// Idle connections last just past the next probe: a connection
 		// to an engine a reload removed closes soon after its last probe
 		// (a retiring in-process mock waits for its connections to end).
-		client:   &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: cfg.Interval + time.Second, MaxResponseBodySize: 1 << 20},
-		insecure: &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: cfg.Interval + time.Second, MaxResponseBodySize: 1 << 20, TLSConfig: &tls.Config{InsecureSkipVerify: true}},
-		target:   map[string]*probeTarget{},
-		stop:     make(chan struct{}),
+		client: &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: cfg.Interval + time.Second, MaxResponseBodySize: 1 << 20,
+			RetryIfErr: retryStale},
+		insecure: &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: cfg.Interval + time.Second, MaxResponseBodySize: 1 << 20,
+			RetryIfErr: retryStale, TLSConfig: &tls.Config{InsecureSkipVerify: true}},
+		target: map[string]*probeTarget{},
+		stop:   make(chan struct{}),
 	}
 }
 
 // Add registers an engine (url: http or https; insecure: an https engine
 // whose certificate is not checked); onChange is called on every health
-// transition.
-func (p *Prober) Add(id, url string, insecure bool, onChange func(healthy bool)) {
+// transition, with why the last probe failed when it goes down.
+func (p *Prober) Add(id, url string, insecure bool, onChange func(healthy bool, why string)) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	t := &probeTarget{url: url, insecure: insecure, onChange: onChange, healthy: true, quit: make(chan struct{})}
@@ -125,6 +131,15 @@ func (p *Prober) run(t *probeTarget) {
 	}()
 }
 
+// retryStale retries a probe or scrape once, and only on a kept-alive
+// connection the engine closed while it was idle. A refused connection or a
+// failed TLS handshake is the answer: fasthttp's default tries a GET five
+// times, five handshakes an untrusted engine logs for every probe.
+func retryStale(_ *fasthttp.Request, attempts int, err error) (resetTimeout, retry bool) {
+	return false, attempts < 2 && (errors.Is(err, io.EOF) || errors.Is(err, fasthttp.ErrConnectionClosed) ||
+		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE))
+}
+
 func (p *Prober) probe(t *probeTarget) {
 	req := fasthttp.AcquireRequest()
 	resp := fasthttp.AcquireResponse()
@@ -137,6 +152,13 @@ func (p *Prober) probe(t *probeTarget) {
 	}
 	err := c.DoTimeout(req, resp, p.cfg.Timeout)
 	ok := err == nil && resp.StatusCode() == fasthttp.StatusOK
+	why := ""
+	switch {
+	case err != nil:
+		why = err.Error()
+	case !ok:
+		why = "status " + strconv.Itoa(resp.StatusCode())
+	}
 	if ok {
 		t.successes++
 		t.failures = 0
@@ -147,14 +169,14 @@ func (p *Prober) probe(t *probeTarget) {
 	switch {
 	case !t.healthy && t.successes >= p.cfg.Rise:
 		t.healthy = true
-		t.onChange(true)
+		t.onChange(true, "")
 	case t.healthy && t.failures >= p.cfg.Fall:
 		t.healthy = false
-		t.onChange(false)
+		t.onChange(false, why)
 	case ok && t.healthy && t.successes == 1:
 		// A worker taken out by a failed request (not by probes) comes back
 		// on the next good probe. One taken out by probes waits for Rise.
-		t.onChange(true)
+		t.onChange(true, "")
 	}
 }
 

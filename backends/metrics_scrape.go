@@ -252,11 +252,13 @@ func (s *MetricsScraper) client() *fasthttp.Client {
 			Name:                "kvproxy-scraper",
 			MaxResponseBodySize: s.maxBody(),
 			MaxIdleConnDuration: 3 * time.Second, // past kvproxy's 1 s scrape interval, and no longer: see NewProber
+			RetryIfErr:          retryStale,
 		}
 		s.insecure = &fasthttp.Client{
 			Name:                "kvproxy-scraper",
 			MaxResponseBodySize: s.maxBody(),
 			MaxIdleConnDuration: 3 * time.Second,
+			RetryIfErr:          retryStale,
 			TLSConfig:           &tls.Config{InsecureSkipVerify: true},
 		}
 	})

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"sync"
@@ -353,6 +354,9 @@ func (u *Upstream) get(dial bool) (*upConn, bool, error) {
 		cancel()
 		if err != nil {
 			c.Close()
+			if errors.Is(err, context.DeadlineExceeded) {
+				err = fmt.Errorf("no handshake within %v (the dial timeout)", d)
+			}
 			return nil, false, &TLSError{Addr: u.Addr, Err: err}
 		}
 		c = tc

@@ -33,7 +33,8 @@ type backend struct {
 
 	mu        sync.Mutex
 	probeOK   bool
-	ejections int // consecutive passive failures
+	probeErr  string // why the probes failed, while they do
+	ejections int    // consecutive passive failures
 	// silentWhole counts the non-streamed requests in a row the engine
 	// left unanswered for stream_idle_timeout (see wholeTimedOut).
 	silentWhole int
@@ -111,14 +112,14 @@ func (b *backend) isAvailable() bool {
 	return b.available
 }
 
-// setProbe records an active health probe result.
-func (b *backend) setProbe(ok bool) {
+// setProbe records an active health probe result (why: what failed).
+func (b *backend) setProbe(ok bool, why string) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if ok && b.probeOK && !b.ejected {
 		return
 	}
-	b.probeOK = ok
+	b.probeOK, b.probeErr = ok, why
 	if ok && b.ejected && b.ejectTimer == nil {
 		b.ejected = false
 	}
@@ -387,8 +388,11 @@ func (b *backend) applyLocked() {
 		}
 		return
 	}
-	b.log.Warn().Str("backend", b.cfg.ID).Bool("probe_ok", b.probeOK).Bool("ejected", b.ejected).
-		Bool("draining", b.draining).Msg("backend unavailable")
+	ev := b.log.Warn().Str("backend", b.cfg.ID).Bool("probe_ok", b.probeOK).Bool("ejected", b.ejected).Bool("draining", b.draining)
+	if !b.probeOK && b.probeErr != "" {
+		ev = ev.Str("probe_error", b.probeErr)
+	}
+	ev.Msg("backend unavailable")
 	if b.forgetTimer == nil && b.health.ForgetAfter > 0 && !b.draining {
 		// A backend that stays away loses its index entries: whatever it
 		// cached is unlikely to be there when it comes back.

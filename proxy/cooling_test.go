@@ -370,7 +370,7 @@ func TestBackendDownWhileCoolingIsForgotten(t *testing.T) {
 	if blocks() == 0 {
 		t.Fatal("busy holds no blocks to forget")
 	}
-	b.setProbe(false) // as the prober does when the engine stops answering /health
+	b.setProbe(false, "") // as the prober does when the engine stops answering /health
 	for deadline := time.Now().Add(3 * time.Second); blocks() != 0; {
 		if time.Now().After(deadline) {
 			t.Fatalf("busy, down for 3s with forget_after 100ms, still holds %d blocks; log: %s", blocks(), p.logs.String())

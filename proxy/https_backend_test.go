@@ -3,6 +3,7 @@ package proxy
 import (
 	"encoding/json"
 	"io"
+	"log"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -34,14 +35,15 @@ func startTLSEngine(t *testing.T) string {
 			io.WriteString(w, "data: [DONE]\n\n")
 		}
 	}))
+	srv.Config.ErrorLog = log.New(io.Discard, "", 0) // the handshakes of untrusting clients
 	srv.StartTLS()
 	t.Cleanup(srv.Close)
 	addr = srv.Listener.Addr().String()
 	return addr
 }
 
-// An https engine is proxied over TLS, probed and scraped over TLS; with
-// insecure_skip_verify its self-signed certificate is accepted.
+// An https engine is proxied and scraped over TLS (backends tests probe
+// it); with insecure_skip_verify its self-signed certificate is accepted.
 func TestHTTPSBackend(t *testing.T) {
 	addr := startTLSEngine(t)
 	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml}]\n"+
@@ -51,7 +53,7 @@ func TestHTTPSBackend(t *testing.T) {
 	if resp.StatusCode != 200 || !strings.Contains(string(b), `"llo"`) || !strings.HasSuffix(strings.TrimSpace(string(b)), "data: [DONE]") {
 		t.Fatalf("%d %s", resp.StatusCode, b)
 	}
-	// Probes and scrapes reach it too: healthy, and its load read.
+	// Scrapes reach it too: its load is read.
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(50 * time.Millisecond) {
 		r, err := http.Get(p.url + "/admin/backends")
 		if err != nil {
@@ -64,10 +66,15 @@ func TestHTTPSBackend(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the https engine's probe or scrape never succeeded: %+v", rows)
+			t.Fatalf("the https engine's scrape never succeeded: %+v", rows)
 		}
 	}
 	p.waitIdle(t)
+	// The prober's reason reaches the log line of a backend going down.
+	p.s.st.Load().backends["e0"].setProbe(false, "tls: failed to verify certificate: x509: certificate signed by unknown authority")
+	if !strings.Contains(p.logs.String(), `"probe_error":"tls: failed to verify certificate`) {
+		t.Fatalf("the probe's reason is not logged:\n%s", p.logs.String())
+	}
 }
 
 // An https engine whose certificate kvproxy does not trust gets no request:

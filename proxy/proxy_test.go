@@ -394,7 +394,7 @@ func TestNoHealthyBackendIs503(t *testing.T) {
 	e := startFake(t, "e0", nil)
 	p := startProxy(t, "kv", e)
 	for _, b := range p.s.st.Load().backends {
-		b.setProbe(false)
+		b.setProbe(false, "")
 	}
 	resp, body := post(t, p.url+"/v1/chat/completions", chatBody)
 	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" || !bytes.Contains(body, []byte(`"error"`)) {
