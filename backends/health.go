@@ -67,10 +67,13 @@ func NewProber(cfg ProbeConfig) *Prober {
 		// Idle connections last just past the next probe: a connection
 		// to an engine a reload removed closes soon after its last probe
 		// (a retiring in-process mock waits for its connections to end).
+		// WriteTimeout bounds the TLS handshake too: fasthttp runs it
+		// inside the request's write, before any read deadline, and
+		// DoTimeout waits for it (a silent https engine hung probes).
 		client: &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: cfg.Interval + time.Second, MaxResponseBodySize: 1 << 20,
-			RetryIfErr: retryStale},
+			RetryIfErr: retryStale, WriteTimeout: cfg.Timeout},
 		insecure: &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: cfg.Interval + time.Second, MaxResponseBodySize: 1 << 20,
-			RetryIfErr: retryStale, TLSConfig: &tls.Config{InsecureSkipVerify: true}},
+			RetryIfErr: retryStale, WriteTimeout: cfg.Timeout, TLSConfig: &tls.Config{InsecureSkipVerify: true}},
 		target: map[string]*probeTarget{},
 		stop:   make(chan struct{}),
 	}

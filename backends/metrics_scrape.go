@@ -213,10 +213,7 @@ func (s *MetricsScraper) Scrape(url string, insecure bool) (EngineMetrics, error
 	if insecure {
 		c = s.insecure
 	}
-	timeout := s.Timeout
-	if timeout <= 0 {
-		timeout = 2 * time.Second
-	}
+	timeout := s.timeout()
 	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
 	defer fasthttp.ReleaseRequest(req)
 	defer fasthttp.ReleaseResponse(resp)
@@ -239,6 +236,13 @@ func (s *MetricsScraper) Scrape(url string, insecure bool) (EngineMetrics, error
 	return m, nil
 }
 
+func (s *MetricsScraper) timeout() time.Duration {
+	if s.Timeout > 0 {
+		return s.Timeout
+	}
+	return 2 * time.Second
+}
+
 func (s *MetricsScraper) maxBody() int {
 	if s.MaxBodySize > 0 {
 		return s.MaxBodySize
@@ -253,12 +257,14 @@ func (s *MetricsScraper) client() *fasthttp.Client {
 			MaxResponseBodySize: s.maxBody(),
 			MaxIdleConnDuration: 3 * time.Second, // past kvproxy's 1 s scrape interval, and no longer: see NewProber
 			RetryIfErr:          retryStale,
+			WriteTimeout:        s.timeout(), // bounds a TLS handshake too: see NewProber
 		}
 		s.insecure = &fasthttp.Client{
 			Name:                "kvproxy-scraper",
 			MaxResponseBodySize: s.maxBody(),
 			MaxIdleConnDuration: 3 * time.Second,
 			RetryIfErr:          retryStale,
+			WriteTimeout:        s.timeout(),
 			TLSConfig:           &tls.Config{InsecureSkipVerify: true},
 		}
 	})

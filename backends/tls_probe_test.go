@@ -1,6 +1,8 @@
 package backends
 
 import (
+	"crypto/tls"
+	"errors"
 	"io"
 	"log"
 	"net"
@@ -88,5 +90,74 @@ func TestInsecureProbeOverTLS(t *testing.T) {
 	case why := <-down:
 		t.Fatalf("marked down: %s", why)
 	default:
+	}
+}
+
+// silentListener accepts connections and never writes a byte, as a frozen
+// engine behind a TLS front does; it returns the address.
+func silentListener(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var held []net.Conn
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			held = append(held, c)
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		for _, c := range held {
+			c.Close()
+		}
+	})
+	return ln.Addr().String()
+}
+
+// A TLS peer that never answers the handshake fails a probe, a scrape and
+// a dial within their timeouts: fasthttp runs the handshake before any read
+// deadline, and without a write timeout a probe waited for good (found by
+// the seventh session's review: a frozen https engine stayed healthy).
+func TestSilentTLSPeerTimesOut(t *testing.T) {
+	addr := silentListener(t)
+	down := make(chan string, 1)
+	p := NewProber(ProbeConfig{Interval: time.Hour, Timeout: 300 * time.Millisecond, Fall: 1})
+	p.Add("a", "https://"+addr+"/health", false, func(healthy bool, why string) {
+		if !healthy {
+			down <- why
+		}
+	})
+	p.Start()
+	select {
+	case <-down:
+		p.Stop() // not on failure: Stop would wait for the stuck probe
+	case <-time.After(5 * time.Second):
+		t.Fatal("a probe of a silent TLS peer never failed")
+	}
+
+	s := MetricsScraper{Timeout: 300 * time.Millisecond}
+	done := make(chan error, 1)
+	go func() { _, err := s.Scrape("https://"+addr+"/metrics", false); done <- err }()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Fatal("a scrape of a silent TLS peer succeeded")
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("a scrape of a silent TLS peer never returned")
+	}
+
+	u := &Upstream{Addr: addr, DialTimeout: 300 * time.Millisecond, TLS: &tls.Config{ServerName: "127.0.0.1"}}
+	start := time.Now()
+	_, _, err := u.get(true)
+	var te *TLSError
+	if !errors.As(err, &te) || !strings.Contains(err.Error(), "no handshake within the dial timeout") || time.Since(start) > 3*time.Second {
+		t.Fatalf("dial to a silent TLS peer: %v after %v", err, time.Since(start))
 	}
 }

@@ -25,7 +25,7 @@ type Upstream struct {
 	Addr        string        // host:port
 	DialTimeout time.Duration // default 3s
 	// TLS, when set, makes every connection TLS (an https engine); the
-	// handshake is part of the dial and bounded by DialTimeout.
+	// handshake is part of the dial: DialTimeout bounds both together.
 	TLS     *tls.Config
 	MaxIdle int // idle connections kept, default 512
 	// ReadTimeout bounds each wait for upstream bytes (headers or the next
@@ -340,6 +340,7 @@ func (u *Upstream) get(dial bool) (*upConn, bool, error) {
 	if d <= 0 {
 		d = 3 * time.Second
 	}
+	deadline := time.Now().Add(d) // the connection and its TLS handshake together
 	c, err := net.DialTimeout("tcp", u.Addr, d)
 	if err != nil {
 		return nil, false, err
@@ -348,14 +349,14 @@ func (u *Upstream) get(dial bool) (*upConn, bool, error) {
 		tc.SetNoDelay(true)
 	}
 	if u.TLS != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), d)
+		ctx, cancel := context.WithDeadline(context.Background(), deadline)
 		tc := tls.Client(c, u.TLS)
 		err := tc.HandshakeContext(ctx)
 		cancel()
 		if err != nil {
 			c.Close()
 			if errors.Is(err, context.DeadlineExceeded) {
-				err = fmt.Errorf("no handshake within %v (the dial timeout)", d)
+				err = fmt.Errorf("no handshake within the dial timeout (%v)", d)
 			}
 			return nil, false, &TLSError{Addr: u.Addr, Err: err}
 		}

@@ -506,7 +506,7 @@ func (c *Config) Validate() error {
 		if c.TLS.CertFile == "" || c.TLS.KeyFile == "" {
 			add("tls", "cert_file and key_file go together")
 		} else if _, err := c.TLS.Load(); err != nil {
-			add("tls", "%v", err)
+			add("tls", "%s", strings.TrimPrefix(err.Error(), "tls: "))
 		}
 	}
 	switch c.LogLevel {

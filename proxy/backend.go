@@ -25,7 +25,7 @@ type backend struct {
 	worker     router.WorkerID
 	up         *backends.Upstream
 	host       string
-	base       string // scheme://host:port, for its /health and /metrics
+	base       string // scheme://host[:port] as configured (the Host its /health and /metrics are asked with)
 	authHeader string // the engine's own key, never the client's
 	salted     bool   // the engine honours cache_salt (vLLM, SGLang, the mock)
 	health     config.Health
@@ -81,7 +81,7 @@ func newBackend(bc config.Backend, cfg *config.Config, p *modelPool, log zerolog
 		addr = net.JoinHostPort(u.Hostname(), port)
 	}
 	b := &backend{
-		cfg: bc, pool: p, host: u.Host, health: cfg.Health, log: log, base: u.Scheme + "://" + addr,
+		cfg: bc, pool: p, host: u.Host, health: cfg.Health, log: log, base: u.Scheme + "://" + u.Host,
 		salted:  bc.Kind == config.KindVLLM || bc.Kind == config.KindSGLang || bc.Kind == config.KindMock,
 		probeOK: true, available: true,
 		up: &backends.Upstream{

@@ -588,8 +588,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			b.fail("connect: " + ce.Err.Error())
 			x.errMsg = "backend " + b.cfg.ID + " refused the connection"
 			var te *backends.TLSError
-			if errors.As(err, &te) { // an https engine kvproxy does not trust, or one not speaking TLS
-				x.errMsg = "backend " + b.cfg.ID + ": " + te.Error()
+			if errors.As(err, &te) { // an https engine kvproxy does not trust, or one not speaking TLS: the detail is in the ejection's log line
+				x.errMsg = "backend " + b.cfg.ID + " failed the TLS handshake"
 			}
 			if mayRetry {
 				// An engine's own refusal, if one came, stays the answer:

@@ -694,6 +694,11 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	default:
 		writeError(ctx, fasthttp.StatusBadRequest, "malformed HTTP request", "invalid_request_error", "", "bad_request")
 	}
+	if tc, ok := ctx.Conn().(*tls.Conn); ok && !tc.ConnectionState().HandshakeComplete {
+		// No request was read, so the error quotes none: a client that
+		// refused kvproxy's certificate, spoke plain HTTP or went silent.
+		reason = "TLS handshake failed: " + err.Error()
+	}
 	// fasthttp calls this before it has a request: no method, path or
 	// start time to log (its defaults would say GET / and 292 years).
 	s.log.Info().Str("remote", ctx.RemoteIP().String()).Int("status", ctx.Response.StatusCode()).

@@ -51,6 +51,11 @@ func TestTLSListener(t *testing.T) {
 	if _, err := http.Get(p.url + "/health"); err == nil {
 		t.Fatal("plain HTTP was answered on a TLS listener")
 	}
+	for deadline := time.Now().Add(3 * time.Second); !strings.Contains(p.logs.String(), `"error":"TLS handshake failed`); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("a failed handshake is not logged as one:\n%s", p.logs.String())
+		}
+	}
 
 	// Rotation: the files change, a reload reads them again.
 	second := testutil.SelfSignedCert(t, dir, 2)
@@ -97,7 +102,7 @@ func TestTLSListenerConfig(t *testing.T) {
 		{"tls: {cert_file: " + filepath.Join(dir, "cert.pem") + ", key_file: " + filepath.Join(dir, "missing.pem") + "}\n", "missing.pem"},
 		{"tls: {cert_file: " + filepath.Join(dir, "key.pem") + ", key_file: " + filepath.Join(dir, "cert.pem") + "}\n", "tls:"},
 	} {
-		if _, err := config.Parse([]byte(c.tls + base)); err == nil || !strings.Contains(err.Error(), c.err) {
+		if _, err := config.Parse([]byte(c.tls + base)); err == nil || !strings.Contains(err.Error(), c.err) || strings.Contains(err.Error(), "tls: tls:") {
 			t.Errorf("%s: %v, want %q", c.tls, err, c.err)
 		}
 	}
