@@ -44,9 +44,12 @@ type backend struct {
 	// it failed (engineTokenizeBackoff).
 	tokenizeDown atomic.Int64
 	ejected      bool
-	draining     bool
-	full         bool // at max_concurrency: healthy but takes nothing new
-	cooling      bool // refused a request with 429: left out until coolTimer
+	// probeEnds: the ejection in force is for failed connections only, and
+	// a passing health probe ends it (failConn).
+	probeEnds bool
+	draining  bool
+	full      bool // at max_concurrency: healthy but takes nothing new
+	cooling   bool // refused a request with 429: left out until coolTimer
 	// replaced: a reload handed the router worker(s) to a new backend of
 	// the same id; this one only finishes its requests and must not change
 	// the workers' availability (its timers and last answers would).
@@ -120,6 +123,11 @@ func (b *backend) setProbe(ok bool, why string) {
 		return
 	}
 	b.probeOK, b.probeErr = ok, why
+	if ok && b.ejected && b.ejectTimer != nil && b.probeEnds {
+		b.ejectTimer.Stop()
+		b.ejectTimer = nil
+		b.log.Info().Str("backend", b.cfg.ID).Msg("ejection ended: the health probe passes again")
+	}
 	if ok && b.ejected && b.ejectTimer == nil {
 		b.ejected = false
 	}
@@ -131,13 +139,25 @@ func (b *backend) setProbe(ok bool, why string) {
 // failure. Failures while an ejection is in force are the same incident:
 // an engine that dies fails every request it had at once, and doubling
 // for each would keep it out for eject_max after it is back.
-func (b *backend) fail(reason string) {
+func (b *backend) fail(reason string) { b.eject(reason, false) }
+
+// failConn is fail for a connection that failed (refused, reset, a failed
+// TLS handshake, an answer cut off): the engine was unreachable or died,
+// so a health probe that passes again shows it back and ends the ejection
+// at once. An engine restarting takes tens of seconds, long enough for the
+// back-off to double to eject_max, which would keep it out that long after
+// it is up.
+func (b *backend) failConn(reason string) { b.eject(reason, true) }
+
+func (b *backend) eject(reason string, conn bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.ejected && b.ejectTimer != nil {
+		b.probeEnds = b.probeEnds && conn
 		b.log.Debug().Str("backend", b.cfg.ID).Str("reason", reason).Msg("backend failed while ejected")
 		return
 	}
+	b.probeEnds = conn
 	b.ejections++
 	d := b.health.EjectBase << min(b.ejections-1, 16)
 	if d > b.health.EjectMax || d <= 0 {

@@ -585,7 +585,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		case errors.Is(err, backends.ErrAborted):
 			x.status = 499 // client closed the request
 		case errors.As(err, &ce):
-			b.fail("connect: " + ce.Err.Error())
+			b.failConn("connect: " + ce.Err.Error())
 			x.errMsg = "backend " + b.cfg.ID + " refused the connection"
 			var te *backends.TLSError
 			if errors.As(err, &te) { // an https engine kvproxy does not trust, or one not speaking TLS: the detail is in the ejection's log line
@@ -613,7 +613,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			// and is not ejected for it. Pass-through answers are streamed.
 			x.failUpstream(ctx, fasthttp.StatusBadGateway, "the answer of backend "+b.cfg.ID+" is larger than kvproxy reads whole (64 MiB); ask for less at once, or stream it")
 		default:
-			b.fail(err.Error())
+			b.failConn(err.Error())
 			x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" failed: "+err.Error())
 		}
 		x.finish()
@@ -632,7 +632,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			}
 			stream.Close()
 			if rerr != nil {
-				b.fail(rerr.Error())
+				b.failConn(rerr.Error())
 				x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" failed: "+rerr.Error())
 				fasthttp.ReleaseResponse(resp)
 				x.finish()

@@ -149,3 +149,39 @@ health: {eject_base: 100ms, eject_max: 1m}
 		t.Fatalf("consecutive incidents counted %d, want 2", n)
 	}
 }
+
+// An engine ejected because its connections failed (refused, reset, cut
+// off) is back as soon as its health probe passes again: an engine
+// restarting takes long enough for the back-off to reach eject_max, which
+// kept it out that long after it was up (the seventh session's trial: a
+// 3 s outage left it out 4.2 s after the restart). One ejected for its
+// answers (502-504, 5xx streaks, silence) waits out the ejection: its
+// /health may pass while it fails requests.
+func TestPassingProbeEndsAConnectionEjection(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, `
+models: [{name: m}]
+backends: [{id: e0, url: 'http://{{e0}}'}]
+health: {eject_base: 1m, eject_max: 1m}
+`, e)
+	b := p.s.st.Load().backends["e0"]
+	b.failConn("connect: connection refused")
+	b.setProbe(false, "connection refused")
+	if !ejected(p, "e0") {
+		t.Fatal("not ejected")
+	}
+	b.setProbe(true, "")
+	if ejected(p, "e0") || !b.isAvailable() {
+		t.Fatal("a passing probe did not end an ejection for a refused connection")
+	}
+	if !strings.Contains(p.logs.String(), "ejection ended: the health probe passes again") {
+		t.Fatalf("not logged:\n%s", p.logs.String())
+	}
+
+	b.fail("status 503")
+	b.setProbe(false, "status 503")
+	b.setProbe(true, "")
+	if !ejected(p, "e0") {
+		t.Fatal("a passing probe ended an ejection for the engine's answers")
+	}
+}

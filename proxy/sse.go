@@ -199,7 +199,7 @@ func (r *relay) end(out []byte, err error) []byte {
 			err = errors.New("stream ended without [DONE]")
 		}
 		x.errMsg = "backend " + x.b.cfg.ID + " failed mid-stream: " + err.Error()
-		x.b.fail("mid-stream: " + err.Error())
+		x.b.failConn("mid-stream: " + err.Error())
 		x.status = fasthttp.StatusBadGateway
 		out = append(out, "data: "...)
 		out = append(out, errorJSON("the backend serving this request failed mid-stream", "upstream_error", "", "backend_failed")...)
