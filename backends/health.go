@@ -60,23 +60,30 @@ func NewProber(cfg ProbeConfig) *Prober {
 	if cfg.Fall <= 0 {
 		cfg.Fall = 2
 	}
-	return &Prober{
-		cfg: cfg,
-		// A bounded body: fasthttp allocates a Content-Length body up
-		// front, and an absurd one from a broken engine would panic.
-		// Idle connections last just past the next probe: a connection
-		// to an engine a reload removed closes soon after its last probe
-		// (a retiring in-process mock waits for its connections to end).
-		// WriteTimeout bounds the TLS handshake too: fasthttp runs it
-		// inside the request's write, before any read deadline, and
-		// DoTimeout waits for it (a silent https engine hung probes).
-		client: &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: cfg.Interval + time.Second, MaxResponseBodySize: 1 << 20,
-			RetryIfErr: retryStale, WriteTimeout: cfg.Timeout},
-		insecure: &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: cfg.Interval + time.Second, MaxResponseBodySize: 1 << 20,
-			RetryIfErr: retryStale, WriteTimeout: cfg.Timeout, TLSConfig: &tls.Config{InsecureSkipVerify: true}},
-		target: map[string]*probeTarget{},
-		stop:   make(chan struct{}),
-	}
+	// A bounded body: fasthttp allocates a Content-Length body up
+	// front, and an absurd one from a broken engine would panic.
+	// Idle connections last just past the next probe: a connection
+	// to an engine a reload removed closes soon after its last probe
+	// (a retiring in-process mock waits for its connections to end).
+	// WriteTimeout bounds the TLS handshake too: fasthttp runs it
+	// inside the request's write, before any read deadline, and
+	// DoTimeout waits for it (a silent https engine hung probes).
+	p := &Prober{cfg: cfg, target: map[string]*probeTarget{}, stop: make(chan struct{})}
+	p.client, p.insecure = engineClients(func() *fasthttp.Client {
+		return &fasthttp.Client{NoDefaultUserAgentHeader: true, MaxIdleConnDuration: cfg.Interval + time.Second,
+			MaxResponseBodySize: 1 << 20, WriteTimeout: cfg.Timeout}
+	})
+	return p
+}
+
+// engineClients makes the two clients probes and scrapes use from one
+// recipe: one checks an https engine's certificate, the other (for
+// insecure_skip_verify) does not; both retry only a stale connection.
+func engineClients(newClient func() *fasthttp.Client) (verified, insecure *fasthttp.Client) {
+	verified, insecure = newClient(), newClient()
+	verified.RetryIfErr, insecure.RetryIfErr = retryStale, retryStale
+	insecure.TLSConfig = &tls.Config{InsecureSkipVerify: true}
+	return verified, insecure
 }
 
 // Add registers an engine (url: http or https; insecure: an https engine

@@ -2,7 +2,6 @@ package backends
 
 import (
 	"bytes"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"math"
@@ -252,21 +251,14 @@ func (s *MetricsScraper) maxBody() int {
 
 func (s *MetricsScraper) client() *fasthttp.Client {
 	s.once.Do(func() {
-		s.own = &fasthttp.Client{
-			Name:                "kvproxy-scraper",
-			MaxResponseBodySize: s.maxBody(),
-			MaxIdleConnDuration: 3 * time.Second, // past kvproxy's 1 s scrape interval, and no longer: see NewProber
-			RetryIfErr:          retryStale,
-			WriteTimeout:        s.timeout(), // bounds a TLS handshake too: see NewProber
-		}
-		s.insecure = &fasthttp.Client{
-			Name:                "kvproxy-scraper",
-			MaxResponseBodySize: s.maxBody(),
-			MaxIdleConnDuration: 3 * time.Second,
-			RetryIfErr:          retryStale,
-			WriteTimeout:        s.timeout(),
-			TLSConfig:           &tls.Config{InsecureSkipVerify: true},
-		}
+		s.own, s.insecure = engineClients(func() *fasthttp.Client {
+			return &fasthttp.Client{
+				Name:                "kvproxy-scraper",
+				MaxResponseBodySize: s.maxBody(),
+				MaxIdleConnDuration: 3 * time.Second, // past kvproxy's 1 s scrape interval, and no longer: see NewProber
+				WriteTimeout:        s.timeout(),     // bounds a TLS handshake too: see NewProber
+			}
+		})
 	})
 	if s.Client != nil {
 		return s.Client

@@ -209,13 +209,14 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	counted = max(counted, len(tokens))
 	if len(hint) > 0 {
 		tokens = hint
+		counted = max(counted, len(hint)) // a client's word may count against it, never for it
 	}
-	if counted > lim.MaxPromptTokens || len(tokens) > lim.MaxPromptTokens {
+	if counted > lim.MaxPromptTokens {
 		param := "prompt"
 		if chat {
 			param = "messages"
 		}
-		writeError(ctx, fasthttp.StatusBadRequest, fmt.Sprintf("the prompt has %d tokens, more than the limit of %d", max(counted, len(tokens)), lim.MaxPromptTokens), "invalid_request_error", param, "context_length_exceeded")
+		writeError(ctx, fasthttp.StatusBadRequest, fmt.Sprintf("the prompt has %d tokens, more than the limit of %d", counted, lim.MaxPromptTokens), "invalid_request_error", param, "context_length_exceeded")
 		s.logRejected(rid, t.name, req.model, fasthttp.StatusBadRequest, start, "prompt too long")
 		return
 	}
@@ -230,7 +231,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	}
 	sc.hashes = kv.HashBlocks(sc.hashes[:0], tokens, p.cfg.BlockSize, ns)
 	rr := &sc.route
-	*rr = router.Request{Hashes: sc.hashes, PromptTokens: max(counted, len(tokens)), Unstreamed: !req.stream, CandidateBuf: sc.cands}
+	*rr = router.Request{Hashes: sc.hashes, PromptTokens: counted, Unstreamed: !req.stream, CandidateBuf: sc.cands}
 
 	if name, inst, isNum, ok := req.nv.pinned(); ok {
 		w, found := p.rt.WorkerByName(name)
@@ -269,7 +270,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		path = "/v1/chat/completions"
 	}
 	x := s.newExchange(rid, engineID, path, req.stream, start, p, req.model)
-	x.tenant, x.promptTokens, x.slot = t.name, max(counted, len(tokens)), in.slot
+	x.tenant, x.promptTokens, x.slot = t.name, counted, in.slot
 	s.dispatch(ctx, st, sc, x, salt)
 }
 

@@ -124,13 +124,7 @@ health: {eject_base: 1m, eject_max: 1m}
 // the engine out for 60 s after it was back). A failure after the ejection
 // ended is a new incident and doubles it.
 func TestFailuresDuringAnEjectionAreOneIncident(t *testing.T) {
-	e := startFake(t, "e0", nil)
-	p := startProxyYAML(t, `
-models: [{name: m}]
-backends: [{id: e0, url: 'http://{{e0}}'}]
-health: {eject_base: 100ms, eject_max: 1m}
-`, e)
-	b := p.s.st.Load().backends["e0"]
+	p, b := oneBackend(t, "100ms")
 	for range 8 {
 		b.fail("mid-stream: connection reset")
 	}
@@ -158,13 +152,7 @@ health: {eject_base: 100ms, eject_max: 1m}
 // answers (502-504, 5xx streaks, silence) waits out the ejection: its
 // /health may pass while it fails requests.
 func TestPassingProbeEndsAConnectionEjection(t *testing.T) {
-	e := startFake(t, "e0", nil)
-	p := startProxyYAML(t, `
-models: [{name: m}]
-backends: [{id: e0, url: 'http://{{e0}}'}]
-health: {eject_base: 1m, eject_max: 1m}
-`, e)
-	b := p.s.st.Load().backends["e0"]
+	p, b := oneBackend(t, "1m")
 	b.failConn("connect: connection refused")
 	b.setProbe(false, "connection refused")
 	if !ejected(p, "e0") {
@@ -184,4 +172,13 @@ health: {eject_base: 1m, eject_max: 1m}
 	if !ejected(p, "e0") {
 		t.Fatal("a passing probe ended an ejection for the engine's answers")
 	}
+}
+
+// oneBackend starts a proxy with one engine, e0, ejected for ejectBase
+// first (eject_max 1m), and returns it and its backend.
+func oneBackend(t *testing.T, ejectBase string) (*testProxy, *backend) {
+	t.Helper()
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}'}]\nhealth: {eject_base: "+ejectBase+", eject_max: 1m}\n", e)
+	return p, p.s.st.Load().backends["e0"]
 }
