@@ -66,6 +66,10 @@ func TestReaddedBackendHasOneFeed(t *testing.T) {
 	cfg := filepath.Join(t.TempDir(), "c.yaml")
 	os.WriteFile(cfg, []byte(head+line("m1", m1)), 0o644)
 	p := startProxy(t, cfg)
+	deadline := time.Now().Add(3 * time.Second) // the feed starts beside the server
+	for subscribers() != 1 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
 	if n := subscribers(); n != 1 {
 		t.Fatalf("%d subscribers at start", n)
 	}
@@ -87,7 +91,7 @@ func TestReaddedBackendHasOneFeed(t *testing.T) {
 	os.WriteFile(cfg, []byte(head+line("m0", m0)+line("m1", m1)), 0o644)
 	p.reload(t)
 	<-done
-	deadline := time.Now().Add(3 * time.Second) // the proxy retires m1's old self 50 ms after its stream
+	deadline = time.Now().Add(3 * time.Second) // the proxy retires m1's old self 50 ms after its stream
 	for subscribers() != 2 && time.Now().Before(deadline) {
 		time.Sleep(20 * time.Millisecond)
 	}
