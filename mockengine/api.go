@@ -54,6 +54,7 @@ func (e *Engine) Handler() http.Handler {
 type apiRequest struct {
 	Model               string          `json:"model"`
 	Messages            []apiMessage    `json:"messages"`
+	Tools               json.RawMessage `json:"tools"`
 	Prompt              json.RawMessage `json:"prompt"`
 	MaxTokens           *int            `json:"max_tokens"`
 	MaxCompletionTokens *int            `json:"max_completion_tokens"`
@@ -67,8 +68,48 @@ type apiRequest struct {
 }
 
 type apiMessage struct {
-	Role    string          `json:"role"`
-	Content json.RawMessage `json:"content"`
+	Role       string          `json:"role"`
+	Content    json.RawMessage `json:"content"`
+	ToolCalls  json.RawMessage `json:"tool_calls"`
+	ToolCallID *string         `json:"tool_call_id"`
+	Name       *string         `json:"name"`
+}
+
+// chatMessages reads messages as the template renders them; kvproxy reads
+// them the same way (proxy/request.go), so its prompts are the engine's.
+func chatMessages(msgs []apiMessage) ([]tokenize.Message, error) {
+	if len(msgs) == 0 {
+		return nil, invalid("messages", "messages must be a non-empty array")
+	}
+	out := make([]tokenize.Message, len(msgs))
+	for i, m := range msgs {
+		if m.Role == "" {
+			return nil, invalid(fmt.Sprintf("messages[%d].role", i), "role is required")
+		}
+		text, err := messageText(m.Content, i)
+		if err != nil {
+			return nil, err
+		}
+		out[i] = tokenize.Message{Role: m.Role, Content: text}
+		if c := bytes.TrimSpace(m.ToolCalls); len(c) > 2 && c[0] == '[' && len(bytes.TrimSpace(c[1:len(c)-1])) > 0 {
+			out[i].ToolCalls = string(m.ToolCalls)
+		}
+		if m.ToolCallID != nil {
+			out[i].ToolCallID = *m.ToolCallID
+		}
+		if m.Name != nil {
+			out[i].Name = *m.Name
+		}
+	}
+	return out, nil
+}
+
+// chatTools is the request's tools as the template sees them: "" for none.
+func chatTools(raw json.RawMessage) string {
+	if t := bytes.TrimSpace(raw); len(t) > 2 && t[0] == '[' && len(bytes.TrimSpace(t[1:len(t)-1])) > 0 {
+		return string(raw)
+	}
+	return ""
 }
 
 // badRequest is a client error naming the offending field.
@@ -99,17 +140,28 @@ func messageText(raw json.RawMessage, i int) (string, error) {
 		}
 		return s, nil
 	}
-	var parts []struct {
-		Type string `json:"type"`
-		Text string `json:"text"`
-	}
+	var parts []json.RawMessage
 	if err := json.Unmarshal(raw, &parts); err != nil {
 		return "", invalid(fmt.Sprintf("messages[%d].content", i), "content must be a string or an array of content parts")
 	}
+	// Text parts are joined with newlines, as vLLM joins them; what is not
+	// text (an image) is a digest, as kvproxy routes it.
 	var b []byte
-	for _, p := range parts {
+	for j, raw := range parts {
+		var p struct {
+			Type string `json:"type"`
+			Text string `json:"text"`
+		}
+		if err := json.Unmarshal(raw, &p); err != nil || p.Type == "" {
+			return "", invalid(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type")
+		}
+		if j > 0 {
+			b = append(b, '\n')
+		}
 		if p.Type == "text" {
 			b = append(b, p.Text...)
+		} else {
+			b = tokenize.AppendMediaStandIn(b, raw)
 		}
 	}
 	return string(b), nil
@@ -181,21 +233,11 @@ func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiR
 	}
 	var prompt []uint32
 	if chat {
-		if len(req.Messages) == 0 {
-			return nil, nil, 0, invalid("messages", "messages must be a non-empty array")
+		msgs, err := chatMessages(req.Messages)
+		if err != nil {
+			return nil, nil, 0, err
 		}
-		msgs := make([]tokenize.Message, len(req.Messages))
-		for i, m := range req.Messages {
-			if m.Role == "" {
-				return nil, nil, 0, invalid(fmt.Sprintf("messages[%d].role", i), "role is required")
-			}
-			text, err := messageText(m.Content, i)
-			if err != nil {
-				return nil, nil, 0, err
-			}
-			msgs[i] = tokenize.Message{Role: m.Role, Content: text}
-		}
-		if prompt, err = e.enc.TryEncodeChat(nil, msgs, true); err != nil {
+		if prompt, err = e.enc.TryEncodeChatTools(nil, msgs, chatTools(req.Tools), true); err != nil {
 			// vLLM answers 400 when the chat template raises.
 			return nil, nil, 0, invalid("messages", "chat template: %v", err)
 		}

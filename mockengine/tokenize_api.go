@@ -3,8 +3,6 @@ package mockengine
 import (
 	"encoding/json"
 	"net/http"
-
-	"github.com/kvproxy/kvproxy/tokenize"
 )
 
 // tokenizeRequest is vLLM's POST /tokenize body: a completions prompt, or
@@ -13,6 +11,7 @@ type tokenizeRequest struct {
 	Model               string          `json:"model"`
 	Prompt              json.RawMessage `json:"prompt"`
 	Messages            []apiMessage    `json:"messages"`
+	Tools               json.RawMessage `json:"tools"`
 	AddGenerationPrompt *bool           `json:"add_generation_prompt"`
 }
 
@@ -28,21 +27,13 @@ func (e *Engine) serveTokenize(w http.ResponseWriter, r *http.Request) {
 	var ids []uint32
 	switch {
 	case req.Messages != nil:
-		if len(req.Messages) == 0 {
-			e.fail(w, invalid("messages", "messages must be a non-empty array"))
+		msgs, err := chatMessages(req.Messages)
+		if err != nil {
+			e.fail(w, err)
 			return
 		}
-		msgs := make([]tokenize.Message, len(req.Messages))
-		for i, m := range req.Messages {
-			text, err := messageText(m.Content, i)
-			if err != nil {
-				e.fail(w, err)
-				return
-			}
-			msgs[i] = tokenize.Message{Role: m.Role, Content: text}
-		}
 		gen := req.AddGenerationPrompt == nil || *req.AddGenerationPrompt
-		if ids, err = e.enc.TryEncodeChat(nil, msgs, gen); err != nil {
+		if ids, err = e.enc.TryEncodeChatTools(nil, msgs, chatTools(req.Tools), gen); err != nil {
 			e.fail(w, invalid("messages", "chat template: %v", err))
 			return
 		}

@@ -196,11 +196,11 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		if err != nil {
 			// Route by load alone rather than fail the request.
 			s.log.Warn().Str("request_id", rid).Err(err).Msg("engine tokenization failed")
-			ids, counted = nil, (len(req.fields.Messages)+len(req.fields.Prompt)+3)/4
+			ids, counted = nil, (req.textBytes()+3)/4
 		}
 		tokens = ids
 	case chat:
-		tokens = p.enc.EncodeChat(tokens[:0], req.messages, req.addGenPrompt)
+		tokens = p.enc.EncodeChatTools(tokens[:0], req.messages, req.tools, req.addGenPrompt)
 		sc.tokens = tokens
 	default:
 		tokens = p.enc.EncodePrompt(tokens[:0], req.promptText)

@@ -69,6 +69,7 @@ type apiRequest struct {
 	stream   bool
 	nv       nvext
 	messages []tokenize.Message
+	tools    string // chat: the tools, JSON (an array), "" for none
 	// completions: the prompt as text, or as token ids
 	promptText   string
 	promptTokens []uint32
@@ -144,6 +145,8 @@ func (r *apiRequest) parse(body []byte, chat bool) *paramError {
 			f.Prompt = m.value
 		case keyIs(m.key, "cache_salt"):
 			f.CacheSalt = m.value
+		case keyIs(m.key, "tools"):
+			f.Tools = m.value
 		}
 	}
 	if f.Model == nil {
@@ -181,6 +184,9 @@ func (r *apiRequest) parse(body []byte, chat bool) *paramError {
 		}
 	}
 	if chat {
+		if pe := r.parseTools(); pe != nil {
+			return pe
+		}
 		return r.parseMessages()
 	}
 	return r.parsePrompt()
@@ -198,10 +204,47 @@ func jsonBool(v []byte) (value, ok bool) {
 	return false, false
 }
 
+// parseTools keeps the tools, which the engine's chat template renders into
+// the prompt (an empty array renders none).
+func (r *apiRequest) parseTools() *paramError {
+	raw := r.fields.Tools
+	if raw == nil || isNull(raw) {
+		return nil
+	}
+	if raw[0] != '[' {
+		return perr("tools", "tools must be an array of tool objects")
+	}
+	n := 0
+	for e := (elements{b: raw}); e.next(); n++ {
+		if e.value[0] != '{' {
+			return perr(fmt.Sprintf("tools[%d]", n), "tools must be an array of tool objects")
+		}
+	}
+	if n > 0 {
+		r.tools = unsafe.String(&raw[0], len(raw))
+	}
+	return nil
+}
+
 // wireMessage is one element of messages as scanned: raw JSON values, nil
 // when absent.
 type wireMessage struct {
-	role, content, toolCalls []byte
+	role, content, toolCalls, toolCallID, name []byte
+}
+
+// checkTypes checks the members the engine's template may render, in a
+// fixed order (the last of a repeated member counts, as in Python).
+func (w *wireMessage) checkTypes(i int) *paramError {
+	if v := w.toolCalls; v != nil && v[0] != '[' && !isNull(v) {
+		return perr(fmt.Sprintf("messages[%d].tool_calls", i), "tool_calls must be an array of tool calls")
+	}
+	if v := w.toolCallID; v != nil && v[0] != '"' && !isNull(v) {
+		return perr(fmt.Sprintf("messages[%d].tool_call_id", i), "tool_call_id must be a string")
+	}
+	if v := w.name; v != nil && v[0] != '"' && !isNull(v) {
+		return perr(fmt.Sprintf("messages[%d].name", i), "name must be a string")
+	}
+	return nil
 }
 
 func (r *apiRequest) parseMessages() *paramError {
@@ -238,11 +281,14 @@ func (r *apiRequest) parseMessages() *paramError {
 					w.content = v
 				case keyIs(m.key, "tool_calls"):
 					w.toolCalls = v
+				case keyIs(m.key, "tool_call_id"):
+					w.toolCallID = v
 				case keyIs(m.key, "name"):
-					if v[0] != '"' && !isNull(v) {
-						return perr("messages", notMessages)
-					}
+					w.name = v
 				}
+			}
+			if pe := w.checkTypes(len(r.wire)); pe != nil {
+				return pe
 			}
 		default:
 			return perr("messages", notMessages)
@@ -265,53 +311,71 @@ func (r *apiRequest) parseMessages() *paramError {
 		if pe != nil {
 			return pe
 		}
-		r.messages = append(r.messages, tokenize.Message{Role: role, Content: content})
+		msg := tokenize.Message{Role: role, Content: content}
+		if calls := w.toolCalls; calls != nil && !isNull(calls) && !emptyArray(calls) {
+			msg.ToolCalls = unsafe.String(&calls[0], len(calls))
+		}
+		if w.toolCallID != nil && !isNull(w.toolCallID) {
+			msg.ToolCallID = r.decodeString(w.toolCallID)
+		}
+		if w.name != nil && !isNull(w.name) {
+			msg.Name = r.decodeString(w.name)
+		}
+		r.messages = append(r.messages, msg)
 	}
 	return nil
 }
 
 // flattenContent is the routed text of a message: its content string, or
-// its content parts joined, followed by its tool calls.
+// its content parts joined by newlines as vLLM joins them.
 func (r *apiRequest) flattenContent(w *wireMessage, i int) (string, *paramError) {
-	raw, calls := w.content, w.toolCalls
-	if len(calls) == 0 || isNull(calls) {
-		calls = nil
-	}
+	raw := w.content
 	if len(raw) == 0 || isNull(raw) {
-		raw = nil
+		return "", nil
 	}
-	if raw != nil && raw[0] == '"' && calls == nil {
+	if raw[0] == '"' {
 		return r.decodeString(raw), nil
 	}
-	start := len(r.text)
-	switch {
-	case raw == nil:
-	case raw[0] == '"':
-		r.text = appendJSONString(r.text, raw)
-	case raw[0] == '[':
-		j := 0
-		for e := (elements{b: raw}); e.next(); j++ {
-			typ, text, ok := contentPart(e.value)
-			if !ok || typ == nil || string(typ) == `""` {
-				return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type")
-			}
-			if string(typ) == `"text"` || textType(typ) {
-				if text != nil {
-					r.text = appendJSONString(r.text, text)
-				}
-			} else {
-				// Images and audio change what the engine caches; their raw
-				// JSON stands in for them in the routed prompt.
-				r.text = append(r.text, e.value...)
-			}
-		}
-	default:
+	if raw[0] != '[' {
 		return "", perr(fmt.Sprintf("messages[%d].content", i), "content must be a string or an array of content parts")
 	}
-	// Tool calls are part of what the engine caches: keep them in the
-	// routed text so two histories with different calls differ.
-	r.text = append(r.text, calls...)
+	start := len(r.text)
+	j := 0
+	for e := (elements{b: raw}); e.next(); j++ {
+		typ, text, ok := contentPart(e.value)
+		if !ok || typ == nil || string(typ) == `""` {
+			return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type")
+		}
+		if j > 0 {
+			r.text = append(r.text, '\n')
+		}
+		if string(typ) == `"text"` || textType(typ) {
+			if text != nil {
+				r.text = appendJSONString(r.text, text)
+			}
+		} else {
+			// Images and audio change what the engine caches: a digest
+			// stands for each in the routed prompt.
+			r.text = tokenize.AppendMediaStandIn(r.text, e.value)
+		}
+	}
 	return r.textFrom(start), nil
+}
+
+// textBytes is the size of the prompt's text: the completions prompt as
+// sent, or the messages as routed (an image as its digest) with their tool
+// calls and the tools.
+func (r *apiRequest) textBytes() int {
+	n := len(r.fields.Prompt) + len(r.tools)
+	for i := range r.messages {
+		n += len(r.messages[i].Content) + len(r.messages[i].ToolCalls)
+	}
+	return n
+}
+
+// emptyArray reports whether v, valid JSON, is an empty array.
+func emptyArray(v []byte) bool {
+	return v[0] == '[' && len(bytes.TrimSpace(v[1:len(v)-1])) == 0
 }
 
 // contentPart reads a content part: an object whose type and text are
@@ -452,6 +516,7 @@ type wireFields struct {
 	Messages            json.RawMessage `json:"messages"`
 	Prompt              json.RawMessage `json:"prompt"`
 	CacheSalt           json.RawMessage `json:"cache_salt"`
+	Tools               json.RawMessage `json:"tools"`
 }
 
 // setBody checks that body is one valid JSON object and keeps it.

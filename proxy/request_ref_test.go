@@ -27,6 +27,7 @@ type refRequest struct {
 	promptTokens []uint32
 	hasTokens    bool
 	addGenPrompt bool
+	tools        string
 }
 
 type refWireFields struct {
@@ -77,6 +78,9 @@ func refParseRequest(body []byte, chat bool) (*refRequest, *paramError) {
 		}
 	}
 	if chat {
+		if pe := r.refParseTools(top["tools"]); pe != nil {
+			return nil, pe
+		}
 		if pe := r.refParseMessages(); pe != nil {
 			return nil, pe
 		}
@@ -151,26 +155,53 @@ func refNvext(raw []byte, n *nvext) error {
 	return nil
 }
 
-type refWireMessage struct {
-	Role      string
-	Content   json.RawMessage
-	ToolCalls json.RawMessage
+func (r *refRequest) refParseTools(raw json.RawMessage) *paramError {
+	if raw == nil || string(raw) == "null" {
+		return nil
+	}
+	var tools []json.RawMessage
+	if err := json.Unmarshal(raw, &tools); err != nil {
+		return perr("tools", "tools must be an array of tool objects")
+	}
+	for i, t := range tools {
+		if t[0] != '{' {
+			return perr(fmt.Sprintf("tools[%d]", i), "tools must be an array of tool objects")
+		}
+	}
+	if len(tools) > 0 {
+		r.tools = string(raw)
+	}
+	return nil
 }
 
-func refMessage(raw json.RawMessage) (refWireMessage, error) {
-	var w refWireMessage
+type refWireMessage struct {
+	Role             string
+	Content          json.RawMessage
+	ToolCalls        json.RawMessage
+	ToolCallID, Name string
+}
+
+// refMessage decodes a message: err for one that is not an object with a
+// string role, pe for a member of the wrong type.
+func refMessage(raw json.RawMessage, i int) (w refWireMessage, err error, pe *paramError) {
 	m, err := refMembers(raw)
 	if err != nil {
-		return w, err
+		return w, err, nil
 	}
 	if w.Role, err = refString(m["role"]); err != nil {
-		return w, err
-	}
-	if _, err = refString(m["name"]); err != nil {
-		return w, err
+		return w, err, nil
 	}
 	w.Content, w.ToolCalls = m["content"], m["tool_calls"]
-	return w, nil
+	if v := w.ToolCalls; v != nil && v[0] != '[' && string(v) != "null" {
+		return w, nil, perr(fmt.Sprintf("messages[%d].tool_calls", i), "tool_calls must be an array of tool calls")
+	}
+	if w.ToolCallID, err = refString(m["tool_call_id"]); err != nil {
+		return w, nil, perr(fmt.Sprintf("messages[%d].tool_call_id", i), "tool_call_id must be a string")
+	}
+	if w.Name, err = refString(m["name"]); err != nil {
+		return w, nil, perr(fmt.Sprintf("messages[%d].name", i), "name must be a string")
+	}
+	return w, nil, nil
 }
 
 type refContentPart struct {
@@ -203,8 +234,11 @@ func (r *refRequest) refParseMessages() *paramError {
 	msgs := make([]refWireMessage, len(rawMsgs))
 	for i, m := range rawMsgs {
 		var err error
-		if msgs[i], err = refMessage(m); err != nil {
+		var pe *paramError
+		if msgs[i], err, pe = refMessage(m, i); err != nil {
 			return perr("messages", "messages must be an array of message objects with a string role")
+		} else if pe != nil {
+			return pe
 		}
 	}
 	if len(msgs) == 0 {
@@ -219,12 +253,11 @@ func (r *refRequest) refParseMessages() *paramError {
 		if pe != nil {
 			return pe
 		}
-		if len(m.ToolCalls) > 0 && string(m.ToolCalls) != "null" {
-			// Tool calls are part of what the engine caches: keep them in the
-			// routed text so two histories with different calls differ.
-			content += string(m.ToolCalls)
+		r.messages[i] = tokenize.Message{Role: m.Role, Content: content, ToolCallID: m.ToolCallID, Name: m.Name}
+		var calls []json.RawMessage
+		if json.Unmarshal(m.ToolCalls, &calls) == nil && len(calls) > 0 {
+			r.messages[i].ToolCalls = string(m.ToolCalls)
 		}
-		r.messages[i] = tokenize.Message{Role: m.Role, Content: content}
 	}
 	return nil
 }
@@ -251,12 +284,13 @@ func refFlattenContent(raw json.RawMessage, i int) (string, *paramError) {
 			if err != nil || cp.Type == "" {
 				return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type")
 			}
+			if j > 0 { // vLLM joins the parts with newlines
+				b = append(b, '\n')
+			}
 			if cp.Type == "text" {
 				b = append(b, cp.Text...)
 			} else {
-				// Images and audio change what the engine caches; their raw
-				// JSON stands in for them in the routed prompt.
-				b = append(b, p...)
+				b = tokenize.AppendMediaStandIn(b, p)
 			}
 		}
 		return string(b), nil

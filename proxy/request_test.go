@@ -3,11 +3,15 @@ package proxy
 import (
 	"bytes"
 	"reflect"
+	"strings"
 	"testing"
+
+	"github.com/kvproxy/kvproxy/tokenize"
 )
 
 // TestParseRequestStrings: strings decode as encoding/json decodes them,
-// whether or not they need decoding, and content parts and tool calls join.
+// whether or not they need decoding, and content parts join with newlines
+// (vLLM's "\n".join); tool calls are kept apart from the content.
 func TestParseRequestStrings(t *testing.T) {
 	cases := []struct {
 		name, messages string
@@ -23,9 +27,9 @@ func TestParseRequestStrings(t *testing.T) {
 		{"names match exactly", `[{"role":"user","Role":"tool","content":"x","CONTENT":"y"}]`, []string{"user", "x"}},
 		{"last member wins, null too", `[{"role":"tool","role":"user","content":"a","content":"b"},{"role":"user","content":"c","content":null}]`, []string{"user", "b", "user", ""}},
 		{"parts", `[{"role":"user","content":[{"type":"text","text":"a\n"},{"type":"image_url","image_url":{"url":"u"}} ,{"type":"t\u0065xt","text":"\u00e9"},{"type":"text"}]}]`,
-			[]string{"user", `a` + "\n" + `{"type":"image_url","image_url":{"url":"u"}}é`}},
+			[]string{"user", "a\n\n" + string(tokenize.AppendMediaStandIn(nil, []byte(`{"type":"image_url","image_url":{"url":"u"}}`))) + "\né\n"}},
 		{"tool calls", `[{"role":"assistant","content":"c\n","tool_calls":[{"id":"1"}]},{"role":"tool","content":null,"tool_calls":[2]}]`,
-			[]string{"assistant", "c\n" + `[{"id":"1"}]`, "tool", `[2]`}},
+			[]string{"assistant", "c\n", "tool", ""}},
 		{"backslashes before a quote", `[{"role":"user","content":"x\\"},{"role":"user","content":"\\\"y\\\\"}]`, []string{"user", `x\`, "user", `\"y\\`}},
 		{"no content", `[{"role":"system"},{"role":"user","content":null,"name":"n"}]`, []string{"system", "", "user", ""}},
 	}
@@ -47,6 +51,32 @@ func TestParseRequestStrings(t *testing.T) {
 				t.Fatalf("got %q\nwant %q", got, c.want)
 			}
 		})
+	}
+}
+
+// TestParseRequestMedia: an image's data: URL, megabytes of base64, is a
+// short digest in the routed prompt, the same for the same image and
+// another for another one (found by a user trial: a phone photo counted as
+// 287k prompt tokens and was refused).
+func TestParseRequestMedia(t *testing.T) {
+	image := func(data string) string {
+		return `{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"what is this?"},` +
+			`{"type":"image_url","image_url":{"url":"data:image/jpeg;base64,` + data + `"}}]}]}`
+	}
+	big := strings.Repeat("QUJD", 250_000) // 1 MB of base64
+	var contents []string
+	for _, body := range []string{image(big), image(big), image(big[4:])} {
+		req, pe := parseRequest([]byte(body), true)
+		if pe != nil {
+			t.Fatal(pe.msg)
+		}
+		contents = append(contents, req.messages[0].Content)
+	}
+	if len(contents[0]) > 64 || !strings.HasPrefix(contents[0], "what is this?\n<media ") {
+		t.Fatalf("routed content %.100q (%d bytes)", contents[0], len(contents[0]))
+	}
+	if contents[0] != contents[1] || contents[0] == contents[2] {
+		t.Fatalf("the same image must route the same and another one not: %q", contents)
 	}
 }
 
@@ -80,7 +110,11 @@ func TestParseRequestErrors(t *testing.T) {
 		{`{"model":"m","messages":[]}`, true, "messages", "messages must contain at least one message"},
 		{`{"model":"m","messages":{}}`, true, "messages", notMessages},
 		{`{"model":"m","messages":[{"role":"bad"},{"role":1}]}`, true, "messages", notMessages},
-		{`{"model":"m","messages":[{"role":"user","name":2}]}`, true, "messages", notMessages},
+		{`{"model":"m","messages":[{"role":"user","name":2}]}`, true, "messages[0].name", "name must be a string"},
+		{`{"model":"m","messages":[{"role":"user"},{"role":"tool","tool_call_id":{}},{"role":2}]}`, true, "messages[1].tool_call_id", "tool_call_id must be a string"},
+		{`{"model":"m","messages":[{"role":"assistant","tool_calls":"x","name":1}]}`, true, "messages[0].tool_calls", "tool_calls must be an array of tool calls"},
+		{`{"model":"m","tools":{},"messages":[{"role":"user"}]}`, true, "tools", "tools must be an array of tool objects"},
+		{`{"model":"m","tools":[{},"f"],"messages":[{"role":"user"}]}`, true, "tools[1]", "tools must be an array of tool objects"},
 		{`{"model":"m","messages":[{"role":"user"},3]}`, true, "messages", notMessages},
 		{`{"model":"m","messages":[{"role":"user"},null]}`, true, "messages[1].role", `invalid role "" (want system, developer, user, assistant or tool)`},
 		{`{"model":"m","messages":[{"role":"\u00e9\n"}]}`, true, "messages[0].role", `invalid role "é\n" (want system, developer, user, assistant or tool)`},
@@ -144,6 +178,9 @@ func FuzzParseRequestMatchesDecoder(f *testing.F) {
 		`{"model":"m","prompt":[[1],[2]]}`,
 		"{\"model\":\"m\xff\",\"messages\":[{\"role\":\"user\",\"content\":\"\xe2\x82\"}]}",
 		`{"model":"m","messages":[{"role":"user","content":[{"type":"t\u0065xt","text":"a","text":null},{"type":null,"type":"x"}]}]}`,
+		`{"model":"m","tools":[{"type":"function","function":{"name":"f"}}],"messages":[{"role":"assistant","tool_calls":[{"id":"a","function":{"name":"f","arguments":"{}"}}]},{"role":"tool","tool_call_id":"a","name":"f","name":null,"content":"r"}]}`,
+		`{"model":"m","tools":[],"messages":[{"role":"assistant","tool_calls":[ ],"content":"x"},{"role":"tool","tool_call_id":"\u0061","tool_call_id":3}]}`,
+		`{"model":"m","tools":null,"messages":[{"role":"user","name":"n","name":2},{"role":1}]}`,
 	}
 	for _, s := range seeds {
 		f.Add([]byte(s), true)
@@ -165,6 +202,7 @@ func FuzzParseRequestMatchesDecoder(f *testing.F) {
 		}
 		if got.model != ref.model || got.stream != ref.stream || got.addGenPrompt != ref.addGenPrompt ||
 			got.promptText != ref.promptText || got.hasTokens != ref.hasTokens || !reflect.DeepEqual(got.promptTokens, ref.promptTokens) ||
+			got.tools != ref.tools ||
 			!reflect.DeepEqual(got.nv, ref.nv) || len(got.messages) != len(ref.messages) {
 			t.Fatalf("fields differ:\n%+v\n%+v", got, *ref)
 		}

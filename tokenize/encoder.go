@@ -106,11 +106,18 @@ func PromptSpecialTokens(tok Tokenizer) (prefix, suffix []uint32) {
 // raise_exception), EncodeChat falls back to the raw concatenated contents,
 // still deterministic for routing; use TryEncodeChat to see the error.
 func (e *Encoder) EncodeChat(dst []uint32, msgs []Message, addGenerationPrompt bool) []uint32 {
-	out, err := e.TryEncodeChat(dst, msgs, addGenerationPrompt)
+	return e.EncodeChatTools(dst, msgs, "", addGenerationPrompt)
+}
+
+// EncodeChatTools is EncodeChat for a request with tools: their JSON (an
+// array), which a model's own template renders as vLLM passes them to it.
+func (e *Encoder) EncodeChatTools(dst []uint32, msgs []Message, tools string, addGenerationPrompt bool) []uint32 {
+	out, err := e.TryEncodeChatTools(dst, msgs, tools, addGenerationPrompt)
 	if err != nil {
+		ps, _ := rawTemplate{}.pieces(nil, msgs, tools, false)
 		out = dst
-		for _, m := range msgs {
-			out = e.encodePiece(out, &piece{msg: Message{Content: m.Content}, literal: true}, nil)
+		for i := range ps {
+			out = e.encodePiece(out, &ps[i], nil)
 		}
 	}
 	return out
@@ -120,10 +127,15 @@ func (e *Encoder) EncodeChat(dst []uint32, msgs []Message, addGenerationPrompt b
 // template that rejects the conversation, e.g. roles that do not
 // alternate) instead of falling back; dst is returned unchanged with it.
 func (e *Encoder) TryEncodeChat(dst []uint32, msgs []Message, addGenerationPrompt bool) ([]uint32, error) {
+	return e.TryEncodeChatTools(dst, msgs, "", addGenerationPrompt)
+}
+
+// TryEncodeChatTools is TryEncodeChat for a request with tools.
+func (e *Encoder) TryEncodeChatTools(dst []uint32, msgs []Message, tools string, addGenerationPrompt bool) ([]uint32, error) {
 	s := e.scratch.Get().(*encScratch)
 	defer e.scratch.Put(s)
 	var err error
-	s.pieces, err = e.tmpl.pieces(s.pieces[:0], msgs, addGenerationPrompt)
+	s.pieces, err = e.tmpl.pieces(s.pieces[:0], msgs, tools, addGenerationPrompt)
 	if err != nil {
 		clear(s.pieces)
 		return dst, err
@@ -189,7 +201,11 @@ func pieceKey(p *piece) uint64 {
 	if !p.literal {
 		seed = xxh3.HashString(p.msg.Role)
 	}
-	return xxh3.HashStringSeed(p.msg.Content, seed)
+	key := xxh3.HashStringSeed(p.msg.Content, seed)
+	if !p.literal && p.msg.ToolCalls != "" {
+		key = xxh3.HashStringSeed(p.msg.ToolCalls, key)
+	}
+	return key
 }
 
 type cacheShard struct {
@@ -208,6 +224,7 @@ type cacheEntry struct {
 	literal bool
 	role    string
 	content string
+	calls   string   // the message's ToolCalls
 	ids     []uint32 // never modified once stored
 	ref     atomic.Bool
 }
@@ -219,7 +236,8 @@ func (s *cacheShard) init(max, budget int) {
 }
 
 func (c *cacheEntry) matches(p *piece) bool {
-	return c.literal == p.literal && c.content == p.msg.Content && (p.literal || c.role == p.msg.Role)
+	return c.literal == p.literal && c.content == p.msg.Content &&
+		(p.literal || c.role == p.msg.Role && c.calls == p.msg.ToolCalls)
 }
 
 func (s *cacheShard) get(key uint64, p *piece) ([]uint32, bool) {
@@ -252,6 +270,7 @@ func (s *cacheShard) put(key uint64, p *piece, ids []uint32) {
 	}
 	if !p.literal {
 		stored.role = strings.Clone(p.msg.Role)
+		stored.calls = strings.Clone(p.msg.ToolCalls)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -292,6 +311,6 @@ func (s *cacheShard) evict(i int) {
 }
 
 func (c *cacheEntry) set(from *cacheEntry) {
-	c.key, c.literal, c.role, c.content, c.ids = from.key, from.literal, from.role, from.content, from.ids
+	c.key, c.literal, c.role, c.content, c.calls, c.ids = from.key, from.literal, from.role, from.content, from.calls, from.ids
 	c.ref.Store(false)
 }

