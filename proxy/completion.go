@@ -220,9 +220,12 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		s.logRejected(rid, t.name, req.model, fasthttp.StatusBadRequest, start, "prompt too long")
 		return
 	}
-	if ok, wait := t.tokens.take(float64(counted)); !ok {
-		s.rateLimited(ctx, rid, t.name, req.model, start, wait, "tokens")
-		return
+	dryRun := req.nv.has("query_instance_id") // it computes nothing on an engine: no tokens spent
+	if !dryRun {
+		if ok, wait := t.tokens.take(float64(counted)); !ok {
+			s.rateLimited(ctx, rid, t.name, req.model, start, wait, "tokens")
+			return
+		}
 	}
 	salt, ns := t.salt, t.ns
 	if req.cacheSalt != "" {
@@ -249,7 +252,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		return
 	}
 
-	if req.nv.has("query_instance_id") {
+	if dryRun {
 		t0 := time.Now()
 		d, err := p.rt.Select(rr)
 		s.metrics.route.Observe(time.Since(t0).Seconds())

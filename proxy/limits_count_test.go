@@ -70,3 +70,33 @@ func TestUntokenizedPromptStillCounts(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// A dry run (nvext.annotations: ["query_instance_id"]) computes nothing on
+// an engine, so it spends none of the tenant's token budget (found by the
+// eighth session's trial: three dry runs took a 300-token budget and the
+// next real request got 429). It is still a request: requests_per_second
+// counts it.
+func TestDryRunsSpendNoTokens(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, `
+models: [{name: m, block_size: 16, tokenizer: cl100k_base, template: chatml}]
+backends: [{id: e0, url: 'http://{{e0}}', model: m}]
+auth:
+  keys: [{key: key-small-123, tenant: small}]
+tenants:
+  - {name: small, tokens_per_minute: 300}
+`, e)
+	body := `{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("word ", 100) + `"}]`
+	for i := range 10 {
+		resp, b := postAuth(t, p.url+"/v1/chat/completions", "key-small-123", body+`,"nvext":{"annotations":["query_instance_id"]}}`)
+		if resp.StatusCode != 200 || !strings.Contains(b, "worker_id") {
+			t.Fatalf("dry run %d: %d %s", i, resp.StatusCode, b)
+		}
+	}
+	for i, want := range []int{200, 200, 429} { // ~110 tokens each against 300
+		if resp, b := postAuth(t, p.url+"/v1/chat/completions", "key-small-123", body+`}`); resp.StatusCode != want {
+			t.Fatalf("real request %d after 10 dry runs: %d %s, want %d", i, resp.StatusCode, b, want)
+		}
+	}
+	p.waitIdle(t)
+}
