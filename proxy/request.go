@@ -92,14 +92,6 @@ func perr(param, format string, a ...any) *paramError {
 	return &paramError{param: param, msg: fmt.Sprintf(format, a...)}
 }
 
-func validRole(role string) bool {
-	switch role {
-	case "system", "developer", "user", "assistant", "tool", "function":
-		return true
-	}
-	return false
-}
-
 // parseRequest parses a completion request into a new apiRequest.
 func parseRequest(body []byte, chat bool) (*apiRequest, *paramError) {
 	r := &apiRequest{}
@@ -256,7 +248,7 @@ func (r *apiRequest) parseMessages() *paramError {
 		return perr("messages", "messages must contain at least one message")
 	}
 	// Every element is decoded before any is validated, so a malformed
-	// element anywhere wins over an invalid role earlier on.
+	// element anywhere wins over a missing role earlier on.
 	const notMessages = "messages must be an array of message objects with a string role"
 	if raw[0] != '[' {
 		return perr("messages", notMessages)
@@ -304,8 +296,8 @@ func (r *apiRequest) parseMessages() *paramError {
 		if w.role != nil {
 			role = r.decodeString(w.role)
 		}
-		if !validRole(role) {
-			return perr(fmt.Sprintf("messages[%d].role", i), "invalid role %q (want system, developer, user, assistant or tool)", role)
+		if role == "" { // any other role is the template's to render or refuse (Llama 3.1's ipython)
+			return perr(fmt.Sprintf("messages[%d].role", i), "every message needs a role: a non-empty string such as system, user, assistant or tool")
 		}
 		content, pe := r.flattenContent(w, i)
 		if pe != nil {

@@ -246,8 +246,8 @@ func (r *refRequest) refParseMessages() *paramError {
 	}
 	r.messages = make([]tokenize.Message, len(msgs))
 	for i, m := range msgs {
-		if !refValidRoles[m.Role] {
-			return perr(fmt.Sprintf("messages[%d].role", i), "invalid role %q (want system, developer, user, assistant or tool)", m.Role)
+		if m.Role == "" {
+			return perr(fmt.Sprintf("messages[%d].role", i), "every message needs a role: a non-empty string such as system, user, assistant or tool")
 		}
 		content, pe := refFlattenContent(m.Content, i)
 		if pe != nil {
@@ -339,8 +339,6 @@ func (r *refRequest) refParsePrompt() *paramError {
 	}
 	return perr("prompt", "prompt must be a string, an array of strings, or an array of token ids (integers 0..4294967295)")
 }
-
-var refValidRoles = map[string]bool{"system": true, "developer": true, "user": true, "assistant": true, "tool": true, "function": true}
 
 // forwardBody is the body sent to the engine: the client's body with nvext
 // and any cache_salt removed, model renamed, and the tenant's cache_salt
