@@ -472,14 +472,12 @@ func (b *backend) acquire() bool {
 	select {
 	case b.slots <- struct{}{}:
 	default:
+		b.markFull() // whatever a racing release concluded, the slots are all taken
 		return false
 	}
 	b.inflight.Add(1)
 	if len(b.slots) == cap(b.slots) {
-		b.mu.Lock()
-		b.full = len(b.slots) == cap(b.slots)
-		b.applyLocked()
-		b.mu.Unlock()
+		b.markFull()
 	}
 	return true
 }
@@ -491,9 +489,19 @@ func (b *backend) release() {
 		return
 	}
 	<-b.slots
+	b.markFull()
+}
+
+// markFull sets full from the slots taken now. acquire and release call it
+// after changing the slots, so the last call under the lock sees the last
+// change: a release that freed a slot another request took again before it
+// got the lock leaves the backend full, not selectable with every slot
+// held (which made requests re-route in a loop instead of queueing; found
+// by the eighth session's review).
+func (b *backend) markFull() {
 	b.mu.Lock()
-	if b.full {
-		b.full = false
+	if full := len(b.slots) == cap(b.slots); full != b.full {
+		b.full = full
 		b.applyLocked()
 	}
 	b.mu.Unlock()
