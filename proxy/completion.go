@@ -636,8 +636,17 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			}
 			stream.Close()
 			if rerr != nil {
-				b.failConn(rerr.Error())
-				x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" failed: "+rerr.Error())
+				aborted := errors.Is(rerr, backends.ErrAborted) || x.ab.Aborted()
+				switch {
+				case aborted && s.live.isCut():
+					x.status, x.errMsg = fasthttp.StatusServiceUnavailable, errCutMsg
+					shuttingDown(ctx, errCutMsg)
+				case aborted: // the client hung up: the engine is not at fault
+					x.status = 499
+				default:
+					b.failConn(rerr.Error())
+					x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" failed: "+rerr.Error())
+				}
 				fasthttp.ReleaseResponse(resp)
 				x.finish()
 				return done
