@@ -211,12 +211,26 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		tokens = hint
 		counted = max(counted, len(hint)) // a client's word may count against it, never for it
 	}
-	if counted > lim.MaxPromptTokens {
+	// A batch is routed by its first prompt; the engine computes them all.
+	// Each must fit max_prompt_tokens, and all count for the budget.
+	longest := counted
+	for _, ids := range req.batchTokens {
+		longest, counted = max(longest, len(ids)), counted+len(ids)
+	}
+	for _, text := range req.batchTexts {
+		n := (len(text) + 3) / 4
+		if p.enc != nil {
+			sc.batch = p.enc.EncodePrompt(sc.batch[:0], text)
+			n = len(sc.batch)
+		}
+		longest, counted = max(longest, n), counted+n
+	}
+	if longest > lim.MaxPromptTokens {
 		param := "prompt"
 		if chat {
 			param = "messages"
 		}
-		writeError(ctx, fasthttp.StatusBadRequest, fmt.Sprintf("the prompt has %d tokens, more than the limit of %d", counted, lim.MaxPromptTokens), "invalid_request_error", param, "context_length_exceeded")
+		writeError(ctx, fasthttp.StatusBadRequest, fmt.Sprintf("the prompt has %d tokens, more than the limit of %d", longest, lim.MaxPromptTokens), "invalid_request_error", param, "context_length_exceeded")
 		s.logRejected(rid, t.name, req.model, fasthttp.StatusBadRequest, start, "prompt too long")
 		return
 	}

@@ -74,6 +74,10 @@ type apiRequest struct {
 	promptText   string
 	promptTokens []uint32
 	hasTokens    bool
+	// the rest of a batch (prompt as an array of prompts): routed by the
+	// first, counted whole
+	batchTexts   []string
+	batchTokens  [][]uint32
 	addGenPrompt bool
 	cacheSalt    string // the client's own, within its tenant's (composeSalt)
 
@@ -436,7 +440,7 @@ func (r *apiRequest) parsePrompt() *paramError {
 			if len(strs) == 0 {
 				return perr("prompt", "prompt must not be empty")
 			}
-			r.promptText = strs[0]
+			r.promptText, r.batchTexts = strs[0], strs[1:]
 			return nil
 		}
 		var batch [][]uint32
@@ -444,7 +448,7 @@ func (r *apiRequest) parsePrompt() *paramError {
 			if len(batch) == 0 || len(batch[0]) == 0 {
 				return perr("prompt", "prompt must not be empty")
 			}
-			r.promptTokens, r.hasTokens = batch[0], true
+			r.promptTokens, r.hasTokens, r.batchTokens = batch[0], true, batch[1:]
 			return nil
 		}
 	}

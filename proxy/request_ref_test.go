@@ -28,6 +28,8 @@ type refRequest struct {
 	hasTokens    bool
 	addGenPrompt bool
 	tools        string
+	batchTexts   []string
+	batchTokens  [][]uint32
 }
 
 type refWireFields struct {
@@ -325,7 +327,7 @@ func (r *refRequest) refParsePrompt() *paramError {
 			if len(strs) == 0 {
 				return perr("prompt", "prompt must not be empty")
 			}
-			r.promptText = strs[0]
+			r.promptText, r.batchTexts = strs[0], strs[1:]
 			return nil
 		}
 		var batch [][]uint32
@@ -333,7 +335,7 @@ func (r *refRequest) refParsePrompt() *paramError {
 			if len(batch) == 0 || len(batch[0]) == 0 {
 				return perr("prompt", "prompt must not be empty")
 			}
-			r.promptTokens, r.hasTokens = batch[0], true
+			r.promptTokens, r.hasTokens, r.batchTokens = batch[0], true, batch[1:]
 			return nil
 		}
 	}

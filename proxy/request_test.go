@@ -181,6 +181,8 @@ func FuzzParseRequestMatchesDecoder(f *testing.F) {
 		`{"model":"m","tools":[{"type":"function","function":{"name":"f"}}],"messages":[{"role":"assistant","tool_calls":[{"id":"a","function":{"name":"f","arguments":"{}"}}]},{"role":"tool","tool_call_id":"a","name":"f","name":null,"content":"r"}]}`,
 		`{"model":"m","tools":[],"messages":[{"role":"assistant","tool_calls":[ ],"content":"x"},{"role":"tool","tool_call_id":"\u0061","tool_call_id":3}]}`,
 		`{"model":"m","tools":null,"messages":[{"role":"user","name":"n","name":2},{"role":1}]}`,
+		`{"model":"m","prompt":["a","b\n",""]}`,
+		`{"model":"m","prompt":[[1,2],[3],[]]}`,
 	}
 	for _, s := range seeds {
 		f.Add([]byte(s), true)
@@ -202,7 +204,7 @@ func FuzzParseRequestMatchesDecoder(f *testing.F) {
 		}
 		if got.model != ref.model || got.stream != ref.stream || got.addGenPrompt != ref.addGenPrompt ||
 			got.promptText != ref.promptText || got.hasTokens != ref.hasTokens || !reflect.DeepEqual(got.promptTokens, ref.promptTokens) ||
-			got.tools != ref.tools ||
+			got.tools != ref.tools || !reflect.DeepEqual(got.batchTexts, ref.batchTexts) || !reflect.DeepEqual(got.batchTokens, ref.batchTokens) ||
 			!reflect.DeepEqual(got.nv, ref.nv) || len(got.messages) != len(ref.messages) {
 			t.Fatalf("fields differ:\n%+v\n%+v", got, *ref)
 		}

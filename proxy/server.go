@@ -770,6 +770,7 @@ func (f fasthttpLogger) Printf(format string, args ...any) {
 type scratch struct {
 	req    apiRequest
 	tokens []uint32
+	batch  []uint32 // a batch's other prompts, counted one by one
 	hashes []kv.BlockHash
 	route  router.Request
 	cands  []router.Candidate // Request.CandidateBuf
