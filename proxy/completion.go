@@ -31,7 +31,8 @@ type exchange struct {
 	model    string
 	path     string // the engine's endpoint
 	stream   bool
-	start    time.Time
+	start    time.Time // the request's arrival
+	sent     time.Time // the current attempt's, to the engine
 	p        *modelPool
 	b        *backend
 	d        router.Decision
@@ -590,6 +591,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	}
 	*at = attempt{ab: x.ab, active: active}
 	x.watch = s.watcher.Watch(ctx.Conn(), at)
+	x.sent = time.Now()
 	resp := fasthttp.AcquireResponse()
 	stream, err := b.up.Do(fr, resp, x.stream || x.pass, x.ab)
 	if err != nil {

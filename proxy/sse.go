@@ -292,9 +292,13 @@ func (r *relay) onData(data []byte) {
 	x := r.x
 	if !r.sawFirst {
 		r.sawFirst = true
-		x.ttft = time.Since(x.start)
+		now := time.Now()
+		x.ttft = now.Sub(x.start)
 		x.active.PrefillDone()
-		x.active.ObserveTTFT(x.ttft)
+		// The engine's part only: time in kvproxy's queue, on /tokenize
+		// or on refused attempts is not the engine being slow (calibration
+		// took it for that; found by the eighth session's review).
+		x.active.ObserveTTFT(now.Sub(x.sent))
 		x.s.metrics.observeTTFT(x.b.cfg.ID, x.ttft.Seconds())
 	}
 	if carriesToken(data) {
