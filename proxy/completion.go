@@ -264,6 +264,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		rr.Pin, rr.Pinned = w, true
 	} else if len(req.nv.BackendInstanceID) > 0 && string(req.nv.BackendInstanceID) != "null" {
 		badRequest(ctx, "nvext.backend_instance_id", "backend_instance_id must be a backend id string or a numeric instance id")
+		s.logRejected(rid, t.name, req.model, fasthttp.StatusBadRequest, start, "bad backend_instance_id")
 		return
 	}
 
@@ -339,6 +340,7 @@ func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *e
 		if err != nil {
 			x.release()
 			writeError(ctx, fasthttp.StatusInternalServerError, "could not encode the request for the engine", "server_error", "", "")
+			s.logRejected(rid, x.tenant, x.model, fasthttp.StatusInternalServerError, start, "request not encodable for the engine")
 			return
 		}
 		s.live.add(x)

@@ -100,3 +100,17 @@ tenants:
 	}
 	p.waitIdle(t)
 }
+
+// A request refused for a malformed nvext.backend_instance_id has its
+// access-log line like every other refusal.
+func TestBadPinIsLogged(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","nvext":{"backend_instance_id":true}}`)
+	if resp.StatusCode != 400 || !strings.Contains(string(b), "backend_instance_id") {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	if !strings.Contains(p.logs.String(), `"status":400,`) || !strings.Contains(p.logs.String(), "bad backend_instance_id") {
+		t.Fatalf("no access-log line for the refusal:\n%s", p.logs.String())
+	}
+}
