@@ -129,15 +129,16 @@ func TestKeysTenantsAndCacheSalt(t *testing.T) {
 		t.Logf("beta overlap %d/%d", d.OverlapBlocks, d.TotalBlocks)
 	}
 
-	// Admin endpoints take the admin key, not a tenant key.
-	for _, k := range []string{"", "key-alpha-123"} {
+	// Admin endpoints take the admin key, not a tenant key: no key or an
+	// unknown one is a 401, a client's key a 403.
+	for k, want := range map[string]int{"": 401, "no-such-key-99": 401, "key-alpha-123": 403} {
 		req, _ := http.NewRequest("GET", p.url+"/admin/backends", nil)
 		if k != "" {
 			req.Header.Set("Authorization", "Bearer "+k)
 		}
 		resp, _ := http.DefaultClient.Do(req)
-		if resp.StatusCode != 401 {
-			t.Fatalf("admin with %q: %d", k, resp.StatusCode)
+		if resp.StatusCode != want {
+			t.Fatalf("admin with %q: %d, want %d", k, resp.StatusCode, want)
 		}
 	}
 	req, _ := http.NewRequest("GET", p.url+"/admin/backends", nil)
