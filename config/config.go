@@ -33,6 +33,15 @@ type Config struct {
 	Auth     Auth      `yaml:"auth"`
 	Tenants  []Tenant  `yaml:"tenants"`
 	Replicas Replicas  `yaml:"replicas"`
+	CORS     CORS      `yaml:"cors"`
+}
+
+// CORS lets web pages on other origins call kvproxy from a browser. Left
+// out, every origin may (as vLLM and OpenAI's API allow): keys are sent as
+// bearer tokens, never as cookies, so a page can only use a key it holds.
+// An empty list turns CORS off.
+type CORS struct {
+	AllowedOrigins []string `yaml:"allowed_origins"` // "*", or origins such as https://app.example.com
 }
 
 // TLS makes kvproxy's listener serve HTTPS with a certificate and key in
@@ -406,6 +415,9 @@ func (c *Config) applyDefaults() {
 	if c.Listen == "" {
 		c.Listen = "127.0.0.1:8080"
 	}
+	if c.CORS.AllowedOrigins == nil {
+		c.CORS.AllowedOrigins = []string{"*"}
+	}
 	if c.LogLevel == "" {
 		c.LogLevel = "info"
 	}
@@ -714,6 +726,11 @@ func (c *Config) Validate() error {
 	}
 	if iv := c.Replicas.Interval; iv > 0 && iv < 10*time.Millisecond {
 		add("replicas.interval", "must be at least 10ms, got %v", iv)
+	}
+	for i, o := range c.CORS.AllowedOrigins {
+		if u, err := url.Parse(o); o != "*" && (err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.Path != "" || u.RawQuery != "") {
+			add(fmt.Sprintf("cors.allowed_origins[%d]", i), `want "*" or an origin such as https://app.example.com, got %q`, o)
+		}
 	}
 	tenants := map[string]bool{}
 	for i, t := range c.Tenants {

@@ -595,6 +595,9 @@ func (s *Server) routes() map[string]route {
 // handle dispatches a request. Completions check their key themselves
 // (after counting the request), other endpoints here.
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
+	if s.cors(ctx, s.st.Load()) {
+		return // a preflight
+	}
 	r, ok := s.routeTable[string(ctx.Path())]
 	if !ok && bytes.HasPrefix(ctx.Path(), modelPathPrefix) {
 		r, ok = route{fasthttp.MethodGet, client, s.handleModel}, true

@@ -1,0 +1,76 @@
+package proxy
+
+import (
+	"net/http"
+	"strings"
+	"testing"
+)
+
+// A browser page on another origin can call kvproxy as it calls vLLM or
+// OpenAI's API: the preflight is answered without a key, and answers
+// (errors and streams too) carry Access-Control-Allow-Origin. An origin
+// left out of cors.allowed_origins gets no CORS headers, and an empty list
+// turns CORS off (found by the eighth session's trial: OPTIONS got 405).
+func TestCORS(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	do := func(p *testProxy, method, path, origin, key, body string) *http.Response {
+		t.Helper()
+		req, _ := http.NewRequest(method, p.url+path, strings.NewReader(body))
+		if origin != "" {
+			req.Header.Set("Origin", origin)
+		}
+		if method == "OPTIONS" {
+			req.Header.Set("Access-Control-Request-Method", "POST")
+			req.Header.Set("Access-Control-Request-Headers", "authorization, content-type, x-stainless-os")
+		}
+		if key != "" {
+			req.Header.Set("Authorization", "Bearer "+key)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp
+	}
+	keys := "\nauth: {keys: [{key: key-web-12345, tenant: web}]}\ntenants: [{name: web}]\n"
+	chat := `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`
+
+	p := startProxyYAML(t, "models: [{name: m, block_size: 16}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]"+keys, e)
+	pre := do(p, "OPTIONS", "/v1/chat/completions", "https://app.example.com", "", "")
+	if pre.StatusCode != 204 || pre.Header.Get("Access-Control-Allow-Origin") != "*" ||
+		!strings.Contains(pre.Header.Get("Access-Control-Allow-Methods"), "POST") ||
+		pre.Header.Get("Access-Control-Allow-Headers") != "authorization, content-type, x-stainless-os" {
+		t.Fatalf("preflight: %d %v", pre.StatusCode, pre.Header)
+	}
+	for _, c := range []struct {
+		key    string
+		status int
+	}{{"key-web-12345", 200}, {"", 401}} {
+		resp := do(p, "POST", "/v1/chat/completions", "https://app.example.com", c.key, chat)
+		if resp.StatusCode != c.status || resp.Header.Get("Access-Control-Allow-Origin") != "*" ||
+			!strings.Contains(resp.Header.Get("Access-Control-Expose-Headers"), "X-Request-Id") {
+			t.Fatalf("key %q: %d %v", c.key, resp.StatusCode, resp.Header)
+		}
+	}
+	if resp := do(p, "POST", "/v1/chat/completions", "", "key-web-12345", chat); resp.Header.Get("Access-Control-Allow-Origin") != "" {
+		t.Fatalf("no Origin, yet CORS headers: %v", resp.Header)
+	}
+
+	p = startProxyYAML(t, "models: [{name: m, block_size: 16}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]"+keys+
+		"cors: {allowed_origins: ['https://app.example.com']}\n", e)
+	if resp := do(p, "POST", "/v1/chat/completions", "https://app.example.com", "key-web-12345", chat); resp.Header.Get("Access-Control-Allow-Origin") != "https://app.example.com" ||
+		resp.Header.Get("Vary") != "Origin" {
+		t.Fatalf("a listed origin: %v", resp.Header)
+	}
+	if resp := do(p, "OPTIONS", "/v1/chat/completions", "https://evil.example.net", "", ""); resp.Header.Get("Access-Control-Allow-Origin") != "" || resp.StatusCode == 204 {
+		t.Fatalf("an origin not listed: %d %v", resp.StatusCode, resp.Header)
+	}
+
+	p = startProxyYAML(t, "models: [{name: m, block_size: 16}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]"+keys+
+		"cors: {allowed_origins: []}\n", e)
+	if resp := do(p, "OPTIONS", "/v1/chat/completions", "https://app.example.com", "", ""); resp.Header.Get("Access-Control-Allow-Origin") != "" || resp.StatusCode == 204 {
+		t.Fatalf("CORS off: %d %v", resp.StatusCode, resp.Header)
+	}
+	p.waitIdle(t)
+}
