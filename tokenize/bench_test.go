@@ -3,6 +3,7 @@ package tokenize
 import (
 	"fmt"
 	"strconv"
+	"strings"
 	"testing"
 )
 
@@ -168,6 +169,58 @@ func BenchmarkEncodeChatTurn20HF(b *testing.B) {
 			dst := enc.EncodeChat(nil, msgs, true)
 			for b.Loop() {
 				dst = enc.EncodeChat(dst[:0], msgs, true)
+			}
+			b.ReportMetric(float64(ntok), "tokens/op")
+		})
+	}
+}
+
+// BenchmarkEncodeAgentTurnHF is the warm case of BenchmarkEncodeChatTurn20HF
+// for an agent: Qwen 3's own template with 4 tools (about 1,000 tokens of
+// JSON schema) and a history of 6 tool calls and their answers, the last
+// message new. The tools and each call's arguments are decoded from JSON
+// and rendered with tojson on every request; "bare" is the same
+// conversation without tools or calls, for the cost of both.
+func BenchmarkEncodeAgentTurnHF(b *testing.B) {
+	tok, tmpl := loadRefModel(b, "qwen3")
+	var tools []string
+	for i := range 4 {
+		tools = append(tools, fmt.Sprintf(`{"type":"function","function":{"name":"tool_%d","description":"%s",`+
+			`"parameters":{"type":"object","properties":{"query":{"type":"string","description":"%s"},"limit":{"type":"integer","minimum":1,"maximum":100},`+
+			`"filters":{"type":"array","items":{"type":"string","enum":["recent","popular","verified","archived"]}}},"required":["query"]}}}`,
+			i, longText(60), longText(20)))
+	}
+	toolsJSON := "[" + strings.Join(tools, ",") + "]"
+	agent := []Message{{Role: "system", Content: "You are an agent. " + longText(80)}, {Role: "user", Content: longText(40)}}
+	for i := range 6 {
+		agent = append(agent,
+			Message{Role: "assistant", Content: "Let me look that up.", ToolCalls: fmt.Sprintf(
+				`[{"id":"call_%d","type":"function","function":{"name":"tool_%d","arguments":"{\"query\":\"%s\",\"limit\":%d,\"filters\":[\"recent\"]}"}}]`,
+				i, i%4, longText(8), 10+i)},
+			Message{Role: "tool", ToolCallID: fmt.Sprintf("call_%d", i), Content: longText(120)})
+	}
+	agent = append(agent, Message{Role: "user", Content: "And then?"})
+	bare := make([]Message, len(agent))
+	for i, m := range agent {
+		bare[i] = Message{Role: m.Role, Content: m.Content}
+	}
+	for _, c := range []struct {
+		name  string
+		msgs  []Message
+		tools string
+	}{{"tools", agent, toolsJSON}, {"bare", bare, ""}} {
+		b.Run("qwen3/warm/"+c.name, func(b *testing.B) {
+			b.ReportAllocs()
+			enc := NewEncoder(tok, tmpl, 0)
+			conv := append([]Message(nil), c.msgs...)
+			last := conv[len(conv)-1].Content
+			ntok := len(enc.EncodeChatTools(nil, conv, c.tools, true))
+			dst := make([]uint32, 0, ntok+8)
+			i := 0
+			for b.Loop() {
+				i++
+				conv[len(conv)-1].Content = last + strconv.Itoa(i)
+				dst = enc.EncodeChatTools(dst[:0], conv, c.tools, true)
 			}
 			b.ReportMetric(float64(ntok), "tokens/op")
 		})
