@@ -165,6 +165,16 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		return
 	}
 	p := st.models[req.model]
+	if req.fields.Model == nil {
+		// As vLLM allows: no model means the one served.
+		if len(st.pools) != 1 {
+			badRequest(ctx, "model", "you must provide a model parameter (kvproxy serves several models)")
+			s.logRejected(rid, t.name, "", fasthttp.StatusBadRequest, start, "no model")
+			return
+		}
+		p = st.pools[0]
+		req.model = p.cfg.Name
+	}
 	if p == nil {
 		writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", req.model), "invalid_request_error", "model", "model_not_found")
 		s.logRejected(rid, t.name, req.model, fasthttp.StatusNotFound, start, "unknown model")

@@ -288,3 +288,32 @@ func TestPassthroughBodyBrokenOff(t *testing.T) {
 		t.Fatal("a client leaving ejected the engine")
 	}
 }
+
+// TestCompletionsWithoutModel: chat and completions may leave the model
+// out (or send null), as vLLM allows: with one model configured they go to
+// it; with several they are a 400 naming model (from the eighth session's
+// trial).
+func TestCompletionsWithoutModel(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	for path, body := range map[string]string{
+		"/v1/chat/completions": `{"messages":[{"role":"user","content":"hi"}]}`,
+		"/v1/completions":      `{"model":null,"prompt":"hi","stream":true}`,
+	} {
+		if resp, b := post(t, p.url+path, body); resp.StatusCode != 200 || e.lastBody()["model"] != "engine-m" {
+			t.Fatalf("%s %s: %d %s, the engine got %v", path, body, resp.StatusCode, b, e.lastBody())
+		}
+	}
+	p.waitIdle(t)
+
+	two := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml}, {name: n, tokenizer: cl100k_base, template: chatml}]\n"+
+		"backends: [{id: e0, url: 'http://{{e0}}', model: m}, {id: e1, url: 'http://{{e0}}', model: n}]\n", e)
+	resp, b := post(t, two.url+"/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}]}`)
+	var answer struct {
+		Error *struct{ Param, Message string }
+	}
+	json.Unmarshal([]byte(b), &answer)
+	if resp.StatusCode != 400 || answer.Error == nil || answer.Error.Param != "model" || !strings.Contains(answer.Error.Message, "several models") {
+		t.Fatalf("two models, none named: %d %s", resp.StatusCode, b)
+	}
+}

@@ -341,7 +341,7 @@ func TestErrorsAreOpenAIShaped(t *testing.T) {
 	}{
 		{"malformed json", "/v1/chat/completions", `{"model":`, 400, "", ""},
 		{"not an object", "/v1/chat/completions", `[1,2]`, 400, "", ""},
-		{"missing model", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}]}`, 400, "model", ""},
+		{"model not a string", "/v1/chat/completions", `{"model":7,"messages":[{"role":"user","content":"x"}]}`, 400, "model", ""},
 		{"missing messages", "/v1/chat/completions", `{"model":"m"}`, 400, "messages", ""},
 		{"empty messages", "/v1/chat/completions", `{"model":"m","messages":[]}`, 400, "messages", ""},
 		{"no role", "/v1/chat/completions", `{"model":"m","messages":[{"role":"","content":"x"}]}`, 400, "messages[0].role", ""},

@@ -145,14 +145,16 @@ func (r *apiRequest) parse(body []byte, chat bool) *paramError {
 			f.Tools = m.value
 		}
 	}
-	if f.Model == nil {
-		return perr("model", "you must provide a model parameter")
+	if f.Model != nil && isNull(f.Model) {
+		f.Model = nil // vLLM's None: no model
 	}
-	if f.Model[0] == '"' {
-		r.model = r.decodeString(f.Model)
-	}
-	if r.model == "" {
-		return perr("model", "model must be a non-empty string")
+	if f.Model != nil { // none: the caller decides (vLLM: the one it serves)
+		if f.Model[0] == '"' {
+			r.model = r.decodeString(f.Model)
+		}
+		if r.model == "" {
+			return perr("model", "model must be a non-empty string")
+		}
 	}
 	if raw := f.Stream; raw != nil && !isNull(raw) {
 		var ok bool

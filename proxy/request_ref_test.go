@@ -57,12 +57,13 @@ func refParseRequest(body []byte, chat bool) (*refRequest, *paramError) {
 	r.refFields = refWireFields{Model: top["model"], Stream: top["stream"], Nvext: top["nvext"],
 		AddGenerationPrompt: top["add_generation_prompt"], Messages: top["messages"], Prompt: top["prompt"]}
 	r.body = trimmed
-	raw, ok := r.refFields.Model, r.refFields.Model != nil
-	if !ok {
-		return nil, perr("model", "you must provide a model parameter")
+	if string(r.refFields.Model) == "null" {
+		r.refFields.Model = nil
 	}
-	if err := json.Unmarshal(raw, &r.model); err != nil || r.model == "" {
-		return nil, perr("model", "model must be a non-empty string")
+	if raw := r.refFields.Model; raw != nil {
+		if err := json.Unmarshal(raw, &r.model); err != nil || r.model == "" {
+			return nil, perr("model", "model must be a non-empty string")
+		}
 	}
 	if raw := r.refFields.Stream; raw != nil && string(raw) != "null" {
 		if err := json.Unmarshal(raw, &r.stream); err != nil {

@@ -94,13 +94,13 @@ func TestParseRequestErrors(t *testing.T) {
 		{`[1]`, true, "", "the request body is not a valid JSON object"},
 		{`{"model":"m",}`, true, "", "the request body is not a valid JSON object"},
 		{"{\"model\":\"m\x01\"}", true, "", "the request body is not a valid JSON object"},
-		{`{"messages":[]}`, true, "model", "you must provide a model parameter"},
-		{`{"Model":"m","messages":[]}`, true, "model", "you must provide a model parameter"},
-		{`{"model":"m","model":null}`, true, "model", "model must be a non-empty string"},
+		{`{"messages":[]}`, true, "messages", "messages must contain at least one message"}, // no model: the caller's to decide
+		{`{"Model":"m","messages":[]}`, true, "messages", "messages must contain at least one message"},
+		{`{"model":"m","model":null}`, true, "messages", "you must provide a messages parameter"}, // null is no model, as in vLLM
 		{`{"model":"m","nvext":{"token_data":"x"}}`, true, "nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)"},
 		{`{"model":"m","Messages":[{"role":"user"}]}`, true, "messages", "you must provide a messages parameter"},
 		{`{"model":"m","messages":[{"role":"user","role":null}]}`, true, "messages[0].role", "every message needs a role: a non-empty string such as system, user, assistant or tool"},
-		{`{"model":null}`, true, "model", "model must be a non-empty string"},
+		{`{"model":[]}`, true, "model", "model must be a non-empty string"},
 		{`{"model":""}`, true, "model", "model must be a non-empty string"},
 		{`{"model":7}`, true, "model", "model must be a non-empty string"},
 		{`{"model":"m","stream":"true"}`, true, "stream", "stream must be a boolean"},
