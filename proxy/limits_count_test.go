@@ -1,10 +1,13 @@
 package proxy
 
 import (
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
 	"testing"
+
+	"github.com/kvproxy/kvproxy/config"
 )
 
 // A tenant's token budget and max_prompt_tokens never take the client's
@@ -113,4 +116,39 @@ func TestBadPinIsLogged(t *testing.T) {
 	if !strings.Contains(p.logs.String(), `"status":400,`) || !strings.Contains(p.logs.String(), "bad backend_instance_id") {
 		t.Fatalf("no access-log line for the refusal:\n%s", p.logs.String())
 	}
+}
+
+// A reload that changes a tenant's limits keeps what the tenant has spent
+// (up to the new burst) instead of refilling its bucket (found by the
+// eighth session's trial: a throttled tenant got a full bucket back).
+func TestReloadKeepsWhatATenantSpent(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	yaml := func(tpm int) string {
+		return fmt.Sprintf(`
+models: [{name: m, block_size: 16, tokenizer: cl100k_base, template: chatml}]
+backends: [{id: e0, url: 'http://%s', model: m}]
+auth:
+  keys: [{key: key-small-123, tenant: small}]
+tenants:
+  - {name: small, tokens_per_minute: %d}
+`, e.addr, tpm)
+	}
+	p := startProxyYAML(t, yaml(300))
+	body := `{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("word ", 100) + `"}]}` // ~110 tokens
+	for i := range 2 {
+		if resp, b := postAuth(t, p.url+"/v1/chat/completions", "key-small-123", body); resp.StatusCode != 200 {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, b)
+		}
+	}
+	cfg, err := config.Parse([]byte(yaml(310)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if resp, b := postAuth(t, p.url+"/v1/chat/completions", "key-small-123", body); resp.StatusCode != 429 {
+		t.Fatalf("after a reload to 310 tokens/min with ~80 left: %d %s, want 429", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
 }

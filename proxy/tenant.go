@@ -154,6 +154,17 @@ func reuseBucket(old *tenant, requests bool, rate, burst float64) *bucket {
 		if b != nil && b.rate == rate && b.burst == burst {
 			return b
 		}
+		if b != nil {
+			// New limits, not a new allowance: the tenant keeps what it
+			// has spent (up to the new burst), or a reload would refill
+			// the bucket of a tenant being throttled.
+			nb := newBucket(rate, burst)
+			b.mu.Lock()
+			left := math.Min(b.burst, b.level+nb.last.Sub(b.last).Seconds()*b.rate)
+			b.mu.Unlock()
+			nb.level = math.Min(burst, left)
+			return nb
+		}
 	}
 	return newBucket(rate, burst)
 }
