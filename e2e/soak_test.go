@@ -216,8 +216,8 @@ func TestSoak(t *testing.T) {
 var malformedBodies = []string{
 	`{"model":"default","messages":[`,
 	`{"model":"default"}`,
-	`{"messages":[{"role":"user","content":"no model"}]}`,
-	`{"model":"default","messages":[{"role":"robot","content":"x"}]}`,
+	`{"model":7,"messages":[{"role":"user","content":"a model that is not a name"}]}`,
+	`{"model":"default","messages":[{"role":"","content":"x"}]}`,
 	`{"model":"nope","messages":[{"role":"user","content":"x"}]}`,
 	`{"model":"default","messages":[{"role":"user","content":42}]}`,
 	`[]`,

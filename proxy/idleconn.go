@@ -40,16 +40,33 @@ type writeIdleConn struct {
 	fixed    atomic.Bool  // the user's own deadline
 }
 
+// idleWriteChunk bounds what one deadline covers: a whole answer goes out
+// in one Write, which a slow but steady reader may take longer than the
+// idle time to take.
+const idleWriteChunk = 32 << 10
+
 func (c *writeIdleConn) Write(p []byte) (int, error) {
-	if !c.fixed.Load() {
+	if c.fixed.Load() {
+		return c.Conn.Write(p)
+	}
+	written := 0
+	for {
+		chunk := p[written:]
+		if len(chunk) > idleWriteChunk {
+			chunk = chunk[:idleWriteChunk]
+		}
 		now := time.Now()
 		if idle := c.idle(); c.deadline.Load()-now.UnixNano() < int64(idle/2) {
 			next := now.Add(idle)
 			c.deadline.Store(next.UnixNano())
 			c.Conn.SetWriteDeadline(next)
 		}
+		n, err := c.Conn.Write(chunk)
+		written += n
+		if err != nil || written == len(p) {
+			return written, err
+		}
 	}
-	return c.Conn.Write(p)
 }
 
 func (c *writeIdleConn) SetWriteDeadline(t time.Time) error {
