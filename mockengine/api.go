@@ -73,6 +73,9 @@ type apiMessage struct {
 	ToolCalls  json.RawMessage `json:"tool_calls"`
 	ToolCallID *string         `json:"tool_call_id"`
 	Name       *string         `json:"name"`
+	// vLLM takes reasoning, else reasoning_content (a non-string is none)
+	Reasoning        json.RawMessage `json:"reasoning"`
+	ReasoningContent json.RawMessage `json:"reasoning_content"`
 }
 
 // chatMessages reads messages as the template renders them; kvproxy reads
@@ -100,13 +103,19 @@ func chatMessages(msgs []apiMessage) ([]tokenize.Message, error) {
 		if m.Name != nil {
 			out[i].Name = *m.Name
 		}
+		reasoning := m.Reasoning
+		if reasoning == nil {
+			reasoning = m.ReasoningContent
+		}
+		json.Unmarshal(reasoning, &out[i].Reasoning)
 	}
 	return out, nil
 }
 
-// chatTools is the request's tools as the template sees them: "" for none.
+// chatTools is the request's tools as the template sees them: "" for none
+// (null), an empty array as it is.
 func chatTools(raw json.RawMessage) string {
-	if t := bytes.TrimSpace(raw); len(t) > 2 && t[0] == '[' && len(bytes.TrimSpace(t[1:len(t)-1])) > 0 {
+	if t := bytes.TrimSpace(raw); len(t) > 0 && t[0] == '[' {
 		return string(raw)
 	}
 	return ""

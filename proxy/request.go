@@ -203,7 +203,7 @@ func jsonBool(v []byte) (value, ok bool) {
 }
 
 // parseTools keeps the tools, which the engine's chat template renders into
-// the prompt (an empty array renders none).
+// the prompt (an empty array is given to it too, as vLLM gives it).
 func (r *apiRequest) parseTools() *paramError {
 	raw := r.fields.Tools
 	if raw == nil || isNull(raw) {
@@ -218,16 +218,14 @@ func (r *apiRequest) parseTools() *paramError {
 			return perr(fmt.Sprintf("tools[%d]", n), "tools must be an array of tool objects")
 		}
 	}
-	if n > 0 {
-		r.tools = unsafe.String(&raw[0], len(raw))
-	}
+	r.tools = unsafe.String(&raw[0], len(raw))
 	return nil
 }
 
 // wireMessage is one element of messages as scanned: raw JSON values, nil
 // when absent.
 type wireMessage struct {
-	role, content, toolCalls, toolCallID, name []byte
+	role, content, toolCalls, toolCallID, name, reasoning, reasoningContent []byte
 }
 
 // checkTypes checks the members the engine's template may render, in a
@@ -283,6 +281,10 @@ func (r *apiRequest) parseMessages() *paramError {
 					w.toolCallID = v
 				case keyIs(m.key, "name"):
 					w.name = v
+				case keyIs(m.key, "reasoning"):
+					w.reasoning = v
+				case keyIs(m.key, "reasoning_content"):
+					w.reasoningContent = v
 				}
 			}
 			if pe := w.checkTypes(len(r.wire)); pe != nil {
@@ -318,6 +320,13 @@ func (r *apiRequest) parseMessages() *paramError {
 		}
 		if w.name != nil && !isNull(w.name) {
 			msg.Name = r.decodeString(w.name)
+		}
+		// vLLM: reasoning, else reasoning_content, for the template (Qwen 3
+		// renders it in turns after the last user message).
+		if v := w.reasoning; v == nil && w.reasoningContent != nil {
+			msg.Reasoning = r.stringOrEmpty(w.reasoningContent)
+		} else if v != nil {
+			msg.Reasoning = r.stringOrEmpty(v)
 		}
 		r.messages = append(r.messages, msg)
 	}
@@ -369,6 +378,14 @@ func (r *apiRequest) textBytes() int {
 		n += len(r.messages[i].Content) + len(r.messages[i].ToolCalls)
 	}
 	return n
+}
+
+// stringOrEmpty is the JSON value v decoded if it is a string, else "".
+func (r *apiRequest) stringOrEmpty(v []byte) string {
+	if v[0] != '"' {
+		return ""
+	}
+	return r.decodeString(v)
 }
 
 // emptyArray reports whether v, valid JSON, is an empty array.

@@ -171,17 +171,15 @@ func (r *refRequest) refParseTools(raw json.RawMessage) *paramError {
 			return perr(fmt.Sprintf("tools[%d]", i), "tools must be an array of tool objects")
 		}
 	}
-	if len(tools) > 0 {
-		r.tools = string(raw)
-	}
+	r.tools = string(raw)
 	return nil
 }
 
 type refWireMessage struct {
-	Role             string
-	Content          json.RawMessage
-	ToolCalls        json.RawMessage
-	ToolCallID, Name string
+	Role                        string
+	Content                     json.RawMessage
+	ToolCalls                   json.RawMessage
+	ToolCallID, Name, Reasoning string
 }
 
 // refMessage decodes a message: err for one that is not an object with a
@@ -204,6 +202,11 @@ func refMessage(raw json.RawMessage, i int) (w refWireMessage, err error, pe *pa
 	if w.Name, err = refString(m["name"]); err != nil {
 		return w, nil, perr(fmt.Sprintf("messages[%d].name", i), "name must be a string")
 	}
+	reasoning, ok := m["reasoning"]
+	if !ok {
+		reasoning = m["reasoning_content"]
+	}
+	w.Reasoning, _ = refString(reasoning) // not a string: none
 	return w, nil, nil
 }
 
@@ -256,7 +259,7 @@ func (r *refRequest) refParseMessages() *paramError {
 		if pe != nil {
 			return pe
 		}
-		r.messages[i] = tokenize.Message{Role: m.Role, Content: content, ToolCallID: m.ToolCallID, Name: m.Name}
+		r.messages[i] = tokenize.Message{Role: m.Role, Content: content, ToolCallID: m.ToolCallID, Name: m.Name, Reasoning: m.Reasoning}
 		var calls []json.RawMessage
 		if json.Unmarshal(m.ToolCalls, &calls) == nil && len(calls) > 0 {
 			r.messages[i].ToolCalls = string(m.ToolCalls)

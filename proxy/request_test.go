@@ -182,6 +182,7 @@ func FuzzParseRequestMatchesDecoder(f *testing.F) {
 		`{"model":"m","tools":[],"messages":[{"role":"assistant","tool_calls":[ ],"content":"x"},{"role":"tool","tool_call_id":"\u0061","tool_call_id":3}]}`,
 		`{"model":"m","tools":null,"messages":[{"role":"user","name":"n","name":2},{"role":1}]}`,
 		`{"model":"m","prompt":["a","b\n",""]}`,
+		`{"model":"m","messages":[{"role":"assistant","reasoning":"r","reasoning_content":"c"},{"role":"assistant","reasoning":null,"reasoning_content":"c"},{"role":"assistant","reasoning_content":"\u00e9"},{"role":"assistant","reasoning":5}]}`,
 		`{"model":"m","prompt":[[1,2],[3],[]]}`,
 	}
 	for _, s := range seeds {

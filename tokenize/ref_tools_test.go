@@ -75,6 +75,20 @@ var toolChatCases = []toolChatCase{{
 		{"type": "function", "function": {"name": "now", "description": null, "parameters": null}}]}`,
 	toolsRendered: true,
 }, {
+	name: "an agent loop with reasoning sent back, empty tools",
+	openai: `{"messages": [
+		{"role": "user", "content": "Book it."},
+		{"role": "assistant", "content": "", "reasoning_content": "The user wants a booking.\nCall book.",
+			"tool_calls": [{"id": "b", "type": "function", "function": {"name": "book", "arguments": "{\"when\": \"now\"}"}}]},
+		{"role": "tool", "tool_call_id": "b", "content": "booked"}],
+	 "tools": []}`,
+	vllm: `{"messages": [
+		{"role": "user", "content": "Book it."},
+		{"role": "assistant", "content": "", "tool_calls": [{"id": "b", "type": "function", "function": {"name": "book", "arguments": {"when": "now"}}}],
+			"reasoning": "The user wants a booking.\nCall book.", "reasoning_content": "The user wants a booking.\nCall book."},
+		{"role": "tool", "content": "booked", "tool_call_id": "b"}],
+	 "tools": []}`,
+}, {
 	name: "tool calls in the history, no tools",
 	openai: `{"messages": [
 		{"role": "user", "content": "hi"},
@@ -96,6 +110,7 @@ func messagesOf(t *testing.T, body string) (msgs []Message, tools string) {
 			Content    *string         `json:"content"`
 			ToolCalls  json.RawMessage `json:"tool_calls"`
 			ToolCallID string          `json:"tool_call_id"`
+			Reasoning  string          `json:"reasoning_content"`
 		} `json:"messages"`
 		Tools json.RawMessage `json:"tools"`
 	}
@@ -103,7 +118,7 @@ func messagesOf(t *testing.T, body string) (msgs []Message, tools string) {
 		t.Fatal(err)
 	}
 	for _, m := range req.Messages {
-		msg := Message{Role: m.Role, ToolCalls: string(m.ToolCalls), ToolCallID: m.ToolCallID}
+		msg := Message{Role: m.Role, ToolCalls: string(m.ToolCalls), ToolCallID: m.ToolCallID, Reasoning: m.Reasoning}
 		if m.Content != nil {
 			msg.Content = *m.Content
 		}

@@ -14,9 +14,11 @@ type Message struct {
 	// ToolCalls is an assistant message's tool_calls as the request's JSON
 	// (an array of calls, arguments as JSON strings); "" for none.
 	ToolCalls string
-	// ToolCallID is a tool message's tool_call_id and Name the message's
-	// name; "" when absent. Only a model's own template renders them.
-	ToolCallID, Name string
+	// ToolCallID is a tool message's tool_call_id, Name the message's name
+	// and Reasoning an assistant message's reasoning (or
+	// reasoning_content); "" when absent. Only a model's own template
+	// renders them.
+	ToolCallID, Name, Reasoning string
 }
 
 // Template renders chat messages into text for a tokenizer. The Encoder
@@ -31,7 +33,7 @@ type Template interface {
 	// Name is the template's name, e.g. "chatml".
 	Name() string
 	// pieces appends the conversation's pieces in order. tools is the
-	// request's tools as JSON (an array), "" for none.
+	// request's tools as JSON (an array, maybe empty), "" for none (null).
 	pieces(dst []piece, msgs []Message, tools string, addGenerationPrompt bool) ([]piece, error)
 	// appendMessage renders one message piece.
 	appendMessage(dst []byte, m Message) []byte
@@ -79,7 +81,7 @@ func (t *markerTemplate) pieces(dst []piece, msgs []Message, tools string, addGe
 	if t.prefix != "" {
 		dst = append(dst, piece{msg: Message{Content: t.prefix}, literal: true})
 	}
-	if tools != "" {
+	if !noTools(tools) {
 		// Where a model's template puts them differs (the system message,
 		// the first user message); first, as a message of their own, keeps
 		// the prefix shared by requests with the same tools.
@@ -110,7 +112,7 @@ type rawTemplate struct{}
 func (rawTemplate) Name() string { return "raw" }
 
 func (rawTemplate) pieces(dst []piece, msgs []Message, tools string, _ bool) ([]piece, error) {
-	if tools != "" {
+	if !noTools(tools) {
 		dst = append(dst, piece{msg: Message{Content: tools}, literal: true})
 	}
 	for _, m := range msgs {
@@ -150,6 +152,12 @@ func GetTemplate(name string) (Template, error) {
 // Encoder tokenizes, piece by piece. For tests, debugging and the CLI.
 func Render(t Template, msgs []Message, addGenerationPrompt bool) (string, error) {
 	return RenderTools(t, msgs, "", addGenerationPrompt)
+}
+
+// noTools reports whether tools, JSON text, is none or an empty array.
+func noTools(tools string) bool {
+	t := strings.TrimSpace(tools)
+	return t == "" || t[0] == '[' && strings.TrimSpace(t[1:len(t)-1]) == ""
 }
 
 // RenderTools is Render for a request with tools (JSON, an array).

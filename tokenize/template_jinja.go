@@ -15,9 +15,10 @@ import (
 // caching each piece of text between them, so an unchanged conversation
 // prefix is not tokenized again.
 type jinjaTemplate struct {
-	name  string
-	nodes []jnode
-	vars  map[string]any // bos_token, eos_token, ...
+	name    string
+	nodes   []jnode
+	toolUse []jnode        // the "tool_use" template of a named list, for requests with tools (nil: none)
+	vars    map[string]any // bos_token, eos_token, ...
 }
 
 // NewJinjaTemplate parses a chat template. vars are extra template
@@ -55,7 +56,9 @@ func (t *jinjaTemplate) render(msgs []Message, tools string, addGenerationPrompt
 		list[i] = &vals[i]
 		size += len(m.Content) + len(m.ToolCalls) + 32
 	}
-	scope := map[string]any{"messages": list, "add_generation_prompt": addGenerationPrompt}
+	// tools and documents are None unless given, as transformers passes them.
+	scope := map[string]any{"messages": list, "add_generation_prompt": addGenerationPrompt, "tools": nil, "documents": nil}
+	nodes := t.nodes
 	if tools != "" {
 		v, err := jinjaTools(tools)
 		if err != nil {
@@ -63,13 +66,16 @@ func (t *jinjaTemplate) render(msgs []Message, tools string, addGenerationPrompt
 		}
 		scope["tools"] = v
 		size += len(tools)
+		if t.toolUse != nil { // transformers' choice when tools is not None
+			nodes = t.toolUse
+		}
 	}
 	for k, v := range t.vars {
 		scope[k] = v
 	}
 	r := &jrender{scopes: []map[string]any{scope}}
 	r.out.Grow(size)
-	if err := r.exec(t.nodes); err != nil {
+	if err := r.exec(nodes); err != nil {
 		return "", err
 	}
 	return r.out.String(), nil
@@ -112,7 +118,7 @@ func LoadTemplate(spec string) (Template, error) {
 	if err := json.Unmarshal(data, &cfg); err != nil {
 		return nil, fmt.Errorf("tokenize: %s: %w", path, err)
 	}
-	source, err := chatTemplateSource(cfg["chat_template"])
+	source, toolUse, err := chatTemplateSource(cfg["chat_template"])
 	if err != nil {
 		return nil, fmt.Errorf("tokenize: %s: %w", path, err)
 	}
@@ -134,29 +140,41 @@ func LoadTemplate(spec string) (Template, error) {
 	if err != nil {
 		return nil, fmt.Errorf("tokenize: %s: %w", path, err)
 	}
+	if toolUse != "" {
+		if t.(*jinjaTemplate).toolUse, err = jinjaParse(toolUse); err != nil {
+			return nil, fmt.Errorf("tokenize: %s: tool_use template: %w", path, err)
+		}
+	}
 	return t, nil
 }
 
 // chatTemplateSource reads chat_template: a string, or a list of named
-// templates of which "default" is used.
-func chatTemplateSource(raw json.RawMessage) (string, error) {
+// templates of which "default" is used, and "tool_use" (if there is one)
+// for requests with tools.
+func chatTemplateSource(raw json.RawMessage) (source, toolUse string, err error) {
 	if len(raw) == 0 || string(raw) == "null" {
-		return "", nil
+		return "", "", nil
 	}
 	var s string
 	if err := json.Unmarshal(raw, &s); err == nil {
-		return s, nil
+		return s, "", nil
 	}
 	var named []struct{ Name, Template string }
 	if err := json.Unmarshal(raw, &named); err != nil {
-		return "", errors.New("chat_template is neither a string nor a list of named templates")
+		return "", "", errors.New("chat_template is neither a string nor a list of named templates")
 	}
 	for _, n := range named {
-		if n.Name == "default" {
-			return n.Template, nil
+		switch n.Name {
+		case "default":
+			source = n.Template
+		case "tool_use":
+			toolUse = n.Template
 		}
 	}
-	return "", errors.New(`chat_template has no template named "default"`)
+	if source == "" {
+		return "", "", errors.New(`chat_template has no template named "default"`)
+	}
+	return source, toolUse, nil
 }
 
 // specialTokenText reads a special token written as a string or as an

@@ -1,6 +1,8 @@
 package tokenize
 
 import (
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -80,16 +82,20 @@ func TestTemplatesRenderTools(t *testing.T) {
 	}
 }
 
-// A model template given tool calls it cannot read refuses them (vLLM
-// answers 400); EncodeChatTools still routes on the raw contents.
-func TestJinjaToolCallErrors(t *testing.T) {
-	tmpl, err := NewJinjaTemplate("t", "{% for m in messages %}{{ m.tool_calls | tojson }}{% endfor %}{{ tools | tojson }}", nil)
+// A model template is given tool calls and tools as vLLM gives them:
+// malformed ones are refused (vLLM answers 400; EncodeChatTools still
+// routes on the raw contents), arguments that are not a JSON object become
+// {} (vLLM lets the conversation go on), tools left out are None and an
+// empty list is a list.
+func TestJinjaToolCalls(t *testing.T) {
+	tmpl, err := NewJinjaTemplate("t", "{% for m in messages %}{{ m.tool_calls | tojson }}{% endfor %}"+
+		"|{{ tools | tojson }}|{{ tools is none }}|{{ tools is defined }}", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, c := range []struct{ calls, tools, err string }{
-		{`[{"function":{"name":"f","arguments":"{not json"}}]`, "", "arguments"},
-		{`[{"id":"1"}]`, "", "function must be an object"},
+		{`[{"id":"1"}]`, "", "must be a function call"},
+		{`[{"type":"custom","function":{"name":"f"}}]`, "", "must be a function call"},
 		{`[7]`, "", "must be an object"},
 		{`[]`, `[{"function":{"description":"no name"}}]`, "name must be a string"},
 		{`[]`, `[{"type":"function"}]`, "function must be an object"},
@@ -100,14 +106,40 @@ func TestJinjaToolCallErrors(t *testing.T) {
 			t.Errorf("calls %s tools %s: %v, want an error about %q", c.calls, c.tools, err, c.err)
 		}
 	}
-	// Empty calls are none; arguments null, "" or absent are {}; an
-	// object stays as it is; numbers keep their kind.
 	msgs := []Message{{Role: "assistant", ToolCalls: `[]`}, {Role: "assistant", ToolCalls: `[{"function":{"name":"a","arguments":null}},` +
-		`{"function":{"name":"b"}},{"function":{"name":"c","arguments":{"k":[1,1.0,2.5e-7,true]}}},{"function":{"name":"d","arguments":"{\"x\": 10}"}}]`}}
-	got, err := RenderTools(tmpl, msgs, "", false)
-	want := `null[{"function": {"name": "a", "arguments": {}}}, {"function": {"name": "b", "arguments": {}}}, ` +
-		`{"function": {"name": "c", "arguments": {"k": [1, 1.0, 2.5e-07, true]}}}, {"function": {"name": "d", "arguments": {"x": 10}}}]null`
-	if err != nil || got != want {
-		t.Fatalf("got  %s (%v)\nwant %s", got, err, want)
+		`{"function":{"name":"b"}},{"function":{"name":"c","arguments":{"k":[1,1.0,2.5e-7,true]}}},{"function":{"name":"d","arguments":"{\"x\": 10}"}},` +
+		`{"function":{"name":"e","arguments":"{\"cut off"}},{"function":{"name":"f","arguments":"[1]"}},{"function":{"name":"g","arguments":5}}]`}}
+	for _, c := range []struct{ tools, want string }{
+		{"", `|null|True|True`},
+		{"[]", `|[]|False|True`},
+	} {
+		got, err := RenderTools(tmpl, msgs, c.tools, false)
+		want := `null[{"function": {"name": "a", "arguments": {}}}, {"function": {"name": "b", "arguments": {}}}, ` +
+			`{"function": {"name": "c", "arguments": {"k": [1, 1.0, 2.5e-07, true]}}}, {"function": {"name": "d", "arguments": {"x": 10}}}, ` +
+			`{"function": {"name": "e", "arguments": {}}}, {"function": {"name": "f", "arguments": {}}}, {"function": {"name": "g", "arguments": {}}}]` + c.want
+		if err != nil || got != want {
+			t.Fatalf("tools %q:\n got  %s (%v)\nwant %s", c.tools, got, err, want)
+		}
+	}
+}
+
+// A model's named templates: "tool_use" renders the requests that have
+// tools (even an empty list), "default" the others, as transformers picks.
+func TestToolUseTemplate(t *testing.T) {
+	dir := t.TempDir()
+	cfg := `{"chat_template": [{"name": "default", "template": "D{{ messages[0].content }}"},
+		{"name": "tool_use", "template": "T{{ tools | length }}{{ messages[0].content }}"}]}`
+	if err := os.WriteFile(filepath.Join(dir, "tokenizer_config.json"), []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	tmpl, err := LoadTemplate(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs := []Message{{Role: "user", Content: "hi"}}
+	for tools, want := range map[string]string{"": "Dhi", "[]": "T0hi", `[{"function":{"name":"f"}}]`: "T1hi"} {
+		if got, err := RenderTools(tmpl, msgs, tools, false); err != nil || got != want {
+			t.Errorf("tools %q: %q (%v), want %q", tools, got, err, want)
+		}
 	}
 }

@@ -17,8 +17,10 @@ import (
 //     else it was sent with; members the models do not declare follow;
 //   - an assistant message's tool_calls: dropped when empty; each call's
 //     function.arguments, a JSON string in OpenAI's format, decoded into
-//     an object ({} when absent, null or empty);
-//   - a tool message's tool_call_id, and any message's name.
+//     an object ({} when absent, empty, not valid JSON or not an object);
+//   - an assistant message's reasoning (as reasoning and reasoning_content),
+//     a tool message's tool_call_id, and any message's name;
+//   - tools null or left out: None; tools [] is an empty list, not None.
 
 // jinjaTools is the template's tools variable for tools, JSON text.
 func jinjaTools(tools string) (any, error) {
@@ -74,7 +76,7 @@ func jinjaTools(tools string) (any, error) {
 // messageExtra is what a template sees of m beyond its role and content;
 // nil when nothing.
 func messageExtra(m *Message) (*jDictV, error) {
-	if m.ToolCalls == "" && m.ToolCallID == "" && m.Name == "" {
+	if m.ToolCalls == "" && m.ToolCallID == "" && m.Name == "" && m.Reasoning == "" {
 		return nil, nil
 	}
 	d := newDict()
@@ -86,6 +88,10 @@ func messageExtra(m *Message) (*jDictV, error) {
 		if calls != nil {
 			d.set("tool_calls", calls)
 		}
+	}
+	if m.Role == "assistant" && m.Reasoning != "" {
+		d.set("reasoning", m.Reasoning)
+		d.set("reasoning_content", m.Reasoning)
 	}
 	if m.Role == "tool" && m.ToolCallID != "" {
 		d.set("tool_call_id", m.ToolCallID)
@@ -119,34 +125,22 @@ func jinjaToolCalls(raw string) (any, error) {
 			return nil, fmt.Errorf("tool_calls[%d] must be an object", i)
 		}
 		fn, ok := call.get("function").(*jDictV)
-		if !ok {
-			return nil, fmt.Errorf("tool_calls[%d].function must be an object", i)
+		if typ, has := call.m["type"]; !ok || has && typ != "function" {
+			return nil, fmt.Errorf("tool_calls[%d] must be a function call (an object with a function object)", i)
 		}
-		switch args := fn.get("arguments"); {
-		case !jTruthy(args):
-			fn.set("arguments", newDict())
-		case isContainer(args):
-		default:
-			s, ok := args.(string)
-			if !ok {
-				return nil, fmt.Errorf("tool_calls[%d].function.arguments must be a string", i)
-			}
-			parsed, err := jFromJSON(s)
-			if err != nil {
-				return nil, fmt.Errorf("tool_calls[%d].function.arguments: %w", i, err)
-			}
-			fn.set("arguments", parsed)
+		// Arguments that are not an object (cut off by max_tokens, say)
+		// become {}: the conversation goes on rather than failing every
+		// later turn.
+		args := fn.get("arguments")
+		if s, ok := args.(string); ok && s != "" {
+			args, _ = jFromJSON(s)
 		}
+		if _, ok := args.(*jDictV); !ok {
+			args = newDict()
+		}
+		fn.set("arguments", args)
 	}
 	return list, nil
-}
-
-func isContainer(v any) bool {
-	switch v.(type) {
-	case []any, *jDictV:
-		return true
-	}
-	return false
 }
 
 // jFromJSON decodes JSON text into template values as Python's json.loads
