@@ -156,19 +156,26 @@ func messageText(raw json.RawMessage, i int) (string, error) {
 	// Text parts are joined with newlines, as vLLM joins them; what is not
 	// text (an image) is a digest, as kvproxy routes it.
 	var b []byte
+	n := 0
 	for j, raw := range parts {
 		var p struct {
-			Type string `json:"type"`
-			Text string `json:"text"`
+			Type string  `json:"type"`
+			Text *string `json:"text"`
 		}
-		if err := json.Unmarshal(raw, &p); err != nil || p.Type == "" {
-			return "", invalid(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type")
+		if raw[0] == '"' { // a plain string is a text part
+			p.Type, p.Text = "text", new(string)
+			json.Unmarshal(raw, p.Text)
+		} else if err := json.Unmarshal(raw, &p); err != nil || p.Type == "" {
+			return "", invalid(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type, or a string")
 		}
-		if j > 0 {
+		if p.Type == "text" && p.Text == nil {
+			continue // vLLM skips it
+		}
+		if n++; n > 1 {
 			b = append(b, '\n')
 		}
 		if p.Type == "text" {
-			b = append(b, p.Text...)
+			b = append(b, *p.Text...)
 		} else {
 			b = tokenize.AppendMediaStandIn(b, raw)
 		}

@@ -347,19 +347,30 @@ func (r *apiRequest) flattenContent(w *wireMessage, i int) (string, *paramError)
 		return "", perr(fmt.Sprintf("messages[%d].content", i), "content must be a string or an array of content parts")
 	}
 	start := len(r.text)
-	j := 0
+	j, parts := 0, 0
 	for e := (elements{b: raw}); e.next(); j++ {
-		typ, text, ok := contentPart(e.value)
-		if !ok || typ == nil || string(typ) == `""` {
-			return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type")
+		var text []byte
+		if e.value[0] == '"' {
+			text = e.value // a plain string is a text part
+		} else {
+			typ, t, ok := contentPart(e.value)
+			if !ok || typ == nil || string(typ) == `""` {
+				return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type, or a string")
+			}
+			isText := string(typ) == `"text"` || textType(typ)
+			if isText && t == nil {
+				continue // vLLM skips a text part without text
+			}
+			text = t
+			if !isText {
+				text = nil
+			}
 		}
-		if j > 0 {
+		if parts++; parts > 1 {
 			r.text = append(r.text, '\n')
 		}
-		if string(typ) == `"text"` || textType(typ) {
-			if text != nil {
-				r.text = appendJSONString(r.text, text)
-			}
+		if text != nil {
+			r.text = appendJSONString(r.text, text)
 		} else {
 			// Images and audio change what the engine caches: a digest
 			// stands for each in the routed prompt.

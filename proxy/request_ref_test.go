@@ -28,6 +28,7 @@ type refRequest struct {
 	hasTokens    bool
 	addGenPrompt bool
 	tools        string
+	cacheSalt    string
 	batchTexts   []string
 	batchTokens  [][]uint32
 }
@@ -73,6 +74,14 @@ func refParseRequest(body []byte, chat bool) (*refRequest, *paramError) {
 	if raw := r.refFields.Nvext; raw != nil && string(raw) != "null" {
 		if err := refNvext(raw, &r.nv); err != nil {
 			return nil, perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)")
+		}
+	}
+	if raw := top["cache_salt"]; raw != nil && string(raw) != "null" {
+		if raw[0] != '"' {
+			return nil, perr("cache_salt", "cache_salt must be a string")
+		}
+		if json.Unmarshal(raw, &r.cacheSalt); r.cacheSalt == "" {
+			return nil, perr("cache_salt", "cache_salt must be a non-empty string if provided")
 		}
 	}
 	if raw := r.refFields.AddGenerationPrompt; raw != nil && chat {
@@ -211,8 +220,9 @@ func refMessage(raw json.RawMessage, i int) (w refWireMessage, err error, pe *pa
 }
 
 type refContentPart struct {
-	Type string
-	Text string
+	Type    string
+	Text    string
+	HasText bool // text is there, not null
 }
 
 func refPart(raw json.RawMessage) (refContentPart, error) {
@@ -225,6 +235,7 @@ func refPart(raw json.RawMessage) (refContentPart, error) {
 		return cp, err
 	}
 	cp.Text, err = refString(m["text"])
+	cp.HasText = m["text"] != nil && string(m["text"]) != "null"
 	return cp, err
 }
 
@@ -285,12 +296,21 @@ func refFlattenContent(raw json.RawMessage, i int) (string, *paramError) {
 			return "", perr(fmt.Sprintf("messages[%d].content", i), "content must be a string or an array of content parts")
 		}
 		var b []byte
+		n := 0
 		for j, p := range parts {
 			cp, err := refPart(p)
-			if err != nil || cp.Type == "" {
-				return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type")
+			if p[0] == '"' { // a plain string is a text part
+				var text string
+				err = json.Unmarshal(p, &text)
+				cp = refContentPart{Type: "text", Text: text, HasText: true}
 			}
-			if j > 0 { // vLLM joins the parts with newlines
+			if err != nil || cp.Type == "" {
+				return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type, or a string")
+			}
+			if cp.Type == "text" && !cp.HasText {
+				continue // vLLM skips it
+			}
+			if n++; n > 1 { // vLLM joins the parts with newlines
 				b = append(b, '\n')
 			}
 			if cp.Type == "text" {

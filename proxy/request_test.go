@@ -27,11 +27,12 @@ func TestParseRequestStrings(t *testing.T) {
 		{"names match exactly", `[{"role":"user","Role":"tool","content":"x","CONTENT":"y"}]`, []string{"user", "x"}},
 		{"last member wins, null too", `[{"role":"tool","role":"user","content":"a","content":"b"},{"role":"user","content":"c","content":null}]`, []string{"user", "b", "user", ""}},
 		{"parts", `[{"role":"user","content":[{"type":"text","text":"a\n"},{"type":"image_url","image_url":{"url":"u"}} ,{"type":"t\u0065xt","text":"\u00e9"},{"type":"text"}]}]`,
-			[]string{"user", "a\n\n" + string(tokenize.AppendMediaStandIn(nil, []byte(`{"type":"image_url","image_url":{"url":"u"}}`))) + "\né\n"}},
+			[]string{"user", "a\n\n" + string(tokenize.AppendMediaStandIn(nil, []byte(`{"type":"image_url","image_url":{"url":"u"}}`))) + "\né"}},
 		{"tool calls", `[{"role":"assistant","content":"c\n","tool_calls":[{"id":"1"}]},{"role":"tool","content":null,"tool_calls":[2]}]`,
 			[]string{"assistant", "c\n", "tool", ""}},
 		{"backslashes before a quote", `[{"role":"user","content":"x\\"},{"role":"user","content":"\\\"y\\\\"}]`, []string{"user", `x\`, "user", `\"y\\`}},
 		{"no content", `[{"role":"system"},{"role":"user","content":null,"name":"n"}]`, []string{"system", "", "user", ""}},
+		{"string parts, a text part without text", `[{"role":"user","content":["a",{"type":"text"},{"type":"text","text":null},"b",{"type":"text","text":""}]}]`, []string{"user", "a\nb\n"}},
 		{"any role", `[{"role":"ipython","content":"42"},{"role":"function","content":"f"}]`, []string{"ipython", "42", "function", "f"}},
 	}
 	for _, c := range cases {
@@ -120,11 +121,10 @@ func TestParseRequestErrors(t *testing.T) {
 		{`{"model":"m","messages":[{"role":"user"},null]}`, true, "messages[1].role", "every message needs a role: a non-empty string such as system, user, assistant or tool"},
 		{`{"model":"m","messages":[{"role":"user","content":5}]}`, true, "messages[0].content", "content must be a string or an array of content parts"},
 		{`{"model":"m","messages":[{"role":"user","content":{}}]}`, true, "messages[0].content", "content must be a string or an array of content parts"},
-		{`{"model":"m","messages":[{"role":"user","content":[{"type":"text"},{"text":"x"}]}]}`, true, "messages[0].content[1]", "content part must be an object with a type"},
-		{`{"model":"m","messages":[{"role":"user","content":[{"type":""}]}]}`, true, "messages[0].content[0]", "content part must be an object with a type"},
-		{`{"model":"m","messages":[{"role":"user","content":[null]}]}`, true, "messages[0].content[0]", "content part must be an object with a type"},
-		{`{"model":"m","messages":[{"role":"user","content":["x"]}]}`, true, "messages[0].content[0]", "content part must be an object with a type"},
-		{`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":1}]}]}`, true, "messages[0].content[0]", "content part must be an object with a type"},
+		{`{"model":"m","messages":[{"role":"user","content":[{"type":"text"},{"text":"x"}]}]}`, true, "messages[0].content[1]", "content part must be an object with a type, or a string"},
+		{`{"model":"m","messages":[{"role":"user","content":[{"type":""}]}]}`, true, "messages[0].content[0]", "content part must be an object with a type, or a string"},
+		{`{"model":"m","messages":[{"role":"user","content":[null]}]}`, true, "messages[0].content[0]", "content part must be an object with a type, or a string"},
+		{`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":1}]}]}`, true, "messages[0].content[0]", "content part must be an object with a type, or a string"},
 		{`{"model":"m","prompt":null}`, false, "prompt", "you must provide a prompt parameter"},
 		{`{"model":"m","prompt":[]}`, false, "prompt", "prompt must not be empty"},
 		{`{"model":"m","prompt":{}}`, false, "prompt", "prompt must be a string, an array of strings, or an array of token ids (integers 0..4294967295)"},
@@ -205,7 +205,7 @@ func FuzzParseRequestMatchesDecoder(f *testing.F) {
 		}
 		if got.model != ref.model || got.stream != ref.stream || got.addGenPrompt != ref.addGenPrompt ||
 			got.promptText != ref.promptText || got.hasTokens != ref.hasTokens || !reflect.DeepEqual(got.promptTokens, ref.promptTokens) ||
-			got.tools != ref.tools || !reflect.DeepEqual(got.batchTexts, ref.batchTexts) || !reflect.DeepEqual(got.batchTokens, ref.batchTokens) ||
+			got.tools != ref.tools || got.cacheSalt != ref.cacheSalt || !reflect.DeepEqual(got.batchTexts, ref.batchTexts) || !reflect.DeepEqual(got.batchTokens, ref.batchTokens) ||
 			!reflect.DeepEqual(got.nv, ref.nv) || len(got.messages) != len(ref.messages) {
 			t.Fatalf("fields differ:\n%+v\n%+v", got, *ref)
 		}
