@@ -11,8 +11,13 @@ import (
 	"unicode"
 )
 
-// Values: nil (none), jUndefined, bool, int64, float64, string, []any,
-// *jDictV, *jLoop, jMethod, jFunc.
+// Values: nil (none), jUndefined, bool, int64, jBigInt, float64, string,
+// []any, *jDictV, *jLoop, jMethod, jFunc.
+
+// jBigInt is a whole number beyond int64 from JSON (a tool's schema, a
+// call's arguments), kept as its digits: Python's are exact, and printing
+// one is all a chat template does with it.
+type jBigInt string
 
 type jUndefined struct{}
 
@@ -1123,13 +1128,16 @@ func jApplyTest(name string, x any, args []any) (bool, error) {
 		return ok, nil
 	case "number":
 		switch x.(type) {
-		case int64, float64:
+		case int64, jBigInt, float64:
 			return true, nil
 		}
 		return false, nil
 	case "integer":
-		_, ok := x.(int64)
-		return ok, nil
+		switch x.(type) {
+		case int64, jBigInt:
+			return true, nil
+		}
+		return false, nil
 	case "float":
 		_, ok := x.(float64)
 		return ok, nil
@@ -1194,7 +1202,7 @@ func jTypeName(v any) string {
 		return "undefined"
 	case bool:
 		return "boolean"
-	case int64:
+	case int64, jBigInt:
 		return "integer"
 	case float64:
 		return "float"
@@ -1218,6 +1226,8 @@ func jStr(v any) string {
 		return "None"
 	case jUndefined:
 		return ""
+	case jBigInt:
+		return string(v)
 	case bool:
 		if v {
 			return "True"
@@ -1290,7 +1300,7 @@ func jToJSON(b *strings.Builder, v any, indent, level int) error {
 		b.WriteString("null")
 	case bool:
 		b.WriteString(strconv.FormatBool(v))
-	case int64, float64:
+	case int64, float64, jBigInt:
 		b.WriteString(jStr(v))
 	case string:
 		b.WriteByte('"')

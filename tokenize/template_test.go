@@ -108,7 +108,7 @@ func TestJinjaToolCalls(t *testing.T) {
 	}
 	msgs := []Message{{Role: "assistant", ToolCalls: `[]`}, {Role: "assistant", ToolCalls: `[{"function":{"name":"a","arguments":null}},` +
 		`{"function":{"name":"b"}},{"function":{"name":"c","arguments":{"k":[1,1.0,2.5e-7,true]}}},{"function":{"name":"d","arguments":"{\"x\": 10}"}},` +
-		`{"function":{"name":"e","arguments":"{\"cut off"}},{"function":{"name":"f","arguments":"[1]"}},{"function":{"name":"g","arguments":5}}]`}}
+		`{"function":{"name":"e","arguments":"{\"cut off"}},{"function":{"name":"h","arguments":{"big":100000000000000000000,"neg":-9223372036854775809}}},{"function":{"name":"f","arguments":"[1]"}},{"function":{"name":"g","arguments":5}}]`}}
 	for _, c := range []struct{ tools, want string }{
 		{"", `|null|True|True`},
 		{"[]", `|[]|False|True`},
@@ -116,7 +116,7 @@ func TestJinjaToolCalls(t *testing.T) {
 		got, err := RenderTools(tmpl, msgs, c.tools, false)
 		want := `null[{"function": {"name": "a", "arguments": {}}}, {"function": {"name": "b", "arguments": {}}}, ` +
 			`{"function": {"name": "c", "arguments": {"k": [1, 1.0, 2.5e-07, true]}}}, {"function": {"name": "d", "arguments": {"x": 10}}}, ` +
-			`{"function": {"name": "e", "arguments": {}}}, {"function": {"name": "f", "arguments": {}}}, {"function": {"name": "g", "arguments": {}}}]` + c.want
+			`{"function": {"name": "e", "arguments": {}}}, {"function": {"name": "h", "arguments": {"big": 100000000000000000000, "neg": -9223372036854775809}}}, {"function": {"name": "f", "arguments": {}}}, {"function": {"name": "g", "arguments": {}}}]` + c.want
 		if err != nil || got != want {
 			t.Fatalf("tools %q:\n got  %s (%v)\nwant %s", c.tools, got, err, want)
 		}

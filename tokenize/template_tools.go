@@ -201,6 +201,7 @@ func jDecode(dec *json.Decoder) (any, error) {
 			if n, err := strconv.ParseInt(s, 10, 64); err == nil {
 				return n, nil
 			}
+			return jBigInt(s), nil
 		}
 		f, err := strconv.ParseFloat(s, 64)
 		if err != nil {
