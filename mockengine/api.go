@@ -103,11 +103,10 @@ func chatMessages(msgs []apiMessage) ([]tokenize.Message, error) {
 		if m.Name != nil {
 			out[i].Name = *m.Name
 		}
-		reasoning := m.Reasoning
-		if reasoning == nil {
-			reasoning = m.ReasoningContent
+		json.Unmarshal(m.Reasoning, &out[i].Reasoning) // reasoning or else reasoning_content
+		if out[i].Reasoning == "" {
+			json.Unmarshal(m.ReasoningContent, &out[i].Reasoning)
 		}
-		json.Unmarshal(reasoning, &out[i].Reasoning)
 	}
 	return out, nil
 }
@@ -159,14 +158,24 @@ func messageText(raw json.RawMessage, i int) (string, error) {
 	n := 0
 	for j, raw := range parts {
 		var p struct {
-			Type string  `json:"type"`
-			Text *string `json:"text"`
+			Type     string  `json:"type"`
+			Text     *string `json:"text"`
+			Refusal  *string `json:"refusal"`
+			Thinking *string `json:"thinking"`
 		}
 		if raw[0] == '"' { // a plain string is a text part
 			p.Type, p.Text = "text", new(string)
 			json.Unmarshal(raw, p.Text)
 		} else if err := json.Unmarshal(raw, &p); err != nil || p.Type == "" {
 			return "", invalid(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type, or a string")
+		}
+		switch p.Type { // what vLLM reads as text
+		case "input_text", "output_text":
+			p.Type = "text"
+		case "refusal":
+			p.Type, p.Text = "text", p.Refusal
+		case "thinking":
+			p.Type, p.Text = "text", p.Thinking
 		}
 		if p.Type == "text" && p.Text == nil {
 			continue // vLLM skips it

@@ -321,12 +321,13 @@ func (r *apiRequest) parseMessages() *paramError {
 		if w.name != nil && !isNull(w.name) {
 			msg.Name = r.decodeString(w.name)
 		}
-		// vLLM: reasoning, else reasoning_content, for the template (Qwen 3
-		// renders it in turns after the last user message).
-		if v := w.reasoning; v == nil && w.reasoningContent != nil {
+		// vLLM: reasoning or else reasoning_content, for the template
+		// (Qwen 3 renders it in turns after the last user message).
+		if w.reasoning != nil {
+			msg.Reasoning = r.stringOrEmpty(w.reasoning)
+		}
+		if msg.Reasoning == "" && w.reasoningContent != nil {
 			msg.Reasoning = r.stringOrEmpty(w.reasoningContent)
-		} else if v != nil {
-			msg.Reasoning = r.stringOrEmpty(v)
 		}
 		r.messages = append(r.messages, msg)
 	}
@@ -353,18 +354,14 @@ func (r *apiRequest) flattenContent(w *wireMessage, i int) (string, *paramError)
 		if e.value[0] == '"' {
 			text = e.value // a plain string is a text part
 		} else {
-			typ, t, ok := contentPart(e.value)
-			if !ok || typ == nil || string(typ) == `""` {
+			t, isText, ok := contentPart(e.value)
+			if !ok {
 				return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type, or a string")
 			}
-			isText := string(typ) == `"text"` || textType(typ)
 			if isText && t == nil {
 				continue // vLLM skips a text part without text
 			}
 			text = t
-			if !isText {
-				text = nil
-			}
 		}
 		if parts++; parts > 1 {
 			r.text = append(r.text, '\n')
@@ -404,45 +401,61 @@ func emptyArray(v []byte) bool {
 	return v[0] == '[' && len(bytes.TrimSpace(v[1:len(v)-1])) == 0
 }
 
-// contentPart reads a content part: an object whose type and text are
-// strings or null. ok is false for anything else.
-func contentPart(v []byte) (typ, text []byte, ok bool) {
-	switch v[0] {
-	case 'n':
-		return nil, nil, true
-	case '{':
-	default:
-		return nil, nil, false
+// textParts are the part types vLLM reads as text, and the member that
+// holds the text.
+var textParts = map[string]string{"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+
+var partMembers = [...]string{"type", "text", "refusal", "thinking"}
+
+// contentPart reads a content part, an object with a non-empty string
+// type. For a text part (textParts) text is its text, nil when null or
+// absent (vLLM skips the part), and must be a string. ok is false for
+// anything else.
+func contentPart(v []byte) (text []byte, isText, ok bool) {
+	if v[0] != '{' {
+		return nil, false, false
 	}
+	var vals [len(partMembers)][]byte
 	for m := (members{b: v}); m.next(); {
-		isType := keyIs(m.key, "type")
-		if !isType && !keyIs(m.key, "text") {
-			continue
-		}
-		v := m.value
-		switch {
-		case isNull(v):
-			v = nil
-		case v[0] != '"':
-			return nil, nil, false
-		}
-		if isType {
-			typ = v
-		} else {
-			text = v
+		for i, k := range partMembers {
+			if keyIs(m.key, k) {
+				vals[i] = m.value
+			}
 		}
 	}
-	return typ, text, true
+	typ := vals[0]
+	if typ == nil || typ[0] != '"' || len(typ) == 2 {
+		return nil, false, false
+	}
+	key, isText := textParts[shortString(typ)]
+	if !isText {
+		return nil, false, true
+	}
+	for i, k := range partMembers {
+		if i > 0 && k == key {
+			text = vals[i]
+		}
+	}
+	switch {
+	case text == nil || isNull(text):
+		return nil, true, true
+	case text[0] != '"':
+		return nil, true, false
+	}
+	return text, true, true
 }
 
-// textType reports whether the JSON string tok, which has escapes or
-// non-ASCII bytes, decodes to "text".
-func textType(tok []byte) bool {
-	if len(tok) > 32 || bytes.IndexByte(tok, '\\') < 0 {
-		return false
+// shortString is the JSON string tok decoded if it is short (a type
+// name), else "".
+func shortString(tok []byte) string {
+	if len(tok) > 34 {
+		return ""
+	}
+	if bytes.IndexByte(tok, '\\') < 0 {
+		return string(tok[1 : len(tok)-1])
 	}
 	var buf [32]byte
-	return string(appendJSONString(buf[:0], tok)) == "text"
+	return string(appendJSONString(buf[:0], tok))
 }
 
 func (r *apiRequest) parsePrompt() *paramError {

@@ -211,11 +211,9 @@ func refMessage(raw json.RawMessage, i int) (w refWireMessage, err error, pe *pa
 	if w.Name, err = refString(m["name"]); err != nil {
 		return w, nil, perr(fmt.Sprintf("messages[%d].name", i), "name must be a string")
 	}
-	reasoning, ok := m["reasoning"]
-	if !ok {
-		reasoning = m["reasoning_content"]
+	if w.Reasoning, _ = refString(m["reasoning"]); w.Reasoning == "" { // not a string: none
+		w.Reasoning, _ = refString(m["reasoning_content"])
 	}
-	w.Reasoning, _ = refString(reasoning) // not a string: none
 	return w, nil, nil
 }
 
@@ -234,8 +232,17 @@ func refPart(raw json.RawMessage) (refContentPart, error) {
 	if cp.Type, err = refString(m["type"]); err != nil {
 		return cp, err
 	}
-	cp.Text, err = refString(m["text"])
-	cp.HasText = m["text"] != nil && string(m["text"]) != "null"
+	key, isText := map[string]string{"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}[cp.Type]
+	if cp.Type == "" {
+		return cp, nil // refused by the caller
+	}
+	if !isText {
+		cp.Type = "media"
+		return cp, nil
+	}
+	cp.Type = "text"
+	cp.Text, err = refString(m[key])
+	cp.HasText = m[key] != nil && string(m[key]) != "null"
 	return cp, err
 }
 

@@ -32,6 +32,7 @@ func TestParseRequestStrings(t *testing.T) {
 			[]string{"assistant", "c\n", "tool", ""}},
 		{"backslashes before a quote", `[{"role":"user","content":"x\\"},{"role":"user","content":"\\\"y\\\\"}]`, []string{"user", `x\`, "user", `\"y\\`}},
 		{"no content", `[{"role":"system"},{"role":"user","content":null,"name":"n"}]`, []string{"system", "", "user", ""}},
+		{"parts vLLM reads as text", `[{"role":"assistant","content":[{"type":"refusal","refusal":"no","text":"x"},{"type":"output_text","text":"o"},{"type":"thinking","thinking":"t"},{"type":"input_text","text":null}]}]`, []string{"assistant", "no\no\nt"}},
 		{"string parts, a text part without text", `[{"role":"user","content":["a",{"type":"text"},{"type":"text","text":null},"b",{"type":"text","text":""}]}]`, []string{"user", "a\nb\n"}},
 		{"any role", `[{"role":"ipython","content":"42"},{"role":"function","content":"f"}]`, []string{"ipython", "42", "function", "f"}},
 	}
@@ -182,6 +183,7 @@ func FuzzParseRequestMatchesDecoder(f *testing.F) {
 		`{"model":"m","tools":[],"messages":[{"role":"assistant","tool_calls":[ ],"content":"x"},{"role":"tool","tool_call_id":"\u0061","tool_call_id":3}]}`,
 		`{"model":"m","tools":null,"messages":[{"role":"user","name":"n","name":2},{"role":1}]}`,
 		`{"model":"m","prompt":["a","b\n",""]}`,
+		`{"model":"m","messages":[{"role":"user","content":["s",{"type":"refusal","refusal":"r"},{"type":"thinking","thinking":null},{"type":"input_image","image_url":"u"},{"type":""},{"type":"text","text":5}]}]}`,
 		`{"model":"m","messages":[{"role":"assistant","reasoning":"r","reasoning_content":"c"},{"role":"assistant","reasoning":null,"reasoning_content":"c"},{"role":"assistant","reasoning_content":"\u00e9"},{"role":"assistant","reasoning":5}]}`,
 		`{"model":"m","prompt":[[1,2],[3],[]]}`,
 	}
