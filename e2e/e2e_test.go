@@ -170,8 +170,10 @@ func TestUnrelatedPromptsSpreadOverAllWorkers(t *testing.T) {
 func TestClientDisconnectDuringSlowPrefill(t *testing.T) {
 	engines := fleet(t, 1, "-speedup", "0.02") // a 3k-token prefill takes seconds
 	url, _ := kvproxy(t, engines, "kv")
-	prompt := strings.Repeat("a long document that takes time to prefill ", 300)
 	for _, stream := range []bool{true, false} {
+		// A prompt of its own each time: the first one's, routed already,
+		// would be a predicted cache hit with next to no prefill pending.
+		prompt := fmt.Sprintf("stream=%v: ", stream) + strings.Repeat("a long document that takes time to prefill ", 300)
 		body, _ := json.Marshal(map[string]any{"model": "default", "stream": stream, "max_tokens": 4,
 			"messages": []map[string]string{{"role": "user", "content": prompt}}})
 		conn, err := net.Dial("tcp", strings.TrimPrefix(url, "http://"))
