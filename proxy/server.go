@@ -614,7 +614,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	if (r.access == client && st.auth.client(ctx) == nil) || (r.access == admin && !st.auth.isAdmin(ctx)) {
-		if r.access == admin && st.auth.client(ctx) != nil { // known, not allowed
+		if r.access == admin && st.auth.anonymous == nil && st.auth.client(ctx) != nil { // a client's key: known, not allowed
 			writeError(ctx, fasthttp.StatusForbidden, "this API key is a client key; admin endpoints take one of auth.admin_keys", "invalid_request_error", "", "admin_key_required")
 			s.logUnrouted(ctx, "client key on an admin endpoint")
 			return
