@@ -157,7 +157,7 @@ func Render(t Template, msgs []Message, addGenerationPrompt bool) (string, error
 // noTools reports whether tools, JSON text, is none or an empty array.
 func noTools(tools string) bool {
 	t := strings.TrimSpace(tools)
-	return t == "" || t[0] == '[' && strings.TrimSpace(t[1:len(t)-1]) == ""
+	return t == "" || len(t) >= 2 && t[0] == '[' && strings.TrimSpace(t[1:len(t)-1]) == ""
 }
 
 // RenderTools is Render for a request with tools (JSON, an array).
