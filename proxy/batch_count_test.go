@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -38,6 +39,31 @@ limits: {max_prompt_tokens: 1000}
 		if resp, b := postAuth(t, p.url+c.path, c.key, c.body); resp.StatusCode != c.status {
 			t.Fatalf("%s: %d %s, want %d", c.name, resp.StatusCode, b, c.status)
 		}
+	}
+	p.waitIdle(t)
+}
+
+// A request larger than the tenant's whole budget (a batch here) waits for
+// a full bucket and is then charged in full: the tenant waits the debt out
+// (found by the eighth session's trial: a batch of 8,000 tokens cost a
+// 100-token budget 100, and the next request waited a second).
+func TestOversizedRequestsAreChargedInFull(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, `
+models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]
+backends: [{id: e0, url: 'http://{{e0}}', model: m}]
+auth: {keys: [{key: key-budget-123, tenant: small}]}
+tenants: [{name: small, tokens_per_minute: 100}]
+`, e)
+	ids := strings.Repeat("11,", 99) + "1" // 100 token ids
+	batch := `{"model":"m","prompt":[[` + ids + `],[` + ids + `],[` + ids + `],[` + ids + `]]}`
+	if resp, b := postAuth(t, p.url+"/v1/completions", "key-budget-123", batch); resp.StatusCode != 200 {
+		t.Fatalf("a 400-token batch on a full 100-token bucket: %d %s", resp.StatusCode, b)
+	}
+	resp, b := postAuth(t, p.url+"/v1/completions", "key-budget-123", `{"model":"m","prompt":"hi"}`)
+	wait, _ := strconv.Atoi(resp.Header.Get("Retry-After"))
+	if resp.StatusCode != 429 || wait < 150 { // 300 tokens of debt at 100 a minute: 3 minutes
+		t.Fatalf("the next request: %d, Retry-After %q: %s", resp.StatusCode, resp.Header.Get("Retry-After"), b)
 	}
 	p.waitIdle(t)
 }

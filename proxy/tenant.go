@@ -243,12 +243,14 @@ func (b *bucket) take(n float64) (ok bool, wait time.Duration) {
 	now := time.Now()
 	b.level = math.Min(b.burst, b.level+now.Sub(b.last).Seconds()*b.rate)
 	b.last = now
-	if n > b.burst {
-		n = b.burst // a single request larger than the burst waits for a full bucket
-	}
-	if b.level >= n {
+	// A request larger than the burst (a long prompt, a batch) waits for
+	// a full bucket, then is charged in full: the bucket goes into debt,
+	// which later requests wait out (a batch of 8,000 tokens cost a
+	// 100-token budget 100 before; found by the eighth session's trial).
+	need := math.Min(n, b.burst)
+	if b.level >= need {
 		b.level -= n
 		return true, 0
 	}
-	return false, time.Duration((n - b.level) / b.rate * float64(time.Second))
+	return false, time.Duration((need - b.level) / b.rate * float64(time.Second))
 }
