@@ -186,7 +186,7 @@ func messageText(raw json.RawMessage, i int) (string, error) {
 		if p.Type == "text" {
 			b = append(b, *p.Text...)
 		} else {
-			b = tokenize.AppendMediaStandIn(b, raw)
+			b = tokenize.AppendMediaStandIn(b, tokenize.MediaOf(raw))
 		}
 	}
 	return string(b), nil

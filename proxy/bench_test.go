@@ -105,3 +105,19 @@ func BenchmarkParseChatSmall(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkParseChatImage1MB parses a chat request with a 1 MB photo as a
+// data: URL, which the routed prompt replaces by a digest of the URL.
+func BenchmarkParseChatImage1MB(b *testing.B) {
+	body := []byte(`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"What is this?"},` +
+		`{"type":"image_url","image_url":{"url":"data:image/jpeg;base64,` + strings.Repeat("QUJD", 250_000) + `"}}]}]}`)
+	var req apiRequest
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for b.Loop() {
+		req.reset()
+		if pe := req.parse(body, true); pe != nil {
+			b.Fatal(pe.msg)
+		}
+	}
+}

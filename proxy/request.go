@@ -81,8 +81,9 @@ type apiRequest struct {
 	addGenPrompt bool
 	cacheSalt    string // the client's own, within its tenant's (composeSalt)
 
-	wire []wireMessage // messages as scanned, before validation
-	text []byte        // decoded strings that are not the body's own bytes
+	wire  []wireMessage // messages as scanned, before validation
+	text  []byte        // decoded strings that are not the body's own bytes
+	media []byte        // scratch: the media of a content part (mediaOf)
 }
 
 // paramError is a client mistake in one field.
@@ -109,7 +110,7 @@ func parseRequest(body []byte, chat bool) (*apiRequest, *paramError) {
 func (r *apiRequest) reset() {
 	clear(r.messages)
 	clear(r.wire)
-	*r = apiRequest{messages: r.messages[:0], wire: r.wire[:0], text: r.text[:0]}
+	*r = apiRequest{messages: r.messages[:0], wire: r.wire[:0], text: r.text[:0], media: r.media[:0]}
 }
 
 // parse fills r, which is new or reset, from body. The body is validated as
@@ -370,8 +371,8 @@ func (r *apiRequest) flattenContent(w *wireMessage, i int) (string, *paramError)
 			r.text = appendJSONString(r.text, text)
 		} else {
 			// Images and audio change what the engine caches: a digest
-			// stands for each in the routed prompt.
-			r.text = tokenize.AppendMediaStandIn(r.text, e.value)
+			// of each stands for it in the routed prompt.
+			r.text = tokenize.AppendMediaStandIn(r.text, r.mediaOf(e.value))
 		}
 	}
 	return r.textFrom(start), nil
@@ -386,6 +387,53 @@ func (r *apiRequest) textBytes() int {
 		n += len(r.messages[i].Content) + len(r.messages[i].ToolCalls)
 	}
 	return n
+}
+
+// mediaOf is tokenize.MediaOf read with the scanner: what a content part
+// points at (its image's URL or data), decoded into r.media.
+func (r *apiRequest) mediaOf(part []byte) []byte {
+	var vals [5][]byte // tokenize.MediaMembers
+	for m := (members{b: part}); m.next(); {
+		for i, k := range tokenize.MediaMembers {
+			if keyIs(m.key, k) {
+				vals[i] = m.value
+			}
+		}
+	}
+	for _, v := range vals {
+		switch {
+		case v == nil:
+			continue
+		case v[0] == '"':
+			return r.jsonStringBytes(v)
+		case v[0] != '{':
+			continue
+		}
+		var fields [4][]byte // tokenize.MediaFields
+		for m := (members{b: v}); m.next(); {
+			for i, k := range tokenize.MediaFields {
+				if keyIs(m.key, k) {
+					fields[i] = m.value
+				}
+			}
+		}
+		for _, f := range fields {
+			if f != nil && f[0] == '"' {
+				return r.jsonStringBytes(f)
+			}
+		}
+	}
+	return part
+}
+
+// jsonStringBytes is the JSON string tok decoded: its own bytes when they
+// need no decoding (a data: URL's base64), else decoded into r.media.
+func (r *apiRequest) jsonStringBytes(tok []byte) []byte {
+	if in := tok[1 : len(tok)-1]; bytes.IndexByte(in, '\\') < 0 && utf8.Valid(in) {
+		return in
+	}
+	r.media = appendJSONString(r.media[:0], tok)
+	return r.media
 }
 
 // stringOrEmpty is the JSON value v decoded if it is a string, else "".

@@ -323,7 +323,7 @@ func refFlattenContent(raw json.RawMessage, i int) (string, *paramError) {
 			if cp.Type == "text" {
 				b = append(b, cp.Text...)
 			} else {
-				b = tokenize.AppendMediaStandIn(b, p)
+				b = tokenize.AppendMediaStandIn(b, tokenize.MediaOf(p))
 			}
 		}
 		return string(b), nil

@@ -27,7 +27,7 @@ func TestParseRequestStrings(t *testing.T) {
 		{"names match exactly", `[{"role":"user","Role":"tool","content":"x","CONTENT":"y"}]`, []string{"user", "x"}},
 		{"last member wins, null too", `[{"role":"tool","role":"user","content":"a","content":"b"},{"role":"user","content":"c","content":null}]`, []string{"user", "b", "user", ""}},
 		{"parts", `[{"role":"user","content":[{"type":"text","text":"a\n"},{"type":"image_url","image_url":{"url":"u"}} ,{"type":"t\u0065xt","text":"\u00e9"},{"type":"text"}]}]`,
-			[]string{"user", "a\n\n" + string(tokenize.AppendMediaStandIn(nil, []byte(`{"type":"image_url","image_url":{"url":"u"}}`))) + "\né"}},
+			[]string{"user", "a\n\n" + string(tokenize.AppendMediaStandIn(nil, []byte("u"))) + "\né"}},
 		{"tool calls", `[{"role":"assistant","content":"c\n","tool_calls":[{"id":"1"}]},{"role":"tool","content":null,"tool_calls":[2]}]`,
 			[]string{"assistant", "c\n", "tool", ""}},
 		{"backslashes before a quote", `[{"role":"user","content":"x\\"},{"role":"user","content":"\\\"y\\\\"}]`, []string{"user", `x\`, "user", `\"y\\`}},
@@ -80,6 +80,24 @@ func TestParseRequestMedia(t *testing.T) {
 	}
 	if contents[0] != contents[1] || contents[0] == contents[2] {
 		t.Fatalf("the same image must route the same and another one not: %q", contents)
+	}
+	// However the part is written (SDKs differ in spacing and member order,
+	// detail and uuid are optional, Responses-style parts carry the URL as
+	// a string), the same image is the same digest (found by the eighth
+	// session's second trial).
+	url := "data:image/png;base64," + big[:4000]
+	for _, part := range []string{
+		`{"image_url": {"url": "` + url + `", "detail": "high"}, "type": "image_url"}`,
+		`{"type":"image_url","uuid":"u1","image_url":{"url":"` + strings.ReplaceAll(url, "/", `\/`) + `"}}`,
+		`{"type":"input_image","image_url":"` + url + `"}`,
+	} {
+		req, pe := parseRequest([]byte(`{"model":"m","messages":[{"role":"user","content":[`+part+`]}]}`), true)
+		if pe != nil {
+			t.Fatal(pe.msg)
+		}
+		if want := string(tokenize.AppendMediaStandIn(nil, []byte(url))); req.messages[0].Content != want {
+			t.Fatalf("%.80s...: %q, want %q", part, req.messages[0].Content, want)
+		}
 	}
 }
 

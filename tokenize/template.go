@@ -1,6 +1,7 @@
 package tokenize
 
 import (
+	"encoding/json"
 	"fmt"
 	"sort"
 	"strings"
@@ -178,11 +179,52 @@ func RenderTools(t Template, msgs []Message, tools string, addGenerationPrompt b
 }
 
 // AppendMediaStandIn appends the text that stands for a content part that
-// is not text (an image, audio, a file: part is its JSON) in a prompt the
-// proxy routes and counts. It is short whatever the part's size (a data:
-// URL can be megabytes) and the same for the same part, so conversations
-// carrying the same image share their prefix. The engine computes the
-// part's own tokens, which the proxy cannot know.
-func AppendMediaStandIn(dst, part []byte) []byte {
-	return fmt.Appendf(dst, "<media %016x>", xxh3.Hash(part))
+// is not text (an image, audio, a file) in a prompt the proxy routes and
+// counts: a digest of media, what the part points at (MediaOf). It is
+// short whatever the part's size (a data: URL can be megabytes) and the
+// same for the same media however the part around it is written, so
+// conversations carrying the same image share their prefix, as they share
+// the engine's cache. The engine computes the part's own tokens, which the
+// proxy cannot know.
+func AppendMediaStandIn(dst, media []byte) []byte {
+	return fmt.Appendf(dst, "<media %016x>", xxh3.Hash(media))
 }
+
+// MediaOf is what a content part (its JSON) points at: the decoded string
+// of the first of its members image_url, video_url, audio_url, input_audio
+// and file that is a string (a Responses-style image_url) or an object
+// with a string url, data, file_data or file_id (the first of those); the
+// part itself if none. kvproxy reads requests with a faster scanner to the
+// same rule; this one is for tests and the simulated engine.
+func MediaOf(part []byte) []byte {
+	var members map[string]json.RawMessage
+	if json.Unmarshal(part, &members) != nil {
+		return part
+	}
+	for _, k := range MediaMembers {
+		v := members[k]
+		if len(v) == 0 {
+			continue
+		}
+		var s string
+		if v[0] == '"' && json.Unmarshal(v, &s) == nil {
+			return []byte(s)
+		}
+		var inner map[string]json.RawMessage
+		if json.Unmarshal(v, &inner) != nil {
+			continue
+		}
+		for _, f := range MediaFields {
+			if w := inner[f]; len(w) > 0 && w[0] == '"' && json.Unmarshal(w, &s) == nil {
+				return []byte(s)
+			}
+		}
+	}
+	return part
+}
+
+// MediaMembers and MediaFields name where MediaOf looks, in order.
+var (
+	MediaMembers = []string{"image_url", "video_url", "audio_url", "input_audio", "file"}
+	MediaFields  = []string{"url", "data", "file_data", "file_id"}
+)
