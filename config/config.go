@@ -728,8 +728,12 @@ func (c *Config) Validate() error {
 		add("replicas.interval", "must be at least 10ms, got %v", iv)
 	}
 	for i, o := range c.CORS.AllowedOrigins {
-		if u, err := url.Parse(o); o != "*" && (err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.Path != "" || u.RawQuery != "") {
-			add(fmt.Sprintf("cors.allowed_origins[%d]", i), `want "*" or an origin such as https://app.example.com, got %q`, o)
+		// As browsers send Origin: lower case, no path, no default port.
+		u, err := url.Parse(o)
+		if o != "*" && (err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.Path != "" || u.RawQuery != "" ||
+			u.Fragment != "" || u.User != nil || strings.ToLower(o) != o ||
+			u.Scheme == "https" && u.Port() == "443" || u.Scheme == "http" && u.Port() == "80") {
+			add(fmt.Sprintf("cors.allowed_origins[%d]", i), `want "*" or an origin as browsers send it, such as https://app.example.com (lower case, no path, no default port), got %q`, o)
 		}
 	}
 	tenants := map[string]bool{}

@@ -61,6 +61,8 @@ backends: [{id: a, url: "http://127.0.0.1:1"}]`, "tokeniser"},
 		"tiny interval":         {minimal + "replicas: {nats: 'nats://h:4222', interval: 1ms}\n", "replicas.interval"},
 		"bad cors origin":       {minimal + "cors: {allowed_origins: ['https://a.example.com/path']}\n", "cors.allowed_origins[0]"},
 		"cors origin no scheme": {minimal + "cors: {allowed_origins: [app.example.com]}\n", "cors.allowed_origins[0]"},
+		"cors default port":     {minimal + "cors: {allowed_origins: ['https://a.example.com:443']}\n", "cors.allowed_origins[0]"},
+		"cors capitals":         {minimal + "cors: {allowed_origins: ['https://App.example.com']}\n", "cors.allowed_origins[0]"},
 		"unparsable nats":       {minimal + "replicas: {nats: 'nats://[::1'}\n", "replicas.nats"},
 		"negative interval":     {minimal + "replicas: {nats: 'nats://h:4222', interval: -1s}\n", "replicas.interval"},
 	}

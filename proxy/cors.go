@@ -2,6 +2,8 @@ package proxy
 
 import (
 	"bytes"
+	"slices"
+	"strconv"
 
 	"github.com/valyala/fasthttp"
 )
@@ -16,32 +18,38 @@ var (
 // cors answers a browser's request from another origin (cors.allowed_origins):
 // it marks the response as readable there, and answers a preflight (an
 // OPTIONS naming the method to come) itself, before any key is checked, as
-// browsers send no Authorization with it. It reports whether the request
-// has been answered.
+// browsers send no Authorization with it; a preflight from an origin not
+// allowed gets a 400 that says so. It reports whether the request has been
+// answered.
 func (s *Server) cors(ctx *fasthttp.RequestCtx, st *state) bool {
+	origins := st.cfg.CORS.AllowedOrigins
+	if len(origins) == 0 {
+		return false
+	}
+	every := slices.Contains(origins, "*")
+	h := &ctx.Response.Header
+	if !every {
+		h.Add("Vary", "Origin") // the answer depends on it, for caches
+	}
 	origin := ctx.Request.Header.PeekBytes(hdrOrigin)
 	if len(origin) == 0 {
 		return false
 	}
-	allowed, every := false, false
-	for _, o := range st.cfg.CORS.AllowedOrigins {
-		if o == "*" {
-			allowed, every = true, true
-			break
+	preflight := ctx.IsOptions() && len(ctx.Request.Header.Peek("Access-Control-Request-Method")) > 0
+	if !every && !slices.Contains(origins, string(origin)) {
+		if preflight {
+			writeError(ctx, fasthttp.StatusBadRequest, "origin "+strconv.Quote(string(origin))+" may not call kvproxy from a browser (cors.allowed_origins)",
+				"invalid_request_error", "", "cors_origin_not_allowed")
+			return true
 		}
-		allowed = allowed || string(origin) == o
-	}
-	if !allowed {
 		return false // the browser keeps the answer from the page
 	}
-	h := &ctx.Response.Header
 	if every {
 		h.Set("Access-Control-Allow-Origin", "*")
 	} else {
 		h.SetBytesV("Access-Control-Allow-Origin", origin)
-		h.Add("Vary", "Origin")
 	}
-	if !ctx.IsOptions() || len(ctx.Request.Header.Peek("Access-Control-Request-Method")) == 0 {
+	if !preflight {
 		h.SetBytesV("Access-Control-Expose-Headers", corsExposed)
 		return false
 	}
