@@ -87,23 +87,11 @@ func (r *apiRequest) parseModel(body []byte) *paramError {
 		switch {
 		case keyIs(m.key, "model"):
 			r.fields.Model = m.value
-			if string(m.value) == "null" { // vLLM's None: no model
-				r.fields.Model = nil
-			}
 		case keyIs(m.key, "stream"):
 			r.fields.Stream = m.value
 		}
 	}
-	if r.fields.Model == nil {
-		return nil // the caller decides
-	}
-	if r.fields.Model[0] == '"' {
-		r.model = r.decodeString(r.fields.Model)
-	}
-	if r.model == "" {
-		return perr("model", "model must be a non-empty string")
-	}
-	return nil
+	return r.readModel()
 }
 
 // rawRelay passes a pass-through answer to the client as it arrives, byte

@@ -56,7 +56,7 @@ func TestPassthroughErrors(t *testing.T) {
 		param  string
 	}{
 		{`{"model":7,"input":"x"}`, 400, "model"},
-		{`{"model":"","input":"x"}`, 400, "model"},
+		{`{"model":[],"input":"x"}`, 400, "model"},
 		{`{"model":"nope","input":"x"}`, 404, "model"},
 		{`["model","m"]`, 400, ""},
 		{`{"model":"m",`, 400, ""},
@@ -299,6 +299,7 @@ func TestCompletionsWithoutModel(t *testing.T) {
 	for path, body := range map[string]string{
 		"/v1/chat/completions": `{"messages":[{"role":"user","content":"hi"}]}`,
 		"/v1/completions":      `{"model":null,"prompt":"hi","stream":true}`,
+		"/v1/embeddings":       `{"model":"","input":"hi"}`,
 	} {
 		if resp, b := post(t, p.url+path, body); resp.StatusCode != 200 || e.lastBody()["model"] != "engine-m" {
 			t.Fatalf("%s %s: %d %s, the engine got %v", path, body, resp.StatusCode, b, e.lastBody())

@@ -146,16 +146,8 @@ func (r *apiRequest) parse(body []byte, chat bool) *paramError {
 			f.Tools = m.value
 		}
 	}
-	if f.Model != nil && isNull(f.Model) {
-		f.Model = nil // vLLM's None: no model
-	}
-	if f.Model != nil { // none: the caller decides (vLLM: the one it serves)
-		if f.Model[0] == '"' {
-			r.model = r.decodeString(f.Model)
-		}
-		if r.model == "" {
-			return perr("model", "model must be a non-empty string")
-		}
+	if pe := r.readModel(); pe != nil {
+		return pe
 	}
 	if raw := f.Stream; raw != nil && !isNull(raw) {
 		var ok bool
@@ -201,6 +193,24 @@ func jsonBool(v []byte) (value, ok bool) {
 		return false, true
 	}
 	return false, false
+}
+
+// readModel reads fields.Model. null and "" are no model, as vLLM takes
+// them (fields.Model is nil then): the caller decides, and vLLM serves
+// its one model.
+func (r *apiRequest) readModel() *paramError {
+	f := &r.fields
+	if f.Model == nil || isNull(f.Model) || string(f.Model) == `""` {
+		f.Model = nil
+		return nil
+	}
+	if f.Model[0] == '"' {
+		r.model = r.decodeString(f.Model)
+	}
+	if r.model == "" {
+		return perr("model", "model must be a string")
+	}
+	return nil
 }
 
 // parseTools keeps the tools, which the engine's chat template renders into

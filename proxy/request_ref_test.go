@@ -58,12 +58,12 @@ func refParseRequest(body []byte, chat bool) (*refRequest, *paramError) {
 	r.refFields = refWireFields{Model: top["model"], Stream: top["stream"], Nvext: top["nvext"],
 		AddGenerationPrompt: top["add_generation_prompt"], Messages: top["messages"], Prompt: top["prompt"]}
 	r.body = trimmed
-	if string(r.refFields.Model) == "null" {
+	if string(r.refFields.Model) == "null" || string(r.refFields.Model) == `""` {
 		r.refFields.Model = nil
 	}
 	if raw := r.refFields.Model; raw != nil {
 		if err := json.Unmarshal(raw, &r.model); err != nil || r.model == "" {
-			return nil, perr("model", "model must be a non-empty string")
+			return nil, perr("model", "model must be a string")
 		}
 	}
 	if raw := r.refFields.Stream; raw != nil && string(raw) != "null" {

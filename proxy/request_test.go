@@ -120,9 +120,9 @@ func TestParseRequestErrors(t *testing.T) {
 		{`{"model":"m","nvext":{"token_data":"x"}}`, true, "nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)"},
 		{`{"model":"m","Messages":[{"role":"user"}]}`, true, "messages", "you must provide a messages parameter"},
 		{`{"model":"m","messages":[{"role":"user","role":null}]}`, true, "messages[0].role", "every message needs a role: a non-empty string such as system, user, assistant or tool"},
-		{`{"model":[]}`, true, "model", "model must be a non-empty string"},
-		{`{"model":""}`, true, "model", "model must be a non-empty string"},
-		{`{"model":7}`, true, "model", "model must be a non-empty string"},
+		{`{"model":[]}`, true, "model", "model must be a string"},
+		{`{"model":""}`, true, "messages", "you must provide a messages parameter"}, // "" is no model, as in vLLM
+		{`{"model":7}`, true, "model", "model must be a string"},
 		{`{"model":"m","stream":"true"}`, true, "stream", "stream must be a boolean"},
 		{`{"model":"m","nvext":[]}`, true, "nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)"},
 		{`{"model":"m","add_generation_prompt":1,"messages":[]}`, true, "add_generation_prompt", "add_generation_prompt must be a boolean"},
