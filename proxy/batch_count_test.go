@@ -36,8 +36,12 @@ limits: {max_prompt_tokens: 1000}
 		{"a batch of 1,200 tokens against a 1,500 budget", "key-budget-123", "/v1/completions", fmt.Sprintf(`{"model":"m","prompt":["hi",%q,%q]}`, mid, mid), 200},
 		{"a token batch of 1,200 more", "key-budget-123", "/v1/completions", `{"model":"m","prompt":[[1],[` + ids + `],[` + ids + `]]}`, 429},
 	} {
-		if resp, b := postAuth(t, p.url+c.path, c.key, c.body); resp.StatusCode != c.status {
+		resp, b := postAuth(t, p.url+c.path, c.key, c.body)
+		if resp.StatusCode != c.status {
 			t.Fatalf("%s: %d %s, want %d", c.name, resp.StatusCode, b, c.status)
+		}
+		if c.name == "a batch with a prompt over the limit" && !strings.Contains(string(b), `"param":"prompt[1]"`) {
+			t.Fatalf("%s: the error does not name the prompt: %s", c.name, b)
 		}
 	}
 	p.waitIdle(t)

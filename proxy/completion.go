@@ -224,24 +224,33 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	}
 	// A batch is routed by its first prompt; the engine computes them all.
 	// Each must fit max_prompt_tokens, and all count for the budget.
-	longest := counted
-	for _, ids := range req.batchTokens {
-		longest, counted = max(longest, len(ids)), counted+len(ids)
+	longest, at := counted, 0 // at: the longest prompt's place in a batch
+	batchPrompt := func(i, n int) {
+		if n > longest {
+			longest, at = n, i+1
+		}
+		counted += n
 	}
-	for _, text := range req.batchTexts {
+	for i, ids := range req.batchTokens {
+		batchPrompt(i, len(ids))
+	}
+	for i, text := range req.batchTexts {
 		n := (len(text) + 3) / 4
 		if p.enc != nil {
 			sc.batch = p.enc.EncodePrompt(sc.batch[:0], text)
 			n = len(sc.batch)
 		}
-		longest, counted = max(longest, n), counted+n
+		batchPrompt(i, n)
 	}
 	if longest > lim.MaxPromptTokens {
-		param := "prompt"
-		if chat {
+		param, what := "prompt", "the prompt"
+		switch {
+		case chat:
 			param = "messages"
+		case len(req.batchTokens)+len(req.batchTexts) > 0:
+			param, what = fmt.Sprintf("prompt[%d]", at), fmt.Sprintf("prompt %d of the batch", at)
 		}
-		writeError(ctx, fasthttp.StatusBadRequest, fmt.Sprintf("the prompt has %d tokens, more than the limit of %d", longest, lim.MaxPromptTokens), "invalid_request_error", param, "context_length_exceeded")
+		writeError(ctx, fasthttp.StatusBadRequest, fmt.Sprintf("%s has %d tokens, more than the limit of %d", what, longest, lim.MaxPromptTokens), "invalid_request_error", param, "context_length_exceeded")
 		s.logRejected(rid, t.name, req.model, fasthttp.StatusBadRequest, start, "prompt too long")
 		return
 	}
