@@ -730,9 +730,9 @@ func (c *Config) Validate() error {
 	for i, o := range c.CORS.AllowedOrigins {
 		// As browsers send Origin: lower case, no path, no default port.
 		u, err := url.Parse(o)
-		if o != "*" && (err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.Path != "" || u.RawQuery != "" ||
-			u.Fragment != "" || u.User != nil || strings.ToLower(o) != o ||
-			u.Scheme == "https" && u.Port() == "443" || u.Scheme == "http" && u.Port() == "80") {
+		if o != "*" && (err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Hostname() == "" ||
+			o != u.Scheme+"://"+u.Host || strings.ToLower(o) != o || !isASCII(o) || strings.HasSuffix(u.Host, ":") ||
+			strings.HasPrefix(u.Port(), "0") || u.Scheme == "https" && u.Port() == "443" || u.Scheme == "http" && u.Port() == "80") {
 			add(fmt.Sprintf("cors.allowed_origins[%d]", i), `want "*" or an origin as browsers send it, such as https://app.example.com (lower case, no path, no default port), got %q`, o)
 		}
 	}
@@ -831,6 +831,15 @@ func (c *Config) ModelByName(name string) (*Model, bool) {
 
 // TokenizerEngine asks the engines to tokenize (vLLM's POST /tokenize).
 const TokenizerEngine = "engine"
+
+func isASCII(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] >= 0x80 {
+			return false
+		}
+	}
+	return true
+}
 
 func fileExists(p string) bool {
 	_, err := os.Stat(p)

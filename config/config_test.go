@@ -122,3 +122,20 @@ func TestExampleConfigLoads(t *testing.T) {
 		t.Fatalf("example should define a fleet, got %d backends", len(c.Backends))
 	}
 }
+
+// CORS origins are written as browsers send them, or they would never
+// match: each of these is refused at start, a plain one accepted.
+func TestCORSOriginsAsBrowsersSendThem(t *testing.T) {
+	base := "models: [{name: m}]\nbackends: [{id: a, url: 'http://127.0.0.1:9000', model: m}]\n"
+	for _, o := range []string{"https://a.example.com:", "https://a.example.com?", "https://a.example.com#", "https://a.example.com:0443",
+		"http://a.example.com:080", "https://bücher.example", "https://a.example.com/", "https://a.example.com:443", "HTTPS://a.example.com"} {
+		if _, err := Parse([]byte(base + "cors: {allowed_origins: ['" + o + "']}\n")); err == nil || !strings.Contains(err.Error(), "cors.allowed_origins[0]") {
+			t.Errorf("%s: %v", o, err)
+		}
+	}
+	for _, o := range []string{"*", "https://a.example.com", "http://localhost:3000", "https://xn--bcher-kva.example"} {
+		if _, err := Parse([]byte(base + "cors: {allowed_origins: ['" + o + "']}\n")); err != nil {
+			t.Errorf("%s: %v", o, err)
+		}
+	}
+}

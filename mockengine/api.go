@@ -158,33 +158,39 @@ func messageText(raw json.RawMessage, i int) (string, error) {
 	n := 0
 	for j, raw := range parts {
 		var p struct {
-			Type     string  `json:"type"`
-			Text     *string `json:"text"`
-			Refusal  *string `json:"refusal"`
-			Thinking *string `json:"thinking"`
+			Type                    string `json:"type"`
+			Text, Refusal, Thinking json.RawMessage
 		}
 		if raw[0] == '"' { // a plain string is a text part
-			p.Type, p.Text = "text", new(string)
-			json.Unmarshal(raw, p.Text)
+			p.Type, p.Text = "text", raw
 		} else if err := json.Unmarshal(raw, &p); err != nil || p.Type == "" {
 			return "", invalid(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type, or a string")
 		}
-		switch p.Type { // what vLLM reads as text
-		case "input_text", "output_text":
-			p.Type = "text"
+		var text json.RawMessage
+		switch p.Type { // what vLLM reads as text, and where
+		case "text", "input_text", "output_text":
+			text = p.Text
 		case "refusal":
-			p.Type, p.Text = "text", p.Refusal
+			text = p.Refusal
 		case "thinking":
-			p.Type, p.Text = "text", p.Thinking
+			text = p.Thinking
 		}
-		if p.Type == "text" && p.Text == nil {
-			continue // vLLM skips it
+		var s string
+		if text != nil {
+			if string(text) == "null" {
+				continue // vLLM skips a text part without text
+			}
+			if json.Unmarshal(text, &s) != nil {
+				return "", invalid(fmt.Sprintf("messages[%d].content[%d]", i, j), "a text part's text must be a string")
+			}
+		} else if _, isText := map[string]bool{"text": true, "input_text": true, "output_text": true, "refusal": true, "thinking": true}[p.Type]; isText {
+			continue
 		}
 		if n++; n > 1 {
 			b = append(b, '\n')
 		}
-		if p.Type == "text" {
-			b = append(b, *p.Text...)
+		if text != nil {
+			b = append(b, s...)
 		} else {
 			b = tokenize.AppendMediaStandIn(b, tokenize.MediaOf(raw))
 		}

@@ -506,13 +506,13 @@ func contentPart(v []byte) (text []byte, isText, ok bool) {
 // shortString is the JSON string tok decoded if it is short (a type
 // name), else "".
 func shortString(tok []byte) string {
-	if len(tok) > 34 {
+	if len(tok) > 6*16+2 { // longer than any type name with every letter escaped
 		return ""
 	}
 	if bytes.IndexByte(tok, '\\') < 0 {
 		return string(tok[1 : len(tok)-1])
 	}
-	var buf [32]byte
+	var buf [64]byte
 	return string(appendJSONString(buf[:0], tok))
 }
 

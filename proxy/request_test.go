@@ -201,6 +201,7 @@ func FuzzParseRequestMatchesDecoder(f *testing.F) {
 		`{"model":"m","tools":[],"messages":[{"role":"assistant","tool_calls":[ ],"content":"x"},{"role":"tool","tool_call_id":"\u0061","tool_call_id":3}]}`,
 		`{"model":"m","tools":null,"messages":[{"role":"user","name":"n","name":2},{"role":1}]}`,
 		`{"model":"m","prompt":["a","b\n",""]}`,
+		`{"model":"m","messages":[{"role":"user","content":[{"type":"\u0074\u0068\u0069\u006e\u006b\u0069\u006e\u0067","thinking":"hi"},{"type":"input\u005f\u0074\u0065\u0078\u0074","text":"x"}]}]}`,
 		`{"model":"m","messages":[{"role":"user","content":["s",{"type":"refusal","refusal":"r"},{"type":"thinking","thinking":null},{"type":"input_image","image_url":"u"},{"type":""},{"type":"text","text":5}]}]}`,
 		`{"model":"m","messages":[{"role":"assistant","reasoning":"r","reasoning_content":"c"},{"role":"assistant","reasoning":null,"reasoning_content":"c"},{"role":"assistant","reasoning_content":"\u00e9"},{"role":"assistant","reasoning":5}]}`,
 		`{"model":"m","prompt":[[1,2],[3],[]]}`,

@@ -1374,6 +1374,10 @@ func jEqual(a, b any) bool {
 	if m, ok := b.(*jMsg); ok {
 		b = msgDict(m)
 	}
+	if x, ok := a.(jBigInt); ok {
+		y, ok := b.(jBigInt)
+		return ok && x == y
+	}
 	switch a := a.(type) {
 	case int64:
 		switch b := b.(type) {
