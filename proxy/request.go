@@ -403,14 +403,7 @@ func (r *apiRequest) textBytes() int {
 // points at (its image's URL or data), decoded into r.media.
 func (r *apiRequest) mediaOf(part []byte) []byte {
 	var vals [5][]byte // tokenize.MediaMembers
-	for m := (members{b: part}); m.next(); {
-		for i, k := range tokenize.MediaMembers {
-			if keyIs(m.key, k) {
-				vals[i] = m.value
-			}
-		}
-	}
-	for _, v := range vals {
+	for _, v := range membersNamed(part, tokenize.MediaMembers, vals[:]) {
 		switch {
 		case v == nil:
 			continue
@@ -420,20 +413,26 @@ func (r *apiRequest) mediaOf(part []byte) []byte {
 			continue
 		}
 		var fields [4][]byte // tokenize.MediaFields
-		for m := (members{b: v}); m.next(); {
-			for i, k := range tokenize.MediaFields {
-				if keyIs(m.key, k) {
-					fields[i] = m.value
-				}
-			}
-		}
-		for _, f := range fields {
+		for _, f := range membersNamed(v, tokenize.MediaFields, fields[:]) {
 			if f != nil && f[0] == '"' {
 				return r.jsonStringBytes(f)
 			}
 		}
 	}
 	return part
+}
+
+// membersNamed sets vals[i] to the value of obj's member names[i] (the
+// last, if repeated; nil if none) and returns vals. obj is a JSON object.
+func membersNamed(obj []byte, names []string, vals [][]byte) [][]byte {
+	for m := (members{b: obj}); m.next(); {
+		for i, k := range names {
+			if keyIs(m.key, k) {
+				vals[i] = m.value
+			}
+		}
+	}
+	return vals
 }
 
 // jsonStringBytes is the JSON string tok decoded: its own bytes when they
@@ -474,13 +473,7 @@ func contentPart(v []byte) (text []byte, isText, ok bool) {
 		return nil, false, false
 	}
 	var vals [len(partMembers)][]byte
-	for m := (members{b: v}); m.next(); {
-		for i, k := range partMembers {
-			if keyIs(m.key, k) {
-				vals[i] = m.value
-			}
-		}
-	}
+	membersNamed(v, partMembers[:], vals[:])
 	typ := vals[0]
 	if typ == nil || typ[0] != '"' || len(typ) == 2 {
 		return nil, false, false
