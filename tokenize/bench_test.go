@@ -1,6 +1,7 @@
 package tokenize
 
 import (
+	"encoding/json"
 	"fmt"
 	"strconv"
 	"strings"
@@ -183,20 +184,24 @@ func BenchmarkEncodeChatTurn20HF(b *testing.B) {
 // conversation without tools or calls, for the cost of both.
 func BenchmarkEncodeAgentTurnHF(b *testing.B) {
 	tok, tmpl := loadRefModel(b, "qwen3")
+	// Built with json.Marshal: longText has newlines, which a JSON string
+	// must escape (raw ones made the template refuse the request, and the
+	// benchmark measured the raw fallback instead).
+	str := func(s string) string { b, _ := json.Marshal(s); return string(b) }
 	var tools []string
 	for i := range 4 {
-		tools = append(tools, fmt.Sprintf(`{"type":"function","function":{"name":"tool_%d","description":"%s",`+
-			`"parameters":{"type":"object","properties":{"query":{"type":"string","description":"%s"},"limit":{"type":"integer","minimum":1,"maximum":100},`+
+		tools = append(tools, fmt.Sprintf(`{"type":"function","function":{"name":"tool_%d","description":%s,`+
+			`"parameters":{"type":"object","properties":{"query":{"type":"string","description":%s},"limit":{"type":"integer","minimum":1,"maximum":100},`+
 			`"filters":{"type":"array","items":{"type":"string","enum":["recent","popular","verified","archived"]}}},"required":["query"]}}}`,
-			i, longText(60), longText(20)))
+			i, str(longText(60)), str(longText(20))))
 	}
 	toolsJSON := "[" + strings.Join(tools, ",") + "]"
 	agent := []Message{{Role: "system", Content: "You are an agent. " + longText(80)}, {Role: "user", Content: longText(40)}}
 	for i := range 6 {
+		args := fmt.Sprintf(`{"query":%s,"limit":%d,"filters":["recent"]}`, str(longText(8)), 10+i)
 		agent = append(agent,
 			Message{Role: "assistant", Content: "Let me look that up.", ToolCalls: fmt.Sprintf(
-				`[{"id":"call_%d","type":"function","function":{"name":"tool_%d","arguments":"{\"query\":\"%s\",\"limit\":%d,\"filters\":[\"recent\"]}"}}]`,
-				i, i%4, longText(8), 10+i)},
+				`[{"id":"call_%d","type":"function","function":{"name":"tool_%d","arguments":%s}}]`, i, i%4, str(args))},
 			Message{Role: "tool", ToolCallID: fmt.Sprintf("call_%d", i), Content: longText(120)})
 	}
 	agent = append(agent, Message{Role: "user", Content: "And then?"})
@@ -214,7 +219,11 @@ func BenchmarkEncodeAgentTurnHF(b *testing.B) {
 			enc := NewEncoder(tok, tmpl, 0)
 			conv := append([]Message(nil), c.msgs...)
 			last := conv[len(conv)-1].Content
-			ntok := len(enc.EncodeChatTools(nil, conv, c.tools, true))
+			first, err := enc.TryEncodeChatTools(nil, conv, c.tools, true)
+			if err != nil {
+				b.Fatal(err) // measure the template, not the raw fallback
+			}
+			ntok := len(first)
 			dst := make([]uint32, 0, ntok+8)
 			i := 0
 			for b.Loop() {

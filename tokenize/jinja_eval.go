@@ -7,8 +7,10 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 	"unicode"
+	"unicode/utf8"
 )
 
 // Values: nil (none), jUndefined, bool, int64, jBigInt, float64, string,
@@ -24,9 +26,37 @@ type jUndefined struct{}
 var undefined = jUndefined{}
 
 // jDictV is a dict keeping insertion order (for tojson and iteration).
+// Only a namespace() can be changed by a template ({% set ns.x = ... %}),
+// as in Jinja, so dicts decoded from a request's JSON can be shared by
+// renders (jsonCache).
 type jDictV struct {
-	keys []string
-	m    map[string]any
+	keys      []string
+	m         map[string]any
+	namespace bool
+
+	// A frozen dict is shared by renders: tojson keeps what it wrote.
+	frozen bool
+	json   atomic.Pointer[jsonText]
+}
+
+type jsonText struct {
+	indent int
+	text   string
+}
+
+// jFreeze marks the dicts in v as shared by renders.
+func jFreeze(v any) {
+	switch v := v.(type) {
+	case []any:
+		for _, x := range v {
+			jFreeze(x)
+		}
+	case *jDictV:
+		v.frozen = true
+		for _, x := range v.m {
+			jFreeze(x)
+		}
+	}
 }
 
 func newDict() *jDictV { return &jDictV{m: map[string]any{}} }
@@ -137,8 +167,8 @@ func (r *jrender) exec(nodes []jnode) error {
 				break
 			}
 			d, ok := r.lookup(n.name).(*jDictV)
-			if !ok {
-				return fmt.Errorf("chat template: cannot set attribute %s.%s", n.name, n.attr)
+			if !ok || !d.namespace {
+				return fmt.Errorf("chat template: cannot set attribute %s.%s of a non-namespace object", n.name, n.attr)
 			}
 			d.set(n.attr, v)
 		}
@@ -598,6 +628,7 @@ func jCallFunc(name string, args []any, kwargs map[string]any) (any, error) {
 		return nil, errRaised{msg}
 	case "namespace":
 		d := newDict()
+		d.namespace = true
 		keys := make([]string, 0, len(kwargs))
 		for k := range kwargs {
 			keys = append(keys, k)
@@ -1279,6 +1310,47 @@ func jRepr(b *strings.Builder, v any) {
 	}
 }
 
+// jQuoteJSON writes s as a JSON string the way Python's json.dumps does
+// with ensure_ascii=False: only '"', '\\' and control characters escaped,
+// with the short escapes where JSON has one.
+func jQuoteJSON(b *strings.Builder, s string) {
+	const hex = "0123456789abcdef"
+	if !utf8.ValidString(s) {
+		s = string([]rune(s)) // each invalid byte becomes U+FFFD
+	}
+	b.WriteByte('"')
+	start := 0
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c >= 0x20 && c != '"' && c != '\\' {
+			continue
+		}
+		b.WriteString(s[start:i])
+		start = i + 1
+		switch c {
+		case '"', '\\':
+			b.WriteByte('\\')
+			b.WriteByte(c)
+		case '\n':
+			b.WriteString(`\n`)
+		case '\r':
+			b.WriteString(`\r`)
+		case '\t':
+			b.WriteString(`\t`)
+		case '\b':
+			b.WriteString(`\b`)
+		case '\f':
+			b.WriteString(`\f`)
+		default:
+			b.WriteString(`\u00`)
+			b.WriteByte(hex[c>>4])
+			b.WriteByte(hex[c&0xf])
+		}
+	}
+	b.WriteString(s[start:])
+	b.WriteByte('"')
+}
+
 // jToJSON writes v as Python's json.dumps(v, ensure_ascii=False,
 // indent=indent) does (indent 0: one line).
 func jToJSON(b *strings.Builder, v any, indent, level int) error {
@@ -1303,28 +1375,7 @@ func jToJSON(b *strings.Builder, v any, indent, level int) error {
 	case int64, float64, jBigInt:
 		b.WriteString(jStr(v))
 	case string:
-		b.WriteByte('"')
-		for _, r := range v {
-			switch r {
-			case '"':
-				b.WriteString(`\"`)
-			case '\\':
-				b.WriteString(`\\`)
-			case '\n':
-				b.WriteString(`\n`)
-			case '\r':
-				b.WriteString(`\r`)
-			case '\t':
-				b.WriteString(`\t`)
-			default:
-				if r < 0x20 {
-					fmt.Fprintf(b, `\u%04x`, r)
-				} else {
-					b.WriteRune(r)
-				}
-			}
-		}
-		b.WriteByte('"')
+		jQuoteJSON(b, v)
 	case []any:
 		if len(v) == 0 {
 			b.WriteString("[]")
@@ -1346,6 +1397,18 @@ func jToJSON(b *strings.Builder, v any, indent, level int) error {
 		if len(v.keys) == 0 {
 			b.WriteString("{}")
 			return nil
+		}
+		if v.frozen && level == 0 {
+			if t := v.json.Load(); t != nil && t.indent == indent {
+				b.WriteString(t.text)
+				return nil
+			}
+			start := b.Len()
+			defer func() {
+				if b.Len() > start {
+					v.json.Store(&jsonText{indent, strings.Clone(b.String()[start:])})
+				}
+			}()
 		}
 		b.WriteByte('{')
 		for i, k := range v.keys {

@@ -65,6 +65,17 @@ func TestJinjaExpressions(t *testing.T) {
 	}
 }
 
+// tojson writes strings as Python's json.dumps(ensure_ascii=False) does,
+// which transformers' tojson calls: short escapes where JSON has one,
+// \u00XX for other control characters, everything else as it is.
+func TestJinjaToJSONStrings(t *testing.T) {
+	msgs := []Message{{Role: "user", Content: "q\"\\\b\f\n\r\t\x01\x1f\x7fé€😀\xff."}}
+	got := renderJinja(t, "{{ messages[0].content|tojson }}", msgs, nil)
+	if want := `"q\"\\\b\f\n\r\t\u0001\u001f` + "\x7fé€😀\uFFFD." + `"`; got != want {
+		t.Fatalf("got  %q\nwant %q", got, want)
+	}
+}
+
 func TestJinjaErrors(t *testing.T) {
 	for _, src := range []string{
 		"{% macro f() %}{% endmacro %}", "{{ x|wordcount }}", "{% if x %}", "{{ x is prime }}", "{{ 'a }}", "{% set x %}y{% endset %}",

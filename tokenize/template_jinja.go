@@ -19,6 +19,8 @@ type jinjaTemplate struct {
 	nodes   []jnode
 	toolUse []jnode        // the "tool_use" template of a named list, for requests with tools (nil: none)
 	vars    map[string]any // bos_token, eos_token, ...
+
+	tools, toolCalls jsonCache // decoded tools and messages' tool_calls
 }
 
 // NewJinjaTemplate parses a chat template. vars are extra template
@@ -48,7 +50,7 @@ func (t *jinjaTemplate) render(msgs []Message, tools string, addGenerationPrompt
 	size := 256
 	for i := range msgs {
 		m := &msgs[i]
-		extra, err := messageExtra(m)
+		extra, err := messageExtra(m, &t.toolCalls)
 		if err != nil {
 			return "", fmt.Errorf("messages[%d]: %w", i, err)
 		}
@@ -60,7 +62,7 @@ func (t *jinjaTemplate) render(msgs []Message, tools string, addGenerationPrompt
 	scope := map[string]any{"messages": list, "add_generation_prompt": addGenerationPrompt, "tools": nil, "documents": nil}
 	nodes := t.nodes
 	if tools != "" {
-		v, err := jinjaTools(tools)
+		v, err := t.tools.get(tools, jinjaTools)
 		if err != nil {
 			return "", err
 		}

@@ -4,7 +4,9 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
 )
 
@@ -141,5 +143,84 @@ func TestToolUseTemplate(t *testing.T) {
 		if got, err := RenderTools(tmpl, msgs, tools, false); err != nil || got != want {
 			t.Errorf("tools %q: %q (%v), want %q", tools, got, err, want)
 		}
+	}
+}
+
+// Tools and tool calls decoded from JSON are kept by their text and shared
+// by later renders (an agent resends them every turn): a template cannot
+// change them, as Jinja lets it change only a namespace, and renders that
+// share them agree with one that decodes them afresh.
+func TestDecodedToolsAreSharedAndUnchangeable(t *testing.T) {
+	src := "{% for m in messages %}{{ m.tool_calls | tojson }}{% endfor %}|{{ tools | tojson }}|" +
+		"{% for t in tools %}{{ t | tojson }}|{{ t.function.parameters | tojson(indent=1) }}|{{ t | tojson }}{% endfor %}"
+	tools := `[{"type":"function","function":{"name":"f","description":"d\n\"q\"","parameters":{"type":"object"}}}]`
+	msgs := []Message{{Role: "user", Content: "go"},
+		{Role: "assistant", ToolCalls: `[{"id":"c1","type":"function","function":{"name":"f","arguments":"{\"a\":[1,2]}"}}]`}}
+	tmpl, err := NewJinjaTemplate("t", src, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, err := RenderTools(tmpl, msgs, tools, false)
+	tool := `{"type": "function", "function": {"name": "f", "description": "d\n\"q\"", "parameters": {"type": "object"}}}`
+	if want := `null[{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": [1, 2]}}}]|[` + tool + `]|` +
+		tool + "|{\n \"type\": \"object\"\n}|" + tool; err != nil || first != want {
+		t.Fatalf("got  %s (%v)\nwant %s", first, err, want)
+	}
+	jt := tmpl.(*jinjaTemplate)
+	if len(jt.tools.m) != 1 || len(jt.toolCalls.m) != 1 {
+		t.Fatalf("cached %d tools and %d tool_calls texts, want 1 and 1", len(jt.tools.m), len(jt.toolCalls.m))
+	}
+	var wg sync.WaitGroup
+	for range 4 { // concurrent renders share the decoded values (race detector)
+		wg.Go(func() {
+			for range 50 {
+				if got, err := RenderTools(tmpl, msgs, tools, false); err != nil || got != first {
+					t.Errorf("render from the cache: %q (%v), want %q", got, err, first)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	fresh, _ := NewJinjaTemplate("t", src, nil)
+	if got, _ := RenderTools(fresh, msgs, tools, false); got != first {
+		t.Fatalf("cold render %q, cached %q", got, first)
+	}
+
+	for _, change := range []string{
+		"{% set t = tools[0] %}{% set t.type = 'x' %}",
+		"{% set c = messages[1].tool_calls[0].function %}{% set c.name = 'x' %}",
+		"{% set d = {'a': 1} %}{% set d.a = 2 %}",
+	} {
+		bad, err := NewJinjaTemplate("bad", change, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := RenderTools(bad, msgs, tools, false); err == nil || !strings.Contains(err.Error(), "non-namespace") {
+			t.Errorf("%s: %v, want Jinja's refusal to set an attribute of a non-namespace object", change, err)
+		}
+	}
+}
+
+func TestJSONCacheIsBounded(t *testing.T) {
+	var c jsonCache
+	decodes := 0
+	decode := func(s string) (any, error) { decodes++; return len(s), nil }
+	big := strings.Repeat("x", jsonCacheBytes/20)
+	for i := range 100 {
+		if v, _ := c.get(big+strconv.Itoa(i), decode); v != len(big)+len(strconv.Itoa(i)) {
+			t.Fatalf("get %d = %v", i, v)
+		}
+	}
+	if c.bytes > jsonCacheBytes || len(c.m) > 20 || len(c.m) < 10 {
+		t.Fatalf("cache holds %d texts, %d bytes; want at most %d bytes", len(c.m), c.bytes, jsonCacheBytes)
+	}
+	decodes = 0
+	c.get(big+"99", decode) // the newest is kept
+	huge := strings.Repeat("y", jsonCacheBytes/8)
+	c.get(huge, decode)
+	c.get(huge, decode) // too big to keep
+	if decodes != 2 {
+		t.Fatalf("%d decodes, want 2 (a hit, then a text too big to keep decoded twice)", decodes)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"strconv"
 	"strings"
+	"sync"
 )
 
 // A model's own template sees tools and tool calls as vLLM hands them to
@@ -75,18 +76,18 @@ func jinjaTools(tools string) (any, error) {
 
 // messageExtra is what a template sees of m beyond its role and content;
 // nil when nothing.
-func messageExtra(m *Message) (*jDictV, error) {
+func messageExtra(m *Message, calls *jsonCache) (*jDictV, error) {
 	if m.ToolCalls == "" && m.ToolCallID == "" && m.Name == "" && m.Reasoning == "" {
 		return nil, nil
 	}
 	d := newDict()
 	if m.Role == "assistant" && m.ToolCalls != "" {
-		calls, err := jinjaToolCalls(m.ToolCalls)
+		v, err := calls.get(m.ToolCalls, jinjaToolCalls)
 		if err != nil {
 			return nil, err
 		}
-		if calls != nil {
-			d.set("tool_calls", calls)
+		if v != nil {
+			d.set("tool_calls", v)
 		}
 	}
 	if m.Role == "assistant" && m.Reasoning != "" {
@@ -141,6 +142,52 @@ func jinjaToolCalls(raw string) (any, error) {
 		fn.set("arguments", args)
 	}
 	return list, nil
+}
+
+// jsonCache keeps template values decoded from JSON text (a request's
+// tools, a message's tool_calls) by that text. An agent sends the same
+// tools and the same earlier calls on every turn, and decoding them again
+// was most of the time a turn took to render. The values are shared by
+// concurrent renders and never changed: a template can change only a
+// namespace(), and lists have no changing method.
+type jsonCache struct {
+	mu    sync.RWMutex
+	m     map[string]any
+	bytes int // of the keys
+}
+
+const jsonCacheBytes = 4 << 20 // of JSON text per cache
+
+func (c *jsonCache) get(text string, decode func(string) (any, error)) (any, error) {
+	c.mu.RLock()
+	v, ok := c.m[text]
+	c.mu.RUnlock()
+	if ok {
+		return v, nil
+	}
+	v, err := decode(text)
+	if err != nil || len(text) > jsonCacheBytes/16 {
+		return v, err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if _, ok := c.m[text]; ok {
+		return v, nil
+	}
+	for k := range c.m { // evict arbitrary entries until it fits
+		if c.bytes+len(text) <= jsonCacheBytes {
+			break
+		}
+		delete(c.m, k)
+		c.bytes -= len(k)
+	}
+	if c.m == nil {
+		c.m = map[string]any{}
+	}
+	jFreeze(v)
+	c.m[strings.Clone(text)] = v // never pin a request buffer
+	c.bytes += len(text)
+	return v, nil
 }
 
 // jFromJSON decodes JSON text into template values as Python's json.loads
