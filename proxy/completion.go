@@ -108,7 +108,7 @@ func (s *Server) admit(ctx *fasthttp.RequestCtx, st *state) (admitted, bool) {
 		s.logRejected(rid, "", "", fasthttp.StatusUnauthorized, start, "invalid api key")
 		return admitted{}, false
 	}
-	if ok, wait := t.requests.take(1); !ok {
+	if ok, wait := t.requests.take(1, &ctx.Response.Header); !ok {
 		s.rateLimited(ctx, rid, t.name, "", start, wait, "requests") // before the body is read
 		return admitted{}, false
 	}
@@ -256,7 +256,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	}
 	dryRun := req.nv.has("query_instance_id") // it computes nothing on an engine: no tokens spent
 	if !dryRun {
-		if ok, wait := t.tokens.take(float64(counted)); !ok {
+		if ok, wait := t.tokens.take(float64(counted), &ctx.Response.Header); !ok {
 			s.rateLimited(ctx, rid, t.name, req.model, start, wait, "tokens")
 			return
 		}
@@ -561,6 +561,9 @@ func (s *Server) rateLimited(ctx *fasthttp.RequestCtx, rid, tenant, model string
 		secs = 1
 	}
 	ctx.Response.Header.Set("Retry-After", strconv.Itoa(secs))
+	// The OpenAI SDKs prefer this to Retry-After: a token bucket is often
+	// refilled in less than the second Retry-After rounds up to.
+	ctx.Response.Header.Set("Retry-After-Ms", strconv.FormatInt(max(1, (wait+time.Millisecond-1).Milliseconds()), 10))
 	writeError(ctx, fasthttp.StatusTooManyRequests, "rate limit reached for "+what+"; retry after "+strconv.Itoa(secs)+"s", "rate_limit_error", "", "rate_limit_exceeded")
 	s.logRejected(rid, tenant, model, fasthttp.StatusTooManyRequests, start, "rate limited: "+what)
 }

@@ -66,7 +66,7 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 		return
 	}
 	tokens := int(float64(len(req.body)) * passthroughPaths[path])
-	if ok, wait := in.t.tokens.take(float64(tokens)); !ok {
+	if ok, wait := in.t.tokens.take(float64(tokens), &ctx.Response.Header); !ok {
 		s.rateLimited(ctx, in.rid, in.t.name, req.model, in.start, wait, "tokens")
 		return
 	}

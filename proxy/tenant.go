@@ -4,7 +4,9 @@ import (
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
+	"fmt"
 	"math"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -146,6 +148,10 @@ func reuseBucket(old *tenant, requests bool, rate, burst float64) *bucket {
 	if rate <= 0 {
 		return nil
 	}
+	headers := &tokenLimitHeaders
+	if requests {
+		headers = &requestLimitHeaders
+	}
 	if old != nil {
 		b := old.tokens
 		if requests {
@@ -158,7 +164,7 @@ func reuseBucket(old *tenant, requests bool, rate, burst float64) *bucket {
 			// New limits, not a new allowance: the tenant keeps what it
 			// has spent (up to the new burst), or a reload would refill
 			// the bucket of a tenant being throttled.
-			nb := newBucket(rate, burst)
+			nb := newBucket(rate, burst, headers)
 			b.mu.Lock()
 			left := math.Min(b.burst, b.level+nb.last.Sub(b.last).Seconds()*b.rate)
 			b.mu.Unlock()
@@ -166,7 +172,7 @@ func reuseBucket(old *tenant, requests bool, rate, burst float64) *bucket {
 			return nb
 		}
 	}
-	return newBucket(rate, burst)
+	return newBucket(rate, burst, headers)
 }
 
 // cacheSalt derives a tenant's cache_salt: an HMAC of its namespace, so it
@@ -223,23 +229,34 @@ func (a *authTable) isAdmin(ctx *fasthttp.RequestCtx) bool {
 // bucket is a token bucket: rate per second, holding at most burst.
 type bucket struct {
 	rate, burst float64
+	headers     *limitHeaders
 	mu          sync.Mutex
 	level       float64
 	last        time.Time
 }
 
-func newBucket(rate, burst float64) *bucket {
-	return &bucket{rate: rate, burst: burst, level: burst, last: time.Now()}
+// limitHeaders names the x-ratelimit-* headers that report one bucket, as
+// OpenAI names them.
+type limitHeaders struct{ limit, remaining, reset []byte }
+
+var (
+	requestLimitHeaders = limitHeaders{[]byte("X-Ratelimit-Limit-Requests"), []byte("X-Ratelimit-Remaining-Requests"), []byte("X-Ratelimit-Reset-Requests")}
+	tokenLimitHeaders   = limitHeaders{[]byte("X-Ratelimit-Limit-Tokens"), []byte("X-Ratelimit-Remaining-Tokens"), []byte("X-Ratelimit-Reset-Tokens")}
+)
+
+func newBucket(rate, burst float64, headers *limitHeaders) *bucket {
+	return &bucket{rate: rate, burst: burst, headers: headers, level: burst, last: time.Now()}
 }
 
 // take removes n tokens if available; otherwise it returns how long until
-// they would be.
-func (b *bucket) take(n float64) (ok bool, wait time.Duration) {
+// they would be. Either way it reports the bucket in h (nil: not at all)
+// as OpenAI does: its size, what is left (whole units; 0 in debt) and how
+// long until it is full again ("6m0s", "20ms").
+func (b *bucket) take(n float64, h *fasthttp.ResponseHeader) (ok bool, wait time.Duration) {
 	if b == nil {
 		return true, 0
 	}
 	b.mu.Lock()
-	defer b.mu.Unlock()
 	now := time.Now()
 	b.level = math.Min(b.burst, b.level+now.Sub(b.last).Seconds()*b.rate)
 	b.last = now
@@ -248,9 +265,20 @@ func (b *bucket) take(n float64) (ok bool, wait time.Duration) {
 	// which later requests wait out (a batch of 8,000 tokens cost a
 	// 100-token budget 100 before; found by the eighth session's trial).
 	need := math.Min(n, b.burst)
-	if b.level >= need {
+	ok = b.level >= need
+	if ok {
 		b.level -= n
-		return true, 0
+	} else {
+		wait = time.Duration((need - b.level) / b.rate * float64(time.Second))
 	}
-	return false, time.Duration((need - b.level) / b.rate * float64(time.Second))
+	level := b.level
+	b.mu.Unlock()
+	if h != nil {
+		var buf [24]byte
+		h.SetCanonical(b.headers.limit, strconv.AppendInt(buf[:0], int64(b.burst), 10))
+		h.SetCanonical(b.headers.remaining, strconv.AppendInt(buf[:0], int64(math.Max(0, level)), 10))
+		full := time.Duration((b.burst - level) / b.rate * float64(time.Second))
+		h.SetCanonical(b.headers.reset, fmt.Appendf(buf[:0], "%v", full.Round(time.Millisecond)))
+	}
+	return ok, wait
 }
