@@ -32,6 +32,11 @@ type ReplayConfig struct {
 	Model  string
 	APIKey string
 	Mode   string // ModeCompletions (default) or ModeChat
+	// Words, in chat mode, are written one per synthesized token (token t
+	// as Words[t % len(Words)], after a space): words the engine's
+	// tokenizer reads as one token each (SingleTokenWords) keep prompts at
+	// the trace's lengths. Empty: made-up words, which a tokenizer splits.
+	Words []string
 	// Concurrency > 0 runs closed-loop with that many requests in flight,
 	// ignoring arrival times; 0 runs open-loop at the workload's arrival
 	// times (scale them with Workload.Scale).
@@ -328,7 +333,7 @@ func (rp *replayer) body(b []byte, r *Request) []byte {
 	b = append(b, `,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}`...)
 	if rp.cfg.Mode == ModeChat {
 		b = append(b, `,"messages":[`...)
-		b = appendMessages(b, r, rp.cfg.Synth)
+		b = appendMessages(b, r, rp.cfg.Synth, rp.cfg.Words)
 		b = append(b, `]}`...)
 		return b
 	}
@@ -349,7 +354,7 @@ func (rp *replayer) body(b []byte, r *Request) []byte {
 // appendMessages renders r's segments as chat messages: system, user and
 // assistant segments of a conversation become their own messages; trace
 // segments join into one user message.
-func appendMessages(b []byte, r *Request, syn Synth) []byte {
+func appendMessages(b []byte, r *Request, syn Synth, words []string) []byte {
 	var tok []uint32
 	role := ""
 	open := false
@@ -363,11 +368,16 @@ func appendMessages(b []byte, r *Request, syn Synth) []byte {
 			b = append(b, rl...)
 			b = append(b, `","content":"`...)
 			role, open = rl, true
-		} else {
+		} else if len(words) == 0 {
 			b = append(b, ' ')
 		}
 		tok = syn.Segment(tok[:0], seg)
 		for j, t := range tok {
+			if len(words) > 0 {
+				b = append(b, ' ')
+				b = append(b, words[int(t)%len(words)]...)
+				continue
+			}
 			if j > 0 {
 				b = append(b, ' ')
 			}

@@ -21,6 +21,7 @@ import (
 
 	"github.com/kvproxy/kvproxy/bench"
 	"github.com/kvproxy/kvproxy/router"
+	"github.com/kvproxy/kvproxy/tokenize"
 )
 
 func main() {
@@ -277,7 +278,8 @@ func runReplay(args []string, stdout io.Writer) error {
 	url := fs.String("url", "http://127.0.0.1:8080", "kvproxy base URL")
 	model := fs.String("model", "", "model name sent in requests (default: the first the proxy's /v1/models lists)")
 	key := fs.String("api-key", os.Getenv("KVBENCH_API_KEY"), "API key (default $KVBENCH_API_KEY)")
-	mode := fs.String("mode", bench.ModeCompletions, "completions (token ids: the trace's lengths exactly) or chat (text messages, one made-up word per token: a real tokenizer splits them, so prompts run about 2.3× the trace's lengths with cl100k; the prefix sharing stays)")
+	mode := fs.String("mode", bench.ModeCompletions, "completions (token ids: the trace's lengths exactly) or chat (text messages, one word per token; see -words)")
+	words := fs.String("words", "cl100k_base", "chat mode: write each token as a word the engine's tokenizer (a built-in name or a tokenizer.json path) reads as one token, so prompts keep the trace's lengths; \"\": made-up words, which cl100k splits into about 2.3× as many tokens")
 	conc := fs.Int("concurrency", 0, "closed loop with N requests in flight (0: open loop at trace times / speedup)")
 	label := fs.String("label", "live", "policy column of the report")
 	timeScale := fs.Float64("time-scale", 1, "engines run this many times faster than real time (kvmock -speedup): report durations × this, throughput ÷ this")
@@ -295,6 +297,14 @@ func runReplay(args []string, stdout io.Writer) error {
 	if err != nil {
 		return err
 	}
+	var wordList []string
+	if *mode == bench.ModeChat && *words != "" {
+		tok, err := tokenize.Load(*words)
+		if err != nil {
+			return fmt.Errorf("-words: %w", err)
+		}
+		wordList = bench.SingleTokenWords(tok)
+	}
 	var recs []bench.RequestRecord
 	onReq := func(r bench.RequestRecord) { recs = append(recs, r) }
 	if *model == "" {
@@ -307,7 +317,7 @@ func runReplay(args []string, stdout io.Writer) error {
 	st := w.Stats()
 	fmt.Fprintf(os.Stderr, "kvbench replay: %s: %d requests over %v to %s\n", w.Name, st.Requests, st.Duration.Round(time.Second), *url)
 	res, err := bench.Replay(ctx, w, bench.ReplayConfig{
-		URL: *url, Model: *model, APIKey: *key, Mode: *mode, Concurrency: *conc,
+		URL: *url, Model: *model, APIKey: *key, Mode: *mode, Words: wordList, Concurrency: *conc,
 		Synth: bench.Synth{Seed: wf.seed}, Timeout: *timeout, OnRequest: onReq,
 	}, *label)
 	if err != nil && ctx.Err() == nil {
