@@ -38,7 +38,8 @@ type fakeEngine struct {
 	pauseAfter   int           // stream: stop after this many tokens for pause
 	pause        time.Duration // ...
 	dieAfter     int           // stream: drop the connection after this many tokens
-	errorAfter   int           // stream: send older vLLM's flat error frame after this many tokens
+	errorAfter   int           // stream: send an error frame after this many tokens
+	errorFrame   string        // ... this one (default: older vLLM's flat one, compact)
 	status       int           // non-200 answer
 	errBody      string
 	retryAfter   string // Retry-After of the non-200 answer
@@ -120,7 +121,11 @@ func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		if f.errorAfter > 0 && i == f.errorAfter {
-			fmt.Fprintf(w, "data: {\"object\":\"error\",\"message\":\"CUDA out of memory\",\"type\":\"InternalServerError\",\"param\":null,\"code\":500}\n\n")
+			frame := f.errorFrame
+			if frame == "" {
+				frame = `{"object":"error","message":"CUDA out of memory","type":"InternalServerError","param":null,"code":500}`
+			}
+			fmt.Fprintf(w, "data: %s\n\n", frame)
 			fmt.Fprintf(w, "data: [DONE]\n\n")
 			fl.Flush()
 			return
@@ -654,15 +659,46 @@ func TestLogsNeverCarryPromptText(t *testing.T) {
 	}
 }
 
-func TestFlatEngineErrorFrameIsNormalized(t *testing.T) {
-	e := startFake(t, "e0", func(f *fakeEngine) { f.tokens = 10; f.errorAfter = 3 })
-	p := startProxy(t, "kv", e)
-	_, body := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","stream":true}`)
-	s := string(body)
-	if !strings.Contains(s, `data: {"error":{"message":"CUDA out of memory","type":"InternalServerError"`) || strings.Contains(s, `"object":"error"`) || !strings.HasSuffix(s, "data: [DONE]\n\n") {
-		t.Fatalf("flat error frame not normalized:\n%s", s)
+// An engine's error frame mid-stream, in each shape vLLM versions write it
+// (flat or nested, compact or spaced by Python's json.dumps), reaches the
+// client in OpenAI's shape with a string code, and is logged as an error.
+func TestEngineErrorFramesAreNormalized(t *testing.T) {
+	want := `data: {"error":{"message":"CUDA out of memory","type":"InternalServerError","param":null,"code":"500"}}`
+	for _, c := range []struct{ frame, want string }{
+		{"", want}, // flat, compact
+		{`{"object": "error", "message": "CUDA out of memory", "type": "InternalServerError", "param": null, "code": 500}`, want},
+		{`{"error": {"object": "error", "message": "CUDA out of memory", "type": "InternalServerError", "param": null, "code": 500}}`, want},
+		{`{"error":{"message":"CUDA out of memory","type":"InternalServerError","param":null,"code":500}}`, want},
+		// complete already: passed on as it is
+		{`{"error": {"message": "CUDA out of memory", "type": "InternalServerError", "param": null, "code": "oom"}}`,
+			`data: {"error": {"message": "CUDA out of memory", "type": "InternalServerError", "param": null, "code": "oom"}}`},
+	} {
+		e := startFake(t, "e0", func(f *fakeEngine) { f.tokens = 10; f.errorAfter = 3; f.errorFrame = c.frame })
+		p := startProxy(t, "kv", e)
+		_, body := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","stream":true}`)
+		s := string(body)
+		if !strings.Contains(s, c.want+"\n\n") || strings.Count(s, "error") != strings.Count(c.want, "error") || !strings.HasSuffix(s, "data: [DONE]\n\n") {
+			t.Errorf("frame %s:\n%s\nwant the event %s", c.frame, s, c.want)
+		}
+		p.waitIdle(t)
+		if !strings.Contains(p.logs.String(), `"error":"engine error frame"`) {
+			t.Errorf("frame %s: the access log does not say so:\n%s", c.frame, p.logs.String())
+		}
 	}
-	p.waitIdle(t)
+}
+
+func TestFirstMember(t *testing.T) {
+	for data, want := range map[string]string{
+		`{"id":"x"}`: "id|\"x\"}", ` { "error" :  {}}`: "error|{}}", `{"a\"b":1}`: "", `[1]`: "", `{"x"`: "", `{"x" 1}`: "", ``: "",
+	} {
+		got := ""
+		if k, v, ok := firstMember([]byte(data)); ok {
+			got = string(k) + "|" + string(v)
+		}
+		if got != want {
+			t.Errorf("firstMember(%q) = %q, want %q", data, got, want)
+		}
+	}
 }
 
 // The watcher registers a keep-alive connection once: a hang-up during the

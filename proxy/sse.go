@@ -275,18 +275,64 @@ func (r *relay) onEvent(ev []byte) []byte {
 			r.sawDone = true
 			continue
 		}
-		if bytes.HasPrefix(data, flatErrorPrefix) {
-			// {"object":"error","message":...}: older vLLM's error frame.
+		if isErrorFrame(data) {
+			// The engine failed mid-stream (vLLM: {"error": {...}}, older
+			// versions {"object": "error", "message": ...}, compact or
+			// spaced): logged, and passed on in OpenAI's shape, with the
+			// string code clients expect.
 			r.x.errMsg = "engine error frame"
-			fixed = append(append(append(fixed, "data: "...), normalizeEngineError(500, data)...), "\n\n"...)
-			continue
+			if norm := normalizeEngineError(500, data); !bytes.Equal(norm, data) {
+				fixed = append(append(append(fixed, "data: "...), norm...), "\n\n"...)
+				continue
+			}
 		}
 		r.onData(data)
 	}
 	return fixed
 }
 
-var flatErrorPrefix = []byte(`{"object":"error"`)
+// isErrorFrame reports whether data, an event's JSON, is an engine's error:
+// an object whose first member is "error" holding an object, or "object"
+// holding "error". A chunk's first member is "id", so this costs a few
+// byte comparisons per event.
+func isErrorFrame(data []byte) bool {
+	key, val, ok := firstMember(data)
+	if !ok {
+		return false
+	}
+	switch string(key) {
+	case "error":
+		return len(val) > 0 && val[0] == '{'
+	case "object":
+		return bytes.HasPrefix(val, quotedError)
+	}
+	return false
+}
+
+var quotedError = []byte(`"error"`)
+
+// firstMember splits a JSON object's text after its first member's name:
+// the name (unescaped names only) and the text from its value on.
+func firstMember(data []byte) (key, val []byte, ok bool) {
+	i := skipSpace(data, 0)
+	if i >= len(data) || data[i] != '{' {
+		return nil, nil, false
+	}
+	i = skipSpace(data, i+1)
+	if i >= len(data) || data[i] != '"' {
+		return nil, nil, false
+	}
+	end := bytes.IndexByte(data[i+1:], '"')
+	if end < 0 || bytes.IndexByte(data[i+1:i+1+end], '\\') >= 0 {
+		return nil, nil, false
+	}
+	key = data[i+1 : i+1+end]
+	i = skipSpace(data, i+2+end)
+	if i >= len(data) || data[i] != ':' {
+		return nil, nil, false
+	}
+	return key, data[skipSpace(data, i+1):], true
+}
 
 func (r *relay) onData(data []byte) {
 	x := r.x
