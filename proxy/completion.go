@@ -712,13 +712,19 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			return x.endAttempt()
 		}
 		switch {
-		case code == fasthttp.StatusUnauthorized || code == fasthttp.StatusForbidden:
+		case code == fasthttp.StatusUnauthorized || code == fasthttp.StatusForbidden || code == fasthttp.StatusNotFound && !x.pass:
 			// The engine gets kvproxy's key (backends[].api_key), never
-			// the client's: a refusal is kvproxy's configuration at
-			// fault, which the client must not take for its own key.
-			// The engine never took the request: another may.
+			// the client's, and the model kvproxy routed to it: a refusal
+			// or a 404 (an engine started with another --served-model-name)
+			// is kvproxy's configuration at fault, which the client must
+			// not take for its own mistake. The engine never took the
+			// request: another may.
 			plain, _ := plainBody(resp)
-			msg := "backend " + b.cfg.ID + " refused kvproxy's credentials (" + strconv.Itoa(code) + " " + engineMessage(code, plain) + "); check its api_key"
+			what, hint := "refused kvproxy's credentials", "check its api_key"
+			if code == fasthttp.StatusNotFound {
+				what, hint = "does not serve the model or path", "check its url and served_model"
+			}
+			msg := "backend " + b.cfg.ID + " " + what + " (" + strconv.Itoa(code) + " " + engineMessage(code, plain) + "); " + hint
 			b.answeredError(msg)
 			fasthttp.ReleaseResponse(resp)
 			if mayRetry {

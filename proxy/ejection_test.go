@@ -118,6 +118,38 @@ health: {eject_base: 1m, eject_max: 1m}
 	p.waitIdle(t)
 }
 
+// An engine that does not know the model kvproxy routed to it (started
+// with another --served-model-name) answers 404: kvproxy's configuration
+// is at fault, not the client, who saw the model in /v1/models. Another
+// backend takes the request; with none, a 502 names the backend and what
+// to check (found by the ninth session's SDK trial: the SDK raised
+// NotFoundError for a listed model).
+func TestEngineNotServingTheModelIsAConfigurationFault(t *testing.T) {
+	notFound := func(f *fakeEngine) {
+		f.status, f.errBody = 404, `{"error":{"message":"The model `+"`m`"+` does not exist.","type":"NotFoundError","param":"model","code":404}}`
+	}
+	wrong := startFake(t, "wrong", notFound)
+	good := startFake(t, "good", nil)
+	p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: wrong, url: 'http://{{e0}}'}, {id: good, url: 'http://{{e1}}'}]\nrouter: {policy: round_robin}\n", wrong, good)
+	for i := range 4 {
+		if resp, b := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "good" {
+			t.Fatalf("request %d: %d from %q: %s", i, resp.StatusCode, resp.Header.Get(WorkerHeader), b)
+		}
+	}
+	if wrong.requests.Load() == 0 {
+		t.Fatal("the misconfigured backend was never tried")
+	}
+	p.waitIdle(t)
+
+	alone := startFake(t, "alone", notFound)
+	q := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: alone, url: 'http://{{e0}}'}]\n", alone)
+	resp, b := post(t, q.url+"/v1/chat/completions", chatBody)
+	if resp.StatusCode != 502 || !strings.Contains(string(b), "backend alone does not serve the model or path (404 The model `m` does not exist.); check its url and served_model") {
+		t.Fatalf("the only backend answering 404: %d %s, want 502 naming the backend", resp.StatusCode, b)
+	}
+	q.waitIdle(t)
+}
+
 // An engine that dies fails every request it had in flight at once: one
 // incident, one ejection of eject_base, not a back-off doubled per request
 // (found by the seventh session's trial: 8 streams cut by one kill -9 kept

@@ -370,6 +370,9 @@ func TestErrorsAreOpenAIShaped(t *testing.T) {
 			if resp.StatusCode != tc.status {
 				t.Fatalf("status %d, want %d: %s", resp.StatusCode, tc.status, body)
 			}
+			if resp.Header.Get("X-Request-Id") == "" {
+				t.Errorf("no X-Request-Id")
+			}
 			var eb struct {
 				Error struct {
 					Message string  `json:"message"`

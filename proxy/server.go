@@ -671,13 +671,15 @@ func unauthorized(ctx *fasthttp.RequestCtx) {
 
 // logUnrouted writes the access-log line of a request answered before any
 // endpoint took it (unknown path, wrong method, bad key on a non-completion
-// path); the path is cut at 200 bytes.
+// path), with the request's id (X-Request-Id) as every answer has; the
+// path is cut at 200 bytes.
 func (s *Server) logUnrouted(ctx *fasthttp.RequestCtx, reason string) {
+	rid, _ := s.requestIDs(ctx)
 	path := ctx.Path()
 	if len(path) > 200 {
 		path = path[:200]
 	}
-	s.log.Info().Str("method", string(ctx.Method())).Str("path", string(path)).Int("status", ctx.Response.StatusCode()).
+	s.log.Info().Str("request_id", rid).Str("method", string(ctx.Method())).Str("path", string(path)).Int("status", ctx.Response.StatusCode()).
 		Dur("duration", time.Since(ctx.Time())).Str("error", reason).Msg("request")
 }
 
@@ -708,9 +710,11 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 		// refused kvproxy's certificate, spoke plain HTTP or went silent.
 		reason = "TLS handshake failed: " + err.Error()
 	}
-	// fasthttp calls this before it has a request: no method, path or
-	// start time to log (its defaults would say GET / and 292 years).
-	s.log.Info().Str("remote", ctx.RemoteIP().String()).Int("status", ctx.Response.StatusCode()).
+	// fasthttp calls this before it has a whole request: no method, path
+	// or start time to log (its defaults would say GET / and 292 years).
+	// The id is the client's when its headers were read (a body too large).
+	rid, _ := s.requestIDs(ctx)
+	s.log.Info().Str("request_id", rid).Str("remote", ctx.RemoteIP().String()).Int("status", ctx.Response.StatusCode()).
 		Str("error", reason).Msg("request")
 }
 

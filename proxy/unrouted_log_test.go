@@ -20,11 +20,15 @@ func TestUnroutedRequestsAreLogged(t *testing.T) {
 	do := func(method, path string) int {
 		req, _ := http.NewRequest(method, p.url+path, nil)
 		req.Header.Set("Authorization", "Bearer wrong-secret-key-0001")
+		req.Header.Set("X-Request-Id", "mine-7")
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
 			t.Fatal(err)
 		}
 		resp.Body.Close()
+		if id := resp.Header.Get("X-Request-Id"); id != "mine-7" { // the SDKs show it with the error
+			t.Errorf("%s %s: X-Request-Id %q, want the client's", method, path, id)
+		}
 		return resp.StatusCode
 	}
 	for _, c := range []struct {
@@ -50,6 +54,9 @@ func TestUnroutedRequestsAreLogged(t *testing.T) {
 	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
 	if err != nil || resp.StatusCode != 431 {
 		t.Fatalf("200 KB of headers: %v %v", resp, err)
+	}
+	if id := resp.Header.Get("X-Request-Id"); !strings.HasPrefix(id, "req-") {
+		t.Errorf("431: X-Request-Id %q, want kvproxy's own", id)
 	}
 	var logs string
 	for deadline := time.Now().Add(3 * time.Second); ; time.Sleep(10 * time.Millisecond) {
