@@ -37,8 +37,7 @@ type Prober struct {
 }
 
 type probeTarget struct {
-	url       string
-	insecure  bool
+	ProbeURL
 	onChange  func(healthy bool, why string)
 	healthy   bool
 	successes int
@@ -86,13 +85,24 @@ func engineClients(newClient func() *fasthttp.Client) (verified, insecure *fasth
 	return verified, insecure
 }
 
-// Add registers an engine (url: http or https; insecure: an https engine
-// whose certificate is not checked); onChange is called on every health
-// transition, with why the last probe failed when it goes down.
-func (p *Prober) Add(id, url string, insecure bool, onChange func(healthy bool, why string)) {
+// ProbeURL is what a probe asks: a GET of URL (http or https) that passes
+// with a 200.
+type ProbeURL struct {
+	URL string
+	// APIKey goes as a bearer token ("": none): an OpenAI-compatible
+	// server without a /health endpoint is probed on /v1/models, which
+	// may want the key.
+	APIKey string
+	// Insecure: an https engine whose certificate is not checked.
+	Insecure bool
+}
+
+// Add registers an engine; onChange is called on every health transition,
+// with why the last probe failed when it goes down.
+func (p *Prober) Add(id string, u ProbeURL, onChange func(healthy bool, why string)) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	t := &probeTarget{url: url, insecure: insecure, onChange: onChange, healthy: true, quit: make(chan struct{})}
+	t := &probeTarget{ProbeURL: u, onChange: onChange, healthy: true, quit: make(chan struct{})}
 	p.target[id] = t
 	if p.running && !p.stopped {
 		p.run(t)
@@ -155,9 +165,12 @@ func (p *Prober) probe(t *probeTarget) {
 	resp := fasthttp.AcquireResponse()
 	defer fasthttp.ReleaseRequest(req)
 	defer fasthttp.ReleaseResponse(resp)
-	req.SetRequestURI(t.url)
+	req.SetRequestURI(t.URL)
+	if t.APIKey != "" {
+		req.Header.Set("Authorization", "Bearer "+t.APIKey)
+	}
 	c := p.client
-	if t.insecure {
+	if t.Insecure {
 		c = p.insecure
 	}
 	err := c.DoTimeout(req, resp, p.cfg.Timeout)

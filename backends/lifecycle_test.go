@@ -254,7 +254,7 @@ func TestProbeOfHugeAnswerFails(t *testing.T) {
 	})
 	p := NewProber(ProbeConfig{Interval: time.Hour, Timeout: time.Second, Fall: 1})
 	changed := make(chan bool, 4)
-	p.Add("a", "http://"+addr+"/health", false, func(ok bool, _ string) { changed <- ok })
+	p.Add("a", ProbeURL{URL: "http://" + addr + "/health"}, func(ok bool, _ string) { changed <- ok })
 	p.Start()
 	defer p.Stop()
 	select {
@@ -292,7 +292,7 @@ func TestProbeRiseNeedsConsecutiveSuccesses(t *testing.T) {
 		probe   int
 	}
 	changes := make(chan change, 16)
-	p.Add("a", "http://"+addr+"/health", false, func(ok bool, _ string) {
+	p.Add("a", ProbeURL{URL: "http://" + addr + "/health"}, func(ok bool, _ string) {
 		mu.Lock()
 		n := probes
 		mu.Unlock()
@@ -328,7 +328,7 @@ func TestProberStopRacingStart(t *testing.T) {
 	})
 	for i := 0; i < 20; i++ {
 		p := NewProber(ProbeConfig{Interval: time.Millisecond})
-		p.Add("a", "http://"+addr+"/health", false, func(bool, string) {})
+		p.Add("a", ProbeURL{URL: "http://" + addr + "/health"}, func(bool, string) {})
 		var wg sync.WaitGroup
 		wg.Add(3)
 		go func() { defer wg.Done(); p.Start() }()
@@ -337,7 +337,7 @@ func TestProberStopRacingStart(t *testing.T) {
 		wg.Wait()
 		// Once stopped, nothing starts again.
 		p.Start()
-		p.Add("b", "http://"+addr+"/health", false, func(bool, string) {})
+		p.Add("b", ProbeURL{URL: "http://" + addr + "/health"}, func(bool, string) {})
 		p.mu.Lock()
 		running := p.running && !p.stopped
 		p.mu.Unlock()

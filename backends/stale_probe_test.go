@@ -19,7 +19,7 @@ func TestProbeOfEngineClosingIdleConnections(t *testing.T) {
 	defer srv.Close()
 	down := make(chan string, 1)
 	p := NewProber(ProbeConfig{Interval: 100 * time.Millisecond, Timeout: time.Second, Fall: 1})
-	p.Add("a", srv.URL+"/health", false, func(healthy bool, why string) {
+	p.Add("a", ProbeURL{URL: srv.URL + "/health"}, func(healthy bool, why string) {
 		if !healthy {
 			select {
 			case down <- why:

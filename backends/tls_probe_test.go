@@ -32,7 +32,7 @@ func TestUntrustedEngineIsProbedOnce(t *testing.T) {
 
 	why := make(chan string, 1)
 	p := NewProber(ProbeConfig{Interval: time.Hour, Timeout: 2 * time.Second, Fall: 1})
-	p.Add("a", srv.URL+"/health", false, func(healthy bool, w string) {
+	p.Add("a", ProbeURL{URL: srv.URL + "/health"}, func(healthy bool, w string) {
 		if !healthy {
 			why <- w
 		}
@@ -74,7 +74,7 @@ func TestInsecureProbeOverTLS(t *testing.T) {
 	defer srv.Close()
 	down := make(chan string, 1)
 	p := NewProber(ProbeConfig{Interval: 20 * time.Millisecond, Timeout: 2 * time.Second, Fall: 1})
-	p.Add("a", srv.URL+"/health", true, func(healthy bool, why string) {
+	p.Add("a", ProbeURL{URL: srv.URL + "/health", Insecure: true}, func(healthy bool, why string) {
 		if !healthy {
 			down <- why
 		}
@@ -128,7 +128,7 @@ func TestSilentTLSPeerTimesOut(t *testing.T) {
 	addr := silentListener(t)
 	down := make(chan string, 1)
 	p := NewProber(ProbeConfig{Interval: time.Hour, Timeout: 300 * time.Millisecond, Fall: 1})
-	p.Add("a", "https://"+addr+"/health", false, func(healthy bool, why string) {
+	p.Add("a", ProbeURL{URL: "https://" + addr + "/health"}, func(healthy bool, why string) {
 		if !healthy {
 			down <- why
 		}

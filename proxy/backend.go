@@ -116,6 +116,17 @@ func (b *backend) isAvailable() bool {
 }
 
 // setProbe records an active health probe result (why: what failed).
+// probeURL is what b's health probe asks: GET /health, as vLLM and SGLang
+// serve it; for kind: openai, GET /v1/models with its api_key, which every
+// OpenAI-compatible server has and many have no /health.
+func (b *backend) probeURL() backends.ProbeURL {
+	u := backends.ProbeURL{URL: b.base + "/health", Insecure: b.cfg.InsecureSkipVerify}
+	if b.cfg.Kind == config.KindOpenAI {
+		u.URL, u.APIKey = b.base+"/v1/models", b.cfg.APIKey
+	}
+	return u
+}
+
 func (b *backend) setProbe(ok bool, why string) {
 	b.mu.Lock()
 	defer b.mu.Unlock()

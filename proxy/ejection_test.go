@@ -2,10 +2,16 @@ package proxy
 
 import (
 	"io"
+	"net"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/kvproxy/kvproxy/config"
 )
 
 // One 500 may be the request's doing: an engine answering 500s is ejected
@@ -213,4 +219,55 @@ func oneBackend(t *testing.T, ejectBase string) (*testProxy, *backend) {
 	e := startFake(t, "e0", nil)
 	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}'}]\nhealth: {eject_base: "+ejectBase+", eject_max: 1m}\n", e)
 	return p, p.s.st.Load().backends["e0"]
+}
+
+// A kind: openai backend (an OpenAI-compatible server; many have no
+// /health) is probed with GET /v1/models and its api_key, not /health
+// (found by the ninth session's review: such a backend was down for good
+// after its first probe).
+func TestOpenAIKindIsProbedOnModels(t *testing.T) {
+	var probes, unauthorized atomic.Int64
+	engine := startRawEngine(t, func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/v1/models":
+			if r.Header.Get("Authorization") != "Bearer api-key-1" {
+				unauthorized.Add(1)
+				w.WriteHeader(401)
+				return
+			}
+			probes.Add(1)
+			w.Write([]byte(`{"object":"list","data":[{"id":"m","object":"model"}]}`))
+		case "/v1/completions":
+			w.Header().Set("Content-Type", "application/json")
+			w.Write([]byte(`{"id":"x","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"hi","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}`))
+		default:
+			http.NotFound(w, r)
+		}
+	})
+	cfg, err := config.Parse([]byte("models: [{name: m}]\nhealth: {interval: 20ms, fall: 1}\n" +
+		"backends: [{id: api, url: 'http://" + engine + "', model: m, kind: openai, api_key: api-key-1}]\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(cfg, Options{Logger: zerolog.New(io.Discard)}) // with health checks
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go s.Serve(ln)
+	t.Cleanup(func() { s.Shutdown() })
+	p := &testProxy{s: s, url: "http://" + ln.Addr().String(), logs: &syncBuffer{}}
+	for deadline := time.Now().Add(5 * time.Second); probes.Load()+unauthorized.Load() < 5 && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"hello"}`); resp.StatusCode != 200 {
+		t.Fatalf("after %d probes: %d %s", probes.Load(), resp.StatusCode, b)
+	}
+	if unauthorized.Load() != 0 || ejected(p, "api") {
+		t.Fatalf("%d probes without the api_key; ejected: %v", unauthorized.Load(), ejected(p, "api"))
+	}
+	p.waitIdle(t)
 }

@@ -281,7 +281,7 @@ func (s *Server) activate(st, prev *state) {
 		b.pool.setBackend(b)
 		if s.health != nil {
 			s.health.Remove(b.cfg.ID)
-			s.health.Add(b.cfg.ID, b.base+"/health", b.cfg.InsecureSkipVerify, b.setProbe)
+			s.health.Add(b.cfg.ID, b.probeURL(), b.setProbe)
 		}
 	}
 	s.st.Store(st)
