@@ -27,6 +27,14 @@ type EngineMetrics struct {
 	CacheBlocks, CacheBlockSize int
 }
 
+// RankMetrics is one data-parallel engine's own metrics.
+type RankMetrics struct {
+	// Rank is the engine's data-parallel rank: vLLM labels every series of
+	// an engine with its index (engine="r"); 0 for series without it.
+	Rank int
+	EngineMetrics
+}
+
 // Metric names read, per engine kind. Series of one name with different
 // labels (one per data-parallel engine, per model) are summed for request
 // counts and averaged for KV usage.
@@ -40,6 +48,9 @@ var (
 	cacheInfoName = []byte("vllm:cache_config_info")
 )
 
+// engineLabel names a vLLM series' data-parallel engine.
+const engineLabel = "engine"
+
 // ErrNoEngineMetrics: the page holds none of the load metrics kvproxy reads.
 var ErrNoEngineMetrics = errors.New("no vLLM or SGLang load metrics on the page")
 
@@ -49,11 +60,23 @@ var ErrNoEngineMetrics = errors.New("no vLLM or SGLang load metrics on the page"
 // from Prometheus text exposition format. Other lines, and lines that do not
 // parse, are skipped. It does not allocate.
 func ParseEngineMetrics(page []byte) (EngineMetrics, error) {
+	m, _, err := parseEngineMetrics(page, nil, false)
+	return m, err
+}
+
+// ParseEngineRanks is ParseEngineMetrics that also reads each data-parallel
+// engine's own figures, appended to ranks[:0] by rank, one per engine the
+// page has series of. It does not allocate when ranks has the room and the
+// page names fewer than 16 engines.
+func ParseEngineRanks(page []byte, ranks []RankMetrics) (EngineMetrics, []RankMetrics, error) {
+	return parseEngineMetrics(page, ranks, true)
+}
+
+func parseEngineMetrics(page []byte, ranks []RankMetrics, perRank bool) (EngineMetrics, []RankMetrics, error) {
 	var (
-		m                         EngineMetrics
-		waiting, running          float64
-		usage, oldUsage           float64
-		nUsage, nOld, nWait, nRun int
+		total engineSums
+		small [16]engineSums
+		accs  = small[:0] // by rank
 	)
 	for len(page) > 0 {
 		line := page
@@ -63,42 +86,78 @@ func ParseEngineMetrics(page []byte) (EngineMetrics, error) {
 			page = nil
 		}
 		name, v, ok := parseSample(line)
-		if !ok {
+		if !ok || !total.add(name, line, v) || !perRank {
 			continue
 		}
-		if bytes.Equal(name, cacheInfoName) {
-			if n := labelInt(line, "num_gpu_blocks"); n > m.CacheBlocks {
-				m.CacheBlocks, m.CacheBlockSize = n, labelInt(line, "block_size")
-			}
+		r := labelInt(line, engineLabel)
+		if r > MaxDPRank {
 			continue
 		}
-		switch {
-		case oneOf(name, waitingNames):
-			waiting += v
-			nWait++
-		case oneOf(name, runningNames):
-			running += v
-			nRun++
-		case oneOf(name, usageNames):
-			usage += v
-			nUsage++
-		case bytes.Equal(name, usageOldName):
-			oldUsage += v
-			nOld++
+		for len(accs) <= r {
+			accs = append(accs, engineSums{})
+		}
+		accs[r].add(name, line, v)
+	}
+	if !total.loaded() {
+		return EngineMetrics{}, ranks[:0], ErrNoEngineMetrics
+	}
+	ranks = ranks[:0]
+	for r := range accs {
+		if accs[r].loaded() {
+			ranks = append(ranks, RankMetrics{Rank: r, EngineMetrics: accs[r].metrics()})
 		}
 	}
-	if nWait+nRun+nUsage+nOld == 0 {
-		return EngineMetrics{}, ErrNoEngineMetrics
-	}
-	m.Waiting, m.Running = clampCount(waiting), clampCount(running)
+	return total.metrics(), ranks, nil
+}
+
+// engineSums gathers the series of the metrics read, of one engine or all.
+type engineSums struct {
+	waiting, running, usage, oldUsage float64
+	nWait, nRun, nUsage, nOld         int
+	cacheBlocks, cacheBlockSize       int
+}
+
+// add counts the sample name = v (of the whole line) if it is one of the
+// metrics read, and reports whether it was.
+func (s *engineSums) add(name, line []byte, v float64) bool {
 	switch {
-	case nUsage > 0:
-		m.KVUsage, m.HasKVUsage = usage/float64(nUsage), true
-	case nOld > 0:
-		m.KVUsage, m.HasKVUsage = oldUsage/float64(nOld), true
+	case bytes.Equal(name, cacheInfoName):
+		if n := labelInt(line, "num_gpu_blocks"); n > s.cacheBlocks {
+			s.cacheBlocks, s.cacheBlockSize = n, labelInt(line, "block_size")
+		}
+	case oneOf(name, waitingNames):
+		s.waiting += v
+		s.nWait++
+	case oneOf(name, runningNames):
+		s.running += v
+		s.nRun++
+	case oneOf(name, usageNames):
+		s.usage += v
+		s.nUsage++
+	case bytes.Equal(name, usageOldName):
+		s.oldUsage += v
+		s.nOld++
+	default:
+		return false
+	}
+	return true
+}
+
+// loaded reports whether any load metric was counted (a capacity alone is
+// not a load).
+func (s *engineSums) loaded() bool { return s.nWait+s.nRun+s.nUsage+s.nOld > 0 }
+
+func (s *engineSums) metrics() EngineMetrics {
+	m := EngineMetrics{Waiting: clampCount(s.waiting), Running: clampCount(s.running),
+		CacheBlocks: s.cacheBlocks, CacheBlockSize: s.cacheBlockSize}
+	switch {
+	case s.nUsage > 0:
+		m.KVUsage, m.HasKVUsage = s.usage/float64(s.nUsage), true
+	case s.nOld > 0:
+		m.KVUsage, m.HasKVUsage = s.oldUsage/float64(s.nOld), true
 	}
 	m.KVUsage = max(0, min(1, m.KVUsage))
-	return m, nil
+	return m
 }
 
 // labelInt reads the integer value of label key in a sample line
@@ -208,6 +267,17 @@ type MetricsScraper struct {
 // the backend's scrape as failed.
 // insecure skips the certificate check of an https engine.
 func (s *MetricsScraper) Scrape(url string, insecure bool) (EngineMetrics, error) {
+	m, _, err := s.scrape(url, insecure, nil, false)
+	return m, err
+}
+
+// ScrapeRanks is Scrape that also gives each data-parallel engine's own
+// metrics (ParseEngineRanks), appended to ranks[:0].
+func (s *MetricsScraper) ScrapeRanks(url string, insecure bool, ranks []RankMetrics) (EngineMetrics, []RankMetrics, error) {
+	return s.scrape(url, insecure, ranks, true)
+}
+
+func (s *MetricsScraper) scrape(url string, insecure bool, ranks []RankMetrics, perRank bool) (EngineMetrics, []RankMetrics, error) {
 	c := s.client()
 	if insecure {
 		c = s.insecure
@@ -219,20 +289,20 @@ func (s *MetricsScraper) Scrape(url string, insecure bool) (EngineMetrics, error
 	req.SetRequestURI(url)
 	req.Header.SetMethod(fasthttp.MethodGet)
 	if err := c.DoTimeout(req, resp, timeout); err != nil {
-		return EngineMetrics{}, fmt.Errorf("scrape %s: %w", url, err)
+		return EngineMetrics{}, ranks[:0], fmt.Errorf("scrape %s: %w", url, err)
 	}
 	if sc := resp.StatusCode(); sc != fasthttp.StatusOK {
-		return EngineMetrics{}, fmt.Errorf("scrape %s: status %d", url, sc)
+		return EngineMetrics{}, ranks[:0], fmt.Errorf("scrape %s: status %d", url, sc)
 	}
 	body := resp.Body()
 	if len(body) > s.maxBody() {
-		return EngineMetrics{}, fmt.Errorf("scrape %s: page of %d bytes exceeds %d", url, len(body), s.maxBody())
+		return EngineMetrics{}, ranks[:0], fmt.Errorf("scrape %s: page of %d bytes exceeds %d", url, len(body), s.maxBody())
 	}
-	m, err := ParseEngineMetrics(body)
+	m, ranks, err := parseEngineMetrics(body, ranks, perRank)
 	if err != nil {
-		return EngineMetrics{}, fmt.Errorf("scrape %s: %w", url, err)
+		return EngineMetrics{}, ranks, fmt.Errorf("scrape %s: %w", url, err)
 	}
-	return m, nil
+	return m, ranks, nil
 }
 
 func (s *MetricsScraper) timeout() time.Duration {

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -40,6 +41,52 @@ func TestParseEngineMetricsVLLM(t *testing.T) {
 	want := EngineMetrics{Waiting: 7, Running: 7, KVUsage: 0.375, HasKVUsage: true, CacheBlocks: 27000, CacheBlockSize: 32}
 	if m != want {
 		t.Fatalf("got %+v want %+v", m, want)
+	}
+}
+
+// vLLM with data parallelism exports one series per engine (engine="r"):
+// each engine's load is read on its own, so the router can tell which rank
+// is busy; the totals stay sums and averages.
+func TestParseEngineRanksVLLM(t *testing.T) {
+	m, ranks, err := ParseEngineRanks([]byte(vllmPage), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := (EngineMetrics{Waiting: 7, Running: 7, KVUsage: 0.375, HasKVUsage: true, CacheBlocks: 27000, CacheBlockSize: 32}); m != want {
+		t.Fatalf("totals: got %+v want %+v", m, want)
+	}
+	want := []RankMetrics{
+		{0, EngineMetrics{Waiting: 7, Running: 3, KVUsage: 0.5, HasKVUsage: true, CacheBlocks: 27000, CacheBlockSize: 32}},
+		{1, EngineMetrics{Waiting: 0, Running: 4, KVUsage: 0.25, HasKVUsage: true, CacheBlocks: 26500, CacheBlockSize: 32}},
+	}
+	if !slices.Equal(ranks, want) {
+		t.Fatalf("ranks: got %+v\nwant %+v", ranks, want)
+	}
+}
+
+func TestParseEngineRanksOddPages(t *testing.T) {
+	for _, c := range []struct {
+		name, page string
+		want       []RankMetrics
+	}{
+		{"no engine label: all rank 0", "sglang:num_queue_reqs{tp_rank=\"0\"} 5\nsglang:num_running_reqs{tp_rank=\"0\"} 2\n",
+			[]RankMetrics{{0, EngineMetrics{Waiting: 5, Running: 2}}}},
+		{"ranks with no series are left out", "vllm:num_requests_waiting{engine=\"3\"} 4\nvllm:num_requests_waiting{engine=\"1\"} 1\n" +
+			"vllm:cache_config_info{engine=\"2\",num_gpu_blocks=\"9\"} 1\n",
+			[]RankMetrics{{1, EngineMetrics{Waiting: 1}}, {3, EngineMetrics{Waiting: 4}}}},
+		{"old usage name per engine", "vllm:gpu_cache_usage_perc{engine=\"0\"} 0.9\nvllm:gpu_cache_usage_perc{engine=\"1\"} 0.2\nvllm:kv_cache_usage_perc{engine=\"1\"} 0.3\n",
+			[]RankMetrics{{0, EngineMetrics{KVUsage: 0.9, HasKVUsage: true}}, {1, EngineMetrics{KVUsage: 0.3, HasKVUsage: true}}}},
+		{"engine label not a rank, or past MaxDPRank", "vllm:num_requests_waiting{engine=\"x\"} 2\nvllm:num_requests_waiting{engine=\"5000\"} 3\nvllm:num_requests_waiting{dp_engine=\"2\"} 1\n",
+			[]RankMetrics{{0, EngineMetrics{Waiting: 3}}}},
+	} {
+		buf := make([]RankMetrics, 1, 4) // reused: appended to from [:0]
+		_, ranks, err := ParseEngineRanks([]byte(c.page), buf)
+		if err != nil || !slices.Equal(ranks, c.want) {
+			t.Errorf("%s: got %+v %v\nwant %+v", c.name, ranks, err, c.want)
+		}
+	}
+	if _, ranks, err := ParseEngineRanks([]byte("up 1\n"), make([]RankMetrics, 2)); !errors.Is(err, ErrNoEngineMetrics) || len(ranks) != 0 {
+		t.Errorf("page without engine metrics: %v %v", ranks, err)
 	}
 }
 
@@ -122,6 +169,19 @@ func BenchmarkParseEngineMetrics(b *testing.B) {
 	for b.Loop() {
 		if _, err := ParseEngineMetrics(page); err != nil {
 			b.Fatal(err)
+		}
+	}
+}
+
+func BenchmarkParseEngineRanks(b *testing.B) {
+	page := []byte(strings.Repeat("# HELP x y\nvllm:iteration_tokens_total_bucket{le=\"1.0\"} 0.0\n", 200) + vllmPage)
+	ranks := make([]RankMetrics, 0, 8)
+	b.SetBytes(int64(len(page)))
+	b.ReportAllocs()
+	for b.Loop() {
+		var err error
+		if _, ranks, err = ParseEngineRanks(page, ranks); err != nil || len(ranks) != 2 {
+			b.Fatal(err, ranks)
 		}
 	}
 }

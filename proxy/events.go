@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"errors"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -167,19 +168,12 @@ func (s *Server) scrapeLoop(stop <-chan struct{}) {
 			wg.Add(1)
 			go func(b *backend) {
 				defer wg.Done()
-				m, err := scraper.Scrape(b.base+"/metrics", b.cfg.InsecureSkipVerify)
+				m, ranks, err := scraper.ScrapeRanks(b.base+"/metrics", b.cfg.InsecureSkipVerify, nil)
 				ss := &scrapeStatus{ok: err == nil, m: m, at: time.Now()}
 				if err != nil {
 					ss.err = err.Error()
 				} else {
-					b.pool.rt.SetEngineLoad(b.worker, m.Waiting, m.Running, m.KVUsage)
-					if m.CacheBlocks > 0 {
-						blocks := float64(m.CacheBlocks) // in the router's blocks
-						if bs := b.pool.cfg.BlockSize; m.CacheBlockSize > 0 && bs > 0 {
-							blocks = blocks * float64(m.CacheBlockSize) / float64(bs)
-						}
-						b.pool.rt.SetEngineCapacity(b.worker, blocks)
-					}
+					b.setEngineLoad(m, ranks)
 				}
 				b.scrape.Store(ss)
 			}(b)
@@ -190,6 +184,42 @@ func (s *Server) scrapeLoop(stop <-chan struct{}) {
 			return
 		case <-tick.C:
 		}
+	}
+}
+
+// setEngineLoad gives the backend's workers the load its engine reports:
+// each data-parallel rank's worker that of its own engine (vLLM's series
+// labelled engine="r"), as a request routed to a rank goes to that engine.
+// A backend with no rank workers (events off, or no other rank seen yet)
+// is one worker for the whole engine, which places requests among its
+// ranks itself: it gets the total.
+func (b *backend) setEngineLoad(total backends.EngineMetrics, ranks []backends.RankMetrics) {
+	ids := b.workerIDs()
+	if len(ids) == 1 {
+		b.setWorkerLoad(b.worker, total)
+		return
+	}
+	for _, rm := range ranks {
+		w := b.worker
+		if rm.Rank > 0 {
+			id, ok := b.pool.rt.WorkerByName(backends.WorkerName(b.cfg.ID, rm.Rank))
+			if !ok || !slices.Contains(ids, id) {
+				continue // a rank this backend has no worker for
+			}
+			w = id
+		}
+		b.setWorkerLoad(w, rm.EngineMetrics)
+	}
+}
+
+func (b *backend) setWorkerLoad(w router.WorkerID, m backends.EngineMetrics) {
+	b.pool.rt.SetEngineLoad(w, m.Waiting, m.Running, m.KVUsage)
+	if m.CacheBlocks > 0 {
+		blocks := float64(m.CacheBlocks) // in the router's blocks
+		if bs := b.pool.cfg.BlockSize; m.CacheBlockSize > 0 && bs > 0 {
+			blocks = blocks * float64(m.CacheBlockSize) / float64(bs)
+		}
+		b.pool.rt.SetEngineCapacity(w, blocks)
 	}
 }
 
