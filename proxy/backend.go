@@ -68,6 +68,10 @@ type backend struct {
 	// became available (its cooling or ejection ended, its probe passed).
 	wake func()
 
+	// ranks are the data-parallel rank workers ("id#r") taken over from
+	// the backend of its id it replaced or that still drains (adoptRanks),
+	// set before it takes requests; its feed adds those it sees (workerIDs).
+	ranks        []router.WorkerID
 	feed         *backends.KVFeed // nil in approximate mode
 	eventsPushed atomic.Uint64
 	scrape       atomic.Pointer[scrapeStatus]

@@ -4,9 +4,12 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvproxy/kvproxy/config"
 	"github.com/kvproxy/kvproxy/router"
 )
 
@@ -65,4 +68,165 @@ vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="3000"} 1
 	pushRank(t, p, "e0", 1, promptIDs(100))
 	waitFor("e0#1", load{40, 64, 0.95, 3000})
 	waitFor("e0", load{0, 2, 0.05, 1000})
+}
+
+const dpHead = "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\nrouter: {policy: %s}\nbackends:\n"
+
+// reloadYAML applies a new configuration to the running proxy.
+func reloadYAML(t *testing.T, p *testProxy, yaml string) {
+	t.Helper()
+	cfg, err := config.Parse([]byte(yaml))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitRetired waits for the log line of backend id's retirement.
+func waitRetired(t *testing.T, p *testProxy, id string, replaced bool) {
+	t.Helper()
+	line := fmt.Sprintf(`"backend":%q,"replaced":%v,"message":"backend retired"`, id, replaced)
+	for deadline := time.Now().Add(3 * time.Second); !strings.Contains(p.logs.String(), line); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s never retired", id)
+		}
+	}
+}
+
+// owned reports whether worker name is live in the router and one of the
+// current backend id's workers.
+func owned(p *testProxy, id, name string) (live, ofBackend bool) {
+	w, ok := workerStatus(p, "m", name)
+	if !ok || w.Removed {
+		return false, false
+	}
+	b := p.s.st.Load().backends[id]
+	return true, b != nil && slices.Contains(b.workerIDs(), w.ID)
+}
+
+// TestRankWorkerLeavesWithItsBackend: a data-parallel rank worker ("e0#1")
+// of a backend replaced by a reload, then removed, was left in the router,
+// available, and the requests chosen for it got 503 "the chosen backend was
+// just removed" (found by the ninth session's review: 2 of 10 with policy
+// kv, 5 of 10 with round_robin). The backend that replaces another takes
+// its rank workers over, and they leave with it.
+func TestRankWorkerLeavesWithItsBackend(t *testing.T) {
+	for _, policy := range []string{"round_robin", "kv"} {
+		t.Run(policy, func(t *testing.T) {
+			e0, e1 := startFake(t, "e0", nil), startFake(t, "e1", nil)
+			head := fmt.Sprintf(dpHead, policy) + "  - {id: e1, url: 'http://" + e1.addr + "', model: m}\n"
+			p := startProxyYAML(t, head+"  - {id: e0, url: 'http://"+e0.addr+"', model: m, kv_events: {mode: http}}\n")
+			pushRank(t, p, "e0", 1, promptIDs(100))
+			reloadYAML(t, p, head+"  - {id: e0, url: 'http://"+e0.addr+"', model: m, max_concurrency: 5, kv_events: {mode: http}}\n")
+			if live, mine := owned(p, "e0", "e0#1"); !live || !mine {
+				t.Errorf("after e0 was replaced, e0#1: live %v, e0's %v; want both", live, mine)
+			}
+			reloadYAML(t, p, head)
+			waitRetired(t, p, "e0", false)
+			if live, _ := owned(p, "e0", "e0#1"); live {
+				t.Error("e0#1 outlived its backend")
+			}
+			for i := 0; i < 10; i++ {
+				if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"hello"}`); resp.StatusCode != 200 {
+					t.Fatalf("request %d with e1 healthy: %d %s", i, resp.StatusCode, b)
+				}
+			}
+		})
+	}
+}
+
+// TestRankWorkerKeptOnlyWhileConfigured: a reload that replaces a backend
+// keeps its rank workers only where its new configuration has them: zmq
+// subscribes to the ranks below dp_size, http ones are pushed by the same
+// engine (same URL), and without events there are none. e0#1 kept getting
+// requests with X-Data-Parallel-Rank: 1 after a reload to dp_size 1 or to
+// kv_events none, until e0 was removed.
+func TestRankWorkerKeptOnlyWhileConfigured(t *testing.T) {
+	e0, other := startFake(t, "e0", nil), startFake(t, "other", nil)
+	head := fmt.Sprintf(dpHead, "round_robin")
+	httpCfg := head + "  - {id: e0, url: 'http://" + e0.addr + "', model: m, kv_events: {mode: http}}\n"
+	zmq := func(dp int) string {
+		return head + fmt.Sprintf("  - {id: e0, url: 'http://%s', model: m, kv_events: {mode: zmq, endpoint: 'tcp://127.0.0.1:23501', dp_size: %d}}\n", e0.addr, dp)
+	}
+	p := startProxyYAML(t, httpCfg)
+	for _, c := range []struct {
+		name, yaml string
+		kept       bool
+	}{
+		{"http, same engine", head + "  - {id: e0, url: 'http://" + e0.addr + "', model: m, max_concurrency: 9, kv_events: {mode: http}}\n", true},
+		{"zmq dp_size 2", zmq(2), true},
+		{"zmq dp_size 2 again, another url", strings.Replace(zmq(2), e0.addr, other.addr, 1), true},
+		{"zmq dp_size 1", zmq(1), false},
+		{"http, another engine", strings.Replace(httpCfg, e0.addr, other.addr, 1), false},
+		{"events none", head + "  - {id: e0, url: 'http://" + e0.addr + "', model: m}\n", false},
+	} {
+		if live, _ := owned(p, "e0", "e0#1"); !live {
+			reloadYAML(t, p, httpCfg)
+			pushRank(t, p, "e0", 1, promptIDs(100))
+		}
+		reloadYAML(t, p, c.yaml)
+		live, mine := owned(p, "e0", "e0#1")
+		if live != c.kept || mine != c.kept {
+			t.Errorf("%s: e0#1 live %v, e0's %v; want %v", c.name, live, mine, c.kept)
+		}
+		if w, _ := workerStatus(p, "m", "e0#1"); c.kept && !w.Available {
+			t.Errorf("%s: e0#1 kept but not available", c.name)
+		}
+	}
+	// The last configuration has no ranks: no request names rank 1.
+	for i := 0; i < 6; i++ {
+		if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"hello"}`); resp.StatusCode != 200 {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, b)
+		}
+	}
+	e0.mu.Lock()
+	defer e0.mu.Unlock()
+	for _, h := range e0.headers[len(e0.headers)-6:] {
+		if r := h.Get("X-Data-Parallel-Rank"); r != "" {
+			t.Fatalf("a request went to rank %s of a backend without ranks", r)
+		}
+	}
+}
+
+// TestRankWorkerOfDrainingBackendTakenOver: a backend removed while it
+// still has requests, then configured again before it retires, takes over
+// the rank workers its configuration has; they left the router with
+// neither backend (the drained one's retirement saw the id back and kept
+// them, the new one did not know them).
+func TestRankWorkerOfDrainingBackendTakenOver(t *testing.T) {
+	e0 := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 600 * time.Millisecond })
+	e1 := startFake(t, "e1", nil)
+	head := fmt.Sprintf(dpHead, "round_robin") + "  - {id: e1, url: 'http://" + e1.addr + "', model: m}\n"
+	p := startProxyYAML(t, head+"  - {id: e0, url: 'http://"+e0.addr+"', model: m, kv_events: {mode: http}}\n")
+	pushRank(t, p, "e0", 1, promptIDs(100))
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := 0; i < 3; i++ { // round robin: one reaches e0 or e0#1
+			http.Post(p.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"hello"}`))
+		}
+	}()
+	for deadline := time.Now().Add(2 * time.Second); e0.current.Load() == 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("no request reached e0")
+		}
+	}
+	reloadYAML(t, p, head) // e0 drains
+	reloadYAML(t, p, head+"  - {id: e0, url: 'http://"+e0.addr+"', model: m, kv_events: {mode: zmq, endpoint: 'tcp://127.0.0.1:23502', dp_size: 2}}\n")
+	<-done
+	waitRetired(t, p, "e0", false)
+	if live, mine := owned(p, "e0", "e0#1"); !live || !mine {
+		t.Fatalf("e0#1 after the old e0 retired: live %v, e0's %v; want both", live, mine)
+	}
+	reloadYAML(t, p, head)
+	for deadline := time.Now().Add(3 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if live, _ := owned(p, "e0", "e0#1"); !live {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("e0#1 outlived its backend")
+		}
+	}
 }

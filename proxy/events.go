@@ -84,13 +84,63 @@ func (b *backend) stopEvents() {
 	}
 }
 
-// workerIDs are the router workers of the backend: rank 0, and one per
+// workerIDs are the router workers of the backend: rank 0, the ranks it
+// took over from the backend it replaced (adoptRanks), and one per
 // data-parallel rank its events have named.
 func (b *backend) workerIDs() []router.WorkerID {
+	ids := append([]router.WorkerID{b.worker}, b.ranks...)
 	if b.feed == nil {
-		return []router.WorkerID{b.worker}
+		return ids
 	}
-	return b.feed.Applier().WorkerIDs()
+	for _, id := range b.feed.Applier().WorkerIDs() {
+		if !slices.Contains(ids, id) {
+			ids = append(ids, id)
+		}
+	}
+	return ids
+}
+
+// rankWorkers are the live router workers of the data-parallel ranks r > 0
+// of b's id in its pool, whichever backend of that id registered them.
+func (b *backend) rankWorkers() []router.WorkerStatus {
+	var out []router.WorkerStatus
+	for _, w := range b.pool.rt.Workers() {
+		if !w.Removed && w.Name != b.cfg.ID && b.owns(w.Name) {
+			out = append(out, w)
+		}
+	}
+	return out
+}
+
+// adoptRanks makes b, before it takes requests, the owner of the rank
+// workers of its id that it still has (keepsRank): those of prev, the
+// backend b replaces in a reload (nil if none), or of a removed one of the
+// same id still draining. The others leave the router: a rank worker no
+// backend owns outlived its backend (requests chosen for it got 503), and
+// one past the new configuration's ranks sent requests with a rank header
+// the engine may not have.
+func (b *backend) adoptRanks(prev *backend) {
+	for _, w := range b.rankWorkers() {
+		if !b.keepsRank(prev, dpRank(w.Name)) {
+			b.pool.rt.RemoveWorker(w.ID)
+			continue
+		}
+		b.ranks = append(b.ranks, w.ID)
+		b.pool.rt.SetAvailable(w.ID, true) // as rank 0 (newBackend); b's state applies from now on
+	}
+}
+
+// keepsRank reports whether data-parallel rank r > 0 of the engine behind
+// b's id is still one of b's: zmq events subscribe to ranks below dp_size;
+// http ones are pushed by the engine, which prev knew at the same URL.
+func (b *backend) keepsRank(prev *backend, r int) bool {
+	switch b.cfg.KVEvents.Mode {
+	case config.EventsZMQ:
+		return r > 0 && r < b.cfg.KVEvents.DPSize
+	case config.EventsHTTP:
+		return r > 0 && prev != nil && prev.cfg.URL == b.cfg.URL
+	}
+	return false
 }
 
 // rankBackend is the backend a data-parallel rank's worker ("id#r") belongs

@@ -263,17 +263,25 @@ func (s *Server) activate(st, prev *state) {
 	if prev != nil {
 		// A backend replaced by a new configuration of the same id hands its
 		// worker over: its event feed stops and forgets before the new one
-		// starts, so the index never mixes two feeds' mappings.
+		// starts, so the index never mixes two feeds' mappings. Its rank
+		// workers go to the new one while its configuration has them.
 		for id, old := range prev.backends {
 			if nb := st.backends[id]; nb != nil && nb != old && nb.pool == old.pool {
-				old.handOver(nb)
 				old.stopEvents()
+				nb.adoptRanks(old)
+				old.handOver(nb)
 			}
 		}
 	}
 	for _, b := range st.backends {
-		if prev != nil && prev.backends[b.cfg.ID] == b {
-			continue
+		var was *backend
+		if prev != nil {
+			if was = prev.backends[b.cfg.ID]; was == b {
+				continue
+			}
+		}
+		if was == nil || was.pool != b.pool {
+			b.adoptRanks(nil) // a removed backend of its id may still drain
 		}
 		// Its feed first: requests reach b once it is set in the pool,
 		// and read its feed for its data-parallel ranks.
@@ -317,13 +325,18 @@ func (s *Server) retire(b *backend, replaced bool, timeout time.Duration) {
 		time.Sleep(50 * time.Millisecond)
 	}
 	if !replaced {
+		// Not while a reload runs: one bringing the id back into the pool
+		// takes over the workers (adoptRanks).
+		s.reloadMu.Lock()
 		if cur := s.st.Load().backends[b.cfg.ID]; cur == nil || cur.pool != b.pool {
-			ids := b.workerIDs()
 			b.stopEvents()
-			for _, w := range ids {
-				b.pool.rt.RemoveWorker(w)
+			b.pool.rt.RemoveWorker(b.worker)
+			// Every rank worker of its id, its own and any it took over.
+			for _, w := range b.rankWorkers() {
+				b.pool.rt.RemoveWorker(w.ID)
 			}
 		}
+		s.reloadMu.Unlock()
 	}
 	b.stop()
 	s.retiring.Delete(b)
