@@ -52,6 +52,7 @@ type KVApplyStats struct {
 	OrphanBlocks      uint64 // stored blocks dropped: their parent block was unknown
 	UnknownRemovals   uint64 // removed blocks that were not indexed (in that tier)
 	BlockSizeMismatch uint64 // stored blocks dropped: larger than the router's blocks, or off their grid
+	UnknownCopies     uint64 // copied blocks (a BlockStored without tokens) that were not indexed: skipped
 	BadRank           uint64 // batches dropped: rank above MaxDPRank
 	Clears            uint64 // rank clears (AllBlocksCleared, feed resets, Clear)
 }
@@ -219,6 +220,10 @@ func (a *KVApplier) ApplySalted(dpRank int, events []kv.Event, salt func(i int) 
 		ev := &events[i]
 		switch ev.Kind {
 		case kv.BlockStored:
+			if len(ev.Tokens) == 0 {
+				a.copied(r, ev)
+				continue
+			}
 			cs := ""
 			if salt != nil && !ev.HasParent {
 				cs = salt(i)
@@ -354,6 +359,33 @@ func (a *KVApplier) stored(r *rankKV, ev *kv.Event, salt string) {
 		})
 		a.idx.Remove(r.id, a.stale, router.AllTiers)
 		a.stale = a.stale[:0]
+	}
+}
+
+// copied applies a BlockStored without tokens: the engine now also holds,
+// in the event's tier, blocks it announced before (vLLM's offloading
+// connector copying them to CPU memory). Known blocks gain that tier; the
+// router block a block ends is indexed there. Unknown ones cannot be
+// re-hashed and are skipped (UnknownCopies).
+func (a *KVApplier) copied(r *rankKV, ev *kv.Event) {
+	t := a.tier(ev.Tier)
+	a.own = a.own[:0]
+	for _, eh := range ev.EngineHashes {
+		b, ok := r.blocks[eh]
+		if !ok {
+			a.stats.UnknownCopies++
+			continue
+		}
+		if b.tiers&(1<<t) == 0 && int(b.fill) == a.cfg.BlockSize {
+			r.perT[t]++
+			a.own = append(a.own, b.own)
+		}
+		b.tiers |= 1 << t
+		r.blocks[eh] = b
+		a.stats.StoredBlocks++
+	}
+	if len(a.own) > 0 {
+		a.idx.Store(r.id, a.own, t, 0)
 	}
 }
 

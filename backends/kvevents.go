@@ -189,6 +189,7 @@ func (f *KVFeed) Stats() KVFeedStats {
 		sum.Reconnects += z.Reconnects
 		sum.DecodeErrors += z.DecodeErrors
 		sum.UnknownMedia += z.UnknownMedia
+		sum.MalformedEvents += z.MalformedEvents
 	}
 	s.ZMQ = &sum
 	return s

@@ -84,8 +84,12 @@ type ZMQStats struct {
 	Clears       uint64 // times the backend's blocks were dropped
 	Reconnects   uint64 // connections re-established after a loss
 	DecodeErrors uint64 // payloads that failed to decode (each clears)
-	UnknownMedia uint64 // events with an unrecognised medium (indexed as disk)
-	LastError    string // last dial, replay or decode problem
+	// MalformedEvents counts events that could not be read in a batch that
+	// was otherwise applied: skipped, or in place of one that may have
+	// removed blocks, its rank's blocks dropped (kv.VLLMDecoder.Skipped).
+	MalformedEvents uint64
+	UnknownMedia    uint64 // events with an unrecognised medium (indexed as disk)
+	LastError       string // last dial, replay or decode problem
 }
 
 // ZMQSubscriber follows one engine's KV event feed: a SUB socket reading
@@ -126,7 +130,7 @@ type ZMQSubscriber struct {
 	batches, events, replays, replayed atomic.Uint64
 	clears, reconnects, decodeErrors   atomic.Uint64
 	lastSeq                            atomic.Int64
-	unknownMedia                       atomic.Uint64
+	unknownMedia, malformed            atomic.Uint64
 	mu                                 sync.Mutex
 	lastErr                            string
 	changed                            chan struct{} // made by Wait, closed on the next state change
@@ -149,7 +153,7 @@ func (s *ZMQSubscriber) Stats() ZMQStats {
 		Connected: s.connected.Load(), Batches: s.batches.Load(), Events: s.events.Load(),
 		LastSeq: s.lastSeq.Load(), Replays: s.replays.Load(), Replayed: s.replayed.Load(),
 		Clears: s.clears.Load(), Reconnects: s.reconnects.Load(), DecodeErrors: s.decodeErrors.Load(), UnknownMedia: s.unknownMedia.Load(),
-		LastError: lastErr,
+		MalformedEvents: s.malformed.Load(), LastError: lastErr,
 	}
 }
 
@@ -321,6 +325,7 @@ func (s *ZMQSubscriber) deliver(seq uint64, payload []byte) bool {
 		s.ranks = append(s.ranks, rank)
 	}
 	s.unknownMedia.Store(s.dec.UnknownMedia)
+	s.malformed.Store(s.dec.Malformed)
 	if ss, ok := s.sink.(SaltedSink); ok {
 		ss.ApplySalted(rank, events, s.saltOf)
 	} else {
@@ -330,6 +335,13 @@ func (s *ZMQSubscriber) deliver(seq uint64, payload []byte) bool {
 	s.batches.Add(1)
 	s.events.Add(uint64(len(events)))
 	s.lastSeq.Store(int64(seq))
+	if sk := s.dec.Skipped(); sk != nil {
+		if sk.Cleared {
+			s.clears.Add(1)
+		}
+		s.report(fmt.Sprintf("malformed event in batch %d: %v", seq, sk))
+		return true
+	}
 	s.notify("")
 	return true
 }

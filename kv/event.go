@@ -12,6 +12,10 @@ const (
 // Event is one engine cache change, decoded from whatever transport carried
 // it. Engine hashes are opaque: they are only used to find the router's own
 // hashes again on removal. Token ids let the router recompute its own hashes.
+//
+// A BlockStored without Tokens (BlockSize 0, no parent) is a copy: blocks
+// the engine announced before, by the same engine hashes, are now also held
+// in Tier (vLLM's CPU offloading reports its copies so).
 type Event struct {
 	Kind EventKind
 	// EngineHashes are the engine's own block hashes, one per block.

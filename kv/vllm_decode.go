@@ -48,6 +48,21 @@ import (
 // rather than failing the batch. SGLang's bigram token ids (a pair per
 // position, EAGLE) are read as the first token of each pair. Token ids must
 // fit in uint32 and a BlockStored must carry block_size token ids per block.
+//
+// A BlockStored without token ids is a copy (see Event): vLLM's
+// OffloadingConnector reports the blocks it offloads as
+// BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[],
+// block_size=0 (older versions: the block size), medium="CPU"). It decodes
+// with no Tokens, no parent and BlockSize 0, whatever block_size says.
+//
+// One event that cannot be read does not fail its batch, as long as the
+// payload's structure (where each event ends) is sound: a BlockStored is
+// left out (its blocks are not indexed, which under-reports only), an
+// event of a type this decoder does not know is skipped as such events
+// are, and any other (a BlockRemoved, an AllBlocksCleared, an event whose
+// type cannot be read) becomes AllBlocksCleared: what it removed is
+// unknown, so nothing of that rank can be vouched for any more. Such events
+// are counted in VLLMDecoder.Malformed and described by Skipped.
 
 // EngineHashFromBytes folds a byte-string engine block hash to 64 bits.
 func EngineHashFromBytes(b []byte) uint64 { return xxh3.Hash(b) }
@@ -71,7 +86,44 @@ type VLLMDecoder struct {
 	// UnknownMedia counts events whose medium was not recognised; they
 	// were given TierDisk.
 	UnknownMedia uint64
+	// Malformed counts events that could not be read in a sound payload:
+	// left out, or turned into AllBlocksCleared (see Skipped).
+	Malformed uint64
+	skipped   *MalformedEventError // the first of the last Decode
 }
+
+// MalformedEventError describes an event of a batch that could not be read:
+// Index is its position in the batch's event list, Kind its type when that
+// could be read (0 otherwise), Cleared whether it became AllBlocksCleared.
+type MalformedEventError struct {
+	Index   int
+	Kind    EventKind
+	Cleared bool
+	Err     error
+}
+
+func (e *MalformedEventError) Error() string {
+	what := "skipped"
+	if e.Cleared {
+		what = "its rank's blocks dropped"
+	}
+	kind := "type unreadable"
+	switch e.Kind {
+	case BlockStored:
+		kind = "BlockStored"
+	case BlockRemoved:
+		kind = "BlockRemoved"
+	case AllBlocksCleared:
+		kind = "AllBlocksCleared"
+	}
+	return fmt.Sprintf("events[%d] (%s): %v; %s", e.Index, kind, e.Err, what)
+}
+
+func (e *MalformedEventError) Unwrap() error { return e.Err }
+
+// Skipped describes the first event the last Decode could not read, nil if
+// it read them all.
+func (d *VLLMDecoder) Skipped() *MalformedEventError { return d.skipped }
 
 // span records where an event's hashes and tokens sit in the shared arenas
 // while they may still grow; slices are cut only once decoding is done.
@@ -101,6 +153,7 @@ func (d *VLLMDecoder) Decode(payload []byte) (ts float64, events []Event, dpRank
 	d.spans = d.spans[:0]
 	d.hashes = d.hashes[:0]
 	d.tokens = d.tokens[:0]
+	d.skipped = nil
 
 	ts, dpRank, err = d.batch()
 	if err == nil && d.rd.Len() != 0 {
@@ -218,11 +271,86 @@ func (d *VLLMDecoder) eventList() error {
 		return fmt.Errorf("events: %w", err)
 	}
 	for i := 0; i < n; i++ {
+		start, h0, t0 := len(d.payload)-d.rd.Len(), len(d.hashes), len(d.tokens)
 		if err := d.event(); err != nil {
-			return fmt.Errorf("events[%d]: %w", i, err)
+			if serr := d.skipEvent(i, start, err); serr != nil {
+				return fmt.Errorf("events[%d]: %w", i, serr)
+			}
+			d.hashes, d.tokens = d.hashes[:h0], d.tokens[:t0]
 		}
 	}
 	return nil
+}
+
+// skipEvent passes over event i, which starts at payload offset start and
+// could not be read (err), if the payload says where it ends: see the
+// package comment for what stands in its place. Otherwise the batch cannot
+// be read past it, and skipEvent returns err.
+func (d *VLLMDecoder) skipEvent(i, start int, err error) error {
+	raw := d.payload[start:]
+	size, serr := mpSize(raw, 0)
+	if serr != nil {
+		return err
+	}
+	if _, serr := d.rd.Seek(int64(start+size), io.SeekStart); serr != nil {
+		return err
+	}
+	kind, known := kindAt(raw[:size])
+	me := &MalformedEventError{Index: i, Kind: kind, Err: err}
+	if !known || (kind != BlockStored && kind != 0) {
+		me.Cleared = true
+		d.events = append(d.events, Event{Kind: AllBlocksCleared})
+		d.salts = append(d.salts, "")
+		d.spans = append(d.spans, span{h0: len(d.hashes), h1: len(d.hashes), t0: len(d.tokens), t1: len(d.tokens)})
+	}
+	d.Malformed++
+	if d.skipped == nil {
+		d.skipped = me
+	}
+	return nil
+}
+
+// kindAt reads the type of the event encoded in raw (a tagged array, or a
+// map with a "type" key). known is false if the type cannot be read; an
+// unrecognised type gives kind 0, known true.
+func kindAt(raw []byte) (kind EventKind, known bool) {
+	dec := msgpack.NewDecoder(bytes.NewReader(raw))
+	c, err := dec.PeekCode()
+	if err != nil {
+		return 0, false
+	}
+	if !msgpcode.IsFixedMap(c) && c != msgpcode.Map16 && c != msgpcode.Map32 {
+		if n, err := dec.DecodeArrayLen(); err != nil || n < 1 {
+			return 0, false
+		}
+		return tagKind(dec)
+	}
+	n, err := dec.DecodeMapLen()
+	if err != nil {
+		return 0, false
+	}
+	for i := 0; i < n; i++ {
+		key, err := dec.DecodeString()
+		if err != nil {
+			return 0, false
+		}
+		if key == "type" {
+			return tagKind(dec)
+		}
+		if err := dec.Skip(); err != nil {
+			return 0, false
+		}
+	}
+	return 0, false
+}
+
+func tagKind(dec *msgpack.Decoder) (EventKind, bool) {
+	tag, err := dec.DecodeString()
+	if err != nil {
+		return 0, false
+	}
+	kind, _ := kindOf([]byte(tag))
+	return kind, true
 }
 
 // pending collects one event's fields in whatever order they arrive.
@@ -445,6 +573,12 @@ func (d *VLLMDecoder) finish(p *pending) error {
 	sp := span{h0: p.sp.h0, h1: p.sp.h0, t0: p.sp.t0, t1: p.sp.t0}
 	switch p.kind {
 	case BlockStored:
+		if p.sawHashes && p.sp.t1 == p.sp.t0 {
+			// A copy: no parent, tokens or block size (which vLLM's
+			// offloading connector gives as 0 or the block size).
+			sp.h1 = p.sp.h1
+			break
+		}
 		if !p.sawHashes || !p.sawBlockSz {
 			return errors.New("BlockStored without block_hashes or block_size")
 		}

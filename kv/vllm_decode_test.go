@@ -183,13 +183,8 @@ func TestDecodeVLLMRejectsGarbage(t *testing.T) {
 		"short batch":    newFixture(t).arr(1).fl(1).bytes(),
 		"truncated":      newFixture(t).arr(3).fl(1).arr(2).arr(1).str("AllBlocksCleared").bytes(),
 		"forged length":  {0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff},
-		"tokens/blocks":  newFixture(t).arr(2).fl(1).arr(1).arr(8).str("BlockStored").ints(1, 2).nil_().ints(toks(3, 0)...).i(2).nil_().str("GPU").nil_().bytes(),
-		"zero blocksize": newFixture(t).arr(2).fl(1).arr(1).arr(5).str("BlockStored").ints(1).nil_().ints().i(0).bytes(),
-		"neg token":      newFixture(t).arr(2).fl(1).arr(1).arr(5).str("BlockStored").ints(1).nil_().ints(-1).i(1).bytes(),
-		"big token":      newFixture(t).arr(2).fl(1).arr(1).arr(5).str("BlockStored").ints(1).nil_().ints(1 << 32).i(1).bytes(),
-		"nil hash":       newFixture(t).arr(2).fl(1).arr(1).arr(3).str("BlockRemoved").arr(1).nil_().str("GPU").bytes(),
-		"map no type":    newFixture(t).arr(2).fl(1).arr(1).mp(1).str("block_hashes").ints(1).bytes(),
-		"no hashes":      newFixture(t).arr(2).fl(1).arr(1).arr(1).str("BlockRemoved").bytes(),
+		"event cut":      newFixture(t).arr(2).fl(1).arr(1).arr(5).str("BlockStored").ints(1).nil_().arr(3).i(1).bytes(),
+		"invalid code":   append(newFixture(t).arr(2).fl(1).arr(1).arr(2).str("BlockRemoved").bytes(), 0xc1),
 		"neg rank":       newFixture(t).arr(3).fl(1).arr(0).i(-1).bytes(),
 		"trailing bytes": append(newFixture(t).arr(2).fl(1).arr(0).bytes(), 0),
 		"string ts":      newFixture(t).arr(2).str("x").arr(0).bytes(),
@@ -199,6 +194,98 @@ func TestDecodeVLLMRejectsGarbage(t *testing.T) {
 			t.Errorf("%s: decoded without error", name)
 		} else if !strings.HasPrefix(err.Error(), "vllm kv events: ") {
 			t.Errorf("%s: error %q lacks context", name, err)
+		}
+	}
+}
+
+// One event that cannot be read in a sound payload does not fail its batch:
+// a BlockStored is left out, anything that may have removed blocks becomes
+// AllBlocksCleared, an unknown type is skipped; the others are decoded.
+func TestDecodeVLLMSkipsMalformedEvents(t *testing.T) {
+	good := func(f *fixture) *fixture { // a BlockStored of hash 7
+		return f.arr(8).str("BlockStored").ints(7).nil_().ints(toks(2, 0)...).i(2).nil_().str("GPU").nil_()
+	}
+	cases := []struct {
+		name    string
+		bad     func(f *fixture) *fixture
+		kind    EventKind // what stands in its place (0: nothing)
+		errKind EventKind
+	}{
+		{"tokens/blocks", func(f *fixture) *fixture {
+			return f.arr(8).str("BlockStored").ints(1, 2).nil_().ints(toks(3, 0)...).i(2).nil_().str("GPU").nil_()
+		}, 0, BlockStored},
+		{"neg token", func(f *fixture) *fixture { return f.arr(5).str("BlockStored").ints(1).nil_().ints(-1).i(1) }, 0, BlockStored},
+		{"big token", func(f *fixture) *fixture { return f.arr(5).str("BlockStored").ints(1).nil_().ints(1 << 32).i(1) }, 0, BlockStored},
+		{"big blocksize", func(f *fixture) *fixture { return f.arr(5).str("BlockStored").ints(1).nil_().ints(1).i(1 << 30) }, 0, BlockStored},
+		{"stored map, type last", func(f *fixture) *fixture {
+			return f.mp(2).str("block_hashes").str("not a list").str("type").str("BlockStored")
+		}, 0, BlockStored},
+		{"nil hash", func(f *fixture) *fixture { return f.arr(3).str("BlockRemoved").arr(1).nil_().str("GPU") }, AllBlocksCleared, BlockRemoved},
+		{"no hashes", func(f *fixture) *fixture { return f.arr(1).str("BlockRemoved") }, AllBlocksCleared, BlockRemoved},
+		{"map no type", func(f *fixture) *fixture { return f.mp(1).str("block_hashes").ints(1) }, AllBlocksCleared, 0},
+		{"tag not a string", func(f *fixture) *fixture { return f.arr(2).i(3).ints(1) }, AllBlocksCleared, 0},
+		{"cleared map, bad field", func(f *fixture) *fixture {
+			return f.mp(2).str("type").str("AllBlocksCleared").str("medium").i(3)
+		}, AllBlocksCleared, AllBlocksCleared},
+	}
+	var d VLLMDecoder
+	for i, c := range cases {
+		f := newFixture(t)
+		f.arr(3).fl(1).arr(3)
+		good(f)
+		c.bad(f)
+		f.arr(3).str("BlockRemoved").ints(7).str("GPU")
+		f.i(2)
+		_, evs, rank, err := d.Decode(f.bytes())
+		if err != nil {
+			t.Errorf("%s: %v", c.name, err)
+			continue
+		}
+		want := []EventKind{BlockStored}
+		if c.kind != 0 {
+			want = append(want, c.kind)
+		}
+		want = append(want, BlockRemoved)
+		var got []EventKind
+		for _, ev := range evs {
+			got = append(got, ev.Kind)
+		}
+		if rank != 2 || !reflect.DeepEqual(got, want) || !reflect.DeepEqual(evs[0].EngineHashes, []uint64{7}) ||
+			!reflect.DeepEqual(evs[0].Tokens, []uint32{0, 1}) || !reflect.DeepEqual(evs[len(evs)-1].EngineHashes, []uint64{7}) {
+			t.Errorf("%s: rank %d events %+v, want kinds %v", c.name, rank, evs, want)
+		}
+		sk := d.Skipped()
+		if sk == nil || sk.Index != 1 || sk.Kind != c.errKind || sk.Cleared != (c.kind != 0) || d.Malformed != uint64(i+1) {
+			t.Errorf("%s: skipped %+v, malformed %d", c.name, sk, d.Malformed)
+		}
+	}
+	if _, _, _, err := d.Decode(newFixture(t).arr(2).fl(1).arr(0).bytes()); err != nil || d.Skipped() != nil {
+		t.Fatalf("a clean batch after a skip: %v, skipped %v", err, d.Skipped())
+	}
+}
+
+// vLLM's OffloadingConnector reports each block it copies to CPU memory as
+// a BlockStored with no token ids and block_size 0 (the self-describing
+// tracker's placeholder) or the block size (older versions): a copy.
+func TestDecodeVLLMOffloadCopy(t *testing.T) {
+	for _, bs := range []int64{0, 16} {
+		f := newFixture(t)
+		f.arr(3).fl(1).arr(2)
+		f.arr(8).str("BlockStored").ints(11).nil_().ints().i(bs).nil_().str("CPU").nil_()
+		f.mp(8).str("type").str("BlockStored").str("block_hashes").ints(12, 13).str("parent_block_hash").nil_().
+			str("token_ids").ints().str("block_size").i(bs).str("lora_id").nil_().str("medium").str("CPU").str("lora_name").nil_()
+		f.i(0)
+		var d VLLMDecoder
+		_, evs, _, err := d.Decode(f.bytes())
+		if err != nil || d.Skipped() != nil {
+			t.Fatalf("block_size %d: %v (skipped %v)", bs, err, d.Skipped())
+		}
+		want := []Event{
+			{Kind: BlockStored, EngineHashes: []uint64{11}, Tier: TierHost},
+			{Kind: BlockStored, EngineHashes: []uint64{12, 13}, Tier: TierHost},
+		}
+		if !reflect.DeepEqual(evs, want) {
+			t.Fatalf("block_size %d: %+v, want %+v", bs, evs, want)
 		}
 	}
 }
@@ -360,8 +447,9 @@ func TestDecodeVLLMBigramTokens(t *testing.T) {
 		"empty pair":  newFixture(t).arr(2).fl(1).arr(1).arr(5).str("BlockStored").ints(9).nil_().arr(1).arr(0).i(1).bytes(),
 		"neg in pair": newFixture(t).arr(2).fl(1).arr(1).arr(5).str("BlockStored").ints(9).nil_().arr(1).ints(-1, 2).i(1).bytes(),
 	} {
-		if _, _, _, err := DecodeVLLM(b); err == nil {
-			t.Errorf("%s accepted", name)
+		var d VLLMDecoder
+		if _, evs, _, err := d.Decode(b); err != nil || len(evs) != 0 || d.Skipped() == nil {
+			t.Errorf("%s: %+v %v, want the event skipped", name, evs, err)
 		}
 	}
 }
