@@ -228,7 +228,7 @@ func (s *ZMQSubscriber) Run(ctx context.Context) error {
 		everConnected = true
 		s.report("")
 		err = s.readLoop(ctx, sub)
-		sub.Close()
+		sub.shut()
 		s.connected.Store(false)
 		if ctx.Err() != nil {
 			s.notify("")
@@ -252,24 +252,29 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 	}
 }
 
-func (s *ZMQSubscriber) dial(ctx context.Context) (zmq4.Socket, error) {
-	sub := zmq4.NewSub(ctx, zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(s.cfg.DialTimeout))
+func (s *ZMQSubscriber) dial(ctx context.Context) (*socket, error) {
+	sub := newSocket(ctx, s.cfg.Endpoint, zmq4.NewSub, zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(s.cfg.DialTimeout))
 	if err := sub.SetOption(zmq4.OptionSubscribe, s.cfg.Topic); err != nil {
-		sub.Close()
+		sub.shut()
 		return nil, err
 	}
-	if err := sub.Dial(dialEndpoint(s.cfg.Endpoint)); err != nil {
-		sub.Close()
+	if err := sub.Dial(s.cfg.Endpoint); err != nil {
+		sub.shut()
 		return nil, err
 	}
 	return sub, nil
 }
 
-func (s *ZMQSubscriber) readLoop(ctx context.Context, sub zmq4.Socket) error {
+// readLoop applies what the socket receives until it fails; once ctx has
+// ended, it only drains the socket (see socket).
+func (s *ZMQSubscriber) readLoop(ctx context.Context, sub *socket) error {
 	for {
 		msg, err := sub.Recv()
 		if err != nil {
 			return err
+		}
+		if ctx.Err() != nil {
+			continue
 		}
 		if len(msg.Frames) != 3 || len(msg.Frames[1]) != 8 {
 			s.report(fmt.Sprintf("malformed message: %d frames", len(msg.Frames)))
@@ -433,9 +438,12 @@ const endSeq = ^uint64(0)
 func (s *ZMQSubscriber) replay(ctx context.Context, start uint64, fn func(seq uint64, payload []byte)) error {
 	rctx, cancel := context.WithTimeout(ctx, s.cfg.ReplayTimeout)
 	defer cancel()
-	dealer := zmq4.NewDealer(rctx, zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(s.cfg.DialTimeout))
-	defer dealer.Close()
-	if err := dealer.Dial(dialEndpoint(s.cfg.ReplayEndpoint)); err != nil {
+	dealer := newSocket(rctx, s.cfg.ReplayEndpoint, zmq4.NewDealer, zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(s.cfg.DialTimeout))
+	defer dealer.shut()
+	if err := dealer.Dial(s.cfg.ReplayEndpoint); err != nil {
+		if rctx.Err() != nil {
+			return rctx.Err()
+		}
 		return err
 	}
 	var req [8]byte
@@ -445,10 +453,10 @@ func (s *ZMQSubscriber) replay(ctx context.Context, start uint64, fn func(seq ui
 	}
 	for {
 		msg, err := dealer.Recv()
+		if rctx.Err() != nil {
+			return rctx.Err()
+		}
 		if err != nil {
-			if rctx.Err() != nil {
-				return rctx.Err()
-			}
 			return err
 		}
 		frames := msg.Frames

@@ -8,6 +8,7 @@ import (
 	"net"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/go-zeromq/zmq4"
@@ -49,15 +50,120 @@ type bufTransport struct{}
 var handshakeTimeout = 5 * time.Second
 
 func (bufTransport) Dial(ctx context.Context, d transport.Dialer, addr string) (net.Conn, error) {
-	c, err := d.DialContext(ctx, "tcp", addr)
+	tr, _ := ctx.Value(connTrackerKey{}).(*connTracker)
+	c, err := tr.dial(ctx, d, addr)
 	if err != nil {
 		return nil, err
 	}
-	// ctx is the socket's: closing the socket (or cancelling its owner)
-	// also ends a handshake in progress.
+	// ctx is the socket's: closing the socket (or its owner's context
+	// ending, through tr) also ends a handshake in progress.
 	context.AfterFunc(ctx, func() { c.Close() })
+	if !tr.add(c) {
+		c.Close()
+		return nil, net.ErrClosed
+	}
 	c.SetReadDeadline(time.Now().Add(handshakeTimeout))
 	return &bufConn{Conn: c, r: bufio.NewReaderSize(c, 64<<10), skip: zmtpGreeting, shaking: true}, nil
+}
+
+// socket is a zmq4 socket (SUB, DEALER) that ends without leaving its
+// reader goroutine behind. zmq4 reads each connection in a goroutine that
+// hands every message to a queue of 10 and watches the socket's context
+// only between messages: closed (or cancelled) while that queue is full and
+// no longer read, it blocks on the queue for good. So over kvtcp the socket
+// lives on a context of its own, and when its owner's context ends (or it
+// is shut) its TCP connections are closed instead: the reader then reports
+// the read error through the queue and exits, and Recv returns that error
+// after what was queued before it.
+//
+// Other transports (ipc, inproc) keep zmq4's way: the socket is closed
+// with its owner's context, and a reader stopped while its queue is full
+// stays blocked.
+type socket struct {
+	zmq4.Socket
+	conns   *connTracker // nil: not over kvtcp
+	unwatch func() bool  // stops closing the connections when the owner's context ends
+	reading bool         // a reader goroutine is running: Dial succeeded and Recv has not failed
+}
+
+func newSocket(ctx context.Context, endpoint string, open func(context.Context, ...zmq4.Option) zmq4.Socket, opts ...zmq4.Option) *socket {
+	if !strings.HasPrefix(dialEndpoint(endpoint), bufferedTCP+"://") {
+		return &socket{Socket: open(ctx, opts...), unwatch: func() bool { return false }}
+	}
+	tr := &connTracker{owner: ctx}
+	sctx := context.WithValue(context.WithoutCancel(ctx), connTrackerKey{}, tr)
+	return &socket{Socket: open(sctx, opts...), conns: tr, unwatch: context.AfterFunc(ctx, tr.closeAll)}
+}
+
+func (s *socket) Dial(endpoint string) error {
+	err := s.Socket.Dial(dialEndpoint(endpoint))
+	s.reading = err == nil
+	return err
+}
+
+func (s *socket) Recv() (zmq4.Msg, error) {
+	msg, err := s.Socket.Recv()
+	if err != nil {
+		s.reading = false
+	}
+	return msg, err
+}
+
+// shut closes the socket once its reader goroutine has ended.
+func (s *socket) shut() {
+	s.unwatch()
+	if s.conns != nil {
+		s.conns.closeAll()
+		for s.reading {
+			s.Recv()
+		}
+	}
+	s.Close()
+}
+
+type connTrackerKey struct{}
+
+// connTracker holds the TCP connections of one socket over kvtcp, so they
+// can be closed without closing the socket.
+type connTracker struct {
+	owner  context.Context // a dial in progress gives up when it ends
+	mu     sync.Mutex
+	conns  []net.Conn
+	closed bool
+}
+
+func (t *connTracker) dial(ctx context.Context, d transport.Dialer, addr string) (net.Conn, error) {
+	if t != nil {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithCancel(ctx)
+		defer cancel()
+		defer context.AfterFunc(t.owner, cancel)()
+	}
+	return d.DialContext(ctx, "tcp", addr)
+}
+
+// add tracks c; false means the connections are closed already.
+func (t *connTracker) add(c net.Conn) bool {
+	if t == nil {
+		return true
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		return false
+	}
+	t.conns = append(t.conns, c)
+	return true
+}
+
+func (t *connTracker) closeAll() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.closed = true
+	for _, c := range t.conns {
+		c.Close()
+	}
+	t.conns = nil
 }
 
 func (bufTransport) Listen(ctx context.Context, addr string) (net.Listener, error) {
