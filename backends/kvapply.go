@@ -1,6 +1,7 @@
 package backends
 
 import (
+	"fmt"
 	"slices"
 	"strconv"
 	"sync"
@@ -36,6 +37,10 @@ type KVApplierConfig struct {
 	// cache salt; it must agree with how the proxy hashes requests. nil means
 	// kv.NewNamespace(salt, lora) (either alone: kv.NewNamespace of it).
 	Namespace func(lora, salt string) kv.Namespace
+	// OnProblem, when set, hears of the first block size mismatch (the
+	// engine's block size against BlockSize), once per applier, outside
+	// its lock.
+	OnProblem func(problem string)
 }
 
 // MaxDPRank bounds the data-parallel ranks of one backend; batches from a
@@ -92,6 +97,10 @@ type KVApplier struct {
 	salt   string
 	nsSet  bool
 	loraNS kv.Namespace
+	// sizeWarned: OnProblem has heard of a block size mismatch;
+	// sizeWarning is that report while a.mu is held.
+	sizeWarned  bool
+	sizeWarning string
 }
 
 type rankKV struct {
@@ -207,7 +216,16 @@ func (a *KVApplier) ApplyEvents(dpRank int, events []kv.Event) {
 // salted blocks match the tenant's requests. Implements SaltedSink.
 func (a *KVApplier) ApplySalted(dpRank int, events []kv.Event, salt func(i int) string) {
 	a.mu.Lock()
-	defer a.mu.Unlock()
+	a.apply(dpRank, events, salt)
+	warning := a.sizeWarning
+	a.sizeWarning = ""
+	a.mu.Unlock()
+	if warning != "" && a.cfg.OnProblem != nil {
+		a.cfg.OnProblem(warning)
+	}
+}
+
+func (a *KVApplier) apply(dpRank int, events []kv.Event, salt func(i int) string) {
 	if a.closed {
 		return
 	}
@@ -319,7 +337,7 @@ func (a *KVApplier) stored(r *rankKV, ev *kv.Event, salt string) {
 	}
 	bs := a.cfg.BlockSize
 	if ev.BlockSize <= 0 || ev.BlockSize > bs || len(ev.Tokens) != n*ev.BlockSize {
-		a.stats.BlockSizeMismatch += uint64(n)
+		a.sizeMismatch(n, ev.BlockSize)
 		return
 	}
 	var prev ownBlock
@@ -409,7 +427,7 @@ func (a *KVApplier) storedSmall(r *rankKV, ev *kv.Event, prev ownBlock, ns kv.Na
 			}
 		}
 		if int(rec.fill) > bs {
-			a.stats.BlockSizeMismatch += uint64(len(ev.EngineHashes) - i)
+			a.sizeMismatch(len(ev.EngineHashes)-i, e)
 			return i
 		}
 		var pb *partialBlock
@@ -429,6 +447,22 @@ func (a *KVApplier) storedSmall(r *rankKV, ev *kv.Event, prev ownBlock, ns kv.Na
 		prev, hasPrev, prevHash = rec, true, eh
 	}
 	return len(ev.EngineHashes)
+}
+
+// sizeMismatch drops n engine blocks of engineBS tokens that do not fit the
+// router's blocks, and words the warning of the first such drop.
+func (a *KVApplier) sizeMismatch(n, engineBS int) {
+	a.stats.BlockSizeMismatch += uint64(n)
+	if a.sizeWarned {
+		return
+	}
+	a.sizeWarned = true
+	bs := a.cfg.BlockSize
+	why := fmt.Sprintf("the engine's KV blocks of %d tokens are larger than the configured block_size %d", engineBS, bs)
+	if engineBS <= bs {
+		why = fmt.Sprintf("the engine's KV blocks of %d tokens do not divide the configured block_size %d", engineBS, bs)
+	}
+	a.sizeWarning = "block size mismatch: " + why + " (models[].block_size): the blocks the engine stores are not indexed (counted in block_size_mismatch)"
 }
 
 // gatherBlock assembles the router block ended by an engine block with

@@ -21,7 +21,7 @@ const (
 type KVFeedConfig struct {
 	Backend   string    // backend id (the worker name of data-parallel rank 0)
 	Mode      string    // FeedZMQ or FeedHTTP
-	ZMQ       ZMQConfig // FeedZMQ: endpoints and topic (of rank 0)
+	ZMQ       ZMQConfig // FeedZMQ: endpoints and topic (of rank 0); either mode: OnChange also hears of the applier's problems
 	BlockSize int       // the router's block size (0: kv.DefaultBlockSize)
 	Shared    bool      // a pool-wide cache layer: blocks go to tier shared
 	// DPSize is the number of data-parallel ranks of a zmq backend. vLLM
@@ -84,7 +84,8 @@ func StartKVFeed(cfg KVFeedConfig, workers Workers) (*KVFeed, error) {
 			zcfgs = append(zcfgs, z)
 		}
 	}
-	f.applier = NewKVApplier(KVApplierConfig{Backend: cfg.Backend, BlockSize: cfg.BlockSize, Shared: cfg.Shared, Namespace: cfg.Namespace}, workers)
+	f.applier = NewKVApplier(KVApplierConfig{Backend: cfg.Backend, BlockSize: cfg.BlockSize, Shared: cfg.Shared, Namespace: cfg.Namespace,
+		OnProblem: cfg.ZMQ.OnChange}, workers)
 	if len(zcfgs) == 0 {
 		close(f.done)
 		return f, nil

@@ -53,7 +53,9 @@ type ZMQConfig struct {
 	// of its problems (a failed dial, a lost connection, a malformed
 	// message, a failed replay, an index cleared), from the goroutine of
 	// each feed this config starts (one per data-parallel rank, at the
-	// same time); not of every batch.
+	// same time); not of every batch. Through StartKVFeed, in either mode,
+	// it also hears of the applier's problems (a block size mismatch, from
+	// whichever goroutine delivered the events).
 	OnChange func(problem string)
 }
 

@@ -282,6 +282,7 @@ type eventCounters struct {
 	Replays       uint64           `json:"replays"`
 	Clears        uint64           `json:"clears"`
 	OrphanBlocks  uint64           `json:"orphan_blocks"`
+	SizeMismatch  uint64           `json:"block_size_mismatch"`
 	BlocksPerTier map[string]int64 `json:"blocks_per_tier"`
 	LastError     string           `json:"last_error,omitempty"`
 }
@@ -292,7 +293,7 @@ func (b *backend) eventCounters() *eventCounters {
 	}
 	fs := b.feed.Stats()
 	as := fs.Apply
-	c := &eventCounters{Mode: b.cfg.KVEvents.Mode, Clears: as.Clears, OrphanBlocks: as.OrphanBlocks,
+	c := &eventCounters{Mode: b.cfg.KVEvents.Mode, Clears: as.Clears, OrphanBlocks: as.OrphanBlocks, SizeMismatch: as.BlockSizeMismatch,
 		BlocksPerTier: map[string]int64{}, Events: b.eventsPushed.Load()}
 	for t := kv.Tier(0); t < kv.NumTiers; t++ {
 		c.BlocksPerTier[t.String()] = as.Blocks[t]
