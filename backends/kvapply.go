@@ -174,6 +174,19 @@ func (a *KVApplier) WorkerIDs() []router.WorkerID {
 	return ids
 }
 
+// MultiRank reports whether the engine has shown a data-parallel rank
+// other than 0.
+func (a *KVApplier) MultiRank() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, r := range a.ranks[min(1, len(a.ranks)):] {
+		if r != nil {
+			return true
+		}
+	}
+	return false
+}
+
 // Stats returns the applier's counters.
 func (a *KVApplier) Stats() KVApplyStats {
 	a.mu.Lock()

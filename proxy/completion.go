@@ -592,7 +592,9 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	if b.authHeader != "" {
 		fr.Header.Set("Authorization", b.authHeader)
 	}
-	if x.rank > 0 {
+	if x.rank > 0 || b.dataParallel() {
+		// Rank 0 too: without the header vLLM balances the request over
+		// its ranks itself, away from the one whose cache was chosen.
 		fr.Header.Set("X-Data-Parallel-Rank", strconv.Itoa(x.rank))
 	}
 	for _, h := range traceHeaders {

@@ -230,3 +230,36 @@ func TestRankWorkerOfDrainingBackendTakenOver(t *testing.T) {
 		}
 	}
 }
+
+// A request for rank 0 of a data-parallel engine names rank 0: without the
+// header vLLM balances it over its ranks itself, away from the cache the
+// router chose (found by the ninth session's review). An engine with one
+// rank gets no header.
+func TestRankZeroIsNamedOnADataParallelEngine(t *testing.T) {
+	e0 := startFake(t, "e0", nil)
+	p := startProxyYAML(t, fmt.Sprintf(dpHead, "round_robin")+"  - {id: e0, url: 'http://"+e0.addr+"', model: m, kv_events: {mode: http}}\n")
+	send := func(n int) []string {
+		t.Helper()
+		for i := range n {
+			if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"hello"}`); resp.StatusCode != 200 {
+				t.Fatalf("request %d: %d %s", i, resp.StatusCode, b)
+			}
+		}
+		e0.mu.Lock()
+		defer e0.mu.Unlock()
+		var ranks []string
+		for _, h := range e0.headers[len(e0.headers)-n:] {
+			ranks = append(ranks, h.Get("X-Data-Parallel-Rank"))
+		}
+		return ranks
+	}
+	if ranks := send(2); ranks[0] != "" || ranks[1] != "" {
+		t.Fatalf("one rank: headers %q, want none", ranks)
+	}
+	pushRank(t, p, "e0", 1, promptIDs(100))
+	ranks := send(4)
+	slices.Sort(ranks)
+	if want := []string{"0", "0", "1", "1"}; !slices.Equal(ranks, want) {
+		t.Fatalf("two ranks, round robin: headers %q, want %q", ranks, want)
+	}
+}

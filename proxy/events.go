@@ -100,6 +100,12 @@ func (b *backend) workerIDs() []router.WorkerID {
 	return ids
 }
 
+// dataParallel reports whether b's engine has data-parallel ranks: its
+// configuration says so (zmq dp_size), or it has rank workers.
+func (b *backend) dataParallel() bool {
+	return b.cfg.KVEvents.DPSize > 1 || len(b.ranks) > 0 || b.feed != nil && b.feed.Applier().MultiRank()
+}
+
 // rankWorkers are the live router workers of the data-parallel ranks r > 0
 // of b's id in its pool, whichever backend of that id registered them.
 func (b *backend) rankWorkers() []router.WorkerStatus {
