@@ -890,14 +890,16 @@ func (x *exchange) failUpstream(ctx *fasthttp.RequestCtx, status int, msg string
 	if x.b != nil {
 		ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(x.b.cfg.ID))
 	}
-	typ := "upstream_error"
+	// The codes of a stream cut the same way (sse.go), so a client reads
+	// one code whichever way it asked.
+	typ, code := "upstream_error", "backend_failed"
 	switch status {
 	case fasthttp.StatusGatewayTimeout:
-		typ = "timeout_error"
+		typ, code = "timeout_error", "backend_timeout"
 	case fasthttp.StatusTooManyRequests:
-		typ = "rate_limit_error"
+		typ, code = "rate_limit_error", "rate_limit_exceeded"
 	}
-	writeError(ctx, status, msg, typ, "", "")
+	writeError(ctx, status, msg, typ, "", code)
 }
 
 // endAttempt ends an attempt the engine never took: its watch and slots

@@ -150,7 +150,8 @@ func TestEngineNotServingTheModelIsAConfigurationFault(t *testing.T) {
 	alone := startFake(t, "alone", notFound)
 	q := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: alone, url: 'http://{{e0}}'}]\n", alone)
 	resp, b := post(t, q.url+"/v1/chat/completions", chatBody)
-	if resp.StatusCode != 502 || !strings.Contains(string(b), "backend alone does not serve the model or path (404 The model `m` does not exist.); check its url and served_model") {
+	if resp.StatusCode != 502 || !strings.Contains(string(b), "backend alone does not serve the model or path (404 The model `m` does not exist.); check its url and served_model") ||
+		!strings.Contains(string(b), `"code":"backend_failed"`) {
 		t.Fatalf("the only backend answering 404: %d %s, want 502 naming the backend", resp.StatusCode, b)
 	}
 	q.waitIdle(t)
