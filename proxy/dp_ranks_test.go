@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -261,5 +262,32 @@ func TestRankZeroIsNamedOnADataParallelEngine(t *testing.T) {
 	slices.Sort(ranks)
 	if want := []string{"0", "0", "1", "1"}; !slices.Equal(ranks, want) {
 		t.Fatalf("two ranks, round robin: headers %q, want %q", ranks, want)
+	}
+}
+
+// /admin/backends shows the feed's problem counters: blocks dropped over a
+// block size mismatch (an engine with 32-token blocks against the model's
+// 16), and the zero counts of offloaded copies it could not index.
+func TestAdminShowsFeedProblemCounters(t *testing.T) {
+	e0 := startFake(t, "e0", nil)
+	p := startProxyYAML(t, fmt.Sprintf(dpHead, "kv")+"  - {id: e0, url: 'http://"+e0.addr+"', model: m, kv_events: {mode: http}}\n")
+	batch := `{"engine_id":"e0","events":[{"type":"block_stored","block_hashes":[7,8],"parent_block_hash":null,"token_ids":[` + promptIDs(1) + `],"block_size":32}]}`
+	if resp, b := post(t, p.url+"/v1/kv_events", batch); resp.StatusCode != 200 {
+		t.Fatalf("push: %d %s", resp.StatusCode, b)
+	}
+	resp, err := http.Get(p.url + "/admin/backends")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var rows []struct {
+		KVEvents map[string]any `json:"kv_events"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&rows); err != nil || len(rows) != 1 {
+		t.Fatalf("/admin/backends: %v %+v", err, rows)
+	}
+	ev := rows[0].KVEvents
+	if ev["block_size_mismatch"] != 2.0 || ev["unknown_copies"] != 0.0 {
+		t.Fatalf("kv_events %v: want block_size_mismatch 2 and unknown_copies 0", ev)
 	}
 }

@@ -289,6 +289,9 @@ type eventCounters struct {
 	Clears        uint64           `json:"clears"`
 	OrphanBlocks  uint64           `json:"orphan_blocks"`
 	SizeMismatch  uint64           `json:"block_size_mismatch"`
+	UnknownCopies uint64           `json:"unknown_copies"`             // offloaded copies of blocks not indexed
+	Malformed     uint64           `json:"malformed_events,omitempty"` // zmq: events skipped in applied batches
+	DecodeErrors  uint64           `json:"decode_errors,omitempty"`    // zmq: whole batches unreadable (each clears)
 	BlocksPerTier map[string]int64 `json:"blocks_per_tier"`
 	LastError     string           `json:"last_error,omitempty"`
 }
@@ -300,13 +303,14 @@ func (b *backend) eventCounters() *eventCounters {
 	fs := b.feed.Stats()
 	as := fs.Apply
 	c := &eventCounters{Mode: b.cfg.KVEvents.Mode, Clears: as.Clears, OrphanBlocks: as.OrphanBlocks, SizeMismatch: as.BlockSizeMismatch,
-		BlocksPerTier: map[string]int64{}, Events: b.eventsPushed.Load()}
+		UnknownCopies: as.UnknownCopies, BlocksPerTier: map[string]int64{}, Events: b.eventsPushed.Load()}
 	for t := kv.Tier(0); t < kv.NumTiers; t++ {
 		c.BlocksPerTier[t.String()] = as.Blocks[t]
 	}
 	if zs := fs.ZMQ; zs != nil {
 		c.Connected, c.LastSeq = &zs.Connected, &zs.LastSeq
 		c.Events, c.Replays, c.LastError = zs.Events, zs.Replays, zs.LastError
+		c.Malformed, c.DecodeErrors = zs.MalformedEvents, zs.DecodeErrors
 	}
 	return c
 }
