@@ -569,6 +569,7 @@ func (c *Config) Validate() error {
 	}
 	ids := map[string]int{}
 	mockAddrs := map[string]int{}
+	engineURLs := map[string]int{} // model, scheme://host:port → backend
 	for i, b := range c.Backends {
 		f := fmt.Sprintf("backends[%d]", i)
 		if b.ID == "" {
@@ -629,6 +630,8 @@ func (c *Config) Validate() error {
 					add(f+".kv_events.dp_size", "data-parallel ranks replay on port + rank: the replay endpoint must be tcp://, got %q", ev.Replay)
 				} else if msg := checkZMQPorts(ev.Replay, ev.DPSize); msg != "" {
 					add(f+".kv_events.dp_size", "%s", msg)
+				} else if msg := checkZMQRanges(ev.Endpoint, ev.Replay, ev.DPSize); msg != "" {
+					add(f+".kv_events.replay", "%s", msg)
 				}
 			}
 		default:
@@ -648,6 +651,15 @@ func (c *Config) Validate() error {
 				add(f+".url", "mock backends[%d] already listens on %s", j, u.Host)
 			}
 			mockAddrs[u.Host] = i
+		}
+		// One engine listed twice for a model would count twice in its
+		// load and health. (One server may serve several models.)
+		if err == nil && u.Host != "" {
+			key := b.Model + "\x00" + u.Scheme + "://" + strings.ToLower(u.Host)
+			if j, ok := engineURLs[key]; ok && b.Kind != KindMock {
+				add(f+".url", "backends[%d] already serves model %q from %s", j, b.Model, b.URL)
+			}
+			engineURLs[key] = i
 		}
 	}
 	if !contains(Policies, c.Router.Policy) {
@@ -709,6 +721,9 @@ func (c *Config) Validate() error {
 	if c.Health.Rise < 1 || c.Health.Fall < 1 {
 		add("health", "rise and fall must be at least 1")
 	}
+	if iv := c.Health.Interval; iv > 0 && iv < 10*time.Millisecond {
+		add("health.interval", "must be at least 10ms, got %v", iv) // else every engine is probed in a tight loop
+	}
 	for _, u := range strings.Split(c.Replicas.NATS, ",") {
 		if u = strings.TrimSpace(u); u != "" && !strings.HasPrefix(u, "nats://") && !strings.HasPrefix(u, "tls://") {
 			add("replicas.nats", "want nats://host:port or tls://host:port, got %q", u)
@@ -768,12 +783,35 @@ func (c *Config) Validate() error {
 	for i, k := range c.Auth.AdminKeys {
 		if len(k) < 8 {
 			add(fmt.Sprintf("auth.admin_keys[%d]", i), "must be at least 8 characters")
+		} else if keys[k] {
+			add(fmt.Sprintf("auth.admin_keys[%d]", i), "is also a client key in auth.keys: that client would get the admin endpoints")
 		}
 	}
 	if len(errs) > 0 {
 		return errors.New(strings.Join(errs, "; "))
 	}
 	return nil
+}
+
+// Warnings are what in a valid configuration is likely a mistake: a key
+// naming a tenant that tenants does not list (a typo runs that client
+// with no limits).
+func (c *Config) Warnings() []string {
+	if len(c.Tenants) == 0 {
+		return nil
+	}
+	listed := map[string]bool{}
+	for _, t := range c.Tenants {
+		listed[t.Name] = true
+	}
+	var out []string
+	for i, k := range c.Auth.Keys {
+		if !listed[k.Tenant] {
+			out = append(out, fmt.Sprintf("auth.keys[%d].tenant: %q is not in tenants, so it has no limits", i, k.Tenant))
+			listed[k.Tenant] = true // once per tenant
+		}
+	}
+	return out
 }
 
 // checkZMQEndpoint says what is wrong with a ZMQ endpoint ("" if nothing):
@@ -786,6 +824,9 @@ func checkZMQEndpoint(ep string) string {
 		host, port, err := net.SplitHostPort(ep[len("tcp://"):])
 		if err != nil || host == "" {
 			return "tcp://host:port"
+		}
+		if host == "*" || host == "0.0.0.0" || host == "::" {
+			return "the engine's address: " + host + " is what the engine binds, kvproxy connects"
 		}
 		if p, err := strconv.Atoi(port); err != nil || p < 1 || p > 65535 {
 			return "a port between 1 and 65535"
@@ -807,6 +848,24 @@ func checkZMQPorts(ep string, dpSize int) string {
 		return fmt.Sprintf("rank %d would publish on port %d of %s: past 65535", dpSize-1, p+dpSize-1, ep)
 	}
 	return ""
+}
+
+// checkZMQRanges says whether a data-parallel engine's publisher ports
+// (endpoint's port + rank) and replay ports (replay's port + rank) on one
+// host overlap, as they do for vLLM's defaults 5557 and 5558 with two ranks.
+func checkZMQRanges(endpoint, replay string, dpSize int) string {
+	if !strings.HasPrefix(endpoint, "tcp://") || !strings.HasPrefix(replay, "tcp://") {
+		return ""
+	}
+	h1, p1s, _ := net.SplitHostPort(endpoint[len("tcp://"):])
+	h2, p2s, _ := net.SplitHostPort(replay[len("tcp://"):])
+	p1, _ := strconv.Atoi(p1s)
+	p2, _ := strconv.Atoi(p2s)
+	n := max(dpSize, 1)
+	if h1 != h2 || p1+n <= p2 || p2+n <= p1 {
+		return ""
+	}
+	return fmt.Sprintf("ranks publish on ports %d–%d and replay on %d–%d of %s: the ranges overlap (give the replay a port at least dp_size above the endpoint's)", p1, p1+n-1, p2, p2+n-1, h1)
 }
 
 func (c *Config) isModelName(n string) bool {

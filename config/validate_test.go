@@ -62,6 +62,16 @@ func TestValidationRejects(t *testing.T) {
 		"two mocks on one address": {"models:\n  - name: m\nbackends:\n" +
 			"  - {id: a, url: \"http://127.0.0.1:9000\", kind: mock}\n  - {id: b, url: \"http://127.0.0.1:9000\", kind: mock}\n",
 			"backends[1].url"},
+		// The ninth session's trial and review: mistakes that loaded and
+		// misbehaved later.
+		"one engine twice for a model": {"models:\n  - name: m\nbackends:\n" +
+			"  - {id: a, url: \"http://10.0.0.1:8000\"}\n  - {id: b, url: \"http://10.0.0.1:8000/\"}\n", "backends[1].url"},
+		"an admin key that is a client key": {minimal + "auth: {keys: [{key: secret-key-1, tenant: t}], admin_keys: [secret-key-1]}\n",
+			"auth.admin_keys[0]"},
+		"the engine's bind address": {backend(`, kv_events: {mode: zmq, endpoint: "tcp://*:5557"}`), "backends[0].kv_events.endpoint"},
+		"ranks' publisher and replay ports overlap": {backend(`, kv_events: {mode: zmq, endpoint: "tcp://10.0.0.1:5557", replay: "tcp://10.0.0.1:5558", dp_size: 2}`),
+			"backends[0].kv_events.replay"},
+		"probes in a tight loop": {minimal + "health: {interval: 1ns}\n", "health.interval"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -73,5 +83,35 @@ func TestValidationRejects(t *testing.T) {
 				t.Fatalf("error %q does not name %s", err, tc.want)
 			}
 		})
+	}
+}
+
+// What those checks must still let through: one server serving two models
+// at one address, replay ports above every rank's publisher, and one rank.
+func TestValidationAccepts(t *testing.T) {
+	for name, yaml := range map[string]string{
+		"one server, two models": "models: [{name: m}, {name: n}]\nbackends:\n" +
+			"  - {id: a, url: \"http://10.0.0.1:8000\", model: m, kind: openai}\n  - {id: b, url: \"http://10.0.0.1:8000\", model: n, kind: openai}\n",
+		"replay above the ranks": "models: [{name: m}]\nbackends:\n" +
+			"  - {id: a, url: \"http://10.0.0.1:8000\", kv_events: {mode: zmq, endpoint: \"tcp://10.0.0.1:5557\", replay: \"tcp://10.0.0.1:5567\", dp_size: 4}}\n",
+		"vLLM's default ports, one rank": "models: [{name: m}]\nbackends:\n" +
+			"  - {id: a, url: \"http://10.0.0.1:8000\", kv_events: {mode: zmq, endpoint: \"tcp://10.0.0.1:5557\", replay: \"tcp://10.0.0.1:5558\"}}\n",
+	} {
+		if _, err := Parse([]byte(yaml)); err != nil {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+}
+
+// A key naming a tenant that tenants does not list is valid (it gets no
+// limits, as the README says) but warned of: it is usually a typo.
+func TestUnlistedTenantIsWarnedOf(t *testing.T) {
+	c, err := Parse([]byte(minimal + "auth: {keys: [{key: key-a-12345, tenant: team-a}, {key: key-b-12345, tenant: team-bb}, {key: key-c-12345, tenant: team-bb}]}\n" +
+		"tenants: [{name: team-a, requests_per_second: 5}, {name: team-b, requests_per_second: 5}]\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := c.Warnings(); len(w) != 1 || !strings.Contains(w[0], `auth.keys[1].tenant: "team-bb" is not in tenants`) {
+		t.Fatalf("warnings %q, want one about team-bb", w)
 	}
 }

@@ -152,3 +152,26 @@ tenants:
 	}
 	p.waitIdle(t)
 }
+
+// A key naming a tenant that tenants does not list is logged as a warning
+// at start and on every reload that still has it.
+func TestUnlistedTenantIsLogged(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	yaml := "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n" +
+		"auth: {keys: [{key: key-typo-1234, tenant: team-bb}]}\ntenants: [{name: team-b, requests_per_second: 1}]\n"
+	p := startProxyYAML(t, yaml, e)
+	want := `config: auth.keys[0].tenant: \"team-bb\" is not in tenants, so it has no limits`
+	if n := strings.Count(p.logs.String(), want); n != 1 {
+		t.Fatalf("%d warnings at start, want 1:\n%s", n, p.logs.String())
+	}
+	cfg, err := config.Parse([]byte(strings.ReplaceAll(yaml, "{{e0}}", e.addr)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(p.logs.String(), want); n != 2 {
+		t.Fatalf("%d warnings after a reload, want 2:\n%s", n, p.logs.String())
+	}
+}

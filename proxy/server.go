@@ -124,6 +124,7 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 	var rb [6]byte
 	rand.Read(rb[:])
 	s.reqPrefix = hex.EncodeToString(rb[:])
+	s.logWarnings(cfg)
 	if cfg.TLS.Enabled() {
 		c, err := cfg.TLS.Load()
 		if err != nil {
@@ -343,6 +344,13 @@ func (s *Server) retire(b *backend, replaced bool, timeout time.Duration) {
 	s.log.Info().Str("backend", b.cfg.ID).Bool("replaced", replaced).Msg("backend retired")
 }
 
+// logWarnings logs what in cfg is likely a mistake.
+func (s *Server) logWarnings(cfg *config.Config) {
+	for _, w := range cfg.Warnings() {
+		s.log.Warn().Msg("config: " + w)
+	}
+}
+
 // Reload applies a new configuration without dropping in-flight requests.
 // An invalid configuration is rejected and the current one keeps serving.
 func (s *Server) Reload(cfg *config.Config) error {
@@ -351,6 +359,7 @@ func (s *Server) Reload(cfg *config.Config) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
+	s.logWarnings(cfg)
 	prev := s.st.Load()
 	listenChanged := cfg.Listen != prev.cfg.Listen
 	if listenChanged {
