@@ -21,7 +21,8 @@ type ProbeConfig struct {
 }
 
 // Prober actively checks engines' health endpoints and reports transitions.
-// A backend starts healthy (optimistic) so traffic flows before the first probe.
+// A backend starts healthy (optimistic) so traffic flows before the first
+// probe, which takes it out if it fails.
 type Prober struct {
 	cfg    ProbeConfig
 	client *fasthttp.Client
@@ -38,11 +39,16 @@ type Prober struct {
 
 type probeTarget struct {
 	ProbeURL
-	onChange  func(healthy bool, why string)
+	onChange func(healthy bool, why string)
+	quit     chan struct{}
+
+	// Guarded by Prober.mu: a target's probe loop and Add (which carries
+	// them over to the next target of the same engine) both use them.
 	healthy   bool
+	probed    bool   // a probe has answered: until then the engine is healthy on trust
+	why       string // what the last failed probe said
 	successes int
 	failures  int
-	quit      chan struct{}
 }
 
 // NewProber makes a Prober; call Add for each engine, then Start.
@@ -97,15 +103,30 @@ type ProbeURL struct {
 	Insecure bool
 }
 
-// Add registers an engine; onChange is called on every health transition,
-// with why the last probe failed when it goes down.
+// Add registers an engine, or replaces the registration of id; onChange is
+// called when the engine goes down (with why the last probe failed), and
+// with every probe that passes while it is up (which ends an ejection for
+// a failed connection). A replaced registration of the same ProbeURL is
+// the same engine: its health so far carries over (a reload that rebuilds
+// a backend must not make a dead engine healthy again), and onChange hears
+// at once if it is down.
 func (p *Prober) Add(id string, u ProbeURL, onChange func(healthy bool, why string)) {
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	t := &probeTarget{ProbeURL: u, onChange: onChange, healthy: true, quit: make(chan struct{})}
+	if old, ok := p.target[id]; ok {
+		close(old.quit)
+		if old.ProbeURL == u {
+			t.healthy, t.probed, t.why, t.successes, t.failures = old.healthy, old.probed, old.why, old.successes, old.failures
+		}
+	}
 	p.target[id] = t
 	if p.running && !p.stopped {
 		p.run(t)
+	}
+	healthy, why := t.healthy, t.why
+	p.mu.Unlock()
+	if !healthy {
+		onChange(false, why)
 	}
 }
 
@@ -182,25 +203,43 @@ func (p *Prober) probe(t *probeTarget) {
 	case !ok:
 		why = "status " + strconv.Itoa(resp.StatusCode())
 	}
+	p.mu.Lock()
+	notify, healthy := t.record(ok, why, p.cfg)
+	p.mu.Unlock()
+	if notify {
+		t.onChange(healthy, why)
+	}
+}
+
+// record counts a probe's result and says whether to tell the backend,
+// and what.
+func (t *probeTarget) record(ok bool, why string, cfg ProbeConfig) (notify, healthy bool) {
+	first := !t.probed
+	t.probed = true
 	if ok {
 		t.successes++
 		t.failures = 0
 	} else {
 		t.failures++
 		t.successes = 0
+		t.why = why
 	}
 	switch {
-	case !t.healthy && t.successes >= p.cfg.Rise:
+	case !t.healthy && t.successes >= cfg.Rise:
 		t.healthy = true
-		t.onChange(true, "")
-	case t.healthy && t.failures >= p.cfg.Fall:
+		return true, true
+	case t.healthy && (t.failures >= cfg.Fall || first && !ok):
+		// Fall guards an engine that has answered against a flapping
+		// probe; one that never has (at start, or a new backend) is not
+		// trusted past its first failure.
 		t.healthy = false
-		t.onChange(false, why)
-	case ok && t.healthy && t.successes == 1:
+		return true, false
+	case ok && t.healthy:
 		// A worker taken out by a failed request (not by probes) comes back
 		// on the next good probe. One taken out by probes waits for Rise.
-		t.onChange(true, "")
+		return true, true
 	}
+	return false, t.healthy
 }
 
 // Stop ends every probe loop and waits for them; Start and Add start no

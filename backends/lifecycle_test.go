@@ -3,6 +3,7 @@ package backends
 import (
 	"bufio"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"runtime"
@@ -279,7 +280,7 @@ func TestProbeRiseNeedsConsecutiveSuccesses(t *testing.T) {
 			n := probes
 			mu.Unlock()
 			status := "200 OK"
-			if n <= 2 {
+			if n == 2 || n == 3 {
 				status = "503 Service Unavailable"
 			}
 			io.WriteString(c, "HTTP/1.1 "+status+"\r\nContent-Length: 0\r\n\r\n")
@@ -309,11 +310,55 @@ func TestProbeRiseNeedsConsecutiveSuccesses(t *testing.T) {
 		}
 		return change{}
 	}
-	if c := next(); c.healthy || c.probe != 2 {
-		t.Fatalf("first change %+v, want unhealthy at probe 2 (fall 2)", c)
+	if c := next(); !c.healthy || c.probe != 1 { // every good probe is told while up
+		t.Fatalf("first report %+v, want healthy at probe 1", c)
 	}
-	if c := next(); !c.healthy || c.probe != 2+rise {
-		t.Fatalf("readmitted at probe %d, want %d (rise %d after 2 failures)", c.probe, 2+rise, rise)
+	if c := next(); c.healthy || c.probe != 3 {
+		t.Fatalf("then %+v, want unhealthy at probe 3 (fall 2)", c)
+	}
+	if c := next(); !c.healthy || c.probe != 3+rise {
+		t.Fatalf("readmitted at probe %d, want %d (rise %d after 2 failures)", c.probe, 3+rise, rise)
+	}
+}
+
+// An engine that has never answered a probe is not trusted past its first
+// failure (at start, or a backend a reload adds): fall is for engines that
+// have. Re-adding the same engine (a reload that rebuilds its backend)
+// keeps what its probes have found, and says at once that it is down.
+func TestProbeStateOfANewAndAReaddedEngine(t *testing.T) {
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		for readRequest(br) == nil {
+			io.WriteString(c, "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n")
+		}
+	})
+	p := NewProber(ProbeConfig{Interval: time.Hour, Timeout: time.Second, Rise: 1, Fall: 3})
+	changes := make(chan bool, 4)
+	u := ProbeURL{URL: "http://" + addr + "/health"}
+	p.Add("a", u, func(ok bool, _ string) { changes <- ok })
+	p.Start()
+	defer p.Stop()
+	select {
+	case ok := <-changes:
+		if ok {
+			t.Fatal("a failing first probe reported healthy")
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a failing first probe left the engine up (fall 3 was applied to an engine never seen up)")
+	}
+	again := make(chan string, 4)
+	p.Add("a", u, func(ok bool, why string) { again <- fmt.Sprint(ok, " ", why) })
+	if got := <-again; got != "false status 503" {
+		t.Fatalf("re-added: %q, want it down at once with the last probe's error", got)
+	}
+	other := make(chan bool, 4)
+	p.Add("a", ProbeURL{URL: "http://" + addr + "/v1/models"}, func(ok bool, _ string) { other <- ok })
+	select {
+	case ok := <-other: // its first probe, an hour before the next
+		if ok {
+			t.Fatal("another URL's first probe reported healthy")
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a new URL was not probed")
 	}
 }
 

@@ -45,8 +45,10 @@ type backend struct {
 	tokenizeDown atomic.Int64
 	ejected      bool
 	// probeEnds: the ejection in force is for failed connections only, and
-	// a passing health probe ends it (failConn).
+	// a passing health probe ends it (failConn); with probes running
+	// (probed), only that does.
 	probeEnds bool
+	probed    bool // set before it takes requests
 	draining  bool
 	full      bool // at max_concurrency: healthy but takes nothing new
 	cooling   bool // refused a request with 429: left out until coolTimer
@@ -179,7 +181,15 @@ func (b *backend) eject(reason string, conn bool) {
 		d = b.health.EjectMax
 	}
 	b.ejected = true
-	b.armLocked(&b.ejectTimer, d, func() { b.ejected = false })
+	b.armLocked(&b.ejectTimer, d, func() {
+		// An engine whose connections failed is back when its probe says
+		// so, not when the time is up: it may still be down (found by the
+		// ninth session's operator trial: each crash cost a refused retry
+		// and a second ejection before the probes noticed).
+		if !b.probeEnds || !b.probed {
+			b.ejected = false
+		}
+	})
 	b.log.Warn().Str("backend", b.cfg.ID).Str("reason", reason).Dur("ejected_for", d).Msg("backend ejected")
 	b.applyLocked()
 }

@@ -77,6 +77,12 @@ func (f *feedLog) change(problem string) {
 	f.log.Warn().Str("backend", f.backend).Str("problem", problem).Msg("kv event feed problem (the index of this backend may be behind; see kv_events in /admin/backends)")
 }
 
+// sameFeed reports whether next, replacing b, follows the same engine's
+// events the same way, so b's feed can go on as next's.
+func (b *backend) sameFeed(next *backend) bool {
+	return b.feed != nil && b.pool == next.pool && b.cfg.URL == next.cfg.URL && b.cfg.KVEvents == next.cfg.KVEvents
+}
+
 // stopEvents ends the feed and drops every block the backend's workers hold.
 func (b *backend) stopEvents() {
 	if b.feed != nil {

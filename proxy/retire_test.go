@@ -102,9 +102,10 @@ func startSlowOnE0(t *testing.T) (p *testProxy, e, other *fakeEngine, head strin
 // stays in /admin/backends, marked draining with its in-flight requests,
 // until it has retired; /metrics keeps one series per backend id.
 func TestDrainingBackendShowsInAdmin(t *testing.T) {
-	p, e, other, head, done := startSlowOnE0(t)
+	p, e, _, head, done := startSlowOnE0(t)
 	// e0 replaced (another URL, the same id) and the old one draining.
-	cfg, err := config.Parse([]byte(head + "  - {id: e0, url: 'http://" + other.addr + "', model: m, max_concurrency: 7}\n"))
+	third := startFake(t, "e2", nil)
+	cfg, err := config.Parse([]byte(head + "  - {id: e0, url: 'http://" + third.addr + "', model: m, max_concurrency: 7}\n"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -188,4 +189,69 @@ func TestDrainingRequestsStayInTheMetrics(t *testing.T) {
 			p.waitIdle(t)
 		})
 	}
+}
+
+// A backend a reload removed stays listed as draining, with its requests
+// in flight, until they have ended, even past limits.drain_timeout: it left
+// /admin/backends and /metrics at the deadline while its stream went on,
+// and an operator who saw it gone would have stopped the engine under it
+// (found by the ninth session's operator trial).
+func TestRemovedBackendListedUntilItsRequestsEnd(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 700 * time.Millisecond })
+	other := startFake(t, "e1", nil)
+	head := "models: [{name: m}]\nlimits: {drain_timeout: 100ms}\nbackends:\n  - {id: e1, url: 'http://" + other.addr + "', model: m}\n"
+	p := startProxyYAML(t, head+"  - {id: e0, url: 'http://{{e0}}', model: m}\n", e)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","nvext":{"backend_instance_id":"e0"}}`)
+	}()
+	for deadline := time.Now().Add(3 * time.Second); e.current.Load() == 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("e0 never got the request")
+		}
+	}
+	cfg, err := config.Parse([]byte(head))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	listed := func() (bool, int64) {
+		resp, err := http.Get(p.url + "/admin/backends")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var rows []struct {
+			ID       string `json:"id"`
+			Inflight int64  `json:"inflight"`
+			Draining bool   `json:"draining"`
+		}
+		json.NewDecoder(resp.Body).Decode(&rows)
+		for _, r := range rows {
+			if r.ID == "e0" {
+				return r.Draining, r.Inflight
+			}
+		}
+		return false, 0
+	}
+	time.Sleep(300 * time.Millisecond) // past drain_timeout, before the request ends
+	if draining, n := listed(); !draining || n != 1 {
+		t.Fatalf("past drain_timeout with its request running: listed draining %v with %d in flight, want true and 1", draining, n)
+	}
+	if !strings.Contains(p.logs.String(), "backend still has requests after limits.drain_timeout") {
+		t.Errorf("no warning that the backend outlived drain_timeout:\n%s", p.logs.String())
+	}
+	<-done
+	for deadline := time.Now().Add(3 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if draining, _ := listed(); !draining {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("e0 still listed after its request ended")
+		}
+	}
+	p.waitIdle(t)
 }

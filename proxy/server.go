@@ -253,6 +253,7 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 		}
 		b := newBackend(bc, cfg, p, s.log)
 		b.wake = s.queue.signal
+		b.probed = s.health != nil
 		st.backends[bc.ID] = b
 	}
 	return st, nil
@@ -268,7 +269,15 @@ func (s *Server) activate(st, prev *state) {
 		// workers go to the new one while its configuration has them.
 		for id, old := range prev.backends {
 			if nb := st.backends[id]; nb != nil && nb != old && nb.pool == old.pool {
-				old.stopEvents()
+				if old.sameFeed(nb) {
+					// The engine's feed goes on: a new one would find
+					// the index empty, and vLLM does not announce again
+					// the blocks it still holds (a reload that changed
+					// only health settings emptied every index).
+					nb.feed = old.feed
+				} else {
+					old.stopEvents()
+				}
 				nb.adoptRanks(old)
 				old.handOver(nb)
 			}
@@ -289,7 +298,9 @@ func (s *Server) activate(st, prev *state) {
 		b.startEvents()
 		b.pool.setBackend(b)
 		if s.health != nil {
-			s.health.Remove(b.cfg.ID)
+			// Replaces the probe of a backend of its id: the same engine
+			// keeps its probe state (a rebuilt backend of a dead engine
+			// is down at once, not healthy until probes fail again).
 			s.health.Add(b.cfg.ID, b.probeURL(), b.setProbe)
 		}
 	}
@@ -318,13 +329,29 @@ func (s *Server) activate(st, prev *state) {
 }
 
 // retire waits for a removed backend's requests to end (up to timeout), then
-// drops its index entries and connections. A backend replaced by a new
-// configuration of the same id keeps its worker and index.
+// drops its index entries; it stays listed (/admin/backends, inflight in
+// /metrics) and keeps its connections until they have all ended. A backend
+// replaced by a new configuration of the same id keeps its worker and index.
 func (s *Server) retire(b *backend, replaced bool, timeout time.Duration) {
 	deadline := time.Now().Add(timeout)
 	for time.Now().Before(deadline) && b.inflight.Load() > 0 {
 		time.Sleep(50 * time.Millisecond)
 	}
+	defer func() {
+		// Found by the ninth session's operator trial: the backend left the
+		// listing at the deadline while its streams went on, and an operator
+		// who saw it gone would have stopped the engine under them.
+		if n := b.inflight.Load(); n > 0 {
+			s.log.Warn().Str("backend", b.cfg.ID).Int64("inflight", n).Dur("drain_timeout", timeout).
+				Msg("backend still has requests after limits.drain_timeout: listed as draining until they end")
+		}
+		for b.inflight.Load() > 0 {
+			time.Sleep(50 * time.Millisecond)
+		}
+		b.stop()
+		s.retiring.Delete(b)
+		s.log.Info().Str("backend", b.cfg.ID).Bool("replaced", replaced).Msg("backend retired")
+	}()
 	if !replaced {
 		// Not while a reload runs: one bringing the id back into the pool
 		// takes over the workers (adoptRanks).
@@ -339,9 +366,6 @@ func (s *Server) retire(b *backend, replaced bool, timeout time.Duration) {
 		}
 		s.reloadMu.Unlock()
 	}
-	b.stop()
-	s.retiring.Delete(b)
-	s.log.Info().Str("backend", b.cfg.ID).Bool("replaced", replaced).Msg("backend retired")
 }
 
 // logWarnings logs what in cfg is likely a mistake.
