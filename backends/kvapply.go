@@ -5,6 +5,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 
 	"github.com/kvproxy/kvproxy/kv"
 	"github.com/kvproxy/kvproxy/router"
@@ -84,6 +85,8 @@ type KVApplier struct {
 	cfg     KVApplierConfig
 	workers Workers
 	idx     router.Index
+
+	multiRank atomic.Bool // a rank above 0 has been seen (read without mu)
 
 	mu     sync.Mutex
 	closed bool      // Close was called: events are ignored
@@ -175,17 +178,8 @@ func (a *KVApplier) WorkerIDs() []router.WorkerID {
 }
 
 // MultiRank reports whether the engine has shown a data-parallel rank
-// other than 0.
-func (a *KVApplier) MultiRank() bool {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	for _, r := range a.ranks[min(1, len(a.ranks)):] {
-		if r != nil {
-			return true
-		}
-	}
-	return false
-}
+// other than 0. It is asked for every request: no lock.
+func (a *KVApplier) MultiRank() bool { return a.multiRank.Load() }
 
 // Stats returns the applier's counters.
 func (a *KVApplier) Stats() KVApplyStats {
@@ -212,6 +206,9 @@ func (a *KVApplier) rank(r int) *rankKV {
 		id := a.workers.AddWorker(WorkerName(a.cfg.Backend, r))
 		a.workers.SetApproximate(id, false)
 		a.ranks[r] = &rankKV{id: id, blocks: make(map[uint64]ownBlock)}
+		if r > 0 {
+			a.multiRank.Store(true)
+		}
 	}
 	return a.ranks[r]
 }

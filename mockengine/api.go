@@ -349,7 +349,7 @@ func (e *Engine) serveCompletion(w http.ResponseWriter, hr *http.Request, chat b
 	if chat {
 		prefix = "chatcmpl"
 	}
-	rs.id = fmt.Sprintf("%s-%s-%d", prefix, e.cfg.ID, r.seq.ID)
+	rs.id = fmt.Sprintf("%s-%s-%d", prefix, e.idPrefix, r.seq.ID)
 	ctx := hr.Context()
 	if req.Stream {
 		includeUsage := req.StreamOptions != nil && req.StreamOptions.IncludeUsage

@@ -2,6 +2,8 @@ package mockengine
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -123,9 +125,10 @@ type Stats struct {
 
 // Engine is a simulated vLLM serving the OpenAI API over HTTP.
 type Engine struct {
-	cfg   Config
-	enc   *tokenize.Encoder
-	words []word
+	cfg      Config
+	idPrefix string // of answer ids: the engine's ID and a random part
+	enc      *tokenize.Encoder
+	words    []word
 
 	mu      sync.Mutex // guards model, reqs, nextID
 	model   *Model
@@ -192,7 +195,12 @@ func New(cfg Config) (*Engine, error) {
 		return nil, fmt.Errorf("mockengine: tokenizer %s encodes none of the output words as one token", cfg.Tokenizer)
 	}
 	mj, _ := json.Marshal(cfg.Model)
+	var nonce [4]byte
+	rand.Read(nonce[:])
 	e := &Engine{
+		// Answer ids are unique across engines and restarts, as vLLM's
+		// (random) are: every "kvmock -n 1" process is mock-0.
+		idPrefix:  cfg.ID + "-" + hex.EncodeToString(nonce[:]),
 		cfg:       cfg,
 		enc:       enc,
 		words:     words,

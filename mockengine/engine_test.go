@@ -870,3 +870,18 @@ func TestTokenizeEndpoint(t *testing.T) {
 		t.Fatalf("tokenize calls %d", e.Stats().TokenizeCalls)
 	}
 }
+
+// Two engines with the same ID (every "kvmock -n 1" process is mock-0) give
+// their answers different ids, as vLLM's random ones are (found by the
+// ninth session's operator trial: ids repeated across engines).
+func TestAnswerIDsAreUniqueAcrossEngines(t *testing.T) {
+	ids := map[string]bool{}
+	for range 2 {
+		_, url := startEngine(t, Config{})
+		_, r := post(t, url+"/v1/chat/completions", chatBody("hello there", map[string]any{"max_tokens": 2, "ignore_eos": true}))
+		if ids[r.ID] {
+			t.Fatalf("id %s repeated by another engine", r.ID)
+		}
+		ids[r.ID] = true
+	}
+}

@@ -29,10 +29,17 @@ func TestMovedBackendIsStillProbed(t *testing.T) {
 	})}
 	go srv.Serve(ln)
 	defer srv.Close()
+	ln2, err := net.Listen("tcp", "127.0.0.1:0") // y: another engine (one engine is not listed twice for a model)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv2 := &http.Server{Handler: srv.Handler}
+	go srv2.Serve(ln2)
+	defer srv2.Close()
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "c.yaml")
 	write := func(model string) {
-		body := fmt.Sprintf("listen: 127.0.0.1:0\nlog_level: warn\nhealth: {interval: 50ms, fall: 1}\nmodels:\n  - {name: a}\n  - {name: b}\nbackends:\n  - {id: x, url: \"http://%s\", model: %s, served_model: m}\n  - {id: y, url: \"http://%s\", model: a, served_model: m}\n", ln.Addr(), model, ln.Addr())
+		body := fmt.Sprintf("listen: 127.0.0.1:0\nlog_level: warn\nhealth: {interval: 50ms, fall: 1}\nmodels:\n  - {name: a}\n  - {name: b}\nbackends:\n  - {id: x, url: \"http://%s\", model: %s, served_model: m}\n  - {id: y, url: \"http://%s\", model: a, served_model: m}\n", ln.Addr(), model, ln2.Addr())
 		os.WriteFile(cfg, []byte(body), 0o644)
 	}
 	write("a")
