@@ -739,8 +739,10 @@ func (c *Config) Validate() error {
 			}
 		}
 	}
-	if iv := c.Replicas.Interval; iv > 0 && iv < 10*time.Millisecond {
-		add("replicas.interval", "must be at least 10ms, got %v", iv)
+	if iv := c.Replicas.Interval; iv > 0 && iv < 10*time.Millisecond || iv > 20*time.Second {
+		// Above 20 s, peers (which cap a replica's interval there) would
+		// drop a live replica's load between its reports.
+		add("replicas.interval", "must be between 10ms and 20s, got %v", iv)
 	}
 	for i, o := range c.CORS.AllowedOrigins {
 		// As browsers send Origin: lower case, no path, no default port.

@@ -12,3 +12,12 @@ func TestNegativeReplicasIntervalOneError(t *testing.T) {
 		t.Fatalf("want one replicas.interval error, got %v", err)
 	}
 }
+
+// Above 20 s, peers (which cap a replica's interval there) would drop a
+// live replica's load between its reports.
+func TestReplicasIntervalAbove20sRefused(t *testing.T) {
+	_, err := Parse([]byte("models: [{name: m}]\nbackends: [{id: a, url: 'http://h:1'}]\nreplicas: {nats: 'nats://h:4222', interval: 30s}\n"))
+	if err == nil || !strings.Contains(err.Error(), "replicas.interval: must be between 10ms and 20s") {
+		t.Fatalf("want a replicas.interval error, got %v", err)
+	}
+}

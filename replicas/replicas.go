@@ -165,16 +165,26 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 	return s, nil
 }
 
+// expiryCheck bounds how long a silent peer's load outlives its expiry: a
+// replica with a long interval of its own still looks this often (it
+// looked at its own ticks only, and a peer reporting every 50 ms lingered
+// for 5 s of a 5 s interval; found by the ninth session's review).
+const expiryCheck = 250 * time.Millisecond
+
 func (s *Sync) loop() {
 	defer close(s.done)
-	t := time.NewTicker(s.cfg.Interval)
+	tick := min(s.cfg.Interval, expiryCheck)
+	perReport := max(1, int((s.cfg.Interval+tick/2)/tick)) // ticks between reports
+	t := time.NewTicker(tick)
 	defer t.Stop()
-	for {
+	for n := 1; ; n++ {
 		select {
 		case <-s.stop:
 			return
 		case <-t.C:
-			s.Publish()
+			if n%perReport == 0 {
+				s.Publish()
+			}
 			if s.expire(time.Now()) {
 				s.applySum()
 			}

@@ -166,3 +166,29 @@ func startLogged(t *testing.T, cfg Config, local func() []Entry, apply func(map[
 
 // syncBuffer is the log sink the tests read while servers write.
 type syncBuffer = testutil.SyncBuffer
+
+// A replica that stops reporting drops out after three of its intervals
+// (at least 1 s), whatever the interval of the replica that watches it: one
+// reporting every 5 s looked only at its own ticks, and a peer reporting
+// every 50 ms lingered 5 s (found by the ninth session's review).
+func TestSilentPeerDropsOutOnTimeWhateverTheWatchersInterval(t *testing.T) {
+	url := startNATS(t).ClientURL()
+	ka := newSink()
+	a, err := Start(Config{URL: url, ID: "a", Interval: 5 * time.Second}, func() []Entry { return nil }, ka.apply, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	b, err := Start(Config{URL: url, ID: "b", Interval: 50 * time.Millisecond},
+		func() []Entry { return []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: 7}}} }, func(map[Key]router.Load) {}, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ka.waitFor(t, "b's load", func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}].Inflight == 7 })
+	b.Close()
+	gone := time.Now()
+	ka.waitFor(t, "b's load gone", func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}].Inflight == 0 })
+	if d := time.Since(gone); d > 2500*time.Millisecond {
+		t.Fatalf("b's load lingered %v after it stopped (3 × 50 ms, at least 1 s)", d)
+	}
+}
