@@ -142,7 +142,8 @@ type partialBlock struct {
 var _ SaltedSink = (*KVApplier)(nil)
 
 // NewKVApplier returns the applier of one backend. The worker of rank 0 is
-// registered at once and put in event mode; other ranks when first seen.
+// registered at once and put in event mode; other ranks when first seen
+// (or AddRanks).
 func NewKVApplier(cfg KVApplierConfig, workers Workers) *KVApplier {
 	if cfg.BlockSize <= 0 {
 		cfg.BlockSize = kv.DefaultBlockSize
@@ -153,6 +154,17 @@ func NewKVApplier(cfg KVApplierConfig, workers Workers) *KVApplier {
 	a := &KVApplier{cfg: cfg, workers: workers, idx: workers.Index()}
 	a.rank(0)
 	return a
+}
+
+// AddRanks registers the workers of ranks 1 to n-1 now, not when their
+// first event comes: a rank gets requests only once it has a worker, and
+// stores blocks (sends events) only once it gets requests.
+func (a *KVApplier) AddRanks(n int) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for r := 1; r < n && r <= MaxDPRank; r++ {
+		a.rank(r)
+	}
 }
 
 // WorkerName is the router worker name of a backend's data-parallel rank.

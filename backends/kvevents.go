@@ -86,6 +86,9 @@ func StartKVFeed(cfg KVFeedConfig, workers Workers) (*KVFeed, error) {
 	}
 	f.applier = NewKVApplier(KVApplierConfig{Backend: cfg.Backend, BlockSize: cfg.BlockSize, Shared: cfg.Shared, Namespace: cfg.Namespace,
 		OnProblem: cfg.ZMQ.OnChange}, workers)
+	// The ranks it subscribes to are routed from the start (requests for
+	// rank 0 name it, so the others would get none before their events).
+	f.applier.AddRanks(len(zcfgs))
 	if len(zcfgs) == 0 {
 		close(f.done)
 		return f, nil

@@ -291,3 +291,28 @@ func TestAdminShowsFeedProblemCounters(t *testing.T) {
 		t.Fatalf("kv_events %v: want block_size_mismatch 2 and unknown_copies 0", ev)
 	}
 }
+
+// A zmq backend with dp_size ranks routes to every rank from the start, not
+// only to those that have sent events: requests for rank 0 name it, so a
+// rank without a worker got no requests, stored nothing and never sent
+// the event that would have made its worker.
+func TestEveryConfiguredRankIsRoutedFromTheStart(t *testing.T) {
+	e0 := startFake(t, "e0", nil)
+	p := startProxyYAML(t, fmt.Sprintf(dpHead, "round_robin")+
+		"  - {id: e0, url: 'http://"+e0.addr+"', model: m, kv_events: {mode: zmq, endpoint: 'tcp://127.0.0.1:23511', dp_size: 3}}\n")
+	for i := range 6 {
+		if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"hello"}`); resp.StatusCode != 200 {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, b)
+		}
+	}
+	e0.mu.Lock()
+	defer e0.mu.Unlock()
+	var ranks []string
+	for _, h := range e0.headers {
+		ranks = append(ranks, h.Get("X-Data-Parallel-Rank"))
+	}
+	slices.Sort(ranks)
+	if want := []string{"0", "0", "1", "1", "2", "2"}; !slices.Equal(ranks, want) {
+		t.Fatalf("ranks of 6 requests, round robin over dp_size 3: %q, want %q", ranks, want)
+	}
+}
