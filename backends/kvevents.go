@@ -24,9 +24,9 @@ type KVFeedConfig struct {
 	ZMQ       ZMQConfig // FeedZMQ: endpoints and topic (of rank 0); either mode: OnChange also hears of the applier's problems
 	BlockSize int       // the router's block size (0: kv.DefaultBlockSize)
 	Shared    bool      // a pool-wide cache layer: blocks go to tier shared
-	// DPSize is the number of data-parallel ranks of a zmq backend. vLLM
-	// publishes rank r on the endpoints' port + r (OffsetEndpoint); one
-	// subscriber follows each. 0 or 1: one rank.
+	// DPSize is the number of data-parallel ranks of the engine. In zmq
+	// mode vLLM publishes rank r on the endpoints' port + r (OffsetEndpoint);
+	// one subscriber follows each. 0 or 1: one rank.
 	DPSize int
 	// Namespace is KVApplierConfig.Namespace (nil: its default).
 	Namespace func(lora, salt string) kv.Namespace
@@ -86,9 +86,9 @@ func StartKVFeed(cfg KVFeedConfig, workers Workers) (*KVFeed, error) {
 	}
 	f.applier = NewKVApplier(KVApplierConfig{Backend: cfg.Backend, BlockSize: cfg.BlockSize, Shared: cfg.Shared, Namespace: cfg.Namespace,
 		OnProblem: cfg.ZMQ.OnChange}, workers)
-	// The ranks it subscribes to are routed from the start (requests for
-	// rank 0 name it, so the others would get none before their events).
-	f.applier.AddRanks(len(zcfgs))
+	// The ranks it has are routed from the start (requests for rank 0
+	// name it, so the others would get none before their events).
+	f.applier.AddRanks(max(len(zcfgs), cfg.DPSize))
 	if len(zcfgs) == 0 {
 		close(f.done)
 		return f, nil

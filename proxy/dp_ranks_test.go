@@ -316,3 +316,34 @@ func TestEveryConfiguredRankIsRoutedFromTheStart(t *testing.T) {
 		t.Fatalf("ranks of 6 requests, round robin over dp_size 3: %q, want %q", ranks, want)
 	}
 }
+
+// dp_size with http events routes every rank from the start too; without
+// events kvproxy has no rank workers, and the engine balances over its
+// ranks itself: no request names one.
+func TestDPSizeWithHTTPEventsAndWithout(t *testing.T) {
+	e0 := startFake(t, "e0", nil)
+	for _, c := range []struct {
+		events string
+		want   []string
+	}{
+		{"{mode: http, dp_size: 2}", []string{"0", "0", "1", "1"}},
+		{"{mode: none, dp_size: 2}", []string{"", "", "", ""}},
+	} {
+		p := startProxyYAML(t, fmt.Sprintf(dpHead, "round_robin")+"  - {id: e0, url: 'http://"+e0.addr+"', model: m, kv_events: "+c.events+"}\n")
+		for i := range 4 {
+			if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"hello"}`); resp.StatusCode != 200 {
+				t.Fatalf("%s: request %d: %d %s", c.events, i, resp.StatusCode, b)
+			}
+		}
+		e0.mu.Lock()
+		var ranks []string
+		for _, h := range e0.headers[len(e0.headers)-4:] {
+			ranks = append(ranks, h.Get("X-Data-Parallel-Rank"))
+		}
+		e0.mu.Unlock()
+		slices.Sort(ranks)
+		if !slices.Equal(ranks, c.want) {
+			t.Errorf("%s: ranks %q, want %q", c.events, ranks, c.want)
+		}
+	}
+}

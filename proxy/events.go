@@ -106,10 +106,11 @@ func (b *backend) workerIDs() []router.WorkerID {
 	return ids
 }
 
-// dataParallel reports whether b's engine has data-parallel ranks: its
-// configuration says so (zmq dp_size), or it has rank workers.
+// dataParallel reports whether b routes to its engine's data-parallel
+// ranks: it has rank workers (from dp_size, or from the ranks its events
+// name). Without events the engine balances over its ranks itself.
 func (b *backend) dataParallel() bool {
-	return b.cfg.KVEvents.DPSize > 1 || len(b.ranks) > 0 || b.feed != nil && b.feed.Applier().MultiRank()
+	return len(b.ranks) > 0 || b.feed != nil && b.feed.Applier().MultiRank()
 }
 
 // rankWorkers are the live router workers of the data-parallel ranks r > 0
