@@ -171,6 +171,11 @@ func parseHTTPEvent(msg json.RawMessage) (Event, error) {
 	if ev.Kind == BlockRemoved {
 		return ev, nil
 	}
+	if len(e.TokenIDs) == 0 && e.Parent == nil {
+		// A copy (vLLM's CPU offloading announces one so): blocks stored
+		// before, by these hashes, are now also in this medium.
+		return ev, nil
+	}
 	if e.BlockSize <= 0 || e.BlockSize > 1<<20 {
 		return Event{}, &HTTPBatchError{"block_size", fmt.Sprintf("%d out of range (1..1048576)", e.BlockSize)}
 	}

@@ -100,3 +100,24 @@ func FuzzParseHTTPBatch(f *testing.F) {
 		}
 	})
 }
+
+// A block_stored without token ids or parent is a copy of blocks announced
+// before (vLLM's CPU offloading sends block_size 0 or the engine's), as
+// the ZMQ decoder reads it; with a parent, tokens are required.
+func TestParseHTTPBatchCopy(t *testing.T) {
+	for _, ev := range []string{
+		`{"type":"block_stored","block_hashes":[1,2],"parent_block_hash":null,"token_ids":[],"block_size":0,"medium":"CPU"}`,
+		`{"type":"block_stored","block_hashes":[1,2],"block_size":16,"medium":"CPU"}`,
+	} {
+		b, err := ParseHTTPBatch([]byte(`{"engine_id":"e","events":[` + ev + `]}`))
+		if err != nil {
+			t.Fatalf("%s: %v", ev, err)
+		}
+		if e := b.Events[0]; e.Kind != BlockStored || len(e.Tokens) != 0 || e.BlockSize != 0 || e.HasParent || e.Tier != TierHost || len(e.EngineHashes) != 2 {
+			t.Fatalf("%s: %+v, want a copy to the host tier", ev, e)
+		}
+	}
+	if _, err := ParseHTTPBatch([]byte(`{"engine_id":"e","events":[{"type":"block_stored","block_hashes":[1],"parent_block_hash":7,"token_ids":[],"block_size":2}]}`)); err == nil {
+		t.Fatal("a block_stored with a parent and no tokens was accepted")
+	}
+}

@@ -347,3 +347,33 @@ func TestDPSizeWithHTTPEventsAndWithout(t *testing.T) {
 		}
 	}
 }
+
+// An offloaded copy pushed over HTTP (block_stored without tokens, medium
+// CPU) adds the host tier to the blocks it names, as over ZMQ; one naming
+// blocks never stored is counted, not indexed. It was a 400 for the batch.
+func TestPushedOffloadCopyIndexesTheHostTier(t *testing.T) {
+	e0 := startFake(t, "e0", nil)
+	p := startProxyYAML(t, fmt.Sprintf(dpHead, "kv")+"  - {id: e0, url: 'http://"+e0.addr+"', model: m, kv_events: {mode: http}}\n")
+	pushRank(t, p, "e0", 0, promptIDs(100)) // engine hashes 1–4
+	copies := `{"engine_id":"e0","events":[{"type":"block_stored","block_hashes":[1,2,3,4,99],"parent_block_hash":null,"token_ids":[],"block_size":0,"medium":"CPU"}]}`
+	if resp, b := post(t, p.url+"/v1/kv_events", copies); resp.StatusCode != 200 {
+		t.Fatalf("push of offloaded copies: %d %s", resp.StatusCode, b)
+	}
+	resp, err := http.Get(p.url + "/admin/backends")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var rows []struct {
+		KVEvents struct {
+			BlocksPerTier map[string]int64 `json:"blocks_per_tier"`
+			UnknownCopies int64            `json:"unknown_copies"`
+		} `json:"kv_events"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&rows); err != nil || len(rows) != 1 {
+		t.Fatalf("/admin/backends: %v", err)
+	}
+	if ev := rows[0].KVEvents; ev.BlocksPerTier["host"] != 4 || ev.BlocksPerTier["device"] != 4 || ev.UnknownCopies != 1 {
+		t.Fatalf("kv_events %+v: want 4 blocks in device and host, 1 unknown copy", ev)
+	}
+}
