@@ -68,7 +68,8 @@ type backend struct {
 	inflight atomic.Int64
 	// wake tells the requests queued for a full backend that this one
 	// became available (its cooling or ejection ended, its probe passed).
-	wake func()
+	wake    func()
+	metrics *metrics // counts its ejections; nil outside a Server
 
 	// ranks are the data-parallel rank workers ("id#r") taken over from
 	// the backend of its id it replaced or that still drains (adoptRanks),
@@ -139,6 +140,9 @@ func (b *backend) setProbe(ok bool, why string) {
 	if ok && b.probeOK && !b.ejected {
 		return
 	}
+	if !ok && b.probeOK && !b.draining && !b.replaced {
+		b.metrics.countEjection(b.cfg.ID, "probe")
+	}
 	b.probeOK, b.probeErr = ok, why
 	if ok && b.ejected && b.ejectTimer != nil && b.probeEnds {
 		b.ejectTimer.Stop()
@@ -181,6 +185,7 @@ func (b *backend) eject(reason string, conn bool) {
 		d = b.health.EjectMax
 	}
 	b.ejected = true
+	b.metrics.countEjection(b.cfg.ID, ejectReason(reason, conn))
 	b.armLocked(&b.ejectTimer, d, func() {
 		// An engine whose connections failed is back when its probe says
 		// so, not when the time is up: it may still be down (found by the

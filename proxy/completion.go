@@ -119,6 +119,7 @@ func (s *Server) admit(ctx *fasthttp.RequestCtx, st *state) (admitted, bool) {
 	}
 	slot, ok := t.acquire()
 	if !ok {
+		s.metrics.limited.WithLabelValues(t.name, "concurrency").Inc()
 		ctx.Response.Header.Set("Retry-After", "1")
 		writeError(ctx, fasthttp.StatusTooManyRequests, fmt.Sprintf("too many requests in flight: the limit is %d at once; retry when one has ended", t.maxInflight), "rate_limit_error", "", "concurrency_limit_exceeded")
 		s.logRejected(rid, t.name, "", fasthttp.StatusTooManyRequests, start, "tenant max_concurrency")
@@ -373,6 +374,7 @@ func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *e
 			x.answerRefusal(ctx)
 			return
 		}
+		s.metrics.reroutes.WithLabelValues(x.b.cfg.ID).Inc()
 		s.log.Warn().Str("request_id", rid).Str("backend", x.b.cfg.ID).Str("reason", x.errMsg).Msg("rerouting")
 		// The next best, not the same engine again: none of its
 		// data-parallel ranks either.
@@ -399,6 +401,7 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 	defer func() {
 		if waiting {
 			s.queue.waiters.Add(-1)
+			p.waiting.Add(-1)
 		}
 		if timer != nil {
 			timer.Stop()
@@ -456,6 +459,7 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 				return err
 			}
 			waiting = true
+			p.waiting.Add(1)
 			continue
 		}
 		if !p.fullFor(rr) {
@@ -556,6 +560,7 @@ func (s *Server) pinnedCooling(ctx *fasthttp.RequestCtx, st *state, p *modelPool
 }
 
 func (s *Server) rateLimited(ctx *fasthttp.RequestCtx, rid, tenant, model string, start time.Time, wait time.Duration, what string) {
+	s.metrics.limited.WithLabelValues(tenant, what).Inc()
 	secs := int(math.Ceil(wait.Seconds()))
 	if secs < 1 {
 		secs = 1

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"strconv"
+	"strings"
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -23,10 +24,17 @@ type metrics struct {
 	tokensOf   map[[2]string]*[3]prometheus.Counter // model, tenant → prompt, completion, cached
 	hitRatio   prometheus.Histogram
 	route      prometheus.Histogram
+	ejections  *prometheus.CounterVec // backend, reason (ejectReasons)
+	reroutes   *prometheus.CounterVec // backend that refused
+	reloads    *prometheus.CounterVec // result: ok, rejected
+	reloadOK   prometheus.Gauge
+	limited    *prometheus.CounterVec // tenant, limit: requests, tokens, concurrency
 	handler    fasthttp.RequestHandler
 }
 
-func newMetrics(reg *prometheus.Registry, s *Server) *metrics {
+// newMetrics makes the metrics the request path and the backends count,
+// before the backends are built; register exposes them.
+func newMetrics() *metrics {
 	m := &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvproxy_requests_total", Help: "Proxied requests by backend and HTTP status (backend empty: answered by kvproxy).",
@@ -52,7 +60,32 @@ func newMetrics(reg *prometheus.Registry, s *Server) *metrics {
 			Buckets: prometheus.ExponentialBuckets(1e-6, 2, 16),
 		}),
 	}
-	reg.MustRegister(m.requests, m.ttft, m.duration, m.tokens, m.hitRatio, m.route, &loadCollector{s: s})
+	m.ejections = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvproxy_backend_ejections_total", Help: "Backends taken out of selection after failures, by backend and reason: connect (refused, reset, cut off, TLS), status (5xx, 503), timeout (silent), error_answers (500s or credential refusals in a row), probe (health probe failing).",
+	}, []string{"backend", "reason"})
+	m.reroutes = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvproxy_reroutes_total", Help: "Requests sent on to another backend after this one refused them before starting (connection refused, 429, 503, credentials, 404), by the backend that refused.",
+	}, []string{"backend"})
+	m.reloads = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvproxy_config_reloads_total", Help: "Configuration reloads (SIGHUP, POST /admin/reload) by result: ok or rejected.",
+	}, []string{"result"})
+	m.reloads.WithLabelValues("ok")
+	m.reloads.WithLabelValues("rejected")
+	m.reloadOK = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "kvproxy_config_last_reload_successful", Help: "1 when the last reload was applied (or none was tried), 0 when it was rejected.",
+	})
+	m.reloadOK.Set(1)
+	m.limited = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvproxy_rate_limited_total", Help: "Requests refused with 429 by a tenant's limit, by tenant and limit: requests (requests_per_minute), tokens (tokens_per_minute) or concurrency (max_concurrency).",
+	}, []string{"tenant", "limit"})
+	return m
+}
+
+// register adds the metrics to reg, with the collectors that read s at
+// scrape time; s must be complete (its state and replicas set).
+func (m *metrics) register(reg *prometheus.Registry, s *Server) {
+	reg.MustRegister(m.requests, m.ttft, m.duration, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.reloads, m.reloadOK, m.limited,
+		&loadCollector{s: s})
 	if r := s.replicas; r != nil {
 		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvproxy_replicas_connected", Help: "1 while connected to NATS, sharing load with the other replicas (replicas.nats).",
@@ -69,7 +102,6 @@ func newMetrics(reg *prometheus.Registry, s *Server) *metrics {
 	reg.Register(collectors.NewGoCollector())
 	reg.Register(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.handler = fasthttpadaptor.NewFastHTTPHandler(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
-	return m
 }
 
 func (m *metrics) serve(ctx *fasthttp.RequestCtx) { m.handler(ctx) }
@@ -124,12 +156,49 @@ func (m *metrics) countTokens(model, tenant string, prompt, completion, cached i
 	c[2].Add(float64(cached))
 }
 
+// ejectReason sorts an ejection's reason, as the proxy words it, into the
+// fixed set the ejections metric is labelled with; conn: the connection
+// failed (failConn).
+func ejectReason(reason string, conn bool) string {
+	switch {
+	case conn:
+		return "connect"
+	case strings.HasSuffix(reason, "answers in a row"):
+		return "error_answers"
+	case strings.Contains(reason, "sent nothing for"), strings.HasPrefix(reason, "silent"):
+		return "timeout"
+	}
+	return "status"
+}
+
+// countEjection counts a backend's ejection (reason: ejectReason's set, or
+// probe). A nil m (a backend built outside a Server) counts nothing.
+func (m *metrics) countEjection(backend, reason string) {
+	if m != nil {
+		m.ejections.WithLabelValues(backend, reason).Inc()
+	}
+}
+
+// countReload counts a reload's result.
+func (m *metrics) countReload(err error) {
+	if err != nil {
+		m.reloads.WithLabelValues("rejected").Inc()
+		m.reloadOK.Set(0)
+		return
+	}
+	m.reloads.WithLabelValues("ok").Inc()
+	m.reloadOK.Set(1)
+}
+
 var (
 	inflightDesc = prometheus.NewDesc("kvproxy_inflight_requests", "Requests in flight per backend.", []string{"backend"}, nil)
 	blocksDesc   = prometheus.NewDesc("kvproxy_active_blocks", "Active KV blocks per backend, as tracked by the router.", []string{"backend"}, nil)
 	indexDesc    = prometheus.NewDesc("kvproxy_indexed_blocks", "Blocks in the prefix index per backend.", []string{"backend"}, nil)
 	healthyDesc  = prometheus.NewDesc("kvproxy_backend_healthy", "1 when the backend receives traffic.", []string{"backend"}, nil)
 	tenantDesc   = prometheus.NewDesc("kvproxy_tenant_inflight_requests", "Requests in flight per tenant with a max_concurrency.", []string{"tenant"}, nil)
+	modelUpDesc  = prometheus.NewDesc("kvproxy_model_healthy_backends", "Healthy backends per configured model (0: the model's requests are answered 503).", []string{"model"}, nil)
+	queuedDesc   = prometheus.NewDesc("kvproxy_queue_waiting", "Requests waiting for a backend slot (limits.max_queue), per configured model.", []string{"model"}, nil)
+	feedDesc     = prometheus.NewDesc("kvproxy_kv_events_connected", "1 while the backend's ZMQ KV event feed is connected (every data-parallel rank's); only backends with kv_events mode zmq.", []string{"backend"}, nil)
 )
 
 // loadCollector reads the router's load at scrape time, so the hot path
@@ -142,6 +211,9 @@ func (c *loadCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- indexDesc
 	ch <- healthyDesc
 	ch <- tenantDesc
+	ch <- modelUpDesc
+	ch <- queuedDesc
+	ch <- feedDesc
 }
 
 func (c *loadCollector) Collect(ch chan<- prometheus.Metric) {
@@ -157,6 +229,7 @@ func (c *loadCollector) Collect(ch chan<- prometheus.Metric) {
 	// new backend of the same id if there is one. One a reload replaced in
 	// place is already counted in its successor's load.
 	rows := c.s.backendRows(st)
+	c.collectModels(ch, st, rows)
 	draining := map[string]int64{}
 	for _, r := range rows {
 		if r.Draining && !r.handedOver {
@@ -177,8 +250,33 @@ func (c *loadCollector) Collect(ch chan<- prometheus.Metric) {
 			h = 1
 		}
 		ch <- prometheus.MustNewConstMetric(healthyDesc, prometheus.GaugeValue, h, r.ID)
+		if ev := r.KVEvents; ev != nil && ev.Connected != nil {
+			ch <- prometheus.MustNewConstMetric(feedDesc, prometheus.GaugeValue, boolGauge(*ev.Connected), r.ID)
+		}
 	}
 	for id, n := range draining { // removed: no live backend of that id
 		ch <- prometheus.MustNewConstMetric(inflightDesc, prometheus.GaugeValue, float64(n), id)
 	}
+}
+
+// collectModels reports, per configured model (aliases are not models),
+// its healthy backends, 0 included, and its requests waiting in the queue.
+func (c *loadCollector) collectModels(ch chan<- prometheus.Metric, st *state, rows []backendJSON) {
+	healthy := map[string]int{}
+	for _, r := range rows {
+		if !r.Draining && r.Healthy {
+			healthy[r.Model]++
+		}
+	}
+	for _, p := range st.pools {
+		ch <- prometheus.MustNewConstMetric(modelUpDesc, prometheus.GaugeValue, float64(healthy[p.cfg.Name]), p.cfg.Name)
+		ch <- prometheus.MustNewConstMetric(queuedDesc, prometheus.GaugeValue, float64(p.waiting.Load()), p.cfg.Name)
+	}
+}
+
+func boolGauge(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
 }

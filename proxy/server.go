@@ -99,6 +99,7 @@ type modelPool struct {
 	rt        *router.Router
 	workers   atomic.Pointer[[]*backend] // indexed by router.WorkerID
 	coolMu    sync.Mutex                 // one backend cools down at a time: never the last
+	waiting   atomic.Int64               // requests queued for a slot (route)
 }
 
 func (p *modelPool) backend(w router.WorkerID) *backend {
@@ -137,6 +138,7 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 			Interval: cfg.Health.Interval, Timeout: cfg.Health.Timeout, Rise: cfg.Health.Rise, Fall: cfg.Health.Fall,
 		})
 	}
+	s.metrics = newMetrics()
 	st, err := s.build(cfg, nil)
 	if err != nil {
 		return nil, err
@@ -157,7 +159,7 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 	if reg == nil {
 		reg = prometheus.NewRegistry()
 	}
-	s.metrics = newMetrics(reg, s)
+	s.metrics.register(reg, s)
 	s.srv = &fasthttp.Server{
 		Handler:               s.handle,
 		Name:                  "kvproxy",
@@ -252,7 +254,7 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 			}
 		}
 		b := newBackend(bc, cfg, p, s.log)
-		b.wake = s.queue.signal
+		b.wake, b.metrics = s.queue.signal, s.metrics
 		b.probed = s.health != nil
 		st.backends[bc.ID] = b
 	}

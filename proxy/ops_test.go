@@ -1,0 +1,165 @@
+package proxy
+
+import (
+	"io"
+	"net"
+	"net/http"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// Tests from an operator trial: what the metrics and logs show of
+// ejections, reroutes, limits, queues, reloads and rejected requests.
+
+func scrape(t *testing.T, p *testProxy) string {
+	t.Helper()
+	resp, err := http.Get(p.url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
+}
+
+func wantMetrics(t *testing.T, m string, series ...string) {
+	t.Helper()
+	for _, s := range series {
+		if !strings.Contains(m, s+"\n") {
+			t.Errorf("/metrics lacks %s; it has:\n%s", s, grepLines(m, "kvproxy_"))
+		}
+	}
+}
+
+// A backend refusing connections is ejected and its request rerouted: both
+// counted by backend, and the model's healthy backends drop to the one left.
+func TestEjectionAndRerouteMetrics(t *testing.T) {
+	good := startFake(t, "good", nil)
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	dead := &fakeEngine{id: "dead", addr: ln.Addr().String()}
+	ln.Close()
+	p := startProxy(t, "round_robin", dead, good)
+	for i := 0; i < 3; i++ {
+		if resp, body := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, body)
+		}
+	}
+	wantMetrics(t, scrape(t, p),
+		`kvproxy_backend_ejections_total{backend="dead",reason="connect"} 1`,
+		`kvproxy_reroutes_total{backend="dead"} 1`,
+		`kvproxy_model_healthy_backends{model="m"} 1`,
+		`kvproxy_queue_waiting{model="m"} 0`,
+	)
+}
+
+// The reasons an ejection is counted under, from the proxy's own words.
+func TestEjectReason(t *testing.T) {
+	for _, c := range []struct {
+		reason string
+		conn   bool
+		want   string
+	}{
+		{"connect: dial tcp: connection refused", true, "connect"},
+		{"mid-stream: unexpected EOF", true, "connect"},
+		{"status 502", false, "status"},
+		{"backend e0 answered 503", false, "status"},
+		{"backend e0 sent nothing for 30s (limits.stream_idle_timeout)", false, "timeout"},
+		{"backend e0 sent nothing for 30s (limits.stream_idle_timeout), 3 non-streamed requests in a row", false, "timeout"},
+		{"silent mid-stream", false, "timeout"},
+		{"status 500, 3 answers in a row", false, "error_answers"},
+		{"backend e0 refused kvproxy's credentials (401 x); check its api_key, 3 answers in a row", false, "error_answers"},
+	} {
+		if got := ejectReason(c.reason, c.conn); got != c.want {
+			t.Errorf("ejectReason(%q, %v) = %q, want %q", c.reason, c.conn, got, c.want)
+		}
+	}
+}
+
+// A probe that starts failing counts as an ejection for reason probe.
+func TestProbeFailureCountsAsEjection(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	b := p.s.st.Load().backends["e0"]
+	b.setProbe(false, "connection refused")
+	b.setProbe(false, "connection refused") // the same outage
+	wantMetrics(t, scrape(t, p),
+		`kvproxy_backend_ejections_total{backend="e0",reason="probe"} 1`,
+		`kvproxy_model_healthy_backends{model="m"} 0`,
+		`kvproxy_backend_healthy{backend="e0"} 0`,
+	)
+}
+
+// Requests refused by a tenant's limits are counted by tenant and limit.
+func TestRateLimitedMetrics(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 500 * time.Millisecond })
+	y := strings.Replace(tenantsYAML, "{name: delta, shared_cache: true, requests_per_second: 2}",
+		"{name: delta, shared_cache: true, requests_per_second: 2}\n  - {name: beta, max_concurrency: 1}\n  - {name: alpha, tokens_per_minute: 10}", 1)
+	p := startProxyYAML(t, y, e)
+	body := `{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("many words ", 20) + `"}]}`
+	send := func(key string) { // off the test's goroutine
+		req, _ := http.NewRequest("POST", p.url+"/v1/chat/completions", strings.NewReader(body))
+		req.Header.Set("Authorization", "Bearer "+key)
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+	}
+	var wg sync.WaitGroup
+	for i := 0; i < 6; i++ { // at once: more than delta's burst
+		wg.Go(func() { send("key-delta-890") })
+	}
+	wg.Wait()
+	for i := 0; i < 2; i++ { // the first goes into debt
+		postAuth(t, p.url+"/v1/chat/completions", "key-alpha-123", body)
+	}
+	go send("key-beta-4567")
+	for e.current.Load() == 0 { // beta's first, the only one in flight
+		time.Sleep(time.Millisecond)
+	}
+	if resp, b := postAuth(t, p.url+"/v1/chat/completions", "key-beta-4567", body); resp.StatusCode != 429 {
+		t.Fatalf("beta's second request at once: %d %s", resp.StatusCode, b)
+	}
+	m := scrape(t, p)
+	if !regexp.MustCompile(`kvproxy_rate_limited_total{limit="requests",tenant="delta"} [1-9]`).MatchString(m) {
+		t.Errorf("delta's refused requests not counted:\n%s", grepLines(m, "rate_limited"))
+	}
+	wantMetrics(t, m,
+		`kvproxy_rate_limited_total{limit="tokens",tenant="alpha"} 1`,
+		`kvproxy_rate_limited_total{limit="concurrency",tenant="beta"} 1`,
+	)
+}
+
+// A request waiting for a slot shows in the model's queue gauge.
+func TestQueueWaitingMetric(t *testing.T) {
+	busy := startFake(t, "busy", func(f *fakeEngine) { f.prefillDelay = time.Second })
+	p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nlimits: {max_queue: 8, queue_timeout: 5s}\nbackends:\n  - {id: busy, url: 'http://{{e0}}', max_concurrency: 1}\n", busy)
+	go postAsync(p.url+"/v1/chat/completions", chatBody)
+	for busy.requests.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	go postAsync(p.url+"/v1/chat/completions", chatBody)
+	deadline := time.Now().Add(3 * time.Second)
+	for !strings.Contains(scrape(t, p), `kvproxy_queue_waiting{model="m"} 1`+"\n") {
+		if time.Now().After(deadline) {
+			t.Fatalf("no queued request shown:\n%s", grepLines(scrape(t, p), "queue"))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// A ZMQ event feed that cannot connect shows as 0; backends without one
+// have no series.
+func TestKVEventsConnectedMetric(t *testing.T) {
+	e, f := startFake(t, "e0", nil), startFake(t, "e1", nil)
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends:\n"+
+		"  - {id: e0, url: 'http://{{e0}}', model: m, kv_events: {mode: zmq, endpoint: 'tcp://127.0.0.1:1'}}\n"+
+		"  - {id: e1, url: 'http://{{e1}}', model: m}\n", e, f)
+	m := scrape(t, p)
+	wantMetrics(t, m, `kvproxy_kv_events_connected{backend="e0"} 0`, `kvproxy_model_healthy_backends{model="m"} 2`)
+	if strings.Contains(m, `kvproxy_kv_events_connected{backend="e1"}`) {
+		t.Errorf("a backend without a ZMQ feed has a connected series:\n%s", grepLines(m, "kv_events"))
+	}
+}
