@@ -62,6 +62,7 @@ type exchange struct {
 	slot         *tenantSlot
 	usage        tokenUsage
 	errMsg       string
+	remote       net.IP // the client's address
 }
 
 // errCutMsg answers the requests still in flight at the drain deadline.
@@ -105,7 +106,7 @@ func (s *Server) admit(ctx *fasthttp.RequestCtx, st *state) (admitted, bool) {
 	t := st.auth.client(ctx)
 	if t == nil {
 		unauthorized(ctx)
-		s.logRejected(rid, "", "", fasthttp.StatusUnauthorized, start, "invalid api key")
+		s.logRejected(ctx, rid, "", "", fasthttp.StatusUnauthorized, start, "invalid api key")
 		return admitted{}, false
 	}
 	if ok, wait := t.requests.take(1, &ctx.Response.Header); !ok {
@@ -114,7 +115,7 @@ func (s *Server) admit(ctx *fasthttp.RequestCtx, st *state) (admitted, bool) {
 	}
 	body, ok := requestBody(ctx, st.cfg.Limits.MaxRequestBodyBytes)
 	if !ok {
-		s.logRejected(rid, t.name, "", ctx.Response.StatusCode(), start, "undecodable body")
+		s.logRejected(ctx, rid, t.name, "", ctx.Response.StatusCode(), start, "undecodable body")
 		return admitted{}, false
 	}
 	slot, ok := t.acquire()
@@ -122,7 +123,7 @@ func (s *Server) admit(ctx *fasthttp.RequestCtx, st *state) (admitted, bool) {
 		s.metrics.limited.WithLabelValues(t.name, "concurrency").Inc()
 		ctx.Response.Header.Set("Retry-After", "1")
 		writeError(ctx, fasthttp.StatusTooManyRequests, fmt.Sprintf("too many requests in flight: the limit is %d at once; retry when one has ended", t.maxInflight), "rate_limit_error", "", "concurrency_limit_exceeded")
-		s.logRejected(rid, t.name, "", fasthttp.StatusTooManyRequests, start, "tenant max_concurrency")
+		s.logRejected(ctx, rid, t.name, "", fasthttp.StatusTooManyRequests, start, "tenant max_concurrency")
 		return admitted{}, false
 	}
 	return admitted{rid, engineID, start, t, body, slot}, true
@@ -162,7 +163,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	req := &sc.req
 	if pe := req.parse(body, chat); pe != nil {
 		badRequest(ctx, pe.param, pe.msg)
-		s.logRejected(rid, t.name, "", fasthttp.StatusBadRequest, start, pe.msg)
+		s.logRejected(ctx, rid, t.name, "", fasthttp.StatusBadRequest, start, pe.msg)
 		return
 	}
 	p := st.models[req.model]
@@ -170,7 +171,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		// As vLLM allows: no model means the one served.
 		if len(st.pools) != 1 {
 			badRequest(ctx, "model", "you must provide a model parameter (kvproxy serves several models)")
-			s.logRejected(rid, t.name, "", fasthttp.StatusBadRequest, start, "no model")
+			s.logRejected(ctx, rid, t.name, "", fasthttp.StatusBadRequest, start, "no model")
 			return
 		}
 		p = st.pools[0]
@@ -178,13 +179,13 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	}
 	if p == nil {
 		writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", req.model), "invalid_request_error", "model", "model_not_found")
-		s.logRejected(rid, t.name, req.model, fasthttp.StatusNotFound, start, "unknown model")
+		s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusNotFound, start, "unknown model")
 		return
 	}
 	lim := st.cfg.Limits
 	if len(req.messages) > lim.MaxMessages {
 		badRequest(ctx, "messages", fmt.Sprintf("%d messages exceed the limit of %d", len(req.messages), lim.MaxMessages))
-		s.logRejected(rid, t.name, req.model, fasthttp.StatusBadRequest, start, "too many messages")
+		s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusBadRequest, start, "too many messages")
 		return
 	}
 
@@ -252,7 +253,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 			param, what = fmt.Sprintf("prompt[%d]", at), fmt.Sprintf("prompt %d of the batch", at)
 		}
 		writeError(ctx, fasthttp.StatusBadRequest, fmt.Sprintf("%s has %d tokens, more than the limit of %d", what, longest, lim.MaxPromptTokens), "invalid_request_error", param, "context_length_exceeded")
-		s.logRejected(rid, t.name, req.model, fasthttp.StatusBadRequest, start, "prompt too long")
+		s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusBadRequest, start, "prompt too long")
 		return
 	}
 	dryRun := req.nv.has("query_instance_id") // it computes nothing on an engine: no tokens spent
@@ -278,13 +279,13 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		}
 		if b := p.backend(w); !found || b == nil || b.isDraining() {
 			badRequest(ctx, "nvext.backend_instance_id", fmt.Sprintf("no backend %s serves model %q", string(req.nv.BackendInstanceID), req.model))
-			s.logRejected(rid, t.name, req.model, fasthttp.StatusBadRequest, start, "unknown pinned backend")
+			s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusBadRequest, start, "unknown pinned backend")
 			return
 		}
 		rr.Pin, rr.Pinned = w, true
 	} else if len(req.nv.BackendInstanceID) > 0 && string(req.nv.BackendInstanceID) != "null" {
 		badRequest(ctx, "nvext.backend_instance_id", "backend_instance_id must be a backend id string or a numeric instance id")
-		s.logRejected(rid, t.name, req.model, fasthttp.StatusBadRequest, start, "bad backend_instance_id")
+		s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusBadRequest, start, "bad backend_instance_id")
 		return
 	}
 
@@ -298,7 +299,8 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		}
 		sc.keepCandidates(d.Candidates)
 		s.writeDecision(ctx, req.stream, d, tokens, sc.hashes)
-		s.log.Info().Str("request_id", rid).Str("model", req.model).Str("tenant", t.name).Str("backend", d.Name).
+		s.log.Info().Str("request_id", rid).IPAddr("remote", ctx.RemoteIP()).Str("path", string(ctx.Path())).
+			Str("model", req.model).Str("tenant", t.name).Str("backend", d.Name).
 			Int("overlap_blocks", d.Overlap).Int("total_blocks", d.Total).Bool("dry_run", true).
 			Int("status", 200).Dur("duration", time.Since(start)).Msg("request")
 		return
@@ -335,6 +337,7 @@ func (s *Server) newExchange(rid, engineID, path string, stream bool, start time
 // cache_salt, sent to engines that take one.
 func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *exchange, salt string) {
 	rr, req, rid, start := &sc.route, &sc.req, x.id, x.start
+	x.remote = ctx.RemoteIP()
 	s.retries.deposit(start)
 	for attempt := 1; ; attempt++ {
 		if err := x.route(ctx, st, rr); err != nil {
@@ -360,7 +363,7 @@ func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *e
 		if err != nil {
 			x.release()
 			writeError(ctx, fasthttp.StatusInternalServerError, "could not encode the request for the engine", "server_error", "", "")
-			s.logRejected(rid, x.tenant, x.model, fasthttp.StatusInternalServerError, start, "request not encodable for the engine")
+			s.logRejected(ctx, rid, x.tenant, x.model, fasthttp.StatusInternalServerError, start, "request not encodable for the engine")
 			return
 		}
 		s.live.add(x)
@@ -521,12 +524,12 @@ func (s *Server) routeFailed(ctx *fasthttp.RequestCtx, rid, tenant, model string
 	case errors.Is(err, errQueueFull), errors.Is(err, errQueueTimeout):
 		unavailable(ctx, 1, err.Error())
 		ctx.Response.Header.Set("X-Kvproxy-Overloaded", "1")
-		s.logRejected(rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
+		s.logRejected(ctx, rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
 	case errors.Is(err, errClientGone):
-		s.logRejected(rid, tenant, model, 499, start, err.Error())
+		s.logRejected(ctx, rid, tenant, model, 499, start, err.Error())
 	case errors.Is(err, errRemoved):
 		unavailable(ctx, 1, err.Error()+"; retry")
-		s.logRejected(rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
+		s.logRejected(ctx, rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
 	default:
 		s.noWorker(ctx, rid, tenant, model, start, err)
 	}
@@ -555,7 +558,7 @@ func (s *Server) pinnedCooling(ctx *fasthttp.RequestCtx, st *state, p *modelPool
 	ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 	ctx.Response.Header.Set("Retry-After", secs)
 	writeError(ctx, fasthttp.StatusTooManyRequests, "backend "+b.cfg.ID+" refused a request with 429 and takes new ones again in "+secs+"s", "rate_limit_error", "", "backend_cooling_down")
-	s.logRejected(rid, tenant, model, fasthttp.StatusTooManyRequests, start, "pinned backend cooling down")
+	s.logRejected(ctx, rid, tenant, model, fasthttp.StatusTooManyRequests, start, "pinned backend cooling down")
 	return true
 }
 
@@ -570,7 +573,7 @@ func (s *Server) rateLimited(ctx *fasthttp.RequestCtx, rid, tenant, model string
 	// refilled in less than the second Retry-After rounds up to.
 	ctx.Response.Header.Set("Retry-After-Ms", strconv.FormatInt(max(1, (wait+time.Millisecond-1).Milliseconds()), 10))
 	writeError(ctx, fasthttp.StatusTooManyRequests, "rate limit reached for "+what+"; retry after "+strconv.Itoa(secs)+"s", "rate_limit_error", "", "rate_limit_exceeded")
-	s.logRejected(rid, tenant, model, fasthttp.StatusTooManyRequests, start, "rate limited: "+what)
+	s.logRejected(ctx, rid, tenant, model, fasthttp.StatusTooManyRequests, start, "rate limited: "+what)
 }
 
 func (s *Server) noWorker(ctx *fasthttp.RequestCtx, rid, tenant, model string, start time.Time, err error) {
@@ -579,7 +582,7 @@ func (s *Server) noWorker(ctx *fasthttp.RequestCtx, rid, tenant, model string, s
 	} else {
 		unavailable(ctx, 1, "no healthy backend is available for model "+strconv.Quote(model))
 	}
-	s.logRejected(rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
+	s.logRejected(ctx, rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
 }
 
 // forward sends the request to the chosen engine and relays the answer. It
@@ -847,7 +850,7 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 		x.usage.read(body)
 	} else {
 		body = normalizeEngineError(code, body)
-		x.errMsg = "engine answered " + strconv.Itoa(code)
+		x.errMsg = "engine answered " + strconv.Itoa(code) + engineErrorKind(body)
 	}
 	if code == fasthttp.StatusTooManyRequests || code == fasthttp.StatusServiceUnavailable {
 		if ra := resp.Header.Peek("Retry-After"); len(ra) > 0 {
@@ -944,10 +947,8 @@ func (x *exchange) logLine() {
 	if x.status >= 500 {
 		ev = s.log.Warn()
 	}
-	ev = ev.Str("request_id", x.id).Str("model", x.model).Str("tenant", x.tenant).Str("backend", x.b.cfg.ID)
-	if x.pass {
-		ev = ev.Str("path", x.path)
-	}
+	ev = ev.Str("request_id", x.id).IPAddr("remote", x.remote).Str("path", x.path).
+		Str("model", x.model).Str("tenant", x.tenant).Str("backend", x.b.cfg.ID)
 	ev = ev.Int("overlap_blocks", x.d.Overlap).Int("total_blocks", x.d.Total).
 		Bool("stream", x.stream).Int("status", x.status).
 		Dur("duration", time.Since(x.start))
@@ -980,8 +981,15 @@ func (x *exchange) tokens() (prompt, completion, cached int) {
 	return prompt, completion, cached
 }
 
-func (s *Server) logRejected(rid, tenant, model string, status int, start time.Time, reason string) {
+// logRejected counts and logs a request kvproxy answered itself. The log
+// lines are bounded per tenant and reason (logLimiter); the metrics count
+// every one.
+func (s *Server) logRejected(ctx *fasthttp.RequestCtx, rid, tenant, model string, status int, start time.Time, reason string) {
 	s.metrics.countRequest("", status)
-	s.log.Info().Str("request_id", rid).Str("model", model).Str("tenant", tenant).Int("status", status).
+	if !s.rejectLog.allow(tenant, reason) {
+		return
+	}
+	s.log.Info().Str("request_id", rid).IPAddr("remote", ctx.RemoteIP()).Str("path", string(ctx.Path())).
+		Str("model", model).Str("tenant", tenant).Int("status", status).
 		Dur("duration", time.Since(start)).Str("error", reason).Msg("request")
 }

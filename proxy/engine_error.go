@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"strconv"
+	"strings"
 
 	"github.com/goccy/go-json"
 )
@@ -114,4 +115,42 @@ func engineMessage(status int, body []byte) string {
 		m = m[:200]
 	}
 	return m
+}
+
+// engineErrorKind describes an engine's error answer (normalized) for the
+// log by its type, code and param, each cut to 64 bytes: " (type …, code
+// …, param …)", or "" when it has none. Never its message: vLLM's can quote
+// the request (VLLMValidationError appends "value=…", FastAPI's validation
+// errors the input), and the log must not carry prompts.
+func engineErrorKind(body []byte) string {
+	var e struct {
+		Error struct {
+			Type  string          `json:"type"`
+			Code  json.RawMessage `json:"code"`
+			Param *string         `json:"param"`
+		} `json:"error"`
+	}
+	json.Unmarshal(body, &e)
+	var parts []string
+	add := func(name, v string) {
+		if v != "" {
+			parts = append(parts, name+" "+cut(v, 64))
+		}
+	}
+	add("type", e.Error.Type)
+	add("code", codeString(e.Error.Code))
+	if e.Error.Param != nil {
+		add("param", *e.Error.Param)
+	}
+	if len(parts) == 0 {
+		return ""
+	}
+	return " (" + strings.Join(parts, ", ") + ")"
+}
+
+func cut(s string, n int) string {
+	if len(s) > n {
+		return s[:n]
+	}
+	return s
 }

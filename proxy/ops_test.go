@@ -150,6 +150,70 @@ func TestQueueWaitingMetric(t *testing.T) {
 	}
 }
 
+// Rejections write their first lines, then one line summing up the rest
+// each second, per tenant and reason; the metrics count them all.
+func TestRejectionLogLinesAreBounded(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, tenantsYAML, e)
+	const n = 60
+	for i := 0; i < n; i++ {
+		postAuth(t, p.url+"/v1/chat/completions", "wrong-key-000", chatBody)
+	}
+	lines := strings.Count(p.logs.String(), `"error":"invalid api key"`)
+	if lines > 2*rejectLinesPerSec || lines == 0 {
+		t.Errorf("%d lines for %d rejected requests", lines, n)
+	}
+	summary := regexp.MustCompile(`"suppressed":(\d+),"window":1000,"message":"suppressed (\d+) similar lines"`)
+	deadline := time.Now().Add(3 * time.Second)
+	total := 0
+	for time.Now().Before(deadline) {
+		total = 0
+		for _, m := range summary.FindAllStringSubmatch(p.logs.String(), -1) {
+			var k int
+			for _, c := range m[1] {
+				k = 10*k + int(c-'0')
+			}
+			total += k
+		}
+		if lines+total == n {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if lines+total != n {
+		t.Errorf("%d lines and %d suppressed for %d rejections:\n%s", lines, total, n, p.logs.String())
+	}
+	wantMetrics(t, scrape(t, p), `kvproxy_requests_total{backend="",code="401"} 60`)
+}
+
+// Access lines name the client's address and the path; an engine's error
+// answer is described by its type and code, never its message (vLLM's may
+// quote the prompt).
+func TestAccessLineFields(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) {
+		f.status = 400
+		f.errBody = `{"object":"error","message":"invalid prompt (parameter=prompt, value=MY SECRET PROMPT)","type":"BadRequestError","param":"prompt","code":400}`
+	})
+	p := startProxy(t, "kv", e)
+	if resp, _ := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 400 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	post(t, p.url+"/v1/chat/completions", `{"model":"nosuch","messages":[{"role":"user","content":"hi"}]}`)
+	logs := p.logs.String()
+	for _, want := range []string{
+		`"remote":"127.0.0.1","path":"/v1/chat/completions","model":"alias-m","tenant":"","backend":"e0"`,
+		`"error":"engine answered 400 (type BadRequestError, code 400, param prompt)"`,
+		`"remote":"127.0.0.1","path":"/v1/chat/completions","model":"nosuch","tenant":"","status":404`,
+	} {
+		if !strings.Contains(logs, want) {
+			t.Errorf("no %s in:\n%s", want, logs)
+		}
+	}
+	if strings.Contains(logs, "SECRET") {
+		t.Errorf("the engine's message, quoting the prompt, reached the log:\n%s", logs)
+	}
+}
+
 // A ZMQ event feed that cannot connect shows as 0; backends without one
 // have no series.
 func TestKVEventsConnectedMetric(t *testing.T) {

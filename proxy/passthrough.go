@@ -45,7 +45,7 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 	req := &sc.req
 	if pe := req.parseModel(in.body); pe != nil {
 		badRequest(ctx, pe.param, pe.msg)
-		s.logRejected(in.rid, in.t.name, "", fasthttp.StatusBadRequest, in.start, pe.msg)
+		s.logRejected(ctx, in.rid, in.t.name, "", fasthttp.StatusBadRequest, in.start, pe.msg)
 		return
 	}
 	p := st.models[req.model]
@@ -54,7 +54,7 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 		// it means the one the engine serves.
 		if len(st.pools) != 1 {
 			badRequest(ctx, "model", "you must provide a model parameter (kvproxy serves several models)")
-			s.logRejected(in.rid, in.t.name, "", fasthttp.StatusBadRequest, in.start, "no model")
+			s.logRejected(ctx, in.rid, in.t.name, "", fasthttp.StatusBadRequest, in.start, "no model")
 			return
 		}
 		p = st.pools[0]
@@ -62,7 +62,7 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 	}
 	if p == nil {
 		writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", req.model), "invalid_request_error", "model", "model_not_found")
-		s.logRejected(in.rid, in.t.name, req.model, fasthttp.StatusNotFound, in.start, "unknown model")
+		s.logRejected(ctx, in.rid, in.t.name, req.model, fasthttp.StatusNotFound, in.start, "unknown model")
 		return
 	}
 	tokens := int(float64(len(req.body)) * passthroughPaths[path])

@@ -65,6 +65,7 @@ type Server struct {
 	bufs      sync.Pool
 	draining  atomic.Bool
 	live      liveExchanges
+	rejectLog *logLimiter // the rejected requests' log lines
 
 	routeTable map[string]route
 	reloader   atomic.Pointer[func() error] // SetReloader
@@ -121,7 +122,7 @@ func (p *modelPool) setBackend(b *backend) {
 // New builds the pools and backends of cfg; Serve starts answering.
 func New(cfg *config.Config, opts Options) (*Server, error) {
 	s := &Server{log: opts.Logger, opts: opts, watcher: newHangupWatcher(), limits: cfg.Limits, started: cfg,
-		retries: newRetryBudget(cfg.Limits.RetryBudget), queue: newWaitQueue()}
+		retries: newRetryBudget(cfg.Limits.RetryBudget), queue: newWaitQueue(), rejectLog: newLogLimiter(opts.Logger)}
 	var rb [6]byte
 	rand.Read(rb[:])
 	s.reqPrefix = hex.EncodeToString(rb[:])
@@ -720,15 +721,18 @@ func unauthorized(ctx *fasthttp.RequestCtx) {
 // logUnrouted writes the access-log line of a request answered before any
 // endpoint took it (unknown path, wrong method, bad key on a non-completion
 // path), with the request's id (X-Request-Id) as every answer has; the
-// path is cut at 200 bytes.
+// path is cut at 200 bytes. Its lines are bounded as logRejected's are.
 func (s *Server) logUnrouted(ctx *fasthttp.RequestCtx, reason string) {
 	rid, _ := s.requestIDs(ctx)
+	if !s.rejectLog.allow("", reason) {
+		return
+	}
 	path := ctx.Path()
 	if len(path) > 200 {
 		path = path[:200]
 	}
-	s.log.Info().Str("request_id", rid).Str("method", string(ctx.Method())).Str("path", string(path)).Int("status", ctx.Response.StatusCode()).
-		Dur("duration", time.Since(ctx.Time())).Str("error", reason).Msg("request")
+	s.log.Info().Str("request_id", rid).IPAddr("remote", ctx.RemoteIP()).Str("method", string(ctx.Method())).Str("path", string(path)).
+		Int("status", ctx.Response.StatusCode()).Dur("duration", time.Since(ctx.Time())).Str("error", reason).Msg("request")
 }
 
 // transportError answers requests fasthttp rejects before the handler:
@@ -762,6 +766,9 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	// or start time to log (its defaults would say GET / and 292 years).
 	// The id is the client's when its headers were read (a body too large).
 	rid, _ := s.requestIDs(ctx)
+	if !s.rejectLog.allow("", reason) {
+		return
+	}
 	s.log.Info().Str("request_id", rid).Str("remote", ctx.RemoteIP().String()).Int("status", ctx.Response.StatusCode()).
 		Str("error", reason).Msg("request")
 }
