@@ -438,6 +438,11 @@ func (b *backend) applyLocked() {
 		}
 		return
 	}
+	if b.draining && b.probeOK && !b.ejected {
+		// A reload's doing, not an outage.
+		b.log.Info().Str("backend", b.cfg.ID).Msg("backend draining (removed by reload)")
+		return
+	}
 	ev := b.log.Warn().Str("backend", b.cfg.ID).Bool("probe_ok", b.probeOK).Bool("ejected", b.ejected).Bool("draining", b.draining)
 	if !b.probeOK && b.probeErr != "" {
 		ev = ev.Str("probe_error", b.probeErr)

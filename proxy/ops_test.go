@@ -9,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvproxy/kvproxy/config"
 )
 
 // Tests from an operator trial: what the metrics and logs show of
@@ -147,6 +149,46 @@ func TestQueueWaitingMetric(t *testing.T) {
 			t.Fatalf("no queued request shown:\n%s", grepLines(scrape(t, p), "queue"))
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// Reloads are counted by result; the summary line names what changed, and
+// a backend the reload removes drains at info, not as an outage.
+func TestReloadMetricsAndSummary(t *testing.T) {
+	a, b := startFake(t, "a", nil), startFake(t, "b", nil)
+	base := "models: [{name: m}]\nbackends:\n  - {id: a, url: 'http://" + a.addr + "'}\n  - {id: b, url: 'http://" + b.addr + "'}\n" +
+		"auth:\n  keys: [{key: key-one-0001, tenant: one}, {key: key-two-0002, tenant: two}]\n"
+	p := startProxyYAML(t, base)
+	next := "models: [{name: m}, {name: m2}]\nbackends:\n  - {id: a, url: 'http://" + a.addr + "', model: m, max_concurrency: 4}\n  - {id: c, url: 'http://" + b.addr + "', model: m2}\n" +
+		"auth:\n  keys: [{key: key-one-0001, tenant: one}, {key: key-two-0003, tenant: two}]\nlimits: {retry_budget: 0.5}\n"
+	cfg, err := config.Parse([]byte(next))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	bad, _ := config.Parse([]byte(next))
+	bad.Backends[0].Model = "nosuch"
+	if p.s.Reload(bad) == nil {
+		t.Fatal("a reload naming an unknown model was applied")
+	}
+	p.s.ReloadFailed()
+	wantMetrics(t, scrape(t, p),
+		`kvproxy_config_reloads_total{result="ok"} 1`,
+		`kvproxy_config_reloads_total{result="rejected"} 2`,
+		`kvproxy_config_last_reload_successful 0`,
+	)
+	logs := p.logs.String()
+	want := `"backends_added":["c"],"backends_removed":["b"],"backends_replaced":["a"],"models_added":["m2"],"tenants_changed":["two"],"restart_needed":["limits.retry_budget"]`
+	if !strings.Contains(logs, want) || !strings.Contains(logs, `"message":"configuration reloaded"`) {
+		t.Errorf("the reload's line lacks %s:\n%s", want, logs)
+	}
+	if strings.Contains(logs, "key-two") {
+		t.Errorf("a key reached the log:\n%s", logs)
+	}
+	if !strings.Contains(logs, `{"level":"info","backend":"b","message":"backend draining (removed by reload)"}`) || strings.Contains(logs, "backend unavailable") {
+		t.Errorf("the removed backend's draining reads as an outage:\n%s", logs)
 	}
 }
 

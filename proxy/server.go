@@ -380,9 +380,10 @@ func (s *Server) logWarnings(cfg *config.Config) {
 
 // Reload applies a new configuration without dropping in-flight requests.
 // An invalid configuration is rejected and the current one keeps serving.
-func (s *Server) Reload(cfg *config.Config) error {
+func (s *Server) Reload(cfg *config.Config) (err error) {
 	s.reloadMu.Lock()
 	defer s.reloadMu.Unlock()
+	defer func() { s.metrics.countReload(err) }()
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
@@ -443,10 +444,17 @@ func (s *Server) Reload(cfg *config.Config) error {
 			st.restartNeeded = append(st.restartNeeded, c.name)
 		}
 	}
+	changes := diffReload(prev, st)
 	s.activate(st, prev)
-	s.log.Info().Int("backends", len(st.backends)).Int("models", len(st.pools)).Msg("configuration reloaded")
+	changes.log(s.log.Info(), len(st.backends), len(st.pools))
 	return nil
 }
+
+// ReloadFailed counts a reload that failed before Reload was called (the
+// configuration file did not load): the reload metrics count every try.
+func (s *Server) ReloadFailed() { s.metrics.countReload(errReloadFailed) }
+
+var errReloadFailed = errors.New("reload failed")
 
 func routerConfig(cfg *config.Config, mc config.Model) router.Config {
 	rc := router.DefaultConfig()
