@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/signal"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -48,7 +49,7 @@ type command struct {
 	mocks *mockFleet
 }
 
-func (c *command) run(args []string) int {
+func (c *command) run(args []string) (code int) {
 	fs := flag.NewFlagSet("kvproxy", flag.ContinueOnError)
 	fs.SetOutput(c.stderr)
 	cfgPath := fs.String("config", "config.example.yaml", "path to the YAML config")
@@ -58,7 +59,6 @@ func (c *command) run(args []string) int {
 		return 2
 	}
 
-	log := zerolog.New(c.stderr).With().Timestamp().Logger()
 	cfg, err := config.Load(*cfgPath)
 	if err != nil {
 		fmt.Fprintln(c.stderr, "kvproxy:", err)
@@ -67,10 +67,17 @@ func (c *command) run(args []string) int {
 	if *listen != "" {
 		cfg.Listen = *listen
 	}
-	if lvl, err := zerolog.ParseLevel(cfg.LogLevel); err == nil {
-		log = log.Level(lvl)
-	}
+	level := &logLevel{}
+	level.set(cfg.LogLevel)
+	log := zerolog.New(c.stderr).Sample(level).With().Timestamp().Logger()
 	log.Info().Str("config", *cfgPath).Msg("kvproxy starting")
+	defer func() {
+		ev := log.Info()
+		if code != 0 {
+			ev = log.Error()
+		}
+		ev.Int("code", code).Msg("kvproxy exited")
+	}()
 
 	c.mocks = newMockFleet(log)
 	defer c.mocks.close()
@@ -105,6 +112,7 @@ func (c *command) run(args []string) int {
 		defer reloadMu.Unlock()
 		next, err := config.Load(*cfgPath)
 		if err != nil {
+			srv.ReloadFailed()
 			return err
 		}
 		if *listen != "" {
@@ -112,6 +120,7 @@ func (c *command) run(args []string) int {
 		}
 		started, err := c.mocks.start(next)
 		if err != nil {
+			srv.ReloadFailed()
 			return err
 		}
 		if err := srv.Reload(next); err != nil {
@@ -119,6 +128,15 @@ func (c *command) run(args []string) int {
 			return err
 		}
 		c.mocks.commit(next, started)
+		if next.LogLevel != current.LogLevel {
+			// Said at the old level or the new one, whichever lets it through.
+			ev := log.Info()
+			level.set(next.LogLevel)
+			if ev == nil {
+				ev = log.Info()
+			}
+			ev.Str("log_level", next.LogLevel).Str("was", current.LogLevel).Msg("log level changed")
+		}
 		current = next
 		return nil
 	}
@@ -139,7 +157,8 @@ wait:
 			if err := reload(); err != nil {
 				log.Error().Err(err).Msg("reload rejected; the current configuration keeps serving")
 			}
-		case <-c.term:
+		case sig := <-c.term:
+			log.Info().Str("signal", sig.String()).Msg("shutting down; a second signal exits at once")
 			break wait
 		}
 	}
@@ -156,7 +175,10 @@ wait:
 	go func() { done <- srv.Shutdown() }()
 	select {
 	case <-done:
-		log.Info().Msg("drained, exiting")
+		log.Info().Msg("drained")
+	case sig := <-c.term:
+		log.Warn().Str("signal", sig.String()).Msg("second signal: exiting without waiting for the requests in flight")
+		return 1
 	case <-ctx.Done():
 		// Answer what is left (an error event and [DONE], or a 503) rather
 		// than drop it mid-answer; a client that does not read gets cutGrace.
@@ -164,12 +186,29 @@ wait:
 		log.Warn().Int("requests", n).Msg("drain timeout: cutting the requests still in flight")
 		select {
 		case <-done:
+		case sig := <-c.term:
+			log.Warn().Str("signal", sig.String()).Msg("second signal: exiting without waiting for the requests cut")
+			return 1
 		case <-time.After(cutGrace):
 			log.Warn().Msg("exiting with requests still unanswered")
 		}
 	}
 	return 0
 }
+
+// logLevel is log_level, which a reload may change: the logger's sampler,
+// shared by every copy of it (a zerolog level is copied with the logger,
+// and the proxy's parts hold copies).
+type logLevel struct{ lvl atomic.Int32 }
+
+func (l *logLevel) set(name string) {
+	if lvl, err := zerolog.ParseLevel(name); err == nil {
+		l.lvl.Store(int32(lvl))
+	}
+}
+
+// Sample reports whether an event of lvl is logged.
+func (l *logLevel) Sample(lvl zerolog.Level) bool { return lvl >= zerolog.Level(l.lvl.Load()) }
 
 // cutGrace is how long the requests cut at the drain deadline have to
 // receive their ending.

@@ -1,0 +1,114 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// opsConfig is a config of one mock backend at log_level level.
+func opsConfig(t *testing.T, path, level, extra string, m mockSpec) {
+	t.Helper()
+	y := fmt.Sprintf("listen: 127.0.0.1:0\nlog_level: %s\nmodels:\n  - {name: m, tokenizer: cl100k_base, template: chatml}\n"+
+		"backends:\n  - {id: %s, url: \"http://127.0.0.1:%d\", model: m, kind: mock, mock: {speedup: %g}}\n%s", level, m.id, m.port, m.speedup, extra)
+	if err := os.WriteFile(path, []byte(y), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// startStream starts a long stream and returns once its headers are in.
+func startStream(t *testing.T, p *proxyRun) {
+	t.Helper()
+	started := make(chan struct{})
+	go func() {
+		body := `{"model":"m","prompt":"hello there","max_tokens":4000,"stream":true}`
+		resp, err := http.Post("http://"+p.addr+"/v1/completions", "application/json", strings.NewReader(body))
+		close(started)
+		if err == nil {
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+	}()
+	<-started
+}
+
+// A second SIGTERM during the drain exits at once, and says so; every
+// exit writes a last line.
+func TestSecondSignalExitsAtOnce(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	opsConfig(t, cfg, "info", "limits: {drain_timeout: 60s}\n", mockSpec{id: "m0", port: freePort(t), speedup: 0.02})
+	p := startProxy(t, cfg)
+	startStream(t, p)
+	p.term <- syscall.SIGTERM
+	for !strings.Contains(p.logs.String(), `"message":"draining"`) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	t0 := time.Now()
+	p.term <- syscall.SIGINT
+	select {
+	case code := <-p.code:
+		p.code <- code // for Cleanup
+		if code != 1 || time.Since(t0) > 2*time.Second {
+			t.Fatalf("exit code %d after %v", code, time.Since(t0))
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("still draining 10s after a second signal")
+	}
+	logs := p.logs.String()
+	for _, want := range []string{`"signal":"interrupt",`, `"message":"second signal: exiting without waiting for the requests in flight"`, `{"level":"error","code":1,`, `"message":"kvproxy exited"`} {
+		if !strings.Contains(logs, want) {
+			t.Errorf("no %s in:\n%s", want, logs)
+		}
+	}
+}
+
+// A drain cut by drain_timeout still ends with the exit line.
+func TestDrainTimeoutLogsExit(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	opsConfig(t, cfg, "info", "limits: {drain_timeout: 200ms}\n", mockSpec{id: "m0", port: freePort(t), speedup: 0.02})
+	p := startProxy(t, cfg)
+	startStream(t, p)
+	p.term <- syscall.SIGTERM
+	select {
+	case code := <-p.code:
+		p.code <- code
+	case <-time.After(10 * time.Second):
+		t.Fatal("still draining 10s after SIGTERM with drain_timeout 200ms")
+	}
+	logs := p.logs.String()
+	if !strings.Contains(logs, "drain timeout: cutting") || !strings.HasSuffix(strings.TrimSpace(logs), `"message":"kvproxy exited"}`) {
+		t.Errorf("the log does not end with the exit line:\n%s", logs)
+	}
+}
+
+// log_level changed in the file applies at the reload.
+func TestReloadAppliesLogLevel(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	m := mockSpec{id: "m0", port: freePort(t), speedup: 1000}
+	opsConfig(t, cfg, "warn", "", m)
+	p := startProxy(t, cfg)
+	p.complete(t, false, 4)
+	if strings.Contains(p.logs.String(), `"message":"request"`) {
+		t.Fatalf("an info line at log_level warn:\n%s", p.logs.String())
+	}
+	opsConfig(t, cfg, "info", "", m)
+	p.reload(t)
+	p.complete(t, false, 4)
+	logs := p.logs.String()
+	if !strings.Contains(logs, `"log_level":"info","was":"warn",`) || !strings.Contains(logs, `"message":"log level changed"`) || !strings.Contains(logs, `"message":"request"`) {
+		t.Fatalf("log_level info not applied by the reload:\n%s", logs)
+	}
+	opsConfig(t, cfg, "error", "", m)
+	p.reload(t)
+	n := strings.Count(p.logs.String(), `"message":"request"`)
+	p.complete(t, false, 4)
+	if got := strings.Count(p.logs.String(), `"message":"request"`); got != n {
+		t.Fatalf("an info line at log_level error:\n%s", p.logs.String())
+	}
+}
