@@ -112,3 +112,27 @@ func TestReloadAppliesLogLevel(t *testing.T) {
 		t.Fatalf("an info line at log_level error:\n%s", p.logs.String())
 	}
 }
+
+// A reload whose file does not load counts as rejected, as one the proxy
+// refuses does.
+func TestUnloadableReloadIsCounted(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	m := mockSpec{id: "m0", port: freePort(t), speedup: 1000}
+	opsConfig(t, cfg, "warn", "", m)
+	p := startProxy(t, cfg)
+	os.WriteFile(cfg, []byte("models: [\n"), 0o644)
+	p.reloadRejected(t)
+	opsConfig(t, cfg, "warn", "", m)
+	p.reload(t)
+	resp, err := http.Get("http://" + p.addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{`kvproxy_config_reloads_total{result="rejected"} 1`, `kvproxy_config_reloads_total{result="ok"} 1`, "kvproxy_config_last_reload_successful 1"} {
+		if !strings.Contains(string(b), want+"\n") {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+}
