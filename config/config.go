@@ -653,11 +653,12 @@ func (c *Config) Validate() error {
 			mockAddrs[u.Host] = i
 		}
 		// One engine listed twice for a model would count twice in its
-		// load and health. (One server may serve several models.)
+		// load and health. (One server may serve several models, and a
+		// provider be listed once per API key, for each key's limits.)
 		if err == nil && u.Host != "" {
-			key := b.Model + "\x00" + u.Scheme + "://" + strings.ToLower(u.Host)
+			key := b.Model + "\x00" + u.Scheme + "://" + strings.ToLower(u.Host) + "\x00" + b.APIKey
 			if j, ok := engineURLs[key]; ok && b.Kind != KindMock {
-				add(f+".url", "backends[%d] already serves model %q from %s", j, b.Model, b.URL)
+				add(f+".url", "backends[%d] already serves model %q from %s (with the same api_key)", j, b.Model, b.URL)
 			}
 			engineURLs[key] = i
 		}

@@ -94,6 +94,9 @@ func TestValidationAccepts(t *testing.T) {
 			"  - {id: a, url: \"http://10.0.0.1:8000\", model: m, kind: openai}\n  - {id: b, url: \"http://10.0.0.1:8000\", model: n, kind: openai}\n",
 		"replay above the ranks": "models: [{name: m}]\nbackends:\n" +
 			"  - {id: a, url: \"http://10.0.0.1:8000\", kv_events: {mode: zmq, endpoint: \"tcp://10.0.0.1:5557\", replay: \"tcp://10.0.0.1:5567\", dp_size: 4}}\n",
+		"one provider, one backend per API key": "models: [{name: gpt-4o}]\nbackends:\n" +
+			"  - {id: org-a, url: \"https://api.openai.com\", model: gpt-4o, kind: openai, api_key: sk-aaaaaaaa}\n" +
+			"  - {id: org-b, url: \"https://api.openai.com\", model: gpt-4o, kind: openai, api_key: sk-bbbbbbbb}\n",
 		"vLLM's default ports, one rank": "models: [{name: m}]\nbackends:\n" +
 			"  - {id: a, url: \"http://10.0.0.1:8000\", kv_events: {mode: zmq, endpoint: \"tcp://10.0.0.1:5557\", replay: \"tcp://10.0.0.1:5558\"}}\n",
 	} {

@@ -377,3 +377,53 @@ func TestPushedOffloadCopyIndexesTheHostTier(t *testing.T) {
 		t.Fatalf("kv_events %+v: want 4 blocks in device and host, 1 unknown copy", ev)
 	}
 }
+
+// http events with dp_size 4, reloaded to dp_size 2 on the same engine:
+// ranks 2 and 3 leave (they kept being routed; found by the ninth
+// session's second review).
+func TestLoweredDPSizeDropsItsRanksOverHTTP(t *testing.T) {
+	e0 := startFake(t, "e0", nil)
+	cfg := func(dp int) string {
+		return fmt.Sprintf(dpHead, "round_robin") + fmt.Sprintf("  - {id: e0, url: 'http://%s', model: m, kv_events: {mode: http, dp_size: %d}}\n", e0.addr, dp)
+	}
+	p := startProxyYAML(t, cfg(4))
+	reloadYAML(t, p, cfg(2))
+	for _, n := range []string{"e0#1", "e0#2", "e0#3"} {
+		live, mine := owned(p, "e0", n)
+		w, _ := workerStatus(p, "m", n)
+		t.Logf("after dp_size 4 -> 2: %s live %v owned %v available %v", n, live, mine, w.Available)
+	}
+	for i := range 8 {
+		if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"hello"}`); resp.StatusCode != 200 {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, b)
+		}
+	}
+	e0.mu.Lock()
+	var ranks []string
+	for _, h := range e0.headers[len(e0.headers)-8:] {
+		ranks = append(ranks, h.Get("X-Data-Parallel-Rank"))
+	}
+	e0.mu.Unlock()
+	slices.Sort(ranks)
+	t.Logf("ranks of 8 round-robin requests after reload to dp_size 2: %q", ranks)
+	if slices.Contains(ranks, "3") || slices.Contains(ranks, "2") {
+		t.Errorf("requests name ranks beyond dp_size 2: %q", ranks)
+	}
+}
+
+// An http feed a reload keeps keeps its count of events received too.
+func TestPushedEventsCountAcrossAKeptFeed(t *testing.T) {
+	e0 := startFake(t, "e0", nil)
+	cfg := func(mc int) string {
+		return fmt.Sprintf(dpHead, "round_robin") + fmt.Sprintf("  - {id: e0, url: 'http://%s', model: m, max_concurrency: %d, kv_events: {mode: http}}\n", e0.addr, mc)
+	}
+	p := startProxyYAML(t, cfg(5))
+	pushRank(t, p, "e0", 0, promptIDs(100))
+	before := p.s.st.Load().backends["e0"].eventCounters()
+	reloadYAML(t, p, cfg(6))
+	after := p.s.st.Load().backends["e0"].eventCounters()
+	t.Logf("before reload: events %d blocks %v; after: events %d blocks %v", before.Events, before.BlocksPerTier, after.Events, after.BlocksPerTier)
+	if after.Events != before.Events {
+		t.Errorf("kv_events.events went from %d to %d while the feed (and its blocks) carried over", before.Events, after.Events)
+	}
+}

@@ -145,13 +145,16 @@ func (b *backend) adoptRanks(prev *backend) {
 
 // keepsRank reports whether data-parallel rank r > 0 of the engine behind
 // b's id is still one of b's: zmq events subscribe to ranks below dp_size;
-// http ones are pushed by the engine, which prev knew at the same URL.
+// http ones are pushed by the engine, which prev knew at the same URL, and
+// are below dp_size when it is set (a lowered dp_size kept the ranks it
+// dropped; found by the ninth session's second review).
 func (b *backend) keepsRank(prev *backend, r int) bool {
+	dp := b.cfg.KVEvents.DPSize
 	switch b.cfg.KVEvents.Mode {
 	case config.EventsZMQ:
-		return r > 0 && r < b.cfg.KVEvents.DPSize
+		return r > 0 && r < dp
 	case config.EventsHTTP:
-		return r > 0 && prev != nil && prev.cfg.URL == b.cfg.URL
+		return r > 0 && prev != nil && prev.cfg.URL == b.cfg.URL && (dp <= 0 || r < dp)
 	}
 	return false
 }

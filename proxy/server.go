@@ -278,6 +278,7 @@ func (s *Server) activate(st, prev *state) {
 					// the blocks it still holds (a reload that changed
 					// only health settings emptied every index).
 					nb.feed = old.feed
+					nb.eventsPushed.Store(old.eventsPushed.Load())
 				} else {
 					old.stopEvents()
 				}

@@ -1,8 +1,10 @@
 package tokenize
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -206,7 +208,7 @@ func TestJSONCacheIsBounded(t *testing.T) {
 	var c jsonCache
 	decodes := 0
 	decode := func(s string) (any, error) { decodes++; return len(s), nil }
-	big := strings.Repeat("x", jsonCacheBytes/20)
+	big := strings.Repeat("x", (jsonCacheBytes/20-256)/24-2) // an entry of a twentieth of the bound
 	for i := range 100 {
 		if v, _ := c.get(big+strconv.Itoa(i), decode); v != len(big)+len(strconv.Itoa(i)) {
 			t.Fatalf("get %d = %v", i, v)
@@ -217,10 +219,33 @@ func TestJSONCacheIsBounded(t *testing.T) {
 	}
 	decodes = 0
 	c.get(big+"99", decode) // the newest is kept
-	huge := strings.Repeat("y", jsonCacheBytes/8)
+	huge := strings.Repeat("y", jsonCacheBytes/16/24)
 	c.get(huge, decode)
 	c.get(huge, decode) // too big to keep
 	if decodes != 2 {
 		t.Fatalf("%d decodes, want 2 (a hit, then a text too big to keep decoded twice)", decodes)
+	}
+}
+
+// The bound holds for the memory the decoded values take, not just their
+// text: many distinct small tool calls (as many conversations send) grew
+// the heap to 18 times the bound when it counted the text alone.
+func TestJSONCacheMemoryStaysNearTheBound(t *testing.T) {
+	var c jsonCache
+	runtime.GC()
+	var m0, m1 runtime.MemStats
+	runtime.ReadMemStats(&m0)
+	for i := range 30_000 { // about three times what the bound holds
+		text := fmt.Sprintf(`[{"id":"call_%d","type":"function","function":{"name":"f","arguments":"{\"a\":1,\"b\":[1,2],\"c\":{\"d\":\"e\"}}"}}]`, i)
+		if _, err := c.get(text, jinjaToolCalls); err != nil {
+			t.Fatal(err)
+		}
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&m1)
+	grew := int64(m1.HeapAlloc) - int64(m0.HeapAlloc)
+	t.Logf("%d entries, heap grew %d MB (bound %d MB)", len(c.m), grew>>20, jsonCacheBytes>>20)
+	if grew > 2*jsonCacheBytes {
+		t.Fatalf("heap grew %d MB holding %d entries, more than twice the %d MB bound", grew>>20, len(c.m), jsonCacheBytes>>20)
 	}
 }
