@@ -297,7 +297,9 @@ func TestZMQSubscriberGapIsReplayed(t *testing.T) {
 		t.Fatalf("applied %v", got)
 	}
 	st := f.sub.Stats()
-	if st.Clears != 0 || st.Replays != before.Replays+1 || st.Replayed < before.Replayed+6 {
+	// The 5 lost batches came from a replay (the sixth, live, may have come
+	// either way under load).
+	if st.Clears != 0 || st.Replays != before.Replays+1 || st.Replayed < before.Replayed+5 {
 		t.Fatalf("stats %+v (before %+v)", st, before)
 	}
 }

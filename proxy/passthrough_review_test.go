@@ -83,7 +83,10 @@ func TestPassthroughGzip(t *testing.T) {
 // backend's slot, times out of the queue with a 503 in OpenAI's shape, and
 // an engine's 429 comes back as the engine gave it; no count is left.
 func TestPassthroughQueueAndRefusal(t *testing.T) {
-	slow := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 600 * time.Millisecond })
+	// The first holds the only slot far longer than the queue timeout: on a
+	// loaded machine (CI with the race detector) 600 ms was not enough, and
+	// the second found the slot free.
+	slow := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 2 * time.Second })
 	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
 		"backends: [{id: e0, url: 'http://{{e0}}', model: m, max_concurrency: 1}]\n"+
 		"limits: {max_queue: 4, queue_timeout: 150ms}\n", slow)
