@@ -2,16 +2,11 @@ package proxy
 
 import (
 	"io"
-	"net"
 	"net/http"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
-
-	"github.com/rs/zerolog"
-
-	"github.com/kvproxy/kvproxy/config"
 )
 
 // One 500 may be the request's doing: an engine answering 500s is ejected
@@ -245,22 +240,8 @@ func TestOpenAIKindIsProbedOnModels(t *testing.T) {
 			http.NotFound(w, r)
 		}
 	})
-	cfg, err := config.Parse([]byte("models: [{name: m}]\nhealth: {interval: 20ms, fall: 1}\n" +
-		"backends: [{id: api, url: 'http://" + engine + "', model: m, kind: openai, api_key: api-key-1}]\n"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := New(cfg, Options{Logger: zerolog.New(io.Discard)}) // with health checks
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go s.Serve(ln)
-	t.Cleanup(func() { s.Shutdown() })
-	p := &testProxy{s: s, url: "http://" + ln.Addr().String(), logs: &syncBuffer{}}
+	p := startProbedProxy(t, "models: [{name: m}]\nhealth: {interval: 20ms, fall: 1}\n"+
+		"backends: [{id: api, url: 'http://"+engine+"', model: m, kind: openai, api_key: api-key-1}]\n")
 	for deadline := time.Now().Add(5 * time.Second); probes.Load()+unauthorized.Load() < 5 && time.Now().Before(deadline); {
 		time.Sleep(5 * time.Millisecond)
 	}

@@ -68,13 +68,7 @@ func TestDeadEngineStaysDownThroughStartAndReload(t *testing.T) {
 			t.Fatal("a dead engine at start is still available after its first probe (probes every hour, fall 3)")
 		}
 	}
-	cfg, err := config.Parse([]byte(yaml("2m"))) // rebuilds every backend
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := p.s.Reload(cfg); err != nil {
-		t.Fatal(err)
-	}
+	reloadYAML(t, p, yaml("2m")) // rebuilds every backend
 	if p.s.st.Load().backends["dead"] == nil || available(p, "m", "dead") {
 		t.Fatal("a reload that rebuilt the dead engine's backend made it available")
 	}
@@ -111,18 +105,8 @@ func TestReloadKeepsTheFeedOfTheSameEngine(t *testing.T) {
 	if indexed() != 4 {
 		t.Fatalf("%d blocks indexed, want 4", indexed())
 	}
-	reload := func(yaml string) {
-		t.Helper()
-		cfg, err := config.Parse([]byte(yaml))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := p.s.Reload(cfg); err != nil {
-			t.Fatal(err)
-		}
-	}
 	before := p.s.st.Load().backends["e0"]
-	reload(yaml(e0.addr, "2m"))
+	reloadYAML(t, p, yaml(e0.addr, "2m"))
 	if p.s.st.Load().backends["e0"] == before {
 		t.Fatal("the reload did not rebuild the backend: the test tests nothing")
 	}
@@ -137,7 +121,7 @@ func TestReloadKeepsTheFeedOfTheSameEngine(t *testing.T) {
 	if n := indexed(); n != 8 {
 		t.Fatalf("%d blocks indexed after more events, want 8", n)
 	}
-	reload(yaml(e1.addr, "2m"))
+	reloadYAML(t, p, yaml(e1.addr, "2m"))
 	if n := indexed(); n != 0 {
 		t.Fatalf("%d blocks indexed after the backend moved to another engine, want 0", n)
 	}
