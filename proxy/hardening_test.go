@@ -25,12 +25,19 @@ func startProxyYAML(t *testing.T, yaml string, engines ...*fakeEngine) *testProx
 	for i, e := range engines {
 		yaml = strings.ReplaceAll(yaml, fmt.Sprintf("{{e%d}}", i), e.addr)
 	}
+	return serveYAML(t, yaml, true)
+}
+
+// serveYAML starts a proxy for a configuration on loopback, its health
+// checks off or on.
+func serveYAML(t *testing.T, yaml string, noHealthChecks bool) *testProxy {
+	t.Helper()
 	cfg, err := config.Parse([]byte(yaml))
 	if err != nil {
 		t.Fatal(err)
 	}
 	logs := &syncBuffer{}
-	s, err := New(cfg, Options{Logger: zerolog.New(logs), DisableHealthChecks: true})
+	s, err := New(cfg, Options{Logger: zerolog.New(logs), DisableHealthChecks: noHealthChecks})
 	if err != nil {
 		t.Fatal(err)
 	}

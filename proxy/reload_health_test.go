@@ -6,32 +6,13 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
-
-	"github.com/rs/zerolog"
-
-	"github.com/kvproxy/kvproxy/config"
 )
 
 // startProbedProxy starts a proxy with active health checks (startProxyYAML
 // turns them off).
 func startProbedProxy(t *testing.T, yaml string) *testProxy {
 	t.Helper()
-	cfg, err := config.Parse([]byte(yaml))
-	if err != nil {
-		t.Fatal(err)
-	}
-	logs := &syncBuffer{}
-	s, err := New(cfg, Options{Logger: zerolog.New(logs)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go s.Serve(ln)
-	t.Cleanup(func() { s.Shutdown() })
-	return &testProxy{s: s, url: "http://" + ln.Addr().String(), logs: logs}
+	return serveYAML(t, yaml, false)
 }
 
 // deadAddr is a loopback address that refuses connections.
