@@ -378,7 +378,11 @@ func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *e
 			return
 		}
 		s.metrics.reroutes.WithLabelValues(x.b.cfg.ID).Inc()
-		s.log.Warn().Str("request_id", rid).Str("backend", x.b.cfg.ID).Str("reason", x.errMsg).Msg("rerouting")
+		// Bounded as rejections are: an engine down under load is
+		// thousands of reroutes a second (kvproxy_reroutes_total counts them).
+		if s.rejectLog.allow(x.tenant, "rerouting from backend "+x.b.cfg.ID) {
+			s.log.Warn().Str("request_id", rid).Str("backend", x.b.cfg.ID).Str("reason", x.errMsg).Msg("rerouting")
+		}
 		// The next best, not the same engine again: none of its
 		// data-parallel ranks either.
 		rr.Avoid = append(append(rr.Avoid, x.d.Worker, x.b.worker), x.b.workerIDs()...)

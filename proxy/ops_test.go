@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/http"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -268,4 +269,34 @@ func TestKVEventsConnectedMetric(t *testing.T) {
 	if strings.Contains(m, `kvproxy_kv_events_connected{backend="e1"}`) {
 		t.Errorf("a backend without a ZMQ feed has a connected series:\n%s", grepLines(m, "kv_events"))
 	}
+}
+
+// Reroutes are logged within the same bound as rejections: an engine down
+// under load is thousands of them a second, each a warning line.
+// kvproxy_reroutes_total counts them all.
+func TestRerouteLogLinesAreBounded(t *testing.T) {
+	refuse := func(f *fakeEngine) {
+		f.status, f.errBody, f.retryAfter = 429, `{"error":{"message":"busy","type":"rate_limit_error","param":null,"code":429}}`, "1"
+	}
+	a, b := startFake(t, "a", refuse), startFake(t, "b", refuse)
+	p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: a, url: 'http://{{e0}}'}, {id: b, url: 'http://{{e1}}'}]\n"+
+		"limits: {retry_budget: 1}\n", a, b)
+	const n = 60
+	for i := range n {
+		if resp, body := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 429 {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, body)
+		}
+	}
+	reroutes := 0
+	for _, line := range strings.Split(scrape(t, p), "\n") {
+		if strings.HasPrefix(line, "kvproxy_reroutes_total{") {
+			k, _ := strconv.Atoi(line[strings.LastIndexByte(line, ' ')+1:])
+			reroutes += k
+		}
+	}
+	lines := strings.Count(p.logs.String(), `"message":"rerouting"`)
+	if reroutes < n/2 || lines > 2*2*rejectLinesPerSec {
+		t.Fatalf("%d reroutes counted, %d logged: want at least %d counted and at most %d lines", reroutes, lines, n/2, 4*rejectLinesPerSec)
+	}
+	p.waitIdle(t)
 }
