@@ -84,3 +84,19 @@ tenants:
 	}
 	p.waitIdle(t)
 }
+
+// The reset headers read as Go's (and OpenAI's) durations do.
+func TestAppendMillisIsDurationString(t *testing.T) {
+	for _, ms := range []int64{0, 1, 20, 999, 1000, 1001, 1500, 1230, 59_999, 60_000, 61_500, 360_000, 3_599_999, 3_600_000, 3_661_001, 90_000_000} {
+		d := time.Duration(ms) * time.Millisecond
+		if got, want := string(appendMillis(nil, d)), d.String(); got != want {
+			t.Errorf("%d ms: %q, want %q", ms, got, want)
+		}
+	}
+	if allocs := testing.AllocsPerRun(100, func() {
+		var buf [24]byte
+		appendMillis(buf[:0], 61500*time.Millisecond)
+	}); allocs != 0 {
+		t.Errorf("%v allocations", allocs)
+	}
+}

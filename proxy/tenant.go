@@ -4,7 +4,6 @@ import (
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
-	"fmt"
 	"math"
 	"strconv"
 	"strings"
@@ -278,7 +277,33 @@ func (b *bucket) take(n float64, h *fasthttp.ResponseHeader) (ok bool, wait time
 		h.SetCanonical(b.headers.limit, strconv.AppendInt(buf[:0], int64(b.burst), 10))
 		h.SetCanonical(b.headers.remaining, strconv.AppendInt(buf[:0], int64(math.Max(0, level)), 10))
 		full := time.Duration((b.burst - level) / b.rate * float64(time.Second))
-		h.SetCanonical(b.headers.reset, fmt.Appendf(buf[:0], "%v", full.Round(time.Millisecond)))
+		h.SetCanonical(b.headers.reset, appendMillis(buf[:0], full.Round(time.Millisecond)))
 	}
 	return ok, wait
+}
+
+// appendMillis writes d, a whole number of milliseconds, as Duration.String
+// does ("20ms", "1.5s", "6m0s", "1h0m0s"), without its allocation.
+func appendMillis(b []byte, d time.Duration) []byte {
+	ms := d.Milliseconds()
+	switch {
+	case ms <= 0:
+		return append(b, "0s"...)
+	case ms < 1000:
+		return append(strconv.AppendInt(b, ms, 10), "ms"...)
+	}
+	if h := ms / 3_600_000; h > 0 {
+		b = append(strconv.AppendInt(b, h, 10), 'h')
+	}
+	if ms >= 60_000 {
+		b = append(strconv.AppendInt(b, ms/60_000%60, 10), 'm')
+	}
+	b = strconv.AppendInt(b, ms/1000%60, 10)
+	if frac := ms % 1000; frac > 0 {
+		b = append(b, '.', byte('0'+frac/100), byte('0'+frac/10%10), byte('0'+frac%10))
+		for b[len(b)-1] == '0' {
+			b = b[:len(b)-1]
+		}
+	}
+	return append(b, 's')
 }
