@@ -340,6 +340,7 @@ func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *e
 	x.remote = ctx.RemoteIP()
 	s.retries.deposit(start)
 	for attempt := 1; ; attempt++ {
+		refusedBy, refusedD, refusedRank := x.b, x.d, x.rank
 		if err := x.route(ctx, st, rr); err != nil {
 			if x.refused != 0 && errors.Is(err, router.ErrNoWorker) {
 				// Every engine left has refused it too, or is down.
@@ -351,6 +352,25 @@ func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *e
 			}
 			s.routeFailed(ctx, rid, x.tenant, x.model, start, err)
 			return
+		}
+		if attempt > 1 {
+			// A retry is spent, and counted, only when there is another
+			// engine to try: a model's only engine refusing every request
+			// drained the budget other models' retries need (found by the
+			// ninth session's user trial).
+			if !s.retries.withdraw() {
+				x.endAttempt()
+				x.b, x.d, x.rank = refusedBy, refusedD, refusedRank // the refusal is the last engine's
+				x.errMsg += "; the retry budget is spent"
+				x.answerRefusal(ctx)
+				return
+			}
+			s.metrics.reroutes.WithLabelValues(refusedBy.cfg.ID).Inc()
+			// Bounded as rejections are: an engine down under load is
+			// thousands of reroutes a second (kvproxy_reroutes_total counts them).
+			if s.rejectLog.allow(x.tenant, "rerouting from backend "+refusedBy.cfg.ID) {
+				s.log.Warn().Str("request_id", rid).Str("backend", refusedBy.cfg.ID).Str("to", x.b.cfg.ID).Str("reason", x.errMsg).Msg("rerouting")
+			}
 		}
 		sc.keepCandidates(x.d.Candidates)
 		x.d.Candidates = nil // the scratch's
@@ -372,17 +392,6 @@ func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *e
 			return
 		}
 		s.live.done(x)
-		if !s.retries.withdraw() {
-			x.errMsg += "; the retry budget is spent"
-			x.answerRefusal(ctx)
-			return
-		}
-		s.metrics.reroutes.WithLabelValues(x.b.cfg.ID).Inc()
-		// Bounded as rejections are: an engine down under load is
-		// thousands of reroutes a second (kvproxy_reroutes_total counts them).
-		if s.rejectLog.allow(x.tenant, "rerouting from backend "+x.b.cfg.ID) {
-			s.log.Warn().Str("request_id", rid).Str("backend", x.b.cfg.ID).Str("reason", x.errMsg).Msg("rerouting")
-		}
 		// The next best, not the same engine again: none of its
 		// data-parallel ranks either.
 		rr.Avoid = append(append(rr.Avoid, x.d.Worker, x.b.worker), x.b.workerIDs()...)
