@@ -140,7 +140,7 @@ func (b *backend) setProbe(ok bool, why string) {
 	if ok && b.probeOK && !b.ejected {
 		return
 	}
-	if !ok && b.probeOK && !b.draining && !b.replaced {
+	if !ok && b.probeOK && !b.ejected && !b.draining && !b.replaced { // one outage, one ejection counted
 		b.metrics.countEjection(b.cfg.ID, "probe")
 	}
 	b.probeOK, b.probeErr = ok, why
@@ -152,6 +152,19 @@ func (b *backend) setProbe(ok bool, why string) {
 	if ok && b.ejected && b.ejectTimer == nil {
 		b.ejected = false
 	}
+	b.applyLocked()
+}
+
+// inheritProbe starts b, which replaces was for the same engine (same id
+// and probe), with was's probe verdict, before the prober says it again: a
+// reload must not revive a dead engine, nor count its ejection anew.
+func (b *backend) inheritProbe(was *backend) {
+	was.mu.Lock()
+	ok, why := was.probeOK, was.probeErr
+	was.mu.Unlock()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.probeOK, b.probeErr = ok, why
 	b.applyLocked()
 }
 
@@ -173,6 +186,12 @@ func (b *backend) failConn(reason string) { b.eject(reason, true) }
 func (b *backend) eject(reason string, conn bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if b.draining || b.replaced {
+		// A reload took it out already: its last requests failing are
+		// not an outage to count or warn of (its successor has its own).
+		b.log.Debug().Str("backend", b.cfg.ID).Str("reason", reason).Msg("a draining backend failed")
+		return
+	}
 	if b.ejected && b.ejectTimer != nil {
 		b.probeEnds = b.probeEnds && conn
 		b.log.Debug().Str("backend", b.cfg.ID).Str("reason", reason).Msg("backend failed while ejected")

@@ -66,3 +66,6 @@ func (l *logLimiter) endWindow() {
 		}
 	}
 }
+
+// flush writes the open window's summary now (at exit, before its timer).
+func (l *logLimiter) flush() { l.endWindow() }

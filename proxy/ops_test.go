@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -329,4 +330,18 @@ func (b *retryBudget) tokens() float64 {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.balance
+}
+
+// FlushLogs writes the summary of the lines the current second held back
+// at once (kvproxy's exit calls it: the last second's summary was lost).
+func TestFlushLogsWritesTheHeldBackSummary(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, tenantsYAML, e)
+	for range 3 * rejectLinesPerSec {
+		postAuth(t, p.url+"/v1/chat/completions", "wrong-key-000", chatBody)
+	}
+	p.s.FlushLogs()
+	if !strings.Contains(p.logs.String(), fmt.Sprintf(`"message":"suppressed %d similar lines"`, 2*rejectLinesPerSec)) {
+		t.Fatalf("no summary right after FlushLogs:\n%s", p.logs.String())
+	}
 }

@@ -297,6 +297,9 @@ func (s *Server) activate(st, prev *state) {
 		if was == nil || was.pool != b.pool {
 			b.adoptRanks(nil) // a removed backend of its id may still drain
 		}
+		if was != nil && s.health != nil && was.probeURL() == b.probeURL() {
+			b.inheritProbe(was)
+		}
 		// Its feed first: requests reach b once it is set in the pool,
 		// and read its feed for its data-parallel ranks.
 		b.startEvents()
@@ -524,6 +527,10 @@ func (s *Server) Serve(ln net.Listener) error {
 	s.serveMu.Unlock()
 	return s.srv.Serve(ln)
 }
+
+// FlushLogs writes the lines kvproxy holds back now: the summary of the
+// rejected requests whose lines the last second suppressed.
+func (s *Server) FlushLogs() { s.rejectLog.flush() }
 
 // Shutdown stops accepting, lets in-flight requests and streams finish, and
 // stops probes. Bound it with a deadline from outside if needed.
@@ -766,16 +773,20 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	default:
 		writeError(ctx, fasthttp.StatusBadRequest, "malformed HTTP request", "invalid_request_error", "", "bad_request")
 	}
+	limitKey := reason
 	if tc, ok := ctx.Conn().(*tls.Conn); ok && !tc.ConnectionState().HandshakeComplete {
 		// No request was read, so the error quotes none: a client that
 		// refused kvproxy's certificate, spoke plain HTTP or went silent.
-		reason = "TLS handshake failed: " + err.Error()
+		// The error names the client's port: the limiter keys on the kind
+		// (each connection had a key of its own, and filled the table).
+		limitKey = "TLS handshake failed"
+		reason = limitKey + ": " + err.Error()
 	}
 	// fasthttp calls this before it has a whole request: no method, path
 	// or start time to log (its defaults would say GET / and 292 years).
 	// The id is the client's when its headers were read (a body too large).
 	rid, _ := s.requestIDs(ctx)
-	if !s.rejectLog.allow("", reason) {
+	if !s.rejectLog.allow("", limitKey) {
 		return
 	}
 	s.log.Info().Str("request_id", rid).Str("remote", ctx.RemoteIP().String()).Int("status", ctx.Response.StatusCode()).

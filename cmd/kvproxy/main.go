@@ -93,6 +93,7 @@ func (c *command) run(args []string) (code int) {
 		fmt.Fprintln(c.stderr, "kvproxy:", err)
 		return 1
 	}
+	defer srv.FlushLogs() // before "kvproxy exited"
 	ln, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
 		fmt.Fprintln(c.stderr, "kvproxy:", err)
