@@ -345,3 +345,26 @@ func TestFlushLogsWritesTheHeldBackSummary(t *testing.T) {
 		t.Fatalf("no summary right after FlushLogs:\n%s", p.logs.String())
 	}
 }
+
+// A reload that rebuilds a large fleet names at most maxLoggedNames
+// backends in its summary line, and says how many more (1,000 backends
+// made one 15 KB line; found by the ninth session's third review).
+func TestReloadSummaryIsBounded(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	yaml := func(forget string) string {
+		var b strings.Builder
+		b.WriteString("models: [{name: m}]\nhealth: {forget_after: " + forget + "}\nbackends:\n")
+		for i := range 50 {
+			fmt.Fprintf(&b, "  - {id: b%02d, url: 'http://%s', model: m, api_key: key-%02d}\n", i, e.addr, i)
+		}
+		return b.String()
+	}
+	p := startProxyYAML(t, yaml("1m"))
+	reloadYAML(t, p, yaml("2m")) // every backend rebuilt
+	logs := p.logs.String()
+	line := logs[strings.LastIndex(logs, `"backends_replaced"`):]
+	line = line[:strings.IndexByte(line, '\n')]
+	if n := len(regexp.MustCompile(`"b\d\d"`).FindAllString(line, -1)); n != maxLoggedNames || !strings.Contains(line, `"(and 30 more)"`) {
+		t.Fatalf("summary line: %s", line)
+	}
+}

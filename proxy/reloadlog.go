@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"fmt"
 	"reflect"
 	"slices"
 
@@ -100,9 +101,17 @@ func tenantsChanged(a, b *config.Config) []string {
 	return out
 }
 
+// maxLoggedNames bounds each list of names in the summary line.
+const maxLoggedNames = 20
+
 // log writes the reload's one summary line.
 func (c reloadChanges) log(ev *zerolog.Event, backends, models int) {
 	list := func(key string, l []string) {
+		if len(l) > maxLoggedNames {
+			// One line, not 15 KB for a fleet rebuilt at once; the count
+			// says how many.
+			l = append(l[:maxLoggedNames:maxLoggedNames], fmt.Sprintf("(and %d more)", len(l)-maxLoggedNames))
+		}
 		if len(l) > 0 {
 			ev = ev.Strs(key, l)
 		}
