@@ -340,8 +340,22 @@ func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *e
 	x.remote = ctx.RemoteIP()
 	s.retries.deposit(start)
 	for attempt := 1; ; attempt++ {
-		refusedBy, refusedD, refusedRank := x.b, x.d, x.rank
+		refusedBy := x.b
+		// A retry is withdrawn before its route, so that a spent budget
+		// answers with the refusal at once (routing first queued the
+		// request for another engine's slot just to find that out), and
+		// given back when no other engine takes it: a model's only engine
+		// refusing every request drained the budget other models' retries
+		// need (found by the ninth session's user trial and last review).
+		if attempt > 1 && !s.retries.withdraw() {
+			x.errMsg += "; the retry budget is spent"
+			x.answerRefusal(ctx)
+			return
+		}
 		if err := x.route(ctx, st, rr); err != nil {
+			if attempt > 1 {
+				s.retries.refund()
+			}
 			if x.refused != 0 && errors.Is(err, router.ErrNoWorker) {
 				// Every engine left has refused it too, or is down.
 				x.answerRefusal(ctx)
@@ -354,17 +368,6 @@ func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *e
 			return
 		}
 		if attempt > 1 {
-			// A retry is spent, and counted, only when there is another
-			// engine to try: a model's only engine refusing every request
-			// drained the budget other models' retries need (found by the
-			// ninth session's user trial).
-			if !s.retries.withdraw() {
-				x.endAttempt()
-				x.b, x.d, x.rank = refusedBy, refusedD, refusedRank // the refusal is the last engine's
-				x.errMsg += "; the retry budget is spent"
-				x.answerRefusal(ctx)
-				return
-			}
 			s.metrics.reroutes.WithLabelValues(refusedBy.cfg.ID).Inc()
 			// Bounded as rejections are: an engine down under load is
 			// thousands of reroutes a second (kvproxy_reroutes_total counts them).

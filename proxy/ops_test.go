@@ -368,3 +368,34 @@ func TestReloadSummaryIsBounded(t *testing.T) {
 		t.Fatalf("summary line: %s", line)
 	}
 }
+
+// With the retry budget spent, a refusal is the answer at once: routing
+// before withdrawing queued the request for another engine's slot just to
+// find that out, and answered with the queue's timeout instead of the
+// engine's refusal (found by the ninth session's last review).
+func TestSpentRetryBudgetAnswersTheRefusalAtOnce(t *testing.T) {
+	refuse := startFake(t, "a", func(f *fakeEngine) {
+		f.status, f.errBody = 503, `{"error":{"message":"busy","type":"service_unavailable","param":null,"code":503}}`
+	})
+	slow := startFake(t, "b", func(f *fakeEngine) { f.prefillDelay = 2 * time.Second })
+	p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nrouter: {policy: round_robin}\n"+
+		"backends: [{id: a, url: 'http://{{e0}}'}, {id: b, url: 'http://{{e1}}', max_concurrency: 1}]\n"+
+		"limits: {queue_timeout: 1s, retry_budget: 0}\nhealth: {eject_base: 1ms, eject_max: 1ms}\n", refuse, slow)
+	go func() { // holds b's only slot
+		resp, err := http.Post(p.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"x","nvext":{"backend_instance_id":"b"}}`))
+		if err == nil {
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+	}()
+	waitFor(t, "b busy", func() bool { return slow.current.Load() == 1 })
+	p.s.retries.mu.Lock()
+	p.s.retries.balance = 0
+	p.s.retries.mu.Unlock()
+	start := time.Now()
+	resp, body := post(t, p.url+"/v1/chat/completions", chatBody)
+	if took := time.Since(start); resp.StatusCode != 503 || !strings.Contains(string(body), "busy") || took > 500*time.Millisecond {
+		t.Fatalf("%d in %v: %s; want a's refusal at once", resp.StatusCode, took, body)
+	}
+	p.waitIdle(t)
+}

@@ -57,3 +57,11 @@ func (b *retryBudget) withdraw() bool {
 	}
 	return false
 }
+
+// refund gives back a retry withdrawn for an attempt that found no engine
+// to try.
+func (b *retryBudget) refund() {
+	b.mu.Lock()
+	b.balance = min(b.balance+1, retryBalanceMax)
+	b.mu.Unlock()
+}
