@@ -76,7 +76,7 @@ func newMetrics() *metrics {
 	})
 	m.reloadOK.Set(1)
 	m.limited = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kvproxy_rate_limited_total", Help: "Requests refused with 429 by a tenant's limit, by tenant and limit: requests (requests_per_minute), tokens (tokens_per_minute) or concurrency (max_concurrency).",
+		Name: "kvproxy_rate_limited_total", Help: "Requests refused with 429 by a tenant's limit, by tenant and limit: requests (requests_per_second), tokens (tokens_per_minute) or concurrency (max_concurrency).",
 	}, []string{"tenant", "limit"})
 	return m
 }
