@@ -3,6 +3,7 @@ package proxy
 import (
 	"net"
 	"net/http"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -49,9 +50,16 @@ func TestDeadEngineStaysDownThroughStartAndReload(t *testing.T) {
 			t.Fatal("a dead engine at start is still available after its first probe (probes every hour, fall 3)")
 		}
 	}
-	reloadYAML(t, p, yaml("2m")) // rebuilds every backend
-	if p.s.st.Load().backends["dead"] == nil || available(p, "m", "dead") {
-		t.Fatal("a reload that rebuilt the dead engine's backend made it available")
+	for _, forget := range []string{"2m", "3m", "4m"} {
+		reloadYAML(t, p, yaml(forget)) // rebuilds every backend
+		if p.s.st.Load().backends["dead"] == nil || available(p, "m", "dead") {
+			t.Fatal("a reload that rebuilt the dead engine's backend made it available")
+		}
+	}
+	// One outage, one ejection: each reload counted another (found by the
+	// ninth session's third review).
+	if m := scrape(t, p); !strings.Contains(m, `kvproxy_backend_ejections_total{backend="dead",reason="probe"} 1`+"\n") {
+		t.Errorf("ejections of the dead engine after three reloads: %s", metricLine(m, `kvproxy_backend_ejections_total{backend="dead"`))
 	}
 	if !available(p, "m", "live") {
 		t.Fatal("the live engine's rebuilt backend is not available")
