@@ -280,7 +280,7 @@ func TestRerouteLogLinesAreBounded(t *testing.T) {
 	p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nrouter: {policy: round_robin}\n"+
 		"backends: [{id: dead, url: 'http://"+deadAddr(t)+"'}, {id: good, url: 'http://{{e0}}'}]\n"+
 		"limits: {retry_budget: 1}\nhealth: {eject_base: 1ms, eject_max: 1ms}\n", good)
-	const n = 150
+	const n = 200
 	for i := range n {
 		if resp, body := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 200 {
 			t.Fatalf("request %d: %d %s", i, resp.StatusCode, body)
@@ -311,10 +311,10 @@ func TestNoRetrySpentWithoutAnotherEngine(t *testing.T) {
 		"health: {eject_base: 1ms, eject_max: 1ms}\n", only)
 	before := p.s.retries.tokens()
 	for i := range 20 {
+		waitFor(t, "the ejection to end", func() bool { return available(p, "m", "only") })
 		if resp, body := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 503 || !strings.Contains(string(body), "busy") {
 			t.Fatalf("request %d: %d %s, want the engine's 503", i, resp.StatusCode, body)
 		}
-		time.Sleep(2 * time.Millisecond) // past the ejection
 	}
 	if after := p.s.retries.tokens(); after < before {
 		t.Fatalf("retry budget %v → %v with no engine to retry on", before, after)
