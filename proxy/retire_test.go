@@ -197,7 +197,7 @@ func TestDrainingRequestsStayInTheMetrics(t *testing.T) {
 // and an operator who saw it gone would have stopped the engine under it
 // (found by the ninth session's operator trial).
 func TestRemovedBackendListedUntilItsRequestsEnd(t *testing.T) {
-	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 700 * time.Millisecond })
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 1500 * time.Millisecond })
 	other := startFake(t, "e1", nil)
 	head := "models: [{name: m}]\nlimits: {drain_timeout: 100ms}\nbackends:\n  - {id: e1, url: 'http://" + other.addr + "', model: m}\n"
 	p := startProxyYAML(t, head+"  - {id: e0, url: 'http://{{e0}}', model: m}\n", e)
