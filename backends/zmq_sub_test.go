@@ -1,7 +1,6 @@
 package backends
 
 import (
-	"bytes"
 	"context"
 	"encoding/binary"
 	"sync"
@@ -9,7 +8,6 @@ import (
 	"time"
 
 	"github.com/go-zeromq/zmq4"
-	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/kvproxy/kvproxy/kv"
 )
@@ -499,28 +497,7 @@ func TestZMQSubscriberCacheSalt(t *testing.T) {
 	f := startSubSink(t, eng, ZMQConfig{ReplayEndpoint: eng.replayAddr()}, a)
 	f.warmUp()
 	toks := tokens(16, 40)
-	var buf bytes.Buffer
-	enc := msgpack.NewEncoder(&buf)
-	must := func(err error) {
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
-	must(enc.EncodeArrayLen(3))
-	must(enc.EncodeFloat64(1))
-	must(enc.EncodeArrayLen(1))
-	must(enc.EncodeArrayLen(9))
-	must(enc.EncodeString("BlockStored"))
-	must(enc.Encode([]uint64{77}))
-	must(enc.EncodeNil())
-	must(enc.Encode(toks))
-	must(enc.EncodeInt(16))
-	must(enc.EncodeNil())
-	must(enc.EncodeString("GPU"))
-	must(enc.EncodeNil())
-	must(enc.Encode([][]string{{"salt-of-acme"}}))
-	must(enc.EncodeInt(0))
-	eng.publishRaw(buf.Bytes())
+	eng.publishRaw(encodeBatch(t, 0, encodeValues("BlockStored", []uint64{77}, nil, toks, 16, nil, "GPU", nil, [][]string{{"salt-of-acme"}})))
 	last := int64(eng.next - 1)
 	f.wait("salted batch", func(s ZMQStats) bool { return s.LastSeq == last })
 	if d, _ := depth(t, r, "s", toks, kv.NewNamespace("salt-of-acme")); d != 1 {

@@ -141,7 +141,7 @@ func (b *backend) setProbe(ok bool, why string) {
 		return
 	}
 	if !ok && b.probeOK && !b.ejected && !b.draining && !b.replaced { // one outage, one ejection counted
-		b.metrics.countEjection(b.cfg.ID, "probe")
+		b.metrics.countEjection(b.cfg.ID, ejectProbe)
 	}
 	b.probeOK, b.probeErr = ok, why
 	if ok && b.ejected && b.ejectTimer != nil && b.probeEnds {
@@ -172,8 +172,18 @@ func (b *backend) inheritProbe(was *backend) {
 // died mid-stream) for a back-off that doubles with each consecutive
 // failure. Failures while an ejection is in force are the same incident:
 // an engine that dies fails every request it had at once, and doubling
-// for each would keep it out for eject_max after it is back.
-func (b *backend) fail(reason string) { b.eject(reason, false) }
+// for each would keep it out for eject_max after it is back. kind is what
+// the ejections metric counts it under (ejectStatus, ejectTimeout, ...).
+func (b *backend) fail(kind, reason string) { b.eject(kind, reason, false) }
+
+// The reasons the ejections metric counts an ejection under.
+const (
+	ejectConnect      = "connect"       // refused, reset, cut off, TLS
+	ejectStatus       = "status"        // a 5xx, a 503
+	ejectTimeout      = "timeout"       // silent
+	ejectErrorAnswers = "error_answers" // 500s or credential refusals in a row
+	ejectProbe        = "probe"         // its health probe started failing
+)
 
 // failConn is fail for a connection that failed (refused, reset, a failed
 // TLS handshake, an answer cut off): the engine was unreachable or died,
@@ -181,9 +191,9 @@ func (b *backend) fail(reason string) { b.eject(reason, false) }
 // at once. An engine restarting takes tens of seconds, long enough for the
 // back-off to double to eject_max, which would keep it out that long after
 // it is up.
-func (b *backend) failConn(reason string) { b.eject(reason, true) }
+func (b *backend) failConn(reason string) { b.eject(ejectConnect, reason, true) }
 
-func (b *backend) eject(reason string, conn bool) {
+func (b *backend) eject(kind, reason string, conn bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.draining || b.replaced {
@@ -204,7 +214,7 @@ func (b *backend) eject(reason string, conn bool) {
 		d = b.health.EjectMax
 	}
 	b.ejected = true
-	b.metrics.countEjection(b.cfg.ID, ejectReason(reason, conn))
+	b.metrics.countEjection(b.cfg.ID, kind)
 	b.armLocked(&b.ejectTimer, d, func() {
 		// An engine whose connections failed is back when its probe says
 		// so, not when the time is up: it may still be down (found by the
@@ -240,7 +250,7 @@ const errorAnswerLimit = 3
 // answeredError records an error answer that is the engine's fault or the
 // request's, as errorAnswerLimit describes.
 func (b *backend) answeredError(reason string) {
-	b.strike(&b.errorAnswers, errorAnswerLimit, reason+", "+strconv.Itoa(errorAnswerLimit)+" answers in a row")
+	b.strike(&b.errorAnswers, errorAnswerLimit, ejectErrorAnswers, reason+", "+strconv.Itoa(errorAnswerLimit)+" answers in a row")
 }
 
 // wholeTimedOut records a non-streamed request the engine sent nothing for
@@ -249,12 +259,12 @@ func (b *backend) answeredError(reason string) {
 // between, is an engine that takes requests and never finishes them (its
 // health probe may still pass), and ejects it.
 func (b *backend) wholeTimedOut(reason string) {
-	b.strike(&b.silentWhole, silentWholeLimit, reason+", "+strconv.Itoa(silentWholeLimit)+" non-streamed requests in a row")
+	b.strike(&b.silentWhole, silentWholeLimit, ejectTimeout, reason+", "+strconv.Itoa(silentWholeLimit)+" non-streamed requests in a row")
 }
 
 // strike counts one failure of a streak (a field of b, guarded by b.mu)
 // and ejects the backend when it reaches limit; succeed ends streaks.
-func (b *backend) strike(streak *int, limit int, reason string) {
+func (b *backend) strike(streak *int, limit int, kind, reason string) {
 	b.mu.Lock()
 	*streak++
 	eject := *streak >= limit
@@ -263,7 +273,7 @@ func (b *backend) strike(streak *int, limit int, reason string) {
 	}
 	b.mu.Unlock()
 	if eject {
-		b.fail(reason)
+		b.fail(kind, reason)
 	}
 }
 

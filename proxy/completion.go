@@ -672,7 +672,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			msg := "backend " + b.cfg.ID + " sent nothing for " + b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
 			if x.stream {
 				// Engines send a stream's headers at once: this one is stuck.
-				b.fail(msg)
+				b.fail(ejectTimeout, msg)
 			} else {
 				b.wholeTimedOut(msg)
 			}
@@ -730,7 +730,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			x.refusalCode, x.refusalBy = code, b.cfg.ID
 			x.refusalRetry = string(resp.Header.Peek("Retry-After"))
 			if code == fasthttp.StatusServiceUnavailable {
-				b.fail(x.errMsg)
+				b.fail(ejectStatus, x.errMsg)
 			} else {
 				b.coolDown(coolingFor(resp.Header.Peek("Retry-After")))
 			}
@@ -766,7 +766,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		case code == fasthttp.StatusInternalServerError:
 			b.answeredError("status 500")
 		case code >= 500:
-			b.fail("status " + strconv.Itoa(code))
+			b.fail(ejectStatus, "status "+strconv.Itoa(code))
 		case code == fasthttp.StatusOK:
 			b.succeed()
 		}

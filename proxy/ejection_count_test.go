@@ -40,7 +40,7 @@ func TestOneCrashCountsOneEjection(t *testing.T) {
 		post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`)
 	}
 	time.Sleep(300 * time.Millisecond)
-	m := scrape(t, p)
+	m := p.metrics(t)
 	re := regexp.MustCompile(`(?m)^kvproxy_backend_ejections_total\{backend="e0".*$`)
 	lines := re.FindAllString(m, -1)
 	if len(lines) > 1 {
@@ -71,7 +71,7 @@ func TestRemovedBackendIsNotEjected(t *testing.T) {
 	}
 	reloadYAML(t, p, "models: [{name: m}]\nrouter: {policy: round_robin}\nbackends:\n  - {id: e1, url: 'http://"+e1.addr+"', model: m}\n")
 	<-done
-	m := scrape(t, p)
+	m := p.metrics(t)
 	if strings.Contains(m, `kvproxy_backend_ejections_total{backend="e0"`) {
 		t.Errorf("a removed backend's cut stream counted as an ejection")
 	}

@@ -160,7 +160,7 @@ func TestEngineNotServingTheModelIsAConfigurationFault(t *testing.T) {
 func TestFailuresDuringAnEjectionAreOneIncident(t *testing.T) {
 	p, b := oneBackend(t, "100ms")
 	for range 8 {
-		b.fail("mid-stream: connection reset")
+		b.fail(ejectStatus, "mid-stream: connection reset")
 	}
 	deadline := time.Now().Add(5 * time.Second)
 	for ejected(p, "e0") {
@@ -169,7 +169,7 @@ func TestFailuresDuringAnEjectionAreOneIncident(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	b.fail("connect: refused")
+	b.fail(ejectStatus, "connect: refused")
 	b.mu.Lock()
 	n := b.ejections
 	b.mu.Unlock()
@@ -200,7 +200,7 @@ func TestPassingProbeEndsAConnectionEjection(t *testing.T) {
 		t.Fatalf("not logged:\n%s", p.logs.String())
 	}
 
-	b.fail("status 503")
+	b.fail(ejectStatus, "status 503")
 	b.setProbe(false, "status 503")
 	b.setProbe(true, "")
 	if !ejected(p, "e0") {

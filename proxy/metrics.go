@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"strconv"
-	"strings"
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -24,7 +23,7 @@ type metrics struct {
 	tokensOf   map[[2]string]*[3]prometheus.Counter // model, tenant → prompt, completion, cached
 	hitRatio   prometheus.Histogram
 	route      prometheus.Histogram
-	ejections  *prometheus.CounterVec // backend, reason (ejectReasons)
+	ejections  *prometheus.CounterVec // backend, reason (the eject* constants)
 	reroutes   *prometheus.CounterVec // backend that refused
 	reloads    *prometheus.CounterVec // result: ok, rejected
 	reloadOK   prometheus.Gauge
@@ -156,23 +155,8 @@ func (m *metrics) countTokens(model, tenant string, prompt, completion, cached i
 	c[2].Add(float64(cached))
 }
 
-// ejectReason sorts an ejection's reason, as the proxy words it, into the
-// fixed set the ejections metric is labelled with; conn: the connection
-// failed (failConn).
-func ejectReason(reason string, conn bool) string {
-	switch {
-	case conn:
-		return "connect"
-	case strings.HasSuffix(reason, "answers in a row"):
-		return "error_answers"
-	case strings.Contains(reason, "sent nothing for"), strings.HasPrefix(reason, "silent"):
-		return "timeout"
-	}
-	return "status"
-}
-
-// countEjection counts a backend's ejection (reason: ejectReason's set, or
-// probe). A nil m (a backend built outside a Server) counts nothing.
+// countEjection counts a backend's ejection under reason (the eject*
+// constants). A nil m (a backend built outside a Server) counts nothing.
 func (m *metrics) countEjection(backend, reason string) {
 	if m != nil {
 		m.ejections.WithLabelValues(backend, reason).Inc()

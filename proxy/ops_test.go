@@ -18,17 +18,6 @@ import (
 // Tests from an operator trial: what the metrics and logs show of
 // ejections, reroutes, limits, queues, reloads and rejected requests.
 
-func scrape(t *testing.T, p *testProxy) string {
-	t.Helper()
-	resp, err := http.Get(p.url + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return string(b)
-}
-
 func wantMetrics(t *testing.T, m string, series ...string) {
 	t.Helper()
 	for _, s := range series {
@@ -51,7 +40,7 @@ func TestEjectionAndRerouteMetrics(t *testing.T) {
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}
 	}
-	wantMetrics(t, scrape(t, p),
+	wantMetrics(t, p.metrics(t),
 		`kvproxy_backend_ejections_total{backend="dead",reason="connect"} 1`,
 		`kvproxy_reroutes_total{backend="dead"} 1`,
 		`kvproxy_model_healthy_backends{model="m"} 1`,
@@ -59,27 +48,32 @@ func TestEjectionAndRerouteMetrics(t *testing.T) {
 	)
 }
 
-// The reasons an ejection is counted under, from the proxy's own words.
-func TestEjectReason(t *testing.T) {
-	for _, c := range []struct {
-		reason string
-		conn   bool
-		want   string
-	}{
-		{"connect: dial tcp: connection refused", true, "connect"},
-		{"mid-stream: unexpected EOF", true, "connect"},
-		{"status 502", false, "status"},
-		{"backend e0 answered 503", false, "status"},
-		{"backend e0 sent nothing for 30s (limits.stream_idle_timeout)", false, "timeout"},
-		{"backend e0 sent nothing for 30s (limits.stream_idle_timeout), 3 non-streamed requests in a row", false, "timeout"},
-		{"silent mid-stream", false, "timeout"},
-		{"status 500, 3 answers in a row", false, "error_answers"},
-		{"backend e0 refused kvproxy's credentials (401 x); check its api_key, 3 answers in a row", false, "error_answers"},
-	} {
-		if got := ejectReason(c.reason, c.conn); got != c.want {
-			t.Errorf("ejectReason(%q, %v) = %q, want %q", c.reason, c.conn, got, c.want)
-		}
+// Each way a backend fails is counted under its reason: a failed
+// connection, an error status, 500s in a row, non-streamed requests left
+// unanswered in a row (the reason came from the failure's wording before).
+func TestEjectReasons(t *testing.T) {
+	var es []*fakeEngine
+	yaml := "models: [{name: m}]\nbackends:\n"
+	for i := range 4 {
+		es = append(es, startFake(t, fmt.Sprintf("e%d", i), nil))
+		yaml += fmt.Sprintf("  - {id: e%d, url: 'http://{{e%d}}', model: m}\n", i, i)
 	}
+	p := startProxyYAML(t, yaml, es...)
+	bs := p.s.st.Load().backends
+	bs["e0"].failConn("connect: dial tcp: connection refused")
+	bs["e1"].fail(ejectStatus, "status 502")
+	for range errorAnswerLimit {
+		bs["e2"].answeredError("status 500")
+	}
+	for range silentWholeLimit {
+		bs["e3"].wholeTimedOut("backend e3 sent nothing for 30s")
+	}
+	wantMetrics(t, p.metrics(t),
+		`kvproxy_backend_ejections_total{backend="e0",reason="connect"} 1`,
+		`kvproxy_backend_ejections_total{backend="e1",reason="status"} 1`,
+		`kvproxy_backend_ejections_total{backend="e2",reason="error_answers"} 1`,
+		`kvproxy_backend_ejections_total{backend="e3",reason="timeout"} 1`,
+	)
 }
 
 // A probe that starts failing counts as an ejection for reason probe.
@@ -89,7 +83,7 @@ func TestProbeFailureCountsAsEjection(t *testing.T) {
 	b := p.s.st.Load().backends["e0"]
 	b.setProbe(false, "connection refused")
 	b.setProbe(false, "connection refused") // the same outage
-	wantMetrics(t, scrape(t, p),
+	wantMetrics(t, p.metrics(t),
 		`kvproxy_backend_ejections_total{backend="e0",reason="probe"} 1`,
 		`kvproxy_model_healthy_backends{model="m"} 0`,
 		`kvproxy_backend_healthy{backend="e0"} 0`,
@@ -126,7 +120,7 @@ func TestRateLimitedMetrics(t *testing.T) {
 	if resp, b := postAuth(t, p.url+"/v1/chat/completions", "key-beta-4567", body); resp.StatusCode != 429 {
 		t.Fatalf("beta's second request at once: %d %s", resp.StatusCode, b)
 	}
-	m := scrape(t, p)
+	m := p.metrics(t)
 	if !regexp.MustCompile(`kvproxy_rate_limited_total{limit="requests",tenant="delta"} [1-9]`).MatchString(m) {
 		t.Errorf("delta's refused requests not counted:\n%s", grepLines(m, "rate_limited"))
 	}
@@ -146,9 +140,9 @@ func TestQueueWaitingMetric(t *testing.T) {
 	}
 	go postAsync(p.url+"/v1/chat/completions", chatBody)
 	deadline := time.Now().Add(3 * time.Second)
-	for !strings.Contains(scrape(t, p), `kvproxy_queue_waiting{model="m"} 1`+"\n") {
+	for !strings.Contains(p.metrics(t), `kvproxy_queue_waiting{model="m"} 1`+"\n") {
 		if time.Now().After(deadline) {
-			t.Fatalf("no queued request shown:\n%s", grepLines(scrape(t, p), "queue"))
+			t.Fatalf("no queued request shown:\n%s", grepLines(p.metrics(t), "queue"))
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
@@ -176,7 +170,7 @@ func TestReloadMetricsAndSummary(t *testing.T) {
 		t.Fatal("a reload naming an unknown model was applied")
 	}
 	p.s.ReloadFailed()
-	wantMetrics(t, scrape(t, p),
+	wantMetrics(t, p.metrics(t),
 		`kvproxy_config_reloads_total{result="ok"} 1`,
 		`kvproxy_config_reloads_total{result="rejected"} 2`,
 		`kvproxy_config_last_reload_successful 0`,
@@ -227,7 +221,7 @@ func TestRejectionLogLinesAreBounded(t *testing.T) {
 	if lines+total != n {
 		t.Errorf("%d lines and %d suppressed for %d rejections:\n%s", lines, total, n, p.logs.String())
 	}
-	wantMetrics(t, scrape(t, p), `kvproxy_requests_total{backend="",code="401"} 60`)
+	wantMetrics(t, p.metrics(t), `kvproxy_requests_total{backend="",code="401"} 60`)
 }
 
 // Access lines name the client's address and the path; an engine's error
@@ -265,7 +259,7 @@ func TestKVEventsConnectedMetric(t *testing.T) {
 	p := startProxyYAML(t, "models: [{name: m}]\nbackends:\n"+
 		"  - {id: e0, url: 'http://{{e0}}', model: m, kv_events: {mode: zmq, endpoint: 'tcp://127.0.0.1:1'}}\n"+
 		"  - {id: e1, url: 'http://{{e1}}', model: m}\n", e, f)
-	m := scrape(t, p)
+	m := p.metrics(t)
 	wantMetrics(t, m, `kvproxy_kv_events_connected{backend="e0"} 0`, `kvproxy_model_healthy_backends{model="m"} 2`)
 	if strings.Contains(m, `kvproxy_kv_events_connected{backend="e1"}`) {
 		t.Errorf("a backend without a ZMQ feed has a connected series:\n%s", grepLines(m, "kv_events"))
@@ -287,7 +281,7 @@ func TestRerouteLogLinesAreBounded(t *testing.T) {
 		}
 	}
 	reroutes := 0
-	for _, line := range strings.Split(scrape(t, p), "\n") {
+	for _, line := range strings.Split(p.metrics(t), "\n") {
 		if strings.HasPrefix(line, `kvproxy_reroutes_total{backend="dead"}`) {
 			reroutes, _ = strconv.Atoi(line[strings.LastIndexByte(line, ' ')+1:])
 		}
@@ -319,7 +313,7 @@ func TestNoRetrySpentWithoutAnotherEngine(t *testing.T) {
 	if after := p.s.retries.tokens(); after < before {
 		t.Fatalf("retry budget %v → %v with no engine to retry on", before, after)
 	}
-	if m := scrape(t, p); strings.Contains(m, `kvproxy_reroutes_total{backend="only"}`) {
+	if m := p.metrics(t); strings.Contains(m, `kvproxy_reroutes_total{backend="only"}`) {
 		t.Fatalf("reroutes counted with no engine to reroute to:\n%s", m)
 	}
 	p.waitIdle(t)

@@ -58,7 +58,7 @@ func TestDeadEngineStaysDownThroughStartAndReload(t *testing.T) {
 	}
 	// One outage, one ejection: each reload counted another (found by the
 	// ninth session's third review).
-	if m := scrape(t, p); !strings.Contains(m, `kvproxy_backend_ejections_total{backend="dead",reason="probe"} 1`+"\n") {
+	if m := p.metrics(t); !strings.Contains(m, `kvproxy_backend_ejections_total{backend="dead",reason="probe"} 1`+"\n") {
 		t.Errorf("ejections of the dead engine after three reloads: %s", metricLine(m, `kvproxy_backend_ejections_total{backend="dead"`))
 	}
 	if !available(p, "m", "live") {

@@ -186,7 +186,7 @@ func (r *relay) end(out []byte, err error) []byte {
 	case backends.IsTimeout(err):
 		msg := "backend " + x.b.cfg.ID + " sent nothing for " + x.b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
 		x.errMsg = msg + " mid-stream"
-		x.b.fail("silent mid-stream")
+		x.b.fail(ejectTimeout, "silent mid-stream")
 		x.status = fasthttp.StatusGatewayTimeout
 		out = append(out, "data: "...)
 		out = append(out, errorJSON("the backend serving this request went silent mid-stream: "+msg, "timeout_error", "", "backend_timeout")...)

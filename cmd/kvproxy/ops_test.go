@@ -22,12 +22,14 @@ func opsConfig(t *testing.T, path, level, extra string, m mockSpec) {
 	}
 }
 
-// startStream starts a long stream and returns once its headers are in.
-func startStream(t *testing.T, p *proxyRun) {
+// startStream starts a stream of maxTokens and returns once its headers
+// are in; done closes when it has ended.
+func startStream(t *testing.T, p *proxyRun, maxTokens int) (done chan struct{}) {
 	t.Helper()
-	started := make(chan struct{})
+	started, done := make(chan struct{}), make(chan struct{})
 	go func() {
-		body := `{"model":"m","prompt":"hello there","max_tokens":4000,"stream":true}`
+		defer close(done)
+		body := fmt.Sprintf(`{"model":"m","prompt":"hello there","max_tokens":%d,"stream":true}`, maxTokens)
 		resp, err := http.Post("http://"+p.addr+"/v1/completions", "application/json", strings.NewReader(body))
 		close(started)
 		if err == nil {
@@ -36,6 +38,21 @@ func startStream(t *testing.T, p *proxyRun) {
 		}
 	}()
 	<-started
+	return done
+}
+
+// exitCode waits at most within for the proxy to exit, and gives its code
+// back to the channel for the test's cleanup.
+func exitCode(t *testing.T, p *proxyRun, within time.Duration) int {
+	t.Helper()
+	select {
+	case code := <-p.code:
+		p.code <- code
+		return code
+	case <-time.After(within):
+		t.Fatalf("still running %v later", within)
+		return 0
+	}
 }
 
 // A second SIGTERM during the drain exits at once, and says so; every
@@ -44,21 +61,15 @@ func TestSecondSignalExitsAtOnce(t *testing.T) {
 	cfg := filepath.Join(t.TempDir(), "c.yaml")
 	opsConfig(t, cfg, "info", "limits: {drain_timeout: 60s}\n", mockSpec{id: "m0", port: freePort(t), speedup: 0.02})
 	p := startProxy(t, cfg)
-	startStream(t, p)
+	startStream(t, p, 4000)
 	p.term <- syscall.SIGTERM
 	for !strings.Contains(p.logs.String(), `"message":"draining"`) {
 		time.Sleep(5 * time.Millisecond)
 	}
 	t0 := time.Now()
 	p.term <- syscall.SIGINT
-	select {
-	case code := <-p.code:
-		p.code <- code // for Cleanup
-		if code != 1 || time.Since(t0) > 2*time.Second {
-			t.Fatalf("exit code %d after %v", code, time.Since(t0))
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("still draining 10s after a second signal")
+	if code := exitCode(t, p, 10*time.Second); code != 1 || time.Since(t0) > 2*time.Second {
+		t.Fatalf("exit code %d after %v", code, time.Since(t0))
 	}
 	logs := p.logs.String()
 	for _, want := range []string{`"signal":"interrupt",`, `"message":"second signal: exiting without waiting for the requests in flight"`, `{"level":"error","code":1,`, `"message":"kvproxy exited"`} {
@@ -73,14 +84,9 @@ func TestDrainTimeoutLogsExit(t *testing.T) {
 	cfg := filepath.Join(t.TempDir(), "c.yaml")
 	opsConfig(t, cfg, "info", "limits: {drain_timeout: 200ms}\n", mockSpec{id: "m0", port: freePort(t), speedup: 0.02})
 	p := startProxy(t, cfg)
-	startStream(t, p)
+	startStream(t, p, 4000)
 	p.term <- syscall.SIGTERM
-	select {
-	case code := <-p.code:
-		p.code <- code
-	case <-time.After(10 * time.Second):
-		t.Fatal("still draining 10s after SIGTERM with drain_timeout 200ms")
-	}
+	exitCode(t, p, 10*time.Second) // drain_timeout is 200ms
 	logs := p.logs.String()
 	if !strings.Contains(logs, "drain timeout: cutting") || !strings.HasSuffix(strings.TrimSpace(logs), `"message":"kvproxy exited"}`) {
 		t.Errorf("the log does not end with the exit line:\n%s", logs)

@@ -3,8 +3,6 @@ package main
 import (
 	"bytes"
 	"fmt"
-	"io"
-	"net/http"
 	"os"
 	"path/filepath"
 	"runtime/pprof"
@@ -73,19 +71,7 @@ func TestReaddedBackendHasOneFeed(t *testing.T) {
 	if n := subscribers(); n != 1 {
 		t.Fatalf("%d subscribers at start", n)
 	}
-	started := make(chan struct{})
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		body := `{"model":"m","prompt":"hello","max_tokens":200,"stream":true}`
-		resp, err := http.Post("http://"+p.addr+"/v1/completions", "application/json", strings.NewReader(body))
-		close(started)
-		if err == nil {
-			io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-		}
-	}()
-	<-started
+	done := startStream(t, p, 200)
 	os.WriteFile(cfg, []byte(head+line("m0", m0)), 0o644)
 	p.reload(t)
 	os.WriteFile(cfg, []byte(head+line("m0", m0)+line("m1", m1)), 0o644)
