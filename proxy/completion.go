@@ -62,7 +62,8 @@ type exchange struct {
 	slot         *tenantSlot
 	usage        tokenUsage
 	errMsg       string
-	remote       net.IP // the client's address
+	remote       net.IP   // the client's address
+	resp         *respIDs // a Responses API request's ids; nil for others
 }
 
 // errCutMsg answers the requests still in flight at the drain deadline.
@@ -151,7 +152,17 @@ const (
 	retryable                // the engine never took the request: try another
 )
 
-func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool) {
+// api is the endpoint a generation request came to.
+type api int
+
+const (
+	apiCompletions api = iota
+	apiChat
+	apiResponses // rendered as the chat request vLLM makes of it
+)
+
+func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api) {
+	chat := kind != apiCompletions
 	in, ok := s.admit(ctx, st)
 	if !ok {
 		return
@@ -161,7 +172,13 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	sc := s.getScratch()
 	defer s.putScratch(sc)
 	req := &sc.req
-	if pe := req.parse(body, chat); pe != nil {
+	var pe *paramError
+	if kind == apiResponses {
+		pe = req.parseResponses(body)
+	} else {
+		pe = req.parse(body, chat)
+	}
+	if pe != nil {
 		badRequest(ctx, pe.param, pe.msg)
 		s.logRejected(ctx, rid, t.name, "", fasthttp.StatusBadRequest, start, pe.msg)
 		return
@@ -183,8 +200,12 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		return
 	}
 	lim := st.cfg.Limits
+	list := "messages"
+	if kind == apiResponses {
+		list = "input"
+	}
 	if len(req.messages) > lim.MaxMessages {
-		badRequest(ctx, "messages", fmt.Sprintf("%d messages exceed the limit of %d", len(req.messages), lim.MaxMessages))
+		badRequest(ctx, list, fmt.Sprintf("%d messages exceed the limit of %d", len(req.messages), lim.MaxMessages))
 		s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusBadRequest, start, "too many messages")
 		return
 	}
@@ -248,7 +269,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		param, what := "prompt", "the prompt"
 		switch {
 		case chat:
-			param = "messages"
+			param = list
 		case len(req.batchTokens)+len(req.batchTexts) > 0:
 			param, what = fmt.Sprintf("prompt[%d]", at), fmt.Sprintf("prompt %d of the batch", at)
 		}
@@ -288,6 +309,12 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 		s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusBadRequest, start, "bad backend_instance_id")
 		return
 	}
+	var ids *respIDs
+	if kind == apiResponses {
+		if ids = s.previousResponse(ctx, st, p, req, rr, rid, t.name, start); ids == nil {
+			return
+		}
+	}
 
 	if dryRun {
 		t0 := time.Now()
@@ -307,11 +334,14 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, chat bool
 	}
 
 	path := "/v1/completions"
-	if chat {
+	switch kind {
+	case apiChat:
 		path = "/v1/chat/completions"
+	case apiResponses:
+		path = "/v1/responses"
 	}
 	x := s.newExchange(rid, engineID, path, req.stream, start, p, req.model)
-	x.tenant, x.promptTokens, x.slot = t.name, counted, in.slot
+	x.tenant, x.promptTokens, x.slot, x.resp = t.name, counted, in.slot, ids
 	s.dispatch(ctx, st, sc, x, salt)
 }
 
@@ -641,6 +671,9 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	}
 	*at = attempt{ab: x.ab, active: active}
 	x.watch = s.watcher.Watch(ctx.Conn(), at)
+	if x.resp != nil {
+		x.resp.tag = respTag(b.cfg.ID)
+	}
 	x.sent = time.Now()
 	resp := fasthttp.AcquireResponse()
 	stream, err := b.up.Do(fr, resp, x.stream || x.pass, x.ab)
@@ -738,7 +771,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			return x.endAttempt()
 		}
 		switch {
-		case code == fasthttp.StatusUnauthorized || code == fasthttp.StatusForbidden || code == fasthttp.StatusNotFound && !x.pass:
+		case code == fasthttp.StatusUnauthorized || code == fasthttp.StatusForbidden ||
+			code == fasthttp.StatusNotFound && !x.pass && !x.resp.lostPrevious(resp.Body()):
 			// The engine gets kvproxy's key (backends[].api_key), never
 			// the client's, and the model kvproxy routed to it: a refusal
 			// or a 404 (an engine started with another --served-model-name)
@@ -867,6 +901,12 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 	} else {
 		body = normalizeEngineError(code, body)
 		x.errMsg = "engine answered " + strconv.Itoa(code) + engineErrorKind(body)
+	}
+	if x.resp != nil && enc == nil {
+		if code == fasthttp.StatusOK {
+			x.resp.learn(body)
+		}
+		body = x.resp.rewrite(body)
 	}
 	if code == fasthttp.StatusTooManyRequests || code == fasthttp.StatusServiceUnavailable {
 		if ra := resp.Header.Peek("Retry-After"); len(ra) > 0 {

@@ -56,6 +56,10 @@ func (et *engineTokenizer) tokens(p *modelPool, req *apiRequest, chat bool, maxT
 		body.Messages = req.fields.Messages
 		gen := req.addGenPrompt
 		body.AddGenerationPrompt = &gen
+		if req.responses {
+			// The chat request the engine makes of the response.
+			body.Messages, body.Tools = req.chatJSON(), json.RawMessage(req.tools)
+		}
 	} else {
 		body.Prompt = req.fields.Prompt
 	}
@@ -65,7 +69,8 @@ func (et *engineTokenizer) tokens(p *modelPool, req *apiRequest, chat bool, maxT
 	}
 	h.Write(body.Messages)
 	h.Write(body.Prompt)
-	for m := (members{b: req.body}); m.next(); {
+	h.Write(body.Tools)
+	for m := (members{b: req.body}); m.next() && !req.responses; {
 		if isNull(m.value) {
 			continue
 		}

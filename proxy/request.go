@@ -80,6 +80,12 @@ type apiRequest struct {
 	batchTokens  [][]uint32
 	addGenPrompt bool
 	cacheSalt    string // the client's own, within its tenant's (composeSalt)
+	// responses: a Responses API request (parseResponses), whose
+	// previous_response_id is prevResponse as the client sent it; the
+	// engine gets prevEngine instead when it is set.
+	responses    bool
+	prevResponse string
+	prevEngine   string
 
 	wire  []wireMessage // messages as scanned, before validation
 	text  []byte        // decoded strings that are not the body's own bytes
@@ -146,6 +152,28 @@ func (r *apiRequest) parse(body []byte, chat bool) *paramError {
 			f.Tools = m.value
 		}
 	}
+	if pe := r.readCommon(); pe != nil {
+		return pe
+	}
+	if raw := f.AddGenerationPrompt; raw != nil && chat && !isNull(raw) {
+		var ok bool
+		if r.addGenPrompt, ok = jsonBool(raw); !ok {
+			return perr("add_generation_prompt", "add_generation_prompt must be a boolean")
+		}
+	}
+	if chat {
+		if pe := r.parseTools(); pe != nil {
+			return pe
+		}
+		return r.parseMessages()
+	}
+	return r.parsePrompt()
+}
+
+// readCommon reads the fields every generation request has: model,
+// stream, nvext and cache_salt.
+func (r *apiRequest) readCommon() *paramError {
+	f := &r.fields
 	if pe := r.readModel(); pe != nil {
 		return pe
 	}
@@ -168,19 +196,7 @@ func (r *apiRequest) parse(body []byte, chat bool) *paramError {
 			return perr("cache_salt", "cache_salt must be a non-empty string if provided")
 		}
 	}
-	if raw := f.AddGenerationPrompt; raw != nil && chat && !isNull(raw) {
-		var ok bool
-		if r.addGenPrompt, ok = jsonBool(raw); !ok {
-			return perr("add_generation_prompt", "add_generation_prompt must be a boolean")
-		}
-	}
-	if chat {
-		if pe := r.parseTools(); pe != nil {
-			return pe
-		}
-		return r.parseMessages()
-	}
-	return r.parsePrompt()
+	return nil
 }
 
 func isNull(v []byte) bool { return string(v) == "null" }
@@ -318,7 +334,7 @@ func (r *apiRequest) parseMessages() *paramError {
 		if role == "" { // any other role is the template's to render or refuse (Llama 3.1's ipython)
 			return perr(fmt.Sprintf("messages[%d].role", i), "every message needs a role: a non-empty string such as system, user, assistant or tool")
 		}
-		content, pe := r.flattenContent(w, i)
+		content, pe := r.flattenContent(w.content, "messages", i)
 		if pe != nil {
 			return pe
 		}
@@ -347,8 +363,8 @@ func (r *apiRequest) parseMessages() *paramError {
 
 // flattenContent is the routed text of a message: its content string, or
 // its content parts joined by newlines as vLLM joins them.
-func (r *apiRequest) flattenContent(w *wireMessage, i int) (string, *paramError) {
-	raw := w.content
+// list names the array the message is in, for errors.
+func (r *apiRequest) flattenContent(raw []byte, list string, i int) (string, *paramError) {
 	if len(raw) == 0 || isNull(raw) {
 		return "", nil
 	}
@@ -356,7 +372,7 @@ func (r *apiRequest) flattenContent(w *wireMessage, i int) (string, *paramError)
 		return r.decodeString(raw), nil
 	}
 	if raw[0] != '[' {
-		return "", perr(fmt.Sprintf("messages[%d].content", i), "content must be a string or an array of content parts")
+		return "", perr(fmt.Sprintf("%s[%d].content", list, i), "content must be a string or an array of content parts")
 	}
 	start := len(r.text)
 	j, parts := 0, 0
@@ -367,7 +383,7 @@ func (r *apiRequest) flattenContent(w *wireMessage, i int) (string, *paramError)
 		} else {
 			t, isText, ok := contentPart(e.value)
 			if !ok {
-				return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type, or a string")
+				return "", perr(fmt.Sprintf("%s[%d].content[%d]", list, i, j), "content part must be an object with a type, or a string")
 			}
 			if isText && t == nil {
 				continue // vLLM skips a text part without text
@@ -635,7 +651,8 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 	n := 0
 	m := members{b: r.body}
 	for m.next() {
-		if keyIs(m.key, "nvext") || keyIs(m.key, "cache_salt") || keyIs(m.key, "model") || keyIs(m.key, "stream") {
+		if keyIs(m.key, "nvext") || keyIs(m.key, "cache_salt") || keyIs(m.key, "model") || keyIs(m.key, "stream") ||
+			r.prevEngine != "" && keyIs(m.key, "previous_response_id") {
 			continue
 		}
 		if n > 0 {
@@ -659,6 +676,10 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 	if salt != "" {
 		out = append(out, `,"cache_salt":`...)
 		out = appendJSONQuoted(out, salt)
+	}
+	if r.prevEngine != "" {
+		out = append(out, `,"previous_response_id":`...)
+		out = appendJSONQuoted(out, r.prevEngine)
 	}
 	return append(out, '}'), nil
 }

@@ -636,8 +636,9 @@ type route struct {
 
 func (s *Server) routes() map[string]route {
 	t := map[string]route{
-		"/v1/chat/completions": {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, true) }},
-		"/v1/completions":      {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, false) }},
+		"/v1/chat/completions": {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, apiChat) }},
+		"/v1/completions":      {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, apiCompletions) }},
+		"/v1/responses":        {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, apiResponses) }},
 		"/v1/models":           {fasthttp.MethodGet, client, s.handleModels},
 		"/health":              {fasthttp.MethodGet, public, s.handleHealth},
 		"/healthz":             {fasthttp.MethodGet, public, s.handleHealth},
@@ -647,10 +648,6 @@ func (s *Server) routes() map[string]route {
 		"/admin/reload":        {fasthttp.MethodPost, admin, func(ctx *fasthttp.RequestCtx, _ *state) { s.handleAdminReload(ctx) }},
 		"/v1/kv_events":        {fasthttp.MethodPost, admin, s.handleKVEvents},
 	}
-	t["/v1/responses"] = route{fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, _ *state) {
-		writeError(ctx, fasthttp.StatusNotFound, "kvproxy does not proxy the Responses API: an engine keeps each response it made, and previous_response_id would have to reach that engine; use /v1/chat/completions", "invalid_request_error", "", "unsupported_endpoint")
-		s.logUnrouted(ctx, "the Responses API is not proxied")
-	}}
 	for path := range passthroughPaths {
 		t[path] = route{fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handlePassthrough(ctx, st, path) }}
 	}
@@ -666,6 +663,11 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	r, ok := s.routeTable[string(ctx.Path())]
 	if !ok && bytes.HasPrefix(ctx.Path(), modelPathPrefix) {
 		r, ok = route{fasthttp.MethodGet, client, s.handleModel}, true
+	}
+	if !ok && bytes.HasPrefix(ctx.Path(), responsesPathPrefix) {
+		// It checks the key (as completions do) and its methods itself.
+		s.handleResponseByID(ctx, s.st.Load())
+		return
 	}
 	if !ok {
 		writeError(ctx, fasthttp.StatusNotFound, "unknown path "+strconv.Quote(string(ctx.Path())), "invalid_request_error", "", "not_found")

@@ -146,7 +146,9 @@ func (r *relay) events(out []byte) []byte {
 		if !ok {
 			return out
 		}
-		if fixed := r.onEvent(content); fixed != nil {
+		if r.x.resp != nil {
+			raw = r.onResponsesEvent(raw, content)
+		} else if fixed := r.onEvent(content); fixed != nil {
 			raw = fixed
 		}
 		out = append(out, raw...)
@@ -170,9 +172,7 @@ func (r *relay) end(out []byte, err error) []byte {
 	case (errors.Is(err, backends.ErrAborted) || x.ab.Aborted()) && x.s.live.isCut():
 		x.errMsg = errCutMsg
 		x.status = fasthttp.StatusServiceUnavailable
-		out = append(out, "data: "...)
-		out = append(out, errorJSON(errCutMsg, "service_unavailable", "", "shutting_down")...)
-		out = append(append(out, "\n\n"...), doneEvent...)
+		out = r.failEvent(out, errCutMsg, "service_unavailable", "shutting_down")
 	case errors.Is(err, backends.ErrAborted) || x.ab.Aborted():
 		x.status = 499
 	case errors.Is(err, errEventTooLarge):
@@ -180,30 +180,27 @@ func (r *relay) end(out []byte, err error) []byte {
 		// with prompt logprobs of a huge prompt): the engine stays in.
 		x.errMsg = "backend " + x.b.cfg.ID + " sent " + err.Error()
 		x.status = fasthttp.StatusBadGateway
-		out = append(out, "data: "...)
-		out = append(out, errorJSON("the answer holds "+err.Error()+", more than kvproxy relays", "upstream_error", "", "event_too_large")...)
-		out = append(append(out, "\n\n"...), doneEvent...)
+		out = r.failEvent(out, "the answer holds "+err.Error()+", more than kvproxy relays", "upstream_error", "event_too_large")
 	case backends.IsTimeout(err):
 		msg := "backend " + x.b.cfg.ID + " sent nothing for " + x.b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
 		x.errMsg = msg + " mid-stream"
 		x.b.fail(ejectTimeout, "silent mid-stream")
 		x.status = fasthttp.StatusGatewayTimeout
-		out = append(out, "data: "...)
-		out = append(out, errorJSON("the backend serving this request went silent mid-stream: "+msg, "timeout_error", "", "backend_timeout")...)
-		out = append(append(out, "\n\n"...), doneEvent...)
+		out = r.failEvent(out, "the backend serving this request went silent mid-stream: "+msg, "timeout_error", "backend_timeout")
 	default:
 		// The engine failed mid-stream (an error, or the connection ended
 		// before [DONE]: a dropped chunked stream reads as a plain EOF): tell
 		// the client in OpenAI's shape and end the stream properly.
 		if errors.Is(err, io.EOF) || errors.Is(err, backends.ErrTruncated) {
 			err = errors.New("stream ended without [DONE]")
+			if x.resp != nil {
+				err = errors.New("stream ended before the response's last event")
+			}
 		}
 		x.errMsg = "backend " + x.b.cfg.ID + " failed mid-stream: " + err.Error()
 		x.b.failConn("mid-stream: " + err.Error())
 		x.status = fasthttp.StatusBadGateway
-		out = append(out, "data: "...)
-		out = append(out, errorJSON("the backend serving this request failed mid-stream", "upstream_error", "", "backend_failed")...)
-		out = append(append(out, "\n\n"...), doneEvent...)
+		out = r.failEvent(out, "the backend serving this request failed mid-stream", "upstream_error", "backend_failed")
 	}
 	return out
 }
@@ -291,6 +288,19 @@ func (r *relay) onEvent(ev []byte) []byte {
 	return fixed
 }
 
+// failEvent appends the event that ends a stream the engine or kvproxy
+// failed: an OpenAI error and [DONE], or for a response the Responses
+// API's error event (its streams have no [DONE]).
+func (r *relay) failEvent(out []byte, msg, typ, code string) []byte {
+	if r.x.resp != nil {
+		out = append(out, "event: error\ndata: "...)
+		return append(append(out, responsesErrorJSON(msg, code)...), "\n\n"...)
+	}
+	out = append(out, "data: "...)
+	out = append(out, errorJSON(msg, typ, "", code)...)
+	return append(append(out, "\n\n"...), doneEvent...)
+}
+
 // isErrorFrame reports whether data, an event's JSON, is an engine's error:
 // an object whose first member is "error" holding an object, or "object"
 // holding "error". A chunk's first member is "id", so this costs a few
@@ -340,28 +350,43 @@ func firstMember(data []byte) (key, val []byte, ok bool) {
 }
 
 func (r *relay) onData(data []byte) {
-	x := r.x
-	if !r.sawFirst {
-		r.sawFirst = true
-		now := time.Now()
-		x.ttft = now.Sub(x.start)
-		x.active.PrefillDone()
-		// The engine's part only: time in kvproxy's queue, on /tokenize
-		// or on refused attempts is not the engine being slow (calibration
-		// took it for that; found by the eighth session's review).
-		x.active.ObserveTTFT(now.Sub(x.sent))
-		x.s.metrics.observeTTFT(x.b.cfg.ID, x.ttft.Seconds())
-	}
 	if carriesToken(data) {
-		x.outputTokens++
-		if bs := x.p.cfg.BlockSize; x.outputTokens/bs > r.blocks {
-			r.blocks++
-			x.active.OutputBlock()
-		}
+		r.onToken()
 		return
 	}
+	if !r.sawFirst {
+		r.firstEvent()
+	}
 	// Usage arrives in a chunk of its own (stream_options.include_usage).
-	x.usage.read(data)
+	r.x.usage.read(data)
+}
+
+// onToken counts an event that carried output, the first of them ending
+// the prefill.
+func (r *relay) onToken() {
+	if !r.sawFirst {
+		r.firstEvent()
+	}
+	x := r.x
+	x.outputTokens++
+	if bs := x.p.cfg.BlockSize; x.outputTokens/bs > r.blocks {
+		r.blocks++
+		x.active.OutputBlock()
+	}
+}
+
+// firstEvent ends the prefill: the engine has started to answer.
+func (r *relay) firstEvent() {
+	x := r.x
+	r.sawFirst = true
+	now := time.Now()
+	x.ttft = now.Sub(x.start)
+	x.active.PrefillDone()
+	// The engine's part only: time in kvproxy's queue, on /tokenize
+	// or on refused attempts is not the engine being slow (calibration
+	// took it for that; found by the eighth session's review).
+	x.active.ObserveTTFT(now.Sub(x.sent))
+	x.s.metrics.observeTTFT(x.b.cfg.ID, x.ttft.Seconds())
 }
 
 // carriesToken reports whether a chunk carries generated output: a

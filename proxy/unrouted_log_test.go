@@ -37,7 +37,7 @@ func TestUnroutedRequestsAreLogged(t *testing.T) {
 	}{
 		{"GET", "/no/such/path", 404},
 		{"GET", "/v1/models", 401},
-		{"POST", "/v1/responses", 404},
+		{"POST", "/v1/threads", 404},
 		{"PUT", "/health", 405},
 	} {
 		if got := do(c.method, c.path); got != c.status {
@@ -68,7 +68,7 @@ func TestUnroutedRequestsAreLogged(t *testing.T) {
 	for _, want := range []string{
 		`"method":"GET","path":"/no/such/path","status":404`,
 		`"method":"GET","path":"/v1/models","status":401`,
-		`"method":"POST","path":"/v1/responses","status":404`,
+		`"method":"POST","path":"/v1/threads","status":404`,
 		`"method":"PUT","path":"/health","status":405`,
 		`"remote":"127.0.0.1","status":431,"error":"headers too large"`,
 	} {

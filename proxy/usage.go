@@ -13,6 +13,9 @@ var (
 	promptKey     = []byte(`"prompt_tokens":`)
 	completionKey = []byte(`"completion_tokens":`)
 	cachedKey     = []byte(`"cached_tokens":`)
+	// The Responses API's names.
+	inputKey  = []byte(`"input_tokens":`)
+	outputKey = []byte(`"output_tokens":`)
 )
 
 // read fills u from the usage object in an engine answer or stream chunk,
@@ -28,8 +31,12 @@ func (u *tokenUsage) read(b []byte) {
 	b = b[i+len(usageKey):]
 	if n := intAfter(b, promptKey); n >= 0 {
 		u.prompt = n
+	} else if n := intAfter(b, inputKey); n >= 0 {
+		u.prompt = n
 	}
 	if n := intAfter(b, completionKey); n >= 0 {
+		u.completion = n
+	} else if n := intAfter(b, outputKey); n >= 0 {
 		u.completion = n
 	}
 	if n := intAfter(b, cachedKey); n >= 0 {

@@ -1,0 +1,641 @@
+package proxy
+
+import (
+	"bytes"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/valyala/fasthttp"
+	"github.com/zeebo/xxh3"
+
+	"github.com/kvproxy/kvproxy/backends"
+	"github.com/kvproxy/kvproxy/router"
+	"github.com/kvproxy/kvproxy/tokenize"
+)
+
+// The OpenAI Responses API (POST /v1/responses) is routed as the chat
+// request the engine makes of it: vLLM turns instructions, input items and
+// tools into chat messages and tools for the model's template
+// (construct_input_messages), and so does parseResponses, so a response is
+// tokenized, hashed and counted like its chat equivalent.
+//
+// A response an engine stores (store: true, vLLM with
+// VLLM_ENABLE_RESPONSES_API_STORE) lives on that engine only, and a later
+// request names it with previous_response_id. kvproxy therefore gives the
+// client response ids that name the backend: "resp_kvp" + 8 hex digits of
+// the backend id's hash + "_" + the engine's own id. A request that names
+// such an id goes to that backend with the engine's id, from any kvproxy
+// replica and across restarts, with no table to keep.
+
+const (
+	respIDPrefix = "resp_kvp"
+	respTagLen   = 8
+)
+
+// respTag is the backend's tag in the response ids it made.
+func respTag(backendID string) string {
+	var b [8]byte
+	return string(strconv.AppendUint(b[:0], xxh3.HashString(backendID)>>32|1<<32, 16)[1:])
+}
+
+// appendTaggedID appends the client's id for the engine's id orig, made by
+// the backend with tag.
+func appendTaggedID(dst []byte, tag string, orig []byte) []byte {
+	dst = append(dst, respIDPrefix...)
+	dst = append(dst, tag...)
+	dst = append(dst, '_')
+	return append(dst, orig...)
+}
+
+// splitTaggedID splits a client's response id into the backend's tag and
+// the engine's id; ok is false for an id kvproxy did not make.
+func splitTaggedID(id string) (tag, orig string, ok bool) {
+	n := len(respIDPrefix) + respTagLen
+	if len(id) <= n+1 || id[:len(respIDPrefix)] != respIDPrefix || id[n] != '_' {
+		return "", "", false
+	}
+	for i := len(respIDPrefix); i < n; i++ {
+		if c := id[i]; (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return "", "", false
+		}
+	}
+	return id[len(respIDPrefix):n], id[n+1:], true
+}
+
+// backendByTag is the backend whose response ids carry tag, within pool p
+// (nil: any model's).
+func (st *state) backendByTag(tag string, p *modelPool) *backend {
+	for id, b := range st.backends {
+		if (p == nil || b.pool == p) && respTag(id) == tag {
+			return b
+		}
+	}
+	return nil
+}
+
+// respIDs are the response ids of one Responses exchange: what the engine
+// calls them and what the client does.
+type respIDs struct {
+	tag        string // the serving backend's
+	prevOrig   string // previous_response_id, as the engine knows it ("" for none)
+	prevTagged string // as the client sent it
+	// The answer's own id, quoted, once read from it.
+	orig, tagged []byte
+}
+
+// learn reads the answer's id from a response object (a non-streamed
+// answer, or the "response" member of a streamed event) the first time
+// one comes.
+func (ids *respIDs) learn(obj []byte) {
+	if ids.orig != nil {
+		return
+	}
+	for m := (members{b: obj}); m.next(); {
+		if keyIs(m.key, "id") && len(m.value) > 2 && m.value[0] == '"' && bytes.IndexByte(m.value, '\\') < 0 {
+			ids.orig = append([]byte(nil), m.value...)
+			ids.tagged = append(appendTaggedID([]byte{'"'}, ids.tag, m.value[1:len(m.value)-1]), '"')
+			return
+		}
+	}
+}
+
+// rewrite replaces the engine's ids in text, an answer or event, with the
+// client's: the answer's own, and the previous response's it echoes. It
+// returns text itself when neither is in it.
+func (ids *respIDs) rewrite(text []byte) []byte {
+	if ids.orig != nil && bytes.Contains(text, ids.orig) {
+		text = bytes.ReplaceAll(text, ids.orig, ids.tagged)
+	}
+	if ids.prevOrig != "" && ids.prevOrig != ids.prevTagged {
+		q := strconv.Quote(ids.prevOrig)
+		if bytes.Contains(text, []byte(q)) {
+			text = bytes.ReplaceAll(text, []byte(q), []byte(strconv.Quote(ids.prevTagged)))
+		}
+	}
+	return text
+}
+
+// The top-level members of a Responses request parseResponses reads, and
+// of an input item.
+const (
+	itemType = iota
+	itemRole
+	itemContent
+	itemCallID
+	itemName
+	itemArguments
+	itemOutput
+	itemSummary
+	itemMembersLen
+)
+
+var itemMembers = [itemMembersLen]string{"type", "role", "content", "call_id", "name", "arguments", "output", "summary"}
+
+// parseResponses fills r, new or reset, from a Responses API request: its
+// instructions, input and tools become the messages and tools the engine's
+// chat template renders, as vLLM builds them.
+func (r *apiRequest) parseResponses(body []byte) *paramError {
+	r.addGenPrompt = true
+	r.responses = true
+	if pe := r.setBody(body); pe != nil {
+		return pe
+	}
+	f := &r.fields
+	var input, instructions, toolChoice, prev []byte
+	for m := (members{b: r.body}); m.next(); {
+		switch {
+		case keyIs(m.key, "model"):
+			f.Model = m.value
+		case keyIs(m.key, "stream"):
+			f.Stream = m.value
+		case keyIs(m.key, "nvext"):
+			f.Nvext = m.value
+		case keyIs(m.key, "cache_salt"):
+			f.CacheSalt = m.value
+		case keyIs(m.key, "tools"):
+			f.Tools = m.value
+		case keyIs(m.key, "input"):
+			input = m.value
+		case keyIs(m.key, "instructions"):
+			instructions = m.value
+		case keyIs(m.key, "tool_choice"):
+			toolChoice = m.value
+		case keyIs(m.key, "previous_response_id"):
+			prev = m.value
+		}
+	}
+	if pe := r.readCommon(); pe != nil {
+		return pe
+	}
+	if prev != nil && !isNull(prev) {
+		if prev[0] != '"' || len(prev) == 2 {
+			return perr("previous_response_id", "previous_response_id must be a non-empty string")
+		}
+		r.prevResponse = r.decodeString(prev)
+	}
+	if instructions != nil && !isNull(instructions) {
+		if instructions[0] != '"' {
+			return perr("instructions", "instructions must be a string")
+		}
+		if text := r.decodeString(instructions); text != "" {
+			r.messages = append(r.messages, tokenize.Message{Role: "system", Content: text})
+		}
+	}
+	if pe := r.responsesTools(f.Tools, toolChoice); pe != nil {
+		return pe
+	}
+	return r.responsesInput(input)
+}
+
+// responsesInput appends the input's messages: a string is the user's
+// message; items become messages as vLLM's construct_chat_messages_with_tool_call
+// makes them.
+func (r *apiRequest) responsesInput(raw []byte) *paramError {
+	if raw == nil || isNull(raw) {
+		return perr("input", "you must provide an input parameter")
+	}
+	if raw[0] == '"' {
+		r.messages = append(r.messages, tokenize.Message{Role: "user", Content: r.decodeString(raw)})
+		return nil
+	}
+	if raw[0] != '[' {
+		return perr("input", "input must be a string or an array of input items")
+	}
+	i := 0
+	for e := (elements{b: raw}); e.next(); i++ {
+		if e.value[0] != '{' {
+			return perr(fmt.Sprintf("input[%d]", i), "every input item must be an object")
+		}
+		var v [itemMembersLen][]byte
+		membersNamed(e.value, itemMembers[:], v[:])
+		typ := "message"
+		if t := v[itemType]; t != nil && !isNull(t) {
+			if t[0] != '"' {
+				return perr(fmt.Sprintf("input[%d].type", i), "type must be a string")
+			}
+			typ = shortString(t)
+		}
+		msg, pe := r.inputItem(typ, &v, i)
+		if pe != nil {
+			return pe
+		}
+		r.messages = append(r.messages, msg)
+	}
+	if i == 0 {
+		return perr("input", "input must not be empty")
+	}
+	return nil
+}
+
+// inputItem is the chat message of the input item i of type typ, whose
+// members are v.
+func (r *apiRequest) inputItem(typ string, v *[itemMembersLen][]byte, i int) (tokenize.Message, *paramError) {
+	str := func(k int) ([]byte, *paramError) {
+		if s := v[k]; s != nil && s[0] == '"' {
+			return s, nil
+		}
+		return nil, perr(fmt.Sprintf("input[%d].%s", i, itemMembers[k]), "%s must be a string", itemMembers[k])
+	}
+	switch typ {
+	case "message":
+		role := v[itemRole]
+		if role == nil || role[0] != '"' || len(role) == 2 {
+			return tokenize.Message{}, perr(fmt.Sprintf("input[%d].role", i), "a message item needs a role: user, system, developer or assistant")
+		}
+		content, pe := r.flattenContent(v[itemContent], "input", i)
+		return tokenize.Message{Role: r.decodeString(role), Content: content}, pe
+	case "function_call":
+		var parts [3][]byte
+		for j, k := range [...]int{itemCallID, itemName, itemArguments} {
+			s, pe := str(k)
+			if pe != nil {
+				return tokenize.Message{}, pe
+			}
+			parts[j] = s
+		}
+		// A chat tool call, members in the order vLLM builds it.
+		start := len(r.text)
+		r.text = append(r.text, `[{"id":`...)
+		r.text = append(r.text, parts[0]...)
+		r.text = append(r.text, `,"function":{"name":`...)
+		r.text = append(r.text, parts[1]...)
+		r.text = append(r.text, `,"arguments":`...)
+		r.text = append(r.text, parts[2]...)
+		r.text = append(r.text, `},"type":"function"}]`...)
+		return tokenize.Message{Role: "assistant", ToolCalls: r.textFrom(start)}, nil
+	case "function_call_output":
+		id, pe := str(itemCallID)
+		if pe != nil {
+			return tokenize.Message{}, pe
+		}
+		output, pe := r.flattenContent(v[itemOutput], "input", i)
+		return tokenize.Message{Role: "tool", Content: output, ToolCallID: r.decodeString(id)}, pe
+	case "reasoning":
+		// vLLM: the summary's text if it has one part, else the
+		// content's if it has one, else nothing.
+		text := onlyText(v[itemSummary])
+		if text == nil {
+			text = onlyText(v[itemContent])
+		}
+		msg := tokenize.Message{Role: "assistant"}
+		if text != nil {
+			msg.Reasoning = r.decodeString(text)
+		}
+		return msg, nil
+	}
+	return tokenize.Message{}, perr(fmt.Sprintf("input[%d].type", i), "input items of type %q are not supported: use message, function_call, function_call_output or reasoning items", typ)
+}
+
+// onlyText is the text string of the one element of parts, an array of
+// objects; nil when parts has another number of elements.
+func onlyText(parts []byte) []byte {
+	if parts == nil || parts[0] != '[' {
+		return nil
+	}
+	var text []byte
+	n := 0
+	for e := (elements{b: parts}); e.next(); n++ {
+		if e.value[0] == '{' {
+			var t [1][]byte
+			if s := membersNamed(e.value, []string{"text"}, t[:])[0]; s != nil && s[0] == '"' {
+				text = s
+			}
+		}
+	}
+	if n != 1 {
+		return nil
+	}
+	return text
+}
+
+var toolMembers = []string{"type", "name", "parameters", "strict", "description"}
+
+// responsesTools sets r.tools to the chat tools vLLM gives the template:
+// none with tool_choice "none", else each tool as {"type": "function",
+// "function": tool}, a function tool's members as pydantic dumps them
+// (name, parameters, strict, type, description; null when absent). A
+// request without tools gives the template an empty list, as vLLM does.
+func (r *apiRequest) responsesTools(raw, toolChoice []byte) *paramError {
+	if toolChoice != nil && toolChoice[0] == '"' && shortString(toolChoice) == "none" {
+		return nil
+	}
+	if raw != nil && !isNull(raw) && raw[0] != '[' {
+		return perr("tools", "tools must be an array of tool objects")
+	}
+	start := len(r.text)
+	r.text = append(r.text, '[')
+	n := 0
+	for e := (elements{b: raw}); raw != nil && !isNull(raw) && e.next(); n++ {
+		if e.value[0] != '{' {
+			return perr(fmt.Sprintf("tools[%d]", n), "tools must be an array of tool objects")
+		}
+		if n > 0 {
+			r.text = append(r.text, ',')
+		}
+		r.text = append(r.text, `{"type":"function","function":`...)
+		var v [5][]byte
+		membersNamed(e.value, toolMembers, v[:])
+		if t := v[0]; t == nil || t[0] != '"' || shortString(t) != "function" {
+			r.text = append(r.text, e.value...) // a built-in tool: as sent
+		} else {
+			if v[1] == nil || v[1][0] != '"' {
+				return perr(fmt.Sprintf("tools[%d].name", n), "a function tool needs a name (a string)")
+			}
+			r.text = append(r.text, `{"name":`...)
+			r.text = append(r.text, v[1]...)
+			for j, k := range [...]string{`,"parameters":`, `,"strict":`} {
+				r.text = append(r.text, k...)
+				r.text = appendOrNull(r.text, v[2+j])
+			}
+			r.text = append(r.text, `,"type":"function","description":`...)
+			r.text = appendOrNull(r.text, v[4])
+			r.text = append(r.text, '}')
+		}
+		r.text = append(r.text, '}')
+	}
+	r.text = append(r.text, ']')
+	r.tools = r.textFrom(start)
+	return nil
+}
+
+func appendOrNull(dst, v []byte) []byte {
+	if v == nil {
+		return append(dst, "null"...)
+	}
+	return append(dst, v...)
+}
+
+var (
+	eventPrefix = []byte("event:")
+	deltaKey    = []byte(`"delta":`)
+	responseKey = []byte(`"response":`)
+)
+
+// onResponsesEvent inspects one event of a streamed response (raw, with
+// content its text without the blank line that ends it) and returns it as
+// the client gets it: with the response ids the client knows. An event
+// whose delta is not empty carries output (text, reasoning, a tool call's
+// arguments), the first of them ending the prefill: vLLM sends
+// response.created and response.in_progress before it has computed
+// anything. The stream ends with response.completed, response.incomplete
+// or response.failed; it has no [DONE].
+func (r *relay) onResponsesEvent(raw, content []byte) []byte {
+	var name, data []byte
+	for ev := content; len(ev) > 0; {
+		line := ev
+		if k, n := lineEnd(ev); k >= 0 {
+			line, ev = ev[:k], ev[k+n:]
+		} else {
+			line, ev = bytes.TrimSuffix(ev, cr), nil
+		}
+		switch {
+		case bytes.HasPrefix(line, eventPrefix):
+			name = bytes.TrimLeft(line[len(eventPrefix):], " ")
+		case bytes.HasPrefix(line, dataPrefix) && data == nil:
+			data = bytes.TrimLeft(line[len(dataPrefix):], " ")
+		}
+	}
+	if data == nil {
+		return raw
+	}
+	if v := valueAfter(data, deltaKey); len(v) > 1 && v[0] == '"' && v[1] != '"' {
+		r.onToken()
+		return raw
+	}
+	ids := r.x.resp
+	if ids.orig == nil && bytes.Contains(data, responseKey) {
+		for m := (members{b: data}); m.next(); {
+			if keyIs(m.key, "response") && len(m.value) > 0 && m.value[0] == '{' {
+				ids.learn(m.value)
+			}
+		}
+	}
+	r.x.usage.read(data)
+	if name == nil {
+		name = typeOf(data)
+	}
+	switch string(name) {
+	case "response.completed", "response.incomplete":
+		r.sawDone = true
+	case "response.failed":
+		r.sawDone = true
+		r.x.errMsg = "engine: response failed"
+	case "error":
+		r.x.errMsg = "engine error event"
+	}
+	return ids.rewrite(raw)
+}
+
+// typeOf is the value of an event's top-level "type" member, a short
+// string; nil if it has none.
+func typeOf(data []byte) []byte {
+	for m := (members{b: data}); m.next(); {
+		if keyIs(m.key, "type") && len(m.value) > 1 && m.value[0] == '"' && bytes.IndexByte(m.value, '\\') < 0 {
+			return m.value[1 : len(m.value)-1]
+		}
+	}
+	return nil
+}
+
+// responsesErrorJSON is the Responses API's error event.
+func responsesErrorJSON(msg, code string) []byte {
+	b := append([]byte(`{"type":"error","code":`), strconv.Quote(code)...)
+	b = append(b, `,"message":`...)
+	b = appendJSONQuoted(b, msg)
+	return append(b, `,"param":null}`...)
+}
+
+// chatJSON is r's messages as a chat request's messages (the engine's
+// /tokenize takes those, not a response's input).
+func (r *apiRequest) chatJSON() []byte {
+	out := []byte{'['}
+	for i, m := range r.messages {
+		if i > 0 {
+			out = append(out, ',')
+		}
+		out = append(out, `{"role":`...)
+		out = appendJSONQuoted(out, m.Role)
+		if m.Content != "" || m.ToolCalls == "" && m.Reasoning == "" {
+			out = append(out, `,"content":`...)
+			out = appendJSONQuoted(out, m.Content)
+		}
+		if m.ToolCalls != "" {
+			out = append(out, `,"tool_calls":`...)
+			out = append(out, m.ToolCalls...)
+		}
+		if m.ToolCallID != "" {
+			out = append(out, `,"tool_call_id":`...)
+			out = appendJSONQuoted(out, m.ToolCallID)
+		}
+		if m.Reasoning != "" {
+			out = append(out, `,"reasoning":`...)
+			out = appendJSONQuoted(out, m.Reasoning)
+		}
+		out = append(out, '}')
+	}
+	return append(out, ']')
+}
+
+// lostPrevious reports whether an engine's 404 is its answer that it does
+// not hold the previous response (the client's to hear, not a
+// configuration fault). ids may be nil.
+func (ids *respIDs) lostPrevious(body []byte) bool {
+	return ids != nil && ids.prevOrig != "" && bytes.Contains(body, []byte(ids.prevOrig))
+}
+
+// previousResponse makes the ids of a Responses request and sends one that
+// continues a response kvproxy relayed (previous_response_id) to the
+// backend that made it, which alone holds it; the engine gets its own id
+// for it. It reports nil when it answered the request: that backend is no
+// longer one of the model's.
+func (s *Server) previousResponse(ctx *fasthttp.RequestCtx, st *state, p *modelPool, req *apiRequest, rr *router.Request, rid, tenant string, start time.Time) *respIDs {
+	ids := &respIDs{prevOrig: req.prevResponse, prevTagged: req.prevResponse}
+	tag, orig, ok := splitTaggedID(req.prevResponse)
+	if !ok {
+		// None, or an engine's own id: the engine it reaches says
+		// whether it holds it.
+		return ids
+	}
+	b := st.backendByTag(tag, p)
+	if b == nil || b.isDraining() {
+		msg := fmt.Sprintf("Previous response with id '%s' not found: the backend that made it no longer serves the model %q", req.prevResponse, req.model)
+		writeError(ctx, fasthttp.StatusNotFound, msg, "invalid_request_error", "previous_response_id", "previous_response_not_found")
+		s.logRejected(ctx, rid, tenant, req.model, fasthttp.StatusNotFound, start, "previous response's backend gone")
+		return nil
+	}
+	ids.prevOrig, req.prevEngine = orig, orig
+	// The engine puts the stored conversation, which kvproxy never saw,
+	// before this input: the tokens here are not the prompt's prefix, and
+	// must not be recorded as cached anywhere.
+	rr.Pin, rr.Pinned, rr.Hashes = b.worker, true, nil
+	return ids
+}
+
+var responsesPathPrefix = []byte("/v1/responses/")
+
+// handleResponseByID serves what vLLM serves for a stored response:
+// GET /v1/responses/{id} (and its input_items), DELETE, and POST
+// .../cancel, from the backend that made it. A streamed GET (stream=true)
+// is answered once the engine has sent it whole.
+func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
+	in, ok := s.admit(ctx, st)
+	if !ok {
+		return
+	}
+	defer in.slot.handlerDone()
+	rest := string(ctx.Path()[len(responsesPathPrefix):])
+	id, sub := rest, ""
+	if i := bytes.IndexByte([]byte(rest), '/'); i >= 0 {
+		id, sub = rest[:i], rest[i:]
+	}
+	method := string(ctx.Method())
+	allow := ""
+	switch sub {
+	case "":
+		allow = "GET, HEAD, DELETE"
+	case "/cancel":
+		allow = "POST"
+	case "/input_items":
+		allow = "GET, HEAD"
+	default:
+		writeError(ctx, fasthttp.StatusNotFound, "unknown path "+strconv.Quote(string(ctx.Path())), "invalid_request_error", "", "not_found")
+		s.logRejected(ctx, in.rid, in.t.name, "", fasthttp.StatusNotFound, in.start, "unknown path")
+		return
+	}
+	if method == fasthttp.MethodHead {
+		method = fasthttp.MethodGet
+	}
+	if !bytes.Contains([]byte(allow), []byte(method)) || method == "" {
+		methodNotAllowed(ctx, allow)
+		s.logRejected(ctx, in.rid, in.t.name, "", fasthttp.StatusMethodNotAllowed, in.start, "method not allowed")
+		return
+	}
+	tag, orig, ok := splitTaggedID(id)
+	var b *backend
+	if ok {
+		b = st.backendByTag(tag, nil)
+	}
+	if b == nil {
+		why := "kvproxy made no response of this id"
+		if ok {
+			why = "the backend that made it is no longer configured"
+		}
+		writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("Response with id '%s' not found: %s", id, why), "invalid_request_error", "", "response_not_found")
+		s.logRejected(ctx, in.rid, in.t.name, "", fasthttp.StatusNotFound, in.start, "unknown response id")
+		return
+	}
+	fr := fasthttp.AcquireRequest()
+	defer fasthttp.ReleaseRequest(fr)
+	resp := fasthttp.AcquireResponse()
+	defer fasthttp.ReleaseResponse(resp)
+	fr.Header.SetMethod(method)
+	uri := "/v1/responses/" + orig + sub
+	if q := ctx.URI().QueryString(); len(q) > 0 {
+		uri += "?" + string(q)
+	}
+	fr.SetRequestURI(uri)
+	fr.Header.SetHost(b.host)
+	fr.Header.SetCanonical(hdrRequestID, stringBytes(in.engineID))
+	if b.authHeader != "" {
+		fr.Header.Set("Authorization", b.authHeader)
+	}
+	ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
+	status := 0
+	var errMsg string
+	if _, err := b.up.Do(fr, resp, false, nil); err != nil {
+		status, errMsg = fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" failed: "+err.Error()
+		if backends.IsTimeout(err) {
+			status = fasthttp.StatusGatewayTimeout
+		}
+		writeError(ctx, status, errMsg, "upstream_error", "", "backend_failed")
+	} else {
+		status = resp.StatusCode()
+		body, enc := plainBody(resp)
+		if status != fasthttp.StatusOK {
+			body = normalizeEngineError(status, body)
+			errMsg = "engine answered " + strconv.Itoa(status) + engineErrorKind(body)
+		}
+		if enc == nil {
+			ids := respIDs{tag: respTag(b.cfg.ID)}
+			ids.orig = strconv.AppendQuote(nil, orig)
+			ids.tagged = strconv.AppendQuote(nil, id)
+			// The response it continued is the same engine's.
+			if prev := previousIn(body); prev != "" {
+				ids.prevOrig, ids.prevTagged = prev, string(appendTaggedID(nil, ids.tag, []byte(prev)))
+			}
+			body = ids.rewrite(body)
+		} else {
+			ctx.Response.Header.SetContentEncodingBytes(enc)
+		}
+		ctx.SetStatusCode(status)
+		ct := resp.Header.ContentType()
+		if len(ct) == 0 || status != fasthttp.StatusOK {
+			ct = []byte("application/json")
+		}
+		ctx.Response.Header.SetContentTypeBytes(ct)
+		ctx.SetBody(body)
+	}
+	ev := s.log.Info()
+	if status >= 500 {
+		ev = s.log.Warn()
+	}
+	ev = ev.Str("request_id", in.rid).IPAddr("remote", ctx.RemoteIP()).Str("method", method).Str("path", "/v1/responses/{id}"+sub).
+		Str("tenant", in.t.name).Str("backend", b.cfg.ID).Int("status", status).Dur("duration", time.Since(in.start))
+	if errMsg != "" {
+		ev = ev.Str("error", errMsg)
+	}
+	ev.Msg("request")
+	s.metrics.countRequest(b.cfg.ID, status)
+}
+
+// previousIn is the previous_response_id of a response object, "" if it
+// has none.
+func previousIn(body []byte) string {
+	for m := (members{b: body}); m.next(); {
+		if keyIs(m.key, "previous_response_id") && len(m.value) > 2 && m.value[0] == '"' && bytes.IndexByte(m.value, '\\') < 0 {
+			return string(m.value[1 : len(m.value)-1])
+		}
+	}
+	return ""
+}

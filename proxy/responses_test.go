@@ -1,0 +1,441 @@
+package proxy
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvproxy/kvproxy/tokenize"
+)
+
+// respEngine is an engine that answers the Responses API as vLLM does with
+// its store on: responses kept in memory, previous_response_id looked up
+// there (404 when it is not), SSE events with event: lines and no [DONE].
+type respEngine struct {
+	id, addr string
+	prefill  time.Duration // between response.in_progress and the first delta
+	dropMid  bool          // close the connection after the first delta
+
+	mu     sync.Mutex
+	n      int
+	store  map[string]map[string]any
+	bodies []map[string]any
+	paths  []string
+}
+
+func startRespEngine(t *testing.T, id string) *respEngine {
+	t.Helper()
+	e := &respEngine{id: id, store: map[string]map[string]any{}}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.addr = ln.Addr().String()
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/responses", e.create)
+	mux.HandleFunc("/v1/responses/{id}", e.byID)
+	mux.HandleFunc("POST /v1/responses/{id}/cancel", e.byID)
+	srv := &http.Server{Handler: mux}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return e
+}
+
+func (e *respEngine) notFound(w http.ResponseWriter, id, param string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(404)
+	fmt.Fprintf(w, `{"error":{"message":"Response with id '%s' not found.","type":"invalid_request_error","param":%q,"code":404}}`, id, param)
+}
+
+func (e *respEngine) create(w http.ResponseWriter, r *http.Request) {
+	var body map[string]any
+	json.NewDecoder(r.Body).Decode(&body)
+	e.mu.Lock()
+	e.bodies = append(e.bodies, body)
+	e.paths = append(e.paths, r.URL.Path)
+	e.n++
+	id := fmt.Sprintf("resp_%s%05d", e.id, e.n)
+	prev, _ := body["previous_response_id"].(string)
+	_, known := e.store[prev]
+	e.mu.Unlock()
+	if prev != "" && !known {
+		e.notFound(w, prev, "previous_response_id")
+		return
+	}
+	obj := map[string]any{"id": id, "object": "response", "model": body["model"], "status": "in_progress", "output": []any{}, "usage": nil}
+	if prev != "" {
+		obj["previous_response_id"] = prev
+	}
+	done := func() map[string]any {
+		obj["status"] = "completed"
+		obj["output"] = []any{map[string]any{"id": "msg_1", "type": "message", "role": "assistant", "content": []any{map[string]any{"type": "output_text", "text": "a b c", "annotations": []any{}}}}}
+		obj["usage"] = map[string]any{"input_tokens": 21, "input_tokens_details": map[string]any{"cached_tokens": 16}, "output_tokens": 3, "total_tokens": 24}
+		if store, ok := body["store"].(bool); !ok || store {
+			e.mu.Lock()
+			e.store[id] = obj
+			e.mu.Unlock()
+		}
+		return obj
+	}
+	if stream, _ := body["stream"].(bool); !stream {
+		w.Header().Set("Content-Type", "application/json")
+		json.NewEncoder(w).Encode(done())
+		return
+	}
+	w.Header().Set("Content-Type", "text/event-stream")
+	seq := 0
+	send := func(typ string, fields map[string]any) {
+		fields["type"], fields["sequence_number"] = typ, seq
+		seq++
+		b, _ := json.Marshal(fields)
+		fmt.Fprintf(w, "event: %s\ndata: %s\n\n", typ, b)
+		w.(http.Flusher).Flush()
+	}
+	send("response.created", map[string]any{"response": obj})
+	send("response.in_progress", map[string]any{"response": obj})
+	time.Sleep(e.prefill)
+	for i, tok := range []string{"a", " b", " c"} {
+		send("response.output_text.delta", map[string]any{"item_id": "msg_1", "output_index": 0, "content_index": 0, "delta": tok})
+		if e.dropMid && i == 0 {
+			conn, _, _ := w.(http.Hijacker).Hijack()
+			conn.Close()
+			return
+		}
+	}
+	send("response.completed", map[string]any{"response": done()})
+}
+
+func (e *respEngine) byID(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	e.mu.Lock()
+	e.paths = append(e.paths, r.Method+" "+r.URL.Path)
+	obj, ok := e.store[id]
+	if ok && r.Method == "DELETE" {
+		delete(e.store, id)
+	}
+	e.mu.Unlock()
+	if !ok {
+		e.notFound(w, id, "response_id")
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if r.Method == "DELETE" {
+		fmt.Fprintf(w, `{"id":%q,"object":"response.deleted","deleted":true}`, id)
+		return
+	}
+	json.NewEncoder(w).Encode(obj)
+}
+
+func (e *respEngine) last() (string, map[string]any) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.paths[len(e.paths)-1], e.bodies[len(e.bodies)-1]
+}
+
+func (e *respEngine) created() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return len(e.bodies)
+}
+
+func startRespProxy(t *testing.T, engines ...*respEngine) *testProxy {
+	t.Helper()
+	var b strings.Builder
+	b.WriteString("models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\nrouter: {policy: round_robin}\nbackends:\n")
+	for _, e := range engines {
+		fmt.Fprintf(&b, "  - {id: %s, url: 'http://%s', model: m, served_model: engine-m}\n", e.id, e.addr)
+	}
+	return serveYAML(t, b.String(), true)
+}
+
+func decodeJSON(t *testing.T, b []byte) map[string]any {
+	t.Helper()
+	var v map[string]any
+	if err := json.Unmarshal(b, &v); err != nil {
+		t.Fatalf("%v: %s", err, b)
+	}
+	return v
+}
+
+// The Responses API becomes the chat request vLLM makes of it.
+func TestParseResponses(t *testing.T) {
+	req := &apiRequest{}
+	pe := req.parseResponses([]byte(`{"model":"m","instructions":"Be brief.","input":[
+		{"role":"user","content":[{"type":"input_text","text":"Weather in Paris?"}]},
+		{"type":"function_call","call_id":"c1","name":"get_weather","arguments":"{\"city\":\"Paris\"}"},
+		{"type":"function_call_output","call_id":"c1","output":"18C"},
+		{"type":"reasoning","summary":[{"type":"summary_text","text":"it is mild"}]},
+		{"type":"message","role":"assistant","content":[{"type":"output_text","text":"Mild.","annotations":[]}],"id":"msg_9","status":"completed"}],
+		"tools":[{"type":"function","name":"get_weather","parameters":{"type":"object"},"description":"Weather"}],
+		"previous_response_id":null,"stream":true}`))
+	if pe != nil {
+		t.Fatal(pe)
+	}
+	want := []tokenize.Message{
+		{Role: "system", Content: "Be brief."},
+		{Role: "user", Content: "Weather in Paris?"},
+		{Role: "assistant", ToolCalls: `[{"id":"c1","function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"},"type":"function"}]`},
+		{Role: "tool", Content: "18C", ToolCallID: "c1"},
+		{Role: "assistant", Reasoning: "it is mild"},
+		{Role: "assistant", Content: "Mild."},
+	}
+	if fmt.Sprint(req.messages) != fmt.Sprint(want) {
+		t.Errorf("messages:\n%q\nwant\n%q", req.messages, want)
+	}
+	if tools := `[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object"},"strict":null,"type":"function","description":"Weather"}}]`; req.tools != tools {
+		t.Errorf("tools %s\nwant  %s", req.tools, tools)
+	}
+	if !req.stream || !req.responses || req.model != "m" {
+		t.Errorf("stream %v responses %v model %q", req.stream, req.responses, req.model)
+	}
+
+	for body, want := range map[string]string{
+		`{"input":"hi"}`: `[{user hi    }] tools []`,
+		`{"input":"hi","tool_choice":"none","tools":[{"type":"function","name":"f"}]}`: `[{user hi    }] tools `,
+		`{"input":"hi","instructions":""}`:                                             `[{user hi    }] tools []`,
+	} {
+		req := &apiRequest{}
+		if pe := req.parseResponses([]byte(body)); pe != nil {
+			t.Fatalf("%s: %v", body, pe)
+		}
+		if got := fmt.Sprintf("%v tools %s", req.messages, req.tools); got != want {
+			t.Errorf("%s: %q, want %q", body, got, want)
+		}
+	}
+
+	for body, param := range map[string]string{
+		`{"model":"m"}`:                     "input",
+		`{"input":7}`:                       "input",
+		`{"input":[]}`:                      "input",
+		`{"input":[3]}`:                     "input[0]",
+		`{"input":[{"content":"no role"}]}`: "input[0].role",
+		`{"input":[{"type":"item_reference","id":"x"}]}`:                               "input[0].type",
+		`{"input":[{"type":"function_call","call_id":1,"name":"f","arguments":"{}"}]}`: "input[0].call_id",
+		`{"input":[{"role":"user","content":{}}]}`:                                     "input[0].content",
+		`{"input":"x","instructions":5}`:                                               "instructions",
+		`{"input":"x","previous_response_id":""}`:                                      "previous_response_id",
+		`{"input":"x","tools":[{"type":"function"}]}`:                                  "tools[0].name",
+	} {
+		req := &apiRequest{}
+		if pe := req.parseResponses([]byte(body)); pe == nil || pe.param != param {
+			t.Errorf("%s: %v, want an error on %s", body, pe, param)
+		}
+	}
+}
+
+func TestResponseIDTags(t *testing.T) {
+	tag := respTag("backend-a")
+	if len(tag) != respTagLen || tag == respTag("backend-b") || tag != respTag("backend-a") {
+		t.Fatalf("tags %q %q", tag, respTag("backend-b"))
+	}
+	id := string(appendTaggedID(nil, tag, []byte("resp_0123abc")))
+	gotTag, orig, ok := splitTaggedID(id)
+	if !ok || gotTag != tag || orig != "resp_0123abc" {
+		t.Fatalf("%s split into %q %q %v", id, gotTag, orig, ok)
+	}
+	for _, id := range []string{"resp_0123abc", "resp_kvp0123456_", "resp_kvpzz234567_x", "resp_kvp01234567-x"} {
+		if _, _, ok := splitTaggedID(id); ok {
+			t.Errorf("%s: taken for a kvproxy id", id)
+		}
+	}
+}
+
+// A response routes as the chat request with the same conversation: the
+// same tokens, so the same cached prefix.
+func TestResponsesRouteAsTheirChatEquivalent(t *testing.T) {
+	e := startRespEngine(t, "e0")
+	p := startRespProxy(t, e)
+	dry := `"nvext":{"annotations":["query_instance_id"]}`
+	_, rb := post(t, p.url+"/v1/responses", `{"model":"m","instructions":"Be brief.","input":[{"role":"user","content":"Hello there"},
+		{"type":"function_call","call_id":"c1","name":"f","arguments":"{}"},{"type":"function_call_output","call_id":"c1","output":"ok"}],`+dry+`}`)
+	_, cb := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hello there"},
+		{"role":"assistant","tool_calls":[{"id":"c1","function":{"name":"f","arguments":"{}"},"type":"function"}]},{"role":"tool","content":"ok","tool_call_id":"c1"}],"tools":[],`+dry+`}`)
+	r, c := decodeJSON(t, rb), decodeJSON(t, cb)
+	if fmt.Sprint(r["token_ids"]) != fmt.Sprint(c["token_ids"]) || len(r["token_ids"].([]any)) < 10 {
+		t.Fatalf("responses tokens %v\nchat tokens      %v", r["token_ids"], c["token_ids"])
+	}
+	if e.created() != 0 {
+		t.Fatal("a dry run reached the engine")
+	}
+}
+
+// Response ids name the backend that made them: a request that continues
+// one goes there, with the engine's own id, and so do retrievals.
+func TestResponsesContinueOnTheirBackend(t *testing.T) {
+	e0, e1 := startRespEngine(t, "e0"), startRespEngine(t, "e1")
+	p := startRespProxy(t, e0, e1)
+	resp, b := post(t, p.url+"/v1/responses", `{"model":"m","input":"Hi"}`)
+	first := decodeJSON(t, b)
+	id, _ := first["id"].(string)
+	worker := resp.Header.Get(WorkerHeader)
+	engines := map[string]*respEngine{"e0": e0, "e1": e1}
+	owner := engines[worker]
+	if resp.StatusCode != 200 || owner == nil || !strings.HasPrefix(id, respIDPrefix+respTag(worker)+"_resp_"+worker) {
+		t.Fatalf("%d %s (worker %q)", resp.StatusCode, b, worker)
+	}
+	if path, body := owner.last(); path != "/v1/responses" || body["model"] != "engine-m" {
+		t.Fatalf("engine got %s %v", path, body)
+	}
+	_, orig, _ := splitTaggedID(id)
+	// round_robin alone would alternate: each follow-up goes to the owner.
+	for i := range 4 {
+		resp, b := post(t, p.url+"/v1/responses", fmt.Sprintf(`{"model":"m","input":"More %d","previous_response_id":%q}`, i, id))
+		next := decodeJSON(t, b)
+		if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != worker || next["previous_response_id"] != id {
+			t.Fatalf("follow-up %d: %d %s via %s", i, resp.StatusCode, b, resp.Header.Get(WorkerHeader))
+		}
+		if _, body := owner.last(); body["previous_response_id"] != orig {
+			t.Fatalf("the engine got previous_response_id %v, want %s", body["previous_response_id"], orig)
+		}
+	}
+	if strings.Contains(string(b), `"`+orig+`"`) {
+		t.Fatalf("the engine's own id reached the client: %s", b)
+	}
+
+	get := func(method, path string) (int, map[string]any) {
+		req, _ := http.NewRequest(method, p.url+path, nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var v map[string]any
+		json.NewDecoder(resp.Body).Decode(&v)
+		return resp.StatusCode, v
+	}
+	if code, v := get("GET", "/v1/responses/"+id); code != 200 || v["id"] != id || v["status"] != "completed" {
+		t.Fatalf("GET: %d %v", code, v)
+	}
+	if code, v := get("POST", "/v1/responses/"+id+"/cancel"); code != 200 || v["id"] != id {
+		t.Fatalf("cancel: %d %v", code, v)
+	}
+	if code, v := get("DELETE", "/v1/responses/"+id); code != 200 || v["id"] != id || v["deleted"] != true {
+		t.Fatalf("DELETE: %d %v", code, v)
+	}
+	if code, v := get("GET", "/v1/responses/"+id); code != 404 {
+		t.Fatalf("GET after DELETE: %d %v", code, v)
+	}
+	if code, _ := get("PUT", "/v1/responses/"+id); code != 405 {
+		t.Fatalf("PUT: %d", code)
+	}
+	before := e0.created() + e1.created()
+	unknown := string(appendTaggedID(nil, respTag("gone"), []byte("resp_x")))
+	if code, v := get("GET", "/v1/responses/"+unknown); code != 404 || !strings.Contains(fmt.Sprint(v), "no longer configured") {
+		t.Fatalf("GET of a removed backend's response: %d %v", code, v)
+	}
+	resp, b = post(t, p.url+"/v1/responses", fmt.Sprintf(`{"model":"m","input":"x","previous_response_id":%q}`, unknown))
+	if v := decodeJSON(t, b); resp.StatusCode != 404 || !strings.Contains(string(b), "previous_response_not_found") || e0.created()+e1.created() != before {
+		t.Fatalf("continuing a removed backend's response: %d %v", resp.StatusCode, v)
+	}
+	p.waitIdle(t)
+}
+
+// An engine that does not hold the previous response says so with a 404:
+// the client's answer, not a fault of kvproxy's configuration (which a 404
+// otherwise is).
+func TestResponsesEngineWithoutThePreviousResponse(t *testing.T) {
+	e0 := startRespEngine(t, "e0")
+	p := startRespProxy(t, e0)
+	resp, b := post(t, p.url+"/v1/responses", `{"model":"m","input":"x","previous_response_id":"resp_unknown1"}`)
+	if resp.StatusCode != 404 || !strings.Contains(string(b), "resp_unknown1") {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	if resp, b := post(t, p.url+"/v1/responses", `{"model":"m","input":"x"}`); resp.StatusCode != 200 {
+		t.Fatalf("the engine was taken out for it: %d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+}
+
+// responseEvents reads an SSE answer: each event's lines.
+func responseEvents(t *testing.T, resp *http.Response) [][]string {
+	t.Helper()
+	var events [][]string
+	var cur []string
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if sc.Text() == "" {
+			events, cur = append(events, cur), nil
+			continue
+		}
+		cur = append(cur, sc.Text())
+	}
+	return events
+}
+
+// A streamed response: the engine's events as they came (event: lines
+// kept, no [DONE] added), ids the client's, the prefill ended by the first
+// delta (vLLM sends response.created before it computes anything), the
+// usage read from response.completed.
+func TestResponsesStream(t *testing.T) {
+	e0 := startRespEngine(t, "e0")
+	e0.prefill = 300 * time.Millisecond
+	p := startRespProxy(t, e0)
+	resp, err := http.Post(p.url+"/v1/responses", "application/json", strings.NewReader(`{"model":"m","input":"Hi","stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	events := responseEvents(t, resp)
+	resp.Body.Close()
+	var types []string
+	for _, ev := range events {
+		if len(ev) != 2 || !strings.HasPrefix(ev[0], "event: ") || !strings.HasPrefix(ev[1], "data: ") {
+			t.Fatalf("event %q", ev)
+		}
+		types = append(types, strings.TrimPrefix(ev[0], "event: "))
+		if strings.Contains(ev[1], `"resp_e0`) && !strings.Contains(ev[1], `"resp_kvp`) {
+			t.Errorf("an engine id reached the client: %s", ev[1])
+		}
+	}
+	want := "response.created response.in_progress response.output_text.delta response.output_text.delta response.output_text.delta response.completed"
+	if strings.Join(types, " ") != want {
+		t.Fatalf("events %v", types)
+	}
+	completed := decodeJSON(t, []byte(strings.TrimPrefix(events[5][1], "data: ")))
+	id := completed["response"].(map[string]any)["id"].(string)
+	if tag, _, ok := splitTaggedID(id); !ok || tag != respTag("e0") {
+		t.Fatalf("response id %s", id)
+	}
+	p.waitIdle(t)
+	var line map[string]any
+	for _, l := range strings.Split(p.logs.String(), "\n") {
+		if strings.Contains(l, `"path":"/v1/responses"`) {
+			json.Unmarshal([]byte(l), &line)
+		}
+	}
+	if line["status"] != 200.0 || line["prompt_tokens"] != 21.0 || line["cached_tokens"] != 16.0 || line["output_tokens"] != 3.0 || line["error"] != nil {
+		t.Fatalf("access line %v", line)
+	}
+	if ttft, _ := time.ParseDuration(fmt.Sprint(line["ttft"]) + "ms"); ttft < e0.prefill {
+		t.Fatalf("ttft %v: the prefill ended before the first delta (%v)", line["ttft"], e0.prefill)
+	}
+}
+
+// An engine failing mid-response: the client gets the Responses API's
+// error event, and no [DONE] (its streams have none).
+func TestResponsesStreamEngineFailure(t *testing.T) {
+	e0 := startRespEngine(t, "e0")
+	e0.dropMid = true
+	p := startRespProxy(t, e0)
+	resp, err := http.Post(p.url+"/v1/responses", "application/json", strings.NewReader(`{"model":"m","input":"Hi","stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	events := responseEvents(t, resp)
+	resp.Body.Close()
+	last := events[len(events)-1]
+	if len(last) != 2 || last[0] != "event: error" || !strings.Contains(last[1], `"type":"error","code":"backend_failed"`) {
+		t.Fatalf("last event %q of %q", last, events)
+	}
+	for _, ev := range events {
+		if strings.Contains(strings.Join(ev, "\n"), "[DONE]") {
+			t.Fatalf("a [DONE] in a response stream: %q", events)
+		}
+	}
+	p.waitIdle(t)
+}
