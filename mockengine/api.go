@@ -25,6 +25,10 @@ func (e *Engine) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { e.serveCompletion(w, r, true) })
 	mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { e.serveCompletion(w, r, false) })
+	mux.HandleFunc("POST /v1/responses", e.serveResponses)
+	mux.HandleFunc("GET /v1/responses/{id}", e.serveGetResponse)
+	mux.HandleFunc("POST /v1/responses/{id}/cancel", e.serveCancelResponse)
+	mux.HandleFunc("DELETE /v1/responses/{id}", e.serveDeleteResponse)
 	mux.HandleFunc("GET /v1/models", e.serveModels)
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
 	mux.HandleFunc("GET /version", func(w http.ResponseWriter, r *http.Request) {

@@ -29,6 +29,10 @@
 //     share blocks.
 //   - Evicted device blocks move to the host tier when it is on; a hit there
 //     costs HostLoadPerBlock per block instead of recomputation.
+//   - POST /v1/responses (the Responses API) renders its input as the chat
+//     messages vLLM builds from it and runs them as a chat request would;
+//     answers are kept (a bounded store) for previous_response_id and
+//     GET /v1/responses/{id}, on the engine that made them only.
 //
 // The engine hashes blocks in its own namespace, deliberately different from
 // the router's, because the router must never trust engine hashes (DESIGN.md

@@ -158,6 +158,8 @@ type Engine struct {
 	closed bool
 
 	modelJSON []byte // the model name as a JSON string
+
+	responses *responseStore // stored Responses API answers
 }
 
 // request is one HTTP request's view of its sequence. The engine loop
@@ -209,6 +211,7 @@ func New(cfg Config) (*Engine, error) {
 		wake:      make(chan struct{}, 1),
 		done:      make(chan struct{}),
 		modelJSON: mj,
+		responses: newResponseStore(responseStoreCap),
 	}
 	e.loopWG.Add(1)
 	go e.loop()
