@@ -1,6 +1,7 @@
 package mockengine
 
 import (
+	"encoding/json"
 	"net/http/httptest"
 	"strings"
 	"testing"
@@ -34,6 +35,36 @@ func FuzzParseRequest(f *testing.F) {
 		}
 		if req == nil || len(prompt) == 0 || maxTokens < 1 {
 			t.Fatalf("accepted a request with prompt %d tokens, max_tokens %d", len(prompt), maxTokens)
+		}
+	})
+}
+
+// FuzzParseResponses is FuzzParseRequest for POST /v1/responses.
+func FuzzParseResponses(f *testing.F) {
+	for _, s := range []string{
+		`{"input":"hi","instructions":"be brief","max_output_tokens":3,"stream":true}`,
+		`{"input":[{"role":"user","content":[{"type":"input_text","text":"a"},{"type":"input_image","image_url":"x"}]},{"type":"reasoning","summary":[{"text":"r"}]}]}`,
+		`{"input":[{"type":"function_call","call_id":"c","name":"f","arguments":"{}"},{"type":"function_call_output","call_id":"c","output":"ok"}],"tools":[{"type":"function","name":"f","parameters":{"type":"object"},"x":1,"x":2}]}`,
+		`{"input":"x","previous_response_id":"resp_1"}`, `{"input":null}`, `{"input":[7]}`, `{"tools":[[]]}`, `[]`, `{`,
+	} {
+		f.Add(s)
+	}
+	e, err := New(Config{})
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Cleanup(func() { e.Close() })
+	f.Fuzz(func(t *testing.T, body string) {
+		r := httptest.NewRequest("POST", "/v1/responses", strings.NewReader(body))
+		c, err := e.parseResponses(httptest.NewRecorder(), r)
+		if err != nil {
+			if _, ok := err.(*badRequest); !ok {
+				t.Fatalf("non-client error %T %v", err, err)
+			}
+			return
+		}
+		if len(c.prompt) == 0 || c.maxTokens < 1 || !json.Valid(c.tools) {
+			t.Fatalf("accepted a request with prompt %d tokens, max_output_tokens %d, tools %s", len(c.prompt), c.maxTokens, c.tools)
 		}
 	})
 }
