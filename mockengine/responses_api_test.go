@@ -530,3 +530,19 @@ func TestResponsesClientDisconnectAborts(t *testing.T) {
 		t.Fatalf("want 2 aborts: %+v", st)
 	}
 }
+
+// Each engine holds only its own responses: a follow-up sent to another
+// engine is the 404 that tells a router it went astray.
+func TestResponsesStoreIsPerEngine(t *testing.T) {
+	_, a := startEngine(t, Config{})
+	_, b := startEngine(t, Config{})
+	first := createResponse(t, a, `{"input":"hello","max_output_tokens":2}`)
+	follow := `{"input":"more","max_output_tokens":2,"previous_response_id":"` + first.ID + `"}`
+	if code, raw, _ := do(t, "POST", b+"/v1/responses", follow); code != 404 || !strings.Contains(string(raw), first.ID) {
+		t.Fatalf("follow-up on another engine: %d %s", code, raw)
+	}
+	if code, _, _ := do(t, "GET", b+"/v1/responses/"+first.ID, ""); code != 404 {
+		t.Fatalf("GET on another engine: %d", code)
+	}
+	createResponse(t, a, follow)
+}
