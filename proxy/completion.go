@@ -905,8 +905,10 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 	if x.resp != nil && enc == nil {
 		if code == fasthttp.StatusOK {
 			x.resp.learn(body)
+			body = x.resp.rewrite(body)
+		} else {
+			body = x.resp.rewriteError(body)
 		}
-		body = x.resp.rewrite(body)
 	}
 	if code == fasthttp.StatusTooManyRequests || code == fasthttp.StatusServiceUnavailable {
 		if ra := resp.Header.Peek("Retry-After"); len(ra) > 0 {

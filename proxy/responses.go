@@ -116,6 +116,16 @@ func (ids *respIDs) rewrite(text []byte) []byte {
 	return text
 }
 
+// rewriteError gives the client's id for the previous response in an
+// engine's error, which quotes it in its message ("Response with id '...'
+// not found.").
+func (ids *respIDs) rewriteError(body []byte) []byte {
+	if ids.prevOrig == "" || ids.prevOrig == ids.prevTagged {
+		return body
+	}
+	return bytes.ReplaceAll(body, []byte(ids.prevOrig), []byte(ids.prevTagged))
+}
+
 // The top-level members of a Responses request parseResponses reads, and
 // of an input item.
 const (

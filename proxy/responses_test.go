@@ -346,6 +346,13 @@ func TestResponsesEngineWithoutThePreviousResponse(t *testing.T) {
 	if resp.StatusCode != 404 || !strings.Contains(string(b), "resp_unknown1") {
 		t.Fatalf("%d %s", resp.StatusCode, b)
 	}
+	// A response kvproxy relayed, which the engine no longer holds (it
+	// restarted): the error names it as the client knows it.
+	gone := string(appendTaggedID(nil, respTag("e0"), []byte("resp_e0lost")))
+	resp, b = post(t, p.url+"/v1/responses", fmt.Sprintf(`{"model":"m","input":"x","previous_response_id":%q}`, gone))
+	if resp.StatusCode != 404 || !strings.Contains(string(b), "'"+gone+"'") {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
 	if resp, b := post(t, p.url+"/v1/responses", `{"model":"m","input":"x"}`); resp.StatusCode != 200 {
 		t.Fatalf("the engine was taken out for it: %d %s", resp.StatusCode, b)
 	}
