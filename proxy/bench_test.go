@@ -121,3 +121,76 @@ func BenchmarkParseChatImage1MB(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkSSERelayResponses relays a streamed response as vLLM sends it
+// (event: lines, a delta per token, the response object at both ends),
+// rewriting its ids; compare ns/event with BenchmarkSSERelay.
+func BenchmarkSSERelayResponses(b *testing.B) {
+	cfg, err := config.Parse([]byte("models: [{name: m}]\nbackends: [{id: e0, url: 'http://127.0.0.1:1'}]\nlog_level: warn\n"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	s, err := New(cfg, Options{Logger: zerolog.Nop(), DisableHealthChecks: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	st := s.st.Load()
+	p, be := st.pools[0], st.backends["e0"]
+	const tokens = 256
+	obj := `{"id":"resp_0123456789abcdef0123456789abcdef","created_at":1,"instructions":null,"model":"m","object":"response","output":[],"status":"in_progress","usage":null}`
+	var stream bytes.Buffer
+	seq := 0
+	event := func(typ, fields string) {
+		fmt.Fprintf(&stream, "event: %s\ndata: {%s\"sequence_number\":%d,\"type\":%q}\n\n", typ, fields, seq, typ)
+		seq++
+	}
+	event("response.created", `"response":`+obj+`,`)
+	event("response.in_progress", `"response":`+obj+`,`)
+	event("response.output_item.added", `"item":{"id":"msg_1","content":[],"role":"assistant","status":"in_progress","type":"message"},"output_index":0,`)
+	for i := 0; i < tokens; i++ {
+		event("response.output_text.delta", fmt.Sprintf(`"content_index":0,"delta":" tok%d","item_id":"msg_1","logprobs":[],"output_index":0,`, i))
+	}
+	event("response.output_text.done", `"content_index":0,"item_id":"msg_1","logprobs":[],"output_index":0,"text":"...",`)
+	event("response.completed", `"response":`+strings.Replace(obj, `"usage":null`, `"usage":{"input_tokens":100,"input_tokens_details":{"cached_tokens":64},"output_tokens":256,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":356}`, 1)+`,`)
+	raw := stream.Bytes()
+	events := seq
+	w := bufio.NewWriterSize(io.Discard, 4096)
+	req := router.Request{PromptTokens: 100}
+	b.SetBytes(int64(len(raw)))
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		_, active, _ := p.rt.Route(&req)
+		x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, usage: tokenUsage{-1, -1, -1}, resp: &respIDs{tag: "0a1b2c3d"}}
+		s.live.add(x)
+		rl := newRelay(x, &memBody{bytes.NewReader(raw)}, fasthttp.AcquireResponse())
+		if _, err := rl.WriteTo(w); err != nil {
+			b.Fatal(err)
+		}
+		rl.Close()
+		if x.outputTokens != tokens || x.usage.completion != tokens || x.resp.orig == nil || x.errMsg != "" {
+			b.Fatalf("counted %d tokens, usage %+v, id %s, error %q", x.outputTokens, x.usage, x.resp.orig, x.errMsg)
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*events), "ns/event")
+}
+
+// BenchmarkParseResponsesSmall parses and re-encodes a small Responses
+// request (instructions and a string input), as BenchmarkParseChatSmall.
+func BenchmarkParseResponsesSmall(b *testing.B) {
+	body := []byte(`{"model":"m","max_output_tokens":1,"instructions":"You are terse.","input":"Say hi to the whole wide world, please."}`)
+	var req apiRequest
+	var out []byte
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for i := 0; i < b.N; i++ {
+		req.reset()
+		if pe := req.parseResponses(body); pe != nil {
+			b.Fatal(pe.msg)
+		}
+		var err error
+		if out, err = req.forwardBody(out[:0], "served", "salt"); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -82,6 +82,8 @@ type respIDs struct {
 	prevTagged string // as the client sent it
 	// The answer's own id, quoted, once read from it.
 	orig, tagged []byte
+	// prevOrig and prevTagged quoted, once needed.
+	prevQuoted, prevTaggedQuoted []byte
 }
 
 // learn reads the answer's id from a response object (a non-streamed
@@ -108,9 +110,11 @@ func (ids *respIDs) rewrite(text []byte) []byte {
 		text = bytes.ReplaceAll(text, ids.orig, ids.tagged)
 	}
 	if ids.prevOrig != "" && ids.prevOrig != ids.prevTagged {
-		q := strconv.Quote(ids.prevOrig)
-		if bytes.Contains(text, []byte(q)) {
-			text = bytes.ReplaceAll(text, []byte(q), []byte(strconv.Quote(ids.prevTagged)))
+		if ids.prevQuoted == nil {
+			ids.prevQuoted, ids.prevTaggedQuoted = strconv.AppendQuote(nil, ids.prevOrig), strconv.AppendQuote(nil, ids.prevTagged)
+		}
+		if bytes.Contains(text, ids.prevQuoted) {
+			text = bytes.ReplaceAll(text, ids.prevQuoted, ids.prevTaggedQuoted)
 		}
 	}
 	return text
