@@ -64,6 +64,7 @@ type exchange struct {
 	errMsg       string
 	remote       net.IP   // the client's address
 	resp         *respIDs // a Responses API request's ids; nil for others
+	api          api      // the endpoint the request came to
 }
 
 // errCutMsg answers the requests still in flight at the drain deadline.
@@ -158,7 +159,9 @@ type api int
 const (
 	apiCompletions api = iota
 	apiChat
-	apiResponses // rendered as the chat request vLLM makes of it
+	apiResponses   // rendered as the chat request vLLM makes of it
+	apiMessages    // Anthropic's Messages API, likewise
+	apiCountTokens // Anthropic's count_tokens: a message's prompt tokens, counted here
 )
 
 func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api) {
@@ -173,9 +176,12 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	defer s.putScratch(sc)
 	req := &sc.req
 	var pe *paramError
-	if kind == apiResponses {
+	switch kind {
+	case apiResponses:
 		pe = req.parseResponses(body)
-	} else {
+	case apiMessages, apiCountTokens:
+		pe = req.parseAnthropic(body, kind == apiCountTokens)
+	default:
 		pe = req.parse(body, chat)
 	}
 	if pe != nil {
@@ -265,6 +271,15 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		}
 		batchPrompt(i, n)
 	}
+	if kind == apiCountTokens {
+		ctx.SetContentType("application/json")
+		ctx.SetBody(strconv.AppendInt([]byte(`{"input_tokens":`), int64(counted), 10))
+		ctx.Response.AppendBodyString("}")
+		s.log.Info().Str("request_id", rid).IPAddr("remote", ctx.RemoteIP()).Str("path", string(ctx.Path())).
+			Str("model", req.model).Str("tenant", t.name).Int("prompt_tokens", counted).
+			Int("status", 200).Dur("duration", time.Since(start)).Msg("request")
+		return
+	}
 	if longest > lim.MaxPromptTokens {
 		param, what := "prompt", "the prompt"
 		switch {
@@ -339,9 +354,11 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		path = "/v1/chat/completions"
 	case apiResponses:
 		path = "/v1/responses"
+	case apiMessages:
+		path = "/v1/messages"
 	}
 	x := s.newExchange(rid, engineID, path, req.stream, start, p, req.model)
-	x.tenant, x.promptTokens, x.slot, x.resp = t.name, counted, in.slot, ids
+	x.tenant, x.promptTokens, x.slot, x.resp, x.api = t.name, counted, in.slot, ids, kind
 	s.dispatch(ctx, st, sc, x, salt)
 }
 

@@ -56,8 +56,8 @@ func (et *engineTokenizer) tokens(p *modelPool, req *apiRequest, chat bool, maxT
 		body.Messages = req.fields.Messages
 		gen := req.addGenPrompt
 		body.AddGenerationPrompt = &gen
-		if req.responses {
-			// The chat request the engine makes of the response.
+		if req.converted {
+			// The chat request the engine makes of the request.
 			body.Messages, body.Tools = req.chatJSON(), json.RawMessage(req.tools)
 		}
 	} else {
@@ -70,7 +70,7 @@ func (et *engineTokenizer) tokens(p *modelPool, req *apiRequest, chat bool, maxT
 	h.Write(body.Messages)
 	h.Write(body.Prompt)
 	h.Write(body.Tools)
-	for m := (members{b: req.body}); m.next() && !req.responses; {
+	for m := (members{b: req.body}); m.next() && !req.converted; {
 		if isNull(m.value) {
 			continue
 		}

@@ -80,10 +80,12 @@ type apiRequest struct {
 	batchTokens  [][]uint32
 	addGenPrompt bool
 	cacheSalt    string // the client's own, within its tenant's (composeSalt)
-	// responses: a Responses API request (parseResponses), whose
+	// converted: the messages and tools are kvproxy's rendering of
+	// another API's request as the chat request the engine makes of it
+	// (parseResponses, parseAnthropic). A Responses request's
 	// previous_response_id is prevResponse as the client sent it; the
 	// engine gets prevEngine instead when it is set.
-	responses    bool
+	converted    bool
 	prevResponse string
 	prevEngine   string
 

@@ -191,8 +191,8 @@ func TestParseResponses(t *testing.T) {
 	if tools := `[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object"},"strict":null,"type":"function","description":"Weather"}}]`; req.tools != tools {
 		t.Errorf("tools %s\nwant  %s", req.tools, tools)
 	}
-	if !req.stream || !req.responses || req.model != "m" {
-		t.Errorf("stream %v responses %v model %q", req.stream, req.responses, req.model)
+	if !req.stream || !req.converted || req.model != "m" {
+		t.Errorf("stream %v responses %v model %q", req.stream, req.converted, req.model)
 	}
 
 	for body, want := range map[string]string{

@@ -639,14 +639,22 @@ func (s *Server) routes() map[string]route {
 		"/v1/chat/completions": {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, apiChat) }},
 		"/v1/completions":      {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, apiCompletions) }},
 		"/v1/responses":        {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, apiResponses) }},
-		"/v1/models":           {fasthttp.MethodGet, client, s.handleModels},
-		"/health":              {fasthttp.MethodGet, public, s.handleHealth},
-		"/healthz":             {fasthttp.MethodGet, public, s.handleHealth},
-		"/metrics":             {fasthttp.MethodGet, public, func(ctx *fasthttp.RequestCtx, _ *state) { s.metrics.serve(ctx) }},
-		"/admin/backends":      {fasthttp.MethodGet, admin, s.handleAdminBackends},
-		"/admin/index/lookup":  {fasthttp.MethodPost, admin, s.handleIndexLookup},
-		"/admin/reload":        {fasthttp.MethodPost, admin, func(ctx *fasthttp.RequestCtx, _ *state) { s.handleAdminReload(ctx) }},
-		"/v1/kv_events":        {fasthttp.MethodPost, admin, s.handleKVEvents},
+		"/v1/messages": {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) {
+			s.handleCompletion(ctx, st, apiMessages)
+			toAnthropicError(ctx)
+		}},
+		"/v1/messages/count_tokens": {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) {
+			s.handleCompletion(ctx, st, apiCountTokens)
+			toAnthropicError(ctx)
+		}},
+		"/v1/models":          {fasthttp.MethodGet, client, s.handleModels},
+		"/health":             {fasthttp.MethodGet, public, s.handleHealth},
+		"/healthz":            {fasthttp.MethodGet, public, s.handleHealth},
+		"/metrics":            {fasthttp.MethodGet, public, func(ctx *fasthttp.RequestCtx, _ *state) { s.metrics.serve(ctx) }},
+		"/admin/backends":     {fasthttp.MethodGet, admin, s.handleAdminBackends},
+		"/admin/index/lookup": {fasthttp.MethodPost, admin, s.handleIndexLookup},
+		"/admin/reload":       {fasthttp.MethodPost, admin, func(ctx *fasthttp.RequestCtx, _ *state) { s.handleAdminReload(ctx) }},
+		"/v1/kv_events":       {fasthttp.MethodPost, admin, s.handleKVEvents},
 	}
 	for path := range passthroughPaths {
 		t[path] = route{fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handlePassthrough(ctx, st, path) }}
@@ -733,7 +741,7 @@ func methodNotAllowed(ctx *fasthttp.RequestCtx, allow string) {
 
 func unauthorized(ctx *fasthttp.RequestCtx) {
 	ctx.Response.Header.Set("WWW-Authenticate", `Bearer realm="kvproxy"`)
-	writeError(ctx, fasthttp.StatusUnauthorized, "missing or invalid API key (send Authorization: Bearer <key>)", "invalid_request_error", "", "invalid_api_key")
+	writeError(ctx, fasthttp.StatusUnauthorized, "missing or invalid API key (send Authorization: Bearer <key>, or x-api-key: <key>)", "invalid_request_error", "", "invalid_api_key")
 }
 
 // logUnrouted writes the access-log line of a request answered before any

@@ -146,10 +146,15 @@ func (r *relay) events(out []byte) []byte {
 		if !ok {
 			return out
 		}
-		if r.x.resp != nil {
+		switch r.x.api {
+		case apiResponses:
 			raw = r.onResponsesEvent(raw, content)
-		} else if fixed := r.onEvent(content); fixed != nil {
-			raw = fixed
+		case apiMessages:
+			r.onAnthropicEvent(content)
+		default:
+			if fixed := r.onEvent(content); fixed != nil {
+				raw = fixed
+			}
 		}
 		out = append(out, raw...)
 	}
@@ -292,9 +297,12 @@ func (r *relay) onEvent(ev []byte) []byte {
 // failed: an OpenAI error and [DONE], or for a response the Responses
 // API's error event (its streams have no [DONE]).
 func (r *relay) failEvent(out []byte, msg, typ, code string) []byte {
-	if r.x.resp != nil {
+	switch r.x.api {
+	case apiResponses:
 		out = append(out, "event: error\ndata: "...)
 		return append(append(out, responsesErrorJSON(msg, code)...), "\n\n"...)
+	case apiMessages:
+		return anthropicFailEvent(out, msg)
 	}
 	out = append(out, "data: "...)
 	out = append(out, errorJSON(msg, typ, "", code)...)

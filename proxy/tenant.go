@@ -210,6 +210,10 @@ func (a *authTable) client(ctx *fasthttp.RequestCtx) *tenant {
 	}
 	key := bearer(ctx)
 	if key == "" {
+		// Anthropic's SDKs send their key so.
+		key = string(ctx.Request.Header.Peek("X-Api-Key"))
+	}
+	if key == "" {
 		return nil
 	}
 	return a.byKey[sha256.Sum256([]byte(key))]

@@ -13,9 +13,10 @@ var (
 	promptKey     = []byte(`"prompt_tokens":`)
 	completionKey = []byte(`"completion_tokens":`)
 	cachedKey     = []byte(`"cached_tokens":`)
-	// The Responses API's names.
-	inputKey  = []byte(`"input_tokens":`)
-	outputKey = []byte(`"output_tokens":`)
+	// The Responses and Anthropic APIs' names.
+	inputKey     = []byte(`"input_tokens":`)
+	outputKey    = []byte(`"output_tokens":`)
+	cacheReadKey = []byte(`"cache_read_input_tokens":`)
 )
 
 // read fills u from the usage object in an engine answer or stream chunk,
@@ -40,6 +41,8 @@ func (u *tokenUsage) read(b []byte) {
 		u.completion = n
 	}
 	if n := intAfter(b, cachedKey); n >= 0 {
+		u.cached = n
+	} else if n := intAfter(b, cacheReadKey); n >= 0 {
 		u.cached = n
 	}
 }

@@ -1,0 +1,266 @@
+package proxy
+
+import (
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvproxy/kvproxy/tokenize"
+)
+
+func TestPythonJSON(t *testing.T) {
+	raw := []byte(`{"a":1.0,"b":[true,null,false],"c":"é\n\"x\"\u0001","d":1e16,"e":0.00001,"f":-0,"g":"😀","h":{},"i":[],"j":123456789012345678901,"k":1E2,"l":0.5,"it's":"say \"hi\""}`)
+	dumps := `{"a": 1.0, "b": [true, null, false], "c": "\u00e9\n\"x\"\u0001", "d": 1e+16, "e": 1e-05, "f": 0, "g": "\ud83d\ude00", "h": {}, "i": [], "j": 123456789012345678901, "k": 100.0, "l": 0.5, "it's": "say \"hi\""}`
+	if got := string(appendPyDumps(nil, raw)); got != dumps {
+		t.Errorf("json.dumps:\n%s\nwant\n%s", got, dumps)
+	}
+	repr := `{'a': 1.0, 'b': [True, None, False], 'c': 'é\n"x"\x01', 'd': 1e+16, 'e': 1e-05, 'f': 0, 'g': '😀', 'h': {}, 'i': [], 'j': 123456789012345678901, 'k': 100.0, 'l': 0.5, "it's": 'say "hi"'}`
+	if got := string(appendPyRepr(nil, raw)); got != repr {
+		t.Errorf("str():\n%s\nwant\n%s", got, repr)
+	}
+	for f, want := range map[float64]string{1e15: "1000000000000000.0", 1e-4: "0.0001", 123.456: "123.456", 1.5e300: "1.5e+300", 2.5e-7: "2.5e-07"} {
+		if got := string(appendPyFloat(nil, f)); got != want {
+			t.Errorf("repr(%g) = %s, want %s", f, got, want)
+		}
+	}
+}
+
+// An Anthropic request becomes the chat request vLLM makes of it.
+func TestParseAnthropic(t *testing.T) {
+	req := &apiRequest{}
+	pe := req.parseAnthropic([]byte(`{"model":"m","max_tokens":64,"stream":true,
+		"system":[{"type":"text","text":"You are Claude Code. ","cache_control":{"type":"ephemeral"}},{"type":"text","text":"Be brief."}],
+		"messages":[
+		{"role":"user","content":"Weather in Paris?"},
+		{"role":"assistant","content":[{"type":"thinking","thinking":"use the tool","signature":"s"},{"type":"text","text":"Checking."},
+			{"type":"tool_use","id":"tu1","name":"get_weather","input":{"city":"Paris","units":"°C","n":1.0}}]},
+		{"role":"user","content":[{"type":"tool_result","tool_use_id":"tu1","content":"18C"},{"type":"tool_result","id":"tu2","content":[{"type":"text","text":"it's mild"}]}]},
+		{"role":"user","content":[{"type":"text","text":"Thanks."},{"type":"text","text":"And tomorrow?"}]}],
+		"tools":[{"name":"get_weather","description":"Weather","input_schema":{"properties":{"city":{"type":"string"}}}},{"name":"noop","input_schema":{}}]}`), false)
+	if pe != nil {
+		t.Fatal(pe)
+	}
+	want := []tokenize.Message{
+		{Role: "system", Content: "You are Claude Code. Be brief."},
+		{Role: "user", Content: "Weather in Paris?"},
+		{Role: "assistant", Content: "Checking.", Reasoning: "use the tool",
+			ToolCalls: `[{"id":"tu1","type":"function","function":{"name":"get_weather","arguments":"{\"city\": \"Paris\", \"units\": \"\\u00b0C\", \"n\": 1.0}"}}]`},
+		{Role: "tool", Content: "18C"},
+		{Role: "tool", Content: `[{'type': 'text', 'text': "it's mild"}]`, ToolCallID: "tu2"},
+		{Role: "user", Content: "Thanks.\nAnd tomorrow?"},
+	}
+	if fmt.Sprint(req.messages) != fmt.Sprint(want) {
+		t.Errorf("messages:\n%q\nwant\n%q", req.messages, want)
+	}
+	tools := `[{"type":"function","function":{"name":"get_weather","description":"Weather","parameters":{"properties":{"city":{"type":"string"}},"type":"object"}}},` +
+		`{"type":"function","function":{"name":"noop","description":null,"parameters":{"type":"object"}}}]`
+	if req.tools != tools {
+		t.Errorf("tools %s\nwant  %s", req.tools, tools)
+	}
+	for body, param := range map[string]string{
+		`{"messages":[{"role":"user","content":"x"}]}`:                "max_tokens",
+		`{"max_tokens":0,"messages":[{"role":"user","content":"x"}]}`: "max_tokens",
+		`{"max_tokens":5}`:               "messages",
+		`{"max_tokens":5,"messages":[]}`: "messages",
+		`{"max_tokens":5,"messages":[{"role":"system","content":"x"}]}`:                      "messages[0].role",
+		`{"max_tokens":5,"messages":[{"role":"user","content":[{"type":"document"}]}]}`:      "messages[0].content[0].type",
+		`{"max_tokens":5,"messages":[{"role":"user","content":7}]}`:                          "messages[0].content",
+		`{"max_tokens":5,"messages":[{"role":"user","content":"x"}],"tools":[{"name":"f"}]}`: "tools[0]",
+		`{"max_tokens":5,"messages":[{"role":"user","content":"x"}],"system":5}`:             "system",
+	} {
+		req := &apiRequest{}
+		if pe := req.parseAnthropic([]byte(body), false); pe == nil || pe.param != param {
+			t.Errorf("%s: %v, want an error on %s", body, pe, param)
+		}
+	}
+	if pe := (&apiRequest{}).parseAnthropic([]byte(`{"messages":[{"role":"user","content":"x"}]}`), true); pe != nil {
+		t.Errorf("count_tokens needs no max_tokens: %v", pe)
+	}
+}
+
+// anthEngine answers the Messages API as vLLM does.
+type anthEngine struct {
+	addr    string
+	prefill time.Duration // before message_start (sent with the first token)
+	dropMid bool
+	mu      sync.Mutex
+	bodies  []map[string]any
+}
+
+func startAnthEngine(t *testing.T) *anthEngine {
+	t.Helper()
+	e := &anthEngine{}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.addr = ln.Addr().String()
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/messages", func(w http.ResponseWriter, r *http.Request) {
+		var body map[string]any
+		json.NewDecoder(r.Body).Decode(&body)
+		e.mu.Lock()
+		e.bodies = append(e.bodies, body)
+		e.mu.Unlock()
+		usage := `{"input_tokens":30,"output_tokens":3,"cache_read_input_tokens":16}`
+		if stream, _ := body["stream"].(bool); !stream {
+			w.Header().Set("Content-Type", "application/json")
+			fmt.Fprintf(w, `{"id":"chatcmpl-1","type":"message","role":"assistant","content":[{"type":"text","text":"a b c"}],"model":%q,"stop_reason":"end_turn","usage":%s}`, body["model"], usage)
+			return
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		send := func(typ, data string) {
+			fmt.Fprintf(w, "event: %s\ndata: %s\n\n", typ, data)
+			w.(http.Flusher).Flush()
+		}
+		time.Sleep(e.prefill)
+		send("message_start", `{"type":"message_start","message":{"id":"chatcmpl-1","type":"message","role":"assistant","content":[],"model":"m","usage":{"input_tokens":30,"output_tokens":0}}}`)
+		send("content_block_start", `{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}`)
+		for i, tok := range []string{"a", " b", " c"} {
+			send("content_block_delta", fmt.Sprintf(`{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":%q}}`, tok))
+			if e.dropMid && i == 0 {
+				conn, _, _ := w.(http.Hijacker).Hijack()
+				conn.Close()
+				return
+			}
+		}
+		send("content_block_stop", `{"type":"content_block_stop","index":0}`)
+		send("message_delta", `{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":`+usage+`}`)
+		send("message_stop", `{"type":"message_stop"}`)
+		fmt.Fprint(w, "data: [DONE]\n\n")
+	})
+	srv := &http.Server{Handler: mux}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return e
+}
+
+func startAnthProxy(t *testing.T, e *anthEngine, extra string) *testProxy {
+	t.Helper()
+	return serveYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends: [{id: e0, url: 'http://"+e.addr+"', model: m, served_model: engine-m}]\n"+extra, true)
+}
+
+func postHeaders(t *testing.T, url, body string, headers ...string) (*http.Response, []byte) {
+	t.Helper()
+	req, _ := http.NewRequest("POST", url, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var b strings.Builder
+	buf := make([]byte, 4096)
+	for {
+		n, err := resp.Body.Read(buf)
+		b.Write(buf[:n])
+		if err != nil {
+			break
+		}
+	}
+	return resp, []byte(b.String())
+}
+
+// A message routes as the chat request with the same conversation, and
+// count_tokens counts those tokens.
+func TestMessagesRouteAsTheirChatEquivalent(t *testing.T) {
+	e := startAnthEngine(t)
+	p := startAnthProxy(t, e, "")
+	dry := `"nvext":{"annotations":["query_instance_id"]}`
+	conv := `"messages":[{"role":"user","content":"Hello there"},{"role":"assistant","content":[{"type":"tool_use","id":"t1","name":"f","input":{"x":1}}]},
+		{"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":"ok"},{"type":"text","text":"go on"}]}]`
+	_, mb := post(t, p.url+"/v1/messages", `{"model":"m","max_tokens":5,"system":"Be brief.",`+conv+`,`+dry+`}`)
+	_, cb := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hello there"},
+		{"role":"assistant","tool_calls":[{"id":"t1","type":"function","function":{"name":"f","arguments":"{\"x\": 1}"}}]},{"role":"tool","content":"ok","tool_call_id":""},{"role":"user","content":"go on"}],`+dry+`}`)
+	m, c := decodeJSON(t, mb), decodeJSON(t, cb)
+	ids, _ := m["token_ids"].([]any)
+	if fmt.Sprint(m["token_ids"]) != fmt.Sprint(c["token_ids"]) || len(ids) < 10 {
+		t.Fatalf("messages tokens %v\nchat tokens     %v", m["token_ids"], c["token_ids"])
+	}
+	resp, b := post(t, p.url+"/v1/messages/count_tokens", `{"model":"m","system":"Be brief.",`+conv+`}`)
+	if want := fmt.Sprintf(`{"input_tokens":%d}`, len(ids)); resp.StatusCode != 200 || string(b) != want {
+		t.Fatalf("count_tokens: %d %s, want %s", resp.StatusCode, b, want)
+	}
+	if len(e.bodies) != 0 {
+		t.Fatal("a dry run or a count reached the engine")
+	}
+}
+
+// Messages through the proxy: the engine's answer as it came, usage read
+// from it, the prefill ended by the first content block delta, errors in
+// Anthropic's shape, the key taken from x-api-key.
+func TestMessagesThroughTheProxy(t *testing.T) {
+	e := startAnthEngine(t)
+	e.prefill = 300 * time.Millisecond
+	p := startAnthProxy(t, e, "auth: {keys: [{key: sk-ant-test-key-01, tenant: a}]}\n")
+	key := []string{"x-api-key", "sk-ant-test-key-01", "anthropic-version", "2023-06-01"}
+	resp, b := postHeaders(t, p.url+"/v1/messages", `{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"Hi"}]}`, key...)
+	if v := decodeJSON(t, b); resp.StatusCode != 200 || v["type"] != "message" || e.bodies[0]["model"] != "engine-m" {
+		t.Fatalf("%d %s (engine got %v)", resp.StatusCode, b, e.bodies[0])
+	}
+	resp, b = postHeaders(t, p.url+"/v1/messages", `{"model":"m","max_tokens":5,"stream":true,"messages":[{"role":"user","content":"Hi"}]}`, key...)
+	if resp.StatusCode != 200 || !strings.HasSuffix(string(b), "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\ndata: [DONE]\n\n") || strings.Count(string(b), "content_block_delta") != 6 {
+		t.Fatalf("stream: %d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+	var lines []map[string]any
+	for _, l := range strings.Split(p.logs.String(), "\n") {
+		if strings.Contains(l, `"path":"/v1/messages"`) {
+			var line map[string]any
+			json.Unmarshal([]byte(l), &line)
+			lines = append(lines, line)
+		}
+	}
+	if len(lines) != 2 {
+		t.Fatalf("access lines %v", lines)
+	}
+	for _, line := range lines {
+		if line["status"] != 200.0 || line["prompt_tokens"] != 30.0 || line["cached_tokens"] != 16.0 || line["output_tokens"] != 3.0 || line["error"] != nil {
+			t.Fatalf("access line %v", line)
+		}
+	}
+	if ttft, _ := time.ParseDuration(fmt.Sprint(lines[1]["ttft"]) + "ms"); ttft < e.prefill {
+		t.Fatalf("ttft %v, the engine's prefill %v", lines[1]["ttft"], e.prefill)
+	}
+
+	for _, c := range []struct {
+		body   string
+		key    []string
+		status int
+		typ    string
+	}{
+		{`{"model":"m","messages":[{"role":"user","content":"Hi"}]}`, key, 400, "invalid_request_error"},
+		{`{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"Hi"}]}`, nil, 401, "authentication_error"},
+		{`{"model":"nope","max_tokens":5,"messages":[{"role":"user","content":"Hi"}]}`, key, 404, "not_found_error"},
+	} {
+		resp, b := postHeaders(t, p.url+"/v1/messages", c.body, c.key...)
+		var v struct {
+			Type  string `json:"type"`
+			Error struct{ Type, Message string }
+		}
+		if json.Unmarshal(b, &v); resp.StatusCode != c.status || v.Type != "error" || v.Error.Type != c.typ || v.Error.Message == "" {
+			t.Errorf("%s: %d %s, want %d %s in Anthropic's shape", c.body, resp.StatusCode, b, c.status, c.typ)
+		}
+	}
+}
+
+// An engine failing mid-message: the client gets Anthropic's error event.
+func TestMessagesStreamEngineFailure(t *testing.T) {
+	e := startAnthEngine(t)
+	e.dropMid = true
+	p := startAnthProxy(t, e, "")
+	resp, b := post(t, p.url+"/v1/messages", `{"model":"m","max_tokens":5,"stream":true,"messages":[{"role":"user","content":"Hi"}]}`)
+	if resp.StatusCode != 200 || !strings.HasSuffix(string(b), "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"api_error\",\"message\":\"the backend serving this request failed mid-stream\"}}\n\n") {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+}
