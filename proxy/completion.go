@@ -65,6 +65,7 @@ type exchange struct {
 	remote       net.IP   // the client's address
 	resp         *respIDs // a Responses API request's ids; nil for others
 	api          api      // the endpoint the request came to
+	budget       *bucket  // the tenant's token budget (nil: none), charged promptTokens
 }
 
 // errCutMsg answers the requests still in flight at the drain deadline.
@@ -329,6 +330,9 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		if ids = s.previousResponse(ctx, st, p, req, rr, rid, t.name, start); ids == nil {
 			return
 		}
+		if ids.owner != "" {
+			sc.hashes = sc.hashes[:0] // not the prompt's prefix (previousResponse)
+		}
 	}
 
 	if dryRun {
@@ -358,7 +362,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		path = "/v1/messages"
 	}
 	x := s.newExchange(rid, engineID, path, req.stream, start, p, req.model)
-	x.tenant, x.promptTokens, x.slot, x.resp, x.api = t.name, counted, in.slot, ids, kind
+	x.tenant, x.promptTokens, x.slot, x.resp, x.api, x.budget = t.name, counted, in.slot, ids, kind, t.tokens
 	s.dispatch(ctx, st, sc, x, salt)
 }
 
@@ -409,6 +413,13 @@ func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *e
 				return
 			}
 			if rr.Pinned && errors.Is(err, router.ErrWorkerUnavailable) && s.pinnedCooling(ctx, st, x.p, rr.Pin, rid, x.tenant, x.model, start) {
+				return
+			}
+			if x.resp != nil && x.resp.owner != "" && errors.Is(err, router.ErrWorkerUnavailable) {
+				msg := "backend " + x.resp.owner + ", which holds the previous response " + x.resp.prevTagged + ", is not available; retry"
+				ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(x.resp.owner))
+				unavailable(ctx, 1, msg)
+				s.logRejected(ctx, rid, x.tenant, x.model, fasthttp.StatusServiceUnavailable, start, "previous response's backend unavailable")
 				return
 			}
 			s.routeFailed(ctx, rid, x.tenant, x.model, start, err)
@@ -689,7 +700,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	*at = attempt{ab: x.ab, active: active}
 	x.watch = s.watcher.Watch(ctx.Conn(), at)
 	if x.resp != nil {
-		x.resp.tag = respTag(b.cfg.ID)
+		x.resp.tag = respTag(b.cfg.ID, x.tenant)
 	}
 	x.sent = time.Now()
 	resp := fasthttp.AcquireResponse()
@@ -1005,6 +1016,11 @@ func (x *exchange) finish() {
 	x.stopWatch()
 	x.release()
 	x.slot.release()
+	if x.resp != nil && x.resp.prevOrig != "" && x.accepted && x.usage.prompt > x.promptTokens {
+		// The engine put the stored conversation before the input: the
+		// budget pays for what it computed, not for what kvproxy saw.
+		x.budget.charge(float64(x.usage.prompt - x.promptTokens))
+	}
 	x.logLine()
 	x.s.live.done(x)
 }

@@ -430,6 +430,7 @@ func (r *relay) onAnthropicEvent(ev []byte) {
 	case "message_stop":
 		r.sawDone = true
 	case "error":
+		r.sawDone = true // terminal: the engine ended the message itself
 		r.x.errMsg = "engine error event"
 	}
 	r.x.usage.read(data)

@@ -2,8 +2,10 @@ package proxy
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -23,20 +25,26 @@ import (
 // A response an engine stores (store: true, vLLM with
 // VLLM_ENABLE_RESPONSES_API_STORE) lives on that engine only, and a later
 // request names it with previous_response_id. kvproxy therefore gives the
-// client response ids that name the backend: "resp_kvp" + 8 hex digits of
-// the backend id's hash + "_" + the engine's own id. A request that names
-// such an id goes to that backend with the engine's id, from any kvproxy
-// replica and across restarts, with no table to keep.
+// client response ids that name the backend and the tenant: "resp_kvp" +
+// 8 hex digits of the backend id's hash + 8 of the tenant's + "_" + the
+// engine's own id. A request that names such an id goes to that backend
+// with the engine's id, from any kvproxy replica and across restarts, with
+// no table to keep; another tenant's request finds no such response, as
+// its cache salt finds none of the tenant's cache.
 
 const (
 	respIDPrefix = "resp_kvp"
-	respTagLen   = 8
+	respTagLen   = 16
 )
 
-// respTag is the backend's tag in the response ids it made.
-func respTag(backendID string) string {
-	var b [8]byte
-	return string(strconv.AppendUint(b[:0], xxh3.HashString(backendID)>>32|1<<32, 16)[1:])
+// respTag is the tag of the response ids a backend made for a tenant.
+func respTag(backendID, tenant string) string {
+	return hex8(backendID) + hex8("tenant:"+tenant)
+}
+
+func hex8(s string) string {
+	var b [9]byte
+	return string(strconv.AppendUint(b[:0], xxh3.HashString(s)>>32|1<<32, 16)[1:])
 }
 
 // appendTaggedID appends the client's id for the engine's id orig, made by
@@ -48,8 +56,10 @@ func appendTaggedID(dst []byte, tag string, orig []byte) []byte {
 	return append(dst, orig...)
 }
 
-// splitTaggedID splits a client's response id into the backend's tag and
-// the engine's id; ok is false for an id kvproxy did not make.
+// splitTaggedID splits a client's response id into its tag and the
+// engine's id; ok is false for an id kvproxy did not make, or one whose
+// engine id could not be an engine's (letters, digits, _ and - only: it
+// goes into the path of the by-id endpoints).
 func splitTaggedID(id string) (tag, orig string, ok bool) {
 	n := len(respIDPrefix) + respTagLen
 	if len(id) <= n+1 || id[:len(respIDPrefix)] != respIDPrefix || id[n] != '_' {
@@ -60,14 +70,23 @@ func splitTaggedID(id string) (tag, orig string, ok bool) {
 			return "", "", false
 		}
 	}
+	for _, c := range []byte(id[n+1:]) {
+		if (c < '0' || c > '9') && (c < 'a' || c > 'z') && (c < 'A' || c > 'Z') && c != '_' && c != '-' {
+			return "", "", false
+		}
+	}
 	return id[len(respIDPrefix):n], id[n+1:], true
 }
 
-// backendByTag is the backend whose response ids carry tag, within pool p
-// (nil: any model's).
-func (st *state) backendByTag(tag string, p *modelPool) *backend {
+// ownerOf is the backend, within pool p (nil: any model's), that made the
+// response with tag for tenant; nil when there is none (another tenant's
+// tag is none).
+func (st *state) ownerOf(tag, tenant string, p *modelPool) *backend {
+	if tag[8:] != hex8("tenant:"+tenant) {
+		return nil
+	}
 	for id, b := range st.backends {
-		if (p == nil || b.pool == p) && respTag(id) == tag {
+		if (p == nil || b.pool == p) && hex8(id) == tag[:8] {
 			return b
 		}
 	}
@@ -77,7 +96,8 @@ func (st *state) backendByTag(tag string, p *modelPool) *backend {
 // respIDs are the response ids of one Responses exchange: what the engine
 // calls them and what the client does.
 type respIDs struct {
-	tag        string // the serving backend's
+	tag        string // the serving backend's, for the tenant
+	owner      string // the backend that holds the previous response ("" when unknown)
 	prevOrig   string // previous_response_id, as the engine knows it ("" for none)
 	prevTagged string // as the client sent it
 	// The answer's own id, quoted, once read from it.
@@ -156,7 +176,7 @@ func (r *apiRequest) parseResponses(body []byte) *paramError {
 		return pe
 	}
 	f := &r.fields
-	var input, instructions, toolChoice, prev []byte
+	var input, instructions, prev []byte
 	for m := (members{b: r.body}); m.next(); {
 		switch {
 		case keyIs(m.key, "model"):
@@ -173,8 +193,6 @@ func (r *apiRequest) parseResponses(body []byte) *paramError {
 			input = m.value
 		case keyIs(m.key, "instructions"):
 			instructions = m.value
-		case keyIs(m.key, "tool_choice"):
-			toolChoice = m.value
 		case keyIs(m.key, "previous_response_id"):
 			prev = m.value
 		}
@@ -196,7 +214,7 @@ func (r *apiRequest) parseResponses(body []byte) *paramError {
 			r.messages = append(r.messages, tokenize.Message{Role: "system", Content: text})
 		}
 	}
-	if pe := r.responsesTools(f.Tools, toolChoice); pe != nil {
+	if pe := r.responsesTools(f.Tools); pe != nil {
 		return pe
 	}
 	return r.responsesInput(input)
@@ -204,7 +222,8 @@ func (r *apiRequest) parseResponses(body []byte) *paramError {
 
 // responsesInput appends the input's messages: a string is the user's
 // message; items become messages as vLLM's construct_chat_messages_with_tool_call
-// makes them.
+// makes them, an assistant's function calls, reasoning and text merged
+// into one assistant message while each finds its member unset.
 func (r *apiRequest) responsesInput(raw []byte) *paramError {
 	if raw == nil || isNull(raw) {
 		return perr("input", "you must provide an input parameter")
@@ -216,6 +235,8 @@ func (r *apiRequest) responsesInput(raw []byte) *paramError {
 	if raw[0] != '[' {
 		return perr("input", "input must be a string or an array of input items")
 	}
+	// The members set on the last message, if it is the assistant's.
+	var last struct{ assistant, content, reasoning, calls bool }
 	i := 0
 	for e := (elements{b: raw}); e.next(); i++ {
 		if e.value[0] != '{' {
@@ -230,11 +251,109 @@ func (r *apiRequest) responsesInput(raw []byte) *paramError {
 			}
 			typ = shortString(t)
 		}
-		msg, pe := r.inputItem(typ, &v, i)
-		if pe != nil {
-			return pe
+		str := func(k int) ([]byte, *paramError) {
+			if s := v[k]; s != nil && s[0] == '"' {
+				return s, nil
+			}
+			return nil, perr(fmt.Sprintf("input[%d].%s", i, itemMembers[k]), "%s must be a string", itemMembers[k])
 		}
-		r.messages = append(r.messages, msg)
+		prev := &tokenize.Message{}
+		merge := last.assistant
+		if merge {
+			prev = &r.messages[len(r.messages)-1]
+		}
+		switch typ {
+		case "function_call":
+			var parts [3][]byte
+			for j, k := range [...]int{itemCallID, itemName, itemArguments} {
+				s, pe := str(k)
+				if pe != nil {
+					return pe
+				}
+				parts[j] = s
+			}
+			// A chat tool call, members in the order vLLM builds it.
+			start := len(r.text)
+			if merge && last.calls {
+				r.text = append(r.text, prev.ToolCalls[:len(prev.ToolCalls)-1]...)
+				r.text = append(r.text, ',')
+			} else {
+				r.text = append(r.text, '[')
+			}
+			r.text = append(r.text, `{"id":`...)
+			r.text = append(r.text, parts[0]...)
+			r.text = append(r.text, `,"function":{"name":`...)
+			r.text = append(r.text, parts[1]...)
+			r.text = append(r.text, `,"arguments":`...)
+			r.text = append(r.text, parts[2]...)
+			r.text = append(r.text, `},"type":"function"}]`...)
+			if !merge {
+				r.messages = append(r.messages, tokenize.Message{Role: "assistant"})
+				prev, last = &r.messages[len(r.messages)-1], struct{ assistant, content, reasoning, calls bool }{assistant: true}
+			}
+			prev.ToolCalls, last.calls = r.textFrom(start), true
+		case "reasoning":
+			// vLLM: the first content part's text, else the first
+			// summary part's.
+			text := firstText(v[itemContent])
+			if text == nil {
+				text = firstText(v[itemSummary])
+			}
+			var reasoning string
+			if text != nil {
+				reasoning = r.decodeString(text)
+			}
+			if !merge || last.reasoning {
+				r.messages = append(r.messages, tokenize.Message{Role: "assistant"})
+				prev, last = &r.messages[len(r.messages)-1], struct{ assistant, content, reasoning, calls bool }{assistant: true}
+			}
+			prev.Reasoning, last.reasoning = reasoning, true
+		case "message":
+			role := v[itemRole]
+			if role == nil || role[0] != '"' || len(role) == 2 {
+				return perr(fmt.Sprintf("input[%d].role", i), "a message item needs a role: user, system, developer or assistant")
+			}
+			if name := r.decodeString(role); name != "assistant" {
+				content, pe := r.flattenContent(v[itemContent], "input", i)
+				if pe != nil {
+					return pe
+				}
+				r.messages = append(r.messages, tokenize.Message{Role: name, Content: content})
+				last.assistant = false
+				continue
+			}
+			// An assistant's: its text, or its first part's.
+			var content string
+			switch c := v[itemContent]; {
+			case c == nil || isNull(c):
+			case c[0] == '"':
+				content = r.decodeString(c)
+			case c[0] == '[':
+				if t := firstText(c); t != nil {
+					content = r.decodeString(t)
+				}
+			default:
+				return perr(fmt.Sprintf("input[%d].content", i), "content must be a string or an array of content parts")
+			}
+			if !merge || last.content {
+				r.messages = append(r.messages, tokenize.Message{Role: "assistant"})
+				prev, last = &r.messages[len(r.messages)-1], struct{ assistant, content, reasoning, calls bool }{assistant: true}
+			}
+			prev.Content, last.content = content, true
+		case "function_call_output":
+			id, pe := str(itemCallID)
+			if pe != nil {
+				return pe
+			}
+			output, pe := r.flattenContent(v[itemOutput], "input", i)
+			if pe != nil {
+				return pe
+			}
+			r.messages = append(r.messages, tokenize.Message{Role: "tool", Content: output, ToolCallID: r.decodeString(id)})
+			last.assistant = false
+		default:
+			return perr(fmt.Sprintf("input[%d].type", i), "input items of type %q are not supported: use message, function_call, function_call_output or reasoning items", typ)
+		}
 	}
 	if i == 0 {
 		return perr("input", "input must not be empty")
@@ -242,135 +361,85 @@ func (r *apiRequest) responsesInput(raw []byte) *paramError {
 	return nil
 }
 
-// inputItem is the chat message of the input item i of type typ, whose
-// members are v.
-func (r *apiRequest) inputItem(typ string, v *[itemMembersLen][]byte, i int) (tokenize.Message, *paramError) {
-	str := func(k int) ([]byte, *paramError) {
-		if s := v[k]; s != nil && s[0] == '"' {
-			return s, nil
-		}
-		return nil, perr(fmt.Sprintf("input[%d].%s", i, itemMembers[k]), "%s must be a string", itemMembers[k])
-	}
-	switch typ {
-	case "message":
-		role := v[itemRole]
-		if role == nil || role[0] != '"' || len(role) == 2 {
-			return tokenize.Message{}, perr(fmt.Sprintf("input[%d].role", i), "a message item needs a role: user, system, developer or assistant")
-		}
-		content, pe := r.flattenContent(v[itemContent], "input", i)
-		return tokenize.Message{Role: r.decodeString(role), Content: content}, pe
-	case "function_call":
-		var parts [3][]byte
-		for j, k := range [...]int{itemCallID, itemName, itemArguments} {
-			s, pe := str(k)
-			if pe != nil {
-				return tokenize.Message{}, pe
-			}
-			parts[j] = s
-		}
-		// A chat tool call, members in the order vLLM builds it.
-		start := len(r.text)
-		r.text = append(r.text, `[{"id":`...)
-		r.text = append(r.text, parts[0]...)
-		r.text = append(r.text, `,"function":{"name":`...)
-		r.text = append(r.text, parts[1]...)
-		r.text = append(r.text, `,"arguments":`...)
-		r.text = append(r.text, parts[2]...)
-		r.text = append(r.text, `},"type":"function"}]`...)
-		return tokenize.Message{Role: "assistant", ToolCalls: r.textFrom(start)}, nil
-	case "function_call_output":
-		id, pe := str(itemCallID)
-		if pe != nil {
-			return tokenize.Message{}, pe
-		}
-		output, pe := r.flattenContent(v[itemOutput], "input", i)
-		return tokenize.Message{Role: "tool", Content: output, ToolCallID: r.decodeString(id)}, pe
-	case "reasoning":
-		// vLLM: the summary's text if it has one part, else the
-		// content's if it has one, else nothing.
-		text := onlyText(v[itemSummary])
-		if text == nil {
-			text = onlyText(v[itemContent])
-		}
-		msg := tokenize.Message{Role: "assistant"}
-		if text != nil {
-			msg.Reasoning = r.decodeString(text)
-		}
-		return msg, nil
-	}
-	return tokenize.Message{}, perr(fmt.Sprintf("input[%d].type", i), "input items of type %q are not supported: use message, function_call, function_call_output or reasoning items", typ)
-}
-
-// onlyText is the text string of the one element of parts, an array of
-// objects; nil when parts has another number of elements.
-func onlyText(parts []byte) []byte {
+// firstText is the text string of the first element of parts, an array
+// of objects; nil when there is none.
+func firstText(parts []byte) []byte {
 	if parts == nil || parts[0] != '[' {
 		return nil
 	}
-	var text []byte
-	n := 0
-	for e := (elements{b: parts}); e.next(); n++ {
-		if e.value[0] == '{' {
-			var t [1][]byte
-			if s := membersNamed(e.value, []string{"text"}, t[:])[0]; s != nil && s[0] == '"' {
-				text = s
-			}
-		}
-	}
-	if n != 1 {
+	e := elements{b: parts}
+	if !e.next() || e.value[0] != '{' {
 		return nil
 	}
-	return text
+	var t [1][]byte
+	if s := membersNamed(e.value, []string{"text"}, t[:])[0]; s != nil && s[0] == '"' {
+		return s
+	}
+	return nil
 }
 
-var toolMembers = []string{"type", "name", "parameters", "strict", "description"}
+var toolMembers = []string{"type", "name", "description", "parameters", "strict"}
 
 // responsesTools sets r.tools to the chat tools vLLM gives the template:
-// none with tool_choice "none", else each tool as {"type": "function",
-// "function": tool}, a function tool's members as pydantic dumps them
-// (name, parameters, strict, type, description; null when absent). A
-// request without tools gives the template an empty list, as vLLM does.
-func (r *apiRequest) responsesTools(raw, toolChoice []byte) *paramError {
-	if toolChoice != nil && toolChoice[0] == '"' && shortString(toolChoice) == "none" {
+// each function tool as {"type": "function", "function": {name,
+// description, parameters, strict}} (null when absent; parameters compact,
+// as the template re-serializes them); built-in tools are not rendered.
+// No function tools is no tools, whatever tool_choice says.
+func (r *apiRequest) responsesTools(raw []byte) *paramError {
+	if raw == nil || isNull(raw) {
 		return nil
 	}
-	if raw != nil && !isNull(raw) && raw[0] != '[' {
+	if raw[0] != '[' {
 		return perr("tools", "tools must be an array of tool objects")
 	}
 	start := len(r.text)
 	r.text = append(r.text, '[')
-	n := 0
-	for e := (elements{b: raw}); raw != nil && !isNull(raw) && e.next(); n++ {
+	n, functions := 0, 0
+	for e := (elements{b: raw}); e.next(); n++ {
 		if e.value[0] != '{' {
 			return perr(fmt.Sprintf("tools[%d]", n), "tools must be an array of tool objects")
 		}
-		if n > 0 {
-			r.text = append(r.text, ',')
-		}
-		r.text = append(r.text, `{"type":"function","function":`...)
 		var v [5][]byte
 		membersNamed(e.value, toolMembers, v[:])
 		if t := v[0]; t == nil || t[0] != '"' || shortString(t) != "function" {
-			r.text = append(r.text, e.value...) // a built-in tool: as sent
-		} else {
-			if v[1] == nil || v[1][0] != '"' {
-				return perr(fmt.Sprintf("tools[%d].name", n), "a function tool needs a name (a string)")
-			}
-			r.text = append(r.text, `{"name":`...)
-			r.text = append(r.text, v[1]...)
-			for j, k := range [...]string{`,"parameters":`, `,"strict":`} {
-				r.text = append(r.text, k...)
-				r.text = appendOrNull(r.text, v[2+j])
-			}
-			r.text = append(r.text, `,"type":"function","description":`...)
-			r.text = appendOrNull(r.text, v[4])
-			r.text = append(r.text, '}')
+			continue // a built-in tool
 		}
-		r.text = append(r.text, '}')
+		if v[1] == nil || v[1][0] != '"' {
+			return perr(fmt.Sprintf("tools[%d].name", n), "a function tool needs a name (a string)")
+		}
+		if functions++; functions > 1 {
+			r.text = append(r.text, ',')
+		}
+		r.text = append(r.text, `{"type":"function","function":{"name":`...)
+		r.text = append(r.text, v[1]...)
+		r.text = append(r.text, `,"description":`...)
+		r.text = appendOrNull(r.text, v[2])
+		r.text = append(r.text, `,"parameters":`...)
+		if v[3] == nil {
+			r.text = append(r.text, "null"...)
+		} else {
+			r.text = appendCompact(r.text, v[3])
+		}
+		r.text = append(r.text, `,"strict":`...)
+		r.text = appendOrNull(r.text, v[4])
+		r.text = append(r.text, "}}"...)
+	}
+	if functions == 0 {
+		r.text = r.text[:start]
+		return nil
 	}
 	r.text = append(r.text, ']')
 	r.tools = r.textFrom(start)
 	return nil
+}
+
+// appendCompact appends raw, valid JSON, without insignificant spaces.
+func appendCompact(dst, raw []byte) []byte {
+	buf := bytes.NewBuffer(dst)
+	if json.Compact(buf, raw) != nil {
+		return append(dst, raw...)
+	}
+	return buf.Bytes()
 }
 
 func appendOrNull(dst, v []byte) []byte {
@@ -382,6 +451,7 @@ func appendOrNull(dst, v []byte) []byte {
 
 var (
 	eventPrefix = []byte("event:")
+	deltaSuffix = []byte(".delta")
 	deltaKey    = []byte(`"delta":`)
 	responseKey = []byte(`"response":`)
 )
@@ -413,8 +483,13 @@ func (r *relay) onResponsesEvent(raw, content []byte) []byte {
 	if data == nil {
 		return raw
 	}
-	if v := valueAfter(data, deltaKey); len(v) > 1 && v[0] == '"' && v[1] != '"' {
-		r.onToken()
+	if name == nil {
+		name = typeOf(data)
+	}
+	if bytes.HasSuffix(name, deltaSuffix) {
+		if v := valueAfter(data, deltaKey); len(v) > 1 && v[0] == '"' && v[1] != '"' {
+			r.onToken()
+		}
 		return raw
 	}
 	ids := r.x.resp
@@ -426,9 +501,6 @@ func (r *relay) onResponsesEvent(raw, content []byte) []byte {
 		}
 	}
 	r.x.usage.read(data)
-	if name == nil {
-		name = typeOf(data)
-	}
 	switch string(name) {
 	case "response.completed", "response.incomplete":
 		r.sawDone = true
@@ -436,6 +508,9 @@ func (r *relay) onResponsesEvent(raw, content []byte) []byte {
 		r.sawDone = true
 		r.x.errMsg = "engine: response failed"
 	case "error":
+		// Terminal, as in OpenAI's streams: the engine ended the
+		// response itself, and is not to be taken out for it.
+		r.sawDone = true
 		r.x.errMsg = "engine error event"
 	}
 	return ids.rewrite(raw)
@@ -511,14 +586,14 @@ func (s *Server) previousResponse(ctx *fasthttp.RequestCtx, st *state, p *modelP
 		// whether it holds it.
 		return ids
 	}
-	b := st.backendByTag(tag, p)
+	b := st.ownerOf(tag, tenant, p)
 	if b == nil || b.isDraining() {
 		msg := fmt.Sprintf("Previous response with id '%s' not found: the backend that made it no longer serves the model %q", req.prevResponse, req.model)
 		writeError(ctx, fasthttp.StatusNotFound, msg, "invalid_request_error", "previous_response_id", "previous_response_not_found")
 		s.logRejected(ctx, rid, tenant, req.model, fasthttp.StatusNotFound, start, "previous response's backend gone")
 		return nil
 	}
-	ids.prevOrig, req.prevEngine = orig, orig
+	ids.prevOrig, req.prevEngine, ids.owner = orig, orig, b.cfg.ID
 	// The engine puts the stored conversation, which kvproxy never saw,
 	// before this input: the tokens here are not the prompt's prefix, and
 	// must not be recorded as cached anywhere.
@@ -560,7 +635,7 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 	if method == fasthttp.MethodHead {
 		method = fasthttp.MethodGet
 	}
-	if !bytes.Contains([]byte(allow), []byte(method)) || method == "" {
+	if !allowed(allow, method) {
 		methodNotAllowed(ctx, allow)
 		s.logRejected(ctx, in.rid, in.t.name, "", fasthttp.StatusMethodNotAllowed, in.start, "method not allowed")
 		return
@@ -568,11 +643,11 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 	tag, orig, ok := splitTaggedID(id)
 	var b *backend
 	if ok {
-		b = st.backendByTag(tag, nil)
+		b = st.ownerOf(tag, in.t.name, nil)
 	}
 	if b == nil {
 		why := "kvproxy made no response of this id"
-		if ok {
+		if ok && tag[8:] == hex8("tenant:"+in.t.name) {
 			why = "the backend that made it is no longer configured"
 		}
 		writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("Response with id '%s' not found: %s", id, why), "invalid_request_error", "", "response_not_found")
@@ -610,8 +685,14 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 			body = normalizeEngineError(status, body)
 			errMsg = "engine answered " + strconv.Itoa(status) + engineErrorKind(body)
 		}
-		if enc == nil {
-			ids := respIDs{tag: respTag(b.cfg.ID)}
+		switch {
+		case enc != nil:
+			ctx.Response.Header.SetContentEncodingBytes(enc)
+		case status != fasthttp.StatusOK:
+			// The engine's error quotes the id in its message.
+			body = bytes.ReplaceAll(body, []byte(orig), []byte(id))
+		default:
+			ids := respIDs{tag: tag}
 			ids.orig = strconv.AppendQuote(nil, orig)
 			ids.tagged = strconv.AppendQuote(nil, id)
 			// The response it continued is the same engine's.
@@ -619,8 +700,6 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 				ids.prevOrig, ids.prevTagged = prev, string(appendTaggedID(nil, ids.tag, []byte(prev)))
 			}
 			body = ids.rewrite(body)
-		} else {
-			ctx.Response.Header.SetContentEncodingBytes(enc)
 		}
 		ctx.SetStatusCode(status)
 		ct := resp.Header.ContentType()
@@ -641,6 +720,16 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 	}
 	ev.Msg("request")
 	s.metrics.countRequest(b.cfg.ID, status)
+}
+
+// allowed reports whether method is one of allow's ("GET, HEAD").
+func allowed(allow, method string) bool {
+	for _, m := range strings.Split(allow, ", ") {
+		if m == method {
+			return true
+		}
+	}
+	return false
 }
 
 // previousIn is the previous_response_id of a response object, "" if it

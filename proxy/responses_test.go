@@ -21,6 +21,7 @@ type respEngine struct {
 	id, addr string
 	prefill  time.Duration // between response.in_progress and the first delta
 	dropMid  bool          // close the connection after the first delta
+	errorMid bool          // end with the Responses API's error event after the first delta
 
 	mu     sync.Mutex
 	n      int
@@ -68,14 +69,16 @@ func (e *respEngine) create(w http.ResponseWriter, r *http.Request) {
 		e.notFound(w, prev, "previous_response_id")
 		return
 	}
-	obj := map[string]any{"id": id, "object": "response", "model": body["model"], "status": "in_progress", "output": []any{}, "usage": nil}
+	obj := map[string]any{"id": id, "object": "response", "model": body["model"], "status": "in_progress", "output": []any{}, "usage": nil, "metadata": body["metadata"]}
+	inputTokens := 21
 	if prev != "" {
 		obj["previous_response_id"] = prev
+		inputTokens = 5000 // the stored conversation comes first
 	}
 	done := func() map[string]any {
 		obj["status"] = "completed"
 		obj["output"] = []any{map[string]any{"id": "msg_1", "type": "message", "role": "assistant", "content": []any{map[string]any{"type": "output_text", "text": "a b c", "annotations": []any{}}}}}
-		obj["usage"] = map[string]any{"input_tokens": 21, "input_tokens_details": map[string]any{"cached_tokens": 16}, "output_tokens": 3, "total_tokens": 24}
+		obj["usage"] = map[string]any{"input_tokens": inputTokens, "input_tokens_details": map[string]any{"cached_tokens": 16}, "output_tokens": 3, "total_tokens": inputTokens + 3}
 		if store, ok := body["store"].(bool); !ok || store {
 			e.mu.Lock()
 			e.store[id] = obj
@@ -105,6 +108,10 @@ func (e *respEngine) create(w http.ResponseWriter, r *http.Request) {
 		if e.dropMid && i == 0 {
 			conn, _, _ := w.(http.Hijacker).Hijack()
 			conn.Close()
+			return
+		}
+		if e.errorMid && i == 0 {
+			send("error", map[string]any{"code": "server_error", "message": "boom", "param": nil})
 			return
 		}
 	}
@@ -166,29 +173,43 @@ func decodeJSON(t *testing.T, b []byte) map[string]any {
 // The Responses API becomes the chat request vLLM makes of it.
 func TestParseResponses(t *testing.T) {
 	req := &apiRequest{}
+	// An agent's turn as vLLM's construct_chat_messages_with_tool_call
+	// makes it: reasoning and the calls that follow it are one assistant
+	// message, and so are text and the call after it; a second reasoning
+	// starts a message.
 	pe := req.parseResponses([]byte(`{"model":"m","instructions":"Be brief.","input":[
 		{"role":"user","content":[{"type":"input_text","text":"Weather in Paris?"}]},
+		{"type":"reasoning","summary":[{"type":"summary_text","text":"from the summary"}],"content":[{"type":"reasoning_text","text":"use the tool"},{"type":"reasoning_text","text":"not this"}]},
 		{"type":"function_call","call_id":"c1","name":"get_weather","arguments":"{\"city\":\"Paris\"}"},
+		{"type":"function_call","call_id":"c2","name":"get_time","arguments":"{}"},
 		{"type":"function_call_output","call_id":"c1","output":"18C"},
-		{"type":"reasoning","summary":[{"type":"summary_text","text":"it is mild"}]},
-		{"type":"message","role":"assistant","content":[{"type":"output_text","text":"Mild.","annotations":[]}],"id":"msg_9","status":"completed"}],
-		"tools":[{"type":"function","name":"get_weather","parameters":{"type":"object"},"description":"Weather"}],
-		"previous_response_id":null,"stream":true}`))
+		{"type":"function_call_output","call_id":"c2","output":"noon"},
+		{"type":"message","role":"assistant","content":[{"type":"output_text","text":"Mild.","annotations":[]},{"type":"output_text","text":"not this"}],"id":"msg_9","status":"completed"},
+		{"type":"function_call","call_id":"c3","name":"get_weather","arguments":"{}"},
+		{"type":"reasoning","summary":[{"type":"summary_text","text":"first"}]},
+		{"type":"reasoning","summary":[{"type":"summary_text","text":"second"}]},
+		{"role":"developer","content":"Stay on topic."}],
+		"tools":[{"type":"function","name":"get_weather","parameters":{ "type" : "object" },"description":"Weather"},{"type":"web_search"},{"type":"function","name":"get_time","strict":true}],
+		"tool_choice":"none","previous_response_id":null,"stream":true}`))
 	if pe != nil {
 		t.Fatal(pe)
 	}
 	want := []tokenize.Message{
 		{Role: "system", Content: "Be brief."},
 		{Role: "user", Content: "Weather in Paris?"},
-		{Role: "assistant", ToolCalls: `[{"id":"c1","function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"},"type":"function"}]`},
+		{Role: "assistant", Reasoning: "use the tool", ToolCalls: `[{"id":"c1","function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"},"type":"function"},{"id":"c2","function":{"name":"get_time","arguments":"{}"},"type":"function"}]`},
 		{Role: "tool", Content: "18C", ToolCallID: "c1"},
-		{Role: "assistant", Reasoning: "it is mild"},
-		{Role: "assistant", Content: "Mild."},
+		{Role: "tool", Content: "noon", ToolCallID: "c2"},
+		{Role: "assistant", Content: "Mild.", ToolCalls: `[{"id":"c3","function":{"name":"get_weather","arguments":"{}"},"type":"function"}]`, Reasoning: "first"},
+		{Role: "assistant", Reasoning: "second"},
+		{Role: "developer", Content: "Stay on topic."},
 	}
 	if fmt.Sprint(req.messages) != fmt.Sprint(want) {
 		t.Errorf("messages:\n%q\nwant\n%q", req.messages, want)
 	}
-	if tools := `[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object"},"strict":null,"type":"function","description":"Weather"}}]`; req.tools != tools {
+	// Function tools only, parameters compact; tool_choice "none" keeps them.
+	if tools := `[{"type":"function","function":{"name":"get_weather","description":"Weather","parameters":{"type":"object"},"strict":null}},` +
+		`{"type":"function","function":{"name":"get_time","description":null,"parameters":null,"strict":true}}]`; req.tools != tools {
 		t.Errorf("tools %s\nwant  %s", req.tools, tools)
 	}
 	if !req.stream || !req.converted || req.model != "m" {
@@ -196,9 +217,9 @@ func TestParseResponses(t *testing.T) {
 	}
 
 	for body, want := range map[string]string{
-		`{"input":"hi"}`: `[{user hi    }] tools []`,
-		`{"input":"hi","tool_choice":"none","tools":[{"type":"function","name":"f"}]}`: `[{user hi    }] tools `,
-		`{"input":"hi","instructions":""}`:                                             `[{user hi    }] tools []`,
+		`{"input":"hi"}`: `[{user hi    }] tools `,
+		`{"input":"hi","tools":[{"type":"web_search"}]}`: `[{user hi    }] tools `,
+		`{"input":"hi","instructions":""}`:               `[{user hi    }] tools `,
 	} {
 		req := &apiRequest{}
 		if pe := req.parseResponses([]byte(body)); pe != nil {
@@ -230,16 +251,17 @@ func TestParseResponses(t *testing.T) {
 }
 
 func TestResponseIDTags(t *testing.T) {
-	tag := respTag("backend-a")
-	if len(tag) != respTagLen || tag == respTag("backend-b") || tag != respTag("backend-a") {
-		t.Fatalf("tags %q %q", tag, respTag("backend-b"))
+	tag := respTag("backend-a", "team-a")
+	if len(tag) != respTagLen || tag == respTag("backend-b", "team-a") || tag == respTag("backend-a", "team-b") || tag != respTag("backend-a", "team-a") {
+		t.Fatalf("tags %q %q %q", tag, respTag("backend-b", "team-a"), respTag("backend-a", "team-b"))
 	}
 	id := string(appendTaggedID(nil, tag, []byte("resp_0123abc")))
 	gotTag, orig, ok := splitTaggedID(id)
 	if !ok || gotTag != tag || orig != "resp_0123abc" {
 		t.Fatalf("%s split into %q %q %v", id, gotTag, orig, ok)
 	}
-	for _, id := range []string{"resp_0123abc", "resp_kvp0123456_", "resp_kvpzz234567_x", "resp_kvp01234567-x"} {
+	for _, id := range []string{"resp_0123abc", "resp_kvp0123456701234567_", "resp_kvpzz23456701234567_x", "resp_kvp0123456701234567-x",
+		"resp_kvp0123456701234567_..", "resp_kvp0123456701234567_x%3Fa=b", "resp_kvp0123456701234567_a/b"} {
 		if _, _, ok := splitTaggedID(id); ok {
 			t.Errorf("%s: taken for a kvproxy id", id)
 		}
@@ -276,7 +298,7 @@ func TestResponsesContinueOnTheirBackend(t *testing.T) {
 	worker := resp.Header.Get(WorkerHeader)
 	engines := map[string]*respEngine{"e0": e0, "e1": e1}
 	owner := engines[worker]
-	if resp.StatusCode != 200 || owner == nil || !strings.HasPrefix(id, respIDPrefix+respTag(worker)+"_resp_"+worker) {
+	if resp.StatusCode != 200 || owner == nil || !strings.HasPrefix(id, respIDPrefix+respTag(worker, "")+"_resp_"+worker) {
 		t.Fatalf("%d %s (worker %q)", resp.StatusCode, b, worker)
 	}
 	if path, body := owner.last(); path != "/v1/responses" || body["model"] != "engine-m" {
@@ -325,7 +347,7 @@ func TestResponsesContinueOnTheirBackend(t *testing.T) {
 		t.Fatalf("PUT: %d", code)
 	}
 	before := e0.created() + e1.created()
-	unknown := string(appendTaggedID(nil, respTag("gone"), []byte("resp_x")))
+	unknown := string(appendTaggedID(nil, respTag("gone", ""), []byte("resp_x")))
 	if code, v := get("GET", "/v1/responses/"+unknown); code != 404 || !strings.Contains(fmt.Sprint(v), "no longer configured") {
 		t.Fatalf("GET of a removed backend's response: %d %v", code, v)
 	}
@@ -348,7 +370,7 @@ func TestResponsesEngineWithoutThePreviousResponse(t *testing.T) {
 	}
 	// A response kvproxy relayed, which the engine no longer holds (it
 	// restarted): the error names it as the client knows it.
-	gone := string(appendTaggedID(nil, respTag("e0"), []byte("resp_e0lost")))
+	gone := string(appendTaggedID(nil, respTag("e0", ""), []byte("resp_e0lost")))
 	resp, b = post(t, p.url+"/v1/responses", fmt.Sprintf(`{"model":"m","input":"x","previous_response_id":%q}`, gone))
 	if resp.StatusCode != 404 || !strings.Contains(string(b), "'"+gone+"'") {
 		t.Fatalf("%d %s", resp.StatusCode, b)
@@ -405,7 +427,7 @@ func TestResponsesStream(t *testing.T) {
 	}
 	completed := decodeJSON(t, []byte(strings.TrimPrefix(events[5][1], "data: ")))
 	id := completed["response"].(map[string]any)["id"].(string)
-	if tag, _, ok := splitTaggedID(id); !ok || tag != respTag("e0") {
+	if tag, _, ok := splitTaggedID(id); !ok || tag != respTag("e0", "") {
 		t.Fatalf("response id %s", id)
 	}
 	p.waitIdle(t)
@@ -443,6 +465,149 @@ func TestResponsesStreamEngineFailure(t *testing.T) {
 		if strings.Contains(strings.Join(ev, "\n"), "[DONE]") {
 			t.Fatalf("a [DONE] in a response stream: %q", events)
 		}
+	}
+	p.waitIdle(t)
+}
+
+// Events that are not deltas carry the response object, and with it what
+// the client put in metadata: a "delta" there is no output, and the ids
+// are rewritten all the same.
+func TestResponsesMetadataIsNotOutput(t *testing.T) {
+	e0 := startRespEngine(t, "e0")
+	p := startRespProxy(t, e0)
+	resp, err := http.Post(p.url+"/v1/responses", "application/json", strings.NewReader(`{"model":"m","input":"Hi","stream":true,"metadata":{"delta":"not a token"}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	events := responseEvents(t, resp)
+	resp.Body.Close()
+	for _, ev := range events {
+		if strings.Contains(strings.Join(ev, "\n"), `"id":"resp_e0`) || ev[0] == "event: error" {
+			t.Fatalf("event %q", ev)
+		}
+	}
+	p.waitIdle(t)
+	if !strings.Contains(p.logs.String(), `"output_tokens":3,`) || strings.Contains(p.logs.String(), "ejected") {
+		t.Fatalf("logs:\n%s", p.logs.String())
+	}
+}
+
+// An engine's error event ends its response: relayed once, and the engine
+// is not taken out for it.
+func TestResponsesEngineErrorEventEndsTheStream(t *testing.T) {
+	e0 := startRespEngine(t, "e0")
+	e0.errorMid = true
+	p := startRespProxy(t, e0)
+	for range 2 {
+		resp, err := http.Post(p.url+"/v1/responses", "application/json", strings.NewReader(`{"model":"m","input":"Hi","stream":true}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		events := responseEvents(t, resp)
+		resp.Body.Close()
+		errs := 0
+		for _, ev := range events {
+			if ev[0] == "event: error" {
+				errs++
+			}
+		}
+		if resp.StatusCode != 200 || errs != 1 || !strings.Contains(events[len(events)-1][1], "boom") {
+			t.Fatalf("%d %q", resp.StatusCode, events)
+		}
+	}
+	p.waitIdle(t)
+}
+
+// A response belongs to its tenant: another tenant's key finds no such
+// response, to continue, read or delete. A tenant's token budget pays for
+// the stored conversation a follow-up makes the engine compute.
+func TestResponsesBelongToTheirTenant(t *testing.T) {
+	e0 := startRespEngine(t, "e0")
+	p := serveYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends: [{id: e0, url: 'http://"+e0.addr+"', model: m}]\n"+
+		"auth: {keys: [{key: key-team-a-0001, tenant: a}, {key: key-team-b-0001, tenant: b}]}\n"+
+		"tenants: [{name: a, tokens_per_minute: 3000}]\n", true)
+	a, b := []string{"Authorization", "Bearer key-team-a-0001"}, []string{"Authorization", "Bearer key-team-b-0001"}
+	resp, body := postHeaders(t, p.url+"/v1/responses", `{"model":"m","input":"Hi"}`, a...)
+	id, _ := decodeJSON(t, body)["id"].(string)
+	if resp.StatusCode != 200 || id == "" {
+		t.Fatalf("%d %s", resp.StatusCode, body)
+	}
+	follow := fmt.Sprintf(`{"model":"m","input":"more","previous_response_id":%q}`, id)
+	if resp, body := postHeaders(t, p.url+"/v1/responses", follow, b...); resp.StatusCode != 404 || !strings.Contains(string(body), "previous_response_not_found") {
+		t.Fatalf("another tenant continued it: %d %s", resp.StatusCode, body)
+	}
+	for _, method := range []string{"GET", "DELETE"} {
+		req, _ := http.NewRequest(method, p.url+"/v1/responses/"+id, nil)
+		req.Header.Set(b[0], b[1])
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 404 {
+			t.Fatalf("another tenant's %s: %d", method, resp.StatusCode)
+		}
+	}
+	// The follow-up is admitted for its own few tokens; the engine's
+	// usage (5,000 prompt tokens) puts the budget in debt.
+	if resp, body := postHeaders(t, p.url+"/v1/responses", follow, a...); resp.StatusCode != 200 {
+		t.Fatalf("follow-up: %d %s", resp.StatusCode, body)
+	}
+	if resp, body := postHeaders(t, p.url+"/v1/responses", `{"model":"m","input":"Hi"}`, a...); resp.StatusCode != 429 {
+		t.Fatalf("a budget of 3,000 after 5,000 tokens: %d %s", resp.StatusCode, body)
+	}
+	p.waitIdle(t)
+}
+
+// The by-id endpoints: whole methods only, engine ids that could only be
+// ids, errors that name the response as the client knows it; and a
+// follow-up whose engine is down says which.
+func TestResponsesByIDEdges(t *testing.T) {
+	e0 := startRespEngine(t, "e0")
+	p := startRespProxy(t, e0)
+	_, body := post(t, p.url+"/v1/responses", `{"model":"m","input":"Hi","store":false}`)
+	id := decodeJSON(t, body)["id"].(string)
+	do := func(method, path string) (int, string) {
+		req, _ := http.NewRequest(method, p.url+path, nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var b strings.Builder
+		buf := make([]byte, 4096)
+		for {
+			n, err := resp.Body.Read(buf)
+			b.Write(buf[:n])
+			if err != nil {
+				break
+			}
+		}
+		return resp.StatusCode, b.String()
+	}
+	if code, body := do("GET", "/v1/responses/"+id); code != 404 || !strings.Contains(body, "'"+id+"'") {
+		t.Fatalf("a response not stored: %d %s", code, body)
+	}
+	if code, _ := do("GE", "/v1/responses/"+id); code != 405 {
+		t.Fatalf("method GE: %d", code)
+	}
+	before := len(e0.paths)
+	tag, _, _ := splitTaggedID(id)
+	if code, _ := do("GET", "/v1/responses/"+respIDPrefix+tag+"_x%3Fa=b"); code != 404 || len(e0.paths) != before {
+		t.Fatalf("an id with a query: %d, engine saw %v", code, e0.paths[before:])
+	}
+
+	_, body = post(t, p.url+"/v1/responses", `{"model":"m","input":"Hi"}`)
+	id = decodeJSON(t, body)["id"].(string)
+	dry := fmt.Sprintf(`{"model":"m","input":"more","previous_response_id":%q,"nvext":{"annotations":["query_instance_id"]}}`, id)
+	if _, body := post(t, p.url+"/v1/responses", dry); !strings.Contains(string(body), `"block_hashes":[]`) || !strings.Contains(string(body), `"total_blocks":0`) {
+		t.Fatalf("dry run of a follow-up: %s", body)
+	}
+	p.s.st.Load().backends["e0"].fail(ejectConnect, "test")
+	follow := fmt.Sprintf(`{"model":"m","input":"more","previous_response_id":%q}`, id)
+	if resp, body := post(t, p.url+"/v1/responses", follow); resp.StatusCode != 503 || !strings.Contains(string(body), "holds the previous response "+id) {
+		t.Fatalf("the owner ejected: %d %s", resp.StatusCode, body)
 	}
 	p.waitIdle(t)
 }

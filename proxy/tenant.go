@@ -255,6 +255,17 @@ func newBucket(rate, burst float64, headers *limitHeaders) *bucket {
 // they would be. Either way it reports the bucket in h (nil: not at all)
 // as OpenAI does: its size, what is left (whole units; 0 in debt) and how
 // long until it is full again ("6m0s", "20ms").
+// charge takes n more from the bucket, into debt if need be: what a
+// request turned out to cost beyond what it was admitted for.
+func (b *bucket) charge(n float64) {
+	if b == nil || n <= 0 {
+		return
+	}
+	b.mu.Lock()
+	b.level -= n
+	b.mu.Unlock()
+}
+
 func (b *bucket) take(n float64, h *fasthttp.ResponseHeader) (ok bool, wait time.Duration) {
 	if b == nil {
 		return true, 0
