@@ -161,7 +161,7 @@ func BenchmarkSSERelayResponses(b *testing.B) {
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		_, active, _ := p.rt.Route(&req)
-		x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, usage: tokenUsage{-1, -1, -1}, resp: &respIDs{tag: "0a1b2c3d"}}
+		x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, usage: tokenUsage{-1, -1, -1}, resp: &respIDs{tag: "0a1b2c3d"}, api: apiResponses}
 		s.live.add(x)
 		rl := newRelay(x, &memBody{bytes.NewReader(raw)}, fasthttp.AcquireResponse())
 		if _, err := rl.WriteTo(w); err != nil {
@@ -186,6 +186,79 @@ func BenchmarkParseResponsesSmall(b *testing.B) {
 	for i := 0; i < b.N; i++ {
 		req.reset()
 		if pe := req.parseResponses(body); pe != nil {
+			b.Fatal(pe.msg)
+		}
+		var err error
+		if out, err = req.forwardBody(out[:0], "served", "salt"); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkSSERelayMessages relays a streamed Anthropic message as vLLM
+// sends it (event: lines, a content_block_delta per token, usage at both
+// ends, [DONE]); compare ns/event with BenchmarkSSERelay.
+func BenchmarkSSERelayMessages(b *testing.B) {
+	cfg, err := config.Parse([]byte("models: [{name: m}]\nbackends: [{id: e0, url: 'http://127.0.0.1:1'}]\nlog_level: warn\n"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	s, err := New(cfg, Options{Logger: zerolog.Nop(), DisableHealthChecks: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	st := s.st.Load()
+	p, be := st.pools[0], st.backends["e0"]
+	const tokens = 256
+	var stream bytes.Buffer
+	event := func(typ, data string) { fmt.Fprintf(&stream, "event: %s\ndata: %s\n\n", typ, data) }
+	event("message_start", `{"type":"message_start","message":{"id":"chatcmpl-1","type":"message","role":"assistant","content":[],"model":"m","usage":{"input_tokens":100,"output_tokens":0}}}`)
+	event("content_block_start", `{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}`)
+	for i := 0; i < tokens; i++ {
+		event("content_block_delta", fmt.Sprintf(`{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":" tok%d"}}`, i))
+	}
+	event("content_block_stop", `{"type":"content_block_stop","index":0}`)
+	event("message_delta", `{"type":"message_delta","delta":{"stop_reason":"max_tokens"},"usage":{"input_tokens":100,"output_tokens":256}}`)
+	event("message_stop", `{"type":"message_stop"}`)
+	stream.WriteString("data: [DONE]\n\n")
+	raw := stream.Bytes()
+	events := tokens + 6
+	w := bufio.NewWriterSize(io.Discard, 4096)
+	req := router.Request{PromptTokens: 100}
+	b.SetBytes(int64(len(raw)))
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		_, active, _ := p.rt.Route(&req)
+		x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, usage: tokenUsage{-1, -1, -1}, api: apiMessages}
+		s.live.add(x)
+		rl := newRelay(x, &memBody{bytes.NewReader(raw)}, fasthttp.AcquireResponse())
+		if _, err := rl.WriteTo(w); err != nil {
+			b.Fatal(err)
+		}
+		rl.Close()
+		if x.outputTokens != tokens || x.usage.completion != tokens || x.errMsg != "" {
+			b.Fatalf("counted %d tokens, usage %+v, error %q", x.outputTokens, x.usage, x.errMsg)
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*events), "ns/event")
+}
+
+// BenchmarkParseMessagesAgentTurn parses an agent's turn in Anthropic's
+// shape (system blocks, a tool call and its result, two tools), as Claude
+// Code sends it, with the engine body.
+func BenchmarkParseMessagesAgentTurn(b *testing.B) {
+	body := []byte(`{"model":"m","max_tokens":1024,"stream":true,"system":[{"type":"text","text":"You are an agent.","cache_control":{"type":"ephemeral"}}],` +
+		`"messages":[{"role":"user","content":"List the files."},{"role":"assistant","content":[{"type":"text","text":"Listing."},{"type":"tool_use","id":"toolu_1","name":"bash","input":{"command":"ls -la","timeout":30.5}}]},` +
+		`{"role":"user","content":[{"type":"tool_result","tool_use_id":"toolu_1","content":[{"type":"text","text":"a.go\nb.go"}]},{"type":"text","text":"Now read a.go."}]}],` +
+		`"tools":[{"name":"bash","description":"Run a command","input_schema":{"type":"object","properties":{"command":{"type":"string"}}}},{"name":"read","input_schema":{"properties":{"path":{"type":"string"}}}}]}`)
+	var req apiRequest
+	var out []byte
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for i := 0; i < b.N; i++ {
+		req.reset()
+		if pe := req.parseAnthropic(body, false); pe != nil {
 			b.Fatal(pe.msg)
 		}
 		var err error
