@@ -152,9 +152,9 @@ func TestResponsesSharePromptWithChat(t *testing.T) {
 	}
 }
 
-// A follow-up names the previous response: its prompt is the earlier turn
-// (instructions included), the answer, then the new input, and it hits the
-// earlier turn's blocks.
+// A follow-up names the previous response: its prompt is its own
+// instructions, the earlier turn, the answer, then the new input, and with
+// the same instructions it hits the earlier turn's blocks.
 func TestResponsesFollowUp(t *testing.T) {
 	e, url := startEngine(t, Config{})
 	in, _ := json.Marshal(longInput)
@@ -162,7 +162,7 @@ func TestResponsesFollowUp(t *testing.T) {
 	if first.Status != "incomplete" || first.IncompleteDetails == nil || first.IncompleteDetails.Reason != "max_output_tokens" {
 		t.Fatalf("an answer cut at max_output_tokens is incomplete, as in vLLM: %s %+v", first.Status, first.IncompleteDetails)
 	}
-	body := `{"input":"And then?","previous_response_id":"` + first.ID + `","max_output_tokens":2}`
+	body := `{"instructions":"You are terse.","input":"And then?","previous_response_id":"` + first.ID + `","max_output_tokens":2}`
 	next := createResponse(t, url, body)
 	if next.PreviousResponseID == nil || *next.PreviousResponseID != first.ID {
 		t.Fatalf("previous_response_id %v", next.PreviousResponseID)
@@ -353,47 +353,116 @@ func writeTemplate(t *testing.T) string {
 }
 
 // Input items and tools become the chat messages and tools vLLM builds
-// from them: the same prompt as the chat request written that way. A
-// request without tools has an empty list of them (tools: []), not none,
-// unless tool_choice is "none".
+// from them (construct_chat_messages_with_tool_call, construct_tool_dicts):
+// the same prompt as the chat request written that way.
 func TestResponsesItemsAndToolsAsChat(t *testing.T) {
-	for _, template := range []string{"chatml", writeTemplate(t)} {
-		e, _ := startEngine(t, Config{Template: template})
-		tool := `{"type":"function","name":"get_weather","description":"Weather now","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}`
-		chatTool := `{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string"}}},"strict":null,"type":"function","description":"Weather now"}}`
-		for _, c := range []struct{ name, responses, chat string }{
-			{"tools",
-				`{"input":"weather?","tools":[` + tool + `]}`,
-				`{"messages":[{"role":"user","content":"weather?"}],"tools":[` + chatTool + `]}`},
-			{"tool_choice none drops the tools",
-				`{"input":"weather?","tools":[` + tool + `],"tool_choice":"none"}`,
-				`{"messages":[{"role":"user","content":"weather?"}]}`},
-			{"function call and output",
-				`{"input":[{"role":"user","content":"weather in Paris?"},` +
-					`{"type":"function_call","call_id":"call_1","name":"get_weather","arguments":"{\"city\":\"Paris\"}","id":"fc_1"},` +
-					`{"type":"function_call_output","call_id":"call_1","output":"sunny"}],"tools":[` + tool + `]}`,
-				`{"messages":[{"role":"user","content":"weather in Paris?"},` +
-					`{"role":"assistant","tool_calls":[{"id":"call_1","function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"},"type":"function"}]},` +
-					`{"role":"tool","content":"sunny","tool_call_id":"call_1"}],"tools":[` + chatTool + `]}`},
-			{"reasoning from its one summary",
-				`{"input":[{"role":"user","content":"hi"},{"type":"reasoning","id":"rs_1","summary":[{"type":"summary_text","text":"think"}]},{"type":"message","role":"assistant","content":[{"type":"output_text","text":"hello"}]}]}`,
-				`{"messages":[{"role":"user","content":"hi"},{"role":"assistant","reasoning":"think"},{"role":"assistant","content":"hello"}],"tools":[]}`},
-			{"reasoning from its one content part when summaries are not one",
-				`{"input":[{"role":"user","content":"hi"},{"type":"reasoning","summary":[],"content":[{"type":"reasoning_text","text":"deep"}]}]}`,
-				`{"messages":[{"role":"user","content":"hi"},{"role":"assistant","reasoning":"deep"}],"tools":[]}`},
-			{"reasoning empty otherwise",
-				`{"input":[{"role":"user","content":"hi"},{"type":"reasoning","summary":[{"text":"a"},{"text":"b"}]}]}`,
-				`{"messages":[{"role":"user","content":"hi"},{"role":"assistant"}],"tools":[]}`},
-			{"message parts and roles",
-				`{"instructions":"Be kind.","input":[{"role":"developer","content":"dev"},{"type":"message","role":"user","content":[{"type":"input_text","text":"one"},{"type":"input_text","text":"two"}]}]}`,
-				`{"messages":[{"role":"system","content":"Be kind."},{"role":"developer","content":"dev"},{"role":"user","content":"one\ntwo"}],"tools":[]}`},
-		} {
+	tool := `{"type":"function","name":"get_weather","description":"Weather now","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}`
+	spaced := `{"type": "function", "name": "get_weather", "description": "Weather now", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}`
+	chatTool := `{"type":"function","function":{"name":"get_weather","description":"Weather now","parameters":{"type":"object","properties":{"city":{"type":"string"}}},"strict":null}}`
+	builtIn := `{"type":"web_search_preview"}`
+	fc := func(id, city string) string {
+		return `{"type":"function_call","call_id":"` + id + `","name":"get_weather","arguments":"{\"city\":\"` + city + `\"}","id":"fc_` + id + `"}`
+	}
+	call := func(id, city string) string {
+		return `{"id":"` + id + `","function":{"name":"get_weather","arguments":"{\"city\":\"` + city + `\"}"},"type":"function"}`
+	}
+	user := `{"role":"user","content":"weather?"}`
+	for _, c := range []struct{ name, responses, chat string }{
+		{"tools",
+			`{"input":"weather?","tools":[` + tool + `]}`,
+			`{"messages":[` + user + `],"tools":[` + chatTool + `]}`},
+		{"no tools are none",
+			`{"input":"weather?","tools":[]}`,
+			`{"messages":[` + user + `]}`},
+		{"tool_choice none keeps the tools",
+			`{"input":"weather?","tools":[` + tool + `],"tool_choice":"none"}`,
+			`{"messages":[` + user + `],"tools":[` + chatTool + `]}`},
+		{"built-in tools are skipped, spaced parameters compacted",
+			`{"input":"weather?","tools":[` + builtIn + `,` + spaced + `,{"type":"file_search","vector_store_ids":["v"]}]}`,
+			`{"messages":[` + user + `],"tools":[` + chatTool + `]}`},
+		{"only built-in tools are an empty list",
+			`{"input":"weather?","tools":[` + builtIn + `]}`,
+			`{"messages":[` + user + `],"tools":[]}`},
+		{"function call and output",
+			`{"input":[` + user + `,` + fc("call_1", "Paris") + `,{"type":"function_call_output","call_id":"call_1","output":"sunny"},` + fc("call_2", "Rome") + `]}`,
+			`{"messages":[` + user + `,{"role":"assistant","tool_calls":[` + call("call_1", "Paris") + `]},` +
+				`{"role":"tool","content":"sunny","tool_call_id":"call_1"},{"role":"assistant","tool_calls":[` + call("call_2", "Rome") + `]}]}`},
+		{"reasoning and two calls are one message",
+			`{"input":[` + user + `,{"type":"reasoning","summary":[],"content":[{"type":"reasoning_text","text":"think"}]},` + fc("call_1", "Paris") + `,` + fc("call_2", "Rome") + `]}`,
+			`{"messages":[` + user + `,{"role":"assistant","reasoning":"think","tool_calls":[` + call("call_1", "Paris") + `,` + call("call_2", "Rome") + `]}]}`},
+		{"assistant text and a call are one message",
+			`{"input":[` + user + `,{"type":"message","role":"assistant","content":[{"type":"output_text","text":"let me look"}]},` + fc("call_1", "Paris") + `]}`,
+			`{"messages":[` + user + `,{"role":"assistant","content":"let me look","tool_calls":[` + call("call_1", "Paris") + `]}]}`},
+		{"a call, then its text",
+			`{"input":[` + fc("call_1", "Paris") + `,{"role":"assistant","content":"looked"},{"role":"assistant","content":"again"}]}`,
+			`{"messages":[{"role":"assistant","content":"looked","tool_calls":[` + call("call_1", "Paris") + `]},{"role":"assistant","content":"again"}]}`},
+		{"reasoning, then its text",
+			`{"input":[` + user + `,{"type":"reasoning","summary":[{"type":"summary_text","text":"think"}]},{"type":"message","role":"assistant","content":[{"type":"output_text","text":"hello"}]}]}`,
+			`{"messages":[` + user + `,{"role":"assistant","reasoning":"think","content":"hello"}]}`},
+		{"text, then its reasoning",
+			`{"input":[` + user + `,{"role":"assistant","content":"hello"},{"type":"reasoning","summary":[{"text":"think"}]}]}`,
+			`{"messages":[` + user + `,{"role":"assistant","content":"hello","reasoning":"think"}]}`},
+		{"two reasoning items are two messages",
+			`{"input":[` + user + `,{"type":"reasoning","summary":[{"text":"a"}]},{"type":"reasoning","summary":[{"text":"b"}]}]}`,
+			`{"messages":[` + user + `,{"role":"assistant","reasoning":"a"},{"role":"assistant","reasoning":"b"}]}`},
+		{"empty reasoning is reasoning all the same",
+			`{"input":[` + user + `,{"type":"reasoning","summary":[]},{"type":"reasoning","summary":[{"text":"b"}]}]}`,
+			`{"messages":[` + user + `,{"role":"assistant","reasoning":""},{"role":"assistant","reasoning":"b"}]}`},
+		{"empty assistant text is content all the same",
+			`{"input":[{"role":"assistant","content":[]},` + fc("call_1", "Paris") + `,{"role":"assistant","content":"x"}]}`,
+			`{"messages":[{"role":"assistant","content":"","tool_calls":[` + call("call_1", "Paris") + `]},{"role":"assistant","content":"x"}]}`},
+		{"reasoning from its first content part before its summaries",
+			`{"input":[` + user + `,{"type":"reasoning","summary":[{"text":"sum"}],"content":[{"type":"reasoning_text","text":"deep"},{"type":"reasoning_text","text":"deeper"}]}]}`,
+			`{"messages":[` + user + `,{"role":"assistant","reasoning":"deep"}]}`},
+		{"reasoning from its first summary, encrypted content not read",
+			`{"input":[` + user + `,{"type":"reasoning","summary":[{"text":"a"},{"text":"b"}],"encrypted_content":"xx"}]}`,
+			`{"messages":[` + user + `,{"role":"assistant","reasoning":"a"}]}`},
+		{"assistant text is its first part's",
+			`{"input":[` + user + `,{"type":"message","role":"assistant","content":[{"type":"output_text","text":"one"},{"type":"output_text","text":"two"}]},` +
+				user + `,{"role":"assistant","content":[{"type":"refusal","refusal":"no"}]}]}`,
+			`{"messages":[` + user + `,{"role":"assistant","content":"one"},` + user + `,{"role":"assistant","content":""}]}`},
+		{"a namespaced call",
+			`{"input":[{"type":"function_call","call_id":"c","namespace":"crm","name":"find","arguments":"{}"}]}`,
+			`{"messages":[{"role":"assistant","tool_calls":[{"id":"c","function":{"name":"crm__find","arguments":"{}"},"type":"function"}]}]}`},
+		{"message parts and roles",
+			`{"instructions":"Be kind.","input":[{"role":"developer","content":"dev"},{"role":"system","content":"sys"},{"type":"message","role":"user","content":[{"type":"input_text","text":"one"},{"type":"input_text","text":"two"}]}]}`,
+			`{"messages":[{"role":"system","content":"Be kind."},{"role":"developer","content":"dev"},{"role":"system","content":"sys"},{"role":"user","content":"one\ntwo"}]}`},
+	} {
+		for _, template := range []string{"chatml", writeTemplate(t)} {
+			e, _ := startEngine(t, Config{Template: template})
 			got, want := responsesTokens(t, e, c.responses), chatTokens(t, e, c.chat)
 			if !slices.Equal(got, want) {
 				t.Errorf("%s, template %s: %d tokens, chat %d", c.name, filepath.Base(template), len(got), len(want))
 			}
+			e.Close()
 		}
-		e.Close()
+	}
+}
+
+// A follow-up carries the previous response's messages without their
+// system ones (instructions do not carry over), each new then; the input
+// items merge among themselves only, never into the history.
+func TestResponsesFollowUpDropsSystem(t *testing.T) {
+	e, url := startEngine(t, Config{Template: writeTemplate(t)})
+	first := createResponse(t, url, `{"instructions":"Old rules.","input":[{"role":"system","content":"sys"},{"role":"developer","content":"dev"},{"role":"user","content":"hi"}],"max_output_tokens":3}`)
+	body := `{"instructions":"New rules.","previous_response_id":"` + first.ID + `","input":[` +
+		`{"type":"function_call","call_id":"c1","name":"f","arguments":"{}"},{"type":"function_call_output","call_id":"c1","output":"done"}]}`
+	answer, _ := json.Marshal(first.text())
+	want := chatTokens(t, e, `{"messages":[{"role":"system","content":"New rules."},{"role":"developer","content":"dev"},{"role":"user","content":"hi"},`+
+		`{"role":"assistant","content":`+string(answer)+`},{"role":"assistant","tool_calls":[{"id":"c1","function":{"name":"f","arguments":"{}"},"type":"function"}]},`+
+		`{"role":"tool","content":"done","tool_call_id":"c1"}]}`)
+	if got := responsesTokens(t, e, body); !slices.Equal(got, want) {
+		t.Fatalf("follow-up prompt (%d tokens) is not the conversation (%d tokens)", len(got), len(want))
+	}
+	second := createResponse(t, url, body)
+	// The third turn drops the second's instructions too.
+	third := `{"previous_response_id":"` + second.ID + `","input":"more"}`
+	answer2, _ := json.Marshal(second.text())
+	want = chatTokens(t, e, `{"messages":[{"role":"developer","content":"dev"},{"role":"user","content":"hi"},`+
+		`{"role":"assistant","content":`+string(answer)+`},{"role":"assistant","tool_calls":[{"id":"c1","function":{"name":"f","arguments":"{}"},"type":"function"}]},`+
+		`{"role":"tool","content":"done","tool_call_id":"c1"},{"role":"assistant","content":`+string(answer2)+`},{"role":"user","content":"more"}]}`)
+	if got := responsesTokens(t, e, third); !slices.Equal(got, want) {
+		t.Fatalf("third turn (%d tokens) is not the conversation (%d tokens)", len(got), len(want))
 	}
 }
 
@@ -411,9 +480,11 @@ func TestResponsesBadRequests(t *testing.T) {
 		{`{"input":[{"role":"tool","content":"bad role"}]}`, "input", 400},
 		{`{"input":[{"type":"function_call","name":"f","arguments":"{}"}]}`, "input", 400},
 		{`{"input":[{"type":"function_call_output","call_id":"c"}]}`, "input", 400},
-		{`{"input":[{"type":"reasoning","summary":[],"encrypted_content":"xx"}]}`, "input", 400},
+		{`{"input":[{"type":"reasoning","summary":"x"}]}`, "input", 400},
+		{`{"input":[{"type":"function_call","call_id":"c","name":"f","arguments":"{}","namespace":7}]}`, "input", 400},
 		{`{"input":["just a string"]}`, "input", 400},
-		{`{"input":"x","tools":[{"type":"web_search_preview"}]}`, "tools", 400},
+		{`{"input":"x","tools":[{"name":"f"}]}`, "tools", 400},
+		{`{"input":"x","tools":[7]}`, "tools", 400},
 		{`{"input":"x","tools":[{"type":"function"}]}`, "tools", 400},
 		{`{"input":"x","tools":[{"type":"function","name":"f","parameters":"x"}]}`, "tools", 400},
 		{`{"input":"x","max_output_tokens":0}`, "max_output_tokens", 400},

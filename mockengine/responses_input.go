@@ -5,12 +5,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/kvproxy/kvproxy/tokenize"
 )
 
 // A Responses request is rendered as the chat messages and tools vLLM
-// builds from it (vllm/entrypoints/openai/responses/utils.py,
+// builds from it (vllm/entrypoints/openai/responses/utils.py at 01ca842,
 // construct_input_messages and construct_tool_dicts), through the same
 // template and encoder as a chat request, so the two share prompt tokens
 // and cached blocks.
@@ -35,15 +36,20 @@ type responsesRequest struct {
 }
 
 // responsesMessages is construct_input_messages: the instructions as a
-// system message, then the previous response's messages and its output
-// text, then the input.
+// system message, then the previous response's messages without their
+// system ones (instructions do not carry over) and its output text, then
+// the input.
 func responsesMessages(req *responsesRequest, prev *storedResponse) ([]tokenize.Message, error) {
 	var msgs []tokenize.Message
 	if req.Instructions != nil && *req.Instructions != "" {
 		msgs = append(msgs, tokenize.Message{Role: "system", Content: *req.Instructions})
 	}
 	if prev != nil {
-		msgs = append(msgs, prev.messages...)
+		for _, m := range prev.messages {
+			if m.Role != "system" {
+				msgs = append(msgs, m)
+			}
+		}
 		for _, text := range prev.outputTexts {
 			msgs = append(msgs, tokenize.Message{Role: "assistant", Content: text})
 		}
@@ -64,16 +70,69 @@ func responsesMessages(req *responsesRequest, prev *storedResponse) ([]tokenize.
 		if err := json.Unmarshal(raw, &items); err != nil {
 			return nil, invalid("input", "input must be a string or an array of input items")
 		}
-		for i, item := range items {
-			m, err := inputItemMessage(item, i)
-			if err != nil {
-				return nil, err
-			}
-			msgs = append(msgs, m)
+		input, err := inputMessages(items)
+		if err != nil {
+			return nil, err
 		}
-		return msgs, nil
+		return append(msgs, input...), nil
 	}
 	return nil, invalid("input", "input must be a string or an array of input items")
+}
+
+// builtMessage is a chat message built from input items, with the keys
+// vLLM's message dict has: a function call, a reasoning item and an
+// assistant message each fill their key of the assistant message before
+// them when it does not have it yet.
+type builtMessage struct {
+	tokenize.Message
+	calls                    []string // tool_calls, each call as JSON
+	hasContent, hasReasoning bool
+}
+
+// itemKind says which key of an assistant message an input item fills.
+type itemKind int
+
+const (
+	ownMessage    itemKind = iota // a message of its own, never merged
+	callItem                      // tool_calls
+	reasoningItem                 // reasoning
+	assistantItem                 // content
+)
+
+// inputMessages is construct_chat_messages_with_tool_call: the input items
+// in order, each merged into the assistant message built just before it
+// (only from the input, never the instructions or the history) when that
+// message lacks its key, or else a message of its own.
+func inputMessages(items []json.RawMessage) ([]tokenize.Message, error) {
+	var built []builtMessage
+	for i, raw := range items {
+		m, kind, err := inputItemMessage(raw, i)
+		if err != nil {
+			return nil, err
+		}
+		var prev *builtMessage
+		if n := len(built); n > 0 && built[n-1].Role == "assistant" {
+			prev = &built[n-1]
+		}
+		switch {
+		case prev != nil && kind == callItem:
+			prev.calls = append(prev.calls, m.calls...)
+		case prev != nil && kind == reasoningItem && !prev.hasReasoning:
+			prev.Reasoning, prev.hasReasoning = m.Reasoning, true
+		case prev != nil && kind == assistantItem && !prev.hasContent:
+			prev.Content, prev.hasContent = m.Content, true
+		default:
+			built = append(built, m)
+		}
+	}
+	msgs := make([]tokenize.Message, len(built))
+	for i, b := range built {
+		msgs[i] = b.Message
+		if len(b.calls) > 0 {
+			msgs[i].ToolCalls = "[" + strings.Join(b.calls, ",") + "]"
+		}
+	}
+	return msgs, nil
 }
 
 // inputItem is the union of the input items the engine reads. Values that
@@ -84,21 +143,23 @@ type inputItem struct {
 	Content   json.RawMessage `json:"content"`
 	CallID    json.RawMessage `json:"call_id"`
 	Name      json.RawMessage `json:"name"`
+	Namespace json.RawMessage `json:"namespace"`
 	Arguments json.RawMessage `json:"arguments"`
 	Output    json.RawMessage `json:"output"`
-	Summary   []struct {
-		Text string `json:"text"`
-	} `json:"summary"`
-	EncryptedContent *string `json:"encrypted_content"`
+	Summary   json.RawMessage `json:"summary"`
 }
 
 // inputMessageRoles are the roles an input message may have.
 var inputMessageRoles = map[string]bool{"user": true, "assistant": true, "system": true, "developer": true}
 
-// inputItemMessage converts input item i into its chat message.
-func inputItemMessage(raw json.RawMessage, i int) (tokenize.Message, error) {
-	bad := func(format string, args ...any) (tokenize.Message, error) {
-		return tokenize.Message{}, invalid("input", "input[%d]: %s", i, fmt.Sprintf(format, args...))
+// inputItemMessage converts input item i into its chat message and says
+// which key of an assistant message before it the item may fill instead.
+// Reasoning items and assistant messages are read as vLLM reads them in
+// their dict form, the form a JSON request gives them (its encrypted
+// content is not looked at).
+func inputItemMessage(raw json.RawMessage, i int) (builtMessage, itemKind, error) {
+	bad := func(format string, args ...any) (builtMessage, itemKind, error) {
+		return builtMessage{}, 0, invalid("input", "input[%d]: %s", i, fmt.Sprintf(format, args...))
 	}
 	var it inputItem
 	if t := bytes.TrimSpace(raw); len(t) == 0 || t[0] != '{' {
@@ -112,10 +173,19 @@ func inputItemMessage(raw json.RawMessage, i int) (tokenize.Message, error) {
 		if !isJSONString(it.CallID) || !isJSONString(it.Name) || !isJSONString(it.Arguments) {
 			return bad("a function_call needs call_id, name and arguments, strings")
 		}
+		name := string(it.Name)
+		if ns := bytes.TrimSpace(it.Namespace); len(ns) > 0 && string(ns) != "null" {
+			if !isJSONString(ns) {
+				return bad("a function_call's namespace must be a string")
+			}
+			if string(ns) != `""` { // flat_namespace_tool_name: namespace__name
+				name = string(ns[:len(ns)-1]) + "__" + name[1:]
+			}
+		}
 		// ChatCompletionMessageToolCallParam's member order.
-		calls := `[{"id":` + string(it.CallID) + `,"function":{"name":` + string(it.Name) +
-			`,"arguments":` + string(it.Arguments) + `},"type":"function"}]`
-		return tokenize.Message{Role: "assistant", ToolCalls: calls}, nil
+		call := `{"id":` + string(it.CallID) + `,"function":{"name":` + name +
+			`,"arguments":` + string(it.Arguments) + `},"type":"function"}`
+		return builtMessage{Message: tokenize.Message{Role: "assistant"}, calls: []string{call}}, callItem, nil
 	case "function_call_output":
 		var callID string
 		if !isJSONString(it.CallID) || json.Unmarshal(it.CallID, &callID) != nil {
@@ -128,32 +198,31 @@ func inputItemMessage(raw json.RawMessage, i int) (tokenize.Message, error) {
 		if err != nil {
 			return bad("output must be a string or an array of content parts")
 		}
-		return tokenize.Message{Role: "tool", Content: out, ToolCallID: callID}, nil
+		return builtMessage{Message: tokenize.Message{Role: "tool", Content: out, ToolCallID: callID}, hasContent: true}, ownMessage, nil
 	case "reasoning":
-		if it.EncryptedContent != nil {
-			return bad("Encrypted content is not supported.")
+		// The first content part's text, else the first summary's.
+		text, err := firstPartText(it.Content)
+		if err == nil && text == nil {
+			text, err = firstPartText(it.Summary)
 		}
-		var content []struct {
-			Text string `json:"text"`
-		}
-		if c := bytes.TrimSpace(it.Content); len(c) > 0 && string(c) != "null" {
-			if err := json.Unmarshal(c, &content); err != nil {
-				return bad("a reasoning item's content must be an array of text parts")
-			}
+		if err != nil {
+			return bad("a reasoning item's content and summary must be arrays of text parts")
 		}
 		var reasoning string
-		if len(it.Summary) == 1 {
-			reasoning = it.Summary[0].Text
-		} else if len(content) == 1 {
-			reasoning = content[0].Text
+		if text != nil {
+			reasoning = *text
 		}
-		return tokenize.Message{Role: "assistant", Reasoning: reasoning}, nil
+		return builtMessage{Message: tokenize.Message{Role: "assistant", Reasoning: reasoning}, hasReasoning: true}, reasoningItem, nil
 	case "message", "":
 		if it.Role == nil || !inputMessageRoles[*it.Role] {
 			return bad("a message needs a role: user, assistant, system or developer")
 		}
-		if c := bytes.TrimSpace(it.Content); len(c) == 0 || string(c) == "null" {
+		c := bytes.TrimSpace(it.Content)
+		if len(c) == 0 || string(c) == "null" {
 			return bad("a message needs content")
+		}
+		if *it.Role == "assistant" {
+			return assistantMessage(c, bad)
 		}
 		text, err := messageText(it.Content, i)
 		if err != nil {
@@ -161,101 +230,173 @@ func inputItemMessage(raw json.RawMessage, i int) (tokenize.Message, error) {
 			if errors.As(err, &b) {
 				return bad("%s", b.msg)
 			}
-			return tokenize.Message{}, err
+			return builtMessage{}, 0, err
 		}
-		return tokenize.Message{Role: *it.Role, Content: text}, nil
+		return builtMessage{Message: tokenize.Message{Role: *it.Role, Content: text}, hasContent: true}, ownMessage, nil
 	}
 	return bad("input items of type %q are not supported", it.Type)
+}
+
+// assistantMessage is an assistant message item: its content when a
+// string, else its first part's text ("" when that part has none, or
+// there are no parts).
+func assistantMessage(content json.RawMessage, bad func(string, ...any) (builtMessage, itemKind, error)) (builtMessage, itemKind, error) {
+	var text string
+	if content[0] == '"' {
+		if err := json.Unmarshal(content, &text); err != nil {
+			return bad("content is not a valid string")
+		}
+	} else {
+		first, err := firstPartText(content)
+		if err != nil {
+			return bad("content must be a string or an array of content parts")
+		}
+		if first != nil {
+			text = *first
+		}
+	}
+	return builtMessage{Message: tokenize.Message{Role: "assistant", Content: text}, hasContent: true}, assistantItem, nil
+}
+
+// firstPartText is the text of the first of parts (a JSON array, or null
+// or absent for none): nil when there are none, "" when the first, an
+// object, has no text; a part that is a string is its own text.
+func firstPartText(parts json.RawMessage) (*string, error) {
+	if p := bytes.TrimSpace(parts); len(p) == 0 || string(p) == "null" {
+		return nil, nil
+	}
+	var list []json.RawMessage
+	if err := json.Unmarshal(parts, &list); err != nil {
+		return nil, err
+	}
+	if len(list) == 0 {
+		return nil, nil
+	}
+	var text string
+	first := bytes.TrimSpace(list[0])
+	if len(first) > 0 && first[0] == '"' {
+		err := json.Unmarshal(first, &text)
+		return &text, err
+	}
+	var part struct {
+		Text *string `json:"text"`
+	}
+	if err := json.Unmarshal(first, &part); err != nil {
+		return nil, err
+	}
+	if part.Text != nil {
+		text = *part.Text
+	}
+	return &text, nil
 }
 
 func isJSONString(raw json.RawMessage) bool {
 	return len(raw) > 0 && raw[0] == '"'
 }
 
-// responsesTools re-serializes the request's function tools as pydantic's
-// FunctionTool dumps them (name, parameters, strict, type, description,
-// absent ones null, then any other members as sent) and returns them as
-// echoed in the response and, wrapped as vLLM wraps them
-// ({"type":"function","function":T}), as the template's tools: "" (None)
-// when tool_choice is "none".
-func responsesTools(tools []json.RawMessage, toolChoice json.RawMessage) (echo []byte, template string, err error) {
+// responsesTools returns the request's tools as echoed in the response
+// (function tools as pydantic's FunctionTool dumps them, the others as
+// sent) and, as construct_tool_dicts gives them to the template, the
+// function tools as chat tools: "" (None) when the request has no tools,
+// [] when it has only built-in ones. tool_choice "none" keeps them, as
+// vLLM does by default (exclude_tools_when_tool_choice_none off).
+func responsesTools(tools []json.RawMessage, _ json.RawMessage) (echo []byte, template string, err error) {
+	if len(tools) == 0 {
+		return []byte("[]"), "", nil
+	}
 	echo = append(echo, '[')
 	wrapped := []byte{'['}
 	for i, raw := range tools {
-		t, err := functionTool(raw, i)
+		members, err := objectMembers(raw)
 		if err != nil {
-			return nil, "", err
+			return nil, "", invalid("tools", "tools[%d] must be an object", i)
 		}
 		if i > 0 {
 			echo = append(echo, ',')
-			wrapped = append(wrapped, ',')
+		}
+		typ := memberValue(members, "type")
+		if !isJSONString(typ) {
+			return nil, "", invalid("tools", "tools[%d].type must be a string", i)
+		}
+		if string(typ) != `"function"` { // a built-in tool: not the template's
+			echo = appendObject(echo, members)
+			continue
+		}
+		t, fn, err := functionTool(members, i)
+		if err != nil {
+			return nil, "", err
 		}
 		echo = append(echo, t...)
-		wrapped = append(append(append(wrapped, `{"type":"function","function":`...), t...), '}')
+		if len(wrapped) > 1 {
+			wrapped = append(wrapped, ',')
+		}
+		wrapped = append(append(append(wrapped, `{"type":"function","function":`...), fn...), '}')
 	}
-	echo = append(echo, ']')
-	wrapped = append(wrapped, ']')
-	if string(bytes.TrimSpace(toolChoice)) == `"none"` {
-		return echo, "", nil
-	}
-	return echo, string(wrapped), nil
+	return append(echo, ']'), string(append(wrapped, ']')), nil
 }
 
-// functionTool is tool i in FunctionTool's member order, compact.
-func functionTool(raw json.RawMessage, i int) ([]byte, error) {
-	members, err := objectMembers(raw)
-	if err != nil {
-		return nil, invalid("tools", "tools[%d] must be an object", i)
-	}
-	get := func(k string) json.RawMessage {
-		for _, m := range members {
-			if m.key == k {
-				return m.value
-			}
-		}
-		return nil
-	}
-	if typ := get("type"); string(typ) != `"function"` {
-		return nil, invalid("tools", "tools[%d]: the simulated engine supports function tools only, got type %s", i, typ)
-	}
-	if !isJSONString(get("name")) {
-		return nil, invalid("tools", "tools[%d].name must be a string", i)
+// functionTool is function tool i in FunctionTool's member order and as
+// vLLM's FunctionDefinition dumps it for the template (name, description,
+// parameters, strict, then the other members as sent, type left out),
+// compact, absent ones null.
+func functionTool(members []member, i int) (tool, fn []byte, err error) {
+	if !isJSONString(memberValue(members, "name")) {
+		return nil, nil, invalid("tools", "tools[%d].name must be a string", i)
 	}
 	for _, c := range []struct {
 		k     string
 		first byte // of the value's JSON; 'b' for a boolean
 	}{{"parameters", '{'}, {"strict", 'b'}, {"description", '"'}} {
 		k, first := c.k, c.first
-		v := get(k)
+		v := memberValue(members, k)
 		if v == nil || string(v) == "null" {
 			continue
 		}
 		if ok := v[0] == first || first == 'b' && (string(v) == "true" || string(v) == "false"); !ok {
-			return nil, invalid("tools", "tools[%d].%s has the wrong type", i, k)
+			return nil, nil, invalid("tools", "tools[%d].%s has the wrong type", i, k)
 		}
 	}
-	b := []byte{'{'}
-	field := func(k string, v json.RawMessage) {
-		if len(b) > 1 {
+	dump := func(declared []string, skip string) []byte {
+		var ms []member
+		for _, k := range declared {
+			v := memberValue(members, k)
+			if v == nil {
+				v = json.RawMessage("null")
+			}
+			ms = append(ms, member{key: k, value: v})
+		}
+		for _, m := range members {
+			if !contains(declared, m.key) && m.key != skip {
+				ms = append(ms, m)
+			}
+		}
+		return appendObject(nil, ms)
+	}
+	return dump([]string{"name", "parameters", "strict", "type", "description"}, ""),
+		dump([]string{"name", "description", "parameters", "strict"}, "type"), nil
+}
+
+// memberValue is the value of members' key k, nil when absent.
+func memberValue(members []member, k string) json.RawMessage {
+	for _, m := range members {
+		if m.key == k {
+			return m.value
+		}
+	}
+	return nil
+}
+
+// appendObject appends members as a compact JSON object.
+func appendObject(b []byte, members []member) []byte {
+	b = append(b, '{')
+	for j, m := range members {
+		if j > 0 {
 			b = append(b, ',')
 		}
-		kb, _ := json.Marshal(k)
-		b = append(append(b, kb...), ':')
-		if v == nil {
-			v = json.RawMessage("null")
-		}
-		b = append(b, v...)
+		kb, _ := json.Marshal(m.key)
+		b = append(append(append(b, kb...), ':'), m.value...)
 	}
-	declared := []string{"name", "parameters", "strict", "type", "description"}
-	for _, k := range declared {
-		field(k, get(k))
-	}
-	for _, m := range members {
-		if !contains(declared, m.key) {
-			field(m.key, m.value)
-		}
-	}
-	return append(b, '}'), nil
+	return append(b, '}')
 }
 
 func contains(list []string, s string) bool {
