@@ -135,3 +135,48 @@ func TestResponsesAPIThroughTheSDK(t *testing.T) {
 	}
 	assertIdle(t, url)
 }
+
+// kvproxy and the engine render a response's input independently (each as
+// vLLM does): the prompt kvproxy routes on is the one the engine computes,
+// item shape by item shape.
+func TestResponsesPromptIsTheEngines(t *testing.T) {
+	engines := fleet(t, 1, "-speedup", "50")
+	url, _ := kvproxy(t, engines, "kv")
+	tools := `"tools":[{"type":"function","name":"get_weather","parameters":{ "type": "object", "properties": {"city": {"type": "string"}} },"description":"Weather","x_extra":{ "a": 1 }},{"type":"web_search"},{"type":"function","name":"t2","strict":true}]`
+	for _, body := range []string{
+		`"input":"Hello there"`,
+		`"instructions":"Be brief.","input":[{"role":"user","content":[{"type":"input_text","text":"Hi"},{"type":"input_text","text":"again"}]}]`,
+		`"input":[{"role":"user","content":"Weather?"},{"type":"reasoning","summary":[{"type":"summary_text","text":"s"}],"content":[{"type":"reasoning_text","text":"think"}]},
+			{"type":"function_call","call_id":"c1","name":"get_weather","arguments":"{\"city\":\"Paris\"}"},{"type":"function_call","call_id":"c2","name":"t2","namespace":"ns","arguments":"{}"},
+			{"type":"function_call_output","call_id":"c1","output":"18C"},{"type":"function_call_output","call_id":"c2","output":"ok"},
+			{"type":"message","role":"assistant","content":[{"type":"output_text","text":"Mild."}]},{"type":"reasoning","summary":[{"type":"summary_text","text":"more"}]},
+			{"type":"reasoning","content":[{"type":"reasoning_text"}],"summary":[{"type":"summary_text","text":"not this"}]},{"role":"developer","content":"Stay on topic."}],` + tools,
+		`"input":[{"role":"user","content":"x"}],"tools":[{"type":"web_search"}]`,
+		`"input":[{"role":"user","content":"x"}],"tool_choice":"none",` + tools,
+	} {
+		resp, err := http.Post(url+"/v1/responses", "application/json", strings.NewReader(`{"model":"mock-model",`+body+`,"nvext":{"annotations":["query_instance_id"]}}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var dry struct {
+			TokenIDs []uint32 `json:"token_ids"`
+		}
+		json.NewDecoder(resp.Body).Decode(&dry)
+		resp.Body.Close()
+		resp, err = http.Post(url+"/v1/responses", "application/json", strings.NewReader(`{"model":"mock-model","max_output_tokens":1,`+body+`}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var answer struct {
+			Usage struct {
+				InputTokens int `json:"input_tokens"`
+			} `json:"usage"`
+		}
+		json.NewDecoder(resp.Body).Decode(&answer)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || len(dry.TokenIDs) == 0 || len(dry.TokenIDs) != answer.Usage.InputTokens {
+			t.Errorf("%s:\n%d: kvproxy routed %d tokens, the engine computed %d", body, resp.StatusCode, len(dry.TokenIDs), answer.Usage.InputTokens)
+		}
+	}
+	assertIdle(t, url)
+}

@@ -161,10 +161,11 @@ const (
 	itemArguments
 	itemOutput
 	itemSummary
+	itemNamespace
 	itemMembersLen
 )
 
-var itemMembers = [itemMembersLen]string{"type", "role", "content", "call_id", "name", "arguments", "output", "summary"}
+var itemMembers = [itemMembersLen]string{"type", "role", "content", "call_id", "name", "arguments", "output", "summary", "namespace"}
 
 // parseResponses fills r, new or reset, from a Responses API request: its
 // instructions, input and tools become the messages and tools the engine's
@@ -283,7 +284,14 @@ func (r *apiRequest) responsesInput(raw []byte) *paramError {
 			r.text = append(r.text, `{"id":`...)
 			r.text = append(r.text, parts[0]...)
 			r.text = append(r.text, `,"function":{"name":`...)
-			r.text = append(r.text, parts[1]...)
+			if ns := v[itemNamespace]; ns != nil && ns[0] == '"' && len(ns) > 2 {
+				// vLLM's flat_namespace_tool_name: namespace__name
+				r.text = append(r.text, ns[:len(ns)-1]...)
+				r.text = append(r.text, "__"...)
+				r.text = append(r.text, parts[1][1:]...)
+			} else {
+				r.text = append(r.text, parts[1]...)
+			}
 			r.text = append(r.text, `,"arguments":`...)
 			r.text = append(r.text, parts[2]...)
 			r.text = append(r.text, `},"type":"function"}]`...)
@@ -293,11 +301,11 @@ func (r *apiRequest) responsesInput(raw []byte) *paramError {
 			}
 			prev.ToolCalls, last.calls = r.textFrom(start), true
 		case "reasoning":
-			// vLLM: the first content part's text, else the first
-			// summary part's.
-			text := firstText(v[itemContent])
-			if text == nil {
-				text = firstText(v[itemSummary])
+			// vLLM: the first content part's text when there is
+			// content, else the first summary part's.
+			text, ok := firstText(v[itemContent])
+			if !ok {
+				text, _ = firstText(v[itemSummary])
 			}
 			var reasoning string
 			if text != nil {
@@ -329,7 +337,7 @@ func (r *apiRequest) responsesInput(raw []byte) *paramError {
 			case c[0] == '"':
 				content = r.decodeString(c)
 			case c[0] == '[':
-				if t := firstText(c); t != nil {
+				if t, _ := firstText(c); t != nil {
 					content = r.decodeString(t)
 				}
 			default:
@@ -361,30 +369,46 @@ func (r *apiRequest) responsesInput(raw []byte) *paramError {
 	return nil
 }
 
-// firstText is the text string of the first element of parts, an array
-// of objects; nil when there is none.
-func firstText(parts []byte) []byte {
+// firstText is the text of the first element of parts, an array: a
+// string, or an object's text (nil when it has none); ok is false when
+// parts has no element.
+func firstText(parts []byte) (text []byte, ok bool) {
 	if parts == nil || parts[0] != '[' {
-		return nil
+		return nil, false
 	}
 	e := elements{b: parts}
-	if !e.next() || e.value[0] != '{' {
-		return nil
+	if !e.next() {
+		return nil, false
 	}
-	var t [1][]byte
-	if s := membersNamed(e.value, []string{"text"}, t[:])[0]; s != nil && s[0] == '"' {
-		return s
+	switch e.value[0] {
+	case '"':
+		return e.value, true
+	case '{':
+		var t [1][]byte
+		if s := membersNamed(e.value, []string{"text"}, t[:])[0]; s != nil && s[0] == '"' {
+			return s, true
+		}
 	}
-	return nil
+	return nil, true
 }
 
 var toolMembers = []string{"type", "name", "description", "parameters", "strict"}
 
+func isToolMember(key []byte) bool {
+	for _, k := range toolMembers {
+		if keyIs(key, k) {
+			return true
+		}
+	}
+	return false
+}
+
 // responsesTools sets r.tools to the chat tools vLLM gives the template:
 // each function tool as {"type": "function", "function": {name,
-// description, parameters, strict}} (null when absent; parameters compact,
-// as the template re-serializes them); built-in tools are not rendered.
-// No function tools is no tools, whatever tool_choice says.
+// description, parameters, strict, the client's own members}} (null when
+// absent; values compact, as the template re-serializes them); built-in
+// tools are not rendered. No tools is no tools (built-in ones only, an
+// empty list), whatever tool_choice says.
 func (r *apiRequest) responsesTools(raw []byte) *paramError {
 	if raw == nil || isNull(raw) {
 		return nil
@@ -422,11 +446,20 @@ func (r *apiRequest) responsesTools(raw []byte) *paramError {
 		}
 		r.text = append(r.text, `,"strict":`...)
 		r.text = appendOrNull(r.text, v[4])
+		// Members of a client's own, kept (pydantic's extra="allow").
+		for m := (members{b: e.value}); m.next(); {
+			if !isToolMember(m.key) {
+				r.text = append(r.text, ',', '"')
+				r.text = append(r.text, m.key...)
+				r.text = append(r.text, '"', ':')
+				r.text = appendCompact(r.text, m.value)
+			}
+		}
 		r.text = append(r.text, "}}"...)
 	}
-	if functions == 0 {
+	if n == 0 {
 		r.text = r.text[:start]
-		return nil
+		return nil // vLLM: no tools; built-in ones only are an empty list
 	}
 	r.text = append(r.text, ']')
 	r.tools = r.textFrom(start)

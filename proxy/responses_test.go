@@ -218,7 +218,7 @@ func TestParseResponses(t *testing.T) {
 
 	for body, want := range map[string]string{
 		`{"input":"hi"}`: `[{user hi    }] tools `,
-		`{"input":"hi","tools":[{"type":"web_search"}]}`: `[{user hi    }] tools `,
+		`{"input":"hi","tools":[{"type":"web_search"}]}`: `[{user hi    }] tools []`,
 		`{"input":"hi","instructions":""}`:               `[{user hi    }] tools `,
 	} {
 		req := &apiRequest{}
