@@ -29,6 +29,8 @@ func (e *Engine) Handler() http.Handler {
 	mux.HandleFunc("GET /v1/responses/{id}", e.serveGetResponse)
 	mux.HandleFunc("POST /v1/responses/{id}/cancel", e.serveCancelResponse)
 	mux.HandleFunc("DELETE /v1/responses/{id}", e.serveDeleteResponse)
+	mux.HandleFunc("POST /v1/messages", e.serveMessages)
+	mux.HandleFunc("POST /v1/messages/count_tokens", e.serveCountTokens)
 	mux.HandleFunc("GET /v1/models", e.serveModels)
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
 	mux.HandleFunc("GET /version", func(w http.ResponseWriter, r *http.Request) {

@@ -33,6 +33,11 @@
 //     messages vLLM builds from it and runs them as a chat request would;
 //     answers are kept (a bounded store) for previous_response_id and
 //     GET /v1/responses/{id}, on the engine that made them only.
+//   - POST /v1/messages (Anthropic's Messages API) converts its request into
+//     the chat request vLLM makes of it and runs that, answering in vLLM's
+//     Anthropic shapes (a stream ends with data: [DONE], as vLLM's does);
+//     usage adds cache_read_input_tokens. POST /v1/messages/count_tokens
+//     counts the same prompt without generating.
 //
 // The engine hashes blocks in its own namespace, deliberately different from
 // the router's, because the router must never trust engine hashes (DESIGN.md

@@ -1,0 +1,334 @@
+package mockengine
+
+import (
+	"bufio"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+)
+
+// anthropicMessage is the part of a Messages answer (or error) the tests
+// read.
+type anthropicMessage struct {
+	ID      string `json:"id"`
+	Type    string `json:"type"`
+	Role    string `json:"role"`
+	Content []struct {
+		Type string `json:"type"`
+		Text string `json:"text"`
+	} `json:"content"`
+	Model      string `json:"model"`
+	StopReason string `json:"stop_reason"`
+	Usage      *struct {
+		InputTokens          int  `json:"input_tokens"`
+		OutputTokens         int  `json:"output_tokens"`
+		CacheReadInputTokens *int `json:"cache_read_input_tokens"`
+	} `json:"usage"`
+	Error *struct {
+		Type    string `json:"type"`
+		Message string `json:"message"`
+	} `json:"error"`
+	InputTokens *int `json:"input_tokens"` // count_tokens
+}
+
+// postMessages sends a raw body and returns the status, the body and the
+// body decoded.
+func postMessages(t *testing.T, url, body string) (int, []byte, anthropicMessage) {
+	t.Helper()
+	resp, err := http.Post(url, "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var raw []byte
+	raw, err = readAll(resp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m anthropicMessage
+	if err := json.Unmarshal(raw, &m); err != nil {
+		t.Fatalf("answer is not JSON: %v: %s", err, raw)
+	}
+	return resp.StatusCode, raw, m
+}
+
+func readAll(resp *http.Response) ([]byte, error) {
+	var b strings.Builder
+	_, err := bufio.NewReader(resp.Body).WriteTo(&b)
+	return []byte(b.String()), err
+}
+
+func createMessage(t *testing.T, url, body string) anthropicMessage {
+	t.Helper()
+	code, raw, m := postMessages(t, url+"/v1/messages", body)
+	if code != 200 || m.Type != "message" || m.Usage == nil || m.Usage.CacheReadInputTokens == nil {
+		t.Fatalf("status %d: %s", code, raw)
+	}
+	return m
+}
+
+// messagesTokens is the prompt the engine renders for a Messages body.
+func messagesTokens(t *testing.T, e *Engine, body string) []uint32 {
+	t.Helper()
+	c, err := e.parseMessages(httptest.NewRecorder(), httptest.NewRequest("POST", "/v1/messages", strings.NewReader(body)), false)
+	if err != nil {
+		t.Fatalf("messages %s: %v", body, err)
+	}
+	return c.prompt
+}
+
+// A Messages request is the chat request it converts to: the same prompt
+// tokens, so each finds the blocks the other left in the cache, and the
+// cached ones are reported as cache_read_input_tokens.
+func TestMessagesSharePromptWithChat(t *testing.T) {
+	e, url := startEngine(t, Config{})
+	in, _ := json.Marshal(longInput)
+	body := `{"model":"mock-model","system":"You are terse.","messages":[{"role":"user","content":` + string(in) + `}],"max_tokens":2}`
+	first := createMessage(t, url, body)
+	if *first.Usage.CacheReadInputTokens != 0 {
+		t.Fatalf("cold prompt cached %d", *first.Usage.CacheReadInputTokens)
+	}
+	_, chat := post(t, url+"/v1/chat/completions", chatBody(longInput, map[string]any{"max_tokens": 2}))
+	p := first.Usage.InputTokens
+	if chat.Usage.PromptTokens != p || chat.Usage.PromptTokensDetails.CachedTokens != (p-1)/16*16 {
+		t.Fatalf("chat: %+v, want the Messages prompt of %d tokens all cached", chat.Usage, p)
+	}
+	again := createMessage(t, url, body)
+	if c := *again.Usage.CacheReadInputTokens; again.Usage.InputTokens != p || c != (p-1)/16*16 {
+		t.Fatalf("repeated request: %d tokens, %d cached", again.Usage.InputTokens, c)
+	}
+	if !slices.Equal(messagesTokens(t, e, body), chatTokens(t, e, `{"messages":[{"role":"system","content":"You are terse."},{"role":"user","content":`+string(in)+`}]}`)) {
+		t.Fatal("the prompts differ")
+	}
+}
+
+// The answer is vLLM's AnthropicMessagesResponse dumped with exclude_none,
+// members in its order, with cache_read_input_tokens added to usage.
+func TestMessagesWhole(t *testing.T) {
+	_, url := startEngine(t, Config{})
+	for _, c := range []struct {
+		content, extra, stop string
+	}{{"hi", `,"ignore_eos":true`, "max_tokens"}, {"hello", ``, ""}} {
+		code, raw, m := postMessages(t, url+"/v1/messages", `{"model":"mock-model","messages":[{"role":"user","content":"`+c.content+`"}],"max_tokens":5`+c.extra+`}`)
+		want := `^\{"id":"chatcmpl-[^"]+","type":"message","role":"assistant","content":\[\{"type":"text","text":"( \w+)+"\}\],"model":"mock-model",` +
+			`"stop_reason":"(end_turn|max_tokens)","usage":\{"input_tokens":\d+,"output_tokens":\d+,"cache_read_input_tokens":0\}\}$`
+		if code != 200 || !regexp.MustCompile(want).Match(raw) {
+			t.Fatalf("status %d: %s", code, raw)
+		}
+		n := len(strings.Fields(m.Content[0].Text))
+		if m.Usage.OutputTokens != n || (c.stop != "" && m.StopReason != c.stop) || (n == 5) != (m.StopReason == "max_tokens") {
+			t.Fatalf("%d words: %s", n, raw)
+		}
+	}
+}
+
+// Blocks, tools and the system prompt become the chat request vLLM builds
+// from them: the same prompt as that chat request written by hand, with
+// a template that shows tools, tool calls, tool call ids and reasoning as
+// well as with one that renders the tool calls' text.
+func TestMessagesBlocksAsChat(t *testing.T) {
+	for _, template := range []string{"chatml", writeTemplate(t)} {
+		e, _ := startEngine(t, Config{Template: template})
+		for _, c := range []struct{ name, messages, chat string }{
+			{"system blocks run together",
+				`{"system":[{"type":"text","text":"Be "},{"type":"text","text":""},{"type":"text","text":"kind."}],"messages":[{"role":"user","content":"hi"}]}`,
+				`{"messages":[{"role":"system","content":"Be kind."},{"role":"user","content":"hi"}]}`},
+			{"empty system is none",
+				`{"system":"","messages":[{"role":"user","content":"hi"}]}`,
+				`{"messages":[{"role":"user","content":"hi"}]}`},
+			{"text blocks are parts",
+				`{"messages":[{"role":"user","content":[{"type":"text","text":"one"},{"type":"text","text":""},{"type":"text","text":"two"}]}]}`,
+				`{"messages":[{"role":"user","content":[{"type":"text","text":"one"},{"type":"text","text":"two"}]}]}`},
+			{"image",
+				`{"messages":[{"role":"user","content":[{"type":"image","source":{"type":"base64","media_type":"image/png","data":"iVBORw0KGgo="}},{"type":"text","text":"what is it?"}]}]}`,
+				`{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"iVBORw0KGgo="}},{"type":"text","text":"what is it?"}]}]}`},
+			{"tool use and result",
+				`{"tools":[{"name":"get_weather","description":"Weather now","input_schema":{"properties":{"city":{"type":"string"}}}}],"messages":[` +
+					`{"role":"user","content":"weather in Zürich?"},` +
+					`{"role":"assistant","content":[{"type":"text","text":"Let me look."},{"type":"tool_use","id":"toolu_1","name":"get_weather","input":{"city":"Zürich","days":1.0,"x":1e16}}]},` +
+					`{"role":"user","content":[{"type":"tool_result","id":"toolu_1","tool_use_id":"toolu_1","content":"sunny"},{"type":"text","text":"thanks"}]}]}`,
+				`{"tools":[{"type":"function","function":{"name":"get_weather","description":"Weather now","parameters":{"properties":{"city":{"type":"string"}},"type":"object"}}}],"messages":[` +
+					`{"role":"user","content":"weather in Zürich?"},` +
+					`{"role":"assistant","content":"Let me look.","tool_calls":[{"id":"toolu_1","type":"function","function":{"name":"get_weather","arguments":"{\"city\": \"Z\\u00fcrich\", \"days\": 1.0, \"x\": 1e+16}"}}]},` +
+					`{"role":"tool","tool_call_id":"toolu_1","content":"sunny"},{"role":"user","content":"thanks"}]}`},
+			{"tool result names its call by id, not tool_use_id; a list is Python's str() of it",
+				`{"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"toolu_1","content":[{"type":"text","text":"it's 20°"}]}]}]}`,
+				`{"messages":[{"role":"tool","tool_call_id":"","content":"[{'type': 'text', 'text': \"it's 20°\"}]"}]}`},
+			{"a tool result in an assistant message is text",
+				`{"messages":[{"role":"assistant","content":[{"type":"text","text":"a"},{"type":"tool_result","content":"b"}]}]}`,
+				`{"messages":[{"role":"assistant","content":"a\nTool result: b"}]}`},
+			{"thinking is reasoning; a message of nothing is dropped",
+				`{"messages":[{"role":"user","content":[{"type":"text","text":""}]},{"role":"assistant","content":[{"type":"thinking","thinking":"hm","signature":"s"},{"type":"thinking","thinking":"m"},{"type":"text","text":"ok"}]}]}`,
+				`{"messages":[{"role":"assistant","content":"ok","reasoning":"hmm"}]}`},
+			{"tools, none or empty",
+				`{"tools":[],"messages":[{"role":"user","content":"hi"}]}`,
+				`{"tools":[],"messages":[{"role":"user","content":"hi"}]}`},
+		} {
+			body := strings.Replace(c.messages, `{`, `{"model":"mock-model","max_tokens":4,`, 1)
+			got, want := messagesTokens(t, e, body), chatTokens(t, e, c.chat)
+			if !slices.Equal(got, want) {
+				t.Errorf("%s, template %s: %d tokens, chat %d", c.name, filepath.Base(template), len(got), len(want))
+			}
+		}
+		e.Close()
+	}
+}
+
+// Tool inputs are written as Python's json.dumps writes them, tool result
+// lists as Python's str() (the expected strings are Python 3's).
+func TestPythonRenderings(t *testing.T) {
+	in := `{"city": "Zürich 😀", "n": [1, 2.50, 1e16, 1.5e-7, 0.0001, -0.0, 1E400, 12345678901234567890, -0, 123.456e3, 1e15], ` +
+		`"q": "a\"b\\c\n\u007f<&>", "o": {}, "t": true, "z": null, "city2": "Bern", "city2": "Genf"}`
+	want := `{"city": "Z\u00fcrich \ud83d\ude00", "n": [1, 2.5, 1e+16, 1.5e-07, 0.0001, -0.0, Infinity, 12345678901234567890, 0, 123456.0, 1000000000000000.0], ` +
+		`"q": "a\"b\\c\n\u007f<&>", "o": {}, "t": true, "z": null, "city2": "Genf"}`
+	if got := string(pyJSONDumps(nil, decodeOrdered(json.RawMessage(in)))); got != want {
+		t.Errorf("json.dumps:\n got %s\nwant %s", got, want)
+	}
+	in = `[{"type": "text", "text": "it's \"x\"\n\u00a0é\u0007"}, {"a": [1.0, true, null, 1e300, "q'"]}]`
+	want = `[{'type': 'text', 'text': 'it\'s "x"\n\xa0é\x07'}, {'a': [1.0, True, None, 1e+300, "q'"]}]`
+	if got := pyStr(json.RawMessage(in)); got != want {
+		t.Errorf("str():\n got %s\nwant %s", got, want)
+	}
+}
+
+// The stream is vLLM's event sequence, one content_block_delta per token,
+// ending with data: [DONE].
+func TestMessagesStream(t *testing.T) {
+	_, url := startEngine(t, Config{})
+	resp, err := http.Post(url+"/v1/messages", "application/json",
+		strings.NewReader(`{"model":"mock-model","messages":[{"role":"user","content":"stream please"}],"max_tokens":6,"ignore_eos":true,"stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != 200 || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+		t.Fatalf("status %d, content type %q", resp.StatusCode, resp.Header.Get("Content-Type"))
+	}
+	raw, err := readAll(resp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, ok := strings.CutSuffix(string(raw), "data: [DONE]\n\n")
+	if !ok {
+		t.Fatalf("no final [DONE]: %q", raw)
+	}
+	var names, deltas []string
+	var events []string
+	br := bufio.NewReader(strings.NewReader(body))
+	for {
+		ev, ok := readEvent(t, br)
+		if !ok {
+			break
+		}
+		if ev.data["type"] != ev.name {
+			t.Fatalf("event %s: %s", ev.name, ev.raw)
+		}
+		names = append(names, ev.name)
+		events = append(events, ev.raw)
+		if ev.name == "content_block_delta" {
+			deltas = append(deltas, ev.data["delta"].(map[string]any)["text"].(string))
+		}
+	}
+	want := []string{"message_start", "content_block_start"}
+	for range 6 {
+		want = append(want, "content_block_delta")
+	}
+	want = append(want, "content_block_stop", "message_delta", "message_stop")
+	if !slices.Equal(names, want) {
+		t.Fatalf("events %q\nwant %q", names, want)
+	}
+	for i, re := range []string{
+		`^\{"type":"message_start","message":\{"id":"chatcmpl-[^"]+","content":\[\],"model":"mock-model","stop_reason":null,"stop_sequence":null,` +
+			`"usage":\{"input_tokens":(\d+),"output_tokens":0,"cache_read_input_tokens":0\}\}\}$`,
+		`^\{"type":"content_block_start","content_block":\{"type":"text","text":""\},"index":0\}$`,
+		`^\{"type":"content_block_delta","delta":\{"type":"text_delta","text":" \w+"\},"index":0\}$`,
+	} {
+		if !regexp.MustCompile(re).MatchString(events[i]) {
+			t.Fatalf("event %d: %s", i, events[i])
+		}
+	}
+	input := regexp.MustCompile(`"input_tokens":(\d+)`).FindStringSubmatch(events[0])[1]
+	for i, w := range map[int]string{
+		8:  `{"type":"content_block_stop","index":0}`,
+		9:  `{"type":"message_delta","delta":{"stop_reason":"max_tokens"},"usage":{"input_tokens":` + input + `,"output_tokens":6,"cache_read_input_tokens":0}}`,
+		10: `{"type":"message_stop"}`,
+	} {
+		if events[i] != w {
+			t.Fatalf("event %d: %s\nwant %s", i, events[i], w)
+		}
+	}
+	for _, d := range deltas {
+		if len(strings.Fields(d)) != 1 {
+			t.Fatalf("delta %q is not one word", d)
+		}
+	}
+}
+
+// Errors are vLLM's Anthropic error object with the chat path's status
+// and type; none reaches the model.
+func TestMessagesBadRequests(t *testing.T) {
+	e, url := startEngine(t, Config{})
+	for _, c := range []struct {
+		body string
+		code int
+	}{
+		{`{"model":"mock-model","messages":`, 400},
+		{`{"model":"mock-model","messages":[{"role":"user","content":"x"}]}`, 400},                // no max_tokens
+		{`{"model":"mock-model","messages":[{"role":"user","content":"x"}],"max_tokens":0}`, 400}, // not positive
+		{`{"messages":[{"role":"user","content":"x"}],"max_tokens":1}`, 400},                      // no model
+		{`{"model":"mock-model","messages":[],"max_tokens":1}`, 400},
+		{`{"model":"mock-model","messages":[{"role":"system","content":"x"}],"max_tokens":1}`, 400},
+		{`{"model":"mock-model","messages":[{"role":"user","content":null}],"max_tokens":1}`, 400},
+		{`{"model":"mock-model","messages":[{"role":"user","content":[{"type":"document"}]}],"max_tokens":1}`, 400},
+		{`{"model":"mock-model","messages":[{"role":"user","content":[{"type":"text","text":7}]}],"max_tokens":1}`, 400},
+		{`{"model":"mock-model","messages":[{"role":"user","content":[{"type":"tool_use","input":[]}]}],"max_tokens":1}`, 400},
+		{`{"model":"mock-model","messages":[{"role":"user","content":[{"type":"tool_result","content":[1]}]}],"max_tokens":1}`, 400},
+		{`{"model":"mock-model","messages":[{"role":"user","content":"x"}],"max_tokens":1,"tools":[{"name":"f"}]}`, 400},
+		{`{"model":"mock-model","messages":[{"role":"user","content":"x"}],"max_tokens":1,"tool_choice":{"type":"some"}}`, 400},
+		{`{"model":"mock-model","messages":[{"role":"user","content":"x"}],"max_tokens":1,"system":7}`, 400},
+		{`{"model":"mock-model","messages":[{"role":"user","content":"x"}],"max_tokens":100000000}`, 400},
+		{`{"model":"other","messages":[{"role":"user","content":"x"}],"max_tokens":1}`, 404},
+	} {
+		code, raw, m := postMessages(t, url+"/v1/messages", c.body)
+		var shape map[string]json.RawMessage
+		json.Unmarshal(raw, &shape)
+		if code != c.code || len(shape) != 2 || m.Type != "error" || m.Error == nil || m.Error.Type == "" || m.Error.Message == "" {
+			t.Fatalf("%s: status %d %s", c.body, code, raw)
+		}
+	}
+	waitIdle(t, e)
+	if st := e.Stats(); st.Requests != 0 {
+		t.Fatalf("a bad request reached the model: %+v", st)
+	}
+}
+
+// count_tokens counts the prompt a Messages request would run, in vLLM's
+// shape, and runs nothing.
+func TestMessagesCountTokens(t *testing.T) {
+	e, url := startEngine(t, Config{})
+	body := `{"model":"mock-model","system":"Be brief.","messages":[{"role":"user","content":"hello there"}],` +
+		`"tools":[{"name":"f","input_schema":{"type":"object"}}]}`
+	code, raw, m := postMessages(t, url+"/v1/messages/count_tokens", body)
+	n := len(messagesTokens(t, e, strings.Replace(body, `{`, `{"max_tokens":1,`, 1)))
+	want := `{"input_tokens":` + itoa(n) + `,"context_management":{"original_input_tokens":` + itoa(n) + `}}`
+	if code != 200 || string(raw) != want || *m.InputTokens < 10 {
+		t.Fatalf("status %d: %s, want %s", code, raw, want)
+	}
+	if code, raw, m := postMessages(t, url+"/v1/messages/count_tokens", `{"messages":[]}`); code != 400 || m.Type != "error" {
+		t.Fatalf("bad count_tokens: %d %s", code, raw)
+	}
+	waitIdle(t, e)
+	if st := e.Stats(); st.Requests != 0 {
+		t.Fatalf("count_tokens ran a request: %+v", st)
+	}
+}
+
+func itoa(n int) string {
+	b, _ := json.Marshal(n)
+	return string(b)
+}
