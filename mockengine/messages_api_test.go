@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 )
 
 // anthropicMessage is the part of a Messages answer (or error) the tests
@@ -139,8 +140,14 @@ func TestMessagesBlocksAsChat(t *testing.T) {
 				`{"system":[{"type":"text","text":"Be "},{"type":"text","text":""},{"type":"text","text":"kind."}],"messages":[{"role":"user","content":"hi"}]}`,
 				`{"messages":[{"role":"system","content":"Be kind."},{"role":"user","content":"hi"}]}`},
 			{"empty system is none",
-				`{"system":"","messages":[{"role":"user","content":"hi"}]}`,
-				`{"messages":[{"role":"user","content":"hi"}]}`},
+				`{"system":"","messages":[{"role":"user","content":"hi"},{"role":"user","content":[{"type":"text","text":"x"}]}]}`,
+				`{"messages":[{"role":"user","content":"hi"},{"role":"user","content":"x"}]}`},
+			{"empty system blocks are none, blocks without text a system message of nothing",
+				`{"system":[],"messages":[{"role":"user","content":"hi"},{"role":"user","content":[{"type":"text","text":"x"}]}]}`,
+				`{"messages":[{"role":"user","content":"hi"},{"role":"user","content":"x"}]}`},
+			{"system blocks without text",
+				`{"system":[{"type":"image"}],"messages":[{"role":"user","content":"hi"}]}`,
+				`{"messages":[{"role":"system","content":""},{"role":"user","content":"hi"}]}`},
 			{"text blocks are parts",
 				`{"messages":[{"role":"user","content":[{"type":"text","text":"one"},{"type":"text","text":""},{"type":"text","text":"two"}]}]}`,
 				`{"messages":[{"role":"user","content":[{"type":"text","text":"one"},{"type":"text","text":"two"}]}]}`},
@@ -331,4 +338,45 @@ func TestMessagesCountTokens(t *testing.T) {
 func itoa(n int) string {
 	b, _ := json.Marshal(n)
 	return string(b)
+}
+
+// message_start waits for the first token, as vLLM sends it with its
+// first chat chunk; the headers do not.
+func TestMessagesStreamStartsWithFirstToken(t *testing.T) {
+	e, url := startEngine(t, Config{})
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once bool
+	e.mu.Lock()
+	e.stepHook = func() { // hold the prefill step
+		if !once {
+			once = true
+			close(entered)
+			select {
+			case <-release:
+			case <-time.After(5 * time.Second):
+			}
+		}
+	}
+	e.mu.Unlock()
+	resp, err := http.Post(url+"/v1/messages", "application/json",
+		strings.NewReader(`{"model":"mock-model","messages":[{"role":"user","content":"wait"}],"max_tokens":2,"stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	<-entered
+	first := make(chan string, 1)
+	go func() {
+		line, _ := bufio.NewReader(resp.Body).ReadString('\n')
+		first <- line
+	}()
+	select {
+	case line := <-first:
+		t.Fatalf("sent %q before the first token", line)
+	case <-time.After(200 * time.Millisecond):
+	}
+	close(release)
+	if line := <-first; line != "event: message_start\n" {
+		t.Fatalf("first line %q", line)
+	}
 }
