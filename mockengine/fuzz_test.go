@@ -68,3 +68,35 @@ func FuzzParseResponses(f *testing.F) {
 		}
 	})
 }
+
+// FuzzParseMessages is FuzzParseRequest for POST /v1/messages and its
+// count_tokens.
+func FuzzParseMessages(f *testing.F) {
+	for _, s := range []string{
+		`{"model":"m","max_tokens":3,"system":[{"type":"text","text":"s"}],"messages":[{"role":"user","content":"hi"}],"stream":true}`,
+		`{"model":"m","max_tokens":3,"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image","source":{"data":"x"}},{"type":"tool_result","id":"t","content":[{"a":1.5e300,"b":[null,true,"é'"]}]}]}]}`,
+		`{"model":"m","max_tokens":3,"messages":[{"role":"assistant","content":[{"type":"thinking","thinking":"t"},{"type":"tool_use","id":"t","name":"f","input":{"k":[1,-0,2e-9,"\u00e9\ud83d\ude00"],"k":{}}},{"type":"tool_result","content":"r"}]}],"tools":[{"name":"f","input_schema":{"properties":{}}}],"tool_choice":{"type":"any"}}`,
+		`{"model":"m","messages":[{"role":"user","content":[]}]}`, `{"model":"m","max_tokens":1,"messages":[{"role":"user","content":[{"type":"text"}]}]}`,
+		`{"messages":null}`, `[]`, `{`, `""`,
+	} {
+		f.Add(s, !strings.Contains(s, "max_tokens"))
+	}
+	e, err := New(Config{Model: "m"})
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Cleanup(func() { e.Close() })
+	f.Fuzz(func(t *testing.T, body string, count bool) {
+		r := httptest.NewRequest("POST", "/v1/messages", strings.NewReader(body))
+		c, err := e.parseMessages(httptest.NewRecorder(), r, count)
+		if err != nil {
+			if _, ok := err.(*badRequest); !ok {
+				t.Fatalf("non-client error %T %v", err, err)
+			}
+			return
+		}
+		if len(c.prompt) == 0 || !count && c.maxTokens < 1 {
+			t.Fatalf("accepted a request with prompt %d tokens, max_tokens %d", len(c.prompt), c.maxTokens)
+		}
+	})
+}
