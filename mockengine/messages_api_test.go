@@ -2,7 +2,10 @@ package mockengine
 
 import (
 	"bufio"
+	"bytes"
+	"context"
 	"encoding/json"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
@@ -46,8 +49,7 @@ func postMessages(t *testing.T, url, body string) (int, []byte, anthropicMessage
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	var raw []byte
-	raw, err = readAll(resp)
+	raw, err := io.ReadAll(resp.Body)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -56,12 +58,6 @@ func postMessages(t *testing.T, url, body string) (int, []byte, anthropicMessage
 		t.Fatalf("answer is not JSON: %v: %s", err, raw)
 	}
 	return resp.StatusCode, raw, m
-}
-
-func readAll(resp *http.Response) ([]byte, error) {
-	var b strings.Builder
-	_, err := bufio.NewReader(resp.Body).WriteTo(&b)
-	return []byte(b.String()), err
 }
 
 func createMessage(t *testing.T, url, body string) anthropicMessage {
@@ -216,7 +212,7 @@ func TestMessagesStream(t *testing.T) {
 	if resp.StatusCode != 200 || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
 		t.Fatalf("status %d, content type %q", resp.StatusCode, resp.Header.Get("Content-Type"))
 	}
-	raw, err := readAll(resp)
+	raw, err := io.ReadAll(resp.Body)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -378,5 +374,43 @@ func TestMessagesStreamStartsWithFirstToken(t *testing.T) {
 	close(release)
 	if line := <-first; line != "event: message_start\n" {
 		t.Fatalf("first line %q", line)
+	}
+}
+
+// A client that goes away aborts its request, streamed or not.
+func TestMessagesClientDisconnectAborts(t *testing.T) {
+	e, url := startEngine(t, Config{Speedup: 0.03})
+	stepped := make(chan struct{}, 1)
+	e.mu.Lock()
+	e.stepHook = func() {
+		select {
+		case stepped <- struct{}{}:
+		default:
+		}
+	}
+	e.mu.Unlock()
+	for _, stream := range []bool{true, false} {
+		body, _ := json.Marshal(map[string]any{"model": "mock-model", "max_tokens": 50, "stream": stream,
+			"messages": []map[string]any{{"role": "user", "content": strings.Repeat("word ", 1000)}}})
+		ctx, cancel := context.WithCancel(context.Background())
+		req, _ := http.NewRequestWithContext(ctx, "POST", url+"/v1/messages", bytes.NewReader(body))
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			if resp, err := http.DefaultClient.Do(req); err == nil {
+				io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+		}()
+		<-stepped // the engine is computing the prefill
+		cancel()
+		<-done
+		waitIdle(t, e)
+		if st := e.Stats(); st.Running != 0 || st.Waiting != 0 || st.KVUsage != 0 || st.Finished != 0 {
+			t.Fatalf("stream=%v: blocks or slots leaked: %+v", stream, st)
+		}
+	}
+	if st := e.Stats(); st.Aborts != 2 {
+		t.Fatalf("want 2 aborts: %+v", st)
 	}
 }
