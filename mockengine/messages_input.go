@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -126,9 +127,12 @@ type contentBlock struct {
 	text     string // text, "" when absent
 	source   map[string]json.RawMessage
 	id, name *string
-	input    json.RawMessage // an object, or nil
-	content  json.RawMessage // a string, an array of objects, or nil
-	thinking *string
+	// rawID and rawName are id and name as sent (JSON strings), which is
+	// how kvproxy writes them into a tool call
+	rawID, rawName json.RawMessage
+	input          json.RawMessage // an object, or nil
+	content        json.RawMessage // a string, an array of objects, or nil
+	thinking       *string
 }
 
 var blockTypes = map[string]bool{"text": true, "image": true, "tool_use": true, "tool_result": true, "thinking": true}
@@ -178,6 +182,12 @@ func parseBlock(raw json.RawMessage, where string, j int) (*contentBlock, error)
 	}
 	if text != nil {
 		b.text = *text
+	}
+	if b.id != nil {
+		b.rawID = bytes.TrimSpace(m["id"])
+	}
+	if b.name != nil {
+		b.rawName = bytes.TrimSpace(m["name"])
 	}
 	var source json.RawMessage
 	if source, ok = obj("source"); !ok || source != nil && json.Unmarshal(source, &b.source) != nil {
@@ -311,48 +321,42 @@ func imageURL(source map[string]json.RawMessage) (string, error) {
 
 // appendToolCall appends a tool_use block as a chat tool call, the first
 // opening the array: {"id","type","function":{"name","arguments"}}, the
-// arguments its input as Python's json.dumps writes it.
+// arguments its input as Python's json.dumps writes it. The text is
+// kvproxy's (proxy/messages.go): id and name as sent, the arguments
+// quoted by json.Marshal.
 func appendToolCall(calls []byte, b *contentBlock) []byte {
 	if calls == nil {
 		calls = []byte{'['}
 	} else {
 		calls = append(calls, ',')
 	}
-	id := fmt.Sprintf("call_%d", time.Now().Unix()) // vLLM's stand-in
-	if b.id != nil && *b.id != "" {
-		id = *b.id
-	}
-	name := ""
-	if b.name != nil {
-		name = *b.name
-	}
-	args := "{}"
-	if b.input != nil {
-		args = string(pyJSONDumps(nil, decodeOrdered(b.input)))
-	}
 	calls = append(calls, `{"id":`...)
-	calls = appendJSONString(calls, id)
+	if b.id != nil && *b.id != "" {
+		calls = append(calls, b.rawID...)
+	} else { // vLLM's stand-in
+		calls = fmt.Appendf(calls, `"call_%d"`, time.Now().Unix())
+	}
 	calls = append(calls, `,"type":"function","function":{"name":`...)
-	calls = appendJSONString(calls, name)
-	calls = append(calls, `,"arguments":`...)
-	calls = appendJSONString(calls, args)
+	if b.name != nil {
+		calls = append(calls, b.rawName...)
+	} else {
+		calls = append(calls, `""`...)
+	}
+	args := []byte("{}")
+	if b.input != nil {
+		args = pyJSONDumps(nil, decodeOrdered(b.input))
+	}
+	quoted, _ := json.Marshal(string(args))
+	calls = append(append(calls, `,"arguments":`...), quoted...)
 	return append(calls, "}}"...)
 }
 
-// appendJSONString appends s as a JSON string, <, > and & as they are.
-func appendJSONString(dst []byte, s string) []byte {
-	var buf bytes.Buffer
-	enc := json.NewEncoder(&buf)
-	enc.SetEscapeHTML(false)
-	enc.Encode(s)
-	return append(dst, bytes.TrimSuffix(buf.Bytes(), []byte("\n"))...)
-}
-
 // anthropicTools is the request's tools as the chat tools vLLM makes of
-// them, compact: [{"type":"function","function":{"name","description",
-// "parameters"}}], description null when absent, parameters the
-// input_schema as sent with "type":"object" appended when it has no type
-// (AnthropicTool's validator). Absent or null tools are none ("").
+// them: [{"type":"function","function":{"name","description",
+// "parameters"}}], name, description (null when absent) and input_schema
+// as sent, the schema with "type":"object" added at its end when it has
+// no type (AnthropicTool's validator), as kvproxy writes them. Absent or
+// null tools are none ("").
 func anthropicTools(raw json.RawMessage) (string, error) {
 	raw = bytes.TrimSpace(raw)
 	if len(raw) == 0 || string(raw) == "null" {
@@ -365,14 +369,21 @@ func anthropicTools(raw json.RawMessage) (string, error) {
 	b := []byte{'['}
 	for i, t := range tools {
 		var tool struct {
-			Name        *string         `json:"name"`
-			Description *string         `json:"description"`
+			Name        json.RawMessage `json:"name"`
+			Description json.RawMessage `json:"description"`
 			InputSchema json.RawMessage `json:"input_schema"`
 		}
-		if t = bytes.TrimSpace(t); t[0] != '{' || unmarshalExact(t, &tool) != nil || tool.Name == nil {
+		if t = bytes.TrimSpace(t); t[0] != '{' || unmarshalExact(t, &tool) != nil || !isJSONString(bytes.TrimSpace(tool.Name)) {
 			return "", invalid("tools", "tools[%d] must be an object with a name, a string", i)
 		}
-		schema, err := objectMembers(tool.InputSchema)
+		desc := bytes.TrimSpace(tool.Description)
+		if len(desc) == 0 {
+			desc = []byte("null")
+		} else if !isJSONString(desc) && string(desc) != "null" {
+			return "", invalid("tools", "tools[%d].description must be a string", i)
+		}
+		schema := bytes.TrimSpace(tool.InputSchema)
+		members, err := objectMembers(schema)
 		if err != nil {
 			return "", invalid("tools", "tools[%d].input_schema must be an object", i)
 		}
@@ -380,29 +391,18 @@ func anthropicTools(raw json.RawMessage) (string, error) {
 			b = append(b, ',')
 		}
 		b = append(b, `{"type":"function","function":{"name":`...)
-		b = appendJSONString(b, *tool.Name)
-		b = append(b, `,"description":`...)
-		if tool.Description != nil {
-			b = appendJSONString(b, *tool.Description)
-		} else {
-			b = append(b, "null"...)
+		b = append(b, bytes.TrimSpace(tool.Name)...)
+		b = append(append(b, `,"description":`...), desc...)
+		b = append(b, `,"parameters":`...)
+		switch {
+		case len(members) == 0:
+			b = append(b, `{"type":"object"}`...)
+		case slices.ContainsFunc(members, func(m member) bool { return m.key == "type" }):
+			b = append(b, schema...)
+		default:
+			b = append(append(b, schema[:len(schema)-1]...), `,"type":"object"}`...)
 		}
-		b = append(b, `,"parameters":{`...)
-		typed := false
-		for k, m := range schema {
-			if k > 0 {
-				b = append(b, ',')
-			}
-			b = append(append(appendJSONString(b, m.key), ':'), m.value...)
-			typed = typed || m.key == "type"
-		}
-		if !typed {
-			if len(schema) > 0 {
-				b = append(b, ',')
-			}
-			b = append(b, `"type":"object"`...)
-		}
-		b = append(b, "}}}"...)
+		b = append(b, "}}"...)
 	}
 	return string(append(b, ']')), nil
 }
