@@ -109,7 +109,7 @@ func systemMessage(raw json.RawMessage) (*tokenize.Message, error) {
 	}
 	var sb strings.Builder
 	for j, braw := range blocks {
-		b, err := parseBlock(braw, "system", j)
+		b, err := parseBlock(braw, "system", "system", j)
 		if err != nil {
 			return nil, err
 		}
@@ -137,12 +137,12 @@ type contentBlock struct {
 
 var blockTypes = map[string]bool{"text": true, "image": true, "tool_use": true, "tool_result": true, "thinking": true}
 
-// parseBlock reads content block j of where (a message, or the system
-// prompt) as pydantic validates it: exact member names, a known type,
+// parseBlock reads block j of list (a message's content, or the system
+// prompt; param names the request member) as pydantic validates it: exact member names, a known type,
 // each member null or of its declared JSON type.
-func parseBlock(raw json.RawMessage, where string, j int) (*contentBlock, error) {
+func parseBlock(raw json.RawMessage, param, list string, j int) (*contentBlock, error) {
 	bad := func(format string, args ...any) (*contentBlock, error) {
-		return nil, invalid(where, "%s.content[%d]: %s", where, j, fmt.Sprintf(format, args...))
+		return nil, invalid(param, "%s[%d]: %s", list, j, fmt.Sprintf(format, args...))
 	}
 	var m map[string]json.RawMessage
 	if t := bytes.TrimSpace(raw); len(t) == 0 || t[0] != '{' || json.Unmarshal(t, &m) != nil {
@@ -255,7 +255,7 @@ func appendAnthropicMessage(out []tokenize.Message, raw json.RawMessage, i int) 
 	var calls []byte
 	var reasoning []string
 	for j, braw := range blocks {
-		b, err := parseBlock(braw, where, j)
+		b, err := parseBlock(braw, "messages", where+".content", j)
 		if err != nil {
 			return nil, err
 		}
