@@ -91,6 +91,9 @@ func (r *apiRequest) anthropicSystem(raw []byte) *paramError {
 		}
 		return nil
 	case '[':
+		if emptyArray(raw) {
+			return nil // vLLM: an empty list is no system prompt
+		}
 		start := len(r.text)
 		for e := (elements{b: raw}); e.next(); {
 			typ, v := blockOf(e.value)
@@ -193,7 +196,7 @@ func (r *apiRequest) anthropicMessage(raw []byte, i int) *paramError {
 		switch {
 		case typ == "text" && v[blockText] != nil && v[blockText][0] == '"' && len(v[blockText]) > 2:
 			part = v[blockText]
-		case typ == "image" && v[blockSource] != nil && v[blockSource][0] == '{':
+		case typ == "image" && v[blockSource] != nil && v[blockSource][0] == '{' && !emptyObject(v[blockSource]):
 		case typ == "tool_result" && role == "assistant":
 		default:
 			continue
@@ -219,9 +222,11 @@ func (r *apiRequest) anthropicMessage(raw []byte, i int) *paramError {
 	}
 	msg.Content = r.textFrom(start)
 	start = len(r.text)
+	thinking := false // a thinking block, even an empty one, keeps the message
 	for e := (elements{b: content}); e.next(); {
 		if typ, v := blockOf(e.value); typ == "thinking" && v[blockThinking] != nil && v[blockThinking][0] == '"' {
 			r.text = appendJSONString(r.text, v[blockThinking])
+			thinking = true
 		}
 	}
 	msg.Reasoning = r.textFrom(start)
@@ -254,7 +259,7 @@ func (r *apiRequest) anthropicMessage(raw []byte, i int) *paramError {
 		r.text = append(r.text, ']')
 		msg.ToolCalls = r.textFrom(start)
 	}
-	if parts == 0 && calls == 0 && msg.Reasoning == "" {
+	if parts == 0 && calls == 0 && !thinking {
 		return nil // vLLM drops it (a user message of tool results only)
 	}
 	r.messages = append(r.messages, msg)

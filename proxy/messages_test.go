@@ -78,6 +78,20 @@ func TestParseAnthropic(t *testing.T) {
 			t.Errorf("%s: %v, want an error on %s", body, pe, param)
 		}
 	}
+	// As vLLM: an empty system list is none, an image without a source is
+	// skipped, an empty thinking block keeps its message.
+	for body, want := range map[string]string{
+		`{"max_tokens":5,"system":[],"messages":[{"role":"user","content":"x"}]}`:                                                        `[{user x    }]`,
+		`{"max_tokens":5,"system":[{"type":"text","text":""}],"messages":[{"role":"user","content":"x"}]}`:                               `[{system     } {user x    }]`,
+		`{"max_tokens":5,"messages":[{"role":"user","content":[{"type":"image","source":{}},{"type":"text","text":"x"}]}]}`:              `[{user x    }]`,
+		`{"max_tokens":5,"messages":[{"role":"user","content":"x"},{"role":"assistant","content":[{"type":"thinking","thinking":""}]}]}`: `[{user x    } {assistant     }]`,
+		`{"max_tokens":5,"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"ok"}]}]}`:              `[{tool ok    }]`,
+	} {
+		req := &apiRequest{}
+		if pe := req.parseAnthropic([]byte(body), false); pe != nil || fmt.Sprint(req.messages) != want {
+			t.Errorf("%s: %v %q, want %s", body, pe, req.messages, want)
+		}
+	}
 	if pe := (&apiRequest{}).parseAnthropic([]byte(`{"messages":[{"role":"user","content":"x"}]}`), true); pe != nil {
 		t.Errorf("count_tokens needs no max_tokens: %v", pe)
 	}
@@ -263,4 +277,22 @@ func TestMessagesStreamEngineFailure(t *testing.T) {
 		t.Fatalf("%d %s", resp.StatusCode, b)
 	}
 	p.waitIdle(t)
+}
+
+// vLLM's Messages endpoint takes no cache_salt: a tenant's message is
+// hashed as the engine caches it, unsalted, and no salt is sent.
+func TestMessagesAreNotSalted(t *testing.T) {
+	e := startAnthEngine(t)
+	p := startAnthProxy(t, e, "auth: {keys: [{key: key-salted-0001, tenant: s}, {key: key-plain-00001, tenant: plain}], cache_salt_secret: s3cret}\n")
+	body := `{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"` + strings.Repeat("hello ", 40) + `"}]`
+	dry := body + `,"nvext":{"annotations":["query_instance_id"]}}`
+	_, salted := postHeaders(t, p.url+"/v1/messages", dry, "x-api-key", "key-salted-0001")
+	_, plain := postHeaders(t, p.url+"/v1/messages", dry, "x-api-key", "key-plain-00001")
+	s, pl := decodeJSON(t, salted), decodeJSON(t, plain)
+	if fmt.Sprint(s["block_hashes"]) != fmt.Sprint(pl["block_hashes"]) || len(s["block_hashes"].([]any)) == 0 {
+		t.Fatalf("salted %v\nplain  %v", s["block_hashes"], pl["block_hashes"])
+	}
+	if resp, b := postHeaders(t, p.url+"/v1/messages", body+"}", "x-api-key", "key-salted-0001"); resp.StatusCode != 200 || e.bodies[0]["cache_salt"] != nil {
+		t.Fatalf("%d %s, the engine got %v", resp.StatusCode, b, e.bodies[0])
+	}
 }
