@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"strconv"
+	"unsafe"
 
 	"github.com/goccy/go-json"
 	"github.com/valyala/fasthttp"
@@ -125,6 +126,18 @@ const (
 
 var blockMembers = [blockMembersLen]string{"type", "text", "source", "id", "name", "input", "content", "thinking"}
 
+// block is a scanned content block.
+type block struct {
+	typ string
+	v   [blockMembersLen][]byte
+}
+
+var (
+	emptyJSONObject = []byte("{}")
+	sourceMembers   = []string{"data"}
+	roleMembers     = []string{"role", "content"}
+)
+
 // blockOf reads a content block: its type ("" when it is not an object
 // with a string type) and members.
 func blockOf(raw []byte) (string, [blockMembersLen][]byte) {
@@ -147,7 +160,7 @@ func (r *apiRequest) anthropicMessage(raw []byte, i int) *paramError {
 		return perr(fmt.Sprintf("messages[%d]", i), "every message must be an object with a role and content")
 	}
 	var vals [2][]byte
-	membersNamed(raw, []string{"role", "content"}, vals[:])
+	membersNamed(raw, roleMembers, vals[:])
 	role := ""
 	if vals[0] != nil && vals[0][0] == '"' {
 		role = shortString(vals[0])
@@ -163,24 +176,28 @@ func (r *apiRequest) anthropicMessage(raw []byte, i int) *paramError {
 		r.messages = append(r.messages, tokenize.Message{Role: role, Content: r.decodeString(content)})
 		return nil
 	}
-	// Checked first: an unknown block fails the request before anything is kept.
+	// Scanned once; an unknown block fails the request before anything
+	// is kept.
+	r.blocks = r.blocks[:0]
 	j := 0
 	for e := (elements{b: content}); e.next(); j++ {
-		switch typ, _ := blockOf(e.value); typ {
+		typ, v := blockOf(e.value)
+		switch typ {
 		case "text", "image", "tool_use", "tool_result", "thinking":
 		default:
 			return perr(fmt.Sprintf("messages[%d].content[%d].type", i, j), "content blocks must be of type text, image, tool_use, tool_result or thinking")
 		}
+		r.blocks = append(r.blocks, block{typ, v})
 	}
 	if role == "user" {
-		for e := (elements{b: content}); e.next(); {
-			if typ, v := blockOf(e.value); typ == "tool_result" {
+		for k := range r.blocks {
+			if bl := &r.blocks[k]; bl.typ == "tool_result" {
 				msg := tokenize.Message{Role: "tool"}
-				if id := v[blockID]; id != nil && id[0] == '"' {
+				if id := bl.v[blockID]; id != nil && id[0] == '"' {
 					msg.ToolCallID = r.decodeString(id) // vLLM reads id, not tool_use_id
 				}
 				start := len(r.text)
-				r.text = r.appendToolResult(r.text, v[blockContent])
+				r.text = r.appendToolResult(r.text, bl.v[blockContent])
 				msg.Content = r.textFrom(start)
 				r.messages = append(r.messages, msg)
 			}
@@ -190,26 +207,25 @@ func (r *apiRequest) anthropicMessage(raw []byte, i int) *paramError {
 	// Text and images: one text block is the content; more are parts,
 	// joined as the chat path joins them.
 	start, parts := len(r.text), 0
-	for e := (elements{b: content}); e.next(); {
-		typ, v := blockOf(e.value)
-		var part []byte
+	for k := range r.blocks {
+		bl := &r.blocks[k]
+		v := &bl.v
 		switch {
-		case typ == "text" && v[blockText] != nil && v[blockText][0] == '"' && len(v[blockText]) > 2:
-			part = v[blockText]
-		case typ == "image" && v[blockSource] != nil && v[blockSource][0] == '{' && !emptyObject(v[blockSource]):
-		case typ == "tool_result" && role == "assistant":
+		case bl.typ == "text" && v[blockText] != nil && v[blockText][0] == '"' && len(v[blockText]) > 2:
+		case bl.typ == "image" && v[blockSource] != nil && v[blockSource][0] == '{' && !emptyObject(v[blockSource]):
+		case bl.typ == "tool_result" && role == "assistant":
 		default:
 			continue
 		}
 		if parts++; parts > 1 {
 			r.text = append(r.text, '\n')
 		}
-		switch typ {
+		switch bl.typ {
 		case "text":
-			r.text = appendJSONString(r.text, part)
+			r.text = appendJSONString(r.text, v[blockText])
 		case "image":
 			var data [1][]byte
-			membersNamed(v[blockSource], []string{"data"}, data[:])
+			membersNamed(v[blockSource], sourceMembers, data[:])
 			url := []byte{}
 			if data[0] != nil && data[0][0] == '"' {
 				url = r.jsonStringBytes(data[0])
@@ -223,20 +239,21 @@ func (r *apiRequest) anthropicMessage(raw []byte, i int) *paramError {
 	msg.Content = r.textFrom(start)
 	start = len(r.text)
 	thinking := false // a thinking block, even an empty one, keeps the message
-	for e := (elements{b: content}); e.next(); {
-		if typ, v := blockOf(e.value); typ == "thinking" && v[blockThinking] != nil && v[blockThinking][0] == '"' {
-			r.text = appendJSONString(r.text, v[blockThinking])
+	for k := range r.blocks {
+		if bl := &r.blocks[k]; bl.typ == "thinking" && bl.v[blockThinking] != nil && bl.v[blockThinking][0] == '"' {
+			r.text = appendJSONString(r.text, bl.v[blockThinking])
 			thinking = true
 		}
 	}
 	msg.Reasoning = r.textFrom(start)
 	start = len(r.text)
 	calls := 0
-	for e := (elements{b: content}); e.next(); {
-		typ, v := blockOf(e.value)
-		if typ != "tool_use" {
+	for k := range r.blocks {
+		bl := &r.blocks[k]
+		if bl.typ != "tool_use" {
 			continue
 		}
+		v := &bl.v
 		if calls++; calls == 1 {
 			r.text = append(r.text, '[')
 		} else {
@@ -249,10 +266,10 @@ func (r *apiRequest) anthropicMessage(raw []byte, i int) *paramError {
 		r.text = append(r.text, `,"arguments":`...)
 		input := v[blockInput]
 		if input == nil || isNull(input) || input[0] != '{' || emptyObject(input) {
-			input = []byte("{}")
+			input = emptyJSONObject
 		}
 		r.media = appendPyDumps(r.media[:0], input)
-		r.text = appendJSONQuoted(r.text, string(r.media))
+		r.text = appendJSONQuoted(r.text, unsafe.String(unsafe.SliceData(r.media), len(r.media)))
 		r.text = append(r.text, "}}"...)
 	}
 	if calls > 0 {

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"math"
 	"strconv"
 	"unicode"
@@ -39,7 +40,7 @@ func appendPy(dst, raw []byte, repr bool) []byte {
 			if n > 0 {
 				dst = append(dst, ", "...)
 			}
-			dst = appendPyString(dst, appendJSONString(nil, append(append([]byte{'"'}, m.key...), '"')), repr)
+			dst = appendPyString(dst, unescaped(m.key), repr)
 			dst = append(dst, ": "...)
 			dst = appendPy(dst, m.value, repr)
 		}
@@ -56,7 +57,7 @@ func appendPy(dst, raw []byte, repr bool) []byte {
 		return append(dst, ']')
 	case '"':
 		end, _ := skipValue(raw, i)
-		return appendPyString(dst, appendJSONString(nil, raw[i:end]), repr)
+		return appendPyString(dst, unescaped(raw[i+1:end-1]), repr)
 	case 't', 'f', 'n':
 		if !repr {
 			end, _ := skipValue(raw, i)
@@ -72,6 +73,15 @@ func appendPy(dst, raw []byte, repr bool) []byte {
 	}
 	end, _ := skipValue(raw, i)
 	return appendPyNumber(dst, raw[i:end])
+}
+
+// unescaped is a JSON string's content decoded: its own bytes when it has
+// no escape.
+func unescaped(s []byte) []byte {
+	if bytes.IndexByte(s, '\\') < 0 {
+		return s
+	}
+	return appendUnquoted(nil, s)
 }
 
 // appendPyNumber writes a JSON number as Python does after json.loads: an

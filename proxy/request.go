@@ -89,9 +89,10 @@ type apiRequest struct {
 	prevResponse string
 	prevEngine   string
 
-	wire  []wireMessage // messages as scanned, before validation
-	text  []byte        // decoded strings that are not the body's own bytes
-	media []byte        // scratch: the media of a content part (mediaOf)
+	wire   []wireMessage // messages as scanned, before validation
+	blocks []block       // a Messages API message's content blocks, as scanned
+	text   []byte        // decoded strings that are not the body's own bytes
+	media  []byte        // scratch: the media of a content part (mediaOf)
 }
 
 // paramError is a client mistake in one field.
@@ -118,7 +119,8 @@ func parseRequest(body []byte, chat bool) (*apiRequest, *paramError) {
 func (r *apiRequest) reset() {
 	clear(r.messages)
 	clear(r.wire)
-	*r = apiRequest{messages: r.messages[:0], wire: r.wire[:0], text: r.text[:0], media: r.media[:0]}
+	clear(r.blocks)
+	*r = apiRequest{messages: r.messages[:0], wire: r.wire[:0], text: r.text[:0], media: r.media[:0], blocks: r.blocks[:0]}
 }
 
 // parse fills r, which is new or reset, from body. The body is validated as
@@ -521,10 +523,23 @@ func shortString(tok []byte) string {
 		return ""
 	}
 	if bytes.IndexByte(tok, '\\') < 0 {
-		return string(tok[1 : len(tok)-1])
+		s := tok[1 : len(tok)-1]
+		for _, k := range knownNames {
+			if string(s) == k {
+				return k // no copy
+			}
+		}
+		return string(s)
 	}
 	var buf [64]byte
 	return string(appendJSONString(buf[:0], tok))
+}
+
+// knownNames are the type and role names requests carry most.
+var knownNames = [...]string{
+	"text", "image_url", "input_text", "output_text", "input_image", "image", "thinking", "refusal",
+	"tool_use", "tool_result", "message", "function_call", "function_call_output", "reasoning", "function",
+	"user", "assistant", "system", "developer", "tool", "none", "auto",
 }
 
 func (r *apiRequest) parsePrompt() *paramError {
@@ -687,15 +702,55 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 }
 
 // appendJSONQuoted appends s as a JSON string, exactly as json.Marshal
-// writes it.
+// writes it (HTML characters, U+2028 and U+2029 escaped, invalid UTF-8 as
+// U+FFFD).
 func appendJSONQuoted(dst []byte, s string) []byte {
-	for i := 0; i < len(s); i++ {
-		if c := s[i]; c < 0x20 || c >= utf8.RuneSelf || c == '"' || c == '\\' || c == '<' || c == '>' || c == '&' {
-			q, _ := json.Marshal(s)
-			return append(dst, q...)
-		}
-	}
+	const hex = "0123456789abcdef"
 	dst = append(dst, '"')
-	dst = append(dst, s...)
+	start := 0
+	for i := 0; i < len(s); {
+		c := s[i]
+		if c < utf8.RuneSelf {
+			if c >= 0x20 && c != '"' && c != '\\' && c != '<' && c != '>' && c != '&' {
+				i++
+				continue
+			}
+			dst = append(dst, s[start:i]...)
+			switch c {
+			case '"', '\\':
+				dst = append(dst, '\\', c)
+			case '\n':
+				dst = append(dst, '\\', 'n')
+			case '\r':
+				dst = append(dst, '\\', 'r')
+			case '\t':
+				dst = append(dst, '\\', 't')
+			case '\b':
+				dst = append(dst, '\\', 'b')
+			case '\f':
+				dst = append(dst, '\\', 'f')
+			default:
+				dst = append(dst, '\\', 'u', '0', '0', hex[c>>4], hex[c&0xf])
+			}
+			i++
+			start = i
+			continue
+		}
+		r, n := utf8.DecodeRuneInString(s[i:])
+		if r == utf8.RuneError && n == 1 {
+			dst = append(append(dst, s[start:i]...), `\ufffd`...)
+			i += n
+			start = i
+			continue
+		}
+		if r == '\u2028' || r == '\u2029' {
+			dst = append(append(dst, s[start:i]...), '\\', 'u', '2', '0', '2', hex[r&0xf])
+			i += n
+			start = i
+			continue
+		}
+		i += n
+	}
+	dst = append(dst, s[start:]...)
 	return append(dst, '"')
 }
