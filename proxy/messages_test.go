@@ -296,3 +296,29 @@ func TestMessagesAreNotSalted(t *testing.T) {
 		t.Fatalf("%d %s, the engine got %v", resp.StatusCode, b, e.bodies[0])
 	}
 }
+
+// Errors answered before the endpoint takes the request are Anthropic's
+// too on these paths.
+func TestMessagesPathErrorsAreAnthropics(t *testing.T) {
+	e := startAnthEngine(t)
+	p := startAnthProxy(t, e, "")
+	for _, c := range []struct {
+		method, path string
+		status       int
+	}{{"GET", "/v1/messages", 405}, {"GET", "/v1/messages/count_tokens", 405}, {"POST", "/v1/messages/batches", 404}} {
+		req, _ := http.NewRequest(c.method, p.url+c.path, nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var v struct {
+			Type  string `json:"type"`
+			Error struct{ Type, Message string }
+		}
+		json.NewDecoder(resp.Body).Decode(&v)
+		resp.Body.Close()
+		if resp.StatusCode != c.status || v.Type != "error" || v.Error.Message == "" {
+			t.Errorf("%s %s: %d %+v", c.method, c.path, resp.StatusCode, v)
+		}
+	}
+}

@@ -636,25 +636,19 @@ type route struct {
 
 func (s *Server) routes() map[string]route {
 	t := map[string]route{
-		"/v1/chat/completions": {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, apiChat) }},
-		"/v1/completions":      {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, apiCompletions) }},
-		"/v1/responses":        {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, apiResponses) }},
-		"/v1/messages": {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) {
-			s.handleCompletion(ctx, st, apiMessages)
-			toAnthropicError(ctx)
-		}},
-		"/v1/messages/count_tokens": {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) {
-			s.handleCompletion(ctx, st, apiCountTokens)
-			toAnthropicError(ctx)
-		}},
-		"/v1/models":          {fasthttp.MethodGet, client, s.handleModels},
-		"/health":             {fasthttp.MethodGet, public, s.handleHealth},
-		"/healthz":            {fasthttp.MethodGet, public, s.handleHealth},
-		"/metrics":            {fasthttp.MethodGet, public, func(ctx *fasthttp.RequestCtx, _ *state) { s.metrics.serve(ctx) }},
-		"/admin/backends":     {fasthttp.MethodGet, admin, s.handleAdminBackends},
-		"/admin/index/lookup": {fasthttp.MethodPost, admin, s.handleIndexLookup},
-		"/admin/reload":       {fasthttp.MethodPost, admin, func(ctx *fasthttp.RequestCtx, _ *state) { s.handleAdminReload(ctx) }},
-		"/v1/kv_events":       {fasthttp.MethodPost, admin, s.handleKVEvents},
+		"/v1/chat/completions":      {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, apiChat) }},
+		"/v1/completions":           {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, apiCompletions) }},
+		"/v1/responses":             {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, apiResponses) }},
+		"/v1/messages":              {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, apiMessages) }},
+		"/v1/messages/count_tokens": {fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handleCompletion(ctx, st, apiCountTokens) }},
+		"/v1/models":                {fasthttp.MethodGet, client, s.handleModels},
+		"/health":                   {fasthttp.MethodGet, public, s.handleHealth},
+		"/healthz":                  {fasthttp.MethodGet, public, s.handleHealth},
+		"/metrics":                  {fasthttp.MethodGet, public, func(ctx *fasthttp.RequestCtx, _ *state) { s.metrics.serve(ctx) }},
+		"/admin/backends":           {fasthttp.MethodGet, admin, s.handleAdminBackends},
+		"/admin/index/lookup":       {fasthttp.MethodPost, admin, s.handleIndexLookup},
+		"/admin/reload":             {fasthttp.MethodPost, admin, func(ctx *fasthttp.RequestCtx, _ *state) { s.handleAdminReload(ctx) }},
+		"/v1/kv_events":             {fasthttp.MethodPost, admin, s.handleKVEvents},
 	}
 	for path := range passthroughPaths {
 		t[path] = route{fasthttp.MethodPost, public, func(ctx *fasthttp.RequestCtx, st *state) { s.handlePassthrough(ctx, st, path) }}
@@ -667,6 +661,10 @@ func (s *Server) routes() map[string]route {
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	if s.cors(ctx, s.st.Load()) {
 		return // a preflight
+	}
+	if bytes.HasPrefix(ctx.Path(), messagesPath) {
+		// Anthropic's clients read Anthropic's errors, whoever answers.
+		defer toAnthropicError(ctx)
 	}
 	r, ok := s.routeTable[string(ctx.Path())]
 	if !ok && bytes.HasPrefix(ctx.Path(), modelPathPrefix) {
