@@ -506,7 +506,7 @@ func (s *Server) Serve(ln net.Listener) error {
 	}
 	ln = writeIdleListener{ln, func() time.Duration { return s.st.Load().cfg.Limits.StreamIdleTimeout }}
 	if s.cert.Load() != nil {
-		ln = tls.NewListener(ln, &tls.Config{
+		ln = tls.NewListener(plainHTTPGuard{ln}, &tls.Config{
 			GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) { return s.cert.Load(), nil },
 			MinVersion:     tls.VersionTLS12,
 			NextProtos:     []string{"http/1.1"},
