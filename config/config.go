@@ -34,6 +34,37 @@ type Config struct {
 	Tenants  []Tenant  `yaml:"tenants"`
 	Replicas Replicas  `yaml:"replicas"`
 	CORS     CORS      `yaml:"cors"`
+	// TrustedProxies are the addresses (IPs or CIDRs) of load balancers in
+	// front of kvproxy: a request from one of them is logged with the
+	// client address its X-Forwarded-For names.
+	TrustedProxies []string `yaml:"trusted_proxies"`
+}
+
+// TrustedNets parses TrustedProxies (Validate has checked them).
+func (c *Config) TrustedNets() []*net.IPNet {
+	var nets []*net.IPNet
+	for _, p := range c.TrustedProxies {
+		if n := parseNet(p); n != nil {
+			nets = append(nets, n)
+		}
+	}
+	return nets
+}
+
+// parseNet reads a CIDR, or an IP as the network of that one address.
+func parseNet(s string) *net.IPNet {
+	if _, n, err := net.ParseCIDR(s); err == nil {
+		return n
+	}
+	ip := net.ParseIP(s)
+	if ip == nil {
+		return nil
+	}
+	bits := 128
+	if ip4 := ip.To4(); ip4 != nil {
+		ip, bits = ip4, 32
+	}
+	return &net.IPNet{IP: ip, Mask: net.CIDRMask(bits, bits)}
 }
 
 // CORS lets web pages on other origins call kvproxy from a browser. Left
@@ -744,6 +775,11 @@ func (c *Config) Validate() error {
 		// Above 20 s, peers (which cap a replica's interval there) would
 		// drop a live replica's load between its reports.
 		add("replicas.interval", "must be between 10ms and 20s, got %v", iv)
+	}
+	for i, p := range c.TrustedProxies {
+		if parseNet(p) == nil {
+			add(fmt.Sprintf("trusted_proxies[%d]", i), "want an IP address or a CIDR such as 10.0.0.0/8, got %q", p)
+		}
 	}
 	for i, o := range c.CORS.AllowedOrigins {
 		// As browsers send Origin: lower case, no path, no default port.

@@ -276,7 +276,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		ctx.SetContentType("application/json")
 		ctx.SetBody(strconv.AppendInt([]byte(`{"input_tokens":`), int64(counted), 10))
 		ctx.Response.AppendBodyString("}")
-		s.log.Info().Str("request_id", rid).IPAddr("remote", ctx.RemoteIP()).Str("path", string(ctx.Path())).
+		s.log.Info().Str("request_id", rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("path", string(ctx.Path())).
 			Str("model", req.model).Str("tenant", t.name).Int("prompt_tokens", counted).
 			Int("status", 200).Dur("duration", time.Since(start)).Msg("request")
 		return
@@ -350,7 +350,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		}
 		sc.keepCandidates(d.Candidates)
 		s.writeDecision(ctx, req.stream, d, tokens, sc.hashes)
-		s.log.Info().Str("request_id", rid).IPAddr("remote", ctx.RemoteIP()).Str("path", string(ctx.Path())).
+		s.log.Info().Str("request_id", rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("path", string(ctx.Path())).
 			Str("model", req.model).Str("tenant", t.name).Str("backend", d.Name).
 			Int("overlap_blocks", d.Overlap).Int("total_blocks", d.Total).Bool("dry_run", true).
 			Int("status", 200).Dur("duration", time.Since(start)).Msg("request")
@@ -393,7 +393,7 @@ func (s *Server) newExchange(rid, engineID, path string, stream bool, start time
 // cache_salt, sent to engines that take one.
 func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *exchange, salt string) {
 	rr, req, rid, start := &sc.route, &sc.req, x.id, x.start
-	x.remote = ctx.RemoteIP()
+	x.remote = st.clientIP(ctx)
 	s.retries.deposit(start)
 	for attempt := 1; ; attempt++ {
 		refusedBy := x.b
@@ -1085,7 +1085,7 @@ func (s *Server) logRejected(ctx *fasthttp.RequestCtx, rid, tenant, model string
 	if !s.rejectLog.allow(tenant, reason) {
 		return
 	}
-	s.log.Info().Str("request_id", rid).IPAddr("remote", ctx.RemoteIP()).Str("path", string(ctx.Path())).
+	s.log.Info().Str("request_id", rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("path", string(ctx.Path())).
 		Str("model", model).Str("tenant", tenant).Int("status", status).
 		Dur("duration", time.Since(start)).Str("error", reason).Msg("request")
 }

@@ -746,7 +746,7 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 	if status >= 500 {
 		ev = s.log.Warn()
 	}
-	ev = ev.Str("request_id", in.rid).IPAddr("remote", ctx.RemoteIP()).Str("method", method).Str("path", "/v1/responses/{id}"+sub).
+	ev = ev.Str("request_id", in.rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("method", method).Str("path", "/v1/responses/{id}"+sub).
 		Str("tenant", in.t.name).Str("backend", b.cfg.ID).Int("status", status).Dur("duration", time.Since(in.start))
 	if errMsg != "" {
 		ev = ev.Str("error", errMsg)

@@ -87,6 +87,7 @@ type state struct {
 	pools    []*modelPool
 	backends map[string]*backend // by id
 	auth     *authTable
+	trusted  []*net.IPNet // trusted_proxies
 	// restartNeeded names the settings this configuration changed that
 	// apply only after a restart (the running ones are kept).
 	restartNeeded []string
@@ -202,6 +203,7 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 		prevAuth = prev.auth
 	}
 	st.auth = newAuthTable(cfg, prevAuth)
+	st.trusted = cfg.TrustedNets()
 	for _, mc := range cfg.Models {
 		var p *modelPool
 		if prev != nil {
@@ -755,7 +757,7 @@ func (s *Server) logUnrouted(ctx *fasthttp.RequestCtx, reason string) {
 	if len(path) > 200 {
 		path = path[:200]
 	}
-	s.log.Info().Str("request_id", rid).IPAddr("remote", ctx.RemoteIP()).Str("method", string(ctx.Method())).Str("path", string(path)).
+	s.log.Info().Str("request_id", rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("method", string(ctx.Method())).Str("path", string(path)).
 		Int("status", ctx.Response.StatusCode()).Dur("duration", time.Since(ctx.Time())).Str("error", reason).Msg("request")
 }
 
@@ -797,7 +799,7 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	if !s.rejectLog.allow("", limitKey) {
 		return
 	}
-	s.log.Info().Str("request_id", rid).Str("remote", ctx.RemoteIP().String()).Int("status", ctx.Response.StatusCode()).
+	s.log.Info().Str("request_id", rid).Str("remote", s.st.Load().clientIP(ctx).String()).Int("status", ctx.Response.StatusCode()).
 		Str("error", reason).Msg("request")
 }
 
