@@ -31,6 +31,24 @@ func (m *memBody) Buffered() int { return 0 }
 // BenchmarkSSERelay measures the relay's own work per streamed event:
 // framing, inspection (first token, output blocks), writing and flushing.
 func BenchmarkSSERelay(b *testing.B) {
+	const events = 256
+	var stream bytes.Buffer
+	for i := 0; i < events; i++ {
+		fmt.Fprintf(&stream, `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" tok%d"},"logprobs":null,"finish_reason":null}]}`+"\n\n", i)
+	}
+	stream.WriteString("data: [DONE]\n\n")
+	benchRelay(b, stream.Bytes(), events, func(*exchange) {}, func(x *exchange) string {
+		if x.outputTokens != events {
+			return fmt.Sprintf("counted %d tokens", x.outputTokens)
+		}
+		return ""
+	})
+}
+
+// benchRelay relays raw, an engine's stream of events, through a new
+// exchange set up by setup in each iteration; check says what is wrong
+// with the exchange afterwards ("" for nothing).
+func benchRelay(b *testing.B, raw []byte, events int, setup func(*exchange), check func(*exchange) string) {
 	cfg, err := config.Parse([]byte("models: [{name: m}]\nbackends: [{id: e0, url: 'http://127.0.0.1:1'}]\nlog_level: warn\n"))
 	if err != nil {
 		b.Fatal(err)
@@ -41,13 +59,6 @@ func BenchmarkSSERelay(b *testing.B) {
 	}
 	st := s.st.Load()
 	p, be := st.pools[0], st.backends["e0"]
-	const events = 256
-	var stream bytes.Buffer
-	for i := 0; i < events; i++ {
-		fmt.Fprintf(&stream, `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" tok%d"},"logprobs":null,"finish_reason":null}]}`+"\n\n", i)
-	}
-	stream.WriteString("data: [DONE]\n\n")
-	raw := stream.Bytes()
 	w := bufio.NewWriterSize(io.Discard, 4096)
 	req := router.Request{PromptTokens: 100}
 	b.SetBytes(int64(len(raw)))
@@ -56,14 +67,15 @@ func BenchmarkSSERelay(b *testing.B) {
 	for i := 0; i < b.N; i++ {
 		_, active, _ := p.rt.Route(&req)
 		x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, usage: tokenUsage{-1, -1, -1}}
+		setup(x)
 		s.live.add(x)
 		rl := newRelay(x, &memBody{bytes.NewReader(raw)}, fasthttp.AcquireResponse())
 		if _, err := rl.WriteTo(w); err != nil {
 			b.Fatal(err)
 		}
 		rl.Close()
-		if x.outputTokens != events {
-			b.Fatalf("counted %d tokens", x.outputTokens)
+		if msg := check(x); msg != "" {
+			b.Fatal(msg)
 		}
 	}
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*events), "ns/event")
@@ -126,16 +138,6 @@ func BenchmarkParseChatImage1MB(b *testing.B) {
 // (event: lines, a delta per token, the response object at both ends),
 // rewriting its ids; compare ns/event with BenchmarkSSERelay.
 func BenchmarkSSERelayResponses(b *testing.B) {
-	cfg, err := config.Parse([]byte("models: [{name: m}]\nbackends: [{id: e0, url: 'http://127.0.0.1:1'}]\nlog_level: warn\n"))
-	if err != nil {
-		b.Fatal(err)
-	}
-	s, err := New(cfg, Options{Logger: zerolog.Nop(), DisableHealthChecks: true})
-	if err != nil {
-		b.Fatal(err)
-	}
-	st := s.st.Load()
-	p, be := st.pools[0], st.backends["e0"]
 	const tokens = 256
 	obj := `{"id":"resp_0123456789abcdef0123456789abcdef","created_at":1,"instructions":null,"model":"m","object":"response","output":[],"status":"in_progress","usage":null}`
 	var stream bytes.Buffer
@@ -152,27 +154,12 @@ func BenchmarkSSERelayResponses(b *testing.B) {
 	}
 	event("response.output_text.done", `"content_index":0,"item_id":"msg_1","logprobs":[],"output_index":0,"text":"...",`)
 	event("response.completed", `"response":`+strings.Replace(obj, `"usage":null`, `"usage":{"input_tokens":100,"input_tokens_details":{"cached_tokens":64},"output_tokens":256,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":356}`, 1)+`,`)
-	raw := stream.Bytes()
-	events := seq
-	w := bufio.NewWriterSize(io.Discard, 4096)
-	req := router.Request{PromptTokens: 100}
-	b.SetBytes(int64(len(raw)))
-	b.ReportAllocs()
-	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		_, active, _ := p.rt.Route(&req)
-		x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, usage: tokenUsage{-1, -1, -1}, resp: &respIDs{tag: "0a1b2c3d"}, api: apiResponses}
-		s.live.add(x)
-		rl := newRelay(x, &memBody{bytes.NewReader(raw)}, fasthttp.AcquireResponse())
-		if _, err := rl.WriteTo(w); err != nil {
-			b.Fatal(err)
-		}
-		rl.Close()
+	benchRelay(b, stream.Bytes(), seq, func(x *exchange) { x.resp, x.api = &respIDs{tag: "0a1b2c3d"}, apiResponses }, func(x *exchange) string {
 		if x.outputTokens != tokens || x.usage.completion != tokens || x.resp.orig == nil || x.errMsg != "" {
-			b.Fatalf("counted %d tokens, usage %+v, id %s, error %q", x.outputTokens, x.usage, x.resp.orig, x.errMsg)
+			return fmt.Sprintf("counted %d tokens, usage %+v, id %s, error %q", x.outputTokens, x.usage, x.resp.orig, x.errMsg)
 		}
-	}
-	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*events), "ns/event")
+		return ""
+	})
 }
 
 // BenchmarkParseResponsesSmall parses and re-encodes a small Responses
@@ -199,16 +186,6 @@ func BenchmarkParseResponsesSmall(b *testing.B) {
 // sends it (event: lines, a content_block_delta per token, usage at both
 // ends, [DONE]); compare ns/event with BenchmarkSSERelay.
 func BenchmarkSSERelayMessages(b *testing.B) {
-	cfg, err := config.Parse([]byte("models: [{name: m}]\nbackends: [{id: e0, url: 'http://127.0.0.1:1'}]\nlog_level: warn\n"))
-	if err != nil {
-		b.Fatal(err)
-	}
-	s, err := New(cfg, Options{Logger: zerolog.Nop(), DisableHealthChecks: true})
-	if err != nil {
-		b.Fatal(err)
-	}
-	st := s.st.Load()
-	p, be := st.pools[0], st.backends["e0"]
 	const tokens = 256
 	var stream bytes.Buffer
 	event := func(typ, data string) { fmt.Fprintf(&stream, "event: %s\ndata: %s\n\n", typ, data) }
@@ -221,27 +198,12 @@ func BenchmarkSSERelayMessages(b *testing.B) {
 	event("message_delta", `{"type":"message_delta","delta":{"stop_reason":"max_tokens"},"usage":{"input_tokens":100,"output_tokens":256}}`)
 	event("message_stop", `{"type":"message_stop"}`)
 	stream.WriteString("data: [DONE]\n\n")
-	raw := stream.Bytes()
-	events := tokens + 6
-	w := bufio.NewWriterSize(io.Discard, 4096)
-	req := router.Request{PromptTokens: 100}
-	b.SetBytes(int64(len(raw)))
-	b.ReportAllocs()
-	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		_, active, _ := p.rt.Route(&req)
-		x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, usage: tokenUsage{-1, -1, -1}, api: apiMessages}
-		s.live.add(x)
-		rl := newRelay(x, &memBody{bytes.NewReader(raw)}, fasthttp.AcquireResponse())
-		if _, err := rl.WriteTo(w); err != nil {
-			b.Fatal(err)
-		}
-		rl.Close()
+	benchRelay(b, stream.Bytes(), tokens+6, func(x *exchange) { x.api = apiMessages }, func(x *exchange) string {
 		if x.outputTokens != tokens || x.usage.completion != tokens || x.errMsg != "" {
-			b.Fatalf("counted %d tokens, usage %+v, error %q", x.outputTokens, x.usage, x.errMsg)
+			return fmt.Sprintf("counted %d tokens, usage %+v, error %q", x.outputTokens, x.usage, x.errMsg)
 		}
-	}
-	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*events), "ns/event")
+		return ""
+	})
 }
 
 // BenchmarkParseMessagesAgentTurn parses an agent's turn in Anthropic's

@@ -32,17 +32,9 @@ func (r *apiRequest) parseAnthropic(body []byte, counting bool) *paramError {
 	f := &r.fields
 	var maxTokens, system []byte
 	for m := (members{b: r.body}); m.next(); {
-		switch {
-		case keyIs(m.key, "model"):
-			f.Model = m.value
-		case keyIs(m.key, "stream"):
-			f.Stream = m.value
-		case keyIs(m.key, "nvext"):
-			f.Nvext = m.value
-		case keyIs(m.key, "messages"):
-			f.Messages = m.value
-		case keyIs(m.key, "tools"):
-			f.Tools = m.value
+		switch slot := f.slot(m.key); {
+		case slot != nil:
+			*slot = m.value
 		case keyIs(m.key, "max_tokens"):
 			maxTokens = m.value
 		case keyIs(m.key, "system"):

@@ -3,6 +3,7 @@ package proxy
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"strings"
@@ -172,16 +173,8 @@ func postHeaders(t *testing.T, url, body string, headers ...string) (*http.Respo
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	var b strings.Builder
-	buf := make([]byte, 4096)
-	for {
-		n, err := resp.Body.Read(buf)
-		b.Write(buf[:n])
-		if err != nil {
-			break
-		}
-	}
-	return resp, []byte(b.String())
+	b, _ := io.ReadAll(resp.Body)
+	return resp, b
 }
 
 // A message routes as the chat request with the same conversation, and

@@ -137,23 +137,8 @@ func (r *apiRequest) parse(body []byte, chat bool) *paramError {
 	}
 	f := &r.fields
 	for m := (members{b: r.body}); m.next(); {
-		switch {
-		case keyIs(m.key, "model"):
-			f.Model = m.value
-		case keyIs(m.key, "stream"):
-			f.Stream = m.value
-		case keyIs(m.key, "nvext"):
-			f.Nvext = m.value
-		case keyIs(m.key, "add_generation_prompt"):
-			f.AddGenerationPrompt = m.value
-		case keyIs(m.key, "messages"):
-			f.Messages = m.value
-		case keyIs(m.key, "prompt"):
-			f.Prompt = m.value
-		case keyIs(m.key, "cache_salt"):
-			f.CacheSalt = m.value
-		case keyIs(m.key, "tools"):
-			f.Tools = m.value
+		if slot := f.slot(m.key); slot != nil {
+			*slot = m.value
 		}
 	}
 	if pe := r.readCommon(); pe != nil {
@@ -640,6 +625,29 @@ type wireFields struct {
 	Prompt              json.RawMessage `json:"prompt"`
 	CacheSalt           json.RawMessage `json:"cache_salt"`
 	Tools               json.RawMessage `json:"tools"`
+}
+
+// slot is the field a member named key fills; nil for the others.
+func (f *wireFields) slot(key []byte) *json.RawMessage {
+	switch {
+	case keyIs(key, "model"):
+		return &f.Model
+	case keyIs(key, "stream"):
+		return &f.Stream
+	case keyIs(key, "nvext"):
+		return &f.Nvext
+	case keyIs(key, "add_generation_prompt"):
+		return &f.AddGenerationPrompt
+	case keyIs(key, "messages"):
+		return &f.Messages
+	case keyIs(key, "prompt"):
+		return &f.Prompt
+	case keyIs(key, "cache_salt"):
+		return &f.CacheSalt
+	case keyIs(key, "tools"):
+		return &f.Tools
+	}
+	return nil
 }
 
 // setBody checks that body is one valid JSON object and keeps it.

@@ -179,17 +179,9 @@ func (r *apiRequest) parseResponses(body []byte) *paramError {
 	f := &r.fields
 	var input, instructions, prev []byte
 	for m := (members{b: r.body}); m.next(); {
-		switch {
-		case keyIs(m.key, "model"):
-			f.Model = m.value
-		case keyIs(m.key, "stream"):
-			f.Stream = m.value
-		case keyIs(m.key, "nvext"):
-			f.Nvext = m.value
-		case keyIs(m.key, "cache_salt"):
-			f.CacheSalt = m.value
-		case keyIs(m.key, "tools"):
-			f.Tools = m.value
+		switch slot := f.slot(m.key); {
+		case slot != nil:
+			*slot = m.value
 		case keyIs(m.key, "input"):
 			input = m.value
 		case keyIs(m.key, "instructions"):

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"strings"
@@ -575,16 +576,8 @@ func TestResponsesByIDEdges(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer resp.Body.Close()
-		var b strings.Builder
-		buf := make([]byte, 4096)
-		for {
-			n, err := resp.Body.Read(buf)
-			b.Write(buf[:n])
-			if err != nil {
-				break
-			}
-		}
-		return resp.StatusCode, b.String()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
 	}
 	if code, body := do("GET", "/v1/responses/"+id); code != 404 || !strings.Contains(body, "'"+id+"'") {
 		t.Fatalf("a response not stored: %d %s", code, body)
