@@ -359,17 +359,10 @@ func (e *Engine) serveCompletion(w http.ResponseWriter, hr *http.Request, chat b
 	ctx := hr.Context()
 	if req.Stream {
 		includeUsage := req.StreamOptions != nil && req.StreamOptions.IncludeUsage
-		if !rs.stream(ctx, w, r, includeUsage) {
-			e.abort(r)
-			e.aborts.Add(1)
-			return
-		}
-	} else if !rs.whole(ctx, w, r) {
-		e.abort(r)
-		e.aborts.Add(1)
-		return
+		e.settle(r, rs.stream(ctx, w, r, includeUsage))
+	} else {
+		e.settle(r, rs.whole(ctx, w, r))
 	}
-	e.finished.Add(1)
 }
 
 // fail answers with an OpenAI error object.

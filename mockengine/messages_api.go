@@ -93,18 +93,11 @@ func (e *Engine) serveMessages(w http.ResponseWriter, hr *http.Request) {
 	}
 	// vLLM's answer keeps the id of the chat completion it converts.
 	mw := &messagesWriter{e: e, c: c, r: r, id: fmt.Sprintf("chatcmpl-%s-%d", e.idPrefix, r.seq.ID)}
-	ok := false
 	if c.req.Stream != nil && *c.req.Stream {
-		ok = mw.stream(hr.Context(), w)
+		e.settle(r, mw.stream(hr.Context(), w))
 	} else {
-		ok = mw.whole(hr.Context(), w)
+		e.settle(r, mw.whole(hr.Context(), w))
 	}
-	if !ok {
-		e.abort(r)
-		e.aborts.Add(1)
-		return
-	}
-	e.finished.Add(1)
 }
 
 // serveCountTokens answers POST /v1/messages/count_tokens as vLLM does:
@@ -162,12 +155,8 @@ func (mw *messagesWriter) text() []byte {
 // (exclude_none). It reports false if the client went away first.
 func (mw *messagesWriter) whole(ctx context.Context, w http.ResponseWriter) bool {
 	r := mw.r
-	for !r.done.Load() {
-		select {
-		case <-r.notify:
-		case <-ctx.Done():
-			return false
-		}
+	if !r.waitDone(ctx) {
+		return false
 	}
 	mw.e.genToks.Add(uint64(len(r.words)))
 	b := make([]byte, 0, 256+8*len(r.words))
@@ -206,21 +195,13 @@ func event(b []byte, typ string, data ...string) []byte {
 // exclude_unset, so message_start's message has no type or role. It
 // reports false if the client went away first.
 func (mw *messagesWriter) stream(ctx context.Context, w http.ResponseWriter) bool {
-	h := w.Header()
-	h.Set("Content-Type", "text/event-stream")
-	h.Set("Cache-Control", "no-cache")
-	w.WriteHeader(http.StatusOK)
-	fl, _ := w.(http.Flusher)
-	if fl != nil {
-		fl.Flush()
-	}
+	sse := startSSE(w)
+	sse.flush()
 	r := mw.r
 	var buf []byte
 	sent := 0
 	for {
-		select {
-		case <-r.notify:
-		case <-ctx.Done():
+		if !r.wait(ctx) {
 			return false
 		}
 		done := r.done.Load() // before generated: done implies the final count
@@ -244,13 +225,8 @@ func (mw *messagesWriter) stream(ctx context.Context, w http.ResponseWriter) boo
 			buf = event(buf, "message_stop", `{"type":"message_stop"}`)
 			buf = append(buf, "data: [DONE]\n\n"...)
 		}
-		if len(buf) > 0 {
-			if _, err := w.Write(buf); err != nil {
-				return false
-			}
-			if fl != nil {
-				fl.Flush()
-			}
+		if len(buf) > 0 && !sse.send(buf) {
+			return false
 		}
 		if done {
 			return true

@@ -70,6 +70,71 @@ func (e *Engine) newRequest(prompt []uint32, maxTokens int, ignoreEOS bool, salt
 	return r
 }
 
+// wait blocks until the engine has news of r. It reports false if ctx
+// ends first.
+func (r *request) wait(ctx context.Context) bool {
+	select {
+	case <-r.notify:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// waitDone blocks until r has its last token. It reports false if ctx
+// ends first.
+func (r *request) waitDone(ctx context.Context) bool {
+	for !r.done.Load() {
+		if !r.wait(ctx) {
+			return false
+		}
+	}
+	return true
+}
+
+// sseStream is an event stream to the client.
+type sseStream struct {
+	w  http.ResponseWriter
+	fl http.Flusher
+}
+
+// startSSE writes the headers of an event stream; they reach the client
+// with the first flush.
+func startSSE(w http.ResponseWriter) *sseStream {
+	h := w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	w.WriteHeader(http.StatusOK)
+	fl, _ := w.(http.Flusher)
+	return &sseStream{w: w, fl: fl}
+}
+
+func (s *sseStream) flush() {
+	if s.fl != nil {
+		s.fl.Flush()
+	}
+}
+
+// send writes b and flushes it. It reports false if the client went away.
+func (s *sseStream) send(b []byte) bool {
+	if _, err := s.w.Write(b); err != nil {
+		return false
+	}
+	s.flush()
+	return true
+}
+
+// settle counts a request whose answer was sent in full as finished, and
+// aborts one whose client went away first.
+func (e *Engine) settle(r *request, sent bool) {
+	if !sent {
+		e.abort(r)
+		e.aborts.Add(1)
+		return
+	}
+	e.finished.Add(1)
+}
+
 // responder writes one request's answer in OpenAI's shapes.
 type responder struct {
 	e            *Engine
@@ -159,20 +224,12 @@ func (rs *responder) chunk(b []byte, r *request, j int, last, includeUsage bool)
 // stream sends one SSE chunk per token as the engine produces them. It
 // reports false if the client went away first.
 func (rs *responder) stream(ctx context.Context, w http.ResponseWriter, r *request, includeUsage bool) bool {
-	h := w.Header()
-	h.Set("Content-Type", "text/event-stream")
-	h.Set("Cache-Control", "no-cache")
-	w.WriteHeader(http.StatusOK)
-	fl, _ := w.(http.Flusher)
-	if fl != nil {
-		fl.Flush()
-	}
+	sse := startSSE(w)
+	sse.flush()
 	sent := 0
 	buf := make([]byte, 0, 1024)
 	for {
-		select {
-		case <-r.notify:
-		case <-ctx.Done():
+		if !r.wait(ctx) {
 			return false
 		}
 		done := r.done.Load() // before generated: done implies the final count
@@ -192,11 +249,8 @@ func (rs *responder) stream(ctx context.Context, w http.ResponseWriter, r *reque
 			}
 			buf = append(buf, "data: [DONE]\n\n"...)
 		}
-		if _, err := w.Write(buf); err != nil {
+		if !sse.send(buf) {
 			return false
-		}
-		if fl != nil {
-			fl.Flush()
 		}
 		if done {
 			return true
@@ -207,12 +261,8 @@ func (rs *responder) stream(ctx context.Context, w http.ResponseWriter, r *reque
 // whole waits for the last token and sends one JSON response. It reports
 // false if the client went away first.
 func (rs *responder) whole(ctx context.Context, w http.ResponseWriter, r *request) bool {
-	for !r.done.Load() {
-		select {
-		case <-r.notify:
-		case <-ctx.Done():
-			return false
-		}
+	if !r.waitDone(ctx) {
+		return false
 	}
 	n := len(r.words)
 	rs.e.genToks.Add(uint64(n))

@@ -98,18 +98,11 @@ func (e *Engine) serveResponses(w http.ResponseWriter, hr *http.Request) {
 		return
 	}
 	rw := &responsesWriter{e: e, c: c, r: r, id: "resp_" + randomHex(), itemID: "msg_" + randomHex(), created: time.Now().Unix()}
-	ok := false
 	if c.req.Stream {
-		ok = rw.stream(hr.Context(), w)
+		e.settle(r, rw.stream(hr.Context(), w))
 	} else {
-		ok = rw.whole(hr.Context(), w)
+		e.settle(r, rw.whole(hr.Context(), w))
 	}
-	if !ok {
-		e.abort(r)
-		e.aborts.Add(1)
-		return
-	}
-	e.finished.Add(1)
 }
 
 // randomHex is 32 random hex digits, as vLLM's random_uuid.
@@ -251,12 +244,8 @@ func (rw *responsesWriter) message(status, text string) outputMessage {
 // whole waits for the last token and sends the response object. It
 // reports false if the client went away first.
 func (rw *responsesWriter) whole(ctx context.Context, w http.ResponseWriter) bool {
-	for !rw.r.done.Load() {
-		select {
-		case <-rw.r.notify:
-		case <-ctx.Done():
-			return false
-		}
+	if !rw.r.waitDone(ctx) {
+		return false
 	}
 	rw.e.genToks.Add(uint64(len(rw.r.words)))
 	b, _ := rw.final()
@@ -293,32 +282,17 @@ func jsonText(v any) string {
 // produces them, then the done events and response.completed. There is no
 // [DONE]. It reports false if the client went away first.
 func (rw *responsesWriter) stream(ctx context.Context, w http.ResponseWriter) bool {
-	h := w.Header()
-	h.Set("Content-Type", "text/event-stream")
-	h.Set("Cache-Control", "no-cache")
-	w.WriteHeader(http.StatusOK)
-	fl, _ := w.(http.Flusher)
+	sse := startSSE(w)
 	initial := `"response":` + jsonText(rw.object("in_progress", nil, nil))
 	buf := rw.event(nil, "response.created", initial)
 	buf = rw.event(buf, "response.in_progress", initial)
-	write := func() bool {
-		if _, err := w.Write(buf); err != nil {
-			return false
-		}
-		if fl != nil {
-			fl.Flush()
-		}
-		return true
-	}
-	if !write() {
+	if !sse.send(buf) {
 		return false
 	}
 	itemID := `"item_id":"` + rw.itemID + `"`
 	sent := 0
 	for {
-		select {
-		case <-rw.r.notify:
-		case <-ctx.Done():
+		if !rw.r.wait(ctx) {
 			return false
 		}
 		done := rw.r.done.Load() // before generated: done implies the final count
@@ -345,7 +319,7 @@ func (rw *responsesWriter) stream(ctx context.Context, w http.ResponseWriter) bo
 			buf = rw.event(buf, "response.output_item.done", `"item":`+jsonText(msg)+`,"output_index":0`)
 			buf = rw.event(buf, "response.completed", `"response":`+string(object))
 		}
-		if !write() {
+		if !sse.send(buf) {
 			return false
 		}
 		if done {
