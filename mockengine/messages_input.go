@@ -535,26 +535,48 @@ func pyFloatRepr(f float64) string {
 	return sign + digits[:exp+1] + "." + digits[exp+1:]
 }
 
-// pyJSONDumps appends v as Python's json.dumps writes it by default:
-// separators ", " and ": ", every character outside printable ASCII
-// escaped (\uXXXX, lowercase), floats as their repr.
-func pyJSONDumps(dst []byte, v any) []byte {
+// pyPrinter writes decoded JSON the way one Python printer does: both
+// json.dumps and repr separate with ", " and ": " and differ only in how
+// they spell the scalars.
+type pyPrinter struct {
+	name                                   string // for the panic on a type JSON has not
+	nullText, trueText, falseText, infText string
+	str                                    func(dst []byte, s string) []byte
+}
+
+// pyJSON is Python's json.dumps with its defaults: every character outside
+// printable ASCII escaped (\uXXXX, lowercase), floats as their repr.
+var pyJSON = pyPrinter{name: "pyJSONDumps", nullText: "null", trueText: "true", falseText: "false", infText: "Infinity", str: pyJSONString}
+
+// pyReprs is Python's repr.
+var pyReprs = pyPrinter{name: "pyRepr", nullText: "None", trueText: "True", falseText: "False", infText: "inf", str: pyStringRepr}
+
+// pyJSONDumps appends v as Python's json.dumps writes it by default.
+func pyJSONDumps(dst []byte, v any) []byte { return pyJSON.append(dst, v) }
+
+// pyRepr appends Python's repr of v.
+func pyRepr(dst []byte, v any) []byte { return pyReprs.append(dst, v) }
+
+func (p *pyPrinter) append(dst []byte, v any) []byte {
 	switch v := v.(type) {
 	case nil:
-		return append(dst, "null"...)
+		return append(dst, p.nullText...)
 	case bool:
-		return strconv.AppendBool(dst, v)
+		if v {
+			return append(dst, p.trueText...)
+		}
+		return append(dst, p.falseText...)
 	case json.Number:
-		return append(dst, pyNumber(v, "Infinity")...)
+		return append(dst, pyNumber(v, p.infText)...)
 	case string:
-		return pyJSONString(dst, v)
+		return p.str(dst, v)
 	case []any:
 		dst = append(dst, '[')
 		for i, x := range v {
 			if i > 0 {
 				dst = append(dst, ", "...)
 			}
-			dst = pyJSONDumps(dst, x)
+			dst = p.append(dst, x)
 		}
 		return append(dst, ']')
 	case *pyDict:
@@ -563,12 +585,12 @@ func pyJSONDumps(dst []byte, v any) []byte {
 			if i > 0 {
 				dst = append(dst, ", "...)
 			}
-			dst = append(pyJSONString(dst, k), ": "...)
-			dst = pyJSONDumps(dst, v.vals[k])
+			dst = append(p.str(dst, k), ": "...)
+			dst = p.append(dst, v.vals[k])
 		}
 		return append(dst, '}')
 	}
-	panic(fmt.Sprintf("pyJSONDumps: %T", v))
+	panic(fmt.Sprintf("%s: %T", p.name, v))
 }
 
 func pyJSONString(dst []byte, s string) []byte {
@@ -621,43 +643,6 @@ func pyStr(content json.RawMessage) string {
 		return ""
 	}
 	return string(pyRepr(nil, v))
-}
-
-// pyRepr appends Python's repr of v.
-func pyRepr(dst []byte, v any) []byte {
-	switch v := v.(type) {
-	case nil:
-		return append(dst, "None"...)
-	case bool:
-		if v {
-			return append(dst, "True"...)
-		}
-		return append(dst, "False"...)
-	case json.Number:
-		return append(dst, pyNumber(v, "inf")...)
-	case string:
-		return pyStringRepr(dst, v)
-	case []any:
-		dst = append(dst, '[')
-		for i, x := range v {
-			if i > 0 {
-				dst = append(dst, ", "...)
-			}
-			dst = pyRepr(dst, x)
-		}
-		return append(dst, ']')
-	case *pyDict:
-		dst = append(dst, '{')
-		for i, k := range v.keys {
-			if i > 0 {
-				dst = append(dst, ", "...)
-			}
-			dst = append(pyStringRepr(dst, k), ": "...)
-			dst = pyRepr(dst, v.vals[k])
-		}
-		return append(dst, '}')
-	}
-	panic(fmt.Sprintf("pyRepr: %T", v))
 }
 
 // pyStringRepr is Python's repr of a string: single quotes unless it has
