@@ -32,16 +32,8 @@ func postEmbeddings(t *testing.T, url string, body any) (int, embeddingsAnswer) 
 	t.Helper()
 	b, _ := json.Marshal(body)
 	resp, err := http.Post(url+"/v1/embeddings", "application/json", bytes.NewReader(b))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	raw, _ := io.ReadAll(resp.Body)
-	var a embeddingsAnswer
-	if err := json.Unmarshal(raw, &a); err != nil {
-		t.Fatalf("not JSON: %s", raw)
-	}
-	return resp.StatusCode, a
+	code, _, a := readJSON[embeddingsAnswer](t, resp, err)
+	return code, a
 }
 
 func floats(t *testing.T, raw json.RawMessage) []float32 {

@@ -87,6 +87,14 @@ func post(t *testing.T, url string, body any) (int, response) {
 	t.Helper()
 	b, _ := json.Marshal(body)
 	resp, err := http.Post(url, "application/json", bytes.NewReader(b))
+	code, _, r := readJSON[response](t, resp, err)
+	return code, r
+}
+
+// readJSON reads the answer to a request that returned resp and err: its
+// status, its body and the body decoded.
+func readJSON[T any](t *testing.T, resp *http.Response, err error) (int, []byte, T) {
+	t.Helper()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -95,11 +103,11 @@ func post(t *testing.T, url string, body any) (int, response) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var r response
-	if err := json.Unmarshal(raw, &r); err != nil {
-		t.Fatalf("response is not JSON: %v: %s", err, raw)
+	var v T
+	if err := json.Unmarshal(raw, &v); err != nil {
+		t.Fatalf("answer is not JSON: %v: %s", err, raw)
 	}
-	return resp.StatusCode, r
+	return resp.StatusCode, raw, v
 }
 
 // streamEvents posts a streaming request and returns the data payloads.
@@ -396,25 +404,27 @@ func TestBadRequests(t *testing.T) {
 // A client that leaves during a slow prefill aborts its request: the engine
 // frees its blocks and counts the abort.
 func TestClientDisconnectAborts(t *testing.T) {
-	// 1000-token prefill ≈ 32 ms of engine time; at speedup 0.03 about 1 s.
-	e, url := startEngine(t, Config{Speedup: 0.03})
-	stepped := make(chan struct{}, 1)
-	e.mu.Lock()
-	e.stepHook = func() {
-		select {
-		case stepped <- struct{}{}:
-		default:
-		}
-	}
-	e.mu.Unlock()
 	ids := make([]int, 1000)
 	for i := range ids {
 		ids[i] = 500 + i
 	}
+	checkDisconnectAborts(t, "/v1/completions", func(stream bool) any {
+		return map[string]any{"prompt": ids, "max_tokens": 50, "stream": stream}
+	})
+}
+
+// checkDisconnectAborts posts a 1000-token prompt to path, streamed and
+// not, and hangs up once the engine is computing the prefill: the engine
+// must free the request's blocks at once and count the abort.
+func checkDisconnectAborts(t *testing.T, path string, body func(stream bool) any) {
+	t.Helper()
+	// 1000-token prefill ≈ 32 ms of engine time; at speedup 0.03 about 1 s.
+	e, url := startEngine(t, Config{Speedup: 0.03})
+	stepped := signalSteps(e)
 	for _, stream := range []bool{true, false} {
 		ctx, cancel := context.WithCancel(context.Background())
-		b, _ := json.Marshal(map[string]any{"prompt": ids, "max_tokens": 50, "stream": stream})
-		hr, _ := http.NewRequestWithContext(ctx, "POST", url+"/v1/completions", bytes.NewReader(b))
+		b, _ := json.Marshal(body(stream))
+		hr, _ := http.NewRequestWithContext(ctx, "POST", url+path, bytes.NewReader(b))
 		done := make(chan error, 1)
 		go func() {
 			resp, err := http.DefaultClient.Do(hr)
@@ -444,6 +454,41 @@ func TestClientDisconnectAborts(t *testing.T) {
 	if st := e.Stats(); st.Aborts != 2 || st.Requests != 2 {
 		t.Fatalf("want 2 aborts: %+v", st)
 	}
+}
+
+// signalSteps makes the engine signal each step it starts, without
+// waiting for the signal to be taken.
+func signalSteps(e *Engine) <-chan struct{} {
+	stepped := make(chan struct{}, 1)
+	e.mu.Lock()
+	e.stepHook = func() {
+		select {
+		case stepped <- struct{}{}:
+		default:
+		}
+	}
+	e.mu.Unlock()
+	return stepped
+}
+
+// holdFirstStep makes the engine's first step wait, up to 5 s, until
+// release is closed; entered is closed when it starts waiting.
+func holdFirstStep(e *Engine) (entered, release chan struct{}) {
+	entered, release = make(chan struct{}), make(chan struct{})
+	var once bool
+	e.mu.Lock()
+	e.stepHook = func() {
+		if !once {
+			once = true
+			close(entered)
+			select {
+			case <-release:
+			case <-time.After(5 * time.Second):
+			}
+		}
+	}
+	e.mu.Unlock()
+	return entered, release
 }
 
 func TestMetrics(t *testing.T) {

@@ -2,8 +2,6 @@ package mockengine
 
 import (
 	"bufio"
-	"bytes"
-	"context"
 	"encoding/json"
 	"io"
 	"net/http"
@@ -45,19 +43,7 @@ type anthropicMessage struct {
 func postMessages(t *testing.T, url, body string) (int, []byte, anthropicMessage) {
 	t.Helper()
 	resp, err := http.Post(url, "application/json", strings.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	raw, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var m anthropicMessage
-	if err := json.Unmarshal(raw, &m); err != nil {
-		t.Fatalf("answer is not JSON: %v: %s", err, raw)
-	}
-	return resp.StatusCode, raw, m
+	return readJSON[anthropicMessage](t, resp, err)
 }
 
 func createMessage(t *testing.T, url, body string) anthropicMessage {
@@ -347,20 +333,7 @@ func itoa(n int) string {
 // first chat chunk; the headers do not.
 func TestMessagesStreamStartsWithFirstToken(t *testing.T) {
 	e, url := startEngine(t, Config{})
-	entered, release := make(chan struct{}), make(chan struct{})
-	var once bool
-	e.mu.Lock()
-	e.stepHook = func() { // hold the prefill step
-		if !once {
-			once = true
-			close(entered)
-			select {
-			case <-release:
-			case <-time.After(5 * time.Second):
-			}
-		}
-	}
-	e.mu.Unlock()
+	entered, release := holdFirstStep(e) // the prefill step
 	resp, err := http.Post(url+"/v1/messages", "application/json",
 		strings.NewReader(`{"model":"mock-model","messages":[{"role":"user","content":"wait"}],"max_tokens":2,"stream":true}`))
 	if err != nil {
@@ -386,38 +359,8 @@ func TestMessagesStreamStartsWithFirstToken(t *testing.T) {
 
 // A client that goes away aborts its request, streamed or not.
 func TestMessagesClientDisconnectAborts(t *testing.T) {
-	e, url := startEngine(t, Config{Speedup: 0.03})
-	stepped := make(chan struct{}, 1)
-	e.mu.Lock()
-	e.stepHook = func() {
-		select {
-		case stepped <- struct{}{}:
-		default:
-		}
-	}
-	e.mu.Unlock()
-	for _, stream := range []bool{true, false} {
-		body, _ := json.Marshal(map[string]any{"model": "mock-model", "max_tokens": 50, "stream": stream,
-			"messages": []map[string]any{{"role": "user", "content": strings.Repeat("word ", 1000)}}})
-		ctx, cancel := context.WithCancel(context.Background())
-		req, _ := http.NewRequestWithContext(ctx, "POST", url+"/v1/messages", bytes.NewReader(body))
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			if resp, err := http.DefaultClient.Do(req); err == nil {
-				io.Copy(io.Discard, resp.Body)
-				resp.Body.Close()
-			}
-		}()
-		<-stepped // the engine is computing the prefill
-		cancel()
-		<-done
-		waitIdle(t, e)
-		if st := e.Stats(); st.Running != 0 || st.Waiting != 0 || st.KVUsage != 0 || st.Finished != 0 {
-			t.Fatalf("stream=%v: blocks or slots leaked: %+v", stream, st)
-		}
-	}
-	if st := e.Stats(); st.Aborts != 2 {
-		t.Fatalf("want 2 aborts: %+v", st)
-	}
+	checkDisconnectAborts(t, "/v1/messages", func(stream bool) any {
+		return map[string]any{"model": "mock-model", "max_tokens": 50, "stream": stream,
+			"messages": []map[string]any{{"role": "user", "content": strings.Repeat("word ", 1000)}}}
+	})
 }

@@ -3,7 +3,6 @@ package mockengine
 import (
 	"bufio"
 	"bytes"
-	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -70,19 +69,7 @@ func do(t *testing.T, method, url, body string) (int, []byte, respObject) {
 	t.Helper()
 	req, _ := http.NewRequest(method, url, strings.NewReader(body))
 	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	raw, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var o respObject
-	if err := json.Unmarshal(raw, &o); err != nil {
-		t.Fatalf("answer is not JSON: %v: %s", err, raw)
-	}
-	return resp.StatusCode, raw, o
+	return readJSON[respObject](t, resp, err)
 }
 
 func createResponse(t *testing.T, url, body string) respObject {
@@ -251,19 +238,7 @@ func readEvent(t *testing.T, br *bufio.Reader) (sseEvent, bool) {
 // response.created comes before the prefill ends.
 func TestResponsesStream(t *testing.T) {
 	e, url := startEngine(t, Config{})
-	release := make(chan struct{})
-	var once bool
-	e.mu.Lock()
-	e.stepHook = func() { // hold the first step until the client saw response.created
-		if !once {
-			once = true
-			select {
-			case <-release:
-			case <-time.After(5 * time.Second):
-			}
-		}
-	}
-	e.mu.Unlock()
+	_, release := holdFirstStep(e) // until the client saw response.created
 	resp, err := http.Post(url+"/v1/responses", "application/json",
 		strings.NewReader(`{"input":"stream please","max_output_tokens":6,"ignore_eos":true,"stream":true}`))
 	if err != nil {
@@ -567,39 +542,9 @@ func TestResponseStoreBound(t *testing.T) {
 
 // A client that leaves a Responses request aborts it, as for chat.
 func TestResponsesClientDisconnectAborts(t *testing.T) {
-	e, url := startEngine(t, Config{Speedup: 0.03})
-	stepped := make(chan struct{}, 1)
-	e.mu.Lock()
-	e.stepHook = func() {
-		select {
-		case stepped <- struct{}{}:
-		default:
-		}
-	}
-	e.mu.Unlock()
-	for _, stream := range []bool{true, false} {
-		body, _ := json.Marshal(map[string]any{"input": strings.Repeat("word ", 1000), "max_output_tokens": 50, "stream": stream})
-		ctx, cancel := context.WithCancel(context.Background())
-		req, _ := http.NewRequestWithContext(ctx, "POST", url+"/v1/responses", bytes.NewReader(body))
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			if resp, err := http.DefaultClient.Do(req); err == nil {
-				io.Copy(io.Discard, resp.Body)
-				resp.Body.Close()
-			}
-		}()
-		<-stepped // the engine is computing the prefill
-		cancel()
-		<-done
-		waitIdle(t, e)
-		if st := e.Stats(); st.Running != 0 || st.Waiting != 0 || st.KVUsage != 0 || st.Finished != 0 {
-			t.Fatalf("stream=%v: blocks or slots leaked: %+v", stream, st)
-		}
-	}
-	if st := e.Stats(); st.Aborts != 2 {
-		t.Fatalf("want 2 aborts: %+v", st)
-	}
+	checkDisconnectAborts(t, "/v1/responses", func(stream bool) any {
+		return map[string]any{"input": strings.Repeat("word ", 1000), "max_output_tokens": 50, "stream": stream}
+	})
 }
 
 // Each engine holds only its own responses: a follow-up sent to another
