@@ -198,38 +198,24 @@ func (mw *messagesWriter) stream(ctx context.Context, w http.ResponseWriter) boo
 	sse := startSSE(w)
 	sse.flush()
 	r := mw.r
-	var buf []byte
-	sent := 0
-	for {
-		if !r.wait(ctx) {
-			return false
-		}
-		done := r.done.Load() // before generated: done implies the final count
-		g := int(r.generated.Load())
-		buf = buf[:0]
-		mw.e.genToks.Add(uint64(g - sent))
-		if sent == 0 && g > 0 {
-			buf = event(buf, "message_start", `{"type":"message_start","message":{"id":"`, mw.id,
+	return mw.e.streamTokens(ctx, sse, r, func(b []byte, from, to int, done bool) []byte {
+		if from == 0 && to > 0 {
+			b = event(b, "message_start", `{"type":"message_start","message":{"id":"`, mw.id,
 				`","content":[],"model":`, string(mw.e.modelJSON), `,"stop_reason":null,"stop_sequence":null,"usage":`,
 				string(mw.usage(nil, 0)), `}}`)
-			buf = event(buf, "content_block_start", `{"type":"content_block_start","content_block":{"type":"text","text":""},"index":0}`)
+			b = event(b, "content_block_start", `{"type":"content_block_start","content_block":{"type":"text","text":""},"index":0}`)
 		}
-		for ; sent < g; sent++ {
-			buf = event(buf, "content_block_delta", `{"type":"content_block_delta","delta":{"type":"text_delta","text":"`,
-				mw.e.words[r.words[sent]].text, `"},"index":0}`)
-		}
-		if done {
-			buf = event(buf, "content_block_stop", `{"type":"content_block_stop","index":0}`)
-			buf = event(buf, "message_delta", `{"type":"message_delta","delta":{"stop_reason":"`, mw.stopReason(),
-				`"},"usage":`, string(mw.usage(nil, g)), `}`)
-			buf = event(buf, "message_stop", `{"type":"message_stop"}`)
-			buf = append(buf, "data: [DONE]\n\n"...)
-		}
-		if len(buf) > 0 && !sse.send(buf) {
-			return false
+		for j := from; j < to; j++ {
+			b = event(b, "content_block_delta", `{"type":"content_block_delta","delta":{"type":"text_delta","text":"`,
+				mw.e.words[r.words[j]].text, `"},"index":0}`)
 		}
 		if done {
-			return true
+			b = event(b, "content_block_stop", `{"type":"content_block_stop","index":0}`)
+			b = event(b, "message_delta", `{"type":"message_delta","delta":{"stop_reason":"`, mw.stopReason(),
+				`"},"usage":`, string(mw.usage(nil, to)), `}`)
+			b = event(b, "message_stop", `{"type":"message_stop"}`)
+			b = append(b, "data: [DONE]\n\n"...)
 		}
-	}
+		return b
+	})
 }

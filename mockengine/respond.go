@@ -124,6 +124,31 @@ func (s *sseStream) send(b []byte) bool {
 	return true
 }
 
+// streamTokens sends r's tokens as the engine produces them: at each
+// notice, events appends the events of the new tokens, from and up to
+// to, and, once done, the closing ones. It reports false if the client
+// went away first.
+func (e *Engine) streamTokens(ctx context.Context, sse *sseStream, r *request, events func(b []byte, from, to int, done bool) []byte) bool {
+	var buf []byte
+	sent := 0
+	for {
+		if !r.wait(ctx) {
+			return false
+		}
+		done := r.done.Load() // before generated: done implies the final count
+		g := int(r.generated.Load())
+		e.genToks.Add(uint64(g - sent))
+		buf = events(buf[:0], sent, g, done)
+		sent = g
+		if len(buf) > 0 && !sse.send(buf) {
+			return false
+		}
+		if done {
+			return true
+		}
+	}
+}
+
 // settle counts a request whose answer was sent in full as finished, and
 // aborts one whose client went away first.
 func (e *Engine) settle(r *request, sent bool) {
@@ -226,36 +251,22 @@ func (rs *responder) chunk(b []byte, r *request, j int, last, includeUsage bool)
 func (rs *responder) stream(ctx context.Context, w http.ResponseWriter, r *request, includeUsage bool) bool {
 	sse := startSSE(w)
 	sse.flush()
-	sent := 0
-	buf := make([]byte, 0, 1024)
-	for {
-		if !r.wait(ctx) {
-			return false
-		}
-		done := r.done.Load() // before generated: done implies the final count
-		g := int(r.generated.Load())
-		buf = buf[:0]
-		rs.e.genToks.Add(uint64(g - sent))
-		for ; sent < g; sent++ {
-			buf = rs.chunk(buf, r, sent, done && sent == g-1, includeUsage)
+	return rs.e.streamTokens(ctx, sse, r, func(b []byte, from, to int, done bool) []byte {
+		for j := from; j < to; j++ {
+			b = rs.chunk(b, r, j, done && j == to-1, includeUsage)
 		}
 		if done {
 			if includeUsage {
-				buf = append(buf, "data: "...)
-				buf = rs.head(buf, rs.object(true))
-				buf = append(buf, "[],"...)
-				buf = rs.usage(buf, r, g)
-				buf = append(buf, "}\n\n"...)
+				b = append(b, "data: "...)
+				b = rs.head(b, rs.object(true))
+				b = append(b, "[],"...)
+				b = rs.usage(b, r, to)
+				b = append(b, "}\n\n"...)
 			}
-			buf = append(buf, "data: [DONE]\n\n"...)
+			b = append(b, "data: [DONE]\n\n"...)
 		}
-		if !sse.send(buf) {
-			return false
-		}
-		if done {
-			return true
-		}
-	}
+		return b
+	})
 }
 
 // whole waits for the last token and sends one JSON response. It reports

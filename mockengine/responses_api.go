@@ -290,42 +290,29 @@ func (rw *responsesWriter) stream(ctx context.Context, w http.ResponseWriter) bo
 		return false
 	}
 	itemID := `"item_id":"` + rw.itemID + `"`
-	sent := 0
-	for {
-		if !rw.r.wait(ctx) {
-			return false
-		}
-		done := rw.r.done.Load() // before generated: done implies the final count
-		g := int(rw.r.generated.Load())
-		buf = buf[:0]
-		rw.e.genToks.Add(uint64(g - sent))
-		if sent == 0 && g > 0 {
-			buf = rw.event(buf, "response.output_item.added", `"item":`+jsonText(outputMessage{
+	return rw.e.streamTokens(ctx, sse, rw.r, func(b []byte, from, to int, done bool) []byte {
+		if from == 0 && to > 0 {
+			b = rw.event(b, "response.output_item.added", `"item":`+jsonText(outputMessage{
 				ID: rw.itemID, Content: []outputText{}, Role: "assistant", Status: "in_progress", Type: "message"})+`,"output_index":0`)
-			buf = rw.event(buf, "response.content_part.added", `"content_index":0,`+itemID+
+			b = rw.event(b, "response.content_part.added", `"content_index":0,`+itemID+
 				`,"output_index":0,"part":{"annotations":[],"text":"","type":"output_text","logprobs":[]}`)
 		}
-		for ; sent < g; sent++ {
-			buf = rw.event(buf, "response.output_text.delta", `"content_index":0,"delta":"`+
-				rw.e.words[rw.r.words[sent]].text+`",`+itemID+`,"logprobs":[],"output_index":0`)
+		for j := from; j < to; j++ {
+			b = rw.event(b, "response.output_text.delta", `"content_index":0,"delta":"`+
+				rw.e.words[rw.r.words[j]].text+`",`+itemID+`,"logprobs":[],"output_index":0`)
 		}
 		if done {
 			object, text := rw.final()
 			msg := rw.message("completed", text)
-			buf = rw.event(buf, "response.output_text.done", `"content_index":0,`+itemID+
+			b = rw.event(b, "response.output_text.done", `"content_index":0,`+itemID+
 				`,"logprobs":[],"output_index":0,"text":`+jsonText(text))
-			buf = rw.event(buf, "response.content_part.done", `"content_index":0,`+itemID+
+			b = rw.event(b, "response.content_part.done", `"content_index":0,`+itemID+
 				`,"output_index":0,"part":`+jsonText(msg.Content[0]))
-			buf = rw.event(buf, "response.output_item.done", `"item":`+jsonText(msg)+`,"output_index":0`)
-			buf = rw.event(buf, "response.completed", `"response":`+string(object))
+			b = rw.event(b, "response.output_item.done", `"item":`+jsonText(msg)+`,"output_index":0`)
+			b = rw.event(b, "response.completed", `"response":`+string(object))
 		}
-		if !sse.send(buf) {
-			return false
-		}
-		if done {
-			return true
-		}
-	}
+		return b
+	})
 }
 
 // serveGetResponse answers GET /v1/responses/{id} with the stored object.
