@@ -74,13 +74,16 @@ type response struct {
 		Text         *string `json:"text"`
 		FinishReason *string `json:"finish_reason"`
 	} `json:"choices"`
-	Usage *usage `json:"usage"`
-	Error *struct {
-		Message string  `json:"message"`
-		Type    string  `json:"type"`
-		Param   *string `json:"param"`
-		Code    int     `json:"code"`
-	} `json:"error"`
+	Usage *usage       `json:"usage"`
+	Error *openAIError `json:"error"`
+}
+
+// openAIError is the error object of an OpenAI-style answer.
+type openAIError struct {
+	Message string  `json:"message"`
+	Type    string  `json:"type"`
+	Param   *string `json:"param"`
+	Code    int     `json:"code"`
 }
 
 func post(t *testing.T, url string, body any) (int, response) {

@@ -48,12 +48,7 @@ type respObject struct {
 		} `json:"output_tokens_details"`
 		TotalTokens int `json:"total_tokens"`
 	} `json:"usage"`
-	Error *struct {
-		Message string  `json:"message"`
-		Type    string  `json:"type"`
-		Param   *string `json:"param"`
-		Code    int     `json:"code"`
-	} `json:"error"`
+	Error *openAIError `json:"error"`
 }
 
 func (o *respObject) text() string {
