@@ -129,17 +129,17 @@ func (mw *messagesWriter) stopReason() string {
 	return "end_turn" // "stop"
 }
 
-// usage appends the usage object: AnthropicUsage's input_tokens and
-// output_tokens, and cache_read_input_tokens, the prompt tokens served
-// from the prefix cache, as Anthropic's API reports them (vLLM leaves
-// them out).
+// usage appends the usage object in Anthropic's meaning, as vLLM reports
+// it: input_tokens the prompt tokens not read from the prefix cache,
+// cache_read_input_tokens those read from it.
 func (mw *messagesWriter) usage(b []byte, output int) []byte {
+	cached := int64(mw.r.cached.Load())
 	b = append(b, `{"input_tokens":`...)
-	b = strconv.AppendInt(b, int64(len(mw.r.seq.Prompt)), 10)
+	b = strconv.AppendInt(b, int64(len(mw.r.seq.Prompt))-cached, 10)
 	b = append(b, `,"output_tokens":`...)
 	b = strconv.AppendInt(b, int64(output), 10)
 	b = append(b, `,"cache_read_input_tokens":`...)
-	b = strconv.AppendInt(b, int64(mw.r.cached.Load()), 10)
+	b = strconv.AppendInt(b, cached, 10)
 	return append(b, '}')
 }
 

@@ -67,7 +67,8 @@ func messagesTokens(t *testing.T, e *Engine, body string) []uint32 {
 
 // A Messages request is the chat request it converts to: the same prompt
 // tokens, so each finds the blocks the other left in the cache, and the
-// cached ones are reported as cache_read_input_tokens.
+// cached ones are reported as cache_read_input_tokens, input_tokens being
+// the rest (Anthropic's meaning), in the answer and in the stream.
 func TestMessagesSharePromptWithChat(t *testing.T) {
 	e, url := startEngine(t, Config{})
 	in, _ := json.Marshal(longInput)
@@ -82,8 +83,23 @@ func TestMessagesSharePromptWithChat(t *testing.T) {
 		t.Fatalf("chat: %+v, want the Messages prompt of %d tokens all cached", chat.Usage, p)
 	}
 	again := createMessage(t, url, body)
-	if c := *again.Usage.CacheReadInputTokens; again.Usage.InputTokens != p || c != (p-1)/16*16 {
+	if c := *again.Usage.CacheReadInputTokens; c != (p-1)/16*16 || again.Usage.InputTokens != p-c {
 		t.Fatalf("repeated request: %d tokens, %d cached", again.Usage.InputTokens, c)
+	}
+	resp, err := http.Post(url+"/v1/messages", "application/json", strings.NewReader(strings.Replace(body, `{`, `{"stream":true,`, 1)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	stream, _ := io.ReadAll(resp.Body)
+	usages := regexp.MustCompile(`"usage":\{"input_tokens":(\d+),"output_tokens":\d+,"cache_read_input_tokens":(\d+)\}`).FindAllStringSubmatch(string(stream), -1)
+	if len(usages) != 2 {
+		t.Fatalf("stream: %s", stream)
+	}
+	for _, u := range usages {
+		if u[1] != itoa(p-(p-1)/16*16) || u[2] != itoa((p-1)/16*16) {
+			t.Fatalf("stream usage %s, want %d tokens of which %d cached", u[0], p, (p-1)/16*16)
+		}
 	}
 	if !slices.Equal(messagesTokens(t, e, body), chatTokens(t, e, `{"messages":[{"role":"system","content":"You are terse."},{"role":"user","content":`+string(in)+`}]}`)) {
 		t.Fatal("the prompts differ")
@@ -127,27 +143,86 @@ func TestMessagesBlocksAsChat(t *testing.T) {
 			{"empty system blocks are none, blocks without text a system message of nothing",
 				`{"system":[],"messages":[{"role":"user","content":"hi"},{"role":"user","content":[{"type":"text","text":"x"}]}]}`,
 				`{"messages":[{"role":"user","content":"hi"},{"role":"user","content":"x"}]}`},
-			{"system blocks without text",
+			{"system blocks without text are none",
 				`{"system":[{"type":"image"}],"messages":[{"role":"user","content":"hi"}]}`,
-				`{"messages":[{"role":"system","content":""},{"role":"user","content":"hi"}]}`},
+				`{"messages":[{"role":"user","content":"hi"}]}`},
+			{"the billing header is left out of the system prompt",
+				`{"system":[{"type":"text","text":"x-anthropic-billing-header: cch=1;"},{"type":"text","text":"Be kind."}],"messages":[{"role":"user","content":"hi"}]}`,
+				`{"messages":[{"role":"system","content":"Be kind."},{"role":"user","content":"hi"}]}`},
+			{"a billing header string is no system prompt",
+				`{"system":"x-anthropic-billing-header: cch=2;","messages":[{"role":"user","content":"hi"}]}`,
+				`{"messages":[{"role":"user","content":"hi"}]}`},
 			{"text blocks are parts",
 				`{"messages":[{"role":"user","content":[{"type":"text","text":"one"},{"type":"text","text":""},{"type":"text","text":"two"}]}]}`,
 				`{"messages":[{"role":"user","content":[{"type":"text","text":"one"},{"type":"text","text":"two"}]}]}`},
-			{"image",
+			{"image as a base64 data URL",
 				`{"messages":[{"role":"user","content":[{"type":"image","source":{"type":"base64","media_type":"image/png","data":"iVBORw0KGgo="}},{"type":"text","text":"what is it?"}]}]}`,
-				`{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"iVBORw0KGgo="}},{"type":"text","text":"what is it?"}]}]}`},
+				`{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,iVBORw0KGgo="}},{"type":"text","text":"what is it?"}]}]}`},
+			{"image media type jpeg by default, a url source its url",
+				`{"messages":[{"role":"user","content":[{"type":"image","source":{"type":"base64","data":"AAAA"}},{"type":"image","source":{"type":"url","url":"https://x.test/a.png"}}]}]}`,
+				`{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/jpeg;base64,AAAA"}},{"type":"image_url","image_url":{"url":"https://x.test/a.png"}}]}]}`},
 			{"tool use and result",
 				`{"tools":[{"name":"get_weather","description":"Weather now","input_schema":{"properties":{"city":{"type":"string"}}}}],"messages":[` +
 					`{"role":"user","content":"weather in Zürich?"},` +
 					`{"role":"assistant","content":[{"type":"text","text":"Let me look."},{"type":"tool_use","id":"toolu_1","name":"get_weather","input":{"city":"Zürich","days":1.0,"x":1e16}}]},` +
-					`{"role":"user","content":[{"type":"tool_result","id":"toolu_1","tool_use_id":"toolu_1","content":"sunny"},{"type":"text","text":"thanks"}]}]}`,
+					`{"role":"user","content":[{"type":"tool_result","tool_use_id":"toolu_1","content":"sunny"},{"type":"text","text":"thanks"}]}]}`,
 				`{"tools":[{"type":"function","function":{"name":"get_weather","description":"Weather now","parameters":{"properties":{"city":{"type":"string"}},"type":"object"}}}],"messages":[` +
 					`{"role":"user","content":"weather in Zürich?"},` +
 					`{"role":"assistant","content":"Let me look.","tool_calls":[{"id":"toolu_1","type":"function","function":{"name":"get_weather","arguments":"{\"city\": \"Z\\u00fcrich\", \"days\": 1.0, \"x\": 1e+16}"}}]},` +
 					`{"role":"tool","tool_call_id":"toolu_1","content":"sunny"},{"role":"user","content":"thanks"}]}`},
-			{"tool result names its call by id, not tool_use_id; a list is Python's str() of it",
-				`{"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"toolu_1","content":[{"type":"text","text":"it's 20°"}]}]}]}`,
-				`{"messages":[{"role":"tool","tool_call_id":"","content":"[{'type': 'text', 'text': \"it's 20°\"}]"}]}`},
+			{"tool result names its call by tool_use_id; a list is its texts, one a line, then a user message of its images",
+				`{"messages":[{"role":"user","content":[{"type":"tool_result","id":"x","tool_use_id":"toolu_1","content":[{"type":"text","text":"it's 20°"},` +
+					`{"type":"image","source":{"type":"base64","media_type":"image/png","data":"QUJD"}},{"type":"other"},{"type":"image"},{"type":"image","source":{"type":"url"}},{"type":"text","text":"dry"}]},` +
+					`{"type":"tool_result","content":null},{"type":"text","text":"and?"}]}]}`,
+				`{"messages":[{"role":"tool","tool_call_id":"toolu_1","content":"it's 20°\ndry"},{"role":"tool","tool_call_id":"","content":""},` +
+					`{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,QUJD"}},{"type":"image_url","image_url":{"url":"data:image/jpeg;base64,"}}]},{"role":"user","content":"and?"}]}`},
+			{"redacted thinking and tool references say nothing; ctx and msg are user",
+				`{"messages":[{"role":"ctx","content":"c"},{"role":"msg","content":[{"type":"tool_reference","tool_name":"f"},{"type":"text","text":"m"}]},` +
+					`{"role":"assistant","content":[{"type":"redacted_thinking","data":"zz"},{"type":"text","text":"ok"}]}]}`,
+				`{"messages":[{"role":"user","content":"c"},{"role":"user","content":"m"},{"role":"assistant","content":"ok"}]}`},
+			{"leading system messages join the system prompt",
+				`{"system":"S","messages":[{"role":"system","content":"A"},{"role":"system","content":[{"type":"text","text":"x-anthropic-billing-header: h"},{"type":"text","text":"B"}]},` +
+					`{"role":"system","content":""},{"role":"user","content":"hi"}]}`,
+				`{"messages":[{"role":"system","content":"S\n\nA\n\nB"},{"role":"user","content":"hi"}]}`},
+			{"leading system messages are the system prompt when there is none",
+				`{"messages":[{"role":"system","content":"A"},{"role":"user","content":"hi"}]}`,
+				`{"messages":[{"role":"system","content":"A"},{"role":"user","content":"hi"}]}`},
+			{"with a system prompt, inline system messages stay (empty ones dropped), moved out of a tool run",
+				`{"system":"S","messages":[{"role":"user","content":"q"},{"role":"system","content":"n1"},{"role":"system","content":"x-anthropic-billing-header: h"},` +
+					`{"role":"assistant","content":[{"type":"tool_use","id":"t1","name":"f","input":{}}]},{"role":"system","content":[{"type":"text","text":"n2"}]},` +
+					`{"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":"r"}]},{"role":"assistant","content":"ok"}]}`,
+				`{"messages":[{"role":"system","content":"S"},{"role":"user","content":"q"},{"role":"system","content":"n1"},` +
+					`{"role":"assistant","tool_calls":[{"id":"t1","type":"function","function":{"name":"f","arguments":"{}"}}]},` +
+					`{"role":"tool","tool_call_id":"t1","content":"r"},{"role":"system","content":"n2"},{"role":"assistant","content":"ok"}]}`},
+			{"fold: after a user message into its text",
+				`{"messages":[{"role":"user","content":[{"type":"text","text":"q"},{"type":"text","text":"r"}]},{"role":"system","content":"n"},{"role":"system","content":"o"},` +
+					`{"role":"assistant","content":"a"},{"role":"user","content":[{"type":"image","source":{"type":"url","url":"u"}}]},{"role":"system","content":"p"}]}`,
+				`{"messages":[{"role":"user","content":[{"type":"text","text":"q"},{"type":"text","text":"r\n\nn\n\no"}]},{"role":"assistant","content":"a"},` +
+					`{"role":"user","content":[{"type":"image_url","image_url":{"url":"u"}},{"type":"text","text":"p"}]}]}`},
+			{"fold: after an assistant message into the next user message, or one of its own",
+				`{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"},{"role":"system","content":"n"},{"role":"system","content":"o"},{"role":"user","content":"u"},` +
+					`{"role":"assistant","content":"b"},{"role":"system","content":"p"},{"role":"assistant","content":"c"},{"role":"system","content":"e"},` +
+					`{"role":"user","content":[{"type":"image","source":{"type":"url","url":"v"}}]}]}`,
+				`{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"},{"role":"user","content":"n\n\no\n\nu"},{"role":"assistant","content":"b"},` +
+					`{"role":"user","content":"p"},{"role":"assistant","content":"c"},{"role":"user","content":[{"type":"text","text":"e"},{"type":"image_url","image_url":{"url":"v"}}]}]}`},
+			{"fold: before a user message's first text",
+				`{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"},{"role":"system","content":"n"},{"role":"user","content":[{"type":"text","text":"u"},{"type":"text","text":"w"}]}]}`,
+				`{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"},{"role":"user","content":[{"type":"text","text":"n\n\nu"},{"type":"text","text":"w"}]}]}`},
+			{"fold: at the end a user message of its own",
+				`{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"},{"role":"system","content":"n"}]}`,
+				`{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"},{"role":"user","content":"n"}]}`},
+			{"fold: into the last tool result, after the tool run",
+				`{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":[{"type":"tool_use","id":"t1","name":"f","input":{}},{"type":"tool_use","id":"t2","name":"f","input":{}}]},` +
+					`{"role":"system","content":"n"},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":"r"},{"type":"tool_result","tool_use_id":"t2","content":[{"type":"text","text":"s"},{"type":"image","source":{"type":"url","url":"i"}}]}]},` +
+					`{"role":"system","content":"o"}]}`,
+				`{"messages":[{"role":"user","content":"q"},{"role":"assistant","tool_calls":[{"id":"t1","type":"function","function":{"name":"f","arguments":"{}"}},{"id":"t2","type":"function","function":{"name":"f","arguments":"{}"}}]},` +
+					`{"role":"tool","tool_call_id":"t1","content":"r"},{"role":"tool","tool_call_id":"t2","content":"s\nn\n\no"},{"role":"user","content":[{"type":"image_url","image_url":{"url":"i"}}]}]}`},
+			{"fold: into a tool result's string or last text",
+				`{"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":"r"}]},{"role":"system","content":"n"},` +
+					`{"role":"assistant","content":"a"},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t2","content":[{"type":"text","text":"x"},{"type":"text","text":"y"}]}]},{"role":"system","content":"o"},` +
+					`{"role":"assistant","content":"b"},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t3"}]},{"role":"system","content":"p"}]}`,
+				`{"messages":[{"role":"tool","tool_call_id":"t1","content":"r\n\nn"},{"role":"assistant","content":"a"},{"role":"tool","tool_call_id":"t2","content":"x\ny\n\no"},` +
+					`{"role":"assistant","content":"b"},{"role":"tool","tool_call_id":"t3","content":"p"}]}`},
 			{"a tool result in an assistant message is text",
 				`{"messages":[{"role":"assistant","content":[{"type":"text","text":"a"},{"type":"tool_result","content":"b"}]}]}`,
 				`{"messages":[{"role":"assistant","content":"a\nTool result: b"}]}`},
@@ -175,8 +250,8 @@ func TestMessagesBlocksAsChat(t *testing.T) {
 	}
 }
 
-// Tool inputs are written as Python's json.dumps writes them, tool result
-// lists as Python's str() (the expected strings are Python 3's).
+// Tool inputs are written as Python's json.dumps writes them (the
+// expected string is Python 3's).
 func TestPythonRenderings(t *testing.T) {
 	in := `{"city": "Zürich 😀", "n": [1, 2.50, 1e16, 1.5e-7, 0.0001, -0.0, 1E400, 12345678901234567890, -0, 123.456e3, 1e15], ` +
 		`"q": "a\"b\\c\n\u007f<&>", "o": {}, "t": true, "z": null, "city2": "Bern", "city2": "Genf"}`
@@ -184,11 +259,6 @@ func TestPythonRenderings(t *testing.T) {
 		`"q": "a\"b\\c\n\u007f<&>", "o": {}, "t": true, "z": null, "city2": "Genf"}`
 	if got := string(pyJSONDumps(nil, decodeOrdered(json.RawMessage(in)))); got != want {
 		t.Errorf("json.dumps:\n got %s\nwant %s", got, want)
-	}
-	in = `[{"type": "text", "text": "it's \"x\"\n\u00a0é\u0007"}, {"a": [1.0, true, null, 1e300, "q'"]}]`
-	want = `[{'type': 'text', 'text': 'it\'s "x"\n\xa0é\x07'}, {'a': [1.0, True, None, 1e+300, "q'"]}]`
-	if got := pyStr(json.RawMessage(in)); got != want {
-		t.Errorf("str():\n got %s\nwant %s", got, want)
 	}
 }
 
@@ -278,7 +348,10 @@ func TestMessagesBadRequests(t *testing.T) {
 		{`{"model":"mock-model","messages":[{"role":"user","content":"x"}],"max_tokens":0}`, 400}, // not positive
 		{`{"messages":[{"role":"user","content":"x"}],"max_tokens":1}`, 400},                      // no model
 		{`{"model":"mock-model","messages":[],"max_tokens":1}`, 400},
-		{`{"model":"mock-model","messages":[{"role":"system","content":"x"}],"max_tokens":1}`, 400},
+		{`{"model":"mock-model","messages":[{"role":"tool","content":"x"}],"max_tokens":1}`, 400},
+		{`{"model":"mock-model","messages":[{"role":"developer","content":"x"}],"max_tokens":1}`, 400},
+		{`{"model":"mock-model","messages":[{"role":"user","content":"x"}],"max_tokens":1,"system":[{"type":"document"}]}`, 400},
+		{`{"model":"mock-model","messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":7}}]}],"max_tokens":1}`, 400},
 		{`{"model":"mock-model","messages":[{"role":"user","content":null}],"max_tokens":1}`, 400},
 		{`{"model":"mock-model","messages":[{"role":"user","content":[{"type":"document"}]}],"max_tokens":1}`, 400},
 		{`{"model":"mock-model","messages":[{"role":"user","content":[{"type":"text","text":7}]}],"max_tokens":1}`, 400},

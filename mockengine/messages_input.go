@@ -9,9 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unicode"
 	"unicode/utf16"
-	"unicode/utf8"
 
 	"github.com/kvproxy/kvproxy/tokenize"
 )
@@ -48,30 +46,46 @@ type anthropicChat struct {
 	tools    string
 }
 
-// convertMessages is _convert_anthropic_to_openai_request.
+// convertMessages is _convert_anthropic_to_openai_request, with vLLM's
+// placement of inline system messages (inline_system.py): those leading
+// messages join the system prompt, the others stay in place when there is
+// a system prompt and are folded into their neighbours when there is not.
 func convertMessages(req *messagesRequest) (*anthropicChat, error) {
 	if req.Model == "" {
 		return nil, invalid("model", "Model is required")
 	}
-	c := &anthropicChat{}
-	system, err := systemMessage(req.System)
+	system, err := systemPromptText(req.System)
 	if err != nil {
 		return nil, err
 	}
-	if system != nil {
-		c.messages = append(c.messages, *system)
-	}
-	var msgs []json.RawMessage
-	if m := bytes.TrimSpace(req.Messages); len(m) == 0 || m[0] != '[' || json.Unmarshal(m, &msgs) != nil {
+	var raws []json.RawMessage
+	if m := bytes.TrimSpace(req.Messages); len(m) == 0 || m[0] != '[' || json.Unmarshal(m, &raws) != nil {
 		return nil, invalid("messages", "messages must be an array of messages")
 	}
-	if len(msgs) == 0 {
+	if len(raws) == 0 {
 		return nil, invalid("messages", "messages must contain at least one item")
 	}
-	for i, raw := range msgs {
-		if c.messages, err = appendAnthropicMessage(c.messages, raw, i); err != nil {
+	msgs := make([]*inMessage, len(raws))
+	for i, raw := range raws {
+		if msgs[i], err = parseMessage(raw, i); err != nil {
 			return nil, err
 		}
+	}
+	leading := 0
+	for leading < len(msgs) && msgs[leading].role == "system" {
+		system = joinTexts(system, msgs[leading].systemText())
+		leading++
+	}
+	rest := moveOutOfToolRuns(msgs[leading:])
+	if system == "" {
+		rest = foldInlineSystem(rest)
+	}
+	c := &anthropicChat{}
+	if system != "" {
+		c.messages = append(c.messages, tokenize.Message{Role: "system", Content: system})
+	}
+	for _, m := range rest {
+		c.messages = m.appendChat(c.messages)
 	}
 	if c.tools, err = anthropicTools(req.Tools); err != nil {
 		return nil, err
@@ -82,42 +96,376 @@ func convertMessages(req *messagesRequest) (*anthropicChat, error) {
 	return c, nil
 }
 
-// systemMessage is the system prompt as a message: a string as it is, a
-// list of blocks as the text of its text blocks run together; nil when
-// absent or empty.
-func systemMessage(raw json.RawMessage) (*tokenize.Message, error) {
+// billingHeader starts the per-request hash Claude Code puts in its
+// system prompt; vLLM drops it, as it would defeat prefix caching.
+const billingHeader = "x-anthropic-billing-header"
+
+// joinTexts is inline_system._join: the non-empty texts joined by a blank
+// line.
+func joinTexts(texts ...string) string {
+	var b strings.Builder
+	for _, t := range texts {
+		if t == "" {
+			continue
+		}
+		if b.Len() > 0 {
+			b.WriteString("\n\n")
+		}
+		b.WriteString(t)
+	}
+	return b.String()
+}
+
+// blocksText is the text of a list of blocks: its text blocks' texts
+// run together, billing headers left out.
+func blocksText(blocks []*contentBlock) string {
+	var b strings.Builder
+	for _, blk := range blocks {
+		if blk.typ == "text" && !strings.HasPrefix(blk.text, billingHeader) {
+			b.WriteString(blk.text)
+		}
+	}
+	return b.String()
+}
+
+// systemPromptText is the text of the system prompt: a string as it is
+// ("" when it is a billing header), a list of blocks as blocksText.
+func systemPromptText(raw json.RawMessage) (string, error) {
 	raw = bytes.TrimSpace(raw)
 	if len(raw) == 0 || string(raw) == "null" {
-		return nil, nil
+		return "", nil
 	}
 	if raw[0] == '"' {
 		var s string
 		if json.Unmarshal(raw, &s) != nil {
-			return nil, invalid("system", "system is not a valid string")
+			return "", invalid("system", "system is not a valid string")
 		}
-		if s == "" {
-			return nil, nil
+		if strings.HasPrefix(s, billingHeader) {
+			return "", nil
 		}
-		return &tokenize.Message{Role: "system", Content: s}, nil
+		return s, nil
 	}
-	var blocks []json.RawMessage
-	if raw[0] != '[' || json.Unmarshal(raw, &blocks) != nil {
-		return nil, invalid("system", "system must be a string or an array of content blocks")
+	var raws []json.RawMessage
+	if raw[0] != '[' || json.Unmarshal(raw, &raws) != nil {
+		return "", invalid("system", "system must be a string or an array of content blocks")
 	}
-	if len(blocks) == 0 {
-		return nil, nil
+	blocks := make([]*contentBlock, len(raws))
+	for j, braw := range raws {
+		var err error
+		if blocks[j], err = parseBlock(braw, "system", "system", j); err != nil {
+			return "", err
+		}
 	}
-	var sb strings.Builder
-	for j, braw := range blocks {
-		b, err := parseBlock(braw, "system", "system", j)
-		if err != nil {
+	return blocksText(blocks), nil
+}
+
+// inMessage is one message of the request: its role (ctx and msg read
+// as user) and its content, a string or a list of blocks.
+type inMessage struct {
+	role     string
+	isString bool
+	str      string
+	blocks   []*contentBlock
+}
+
+// systemText is inline_system.system_text: the text of a system message
+// without the billing header.
+func (m *inMessage) systemText() string {
+	if m.isString {
+		if strings.HasPrefix(m.str, billingHeader) {
+			return ""
+		}
+		return m.str
+	}
+	return blocksText(m.blocks)
+}
+
+func (m *inMessage) hasToolUse() bool {
+	return slices.ContainsFunc(m.blocks, func(b *contentBlock) bool { return b.typ == "tool_use" })
+}
+
+var messageRoles = map[string]string{"user": "user", "assistant": "assistant", "system": "system", "ctx": "user", "msg": "user"}
+
+// parseMessage reads message i of messages.
+func parseMessage(raw json.RawMessage, i int) (*inMessage, error) {
+	where := fmt.Sprintf("messages[%d]", i)
+	var m struct {
+		Role    string          `json:"role"`
+		Content json.RawMessage `json:"content"`
+	}
+	if t := bytes.TrimSpace(raw); len(t) == 0 || t[0] != '{' || unmarshalExact(t, &m) != nil {
+		return nil, invalid("messages", "%s must be an object with role and content", where)
+	}
+	msg := &inMessage{role: messageRoles[m.Role]}
+	if msg.role == "" {
+		return nil, invalid("messages", "%s.role must be user, assistant or system", where)
+	}
+	content := bytes.TrimSpace(m.Content)
+	if len(content) > 0 && content[0] == '"' {
+		if json.Unmarshal(content, &msg.str) != nil {
+			return nil, invalid("messages", "%s.content is not a valid string", where)
+		}
+		msg.isString = true
+		return msg, nil
+	}
+	var raws []json.RawMessage
+	if len(content) == 0 || content[0] != '[' || json.Unmarshal(content, &raws) != nil {
+		return nil, invalid("messages", "%s.content must be a string or an array of content blocks", where)
+	}
+	msg.blocks = make([]*contentBlock, len(raws))
+	for j, braw := range raws {
+		var err error
+		if msg.blocks[j], err = parseBlock(braw, "messages", where+".content", j); err != nil {
 			return nil, err
 		}
-		if b.typ == "text" {
-			sb.WriteString(b.text)
+	}
+	return msg, nil
+}
+
+// moveOutOfToolRuns is inline_system._move_out_of_tool_runs: a system
+// message between an assistant's tool_use and the user message answering
+// it moves to just after that user message (or before the next assistant
+// message).
+func moveOutOfToolRuns(msgs []*inMessage) []*inMessage {
+	var out, held []*inMessage
+	awaiting := false
+	for _, m := range msgs {
+		if m.role == "system" {
+			if awaiting {
+				held = append(held, m)
+			} else {
+				out = append(out, m)
+			}
+			continue
+		}
+		if m.role == "assistant" {
+			out, held = append(out, held...), held[:0]
+		}
+		out = append(out, m)
+		if m.role == "user" {
+			out, held = append(out, held...), held[:0]
+		}
+		awaiting = m.role == "assistant" && m.hasToolUse()
+	}
+	return append(out, held...)
+}
+
+// foldInlineSystem is normalize_inline_system's loop: each system
+// message's text goes into the user message before it, or (after an
+// assistant message) into the next user message, a new one when an
+// assistant message or the end comes first.
+func foldInlineSystem(msgs []*inMessage) []*inMessage {
+	var out []*inMessage
+	var pending []string
+	for _, m := range msgs {
+		if m.role == "system" {
+			text := m.systemText()
+			switch {
+			case text == "":
+			case len(out) > 0 && out[len(out)-1].role == "user" && pending == nil:
+				out[len(out)-1].appendText(text)
+			default:
+				pending = append(pending, text)
+			}
+			continue
+		}
+		if pending != nil {
+			text := joinTexts(pending...)
+			pending = nil
+			if m.role == "user" {
+				m.prependText(text)
+			} else {
+				out = append(out, &inMessage{role: "user", isString: true, str: text})
+			}
+		}
+		out = append(out, m)
+	}
+	if pending != nil {
+		out = append(out, &inMessage{role: "user", isString: true, str: joinTexts(pending...)})
+	}
+	return out
+}
+
+// appendText is inline_system._append_to_user: text joins the last tool
+// result when the message is all tool results, else the message's own
+// last text (a new text block when its last own block is not text).
+func (m *inMessage) appendText(text string) {
+	if m.isString {
+		m.str = joinTexts(m.str, text)
+		return
+	}
+	if len(m.blocks) > 0 && !slices.ContainsFunc(m.blocks, func(b *contentBlock) bool { return b.typ != "tool_result" }) {
+		m.blocks[len(m.blocks)-1].result.appendText(text)
+		return
+	}
+	for j := len(m.blocks) - 1; j >= 0; j-- {
+		if b := m.blocks[j]; b.typ != "tool_result" {
+			if b.typ == "text" {
+				b.text = joinTexts(b.text, text)
+				return
+			}
+			break
 		}
 	}
-	return &tokenize.Message{Role: "system", Content: sb.String()}, nil
+	m.blocks = append(m.blocks, &contentBlock{typ: "text", text: text})
+}
+
+// prependText puts text before a user message's own text, a new text
+// block when its first own block is not text.
+func (m *inMessage) prependText(text string) {
+	if m.isString {
+		m.str = joinTexts(text, m.str)
+		return
+	}
+	for _, b := range m.blocks {
+		if b.typ != "tool_result" {
+			if b.typ == "text" {
+				b.text = joinTexts(text, b.text)
+				return
+			}
+			break
+		}
+	}
+	m.blocks = slices.Insert(m.blocks, 0, &contentBlock{typ: "text", text: text})
+}
+
+// appendChat appends the chat messages of m: a system message's text
+// unless empty, a string message as it is; from a list of blocks, the tool messages of its tool results
+// (a user message's) and a user message of their images, then the message
+// itself unless it ends up with nothing to say.
+func (m *inMessage) appendChat(out []tokenize.Message) []tokenize.Message {
+	if m.role == "system" {
+		if text := m.systemText(); text != "" {
+			return append(out, tokenize.Message{Role: "system", Content: text})
+		}
+		return out
+	}
+	if m.isString {
+		return append(out, tokenize.Message{Role: m.role, Content: m.str})
+	}
+	msg := tokenize.Message{Role: m.role}
+	var own, resultImages chatParts
+	var calls []byte
+	var reasoning []string
+	for _, b := range m.blocks {
+		switch b.typ {
+		case "text":
+			if b.text != "" {
+				own.addText(b.text)
+			}
+		case "image":
+			if len(b.source) > 0 {
+				own.addImage(b.imageURL)
+			}
+		case "thinking":
+			if b.thinking != nil {
+				reasoning = append(reasoning, *b.thinking)
+			}
+		case "tool_use":
+			calls = appendToolCall(calls, b)
+		case "tool_result":
+			if m.role == "user" {
+				out = append(out, tokenize.Message{Role: "tool", Content: b.result.text(), ToolCallID: b.toolUseID})
+				for _, url := range b.result.images() {
+					resultImages.addImage(url)
+				}
+			} else {
+				own.addText("Tool result: " + b.result.text())
+			}
+		}
+	}
+	if resultImages.n > 0 {
+		out = append(out, tokenize.Message{Role: "user", Content: string(resultImages.text)})
+	}
+	if calls != nil {
+		msg.ToolCalls = string(append(calls, ']'))
+	}
+	msg.Reasoning = strings.Join(reasoning, "")
+	if own.n == 0 && calls == nil && reasoning == nil {
+		return out // vLLM drops a message left empty
+	}
+	msg.Content = string(own.text)
+	return append(out, msg)
+}
+
+// chatParts is a message's content parts as the chat path joins them:
+// text as it is, an image as its media stand-in, one line each.
+type chatParts struct {
+	text []byte
+	n    int
+}
+
+func (p *chatParts) next() {
+	if p.n++; p.n > 1 {
+		p.text = append(p.text, '\n')
+	}
+}
+
+func (p *chatParts) addText(s string) {
+	p.next()
+	p.text = append(p.text, s...)
+}
+
+func (p *chatParts) addImage(url string) {
+	p.next()
+	p.text = tokenize.AppendMediaStandIn(p.text, []byte(url))
+}
+
+// toolResult is a tool_result block's content: a string, or a list of
+// items of which text and image ones count; nil when null or absent.
+type toolResult struct {
+	isList bool
+	str    string
+	items  []resultItem
+}
+
+type resultItem struct {
+	typ, text string
+	url       string // an image's
+	hasURL    bool   // url is not empty
+}
+
+// text is the tool message's content: a string as it is, a list's texts
+// one a line.
+func (r *toolResult) text() string {
+	if r == nil {
+		return ""
+	}
+	if !r.isList {
+		return r.str
+	}
+	var texts []string
+	for _, it := range r.items {
+		if it.typ == "text" {
+			texts = append(texts, it.text)
+		}
+	}
+	return strings.Join(texts, "\n")
+}
+
+func (r *toolResult) images() []string {
+	var urls []string
+	if r != nil {
+		for _, it := range r.items {
+			if it.hasURL {
+				urls = append(urls, it.url)
+			}
+		}
+	}
+	return urls
+}
+
+// appendText is _add_text at the end of the content: joined onto a
+// string or a last text item, else a new text item.
+func (r *toolResult) appendText(text string) {
+	switch {
+	case !r.isList:
+		r.str = joinTexts(r.str, text)
+	case len(r.items) > 0 && r.items[len(r.items)-1].typ == "text":
+		r.items[len(r.items)-1].text = joinTexts(r.items[len(r.items)-1].text, text)
+	default:
+		r.items = append(r.items, resultItem{typ: "text", text: text})
+	}
 }
 
 // contentBlock is one of a message's content blocks, with the members
@@ -131,11 +479,16 @@ type contentBlock struct {
 	// how kvproxy writes them into a tool call
 	rawID, rawName json.RawMessage
 	input          json.RawMessage // an object, or nil
-	content        json.RawMessage // a string, an array of objects, or nil
 	thinking       *string
+	imageURL       string      // an image's, from its source
+	toolUseID      string      // a tool result's, "" when absent
+	result         *toolResult // a tool result's content
 }
 
-var blockTypes = map[string]bool{"text": true, "image": true, "tool_use": true, "tool_result": true, "thinking": true}
+// blockTypes are the block types vLLM accepts; redacted_thinking and
+// tool_reference blocks say nothing in the prompt.
+var blockTypes = map[string]bool{"text": true, "image": true, "tool_use": true, "tool_result": true, "thinking": true,
+	"redacted_thinking": true, "tool_reference": true}
 
 // parseBlock reads block j of list (a message's content, or the system
 // prompt; param names the request member) as pydantic validates it: exact member names, a known type,
@@ -150,7 +503,7 @@ func parseBlock(raw json.RawMessage, param, list string, j int) (*contentBlock, 
 	}
 	b := &contentBlock{}
 	if json.Unmarshal(m["type"], &b.typ) != nil || !blockTypes[b.typ] {
-		return bad("type must be one of text, image, tool_use, tool_result, thinking")
+		return bad("type must be one of text, image, tool_use, tool_result, thinking, redacted_thinking, tool_reference")
 	}
 	str := func(k string) (*string, bool) {
 		v := m[k]
@@ -170,18 +523,21 @@ func parseBlock(raw json.RawMessage, param, list string, j int) (*contentBlock, 
 		}
 		return v, v[0] == '{'
 	}
-	var text, signature *string
+	var text, signature, toolUseID *string
 	var ok bool
 	for _, f := range []struct {
 		k string
 		p **string
-	}{{"text", &text}, {"id", &b.id}, {"name", &b.name}, {"thinking", &b.thinking}, {"signature", &signature}} {
+	}{{"text", &text}, {"id", &b.id}, {"name", &b.name}, {"thinking", &b.thinking}, {"signature", &signature}, {"tool_use_id", &toolUseID}} {
 		if *f.p, ok = str(f.k); !ok {
 			return bad("%s must be a string", f.k)
 		}
 	}
 	if text != nil {
 		b.text = *text
+	}
+	if toolUseID != nil {
+		b.toolUseID = *toolUseID
 	}
 	if b.id != nil {
 		b.rawID = bytes.TrimSpace(m["id"])
@@ -193,130 +549,97 @@ func parseBlock(raw json.RawMessage, param, list string, j int) (*contentBlock, 
 	if source, ok = obj("source"); !ok || source != nil && json.Unmarshal(source, &b.source) != nil {
 		return bad("source must be an object")
 	}
+	if b.typ == "image" && len(b.source) > 0 {
+		var err error
+		if b.imageURL, err = imageURL(b.source); err != nil {
+			return bad("%v", err)
+		}
+	}
 	if b.input, ok = obj("input"); !ok {
 		return bad("input must be an object")
 	}
 	if v := m["is_error"]; len(v) > 0 && string(v) != "null" && string(v) != "true" && string(v) != "false" {
 		return bad("is_error must be a boolean")
 	}
-	if v := bytes.TrimSpace(m["content"]); len(v) > 0 && string(v) != "null" {
-		var parts []json.RawMessage
-		switch {
-		case v[0] == '"':
-		case v[0] == '[' && json.Unmarshal(v, &parts) == nil:
-			for _, p := range parts {
-				if p = bytes.TrimSpace(p); p[0] != '{' {
-					return bad("content must be a string or an array of objects")
-				}
-			}
-		default:
-			return bad("content must be a string or an array of objects")
-		}
-		b.content = v
+	result, err := parseToolResult(bytes.TrimSpace(m["content"]))
+	if err != nil {
+		return bad("%v", err)
+	}
+	if b.typ == "tool_result" {
+		b.result = result
 	}
 	return b, nil
 }
 
-// appendAnthropicMessage appends the chat messages of message i: the tool
-// messages of its tool results (a user message's), then the message
-// itself unless it ends up with nothing to say.
-func appendAnthropicMessage(out []tokenize.Message, raw json.RawMessage, i int) ([]tokenize.Message, error) {
-	where := fmt.Sprintf("messages[%d]", i)
-	var m struct {
-		Role    string          `json:"role"`
-		Content json.RawMessage `json:"content"`
+// parseToolResult reads a block's content: null, a string or a list of
+// objects, the text and image ones kept.
+func parseToolResult(v json.RawMessage) (*toolResult, error) {
+	r := &toolResult{}
+	if len(v) == 0 || string(v) == "null" {
+		return r, nil
 	}
-	if t := bytes.TrimSpace(raw); len(t) == 0 || t[0] != '{' || unmarshalExact(t, &m) != nil {
-		return nil, invalid("messages", "%s must be an object with role and content", where)
+	if v[0] == '"' {
+		return r, json.Unmarshal(v, &r.str)
 	}
-	if m.Role != "user" && m.Role != "assistant" {
-		return nil, invalid("messages", "%s.role must be user or assistant", where)
+	var items []json.RawMessage
+	if v[0] != '[' || json.Unmarshal(v, &items) != nil {
+		return nil, fmt.Errorf("content must be a string or an array of objects")
 	}
-	content := bytes.TrimSpace(m.Content)
-	if len(content) > 0 && content[0] == '"' {
-		var s string
-		if json.Unmarshal(content, &s) != nil {
-			return nil, invalid("messages", "%s.content is not a valid string", where)
+	r.isList = true
+	for _, raw := range items {
+		var it map[string]json.RawMessage
+		if raw = bytes.TrimSpace(raw); raw[0] != '{' || json.Unmarshal(raw, &it) != nil {
+			return nil, fmt.Errorf("content must be a string or an array of objects")
 		}
-		return append(out, tokenize.Message{Role: m.Role, Content: s}), nil
-	}
-	var blocks []json.RawMessage
-	if len(content) == 0 || content[0] != '[' || json.Unmarshal(content, &blocks) != nil {
-		return nil, invalid("messages", "%s.content must be a string or an array of content blocks", where)
-	}
-	msg := tokenize.Message{Role: m.Role}
-	var text []byte // the content parts as the chat path joins them
-	parts := 0
-	addPart := func() {
-		if parts++; parts > 1 {
-			text = append(text, '\n')
-		}
-	}
-	var calls []byte
-	var reasoning []string
-	for j, braw := range blocks {
-		b, err := parseBlock(braw, "messages", where+".content", j)
-		if err != nil {
-			return nil, err
-		}
-		switch b.typ {
+		var item resultItem
+		json.Unmarshal(it["type"], &item.typ)
+		switch item.typ {
 		case "text":
-			if b.text != "" {
-				addPart()
-				text = append(text, b.text...)
-			}
+			json.Unmarshal(it["text"], &item.text)
 		case "image":
-			if len(b.source) > 0 {
-				url, err := imageURL(b.source)
-				if err != nil {
-					return nil, invalid("messages", "%s.content[%d]: %v", where, j, err)
-				}
-				addPart()
-				text = tokenize.AppendMediaStandIn(text, []byte(url))
+			var source map[string]json.RawMessage // absent: vLLM's {}
+			json.Unmarshal(it["source"], &source)
+			var err error
+			if item.url, err = imageURL(source); err != nil {
+				return nil, err
 			}
-		case "thinking":
-			if b.thinking != nil {
-				reasoning = append(reasoning, *b.thinking)
-			}
-		case "tool_use":
-			calls = appendToolCall(calls, b)
-		case "tool_result":
-			result := pyStr(b.content)
-			if m.Role == "user" {
-				id := ""
-				if b.id != nil {
-					id = *b.id // vLLM reads id, not tool_use_id
-				}
-				out = append(out, tokenize.Message{Role: "tool", Content: result, ToolCallID: id})
-			} else {
-				addPart()
-				text = append(append(text, "Tool result: "...), result...)
-			}
+			item.hasURL = item.url != ""
 		}
+		r.items = append(r.items, item)
 	}
-	if calls != nil {
-		msg.ToolCalls = string(append(calls, ']'))
-	}
-	msg.Reasoning = strings.Join(reasoning, "")
-	if parts == 0 && calls == nil && reasoning == nil {
-		return out, nil // vLLM drops a message left empty
-	}
-	msg.Content = string(text)
-	return append(out, msg), nil
+	return r, nil
 }
 
-// imageURL is the image part's url vLLM makes of an image block's
-// source: its data member, "" when absent.
+// imageURL is the url vLLM makes of an image's source: the url of a
+// "url" source, else a base64 data: URL of its data.
 func imageURL(source map[string]json.RawMessage) (string, error) {
-	v, ok := source["data"]
-	if !ok {
-		return "", nil
+	str := func(k string) (string, error) {
+		v, ok := source[k]
+		if !ok || string(v) == "null" {
+			return "", nil
+		}
+		var s string
+		if len(v) == 0 || v[0] != '"' || json.Unmarshal(v, &s) != nil {
+			return "", fmt.Errorf("an image's source.%s must be a string", k)
+		}
+		return s, nil
 	}
-	var s string
-	if len(v) == 0 || v[0] != '"' || json.Unmarshal(v, &s) != nil {
-		return "", fmt.Errorf("an image's source.data must be a string")
+	typ, err := str("type")
+	if err != nil {
+		return "", err
 	}
-	return s, nil
+	if typ == "url" {
+		return str("url")
+	}
+	mediaType, err := str("media_type")
+	if err != nil {
+		return "", err
+	}
+	if mediaType == "" {
+		mediaType = "image/jpeg"
+	}
+	data, err := str("data")
+	return "data:" + mediaType + ";base64," + data, err
 }
 
 // appendToolCall appends a tool_use block as a chat tool call, the first
@@ -535,9 +858,8 @@ func pyFloatRepr(f float64) string {
 	return sign + digits[:exp+1] + "." + digits[exp+1:]
 }
 
-// pyPrinter writes decoded JSON the way one Python printer does: both
-// json.dumps and repr separate with ", " and ": " and differ only in how
-// they spell the scalars.
+// pyPrinter writes decoded JSON the way a Python printer does, with ", "
+// and ": " between items; json.dumps is the one the engine needs.
 type pyPrinter struct {
 	name                                   string // for the panic on a type JSON has not
 	nullText, trueText, falseText, infText string
@@ -548,14 +870,8 @@ type pyPrinter struct {
 // printable ASCII escaped (\uXXXX, lowercase), floats as their repr.
 var pyJSON = pyPrinter{name: "pyJSONDumps", nullText: "null", trueText: "true", falseText: "false", infText: "Infinity", str: pyJSONString}
 
-// pyReprs is Python's repr.
-var pyReprs = pyPrinter{name: "pyRepr", nullText: "None", trueText: "True", falseText: "False", infText: "inf", str: pyStringRepr}
-
 // pyJSONDumps appends v as Python's json.dumps writes it by default.
 func pyJSONDumps(dst []byte, v any) []byte { return pyJSON.append(dst, v) }
-
-// pyRepr appends Python's repr of v.
-func pyRepr(dst []byte, v any) []byte { return pyReprs.append(dst, v) }
 
 func (p *pyPrinter) append(dst []byte, v any) []byte {
 	switch v := v.(type) {
@@ -625,55 +941,4 @@ func pyJSONString(dst []byte, s string) []byte {
 		}
 	}
 	return append(dst, '"')
-}
-
-// pyStr is str(content) of a tool result as vLLM takes it: a string as it
-// is, a list of objects as Python's repr of it, "" when null or empty.
-func pyStr(content json.RawMessage) string {
-	if len(content) == 0 {
-		return ""
-	}
-	if content[0] == '"' {
-		var s string
-		json.Unmarshal(content, &s)
-		return s
-	}
-	v := decodeOrdered(content)
-	if list, ok := v.([]any); !ok || len(list) == 0 {
-		return ""
-	}
-	return string(pyRepr(nil, v))
-}
-
-// pyStringRepr is Python's repr of a string: single quotes unless it has
-// a single quote and no double one; what is not printable escaped.
-func pyStringRepr(dst []byte, s string) []byte {
-	quote := byte('\'')
-	if strings.IndexByte(s, '\'') >= 0 && strings.IndexByte(s, '"') < 0 {
-		quote = '"'
-	}
-	dst = append(dst, quote)
-	for _, r := range s {
-		switch {
-		case r == rune(quote) || r == '\\':
-			dst = append(dst, '\\', byte(r))
-		case r == '\t':
-			dst = append(dst, `\t`...)
-		case r == '\n':
-			dst = append(dst, `\n`...)
-		case r == '\r':
-			dst = append(dst, `\r`...)
-		case r < 0x20 || r == 0x7f:
-			dst = fmt.Appendf(dst, `\x%02x`, r)
-		case r < 0x7f || unicode.IsPrint(r):
-			dst = utf8.AppendRune(dst, r)
-		case r <= 0xff:
-			dst = fmt.Appendf(dst, `\x%02x`, r)
-		case r <= 0xffff:
-			dst = fmt.Appendf(dst, `\u%04x`, r)
-		default:
-			dst = fmt.Appendf(dst, `\U%08x`, r)
-		}
-	}
-	return append(dst, quote)
 }

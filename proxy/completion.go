@@ -234,6 +234,12 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		tokens = req.promptTokens
 	case p.engineTok != nil:
 		ids, err := p.engineTok.tokens(p, req, chat, lim.MaxPromptTokens)
+		if err != nil && kind == apiCountTokens {
+			// A count must be the engine's, not kvproxy's guess.
+			writeError(ctx, fasthttp.StatusServiceUnavailable, "could not count the tokens: "+err.Error(), "service_unavailable", "", "tokenizer_unavailable")
+			s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusServiceUnavailable, start, "engine tokenization failed")
+			return
+		}
 		if err != nil {
 			// Route by load alone rather than fail the request.
 			s.log.Warn().Str("request_id", rid).Err(err).Msg("engine tokenization failed")
@@ -817,8 +823,16 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			if code == fasthttp.StatusNotFound {
 				what, hint = "does not serve the model or path", "check its url and served_model"
 			}
+			optional := code == fasthttp.StatusNotFound && (x.api == apiResponses || x.api == apiMessages)
+			if optional {
+				// An engine without this API (vLLM before it had it) is no
+				// worse an engine for chat: not a strike against it.
+				what, hint = "does not serve "+x.path, "its engine may not have this API"
+			}
 			msg := "backend " + b.cfg.ID + " " + what + " (" + strconv.Itoa(code) + " " + engineMessage(code, plain) + "); " + hint
-			b.answeredError(msg)
+			if !optional {
+				b.answeredError(msg)
+			}
 			fasthttp.ReleaseResponse(resp)
 			if mayRetry {
 				x.errMsg = msg

@@ -3,7 +3,9 @@ package proxy
 import (
 	"bytes"
 	"fmt"
+	"math"
 	"strconv"
+	"strings"
 	"unsafe"
 
 	"github.com/goccy/go-json"
@@ -44,13 +46,8 @@ func (r *apiRequest) parseAnthropic(body []byte, counting bool) *paramError {
 	if pe := r.readCommon(); pe != nil {
 		return pe
 	}
-	if !counting {
-		if n, err := strconv.Atoi(string(maxTokens)); err != nil || n <= 0 {
-			return perr("max_tokens", "max_tokens must be a positive integer")
-		}
-	}
-	if pe := r.anthropicSystem(system); pe != nil {
-		return pe
+	if !counting && !positiveInt(maxTokens) {
+		return perr("max_tokens", "max_tokens must be a positive integer")
 	}
 	if pe := r.anthropicTools(f.Tools); pe != nil {
 		return pe
@@ -59,48 +56,240 @@ func (r *apiRequest) parseAnthropic(body []byte, counting bool) *paramError {
 	if raw == nil || raw[0] != '[' {
 		return perr("messages", "messages must be an array of messages")
 	}
-	i := 0
-	for e := (elements{b: raw}); e.next(); i++ {
-		if pe := r.anthropicMessage(e.value, i); pe != nil {
+	msgs := r.anth[:0]
+	for e := (elements{b: raw}); e.next(); {
+		m, pe := r.anthropicRole(e.value, len(msgs))
+		if pe != nil {
 			return pe
 		}
+		msgs = append(msgs, m)
 	}
-	if i == 0 {
+	r.anth = msgs
+	if len(msgs) == 0 {
 		return perr("messages", "messages must not be empty")
+	}
+	sys, pe := r.anthropicSystem(system)
+	if pe != nil {
+		return pe
+	}
+	// Inline system messages, as vLLM places them (inline_system.py):
+	// those leading the conversation join the system prompt; the others
+	// stay where they are, out of a tool call's run, while there is a
+	// system prompt, else are folded into the neighbouring user turns.
+	lead := 0
+	for lead < len(msgs) && msgs[lead].role == "system" {
+		sys = joinText(sys, r.systemText(msgs[lead].content))
+		lead++
+	}
+	if sys != "" {
+		r.messages = append(r.messages, tokenize.Message{Role: "system", Content: sys})
+	}
+	rest := moveOutOfToolRuns(r.anthMoved[:0], msgs[lead:], r.anthHeld[:0])
+	r.anthMoved = rest
+	if sys == "" {
+		rest = r.foldSystem(rest)
+	}
+	for k := range rest {
+		if pe := r.anthropicMessage(&rest[k]); pe != nil {
+			return pe
+		}
 	}
 	return nil
 }
 
-// anthropicSystem: a string, or text blocks concatenated, is the system
-// message.
-func (r *apiRequest) anthropicSystem(raw []byte) *paramError {
+// billingHeader starts the system block in which Claude Code sends a hash
+// of each request: vLLM drops it, which would otherwise change the head of
+// every prompt.
+const billingHeader = "x-anthropic-billing-header"
+
+// positiveInt reports whether v is a positive integer as pydantic reads
+// one: 5, 5.0 or "5".
+func positiveInt(v []byte) bool {
+	if len(v) > 2 && v[0] == '"' {
+		v = v[1 : len(v)-1]
+	}
+	f, err := strconv.ParseFloat(string(v), 64)
+	return err == nil && f > 0 && f == math.Trunc(f) && f < 1<<53
+}
+
+// anthropicSystem is the system prompt's text: a string, or its text
+// blocks concatenated; the billing header dropped.
+func (r *apiRequest) anthropicSystem(raw []byte) (string, *paramError) {
 	if raw == nil || isNull(raw) {
-		return nil
+		return "", nil
 	}
-	switch raw[0] {
-	case '"':
-		if s := r.decodeString(raw); s != "" {
-			r.messages = append(r.messages, tokenize.Message{Role: "system", Content: s})
-		}
-		return nil
-	case '[':
-		if emptyArray(raw) {
-			return nil // vLLM: an empty list is no system prompt
-		}
-		start := len(r.text)
-		for e := (elements{b: raw}); e.next(); {
-			typ, v := blockOf(e.value)
-			if typ == "" {
-				return perr("system", "system must be a string or an array of text blocks")
-			}
-			if typ == "text" && v[blockText] != nil && v[blockText][0] == '"' {
-				r.text = appendJSONString(r.text, v[blockText])
-			}
-		}
-		r.messages = append(r.messages, tokenize.Message{Role: "system", Content: r.textFrom(start)})
-		return nil
+	if raw[0] != '"' && raw[0] != '[' {
+		return "", perr("system", "system must be a string or an array of text blocks")
 	}
-	return perr("system", "system must be a string or an array of text blocks")
+	j := 0
+	for e := (elements{b: raw}); raw[0] == '[' && e.next(); j++ {
+		if typ, _ := blockOf(e.value); !knownBlock(typ) {
+			return "", perr(fmt.Sprintf("system[%d]", j), "system blocks must be content blocks, such as text")
+		}
+	}
+	return r.systemText(raw), nil
+}
+
+// systemText is the text of a system prompt or message's content: a
+// string, or its text blocks concatenated, without the billing header.
+func (r *apiRequest) systemText(raw []byte) string {
+	if raw[0] == '"' {
+		if s := r.decodeString(raw); !strings.HasPrefix(s, billingHeader) {
+			return s
+		}
+		return ""
+	}
+	start := len(r.text)
+	for e := (elements{b: raw}); e.next(); {
+		if typ, v := blockOf(e.value); typ == "text" && v[blockText] != nil && v[blockText][0] == '"' {
+			mark := len(r.text)
+			r.text = appendJSONString(r.text, v[blockText])
+			if bytes.HasPrefix(r.text[mark:], []byte(billingHeader)) {
+				r.text = r.text[:mark]
+			}
+		}
+	}
+	return r.textFrom(start)
+}
+
+// joinText joins texts as vLLM's inline-system placement joins them.
+func joinText(a, b string) string {
+	switch {
+	case a == "":
+		return b
+	case b == "":
+		return a
+	}
+	return a + "\n\n" + b
+}
+
+// anthMsg is one message of a Messages request, before it becomes chat
+// messages: its role and content (raw JSON, or text when kvproxy made the
+// message), and the system text folded into it.
+type anthMsg struct {
+	role     string
+	content  []byte
+	text     string
+	prepend  string // before its own text
+	append   string // after its own text, or its last tool result's
+	i        int    // its place in the request
+	from, to int    // its blocks in r.blocks
+	// calls: it has a tool_use block; results: only tool_result blocks
+	calls, results bool
+}
+
+// anthropicRole reads message i's role and content; Claude Code's ctx and
+// msg roles are the user's, as vLLM reads them.
+func (r *apiRequest) anthropicRole(raw []byte, i int) (anthMsg, *paramError) {
+	if raw[0] != '{' {
+		return anthMsg{}, perr(fmt.Sprintf("messages[%d]", i), "every message must be an object with a role and content")
+	}
+	var vals [2][]byte
+	membersNamed(raw, roleMembers, vals[:])
+	role := ""
+	if vals[0] != nil && vals[0][0] == '"' {
+		role = shortString(vals[0])
+	}
+	switch role {
+	case "user", "assistant", "system":
+	case "ctx", "msg":
+		role = "user"
+	default:
+		return anthMsg{}, perr(fmt.Sprintf("messages[%d].role", i), "role must be user, assistant or system")
+	}
+	content := vals[1]
+	if content == nil || content[0] != '"' && content[0] != '[' {
+		return anthMsg{}, perr(fmt.Sprintf("messages[%d].content", i), "content must be a string or an array of content blocks")
+	}
+	m := anthMsg{role: role, content: content, i: i, from: len(r.blocks)}
+	results := 0
+	for e := (elements{b: content}); content[0] == '[' && e.next(); {
+		typ, v := blockOf(e.value)
+		if !knownBlock(typ) {
+			return anthMsg{}, perr(fmt.Sprintf("messages[%d].content[%d].type", i, len(r.blocks)-m.from), "content blocks must be of type text, image, tool_use, tool_result, thinking, redacted_thinking or tool_reference")
+		}
+		m.calls = m.calls || typ == "tool_use"
+		if typ == "tool_result" {
+			results++
+		}
+		r.blocks = append(r.blocks, block{typ, v})
+	}
+	m.to = len(r.blocks)
+	m.results = results > 0 && results == m.to-m.from
+	return m, nil
+}
+
+func knownBlock(typ string) bool {
+	switch typ {
+	case "text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking", "tool_reference":
+		return true
+	}
+	return false
+}
+
+// moveOutOfToolRuns moves system messages that come between an
+// assistant's tool_use and the user message answering it after that
+// message (vLLM's _move_out_of_tool_runs), appending to out. held is
+// scratch.
+func moveOutOfToolRuns(out, msgs, held []anthMsg) []anthMsg {
+	awaiting := false
+	for _, m := range msgs {
+		if m.role == "system" {
+			if awaiting {
+				held = append(held, m)
+			} else {
+				out = append(out, m)
+			}
+			continue
+		}
+		if m.role == "assistant" {
+			out, held = append(out, held...), held[:0]
+		}
+		out = append(out, m)
+		if m.role == "user" {
+			out, held = append(out, held...), held[:0]
+		}
+		awaiting = m.role == "assistant" && m.calls
+	}
+	return append(out, held...)
+}
+
+// foldSystem folds inline system messages into the user turns around them,
+// as vLLM does when the request has no system prompt: after a user
+// message, into its text (or its last tool result); after an assistant's,
+// into the next user message, or a user message of their own.
+func (r *apiRequest) foldSystem(msgs []anthMsg) []anthMsg {
+	out := r.anthFolded[:0]
+	defer func() { r.anthFolded = out }()
+	pending := ""
+	for _, m := range msgs {
+		if m.role == "system" {
+			text := r.systemText(m.content)
+			if text == "" {
+				continue
+			}
+			if len(out) > 0 && out[len(out)-1].role == "user" && pending == "" {
+				last := &out[len(out)-1]
+				last.append = joinText(last.append, text)
+			} else {
+				pending = joinText(pending, text)
+			}
+			continue
+		}
+		if pending != "" {
+			if m.role == "user" {
+				m.prepend = pending
+			} else {
+				out = append(out, anthMsg{role: "user", text: pending, i: m.i})
+			}
+			pending = ""
+		}
+		out = append(out, m)
+	}
+	if pending != "" {
+		out = append(out, anthMsg{role: "user", text: pending, i: len(msgs)})
+	}
+	return out
 }
 
 // The members of a content block parseAnthropic reads.
@@ -113,10 +302,11 @@ const (
 	blockInput
 	blockContent
 	blockThinking
+	blockToolUseID
 	blockMembersLen
 )
 
-var blockMembers = [blockMembersLen]string{"type", "text", "source", "id", "name", "input", "content", "thinking"}
+var blockMembers = [blockMembersLen]string{"type", "text", "source", "id", "name", "input", "content", "thinking", "tool_use_id"}
 
 // block is a scanned content block.
 type block struct {
@@ -144,95 +334,116 @@ func blockOf(raw []byte) (string, [blockMembersLen][]byte) {
 	return "", v
 }
 
-// anthropicMessage appends the chat messages of message i: its tool
-// results in a user message first (as tool messages), then the message
-// itself, unless it carried nothing else.
-func (r *apiRequest) anthropicMessage(raw []byte, i int) *paramError {
-	if raw[0] != '{' {
-		return perr(fmt.Sprintf("messages[%d]", i), "every message must be an object with a role and content")
-	}
-	var vals [2][]byte
-	membersNamed(raw, roleMembers, vals[:])
-	role := ""
-	if vals[0] != nil && vals[0][0] == '"' {
-		role = shortString(vals[0])
-	}
-	if role != "user" && role != "assistant" {
-		return perr(fmt.Sprintf("messages[%d].role", i), "role must be user or assistant")
-	}
-	content := vals[1]
-	if content == nil || content[0] != '"' && content[0] != '[' {
-		return perr(fmt.Sprintf("messages[%d].content", i), "content must be a string or an array of content blocks")
-	}
-	if content[0] == '"' {
-		r.messages = append(r.messages, tokenize.Message{Role: role, Content: r.decodeString(content)})
+// anthropicMessage appends the chat messages of m, as vLLM converts a
+// message: a user's tool results first, as tool messages (images in them
+// as a user message of their own), then the message itself, unless it
+// carried nothing else.
+func (r *apiRequest) anthropicMessage(m *anthMsg) *paramError {
+	switch {
+	case m.role == "system": // an inline system message, kept in place unless empty
+		if text := r.systemText(m.content); text != "" {
+			r.messages = append(r.messages, tokenize.Message{Role: "system", Content: text})
+		}
+		return nil
+	case m.content == nil: // folded system text of its own
+		r.messages = append(r.messages, tokenize.Message{Role: "user", Content: m.text})
+		return nil
+	case m.content[0] == '"':
+		content := joinText(joinText(m.prepend, r.decodeString(m.content)), m.append)
+		r.messages = append(r.messages, tokenize.Message{Role: m.role, Content: content})
 		return nil
 	}
-	// Scanned once; an unknown block fails the request before anything
-	// is kept.
-	r.blocks = r.blocks[:0]
-	j := 0
-	for e := (elements{b: content}); e.next(); j++ {
-		typ, v := blockOf(e.value)
-		switch typ {
-		case "text", "image", "tool_use", "tool_result", "thinking":
-		default:
-			return perr(fmt.Sprintf("messages[%d].content[%d].type", i, j), "content blocks must be of type text, image, tool_use, tool_result or thinking")
-		}
-		r.blocks = append(r.blocks, block{typ, v})
-	}
-	if role == "user" {
-		for k := range r.blocks {
-			if bl := &r.blocks[k]; bl.typ == "tool_result" {
-				msg := tokenize.Message{Role: "tool"}
-				if id := bl.v[blockID]; id != nil && id[0] == '"' {
-					msg.ToolCallID = r.decodeString(id) // vLLM reads id, not tool_use_id
-				}
-				start := len(r.text)
-				r.text = r.appendToolResult(r.text, bl.v[blockContent])
-				msg.Content = r.textFrom(start)
-				r.messages = append(r.messages, msg)
+	blocks := r.blocks[m.from:m.to]
+	onlyResults := m.role == "user" && m.results
+	if m.role == "user" {
+		r.images = r.images[:0]
+		last := -1
+		for k := range blocks {
+			if blocks[k].typ == "tool_result" {
+				last = k
 			}
 		}
+		for k := range blocks {
+			bl := &blocks[k]
+			if bl.typ != "tool_result" {
+				continue
+			}
+			msg := tokenize.Message{Role: "tool"}
+			if id := bl.v[blockToolUseID]; id != nil && id[0] == '"' {
+				msg.ToolCallID = r.decodeString(id)
+			}
+			folded := ""
+			if onlyResults && k == last {
+				folded = m.append
+			}
+			start := len(r.text)
+			r.text = r.appendToolResult(r.text, bl.v[blockContent], folded)
+			msg.Content = r.textFrom(start)
+			r.messages = append(r.messages, msg)
+		}
+		if len(r.images) > 0 {
+			start := len(r.text)
+			for k, url := range r.images {
+				if k > 0 {
+					r.text = append(r.text, '\n')
+				}
+				r.text = tokenize.AppendMediaStandIn(r.text, url)
+			}
+			r.messages = append(r.messages, tokenize.Message{Role: "user", Content: r.textFrom(start)})
+		}
 	}
-	msg := tokenize.Message{Role: role}
-	// Text and images: one text block is the content; more are parts,
-	// joined as the chat path joins them.
-	start, parts := len(r.text), 0
-	for k := range r.blocks {
-		bl := &r.blocks[k]
+	msg := tokenize.Message{Role: m.role}
+	// Its own text and images: one text is the content; more are parts,
+	// joined as the chat path joins them. Folded system text joins the
+	// text at either end, or is a text of its own there.
+	r.parts = r.parts[:0]
+	for k := range blocks {
+		bl := &blocks[k]
 		v := &bl.v
 		switch {
 		case bl.typ == "text" && v[blockText] != nil && v[blockText][0] == '"' && len(v[blockText]) > 2:
+			r.parts = append(r.parts, part{text: r.decodeString(v[blockText])})
 		case bl.typ == "image" && v[blockSource] != nil && v[blockSource][0] == '{' && !emptyObject(v[blockSource]):
-		case bl.typ == "tool_result" && role == "assistant":
-		default:
-			continue
+			r.parts = append(r.parts, part{image: true, url: r.imageURL(v[blockSource])})
+		case bl.typ == "tool_result" && m.role == "assistant":
+			start := len(r.text)
+			r.text = append(r.text, "Tool result: "...)
+			r.text = r.appendToolResult(r.text, v[blockContent], "")
+			r.parts = append(r.parts, part{text: r.textFrom(start)})
 		}
-		if parts++; parts > 1 {
+	}
+	if m.prepend != "" {
+		if len(r.parts) > 0 && !r.parts[0].image {
+			r.parts[0].text = joinText(m.prepend, r.parts[0].text)
+		} else {
+			r.parts = append(r.parts, part{})
+			copy(r.parts[1:], r.parts)
+			r.parts[0] = part{text: m.prepend}
+		}
+	}
+	if m.append != "" && !onlyResults {
+		if n := len(r.parts); n > 0 && !r.parts[n-1].image {
+			r.parts[n-1].text = joinText(r.parts[n-1].text, m.append)
+		} else {
+			r.parts = append(r.parts, part{text: m.append})
+		}
+	}
+	start := len(r.text)
+	for k, p := range r.parts {
+		if k > 0 {
 			r.text = append(r.text, '\n')
 		}
-		switch bl.typ {
-		case "text":
-			r.text = appendJSONString(r.text, v[blockText])
-		case "image":
-			var data [1][]byte
-			membersNamed(v[blockSource], sourceMembers, data[:])
-			url := []byte{}
-			if data[0] != nil && data[0][0] == '"' {
-				url = r.jsonStringBytes(data[0])
-			}
-			r.text = tokenize.AppendMediaStandIn(r.text, url)
-		default:
-			r.text = append(r.text, "Tool result: "...)
-			r.text = r.appendToolResult(r.text, v[blockContent])
+		if p.image {
+			r.text = tokenize.AppendMediaStandIn(r.text, p.url)
+		} else {
+			r.text = append(r.text, p.text...)
 		}
 	}
 	msg.Content = r.textFrom(start)
 	start = len(r.text)
 	thinking := false // a thinking block, even an empty one, keeps the message
-	for k := range r.blocks {
-		if bl := &r.blocks[k]; bl.typ == "thinking" && bl.v[blockThinking] != nil && bl.v[blockThinking][0] == '"' {
+	for k := range blocks {
+		if bl := &blocks[k]; bl.typ == "thinking" && bl.v[blockThinking] != nil && bl.v[blockThinking][0] == '"' {
 			r.text = appendJSONString(r.text, bl.v[blockThinking])
 			thinking = true
 		}
@@ -240,8 +451,8 @@ func (r *apiRequest) anthropicMessage(raw []byte, i int) *paramError {
 	msg.Reasoning = r.textFrom(start)
 	start = len(r.text)
 	calls := 0
-	for k := range r.blocks {
-		bl := &r.blocks[k]
+	for k := range blocks {
+		bl := &blocks[k]
 		if bl.typ != "tool_use" {
 			continue
 		}
@@ -268,23 +479,91 @@ func (r *apiRequest) anthropicMessage(raw []byte, i int) *paramError {
 		r.text = append(r.text, ']')
 		msg.ToolCalls = r.textFrom(start)
 	}
-	if parts == 0 && calls == 0 && !thinking {
+	if len(r.parts) == 0 && calls == 0 && !thinking {
 		return nil // vLLM drops it (a user message of tool results only)
 	}
 	r.messages = append(r.messages, msg)
 	return nil
 }
 
-// appendToolResult appends str(content) of a tool result as vLLM renders
-// it: the string, Python's repr of blocks, or nothing.
-func (r *apiRequest) appendToolResult(dst, content []byte) []byte {
-	switch {
-	case content == nil || isNull(content) || string(content) == `""` || emptyArray(content):
-		return dst
-	case content[0] == '"':
-		return appendJSONString(dst, content)
+// part is a text or an image of a message's content.
+type part struct {
+	text  string
+	image bool
+	url   []byte
+}
+
+// imageURL is the URL vLLM gives an image block's source: its url, or a
+// data: URL of its base64 data (JPEG unless it names its media type).
+func (r *apiRequest) imageURL(source []byte) []byte {
+	var v [4][]byte
+	membersNamed(source, imageSourceMembers, v[:])
+	str := func(raw []byte) []byte {
+		if raw != nil && raw[0] == '"' {
+			return r.jsonStringBytes(raw)
+		}
+		return nil
 	}
-	return appendPyRepr(dst, content)
+	if t := v[0]; t != nil && t[0] == '"' && shortString(t) == "url" {
+		return append([]byte(nil), str(v[1])...)
+	}
+	url := []byte("data:")
+	if mt := str(v[2]); mt != nil {
+		url = append(url, mt...)
+	} else {
+		url = append(url, "image/jpeg"...)
+	}
+	url = append(url, ";base64,"...)
+	return append(url, str(v[3])...)
+}
+
+var imageSourceMembers = []string{"type", "url", "media_type", "data"}
+
+// appendToolResult appends a tool result's content as vLLM makes the tool
+// message of it: a string, or its text blocks joined by newlines (its
+// images go to r.images, for a user message of their own); folded, system
+// text folded into it (joined to its last text).
+func (r *apiRequest) appendToolResult(dst, content []byte, folded string) []byte {
+	start := len(dst)
+	lastText := true // the content ends with text (or is none): folded text joins it
+	switch {
+	case content == nil || isNull(content):
+	case content[0] == '"':
+		dst = appendJSONString(dst, content)
+	case content[0] == '[':
+		n := 0
+		for e := (elements{b: content}); e.next(); {
+			typ, v := blockOf(e.value)
+			lastText = typ == "text"
+			switch {
+			case typ == "text" && v[blockText] != nil && v[blockText][0] == '"':
+				if n++; n > 1 {
+					dst = append(dst, '\n')
+				}
+				dst = appendJSONString(dst, v[blockText])
+			case typ == "image":
+				// vLLM takes a missing source as {} (a data: URL of
+				// nothing), and skips an image whose URL is empty.
+				source := v[blockSource]
+				if source == nil || source[0] != '{' {
+					source = emptyJSONObject
+				}
+				if url := r.imageURL(source); len(url) > 0 {
+					r.images = append(r.images, url)
+				}
+			}
+		}
+	}
+	if folded == "" {
+		return dst
+	}
+	switch {
+	case len(dst) == start:
+		return append(dst, folded...)
+	case lastText:
+		return append(append(dst, "\n\n"...), folded...)
+	}
+	return append(append(dst, '\n'), folded...)
 }
 
 func appendStringOr(dst, v []byte, or string) []byte {
@@ -365,6 +644,8 @@ func anthropicErrorType(status int) string {
 		return "rate_limit_error"
 	case fasthttp.StatusServiceUnavailable, 529:
 		return "overloaded_error"
+	case fasthttp.StatusGatewayTimeout:
+		return "timeout_error"
 	}
 	if status >= 400 && status < 500 {
 		return "invalid_request_error"
@@ -412,21 +693,7 @@ func toAnthropicError(ctx *fasthttp.RequestCtx) {
 // [DONE] after it) ends the stream; usage comes in message_start and
 // message_delta.
 func (r *relay) onAnthropicEvent(ev []byte) {
-	var name, data []byte
-	for len(ev) > 0 {
-		line := ev
-		if k, n := lineEnd(ev); k >= 0 {
-			line, ev = ev[:k], ev[k+n:]
-		} else {
-			line, ev = bytes.TrimSuffix(ev, cr), nil
-		}
-		switch {
-		case bytes.HasPrefix(line, eventPrefix):
-			name = bytes.TrimLeft(line[len(eventPrefix):], " ")
-		case bytes.HasPrefix(line, dataPrefix) && data == nil:
-			data = bytes.TrimLeft(line[len(dataPrefix):], " ")
-		}
-	}
+	name, data := eventFields(ev)
 	if data == nil {
 		return
 	}
@@ -450,8 +717,9 @@ func (r *relay) onAnthropicEvent(ev []byte) {
 	r.x.usage.read(data)
 }
 
-// anthropicFailEvent is the error event that ends a failed stream.
-func anthropicFailEvent(out []byte, msg string) []byte {
+// anthropicFailEvent is the error event that ends a stream failed with
+// status.
+func anthropicFailEvent(out []byte, status int, msg string) []byte {
 	out = append(out, "event: error\ndata: "...)
-	return append(append(out, anthropicErrorJSON(fasthttp.StatusBadGateway, msg)...), "\n\n"...)
+	return append(append(out, anthropicErrorJSON(status, msg)...), "\n\n"...)
 }

@@ -20,10 +20,6 @@ func TestPythonJSON(t *testing.T) {
 	if got := string(appendPyDumps(nil, raw)); got != dumps {
 		t.Errorf("json.dumps:\n%s\nwant\n%s", got, dumps)
 	}
-	repr := `{'a': 1.0, 'b': [True, None, False], 'c': 'é\n"x"\x01', 'd': 1e+16, 'e': 1e-05, 'f': 0, 'g': '😀', 'h': {}, 'i': [], 'j': 123456789012345678901, 'k': 100.0, 'l': 0.5, "it's": 'say "hi"'}`
-	if got := string(appendPyRepr(nil, raw)); got != repr {
-		t.Errorf("str():\n%s\nwant\n%s", got, repr)
-	}
 	for f, want := range map[float64]string{1e15: "1000000000000000.0", 1e-4: "0.0001", 123.456: "123.456", 1.5e300: "1.5e+300", 2.5e-7: "2.5e-07"} {
 		if got := string(appendPyFloat(nil, f)); got != want {
 			t.Errorf("repr(%g) = %s, want %s", f, got, want)
@@ -31,29 +27,35 @@ func TestPythonJSON(t *testing.T) {
 	}
 }
 
-// An Anthropic request becomes the chat request vLLM makes of it.
+// An Anthropic request becomes the chat request vLLM makes of it: the
+// billing header Claude Code puts in its system prompt dropped, thinking as
+// reasoning, tool calls with json.dumps arguments, tool results as tool
+// messages (by tool_use_id; blocks as their texts, images in a user message
+// of their own) before their user message.
 func TestParseAnthropic(t *testing.T) {
 	req := &apiRequest{}
 	pe := req.parseAnthropic([]byte(`{"model":"m","max_tokens":64,"stream":true,
-		"system":[{"type":"text","text":"You are Claude Code. ","cache_control":{"type":"ephemeral"}},{"type":"text","text":"Be brief."}],
+		"system":[{"type":"text","text":"x-anthropic-billing-header: cc_version=2.1.197.5c8; cc_entrypoint=cli;"},{"type":"text","text":"You are Claude Code. ","cache_control":{"type":"ephemeral"}},{"type":"text","text":"Be brief."}],
 		"messages":[
 		{"role":"user","content":"Weather in Paris?"},
-		{"role":"assistant","content":[{"type":"thinking","thinking":"use the tool","signature":"s"},{"type":"text","text":"Checking."},
+		{"role":"assistant","content":[{"type":"thinking","thinking":"use the tool","signature":"s"},{"type":"redacted_thinking","data":"opaque"},{"type":"text","text":"Checking."},
 			{"type":"tool_use","id":"tu1","name":"get_weather","input":{"city":"Paris","units":"°C","n":1.0}}]},
-		{"role":"user","content":[{"type":"tool_result","tool_use_id":"tu1","content":"18C"},{"type":"tool_result","id":"tu2","content":[{"type":"text","text":"it's mild"}]}]},
-		{"role":"user","content":[{"type":"text","text":"Thanks."},{"type":"text","text":"And tomorrow?"}]}],
+		{"role":"user","content":[{"type":"tool_result","tool_use_id":"tu1","content":"18C"},{"type":"tool_result","tool_use_id":"tu2","content":[{"type":"text","text":"line 1"},{"type":"image","source":{"type":"url","url":"https://x/y.png"}},{"type":"text","text":"line 2"}]}]},
+		{"role":"user","content":[{"type":"text","text":"Thanks."},{"type":"image","source":{"type":"base64","media_type":"image/png","data":"AAAA"}},{"type":"text","text":"And tomorrow?"}]}],
 		"tools":[{"name":"get_weather","description":"Weather","input_schema":{"properties":{"city":{"type":"string"}}}},{"name":"noop","input_schema":{}}]}`), false)
 	if pe != nil {
 		t.Fatal(pe)
 	}
+	stand := func(url string) string { return string(tokenize.AppendMediaStandIn(nil, []byte(url))) }
 	want := []tokenize.Message{
 		{Role: "system", Content: "You are Claude Code. Be brief."},
 		{Role: "user", Content: "Weather in Paris?"},
 		{Role: "assistant", Content: "Checking.", Reasoning: "use the tool",
 			ToolCalls: `[{"id":"tu1","type":"function","function":{"name":"get_weather","arguments":"{\"city\": \"Paris\", \"units\": \"\\u00b0C\", \"n\": 1.0}"}}]`},
-		{Role: "tool", Content: "18C"},
-		{Role: "tool", Content: `[{'type': 'text', 'text': "it's mild"}]`, ToolCallID: "tu2"},
-		{Role: "user", Content: "Thanks.\nAnd tomorrow?"},
+		{Role: "tool", Content: "18C", ToolCallID: "tu1"},
+		{Role: "tool", Content: "line 1\nline 2", ToolCallID: "tu2"},
+		{Role: "user", Content: stand("https://x/y.png")},
+		{Role: "user", Content: "Thanks.\n" + stand("data:image/png;base64,AAAA") + "\nAnd tomorrow?"},
 	}
 	if fmt.Sprint(req.messages) != fmt.Sprint(want) {
 		t.Errorf("messages:\n%q\nwant\n%q", req.messages, want)
@@ -68,7 +70,7 @@ func TestParseAnthropic(t *testing.T) {
 		`{"max_tokens":0,"messages":[{"role":"user","content":"x"}]}`: "max_tokens",
 		`{"max_tokens":5}`:               "messages",
 		`{"max_tokens":5,"messages":[]}`: "messages",
-		`{"max_tokens":5,"messages":[{"role":"system","content":"x"}]}`:                      "messages[0].role",
+		`{"max_tokens":5,"messages":[{"role":"robot","content":"x"}]}`:                       "messages[0].role",
 		`{"max_tokens":5,"messages":[{"role":"user","content":[{"type":"document"}]}]}`:      "messages[0].content[0].type",
 		`{"max_tokens":5,"messages":[{"role":"user","content":7}]}`:                          "messages[0].content",
 		`{"max_tokens":5,"messages":[{"role":"user","content":"x"}],"tools":[{"name":"f"}]}`: "tools[0]",
@@ -83,10 +85,10 @@ func TestParseAnthropic(t *testing.T) {
 	// skipped, an empty thinking block keeps its message.
 	for body, want := range map[string]string{
 		`{"max_tokens":5,"system":[],"messages":[{"role":"user","content":"x"}]}`:                                                        `[{user x    }]`,
-		`{"max_tokens":5,"system":[{"type":"text","text":""}],"messages":[{"role":"user","content":"x"}]}`:                               `[{system     } {user x    }]`,
+		`{"max_tokens":5,"system":[{"type":"text","text":""}],"messages":[{"role":"user","content":"x"}]}`:                               `[{user x    }]`,
 		`{"max_tokens":5,"messages":[{"role":"user","content":[{"type":"image","source":{}},{"type":"text","text":"x"}]}]}`:              `[{user x    }]`,
 		`{"max_tokens":5,"messages":[{"role":"user","content":"x"},{"role":"assistant","content":[{"type":"thinking","thinking":""}]}]}`: `[{user x    } {assistant     }]`,
-		`{"max_tokens":5,"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"ok"}]}]}`:              `[{tool ok    }]`,
+		`{"max_tokens":5,"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"ok"}]}]}`:              `[{tool ok  t  }]`,
 	} {
 		req := &apiRequest{}
 		if pe := req.parseAnthropic([]byte(body), false); pe != nil || fmt.Sprint(req.messages) != want {
@@ -122,7 +124,7 @@ func startAnthEngine(t *testing.T) *anthEngine {
 		e.mu.Lock()
 		e.bodies = append(e.bodies, body)
 		e.mu.Unlock()
-		usage := `{"input_tokens":30,"output_tokens":3,"cache_read_input_tokens":16}`
+		usage := `{"input_tokens":14,"output_tokens":3,"cache_read_input_tokens":16}` // Anthropic's meaning: 30 prompt tokens
 		if stream, _ := body["stream"].(bool); !stream {
 			w.Header().Set("Content-Type", "application/json")
 			fmt.Fprintf(w, `{"id":"chatcmpl-1","type":"message","role":"assistant","content":[{"type":"text","text":"a b c"}],"model":%q,"stop_reason":"end_turn","usage":%s}`, body["model"], usage)
@@ -134,7 +136,7 @@ func startAnthEngine(t *testing.T) *anthEngine {
 			w.(http.Flusher).Flush()
 		}
 		time.Sleep(e.prefill)
-		send("message_start", `{"type":"message_start","message":{"id":"chatcmpl-1","type":"message","role":"assistant","content":[],"model":"m","usage":{"input_tokens":30,"output_tokens":0}}}`)
+		send("message_start", `{"type":"message_start","message":{"id":"chatcmpl-1","type":"message","role":"assistant","content":[],"model":"m","usage":{"input_tokens":14,"output_tokens":0,"cache_read_input_tokens":16}}}`)
 		send("content_block_start", `{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}`)
 		for i, tok := range []string{"a", " b", " c"} {
 			send("content_block_delta", fmt.Sprintf(`{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":%q}}`, tok))
@@ -208,11 +210,12 @@ func TestMessagesRouteAsTheirChatEquivalent(t *testing.T) {
 func TestMessagesThroughTheProxy(t *testing.T) {
 	e := startAnthEngine(t)
 	e.prefill = 300 * time.Millisecond
-	p := startAnthProxy(t, e, "auth: {keys: [{key: sk-ant-test-key-01, tenant: a}]}\n")
-	key := []string{"x-api-key", "sk-ant-test-key-01", "anthropic-version", "2023-06-01"}
-	resp, b := postHeaders(t, p.url+"/v1/messages", `{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"Hi"}]}`, key...)
-	if v := decodeJSON(t, b); resp.StatusCode != 200 || v["type"] != "message" || e.bodies[0]["model"] != "engine-m" {
-		t.Fatalf("%d %s (engine got %v)", resp.StatusCode, b, e.bodies[0])
+	p := startAnthProxy(t, e, "auth: {keys: [{key: sk-ant-test-key-01, tenant: a}]}\nlimits: {max_request_body_bytes: 4096}\n")
+	// The SDK sends an auth token beside the key when it has both.
+	key := []string{"x-api-key", "sk-ant-test-key-01", "anthropic-version", "2023-06-01", "Authorization", "Bearer not-a-key"}
+	resp, b := postHeaders(t, p.url+"/v1/messages", `{"model":"m","max_tokens":"5","messages":[{"role":"user","content":"Hi"}]}`, key...)
+	if v := decodeJSON(t, b); resp.StatusCode != 200 || v["type"] != "message" || e.bodies[0]["model"] != "engine-m" || resp.Header.Get("request-id") == "" {
+		t.Fatalf("%d %s (engine got %v, request-id %q)", resp.StatusCode, b, e.bodies[0], resp.Header.Get("request-id"))
 	}
 	resp, b = postHeaders(t, p.url+"/v1/messages", `{"model":"m","max_tokens":5,"stream":true,"messages":[{"role":"user","content":"Hi"}]}`, key...)
 	if resp.StatusCode != 200 || !strings.HasSuffix(string(b), "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\ndata: [DONE]\n\n") || strings.Count(string(b), "content_block_delta") != 6 {
@@ -248,6 +251,7 @@ func TestMessagesThroughTheProxy(t *testing.T) {
 		{`{"model":"m","messages":[{"role":"user","content":"Hi"}]}`, key, 400, "invalid_request_error"},
 		{`{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"Hi"}]}`, nil, 401, "authentication_error"},
 		{`{"model":"nope","max_tokens":5,"messages":[{"role":"user","content":"Hi"}]}`, key, 404, "not_found_error"},
+		{`{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"` + strings.Repeat("x", 5000) + `"}]}`, key, 413, "request_too_large"},
 	} {
 		resp, b := postHeaders(t, p.url+"/v1/messages", c.body, c.key...)
 		var v struct {
@@ -314,4 +318,62 @@ func TestMessagesPathErrorsAreAnthropics(t *testing.T) {
 			t.Errorf("%s %s: %d %+v", c.method, c.path, resp.StatusCode, v)
 		}
 	}
+}
+
+// Inline system messages (Claude Code sends one on most turns) are placed
+// as vLLM places them: with a system prompt, where they are but out of a
+// tool call's run; without one, folded into the user turns around them.
+func TestAnthropicInlineSystem(t *testing.T) {
+	calls := `[{"id":"t1","type":"function","function":{"name":"f","arguments":"{}"}}]`
+	for _, c := range []struct {
+		name, body string
+		want       []tokenize.Message
+	}{{"kept in place", `{"system":"S","messages":[{"role":"user","content":"q1"},{"role":"assistant","content":[{"type":"tool_use","id":"t1","name":"f","input":{}}]},
+		{"role":"system","content":"note1"},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":"r1"}]},{"role":"system","content":[{"type":"text","text":"note2"}]}]}`,
+		[]tokenize.Message{{Role: "system", Content: "S"}, {Role: "user", Content: "q1"}, {Role: "assistant", ToolCalls: calls}, {Role: "tool", Content: "r1", ToolCallID: "t1"},
+			{Role: "system", Content: "note1"}, {Role: "system", Content: "note2"}}},
+		{"leading ones join the system prompt", `{"system":"S","messages":[{"role":"system","content":"L"},{"role":"ctx","content":"q"}]}`,
+			[]tokenize.Message{{Role: "system", Content: "S\n\nL"}, {Role: "user", Content: "q"}}},
+		{"folded", `{"messages":[{"role":"user","content":"q1"},{"role":"system","content":"n1"},{"role":"assistant","content":"a1"},{"role":"system","content":"n2"},
+		{"role":"user","content":[{"type":"text","text":"q2"}]},{"role":"assistant","content":"a2"},{"role":"system","content":"n3"}]}`,
+			[]tokenize.Message{{Role: "user", Content: "q1\n\nn1"}, {Role: "assistant", Content: "a1"}, {Role: "user", Content: "n2\n\nq2"}, {Role: "assistant", Content: "a2"}, {Role: "user", Content: "n3"}}},
+		{"folded into a tool result", `{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":[{"type":"tool_use","id":"t1","name":"f","input":{}}]},
+		{"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":"r"}]},{"role":"system","content":"n"}]}`,
+			[]tokenize.Message{{Role: "user", Content: "q"}, {Role: "assistant", ToolCalls: calls}, {Role: "tool", Content: "r\n\nn", ToolCallID: "t1"}}},
+	} {
+		req := &apiRequest{}
+		if pe := req.parseAnthropic([]byte(c.body), true); pe != nil {
+			t.Fatalf("%s: %v", c.name, pe)
+		}
+		if fmt.Sprint(req.messages) != fmt.Sprint(c.want) {
+			t.Errorf("%s:\n%q\nwant\n%q", c.name, req.messages, c.want)
+		}
+	}
+}
+
+// An engine without the Messages API answers 404: the request goes to
+// another, and the engine, still good for chat, is not taken out for it.
+func TestMessagesEngineWithoutTheAPI(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux() // chat only: /v1/messages is the mux's 404
+	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprint(w, `{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}`)
+	})
+	srv := &http.Server{Handler: mux}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	p := serveYAML(t, "models: [{name: m}]\nbackends: [{id: old, url: 'http://"+ln.Addr().String()+"', model: m}]\n", true)
+	for range 4 {
+		if resp, b := post(t, p.url+"/v1/messages", `{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != 502 || !strings.Contains(string(b), "does not serve /v1/messages") {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+	}
+	if resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != 200 {
+		t.Fatalf("chat after Messages requests it cannot serve: %d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
 }

@@ -4,30 +4,18 @@ import (
 	"bytes"
 	"math"
 	"strconv"
-	"unicode"
 	"unicode/utf16"
 	"unicode/utf8"
 )
 
 // Engines written in Python build parts of a prompt with Python's own
-// serializers: vLLM's Anthropic endpoint passes a tool call's input to the
-// chat template as json.dumps(input), and a tool result given as a list of
-// blocks as str(content). kvproxy writes them the same way, so that the
-// prompt it hashes is the engine's. raw is valid JSON.
+// serializer: vLLM's Anthropic endpoint passes a tool call's input to the
+// chat template as json.dumps(input). kvproxy writes it the same way, so
+// that the prompt it hashes is the engine's.
 
-// appendPyDumps appends json.dumps(raw) with Python's defaults: separators
-// ", " and ": ", ensure_ascii, members in their order.
+// appendPyDumps appends json.dumps(raw), raw valid JSON, with Python's
+// defaults: separators ", " and ": ", ensure_ascii, members in their order.
 func appendPyDumps(dst, raw []byte) []byte {
-	return appendPy(dst, raw, false)
-}
-
-// appendPyRepr appends str(v) of raw decoded by Python's json: single-quoted
-// strings, True, False and None.
-func appendPyRepr(dst, raw []byte) []byte {
-	return appendPy(dst, raw, true)
-}
-
-func appendPy(dst, raw []byte, repr bool) []byte {
 	i := skipSpace(raw, 0)
 	if i >= len(raw) {
 		return dst
@@ -40,9 +28,9 @@ func appendPy(dst, raw []byte, repr bool) []byte {
 			if n > 0 {
 				dst = append(dst, ", "...)
 			}
-			dst = appendPyString(dst, unescaped(m.key), repr)
+			dst = appendPyString(dst, unescaped(m.key))
 			dst = append(dst, ": "...)
-			dst = appendPy(dst, m.value, repr)
+			dst = appendPyDumps(dst, m.value)
 		}
 		return append(dst, '}')
 	case '[':
@@ -52,24 +40,15 @@ func appendPy(dst, raw []byte, repr bool) []byte {
 			if n > 0 {
 				dst = append(dst, ", "...)
 			}
-			dst = appendPy(dst, e.value, repr)
+			dst = appendPyDumps(dst, e.value)
 		}
 		return append(dst, ']')
 	case '"':
 		end, _ := skipValue(raw, i)
-		return appendPyString(dst, unescaped(raw[i+1:end-1]), repr)
+		return appendPyString(dst, unescaped(raw[i+1:end-1]))
 	case 't', 'f', 'n':
-		if !repr {
-			end, _ := skipValue(raw, i)
-			return append(dst, raw[i:end]...)
-		}
-		switch c {
-		case 't':
-			return append(dst, "True"...)
-		case 'f':
-			return append(dst, "False"...)
-		}
-		return append(dst, "None"...)
+		end, _ := skipValue(raw, i)
+		return append(dst, raw[i:end]...)
 	}
 	end, _ := skipValue(raw, i)
 	return appendPyNumber(dst, raw[i:end])
@@ -129,56 +108,14 @@ func appendPyFloat(dst []byte, f float64) []byte {
 	return append(dst, ".0"...)
 }
 
-// appendPyString writes s as json.dumps (ensure_ascii) or repr writes it.
-func appendPyString(dst, s []byte, repr bool) []byte {
-	if !repr {
-		dst = append(dst, '"')
-		for len(s) > 0 {
-			r, n := utf8.DecodeRune(s)
-			s = s[n:]
-			switch {
-			case r == '"' || r == '\\':
-				dst = append(dst, '\\', byte(r))
-			case r == '\n':
-				dst = append(dst, `\n`...)
-			case r == '\r':
-				dst = append(dst, `\r`...)
-			case r == '\t':
-				dst = append(dst, `\t`...)
-			case r == '\b':
-				dst = append(dst, `\b`...)
-			case r == '\f':
-				dst = append(dst, `\f`...)
-			case r < 0x20 || r >= 0x7f:
-				if r > 0xffff {
-					r1, r2 := utf16.EncodeRune(r)
-					dst = appendU4(dst, 'u', r1)
-					dst = appendU4(dst, 'u', r2)
-				} else {
-					dst = appendU4(dst, 'u', r)
-				}
-			default:
-				dst = append(dst, byte(r))
-			}
-		}
-		return append(dst, '"')
-	}
-	// repr: single quotes unless the string has one and no double quote.
-	q := byte('\'')
-	hasSingle, hasDouble := false, false
-	for _, c := range s {
-		hasSingle = hasSingle || c == '\''
-		hasDouble = hasDouble || c == '"'
-	}
-	if hasSingle && !hasDouble {
-		q = '"'
-	}
-	dst = append(dst, q)
+// appendPyString writes s as json.dumps (ensure_ascii) writes it.
+func appendPyString(dst, s []byte) []byte {
+	dst = append(dst, '"')
 	for len(s) > 0 {
 		r, n := utf8.DecodeRune(s)
 		s = s[n:]
 		switch {
-		case r == rune(q) || r == '\\':
+		case r == '"' || r == '\\':
 			dst = append(dst, '\\', byte(r))
 		case r == '\n':
 			dst = append(dst, `\n`...)
@@ -186,34 +123,27 @@ func appendPyString(dst, s []byte, repr bool) []byte {
 			dst = append(dst, `\r`...)
 		case r == '\t':
 			dst = append(dst, `\t`...)
-		case r < 0x20 || r == 0x7f:
-			dst = appendU4(dst, 'x', r)
-		case r < 0x80 || unicode.IsPrint(r):
-			dst = utf8.AppendRune(dst, r)
-		case r <= 0xff:
-			dst = appendU4(dst, 'x', r)
-		case r <= 0xffff:
-			dst = appendU4(dst, 'u', r)
+		case r == '\b':
+			dst = append(dst, `\b`...)
+		case r == '\f':
+			dst = append(dst, `\f`...)
+		case r < 0x20 || r >= 0x7f:
+			if r > 0xffff {
+				r1, r2 := utf16.EncodeRune(r)
+				dst = appendU4(dst, r1)
+				dst = appendU4(dst, r2)
+			} else {
+				dst = appendU4(dst, r)
+			}
 		default:
-			dst = appendU4(dst, 'U', r)
+			dst = append(dst, byte(r))
 		}
 	}
-	return append(dst, q)
+	return append(dst, '"')
 }
 
-// appendU4 writes \x.., \u.... or \U........ with lowercase hex digits.
-func appendU4(dst []byte, kind byte, r rune) []byte {
-	width := 8
-	switch kind {
-	case 'x':
-		width = 2
-	case 'u':
-		width = 4
-	}
-	dst = append(dst, '\\', kind)
-	h := strconv.FormatInt(int64(r), 16)
-	for i := len(h); i < width; i++ {
-		dst = append(dst, '0')
-	}
-	return append(dst, h...)
+// appendU4 writes \u.... with lowercase hex digits.
+func appendU4(dst []byte, r rune) []byte {
+	const hex = "0123456789abcdef"
+	return append(dst, '\\', 'u', hex[r>>12&0xf], hex[r>>8&0xf], hex[r>>4&0xf], hex[r&0xf])
 }

@@ -89,10 +89,17 @@ type apiRequest struct {
 	prevResponse string
 	prevEngine   string
 
-	wire   []wireMessage // messages as scanned, before validation
-	blocks []block       // a Messages API message's content blocks, as scanned
-	text   []byte        // decoded strings that are not the body's own bytes
-	media  []byte        // scratch: the media of a content part (mediaOf)
+	wire     []wireMessage // messages as scanned, before validation
+	blocks   []block       // a Messages API message's content blocks, as scanned
+	anth     []anthMsg     // a Messages API request's messages, placed
+	parts    []part        // a Messages API message's own text and images
+	images   [][]byte      // the images of a message's tool results
+	anthHeld []anthMsg     // scratch of moveOutOfToolRuns
+	// a Messages API request's messages, placed (moveOutOfToolRuns,
+	// foldSystem)
+	anthMoved, anthFolded []anthMsg
+	text                  []byte // decoded strings that are not the body's own bytes
+	media                 []byte // scratch: the media of a content part (mediaOf)
 }
 
 // paramError is a client mistake in one field.
@@ -120,7 +127,13 @@ func (r *apiRequest) reset() {
 	clear(r.messages)
 	clear(r.wire)
 	clear(r.blocks)
-	*r = apiRequest{messages: r.messages[:0], wire: r.wire[:0], text: r.text[:0], media: r.media[:0], blocks: r.blocks[:0]}
+	clear(r.anth)
+	clear(r.anthMoved)
+	clear(r.anthFolded)
+	clear(r.parts)
+	clear(r.images)
+	*r = apiRequest{messages: r.messages[:0], wire: r.wire[:0], text: r.text[:0], media: r.media[:0], blocks: r.blocks[:0],
+		anth: r.anth[:0], parts: r.parts[:0], images: r.images[:0], anthHeld: r.anthHeld[:0], anthMoved: r.anthMoved[:0], anthFolded: r.anthFolded[:0]}
 }
 
 // parse fills r, which is new or reset, from body. The body is validated as

@@ -490,21 +490,7 @@ var (
 // anything. The stream ends with response.completed, response.incomplete
 // or response.failed; it has no [DONE].
 func (r *relay) onResponsesEvent(raw, content []byte) []byte {
-	var name, data []byte
-	for ev := content; len(ev) > 0; {
-		line := ev
-		if k, n := lineEnd(ev); k >= 0 {
-			line, ev = ev[:k], ev[k+n:]
-		} else {
-			line, ev = bytes.TrimSuffix(ev, cr), nil
-		}
-		switch {
-		case bytes.HasPrefix(line, eventPrefix):
-			name = bytes.TrimLeft(line[len(eventPrefix):], " ")
-		case bytes.HasPrefix(line, dataPrefix) && data == nil:
-			data = bytes.TrimLeft(line[len(dataPrefix):], " ")
-		}
-	}
+	name, data := eventFields(content)
 	if data == nil {
 		return raw
 	}
@@ -539,6 +525,26 @@ func (r *relay) onResponsesEvent(raw, content []byte) []byte {
 		r.x.errMsg = "engine error event"
 	}
 	return ids.rewrite(raw)
+}
+
+// eventFields are an event's name (its event: line) and data (its first
+// data: line); nil for those it has not.
+func eventFields(ev []byte) (name, data []byte) {
+	for len(ev) > 0 {
+		line := ev
+		if k, n := lineEnd(ev); k >= 0 {
+			line, ev = ev[:k], ev[k+n:]
+		} else {
+			line, ev = bytes.TrimSuffix(ev, cr), nil
+		}
+		switch {
+		case bytes.HasPrefix(line, eventPrefix):
+			name = bytes.TrimLeft(line[len(eventPrefix):], " ")
+		case bytes.HasPrefix(line, dataPrefix) && data == nil:
+			data = bytes.TrimLeft(line[len(dataPrefix):], " ")
+		}
+	}
+	return name, data
 }
 
 // typeOf is the value of an event's top-level "type" member, a short

@@ -661,12 +661,14 @@ func (s *Server) routes() map[string]route {
 // handle dispatches a request. Completions check their key themselves
 // (after counting the request), other endpoints here.
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
+	if bytes.HasPrefix(ctx.Path(), messagesPath) {
+		// Anthropic's clients read Anthropic's errors, whoever answers,
+		// and its SDKs show the request's id from request-id.
+		defer toAnthropicError(ctx)
+		defer func() { ctx.Response.Header.SetBytesV("Request-Id", ctx.Response.Header.PeekBytes(hdrRequestID)) }()
+	}
 	if s.cors(ctx, s.st.Load()) {
 		return // a preflight
-	}
-	if bytes.HasPrefix(ctx.Path(), messagesPath) {
-		// Anthropic's clients read Anthropic's errors, whoever answers.
-		defer toAnthropicError(ctx)
 	}
 	r, ok := s.routeTable[string(ctx.Path())]
 	if !ok && bytes.HasPrefix(ctx.Path(), modelPathPrefix) {
@@ -774,6 +776,9 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 		s.drainRejectedBody(ctx)
 		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", s.st.Load().cfg.Limits.MaxRequestBodyBytes), "invalid_request_error", "", "request_too_large")
 		reason = "body too large"
+		if bytes.HasPrefix(ctx.Path(), messagesPath) { // its headers were read
+			toAnthropicError(ctx)
+		}
 	case errors.As(err, &small) || errors.Is(err, fasthttp.ErrSmallReadBuffer):
 		writeError(ctx, fasthttp.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers exceed the limit of %d bytes", s.limits.MaxHeaderBytes), "invalid_request_error", "", "headers_too_large")
 		reason = "headers too large"

@@ -198,8 +198,11 @@ func (r *relay) end(out []byte, err error) []byte {
 		// the client in OpenAI's shape and end the stream properly.
 		if errors.Is(err, io.EOF) || errors.Is(err, backends.ErrTruncated) {
 			err = errors.New("stream ended without [DONE]")
-			if x.resp != nil {
+			switch x.api {
+			case apiResponses:
 				err = errors.New("stream ended before the response's last event")
+			case apiMessages:
+				err = errors.New("stream ended before message_stop")
 			}
 		}
 		x.errMsg = "backend " + x.b.cfg.ID + " failed mid-stream: " + err.Error()
@@ -302,7 +305,7 @@ func (r *relay) failEvent(out []byte, msg, typ, code string) []byte {
 		out = append(out, "event: error\ndata: "...)
 		return append(append(out, responsesErrorJSON(msg, code)...), "\n\n"...)
 	case apiMessages:
-		return anthropicFailEvent(out, msg)
+		return anthropicFailEvent(out, r.x.status, msg)
 	}
 	out = append(out, "data: "...)
 	out = append(out, errorJSON(msg, typ, "", code)...)

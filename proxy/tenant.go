@@ -208,15 +208,15 @@ func (a *authTable) client(ctx *fasthttp.RequestCtx) *tenant {
 	if a.anonymous != nil {
 		return a.anonymous
 	}
-	key := bearer(ctx)
-	if key == "" {
-		// Anthropic's SDKs send their key so.
-		key = string(ctx.Request.Header.Peek("X-Api-Key"))
+	if t := a.byKey[sha256.Sum256([]byte(bearer(ctx)))]; t != nil {
+		return t
 	}
-	if key == "" {
-		return nil
+	// Anthropic's SDKs send their key so (with an auth token as well, when
+	// they have both).
+	if key := ctx.Request.Header.Peek("X-Api-Key"); len(key) > 0 {
+		return a.byKey[sha256.Sum256(key)]
 	}
-	return a.byKey[sha256.Sum256([]byte(key))]
+	return nil
 }
 
 // isAdmin checks the admin key. With no admin keys, admin endpoints are open

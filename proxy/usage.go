@@ -14,9 +14,10 @@ var (
 	completionKey = []byte(`"completion_tokens":`)
 	cachedKey     = []byte(`"cached_tokens":`)
 	// The Responses and Anthropic APIs' names.
-	inputKey     = []byte(`"input_tokens":`)
-	outputKey    = []byte(`"output_tokens":`)
-	cacheReadKey = []byte(`"cache_read_input_tokens":`)
+	inputKey         = []byte(`"input_tokens":`)
+	outputKey        = []byte(`"output_tokens":`)
+	cacheReadKey     = []byte(`"cache_read_input_tokens":`)
+	cacheCreationKey = []byte(`"cache_creation_input_tokens":`)
 )
 
 // read fills u from the usage object in an engine answer or stream chunk,
@@ -43,7 +44,13 @@ func (u *tokenUsage) read(b []byte) {
 	if n := intAfter(b, cachedKey); n >= 0 {
 		u.cached = n
 	} else if n := intAfter(b, cacheReadKey); n >= 0 {
+		// Anthropic's meaning, which vLLM's Messages endpoint reports:
+		// input_tokens are the prompt tokens neither read from the cache
+		// nor written to it.
 		u.cached = n
+		if in := intAfter(b, inputKey); in >= 0 {
+			u.prompt = in + n + max(intAfter(b, cacheCreationKey), 0)
+		}
 	}
 }
 
