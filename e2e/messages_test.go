@@ -119,6 +119,14 @@ func TestMessagesPromptIsTheEngines(t *testing.T) {
 			{"role":"assistant","content":[{"type":"thinking","thinking":"plan","signature":"s"},{"type":"text","text":"ok"},{"type":"tool_use","id":"t1","name":"f","input":{"x":1.0,"s":"é \"q\"","n":null,"l":[true,1e-7]}}]},
 			{"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":"42"},{"type":"tool_result","id":"t2","content":[{"type":"text","text":"it's"}]},{"type":"text","text":"next"}]},
 			{"role":"assistant","content":[{"type":"tool_result","content":"echo"}]},{"role":"user","content":[{"type":"tool_result","content":""}]}]`,
+		// Claude Code's: the billing header, inline system messages (one in a tool run), images by URL and in a tool result.
+		`"system":[{"type":"text","text":"x-anthropic-billing-header: cc_version=2.1.197.5c8;"},{"type":"text","text":"You are Claude Code."}],"messages":[{"role":"system","content":"lead"},{"role":"user","content":"go"},
+			{"role":"assistant","content":[{"type":"redacted_thinking","data":"x"},{"type":"tool_use","id":"t1","name":"f","input":{}}]},{"role":"system","content":"mid-run"},
+			{"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":[{"type":"text","text":"a"},{"type":"image","source":{"type":"base64","media_type":"image/png","data":"AAAA"}},{"type":"text","text":"b"}]}]},
+			{"role":"user","content":[{"type":"image","source":{"type":"url","url":"https://example.com/cat.png"}},{"type":"text","text":"and this?"}]},{"role":"system","content":"trailing"}]`,
+		// No system prompt: inline system messages are folded.
+		`"messages":[{"role":"user","content":"q1"},{"role":"system","content":"n1"},{"role":"assistant","content":"a1"},{"role":"system","content":"n2"},{"role":"user","content":"q2"},
+			{"role":"assistant","content":[{"type":"tool_use","id":"t2","name":"f","input":{"x":1}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t2","content":"r"}]},{"role":"system","content":"n3"}]`,
 	} {
 		var count struct {
 			InputTokens int `json:"input_tokens"`
