@@ -229,10 +229,10 @@ func TestMessagesBlocksAsChat(t *testing.T) {
 			{"thinking is reasoning; a message of nothing is dropped",
 				`{"messages":[{"role":"user","content":[{"type":"text","text":""}]},{"role":"assistant","content":[{"type":"thinking","thinking":"hm","signature":"s"},{"type":"thinking","thinking":"m"},{"type":"text","text":"ok"}]}]}`,
 				`{"messages":[{"role":"assistant","content":"ok","reasoning":"hmm"}]}`},
-			{"ids, names, descriptions and schemas as sent, arguments quoted by json.Marshal (kvproxy's text)",
+			{"ids, names and descriptions as sent, schemas compact, arguments quoted by json.Marshal (kvproxy's text)",
 				`{"tools":[{"name":"f\u005f","input_schema":{ "properties": {} }},{"name":"g","description":"d\u0020","input_schema":{}}],"messages":[` +
 					`{"role":"assistant","content":[{"type":"tool_use","id":"t\u005f1","name":"f\u005f","input":{"q":"<a&b>"}},{"type":"tool_use","id":"t2","name":"g","input":{}}]}]}`,
-				`{"tools":[{"type":"function","function":{"name":"f\u005f","description":null,"parameters":{ "properties": {} ,"type":"object"}}},` +
+				`{"tools":[{"type":"function","function":{"name":"f\u005f","description":null,"parameters":{"properties":{},"type":"object"}}},` +
 					`{"type":"function","function":{"name":"g","description":"d\u0020","parameters":{"type":"object"}}}],"messages":[` +
 					`{"role":"assistant","tool_calls":[{"id":"t\u005f1","type":"function","function":{"name":"f\u005f","arguments":"{\"q\": \"\u003ca\u0026b\u003e\"}"}},` +
 					`{"id":"t2","type":"function","function":{"name":"g","arguments":"{}"}}]}]}`},

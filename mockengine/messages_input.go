@@ -676,9 +676,9 @@ func appendToolCall(calls []byte, b *contentBlock) []byte {
 
 // anthropicTools is the request's tools as the chat tools vLLM makes of
 // them: [{"type":"function","function":{"name","description",
-// "parameters"}}], name, description (null when absent) and input_schema
-// as sent, the schema with "type":"object" added at its end when it has
-// no type (AnthropicTool's validator), as kvproxy writes them. Absent or
+// "parameters"}}], name, description (null when absent) as sent and
+// input_schema compacted, with "type":"object" added at its end when it
+// has no type (AnthropicTool's validator), as kvproxy writes them. Absent or
 // null tools are none ("").
 func anthropicTools(raw json.RawMessage) (string, error) {
 	raw = bytes.TrimSpace(raw)
@@ -705,7 +705,13 @@ func anthropicTools(raw json.RawMessage) (string, error) {
 		} else if !isJSONString(desc) && string(desc) != "null" {
 			return "", invalid("tools", "tools[%d].description must be a string", i)
 		}
-		schema := bytes.TrimSpace(tool.InputSchema)
+		// Compact, as a template's tojson writes it whatever the client's
+		// spacing (and as kvproxy writes it).
+		var compact bytes.Buffer
+		if json.Compact(&compact, tool.InputSchema) != nil {
+			return "", invalid("tools", "tools[%d].input_schema must be an object", i)
+		}
+		schema := compact.Bytes()
 		members, err := objectMembers(schema)
 		if err != nil {
 			return "", invalid("tools", "tools[%d].input_schema must be an object", i)

@@ -315,6 +315,7 @@ type block struct {
 }
 
 var (
+	typeMember      = []string{"type"}
 	emptyJSONObject = []byte("{}")
 	sourceMembers   = []string{"data"}
 	roleMembers     = []string{"role", "content"}
@@ -608,17 +609,16 @@ func (r *apiRequest) anthropicTools(raw []byte) *paramError {
 		r.text = append(r.text, `,"description":`...)
 		r.text = appendOrNull(r.text, v[1])
 		r.text = append(r.text, `,"parameters":`...)
-		schema := v[2]
+		// Compact, as the engine's template writes it whatever the
+		// client's spacing.
+		mark := len(r.text)
+		r.text = appendCompact(r.text, v[2])
 		var typ [1][]byte
-		if membersNamed(schema, []string{"type"}, typ[:])[0] != nil || emptyObject(schema) {
-			if emptyObject(schema) {
-				schema = []byte(`{"type":"object"}`)
-			}
-			r.text = append(r.text, schema...)
-		} else {
-			end := bytes.LastIndexByte(schema, '}')
-			r.text = append(r.text, schema[:end]...)
-			r.text = append(r.text, `,"type":"object"}`...)
+		switch schema := r.text[mark:]; {
+		case emptyObject(schema):
+			r.text = append(r.text[:mark], `{"type":"object"}`...)
+		case membersNamed(schema, typeMember, typ[:])[0] == nil:
+			r.text = append(r.text[:len(r.text)-1], `,"type":"object"}`...)
 		}
 		r.text = append(r.text, "}}"...)
 	}
