@@ -86,7 +86,7 @@ func (e *Engine) serveMessages(w http.ResponseWriter, hr *http.Request) {
 		e.failAnthropic(w, err)
 		return
 	}
-	r := e.newRequest(c.prompt, c.maxTokens, c.req.IgnoreEOS, "")
+	r := e.newRequest(c.prompt, c.maxTokens, c.req.IgnoreEOS, c.req.CacheSalt)
 	if err := e.submit(r); err != nil {
 		e.failAnthropic(w, err)
 		return

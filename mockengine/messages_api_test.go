@@ -170,12 +170,13 @@ func TestMessagesBlocksAsChat(t *testing.T) {
 					`{"role":"user","content":"weather in Zürich?"},` +
 					`{"role":"assistant","content":"Let me look.","tool_calls":[{"id":"toolu_1","type":"function","function":{"name":"get_weather","arguments":"{\"city\": \"Z\\u00fcrich\", \"days\": 1.0, \"x\": 1e+16}"}}]},` +
 					`{"role":"tool","tool_call_id":"toolu_1","content":"sunny"},{"role":"user","content":"thanks"}]}`},
-			{"tool result names its call by tool_use_id; a list is its texts, one a line, then a user message of its images",
+			{"tool result names its call by tool_use_id; a list is its texts, one a line, followed by a user message of its images",
 				`{"messages":[{"role":"user","content":[{"type":"tool_result","id":"x","tool_use_id":"toolu_1","content":[{"type":"text","text":"it's 20°"},` +
 					`{"type":"image","source":{"type":"base64","media_type":"image/png","data":"QUJD"}},{"type":"other"},{"type":"image"},{"type":"image","source":{"type":"url"}},{"type":"text","text":"dry"}]},` +
 					`{"type":"tool_result","content":null},{"type":"text","text":"and?"}]}]}`,
-				`{"messages":[{"role":"tool","tool_call_id":"toolu_1","content":"it's 20°\ndry"},{"role":"tool","tool_call_id":"","content":""},` +
-					`{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,QUJD"}},{"type":"image_url","image_url":{"url":"data:image/jpeg;base64,"}}]},{"role":"user","content":"and?"}]}`},
+				`{"messages":[{"role":"tool","tool_call_id":"toolu_1","content":"it's 20°\ndry"},` +
+					`{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,QUJD"}},{"type":"image_url","image_url":{"url":"data:image/jpeg;base64,"}}]},` +
+					`{"role":"tool","tool_call_id":"","content":""},{"role":"user","content":"and?"}]}`},
 			{"redacted thinking and tool references say nothing; ctx and msg are user",
 				`{"messages":[{"role":"ctx","content":"c"},{"role":"msg","content":[{"type":"tool_reference","tool_name":"f"},{"type":"text","text":"m"}]},` +
 					`{"role":"assistant","content":[{"type":"redacted_thinking","data":"zz"},{"type":"text","text":"ok"}]}]}`,

@@ -37,6 +37,7 @@ type messagesRequest struct {
 	TopK          *int            `json:"top_k"`
 	TopP          *float64        `json:"top_p"`
 	IgnoreEOS     bool            `json:"ignore_eos"` // the chat path's extension
+	CacheSalt     string          `json:"cache_salt"` // current vLLM passes it on (_build_base_request)
 }
 
 // anthropicChat is a Messages request converted: the chat messages and
@@ -344,7 +345,7 @@ func (m *inMessage) appendChat(out []tokenize.Message) []tokenize.Message {
 		return append(out, tokenize.Message{Role: m.role, Content: m.str})
 	}
 	msg := tokenize.Message{Role: m.role}
-	var own, resultImages chatParts
+	var own chatParts
 	var calls []byte
 	var reasoning []string
 	for _, b := range m.blocks {
@@ -366,23 +367,26 @@ func (m *inMessage) appendChat(out []tokenize.Message) []tokenize.Message {
 		case "tool_result":
 			if m.role == "user" {
 				out = append(out, tokenize.Message{Role: "tool", Content: b.result.text(), ToolCallID: b.toolUseID})
+				// Its images follow it, as a user message of their own
+				// (vLLM's _convert_user_tool_result).
+				var images chatParts
 				for _, url := range b.result.images() {
-					resultImages.addImage(url)
+					images.addImage(url)
+				}
+				if images.n > 0 {
+					out = append(out, tokenize.Message{Role: "user", Content: string(images.text)})
 				}
 			} else {
 				own.addText("Tool result: " + b.result.text())
 			}
 		}
 	}
-	if resultImages.n > 0 {
-		out = append(out, tokenize.Message{Role: "user", Content: string(resultImages.text)})
-	}
 	if calls != nil {
 		msg.ToolCalls = string(append(calls, ']'))
 	}
 	msg.Reasoning = strings.Join(reasoning, "")
-	if own.n == 0 && calls == nil && reasoning == nil {
-		return out // vLLM drops a message left empty
+	if own.n == 0 && calls == nil && reasoning == nil && m.role == "user" {
+		return out // vLLM drops a user message left empty
 	}
 	msg.Content = string(own.text)
 	return append(out, msg)

@@ -16,22 +16,26 @@ func (st *state) clientIP(ctx *fasthttp.RequestCtx) net.IP {
 	if len(st.trusted) == 0 || !st.isTrusted(peer) {
 		return peer
 	}
-	xff := ctx.Request.Header.Peek("X-Forwarded-For")
+	// Several header lines are one list (a proxy may add a line of its
+	// own rather than append to the client's), the last line last.
+	lines := ctx.Request.Header.PeekAll("X-Forwarded-For")
 	client := peer
-	for len(xff) > 0 {
-		entry := xff
-		if i := bytes.LastIndexByte(xff, ','); i >= 0 {
-			entry, xff = xff[i+1:], xff[:i]
-		} else {
-			xff = nil
-		}
-		ip := net.ParseIP(string(bytes.TrimSpace(entry)))
-		if ip == nil {
-			break
-		}
-		client = ip
-		if !st.isTrusted(ip) {
-			break
+	for l := len(lines) - 1; l >= 0; l-- {
+		for xff := lines[l]; len(xff) > 0; {
+			entry := xff
+			if i := bytes.LastIndexByte(xff, ','); i >= 0 {
+				entry, xff = xff[i+1:], xff[:i]
+			} else {
+				xff = nil
+			}
+			ip := net.ParseIP(string(bytes.TrimSpace(entry)))
+			if ip == nil {
+				return client
+			}
+			client = ip
+			if !st.isTrusted(ip) {
+				return client
+			}
 		}
 	}
 	return client

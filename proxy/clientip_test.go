@@ -19,11 +19,14 @@ func TestClientIP(t *testing.T) {
 		{"127.0.0.1", "", "127.0.0.1"},
 		{"127.0.0.1", "10.0.0.1, 10.0.0.2", "10.0.0.1"},
 		{"127.0.0.1", "not-an-ip", "127.0.0.1"},
-		{"198.51.100.1", "203.0.113.7", "198.51.100.1"}, // not a trusted proxy: its header is ignored
+		{"198.51.100.1", "203.0.113.7", "198.51.100.1"},     // not a trusted proxy: its header is ignored
+		{"127.0.0.1", "6.6.6.6|203.0.113.7", "203.0.113.7"}, // the client's own line, then the proxy's
 	} {
 		var req fasthttp.Request
-		if c.xff != "" {
-			req.Header.Set("X-Forwarded-For", c.xff)
+		for _, line := range strings.Split(c.xff, "|") {
+			if line != "" {
+				req.Header.Add("X-Forwarded-For", line)
+			}
 		}
 		var ctx fasthttp.RequestCtx
 		ctx.Init(&req, &net.TCPAddr{IP: net.ParseIP(c.peer), Port: 5000}, nil)

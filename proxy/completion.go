@@ -311,11 +311,6 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		salt = composeSalt(t.salt, req.cacheSalt)
 		ns = kv.NewNamespace(salt)
 	}
-	if kind == apiMessages {
-		// vLLM's Messages endpoint takes no cache_salt: the engine caches
-		// these prompts unsalted, and so they are hashed.
-		salt, ns = "", 0
-	}
 	sc.hashes = kv.HashBlocks(sc.hashes[:0], tokens, p.cfg.BlockSize, ns)
 	rr := &sc.route
 	*rr = router.Request{Hashes: sc.hashes, PromptTokens: counted, Unstreamed: !req.stream, CandidateBuf: sc.cands}

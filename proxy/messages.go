@@ -357,7 +357,6 @@ func (r *apiRequest) anthropicMessage(m *anthMsg) *paramError {
 	blocks := r.blocks[m.from:m.to]
 	onlyResults := m.role == "user" && m.results
 	if m.role == "user" {
-		r.images = r.images[:0]
 		last := -1
 		for k := range blocks {
 			if blocks[k].typ == "tool_result" {
@@ -377,20 +376,23 @@ func (r *apiRequest) anthropicMessage(m *anthMsg) *paramError {
 			if onlyResults && k == last {
 				folded = m.append
 			}
+			r.images = r.images[:0]
 			start := len(r.text)
 			r.text = r.appendToolResult(r.text, bl.v[blockContent], folded)
 			msg.Content = r.textFrom(start)
 			r.messages = append(r.messages, msg)
-		}
-		if len(r.images) > 0 {
-			start := len(r.text)
-			for k, url := range r.images {
-				if k > 0 {
-					r.text = append(r.text, '\n')
+			// Its images follow it, as a user message of their own
+			// (vLLM's _convert_user_tool_result).
+			if len(r.images) > 0 {
+				start := len(r.text)
+				for k, url := range r.images {
+					if k > 0 {
+						r.text = append(r.text, '\n')
+					}
+					r.text = tokenize.AppendMediaStandIn(r.text, url)
 				}
-				r.text = tokenize.AppendMediaStandIn(r.text, url)
+				r.messages = append(r.messages, tokenize.Message{Role: "user", Content: r.textFrom(start)})
 			}
-			r.messages = append(r.messages, tokenize.Message{Role: "user", Content: r.textFrom(start)})
 		}
 	}
 	msg := tokenize.Message{Role: m.role}
@@ -480,8 +482,8 @@ func (r *apiRequest) anthropicMessage(m *anthMsg) *paramError {
 		r.text = append(r.text, ']')
 		msg.ToolCalls = r.textFrom(start)
 	}
-	if len(r.parts) == 0 && calls == 0 && !thinking {
-		return nil // vLLM drops it (a user message of tool results only)
+	if len(r.parts) == 0 && calls == 0 && !thinking && m.role == "user" {
+		return nil // vLLM drops a user message left empty (one of tool results only)
 	}
 	r.messages = append(r.messages, msg)
 	return nil

@@ -89,6 +89,8 @@ func TestParseAnthropic(t *testing.T) {
 		`{"max_tokens":5,"messages":[{"role":"user","content":[{"type":"image","source":{}},{"type":"text","text":"x"}]}]}`:              `[{user x    }]`,
 		`{"max_tokens":5,"messages":[{"role":"user","content":"x"},{"role":"assistant","content":[{"type":"thinking","thinking":""}]}]}`: `[{user x    } {assistant     }]`,
 		`{"max_tokens":5,"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"ok"}]}]}`:              `[{tool ok  t  }]`,
+		// Each tool result's images follow it; an empty assistant turn stays (vLLM drops only a user's).
+		`{"max_tokens":5,"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"a","content":[{"type":"text","text":"one"},{"type":"image","source":{"type":"url","url":"u1"}}]},{"type":"tool_result","tool_use_id":"b","content":[{"type":"image","source":{"type":"url","url":"u2"}}]}]},{"role":"assistant","content":[{"type":"redacted_thinking","data":"x"}]}]}`: "[{tool one  a  } {user " + string(tokenize.AppendMediaStandIn(nil, []byte("u1"))) + "    } {tool   b  } {user " + string(tokenize.AppendMediaStandIn(nil, []byte("u2"))) + "    } {assistant     }]",
 	} {
 		req := &apiRequest{}
 		if pe := req.parseAnthropic([]byte(body), false); pe != nil || fmt.Sprint(req.messages) != want {
@@ -276,9 +278,9 @@ func TestMessagesStreamEngineFailure(t *testing.T) {
 	p.waitIdle(t)
 }
 
-// vLLM's Messages endpoint takes no cache_salt: a tenant's message is
-// hashed as the engine caches it, unsalted, and no salt is sent.
-func TestMessagesAreNotSalted(t *testing.T) {
+// Current vLLM salts a message's cache with its cache_salt, as chat: a
+// tenant's messages are hashed in its own namespace and its salt sent.
+func TestMessagesAreSalted(t *testing.T) {
 	e := startAnthEngine(t)
 	p := startAnthProxy(t, e, "auth: {keys: [{key: key-salted-0001, tenant: s}, {key: key-plain-00001, tenant: plain}], cache_salt_secret: s3cret}\n")
 	body := `{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"` + strings.Repeat("hello ", 40) + `"}]`
@@ -286,10 +288,10 @@ func TestMessagesAreNotSalted(t *testing.T) {
 	_, salted := postHeaders(t, p.url+"/v1/messages", dry, "x-api-key", "key-salted-0001")
 	_, plain := postHeaders(t, p.url+"/v1/messages", dry, "x-api-key", "key-plain-00001")
 	s, pl := decodeJSON(t, salted), decodeJSON(t, plain)
-	if fmt.Sprint(s["block_hashes"]) != fmt.Sprint(pl["block_hashes"]) || len(s["block_hashes"].([]any)) == 0 {
+	if fmt.Sprint(s["block_hashes"]) == fmt.Sprint(pl["block_hashes"]) || len(s["block_hashes"].([]any)) == 0 {
 		t.Fatalf("salted %v\nplain  %v", s["block_hashes"], pl["block_hashes"])
 	}
-	if resp, b := postHeaders(t, p.url+"/v1/messages", body+"}", "x-api-key", "key-salted-0001"); resp.StatusCode != 200 || e.bodies[0]["cache_salt"] != nil {
+	if resp, b := postHeaders(t, p.url+"/v1/messages", body+"}", "x-api-key", "key-salted-0001"); resp.StatusCode != 200 || e.bodies[0]["cache_salt"] == nil {
 		t.Fatalf("%d %s, the engine got %v", resp.StatusCode, b, e.bodies[0])
 	}
 }
