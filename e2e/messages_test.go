@@ -124,6 +124,10 @@ func TestMessagesPromptIsTheEngines(t *testing.T) {
 			{"role":"assistant","content":[{"type":"redacted_thinking","data":"x"},{"type":"tool_use","id":"t1","name":"f","input":{}}]},{"role":"system","content":"mid-run"},
 			{"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":[{"type":"text","text":"a"},{"type":"image","source":{"type":"base64","media_type":"image/png","data":"AAAA"}},{"type":"text","text":"b"}]}]},
 			{"role":"user","content":[{"type":"image","source":{"type":"url","url":"https://example.com/cat.png"}},{"type":"text","text":"and this?"}]},{"role":"system","content":"trailing"}]`,
+		// Two tool results with images (Claude Code reading two screenshots); an empty assistant turn.
+		`"messages":[{"role":"user","content":"look"},{"role":"assistant","content":[{"type":"tool_use","id":"a","name":"read","input":{}},{"type":"tool_use","id":"b","name":"read","input":{}}]},
+			{"role":"user","content":[{"type":"tool_result","tool_use_id":"a","content":[{"type":"text","text":"one"},{"type":"image","source":{"type":"url","url":"https://x/1.png"}}]},
+			{"type":"tool_result","tool_use_id":"b","content":[{"type":"image","source":{"type":"base64","data":"QUJD"}}]}]},{"role":"assistant","content":[{"type":"redacted_thinking","data":"x"}]},{"role":"user","content":"so?"}]`,
 		// Tools written with spaces, as Python writes JSON.
 		`"tools":[{"name": "f", "description": "d", "input_schema": {"properties": {"x": {"type": "number"}}}}],"messages":[{"role":"user","content":"go"}]`,
 		// No system prompt: inline system messages are folded.
