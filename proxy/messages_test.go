@@ -379,3 +379,31 @@ func TestMessagesEngineWithoutTheAPI(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// count_tokens is the engine's count or none: with tokenizer: engine and
+// the engine unable to tokenize, a 503, never kvproxy's guess.
+func TestCountTokensIsNeverAGuess(t *testing.T) {
+	e := startAnthEngine(t) // it has no /tokenize
+	p := serveYAML(t, "models: [{name: m, tokenizer: engine}]\nbackends: [{id: e0, url: 'http://"+e.addr+"', model: m}]\n", true)
+	resp, b := post(t, p.url+"/v1/messages/count_tokens", `{"model":"m","messages":[{"role":"user","content":"hello there"}]}`)
+	var v struct {
+		Type  string `json:"type"`
+		Error struct{ Type, Message string }
+	}
+	if json.Unmarshal(b, &v); resp.StatusCode != 503 || v.Type != "error" || v.Error.Type != "overloaded_error" || !strings.Contains(v.Error.Message, "could not count") {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+}
+
+func TestAnthropicErrorTypes(t *testing.T) {
+	for status, want := range map[int]string{400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+		413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 502: "api_error", 503: "overloaded_error", 504: "timeout_error"} {
+		if got := anthropicErrorType(status); got != want {
+			t.Errorf("%d: %s, want %s", status, got, want)
+		}
+	}
+	// A stream cut by a silent engine says so in its error event.
+	if ev := string(anthropicFailEvent(nil, 504, "silent")); ev != "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"timeout_error\",\"message\":\"silent\"}}\n\n" {
+		t.Errorf("%q", ev)
+	}
+}
