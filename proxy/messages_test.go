@@ -300,12 +300,16 @@ func TestMessagesAreSalted(t *testing.T) {
 // too on these paths.
 func TestMessagesPathErrorsAreAnthropics(t *testing.T) {
 	e := startAnthEngine(t)
-	p := startAnthProxy(t, e, "")
+	p := startAnthProxy(t, e, "cors: {allowed_origins: [https://app.example.com]}\n")
 	for _, c := range []struct {
 		method, path string
 		status       int
-	}{{"GET", "/v1/messages", 405}, {"GET", "/v1/messages/count_tokens", 405}, {"POST", "/v1/messages/batches", 404}} {
+	}{{"GET", "/v1/messages", 405}, {"GET", "/v1/messages/count_tokens", 405}, {"POST", "/v1/messages/batches", 404}, {"OPTIONS", "/v1/messages", 400}} {
 		req, _ := http.NewRequest(c.method, p.url+c.path, nil)
+		if c.method == "OPTIONS" { // a preflight from a page kvproxy does not serve
+			req.Header.Set("Origin", "https://evil.example.com")
+			req.Header.Set("Access-Control-Request-Method", "POST")
+		}
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
 			t.Fatal(err)
