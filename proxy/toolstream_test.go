@@ -1,0 +1,75 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"io"
+	"testing"
+
+	"github.com/rs/zerolog"
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvproxy/kvproxy/backends"
+	"github.com/kvproxy/kvproxy/config"
+	"github.com/kvproxy/kvproxy/router"
+)
+
+// relayed relays raw, an engine's stream for api, through a relay and
+// returns the exchange it recorded.
+func relayed(t *testing.T, api api, raw string) *exchange {
+	t.Helper()
+	cfg, err := config.Parse([]byte("models: [{name: m, block_size: 2}]\nbackends: [{id: e0, url: 'http://127.0.0.1:1'}]\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(cfg, Options{Logger: zerolog.Nop(), DisableHealthChecks: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := s.st.Load()
+	p, be := st.pools[0], st.backends["e0"]
+	_, active, _ := p.rt.Route(&router.Request{PromptTokens: 10})
+	x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, usage: tokenUsage{-1, -1, -1}, api: api}
+	if api == apiResponses {
+		x.resp = &respIDs{tag: "0a1b2c3d0a1b2c3d"}
+	}
+	s.live.add(x)
+	rl := newRelay(x, &memBody{bytes.NewReader([]byte(raw))}, fasthttp.AcquireResponse())
+	if _, err := rl.WriteTo(bufio.NewWriter(io.Discard)); err != nil {
+		t.Fatal(err)
+	}
+	rl.Close()
+	return x
+}
+
+// An agent's turn streams reasoning and a tool call's arguments, not
+// text: they are output all the same, the first of them the end of the
+// prefill, and the stream ends cleanly.
+func TestToolCallStreamsCountAsOutput(t *testing.T) {
+	responses := "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_1\",\"status\":\"in_progress\"}}\n\n" +
+		"event: response.reasoning_text.delta\ndata: {\"type\":\"response.reasoning_text.delta\",\"delta\":\"think\"}\n\n" +
+		"event: response.output_item.added\ndata: {\"type\":\"response.output_item.added\",\"item\":{\"type\":\"function_call\",\"name\":\"f\",\"arguments\":\"\"}}\n\n" +
+		"event: response.function_call_arguments.delta\ndata: {\"type\":\"response.function_call_arguments.delta\",\"delta\":\"{\\\"x\\\":\"}\n\n" +
+		"event: response.function_call_arguments.delta\ndata: {\"type\":\"response.function_call_arguments.delta\",\"delta\":\"1}\"}\n\n" +
+		"event: response.function_call_arguments.done\ndata: {\"type\":\"response.function_call_arguments.done\",\"arguments\":\"{\\\"x\\\":1}\"}\n\n" +
+		"event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_1\",\"status\":\"completed\",\"usage\":{\"input_tokens\":9,\"output_tokens\":3}}}\n\n"
+	messages := "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":9,\"output_tokens\":0}}}\n\n" +
+		"event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"thinking\",\"thinking\":\"\"}}\n\n" +
+		"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"thinking_delta\",\"thinking\":\"think\"}}\n\n" +
+		"event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n" +
+		"event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":1,\"content_block\":{\"type\":\"tool_use\",\"id\":\"t\",\"name\":\"f\",\"input\":{}}}\n\n" +
+		"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":1,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"{\\\"x\\\":\"}}\n\n" +
+		"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":1,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"1}\"}}\n\n" +
+		"event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":1}\n\n" +
+		"event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"tool_use\"},\"usage\":{\"input_tokens\":9,\"output_tokens\":3}}\n\n" +
+		"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"
+	for name, c := range map[string]struct {
+		api api
+		raw string
+	}{"responses": {apiResponses, responses}, "messages": {apiMessages, messages}} {
+		x := relayed(t, c.api, c.raw)
+		if x.outputTokens != 3 || x.ttft == 0 || x.errMsg != "" || x.usage.prompt != 9 || x.usage.completion != 3 {
+			t.Errorf("%s: %d output events, ttft %v, error %q, usage %+v", name, x.outputTokens, x.ttft, x.errMsg, x.usage)
+		}
+	}
+}
