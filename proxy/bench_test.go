@@ -8,11 +8,9 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/rs/zerolog"
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvproxy/kvproxy/backends"
-	"github.com/kvproxy/kvproxy/config"
 	"github.com/kvproxy/kvproxy/router"
 )
 
@@ -49,16 +47,7 @@ func BenchmarkSSERelay(b *testing.B) {
 // exchange set up by setup in each iteration; check says what is wrong
 // with the exchange afterwards ("" for nothing).
 func benchRelay(b *testing.B, raw []byte, events int, setup func(*exchange), check func(*exchange) string) {
-	cfg, err := config.Parse([]byte("models: [{name: m}]\nbackends: [{id: e0, url: 'http://127.0.0.1:1'}]\nlog_level: warn\n"))
-	if err != nil {
-		b.Fatal(err)
-	}
-	s, err := New(cfg, Options{Logger: zerolog.Nop(), DisableHealthChecks: true})
-	if err != nil {
-		b.Fatal(err)
-	}
-	st := s.st.Load()
-	p, be := st.pools[0], st.backends["e0"]
+	s, p, be := relayFixture(b)
 	w := bufio.NewWriterSize(io.Discard, 4096)
 	req := router.Request{PromptTokens: 100}
 	b.SetBytes(int64(len(raw)))

@@ -721,7 +721,7 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 			ctx.Response.Header.SetContentEncodingBytes(enc)
 		case status != fasthttp.StatusOK:
 			// The engine's error quotes the id in its message.
-			body = bytes.ReplaceAll(body, []byte(orig), []byte(id))
+			body = (&respIDs{prevOrig: orig, prevTagged: id}).rewriteError(body)
 		default:
 			ids := respIDs{tag: tag}
 			ids.orig = strconv.AppendQuote(nil, orig)

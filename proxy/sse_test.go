@@ -55,7 +55,7 @@ func (c *chunkRecorder) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-func relayFixture(t *testing.T) (*Server, *modelPool, *backend) {
+func relayFixture(t testing.TB) (*Server, *modelPool, *backend) {
 	t.Helper()
 	cfg, err := config.Parse([]byte("models: [{name: m, block_size: 4}]\nbackends: [{id: e0, url: 'http://127.0.0.1:1'}]\nlog_level: warn\n"))
 	if err != nil {

@@ -6,11 +6,9 @@ import (
 	"io"
 	"testing"
 
-	"github.com/rs/zerolog"
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvproxy/kvproxy/backends"
-	"github.com/kvproxy/kvproxy/config"
 	"github.com/kvproxy/kvproxy/router"
 )
 
@@ -18,16 +16,7 @@ import (
 // returns the exchange it recorded.
 func relayed(t *testing.T, api api, raw string) *exchange {
 	t.Helper()
-	cfg, err := config.Parse([]byte("models: [{name: m, block_size: 2}]\nbackends: [{id: e0, url: 'http://127.0.0.1:1'}]\n"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := New(cfg, Options{Logger: zerolog.Nop(), DisableHealthChecks: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	st := s.st.Load()
-	p, be := st.pools[0], st.backends["e0"]
+	s, p, be := relayFixture(t)
 	_, active, _ := p.rt.Route(&router.Request{PromptTokens: 10})
 	x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, usage: tokenUsage{-1, -1, -1}, api: api}
 	if api == apiResponses {
