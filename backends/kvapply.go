@@ -36,7 +36,7 @@ type KVApplierConfig struct {
 	Shared bool
 	// Namespace seeds block 0 of a stored sequence from its LoRA name and
 	// cache salt; it must agree with how the proxy hashes requests. nil means
-	// kv.NewNamespace(salt, lora) (either alone: kv.NewNamespace of it).
+	// kv.RequestNamespace(salt, lora).
 	Namespace func(lora, salt string) kv.Namespace
 	// OnProblem, when set, hears of the first block size mismatch (the
 	// engine's block size against BlockSize), once per applier, outside
@@ -149,7 +149,7 @@ func NewKVApplier(cfg KVApplierConfig, workers Workers) *KVApplier {
 		cfg.BlockSize = kv.DefaultBlockSize
 	}
 	if cfg.Namespace == nil {
-		cfg.Namespace = func(lora, salt string) kv.Namespace { return kv.NewNamespace(salt, lora) }
+		cfg.Namespace = func(lora, salt string) kv.Namespace { return kv.RequestNamespace(salt, lora) }
 	}
 	a := &KVApplier{cfg: cfg, workers: workers, idx: workers.Index()}
 	a.rank(0)

@@ -150,8 +150,11 @@ func TestKVApplyLoRANamespace(t *testing.T) {
 	ev := stored([]uint64{1, 2}, nil, toks, kv.TierDevice)
 	ev.LoRAName = "sql"
 	a.ApplyEvents(0, []kv.Event{ev})
-	if d, _ := depth(t, r, "b", toks, kv.NewNamespace("sql")); d != 2 {
+	if d, _ := depth(t, r, "b", toks, kv.RequestNamespace("", "sql")); d != 2 {
 		t.Fatalf("lora depth %d", d)
+	}
+	if d, _ := depth(t, r, "b", toks, kv.NewNamespace("sql")); d != 0 {
+		t.Fatalf("a cache salt named like the adapter must not match its blocks, depth %d", d)
 	}
 	if d, _ := depth(t, r, "b", toks, 0); d != 0 {
 		t.Fatalf("base model must not match LoRA blocks, depth %d", d)
@@ -494,7 +497,7 @@ func TestKVApplySmallPagesEdges(t *testing.T) {
 		tail[i].LoRAName = "ad"
 	}
 	a.ApplyEvents(0, append([]kv.Event{head}, tail...))
-	if d, _ := depth(t, r, "sg", toks, kv.NewNamespace("ad")); d != 3 {
+	if d, _ := depth(t, r, "sg", toks, kv.RequestNamespace("", "ad")); d != 3 {
 		t.Fatalf("depth %d", d)
 	}
 	// A partial first router block carries the namespace too.
@@ -503,7 +506,7 @@ func TestKVApplySmallPagesEdges(t *testing.T) {
 		first[i].LoRAName = "other"
 	}
 	a.ApplyEvents(0, first)
-	if d, _ := depth(t, r, "sg", toks, kv.NewNamespace("other")); d != 1 {
+	if d, _ := depth(t, r, "sg", toks, kv.RequestNamespace("", "other")); d != 1 {
 		t.Fatalf("namespaced first block depth %d", d)
 	}
 	// Page 101 (mid router block 2) evicted, then a page continuing 102:

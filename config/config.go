@@ -11,6 +11,7 @@ import (
 	"net/url"
 	"os"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -151,6 +152,12 @@ type Health struct {
 type Model struct {
 	Name    string   `yaml:"name"`
 	Aliases []string `yaml:"aliases"`
+	// Adapters are the LoRA adapters every backend of the model serves, by
+	// the names requests give them (vLLM's --lora-modules NAME=PATH). A
+	// request for one is routed among the model's backends, forwarded
+	// with the adapter's name, and its blocks are cached apart from the
+	// base model's, as the engine caches them.
+	Adapters []string `yaml:"adapters"`
 	// Tokenizer is cl100k_base, o200k_base, a path to a Hugging Face
 	// tokenizer.json (or a model directory holding one), or "engine": ask
 	// the backend's own /tokenize endpoint.
@@ -566,21 +573,24 @@ func (c *Config) Validate() error {
 		if m.Name == "" {
 			add(f+".name", "required")
 		}
-		for j, n := range append([]string{m.Name}, m.Aliases...) {
+		for j, n := range slices.Concat([]string{m.Name}, m.Aliases, m.Adapters) {
+			field := f
+			switch {
+			case j > len(m.Aliases):
+				field = fmt.Sprintf("%s.adapters[%d]", f, j-1-len(m.Aliases))
+			case j > 0:
+				field = fmt.Sprintf("%s.aliases[%d]", f, j-1)
+			}
 			if n == "" {
 				if j > 0 {
-					add(fmt.Sprintf("%s.aliases[%d]", f, j-1), "must not be empty")
+					add(field, "must not be empty")
 				}
 				continue
 			}
 			if prev, ok := names[n]; ok {
-				add(f, "name or alias %q already used by %s", n, prev)
+				add(f, "name, alias or adapter %q already used by %s", n, prev)
 			}
-			if j == 0 {
-				names[n] = f
-			} else {
-				names[n] = fmt.Sprintf("%s.aliases[%d]", f, j-1)
-			}
+			names[n] = field
 		}
 		if !contains(Tokenizers, m.Tokenizer) && m.Tokenizer != TokenizerEngine && !fileExists(m.Tokenizer) {
 			add(f+".tokenizer", "unknown tokenizer %q (want %s, engine, or the path of a tokenizer.json)", m.Tokenizer, strings.Join(Tokenizers, ", "))

@@ -50,6 +50,18 @@ func NewNamespace(parts ...string) Namespace {
 	return Namespace(s)
 }
 
+// RequestNamespace is the namespace of a request's blocks, and of the
+// blocks an engine stores for it: its cache salt and the LoRA adapter it
+// runs with ("" for the base model). An engine never reuses one adapter's
+// blocks for another or for the base model, and a salt cannot pose as an
+// adapter: the adapter's part starts with a byte no JSON string holds.
+func RequestNamespace(salt, lora string) Namespace {
+	if lora == "" {
+		return NewNamespace(salt)
+	}
+	return NewNamespace(salt, "\xfe"+lora)
+}
+
 func (ns Namespace) seed() uint64 {
 	if ns == 0 {
 		return HashSeed

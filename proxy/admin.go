@@ -10,6 +10,7 @@ import (
 	"github.com/goccy/go-json"
 	"github.com/valyala/fasthttp"
 
+	"github.com/kvproxy/kvproxy/config"
 	"github.com/kvproxy/kvproxy/kv"
 	"github.com/kvproxy/kvproxy/router"
 )
@@ -20,6 +21,20 @@ type modelJSON struct {
 	Created int64  `json:"created"`
 	OwnedBy string `json:"owned_by"`
 	Root    string `json:"root,omitempty"`
+	// Parent is the base model of a LoRA adapter, as vLLM lists adapters.
+	Parent string `json:"parent,omitempty"`
+}
+
+// modelCards lists m, its aliases and its adapters as /v1/models does.
+func modelCards(data []modelJSON, m *config.Model) []modelJSON {
+	data = append(data, modelJSON{ID: m.Name, Object: "model", Created: startTime, OwnedBy: "kvproxy"})
+	for _, a := range m.Aliases {
+		data = append(data, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Root: m.Name})
+	}
+	for _, a := range m.Adapters {
+		data = append(data, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: m.Name})
+	}
+	return data
 }
 
 var startTime = time.Now().Unix()
@@ -27,11 +42,8 @@ var startTime = time.Now().Unix()
 func (s *Server) handleModels(ctx *fasthttp.RequestCtx, st *state) {
 	s.requestIDs(ctx)
 	var data []modelJSON
-	for _, m := range st.cfg.Models {
-		data = append(data, modelJSON{ID: m.Name, Object: "model", Created: startTime, OwnedBy: "kvproxy"})
-		for _, a := range m.Aliases {
-			data = append(data, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Root: m.Name})
-		}
+	for i := range st.cfg.Models {
+		data = modelCards(data, &st.cfg.Models[i])
 	}
 	writeJSON(ctx, map[string]any{"object": "list", "data": data})
 }
@@ -42,14 +54,10 @@ var modelPathPrefix = []byte("/v1/models/")
 func (s *Server) handleModel(ctx *fasthttp.RequestCtx, st *state) {
 	s.requestIDs(ctx)
 	id := string(ctx.Path()[len(modelPathPrefix):])
-	for _, m := range st.cfg.Models {
-		if m.Name == id {
-			writeJSON(ctx, modelJSON{ID: m.Name, Object: "model", Created: startTime, OwnedBy: "kvproxy"})
-			return
-		}
-		for _, a := range m.Aliases {
-			if a == id {
-				writeJSON(ctx, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Root: m.Name})
+	for i := range st.cfg.Models {
+		for _, card := range modelCards(nil, &st.cfg.Models[i]) {
+			if card.ID == id {
+				writeJSON(ctx, card)
 				return
 			}
 		}

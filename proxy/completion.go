@@ -29,6 +29,7 @@ type exchange struct {
 	id       string // the request's id, to the client and in the log
 	engineID string // the id sent to the engine
 	model    string
+	lora     string // the LoRA adapter the request names, "" for the base model
 	path     string // the engine's endpoint
 	stream   bool
 	start    time.Time // the request's arrival
@@ -311,6 +312,9 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		salt = composeSalt(t.salt, req.cacheSalt)
 		ns = kv.NewNamespace(salt)
 	}
+	if lora := p.adapter(req.model); lora != "" {
+		ns = kv.RequestNamespace(salt, lora) // the engine caches an adapter's blocks apart
+	}
 	sc.hashes = kv.HashBlocks(sc.hashes[:0], tokens, p.cfg.BlockSize, ns)
 	rr := &sc.route
 	*rr = router.Request{Hashes: sc.hashes, PromptTokens: counted, Unstreamed: !req.stream, CandidateBuf: sc.cands}
@@ -377,12 +381,16 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 func (s *Server) newExchange(rid, engineID, path string, stream bool, start time.Time, p *modelPool, model string) *exchange {
 	// model points into the request body; a streamed answer's exchange
 	// outlives it.
-	if model == p.cfg.Name {
+	lora := p.adapter(model)
+	switch {
+	case model == p.cfg.Name:
 		model = p.cfg.Name
-	} else {
+	case lora != "":
+		model = lora
+	default:
 		model = strings.Clone(model)
 	}
-	x := &exchange{s: s, id: rid, engineID: engineID, model: model, path: path, stream: stream, start: start, p: p, usage: tokenUsage{-1, -1, -1}}
+	x := &exchange{s: s, id: rid, engineID: engineID, model: model, lora: lora, path: path, stream: stream, start: start, p: p, usage: tokenUsage{-1, -1, -1}}
 	x.ab = &x.abort
 	return x
 }
@@ -445,7 +453,11 @@ func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *e
 		if x.b.salted {
 			engineSalt = salt
 		}
-		body, err := req.forwardBody(sc.body[:0], x.b.cfg.ServedModel, engineSalt)
+		served := x.b.cfg.ServedModel
+		if x.lora != "" {
+			served = x.lora
+		}
+		body, err := req.forwardBody(sc.body[:0], served, engineSalt)
 		sc.body = body
 		if err != nil {
 			x.release()
@@ -1046,7 +1058,11 @@ func (x *exchange) logLine() {
 	prompt, completion, cached := x.tokens()
 	metered := x.accepted && (!x.pass || x.usage.prompt >= 0) // pass-through: only an answer's own usage
 	if metered {
-		s.metrics.countTokens(x.p.cfg.Name, x.tenant, prompt, completion, cached)
+		model := x.p.cfg.Name
+		if x.lora != "" {
+			model = x.lora
+		}
+		s.metrics.countTokens(model, x.tenant, prompt, completion, cached)
 	}
 	ev := s.log.Info()
 	if x.status >= 500 {

@@ -109,6 +109,9 @@ func (et *engineTokenizer) tokens(p *modelPool, req *apiRequest, chat bool, maxT
 			continue
 		}
 		body.Model = b.cfg.ServedModel
+		if lora := p.adapter(req.model); lora != "" {
+			body.Model = lora
+		}
 		ids, err := et.ask(b, &body)
 		if errors.As(err, new(requestRefused)) {
 			// The request's own fault (a template error, a chat_template

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"reflect"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -110,6 +111,18 @@ func (p *modelPool) backend(w router.WorkerID) *backend {
 		return ws[w]
 	}
 	return nil
+}
+
+// adapter is name when it names one of the model's LoRA adapters (the
+// configuration's copy of it), else "".
+func (p *modelPool) adapter(name string) string {
+	if name == p.cfg.Name {
+		return ""
+	}
+	if i := slices.Index(p.cfg.Adapters, name); i >= 0 {
+		return p.cfg.Adapters[i]
+	}
+	return ""
 }
 
 func (p *modelPool) setBackend(b *backend) {
@@ -242,7 +255,7 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 		}
 		st.pools = append(st.pools, p)
 		st.models[mc.Name] = p
-		for _, a := range mc.Aliases {
+		for _, a := range slices.Concat(mc.Aliases, mc.Adapters) {
 			st.models[a] = p
 		}
 	}

@@ -1,0 +1,119 @@
+package proxy
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/kvproxy/kvproxy/config"
+)
+
+// A request for a LoRA adapter is served by its base model's backends and
+// forwarded with the adapter's name. vLLM caches an adapter's blocks apart
+// from the base model's (and reports them with its lora_name): the request
+// finds the blocks stored under its adapter, never the base model's or
+// another adapter's, and the base model never finds the adapter's.
+func TestLoRAAdapterRequestsRouteOnTheAdaptersBlocks(t *testing.T) {
+	e0, e1 := startFake(t, "e0", nil), startFake(t, "e1", nil)
+	p := startProxyYAML(t, "models: [{name: m, adapters: [sql-lora, chat-lora], tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n"+
+		"  - {id: e0, url: 'http://{{e0}}', model: m, served_model: engine-m, kv_events: {mode: http}}\n"+
+		"  - {id: e1, url: 'http://{{e1}}', model: m, served_model: engine-m, kv_events: {mode: http}}\n", e0, e1)
+	ids := promptIDs(1000)
+	push := func(engine, lora string) {
+		t.Helper()
+		batch := fmt.Sprintf(`{"engine_id":%q,"events":[{"type":"block_stored","block_hashes":[1,2,3,4],"parent_block_hash":null,"token_ids":[%s],"block_size":16,"lora_name":%q}]}`, engine, ids, lora)
+		if resp, b := post(t, p.url+"/v1/kv_events", batch); resp.StatusCode != 200 {
+			t.Fatalf("push: %d %s", resp.StatusCode, b)
+		}
+	}
+	dryRun := func(model string) decisionJSON {
+		t.Helper()
+		resp, b := post(t, p.url+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":[%s],"max_tokens":1,"nvext":{"annotations":["query_instance_id"]}}`, model, ids))
+		var d decisionJSON
+		if resp.StatusCode != 200 || json.Unmarshal(b, &d) != nil {
+			t.Fatalf("dry run of %s: %d %s", model, resp.StatusCode, b)
+		}
+		return d
+	}
+	push("e1", "sql-lora")
+	if d := dryRun("sql-lora"); d.WorkerID != "e1" || d.OverlapBlocks != 4 {
+		t.Fatalf("sql-lora: %s with %d blocks, want e1 with the 4 it caches", d.WorkerID, d.OverlapBlocks)
+	}
+	for _, model := range []string{"m", "chat-lora"} {
+		if d := dryRun(model); d.OverlapBlocks != 0 {
+			t.Fatalf("%s finds %d of sql-lora's blocks on %s", model, d.OverlapBlocks, d.WorkerID)
+		}
+	}
+	push("e0", "")
+	if d := dryRun("m"); d.WorkerID != "e0" || d.OverlapBlocks != 4 {
+		t.Fatalf("base model: %s with %d blocks, want e0 with 4", d.WorkerID, d.OverlapBlocks)
+	}
+	if d := dryRun("sql-lora"); d.WorkerID != "e1" || d.OverlapBlocks != 4 {
+		t.Fatalf("sql-lora after the base model's blocks: %s with %d blocks", d.WorkerID, d.OverlapBlocks)
+	}
+
+	// The engine gets the adapter's name, not the base model's served name.
+	resp, b := post(t, p.url+"/v1/completions", fmt.Sprintf(`{"model":"sql-lora","prompt":[%s],"max_tokens":1}`, ids))
+	if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "e1" {
+		t.Fatalf("sql-lora: %d on %q: %s", resp.StatusCode, resp.Header.Get(WorkerHeader), b)
+	}
+	if got := e1.lastBody()["model"]; got != "sql-lora" {
+		t.Fatalf("the engine got model %v, want sql-lora", got)
+	}
+	if resp, b := post(t, p.url+"/v1/embeddings", `{"model":"chat-lora","input":"hi"}`); resp.StatusCode != 200 || !strings.Contains(string(b), `"model":"chat-lora"`) {
+		t.Fatalf("pass-through of an adapter: %d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+	metrics := p.metrics(t)
+	if !strings.Contains(metrics, `kvproxy_tokens_total{model="sql-lora",tenant="",type="prompt"} 10`) {
+		t.Fatalf("the adapter's tokens are not counted under its name:\n%s", grepLines(metrics, "kvproxy_tokens_total"))
+	}
+
+	var list struct{ Data []modelJSON }
+	if resp, b := fetch(t, p.url+"/v1/models"); resp.StatusCode != 200 || json.Unmarshal(b, &list) != nil {
+		t.Fatalf("/v1/models: %d %s", resp.StatusCode, b)
+	}
+	want := []modelJSON{{ID: "m"}, {ID: "sql-lora", Parent: "m"}, {ID: "chat-lora", Parent: "m"}}
+	if len(list.Data) != len(want) {
+		t.Fatalf("/v1/models: %+v", list.Data)
+	}
+	for i, w := range want {
+		if got := list.Data[i]; got.ID != w.ID || got.Parent != w.Parent || got.Object != "model" {
+			t.Fatalf("/v1/models[%d] = %+v, want id %s parent %q", i, got, w.ID, w.Parent)
+		}
+	}
+	if resp, b := fetch(t, p.url+"/v1/models/chat-lora"); resp.StatusCode != 200 || !strings.Contains(string(b), `"id":"chat-lora"`) || !strings.Contains(string(b), `"parent":"m"`) {
+		t.Fatalf("/v1/models/chat-lora: %d %s", resp.StatusCode, b)
+	}
+}
+
+func TestLoRAAdapterNamesMustBeUnique(t *testing.T) {
+	for _, bad := range []string{
+		"models: [{name: m, adapters: [m], block_size: 16}]",
+		"models: [{name: m, aliases: [a], adapters: [a], block_size: 16}]",
+		"models: [{name: m, adapters: [x, x], block_size: 16}]",
+		"models: [{name: m, adapters: [n], block_size: 16}, {name: n, block_size: 16}]",
+		"models: [{name: m, adapters: [''], block_size: 16}]",
+	} {
+		_, err := config.Parse([]byte(bad + "\nbackends: [{id: e0, url: 'http://127.0.0.1:1', model: m}]\n"))
+		if err == nil || !strings.Contains(err.Error(), "adapter") {
+			t.Errorf("%s: %v", bad, err)
+		}
+	}
+}
+
+// fetch GETs url.
+func fetch(t *testing.T, url string) (*http.Response, []byte) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, b
+}
