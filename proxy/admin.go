@@ -45,6 +45,9 @@ func (s *Server) handleModels(ctx *fasthttp.RequestCtx, st *state) {
 	for i := range st.cfg.Models {
 		data = modelCards(data, &st.cfg.Models[i])
 	}
+	for _, p := range st.pools {
+		data = p.listedAdapters(data)
+	}
 	writeJSON(ctx, map[string]any{"object": "list", "data": data})
 }
 
@@ -61,6 +64,10 @@ func (s *Server) handleModel(ctx *fasthttp.RequestCtx, st *state) {
 				return
 			}
 		}
+	}
+	if p := st.poolOfAdapter(id); p != nil {
+		writeJSON(ctx, modelJSON{ID: id, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: p.cfg.Name})
+		return
 	}
 	writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", id), "invalid_request_error", "model", "model_not_found")
 }
@@ -106,7 +113,9 @@ type backendJSON struct {
 	IndexedBlocks int64 `json:"indexed_blocks"`
 
 	KVEvents *eventCounters `json:"kv_events"`
-	Scrape   *scrapeJSON    `json:"engine_metrics"`
+	// Adapters: the LoRA adapters the engine lists (absent while unknown).
+	Adapters *[]string   `json:"adapters,omitempty"`
+	Scrape   *scrapeJSON `json:"engine_metrics"`
 	// The kv policy's coefficients for this backend (fitted online).
 	PrefillMsPerToken float64 `json:"prefill_ms_per_token"`
 	QueueMsPerToken   float64 `json:"queue_ms_per_token"`
@@ -174,6 +183,7 @@ func (s *Server) backendRows(st *state) []backendJSON {
 					row.ActiveBlocks += ws.ActiveBlocks
 				}
 			}
+			row.Adapters = b.adapters.Load()
 			if ss := b.scrape.Load(); ss != nil {
 				row.Scrape = &scrapeJSON{OK: ss.ok, Error: ss.err, Waiting: ss.m.Waiting, Running: ss.m.Running,
 					KVUsage: ss.m.KVUsage, AgeMs: time.Since(ss.at).Milliseconds()}

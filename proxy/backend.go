@@ -78,6 +78,10 @@ type backend struct {
 	feed         *backends.KVFeed // nil in approximate mode
 	eventsPushed atomic.Uint64
 	scrape       atomic.Pointer[scrapeStatus]
+	// adapters: the LoRA adapters the engine lists (kind vllm or mock,
+	// polled); nil while unknown.
+	adapters       atomic.Pointer[[]string]
+	adaptersPolled time.Time // scrape loop only
 }
 
 func newBackend(bc config.Backend, cfg *config.Config, p *modelPool, log zerolog.Logger) *backend {

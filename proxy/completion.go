@@ -7,6 +7,7 @@ import (
 	"io"
 	"math"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -192,6 +193,9 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		return
 	}
 	p := st.models[req.model]
+	if p == nil && req.model != "" {
+		p = st.poolOfAdapter(req.model)
+	}
 	if req.fields.Model == nil {
 		// As vLLM allows: no model means the one served.
 		if len(st.pools) != 1 {
@@ -312,12 +316,16 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		salt = composeSalt(t.salt, req.cacheSalt)
 		ns = kv.NewNamespace(salt)
 	}
-	if lora := p.adapter(req.model); lora != "" {
+	lora := p.adapter(req.model)
+	if lora != "" {
 		ns = kv.RequestNamespace(salt, lora) // the engine caches an adapter's blocks apart
 	}
 	sc.hashes = kv.HashBlocks(sc.hashes[:0], tokens, p.cfg.BlockSize, ns)
 	rr := &sc.route
 	*rr = router.Request{Hashes: sc.hashes, PromptTokens: counted, Unstreamed: !req.stream, CandidateBuf: sc.cands}
+	if lora != "" {
+		rr.Avoid = p.avoidLacking(nil, lora)
+	}
 
 	if name, inst, isNum, ok := req.nv.pinned(); ok {
 		w, found := p.rt.WorkerByName(name)
@@ -1059,8 +1067,8 @@ func (x *exchange) logLine() {
 	metered := x.accepted && (!x.pass || x.usage.prompt >= 0) // pass-through: only an answer's own usage
 	if metered {
 		model := x.p.cfg.Name
-		if x.lora != "" {
-			model = x.lora
+		if x.lora != "" && slices.Contains(x.p.cfg.Adapters, x.lora) {
+			model = x.lora // a configured name: engines' lists do not name series
 		}
 		s.metrics.countTokens(model, x.tenant, prompt, completion, cached)
 	}

@@ -234,6 +234,7 @@ func (s *Server) scrapeLoop(stop <-chan struct{}) {
 			wg.Add(1)
 			go func(b *backend) {
 				defer wg.Done()
+				b.pollAdapters(scraper)
 				m, ranks, err := scraper.ScrapeRanks(b.base+"/metrics", b.cfg.InsecureSkipVerify, nil)
 				ss := &scrapeStatus{ok: err == nil, m: m, at: time.Now()}
 				if err != nil {

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvproxy/kvproxy/config"
 )
@@ -116,4 +117,89 @@ func fetch(t *testing.T, url string) (*http.Response, []byte) {
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
 	return resp, b
+}
+
+// vLLM lists its LoRA adapters in /v1/models (cards with a parent), those
+// of --lora-modules and those loaded at run time. kvproxy polls the lists:
+// a request for an adapter only some engines list goes to those, whether
+// the configuration names the adapter or not, and an adapter no engine
+// lists is an unknown model.
+func TestLoRAAdaptersListedByEnginesRouteToThem(t *testing.T) {
+	lists := func(adapters ...string) string {
+		cards := []string{`{"id":"engine-m","object":"model","parent":null}`}
+		for _, a := range adapters {
+			cards = append(cards, fmt.Sprintf(`{"id":%q,"object":"model","root":"/adapters/%s","parent":"engine-m"}`, a, a))
+		}
+		return `{"object":"list","data":[` + strings.Join(cards, ",") + `]}`
+	}
+	e0 := startFake(t, "e0", func(f *fakeEngine) { f.modelList = lists("sql-lora") })
+	e1 := startFake(t, "e1", func(f *fakeEngine) { f.modelList = lists() })
+	e2 := startFake(t, "e2", func(f *fakeEngine) { f.modelList = lists("sql-lora", "chat-lora") })
+	p := startProxyYAML(t, "models: [{name: m, adapters: [chat-lora, nowhere-lora], tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"router: {policy: round_robin}\nbackends:\n"+
+		"  - {id: e0, url: 'http://{{e0}}', model: m, served_model: engine-m}\n"+
+		"  - {id: e1, url: 'http://{{e1}}', model: m, served_model: engine-m}\n"+
+		"  - {id: e2, url: 'http://{{e2}}', model: m, served_model: engine-m}\n", e0, e1, e2)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		var rows []backendJSON
+		_, b := fetch(t, p.url+"/admin/backends")
+		json.Unmarshal(b, &rows)
+		known := 0
+		for _, r := range rows {
+			if r.Adapters != nil {
+				known++
+			}
+		}
+		if known == 3 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the engines' adapters are not listed in /admin/backends: %s", b)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	served := func(model string, n int) map[string]int {
+		t.Helper()
+		got := map[string]int{}
+		for range n {
+			resp, b := post(t, p.url+"/v1/chat/completions", fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"hi"}]}`, model))
+			if resp.StatusCode != 200 {
+				t.Fatalf("%s: %d %s", model, resp.StatusCode, b)
+			}
+			got[resp.Header.Get(WorkerHeader)]++
+		}
+		return got
+	}
+	if got := served("sql-lora", 6); got["e0"] != 3 || got["e2"] != 3 {
+		t.Fatalf("sql-lora, listed by e0 and e2 only and not configured, went to %v", got)
+	}
+	if got := e2.lastBody()["model"]; got != "sql-lora" {
+		t.Fatalf("the engine got model %v", got)
+	}
+	if got := served("chat-lora", 3); got["e2"] != 3 {
+		t.Fatalf("chat-lora, configured and listed by e2 alone, went to %v", got)
+	}
+	if got := served("nowhere-lora", 3); len(got) != 3 {
+		t.Fatalf("nowhere-lora, configured but listed by no engine, went to %v: the engines should answer for themselves", got)
+	}
+	if got := served("m", 3); len(got) != 3 {
+		t.Fatalf("the base model went to %v", got)
+	}
+	if resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"other-lora","messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != 404 {
+		t.Fatalf("an adapter no engine lists: %d %s", resp.StatusCode, b)
+	}
+	var list struct{ Data []modelJSON }
+	_, b := fetch(t, p.url+"/v1/models")
+	json.Unmarshal(b, &list)
+	var ids []string
+	for _, c := range list.Data {
+		ids = append(ids, c.ID+"<"+c.Parent)
+	}
+	if strings.Join(ids, " ") != "m< chat-lora<m nowhere-lora<m sql-lora<m" {
+		t.Fatalf("/v1/models: %v", ids)
+	}
+	if resp, b := fetch(t, p.url+"/v1/models/sql-lora"); resp.StatusCode != 200 || !strings.Contains(string(b), `"parent":"m"`) {
+		t.Fatalf("/v1/models/sql-lora: %d %s", resp.StatusCode, b)
+	}
 }

@@ -49,6 +49,9 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 		return
 	}
 	p := st.models[req.model]
+	if p == nil && req.model != "" {
+		p = st.poolOfAdapter(req.model)
+	}
 	if req.fields.Model == nil {
 		// vLLM's pooling and tokenizing requests may leave the model out:
 		// it means the one the engine serves.
@@ -72,6 +75,9 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 	}
 	sc.route = router.Request{PromptTokens: tokens, Unstreamed: true, Auxiliary: true, CandidateBuf: sc.cands}
 	x := s.newExchange(in.rid, in.engineID, path, false, in.start, p, req.model)
+	if x.lora != "" {
+		sc.route.Avoid = p.avoidLacking(nil, x.lora)
+	}
 	x.pass, x.tenant, x.slot = true, in.t.name, in.slot
 	s.dispatch(ctx, st, sc, x, "")
 }

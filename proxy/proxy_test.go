@@ -43,6 +43,7 @@ type fakeEngine struct {
 	status       int           // non-200 answer
 	errBody      string
 	retryAfter   string // Retry-After of the non-200 answer
+	modelList    string // GET /v1/models (default: the base model alone); not recorded
 }
 
 func startFake(t *testing.T, id string, setup func(*fakeEngine)) *fakeEngine {
@@ -59,6 +60,14 @@ func startFake(t *testing.T, id string, setup func(*fakeEngine)) *fakeEngine {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/health", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok")) })
 	mux.HandleFunc("/v1/", f.serve)
+	mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, r *http.Request) {
+		list := f.modelList
+		if list == "" {
+			list = `{"object":"list","data":[{"id":"engine-m","object":"model","root":"engine-m","parent":null}]}`
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Write([]byte(list))
+	})
 	for path := range passthroughPaths {
 		if !strings.HasPrefix(path, "/v1/") {
 			mux.HandleFunc(path, f.serve)

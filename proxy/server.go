@@ -113,18 +113,6 @@ func (p *modelPool) backend(w router.WorkerID) *backend {
 	return nil
 }
 
-// adapter is name when it names one of the model's LoRA adapters (the
-// configuration's copy of it), else "".
-func (p *modelPool) adapter(name string) string {
-	if name == p.cfg.Name {
-		return ""
-	}
-	if i := slices.Index(p.cfg.Adapters, name); i >= 0 {
-		return p.cfg.Adapters[i]
-	}
-	return ""
-}
-
 func (p *modelPool) setBackend(b *backend) {
 	old := *p.workers.Load()
 	ws := make([]*backend, max(len(old), int(b.worker)+1))
@@ -312,8 +300,11 @@ func (s *Server) activate(st, prev *state) {
 		if was == nil || was.pool != b.pool {
 			b.adoptRanks(nil) // a removed backend of its id may still drain
 		}
-		if was != nil && s.health != nil && was.probeURL() == b.probeURL() {
-			b.inheritProbe(was)
+		if was != nil && was.probeURL() == b.probeURL() {
+			b.adapters.Store(was.adapters.Load())
+			if s.health != nil {
+				b.inheritProbe(was)
+			}
 		}
 		// Its feed first: requests reach b once it is set in the pool,
 		// and read its feed for its data-parallel ranks.

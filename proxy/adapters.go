@@ -1,0 +1,127 @@
+package proxy
+
+import (
+	"slices"
+	"time"
+
+	"github.com/kvproxy/kvproxy/backends"
+	"github.com/kvproxy/kvproxy/config"
+	"github.com/kvproxy/kvproxy/router"
+)
+
+// adapterPollEvery is how often an engine's LoRA adapters are listed: vLLM
+// loads and unloads them at run time (/v1/load_lora_adapter).
+const adapterPollEvery = 10 * time.Second
+
+// pollAdapters lists the engine's LoRA adapters when adapterPollEvery has
+// passed since the last time (scrape loop only). Engines of kinds that do
+// not list their adapters as vLLM does stay unknown.
+func (b *backend) pollAdapters(scraper *backends.MetricsScraper) {
+	if b.cfg.Kind != config.KindVLLM && b.cfg.Kind != config.KindMock {
+		return
+	}
+	if now := time.Now(); now.Sub(b.adaptersPolled) < adapterPollEvery {
+		return
+	} else {
+		b.adaptersPolled = now
+	}
+	list, err := scraper.Adapters(b.base+"/v1/models", b.cfg.APIKey, b.cfg.InsecureSkipVerify)
+	if err != nil {
+		return // unknown, or as it last listed them
+	}
+	b.adapters.Store(&list)
+}
+
+// serves reports whether the engine is known to serve the adapter, and
+// whether it is known at all.
+func (b *backend) serves(lora string) (yes, known bool) {
+	list := b.adapters.Load()
+	if list == nil {
+		return false, false
+	}
+	return slices.Contains(*list, lora), true
+}
+
+// adapter is name when it names a LoRA adapter of the model, configured or
+// listed by one of its engines (the configuration's or the engine list's
+// copy of it), else "".
+func (p *modelPool) adapter(name string) string {
+	if name == p.cfg.Name {
+		return ""
+	}
+	if i := slices.Index(p.cfg.Adapters, name); i >= 0 {
+		return p.cfg.Adapters[i]
+	}
+	if slices.Contains(p.cfg.Aliases, name) {
+		return ""
+	}
+	for i, b := range *p.workers.Load() {
+		if b == nil || b.worker != router.WorkerID(i) {
+			continue // a data-parallel rank's worker: its backend is listed too
+		}
+		if list := b.adapters.Load(); list != nil {
+			if i := slices.Index(*list, name); i >= 0 {
+				return (*list)[i]
+			}
+		}
+	}
+	return ""
+}
+
+// poolOfAdapter is the pool one of whose engines lists the adapter name,
+// for a model name the configuration does not know.
+func (st *state) poolOfAdapter(name string) *modelPool {
+	for _, p := range st.pools {
+		if p.adapter(name) != "" {
+			return p
+		}
+	}
+	return nil
+}
+
+// avoidLacking adds to avoid the workers of the engines known not to serve
+// the adapter lora, unless that leaves no engine known to serve it or of
+// unknown adapters: then the engines answer for themselves.
+func (p *modelPool) avoidLacking(avoid []router.WorkerID, lora string) []router.WorkerID {
+	ws := *p.workers.Load()
+	possible := false
+	for _, b := range ws {
+		if b == nil {
+			continue
+		}
+		if yes, known := b.serves(lora); yes || !known {
+			possible = true
+			break
+		}
+	}
+	if !possible {
+		return avoid
+	}
+	for i, b := range ws {
+		if b == nil || b.worker != router.WorkerID(i) {
+			continue
+		}
+		if yes, known := b.serves(lora); known && !yes {
+			avoid = append(avoid, b.workerIDs()...)
+		}
+	}
+	return avoid
+}
+
+// listedAdapters appends the cards of the adapters the model's engines list
+// that the configuration does not name, each once.
+func (p *modelPool) listedAdapters(data []modelJSON) []modelJSON {
+	seen := map[string]bool{}
+	for i, b := range *p.workers.Load() {
+		if b == nil || b.worker != router.WorkerID(i) || b.adapters.Load() == nil {
+			continue
+		}
+		for _, a := range *b.adapters.Load() {
+			if !seen[a] && !slices.Contains(p.cfg.Adapters, a) && a != p.cfg.Name && !slices.Contains(p.cfg.Aliases, a) {
+				seen[a] = true
+				data = append(data, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: p.cfg.Name})
+			}
+		}
+	}
+	return data
+}
