@@ -2,8 +2,12 @@ package proxy
 
 import (
 	"bytes"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -12,6 +16,7 @@ import (
 	"github.com/zeebo/xxh3"
 
 	"github.com/kvproxy/kvproxy/backends"
+	"github.com/kvproxy/kvproxy/config"
 	"github.com/kvproxy/kvproxy/router"
 	"github.com/kvproxy/kvproxy/tokenize"
 )
@@ -25,21 +30,60 @@ import (
 // A response an engine stores (store: true, vLLM with
 // VLLM_ENABLE_RESPONSES_API_STORE) lives on that engine only, and a later
 // request names it with previous_response_id. kvproxy therefore gives the
-// client response ids that name the backend and the tenant: "resp_kvp" +
-// 8 hex digits of the backend id's hash + 8 of the tenant's + "_" + the
-// engine's own id. A request that names such an id goes to that backend
-// with the engine's id, from any kvproxy replica and across restarts, with
-// no table to keep; another tenant's request finds no such response, as
-// its cache salt finds none of the tenant's cache.
+// client response ids that name the backend: "resp_kvp" + a tag + "_" +
+// the engine's own id. The tag is 8 hex digits of the backend id's hash
+// (to find it) and 16 of a MAC over the tenant, the backend id and the
+// engine's id, keyed by a secret no tenant holds (respKey). A request that
+// names such an id goes to that backend with the engine's id, from any
+// kvproxy replica and across restarts, with no table to keep; a tag moved
+// onto another engine id, or an id of another tenant's, names nothing, as
+// a tenant's cache salt finds none of another's cache. With client keys
+// configured an engine's own id (no tag) names nothing either: any tenant
+// could send it.
 
 const (
 	respIDPrefix = "resp_kvp"
-	respTagLen   = 16
+	respTagLen   = 24
 )
 
-// respTag is the tag of the response ids a backend made for a tenant.
-func respTag(backendID, tenant string) string {
-	return hex8(backendID) + hex8("tenant:"+tenant)
+// respKey keys the response ids' MACs: the cache salt secret, or with none
+// the client keys, which no tenant holds all of (ids then outlive restarts
+// and replicas as long as the keys stay the same).
+func respKey(auth config.Auth) []byte {
+	h := sha256.New()
+	h.Write([]byte("kvproxy response ids\x00"))
+	if auth.CacheSaltSecret != "" {
+		h.Write([]byte(auth.CacheSaltSecret))
+		return h.Sum(nil)
+	}
+	keys := make([]string, 0, len(auth.Keys))
+	for _, k := range auth.Keys {
+		keys = append(keys, k.Key)
+	}
+	slices.Sort(keys)
+	for _, k := range keys {
+		sum := sha256.Sum256([]byte(k))
+		h.Write(sum[:])
+	}
+	return h.Sum(nil)
+}
+
+// respSigner tags the ids of the responses one backend makes for one tenant.
+type respSigner struct {
+	key             []byte
+	backend, tenant string
+}
+
+// tag is the tag of the engine's id orig.
+func (s respSigner) tag(orig []byte) string {
+	m := hmac.New(sha256.New, s.key)
+	m.Write([]byte(s.tenant))
+	m.Write([]byte{0})
+	m.Write([]byte(s.backend))
+	m.Write([]byte{0})
+	m.Write(orig)
+	var sum [sha256.Size]byte
+	return hex8(s.backend) + hex.EncodeToString(m.Sum(sum[:0])[:8])
 }
 
 func hex8(s string) string {
@@ -79,27 +123,29 @@ func splitTaggedID(id string) (tag, orig string, ok bool) {
 }
 
 // ownerOf is the backend, within pool p (nil: any model's), that made the
-// response with tag for tenant; nil when there is none (another tenant's
-// tag is none).
-func (st *state) ownerOf(tag, tenant string, p *modelPool) *backend {
-	if tag[8:] != hex8("tenant:"+tenant) {
-		return nil
-	}
+// response orig with tag for tenant; nil when there is none. named reports
+// whether a backend of the tag's name is configured (then the id is not
+// the tenant's, or the keys changed).
+func (st *state) ownerOf(tag, orig, tenant string, p *modelPool) (owner *backend, named bool) {
 	for id, b := range st.backends {
 		if (p == nil || b.pool == p) && hex8(id) == tag[:8] {
-			return b
+			named = true
+			want := respSigner{key: st.respKey, backend: id, tenant: tenant}.tag([]byte(orig))
+			if hmac.Equal([]byte(want), []byte(tag)) {
+				return b, true
+			}
 		}
 	}
-	return nil
+	return nil, named
 }
 
 // respIDs are the response ids of one Responses exchange: what the engine
 // calls them and what the client does.
 type respIDs struct {
-	tag        string // the serving backend's, for the tenant
-	owner      string // the backend that holds the previous response ("" when unknown)
-	prevOrig   string // previous_response_id, as the engine knows it ("" for none)
-	prevTagged string // as the client sent it
+	signer     respSigner // the serving backend's, for the tenant
+	owner      string     // the backend that holds the previous response ("" when unknown)
+	prevOrig   string     // previous_response_id, as the engine knows it ("" for none)
+	prevTagged string     // as the client sent it
 	// The answer's own id, quoted, once read from it.
 	orig, tagged []byte
 	// prevOrig and prevTagged quoted, once needed.
@@ -116,7 +162,8 @@ func (ids *respIDs) learn(obj []byte) {
 	for m := (members{b: obj}); m.next(); {
 		if keyIs(m.key, "id") && len(m.value) > 2 && m.value[0] == '"' && bytes.IndexByte(m.value, '\\') < 0 {
 			ids.orig = append([]byte(nil), m.value...)
-			ids.tagged = append(appendTaggedID([]byte{'"'}, ids.tag, m.value[1:len(m.value)-1]), '"')
+			orig := m.value[1 : len(m.value)-1]
+			ids.tagged = append(appendTaggedID([]byte{'"'}, ids.signer.tag(orig), orig), '"')
 			return
 		}
 	}
@@ -601,7 +648,14 @@ func (r *apiRequest) chatJSON() []byte {
 // not hold the previous response (the client's to hear, not a
 // configuration fault). ids may be nil.
 func (ids *respIDs) lostPrevious(body []byte) bool {
-	return ids != nil && ids.prevOrig != "" && bytes.Contains(body, []byte(ids.prevOrig))
+	if ids == nil || ids.prevOrig == "" {
+		return false
+	}
+	if bytes.Contains(body, []byte(ids.prevOrig)) {
+		return true
+	}
+	quoted := appendJSONQuoted(nil, ids.prevOrig) // as the engine's JSON writes it
+	return bytes.Contains(body, quoted[1:len(quoted)-1])
 }
 
 // previousResponse makes the ids of a Responses request and sends one that
@@ -611,18 +665,28 @@ func (ids *respIDs) lostPrevious(body []byte) bool {
 // longer one of the model's.
 func (s *Server) previousResponse(ctx *fasthttp.RequestCtx, st *state, p *modelPool, req *apiRequest, rr *router.Request, rid, tenant string, start time.Time) *respIDs {
 	ids := &respIDs{prevOrig: req.prevResponse, prevTagged: req.prevResponse}
+	notFound := func(why, reason string) *respIDs {
+		msg := fmt.Sprintf("Previous response with id '%s' not found%s", req.prevResponse, why)
+		writeError(ctx, fasthttp.StatusNotFound, msg, "invalid_request_error", "previous_response_id", "previous_response_not_found")
+		s.logRejected(ctx, rid, tenant, req.model, fasthttp.StatusNotFound, start, reason)
+		return nil
+	}
 	tag, orig, ok := splitTaggedID(req.prevResponse)
 	if !ok {
+		if req.prevResponse != "" && len(st.cfg.Auth.Keys) > 0 {
+			// Any tenant could name an engine's own id.
+			return notFound(".", "previous response id not kvproxy's")
+		}
 		// None, or an engine's own id: the engine it reaches says
 		// whether it holds it.
 		return ids
 	}
-	b := st.ownerOf(tag, tenant, p)
-	if b == nil || b.isDraining() {
-		msg := fmt.Sprintf("Previous response with id '%s' not found: the backend that made it no longer serves the model %q", req.prevResponse, req.model)
-		writeError(ctx, fasthttp.StatusNotFound, msg, "invalid_request_error", "previous_response_id", "previous_response_not_found")
-		s.logRejected(ctx, rid, tenant, req.model, fasthttp.StatusNotFound, start, "previous response's backend gone")
-		return nil
+	b, named := st.ownerOf(tag, orig, tenant, p)
+	switch {
+	case b == nil && named:
+		return notFound(".", "previous response id not the tenant's")
+	case b == nil || b.isDraining():
+		return notFound(fmt.Sprintf(": the backend that made it no longer serves the model %q", req.model), "previous response's backend gone")
 	}
 	ids.prevOrig, req.prevEngine, ids.owner = orig, orig, b.cfg.ID
 	// The engine puts the stored conversation, which kvproxy never saw,
@@ -673,13 +737,14 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 	}
 	tag, orig, ok := splitTaggedID(id)
 	var b *backend
+	named := false
 	if ok {
-		b = st.ownerOf(tag, in.t.name, nil)
+		b, named = st.ownerOf(tag, orig, in.t.name, nil)
 	}
 	if b == nil {
 		why := "kvproxy made no response of this id"
-		if ok && tag[8:] == hex8("tenant:"+in.t.name) {
-			why = "the backend that made it is no longer configured"
+		if ok && !named {
+			why = "kvproxy made no response of this id, or the backend that made it is no longer configured"
 		}
 		writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("Response with id '%s' not found: %s", id, why), "invalid_request_error", "", "response_not_found")
 		s.logRejected(ctx, in.rid, in.t.name, "", fasthttp.StatusNotFound, in.start, "unknown response id")
@@ -723,12 +788,13 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 			// The engine's error quotes the id in its message.
 			body = (&respIDs{prevOrig: orig, prevTagged: id}).rewriteError(body)
 		default:
-			ids := respIDs{tag: tag}
+			ids := respIDs{signer: respSigner{key: st.respKey, backend: b.cfg.ID, tenant: in.t.name}}
 			ids.orig = strconv.AppendQuote(nil, orig)
 			ids.tagged = strconv.AppendQuote(nil, id)
-			// The response it continued is the same engine's.
+			// The response it continued is the same engine's, and the
+			// same tenant's: only its ids reach it.
 			if prev := previousIn(body); prev != "" {
-				ids.prevOrig, ids.prevTagged = prev, string(appendTaggedID(nil, ids.tag, []byte(prev)))
+				ids.prevOrig, ids.prevTagged = prev, string(appendTaggedID(nil, ids.signer.tag([]byte(prev)), []byte(prev)))
 			}
 			body = ids.rewrite(body)
 		}

@@ -52,7 +52,8 @@ func startRespEngine(t *testing.T, id string) *respEngine {
 func (e *respEngine) notFound(w http.ResponseWriter, id, param string) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(404)
-	fmt.Fprintf(w, `{"error":{"message":"Response with id '%s' not found.","type":"invalid_request_error","param":%q,"code":404}}`, id, param)
+	msg, _ := json.Marshal("Response with id '" + id + "' not found.")
+	fmt.Fprintf(w, `{"error":{"message":%s,"type":"invalid_request_error","param":%q,"code":404}}`, msg, param)
 }
 
 func (e *respEngine) create(w http.ResponseWriter, r *http.Request) {
@@ -252,21 +253,36 @@ func TestParseResponses(t *testing.T) {
 }
 
 func TestResponseIDTags(t *testing.T) {
-	tag := respTag("backend-a", "team-a")
-	if len(tag) != respTagLen || tag == respTag("backend-b", "team-a") || tag == respTag("backend-a", "team-b") || tag != respTag("backend-a", "team-a") {
-		t.Fatalf("tags %q %q %q", tag, respTag("backend-b", "team-a"), respTag("backend-a", "team-b"))
+	sign := func(key, backend, tenant, orig string) string {
+		return respSigner{key: []byte(key), backend: backend, tenant: tenant}.tag([]byte(orig))
+	}
+	tag := sign("k", "backend-a", "team-a", "resp_1")
+	for _, other := range []string{sign("k", "backend-b", "team-a", "resp_1"), sign("k", "backend-a", "team-b", "resp_1"),
+		sign("k", "backend-a", "team-a", "resp_2"), sign("j", "backend-a", "team-a", "resp_1")} {
+		if other == tag || other[:8] != tag[:8] && other[:8] != hex8("backend-b") {
+			t.Fatalf("tag %q, and %q for other inputs", tag, other)
+		}
+	}
+	if len(tag) != respTagLen || tag != sign("k", "backend-a", "team-a", "resp_1") || tag[:8] != hex8("backend-a") {
+		t.Fatalf("tag %q", tag)
 	}
 	id := string(appendTaggedID(nil, tag, []byte("resp_0123abc")))
 	gotTag, orig, ok := splitTaggedID(id)
 	if !ok || gotTag != tag || orig != "resp_0123abc" {
 		t.Fatalf("%s split into %q %q %v", id, gotTag, orig, ok)
 	}
-	for _, id := range []string{"resp_0123abc", "resp_kvp0123456701234567_", "resp_kvpzz23456701234567_x", "resp_kvp0123456701234567-x",
-		"resp_kvp0123456701234567_..", "resp_kvp0123456701234567_x%3Fa=b", "resp_kvp0123456701234567_a/b"} {
+	const hex24 = "012345670123456701234567"
+	for _, id := range []string{"resp_0123abc", "resp_kvp" + hex24 + "_", "resp_kvpzz" + hex24[2:] + "_x", "resp_kvp" + hex24 + "-x",
+		"resp_kvp" + hex24 + "_..", "resp_kvp" + hex24 + "_x%3Fa=b", "resp_kvp" + hex24 + "_a/b", "resp_kvp0123456701234567_x"} {
 		if _, _, ok := splitTaggedID(id); ok {
 			t.Errorf("%s: taken for a kvproxy id", id)
 		}
 	}
+}
+
+// testTag is the tag p gives the engine id orig of backend for tenant.
+func testTag(p *testProxy, backend, tenant, orig string) string {
+	return respSigner{key: p.s.st.Load().respKey, backend: backend, tenant: tenant}.tag([]byte(orig))
 }
 
 // A response routes as the chat request with the same conversation: the
@@ -299,7 +315,7 @@ func TestResponsesContinueOnTheirBackend(t *testing.T) {
 	worker := resp.Header.Get(WorkerHeader)
 	engines := map[string]*respEngine{"e0": e0, "e1": e1}
 	owner := engines[worker]
-	if resp.StatusCode != 200 || owner == nil || !strings.HasPrefix(id, respIDPrefix+respTag(worker, "")+"_resp_"+worker) {
+	if tag, orig, _ := splitTaggedID(id); resp.StatusCode != 200 || owner == nil || !strings.HasPrefix(orig, "resp_"+worker) || tag != testTag(p, worker, "", orig) {
 		t.Fatalf("%d %s (worker %q)", resp.StatusCode, b, worker)
 	}
 	if path, body := owner.last(); path != "/v1/responses" || body["model"] != "engine-m" {
@@ -348,7 +364,7 @@ func TestResponsesContinueOnTheirBackend(t *testing.T) {
 		t.Fatalf("PUT: %d", code)
 	}
 	before := e0.created() + e1.created()
-	unknown := string(appendTaggedID(nil, respTag("gone", ""), []byte("resp_x")))
+	unknown := string(appendTaggedID(nil, respSigner{key: p.s.st.Load().respKey, backend: "gone"}.tag([]byte("resp_x")), []byte("resp_x")))
 	if code, v := get("GET", "/v1/responses/"+unknown); code != 404 || !strings.Contains(fmt.Sprint(v), "no longer configured") {
 		t.Fatalf("GET of a removed backend's response: %d %v", code, v)
 	}
@@ -369,9 +385,16 @@ func TestResponsesEngineWithoutThePreviousResponse(t *testing.T) {
 	if resp.StatusCode != 404 || !strings.Contains(string(b), "resp_unknown1") {
 		t.Fatalf("%d %s", resp.StatusCode, b)
 	}
+	// An id the engine's JSON escapes is recognised in its answer too: it
+	// was taken for an engine without the API, rerouted and answered 502
+	// (found by the eleventh session's SDK trial).
+	resp, b = post(t, p.url+"/v1/responses", `{"model":"m","input":"x","previous_response_id":"resp_a\"b\n"}`)
+	if resp.StatusCode != 404 || !strings.Contains(string(b), `resp_a\"b\n`) || strings.Contains(p.logs.String(), "rerouting") {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
 	// A response kvproxy relayed, which the engine no longer holds (it
 	// restarted): the error names it as the client knows it.
-	gone := string(appendTaggedID(nil, respTag("e0", ""), []byte("resp_e0lost")))
+	gone := string(appendTaggedID(nil, testTag(p, "e0", "", "resp_e0lost"), []byte("resp_e0lost")))
 	resp, b = post(t, p.url+"/v1/responses", fmt.Sprintf(`{"model":"m","input":"x","previous_response_id":%q}`, gone))
 	if resp.StatusCode != 404 || !strings.Contains(string(b), "'"+gone+"'") {
 		t.Fatalf("%d %s", resp.StatusCode, b)
@@ -428,7 +451,7 @@ func TestResponsesStream(t *testing.T) {
 	}
 	completed := decodeJSON(t, []byte(strings.TrimPrefix(events[5][1], "data: ")))
 	id := completed["response"].(map[string]any)["id"].(string)
-	if tag, _, ok := splitTaggedID(id); !ok || tag != respTag("e0", "") {
+	if tag, orig, ok := splitTaggedID(id); !ok || tag != testTag(p, "e0", "", orig) {
 		t.Fatalf("response id %s", id)
 	}
 	p.waitIdle(t)
@@ -538,17 +561,38 @@ func TestResponsesBelongToTheirTenant(t *testing.T) {
 	if resp, body := postHeaders(t, p.url+"/v1/responses", follow, b...); resp.StatusCode != 404 || !strings.Contains(string(body), "previous_response_not_found") {
 		t.Fatalf("another tenant continued it: %d %s", resp.StatusCode, body)
 	}
+	// Nor with the engine's own id (pinned to the engine or not), nor with
+	// a tag of one of its own responses on that engine put in front of it
+	// (found by the eleventh session's SDK trial: both read, continued and
+	// deleted the other tenant's response).
+	_, orig, _ := splitTaggedID(id)
+	resp, body = postHeaders(t, p.url+"/v1/responses", `{"model":"m","input":"Hi"}`, b...)
+	ownTag, _, _ := splitTaggedID(decodeJSON(t, body)["id"].(string))
+	forged := string(appendTaggedID(nil, ownTag, []byte(orig)))
+	for _, prev := range []string{orig, forged} {
+		for _, nv := range []string{"", `,"nvext":{"backend_instance_id":"e0"}`} {
+			follow := fmt.Sprintf(`{"model":"m","input":"more","previous_response_id":%q%s}`, prev, nv)
+			if resp, body := postHeaders(t, p.url+"/v1/responses", follow, b...); resp.StatusCode != 404 || !strings.Contains(string(body), "previous_response_not_found") {
+				t.Fatalf("another tenant continued it as %s%s: %d %s", prev, nv, resp.StatusCode, body)
+			}
+		}
+	}
 	for _, method := range []string{"GET", "DELETE"} {
-		req, _ := http.NewRequest(method, p.url+"/v1/responses/"+id, nil)
-		req.Header.Set(b[0], b[1])
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
+		for _, as := range []string{id, forged, orig} {
+			req, _ := http.NewRequest(method, p.url+"/v1/responses/"+as, nil)
+			req.Header.Set(b[0], b[1])
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != 404 {
+				t.Fatalf("another tenant's %s of %s: %d", method, as, resp.StatusCode)
+			}
 		}
-		resp.Body.Close()
-		if resp.StatusCode != 404 {
-			t.Fatalf("another tenant's %s: %d", method, resp.StatusCode)
-		}
+	}
+	if got := e0.created(); got != 2 {
+		t.Fatalf("the engine made %d responses, want the two tenants' first ones", got)
 	}
 	// The follow-up is admitted for its own few tokens; the engine's
 	// usage (5,000 prompt tokens) puts the budget in debt.
