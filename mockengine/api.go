@@ -61,6 +61,7 @@ type apiRequest struct {
 	Model               string          `json:"model"`
 	Messages            []apiMessage    `json:"messages"`
 	Tools               json.RawMessage `json:"tools"`
+	ToolChoice          json.RawMessage `json:"tool_choice"`
 	Prompt              json.RawMessage `json:"prompt"`
 	MaxTokens           *int            `json:"max_tokens"`
 	MaxCompletionTokens *int            `json:"max_completion_tokens"`
@@ -124,6 +125,44 @@ func chatTools(raw json.RawMessage) string {
 		return string(raw)
 	}
 	return ""
+}
+
+// chatToolChoice reads what a chat request's tool_choice forces:
+// "required", or {"type":"function","function":{"name":...}}.
+func chatToolChoice(raw json.RawMessage) toolChoice {
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return toolChoice{forced: s == "required"}
+	}
+	var named struct {
+		Type     string `json:"type"`
+		Function struct {
+			Name string `json:"name"`
+		} `json:"function"`
+	}
+	if json.Unmarshal(raw, &named) == nil && named.Type == "function" && named.Function.Name != "" {
+		return toolChoice{forced: true, name: named.Function.Name}
+	}
+	return toolChoice{}
+}
+
+// chatFunctionTools lists a chat request's function tools.
+func chatFunctionTools(raw json.RawMessage) []toolDef {
+	var tools []struct {
+		Type     string `json:"type"`
+		Function *struct {
+			Name       string          `json:"name"`
+			Parameters json.RawMessage `json:"parameters"`
+		} `json:"function"`
+	}
+	json.Unmarshal(raw, &tools)
+	var defs []toolDef
+	for _, t := range tools {
+		if t.Type == "function" && t.Function != nil && t.Function.Name != "" {
+			defs = append(defs, toolDef{name: t.Function.Name, schema: t.Function.Parameters})
+		}
+	}
+	return defs
 }
 
 // badRequest is a client error naming the offending field.
@@ -339,13 +378,23 @@ func (e *Engine) serveCompletion(w http.ResponseWriter, hr *http.Request, chat b
 		e.fail(w, err)
 		return
 	}
+	var force *forcedCall
+	if chat {
+		if force, err = forcedTool(chatToolChoice(req.ToolChoice), chatFunctionTools(req.Tools)); err != nil {
+			e.fail(w, err)
+			return
+		}
+		if force != nil && req.MaxTokens == nil && req.MaxCompletionTokens == nil {
+			maxTokens = e.callMaxTokens(len(prompt))
+		}
+	}
 	if capacity := e.cfg.CacheBlocks * e.cfg.BlockSize; len(prompt)+maxTokens > capacity {
 		// vLLM refuses what exceeds max_model_len; here the cache is the limit.
 		e.fail(w, invalid("max_tokens", "prompt (%d tokens) plus max_tokens (%d) exceed the engine's KV cache (%d tokens)",
 			len(prompt), maxTokens, capacity))
 		return
 	}
-	r := e.newRequest(prompt, maxTokens, req.IgnoreEOS, req.CacheSalt)
+	r := e.newAnswer(prompt, maxTokens, req.IgnoreEOS, req.CacheSalt, force)
 	if err := e.submit(r); err != nil {
 		e.fail(w, err)
 		return

@@ -38,6 +38,11 @@
 //     Anthropic shapes (a stream ends with data: [DONE], as vLLM's does);
 //     usage adds cache_read_input_tokens. POST /v1/messages/count_tokens
 //     counts the same prompt without generating.
+//   - A request whose tool_choice forces a call (chat "required" or a named
+//     function, the Responses API's likewise, Messages' any or tool) is
+//     answered with one call of that tool, in vLLM's shapes for each API,
+//     streamed or not; its arguments, made up from the tool's JSON schema
+//     and the same for the same prompt, are the output tokens.
 //
 // The engine hashes blocks in its own namespace, deliberately different from
 // the router's, because the router must never trust engine hashes (DESIGN.md

@@ -166,7 +166,8 @@ type Engine struct {
 // publishes progress in the atomics and pokes notify; the handler reads them.
 type request struct {
 	seq       Seq
-	words     []uint16 // word index per output token
+	words     []uint16  // word index per output token of a text answer
+	call      *toolCall // the answer when it is a tool call (words is nil)
 	notify    chan struct{}
 	generated atomic.Int32
 	cached    atomic.Int32

@@ -19,6 +19,7 @@ type messagesCall struct {
 	req       messagesRequest
 	prompt    []uint32
 	maxTokens int
+	force     *forcedCall // the call tool_choice forces, if any
 }
 
 // parseMessages validates a Messages request (a count_tokens one when
@@ -39,6 +40,9 @@ func (e *Engine) parseMessages(w http.ResponseWriter, r *http.Request, count boo
 	}
 	chat, err := convertMessages(req)
 	if err != nil {
+		return nil, err
+	}
+	if c.force, err = forcedTool(messagesToolChoice(req.ToolChoice), messagesFunctionTools(req.Tools)); err != nil {
 		return nil, err
 	}
 	if c.prompt, err = e.enc.TryEncodeChatTools(nil, chat.messages, chat.tools, true); err != nil {
@@ -86,7 +90,7 @@ func (e *Engine) serveMessages(w http.ResponseWriter, hr *http.Request) {
 		e.failAnthropic(w, err)
 		return
 	}
-	r := e.newRequest(c.prompt, c.maxTokens, c.req.IgnoreEOS, c.req.CacheSalt)
+	r := e.newAnswer(c.prompt, c.maxTokens, c.req.IgnoreEOS, c.req.CacheSalt, c.force)
 	if err := e.submit(r); err != nil {
 		e.failAnthropic(w, err)
 		return
@@ -123,6 +127,9 @@ type messagesWriter struct {
 
 // stopReason is vLLM's mapping of the chat finish reason.
 func (mw *messagesWriter) stopReason() string {
+	if c := mw.r.call; c != nil {
+		return map[string]string{"tool_calls": "tool_use", "stop": "end_turn", "length": "max_tokens"}[c.finishReason()]
+	}
 	if len(mw.r.words) >= mw.c.maxTokens {
 		return "max_tokens" // finish_reason "length"
 	}
@@ -158,18 +165,29 @@ func (mw *messagesWriter) whole(ctx context.Context, w http.ResponseWriter) bool
 	if !r.waitDone(ctx) {
 		return false
 	}
-	mw.e.genToks.Add(uint64(len(r.words)))
-	b := make([]byte, 0, 256+8*len(r.words))
+	n := len(r.seq.Output)
+	mw.e.genToks.Add(uint64(n))
+	b := make([]byte, 0, 256+8*n)
 	b = append(b, `{"id":"`...)
 	b = append(b, mw.id...)
-	b = append(b, `","type":"message","role":"assistant","content":[{"type":"text","text":"`...)
-	b = append(b, mw.text()...) // the words are JSON-safe
-	b = append(b, `"}],"model":`...)
+	b = append(b, `","type":"message","role":"assistant","content":[`...)
+	if c := r.call; c != nil {
+		input := c.arguments
+		if !json.Valid([]byte(input)) { // cut at max_tokens
+			input = "{}"
+		}
+		b = appendToolUse(b, c, input)
+	} else {
+		b = append(b, `{"type":"text","text":"`...)
+		b = append(b, mw.text()...) // the words are JSON-safe
+		b = append(b, `"}`...)
+	}
+	b = append(b, `],"model":`...)
 	b = append(b, mw.e.modelJSON...)
 	b = append(b, `,"stop_reason":"`...)
 	b = append(b, mw.stopReason()...)
 	b = append(b, `","usage":`...)
-	b = mw.usage(b, len(r.words))
+	b = mw.usage(b, n)
 	b = append(b, '}')
 	w.Header().Set("Content-Type", "application/json")
 	_, err := w.Write(b)
@@ -191,7 +209,9 @@ func event(b []byte, typ string, data ...string) []byte {
 // content_block_start and the first content_block_delta with the first
 // token (vLLM starts on its first chat chunk), one content_block_delta per
 // token as the engine produces them, then content_block_stop,
-// message_delta, message_stop and data: [DONE]. Events are dumped with
+// message_delta, message_stop and data: [DONE]. A tool call's block is a
+// tool_use one with an empty input, its deltas input_json_delta ones
+// (none for a token that adds no text). Events are dumped with
 // exclude_unset, so message_start's message has no type or role. It
 // reports false if the client went away first.
 func (mw *messagesWriter) stream(ctx context.Context, w http.ResponseWriter) bool {
@@ -203,11 +223,21 @@ func (mw *messagesWriter) stream(ctx context.Context, w http.ResponseWriter) boo
 			b = event(b, "message_start", `{"type":"message_start","message":{"id":"`, mw.id,
 				`","content":[],"model":`, string(mw.e.modelJSON), `,"stop_reason":null,"stop_sequence":null,"usage":`,
 				string(mw.usage(nil, 0)), `}}`)
-			b = event(b, "content_block_start", `{"type":"content_block_start","content_block":{"type":"text","text":""},"index":0}`)
+			if r.call != nil {
+				b = event(b, "content_block_start", `{"type":"content_block_start","content_block":`,
+					string(appendToolUse(nil, r.call, "{}")), `,"index":0}`)
+			} else {
+				b = event(b, "content_block_start", `{"type":"content_block_start","content_block":{"type":"text","text":""},"index":0}`)
+			}
 		}
 		for j := from; j < to; j++ {
-			b = event(b, "content_block_delta", `{"type":"content_block_delta","delta":{"type":"text_delta","text":"`,
-				mw.e.words[r.words[j]].text, `"},"index":0}`)
+			if r.call == nil {
+				b = event(b, "content_block_delta", `{"type":"content_block_delta","delta":{"type":"text_delta","text":"`,
+					mw.e.words[r.words[j]].text, `"},"index":0}`)
+			} else if text := r.call.piece(j, j+1); text != "" {
+				b = event(b, "content_block_delta", `{"type":"content_block_delta","delta":{"type":"input_json_delta","partial_json":`,
+					jsonText(text), `},"index":0}`)
+			}
 		}
 		if done {
 			b = event(b, "content_block_stop", `{"type":"content_block_stop","index":0}`)
@@ -218,4 +248,16 @@ func (mw *messagesWriter) stream(ctx context.Context, w http.ResponseWriter) boo
 		}
 		return b
 	})
+}
+
+// appendToolUse appends a tool call as the tool_use block vLLM converts it
+// to: the chat call's id and name, and input.
+func appendToolUse(b []byte, c *toolCall, input string) []byte {
+	b = append(b, `{"type":"tool_use","id":"`...)
+	b = append(b, c.id...)
+	b = append(b, `","name":`...)
+	b = append(b, jsonText(c.name)...)
+	b = append(b, `,"input":`...)
+	b = append(b, input...)
+	return append(b, '}')
 }

@@ -757,6 +757,40 @@ func checkToolChoice(raw json.RawMessage) error {
 	return nil
 }
 
+// messagesToolChoice reads what a Messages request's tool_choice forces,
+// as vLLM converts it: {"type":"any"} is "required", {"type":"tool",
+// "name"} names the function.
+func messagesToolChoice(raw json.RawMessage) toolChoice {
+	var tc struct {
+		Type string `json:"type"`
+		Name string `json:"name"`
+	}
+	json.Unmarshal(raw, &tc)
+	switch {
+	case tc.Type == "any":
+		return toolChoice{forced: true}
+	case tc.Type == "tool" && tc.Name != "":
+		return toolChoice{forced: true, name: tc.Name}
+	}
+	return toolChoice{}
+}
+
+// messagesFunctionTools lists a Messages request's tools as functions.
+func messagesFunctionTools(raw json.RawMessage) []toolDef {
+	var tools []struct {
+		Name        string          `json:"name"`
+		InputSchema json.RawMessage `json:"input_schema"`
+	}
+	json.Unmarshal(raw, &tools)
+	var defs []toolDef
+	for _, t := range tools {
+		if t.Name != "" {
+			defs = append(defs, toolDef{name: t.Name, schema: t.InputSchema})
+		}
+	}
+	return defs
+}
+
 // Values decoded from JSON as Python's json.loads makes them: objects
 // keep their members' order (a repeated member keeps its first place and
 // its last value), numbers stay as written.

@@ -171,6 +171,9 @@ type responder struct {
 }
 
 func (rs *responder) finishReason(r *request) string {
+	if r.call != nil {
+		return r.call.finishReason()
+	}
 	if len(r.words) >= rs.maxTokens {
 		return "length"
 	}
@@ -253,7 +256,11 @@ func (rs *responder) stream(ctx context.Context, w http.ResponseWriter, r *reque
 	sse.flush()
 	return rs.e.streamTokens(ctx, sse, r, func(b []byte, from, to int, done bool) []byte {
 		for j := from; j < to; j++ {
-			b = rs.chunk(b, r, j, done && j == to-1, includeUsage)
+			if r.call != nil {
+				b = rs.callChunks(b, r, j, done && j == to-1, includeUsage)
+			} else {
+				b = rs.chunk(b, r, j, done && j == to-1, includeUsage)
+			}
 		}
 		if done {
 			if includeUsage {
@@ -275,23 +282,27 @@ func (rs *responder) whole(ctx context.Context, w http.ResponseWriter, r *reques
 	if !r.waitDone(ctx) {
 		return false
 	}
-	n := len(r.words)
+	n := len(r.seq.Output)
 	rs.e.genToks.Add(uint64(n))
 	b := make([]byte, 0, 256+8*n)
 	b = rs.head(b, rs.object(false))
 	b = append(b, `[{"index":0,`...)
-	if rs.chat {
-		b = append(b, `"message":{"role":"assistant","content":"`...)
+	if r.call != nil {
+		b = appendCallMessage(b, r.call)
 	} else {
-		b = append(b, `"text":"`...)
-	}
-	for _, k := range r.words {
-		b = append(b, rs.e.words[k].text...)
-	}
-	if rs.chat {
-		b = append(b, `"}`...)
-	} else {
-		b = append(b, '"')
+		if rs.chat {
+			b = append(b, `"message":{"role":"assistant","content":"`...)
+		} else {
+			b = append(b, `"text":"`...)
+		}
+		for _, k := range r.words {
+			b = append(b, rs.e.words[k].text...)
+		}
+		if rs.chat {
+			b = append(b, `"}`...)
+		} else {
+			b = append(b, '"')
+		}
 	}
 	b = append(b, `,"logprobs":null,"finish_reason":"`...)
 	b = append(b, rs.finishReason(r)...)
@@ -301,4 +312,67 @@ func (rs *responder) whole(ctx context.Context, w http.ResponseWriter, r *reques
 	w.Header().Set("Content-Type", "application/json")
 	_, err := w.Write(b)
 	return err == nil
+}
+
+// appendCallMessage appends the chat message of a tool call, as vLLM
+// builds it for a forced call: content "" and the call.
+func appendCallMessage(b []byte, c *toolCall) []byte {
+	b = append(b, `"message":{"role":"assistant","content":"","tool_calls":[{"id":"`...)
+	b = append(b, c.id...)
+	b = append(b, `","type":"function","function":{"name":`...)
+	b = append(b, jsonText(c.name)...)
+	b = append(b, `,"arguments":`...)
+	b = append(b, jsonText(c.arguments)...)
+	return append(b, `}}]}`...)
+}
+
+// callChunks appends the chunks of a tool call's output token j as vLLM
+// streams a forced call: the role first, then each token's text of the
+// arguments as a tool call delta, the first one with the call's id, type
+// and name; with tool_choice "required" the later ones carry "name":null
+// and are left out when they add no text.
+func (rs *responder) callChunks(b []byte, r *request, j int, last, includeUsage bool) []byte {
+	c := r.call
+	if j == 0 {
+		b = rs.chatChunk(b, `{"role":"assistant","content":""}`, "", includeUsage)
+	}
+	text := c.piece(j, j+1)
+	var delta string
+	switch {
+	case j == 0:
+		delta = `{"tool_calls":[{"id":"` + c.id + `","type":"function","index":0,"function":{"name":` +
+			jsonText(c.name) + `,"arguments":` + jsonText(text) + `}}]}`
+	case c.named:
+		delta = `{"tool_calls":[{"index":0,"function":{"arguments":` + jsonText(text) + `}}]}`
+	case text != "":
+		delta = `{"tool_calls":[{"index":0,"function":{"name":null,"arguments":` + jsonText(text) + `}}]}`
+	case last:
+		delta = `{}`
+	default:
+		return b
+	}
+	finish := ""
+	if last {
+		finish = c.finishReason()
+	}
+	return rs.chatChunk(b, delta, finish, includeUsage)
+}
+
+// chatChunk appends a chat chunk's SSE event: delta, a JSON object, and
+// the finish reason ("" for none).
+func (rs *responder) chatChunk(b []byte, delta, finish string, includeUsage bool) []byte {
+	b = append(b, "data: "...)
+	b = rs.head(b, rs.object(true))
+	b = append(b, `[{"index":0,"delta":`...)
+	b = append(b, delta...)
+	b = append(b, `,"logprobs":null,"finish_reason":`...)
+	if finish != "" {
+		b = append(append(append(b, '"'), finish...), '"')
+	} else {
+		b = append(b, "null"...)
+	}
+	if includeUsage {
+		return append(b, "}],\"usage\":null}\n\n"...)
+	}
+	return append(b, "}]}\n\n"...)
 }

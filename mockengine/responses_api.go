@@ -26,6 +26,7 @@ type responsesCall struct {
 	prompt    []uint32
 	maxTokens int
 	store     bool
+	force     *forcedCall // the call tool_choice forces, if any
 }
 
 // parseResponses validates a Responses request and renders its prompt.
@@ -61,11 +62,17 @@ func (e *Engine) parseResponses(w http.ResponseWriter, r *http.Request) (*respon
 		return nil, err
 	}
 	c.tools = tools
+	if c.force, err = forcedTool(responsesToolChoice(req.ToolChoice), responsesFunctionTools(req.Tools)); err != nil {
+		return nil, err
+	}
 	if c.prompt, err = e.enc.TryEncodeChatTools(nil, c.messages, template, true); err != nil {
 		return nil, invalid("input", "chat template: %v", err)
 	}
 	if len(c.prompt) == 0 {
 		return nil, invalid("input", "the prompt is empty")
+	}
+	if c.force != nil && req.MaxOutputTokens == nil {
+		c.maxTokens = e.callMaxTokens(len(c.prompt))
 	}
 	if capacity := e.cfg.CacheBlocks * e.cfg.BlockSize; len(c.prompt)+c.maxTokens > capacity {
 		param := "max_output_tokens"
@@ -92,12 +99,15 @@ func (e *Engine) serveResponses(w http.ResponseWriter, hr *http.Request) {
 		e.fail(w, err)
 		return
 	}
-	r := e.newRequest(c.prompt, c.maxTokens, c.req.IgnoreEOS, c.req.CacheSalt)
+	r := e.newAnswer(c.prompt, c.maxTokens, c.req.IgnoreEOS, c.req.CacheSalt, c.force)
 	if err := e.submit(r); err != nil {
 		e.fail(w, err)
 		return
 	}
 	rw := &responsesWriter{e: e, c: c, r: r, id: "resp_" + randomHex(), itemID: "msg_" + randomHex(), created: time.Now().Unix()}
+	if r.call != nil {
+		rw.itemID = "fc_" + randomHex()
+	}
 	if c.req.Stream {
 		e.settle(r, rw.stream(hr.Context(), w))
 	} else {
@@ -121,7 +131,7 @@ type responseObject struct {
 	Metadata           json.RawMessage    `json:"metadata"`
 	Model              json.RawMessage    `json:"model"`
 	Object             string             `json:"object"`
-	Output             []outputMessage    `json:"output"`
+	Output             []any              `json:"output"`
 	ParallelToolCalls  bool               `json:"parallel_tool_calls"`
 	Temperature        float64            `json:"temperature"`
 	ToolChoice         json.RawMessage    `json:"tool_choice"`
@@ -144,6 +154,17 @@ type responseObject struct {
 
 type incompleteDetails struct {
 	Reason string `json:"reason"`
+}
+
+// functionCallItem is an output item of type "function_call", members in
+// the order of OpenAI's ResponseFunctionToolCall.
+type functionCallItem struct {
+	Arguments string `json:"arguments"`
+	CallID    string `json:"call_id"`
+	Name      string `json:"name"`
+	Type      string `json:"type"`
+	ID        string `json:"id"`
+	Status    string `json:"status"`
 }
 
 // outputMessage is an output item of type "message".
@@ -186,7 +207,7 @@ type responsesWriter struct {
 }
 
 // object is the response object with the given status, output and usage.
-func (rw *responsesWriter) object(status string, output []outputMessage, usage *responseUsage) *responseObject {
+func (rw *responsesWriter) object(status string, output []any, usage *responseUsage) *responseObject {
 	req := &rw.c.req
 	o := &responseObject{
 		ID: rw.id, CreatedAt: rw.created, Instructions: req.Instructions, Model: rw.e.modelJSON,
@@ -196,7 +217,7 @@ func (rw *responsesWriter) object(status string, output []outputMessage, usage *
 		Truncation: "disabled", Usage: usage,
 	}
 	if output == nil {
-		o.Output = []outputMessage{}
+		o.Output = []any{}
 	}
 	if status == "incomplete" {
 		o.IncompleteDetails = &incompleteDetails{Reason: "max_output_tokens"}
@@ -218,22 +239,41 @@ func (rw *responsesWriter) object(status string, output []outputMessage, usage *
 // follow-up never misses it.
 func (rw *responsesWriter) final() (object []byte, text string) {
 	r := rw.r
-	var sb strings.Builder
-	for _, k := range r.words {
-		sb.WriteString(rw.e.words[k].text)
-	}
-	text = sb.String()
+	n := len(r.seq.Output)
 	status := "completed"
-	if len(r.words) >= rw.c.maxTokens { // vLLM: finish_reason "length"
+	if n >= rw.c.maxTokens { // vLLM: finish_reason "length"
 		status = "incomplete"
 	}
-	u := &responseUsage{InputTokens: len(r.seq.Prompt), OutputTokens: len(r.words), TotalTokens: len(r.seq.Prompt) + len(r.words)}
+	u := &responseUsage{InputTokens: len(r.seq.Prompt), OutputTokens: n, TotalTokens: len(r.seq.Prompt) + n}
 	u.InputTokensDetails.CachedTokens = int(r.cached.Load())
-	object, _ = json.Marshal(rw.object(status, []outputMessage{rw.message("completed", text)}, u))
+	var output any
+	var texts []string // a call is no text a follow-up replays, as in vLLM
+	if r.call != nil {
+		output = rw.callItem("completed")
+	} else {
+		var sb strings.Builder
+		for _, k := range r.words {
+			sb.WriteString(rw.e.words[k].text)
+		}
+		text = sb.String()
+		output, texts = rw.message("completed", text), []string{text}
+	}
+	object, _ = json.Marshal(rw.object(status, []any{output}, u))
 	if rw.c.store {
-		rw.e.responses.put(&storedResponse{id: rw.id, messages: rw.c.messages, outputTexts: []string{text}, object: object})
+		rw.e.responses.put(&storedResponse{id: rw.id, messages: rw.c.messages, outputTexts: texts, object: object})
 	}
 	return object, text
+}
+
+// callItem is the function_call output item of a call answer, with the
+// arguments it has when done ("" while in progress, as vLLM adds it).
+func (rw *responsesWriter) callItem(status string) functionCallItem {
+	c := rw.r.call
+	item := functionCallItem{CallID: "call_" + c.id[len("chatcmpl-tool-"):], Name: c.name, Type: "function_call", ID: rw.itemID, Status: status}
+	if status == "completed" {
+		item.Arguments = c.arguments
+	}
+	return item
 }
 
 func (rw *responsesWriter) message(status, text string) outputMessage {
@@ -247,7 +287,7 @@ func (rw *responsesWriter) whole(ctx context.Context, w http.ResponseWriter) boo
 	if !rw.r.waitDone(ctx) {
 		return false
 	}
-	rw.e.genToks.Add(uint64(len(rw.r.words)))
+	rw.e.genToks.Add(uint64(len(rw.r.seq.Output)))
 	b, _ := rw.final()
 	w.Header().Set("Content-Type", "application/json")
 	_, err := w.Write(b)
@@ -288,6 +328,9 @@ func (rw *responsesWriter) stream(ctx context.Context, w http.ResponseWriter) bo
 	buf = rw.event(buf, "response.in_progress", initial)
 	if !sse.send(buf) {
 		return false
+	}
+	if rw.r.call != nil {
+		return rw.e.streamTokens(ctx, sse, rw.r, rw.callEvents)
 	}
 	itemID := `"item_id":"` + rw.itemID + `"`
 	return rw.e.streamTokens(ctx, sse, rw.r, func(b []byte, from, to int, done bool) []byte {
@@ -350,4 +393,29 @@ func (e *Engine) serveDeleteResponse(w http.ResponseWriter, r *http.Request) {
 	b, _ := json.Marshal(map[string]any{"id": id, "object": "response.deleted", "deleted": true})
 	w.Header().Set("Content-Type", "application/json")
 	w.Write(b)
+}
+
+// callEvents appends the events of a call answer's tokens [from, to), as
+// vLLM streams a function call: the item added with the first token, an
+// arguments delta for each token that adds text, then the arguments done,
+// the item done and response.completed.
+func (rw *responsesWriter) callEvents(b []byte, from, to int, done bool) []byte {
+	c := rw.r.call
+	itemID := `"item_id":"` + rw.itemID + `"`
+	if from == 0 && to > 0 {
+		b = rw.event(b, "response.output_item.added", `"item":`+jsonText(rw.callItem("in_progress"))+`,"output_index":0`)
+	}
+	for j := from; j < to; j++ {
+		if text := c.piece(j, j+1); text != "" {
+			b = rw.event(b, "response.function_call_arguments.delta", `"delta":`+jsonText(text)+`,`+itemID+`,"output_index":0`)
+		}
+	}
+	if done {
+		object, _ := rw.final()
+		b = rw.event(b, "response.function_call_arguments.done", `"arguments":`+jsonText(c.arguments)+`,`+itemID+
+			`,"name":`+jsonText(c.name)+`,"output_index":0`)
+		b = rw.event(b, "response.output_item.done", `"item":`+jsonText(rw.callItem("completed"))+`,"output_index":0`)
+		b = rw.event(b, "response.completed", `"response":`+string(object))
+	}
+	return b
 }

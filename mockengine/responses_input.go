@@ -448,3 +448,36 @@ func objectMembers(raw json.RawMessage) ([]member, error) {
 	}
 	return out, nil
 }
+
+// responsesToolChoice reads what a Responses request's tool_choice forces:
+// "required", or {"type":"function","name":...}.
+func responsesToolChoice(raw json.RawMessage) toolChoice {
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return toolChoice{forced: s == "required"}
+	}
+	var named struct {
+		Type string `json:"type"`
+		Name string `json:"name"`
+	}
+	if json.Unmarshal(raw, &named) == nil && named.Type == "function" && named.Name != "" {
+		return toolChoice{forced: true, name: named.Name}
+	}
+	return toolChoice{}
+}
+
+// responsesFunctionTools lists a Responses request's function tools.
+func responsesFunctionTools(tools []json.RawMessage) []toolDef {
+	var defs []toolDef
+	for _, raw := range tools {
+		var t struct {
+			Type       string          `json:"type"`
+			Name       string          `json:"name"`
+			Parameters json.RawMessage `json:"parameters"`
+		}
+		if json.Unmarshal(raw, &t) == nil && t.Type == "function" && t.Name != "" {
+			defs = append(defs, toolDef{name: t.Name, schema: t.Parameters})
+		}
+	}
+	return defs
+}
