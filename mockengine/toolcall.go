@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"slices"
 	"strconv"
+	"unicode/utf8"
 
 	"github.com/kvproxy/kvproxy/kv"
 )
@@ -115,8 +116,9 @@ func (e *Engine) newAnswer(prompt []uint32, maxTokens int, ignoreEOS bool, salt 
 }
 
 // tokenPieces tokenizes text and says where each token's text ends: token
-// j ends at the shortest prefix of text that tokenizes to the first j+1
-// tokens. A token no prefix ends at gets no text; the next one carries it.
+// j ends at the shortest prefix of text, cut between characters, that
+// tokenizes to the first j+1 tokens. A token no prefix ends at gets no
+// text; the next one carries it.
 func (e *Engine) tokenPieces(text string) (ids []uint32, ends []int) {
 	ids = e.enc.EncodeText(nil, text)
 	ends = make([]int, len(ids))
@@ -125,6 +127,9 @@ func (e *Engine) tokenPieces(text string) (ids []uint32, ends []int) {
 	}
 	var prefix []uint32
 	for p := 1; p <= len(text); p++ {
+		if p < len(text) && !utf8.RuneStart(text[p]) {
+			continue
+		}
 		prefix = e.enc.EncodeText(prefix[:0], text[:p])
 		if m := len(prefix); m <= len(ids) && ends[m-1] < 0 && slices.Equal(prefix, ids[:m]) {
 			ends[m-1] = p

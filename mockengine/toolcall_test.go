@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"unicode/utf8"
 )
 
 // weatherSchema has a property of each type the engine fills in.
@@ -358,5 +359,29 @@ func TestMessagesToolUse(t *testing.T) {
 	}
 	if d := evs[len(evs)-2].raw; !strings.Contains(d, `"delta":{"stop_reason":"tool_use"}`) || !strings.Contains(d, `"output_tokens":`+itoa(m.Usage.OutputTokens)+`,`) {
 		t.Fatalf("message_delta %s", d)
+	}
+}
+
+// Each output token of a call carries the arguments' text up to where it
+// ends, cut between characters: the pieces make the arguments again.
+func TestToolCallTokenPieces(t *testing.T) {
+	e, _ := startEngine(t, Config{})
+	for _, text := range []string{`{"unit":"été","n":7,"s":"日本語のテキスト"}`, `{}`, `{"a":"` + strings.Repeat("river ", 40) + `"}`} {
+		ids, ends := e.tokenPieces(text)
+		if !slices.Equal(ids, e.enc.EncodeText(nil, text)) || len(ends) != len(ids) || ends[len(ends)-1] != len(text) {
+			t.Fatalf("%s: %d ids, ends %v", text, len(ids), ends)
+		}
+		c := &toolCall{arguments: text, ends: ends}
+		var b strings.Builder
+		for j := range ids {
+			piece := c.piece(j, j+1)
+			if !utf8.ValidString(piece) {
+				t.Fatalf("%s: token %d's piece %q cuts a character", text, j, piece)
+			}
+			b.WriteString(piece)
+		}
+		if b.String() != text {
+			t.Fatalf("pieces make %q, not %q", b.String(), text)
+		}
 	}
 }
