@@ -264,6 +264,8 @@ type backendRow struct {
 	PrefillTokens int64 `json:"prefill_tokens"`
 	ActiveBlocks  int64 `json:"active_blocks"`
 	IndexedBlocks int64 `json:"indexed_blocks"`
+	// The LoRA adapters the engine lists (nil while unknown).
+	Adapters *[]string `json:"adapters"`
 	// The engine's KV capacity as the router holds it (from the engine's
 	// vllm:cache_config_info, in the router's blocks).
 	CacheBlocks float64 `json:"cache_blocks_estimated"`

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strconv"
 	"time"
 
@@ -335,11 +336,29 @@ func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiR
 // checkModel is vLLM's 404 for a request naming a model the engine does
 // not serve ("" names none).
 func (e *Engine) checkModel(model string) error {
-	if model == "" || model == e.cfg.Model {
+	if model == "" || model == e.cfg.Model || slices.Contains(e.cfg.LoRAModules, model) {
 		return nil
 	}
 	return &badRequest{status: http.StatusNotFound, typ: "NotFoundError", param: "model",
 		msg: fmt.Sprintf("The model `%s` does not exist.", model)}
+}
+
+// adapterOf is model when it names one of the engine's LoRA adapters.
+func (e *Engine) adapterOf(model string) string {
+	if model != e.cfg.Model && slices.Contains(e.cfg.LoRAModules, model) {
+		return model
+	}
+	return ""
+}
+
+// answerModel is the model an answer names, as a JSON string: the adapter
+// the request ran with (vLLM names it), else the served model.
+func (e *Engine) answerModel(lora string) []byte {
+	if lora == "" {
+		return e.modelJSON
+	}
+	b, _ := json.Marshal(lora)
+	return b
 }
 
 // decodeRequest reads a request body into v (a 400 when it is not JSON)
@@ -395,11 +414,12 @@ func (e *Engine) serveCompletion(w http.ResponseWriter, hr *http.Request, chat b
 		return
 	}
 	r := e.newAnswer(prompt, maxTokens, req.IgnoreEOS, req.CacheSalt, force)
+	r.seq.LoRA = e.adapterOf(req.Model)
 	if err := e.submit(r); err != nil {
 		e.fail(w, err)
 		return
 	}
-	rs := &responder{e: e, chat: chat, created: time.Now().Unix(), promptTokens: len(prompt), maxTokens: maxTokens}
+	rs := &responder{e: e, model: e.answerModel(r.seq.LoRA), chat: chat, created: time.Now().Unix(), promptTokens: len(prompt), maxTokens: maxTokens}
 	prefix := "cmpl"
 	if chat {
 		prefix = "chatcmpl"
@@ -445,8 +465,15 @@ func writeError(w http.ResponseWriter, status int, typ, param, msg string) {
 }
 
 func (e *Engine) serveModels(w http.ResponseWriter, _ *http.Request) {
-	b := fmt.Appendf(nil, `{"object":"list","data":[{"id":%s,"object":"model","created":%d,"owned_by":"kvmock","root":%s,"max_model_len":%d}]}`,
-		e.modelJSON, time.Now().Unix(), e.modelJSON, e.cfg.CacheBlocks*e.cfg.BlockSize)
+	now := time.Now().Unix()
+	b := fmt.Appendf(nil, `{"object":"list","data":[{"id":%s,"object":"model","created":%d,"owned_by":"kvmock","root":%s,"parent":null,"max_model_len":%d}`,
+		e.modelJSON, now, e.modelJSON, e.cfg.CacheBlocks*e.cfg.BlockSize)
+	for _, a := range e.cfg.LoRAModules { // as vLLM lists --lora-modules
+		name, _ := json.Marshal(a)
+		b = fmt.Appendf(b, `,{"id":%s,"object":"model","created":%d,"owned_by":"kvmock","root":%s,"parent":%s,"max_model_len":%d}`,
+			name, now, name, e.modelJSON, e.cfg.CacheBlocks*e.cfg.BlockSize)
+	}
+	b = append(b, "]}"...)
 	w.Header().Set("Content-Type", "application/json")
 	w.Write(b)
 }

@@ -22,6 +22,11 @@ import (
 type Config struct {
 	ID    string // engine id, shown in logs and /debug/cache
 	Model string // served model name; requests naming another get 404
+	// LoRAModules are the LoRA adapters it serves, by name (vLLM's
+	// --lora-modules NAME=PATH): a request may name one instead of Model.
+	// An adapter's blocks are cached apart from the base model's and
+	// reported with its lora_name, as vLLM caches and reports them.
+	LoRAModules []string
 
 	BlockSize           int
 	CacheBlocks         int // device KV capacity in blocks

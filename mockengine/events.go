@@ -12,14 +12,15 @@ type eventLog struct {
 	tokens []uint32 // backing storage of Tokens
 }
 
-// salt is the sequence's cache_salt, reported with block 0 (vLLM's extra_keys).
-func (l *eventLog) stored(parent kv.BlockHash, hasParent bool, h kv.BlockHash, toks []uint32, tier kv.Tier, salt string) {
+// salt is the sequence's cache_salt, reported with block 0 (vLLM's
+// extra_keys); lora its adapter, reported with every block (lora_name).
+func (l *eventLog) stored(parent kv.BlockHash, hasParent bool, h kv.BlockHash, toks []uint32, tier kv.Tier, salt, lora string) {
 	if !l.on {
 		return
 	}
 	if n := len(l.list); n > 0 && hasParent {
 		e := &l.list[n-1]
-		if e.Kind == kv.BlockStored && e.Tier == tier && e.EngineHashes[len(e.EngineHashes)-1] == uint64(parent) {
+		if e.Kind == kv.BlockStored && e.Tier == tier && e.LoRAName == lora && e.EngineHashes[len(e.EngineHashes)-1] == uint64(parent) {
 			// The event's slices end where the backing storage ends, so
 			// appending to storage and re-slicing extends them.
 			hs := len(l.hashes) - len(e.EngineHashes)
@@ -43,6 +44,7 @@ func (l *eventLog) stored(parent kv.BlockHash, hasParent bool, h kv.BlockHash, t
 		BlockSize:    len(toks),
 		Tier:         tier,
 		CacheSalt:    salt,
+		LoRAName:     lora,
 	})
 }
 

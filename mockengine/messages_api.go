@@ -91,6 +91,7 @@ func (e *Engine) serveMessages(w http.ResponseWriter, hr *http.Request) {
 		return
 	}
 	r := e.newAnswer(c.prompt, c.maxTokens, c.req.IgnoreEOS, c.req.CacheSalt, c.force)
+	r.seq.LoRA = e.adapterOf(c.req.Model)
 	if err := e.submit(r); err != nil {
 		e.failAnthropic(w, err)
 		return
@@ -183,7 +184,7 @@ func (mw *messagesWriter) whole(ctx context.Context, w http.ResponseWriter) bool
 		b = append(b, `"}`...)
 	}
 	b = append(b, `],"model":`...)
-	b = append(b, mw.e.modelJSON...)
+	b = append(b, mw.e.answerModel(mw.r.seq.LoRA)...)
 	b = append(b, `,"stop_reason":"`...)
 	b = append(b, mw.stopReason()...)
 	b = append(b, `","usage":`...)
@@ -221,7 +222,7 @@ func (mw *messagesWriter) stream(ctx context.Context, w http.ResponseWriter) boo
 	return mw.e.streamTokens(ctx, sse, r, func(b []byte, from, to int, done bool) []byte {
 		if from == 0 && to > 0 {
 			b = event(b, "message_start", `{"type":"message_start","message":{"id":"`, mw.id,
-				`","content":[],"model":`, string(mw.e.modelJSON), `,"stop_reason":null,"stop_sequence":null,"usage":`,
+				`","content":[],"model":`, string(mw.e.answerModel(mw.r.seq.LoRA)), `,"stop_reason":null,"stop_sequence":null,"usage":`,
 				string(mw.usage(nil, 0)), `}}`)
 			if r.call != nil {
 				b = event(b, "content_block_start", `{"type":"content_block_start","content_block":`,

@@ -86,6 +86,9 @@ type Seq struct {
 	// Salt is vLLM's cache_salt: folded into the hash of block 0, so
 	// different salts never share cached blocks.
 	Salt string
+	// LoRA is the LoRA adapter the sequence runs with ("" for the base
+	// model): its blocks never serve another adapter or the base model.
+	LoRA string
 
 	ns         kv.Namespace
 	hashes     []kv.BlockHash // engine hashes of every full block known
@@ -191,7 +194,10 @@ func (m *Model) Add(s *Seq) error {
 		return ErrTooLong
 	}
 	s.ns = engineNS
-	if s.Salt != "" {
+	switch {
+	case s.LoRA != "":
+		s.ns = kv.NewNamespace("mockengine", s.Salt, "lora\xfe"+s.LoRA)
+	case s.Salt != "":
 		s.ns = kv.NewNamespace("mockengine", s.Salt)
 	}
 	s.hashes = kv.HashBlocks(s.hashes[:0], s.Prompt, bs, s.ns)
@@ -377,7 +383,7 @@ func (m *Model) offload(bl *block, toks []uint32) {
 		m.events.removed(old, kv.TierHost)
 	}
 	if added {
-		m.events.stored(bl.parent, bl.hasParent, bl.hash, toks, kv.TierHost, "")
+		m.events.stored(bl.parent, bl.hasParent, bl.hash, toks, kv.TierHost, "", "")
 	}
 }
 
@@ -466,7 +472,7 @@ func (m *Model) loadFromHost(s *Seq, from, to int) int {
 		toks := m.host.blockTokens(hi)
 		copy(m.devBlockTokens(b), toks)
 		if m.cache.register(b) {
-			m.events.stored(bl.parent, bl.hasParent, bl.hash, toks, kv.TierDevice, "")
+			m.events.stored(bl.parent, bl.hasParent, bl.hash, toks, kv.TierDevice, "", "")
 		}
 		m.hostLoads++
 	}
@@ -559,7 +565,7 @@ func (m *Model) fillBlock(s *Seq, i int) {
 		if i == 0 {
 			salt = s.Salt
 		}
-		m.events.stored(parent, i > 0, bl.hash, toks, kv.TierDevice, salt)
+		m.events.stored(parent, i > 0, bl.hash, toks, kv.TierDevice, salt, s.LoRA)
 	}
 }
 

@@ -163,6 +163,7 @@ func (e *Engine) settle(r *request, sent bool) {
 // responder writes one request's answer in OpenAI's shapes.
 type responder struct {
 	e            *Engine
+	model        []byte // as the answer names it (answerModel)
 	chat         bool
 	id           string
 	created      int64
@@ -189,7 +190,7 @@ func (rs *responder) head(b []byte, object string) []byte {
 	b = append(b, `","created":`...)
 	b = strconv.AppendInt(b, rs.created, 10)
 	b = append(b, `,"model":`...)
-	b = append(b, rs.e.modelJSON...)
+	b = append(b, rs.model...)
 	return append(b, `,"choices":`...)
 }
 

@@ -100,6 +100,7 @@ func (e *Engine) serveResponses(w http.ResponseWriter, hr *http.Request) {
 		return
 	}
 	r := e.newAnswer(c.prompt, c.maxTokens, c.req.IgnoreEOS, c.req.CacheSalt, c.force)
+	r.seq.LoRA = e.adapterOf(c.req.Model)
 	if err := e.submit(r); err != nil {
 		e.fail(w, err)
 		return
@@ -210,7 +211,7 @@ type responsesWriter struct {
 func (rw *responsesWriter) object(status string, output []any, usage *responseUsage) *responseObject {
 	req := &rw.c.req
 	o := &responseObject{
-		ID: rw.id, CreatedAt: rw.created, Instructions: req.Instructions, Model: rw.e.modelJSON,
+		ID: rw.id, CreatedAt: rw.created, Instructions: req.Instructions, Model: rw.e.answerModel(rw.r.seq.LoRA),
 		Object: "response", Output: output, ParallelToolCalls: true, Temperature: 1,
 		ToolChoice: json.RawMessage(`"auto"`), Tools: rw.c.tools, TopP: 1, MaxOutputTokens: rw.c.maxTokens,
 		PreviousResponseID: req.PreviousResponseID, ServiceTier: "auto", Status: status,

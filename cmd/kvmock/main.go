@@ -52,6 +52,7 @@ func run(ctx context.Context, args []string, ready func([]endpoints)) error {
 	basePort := fs.Int("base-port", 9000, "port of engine 0; engine i listens on base-port+i (0: any free ports)")
 	host := fs.String("host", "127.0.0.1", "address to listen on")
 	model := fs.String("model", d.Model, "served model name")
+	loras := fs.String("lora-modules", "", "comma-separated LoRA adapter names served beside the model (vLLM's --lora-modules names); their blocks are cached apart and reported with lora_name")
 	cacheBlocks := fs.Int("cache-blocks", d.CacheBlocks, "KV cache capacity per engine, in blocks")
 	hostBlocks := fs.Int("host-cache-blocks", 0, "host (CPU) tier capacity per engine, in blocks (0: off)")
 	blockSize := fs.Int("block-size", d.BlockSize, "tokens per KV block")
@@ -110,6 +111,9 @@ func run(ctx context.Context, args []string, ready func([]endpoints)) error {
 			MaxNumSeqs: *maxSeqs, MaxNumBatchedTokens: *maxBatched,
 			Speedup: *speedup * speed[i], Seed: *seed,
 			Tokenizer: *tokenizer, Template: *template,
+		}
+		if *loras != "" {
+			cfg.LoRAModules = strings.Split(*loras, ",")
 		}
 		var pub *mockengine.Publisher
 		if *events {

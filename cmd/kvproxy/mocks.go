@@ -99,6 +99,9 @@ func (f *mockFleet) startOne(cfg *config.Config, b config.Backend, key mockKey) 
 	mc := mockengine.DefaultConfig()
 	mc.ID = b.ID
 	mc.Model = b.ServedModel
+	if m, ok := cfg.ModelByName(b.Model); ok {
+		mc.LoRAModules = m.Adapters // the adapters it is configured to serve
+	}
 	mc.BlockSize = key.blockSize
 	mc.Tokenizer = key.tokenizer
 	mc.Template = key.template
