@@ -605,12 +605,15 @@ func typeOf(data []byte) []byte {
 	return nil
 }
 
-// responsesErrorJSON is the Responses API's error event.
-func responsesErrorJSON(msg, code string) []byte {
+// responsesErrorJSON is the Responses API's error event, numbered seq
+// (the engine numbers its events from 0: seq is how many it sent).
+func responsesErrorJSON(msg, code string, seq int) []byte {
 	b := append([]byte(`{"type":"error","code":`), strconv.Quote(code)...)
 	b = append(b, `,"message":`...)
 	b = appendJSONQuoted(b, msg)
-	return append(b, `,"param":null}`...)
+	b = append(b, `,"param":null,"sequence_number":`...)
+	b = strconv.AppendInt(b, int64(seq), 10)
+	return append(b, '}')
 }
 
 // chatJSON is r's messages as a chat request's messages (the engine's

@@ -485,6 +485,16 @@ func TestResponsesStreamEngineFailure(t *testing.T) {
 	if len(last) != 2 || last[0] != "event: error" || !strings.Contains(last[1], `"type":"error","code":"backend_failed"`) {
 		t.Fatalf("last event %q of %q", last, events)
 	}
+	// Numbered after the engine's events, as OpenAI's SDKs expect of an
+	// error event (found by the eleventh session's SDK trial).
+	var prev, failed struct {
+		Seq *int `json:"sequence_number"`
+	}
+	json.Unmarshal([]byte(strings.TrimPrefix(events[len(events)-2][1], "data: ")), &prev)
+	json.Unmarshal([]byte(strings.TrimPrefix(last[1], "data: ")), &failed)
+	if prev.Seq == nil || failed.Seq == nil || *failed.Seq != *prev.Seq+1 {
+		t.Fatalf("sequence numbers %v then %v: %q", prev.Seq, failed.Seq, events[len(events)-2:])
+	}
 	for _, ev := range events {
 		if strings.Contains(strings.Join(ev, "\n"), "[DONE]") {
 			t.Fatalf("a [DONE] in a response stream: %q", events)

@@ -34,6 +34,7 @@ type relay struct {
 
 	sawFirst bool
 	sawDone  bool
+	relayed  int // a Responses stream's events: its next sequence_number
 	blocks   int
 	ended    bool // the engine's stream is over (or failed): nothing more to send
 	closed   bool
@@ -149,6 +150,7 @@ func (r *relay) events(out []byte) []byte {
 		switch r.x.api {
 		case apiResponses:
 			raw = r.onResponsesEvent(raw, content)
+			r.relayed++
 		case apiMessages:
 			r.onAnthropicEvent(content)
 		default:
@@ -303,7 +305,7 @@ func (r *relay) failEvent(out []byte, msg, typ, code string) []byte {
 	switch r.x.api {
 	case apiResponses:
 		out = append(out, "event: error\ndata: "...)
-		return append(append(out, responsesErrorJSON(msg, code)...), "\n\n"...)
+		return append(append(out, responsesErrorJSON(msg, code, r.relayed)...), "\n\n"...)
 	case apiMessages:
 		return anthropicFailEvent(out, r.x.status, msg)
 	}
