@@ -143,8 +143,9 @@ func BenchmarkSSERelayResponses(b *testing.B) {
 	}
 	event("response.output_text.done", `"content_index":0,"item_id":"msg_1","logprobs":[],"output_index":0,"text":"...",`)
 	event("response.completed", `"response":`+strings.Replace(obj, `"usage":null`, `"usage":{"input_tokens":100,"input_tokens_details":{"cached_tokens":64},"output_tokens":256,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":356}`, 1)+`,`)
+	macs := newRespMACs([]byte("k")) // one per configuration
 	benchRelay(b, stream.Bytes(), seq, func(x *exchange) {
-		x.resp, x.api = &respIDs{signer: respSigner{key: []byte("k"), backend: "b"}}, apiResponses
+		x.resp, x.api = &respIDs{signer: respSigner{macs: macs, backend: "b"}}, apiResponses
 	}, func(x *exchange) string {
 		if x.outputTokens != tokens || x.usage.completion != tokens || x.resp.orig == nil || x.errMsg != "" {
 			return fmt.Sprintf("counted %d tokens, usage %+v, id %s, error %q", x.outputTokens, x.usage, x.resp.orig, x.errMsg)

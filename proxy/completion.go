@@ -726,7 +726,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	*at = attempt{ab: x.ab, active: active}
 	x.watch = s.watcher.Watch(ctx.Conn(), at)
 	if x.resp != nil {
-		x.resp.signer = respSigner{key: x.s.st.Load().respKey, backend: b.cfg.ID, tenant: x.tenant}
+		x.resp.signer = respSigner{macs: x.s.st.Load().respMACs, backend: b.cfg.ID, tenant: x.tenant}
 	}
 	x.sent = time.Now()
 	resp := fasthttp.AcquireResponse()

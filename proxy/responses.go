@@ -7,9 +7,11 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"hash"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -68,27 +70,53 @@ func respKey(auth config.Auth) []byte {
 	return h.Sum(nil)
 }
 
+// respMACs are the MACs of response ids under one key, pooled: a stream
+// makes one, a follow-up checks one.
+type respMACs struct {
+	pool sync.Pool // of *respMAC
+}
+
+type respMAC struct {
+	h   hash.Hash
+	buf []byte
+}
+
+func newRespMACs(key []byte) *respMACs {
+	m := &respMACs{}
+	m.pool.New = func() any { return &respMAC{h: hmac.New(sha256.New, key)} }
+	return m
+}
+
 // respSigner tags the ids of the responses one backend makes for one tenant.
 type respSigner struct {
-	key             []byte
+	macs            *respMACs
 	backend, tenant string
 }
 
 // tag is the tag of the engine's id orig.
 func (s respSigner) tag(orig []byte) string {
-	m := hmac.New(sha256.New, s.key)
-	m.Write([]byte(s.tenant))
-	m.Write([]byte{0})
-	m.Write([]byte(s.backend))
-	m.Write([]byte{0})
-	m.Write(orig)
+	m := s.macs.pool.Get().(*respMAC)
+	m.buf = append(append(append(append(append(m.buf[:0], s.tenant...), 0), s.backend...), 0), orig...)
+	m.h.Reset()
+	m.h.Write(m.buf)
 	var sum [sha256.Size]byte
-	return hex8(s.backend) + hex.EncodeToString(m.Sum(sum[:0])[:8])
+	mac := m.h.Sum(sum[:0])
+	s.macs.pool.Put(m)
+	var tag [respTagLen]byte
+	appendHex8(tag[:0], s.backend)
+	hex.Encode(tag[8:], mac[:8])
+	return string(tag[:])
 }
 
 func hex8(s string) string {
+	var b [8]byte
+	return string(appendHex8(b[:0], s))
+}
+
+// appendHex8 appends 8 hex digits of s's hash.
+func appendHex8(dst []byte, s string) []byte {
 	var b [9]byte
-	return string(strconv.AppendUint(b[:0], xxh3.HashString(s)>>32|1<<32, 16)[1:])
+	return append(dst, strconv.AppendUint(b[:0], xxh3.HashString(s)>>32|1<<32, 16)[1:]...)
 }
 
 // appendTaggedID appends the client's id for the engine's id orig, made by
@@ -130,7 +158,7 @@ func (st *state) ownerOf(tag, orig, tenant string, p *modelPool) (owner *backend
 	for id, b := range st.backends {
 		if (p == nil || b.pool == p) && hex8(id) == tag[:8] {
 			named = true
-			want := respSigner{key: st.respKey, backend: id, tenant: tenant}.tag([]byte(orig))
+			want := respSigner{macs: st.respMACs, backend: id, tenant: tenant}.tag([]byte(orig))
 			if hmac.Equal([]byte(want), []byte(tag)) {
 				return b, true
 			}
@@ -791,7 +819,7 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 			// The engine's error quotes the id in its message.
 			body = (&respIDs{prevOrig: orig, prevTagged: id}).rewriteError(body)
 		default:
-			ids := respIDs{signer: respSigner{key: st.respKey, backend: b.cfg.ID, tenant: in.t.name}}
+			ids := respIDs{signer: respSigner{macs: st.respMACs, backend: b.cfg.ID, tenant: in.t.name}}
 			ids.orig = strconv.AppendQuote(nil, orig)
 			ids.tagged = strconv.AppendQuote(nil, id)
 			// The response it continued is the same engine's, and the

@@ -254,7 +254,7 @@ func TestParseResponses(t *testing.T) {
 
 func TestResponseIDTags(t *testing.T) {
 	sign := func(key, backend, tenant, orig string) string {
-		return respSigner{key: []byte(key), backend: backend, tenant: tenant}.tag([]byte(orig))
+		return respSigner{macs: newRespMACs([]byte(key)), backend: backend, tenant: tenant}.tag([]byte(orig))
 	}
 	tag := sign("k", "backend-a", "team-a", "resp_1")
 	for _, other := range []string{sign("k", "backend-b", "team-a", "resp_1"), sign("k", "backend-a", "team-b", "resp_1"),
@@ -282,7 +282,7 @@ func TestResponseIDTags(t *testing.T) {
 
 // testTag is the tag p gives the engine id orig of backend for tenant.
 func testTag(p *testProxy, backend, tenant, orig string) string {
-	return respSigner{key: p.s.st.Load().respKey, backend: backend, tenant: tenant}.tag([]byte(orig))
+	return respSigner{macs: p.s.st.Load().respMACs, backend: backend, tenant: tenant}.tag([]byte(orig))
 }
 
 // A response routes as the chat request with the same conversation: the
@@ -364,7 +364,7 @@ func TestResponsesContinueOnTheirBackend(t *testing.T) {
 		t.Fatalf("PUT: %d", code)
 	}
 	before := e0.created() + e1.created()
-	unknown := string(appendTaggedID(nil, respSigner{key: p.s.st.Load().respKey, backend: "gone"}.tag([]byte("resp_x")), []byte("resp_x")))
+	unknown := string(appendTaggedID(nil, respSigner{macs: p.s.st.Load().respMACs, backend: "gone"}.tag([]byte("resp_x")), []byte("resp_x")))
 	if code, v := get("GET", "/v1/responses/"+unknown); code != 404 || !strings.Contains(fmt.Sprint(v), "no longer configured") {
 		t.Fatalf("GET of a removed backend's response: %d %v", code, v)
 	}

@@ -88,7 +88,7 @@ type state struct {
 	pools    []*modelPool
 	backends map[string]*backend // by id
 	auth     *authTable
-	respKey  []byte       // keys the response ids' MACs (respKey)
+	respMACs *respMACs    // of the response ids, keyed by respKey
 	trusted  []*net.IPNet // trusted_proxies
 	// restartNeeded names the settings this configuration changed that
 	// apply only after a restart (the running ones are kept).
@@ -205,7 +205,7 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 		prevAuth = prev.auth
 	}
 	st.auth = newAuthTable(cfg, prevAuth)
-	st.respKey = respKey(cfg.Auth)
+	st.respMACs = newRespMACs(respKey(cfg.Auth))
 	st.trusted = cfg.TrustedNets()
 	for _, mc := range cfg.Models {
 		var p *modelPool

@@ -20,7 +20,7 @@ func relayed(t *testing.T, api api, raw string) *exchange {
 	_, active, _ := p.rt.Route(&router.Request{PromptTokens: 10})
 	x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, usage: tokenUsage{-1, -1, -1}, api: api}
 	if api == apiResponses {
-		x.resp = &respIDs{signer: respSigner{key: []byte("k"), backend: "b"}}
+		x.resp = &respIDs{signer: respSigner{macs: newRespMACs([]byte("k")), backend: "b"}}
 	}
 	s.live.add(x)
 	rl := newRelay(x, &memBody{bytes.NewReader([]byte(raw))}, fasthttp.AcquireResponse())
