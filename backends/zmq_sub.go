@@ -326,6 +326,7 @@ func (s *ZMQSubscriber) deliver(seq uint64, payload []byte) bool {
 		// and the feed continues from here.
 		s.have, s.applied, s.appliedSum = true, seq, xxh3.Hash(payload)
 		s.lastSeq.Store(int64(seq))
+		s.notify("") // a waiter for seq woke at the clear, before it was applied
 		return true
 	}
 	if !slices.Contains(s.ranks, rank) {
@@ -341,12 +342,21 @@ func (s *ZMQSubscriber) deliver(seq uint64, payload []byte) bool {
 	s.have, s.applied, s.appliedSum = true, seq, xxh3.Hash(payload)
 	s.batches.Add(1)
 	s.events.Add(uint64(len(events)))
-	s.lastSeq.Store(int64(seq))
+	// The problem is on record before the batch shows as applied: a waiter
+	// for seq may wake at any notify and read both.
+	problem := ""
 	if sk := s.dec.Skipped(); sk != nil {
 		if sk.Cleared {
 			s.clears.Add(1)
 		}
-		s.report(fmt.Sprintf("malformed event in batch %d: %v", seq, sk))
+		problem = fmt.Sprintf("malformed event in batch %d: %v", seq, sk)
+		s.mu.Lock()
+		s.lastErr = problem
+		s.mu.Unlock()
+	}
+	s.lastSeq.Store(int64(seq))
+	if problem != "" {
+		s.report(problem)
 		return true
 	}
 	s.notify("")
