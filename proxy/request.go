@@ -86,6 +86,7 @@ type apiRequest struct {
 	// previous_response_id is prevResponse as the client sent it; the
 	// engine gets prevEngine instead when it is set.
 	converted    bool
+	responses    bool // a Responses API request
 	prevResponse string
 	prevEngine   string
 
@@ -677,8 +678,10 @@ func (r *apiRequest) setBody(body []byte) *paramError {
 }
 
 // forwardBody appends to dst the body sent to the engine: the client's body
-// with nvext and any cache_salt removed, model renamed, stream spelled as
-// engines read it, and salt (composeSalt's) added as cache_salt ("" adds none).
+// with nvext and any cache_salt removed (and a response's request_id, which
+// would choose the id kvproxy signs for the client: another tenant's),
+// model renamed, stream spelled as engines read it, and salt (composeSalt's)
+// added as cache_salt ("" adds none).
 // Every other member is copied byte for byte.
 //
 // Members are matched as parse matches them (exactly, escapes decoded), so
@@ -690,7 +693,8 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 	m := members{b: r.body}
 	for m.next() {
 		if keyIs(m.key, "nvext") || keyIs(m.key, "cache_salt") || keyIs(m.key, "model") || keyIs(m.key, "stream") ||
-			r.prevEngine != "" && keyIs(m.key, "previous_response_id") {
+			r.prevEngine != "" && keyIs(m.key, "previous_response_id") ||
+			r.responses && keyIs(m.key, "request_id") { // vLLM makes it the response's id: the engine picks its own
 			continue
 		}
 		if n > 0 {

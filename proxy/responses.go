@@ -247,7 +247,7 @@ var itemMembers = [itemMembersLen]string{"type", "role", "content", "call_id", "
 // chat template renders, as vLLM builds them.
 func (r *apiRequest) parseResponses(body []byte) *paramError {
 	r.addGenPrompt = true
-	r.converted = true
+	r.converted, r.responses = true, true
 	if pe := r.setBody(body); pe != nil {
 		return pe
 	}

@@ -64,6 +64,9 @@ func (e *respEngine) create(w http.ResponseWriter, r *http.Request) {
 	e.paths = append(e.paths, r.URL.Path)
 	e.n++
 	id := fmt.Sprintf("resp_%s%05d", e.id, e.n)
+	if rid, _ := body["request_id"].(string); rid != "" {
+		id = rid // vLLM's ResponsesResponse.from_request: the request's id is the response's
+	}
 	prev, _ := body["previous_response_id"].(string)
 	_, known := e.store[prev]
 	e.mu.Unlock()
@@ -587,6 +590,14 @@ func TestResponsesBelongToTheirTenant(t *testing.T) {
 			}
 		}
 	}
+	// Nor by having the engine make a response of the same id: vLLM takes a
+	// request's request_id for its response's id (found by the eleventh
+	// session's review).
+	resp, body = postHeaders(t, p.url+"/v1/responses", fmt.Sprintf(`{"model":"m","input":"x","request_id":%q}`, orig), b...)
+	_, minted, _ := splitTaggedID(decodeJSON(t, body)["id"].(string))
+	if resp.StatusCode != 200 || minted == orig {
+		t.Fatalf("a request_id of another tenant's response: %d %s", resp.StatusCode, body)
+	}
 	for _, method := range []string{"GET", "DELETE"} {
 		for _, as := range []string{id, forged, orig} {
 			req, _ := http.NewRequest(method, p.url+"/v1/responses/"+as, nil)
@@ -601,8 +612,8 @@ func TestResponsesBelongToTheirTenant(t *testing.T) {
 			}
 		}
 	}
-	if got := e0.created(); got != 2 {
-		t.Fatalf("the engine made %d responses, want the two tenants' first ones", got)
+	if got := e0.created(); got != 3 {
+		t.Fatalf("the engine made %d responses, want the two tenants' first ones and the request_id one", got)
 	}
 	// The follow-up is admitted for its own few tokens; the engine's
 	// usage (5,000 prompt tokens) puts the budget in debt.
