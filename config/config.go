@@ -842,18 +842,30 @@ func (c *Config) Validate() error {
 	return nil
 }
 
+// MinSecretLen is the length below which auth.cache_salt_secret draws a
+// warning: it keys the tenants' cache salts and response ids, and a short
+// one can be guessed offline.
+const MinSecretLen = 32
+
 // Warnings are what in a valid configuration is likely a mistake: a key
 // naming a tenant that tenants does not list (a typo runs that client
-// with no limits).
+// with no limits); client keys without a long cache_salt_secret.
 func (c *Config) Warnings() []string {
+	var out []string
+	switch s := c.Auth.CacheSaltSecret; {
+	case len(c.Auth.Keys) == 0:
+	case s == "":
+		out = append(out, "auth.cache_salt_secret is not set: the Responses API's response ids last until kvproxy restarts and are valid at this replica only; set a random secret of at least 32 characters")
+	case len(s) < MinSecretLen:
+		out = append(out, fmt.Sprintf("auth.cache_salt_secret has %d characters: it keys the tenants' cache salts and response ids, and a short one can be guessed offline; use a random one of at least %d", len(s), MinSecretLen))
+	}
 	if len(c.Tenants) == 0 {
-		return nil
+		return out
 	}
 	listed := map[string]bool{}
 	for _, t := range c.Tenants {
 		listed[t.Name] = true
 	}
-	var out []string
 	for i, k := range c.Auth.Keys {
 		if !listed[k.Tenant] {
 			out = append(out, fmt.Sprintf("auth.keys[%d].tenant: %q is not in tenants, so it has no limits", i, k.Tenant))

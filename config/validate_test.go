@@ -109,12 +109,35 @@ func TestValidationAccepts(t *testing.T) {
 // A key naming a tenant that tenants does not list is valid (it gets no
 // limits, as the README says) but warned of: it is usually a typo.
 func TestUnlistedTenantIsWarnedOf(t *testing.T) {
-	c, err := Parse([]byte(minimal + "auth: {keys: [{key: key-a-12345, tenant: team-a}, {key: key-b-12345, tenant: team-bb}, {key: key-c-12345, tenant: team-bb}]}\n" +
+	c, err := Parse([]byte(minimal + "auth: {cache_salt_secret: 0123456789abcdef0123456789abcdef, keys: [{key: key-a-12345, tenant: team-a}, {key: key-b-12345, tenant: team-bb}, {key: key-c-12345, tenant: team-bb}]}\n" +
 		"tenants: [{name: team-a, requests_per_second: 5}, {name: team-b, requests_per_second: 5}]\n"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if w := c.Warnings(); len(w) != 1 || !strings.Contains(w[0], `auth.keys[1].tenant: "team-bb" is not in tenants`) {
 		t.Fatalf("warnings %q, want one about team-bb", w)
+	}
+}
+
+// Client keys without a long cache_salt_secret are warned of: it keys the
+// response ids that keep tenants apart, and a short one can be guessed.
+func TestMissingOrShortSecretIsWarnedOf(t *testing.T) {
+	for secret, want := range map[string]string{
+		"":                                  "auth.cache_salt_secret is not set",
+		"cache_salt_secret: short-secret, ": "auth.cache_salt_secret has 12 characters",
+		"cache_salt_secret: 0123456789abcdef0123456789abcdef, ": "",
+	} {
+		c, err := Parse([]byte(minimal + "auth: {" + secret + "keys: [{key: key-a-12345, tenant: team-a}]}\n"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		w := c.Warnings()
+		if want == "" && len(w) != 0 || want != "" && (len(w) != 1 || !strings.Contains(w[0], want)) {
+			t.Errorf("secret %q: warnings %q, want %q", secret, w, want)
+		}
+	}
+	c, _ := Parse([]byte(minimal))
+	if w := c.Warnings(); len(w) != 0 {
+		t.Fatalf("no keys, no secret: warnings %q", w)
 	}
 }

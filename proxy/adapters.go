@@ -80,32 +80,22 @@ func (st *state) poolOfAdapter(name string) *modelPool {
 }
 
 // avoidLacking adds to avoid the workers of the engines known not to serve
-// the adapter lora, unless that leaves no engine known to serve it or of
-// unknown adapters: then the engines answer for themselves.
-func (p *modelPool) avoidLacking(avoid []router.WorkerID, lora string) []router.WorkerID {
+// the adapter lora. served is false when every engine is known not to: the
+// adapter is then no model of kvproxy's either. Engines whose adapters are
+// unknown may be asked: they answer for themselves.
+func (p *modelPool) avoidLacking(avoid []router.WorkerID, lora string) (_ []router.WorkerID, served bool) {
 	ws := *p.workers.Load()
-	possible := false
-	for _, b := range ws {
-		if b == nil {
-			continue
-		}
-		if yes, known := b.serves(lora); yes || !known {
-			possible = true
-			break
-		}
-	}
-	if !possible {
-		return avoid
-	}
 	for i, b := range ws {
 		if b == nil || b.worker != router.WorkerID(i) {
 			continue
 		}
-		if yes, known := b.serves(lora); known && !yes {
+		if yes, known := b.serves(lora); yes || !known {
+			served = true
+		} else {
 			avoid = append(avoid, b.workerIDs()...)
 		}
 	}
-	return avoid
+	return avoid, served
 }
 
 // listedAdapters appends the cards of the adapters the model's engines list
@@ -124,4 +114,20 @@ func (p *modelPool) listedAdapters(data []modelJSON) []modelJSON {
 		}
 	}
 	return data
+}
+
+// lacksAdapter records an engine's 404 for the adapter lora: its list leaves
+// the adapter out until the next poll says otherwise (an unknown list stays
+// unknown).
+func (b *backend) lacksAdapter(lora string) {
+	for {
+		old := b.adapters.Load()
+		if old == nil || !slices.Contains(*old, lora) {
+			return
+		}
+		list := slices.DeleteFunc(slices.Clone(*old), func(a string) bool { return a == lora })
+		if b.adapters.CompareAndSwap(old, &list) {
+			return
+		}
+	}
 }

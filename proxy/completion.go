@@ -206,6 +206,16 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		p = st.pools[0]
 		req.model = p.cfg.Name
 	}
+	var lora string // the LoRA adapter the request names
+	var avoid []router.WorkerID
+	if p != nil {
+		if lora = p.adapter(req.model); lora != "" {
+			var served bool
+			if avoid, served = p.avoidLacking(nil, lora); !served {
+				p = nil
+			}
+		}
+	}
 	if p == nil {
 		writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", req.model), "invalid_request_error", "model", "model_not_found")
 		s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusNotFound, start, "unknown model")
@@ -316,16 +326,13 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		salt = composeSalt(t.salt, req.cacheSalt)
 		ns = kv.NewNamespace(salt)
 	}
-	lora := p.adapter(req.model)
 	if lora != "" {
 		ns = kv.RequestNamespace(salt, lora) // the engine caches an adapter's blocks apart
 	}
 	sc.hashes = kv.HashBlocks(sc.hashes[:0], tokens, p.cfg.BlockSize, ns)
 	rr := &sc.route
 	*rr = router.Request{Hashes: sc.hashes, PromptTokens: counted, Unstreamed: !req.stream, CandidateBuf: sc.cands}
-	if lora != "" {
-		rr.Avoid = p.avoidLacking(nil, lora)
-	}
+	rr.Avoid = avoid
 
 	if name, inst, isNum, ok := req.nv.pinned(); ok {
 		w, found := p.rt.WorkerByName(name)
@@ -824,6 +831,25 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			fasthttp.ReleaseResponse(resp)
 			return x.endAttempt()
 		}
+		if code == fasthttp.StatusNotFound && x.lora != "" && !x.resp.lostPrevious(resp.Body()) {
+			// The engine does not serve the adapter (unloaded since its
+			// list was read, or never listed): no fault of the engine's.
+			// Another may serve it; if none does, the client gets the
+			// engine's 404, as from vLLM itself.
+			b.lacksAdapter(x.lora)
+			if mayRetry {
+				x.errMsg = "backend " + b.cfg.ID + " does not serve the adapter " + x.lora
+				if x.refusal == nil {
+					plain, _ := plainBody(resp)
+					x.refusal = append(x.refusal[:0], normalizeEngineError(code, plain)...)
+					x.refusalCode, x.refusalBy, x.refusalRetry = code, b.cfg.ID, ""
+					x.refused = code
+				}
+				fasthttp.ReleaseResponse(resp)
+				return x.endAttempt()
+			}
+			code = 0 // relayed below as the engine answered it
+		}
 		switch {
 		case code == fasthttp.StatusUnauthorized || code == fasthttp.StatusForbidden ||
 			code == fasthttp.StatusNotFound && !x.pass && !x.resp.lostPrevious(resp.Body()):
@@ -1004,11 +1030,12 @@ func (x *exchange) answerRefusal(ctx *fasthttp.RequestCtx) {
 		ctx.Response.Header.SetContentType("application/json")
 		ctx.SetBody(x.refusal)
 	}
-	ra := x.refusalRetry
-	if ra == "" {
-		ra = "1"
+	if ra := x.refusalRetry; ra != "" || x.refusalCode != fasthttp.StatusNotFound {
+		if ra == "" {
+			ra = "1"
+		}
+		ctx.Response.Header.Set("Retry-After", ra)
 	}
-	ctx.Response.Header.Set("Retry-After", ra)
 	x.logLine()
 }
 

@@ -108,10 +108,9 @@ func (et *engineTokenizer) tokens(p *modelPool, req *apiRequest, chat bool, maxT
 		if b == nil || !b.isAvailable() || b.tokenizeDown.Load() > now {
 			continue
 		}
+		// An adapter's request too: adapters share their base model's
+		// tokenizer, and an engine without the adapter would 404.
 		body.Model = b.cfg.ServedModel
-		if lora := p.adapter(req.model); lora != "" {
-			body.Model = lora
-		}
 		ids, err := et.ask(b, &body)
 		if errors.As(err, new(requestRefused)) {
 			// The request's own fault (a template error, a chat_template

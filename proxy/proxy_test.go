@@ -44,6 +44,7 @@ type fakeEngine struct {
 	errBody      string
 	retryAfter   string // Retry-After of the non-200 answer
 	modelList    string // GET /v1/models (default: the base model alone); not recorded
+	notServed    string // a model it answers vLLM's 404 for (under mu)
 }
 
 func startFake(t *testing.T, id string, setup func(*fakeEngine)) *fakeEngine {
@@ -93,6 +94,15 @@ func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 	f.paths = append(f.paths, r.URL.Path)
 	f.headers = append(f.headers, r.Header.Clone())
 	f.mu.Unlock()
+	f.mu.Lock()
+	notServed := f.notServed
+	f.mu.Unlock()
+	if notServed != "" && body["model"] == notServed {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusNotFound)
+		fmt.Fprintf(w, `{"error":{"message":"The model %s does not exist.","type":"NotFoundError","param":"model","code":404}}`, notServed)
+		return
+	}
 	if f.status != 0 {
 		if f.retryAfter != "" {
 			w.Header().Set("Retry-After", f.retryAfter)

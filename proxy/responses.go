@@ -8,7 +8,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"hash"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -48,24 +47,19 @@ const (
 	respTagLen   = 24
 )
 
-// respKey keys the response ids' MACs: the cache salt secret, or with none
-// the client keys, which no tenant holds all of (ids then outlive restarts
-// and replicas as long as the keys stay the same).
-func respKey(auth config.Auth) []byte {
+// respKey keys the response ids' MACs: the cache salt secret; without one,
+// when tenants are configured, a key of this process's own (random, so that
+// no client key can be guessed offline from an id: ids then last until a
+// restart, at this replica only); with no client keys at all a fixed one
+// (there is no tenant to keep apart).
+func respKey(auth config.Auth, random []byte) []byte {
 	h := sha256.New()
 	h.Write([]byte("kvproxy response ids\x00"))
-	if auth.CacheSaltSecret != "" {
+	switch {
+	case auth.CacheSaltSecret != "":
 		h.Write([]byte(auth.CacheSaltSecret))
-		return h.Sum(nil)
-	}
-	keys := make([]string, 0, len(auth.Keys))
-	for _, k := range auth.Keys {
-		keys = append(keys, k.Key)
-	}
-	slices.Sort(keys)
-	for _, k := range keys {
-		sum := sha256.Sum256([]byte(k))
-		h.Write(sum[:])
+	case len(auth.Keys) > 0:
+		h.Write(random)
 	}
 	return h.Sum(nil)
 }

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -12,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvproxy/kvproxy/config"
 	"github.com/kvproxy/kvproxy/tokenize"
 )
 
@@ -668,4 +670,28 @@ func TestResponsesByIDEdges(t *testing.T) {
 		t.Fatalf("the owner ejected: %d %s", resp.StatusCode, body)
 	}
 	p.waitIdle(t)
+}
+
+// The response ids' key: the cache salt secret when there is one (ids then
+// hold across restarts and replicas); with client keys and no secret, one of
+// the process's own (a key derived from the client keys let a tenant holding
+// an id test guesses of other tenants' keys offline: found by the eleventh
+// session's review); with no keys at all, a fixed one.
+func TestResponseIDKey(t *testing.T) {
+	r1, r2 := []byte("random one"), []byte("random two")
+	keys := []config.APIKey{{Key: "key-team-a-0001", Tenant: "a"}}
+	secret := config.Auth{Keys: keys, CacheSaltSecret: "0123456789abcdef0123456789abcdef"}
+	if !bytes.Equal(respKey(secret, r1), respKey(secret, r2)) {
+		t.Fatal("with a secret, the key must not depend on the process")
+	}
+	if k := (config.Auth{Keys: keys}); bytes.Equal(respKey(k, r1), respKey(k, r2)) {
+		t.Fatal("with keys and no secret, the key must be the process's own")
+	}
+	if k := (config.Auth{}); !bytes.Equal(respKey(k, r1), respKey(k, r2)) {
+		t.Fatal("with no keys, the key must be fixed")
+	}
+	other := config.Auth{Keys: []config.APIKey{{Key: "key-team-a-0002", Tenant: "a"}}}
+	if !bytes.Equal(respKey(config.Auth{Keys: keys}, r1), respKey(other, r1)) {
+		t.Fatal("the client keys must not enter the key: an id would be a test of guesses of them")
+	}
 }

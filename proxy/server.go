@@ -43,17 +43,18 @@ type Options struct {
 // backends, tenants) is swapped whole on reload; a request works with the
 // state it started with.
 type Server struct {
-	log      zerolog.Logger
-	opts     Options
-	st       atomic.Pointer[state]
-	reloadMu sync.Mutex
-	metrics  *metrics
-	watcher  *hangupWatcher
-	srv      *fasthttp.Server
-	health   *backends.Prober
-	retries  *retryBudget
-	queue    *waitQueue
-	limits   config.Limits // fixed at start: the header limits shape the HTTP server
+	respRandom [32]byte // keys response ids when no secret does (respKey)
+	log        zerolog.Logger
+	opts       Options
+	st         atomic.Pointer[state]
+	reloadMu   sync.Mutex
+	metrics    *metrics
+	watcher    *hangupWatcher
+	srv        *fasthttp.Server
+	health     *backends.Prober
+	retries    *retryBudget
+	queue      *waitQueue
+	limits     config.Limits // fixed at start: the header limits shape the HTTP server
 	// cert is the listener's certificate (tls in the config), replaced by
 	// reloads; nil serves plain HTTP.
 	cert atomic.Pointer[tls.Certificate]
@@ -129,6 +130,7 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 	var rb [6]byte
 	rand.Read(rb[:])
 	s.reqPrefix = hex.EncodeToString(rb[:])
+	rand.Read(s.respRandom[:])
 	s.logWarnings(cfg)
 	if cfg.TLS.Enabled() {
 		c, err := cfg.TLS.Load()
@@ -205,7 +207,7 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 		prevAuth = prev.auth
 	}
 	st.auth = newAuthTable(cfg, prevAuth)
-	st.respMACs = newRespMACs(respKey(cfg.Auth))
+	st.respMACs = newRespMACs(respKey(cfg.Auth, s.respRandom[:]))
 	st.trusted = cfg.TrustedNets()
 	for _, mc := range cfg.Models {
 		var p *modelPool

@@ -406,3 +406,36 @@ func TestReloadDuringStreams(t *testing.T) {
 	}
 	t.Logf("%d streams across 12 reloads", streams)
 }
+
+// A mock serves its model's LoRA adapters; a reload that changes them is
+// refused like any other change a running mock cannot take (it was
+// accepted, and the mock went on serving the old list: found by the
+// eleventh session's review).
+func TestMockServesTheModelsAdapters(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "c.yaml")
+	port := freePort(t)
+	write := func(adapters string) {
+		t.Helper()
+		body := fmt.Sprintf("listen: 127.0.0.1:0\nlog_level: warn\nmodels:\n  - {name: m, adapters: [%s], tokenizer: cl100k_base, template: chatml}\n"+
+			"backends:\n  - {id: m0, url: \"http://127.0.0.1:%d\", model: m, kind: mock, mock: {speedup: 1000}}\n", adapters, port)
+		if err := os.WriteFile(cfg, []byte(body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("a-lora")
+	p := startProxy(t, cfg)
+	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/v1/models", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(b), `"id":"a-lora"`) {
+		t.Fatalf("the mock's models: %s", b)
+	}
+	write("a-lora, b-lora")
+	if msg := p.reloadRejected(t); !strings.Contains(msg, "cannot change on reload") {
+		t.Fatalf("changing a mock's adapters: %s", msg)
+	}
+}

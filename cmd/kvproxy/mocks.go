@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"strings"
 	"sync"
 
 	"github.com/rs/zerolog"
@@ -43,12 +44,14 @@ type mockKey struct {
 	events              config.KVEvents
 	blockSize           int
 	tokenizer, template string
+	adapters            string // the model's, joined: the LoRA modules it serves
 }
 
 func keyOf(cfg *config.Config, b config.Backend) mockKey {
 	k := mockKey{url: b.URL, servedModel: b.ServedModel, mock: b.Mock, events: b.KVEvents}
 	if m, ok := cfg.ModelByName(b.Model); ok {
 		k.blockSize, k.tokenizer, k.template = m.BlockSize, m.Tokenizer, m.Template
+		k.adapters = strings.Join(m.Adapters, "\x00")
 	}
 	return k
 }
