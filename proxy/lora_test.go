@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -259,4 +260,25 @@ func TestLoRAAdapterNotServedIsNoEngineFault(t *testing.T) {
 		t.Fatalf("the base model after the adapter's 404s: %d %s", resp.StatusCode, b)
 	}
 	p.waitIdle(t)
+}
+
+// With tokenizer: engine, an adapter's request is tokenized under the base
+// model's name (adapters share its tokenizer): an engine without the
+// adapter answered its /tokenize with 404 and was put out of tokenizing
+// for every model for 30 s (found by the eleventh session's review).
+func TestLoRAAdapterIsTokenizedAsTheBaseModel(t *testing.T) {
+	e0 := startFake(t, "e0", func(f *fakeEngine) { f.notServed = "sql-lora" })
+	p := startProxyYAML(t, "models: [{name: m, adapters: [sql-lora], tokenizer: engine, template: chatml, block_size: 16}]\n"+
+		"backends:\n  - {id: e0, url: 'http://{{e0}}', model: m, served_model: engine-m}\n", e0)
+	post(t, p.url+"/v1/chat/completions", `{"model":"sql-lora","messages":[{"role":"user","content":"hi"}]}`)
+	e0.mu.Lock()
+	defer e0.mu.Unlock()
+	for i, path := range e0.paths {
+		if path == "/tokenize" && e0.bodies[i]["model"] != "engine-m" {
+			t.Fatalf("tokenized as %v", e0.bodies[i]["model"])
+		}
+	}
+	if !slices.Contains(e0.paths, "/tokenize") {
+		t.Fatalf("never tokenized: %v", e0.paths)
+	}
 }
