@@ -112,15 +112,7 @@ func TestDrainingBackendShowsInAdmin(t *testing.T) {
 	if err := p.s.Reload(cfg); err != nil {
 		t.Fatal(err)
 	}
-	get := func(url string) (*http.Response, []byte) {
-		resp, err := http.Get(url)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp, b
-	}
+	get := func(url string) (*http.Response, []byte) { return fetch(t, url) }
 	rows := func() []backendJSON {
 		resp, b := get(p.url + "/admin/backends")
 		var out []backendJSON
