@@ -267,10 +267,14 @@ func TestLoRAAdapterNotServedIsNoEngineFault(t *testing.T) {
 // adapter answered its /tokenize with 404 and was put out of tokenizing
 // for every model for 30 s (found by the eleventh session's review).
 func TestLoRAAdapterIsTokenizedAsTheBaseModel(t *testing.T) {
-	e0 := startFake(t, "e0", func(f *fakeEngine) { f.notServed = "sql-lora" })
+	e0 := startFake(t, "e0", func(f *fakeEngine) {
+		f.modelList = `{"object":"list","data":[{"id":"engine-m","parent":null},{"id":"sql-lora","parent":"engine-m"}]}`
+	})
 	p := startProxyYAML(t, "models: [{name: m, adapters: [sql-lora], tokenizer: engine, template: chatml, block_size: 16}]\n"+
 		"backends:\n  - {id: e0, url: 'http://{{e0}}', model: m, served_model: engine-m}\n", e0)
-	post(t, p.url+"/v1/chat/completions", `{"model":"sql-lora","messages":[{"role":"user","content":"hi"}]}`)
+	if resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"sql-lora","messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
 	e0.mu.Lock()
 	defer e0.mu.Unlock()
 	for i, path := range e0.paths {
