@@ -262,8 +262,11 @@ func (s *Server) handleIndexLookup(ctx *fasthttp.RequestCtx, st *state) {
 		return
 	}
 	p := st.models[q.Model]
-	if p == nil && len(st.pools) == 1 && q.Model == "" {
+	switch {
+	case p == nil && len(st.pools) == 1 && q.Model == "":
 		p = st.pools[0]
+	case p == nil && q.Model != "":
+		p = st.poolOfAdapter(q.Model) // an adapter's hashes are its model's index's
 	}
 	if p == nil {
 		writeError(ctx, fasthttp.StatusNotFound, "unknown model "+strconv.Quote(q.Model), "invalid_request_error", "model", "model_not_found")

@@ -180,6 +180,14 @@ func TestLoRAAdaptersListedByEnginesRouteToThem(t *testing.T) {
 	if got := e2.lastBody()["model"]; got != "sql-lora" {
 		t.Fatalf("the engine got model %v", got)
 	}
+	// The index answers for a listed adapter's hashes as for its model's.
+	_, b := post(t, p.url+"/v1/chat/completions", `{"model":"sql-lora","messages":[{"role":"user","content":"hi"}],"nvext":{"annotations":["query_instance_id"]}}`)
+	var d decisionJSON
+	json.Unmarshal(b, &d)
+	hashes, _ := json.Marshal(d.BlockHashes)
+	if resp, b := post(t, p.url+"/admin/index/lookup", `{"model":"sql-lora","hashes":`+string(hashes)+`}`); resp.StatusCode != 200 || !strings.Contains(string(b), `"held"`) {
+		t.Fatalf("index lookup for a listed adapter: %d %s", resp.StatusCode, b)
+	}
 	if got := served("chat-lora", 3); got["e2"] != 3 {
 		t.Fatalf("chat-lora, configured and listed by e2 alone, went to %v", got)
 	}
@@ -193,7 +201,7 @@ func TestLoRAAdaptersListedByEnginesRouteToThem(t *testing.T) {
 		t.Fatalf("an adapter no engine lists: %d %s", resp.StatusCode, b)
 	}
 	var list struct{ Data []modelJSON }
-	_, b := fetch(t, p.url+"/v1/models")
+	_, b = fetch(t, p.url+"/v1/models")
 	json.Unmarshal(b, &list)
 	var ids []string
 	for _, c := range list.Data {
