@@ -1,8 +1,11 @@
 package proxy
 
 import (
+	"bytes"
 	"slices"
 	"time"
+
+	"github.com/valyala/fasthttp"
 
 	"github.com/kvproxy/kvproxy/backends"
 	"github.com/kvproxy/kvproxy/config"
@@ -49,10 +52,11 @@ func (p *modelPool) adapter(name string) string {
 	if name == p.cfg.Name {
 		return ""
 	}
-	if i := slices.Index(p.cfg.Adapters, name); i >= 0 {
-		return p.cfg.Adapters[i]
+	names := p.names.Load()
+	if i := slices.Index(names.adapters, name); i >= 0 {
+		return names.adapters[i]
 	}
-	if slices.Contains(p.cfg.Aliases, name) {
+	if slices.Contains(names.aliases, name) {
 		return ""
 	}
 	for i, b := range *p.workers.Load() {
@@ -101,13 +105,13 @@ func (p *modelPool) avoidLacking(avoid []router.WorkerID, lora string) (_ []rout
 // listedAdapters appends the cards of the adapters the model's engines list
 // that the configuration does not name, each once.
 func (p *modelPool) listedAdapters(data []modelJSON) []modelJSON {
-	seen := map[string]bool{}
+	seen, names := map[string]bool{}, p.names.Load()
 	for i, b := range *p.workers.Load() {
 		if b == nil || b.worker != router.WorkerID(i) || b.adapters.Load() == nil {
 			continue
 		}
 		for _, a := range *b.adapters.Load() {
-			if !seen[a] && !slices.Contains(p.cfg.Adapters, a) && a != p.cfg.Name && !slices.Contains(p.cfg.Aliases, a) {
+			if !seen[a] && !slices.Contains(names.adapters, a) && a != p.cfg.Name && !slices.Contains(names.aliases, a) {
 				seen[a] = true
 				data = append(data, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: p.cfg.Name})
 			}
@@ -130,4 +134,12 @@ func (b *backend) lacksAdapter(lora string) {
 			return
 		}
 	}
+}
+
+// adapterUnknown reports whether an engine's 404 says it does not serve the
+// adapter the request names (vLLM: "The model `x` does not exist."), not
+// that it lacks the path: only that answer takes the adapter off its list.
+func (x *exchange) adapterUnknown(resp *fasthttp.Response) bool {
+	body, _ := plainBody(resp)
+	return bytes.Contains(body, []byte("does not exist")) && bytes.Contains(body, []byte(x.lora))
 }

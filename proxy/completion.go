@@ -831,7 +831,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			fasthttp.ReleaseResponse(resp)
 			return x.endAttempt()
 		}
-		if code == fasthttp.StatusNotFound && x.lora != "" && !x.resp.lostPrevious(resp.Body()) {
+		if code == fasthttp.StatusNotFound && x.lora != "" && !x.pass && x.adapterUnknown(resp) {
 			// The engine does not serve the adapter (unloaded since its
 			// list was read, or never listed): no fault of the engine's.
 			// Another may serve it; if none does, the client gets the
@@ -1094,7 +1094,7 @@ func (x *exchange) logLine() {
 	metered := x.accepted && (!x.pass || x.usage.prompt >= 0) // pass-through: only an answer's own usage
 	if metered {
 		model := x.p.cfg.Name
-		if x.lora != "" && slices.Contains(x.p.cfg.Adapters, x.lora) {
+		if x.lora != "" && slices.Contains(x.p.names.Load().adapters, x.lora) {
 			model = x.lora // a configured name: engines' lists do not name series
 		}
 		s.metrics.countTokens(model, x.tenant, prompt, completion, cached)

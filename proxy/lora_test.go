@@ -294,3 +294,74 @@ func TestLoRAAdapterIsTokenizedAsTheBaseModel(t *testing.T) {
 		t.Fatalf("never tokenized: %v", e0.paths)
 	}
 }
+
+// Only an engine's "the model does not exist" takes an adapter off its list:
+// a 404 for a path it lacks, on a pass-through endpoint or on the Messages
+// API, did too, and two such requests from any tenant made the adapter
+// unknown to every tenant until the next poll (found by the eleventh
+// session's second user trial).
+func TestLoRAAdapterStaysListedAfterOther404s(t *testing.T) {
+	e0 := startFake(t, "e0", func(f *fakeEngine) {
+		f.modelList = `{"object":"list","data":[{"id":"engine-m","parent":null},{"id":"sql-lora","parent":"engine-m"}]}`
+		f.status, f.errBody = http.StatusNotFound, `{"detail":"Not Found"}`
+	})
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n  - {id: e0, url: 'http://{{e0}}', model: m, served_model: engine-m}\n", e0)
+	b := p.s.st.Load().backends["e0"]
+	for deadline := time.Now().Add(5 * time.Second); b.adapters.Load() == nil; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the engine's list was never read")
+		}
+	}
+	for _, path := range []string{"/pooling", "/pooling", "/v1/messages", "/v1/chat/completions"} {
+		post(t, p.url+path, `{"model":"sql-lora","input":"x","max_tokens":1,"messages":[{"role":"user","content":"x"}]}`)
+	}
+	if yes, known := b.serves("sql-lora"); !yes || !known {
+		t.Fatalf("after 404s that do not name the adapter, e0 serves it: %v (known %v)", yes, known)
+	}
+	p.waitIdle(t)
+}
+
+// A reload that only adds an adapter or an alias keeps the model's pool:
+// its router and what it knows of the engines' caches (the whole index was
+// rebuilt, and cache-aware routing started from nothing: found by the
+// eleventh session's second user trial).
+func TestReloadNamingKeepsTheIndex(t *testing.T) {
+	e0 := startFake(t, "e0", nil)
+	yaml := func(names string) string {
+		return "models: [{name: m, " + names + "tokenizer: cl100k_base, template: chatml}]\n" +
+			"backends:\n  - {id: e0, url: 'http://" + e0.addr + "', model: m, served_model: engine-m, kv_events: {mode: http}}\n"
+	}
+	p := startProxyYAML(t, yaml("block_size: 16, "))
+	ids := promptIDs(1000)
+	if resp, b := post(t, p.url+"/v1/kv_events", `{"engine_id":"e0","events":[{"type":"block_stored","block_hashes":[1,2,3,4],"parent_block_hash":null,"token_ids":[`+ids+`],"block_size":16}]}`); resp.StatusCode != 200 {
+		t.Fatalf("push: %d %s", resp.StatusCode, b)
+	}
+	overlap := func(model string) int {
+		t.Helper()
+		resp, b := post(t, p.url+"/v1/completions", `{"model":"`+model+`","prompt":[`+ids+`],"max_tokens":1,"nvext":{"annotations":["query_instance_id"]}}`)
+		var d decisionJSON
+		if resp.StatusCode != 200 || json.Unmarshal(b, &d) != nil {
+			t.Fatalf("dry run: %d %s", resp.StatusCode, b)
+		}
+		return d.OverlapBlocks
+	}
+	if n := overlap("m"); n != 4 {
+		t.Fatalf("before the reload: %d blocks", n)
+	}
+	pool := p.s.st.Load().models["m"]
+	reloadYAML(t, p, yaml("block_size: 16, aliases: [mm], adapters: [sql-lora], "))
+	if p.s.st.Load().models["m"] != pool {
+		t.Fatal("the reload rebuilt the model's pool")
+	}
+	if n := overlap("mm"); n != 4 {
+		t.Fatalf("after the reload, through the new alias: %d blocks", n)
+	}
+	if p.s.st.Load().models["sql-lora"] != pool || pool.adapter("sql-lora") != "sql-lora" {
+		t.Fatal("the new adapter is not the model's")
+	}
+	reloadYAML(t, p, yaml("block_size: 32, "))
+	if p.s.st.Load().models["m"] == pool {
+		t.Fatal("a new block size kept the pool")
+	}
+}

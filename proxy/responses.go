@@ -64,6 +64,16 @@ func respKey(auth config.Auth, random []byte) []byte {
 	return h.Sum(nil)
 }
 
+// idScopeHint says, where response ids hold at one kvproxy process only
+// (client keys, no cache salt secret: respKey), that an id of another
+// replica's, or from before a restart, names nothing here.
+func (st *state) idScopeHint() string {
+	if st.cfg.Auth.CacheSaltSecret == "" && len(st.cfg.Auth.Keys) > 0 {
+		return " (without auth.cache_salt_secret, response ids hold only at the kvproxy process that made them, until it restarts)"
+	}
+	return ""
+}
+
 // respMACs are the MACs of response ids under one key, pooled: a stream
 // makes one, a follow-up checks one.
 type respMACs struct {
@@ -709,7 +719,7 @@ func (s *Server) previousResponse(ctx *fasthttp.RequestCtx, st *state, p *modelP
 	b, named := st.ownerOf(tag, orig, tenant, p)
 	switch {
 	case b == nil && named:
-		return notFound(".", "previous response id not the tenant's")
+		return notFound(st.idScopeHint()+".", "previous response id not the tenant's")
 	case b == nil || b.isDraining():
 		return notFound(fmt.Sprintf(": the backend that made it no longer serves the model %q", req.model), "previous response's backend gone")
 	}
@@ -767,7 +777,7 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 		b, named = st.ownerOf(tag, orig, in.t.name, nil)
 	}
 	if b == nil {
-		why := "kvproxy made no response of this id"
+		why := "kvproxy made no response of this id" + st.idScopeHint()
 		if ok && !named {
 			why = "kvproxy made no response of this id, or the backend that made it is no longer configured"
 		}

@@ -614,6 +614,10 @@ func TestResponsesBelongToTheirTenant(t *testing.T) {
 			}
 		}
 	}
+	// Without a cache salt secret, ids hold at one process: the 404 says so.
+	if resp, body := postHeaders(t, p.url+"/v1/responses", fmt.Sprintf(`{"model":"m","input":"more","previous_response_id":%q}`, id), b...); resp.StatusCode != 404 || !strings.Contains(string(body), "hold only at the kvproxy process") {
+		t.Fatalf("no hint of where ids hold: %d %s", resp.StatusCode, body)
+	}
 	if got := e0.created(); got != 3 {
 		t.Fatalf("the engine made %d responses, want the two tenants' first ones and the request_id one", got)
 	}

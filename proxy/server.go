@@ -97,7 +97,8 @@ type state struct {
 }
 
 type modelPool struct {
-	cfg       config.Model
+	cfg       config.Model // its aliases and adapters: names (a reload changes them in place)
+	names     atomic.Pointer[modelNames]
 	routerCfg config.Router
 	enc       *tokenize.Encoder // nil with tokenizer: engine
 	engineTok *engineTokenizer  // set with tokenizer: engine
@@ -105,6 +106,18 @@ type modelPool struct {
 	workers   atomic.Pointer[[]*backend] // indexed by router.WorkerID
 	coolMu    sync.Mutex                 // one backend cools down at a time: never the last
 	waiting   atomic.Int64               // requests queued for a slot (route)
+}
+
+// modelNames are a model's other names, which a reload changes without
+// rebuilding its pool.
+type modelNames struct {
+	aliases, adapters []string
+}
+
+// unnamed is m without its other names: what a pool is built from.
+func unnamed(m config.Model) config.Model {
+	m.Aliases, m.Adapters = nil, nil
+	return m
 }
 
 func (p *modelPool) backend(w router.WorkerID) *backend {
@@ -212,12 +225,14 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 	for _, mc := range cfg.Models {
 		var p *modelPool
 		if prev != nil {
-			if old := prev.models[mc.Name]; old != nil && old.cfg.Name == mc.Name && reflect.DeepEqual(old.cfg, mc) {
+			if old := prev.models[mc.Name]; old != nil && old.cfg.Name == mc.Name && reflect.DeepEqual(unnamed(old.cfg), unnamed(mc)) {
 				// The pool, its router, index and load carry over. A router
 				// cannot change its settings in place; rebuilding it would
 				// throw away what it knows of every engine's cache, so
-				// router settings take effect at the next restart.
+				// router settings take effect at the next restart. Its
+				// aliases and adapters are names only: they change in place.
 				p = old
+				p.names.Store(&modelNames{aliases: mc.Aliases, adapters: mc.Adapters})
 				if !reflect.DeepEqual(old.routerCfg, cfg.Router) {
 					s.log.Warn().Str("model", mc.Name).Msg("reload: router settings changed; they apply after a restart (the index is kept)")
 					st.restartNeeded = append(st.restartNeeded, "router (model "+mc.Name+")")
@@ -230,6 +245,7 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 				return nil, fmt.Errorf("model %s: %w", mc.Name, err)
 			}
 			p = &modelPool{cfg: mc, routerCfg: cfg.Router, rt: rt}
+			p.names.Store(&modelNames{aliases: mc.Aliases, adapters: mc.Adapters})
 			if mc.Tokenizer == config.TokenizerEngine {
 				p.engineTok = &engineTokenizer{}
 			} else {
