@@ -23,11 +23,11 @@ func (b *backend) pollAdapters(scraper *backends.MetricsScraper) {
 	if b.cfg.Kind != config.KindVLLM && b.cfg.Kind != config.KindMock {
 		return
 	}
-	if now := time.Now(); now.Sub(b.adaptersPolled) < adapterPollEvery {
+	now := time.Now()
+	if now.Sub(b.adaptersPolled) < adapterPollEvery {
 		return
-	} else {
-		b.adaptersPolled = now
 	}
+	b.adaptersPolled = now
 	list, err := scraper.Adapters(b.base+"/v1/models", b.cfg.APIKey, b.cfg.InsecureSkipVerify)
 	if err != nil {
 		return // unknown, or as it last listed them
@@ -64,8 +64,8 @@ func (p *modelPool) adapter(name string) string {
 			continue // a data-parallel rank's worker: its backend is listed too
 		}
 		if list := b.adapters.Load(); list != nil {
-			if i := slices.Index(*list, name); i >= 0 {
-				return (*list)[i]
+			if j := slices.Index(*list, name); j >= 0 {
+				return (*list)[j]
 			}
 		}
 	}
