@@ -43,18 +43,19 @@ type Options struct {
 // backends, tenants) is swapped whole on reload; a request works with the
 // state it started with.
 type Server struct {
-	respRandom [32]byte // keys response ids when no secret does (respKey)
-	log        zerolog.Logger
-	opts       Options
-	st         atomic.Pointer[state]
-	reloadMu   sync.Mutex
-	metrics    *metrics
-	watcher    *hangupWatcher
-	srv        *fasthttp.Server
-	health     *backends.Prober
-	retries    *retryBudget
-	queue      *waitQueue
-	limits     config.Limits // fixed at start: the header limits shape the HTTP server
+	log      zerolog.Logger
+	opts     Options
+	st       atomic.Pointer[state]
+	reloadMu sync.Mutex
+	metrics  *metrics
+	watcher  *hangupWatcher
+	srv      *fasthttp.Server
+	health   *backends.Prober
+	retries  *retryBudget
+	queue    *waitQueue
+	limits   config.Limits // fixed at start: the header limits shape the HTTP server
+	// respRandom keys response ids where no secret does (respKey).
+	respRandom [32]byte
 	// cert is the listener's certificate (tls in the config), replaced by
 	// reloads; nil serves plain HTTP.
 	cert atomic.Pointer[tls.Certificate]
@@ -97,8 +98,8 @@ type state struct {
 }
 
 type modelPool struct {
-	cfg       config.Model // its aliases and adapters: names (a reload changes them in place)
-	names     atomic.Pointer[modelNames]
+	cfg       config.Model
+	names     atomic.Pointer[modelNames] // the current aliases and adapters (cfg's may be older)
 	routerCfg config.Router
 	enc       *tokenize.Encoder // nil with tokenizer: engine
 	engineTok *engineTokenizer  // set with tokenizer: engine
