@@ -84,11 +84,13 @@ func (st *state) poolOfAdapter(name string) *modelPool {
 }
 
 // avoidLacking adds to avoid the workers of the engines known not to serve
-// the adapter lora. served is false when every engine is known not to: the
-// adapter is then no model of kvproxy's either. Engines whose adapters are
-// unknown may be asked: they answer for themselves.
-func (p *modelPool) avoidLacking(avoid []router.WorkerID, lora string) (_ []router.WorkerID, served bool) {
+// the adapter lora, unless every engine is known not to: a configured
+// adapter no engine lists yet is asked of all (vLLM's LoRA resolvers load
+// an adapter when a request first names it), and each answers for itself.
+func (p *modelPool) avoidLacking(avoid []router.WorkerID, lora string) []router.WorkerID {
 	ws := *p.workers.Load()
+	n := len(avoid)
+	served := false
 	for i, b := range ws {
 		if b == nil || b.worker != router.WorkerID(i) {
 			continue
@@ -99,7 +101,10 @@ func (p *modelPool) avoidLacking(avoid []router.WorkerID, lora string) (_ []rout
 			avoid = append(avoid, b.workerIDs()...)
 		}
 	}
-	return avoid, served
+	if !served {
+		return avoid[:n]
+	}
+	return avoid
 }
 
 // listedAdapters appends the cards of the adapters the model's engines list

@@ -206,21 +206,12 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		p = st.pools[0]
 		req.model = p.cfg.Name
 	}
-	var lora string // the LoRA adapter the request names
-	var avoid []router.WorkerID
-	if p != nil {
-		if lora = p.adapter(req.model); lora != "" {
-			var served bool
-			if avoid, served = p.avoidLacking(nil, lora); !served {
-				p = nil
-			}
-		}
-	}
 	if p == nil {
 		writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", req.model), "invalid_request_error", "model", "model_not_found")
 		s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusNotFound, start, "unknown model")
 		return
 	}
+	lora := p.adapter(req.model) // the LoRA adapter the request names
 	lim := st.cfg.Limits
 	list := "messages"
 	if kind == apiResponses {
@@ -332,7 +323,9 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	sc.hashes = kv.HashBlocks(sc.hashes[:0], tokens, p.cfg.BlockSize, ns)
 	rr := &sc.route
 	*rr = router.Request{Hashes: sc.hashes, PromptTokens: counted, Unstreamed: !req.stream, CandidateBuf: sc.cands}
-	rr.Avoid = avoid
+	if lora != "" {
+		rr.Avoid = p.avoidLacking(nil, lora)
+	}
 
 	if name, inst, isNum, ok := req.nv.pinned(); ok {
 		w, found := p.rt.WorkerByName(name)

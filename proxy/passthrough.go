@@ -63,15 +63,6 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 		p = st.pools[0]
 		req.model = p.cfg.Name
 	}
-	var avoid []router.WorkerID
-	if p != nil {
-		if lora := p.adapter(req.model); lora != "" {
-			var served bool
-			if avoid, served = p.avoidLacking(nil, lora); !served {
-				p = nil
-			}
-		}
-	}
 	if p == nil {
 		writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", req.model), "invalid_request_error", "model", "model_not_found")
 		s.logRejected(ctx, in.rid, in.t.name, req.model, fasthttp.StatusNotFound, in.start, "unknown model")
@@ -83,8 +74,10 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 		return
 	}
 	sc.route = router.Request{PromptTokens: tokens, Unstreamed: true, Auxiliary: true, CandidateBuf: sc.cands}
-	sc.route.Avoid = avoid
 	x := s.newExchange(in.rid, in.engineID, path, false, in.start, p, req.model)
+	if x.lora != "" {
+		sc.route.Avoid = p.avoidLacking(nil, x.lora)
+	}
 	x.pass, x.tenant, x.slot = true, in.t.name, in.slot
 	s.dispatch(ctx, st, sc, x, "")
 }

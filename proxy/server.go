@@ -231,9 +231,10 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 				// cannot change its settings in place; rebuilding it would
 				// throw away what it knows of every engine's cache, so
 				// router settings take effect at the next restart. Its
-				// aliases and adapters are names only: they change in place.
+				// aliases and adapters are names only: they change in place
+				// when this state is activated (a reload that fails later
+				// must change nothing).
 				p = old
-				p.names.Store(&modelNames{aliases: mc.Aliases, adapters: mc.Adapters})
 				if !reflect.DeepEqual(old.routerCfg, cfg.Router) {
 					s.log.Warn().Str("model", mc.Name).Msg("reload: router settings changed; they apply after a restart (the index is kept)")
 					st.restartNeeded = append(st.restartNeeded, "router (model "+mc.Name+")")
@@ -289,6 +290,9 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 // activate makes st current: backends start getting traffic and probes;
 // backends of prev that st lacks drain and then disappear.
 func (s *Server) activate(st, prev *state) {
+	for _, mc := range st.cfg.Models {
+		st.models[mc.Name].names.Store(&modelNames{aliases: mc.Aliases, adapters: mc.Adapters})
+	}
 	if prev != nil {
 		// A backend replaced by a new configuration of the same id hands its
 		// worker over: its event feed stops and forgets before the new one
