@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -25,6 +26,25 @@ type EngineMetrics struct {
 	// block_size); 0 when not exported. With several series (one per
 	// data-parallel engine) it is the largest, one engine's capacity.
 	CacheBlocks, CacheBlockSize int
+	// LoRA is vLLM's vllm:lora_requests_info (nil when not exported).
+	LoRA *LoRAInfo
+}
+
+// LoRAInfo is what vLLM says of the LoRA adapters in its batch, from the
+// latest series of vllm:lora_requests_info (its value is the time it was
+// set; older label sets stay on the page).
+type LoRAInfo struct {
+	// MaxLoRAs is how many adapters one batch can hold (max_lora): a
+	// request for another waits until one of them leaves the batch.
+	MaxLoRAs int      `json:"max_lora"`
+	Running  []string `json:"running"` // the adapters of running requests
+	Waiting  []string `json:"waiting"` // the adapters of waiting requests
+}
+
+// Full reports whether the batch holds all the adapters it can and lora is
+// not one of them: a request for lora waits there for a place.
+func (l *LoRAInfo) Full(lora string) bool {
+	return l != nil && l.MaxLoRAs > 0 && len(l.Running) >= l.MaxLoRAs && !slices.Contains(l.Running, lora)
 }
 
 // RankMetrics is one data-parallel engine's own metrics.
@@ -46,6 +66,7 @@ var (
 	// the newer name is absent (some versions export both).
 	usageOldName  = []byte("vllm:gpu_cache_usage_perc")
 	cacheInfoName = []byte("vllm:cache_config_info")
+	loraInfoName  = []byte("vllm:lora_requests_info")
 )
 
 // engineLabel names a vLLM series' data-parallel engine.
@@ -58,7 +79,8 @@ var ErrNoEngineMetrics = errors.New("no vLLM or SGLang load metrics on the page"
 // vllm:num_requests_running, vllm:kv_cache_usage_perc) or SGLang's
 // (sglang:num_queue_reqs, sglang:num_running_reqs, sglang:token_usage) gauges
 // from Prometheus text exposition format. Other lines, and lines that do not
-// parse, are skipped. It does not allocate.
+// parse, are skipped. It does not allocate, but for the LoRA adapters vLLM
+// lists (EngineMetrics.LoRA).
 func ParseEngineMetrics(page []byte) (EngineMetrics, error) {
 	m, _, err := parseEngineMetrics(page, nil, false)
 	return m, err
@@ -77,6 +99,8 @@ func parseEngineMetrics(page []byte, ranks []RankMetrics, perRank bool) (EngineM
 		total engineSums
 		small [16]engineSums
 		accs  = small[:0] // by rank
+		lora  []byte      // the latest vllm:lora_requests_info line
+		loraT float64
 	)
 	for len(page) > 0 {
 		line := page
@@ -86,6 +110,12 @@ func parseEngineMetrics(page []byte, ranks []RankMetrics, perRank bool) (EngineM
 			page = nil
 		}
 		name, v, ok := parseSample(line)
+		if ok && bytes.Equal(name, loraInfoName) {
+			if lora == nil || v >= loraT {
+				lora, loraT = line, v
+			}
+			continue
+		}
 		if !ok || !total.add(name, line, v) || !perRank {
 			continue
 		}
@@ -107,7 +137,11 @@ func parseEngineMetrics(page []byte, ranks []RankMetrics, perRank bool) (EngineM
 			ranks = append(ranks, RankMetrics{Rank: r, EngineMetrics: accs[r].metrics()})
 		}
 	}
-	return total.metrics(), ranks, nil
+	m := total.metrics()
+	if lora != nil {
+		m.LoRA = &LoRAInfo{MaxLoRAs: labelInt(lora, "max_lora"), Running: labelList(lora, "running_lora_adapters"), Waiting: labelList(lora, "waiting_lora_adapters")}
+	}
+	return m, ranks, nil
 }
 
 // engineSums gathers the series of the metrics read, of one engine or all.
@@ -158,6 +192,48 @@ func (s *engineSums) metrics() EngineMetrics {
 	}
 	m.KVUsage = max(0, min(1, m.KVUsage))
 	return m
+}
+
+// labelList reads label key of a sample line as a comma-separated list
+// (vLLM's adapter lists; no escapes in adapter names); nil if empty or absent.
+func labelList(line []byte, key string) []string {
+	val := labelValue(line, key)
+	if len(val) == 0 {
+		return nil
+	}
+	var out []string
+	for _, s := range bytes.Split(val, []byte(",")) {
+		if s = bytes.TrimSpace(s); len(s) > 0 {
+			out = append(out, string(s))
+		}
+	}
+	return out
+}
+
+// labelValue is the raw value of label key in a sample line, up to its
+// closing quote; nil if absent.
+func labelValue(line []byte, key string) []byte {
+	open := bytes.IndexByte(line, '{')
+	if open < 0 {
+		return nil
+	}
+	labels := line[open:]
+	for i := 0; ; {
+		j := bytes.Index(labels[i:], []byte(key))
+		if j < 0 {
+			return nil
+		}
+		at := i + j
+		i = at + len(key)
+		if prev := labels[at-1]; (prev != '{' && prev != ',' && prev != ' ') || !bytes.HasPrefix(labels[i:], []byte(`="`)) {
+			continue // a longer label name that ends in key
+		}
+		val := labels[i+2:]
+		if k := bytes.IndexByte(val, '"'); k >= 0 {
+			return val[:k]
+		}
+		return nil
+	}
 }
 
 // labelInt reads the integer value of label key in a sample line

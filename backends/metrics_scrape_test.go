@@ -2,6 +2,7 @@ package backends
 
 import (
 	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -203,5 +204,36 @@ func TestLabelInt(t *testing.T) {
 		if got := labelInt([]byte(c.line), c.key); got != c.want {
 			t.Errorf("labelInt(%s, %s) = %d, want %d", c.line, c.key, got, c.want)
 		}
+	}
+}
+
+// vLLM's vllm:lora_requests_info: one series per label set it has had,
+// valued with the time it was set; the latest tells which adapters the
+// batch holds and how many it can (max_lora).
+func TestParseLoRAInfo(t *testing.T) {
+	page := `vllm:num_requests_running{model_name="m"} 2
+# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="old-lora",waiting_lora_adapters=""} 1.7900000001e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql-lora,chat-lora",waiting_lora_adapters="fs-lora"} 1.7900000009e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7900000005e+09
+`
+	m, err := ParseEngineMetrics([]byte(page))
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := m.LoRA
+	if l == nil || l.MaxLoRAs != 2 || fmt.Sprint(l.Running) != "[sql-lora chat-lora]" || fmt.Sprint(l.Waiting) != "[fs-lora]" {
+		t.Fatalf("lora info %+v", l)
+	}
+	if !l.Full("fs-lora") || l.Full("sql-lora") {
+		t.Fatalf("full for fs-lora %v, for sql-lora %v", l.Full("fs-lora"), l.Full("sql-lora"))
+	}
+	if m, _ := ParseEngineMetrics([]byte(`vllm:num_requests_running{model_name="m"} 2`)); m.LoRA != nil || m.LoRA.Full("x") {
+		t.Fatalf("no lora info: %+v", m.LoRA)
+	}
+	empty, _ := ParseEngineMetrics([]byte("vllm:num_requests_running 0\nvllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 1e9\n"))
+	if empty.LoRA == nil || empty.LoRA.Running != nil || empty.LoRA.Full("x") {
+		t.Fatalf("an idle engine's lora info %+v", empty.LoRA)
 	}
 }

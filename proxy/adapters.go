@@ -83,28 +83,42 @@ func (st *state) poolOfAdapter(name string) *modelPool {
 	return nil
 }
 
-// avoidLacking adds to avoid the workers of the engines known not to serve
-// the adapter lora, unless every engine is known not to: a configured
-// adapter no engine lists yet is asked of all (vLLM's LoRA resolvers load
-// an adapter when a request first names it), and each answers for itself.
-func (p *modelPool) avoidLacking(avoid []router.WorkerID, lora string) []router.WorkerID {
-	ws := *p.workers.Load()
-	n := len(avoid)
-	served := false
-	for i, b := range ws {
-		if b == nil || b.worker != router.WorkerID(i) {
-			continue
+// avoidForAdapter adds to avoid the workers of the engines a request for
+// the adapter lora should not go to:
+//   - those known not to serve it, unless every engine is: a configured
+//     adapter no engine lists yet is asked of all (vLLM's LoRA resolvers
+//     load an adapter when a request first names it), each answering for
+//     itself;
+//   - of the others, those whose batch holds all the adapters it can
+//     (vLLM's max_lora) without this one, where the request would wait for
+//     a place, unless every one does.
+func (p *modelPool) avoidForAdapter(avoid []router.WorkerID, lora string) []router.WorkerID {
+	var engines []*backend
+	for i, b := range *p.workers.Load() {
+		if b != nil && b.worker == router.WorkerID(i) { // not a data-parallel rank's worker
+			engines = append(engines, b)
 		}
-		if yes, known := b.serves(lora); yes || !known {
-			served = true
-		} else {
+	}
+	mayServe := func(b *backend) bool {
+		yes, known := b.serves(lora)
+		return yes || !known
+	}
+	listed := slices.ContainsFunc(engines, mayServe)
+	candidate := func(b *backend) bool { return !listed || mayServe(b) }
+	room := slices.ContainsFunc(engines, func(b *backend) bool { return candidate(b) && !b.loraFull(lora) })
+	for _, b := range engines {
+		if !candidate(b) || room && b.loraFull(lora) {
 			avoid = append(avoid, b.workerIDs()...)
 		}
 	}
-	if !served {
-		return avoid[:n]
-	}
 	return avoid
+}
+
+// loraFull reports whether the engine last said its batch holds all the
+// adapters it can, none of them lora.
+func (b *backend) loraFull(lora string) bool {
+	ss := b.scrape.Load()
+	return ss != nil && ss.ok && ss.m.LoRA.Full(lora)
 }
 
 // listedAdapters appends the cards of the adapters the model's engines list

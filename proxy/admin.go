@@ -10,6 +10,7 @@ import (
 	"github.com/goccy/go-json"
 	"github.com/valyala/fasthttp"
 
+	"github.com/kvproxy/kvproxy/backends"
 	"github.com/kvproxy/kvproxy/config"
 	"github.com/kvproxy/kvproxy/kv"
 	"github.com/kvproxy/kvproxy/router"
@@ -142,6 +143,8 @@ type scrapeJSON struct {
 	Running int     `json:"running"`
 	KVUsage float64 `json:"kv_usage"`
 	AgeMs   int64   `json:"age_ms"`
+	// LoRA: the adapters in the engine's batch (vLLM's lora_requests_info).
+	LoRA *backends.LoRAInfo `json:"lora,omitempty"`
 }
 
 func (s *Server) backendRows(st *state) []backendJSON {
@@ -186,7 +189,7 @@ func (s *Server) backendRows(st *state) []backendJSON {
 			row.Adapters = b.adapters.Load()
 			if ss := b.scrape.Load(); ss != nil {
 				row.Scrape = &scrapeJSON{OK: ss.ok, Error: ss.err, Waiting: ss.m.Waiting, Running: ss.m.Running,
-					KVUsage: ss.m.KVUsage, AgeMs: time.Since(ss.at).Milliseconds()}
+					KVUsage: ss.m.KVUsage, AgeMs: time.Since(ss.at).Milliseconds(), LoRA: ss.m.LoRA}
 			}
 		}
 	}

@@ -324,7 +324,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	rr := &sc.route
 	*rr = router.Request{Hashes: sc.hashes, PromptTokens: counted, Unstreamed: !req.stream, CandidateBuf: sc.cands}
 	if lora != "" {
-		rr.Avoid = p.avoidLacking(nil, lora)
+		rr.Avoid = p.avoidForAdapter(nil, lora)
 	}
 
 	if name, inst, isNum, ok := req.nv.pinned(); ok {

@@ -390,3 +390,77 @@ func TestFailedReloadKeepsTheNames(t *testing.T) {
 		t.Fatalf("after the failed reload: %d %s, the engine got %v", resp.StatusCode, b, e0.lastBody()["model"])
 	}
 }
+
+// vLLM runs at most max_lora adapters in a batch: a request for another
+// waits there until one leaves. Its vllm:lora_requests_info says which
+// adapters the batch holds; an adapter's request goes to an engine with
+// room for it (or running it already) while there is one.
+func TestLoRAAdapterAvoidsFullBatches(t *testing.T) {
+	list := `{"object":"list","data":[{"id":"engine-m","parent":null},{"id":"sql-lora","parent":"engine-m"},{"id":"other-lora","parent":"engine-m"}]}`
+	page := func(max int, running string) string {
+		return fmt.Sprintf("vllm:num_requests_running{model_name=\"engine-m\"} 1\n"+
+			"vllm:lora_requests_info{max_lora=\"%d\",running_lora_adapters=\"%s\",waiting_lora_adapters=\"\"} 1.79e+09\n", max, running)
+	}
+	engines := map[string]*fakeEngine{}
+	for _, id := range []string{"e0", "e1", "e2"} {
+		engines[id] = startFake(t, id, func(f *fakeEngine) { f.modelList, f.metricsPage = list, page(1, "other-lora") })
+	}
+	setPage := func(id, p string) {
+		engines[id].mu.Lock()
+		engines[id].metricsPage = p
+		engines[id].mu.Unlock()
+	}
+	setPage("e1", page(2, "other-lora"))
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"router: {policy: round_robin}\nbackends:\n"+
+		"  - {id: e0, url: 'http://{{e0}}', model: m, served_model: engine-m}\n"+
+		"  - {id: e1, url: 'http://{{e1}}', model: m, served_model: engine-m}\n"+
+		"  - {id: e2, url: 'http://{{e2}}', model: m, served_model: engine-m}\n", engines["e0"], engines["e1"], engines["e2"])
+	full := func(id string) bool { return p.s.st.Load().backends[id].loraFull("sql-lora") }
+	waitScraped := func(want map[string]bool) {
+		t.Helper()
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			ok := p.s.st.Load().poolOfAdapter("sql-lora") != nil
+			for id, w := range want {
+				ok = ok && full(id) == w
+			}
+			if ok {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the engines' batches were not read as %v", want)
+			}
+		}
+	}
+	served := func(model string) map[string]int {
+		t.Helper()
+		got := map[string]int{}
+		for range 6 {
+			resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"`+model+`","messages":[{"role":"user","content":"hi"}]}`)
+			if resp.StatusCode != 200 {
+				t.Fatalf("%s: %d %s", model, resp.StatusCode, b)
+			}
+			got[resp.Header.Get(WorkerHeader)]++
+		}
+		return got
+	}
+	waitScraped(map[string]bool{"e0": true, "e1": false, "e2": true})
+	if got := served("sql-lora"); got["e1"] != 6 {
+		t.Fatalf("sql-lora went to %v, want e1, the one batch with room", got)
+	}
+	if got := served("other-lora"); len(got) != 3 {
+		t.Fatalf("other-lora, running everywhere, went to %v", got)
+	}
+	setPage("e1", page(1, "other-lora"))
+	waitScraped(map[string]bool{"e0": true, "e1": true, "e2": true})
+	if got := served("sql-lora"); len(got) != 3 {
+		t.Fatalf("with every batch full, sql-lora went to %v: it must wait somewhere", got)
+	}
+	var rows []backendJSON
+	_, b := fetch(t, p.url+"/admin/backends")
+	json.Unmarshal(b, &rows)
+	if len(rows) != 3 || rows[0].Scrape == nil || rows[0].Scrape.LoRA == nil || rows[0].Scrape.LoRA.MaxLoRAs != 1 {
+		t.Fatalf("/admin/backends does not show the batches' adapters: %s", b)
+	}
+	p.waitIdle(t)
+}

@@ -76,7 +76,7 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 	sc.route = router.Request{PromptTokens: tokens, Unstreamed: true, Auxiliary: true, CandidateBuf: sc.cands}
 	x := s.newExchange(in.rid, in.engineID, path, false, in.start, p, req.model)
 	if x.lora != "" {
-		sc.route.Avoid = p.avoidLacking(nil, x.lora)
+		sc.route.Avoid = p.avoidForAdapter(nil, x.lora)
 	}
 	x.pass, x.tenant, x.slot = true, in.t.name, in.slot
 	s.dispatch(ctx, st, sc, x, "")

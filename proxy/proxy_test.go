@@ -45,6 +45,7 @@ type fakeEngine struct {
 	retryAfter   string // Retry-After of the non-200 answer
 	modelList    string // GET /v1/models (default: the base model alone); not recorded
 	notServed    string // a model it answers vLLM's 404 for (under mu)
+	metricsPage  string // GET /metrics (under mu; "": 404); not recorded
 }
 
 func startFake(t *testing.T, id string, setup func(*fakeEngine)) *fakeEngine {
@@ -61,6 +62,16 @@ func startFake(t *testing.T, id string, setup func(*fakeEngine)) *fakeEngine {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/health", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok")) })
 	mux.HandleFunc("/v1/", f.serve)
+	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, r *http.Request) {
+		f.mu.Lock()
+		page := f.metricsPage
+		f.mu.Unlock()
+		if page == "" {
+			http.NotFound(w, r)
+			return
+		}
+		w.Write([]byte(page))
+	})
 	mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, r *http.Request) {
 		list := f.modelList
 		if list == "" {
