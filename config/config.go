@@ -226,6 +226,7 @@ type MockEngine struct {
 	MaxNumBatchedTokens int     `yaml:"max_num_batched_tokens"`
 	Speedup             float64 `yaml:"speedup"`
 	Seed                int64   `yaml:"seed"`
+	MaxLoRAs            int     `yaml:"max_loras"` // adapters a batch may hold (vLLM --max-loras; default 1)
 }
 
 // Router settings.
@@ -684,7 +685,7 @@ func (c *Config) Validate() error {
 		if b.MaxConcurrency < 0 {
 			add(f+".max_concurrency", "must not be negative")
 		}
-		if m := b.Mock; !finiteNonNegative(m.Speedup) || m.CacheBlocks < 0 || m.HostCacheBlocks < 0 || m.MaxNumSeqs < 0 || m.MaxNumBatchedTokens < 0 {
+		if m := b.Mock; !finiteNonNegative(m.Speedup) || m.CacheBlocks < 0 || m.HostCacheBlocks < 0 || m.MaxNumSeqs < 0 || m.MaxNumBatchedTokens < 0 || m.MaxLoRAs < 0 {
 			add(f+".mock", "values must be numbers, not negative")
 		}
 		if b.Kind == KindMock && err == nil && u.Host != "" {

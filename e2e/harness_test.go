@@ -266,6 +266,12 @@ type backendRow struct {
 	IndexedBlocks int64 `json:"indexed_blocks"`
 	// The LoRA adapters the engine lists (nil while unknown).
 	Adapters *[]string `json:"adapters"`
+	// The engine's metrics as last scraped: its batch's adapters.
+	Scrape struct {
+		LoRA *struct {
+			Running []string `json:"running"`
+		} `json:"lora"`
+	} `json:"engine_metrics"`
 	// The engine's KV capacity as the router holds it (from the engine's
 	// vllm:cache_config_info, in the router's blocks).
 	CacheBlocks float64 `json:"cache_blocks_estimated"`

@@ -91,3 +91,47 @@ func TestLoRAAdaptersEndToEnd(t *testing.T) {
 		t.Fatalf("/v1/models: %s", got)
 	}
 }
+
+// vLLM runs at most --max-loras adapters in a batch (kvmock too, 1 by
+// default) and a request of another waits there. With mock-0's batch
+// holding a-lora and mock-1 busier, least_load alone sends a b-lora request
+// to mock-0, where it would wait for a-lora's request to end; kvproxy reads
+// the batches' adapters from the engines' vllm:lora_requests_info and sends
+// it to mock-1.
+func TestLoRAAdapterGoesWhereTheBatchHasRoom(t *testing.T) {
+	engines := fleet(t, 2, "-lora-modules", "a-lora,b-lora", "-max-loras", "1")
+	url, _ := kvproxy(t, engines, "least_load")
+	long := func(model, pin string) *http.Response {
+		t.Helper()
+		body := fmt.Sprintf(`{"model":%q,"stream":true,"max_tokens":3000,"ignore_eos":true,"messages":[{"role":"user","content":"go on"}],"nvext":{"backend_instance_id":%q}}`, model, pin)
+		resp, err := http.Post(url+"/v1/chat/completions", "application/json", strings.NewReader(body))
+		if err != nil || resp.StatusCode != 200 {
+			t.Fatalf("%s on %s: %v %v", model, pin, resp, err)
+		}
+		buf := make([]byte, 64)
+		resp.Body.Read(buf) // the stream has begun: the request runs
+		t.Cleanup(func() { resp.Body.Close() })
+		return resp
+	}
+	long("a-lora", "mock-0")
+	long("default", "mock-1")
+	long("default", "mock-1")
+	waitFor(t, 10*time.Second, "mock-0's batch to show a-lora", func() bool {
+		for _, r := range adminBackends(t, url) {
+			if r.ID == "mock-0" && r.Scrape.LoRA != nil && fmt.Sprint(r.Scrape.LoRA.Running) == "[a-lora]" {
+				return true
+			}
+		}
+		return false
+	})
+	for i := range 3 {
+		resp, err := http.Post(url+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"b-lora","max_tokens":2,"messages":[{"role":"user","content":"hi"}]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if w := resp.Header.Get("x-kvproxy-worker"); resp.StatusCode != 200 || w != "mock-1" {
+			t.Fatalf("b-lora request %d: %d on %s, want mock-1, whose batch has room for it", i, resp.StatusCode, w)
+		}
+	}
+}

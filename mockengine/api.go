@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/kvproxy/kvproxy/kv"
@@ -503,6 +504,13 @@ func (e *Engine) serveMetrics(w http.ResponseWriter, _ *http.Request) {
 	metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", u(st.PromptTokens))
 	metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", u(st.GenerationTokens))
 	metric("vllm:request_success_total", "counter", "Count of successfully processed requests.", u(st.Finished))
+	if len(e.cfg.LoRAModules) > 0 {
+		// As vLLM with LoRA on: one series whose value is the time it was
+		// set (vLLM keeps the older label sets too; the latest counts).
+		b = fmt.Appendf(b, "# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge\n"+
+			"vllm:lora_requests_info{max_lora=\"%d\",running_lora_adapters=%q,waiting_lora_adapters=%q} %s\n",
+			e.cfg.maxLoRAs(), strings.Join(st.RunningLoRAs, ","), strings.Join(st.WaitingLoRAs, ","), f(float64(time.Now().UnixNano())/1e9))
+	}
 	w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
 	w.Write(b)
 }

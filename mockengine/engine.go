@@ -27,6 +27,9 @@ type Config struct {
 	// An adapter's blocks are cached apart from the base model's and
 	// reported with its lora_name, as vLLM caches and reports them.
 	LoRAModules []string
+	// MaxLoRAs is how many adapters a batch may hold (vLLM's --max-loras,
+	// default 1 with adapters): a request of another waits for a place.
+	MaxLoRAs int
 
 	BlockSize           int
 	CacheBlocks         int // device KV capacity in blocks
@@ -102,7 +105,17 @@ func (c Config) modelConfig() ModelConfig {
 		MaxNumBatchedTokens: c.MaxNumBatchedTokens,
 		HostCacheBlocks:     c.HostCacheBlocks,
 		RecordEvents:        c.OnEvents != nil,
+		MaxLoRAs:            c.maxLoRAs(),
 	}
+}
+
+// maxLoRAs is MaxLoRAs, 1 by default when the engine serves adapters, as
+// vLLM's --max-loras.
+func (c Config) maxLoRAs() int {
+	if c.MaxLoRAs <= 0 && len(c.LoRAModules) > 0 {
+		return 1
+	}
+	return c.MaxLoRAs
 }
 
 // Stats is a snapshot of an engine's counters and state.
@@ -126,6 +139,8 @@ type Stats struct {
 	Preemptions      uint64
 	Steps            uint64
 	TokenizeCalls    uint64 // POST /tokenize answered
+	// The adapters of the running and the waiting requests.
+	RunningLoRAs, WaitingLoRAs []string
 }
 
 // Engine is a simulated vLLM serving the OpenAI API over HTTP.
@@ -302,6 +317,7 @@ func (e *Engine) Stats() Stats {
 		Steps:         e.steps,
 		TokenizeCalls: e.tokenizeCalls.Load(),
 	}
+	st.RunningLoRAs, st.WaitingLoRAs = e.model.LoRAs()
 	e.mu.Unlock()
 	st.Requests = e.requests.Load()
 	st.Finished = e.finished.Load()

@@ -2,6 +2,7 @@ package mockengine
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -58,7 +59,16 @@ func TestLoRAModules(t *testing.T) {
 	}
 	mu.Unlock()
 
-	resp, err := http.Get(url + "/v1/models")
+	resp, err := http.Get(url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	page, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(page), `vllm:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""} `) {
+		t.Fatalf("no lora_requests_info as vLLM's (max_lora 1 by default):\n%s", page)
+	}
+	resp, err = http.Get(url + "/v1/models")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,5 +83,41 @@ func TestLoRAModules(t *testing.T) {
 	if err := json.Unmarshal(b, &list); err != nil || len(list.Data) != 3 || list.Data[0].Parent != nil ||
 		list.Data[1].ID != "sql-lora" || list.Data[1].Parent == nil || *list.Data[1].Parent != "mock-model" {
 		t.Fatalf("/v1/models: %s", b)
+	}
+}
+
+// With max_loras adapters in the running batch, a waiting sequence of
+// another adapter is passed over, keeping its place, and others go ahead:
+// vLLM's scheduler skips it until an adapter leaves the batch.
+func TestMaxLoRAsPassesOverOtherAdapters(t *testing.T) {
+	m := NewModel(ModelConfig{BlockSize: 16, CacheBlocks: 1000, MaxLoRAs: 1})
+	a := mustAdd(t, m, &Seq{ID: 1, Prompt: toks(32, 1), MaxTokens: 20, LoRA: "a"})
+	b := mustAdd(t, m, &Seq{ID: 2, Prompt: toks(32, 2), MaxTokens: 2, LoRA: "b"})
+	a2 := mustAdd(t, m, &Seq{ID: 3, Prompt: toks(32, 3), MaxTokens: 2, LoRA: "a"})
+	base := mustAdd(t, m, &Seq{ID: 4, Prompt: toks(32, 4), MaxTokens: 2})
+	m.Step()
+	if running, waiting := m.LoRAs(); fmt.Sprint(running, waiting) != "[a] [b]" || m.Running() != 3 || m.Waiting() != 1 {
+		t.Fatalf("after one step: running %v waiting %v (%d running, %d waiting)", running, waiting, m.Running(), m.Waiting())
+	}
+	if a2.state != seqRunning || base.state != seqRunning {
+		t.Fatal("the sequences behind b did not go ahead of it")
+	}
+	for a.state != seqDone {
+		if b.state != seqWaiting {
+			t.Fatal("b ran beside a with max_loras 1")
+		}
+		m.Step()
+	}
+	run(t, m)
+	if b.state != seqDone {
+		t.Fatal("b never ran")
+	}
+	// Without a limit (MaxLoRAs 0) both adapters run at once.
+	m = NewModel(ModelConfig{BlockSize: 16, CacheBlocks: 1000})
+	mustAdd(t, m, &Seq{ID: 1, Prompt: toks(32, 1), MaxTokens: 20, LoRA: "a"})
+	mustAdd(t, m, &Seq{ID: 2, Prompt: toks(32, 2), MaxTokens: 2, LoRA: "b"})
+	m.Step()
+	if m.Running() != 2 {
+		t.Fatalf("no limit: %d running", m.Running())
 	}
 }

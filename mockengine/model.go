@@ -3,6 +3,7 @@ package mockengine
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/kvproxy/kvproxy/kv"
@@ -22,6 +23,10 @@ type ModelConfig struct {
 	HostLoadPerBlock time.Duration
 	// RecordEvents keeps a list of cache events for DrainEvents.
 	RecordEvents bool
+	// MaxLoRAs is how many LoRA adapters the running batch may hold (vLLM's
+	// --max-loras): a waiting sequence of another adapter is passed over
+	// until one leaves. 0: no limit.
+	MaxLoRAs int
 }
 
 // DefaultHostLoadPerBlock is the host→device copy time of one block of 16
@@ -150,6 +155,8 @@ type Model struct {
 	scratch []uint32       // one block of tokens spanning prompt and output
 	hbuf    []kv.BlockHash // one hash
 	events  eventLog
+	skipped []*Seq   // Step: waiting sequences passed over, kept in order
+	loras   []string // Step: the running adapters (runningLoRAs)
 }
 
 // NewModel builds a Model; zero config fields take defaults.
@@ -295,17 +302,33 @@ func (m *Model) Step() (time.Duration, []StepResult) {
 		}
 	}
 
-	// Like vLLM, admit nothing in a step that had to preempt.
+	// Like vLLM, admit nothing in a step that had to preempt, and pass over
+	// (keeping their places) sequences of an adapter the batch has no room
+	// for.
+	loras := m.runningLoRAs()
 	for !preempted && budget > 0 && m.waiting.len() > 0 && len(m.running) < m.cfg.MaxNumSeqs {
 		s := m.waiting.front()
+		if m.cfg.MaxLoRAs > 0 && s.LoRA != "" && len(loras) >= m.cfg.MaxLoRAs && !slices.Contains(loras, s.LoRA) {
+			m.waiting.popFront()
+			m.skipped = append(m.skipped, s)
+			continue
+		}
 		if !m.admit(s, budget) {
 			break
 		}
 		m.waiting.popFront()
 		m.running = append(m.running, s)
+		if m.cfg.MaxLoRAs > 0 && s.LoRA != "" && !slices.Contains(loras, s.LoRA) {
+			loras = append(loras, s.LoRA)
+		}
 		budget -= s.sched
 		prefill += s.sched
 	}
+	for i := len(m.skipped) - 1; i >= 0; i-- {
+		m.waiting.pushFront(m.skipped[i])
+	}
+	clear(m.skipped)
+	m.skipped = m.skipped[:0]
 
 	if prefill == 0 && decodes == 0 {
 		return 0, nil
@@ -640,6 +663,37 @@ func (m *Model) HostBlocks() int {
 		return 0
 	}
 	return m.host.index.len()
+}
+
+// runningLoRAs is the adapters of the running sequences, each once, when
+// MaxLoRAs limits them (else nil).
+func (m *Model) runningLoRAs() []string {
+	if m.cfg.MaxLoRAs <= 0 {
+		return nil
+	}
+	m.loras = m.loras[:0]
+	for _, s := range m.running {
+		if s.LoRA != "" && !slices.Contains(m.loras, s.LoRA) {
+			m.loras = append(m.loras, s.LoRA)
+		}
+	}
+	return m.loras
+}
+
+// LoRAs reports the adapters of the running and the waiting sequences, each
+// once (vLLM's lora_requests_info).
+func (m *Model) LoRAs() (running, waiting []string) {
+	for _, s := range m.running {
+		if s.LoRA != "" && !slices.Contains(running, s.LoRA) {
+			running = append(running, s.LoRA)
+		}
+	}
+	for _, s := range m.waiting.buf[m.waiting.head:] {
+		if s.LoRA != "" && !slices.Contains(waiting, s.LoRA) {
+			waiting = append(waiting, s.LoRA)
+		}
+	}
+	return running, waiting
 }
 
 // seqQueue is the waiting queue: FIFO, with preempted sequences put back at

@@ -53,6 +53,7 @@ func run(ctx context.Context, args []string, ready func([]endpoints)) error {
 	host := fs.String("host", "127.0.0.1", "address to listen on")
 	model := fs.String("model", d.Model, "served model name")
 	loras := fs.String("lora-modules", "", "comma-separated LoRA adapter names served beside the model (vLLM's --lora-modules names); their blocks are cached apart and reported with lora_name")
+	maxLoras := fs.Int("max-loras", 1, "LoRA adapters a batch may hold (vLLM's --max-loras); a request of another waits for a place")
 	cacheBlocks := fs.Int("cache-blocks", d.CacheBlocks, "KV cache capacity per engine, in blocks")
 	hostBlocks := fs.Int("host-cache-blocks", 0, "host (CPU) tier capacity per engine, in blocks (0: off)")
 	blockSize := fs.Int("block-size", d.BlockSize, "tokens per KV block")
@@ -113,7 +114,7 @@ func run(ctx context.Context, args []string, ready func([]endpoints)) error {
 			Tokenizer: *tokenizer, Template: *template,
 		}
 		if *loras != "" {
-			cfg.LoRAModules = strings.Split(*loras, ",")
+			cfg.LoRAModules, cfg.MaxLoRAs = strings.Split(*loras, ","), *maxLoras
 		}
 		var pub *mockengine.Publisher
 		if *events {

@@ -126,6 +126,7 @@ func (f *mockFleet) startOne(cfg *config.Config, b config.Backend, key mockKey) 
 	if b.Mock.Seed != 0 {
 		mc.Seed = b.Mock.Seed
 	}
+	mc.MaxLoRAs = b.Mock.MaxLoRAs
 	e, err := mockengine.New(mc)
 	if err != nil {
 		return nil, fmt.Errorf("mock backend %s: %w", b.ID, err)
