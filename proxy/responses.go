@@ -610,12 +610,8 @@ func (r *relay) onResponsesEvent(raw, content []byte) []byte {
 // data: line); nil for those it has not.
 func eventFields(ev []byte) (name, data []byte) {
 	for len(ev) > 0 {
-		line := ev
-		if k, n := lineEnd(ev); k >= 0 {
-			line, ev = ev[:k], ev[k+n:]
-		} else {
-			line, ev = bytes.TrimSuffix(ev, cr), nil
-		}
+		var line []byte
+		line, ev = nextLine(ev)
 		switch {
 		case bytes.HasPrefix(line, eventPrefix):
 			name = bytes.TrimLeft(line[len(eventPrefix):], " ")

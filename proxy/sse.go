@@ -260,20 +260,24 @@ var (
 	toolCallsKey = []byte(`"tool_calls":`)
 )
 
+// nextLine splits an event (without its terminating blank line) into its
+// first line and the rest. The event's last line may end in a lone \r:
+// that is its end (lineEnd waits for a \n a complete event will not get).
+func nextLine(ev []byte) (line, rest []byte) {
+	if k, n := lineEnd(ev); k >= 0 {
+		return ev[:k], ev[k+n:]
+	}
+	return bytes.TrimSuffix(ev, cr), nil
+}
+
 // onEvent inspects one event (without its terminating blank line). It
 // returns a replacement for the event when the engine's must not reach the
 // client as it is (an error frame in older vLLM's flat shape), else nil.
 func (r *relay) onEvent(ev []byte) []byte {
 	var fixed []byte
 	for len(ev) > 0 {
-		line := ev
-		if k, n := lineEnd(ev); k >= 0 {
-			line, ev = ev[:k], ev[k+n:]
-		} else {
-			// The event's last line: a final \r is its end (lineEnd
-			// waits for a \n that a complete event will not get).
-			line, ev = bytes.TrimSuffix(ev, cr), nil
-		}
+		var line []byte
+		line, ev = nextLine(ev)
 		if !bytes.HasPrefix(line, dataPrefix) {
 			continue
 		}
