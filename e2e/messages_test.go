@@ -11,13 +11,18 @@ import (
 
 // postMessages sends a Messages API request as Anthropic's SDKs do
 // (x-api-key, anthropic-version) and decodes the answer into v.
-func postMessages(t *testing.T, url, body string, v any) *http.Response {
-	t.Helper()
+// messagesRequest is a Messages API request as Anthropic's SDKs send it.
+func messagesRequest(url, body string) *http.Request {
 	req, _ := http.NewRequest("POST", url, strings.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("x-api-key", "unused")
 	req.Header.Set("anthropic-version", "2023-06-01")
-	resp, err := http.DefaultClient.Do(req)
+	return req
+}
+
+func postMessages(t *testing.T, url, body string, v any) *http.Response {
+	t.Helper()
+	resp, err := http.DefaultClient.Do(messagesRequest(url, body))
 	if err != nil {
 		t.Fatal(err)
 	}

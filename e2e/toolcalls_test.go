@@ -244,10 +244,7 @@ type messagesEvent struct {
 // and the worker kvproxy chose.
 func streamMessages(t *testing.T, url, body string) ([]messagesEvent, string) {
 	t.Helper()
-	req, _ := http.NewRequest("POST", url+"/v1/messages", strings.NewReader(body))
-	req.Header.Set("x-api-key", "unused")
-	req.Header.Set("anthropic-version", "2023-06-01")
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := http.DefaultClient.Do(messagesRequest(url+"/v1/messages", body))
 	if err != nil {
 		t.Fatal(err)
 	}
