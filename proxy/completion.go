@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 	"unsafe"
 
@@ -754,6 +755,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				x.refused = fasthttp.StatusBadGateway
 				return x.endAttempt()
 			}
+			// As answerRefusal says it when every engine was down.
+			ctx.Response.Header.Set("Retry-After", "1")
 			x.failUpstream(ctx, fasthttp.StatusBadGateway, x.errMsg)
 		case backends.IsTimeout(err):
 			msg := "backend " + b.cfg.ID + " sent nothing for " + b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
@@ -771,7 +774,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			x.failUpstream(ctx, fasthttp.StatusBadGateway, "the answer of backend "+b.cfg.ID+" is larger than kvproxy reads whole (64 MiB); ask for less at once, or stream it")
 		default:
 			b.failConn(err.Error())
-			x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" failed: "+err.Error())
+			x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" "+upstreamFault(err))
+			x.errMsg += ": " + err.Error()
 		}
 		x.finish()
 		return done
@@ -798,7 +802,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 					x.status = 499
 				default:
 					b.failConn(rerr.Error())
-					x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" failed: "+rerr.Error())
+					x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" "+upstreamFault(rerr))
+					x.errMsg += ": " + rerr.Error()
 				}
 				fasthttp.ReleaseResponse(resp)
 				x.finish()
@@ -1030,6 +1035,19 @@ func (x *exchange) answerRefusal(ctx *fasthttp.RequestCtx) {
 		ctx.Response.Header.Set("Retry-After", ra)
 	}
 	x.logLine()
+}
+
+// upstreamFault tells the client how an engine's answer failed. The error
+// itself stays in the log: a dial error names the engine's address, and
+// fasthttp's parse errors quote the bytes the engine sent.
+func upstreamFault(err error) string {
+	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) {
+		return "closed the connection before its answer was complete"
+	}
+	if errors.Is(err, backends.ErrAborted) {
+		return "failed: the exchange was aborted"
+	}
+	return "sent an answer kvproxy could not read"
 }
 
 func (x *exchange) failUpstream(ctx *fasthttp.RequestCtx, status int, msg string) {

@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"hash"
 	"strconv"
@@ -799,12 +800,13 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 	ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 	status := 0
 	var errMsg string
-	if _, err := b.up.Do(fr, resp, false, nil); err != nil {
-		status, errMsg = fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" failed: "+err.Error()
-		if backends.IsTimeout(err) {
-			status = fasthttp.StatusGatewayTimeout
-		}
-		writeError(ctx, status, errMsg, "upstream_error", "", "backend_failed")
+	if !b.healthy() {
+		// As a follow-up that needs it gets: the response is stored there
+		// only, and the backend may be back in a moment.
+		status, errMsg = fasthttp.StatusServiceUnavailable, "backend unavailable"
+		unavailable(ctx, 1, "backend "+b.cfg.ID+", which holds the response "+id+", is not available; retry")
+	} else if _, err := b.up.Do(fr, resp, false, nil); err != nil {
+		status, errMsg = b.byIDFailed(ctx, err)
 	} else {
 		status = resp.StatusCode()
 		body, enc := plainBody(resp)
@@ -848,6 +850,31 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 	}
 	ev.Msg("request")
 	s.metrics.countRequest(b.cfg.ID, status)
+}
+
+// byIDFailed answers a request for a stored response whose exchange with
+// the backend failed, and strikes the backend as a completion's failure
+// would. It returns the status and the error for the log.
+func (b *backend) byIDFailed(ctx *fasthttp.RequestCtx, err error) (int, string) {
+	var ce *backends.ConnectError
+	switch {
+	case errors.As(err, &ce):
+		b.failConn("connect: " + ce.Err.Error())
+		ctx.Response.Header.Set("Retry-After", "1")
+		msg := "backend " + b.cfg.ID + " refused the connection"
+		writeError(ctx, fasthttp.StatusBadGateway, msg, "upstream_error", "", "backend_failed")
+		return fasthttp.StatusBadGateway, msg + ": " + ce.Err.Error()
+	case backends.IsTimeout(err):
+		msg := "backend " + b.cfg.ID + " sent nothing for " + b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
+		b.wholeTimedOut(msg)
+		writeError(ctx, fasthttp.StatusGatewayTimeout, msg, "timeout_error", "", "backend_timeout")
+		return fasthttp.StatusGatewayTimeout, msg
+	default:
+		b.failConn(err.Error())
+		msg := "backend " + b.cfg.ID + " " + upstreamFault(err)
+		writeError(ctx, fasthttp.StatusBadGateway, msg, "upstream_error", "", "backend_failed")
+		return fasthttp.StatusBadGateway, msg + ": " + err.Error()
+	}
 }
 
 // allowed reports whether method is one of allow's ("GET, HEAD").

@@ -26,6 +26,8 @@ type respEngine struct {
 	dropMid  bool          // close the connection after the first delta
 	errorMid bool          // end with the Responses API's error event after the first delta
 
+	stop func() // closes its listener and connections: the engine is down
+
 	mu     sync.Mutex
 	n      int
 	store  map[string]map[string]any
@@ -47,7 +49,8 @@ func startRespEngine(t *testing.T, id string) *respEngine {
 	mux.HandleFunc("POST /v1/responses/{id}/cancel", e.byID)
 	srv := &http.Server{Handler: mux}
 	go srv.Serve(ln)
-	t.Cleanup(func() { srv.Close() })
+	e.stop = func() { srv.Close() }
+	t.Cleanup(e.stop)
 	return e
 }
 
@@ -674,6 +677,57 @@ func TestResponsesByIDEdges(t *testing.T) {
 		t.Fatalf("the owner ejected: %d %s", resp.StatusCode, body)
 	}
 	p.waitIdle(t)
+}
+
+// A stored response whose backend is down: the first request finds the
+// connection refused (502, as a completion gets it: retry, and no engine
+// address in the message), and from then on the backend is out and the
+// answer is the follow-up's 503 (found by the twelfth session's user trial:
+// a 502 quoting the dial error, the backend still tried, no Retry-After).
+func TestResponsesByIDOwnerDown(t *testing.T) {
+	e0 := startRespEngine(t, "e0")
+	p := startRespProxy(t, e0)
+	_, body := post(t, p.url+"/v1/responses", `{"model":"m","input":"Hi"}`)
+	id := decodeJSON(t, body)["id"].(string)
+	e0.stop()
+	do := func(method, path string) (*http.Response, string) {
+		req, _ := http.NewRequest(method, p.url+path, nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp, string(b)
+	}
+	host, _, _ := net.SplitHostPort(e0.addr)
+	resp, msg := do("GET", "/v1/responses/"+id)
+	if resp.StatusCode != 502 || resp.Header.Get("Retry-After") != "1" || !strings.Contains(msg, "backend e0 refused the connection") || strings.Contains(msg, host) {
+		t.Fatalf("the engine down: %d (Retry-After %q) %s", resp.StatusCode, resp.Header.Get("Retry-After"), msg)
+	}
+	for _, method := range []string{"GET", "DELETE"} {
+		resp, body := do(method, "/v1/responses/"+id)
+		if resp.StatusCode != 503 || resp.Header.Get("Retry-After") != "1" || !strings.Contains(body, "holds the response "+id+", is not available") {
+			t.Fatalf("%s with the backend out: %d (Retry-After %q) %s", method, resp.StatusCode, resp.Header.Get("Retry-After"), body)
+		}
+	}
+	resp, msg = do("POST", "/v1/responses/"+id+"/cancel")
+	if resp.StatusCode != 503 {
+		t.Fatalf("cancel with the backend out: %d %s", resp.StatusCode, msg)
+	}
+
+	// A follow-up, which may go nowhere else, says to retry as well.
+	e1 := startRespEngine(t, "e1")
+	p1 := startRespProxy(t, e1)
+	_, body = post(t, p1.url+"/v1/responses", `{"model":"m","input":"Hi"}`)
+	id = decodeJSON(t, body)["id"].(string)
+	e1.stop()
+	resp, body = post(t, p1.url+"/v1/responses", fmt.Sprintf(`{"model":"m","input":"more","previous_response_id":%q}`, id))
+	if resp.StatusCode != 502 || resp.Header.Get("Retry-After") != "1" || !strings.Contains(string(body), "refused the connection") {
+		t.Fatalf("a follow-up, its engine down: %d (Retry-After %q) %s", resp.StatusCode, resp.Header.Get("Retry-After"), body)
+	}
+	p.waitIdle(t)
+	p1.waitIdle(t)
 }
 
 // The response ids' key: the cache salt secret when there is one (ids then

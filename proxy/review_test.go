@@ -271,3 +271,57 @@ func TestServeAfterShutdownReturns(t *testing.T) {
 		t.Fatalf("Serve after Shutdown is still serving (GET /health: %v %v)", resp, err)
 	}
 }
+
+// garbageEngine answers every request with answer, raw, and closes.
+func garbageEngine(t *testing.T, answer string) *fakeEngine {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				rd := bufio.NewReader(c)
+				req, err := http.ReadRequest(rd)
+				if err != nil {
+					return
+				}
+				io.Copy(io.Discard, req.Body)
+				io.WriteString(c, answer)
+			}()
+		}
+	}()
+	return &fakeEngine{id: "e0", addr: ln.Addr().String()}
+}
+
+// An engine's unreadable answer is a 502 naming the backend; the bytes it
+// sent (which fasthttp's error quotes) and its address stay in the log
+// (found by the twelfth session's user trial).
+func TestUnreadableAnswerIsNotQuoted(t *testing.T) {
+	for _, tc := range []struct {
+		answer, want string
+		stream       bool
+	}{
+		{"garbage-from-engine\r\n\r\n", "backend e0 sent an answer kvproxy could not read", false},
+		{"garbage-from-engine\r\n\r\n", "backend e0 sent an answer kvproxy could not read", true},
+		// A streamed 200 cut short is a stream's failure, told as one.
+		{"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"id\":", "backend e0 closed the connection before its answer was complete", false},
+	} {
+		p := startProxy(t, "kv", garbageEngine(t, tc.answer))
+		resp, body := post(t, p.url+"/v1/completions", fmt.Sprintf(`{"model":"m","prompt":"hello","stream":%v}`, tc.stream))
+		if resp.StatusCode != 502 || !strings.Contains(string(body), tc.want) || strings.Contains(string(body), "garbage") || strings.Contains(string(body), "127.0.0.1") {
+			t.Fatalf("stream %v: %d %s", tc.stream, resp.StatusCode, body)
+		}
+		if !strings.Contains(p.logs.String(), "garbage") && strings.Contains(tc.answer, "garbage") {
+			t.Fatalf("the log lost the engine's error: %s", p.logs.String())
+		}
+		p.waitIdle(t)
+	}
+}
