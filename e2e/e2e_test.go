@@ -282,5 +282,14 @@ func TestBadRequestsGetOpenAIErrors(t *testing.T) {
 	if resp.StatusCode != 400 || !strings.Contains(body, `"type":"invalid_request_error"`) {
 		t.Fatalf("malformed JSON: %d %s", resp.StatusCode, body)
 	}
+	// The engine's refusal of a prompt too long for the model (vLLM's
+	// words, its status as the code) reaches the client with OpenAI's code,
+	// as kvproxy's own limit gives it.
+	_, err = c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{Model: "default", MaxTokens: openai.Int(1 << 30),
+		Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage("hi")}})
+	if !asAPIError(err, &apiErr) || apiErr.StatusCode != 400 || apiErr.Code != "context_length_exceeded" || apiErr.Param != "max_tokens" ||
+		!strings.Contains(apiErr.Message, "maximum context length is") {
+		t.Fatalf("max_tokens beyond the context: %v", err)
+	}
 	assertIdle(t, url)
 }

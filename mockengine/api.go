@@ -181,6 +181,18 @@ func invalid(param, format string, args ...any) *badRequest {
 	return &badRequest{status: http.StatusBadRequest, typ: "invalid_request_error", param: param, msg: fmt.Sprintf(format, args...)}
 }
 
+// tooLong is vLLM's refusal of a prompt that, with its max_tokens, does not
+// fit max_model_len (here the KV cache, which /v1/models reports as it), in
+// vLLM's words: clients read the numbers from them.
+func tooLong(param string, prompt, maxTokens, maxModelLen int) *badRequest {
+	if prompt >= maxModelLen {
+		return invalid(param, "This model's maximum context length is %d tokens. However, your request has %d input tokens. Please reduce the length of the input messages.",
+			maxModelLen, prompt)
+	}
+	return invalid(param, "'max_tokens' or 'max_completion_tokens' is too large: %d. This model's maximum context length is %d tokens and your request has %d input tokens (%d > %d - %d).",
+		maxTokens, maxModelLen, prompt, maxTokens, maxModelLen, prompt)
+}
+
 // messageText joins a message's content: a string, or an array of parts of
 // which the text ones count; null is empty.
 func messageText(raw json.RawMessage, i int) (string, error) {
@@ -410,8 +422,7 @@ func (e *Engine) serveCompletion(w http.ResponseWriter, hr *http.Request, chat b
 	}
 	if capacity := e.cfg.CacheBlocks * e.cfg.BlockSize; len(prompt)+maxTokens > capacity {
 		// vLLM refuses what exceeds max_model_len; here the cache is the limit.
-		e.fail(w, invalid("max_tokens", "prompt (%d tokens) plus max_tokens (%d) exceed the engine's KV cache (%d tokens)",
-			len(prompt), maxTokens, capacity))
+		e.fail(w, tooLong("max_tokens", len(prompt), maxTokens, capacity))
 		return
 	}
 	r := e.newAnswer(prompt, maxTokens, req.IgnoreEOS, req.CacheSalt, force)

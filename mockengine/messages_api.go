@@ -52,8 +52,7 @@ func (e *Engine) parseMessages(w http.ResponseWriter, r *http.Request, count boo
 		return nil, invalid("messages", "the prompt is empty")
 	}
 	if capacity := e.cfg.CacheBlocks * e.cfg.BlockSize; !count && len(c.prompt)+c.maxTokens > capacity {
-		return nil, invalid("max_tokens", "prompt (%d tokens) plus max_tokens (%d) exceed the engine's KV cache (%d tokens)",
-			len(c.prompt), c.maxTokens, capacity)
+		return nil, tooLong("max_tokens", len(c.prompt), c.maxTokens, capacity)
 	}
 	return c, nil
 }

@@ -79,8 +79,7 @@ func (e *Engine) parseResponses(w http.ResponseWriter, r *http.Request) (*respon
 		if len(c.prompt) >= capacity {
 			param = "input"
 		}
-		return nil, invalid(param, "prompt (%d tokens) plus max_output_tokens (%d) exceed the engine's KV cache (%d tokens)",
-			len(c.prompt), c.maxTokens, capacity)
+		return nil, tooLong(param, len(c.prompt), c.maxTokens, capacity)
 	}
 	return c, nil
 }

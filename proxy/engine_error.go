@@ -52,7 +52,7 @@ func normalizeEngineError(status int, body []byte) []byte {
 			if len(e.Param) > 0 && e.Param[0] == '"' {
 				json.Unmarshal(e.Param, &param)
 			}
-			return errorJSON(msg, typ, param, codeString(e.Code))
+			return errorJSON(msg, typ, param, engineCode(status, msg, e.Code))
 		}
 		if probe.Message != "" {
 			typ := probe.Type
@@ -63,7 +63,7 @@ func normalizeEngineError(status int, body []byte) []byte {
 			if probe.Param != nil {
 				param = *probe.Param
 			}
-			return errorJSON(probe.Message, typ, param, codeString(probe.Code))
+			return errorJSON(probe.Message, typ, param, engineCode(status, probe.Message, probe.Code))
 		}
 		if len(probe.Detail) > 0 {
 			return errorJSON("engine error: "+string(probe.Detail), defaultErrorType(status), "", "")
@@ -77,6 +77,31 @@ func normalizeEngineError(status int, body []byte) []byte {
 		msg = "the engine answered with status " + strconv.Itoa(status)
 	}
 	return errorJSON(msg, defaultErrorType(status), "", "")
+}
+
+// engineCode is the code of an engine's error in OpenAI's terms. vLLM and
+// SGLang give the status as the code; a prompt too long for the model then
+// gets OpenAI's context_length_exceeded, which kvproxy's own check gives and
+// clients test for (an agent compacts its conversation on it).
+func engineCode(status int, msg string, raw json.RawMessage) string {
+	code := codeString(raw)
+	if status == 400 && (code == "" || code == "400") && exceedsContext(msg) {
+		return "context_length_exceeded"
+	}
+	return code
+}
+
+// exceedsContext reports whether an engine's message says the prompt (with
+// max_tokens) does not fit the model's context: vLLM's "This model's maximum
+// context length is N tokens…" and "…is longer than the maximum model
+// length…", SGLang's "…exceeds the maximum allowed length…".
+func exceedsContext(msg string) bool {
+	for _, s := range [...]string{"maximum context length", "longer than the maximum model length", "exceeds the maximum allowed length"} {
+		if strings.Contains(msg, s) {
+			return true
+		}
+	}
+	return false
 }
 
 func codeString(raw json.RawMessage) string {

@@ -786,6 +786,22 @@ func TestNormalizeEngineError(t *testing.T) {
 			t.Errorf("%s\n got %s\nwant %s", in, got, want)
 		}
 	}
+	// A prompt too long for the model, in vLLM's words, gets OpenAI's code.
+	tooLong := map[string]string{
+		`{"error":{"message":"'max_tokens' or 'max_completion_tokens' is too large: 131000. This model's maximum context length is 131072 tokens and your request has 200 input tokens (131000 > 131072 - 200).","type":"BadRequestError","param":"max_tokens","code":400}}`: `"param":"max_tokens","code":"context_length_exceeded"}}`,
+		`{"object":"error","message":"This model's maximum context length is 4096 tokens. However, your request has 5000 input tokens. Please reduce the length of the input messages.","type":"BadRequestError","param":null,"code":400}`:                                   `"param":null,"code":"context_length_exceeded"}}`,
+		`{"error":{"message":"The decoder prompt (length 9000) is longer than the maximum model length of 8192.","type":"BadRequestError","param":null,"code":400}}`:                                                                                                         `"code":"context_length_exceeded"}}`,
+		`{"error":{"message":"This model's maximum context length is 4096 tokens.","type":"invalid_request_error","param":null,"code":"prompt_too_long"}}`:                                                                                                                   `"code":"prompt_too_long"}}`,
+	}
+	for in, want := range tooLong {
+		if got := string(normalizeEngineError(400, []byte(in))); !strings.HasSuffix(got, want) {
+			t.Errorf("%s\n got %s\nwant …%s", in, got, want)
+		}
+	}
+	// The same words with another status are not that.
+	if got := string(normalizeEngineError(500, []byte(`{"error":{"message":"maximum context length","type":"x","param":null,"code":500}}`))); !strings.HasSuffix(got, `"code":"500"}}`) {
+		t.Errorf("a 500: %s", got)
+	}
 }
 
 // An engine silent for longer than limits.stream_idle_timeout before its
