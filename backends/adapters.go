@@ -7,12 +7,20 @@ import (
 	"github.com/valyala/fasthttp"
 )
 
-// Adapters fetches an engine's model list (GET url, its /v1/models) and
-// returns the LoRA adapters it serves: the cards with a parent, as vLLM
-// lists the adapters given by --lora-modules or loaded at run time. A list
+// ModelList is what an engine's /v1/models says of what it serves.
+type ModelList struct {
+	// Adapters are the cards with a parent: the LoRA adapters given by
+	// --lora-modules or loaded at run time, as vLLM lists them.
+	Adapters []string
+	// MaxModelLen is the base model's context length in tokens (the
+	// smallest its cards give), 0 when they give none.
+	MaxModelLen int
+}
+
+// Models fetches an engine's model list (GET url, its /v1/models). A list
 // without a data array is an error: the engine's adapters are then unknown,
 // not none. apiKey, if set, is sent as a bearer token.
-func (s *MetricsScraper) Adapters(url, apiKey string, insecure bool) ([]string, error) {
+func (s *MetricsScraper) Models(url, apiKey string, insecure bool) (ModelList, error) {
 	c := s.client()
 	if insecure {
 		c = s.insecure
@@ -26,25 +34,31 @@ func (s *MetricsScraper) Adapters(url, apiKey string, insecure bool) ([]string, 
 		req.Header.Set("Authorization", "Bearer "+apiKey)
 	}
 	if err := c.DoTimeout(req, resp, s.timeout()); err != nil {
-		return nil, fmt.Errorf("list models %s: %w", url, err)
+		return ModelList{}, fmt.Errorf("list models %s: %w", url, err)
 	}
 	if sc := resp.StatusCode(); sc != fasthttp.StatusOK {
-		return nil, fmt.Errorf("list models %s: status %d", url, sc)
+		return ModelList{}, fmt.Errorf("list models %s: status %d", url, sc)
 	}
 	var list struct {
 		Data *[]struct {
-			ID     string  `json:"id"`
-			Parent *string `json:"parent"`
+			ID          string  `json:"id"`
+			Parent      *string `json:"parent"`
+			MaxModelLen int     `json:"max_model_len"`
 		} `json:"data"`
 	}
 	if err := json.Unmarshal(resp.Body(), &list); err != nil || list.Data == nil {
-		return nil, fmt.Errorf("list models %s: not a model list", url)
+		return ModelList{}, fmt.Errorf("list models %s: not a model list", url)
 	}
-	adapters := []string{}
+	ml := ModelList{Adapters: []string{}}
 	for _, card := range *list.Data {
-		if card.Parent != nil && *card.Parent != "" && card.ID != "" {
-			adapters = append(adapters, card.ID)
+		switch {
+		case card.Parent != nil && *card.Parent != "":
+			if card.ID != "" {
+				ml.Adapters = append(ml.Adapters, card.ID)
+			}
+		case card.MaxModelLen > 0 && (ml.MaxModelLen == 0 || card.MaxModelLen < ml.MaxModelLen):
+			ml.MaxModelLen = card.MaxModelLen
 		}
 	}
-	return adapters, nil
+	return ml, nil
 }

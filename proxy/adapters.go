@@ -28,11 +28,28 @@ func (b *backend) pollAdapters(scraper *backends.MetricsScraper) {
 		return
 	}
 	b.adaptersPolled = now
-	list, err := scraper.Adapters(b.base+"/v1/models", b.cfg.APIKey, b.cfg.InsecureSkipVerify)
+	list, err := scraper.Models(b.base+"/v1/models", b.cfg.APIKey, b.cfg.InsecureSkipVerify)
 	if err != nil {
 		return // unknown, or as it last listed them
 	}
-	b.adapters.Store(&list)
+	b.adapters.Store(&list.Adapters)
+	b.maxModelLen.Store(int64(list.MaxModelLen))
+}
+
+// maxModelLen is the context length the model's engines take, the
+// smallest any of them lists (a request must fit wherever it goes); 0 when
+// none lists one.
+func (p *modelPool) maxModelLen() int {
+	least := int64(0)
+	for _, b := range *p.workers.Load() {
+		if b == nil {
+			continue
+		}
+		if n := b.maxModelLen.Load(); n > 0 && (least == 0 || n < least) {
+			least = n
+		}
+	}
+	return int(least)
 }
 
 // serves reports whether the engine is known to serve the adapter, and
@@ -132,7 +149,7 @@ func (p *modelPool) listedAdapters(data []modelJSON) []modelJSON {
 		for _, a := range *b.adapters.Load() {
 			if !seen[a] && !slices.Contains(names.adapters, a) && a != p.cfg.Name && !slices.Contains(names.aliases, a) {
 				seen[a] = true
-				data = append(data, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: p.cfg.Name})
+				data = append(data, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: p.cfg.Name, MaxModelLen: p.maxModelLen()})
 			}
 		}
 	}

@@ -24,16 +24,23 @@ type modelJSON struct {
 	Root    string `json:"root,omitempty"`
 	// Parent is the base model of a LoRA adapter, as vLLM lists adapters.
 	Parent string `json:"parent,omitempty"`
+	// MaxModelLen is the context length the model's engines list (the
+	// smallest), which clients size prompts by; left out while unknown.
+	MaxModelLen int `json:"max_model_len,omitempty"`
 }
 
 // modelCards lists m, its aliases and its adapters as /v1/models does.
-func modelCards(data []modelJSON, m *config.Model) []modelJSON {
-	data = append(data, modelJSON{ID: m.Name, Object: "model", Created: startTime, OwnedBy: "kvproxy"})
+func modelCards(data []modelJSON, m *config.Model, st *state) []modelJSON {
+	maxLen := 0
+	if p := st.models[m.Name]; p != nil {
+		maxLen = p.maxModelLen()
+	}
+	data = append(data, modelJSON{ID: m.Name, Object: "model", Created: startTime, OwnedBy: "kvproxy", MaxModelLen: maxLen})
 	for _, a := range m.Aliases {
-		data = append(data, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Root: m.Name})
+		data = append(data, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Root: m.Name, MaxModelLen: maxLen})
 	}
 	for _, a := range m.Adapters {
-		data = append(data, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: m.Name})
+		data = append(data, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: m.Name, MaxModelLen: maxLen})
 	}
 	return data
 }
@@ -44,7 +51,7 @@ func (s *Server) handleModels(ctx *fasthttp.RequestCtx, st *state) {
 	s.requestIDs(ctx)
 	var data []modelJSON
 	for i := range st.cfg.Models {
-		data = modelCards(data, &st.cfg.Models[i])
+		data = modelCards(data, &st.cfg.Models[i], st)
 	}
 	for _, p := range st.pools {
 		data = p.listedAdapters(data)
@@ -59,7 +66,7 @@ func (s *Server) handleModel(ctx *fasthttp.RequestCtx, st *state) {
 	s.requestIDs(ctx)
 	id := string(ctx.Path()[len(modelPathPrefix):])
 	for i := range st.cfg.Models {
-		for _, card := range modelCards(nil, &st.cfg.Models[i]) {
+		for _, card := range modelCards(nil, &st.cfg.Models[i], st) {
 			if card.ID == id {
 				writeJSON(ctx, card)
 				return
@@ -67,7 +74,7 @@ func (s *Server) handleModel(ctx *fasthttp.RequestCtx, st *state) {
 		}
 	}
 	if p := st.poolOfAdapter(id); p != nil {
-		writeJSON(ctx, modelJSON{ID: id, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: p.cfg.Name})
+		writeJSON(ctx, modelJSON{ID: id, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: p.cfg.Name, MaxModelLen: p.maxModelLen()})
 		return
 	}
 	writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", id), "invalid_request_error", "model", "model_not_found")

@@ -82,6 +82,9 @@ type backend struct {
 	// polled); nil while unknown.
 	adapters       atomic.Pointer[[]string]
 	adaptersPolled time.Time // scrape loop only
+	// maxModelLen: the context length its /v1/models gives (polled with
+	// the adapters); 0 while unknown.
+	maxModelLen atomic.Int64
 }
 
 func newBackend(bc config.Backend, cfg *config.Config, p *modelPool, log zerolog.Logger) *backend {

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -463,4 +464,63 @@ func TestLoRAAdapterAvoidsFullBatches(t *testing.T) {
 		t.Fatalf("/admin/backends does not show the batches' adapters: %s", b)
 	}
 	p.waitIdle(t)
+}
+
+// vLLM's model cards give max_model_len, which clients size prompts by;
+// kvproxy's give the smallest its engines list (a request must fit wherever
+// it goes), and none while no engine gives one (found by the twelfth
+// session's SDK trial: the field was dropped).
+func TestModelsGiveTheEnginesContextLength(t *testing.T) {
+	card := func(maxLen string) string {
+		return `{"object":"list","data":[{"id":"engine-m","object":"model","parent":null` + maxLen + `},{"id":"sql-lora","parent":"engine-m"}]}`
+	}
+	e0 := startFake(t, "e0", func(f *fakeEngine) { f.modelList = card(`,"max_model_len":32768`) })
+	e1 := startFake(t, "e1", func(f *fakeEngine) { f.modelList = card(`,"max_model_len":8192`) })
+	e2 := startFake(t, "e2", func(f *fakeEngine) { f.modelList = card(``) })
+	e3 := startFake(t, "e3", func(f *fakeEngine) {
+		f.modelList = `{"object":"list","data":[{"id":"engine-m","object":"model","parent":null}]}`
+	})
+	p := startProxyYAML(t, "models:\n"+
+		"  - {name: m, aliases: [mm], tokenizer: cl100k_base, template: chatml, block_size: 16}\n"+
+		"  - {name: other, tokenizer: cl100k_base, template: chatml, block_size: 16}\n"+
+		"backends:\n"+
+		"  - {id: e0, url: 'http://{{e0}}', model: m, served_model: engine-m}\n"+
+		"  - {id: e1, url: 'http://{{e1}}', model: m, served_model: engine-m}\n"+
+		"  - {id: e2, url: 'http://{{e2}}', model: m, served_model: engine-m}\n"+
+		"  - {id: e3, url: 'http://{{e3}}', model: other, served_model: engine-m}\n", e0, e1, e2, e3)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		var rows []backendJSON
+		_, b := fetch(t, p.url+"/admin/backends")
+		json.Unmarshal(b, &rows)
+		known := 0
+		for _, r := range rows {
+			if r.Adapters != nil {
+				known++
+			}
+		}
+		if known == 4 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the engines' lists were not read: %s", b)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	var list struct{ Data []modelJSON }
+	_, b := fetch(t, p.url+"/v1/models")
+	json.Unmarshal(b, &list)
+	got := map[string]int{}
+	for _, c := range list.Data {
+		got[c.ID] = c.MaxModelLen
+	}
+	if want := map[string]int{"m": 8192, "mm": 8192, "sql-lora": 8192, "other": 0}; !maps.Equal(got, want) {
+		t.Fatalf("/v1/models: %v, want %v (%s)", got, want, b)
+	}
+	if _, b := fetch(t, p.url+"/v1/models/mm"); !strings.Contains(string(b), `"max_model_len":8192`) {
+		t.Fatalf("/v1/models/mm: %s", b)
+	}
+	if _, b := fetch(t, p.url+"/v1/models/other"); strings.Contains(string(b), `max_model_len`) {
+		t.Fatalf("/v1/models/other, whose engine gives none: %s", b)
+	}
 }

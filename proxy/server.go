@@ -327,6 +327,7 @@ func (s *Server) activate(st, prev *state) {
 		}
 		if was != nil && was.probeURL() == b.probeURL() {
 			b.adapters.Store(was.adapters.Load())
+			b.maxModelLen.Store(was.maxModelLen.Load())
 			if s.health != nil {
 				b.inheritProbe(was)
 			}
