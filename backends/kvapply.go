@@ -289,6 +289,31 @@ func (a *KVApplier) ClearRanks(ranks []int) {
 	}
 }
 
+// FeedDown drops every block of the rank and routes it on the router's own
+// records (approximate mode) until FeedUp: its feed has been down too long
+// to vouch for what the engine caches. Implements StaleSink.
+func (a *KVApplier) FeedDown(dpRank int) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed || dpRank < 0 || dpRank > MaxDPRank {
+		return
+	}
+	r := a.rank(dpRank)
+	a.clearRank(r)
+	a.workers.SetApproximate(r.id, true)
+}
+
+// FeedUp puts the rank back in event mode: its feed is back. What the
+// router recorded meanwhile expires with its TTL. Implements StaleSink.
+func (a *KVApplier) FeedUp(dpRank int) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed || dpRank < 0 || dpRank > MaxDPRank {
+		return
+	}
+	a.workers.SetApproximate(a.rank(dpRank).id, false)
+}
+
 // Clear drops every block of every rank (an HTTP feed reset, a backend
 // away too long). After Close it does nothing: the workers may belong to a
 // newer applier of the same backend by then.

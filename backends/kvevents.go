@@ -72,6 +72,7 @@ func StartKVFeed(cfg KVFeedConfig, workers Workers) (*KVFeed, error) {
 	if cfg.Mode == FeedZMQ {
 		for r := 0; r < max(1, cfg.DPSize); r++ {
 			z := cfg.ZMQ
+			z.DPRank = r
 			var err error
 			if z.Endpoint, err = OffsetEndpoint(z.Endpoint, r); err != nil {
 				return nil, fmt.Errorf("kv feed %s: %w", cfg.Backend, err)
@@ -184,6 +185,7 @@ func (f *KVFeed) Stats() KVFeedStats {
 		if sum.LastError == "" {
 			sum.LastError = z.LastError
 		}
+		sum.Stale = sum.Stale || z.Stale
 		sum.Connected = sum.Connected && z.Connected
 		sum.Batches += z.Batches
 		sum.Events += z.Events

@@ -31,6 +31,18 @@ type EventSink interface {
 	ClearRanks(ranks []int)
 }
 
+// StaleSink is an EventSink that can route a rank without its events. A
+// subscriber whose feed has been down for longer than ZMQConfig.StaleAfter
+// calls FeedDown: what the index holds of the rank is dropped (the engine
+// may have restarted or evicted meanwhile, and nothing says so) and the rank
+// is routed on the router's own records until FeedUp, when the feed is
+// back and its replay rebuilds what the engine still buffers.
+type StaleSink interface {
+	EventSink
+	FeedDown(dpRank int)
+	FeedUp(dpRank int)
+}
+
 // SaltedSink is an EventSink that also takes each event's cache salt
 // (salt(i) for events[i], valid during the call), which vLLM reports in
 // extra_keys: the subscriber uses ApplySalted when its sink has it.
@@ -49,6 +61,13 @@ type ZMQConfig struct {
 	BackoffMin     time.Duration // first retry delay after a failed dial or a lost connection, default 100ms
 	BackoffMax     time.Duration // retry delay cap, default 5s
 	ReplayTimeout  time.Duration // a whole replay exchange, default 3s
+	// StaleAfter is how long the feed may be down before its rank's index
+	// entries are dropped and the rank is routed approximately (StaleSink),
+	// default 30s: longer than an engine restart takes to reconnect.
+	StaleAfter time.Duration
+	// DPRank is the data-parallel rank this endpoint publishes (StartKVFeed
+	// sets it): the one a StaleSink routes approximately while it is down.
+	DPRank int
 	// OnChange, when set, hears of the feed's connections (problem "") and
 	// of its problems (a failed dial, a lost connection, a malformed
 	// message, a failed replay, an index cleared), from the goroutine of
@@ -72,6 +91,9 @@ func (c ZMQConfig) withDefaults() ZMQConfig {
 	if c.ReplayTimeout <= 0 {
 		c.ReplayTimeout = 3 * time.Second
 	}
+	if c.StaleAfter <= 0 {
+		c.StaleAfter = 30 * time.Second
+	}
 	return c
 }
 
@@ -91,7 +113,10 @@ type ZMQStats struct {
 	// removed blocks, its rank's blocks dropped (kv.VLLMDecoder.Skipped).
 	MalformedEvents uint64
 	UnknownMedia    uint64 // events with an unrecognised medium (indexed as disk)
-	LastError       string // last dial, replay or decode problem
+	// Stale: the feed has been down for longer than StaleAfter, its rank
+	// routed approximately (with a StaleSink).
+	Stale     bool
+	LastError string // the last dial, replay or decode problem since the feed last connected
 }
 
 // ZMQSubscriber follows one engine's KV event feed: a SUB socket reading
@@ -108,9 +133,16 @@ type ZMQStats struct {
 // applied batch at once, which must come back byte-identical (see resume):
 // otherwise the engine restarted meanwhile and the sink is cleared.
 //
-// On its first message (and after an engine restart) the subscriber also asks
-// the replay endpoint for everything from seq 0, so a proxy that starts after
-// its engines rebuilds as much of their history as the engines still buffer.
+// Once connected with nothing applied (at start, after a clear), and on its
+// first message after an engine restart, the subscriber asks the replay
+// endpoint for everything from seq 0, so a proxy that starts after its
+// engines rebuilds as much of their history as the engines still buffer,
+// whether or not they are storing new blocks (an engine answering from its
+// cache publishes nothing).
+//
+// A feed down for longer than StaleAfter can no longer vouch for the index:
+// a StaleSink drops the rank's entries and routes it approximately until the
+// feed is back.
 type ZMQSubscriber struct {
 	cfg  ZMQConfig
 	sink EventSink
@@ -128,6 +160,7 @@ type ZMQSubscriber struct {
 	ranks      []int  // data-parallel ranks seen on this feed
 	saltOf     func(int) string
 
+	stale                              atomic.Bool // FeedDown was called (Run goroutine writes)
 	connected                          atomic.Bool
 	batches, events, replays, replayed atomic.Uint64
 	clears, reconnects, decodeErrors   atomic.Uint64
@@ -155,7 +188,7 @@ func (s *ZMQSubscriber) Stats() ZMQStats {
 		Connected: s.connected.Load(), Batches: s.batches.Load(), Events: s.events.Load(),
 		LastSeq: s.lastSeq.Load(), Replays: s.replays.Load(), Replayed: s.replayed.Load(),
 		Clears: s.clears.Load(), Reconnects: s.reconnects.Load(), DecodeErrors: s.decodeErrors.Load(), UnknownMedia: s.unknownMedia.Load(),
-		MalformedEvents: s.malformed.Load(), LastError: lastErr,
+		MalformedEvents: s.malformed.Load(), Stale: s.stale.Load(), LastError: lastErr,
 	}
 }
 
@@ -206,6 +239,7 @@ func (s *ZMQSubscriber) notify(errMsg string) {
 func (s *ZMQSubscriber) Run(ctx context.Context) error {
 	backoff := s.cfg.BackoffMin
 	everConnected := false
+	downSince := time.Now()
 	for {
 		sub, err := s.dial(ctx)
 		if err != nil {
@@ -213,6 +247,7 @@ func (s *ZMQSubscriber) Run(ctx context.Context) error {
 				return ctx.Err()
 			}
 			s.report("dial " + s.cfg.Endpoint + ": " + err.Error())
+			s.checkStale(downSince)
 			if !sleepCtx(ctx, backoff) {
 				return ctx.Err()
 			}
@@ -221,17 +256,29 @@ func (s *ZMQSubscriber) Run(ctx context.Context) error {
 		}
 		backoff = s.cfg.BackoffMin
 		s.connected.Store(true)
-		if everConnected {
-			s.reconnects.Add(1)
-			if s.have {
-				s.resume(ctx)
+		s.mu.Lock()
+		s.lastErr = "" // the dial errors that led here are over
+		s.mu.Unlock()
+		if s.stale.Swap(false) {
+			if ss, ok := s.sink.(StaleSink); ok {
+				ss.FeedUp(s.cfg.DPRank)
 			}
 		}
+		if everConnected {
+			s.reconnects.Add(1)
+		}
 		everConnected = true
+		switch {
+		case s.have:
+			s.resume(ctx)
+		case s.cfg.ReplayEndpoint != "":
+			s.catchUp(ctx, 0)
+		}
 		s.report("")
 		err = s.readLoop(ctx, sub)
 		sub.shut()
 		s.connected.Store(false)
+		downSince = time.Now()
 		if ctx.Err() != nil {
 			s.notify("")
 			return ctx.Err()
@@ -241,6 +288,24 @@ func (s *ZMQSubscriber) Run(ctx context.Context) error {
 			return ctx.Err()
 		}
 	}
+}
+
+// checkStale gives up on the index of a feed down since downSince for
+// longer than StaleAfter: the sink drops its rank's entries and routes it
+// approximately (StaleSink), or just drops them. Once per outage.
+func (s *ZMQSubscriber) checkStale(downSince time.Time) {
+	if s.stale.Load() || time.Since(downSince) < s.cfg.StaleAfter {
+		return
+	}
+	s.stale.Store(true)
+	if ss, ok := s.sink.(StaleSink); ok {
+		ss.FeedDown(s.cfg.DPRank)
+	} else {
+		s.sink.ClearRanks([]int{s.cfg.DPRank})
+	}
+	s.have, s.subHave = false, false
+	s.clears.Add(1)
+	s.report(fmt.Sprintf("stale: down for more than %v, the index entries of rank %d dropped; it is routed on kvproxy's own records until the feed is back", s.cfg.StaleAfter, s.cfg.DPRank))
 }
 
 func sleepCtx(ctx context.Context, d time.Duration) bool {

@@ -26,7 +26,8 @@ type testEngine struct {
 	buf      [][2][]byte // [seq, payload]
 	bufMax   int
 	topic    string
-	dropLive bool // buffer but do not publish (a lost message)
+	dropLive bool   // buffer but do not publish (a lost message)
+	stop     func() // closes its sockets: the engine is gone
 }
 
 func newTestEngine(t testing.TB, bufMax int) *testEngine {
@@ -43,12 +44,16 @@ func newTestEngineAt(t testing.TB, bufMax int, pubEP, replayEP string) *testEngi
 	}
 	done := make(chan struct{})
 	go e.serveReplay(done)
-	t.Cleanup(func() {
-		cancel()
-		e.pub.Close()
-		e.router.Close()
-		<-done
-	})
+	var once sync.Once
+	e.stop = func() {
+		once.Do(func() {
+			cancel()
+			e.pub.Close()
+			e.router.Close()
+			<-done
+		})
+	}
+	t.Cleanup(e.stop)
 	return e
 }
 
@@ -212,7 +217,9 @@ func (f *subFixture) warmUp() {
 	for i := uint64(0); ; i++ {
 		f.eng.publish(f.rank, removed(1000+i))
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
-		err := f.sub.Wait(ctx, func(s ZMQStats) bool { return s.LastSeq >= int64(i) })
+		// Received live, not only replayed: the subscription is in place
+		// (the subscriber replays the engine's buffer when it connects).
+		err := f.sub.Wait(ctx, func(s ZMQStats) bool { return s.LastSeq >= int64(i) && s.Batches > s.Replayed })
 		cancel()
 		if err == nil {
 			return

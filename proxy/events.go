@@ -304,7 +304,10 @@ type eventCounters struct {
 	Malformed     uint64           `json:"malformed_events,omitempty"` // zmq: events skipped in applied batches
 	DecodeErrors  uint64           `json:"decode_errors,omitempty"`    // zmq: whole batches unreadable (each clears)
 	BlocksPerTier map[string]int64 `json:"blocks_per_tier"`
-	LastError     string           `json:"last_error,omitempty"`
+	// Stale: the zmq feed has been down too long to vouch for the index;
+	// the backend is routed on kvproxy's own records until it is back.
+	Stale     bool   `json:"stale,omitempty"`
+	LastError string `json:"last_error,omitempty"`
 }
 
 func (b *backend) eventCounters() *eventCounters {
@@ -321,7 +324,7 @@ func (b *backend) eventCounters() *eventCounters {
 	if zs := fs.ZMQ; zs != nil {
 		c.Connected, c.LastSeq = &zs.Connected, &zs.LastSeq
 		c.Events, c.Replays, c.LastError = zs.Events, zs.Replays, zs.LastError
-		c.Malformed, c.DecodeErrors = zs.MalformedEvents, zs.DecodeErrors
+		c.Malformed, c.DecodeErrors, c.Stale = zs.MalformedEvents, zs.DecodeErrors, zs.Stale
 	}
 	return c
 }
