@@ -146,25 +146,7 @@ func TestLoRAAdaptersListedByEnginesRouteToThem(t *testing.T) {
 		"  - {id: e0, url: 'http://{{e0}}', model: m, served_model: engine-m}\n"+
 		"  - {id: e1, url: 'http://{{e1}}', model: m, served_model: engine-m}\n"+
 		"  - {id: e2, url: 'http://{{e2}}', model: m, served_model: engine-m}\n", e0, e1, e2)
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		var rows []backendJSON
-		_, b := fetch(t, p.url+"/admin/backends")
-		json.Unmarshal(b, &rows)
-		known := 0
-		for _, r := range rows {
-			if r.Adapters != nil {
-				known++
-			}
-		}
-		if known == 3 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the engines' adapters are not listed in /admin/backends: %s", b)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	waitListsRead(t, p, 3)
 	served := func(model string, n int) map[string]int {
 		t.Helper()
 		got := map[string]int{}
@@ -488,25 +470,7 @@ func TestModelsGiveTheEnginesContextLength(t *testing.T) {
 		"  - {id: e1, url: 'http://{{e1}}', model: m, served_model: engine-m}\n"+
 		"  - {id: e2, url: 'http://{{e2}}', model: m, served_model: engine-m}\n"+
 		"  - {id: e3, url: 'http://{{e3}}', model: other, served_model: engine-m}\n", e0, e1, e2, e3)
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		var rows []backendJSON
-		_, b := fetch(t, p.url+"/admin/backends")
-		json.Unmarshal(b, &rows)
-		known := 0
-		for _, r := range rows {
-			if r.Adapters != nil {
-				known++
-			}
-		}
-		if known == 4 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the engines' lists were not read: %s", b)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	waitListsRead(t, p, 4)
 	var list struct{ Data []modelJSON }
 	_, b := fetch(t, p.url+"/v1/models")
 	json.Unmarshal(b, &list)
@@ -522,5 +486,30 @@ func TestModelsGiveTheEnginesContextLength(t *testing.T) {
 	}
 	if _, b := fetch(t, p.url+"/v1/models/other"); strings.Contains(string(b), `max_model_len`) {
 		t.Fatalf("/v1/models/other, whose engine gives none: %s", b)
+	}
+}
+
+// waitListsRead waits until kvproxy has read the model lists of n engines
+// (/admin/backends shows their adapters).
+func waitListsRead(t *testing.T, p *testProxy, n int) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		var rows []backendJSON
+		_, b := fetch(t, p.url+"/admin/backends")
+		json.Unmarshal(b, &rows)
+		known := 0
+		for _, r := range rows {
+			if r.Adapters != nil {
+				known++
+			}
+		}
+		if known == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the engines' model lists were not read: %s", b)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }

@@ -171,6 +171,19 @@ func startRespProxy(t *testing.T, engines ...*respEngine) *testProxy {
 	return serveYAML(t, b.String(), true)
 }
 
+// doRequest sends a request without a body and reads the answer whole.
+func doRequest(t *testing.T, method, url string) (*http.Response, string) {
+	t.Helper()
+	req, _ := http.NewRequest(method, url, nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, string(b)
+}
+
 func decodeJSON(t *testing.T, b []byte) map[string]any {
 	t.Helper()
 	var v map[string]any
@@ -644,14 +657,8 @@ func TestResponsesByIDEdges(t *testing.T) {
 	_, body := post(t, p.url+"/v1/responses", `{"model":"m","input":"Hi","store":false}`)
 	id := decodeJSON(t, body)["id"].(string)
 	do := func(method, path string) (int, string) {
-		req, _ := http.NewRequest(method, p.url+path, nil)
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
+		resp, body := doRequest(t, method, p.url+path)
+		return resp.StatusCode, body
 	}
 	if code, body := do("GET", "/v1/responses/"+id); code != 404 || !strings.Contains(body, "'"+id+"'") {
 		t.Fatalf("a response not stored: %d %s", code, body)
@@ -690,16 +697,7 @@ func TestResponsesByIDOwnerDown(t *testing.T) {
 	_, body := post(t, p.url+"/v1/responses", `{"model":"m","input":"Hi"}`)
 	id := decodeJSON(t, body)["id"].(string)
 	e0.stop()
-	do := func(method, path string) (*http.Response, string) {
-		req, _ := http.NewRequest(method, p.url+path, nil)
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp, string(b)
-	}
+	do := func(method, path string) (*http.Response, string) { return doRequest(t, method, p.url+path) }
 	host, _, _ := net.SplitHostPort(e0.addr)
 	resp, msg := do("GET", "/v1/responses/"+id)
 	if resp.StatusCode != 502 || resp.Header.Get("Retry-After") != "1" || !strings.Contains(msg, "backend e0 refused the connection") || strings.Contains(msg, host) {

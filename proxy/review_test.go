@@ -42,10 +42,9 @@ func TestStreamHangUpDuringEnginePause(t *testing.T) {
 	}
 }
 
-// holdingEngine answers every request with a stream that sends its events
-// and [DONE] but leaves the chunked body open: the proxy has the whole
-// answer before the engine's stream ends.
-func holdingEngine(t *testing.T) *fakeEngine {
+// rawEngine is an engine that answers each request (read whole) by writing
+// to its connection itself, which is closed when answer returns.
+func rawEngine(t *testing.T, answer func(c net.Conn, rd *bufio.Reader)) *fakeEngine {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -66,13 +65,22 @@ func holdingEngine(t *testing.T) *fakeEngine {
 					return
 				}
 				io.Copy(io.Discard, req.Body)
-				events := "data: {\"choices\":[{\"index\":0,\"text\":\"hi\"}]}\n\ndata: [DONE]\n\n"
-				fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n", len(events), events)
-				io.Copy(io.Discard, rd) // until the proxy closes it
+				answer(c, rd)
 			}()
 		}
 	}()
 	return &fakeEngine{id: "e0", addr: ln.Addr().String()}
+}
+
+// holdingEngine answers every request with a stream that sends its events
+// and [DONE] but leaves the chunked body open: the proxy has the whole
+// answer before the engine's stream ends.
+func holdingEngine(t *testing.T) *fakeEngine {
+	return rawEngine(t, func(c net.Conn, rd *bufio.Reader) {
+		events := "data: {\"choices\":[{\"index\":0,\"text\":\"hi\"}]}\n\ndata: [DONE]\n\n"
+		fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n", len(events), events)
+		io.Copy(io.Discard, rd) // until the proxy closes it
+	})
 }
 
 // TestCutAfterDoneAddsNothing: a stream whose [DONE] has gone out is
@@ -272,35 +280,6 @@ func TestServeAfterShutdownReturns(t *testing.T) {
 	}
 }
 
-// garbageEngine answers every request with answer, raw, and closes.
-func garbageEngine(t *testing.T, answer string) *fakeEngine {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				rd := bufio.NewReader(c)
-				req, err := http.ReadRequest(rd)
-				if err != nil {
-					return
-				}
-				io.Copy(io.Discard, req.Body)
-				io.WriteString(c, answer)
-			}()
-		}
-	}()
-	return &fakeEngine{id: "e0", addr: ln.Addr().String()}
-}
-
 // An engine's unreadable answer is a 502 naming the backend; the bytes it
 // sent (which fasthttp's error quotes) and its address stay in the log
 // (found by the twelfth session's user trial).
@@ -314,7 +293,7 @@ func TestUnreadableAnswerIsNotQuoted(t *testing.T) {
 		// A streamed 200 cut short is a stream's failure, told as one.
 		{"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"id\":", "backend e0 closed the connection before its answer was complete", false},
 	} {
-		p := startProxy(t, "kv", garbageEngine(t, tc.answer))
+		p := startProxy(t, "kv", rawEngine(t, func(c net.Conn, _ *bufio.Reader) { io.WriteString(c, tc.answer) }))
 		resp, body := post(t, p.url+"/v1/completions", fmt.Sprintf(`{"model":"m","prompt":"hello","stream":%v}`, tc.stream))
 		if resp.StatusCode != 502 || !strings.Contains(string(body), tc.want) || strings.Contains(string(body), "garbage") || strings.Contains(string(body), "127.0.0.1") {
 			t.Fatalf("stream %v: %d %s", tc.stream, resp.StatusCode, body)
