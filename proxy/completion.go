@@ -968,7 +968,7 @@ func plainBody(resp *fasthttp.Response) (body, enc []byte) {
 		return resp.Body(), nil
 	}
 	resp.Header.SetContentEncodingBytes(coding) // fasthttp matches lowercase
-	b, err := resp.BodyUncompressedWithLimit(64 << 20)
+	b, err := uncompressed(coding, resp.Body(), 64<<20, resp.BodyUncompressedWithLimit)
 	if err != nil {
 		return resp.Body(), coding
 	}

@@ -7,9 +7,12 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"runtime"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/klauspost/compress/zstd"
 	"github.com/valyala/fasthttp"
 )
 
@@ -77,6 +80,10 @@ func TestCompressedRequestBodies(t *testing.T) {
 		{"gzip", plain, 400, ""},
 		{"br", plain, 400, ""},
 		{"gzip", bomb, 413, "request_too_large"},
+		{"zstd", zstdBytes(t, []byte(`{"model":"m","prompt":"`+strings.Repeat("a", 1<<20)+`"}`)), 413, "request_too_large"},
+		{"zstd", plain, 400, ""},
+		// A frame that asks for a 256 MiB window (zstd --long): refused.
+		{"zstd", zstdBytes(t, plain, zstd.WithWindowSize(256<<20), zstd.WithSingleSegment(false)), 400, ""},
 		{"deflate", rawDeflate(t, []byte(`{"model":"m","prompt":"`+strings.Repeat("a", 1<<20)+`"}`)), 413, "request_too_large"},
 	} {
 		status, out := postEncoded(t, p.url+"/v1/completions", tc.encoding, tc.body)
@@ -84,6 +91,49 @@ func TestCompressedRequestBodies(t *testing.T) {
 		if status != tc.status || errObj == nil || errObj["message"] == "" || (tc.code != "" && errObj["code"] != tc.code) {
 			t.Fatalf("%s: %d %v, want %d %s", tc.encoding, status, out, tc.status, tc.code)
 		}
+	}
+	p.waitIdle(t)
+}
+
+func zstdBytes(t *testing.T, b []byte, opts ...zstd.EOption) []byte {
+	t.Helper()
+	var out bytes.Buffer
+	w, err := zstd.NewWriter(&out, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.Write(b)
+	w.Close()
+	return out.Bytes()
+}
+
+// zstd bodies over the limit leaked fasthttp's decoder (its goroutines and
+// window, for good: 125 MB a request; found by the twelfth session's abuse
+// trial). kvproxy decodes them itself now, and a run of them leaves nothing.
+func TestZstdBombsLeaveNothingBehind(t *testing.T) {
+	p := startProxy(t, "kv", startFake(t, "e0", nil))
+	bomb := zstdBytes(t, []byte(`{"model":"m","prompt":"`+strings.Repeat("a", 8<<20)+`"}`))
+	status, _ := postEncoded(t, p.url+"/v1/completions", "zstd", bomb)
+	if status != 413 {
+		t.Fatalf("a zstd bomb: %d", status)
+	}
+	runtime.GC()
+	base := runtime.NumGoroutine()
+	for range 20 {
+		if status, out := postEncoded(t, p.url+"/v1/completions", "zstd", bomb); status != 413 {
+			t.Fatalf("a zstd bomb: %d %v", status, out)
+		}
+		// Two collections empty a sync.Pool: fasthttp's pooled decoder,
+		// still running, then lived on with nothing to reuse it.
+		runtime.GC()
+		runtime.GC()
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for runtime.NumGoroutine() > base+4 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d goroutines after 20 zstd bombs, %d before", runtime.NumGoroutine(), base)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 	p.waitIdle(t)
 }
