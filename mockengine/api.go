@@ -420,7 +420,7 @@ func (e *Engine) serveCompletion(w http.ResponseWriter, hr *http.Request, chat b
 			maxTokens = e.callMaxTokens(len(prompt))
 		}
 	}
-	if capacity := e.cfg.CacheBlocks * e.cfg.BlockSize; len(prompt)+maxTokens > capacity {
+	if capacity := e.cfg.CacheBlocks * e.cfg.BlockSize; maxTokens > capacity-len(prompt) { // not len+max: a max_tokens near 2^63 overflows
 		// vLLM refuses what exceeds max_model_len; here the cache is the limit.
 		e.fail(w, tooLong("max_tokens", len(prompt), maxTokens, capacity))
 		return

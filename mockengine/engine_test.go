@@ -381,6 +381,8 @@ func TestBadRequests(t *testing.T) {
 		{"/v1/completions", `{}`, "prompt", 400},
 		{"/v1/completions", `{"prompt":[]}`, "prompt", 400},
 		{"/v1/completions", `{"prompt":"x","max_tokens":100000000}`, "max_tokens", 400},
+		{"/v1/completions", `{"prompt":"x","max_tokens":9223372036854775807}`, "max_tokens", 400}, // overflowed the check: a panic
+		{"/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":9223372036854775807}`, "max_tokens", 400},
 		{"/v1/completions", `{"prompt":"x","n":2}`, "n", 400},
 		{"/v1/completions", `{"prompt":"x","max_tokens":"5"}`, "max_tokens", 400},
 		{"/v1/completions", `{"prompt":"x"} trailing`, "", 400},
@@ -399,7 +401,7 @@ func TestBadRequests(t *testing.T) {
 		t.Fatalf("content parts: %d %+v", code, r.Error)
 	}
 	waitIdle(t, e)
-	if st := e.Stats(); st.Rejected != 14 || st.Requests != 1 {
+	if st := e.Stats(); st.Rejected != 16 || st.Requests != 1 {
 		t.Fatalf("stats %+v", st)
 	}
 }

@@ -51,7 +51,7 @@ func (e *Engine) parseMessages(w http.ResponseWriter, r *http.Request, count boo
 	if len(c.prompt) == 0 {
 		return nil, invalid("messages", "the prompt is empty")
 	}
-	if capacity := e.cfg.CacheBlocks * e.cfg.BlockSize; !count && len(c.prompt)+c.maxTokens > capacity {
+	if capacity := e.cfg.CacheBlocks * e.cfg.BlockSize; !count && c.maxTokens > capacity-len(c.prompt) {
 		return nil, tooLong("max_tokens", len(c.prompt), c.maxTokens, capacity)
 	}
 	return c, nil

@@ -362,6 +362,7 @@ func TestMessagesBadRequests(t *testing.T) {
 		{`{"model":"mock-model","messages":[{"role":"user","content":"x"}],"max_tokens":1,"tool_choice":{"type":"some"}}`, 400},
 		{`{"model":"mock-model","messages":[{"role":"user","content":"x"}],"max_tokens":1,"system":7}`, 400},
 		{`{"model":"mock-model","messages":[{"role":"user","content":"x"}],"max_tokens":100000000}`, 400},
+		{`{"model":"mock-model","messages":[{"role":"user","content":"x"}],"max_tokens":9223372036854775807}`, 400},
 		{`{"model":"other","messages":[{"role":"user","content":"x"}],"max_tokens":1}`, 404},
 	} {
 		code, raw, m := postMessages(t, url+"/v1/messages", c.body)

@@ -74,7 +74,7 @@ func (e *Engine) parseResponses(w http.ResponseWriter, r *http.Request) (*respon
 	if c.force != nil && req.MaxOutputTokens == nil {
 		c.maxTokens = e.callMaxTokens(len(c.prompt))
 	}
-	if capacity := e.cfg.CacheBlocks * e.cfg.BlockSize; len(c.prompt)+c.maxTokens > capacity {
+	if capacity := e.cfg.CacheBlocks * e.cfg.BlockSize; c.maxTokens > capacity-len(c.prompt) {
 		param := "max_output_tokens"
 		if len(c.prompt) >= capacity {
 			param = "input"

@@ -459,6 +459,7 @@ func TestResponsesBadRequests(t *testing.T) {
 		{`{"input":"x","tools":[{"type":"function","name":"f","parameters":"x"}]}`, "tools", 400},
 		{`{"input":"x","max_output_tokens":0}`, "max_output_tokens", 400},
 		{`{"input":"x","max_output_tokens":100000000}`, "max_output_tokens", 400},
+		{`{"input":"x","max_output_tokens":9223372036854775807}`, "max_output_tokens", 400},
 		{`{"input":"x","stream":"yes"}`, "stream", 400},
 		{`{"input":"x","background":true}`, "background", 400},
 		{`{"input":"x","model":"other"}`, "model", 404},
