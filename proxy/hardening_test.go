@@ -920,3 +920,71 @@ func readEvents(t *testing.T, rd *bufio.Reader, n int) {
 		}
 	}
 }
+
+// rawHead sends head (request line and headers, and any body bytes) on a
+// new connection and returns the first answer's status line and body, or
+// fails if none comes within wait.
+func rawHead(t *testing.T, p *testProxy, head string, wait time.Duration) (status, body string) {
+	t.Helper()
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(wait))
+	if _, err := io.WriteString(c, head); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatalf("no answer to %q within %v: %v", head[:min(len(head), 60)], wait, err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	return resp.Status, string(b)
+}
+
+// With keys configured, a request without a known key is refused at its
+// headers: fasthttp allocates a body's declared length before reading it,
+// and each connection of anyone who could reach the port held up to
+// max_request_body_bytes (32 MB) until body_timeout (found by the twelfth
+// session's abuse trial: 30 sockets took 1 GB). Known keys keep the limit.
+func TestStrangersBodiesAreNotRead(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, tenantsYAML, e)
+	// Declared bodies at the limit (32 MB), one byte of them sent.
+	head := "POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n{"
+	for _, tc := range []struct {
+		path, headers string
+		length        int
+		want          string
+	}{
+		{"/v1/chat/completions", "", 32 << 20, `"code":"invalid_api_key"`},
+		{"/v1/chat/completions", "Authorization: Bearer wrong-key-000\r\n", 32 << 20, `"code":"invalid_api_key"`},
+		{"/v1/messages", "x-api-key: wrong-key-000\r\n", 32 << 20, `"type":"authentication_error"`},
+		{"/admin/index/lookup", "", 32 << 20, `"code":"invalid_api_key"`},
+		{"/v1/chat/completions", "Expect: 100-continue\r\n", 32 << 20, `"code":"invalid_api_key"`},
+		// A known key over the limit: refused before its body too.
+		{"/v1/chat/completions", "Authorization: Bearer key-alpha-123\r\nExpect: 100-continue\r\n", 32<<20 + 1, `"code":"request_too_large"`},
+	} {
+		status, body := rawHead(t, p, fmt.Sprintf(head, tc.path, tc.length, tc.headers), 3*time.Second)
+		if strings.Contains(status, "100") || !strings.Contains(body, tc.want) {
+			t.Fatalf("%s %q: %s %s", tc.path, tc.headers, status, body)
+		}
+	}
+	// Known keys may send bodies up to the limit.
+	prompt := strings.Repeat("many words ", 10000) // 110 KB
+	if resp, b := postAuth(t, p.url+"/v1/completions", "key-alpha-123", `{"model":"m","prompt":"`+prompt+`"}`); resp.StatusCode != 200 {
+		t.Fatalf("a client key's 110 KB body: %d %s", resp.StatusCode, b)
+	}
+	req, _ := http.NewRequest("POST", p.url+"/admin/index/lookup", strings.NewReader(`{"model":"m","hashes":["`+strings.Repeat("1", 100000)+`"]}`))
+	req.Header.Set("Authorization", "Bearer admin-key-xyz")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode == 401 || resp.StatusCode == 413 {
+		t.Fatalf("an admin key's 100 KB body: %d", resp.StatusCode)
+	}
+	p.waitIdle(t)
+}

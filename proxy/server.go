@@ -190,15 +190,24 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 		// budget once the headers are in. No WriteTimeout: it would cut long
 		// streams, which have an idle timer instead.
 		ReadTimeout: cfg.Limits.HeaderTimeout,
-		HeaderReceived: func(*fasthttp.RequestHeader) fasthttp.RequestConfig {
+		HeaderReceived: func(h *fasthttp.RequestHeader) fasthttp.RequestConfig {
 			// The body's limits are read per request: a reload changes them.
-			l := &s.st.Load().cfg.Limits
-			return fasthttp.RequestConfig{ReadTimeout: l.BodyTimeout, MaxRequestBodySize: l.MaxRequestBodyBytes}
+			st := s.st.Load()
+			l := &st.cfg.Limits
+			max := l.MaxRequestBodyBytes
+			if !st.auth.knows(h) {
+				// fasthttp allocates a body's declared length before reading
+				// it: without this, each connection of a client with no key
+				// held up to max_request_body_bytes until body_timeout.
+				max = min(max, strangerBodyLimit)
+			}
+			return fasthttp.RequestConfig{ReadTimeout: l.BodyTimeout, MaxRequestBodySize: max}
 		},
 		IdleTimeout:                  120 * time.Second,
 		MaxIdleWorkerDuration:        5 * time.Second,
 		DisablePreParseMultipartForm: true,
 		ErrorHandler:                 s.transportError,
+		ExpectHandler:                s.expectContinue,
 		ConnState: func(c net.Conn, cs fasthttp.ConnState) {
 			// A hijacked connection (an HTTP/1.0 stream) is still watched
 			// for hang-ups while its relay runs: relayUntilClose forgets it.
@@ -793,6 +802,26 @@ func (s *Server) logUnrouted(ctx *fasthttp.RequestCtx, reason string) {
 		Int("status", ctx.Response.StatusCode()).Dur("duration", time.Since(ctx.Time())).Str("error", reason).Msg("request")
 }
 
+// expectContinue answers a request's Expect: 100-continue: one without a
+// key kvproxy knows, or whose body is over the limit, is refused before
+// the client sends its body (fasthttp asked for it, then refused it).
+func (s *Server) expectContinue(ctx *fasthttp.RequestCtx) int {
+	st := s.st.Load()
+	switch {
+	case !st.auth.knows(&ctx.Request.Header):
+		unauthorized(ctx)
+	case ctx.Request.Header.ContentLength() > st.cfg.Limits.MaxRequestBodyBytes:
+		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", st.cfg.Limits.MaxRequestBodyBytes), "invalid_request_error", "", "request_too_large")
+	default:
+		return fasthttp.StatusContinue
+	}
+	if bytes.HasPrefix(ctx.Path(), messagesPath) {
+		toAnthropicError(ctx)
+	}
+	s.requestIDs(ctx)
+	return ctx.Response.StatusCode()
+}
+
 // transportError answers requests fasthttp rejects before the handler:
 // oversized bodies or headers, malformed HTTP, slow clients.
 func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
@@ -802,6 +831,15 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	// request's headers, API keys included.
 	reason := "malformed HTTP request"
 	switch {
+	case errors.Is(err, fasthttp.ErrBodyTooLarge) && !s.st.Load().auth.knows(&ctx.Request.Header):
+		// Over the limit of a request without a known key: the key is
+		// the answer, and the body is not read.
+		ctx.SetConnectionClose()
+		unauthorized(ctx)
+		reason = "invalid api key"
+		if bytes.HasPrefix(ctx.Path(), messagesPath) {
+			toAnthropicError(ctx)
+		}
 	case errors.Is(err, fasthttp.ErrBodyTooLarge):
 		s.drainRejectedBody(ctx)
 		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", s.st.Load().cfg.Limits.MaxRequestBodyBytes), "invalid_request_error", "", "request_too_large")
@@ -837,6 +875,11 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	s.log.Info().Str("request_id", rid).Str("remote", s.st.Load().clientIP(ctx).String()).Int("status", ctx.Response.StatusCode()).
 		Str("error", reason).Msg("request")
 }
+
+// strangerBodyLimit is the body limit of a request without a key kvproxy
+// knows, when keys are configured: enough for any request that needs none
+// (a preflight, a probe), and for the 401 to need no more.
+const strangerBodyLimit = 64 << 10
 
 // maxDrain bounds how much of a rejected body is read and thrown away.
 const maxDrain = 8 << 20

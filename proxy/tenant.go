@@ -195,12 +195,31 @@ func composeSalt(tenantSalt, clientSalt string) string {
 	return tenantSalt + "/" + clientSalt
 }
 
-func bearer(ctx *fasthttp.RequestCtx) string {
-	h := string(ctx.Request.Header.Peek("Authorization"))
-	if len(h) > 7 && strings.EqualFold(h[:7], "bearer ") {
-		return strings.TrimSpace(h[7:])
+func bearer(ctx *fasthttp.RequestCtx) string { return bearerOf(&ctx.Request.Header) }
+
+func bearerOf(h *fasthttp.RequestHeader) string {
+	v := string(h.Peek("Authorization"))
+	if len(v) > 7 && strings.EqualFold(v[:7], "bearer ") {
+		return strings.TrimSpace(v[7:])
 	}
 	return ""
+}
+
+// knows reports whether a request's headers carry a key kvproxy knows (a
+// client's or an admin's), or no keys are configured: whether its body is
+// worth reading in full before the key is checked.
+func (a *authTable) knows(h *fasthttp.RequestHeader) bool {
+	if a.anonymous != nil {
+		return true
+	}
+	key := sha256.Sum256([]byte(bearerOf(h)))
+	if a.byKey[key] != nil || a.admin[key] {
+		return true
+	}
+	if k := h.Peek("X-Api-Key"); len(k) > 0 {
+		return a.byKey[sha256.Sum256(k)] != nil
+	}
+	return false
 }
 
 // client finds the tenant of a request; nil means the key is missing or wrong.
