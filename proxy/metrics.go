@@ -207,26 +207,24 @@ func (c *loadCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(tenantDesc, prometheus.GaugeValue, float64(t.inflight.Load()), name)
 		}
 	}
-	// One series per backend id. A backend a reload removed, or moved to
-	// another model, is listed apart while it drains, and its requests are
-	// still in flight on that engine: they count under its id, beside a
-	// new backend of the same id if there is one. One a reload replaced in
-	// place is already counted in its successor's load.
+	// One series per backend id, of the requests holding a slot on any
+	// backend of that id: the live one and those a reload removed,
+	// replaced or moved that still drain on that engine. Each request
+	// holds its slot on one of them, so it counts once whatever the
+	// reloads did; the router's load would not do: a worker a reload
+	// hands over or that a re-added backend takes back already holds the
+	// requests of the one draining (found by the twelfth session's
+	// operator trial: 3 streams counted 6 after e3 was removed and added
+	// again while they ran).
 	rows := c.s.backendRows(st)
 	c.collectModels(ch, st, rows)
-	draining := map[string]int64{}
-	for _, r := range rows {
-		if r.Draining && !r.handedOver {
-			draining[r.ID] += r.Inflight
-		}
-	}
+	inflight := c.s.inflightByID(st)
 	for _, r := range rows {
 		if r.Draining {
 			continue
 		}
-		inflight := r.Inflight + draining[r.ID]
-		delete(draining, r.ID)
-		ch <- prometheus.MustNewConstMetric(inflightDesc, prometheus.GaugeValue, float64(inflight), r.ID)
+		ch <- prometheus.MustNewConstMetric(inflightDesc, prometheus.GaugeValue, float64(inflight[r.ID]), r.ID)
+		delete(inflight, r.ID)
 		ch <- prometheus.MustNewConstMetric(blocksDesc, prometheus.GaugeValue, float64(r.ActiveBlocks), r.ID)
 		ch <- prometheus.MustNewConstMetric(indexDesc, prometheus.GaugeValue, float64(r.IndexedBlocks), r.ID)
 		h := 0.0
@@ -238,9 +236,25 @@ func (c *loadCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(feedDesc, prometheus.GaugeValue, boolGauge(*ev.Connected), r.ID)
 		}
 	}
-	for id, n := range draining { // removed: no live backend of that id
+	for id, n := range inflight { // removed: no live backend of that id
 		ch <- prometheus.MustNewConstMetric(inflightDesc, prometheus.GaugeValue, float64(n), id)
 	}
+}
+
+// inflightByID counts the requests holding a slot per backend id, on the
+// backends of st and on those still draining from earlier reloads.
+func (s *Server) inflightByID(st *state) map[string]int64 {
+	n := map[string]int64{}
+	for id, b := range st.backends {
+		n[id] += b.inflight.Load()
+	}
+	s.retiring.Range(func(k, _ any) bool {
+		if b := k.(*backend); st.backends[b.cfg.ID] != b { // st may predate the reload
+			n[b.cfg.ID] += b.inflight.Load()
+		}
+		return true
+	})
+	return n
 }
 
 // collectModels reports, per configured model (aliases are not models),

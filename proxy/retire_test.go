@@ -153,20 +153,34 @@ func TestDrainingBackendShowsInAdmin(t *testing.T) {
 // A backend a reload removed, or moved to another model, keeps counting
 // its requests in kvproxy_inflight_requests while they drain: they are
 // still running on that engine (found by the seventh session's trial: a
-// model rename showed 0 in flight while 6 streams ran).
+// model rename showed 0 in flight while 6 streams ran). Each counts once,
+// whatever the reloads: one removed and added again while its requests
+// drain counted them twice, in the draining backend and in the router
+// worker the new one took back (found by the twelfth session's operator
+// trial).
 func TestDrainingRequestsStayInTheMetrics(t *testing.T) {
-	for _, c := range []struct{ name, after string }{
-		{"removed", ""},
-		{"moved", "  - {id: e0, url: 'http://{{e0}}', model: m2}\n"},
+	const e0 = "  - {id: e0, url: 'http://{{e0}}', model: m}\n"
+	for _, c := range []struct {
+		name    string
+		reloads []string // what follows head, one reload each
+	}{
+		{"removed", []string{""}},
+		{"moved", []string{"  - {id: e0, url: 'http://{{e0}}', model: m2}\n"}},
+		{"replaced", []string{"  - {id: e0, url: 'http://{{e0}}', model: m, max_concurrency: 8}\n"}},
+		{"removed then added again", []string{"", e0}},
+		{"replaced then removed", []string{"  - {id: e0, url: 'http://{{e0}}', model: m, max_concurrency: 8}\n", ""}},
+		{"removed, added again, removed", []string{"", e0, ""}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			p, e, _, head, done := startSlowOnE0(t)
-			cfg, err := config.Parse([]byte(head + strings.ReplaceAll(c.after, "{{e0}}", e.addr)))
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := p.s.Reload(cfg); err != nil {
-				t.Fatal(err)
+			for _, after := range c.reloads {
+				cfg, err := config.Parse([]byte(head + strings.ReplaceAll(after, "{{e0}}", e.addr)))
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := p.s.Reload(cfg); err != nil {
+					t.Fatal(err)
+				}
 			}
 			resp, err := http.Get(p.url + "/metrics")
 			if err != nil {
