@@ -162,6 +162,15 @@ func (b *backend) setProbe(ok bool, why string) {
 	b.applyLocked()
 }
 
+// setHealth applies a reload's health settings (ejection back-off,
+// forget_after) in place: they change no connection, and rebuilding every
+// backend for them logged each as replaced.
+func (b *backend) setHealth(h config.Health) {
+	b.mu.Lock()
+	b.health = h
+	b.mu.Unlock()
+}
+
 // inheritProbe starts b, which replaces was for the same engine (same id
 // and probe), with was's probe verdict, before the prober says it again: a
 // reload must not revive a dead engine, nor count its ejection anew.

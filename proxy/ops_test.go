@@ -359,13 +359,61 @@ func TestReloadSummaryIsBounded(t *testing.T) {
 		return b.String()
 	}
 	p := startProxyYAML(t, yaml("1m"))
-	reloadYAML(t, p, yaml("2m")) // every backend rebuilt
+	reloadYAML(t, p, strings.ReplaceAll(yaml("1m"), "key-", "key2-")) // every backend's settings changed
 	logs := p.logs.String()
 	line := logs[strings.LastIndex(logs, `"backends_replaced"`):]
 	line = line[:strings.IndexByte(line, '\n')]
 	if n := len(regexp.MustCompile(`"b\d\d"`).FindAllString(line, -1)); n != maxLoggedNames || !strings.Contains(line, `"(and 30 more)"`) {
 		t.Fatalf("summary line: %s", line)
 	}
+}
+
+// A reload that changes only global settings replaces no backend: health
+// settings apply in place, and the limits a backend's connections are
+// built with (stream_idle_timeout) rebuild them, which the reload's line
+// counts apart from backends_replaced (settings changed), with no
+// retirement line at info for each (found by the twelfth session's
+// operator trial: a stream_idle_timeout change listed every backend as
+// replaced and retired).
+func TestGlobalSettingsReplaceNoBackend(t *testing.T) {
+	a, b := startFake(t, "a", nil), startFake(t, "b", nil)
+	yaml := func(global string) string {
+		return "models: [{name: m}]\n" + global + "backends:\n  - {id: a, url: 'http://" + a.addr + "', model: m}\n  - {id: b, url: 'http://" + b.addr + "', model: m}\n"
+	}
+	p := startProxyYAML(t, yaml("limits: {stream_idle_timeout: 5s}\n"))
+	was := p.s.st.Load().backends["a"]
+
+	reloadYAML(t, p, yaml("limits: {stream_idle_timeout: 5s}\nhealth: {eject_base: 2s, forget_after: 2m}\n"))
+	if now := p.s.st.Load().backends["a"]; now != was {
+		t.Fatal("a health change rebuilt backend a")
+	}
+	was.mu.Lock()
+	h := was.health
+	was.mu.Unlock()
+	if h.EjectBase != 2*time.Second || h.ForgetAfter != 2*time.Minute {
+		t.Fatalf("the kept backend has health %+v", h)
+	}
+	logs := p.logs.String()
+	if strings.Contains(logs, "backends_replaced") || strings.Contains(logs, "backend retired") {
+		t.Fatalf("a health change replaced backends:\n%s", logs)
+	}
+
+	reloadYAML(t, p, yaml("limits: {stream_idle_timeout: 6s}\nhealth: {eject_base: 2s, forget_after: 2m}\n"))
+	if up := p.s.st.Load().backends["a"].up; up.ReadTimeout != 6*time.Second {
+		t.Fatalf("backend a reads with %v", up.ReadTimeout)
+	}
+	waitRetired(t, p, "a", true)
+	waitRetired(t, p, "b", true)
+	logs = p.logs.String()
+	if !strings.Contains(logs, `"backends_rebuilt":2,"rebuilt_for":["limits.stream_idle_timeout"],"backends":2,"models":1,"message":"configuration reloaded"`) ||
+		strings.Contains(logs, "backends_replaced") || strings.Contains(logs, `"level":"info","backend":"a","replaced":true`) {
+		t.Fatalf("a stream_idle_timeout change, as logged:\n%s", logs)
+	}
+	resp, body := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","nvext":{"backend_instance_id":"a"}}`)
+	if resp.StatusCode != 200 {
+		t.Fatalf("after the reloads: %d %s", resp.StatusCode, body)
+	}
+	p.waitIdle(t)
 }
 
 // With the retry budget spent, a refusal is the answer at once: routing

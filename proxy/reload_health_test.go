@@ -74,15 +74,15 @@ func TestDeadEngineStaysDownThroughStartAndReload(t *testing.T) {
 	}
 }
 
-// A reload that rebuilds a backend (here: only a health setting changed)
-// keeps its KV event feed, and with it the index: a new feed found the
+// A reload that rebuilds a backend (here: only limits.stream_idle_timeout
+// changed, which its connections are built with) keeps its KV event feed, and with it the index: a new feed found the
 // index empty, and vLLM does not announce again the blocks it still holds
 // (found by the ninth session's review). A reload that points the backend
 // at another engine starts a new feed.
 func TestReloadKeepsTheFeedOfTheSameEngine(t *testing.T) {
 	e0, e1 := startFake(t, "e0", nil), startFake(t, "e1", nil)
-	yaml := func(addr, forget string) string {
-		return "models: [{name: m, block_size: 16}]\nhealth: {forget_after: " + forget + "}\nbackends:\n" +
+	yaml := func(addr, idle string) string {
+		return "models: [{name: m, block_size: 16}]\nlimits: {stream_idle_timeout: " + idle + "}\nbackends:\n" +
 			"  - {id: e0, url: 'http://" + addr + "', model: m, kv_events: {mode: http}}\n"
 	}
 	p := startProxyYAML(t, yaml(e0.addr, "1m"))
@@ -100,7 +100,7 @@ func TestReloadKeepsTheFeedOfTheSameEngine(t *testing.T) {
 		t.Fatal("the reload did not rebuild the backend: the test tests nothing")
 	}
 	if n := indexed(); n != 4 {
-		t.Fatalf("%d blocks indexed after a reload that changed only health.forget_after, want 4", n)
+		t.Fatalf("%d blocks indexed after a reload that changed only limits.stream_idle_timeout, want 4", n)
 	}
 	more := `{"engine_id":"e0","events":[{"type":"block_stored","block_hashes":[101,102,103,104],"parent_block_hash":null,"token_ids":[` +
 		promptIDs(200) + `],"block_size":16}]}`

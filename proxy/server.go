@@ -281,9 +281,9 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 	for _, bc := range cfg.Backends {
 		p := st.models[bc.Model]
 		if prev != nil {
+			// Health settings apply to a kept backend in place (activate).
 			if old := prev.backends[bc.ID]; old != nil && old.pool == p && reflect.DeepEqual(old.cfg, bc) &&
-				reflect.DeepEqual(old.health, cfg.Health) && old.up.ReadTimeout == cfg.Limits.StreamIdleTimeout &&
-				old.up.DialTimeout == cfg.Limits.UpstreamConnectTime && old.up.MaxIdle == cfg.Limits.MaxConnsPerBackend {
+				len(upstreamLimitsChanged(prev.cfg.Limits, cfg.Limits)) == 0 {
 				st.backends[bc.ID] = old
 				continue
 			}
@@ -325,6 +325,7 @@ func (s *Server) activate(st, prev *state) {
 		}
 	}
 	for _, b := range st.backends {
+		b.setHealth(st.cfg.Health)
 		var was *backend
 		if prev != nil {
 			if was = prev.backends[b.cfg.ID]; was == b {
@@ -363,24 +364,45 @@ func (s *Server) activate(st, prev *state) {
 		if st.backends[id] == old {
 			continue
 		}
-		replaced := st.backends[id] != nil && st.backends[id].pool == old.pool
+		nb := st.backends[id]
+		replaced := nb != nil && nb.pool == old.pool
 		if !replaced {
-			if s.health != nil && st.backends[id] == nil {
+			if s.health != nil && nb == nil {
 				s.health.Remove(id)
 			}
 			old.drain()
 			old.stopEvents()
 		}
+		rebuilt := replaced && reflect.DeepEqual(nb.cfg, old.cfg)
 		s.retiring.Store(old, struct{}{})
-		go s.retire(old, replaced, st.cfg.Limits.DrainTimeout)
+		go s.retire(old, replaced, rebuilt, st.cfg.Limits.DrainTimeout)
 	}
+}
+
+// upstreamLimitsChanged names the limits that differ between a and b among
+// those a backend's connections are built with: a change rebuilds every
+// backend, as the running exchanges read them unguarded.
+func upstreamLimitsChanged(a, b config.Limits) []string {
+	var out []string
+	if a.StreamIdleTimeout != b.StreamIdleTimeout {
+		out = append(out, "limits.stream_idle_timeout")
+	}
+	if a.UpstreamConnectTime != b.UpstreamConnectTime {
+		out = append(out, "limits.upstream_connect_timeout")
+	}
+	if a.MaxConnsPerBackend != b.MaxConnsPerBackend {
+		out = append(out, "limits.max_conns_per_backend")
+	}
+	return out
 }
 
 // retire waits for a removed backend's requests to end (up to timeout), then
 // drops its index entries; it stays listed (/admin/backends, inflight in
 // /metrics) and keeps its connections until they have all ended. A backend
-// replaced by a new configuration of the same id keeps its worker and index.
-func (s *Server) retire(b *backend, replaced bool, timeout time.Duration) {
+// replaced by a new configuration of the same id keeps its worker and index;
+// rebuilt: with the same settings (upstreamLimitsChanged), which the
+// reload's line reports, so its retirement is logged at debug only.
+func (s *Server) retire(b *backend, replaced, rebuilt bool, timeout time.Duration) {
 	deadline := time.Now().Add(timeout)
 	for time.Now().Before(deadline) && b.inflight.Load() > 0 {
 		time.Sleep(50 * time.Millisecond)
@@ -398,7 +420,11 @@ func (s *Server) retire(b *backend, replaced bool, timeout time.Duration) {
 		}
 		b.stop()
 		s.retiring.Delete(b)
-		s.log.Info().Str("backend", b.cfg.ID).Bool("replaced", replaced).Msg("backend retired")
+		ev := s.log.Info()
+		if rebuilt {
+			ev = s.log.Debug()
+		}
+		ev.Str("backend", b.cfg.ID).Bool("replaced", replaced).Msg("backend retired")
 	}()
 	if !replaced {
 		// Not while a reload runs: one bringing the id back into the pool
@@ -490,8 +516,24 @@ func (s *Server) Reload(cfg *config.Config) (err error) {
 		}
 	}
 	changes := diffReload(prev, st)
+	ev := s.log.Info()
+	if limits := upstreamLimitsChanged(prev.cfg.Limits, cfg.Limits); len(limits) > 0 {
+		// Backends_replaced says a backend's settings changed; these only
+		// got new connections, for the new limits.
+		rebuilt := 0
+		changes.backendsReplaced = slices.DeleteFunc(changes.backendsReplaced, func(id string) bool {
+			same := reflect.DeepEqual(prev.backends[id].cfg, st.backends[id].cfg) && prev.backends[id].pool == st.backends[id].pool
+			if same {
+				rebuilt++
+			}
+			return same
+		})
+		if rebuilt > 0 {
+			ev = ev.Int("backends_rebuilt", rebuilt).Strs("rebuilt_for", limits)
+		}
+	}
 	s.activate(st, prev)
-	changes.log(s.log.Info(), len(st.backends), len(st.pools))
+	changes.log(ev, len(st.backends), len(st.pools))
 	return nil
 }
 
