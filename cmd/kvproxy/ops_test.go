@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -93,7 +94,9 @@ func TestDrainTimeoutLogsExit(t *testing.T) {
 	}
 }
 
-// log_level changed in the file applies at the reload.
+// log_level changed in the file applies at the reload, before the reload's
+// summary line, which a reload from warn to info lost; a reload rejected
+// keeps the level in force.
 func TestReloadAppliesLogLevel(t *testing.T) {
 	cfg := filepath.Join(t.TempDir(), "c.yaml")
 	m := mockSpec{id: "m0", port: freePort(t), speedup: 1000}
@@ -110,13 +113,37 @@ func TestReloadAppliesLogLevel(t *testing.T) {
 	if !strings.Contains(logs, `"log_level":"info","was":"warn",`) || !strings.Contains(logs, `"message":"log level changed"`) || !strings.Contains(logs, `"message":"request"`) {
 		t.Fatalf("log_level info not applied by the reload:\n%s", logs)
 	}
+	if !regexp.MustCompile(`"log_level_changed":true,"backends":1,"models":1,"time":"[^"]+","message":"configuration reloaded"`).MatchString(logs) {
+		t.Fatalf("no summary line of the reload to info:\n%s", logs)
+	}
+	opsConfig(t, cfg, "error", "  - {id: other, url: \"http://127.0.0.1:1\", model: m2}\n", m)
+	bad := filepath.Join(filepath.Dir(cfg), "tokenizer.json") // not one: the proxy refuses the reload
+	os.WriteFile(bad, []byte("{"), 0o644)
+	os.WriteFile(cfg, []byte(strings.Replace(mustRead(t, cfg), "models:\n", "models:\n  - {name: m2, tokenizer: "+bad+", template: chatml}\n", 1)), 0o644)
+	if why := p.reloadRejected(t); !strings.Contains(why, "model m2") { // the proxy's refusal, not the file's
+		t.Fatalf("rejected for %s", why)
+	}
+	n := strings.Count(p.logs.String(), `"message":"request"`)
+	p.complete(t, false, 4)
+	if got := strings.Count(p.logs.String(), `"message":"request"`); got != n+1 {
+		t.Fatalf("a rejected reload applied its log_level error:\n%s", p.logs.String())
+	}
 	opsConfig(t, cfg, "error", "", m)
 	p.reload(t)
-	n := strings.Count(p.logs.String(), `"message":"request"`)
+	n = strings.Count(p.logs.String(), `"message":"request"`)
 	p.complete(t, false, 4)
 	if got := strings.Count(p.logs.String(), `"message":"request"`); got != n {
 		t.Fatalf("an info line at log_level error:\n%s", p.logs.String())
 	}
+}
+
+func mustRead(t *testing.T, path string) string {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
 }
 
 // A reload whose file does not load counts as rejected, as one the proxy
