@@ -684,6 +684,14 @@ func (s *Server) Cut() int {
 	return s.live.cutAll()
 }
 
+// InFlight is how many requests are in flight towards engines: what
+// Shutdown waits for and Cut would end.
+func (s *Server) InFlight() int {
+	s.live.mu.Lock()
+	defer s.live.mu.Unlock()
+	return len(s.live.set)
+}
+
 // Idle reports whether every load counter of every worker is zero and no
 // backend slot (max_concurrency) is held nor any request counted on a
 // backend (what retiring a removed one waits for). A request frees its

@@ -177,32 +177,61 @@ wait:
 	if *drainFlag > 0 {
 		drain = *drainFlag
 	}
-	log.Info().Str("drain_timeout", drain.String()).Msg("draining")
+	log.Info().Str("drain_timeout", drain.String()).Int("requests_in_flight", srv.InFlight()).Msg("draining")
 	ctx, cancel := context.WithTimeout(context.Background(), drain)
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- srv.Shutdown() }()
-	select {
-	case <-done:
+	switch c.awaitDrain(log, srv, done, ctx.Done(), "second signal: exiting without waiting for the requests in flight") {
+	case drained:
 		log.Info().Msg("drained")
-	case sig := <-c.term:
-		log.Warn().Str("signal", sig.String()).Msg("second signal: exiting without waiting for the requests in flight")
+		return 0
+	case signalled:
 		return 1
-	case <-ctx.Done():
-		// Answer what is left (an error event and [DONE], or a 503) rather
-		// than drop it mid-answer; a client that does not read gets cutGrace.
-		n := srv.Cut()
-		log.Warn().Int("requests", n).Msg("drain timeout: cutting the requests still in flight")
-		select {
-		case <-done:
-		case sig := <-c.term:
-			log.Warn().Str("signal", sig.String()).Msg("second signal: exiting without waiting for the requests cut")
-			return 1
-		case <-time.After(cutGrace):
-			log.Warn().Msg("exiting with requests still unanswered")
-		}
+	}
+	// Answer what is left (an error event and [DONE], or a 503) rather
+	// than drop it mid-answer; a client that does not read gets cutGrace.
+	n := srv.Cut()
+	log.Warn().Int("requests", n).Msg("drain timeout: cutting the requests still in flight")
+	grace, cancelGrace := context.WithTimeout(context.Background(), cutGrace)
+	defer cancelGrace()
+	switch c.awaitDrain(log, srv, done, grace.Done(), "second signal: exiting without waiting for the requests cut") {
+	case signalled:
+		return 1
+	case timedOut:
+		log.Warn().Int("requests", srv.InFlight()).Msg("exiting with requests still unanswered")
 	}
 	return 0
+}
+
+// How a wait of the drain ended.
+type drainEnd int
+
+const (
+	drained drainEnd = iota
+	timedOut
+	signalled
+)
+
+// awaitDrain waits for the shutdown to be done until timeout, or until a
+// second SIGTERM or SIGINT, which exits at once: it logs exiting (with the
+// requests it drops). A SIGHUP now is logged and ignored (it used to go
+// unread, and the operator saw no reload and no word why).
+func (c *command) awaitDrain(log zerolog.Logger, srv *proxy.Server, done <-chan error, timeout <-chan struct{}, exiting string) drainEnd {
+	for {
+		select {
+		case <-done:
+			return drained
+		case <-timeout:
+			return timedOut
+		case sig := <-c.term:
+			log.Warn().Str("signal", sig.String()).Int("requests_dropped", srv.InFlight()).Msg(exiting)
+			return signalled
+		case sig := <-c.hup:
+			log.Warn().Str("signal", sig.String()).Int("requests_in_flight", srv.InFlight()).
+				Msg("SIGHUP ignored: shutting down, the configuration is not reloaded")
+		}
+	}
 }
 
 // logLevel is log_level, which a reload may change: the logger's sampler,

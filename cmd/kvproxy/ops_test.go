@@ -56,8 +56,10 @@ func exitCode(t *testing.T, p *proxyRun, within time.Duration) int {
 	}
 }
 
-// A second SIGTERM during the drain exits at once, and says so; every
-// exit writes a last line.
+// A second SIGTERM during the drain exits at once, and says so, with the
+// requests it drops; every exit writes a last line. The drain says how many
+// requests it waits for, and a SIGHUP during it is logged as ignored (it
+// went unread, without a word).
 func TestSecondSignalExitsAtOnce(t *testing.T) {
 	cfg := filepath.Join(t.TempDir(), "c.yaml")
 	opsConfig(t, cfg, "info", "limits: {drain_timeout: 60s}\n", mockSpec{id: "m0", port: freePort(t), speedup: 0.02})
@@ -67,13 +69,20 @@ func TestSecondSignalExitsAtOnce(t *testing.T) {
 	for !strings.Contains(p.logs.String(), `"message":"draining"`) {
 		time.Sleep(5 * time.Millisecond)
 	}
+	p.hup <- syscall.SIGHUP
+	for deadline := time.Now().Add(5 * time.Second); !strings.Contains(p.logs.String(), `"message":"SIGHUP ignored: shutting down, the configuration is not reloaded"`); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no word of the SIGHUP during the drain:\n%s", p.logs.String())
+		}
+	}
 	t0 := time.Now()
 	p.term <- syscall.SIGINT
 	if code := exitCode(t, p, 10*time.Second); code != 1 || time.Since(t0) > 2*time.Second {
 		t.Fatalf("exit code %d after %v", code, time.Since(t0))
 	}
 	logs := p.logs.String()
-	for _, want := range []string{`"signal":"interrupt",`, `"message":"second signal: exiting without waiting for the requests in flight"`, `{"level":"error","code":1,`, `"message":"kvproxy exited"`} {
+	for _, want := range []string{`"drain_timeout":"1m0s","requests_in_flight":1,`, `"signal":"hangup","requests_in_flight":1,`,
+		`"signal":"interrupt","requests_dropped":1,`, `"message":"second signal: exiting without waiting for the requests in flight"`, `{"level":"error","code":1,`, `"message":"kvproxy exited"`} {
 		if !strings.Contains(logs, want) {
 			t.Errorf("no %s in:\n%s", want, logs)
 		}
