@@ -44,6 +44,7 @@ type backend struct {
 	// it failed (engineTokenizeBackoff).
 	tokenizeDown atomic.Int64
 	ejected      bool
+	ejectKind    string // what the ejections metric counted the ejection in force under
 	// probeEnds: the ejection in force is for failed connections only, and
 	// a passing health probe ends it (failConn); with probes running
 	// (probed), only that does.
@@ -229,7 +230,7 @@ func (b *backend) eject(kind, reason string, conn bool) {
 	if d > b.health.EjectMax || d <= 0 {
 		d = b.health.EjectMax
 	}
-	b.ejected = true
+	b.ejected, b.ejectKind = true, kind
 	b.metrics.countEjection(b.cfg.ID, kind)
 	b.armLocked(&b.ejectTimer, d, func() {
 		// An engine whose connections failed is back when its probe says
@@ -488,7 +489,17 @@ func (b *backend) applyLocked() {
 		b.log.Info().Str("backend", b.cfg.ID).Msg("backend draining (removed by reload)")
 		return
 	}
-	ev := b.log.Warn().Str("backend", b.cfg.ID).Bool("probe_ok", b.probeOK).Bool("ejected", b.ejected).Bool("draining", b.draining)
+	// A failing probe takes it out as an ejection does, and the ejections
+	// metric counts it so (reason probe): the line says so too (it said
+	// "ejected":false while the metric counted one).
+	ev := b.log.Warn().Str("backend", b.cfg.ID).Bool("probe_ok", b.probeOK).Bool("ejected", b.ejected || !b.probeOK)
+	switch {
+	case b.ejected:
+		ev = ev.Str("ejected_by", b.ejectKind)
+	case !b.probeOK:
+		ev = ev.Str("ejected_by", ejectProbe)
+	}
+	ev = ev.Bool("draining", b.draining)
 	if !b.probeOK && b.probeErr != "" {
 		ev = ev.Str("probe_error", b.probeErr)
 	}

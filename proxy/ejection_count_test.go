@@ -109,3 +109,28 @@ func TestFailedHandshakeLinesAreBounded(t *testing.T) {
 		t.Errorf("300 failed handshakes wrote %d lines (want at most %d) and a summary:\n%.2000s", n, 4*rejectLinesPerSec, logs)
 	}
 }
+
+// The "backend unavailable" line agrees with kvproxy_backend_ejections_total:
+// a failing probe is counted as an ejection (reason probe), and the line
+// said "ejected":false (found by the twelfth session's operator trial); it
+// names what took the backend out as the metric does.
+func TestUnavailableLineNamesTheEjection(t *testing.T) {
+	e0, e1 := startFake(t, "e0", nil), startFake(t, "e1", nil)
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends:\n  - {id: e0, url: 'http://{{e0}}', model: m}\n  - {id: e1, url: 'http://{{e1}}', model: m}\n", e0, e1)
+	st := p.s.st.Load()
+	st.backends["e0"].setProbe(false, "connection refused") // as the prober does
+	st.backends["e1"].fail(ejectStatus, "503")
+	m := p.metrics(t)
+	for _, want := range []string{`kvproxy_backend_ejections_total{backend="e0",reason="probe"} 1`, `kvproxy_backend_ejections_total{backend="e1",reason="status"} 1`} {
+		if !strings.Contains(m, want+"\n") {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+	logs := p.logs.String()
+	for _, want := range []string{`"backend":"e0","probe_ok":false,"ejected":true,"ejected_by":"probe","draining":false,"probe_error":"connection refused","message":"backend unavailable"`,
+		`"backend":"e1","probe_ok":true,"ejected":true,"ejected_by":"status","draining":false,"message":"backend unavailable"`} {
+		if !strings.Contains(logs, want) {
+			t.Errorf("no %s in:\n%s", want, logs)
+		}
+	}
+}
