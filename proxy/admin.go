@@ -137,10 +137,6 @@ type backendJSON struct {
 	MeanLifetimeMs float64 `json:"mean_lifetime_ms"`
 	// The load the other kvproxy replicas report on the backend (replicas.nats).
 	Remote router.Load `json:"remote"`
-	// handedOver: a draining backend whose router workers its successor of
-	// the same id took over; their load, and so the successor's row,
-	// includes its requests.
-	handedOver bool
 }
 
 type scrapeJSON struct {
@@ -205,11 +201,8 @@ func (s *Server) backendRows(st *state) []backendJSON {
 		if st.backends[b.cfg.ID] == b { // st predates the reload: listed above
 			return true
 		}
-		b.mu.Lock()
-		handedOver := b.replaced
-		b.mu.Unlock()
 		rows = append(rows, backendJSON{ID: b.cfg.ID, URL: b.cfg.URL, Model: b.cfg.Model, Kind: b.cfg.Kind,
-			Draining: true, Inflight: b.inflight.Load(), handedOver: handedOver})
+			Draining: true, Inflight: b.inflight.Load()})
 		return true
 	})
 	sort.SliceStable(rows, func(i, j int) bool { return rows[i].ID < rows[j].ID })
