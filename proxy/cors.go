@@ -23,7 +23,7 @@ var (
 // answered.
 func (s *Server) cors(ctx *fasthttp.RequestCtx, st *state) bool {
 	origins := st.cfg.CORS.AllowedOrigins
-	if len(origins) == 0 {
+	if len(origins) == 0 || operatorPath(ctx.Path()) {
 		return false
 	}
 	every := slices.Contains(origins, "*")
@@ -63,3 +63,18 @@ func (s *Server) cors(ctx *fasthttp.RequestCtx, st *state) bool {
 	ctx.SetStatusCode(fasthttp.StatusNoContent)
 	return true
 }
+
+// operatorPath reports whether path is one of the operator's endpoints
+// (admin, metrics, health, KV event pushes): not for browsers, so no web
+// page may read them, even where they are open (found by the twelfth
+// session's abuse trial: with no keys, any page could read the backends'
+// URLs from /admin/backends through its visitors' browsers).
+func operatorPath(path []byte) bool {
+	switch string(path) {
+	case "/metrics", "/health", "/v1/kv_events":
+		return true
+	}
+	return bytes.HasPrefix(path, adminPrefix)
+}
+
+var adminPrefix = []byte("/admin/")

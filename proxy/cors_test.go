@@ -56,6 +56,16 @@ func TestCORS(t *testing.T) {
 	if resp := do(p, "POST", "/v1/chat/completions", "", "key-web-12345", chat); resp.Header.Get("Access-Control-Allow-Origin") != "" {
 		t.Fatalf("no Origin, yet CORS headers: %v", resp.Header)
 	}
+	// The operator's endpoints are not for web pages, even open ones.
+	open := startProxyYAML(t, "models: [{name: m, block_size: 16}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
+	for _, path := range []string{"/admin/backends", "/metrics", "/health"} {
+		if resp := do(open, "GET", path, "https://evil.example.com", "", ""); resp.StatusCode != 200 || resp.Header.Get("Access-Control-Allow-Origin") != "" {
+			t.Fatalf("GET %s from a page: %d %v", path, resp.StatusCode, resp.Header)
+		}
+		if resp := do(open, "OPTIONS", path, "https://evil.example.com", "", ""); resp.Header.Get("Access-Control-Allow-Origin") != "" {
+			t.Fatalf("preflight of %s: %d %v", path, resp.StatusCode, resp.Header)
+		}
+	}
 
 	p = startProxyYAML(t, "models: [{name: m, block_size: 16}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]"+keys+
 		"cors: {allowed_origins: ['https://app.example.com']}\n", e)
@@ -67,7 +77,7 @@ func TestCORS(t *testing.T) {
 		t.Fatalf("a preflight from an origin not listed: %d %v, want a 400 saying so", resp.StatusCode, resp.Header)
 	}
 	// With a list, every answer varies by Origin, for shared caches.
-	if resp := do(p, "GET", "/health", "", "", ""); resp.Header.Get("Vary") != "Origin" {
+	if resp := do(p, "GET", "/v1/models", "", "", ""); resp.Header.Get("Vary") != "Origin" {
 		t.Fatalf("an answer without Origin: %v", resp.Header)
 	}
 
