@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"reflect"
 	"strconv"
 )
 
@@ -205,12 +206,30 @@ func strictUnmarshal(b []byte, v any) error {
 	return nil
 }
 
+// jsonKind names a Go type as the JSON value it decodes from: messages
+// speak JSON, not Go ("[]json.RawMessage").
+func jsonKind(t reflect.Type) string {
+	switch t.Kind() {
+	case reflect.Slice, reflect.Array:
+		return "an array"
+	case reflect.Map, reflect.Struct:
+		return "an object"
+	case reflect.String:
+		return "a string"
+	case reflect.Bool:
+		return "true or false"
+	case reflect.Pointer:
+		return jsonKind(t.Elem())
+	}
+	return "a number"
+}
+
 // jsonErr turns an encoding/json error into an HTTPBatchError naming the
 // field where it can.
 func jsonErr(prefix string, err error) error {
 	var te *json.UnmarshalTypeError
 	if errors.As(err, &te) {
-		return &HTTPBatchError{joinPath(prefix, te.Field), fmt.Sprintf("%s is not a valid %s", te.Value, te.Type)}
+		return &HTTPBatchError{joinPath(prefix, te.Field), fmt.Sprintf("want %s, not %s", jsonKind(te.Type), te.Value)}
 	}
 	var se *json.SyntaxError
 	if errors.As(err, &se) {

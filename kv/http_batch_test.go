@@ -73,6 +73,13 @@ func TestParseHTTPBatchErrorsNameTheField(t *testing.T) {
 		if b.Events != nil || b.EngineID != "" {
 			t.Errorf("%s: partial batch returned", name)
 		}
+		// The message speaks JSON, not Go (it said "[]json.RawMessage").
+		if strings.Contains(err.Error(), "json.") || strings.Contains(err.Error(), "[]") {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	if _, err := ParseHTTPBatch([]byte(`{"engine_id":"e","events":"x"}`)); err == nil || !strings.Contains(err.Error(), "want an array, not string") {
+		t.Errorf("events as a string: %v", err)
 	}
 }
 

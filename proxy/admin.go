@@ -257,7 +257,7 @@ func (s *Server) handleIndexLookup(ctx *fasthttp.RequestCtx, st *state) {
 	}
 	var q indexLookup
 	if err := json.Unmarshal(body, &q); err != nil {
-		badRequest(ctx, "", "want {\"model\": name, \"hashes\": [block hashes, as decimal strings or integers]}: "+err.Error())
+		badRequest(ctx, "", "want {\"model\": name, \"hashes\": [block hashes, as decimal strings or integers]}")
 		return
 	}
 	if len(q.Hashes) == 0 {

@@ -832,7 +832,11 @@ func methodNotAllowed(ctx *fasthttp.RequestCtx, allow string) {
 
 func unauthorized(ctx *fasthttp.RequestCtx) {
 	ctx.Response.Header.Set("WWW-Authenticate", `Bearer realm="kvproxy"`)
-	writeError(ctx, fasthttp.StatusUnauthorized, "missing or invalid API key (send Authorization: Bearer <key>, or x-api-key: <key>)", "invalid_request_error", "", "invalid_api_key")
+	msg := "missing or invalid API key (send Authorization: Bearer <key>, or x-api-key: <key>)"
+	if operatorPath(ctx.Path()) { // they take admin keys, as bearer tokens only
+		msg = "missing or invalid admin key (send Authorization: Bearer <admin key>)"
+	}
+	writeError(ctx, fasthttp.StatusUnauthorized, msg, "invalid_request_error", "", "invalid_api_key")
 }
 
 // logUnrouted writes the access-log line of a request answered before any
