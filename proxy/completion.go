@@ -234,6 +234,13 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	tokens := sc.tokens
 	counted := 0
 	hint := req.nv.TokenData
+	// A prompt over max_prompt_tokens is refused once it is known to be:
+	// tokenizing the rest would cost CPU for nothing (an attacker's 16 MB
+	// prompt took 13 s). count_tokens counts it all.
+	tokLimit, within := lim.MaxPromptTokens, true
+	if kind == apiCountTokens {
+		tokLimit = math.MaxInt
+	}
 	switch {
 	case len(hint) > 0 && t.tokens == nil:
 		tokens = hint
@@ -254,10 +261,10 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		}
 		tokens = ids
 	case chat:
-		tokens = p.enc.EncodeChatTools(tokens[:0], req.messages, req.tools, req.addGenPrompt)
+		tokens, within = p.enc.EncodeChatToolsLimit(tokens[:0], req.messages, req.tools, req.addGenPrompt, tokLimit)
 		sc.tokens = tokens
 	default:
-		tokens = p.enc.EncodePrompt(tokens[:0], req.promptText)
+		tokens, within = p.enc.EncodePromptLimit(tokens[:0], req.promptText, tokLimit)
 		sc.tokens = tokens
 	}
 	counted = max(counted, len(tokens))
@@ -279,8 +286,8 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	}
 	for i, text := range req.batchTexts {
 		n := (len(text) + 3) / 4
-		if p.enc != nil {
-			sc.batch = p.enc.EncodePrompt(sc.batch[:0], text)
+		if p.enc != nil && within {
+			sc.batch, within = p.enc.EncodePromptLimit(sc.batch[:0], text, tokLimit)
 			n = len(sc.batch)
 		}
 		batchPrompt(i, n)
@@ -302,7 +309,11 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		case len(req.batchTokens)+len(req.batchTexts) > 0:
 			param, what = fmt.Sprintf("prompt[%d]", at), fmt.Sprintf("prompt %d of the batch", at)
 		}
-		writeError(ctx, fasthttp.StatusBadRequest, fmt.Sprintf("%s has %d tokens, more than the limit of %d", what, longest, lim.MaxPromptTokens), "invalid_request_error", param, "context_length_exceeded")
+		msg := fmt.Sprintf("%s has %d tokens, more than the limit of %d", what, longest, lim.MaxPromptTokens)
+		if !within { // not counted to its end
+			msg = fmt.Sprintf("%s has more tokens than the limit of %d", what, lim.MaxPromptTokens)
+		}
+		writeError(ctx, fasthttp.StatusBadRequest, msg, "invalid_request_error", param, "context_length_exceeded")
 		s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusBadRequest, start, "prompt too long")
 		return
 	}

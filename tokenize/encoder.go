@@ -1,6 +1,8 @@
 package tokenize
 
 import (
+	"errors"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -82,10 +84,39 @@ func (e *Encoder) EncodeText(dst []uint32, text string) []uint32 {
 // post-processor adds special tokens around a sequence (Llama 3's BOS),
 // they are added; tiktoken encodings add none. It is not cached.
 func (e *Encoder) EncodePrompt(dst []uint32, text string) []uint32 {
+	dst, _ = e.EncodePromptLimit(dst, text, math.MaxInt)
+	return dst
+}
+
+// EncodePromptLimit is EncodePrompt that stops once dst would hold more
+// than limit ids, and then reports false (dst holds more than limit ids,
+// not all of them): a prompt over a limit costs no more to refuse than one
+// at the limit costs to read.
+func (e *Encoder) EncodePromptLimit(dst []uint32, text string, limit int) ([]uint32, bool) {
 	prefix, suffix := PromptSpecialTokens(e.tok)
 	dst = append(dst, prefix...)
-	dst = e.tok.Encode(dst, text)
-	return append(dst, suffix...)
+	dst, ok := encodeLimit(e.tok, dst, text, limit)
+	if !ok {
+		return dst, false
+	}
+	dst = append(dst, suffix...)
+	return dst, len(dst) <= limit
+}
+
+// limitEncoder is a Tokenizer that can stop early (encodeLimit).
+type limitEncoder interface {
+	encodeLimit(dst []uint32, text string, limit int) ([]uint32, bool)
+}
+
+// encodeLimit appends the ids of text to dst, stopping once dst holds more
+// than limit (between two pre-tokenized words, where tok can); it reports
+// whether dst holds all of them within the limit.
+func encodeLimit(tok Tokenizer, dst []uint32, text string, limit int) ([]uint32, bool) {
+	if le, ok := tok.(limitEncoder); ok {
+		return le.encodeLimit(dst, text, limit)
+	}
+	dst = tok.Encode(dst, text)
+	return dst, len(dst) <= limit
 }
 
 // PromptSpecialTokens returns the ids a tokenizer adds before and after a
@@ -112,16 +143,32 @@ func (e *Encoder) EncodeChat(dst []uint32, msgs []Message, addGenerationPrompt b
 // EncodeChatTools is EncodeChat for a request with tools: their JSON (an
 // array), which a model's own template renders as vLLM passes them to it.
 func (e *Encoder) EncodeChatTools(dst []uint32, msgs []Message, tools string, addGenerationPrompt bool) []uint32 {
-	out, err := e.TryEncodeChatTools(dst, msgs, tools, addGenerationPrompt)
-	if err != nil {
+	out, _ := e.EncodeChatToolsLimit(dst, msgs, tools, addGenerationPrompt, math.MaxInt)
+	return out
+}
+
+// EncodeChatToolsLimit is EncodeChatTools that stops once dst would hold
+// more than limit ids, and then reports false (see EncodePromptLimit).
+func (e *Encoder) EncodeChatToolsLimit(dst []uint32, msgs []Message, tools string, addGenerationPrompt bool, limit int) ([]uint32, bool) {
+	out, err := e.tryEncodeChat(dst, msgs, tools, addGenerationPrompt, limit)
+	switch {
+	case errors.Is(err, errTooLong):
+		return out, false
+	case err != nil:
 		ps, _ := rawTemplate{}.pieces(nil, msgs, tools, false)
 		out = dst
 		for i := range ps {
-			out = e.encodePiece(out, &ps[i], nil)
+			var ok bool
+			if out, ok = e.encodePiece(out, &ps[i], nil, limit); !ok {
+				return out, false
+			}
 		}
 	}
-	return out
+	return out, true
 }
+
+// errTooLong stops an encoding at its limit.
+var errTooLong = errors.New("more token ids than the limit")
 
 // TryEncodeChat is EncodeChat returning the template's error (a model
 // template that rejects the conversation, e.g. roles that do not
@@ -132,22 +179,29 @@ func (e *Encoder) TryEncodeChat(dst []uint32, msgs []Message, addGenerationPromp
 
 // TryEncodeChatTools is TryEncodeChat for a request with tools.
 func (e *Encoder) TryEncodeChatTools(dst []uint32, msgs []Message, tools string, addGenerationPrompt bool) ([]uint32, error) {
+	return e.tryEncodeChat(dst, msgs, tools, addGenerationPrompt, math.MaxInt)
+}
+
+func (e *Encoder) tryEncodeChat(dst []uint32, msgs []Message, tools string, addGenerationPrompt bool, limit int) ([]uint32, error) {
 	s := e.scratch.Get().(*encScratch)
 	defer e.scratch.Put(s)
+	defer clear(s.pieces) // drop references to request strings
 	var err error
 	s.pieces, err = e.tmpl.pieces(s.pieces[:0], msgs, tools, addGenerationPrompt)
 	if err != nil {
-		clear(s.pieces)
 		return dst, err
 	}
 	for i := range s.pieces {
+		ok := true
 		if p := &s.pieces[i]; p.split {
-			dst = e.encodeSplit(dst, p.msg.Content, s)
+			dst, ok = e.encodeSplit(dst, p.msg.Content, s, limit)
 		} else {
-			dst = e.encodePiece(dst, p, s)
+			dst, ok = e.encodePiece(dst, p, s, limit)
+		}
+		if !ok {
+			return dst, errTooLong
 		}
 	}
-	clear(s.pieces) // drop references to request strings
 	return dst, nil
 }
 
@@ -161,39 +215,51 @@ type addedTokenSplitter interface {
 // encodeSplit encodes a rendered conversation, caching each run of text
 // between the tokenizer's added tokens (for a model template, roughly one
 // message each).
-func (e *Encoder) encodeSplit(dst []uint32, text string, s *encScratch) []uint32 {
+func (e *Encoder) encodeSplit(dst []uint32, text string, s *encScratch, limit int) ([]uint32, bool) {
 	sp, ok := e.tok.(addedTokenSplitter)
 	if !ok {
-		return e.encodePiece(dst, &piece{msg: Message{Content: text}, literal: true}, s)
+		return e.encodePiece(dst, &piece{msg: Message{Content: text}, literal: true}, s, limit)
 	}
 	for i := 0; i < len(text); {
 		textEnd, tokEnd, id := sp.nextAdded(text, i)
 		if textEnd > i {
-			dst = e.encodePiece(dst, &piece{msg: Message{Content: text[i:textEnd]}, literal: true}, s)
+			if dst, ok = e.encodePiece(dst, &piece{msg: Message{Content: text[i:textEnd]}, literal: true}, s, limit); !ok {
+				return dst, false
+			}
 		}
 		if tokEnd > textEnd {
 			dst = append(dst, id)
 		}
 		i = tokEnd
 	}
-	return dst
+	return dst, len(dst) <= limit
 }
 
-func (e *Encoder) encodePiece(dst []uint32, p *piece, s *encScratch) []uint32 {
+// encodePiece appends the ids of p, from the cache or encoded (and then
+// cached, unless the limit stopped it); it reports whether dst holds no
+// more than limit ids.
+func (e *Encoder) encodePiece(dst []uint32, p *piece, s *encScratch, limit int) ([]uint32, bool) {
 	key := pieceKey(p)
 	sh := &e.shards[key>>(64-cacheShardBits)]
 	if ids, ok := sh.get(key, p); ok {
-		return append(dst, ids...)
+		dst = append(dst, ids...)
+		return dst, len(dst) <= limit
 	}
 	n := len(dst)
+	var ok bool
 	if p.literal {
-		dst = e.tok.Encode(dst, p.msg.Content)
+		dst, ok = encodeLimit(e.tok, dst, p.msg.Content, limit)
 	} else {
+		if s == nil {
+			s = &encScratch{}
+		}
 		s.buf = e.tmpl.appendMessage(s.buf[:0], p.msg)
-		dst = e.tok.Encode(dst, unsafe.String(unsafe.SliceData(s.buf), len(s.buf)))
+		dst, ok = encodeLimit(e.tok, dst, unsafe.String(unsafe.SliceData(s.buf), len(s.buf)), limit)
 	}
-	sh.put(key, p, dst[n:])
-	return dst
+	if ok {
+		sh.put(key, p, dst[n:])
+	}
+	return dst, ok
 }
 
 func pieceKey(p *piece) uint64 {

@@ -216,3 +216,42 @@ func longText(n int) string {
 	}
 	return string(b)
 }
+
+// An encoding with a limit stops soon after passing it (at the next
+// pre-tokenized word), says so, and leaves nothing half-done in the cache;
+// within the limit it is the plain encoding (found by the twelfth
+// session's abuse trial: a prompt far over max_prompt_tokens was tokenized
+// whole before it was refused, 13 s of CPU for 16 MB).
+func TestEncodeLimitStopsEarly(t *testing.T) {
+	hf, err := LoadHF(tinyHF(t, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	long := []Message{{Role: "user", Content: longText(20000)}}
+	for name, tok := range map[string]Tokenizer{"cl100k_base": mustGet(t, "cl100k_base"), "tokenizer.json": hf} {
+		tmpl, _ := GetTemplate("chatml")
+		want := coldEncode(tok, tmpl, long, true)
+		enc := NewEncoder(tok, tmpl, 0)
+		got, ok := enc.EncodeChatToolsLimit(nil, long, "", true, 100)
+		if ok || len(got) <= 100 || len(got) > 200 || len(want) < 10000 {
+			t.Fatalf("%s: limit 100 of %d ids: ok %v after %d ids", name, len(want), ok, len(got))
+		}
+		if got, ok := enc.EncodeChatToolsLimit(nil, long, "", true, len(want)); !ok || !slices.Equal(got, want) {
+			t.Fatalf("%s: at the limit: ok %v, %d ids of %d", name, ok, len(got), len(want))
+		}
+		if got, ok := enc.EncodeChatToolsLimit(nil, long, "", true, len(want)-1); ok || len(got) != len(want) {
+			t.Fatalf("%s: one over the limit: ok %v, %d ids", name, ok, len(got))
+		}
+		if got := enc.EncodeChat(nil, long, true); !slices.Equal(got, want) {
+			t.Fatalf("%s: after stopped encodings, the cache gives %d ids of %d", name, len(got), len(want))
+		}
+		text := long[0].Content
+		full := enc.EncodePrompt(nil, text)
+		if got, ok := enc.EncodePromptLimit(nil, text, 50); ok || len(got) > 150 {
+			t.Fatalf("%s: a prompt over the limit: ok %v after %d ids", name, ok, len(got))
+		}
+		if got, ok := enc.EncodePromptLimit(nil, text, len(full)); !ok || !slices.Equal(got, full) {
+			t.Fatalf("%s: a prompt at the limit: ok %v", name, ok)
+		}
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"slices"
@@ -365,18 +366,27 @@ func (t *hfTokenizer) Name() string { return t.name }
 // Encode appends the ids of text as the model's tokenizer would with
 // add_special_tokens=False.
 func (t *hfTokenizer) Encode(dst []uint32, text string) []uint32 {
+	dst, _ = t.encodeLimit(dst, text, math.MaxInt)
+	return dst
+}
+
+// encodeLimit is Encode stopping once dst holds more than limit ids.
+func (t *hfTokenizer) encodeLimit(dst []uint32, text string, limit int) ([]uint32, bool) {
 	if !utf8.ValidString(text) {
 		text = string([]rune(text))
 	}
 	for i := 0; i < len(text); {
 		textEnd, tokEnd, id := t.added.next(text, i)
-		dst = t.encodeText(dst, text[i:textEnd])
+		var ok bool
+		if dst, ok = t.encodeText(dst, text[i:textEnd], limit); !ok {
+			return dst, false
+		}
 		if tokEnd > textEnd {
 			dst = append(dst, id)
 		}
 		i = tokEnd
 	}
-	return dst
+	return dst, len(dst) <= limit
 }
 
 func (t *hfTokenizer) specialTokensAround() (prefix, suffix []uint32) { return t.prefix, t.suffix }
@@ -385,8 +395,9 @@ func (t *hfTokenizer) nextAdded(s string, i int) (textEnd, tokEnd int, id uint32
 	return t.added.next(s, i)
 }
 
-// encodeText encodes text that holds no added token.
-func (t *hfTokenizer) encodeText(dst []uint32, s string) []uint32 {
+// encodeText encodes text that holds no added token, stopping once dst
+// holds more than limit ids.
+func (t *hfTokenizer) encodeText(dst []uint32, s string, limit int) ([]uint32, bool) {
 	for _, f := range t.norms {
 		if f == norm.NFC && isNFC(s) || f != norm.NFC && f.IsNormalString(s) {
 			continue
@@ -394,11 +405,14 @@ func (t *hfTokenizer) encodeText(dst []uint32, s string) []uint32 {
 		s = f.String(s)
 	}
 	for i := 0; i < len(s); {
+		if len(dst) > limit {
+			return dst, false
+		}
 		end := t.split(s, i)
 		dst = t.appendWord(dst, s[i:end])
 		i = end
 	}
-	return dst
+	return dst, len(dst) <= limit
 }
 
 // isNFC reports whether s is in Normalization Form C. Text whose runes are

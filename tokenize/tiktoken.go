@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/base64"
 	"fmt"
+	"math"
 	"strconv"
 	"unicode/utf8"
 
@@ -89,13 +90,22 @@ func (t *tiktokenEncoding) Name() string { return t.name }
 // Encode appends the ids of text like tiktoken's encode_ordinary. Invalid
 // UTF-8 is read as pkoukk/tiktoken-go reads it: each bad byte is U+FFFD.
 func (t *tiktokenEncoding) Encode(dst []uint32, text string) []uint32 {
+	dst, _ = t.encodeLimit(dst, text, math.MaxInt)
+	return dst
+}
+
+// encodeLimit is Encode stopping once dst holds more than limit ids.
+func (t *tiktokenEncoding) encodeLimit(dst []uint32, text string, limit int) ([]uint32, bool) {
 	if !utf8.ValidString(text) {
 		text = string([]rune(text))
 	}
 	for i := 0; i < len(text); {
+		if len(dst) > limit {
+			return dst, false
+		}
 		end := t.split(text, i)
 		dst = t.bpe.appendPiece(dst, text[i:end])
 		i = end
 	}
-	return dst
+	return dst, len(dst) <= limit
 }
