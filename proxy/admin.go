@@ -165,7 +165,7 @@ func (s *Server) backendRows(st *state) []backendJSON {
 			rows = append(rows, backendJSON{
 				ID: b.cfg.ID, URL: b.cfg.URL, Model: b.cfg.Model, Kind: b.cfg.Kind,
 				InstanceID: w.InstanceID, Healthy: b.healthy(), Available: w.Available, CoolingMs: b.coolingLeft().Milliseconds(),
-				Inflight: int64(w.Inflight), PrefillTokens: int64(w.PrefillTokens),
+				Inflight: b.inflight.Load(), PrefillTokens: int64(w.PrefillTokens),
 				ActiveBlocks: int64(w.ActiveBlocks), IndexedBlocks: int64(w.IndexedBlocks),
 				KVEvents:          b.eventCounters(),
 				PrefillMsPerToken: w.PrefillMsPerToken, QueueMsPerToken: w.QueueMsPerToken, TTFTSamples: w.TTFTSamples,
@@ -174,7 +174,7 @@ func (s *Server) backendRows(st *state) []backendJSON {
 			})
 			row := &rows[len(rows)-1]
 			if b.feed != nil { // load and index over all data-parallel ranks
-				row.IndexedBlocks, row.Inflight, row.PrefillTokens, row.ActiveBlocks, row.Pending = 0, 0, 0, 0, 0
+				row.IndexedBlocks, row.PrefillTokens, row.ActiveBlocks, row.Pending = 0, 0, 0, 0
 				row.Remote = router.Load{}
 				for _, id := range b.workerIDs() {
 					ws := status[id]
@@ -183,7 +183,6 @@ func (s *Server) backendRows(st *state) []backendJSON {
 					row.Remote.PrefillTokens += ws.Remote.PrefillTokens
 					row.Remote.ActiveBlocks += ws.Remote.ActiveBlocks
 					row.IndexedBlocks += int64(ws.IndexedBlocks)
-					row.Inflight += ws.Inflight
 					row.Pending += ws.Pending
 					row.PrefillTokens += ws.PrefillTokens
 					row.ActiveBlocks += ws.ActiveBlocks

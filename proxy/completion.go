@@ -285,10 +285,16 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		batchPrompt(i, len(ids))
 	}
 	for i, text := range req.batchTexts {
+		if !within {
+			break // refused: the prompt that passed the limit is the one to name
+		}
 		n := (len(text) + 3) / 4
-		if p.enc != nil && within {
+		if p.enc != nil {
 			sc.batch, within = p.enc.EncodePromptLimit(sc.batch[:0], text, tokLimit)
 			n = len(sc.batch)
+		}
+		if !within {
+			longest, at = n, i+1
 		}
 		batchPrompt(i, n)
 	}

@@ -221,6 +221,12 @@ limits: {max_messages: 3, max_prompt_tokens: 100, max_header_bytes: 2048, header
 	if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"`+strings.Repeat("word ", 200)+`"}`); resp.StatusCode != 400 || !strings.Contains(string(b), "context_length_exceeded") {
 		t.Fatalf("too many tokens: %d %s", resp.StatusCode, b)
 	}
+	// A batch names the prompt past the limit, not one estimated after it
+	// (found by the session's review: prompt[2], of 80 tokens, was named).
+	batch := `{"model":"m","prompt":["hi","` + strings.Repeat("hello ", 200) + `","` + strings.Repeat("hello world ", 40) + `"]}`
+	if resp, b := post(t, p.url+"/v1/completions", batch); resp.StatusCode != 400 || !strings.Contains(string(b), `"param":"prompt[1]"`) {
+		t.Fatalf("a batch with a prompt too long: %d %s", resp.StatusCode, b)
+	}
 	// Tokenizing stops at the limit: the count is not known, and not said.
 	chat := `{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("word ", 20000) + `"}]}`
 	if resp, b := post(t, p.url+"/v1/chat/completions", chat); resp.StatusCode != 400 || !strings.Contains(string(b), "the prompt has more tokens than the limit of 100") {
@@ -987,14 +993,32 @@ func TestStrangersBodiesAreNotRead(t *testing.T) {
 			t.Fatalf("%s %q: %s %s", tc.path, tc.headers, status, body)
 		}
 	}
+	// The refusal at the headers and at Expect is logged as the handler's is.
+	if logs := p.logs.String(); !strings.Contains(logs, `"status":413,"error":"body too large"`) || strings.Count(logs, `"error":"invalid api key"`) < 5 {
+		t.Fatalf("the refusals are not all in the log:\n%s", logs)
+	}
+	// A client that sends its whole body before reading (Go's, the SDKs')
+	// gets the 401, not a reset from a connection closed on unread data,
+	// and a page gets it with its CORS headers (found by the review).
+	req, _ := http.NewRequest("POST", p.url+"/v1/chat/completions", strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"`+strings.Repeat("hello world ", 300000)+`"}]}`))
+	req.Header.Set("Authorization", "Bearer wrong-key-000")
+	req.Header.Set("Origin", "https://app.example.com")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("a 3.6 MB body with a wrong key: %v", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 401 || resp.Header.Get("Access-Control-Allow-Origin") != "*" {
+		t.Fatalf("a 3.6 MB body with a wrong key: %d %v", resp.StatusCode, resp.Header)
+	}
 	// Known keys may send bodies up to the limit.
 	prompt := strings.Repeat("many words ", 10000) // 110 KB
 	if resp, b := postAuth(t, p.url+"/v1/completions", "key-alpha-123", `{"model":"m","prompt":"`+prompt+`"}`); resp.StatusCode != 200 {
 		t.Fatalf("a client key's 110 KB body: %d %s", resp.StatusCode, b)
 	}
-	req, _ := http.NewRequest("POST", p.url+"/admin/index/lookup", strings.NewReader(`{"model":"m","hashes":["`+strings.Repeat("1", 100000)+`"]}`))
+	req, _ = http.NewRequest("POST", p.url+"/admin/index/lookup", strings.NewReader(`{"model":"m","hashes":["`+strings.Repeat("1", 100000)+`"]}`))
 	req.Header.Set("Authorization", "Bearer admin-key-xyz")
-	resp, err := http.DefaultClient.Do(req)
+	resp, err = http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -191,6 +191,20 @@ func TestDrainingRequestsStayInTheMetrics(t *testing.T) {
 			if n := strings.Count(string(b), `kvproxy_inflight_requests{backend="e0"}`); n != 1 || !strings.Contains(string(b), `kvproxy_inflight_requests{backend="e0"} 1`) {
 				t.Fatalf("e0 series %d, want one of 1 request in flight:\n%s", n, b)
 			}
+			// /admin/backends counts it once too, in the row of the
+			// backend that holds it (found by the session's review).
+			var rows []backendJSON
+			_, ab := fetch(t, p.url+"/admin/backends")
+			json.Unmarshal(ab, &rows)
+			total := int64(0)
+			for _, r := range rows {
+				if r.ID == "e0" {
+					total += r.Inflight
+				}
+			}
+			if total != 1 {
+				t.Fatalf("/admin/backends counts %d requests on e0, want 1: %s", total, ab)
+			}
 			<-done
 			p.waitIdle(t)
 		})

@@ -861,19 +861,33 @@ func (s *Server) logUnrouted(ctx *fasthttp.RequestCtx, reason string) {
 // the client sends its body (fasthttp asked for it, then refused it).
 func (s *Server) expectContinue(ctx *fasthttp.RequestCtx) int {
 	st := s.st.Load()
+	reason := "body too large"
 	switch {
 	case !st.auth.knows(&ctx.Request.Header):
-		unauthorized(ctx)
+		s.refuseStranger(ctx)
+		reason = "invalid api key"
 	case ctx.Request.Header.ContentLength() > st.cfg.Limits.MaxRequestBodyBytes:
+		s.cors(ctx, st)
 		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", st.cfg.Limits.MaxRequestBodyBytes), "invalid_request_error", "", "request_too_large")
+		if bytes.HasPrefix(ctx.Path(), messagesPath) {
+			toAnthropicError(ctx)
+		}
 	default:
 		return fasthttp.StatusContinue
 	}
+	s.logTransport(ctx, reason, reason)
+	return ctx.Response.StatusCode()
+}
+
+// refuseStranger answers a request without a key kvproxy knows before its
+// body is read, as the handler would (CORS headers, the API's error shape).
+func (s *Server) refuseStranger(ctx *fasthttp.RequestCtx) {
+	ctx.SetConnectionClose()
+	s.cors(ctx, s.st.Load())
+	unauthorized(ctx)
 	if bytes.HasPrefix(ctx.Path(), messagesPath) {
 		toAnthropicError(ctx)
 	}
-	s.requestIDs(ctx)
-	return ctx.Response.StatusCode()
 }
 
 // transportError answers requests fasthttp rejects before the handler:
@@ -887,13 +901,11 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	switch {
 	case errors.Is(err, fasthttp.ErrBodyTooLarge) && !s.st.Load().auth.knows(&ctx.Request.Header):
 		// Over the limit of a request without a known key: the key is
-		// the answer, and the body is not read.
-		ctx.SetConnectionClose()
-		unauthorized(ctx)
+		// the answer. The body is read into one buffer and dropped, not
+		// kept (a client still sending it would get a reset, not the 401).
+		s.refuseStranger(ctx)
+		s.drainRejectedBody(ctx)
 		reason = "invalid api key"
-		if bytes.HasPrefix(ctx.Path(), messagesPath) {
-			toAnthropicError(ctx)
-		}
 	case errors.Is(err, fasthttp.ErrBodyTooLarge):
 		s.drainRejectedBody(ctx)
 		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", s.st.Load().cfg.Limits.MaxRequestBodyBytes), "invalid_request_error", "", "request_too_large")
@@ -919,9 +931,15 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 		limitKey = "TLS handshake failed"
 		reason = limitKey + ": " + err.Error()
 	}
-	// fasthttp calls this before it has a whole request: no method, path
-	// or start time to log (its defaults would say GET / and 292 years).
-	// The id is the client's when its headers were read (a body too large).
+	s.logTransport(ctx, reason, limitKey)
+}
+
+// logTransport writes the access-log line of a request refused before the
+// handler, bounded per limitKey as rejections are. fasthttp calls its
+// handlers before it has a whole request: no method, path or start time to
+// log (its defaults would say GET / and 292 years). The id is the client's
+// when its headers were read (a body too large).
+func (s *Server) logTransport(ctx *fasthttp.RequestCtx, reason, limitKey string) {
 	rid, _ := s.requestIDs(ctx)
 	if !s.rejectLog.allow("", limitKey) {
 		return
@@ -941,19 +959,27 @@ const maxDrain = 8 << 20
 // drainRejectedBody reads the rest of a body refused for its size before
 // the 413 goes out and the connection closes: closing a socket with unread
 // data sends a reset, and a client still writing its body would get
-// "connection reset" instead of the answer. Bounded by maxDrain and a
-// deadline; what fasthttp already buffered is not known, so it stops one
+// "connection reset" instead of the answer. Bounded by maxDrain (beyond it
+// the client gets its reset) and a deadline, with one buffer, however large
+// the declared body; what fasthttp already buffered is not known, so it stops one
 // read buffer short of the declared length rather than wait for bytes that
 // will not come.
 func (s *Server) drainRejectedBody(ctx *fasthttp.RequestCtx) {
-	left := ctx.Request.Header.ContentLength() - s.srv.ReadBufferSize
-	if left <= 0 || left > maxDrain {
+	left := min(ctx.Request.Header.ContentLength()-s.srv.ReadBufferSize, maxDrain)
+	if left <= 0 {
 		return
 	}
 	c := ctx.Conn()
-	c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	end := time.Now().Add(2 * time.Second)
 	buf := make([]byte, 32<<10)
 	for left > 0 {
+		// A client that stops sending is not waited for: one that
+		// declared a body it never sends gets its answer at once.
+		by := time.Now().Add(250 * time.Millisecond)
+		if by.After(end) {
+			by = end
+		}
+		c.SetReadDeadline(by)
 		n, err := c.Read(buf)
 		left -= n
 		if err != nil {
