@@ -206,22 +206,28 @@ func strictUnmarshal(b []byte, v any) error {
 	return nil
 }
 
-// jsonKind names a Go type as the JSON value it decodes from: messages
-// speak JSON, not Go ("[]json.RawMessage").
-func jsonKind(t reflect.Type) string {
+// JSONKind names the JSON value a Go type is decoded from, for messages
+// that speak JSON, not Go ("[]json.RawMessage").
+func JSONKind(t reflect.Type) string {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
 	switch t.Kind() {
+	case reflect.Struct, reflect.Map:
+		return "an object"
 	case reflect.Slice, reflect.Array:
 		return "an array"
-	case reflect.Map, reflect.Struct:
-		return "an object"
 	case reflect.String:
 		return "a string"
 	case reflect.Bool:
-		return "true or false"
-	case reflect.Pointer:
-		return jsonKind(t.Elem())
+		return "a boolean"
+	case reflect.Interface:
+		return "a value"
+	case reflect.Float32, reflect.Float64:
+		return "a number"
+	default:
+		return "an integer"
 	}
-	return "a number"
 }
 
 // jsonErr turns an encoding/json error into an HTTPBatchError naming the
@@ -229,7 +235,7 @@ func jsonKind(t reflect.Type) string {
 func jsonErr(prefix string, err error) error {
 	var te *json.UnmarshalTypeError
 	if errors.As(err, &te) {
-		return &HTTPBatchError{joinPath(prefix, te.Field), fmt.Sprintf("want %s, not %s", jsonKind(te.Type), te.Value)}
+		return &HTTPBatchError{joinPath(prefix, te.Field), fmt.Sprintf("want %s, not %s", JSONKind(te.Type), te.Value)}
 	}
 	var se *json.SyntaxError
 	if errors.As(err, &se) {

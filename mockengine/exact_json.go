@@ -6,6 +6,8 @@ import (
 	"reflect"
 	"strings"
 	"sync"
+
+	"github.com/kvproxy/kvproxy/kv"
 )
 
 // unmarshalExact decodes a JSON object into v (a pointer to a struct)
@@ -37,30 +39,7 @@ func fieldError(err error) *badRequest {
 	if !errors.As(err, &te) || te.Field == "" {
 		return nil
 	}
-	return invalid(te.Field, "%s must be %s, got %s", te.Field, jsonKind(te.Type), te.Value)
-}
-
-// jsonKind names the JSON value a Go type is decoded from.
-func jsonKind(t reflect.Type) string {
-	for t.Kind() == reflect.Pointer {
-		t = t.Elem()
-	}
-	switch t.Kind() {
-	case reflect.Struct, reflect.Map:
-		return "an object"
-	case reflect.Slice, reflect.Array:
-		return "an array"
-	case reflect.String:
-		return "a string"
-	case reflect.Bool:
-		return "a boolean"
-	case reflect.Interface:
-		return "a value"
-	case reflect.Float32, reflect.Float64:
-		return "a number"
-	default:
-		return "an integer"
-	}
+	return invalid(te.Field, "%s must be %s, got %s", te.Field, kv.JSONKind(te.Type), te.Value)
 }
 
 var foldedCache sync.Map // reflect.Type → map[lowercased name]name

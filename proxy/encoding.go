@@ -53,6 +53,11 @@ func requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
 func inflateRaw(b []byte, max int) ([]byte, error) {
 	r := flate.NewReader(bytes.NewReader(b))
 	defer r.Close()
+	return readAtMost(r, max)
+}
+
+// readAtMost reads r to its end, failing with ErrBodyTooLarge past max bytes.
+func readAtMost(r io.Reader, max int) ([]byte, error) {
 	out, err := io.ReadAll(io.LimitReader(r, int64(max)+1))
 	if err != nil {
 		return nil, err
@@ -88,12 +93,5 @@ func unzstd(b []byte, max int) ([]byte, error) {
 		return nil, err
 	}
 	defer d.Close()
-	out, err := io.ReadAll(io.LimitReader(d, int64(max)+1))
-	if err != nil {
-		return nil, err
-	}
-	if len(out) > max {
-		return nil, fasthttp.ErrBodyTooLarge
-	}
-	return out, nil
+	return readAtMost(d, max)
 }
