@@ -44,16 +44,32 @@ func TestHostileReportsAreClamped(t *testing.T) {
 	}
 	defer nc.Close()
 	huge := router.Load{Inflight: math.MaxInt64, Pending: math.MaxInt64, PrefillTokens: math.MaxInt64, ActiveBlocks: math.MaxInt64}
+	var reports [][]byte
 	for _, id := range []string{"evil1", "evil2"} {
 		b, _ := json.Marshal(report{Replica: id, Loads: []Entry{
 			{Model: "m", Worker: "e0", Load: router.Load{Inflight: -5, Pending: -1}},
 			{Model: "m", Worker: "e1", Load: huge},
 		}})
-		if err := nc.Publish("kvproxy.load", b); err != nil {
-			t.Fatal(err)
-		}
+		reports = append(reports, b)
 	}
-	nc.Flush()
+	// Published as a replica would, again and again: reports sent once may
+	// reach a before its subscription is in place, or expire before a
+	// merges them with b's (a flake CI hit).
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() {
+		for {
+			for _, b := range reports {
+				nc.Publish("kvproxy.load", b)
+			}
+			nc.Flush()
+			select {
+			case <-stop:
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	}()
 	ka.waitFor(t, "b's load and the evil reports at a", func(m map[Key]router.Load) bool {
 		return m[Key{"m", "e1"}].Inflight != 0 && m[Key{"m", "e0"}].Inflight != 0
 	})
