@@ -1,6 +1,9 @@
 package tokenize
 
-import "math"
+import (
+	"math"
+	"unicode/utf8"
+)
 
 // bpe is a byte-level BPE vocabulary: token bytes → rank, where a token's
 // rank is both its id and its merge priority (tiktoken's convention).
@@ -68,4 +71,26 @@ func (b *bpe) mergeQuadratic(dst []uint32, piece string, parts []bpePart) []uint
 		dst = append(dst, b.ranks[piece[parts[i].start:parts[i+1].start]])
 	}
 	return dst
+}
+
+// maxWordBytes bounds the word one BPE merges at once. A longer one
+// (megabytes of letters or base64 with no break) is merged in slices of
+// this size, cut where a rune starts: its tokens then differ from the
+// engine's past the first cut, which loses cache matches only deep inside
+// such a word, and the merge's memory (about 28 bytes a byte of the word)
+// and an encoding's limit stay bounded (found by the twelfth session's
+// abuse trial: a 16 MB word took 13.5 s, and no limit could stop it).
+const maxWordBytes = 1 << 20
+
+// wordSlice is the length of the slice of w to merge next: all of it, or
+// at most maxWordBytes, ending where a rune starts.
+func wordSlice(w string) int {
+	if len(w) <= maxWordBytes {
+		return len(w)
+	}
+	k := maxWordBytes
+	for k > maxWordBytes-utf8.UTFMax && !utf8.RuneStart(w[k]) {
+		k--
+	}
+	return k
 }

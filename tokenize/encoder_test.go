@@ -255,3 +255,41 @@ func TestEncodeLimitStopsEarly(t *testing.T) {
 		}
 	}
 }
+
+// A word of megabytes (letters with no break) is merged in slices of
+// maxWordBytes, cut at a rune's start, so a limit stops it after one slice
+// (the abuse trial's 16 MB of random letters, one word, took 13.5 s to
+// refuse); within a slice nothing changes.
+func TestHugeWordsAreMergedInSlices(t *testing.T) {
+	hf, err := LoadHF(tinyHF(t, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := uint32(1)
+	word := make([]byte, 3*maxWordBytes+1000)
+	for i := range word {
+		r = r*1664525 + 1013904223
+		word[i] = byte('a' + r>>24%26)
+	}
+	word[maxWordBytes-1] = 0xc3 // é across the first cut: it must not split the rune
+	word[maxWordBytes] = 0xa9
+	text := string(word)
+	for name, tok := range map[string]Tokenizer{"cl100k_base": mustGet(t, "cl100k_base"), "tokenizer.json": hf} {
+		var want []uint32
+		for rest := text; len(rest) > 0; {
+			k := wordSlice(rest)
+			want = tok.Encode(want, rest[:k])
+			rest = rest[k:]
+		}
+		if got := tok.Encode(nil, text); !slices.Equal(got, want) {
+			t.Fatalf("%s: %d ids, want the slices' %d", name, len(got), len(want))
+		}
+		got, ok := encodeLimit(tok, nil, text, 1000)
+		if ok || len(got) >= len(want)/2 {
+			t.Fatalf("%s: limit 1000: ok %v after %d ids of %d", name, ok, len(got), len(want))
+		}
+	}
+	if k := wordSlice(text); k != maxWordBytes-1 {
+		t.Fatalf("the first cut is at %d, want %d (before the é)", k, maxWordBytes-1)
+	}
+}

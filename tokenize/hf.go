@@ -409,6 +409,13 @@ func (t *hfTokenizer) encodeText(dst []uint32, s string, limit int) ([]uint32, b
 			return dst, false
 		}
 		end := t.split(s, i)
+		for i+wordSlice(s[i:end]) < end { // a word of megabytes: in slices
+			k := i + wordSlice(s[i:end])
+			if dst = t.appendWord(dst, s[i:k]); len(dst) > limit {
+				return dst, false
+			}
+			i = k
+		}
 		dst = t.appendWord(dst, s[i:end])
 		i = end
 	}

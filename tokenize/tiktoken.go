@@ -103,7 +103,7 @@ func (t *tiktokenEncoding) encodeLimit(dst []uint32, text string, limit int) ([]
 		if len(dst) > limit {
 			return dst, false
 		}
-		end := t.split(text, i)
+		end := min(t.split(text, i), i+wordSlice(text[i:]))
 		dst = t.bpe.appendPiece(dst, text[i:end])
 		i = end
 	}
