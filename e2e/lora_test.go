@@ -19,14 +19,7 @@ func TestLoRAAdaptersEndToEnd(t *testing.T) {
 	withLoRA, _ := fleetWithEvents(t, 2, "-lora-modules", "sql-lora")
 	plain, _ := fleetWithEvents(t, 1)
 	url, _, _ := startProxyConfig(t, eventBackends(append(withLoRA, plain...), ""))
-	waitFor(t, 15*time.Second, "the engines' adapter lists", func() bool {
-		for _, r := range adminBackends(t, url) {
-			if r.Adapters == nil {
-				return false
-			}
-		}
-		return true
-	})
+	waitAdapterLists(t, url)
 	prompt := strings.Repeat("Translate this question into SQL, table by table. ", 40)
 	send := func(model string, dry bool) (worker string, cached, overlap int) {
 		t.Helper()
@@ -101,6 +94,10 @@ func TestLoRAAdaptersEndToEnd(t *testing.T) {
 func TestLoRAAdapterGoesWhereTheBatchHasRoom(t *testing.T) {
 	engines := fleet(t, 2, "-lora-modules", "a-lora,b-lora", "-max-loras", "1")
 	url, _ := kvproxy(t, engines, "least_load")
+	// The adapters are the engines' own (not configured): known once
+	// kvproxy has read their lists (a request before that was a 404, a CI
+	// flake).
+	waitAdapterLists(t, url)
 	long := func(model, pin string) *http.Response {
 		t.Helper()
 		body := fmt.Sprintf(`{"model":%q,"stream":true,"max_tokens":3000,"ignore_eos":true,"messages":[{"role":"user","content":"go on"}],"nvext":{"backend_instance_id":%q}}`, model, pin)
@@ -134,4 +131,17 @@ func TestLoRAAdapterGoesWhereTheBatchHasRoom(t *testing.T) {
 			t.Fatalf("b-lora request %d: %d on %s, want mock-1, whose batch has room for it", i, resp.StatusCode, w)
 		}
 	}
+}
+
+// waitAdapterLists waits until kvproxy has read every engine's model list.
+func waitAdapterLists(t *testing.T, url string) {
+	t.Helper()
+	waitFor(t, 15*time.Second, "the engines' adapter lists", func() bool {
+		for _, r := range adminBackends(t, url) {
+			if r.Adapters == nil {
+				return false
+			}
+		}
+		return true
+	})
 }
