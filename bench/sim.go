@@ -30,6 +30,8 @@ type SimConfig struct {
 	// own decisions with a TTL. By default engines' cache events feed the
 	// router's index, as vLLM's ZMQ feed does.
 	Approximate bool
+	// IndexTTL is the approximate-mode entry lifetime (0: the router's default).
+	IndexTTL time.Duration
 	// NoCalibrate turns off the kv policy's online refit of its coefficients.
 	NoCalibrate bool
 	// Seed seeds token synthesis and the router's tie-breaking.
@@ -198,6 +200,9 @@ func newSim(cfg SimConfig, policy string) (*sim, error) {
 	rc.Calibrate = !cfg.NoCalibrate
 	rc.Seed = int64(cfg.Seed)
 	rc.Temperature = cfg.Temperature
+	if cfg.IndexTTL > 0 {
+		rc.IndexTTL = cfg.IndexTTL
+	}
 	s := &sim{cfg: cfg, policy: policy, syn: Synth{Seed: cfg.Seed}}
 	rc.Now = func() time.Time { return simEpoch.Add(s.now) }
 	for range max(cfg.Replicas, 1) {

@@ -93,6 +93,28 @@ func TestSimApproximateModeAndHetero(t *testing.T) {
 	}
 }
 
+// An index TTL shorter than the think time forgets every conversation
+// between its turns: approximate-mode kv then spreads them and finds fewer
+// of their prefixes in the engines' caches.
+func TestSimIndexTTL(t *testing.T) {
+	w := smallChat()
+	hit := map[time.Duration]float64{}
+	for _, ttl := range []time.Duration{time.Second, time.Hour} {
+		cfg := smallFleet()
+		cfg.Approximate = true
+		cfg.IndexTTL = ttl
+		r, err := Simulate(w, cfg, "kv")
+		if err != nil {
+			t.Fatal(err)
+		}
+		hit[ttl] = r.HitRate
+	}
+	t.Logf("hit rate: TTL 1s %.3f, 1h %.3f", hit[time.Second], hit[time.Hour])
+	if hit[time.Second] >= hit[time.Hour] {
+		t.Fatalf("hit rate with a 1 s index TTL %.3f, not below the 1 h TTL's %.3f", hit[time.Second], hit[time.Hour])
+	}
+}
+
 func TestSimSlowerFleetIsSlower(t *testing.T) {
 	w := smallChat()
 	fast, err := Simulate(w, smallFleet(), "round_robin")

@@ -155,6 +155,7 @@ func runSim(args []string, stdout io.Writer) error {
 	hetero := fs.Float64("hetero", 1, "speed of the second half of the engines (0.5: half the engines at half speed)")
 	calibrate := fs.Bool("calibrate", true, "let the kv policy refit its coefficients from observed TTFTs")
 	approx := fs.Bool("approximate", false, "route without engine KV events (the router indexes its own decisions)")
+	indexTTL := fs.Duration("index-ttl", 0, "with -approximate, how long the router trusts its own decisions (router.index_ttl; 0: its default, 120s)")
 	stepOverhead := fs.Duration("step-overhead", 0, "time added to every engine step (scheduling and wake-up of a real engine)")
 	hostBlocks := fs.Int("host-blocks", 0, "host (CPU) KV tier per engine in blocks (0: none)")
 	scrape := fs.Duration("scrape", time.Second, "feed engine load (waiting, running, KV usage) to the router at this interval, as kvproxy's /metrics scrape does (0: off)")
@@ -174,8 +175,8 @@ func runSim(args []string, stdout io.Writer) error {
 	if *engines <= 0 || *cacheBlocks <= 0 || *blockSize <= 0 || *replicas <= 0 {
 		return fmt.Errorf("-engines, -cache-blocks, -block-size and -replicas must be positive")
 	}
-	if *hostBlocks < 0 || *scrape < 0 || *shareLoad < 0 || *stepOverhead < 0 || *temperature < 0 {
-		return fmt.Errorf("-host-blocks, -scrape, -share-load, -step-overhead and -temperature must not be negative")
+	if *hostBlocks < 0 || *scrape < 0 || *shareLoad < 0 || *stepOverhead < 0 || *temperature < 0 || *indexTTL < 0 {
+		return fmt.Errorf("-host-blocks, -scrape, -share-load, -step-overhead, -temperature and -index-ttl must not be negative")
 	}
 	pols := bench.ParsePolicies(*policies)
 	if err := bench.CheckPolicies(pols); err != nil {
@@ -204,7 +205,7 @@ func runSim(args []string, stdout io.Writer) error {
 	}
 	cfg := bench.SimConfig{
 		Engines: *engines, CacheBlocks: *cacheBlocks, BlockSize: *blockSize,
-		Approximate: *approx, NoCalibrate: !*calibrate, Seed: wf.seed, Scrape: *scrape,
+		Approximate: *approx, IndexTTL: *indexTTL, NoCalibrate: !*calibrate, Seed: wf.seed, Scrape: *scrape,
 		HostCacheBlocks: *hostBlocks, StepOverhead: *stepOverhead,
 		Replicas: *replicas, ShareLoad: *shareLoad, Temperature: *temperature,
 	}
