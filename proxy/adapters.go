@@ -89,6 +89,33 @@ func (p *modelPool) adapter(name string) string {
 	return ""
 }
 
+// listsReadWait bounds how long a request for a model name nobody knows
+// waits, just after kvproxy starts, for the engines' model lists to be read.
+const listsReadWait = 2 * time.Second
+
+// poolOfAdapter is st.poolOfAdapter, but a name not found before the
+// engines' model lists were first read waits for them (at most
+// listsReadWait): an adapter only the engines list was a 404 for the first
+// moment after kvproxy started, while a client sees it listed a moment
+// later.
+func (s *Server) poolOfAdapter(st *state, name string) *modelPool {
+	if p := st.poolOfAdapter(name); p != nil {
+		return p
+	}
+	select {
+	case <-s.listsRead:
+		return nil
+	default:
+	}
+	t := time.NewTimer(listsReadWait)
+	defer t.Stop()
+	select {
+	case <-s.listsRead:
+	case <-t.C:
+	}
+	return st.poolOfAdapter(name)
+}
+
 // poolOfAdapter is the pool one of whose engines lists the adapter name,
 // for a model name the configuration does not know.
 func (st *state) poolOfAdapter(name string) *modelPool {

@@ -227,6 +227,7 @@ func (s *Server) scrapeLoop(stop <-chan struct{}) {
 	scraper := &backends.MetricsScraper{Timeout: 800 * time.Millisecond}
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
+	first := true
 	for {
 		st := s.st.Load()
 		var wg sync.WaitGroup
@@ -246,6 +247,10 @@ func (s *Server) scrapeLoop(stop <-chan struct{}) {
 			}(b)
 		}
 		wg.Wait()
+		if first {
+			close(s.listsRead)
+			first = false
+		}
 		select {
 		case <-stop:
 			return

@@ -200,6 +200,30 @@ func TestLoRAAdaptersListedByEnginesRouteToThem(t *testing.T) {
 	}
 }
 
+// A request for an adapter only the engines list, sent the moment kvproxy
+// starts, waits for their lists to be read instead of getting a 404 (an
+// end-to-end test's first request did, now and then).
+func TestAdapterAskedForAtStartWaitsForTheLists(t *testing.T) {
+	list := `{"object":"list","data":[{"id":"engine-m","parent":null},{"id":"sql-lora","parent":"engine-m"}]}`
+	e0 := startFake(t, "e0", func(f *fakeEngine) { f.modelList, f.modelsDelay = list, 300*time.Millisecond })
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n  - {id: e0, url: 'http://{{e0}}', model: m, served_model: engine-m}\n", e0)
+	if resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"sql-lora","messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != 200 {
+		t.Fatalf("sql-lora at start: %d %s", resp.StatusCode, b)
+	}
+	if got := e0.lastBody()["model"]; got != "sql-lora" {
+		t.Fatalf("the engine got model %v", got)
+	}
+	// Once the lists are read, a name nobody lists is a 404 at once.
+	start := time.Now()
+	if resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"other-lora","messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != 404 {
+		t.Fatalf("other-lora: %d %s", resp.StatusCode, b)
+	}
+	if d := time.Since(start); d > listsReadWait/2 {
+		t.Fatalf("a 404 after the lists were read took %v", d)
+	}
+}
+
 // An engine that answers 404 for an adapter (unloaded since kvproxy read its
 // list, or an adapter it never had) is no worse an engine: the request goes
 // to one that serves it, the engine's list leaves the adapter out until the

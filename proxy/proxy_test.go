@@ -42,10 +42,11 @@ type fakeEngine struct {
 	errorFrame   string        // ... this one (default: older vLLM's flat one, compact)
 	status       int           // non-200 answer
 	errBody      string
-	retryAfter   string // Retry-After of the non-200 answer
-	modelList    string // GET /v1/models (default: the base model alone); not recorded
-	notServed    string // a model it answers vLLM's 404 for (under mu)
-	metricsPage  string // GET /metrics (under mu; "": 404); not recorded
+	retryAfter   string        // Retry-After of the non-200 answer
+	modelList    string        // GET /v1/models (default: the base model alone); not recorded
+	modelsDelay  time.Duration // before answering GET /v1/models
+	notServed    string        // a model it answers vLLM's 404 for (under mu)
+	metricsPage  string        // GET /metrics (under mu; "": 404); not recorded
 }
 
 func startFake(t *testing.T, id string, setup func(*fakeEngine)) *fakeEngine {
@@ -73,6 +74,7 @@ func startFake(t *testing.T, id string, setup func(*fakeEngine)) *fakeEngine {
 		w.Write([]byte(page))
 	})
 	mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(f.modelsDelay)
 		list := f.modelList
 		if list == "" {
 			list = `{"object":"list","data":[{"id":"engine-m","object":"model","root":"engine-m","parent":null}]}`

@@ -80,8 +80,12 @@ type Server struct {
 	listeners  []net.Listener // Serve's (serveMu)
 	stopScrape chan struct{}
 	scrapeDone chan struct{}
-	replicas   *replicas.Sync // nil without replicas.nats
-	retiring   sync.Map       // *backend → struct{}: removed or replaced by a reload, finishing its requests
+	// listsRead is closed when the scrape loop's first round has read (or
+	// failed to read) every engine's model list: until then an adapter only
+	// the engines list is not known yet.
+	listsRead chan struct{}
+	replicas  *replicas.Sync // nil without replicas.nats
+	retiring  sync.Map       // *backend → struct{}: removed or replaced by a reload, finishing its requests
 }
 
 type state struct {
@@ -140,7 +144,8 @@ func (p *modelPool) setBackend(b *backend) {
 // New builds the pools and backends of cfg; Serve starts answering.
 func New(cfg *config.Config, opts Options) (*Server, error) {
 	s := &Server{log: opts.Logger, opts: opts, watcher: newHangupWatcher(), limits: cfg.Limits, started: cfg,
-		retries: newRetryBudget(cfg.Limits.RetryBudget), queue: newWaitQueue(), rejectLog: newLogLimiter(opts.Logger)}
+		retries: newRetryBudget(cfg.Limits.RetryBudget), queue: newWaitQueue(), rejectLog: newLogLimiter(opts.Logger),
+		listsRead: make(chan struct{})}
 	var rb [6]byte
 	rand.Read(rb[:])
 	s.reqPrefix = hex.EncodeToString(rb[:])
