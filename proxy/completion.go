@@ -7,6 +7,7 @@ import (
 	"io"
 	"math"
 	"net"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"strings"
@@ -961,10 +962,24 @@ func (s *Server) relayUntilClose(ctx *fasthttp.RequestCtx, rl interface {
 	io.Closer
 }) {
 	ctx.Response.Header.SetContentLength(-2) // no length, no chunks: Connection: close
+	// handle sets Request-Id when the handler returns: too late for a
+	// head written here.
+	if bytes.HasPrefix(ctx.Path(), messagesPath) {
+		ctx.Response.Header.SetBytesV("Request-Id", ctx.Response.Header.PeekBytes(hdrRequestID))
+	}
 	head := append([]byte(nil), ctx.Response.Header.Header()...)
 	conn := ctx.Conn()
+	s.hijacks.Store(conn, rl)
 	ctx.HijackSetNoResponse(true)
 	ctx.Hijack(func(c net.Conn) {
+		s.hijacks.Delete(conn)
+		// fasthttp recovers no panic here: one would end the process,
+		// not the stream.
+		defer func() {
+			if p := recover(); p != nil {
+				s.log.Error().Interface("panic", p).Str("stack", string(debug.Stack())).Msg("HTTP/1.0 stream relay panicked")
+			}
+		}()
 		defer s.watcher.Closed(conn) // after rl.Close; fasthttp closes c after this returns
 		defer rl.Close()
 		if _, err := c.Write(head); err == nil {

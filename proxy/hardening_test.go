@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -815,14 +816,14 @@ func TestAdminClosedWithoutAdminKeys(t *testing.T) {
 func TestHTTP10StreamIsCloseDelimited(t *testing.T) {
 	e := startFake(t, "e0", func(f *fakeEngine) { f.tokens = 20 })
 	p := startProxy(t, "kv", e)
-	send := func(body string) (head, payload string) {
+	sendTo := func(path, body string) (head, payload string) {
 		c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer c.Close()
 		c.SetDeadline(time.Now().Add(10 * time.Second))
-		fmt.Fprintf(c, "POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+		fmt.Fprintf(c, "POST %s HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", path, len(body), body)
 		all, err := io.ReadAll(c) // to EOF: the proxy must close
 		if err != nil {
 			t.Fatalf("reading to the close: %v", err)
@@ -830,6 +831,7 @@ func TestHTTP10StreamIsCloseDelimited(t *testing.T) {
 		h, b, _ := strings.Cut(string(all), "\r\n\r\n")
 		return strings.ToLower(h), b
 	}
+	send := func(body string) (head, payload string) { return sendTo("/v1/completions", body) }
 	head, body := send(`{"model":"m","prompt":"hello","stream":true}`)
 	if !strings.Contains(head, " 200 ") || strings.Contains(head, "transfer-encoding") || strings.Contains(head, "content-length") ||
 		!strings.Contains(head, "connection: close") || !strings.Contains(head, "x-kvproxy-worker: e0") {
@@ -841,6 +843,12 @@ func TestHTTP10StreamIsCloseDelimited(t *testing.T) {
 	head, body = send(`{"model":"m","prompt":"hello"}`)
 	if !strings.Contains(head, " 200 ") || !strings.Contains(head, fmt.Sprintf("content-length: %d", len(body))) {
 		t.Fatalf("whole answer head:\n%s\n%s", head, body)
+	}
+	// Anthropic's SDKs read the request's id from request-id, which
+	// handle used to set after the hijacked stream's head had gone.
+	head, _ = sendTo("/v1/messages", `{"model":"m","max_tokens":5,"stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+	if !strings.Contains(head, " 200 ") || !strings.Contains(head, "\r\nrequest-id: ") {
+		t.Fatalf("Messages stream head:\n%s", head)
 	}
 	p.waitIdle(t)
 }
@@ -1027,4 +1035,83 @@ func TestStrangersBodiesAreNotRead(t *testing.T) {
 		t.Fatalf("an admin key's 100 KB body: %d", resp.StatusCode)
 	}
 	p.waitIdle(t)
+}
+
+// failingListener's connections fail every write once failWrites is set: a
+// client whose socket takes nothing more.
+type failingListener struct {
+	net.Listener
+	failWrites *atomic.Bool
+}
+
+func (l failingListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return failingConn{c, l.failWrites}, nil
+}
+
+type failingConn struct {
+	net.Conn
+	failWrites *atomic.Bool
+}
+
+func (c failingConn) Write(p []byte) (int, error) {
+	if c.failWrites.Load() {
+		return 0, syscall.EPIPE
+	}
+	return c.Conn.Write(p)
+}
+
+// TestHTTP10StreamEndsWhenItsHijackNeverStarts: an HTTP/1.0 stream is
+// relayed on the hijacked connection, but fasthttp first flushes the
+// answers it still holds for the client (pipelined requests before it), and
+// when that fails it closes the connection without calling the hijack
+// handler. The stream's slots then leaked for good: router, backend and
+// tenant (found by the thirteenth session's review, with a client that
+// pipelined thousands of requests and read nothing).
+func TestHTTP10StreamEndsWhenItsHijackNeverStarts(t *testing.T) {
+	var failWrites atomic.Bool
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 300 * time.Millisecond })
+	cfg, err := config.Parse([]byte(strings.ReplaceAll("models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends: [{id: e0, url: 'http://{{e0}}', model: m, served_model: engine-m, max_concurrency: 4}]\n"+
+		"limits: {drain_timeout: 1s}\n", "{{e0}}", e.addr)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(cfg, Options{Logger: zerolog.New(io.Discard), DisableHealthChecks: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go s.Serve(failingListener{ln, &failWrites})
+
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	// A request whose answer fasthttp holds back while the next one is
+	// already read, then the stream.
+	body := `{"model":"m","prompt":"hello","stream":true}`
+	fmt.Fprintf(c, "GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\nPOST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	deadline := time.Now().Add(5 * time.Second)
+	for e.requests.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the stream never reached the engine")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	failWrites.Store(true) // before the engine answers, so before the hijack
+	for deadline := time.Now().Add(5 * time.Second); !s.Idle(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			// Not shut down: it would wait for the leaked request for ever.
+			t.Fatalf("the stream's slots leaked: %+v", s.backendRows(s.st.Load()))
+		}
+	}
+	s.Shutdown()
 }

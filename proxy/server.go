@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"reflect"
 	"slices"
@@ -86,6 +87,11 @@ type Server struct {
 	listsRead chan struct{}
 	replicas  *replicas.Sync // nil without replicas.nats
 	retiring  sync.Map       // *backend → struct{}: removed or replaced by a reload, finishing its requests
+	// hijacks holds the relay of each HTTP/1.0 stream (net.Conn →
+	// io.Closer) until its hijack handler starts: fasthttp closes the
+	// connection without calling the handler when it cannot flush what it
+	// holds for the client, and the relay must then end here.
+	hijacks sync.Map
 }
 
 type state struct {
@@ -218,6 +224,9 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 			// for hang-ups while its relay runs: relayUntilClose forgets it.
 			if cs == fasthttp.StateClosed {
 				s.watcher.Closed(c)
+				if rl, ok := s.hijacks.LoadAndDelete(c); ok {
+					rl.(io.Closer).Close()
+				}
 			}
 		},
 		Logger: fasthttpLogger{s.log},
