@@ -298,6 +298,12 @@ func (s *sim) run(w *Workload) {
 }
 
 func (s *sim) arrive(i int, r *Request) {
+	if !s.fits(r) {
+		// As an engine would refuse it, but without building a prompt
+		// that may not even fit in memory.
+		s.rec.Error(r.Arrival, s.now)
+		return
+	}
 	var tok []uint32
 	if n := len(s.tokPool); n > 0 {
 		tok, s.tokPool = s.tokPool[n-1][:0], s.tokPool[:n-1]
@@ -332,6 +338,13 @@ func (s *sim) arrive(i int, r *Request) {
 	if !en.busy {
 		s.startStep(en)
 	}
+}
+
+// fits reports whether an engine could take r at all: a prompt, and room in
+// its KV cache for the prompt and the output (mockengine's own check).
+func (s *sim) fits(r *Request) bool {
+	bs := s.cfg.BlockSize
+	return r.InputLen > 0 && (r.InputLen+max(r.OutputLen, 1)+bs-1)/bs <= s.cfg.CacheBlocks
 }
 
 func (s *sim) engineOf(id router.WorkerID) *simEngine {

@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -263,4 +264,26 @@ func TestSimReplicasShareLoad(t *testing.T) {
 		t.Fatalf("sharing load, 4 long requests 50 ms apart used %d engines (%v), want 4", len(got), got)
 	}
 	t.Logf("without sharing: %v", engines(0))
+}
+
+// A prompt no engine can hold fails at once: the simulator does not build
+// its tokens (16M of them here, 64 MB) to find that out.
+func TestSimRefusesAPromptNoEngineHoldsWithoutBuildingIt(t *testing.T) {
+	w := &Workload{Name: "huge", Requests: []Request{
+		{InputLen: MaxTraceTokens, OutputLen: 1, Segments: []Segment{{Key: keyUnique, Len: MaxTraceTokens}}, Session: -1},
+		{Arrival: time.Second, InputLen: 100, OutputLen: 2, Segments: []Segment{{Key: keyUnique | 1, Len: 100}}, Session: -1},
+	}}
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	res, err := Simulate(w, smallFleet(), "round_robin")
+	runtime.ReadMemStats(&after)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Errors != 1 || len(res.TTFTs) != 1 {
+		t.Fatalf("want the huge request failed and the other served: %+v", res)
+	}
+	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 16<<20 {
+		t.Fatalf("allocated %d MB for a request that cannot fit", alloc>>20)
+	}
 }

@@ -242,12 +242,22 @@ type mooncakeLine struct {
 // maxTraceMs bounds a timestamp: the largest time.Duration, in ms.
 const maxTraceMs = float64(math.MaxInt64 / int64(time.Millisecond))
 
-// length is a trace's token count: a whole number in [0, 2^31).
+// MaxTraceTokens bounds a trace's token counts: 16M tokens, far beyond any
+// model's context, so a larger count is a broken trace (whose prompt the
+// simulator could not even hold in memory).
+const MaxTraceTokens = 1 << 24
+
+// length is a trace's token count: a whole number in [0, MaxTraceTokens].
 func length(v float64) (int, bool) {
-	if v < 0 || v >= 1<<31 || v != math.Trunc(v) {
+	if !(v >= 0 && v <= MaxTraceTokens) || v != math.Trunc(v) { // NaN too
 		return 0, false
 	}
 	return int(v), true
+}
+
+// badLength is the error for a token count length rejects.
+func badLength(field string, v any) error {
+	return fmt.Errorf("%s %v is not a whole number from 0 to %d", field, v, MaxTraceTokens)
 }
 
 // LoadMooncake reads a Mooncake trace: one JSON object per line with
@@ -277,10 +287,13 @@ func LoadMooncake(r io.Reader) (*Workload, error) {
 		if m.Timestamp == nil || m.InputLength == nil || m.OutputLength == nil {
 			return nil, fmt.Errorf("mooncake line %d: timestamp, input_length and output_length are required", line)
 		}
-		in, ok1 := length(*m.InputLength)
-		out, ok2 := length(*m.OutputLength)
-		if !ok1 || !ok2 {
-			return nil, fmt.Errorf("mooncake line %d: input_length and output_length must be whole numbers from 0 to 2^31", line)
+		in, ok := length(*m.InputLength)
+		if !ok {
+			return nil, fmt.Errorf("mooncake line %d: %w", line, badLength("input_length", *m.InputLength))
+		}
+		out, ok := length(*m.OutputLength)
+		if !ok {
+			return nil, fmt.Errorf("mooncake line %d: %w", line, badLength("output_length", *m.OutputLength))
 		}
 		if !(*m.Timestamp >= 0 && *m.Timestamp <= maxTraceMs) { // NaN too
 			return nil, fmt.Errorf("mooncake line %d: timestamp %v ms is negative or beyond 292 years", line, *m.Timestamp)
@@ -363,10 +376,13 @@ func LoadAzure(r io.Reader) (*Workload, error) {
 		if err != nil {
 			return nil, fmt.Errorf("azure line %d: %w", line, err)
 		}
-		ctx, err1 := strconv.Atoi(strings.TrimSpace(rec[ci]))
-		gen, err2 := strconv.Atoi(strings.TrimSpace(rec[gi]))
-		if err1 != nil || err2 != nil || ctx < 0 || gen < 0 {
-			return nil, fmt.Errorf("azure line %d: bad token counts %q, %q", line, rec[ci], rec[gi])
+		ctx, err := azureCount("ContextTokens", rec[ci])
+		if err != nil {
+			return nil, fmt.Errorf("azure line %d: %w", line, err)
+		}
+		gen, err := azureCount("GeneratedTokens", rec[gi])
+		if err != nil {
+			return nil, fmt.Errorf("azure line %d: %w", line, err)
 		}
 		if len(w.Requests) == 0 {
 			t0 = ts // arrivals are kept from the first row, and rebased once sorted
@@ -382,6 +398,16 @@ func LoadAzure(r io.Reader) (*Workload, error) {
 	sortByArrival(w.Requests)
 	rebase(w.Requests)
 	return w, nil
+}
+
+// azureCount parses a token count column.
+func azureCount(field, s string) (int, error) {
+	s = strings.TrimSpace(s)
+	v, err := strconv.Atoi(s)
+	if err != nil || v < 0 || v > MaxTraceTokens {
+		return 0, badLength(field, strconv.Quote(s))
+	}
+	return v, nil
 }
 
 func sortByArrival(rs []Request) {

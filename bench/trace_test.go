@@ -105,6 +105,8 @@ func TestMooncakeRejectsBadLines(t *testing.T) {
 		`{"timestamp": 0, "input_length": 10.5, "output_length": 1}`,
 		`{"timestamp": 1e300, "input_length": 10, "output_length": 1}`,
 		`{"timestamp": 0, "input_length": 1e12, "output_length": 1}`,
+		`{"timestamp":0,"input_length":2147483647,"output_length":5,"hash_ids":[1]}`,
+		`{"timestamp":0,"input_length":5,"output_length":16777217,"hash_ids":[1]}`,
 	} {
 		if _, err := LoadMooncake(strings.NewReader(in)); err == nil {
 			t.Errorf("accepted %q", in)
@@ -165,6 +167,10 @@ func TestAzureUniqueTokens(t *testing.T) {
 	}
 	if _, err := LoadAzure(strings.NewReader("TIMESTAMP,ContextTokens,GeneratedTokens\n\n\n2023-11-16 18:15:50.0,x,1\n")); err == nil || !strings.Contains(err.Error(), "line 4") {
 		t.Fatalf("a bad row on line 4: %v", err)
+	}
+	big := "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:50.0,20,1\n2023-11-16 18:15:51.0,2147483647,1\n"
+	if _, err := LoadAzure(strings.NewReader(big)); err == nil || !strings.Contains(err.Error(), "line 3: ContextTokens") {
+		t.Fatalf("a prompt of 2^31 tokens on line 3: %v", err)
 	}
 	if _, err := LoadAzure(strings.NewReader("a,b,c\n1,2,3\n")); err == nil {
 		t.Fatal("accepted a CSV without the Azure header")
