@@ -9,6 +9,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"golang.org/x/image/font"
@@ -18,15 +19,32 @@ import (
 
 // WriteCharts writes name-ttft-cdf.png (TTFT CDF per policy, log time axis)
 // and name-hit-rate.png (hit rate per policy, with the ceiling when known)
-// into dir.
+// into dir. The titles show name as it is; the file names replace path
+// separators in it with '_'.
 func WriteCharts(dir, name string, rep *Report) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
-	if err := savePNG(filepath.Join(dir, name+"-ttft-cdf.png"), TTFTChart(name, rep)); err != nil {
+	file := chartFileName(name)
+	if err := savePNG(filepath.Join(dir, file+"-ttft-cdf.png"), TTFTChart(name, rep)); err != nil {
 		return err
 	}
-	return savePNG(filepath.Join(dir, name+"-hit-rate.png"), HitRateChart(name, rep))
+	return savePNG(filepath.Join(dir, file+"-hit-rate.png"), HitRateChart(name, rep))
+}
+
+// chartFileName makes a workload name (a -name or -label may hold a path)
+// usable as one file name.
+func chartFileName(name string) string {
+	name = strings.Map(func(r rune) rune {
+		if r == '/' || r == '\\' || r == os.PathSeparator {
+			return '_'
+		}
+		return r
+	}, name)
+	if name == "" || name == "." || name == ".." {
+		name = "_" + name
+	}
+	return name
 }
 
 func savePNG(path string, img image.Image) error {

@@ -256,20 +256,25 @@ func runSim(args []string, stdout io.Writer) error {
 		rep.CeilingHitRate = &c
 	}
 	fmt.Fprintf(os.Stderr, "kvbench sim: %d policies in %v\n", len(pols), time.Since(start).Round(time.Millisecond))
-	if *dump != "" {
-		if err := writeDump(*dump, recs); err != nil {
-			return err
-		}
+	return writeResults(stdout, &rep, *asJSON, *dump, recs, *plot, w.Name)
+}
+
+// writeResults prints the report, then writes the -dump file and the
+// charts: a finished run's numbers are out before a file can fail.
+func writeResults(stdout io.Writer, rep *bench.Report, asJSON bool, dump string, recs []bench.RequestRecord, plot, name string) error {
+	var err error
+	if asJSON {
+		err = rep.WriteJSON(stdout)
+	} else {
+		err = rep.WriteTable(stdout)
 	}
-	if *plot != "" {
-		if err := bench.WriteCharts(*plot, w.Name, &rep); err != nil {
-			return err
-		}
+	if dump != "" {
+		err = errors.Join(err, writeDump(dump, recs))
 	}
-	if *asJSON {
-		return rep.WriteJSON(stdout)
+	if plot != "" {
+		err = errors.Join(err, bench.WriteCharts(plot, name, rep))
 	}
-	return rep.WriteTable(stdout)
+	return err
 }
 
 func runReplay(args []string, stdout io.Writer) error {
@@ -324,24 +329,10 @@ func runReplay(args []string, stdout io.Writer) error {
 	if err != nil && ctx.Err() == nil {
 		return err
 	}
-	if *dump != "" {
-		if err := writeDump(*dump, recs); err != nil {
-			return err
-		}
-	}
 	failed := reportErrors(os.Stderr, recs)
 	res.ScaleTime(*timeScale)
 	rep := bench.Report{Results: []bench.Result{res}}
-	if *plot != "" {
-		if err := bench.WriteCharts(*plot, w.Name+"-"+*label, &rep); err != nil {
-			return err
-		}
-	}
-	if *asJSON {
-		err = rep.WriteJSON(stdout)
-	} else {
-		err = rep.WriteTable(stdout)
-	}
+	err = writeResults(stdout, &rep, *asJSON, *dump, recs, *plot, w.Name+"-"+*label)
 	if err == nil && failed == len(w.Requests) {
 		err = fmt.Errorf("every request failed")
 	}

@@ -169,3 +169,38 @@ func TestReplayAsksTheProxyForAModel(t *testing.T) {
 		t.Fatal("a model from a 404")
 	}
 }
+
+// A -name holding a path still gets its charts, named with '_' for '/',
+// and the table is printed whatever becomes of the files.
+func TestSimNameWithASlash(t *testing.T) {
+	dir := t.TempDir()
+	var out bytes.Buffer
+	args := append(append([]string(nil), smallSim...), "-policies", "round_robin", "-name", "p/run", "-plot", dir)
+	if err := runSim(args, &out); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out.String(), "round_robin") {
+		t.Fatalf("table: %s", out.String())
+	}
+	for _, f := range []string{"p_run-ttft-cdf.png", "p_run-hit-rate.png"} {
+		if st, err := os.Stat(filepath.Join(dir, f)); err != nil || st.Size() == 0 {
+			t.Fatalf("%s: %v", f, err)
+		}
+	}
+}
+
+// A chart that cannot be written is reported after the table.
+func TestSimPrintsResultsBeforeCharts(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.Mkdir(filepath.Join(dir, "x-ttft-cdf.png"), 0o755); err != nil { // in the way of the chart
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	args := append(append([]string(nil), smallSim...), "-policies", "round_robin", "-name", "x", "-plot", dir)
+	if err := runSim(args, &out); err == nil {
+		t.Fatal("no error for a chart that cannot be written")
+	}
+	if !strings.Contains(out.String(), "round_robin") {
+		t.Fatalf("no table before the error: %q", out.String())
+	}
+}
