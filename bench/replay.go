@@ -63,6 +63,9 @@ type outcome struct {
 	itl              []time.Duration
 	prompt, cached   int
 	output           int
+	chunks           int  // chunks that carried text
+	first            bool // a first token came (ttft is set)
+	cut              bool // cut off by the end of the run (ctx), not failed
 	err              error
 }
 
@@ -110,13 +113,23 @@ func Replay(ctx context.Context, w *Workload, cfg ReplayConfig, label string) (R
 			r := &w.Requests[o.index]
 			rr := RequestRecord{Index: o.index, Arrival: r.Arrival, Sent: o.start, Worker: o.worker,
 				Prompt: o.prompt, Cached: o.cached, Output: o.output, TTFT: o.ttft}
-			if o.err != nil {
+			switch {
+			case o.cut:
+				rr.Err = "interrupted"
+			case o.err != nil:
 				rr.Err = o.err.Error()
 			}
 			cfg.OnRequest(rr)
 		}
-		if o.err != nil {
-			rec.Error(o.start, o.end)
+		if o.cut || o.err != nil {
+			if o.cut {
+				rec.Interrupted(o.start, o.end, o.chunks)
+			} else {
+				rec.Error(o.start, o.end, o.err.Error())
+			}
+			if o.first {
+				rec.TTFT(o.ttft)
+			}
 			return
 		}
 		rec.Request(o.start, o.end, o.ttft, o.prompt, o.cached, o.output)
@@ -131,6 +144,9 @@ func Replay(ctx context.Context, w *Workload, cfg ReplayConfig, label string) (R
 		for range cfg.Concurrency {
 			wg.Go(func() {
 				for i := range next {
+					if ctx.Err() != nil {
+						continue // handed over as the run ended: never sent
+					}
 					done(rp.send(ctx, i, &w.Requests[i]))
 				}
 			})
@@ -172,10 +188,24 @@ type replayer struct {
 	bufs     sync.Pool
 }
 
+// send sends one request. When the run's ctx ends first, the request is
+// cut off (o.cut), not failed; a request outliving the per-request timeout
+// fails with a timeout.
 func (rp *replayer) send(ctx context.Context, i int, r *Request) (o outcome) {
 	o.index = i
 	o.start = time.Since(rp.t0)
-	defer func() { o.end = time.Since(rp.t0) }()
+	reqCtx, cancel := context.WithTimeout(ctx, rp.cfg.Timeout)
+	defer cancel()
+	defer func() {
+		o.end = time.Since(rp.t0)
+		switch {
+		case o.err == nil:
+		case ctx.Err() != nil:
+			o.err, o.cut = nil, true
+		case reqCtx.Err() != nil:
+			o.err = fmt.Errorf("timeout after %v", rp.cfg.Timeout)
+		}
+	}()
 	bp, _ := rp.bufs.Get().(*[]byte)
 	if bp == nil {
 		bp = new([]byte)
@@ -184,9 +214,7 @@ func (rp *replayer) send(ctx context.Context, i int, r *Request) (o outcome) {
 	body := rp.body((*bp)[:0], r)
 	*bp = body
 
-	ctx, cancel := context.WithTimeout(ctx, rp.cfg.Timeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, rp.endpoint, bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(reqCtx, http.MethodPost, rp.endpoint, bytes.NewReader(body))
 	if err != nil {
 		o.err = err
 		return o
@@ -286,12 +314,13 @@ func readStream(body io.Reader, t0 time.Time, o *outcome) error {
 			}
 			if text {
 				if chunks == 0 {
-					o.ttft = now - o.start
+					o.ttft, o.first = now-o.start, true
 				} else {
 					o.itl = append(o.itl, now-last)
 				}
 				last = now
 				chunks++
+				o.chunks = chunks
 			}
 		}
 		if err != nil {

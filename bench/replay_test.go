@@ -210,3 +210,66 @@ func BenchmarkReadStream(b *testing.B) {
 	}
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*257), "ns/chunk")
 }
+
+// stallingEngine streams one chunk per request, then holds the stream open
+// until the client goes away; started receives one value per first chunk.
+func stallingEngine(t *testing.T, started chan<- struct{}) *httptest.Server {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: {\"choices\":[{\"index\":0,\"text\":\"x\"}]}\n\n")
+		w.(http.Flusher).Flush()
+		started <- struct{}{}
+		<-r.Context().Done()
+	}))
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+func stalledWorkload(n int) *Workload {
+	w := &Workload{Name: "stall"}
+	for i := range n {
+		w.Requests = append(w.Requests, Request{InputLen: 4, OutputLen: 8, Segments: []Segment{{Key: keyUnique | uint64(i), Len: 4}}, Session: -1})
+	}
+	return w
+}
+
+// Requests in flight when the run is interrupted are cut off, not failed,
+// and the first tokens they had count in the TTFT percentiles.
+func TestReplayInterruptKeepsInFlightTTFTs(t *testing.T) {
+	started := make(chan struct{}, 4)
+	srv := stallingEngine(t, started)
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		for range 4 {
+			<-started
+		}
+		time.Sleep(200 * time.Millisecond) // for the client to read the chunks
+		cancel()
+	}()
+	var recs []RequestRecord
+	res, err := Replay(ctx, stalledWorkload(4), ReplayConfig{URL: srv.URL, Model: "m", Concurrency: 4,
+		OnRequest: func(r RequestRecord) { recs = append(recs, r) }}, "x")
+	if err == nil {
+		t.Fatal("no error from an interrupted run")
+	}
+	if res.Errors != 0 || res.Interrupted != 4 || len(res.TTFTs) != 4 || res.TTFTP50 <= 0 {
+		t.Fatalf("want 4 interrupted with their TTFTs, no errors: %+v", res)
+	}
+	if len(recs) != 4 || recs[0].Err != "interrupted" || recs[0].TTFT <= 0 {
+		t.Fatalf("records: %+v", recs)
+	}
+}
+
+// A request that times out is an error saying so, and keeps its TTFT.
+func TestReplayTimeoutKeepsTTFT(t *testing.T) {
+	started := make(chan struct{}, 2)
+	srv := stallingEngine(t, started)
+	res, err := Replay(context.Background(), stalledWorkload(2), ReplayConfig{URL: srv.URL, Model: "m", Concurrency: 2,
+		Timeout: 200 * time.Millisecond}, "x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Errors != 2 || res.ErrorReasons["timeout after 200ms"] != 2 || len(res.TTFTs) != 2 || res.Interrupted != 0 {
+		t.Fatalf("want 2 timeouts with their TTFTs: %+v", res)
+	}
+}

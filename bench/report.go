@@ -22,6 +22,11 @@ type Result struct {
 	ThroughputTokS float64 `json:"throughput_tok_s"`
 	HitRate        float64 `json:"hit_rate"`
 	Errors         int     `json:"errors"`
+	// ErrorReasons counts the failed requests by reason.
+	ErrorReasons map[string]int `json:"error_reasons,omitempty"`
+	// Interrupted (replay only) counts requests in flight when the run was
+	// interrupted: not failures, and their TTFTs count when they had one.
+	Interrupted int `json:"interrupted,omitempty"`
 	// ForgoneHitRate (sim only) is the prompt share the router saw cached
 	// on some worker but routed elsewhere: Σ (best overlap − chosen
 	// overlap) × block size / prompt tokens. It shows what a policy trades
@@ -51,21 +56,31 @@ func (r *Report) WriteJSON(w io.Writer) error {
 func (r *Report) WriteTable(w io.Writer) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	forgone := false // a simulator column; replay cannot know it
+	interrupted := false
 	for _, x := range r.Results {
 		forgone = forgone || x.ForgoneHitRate > 0
+		interrupted = interrupted || x.Interrupted > 0
 	}
 	fmt.Fprint(tw, "policy\tttft p50 ms\tp90 ms\tp99 ms\titl p50 ms\te2e p50 ms\ttok/s\thit rate\t")
 	if forgone {
 		fmt.Fprint(tw, "forgone\t")
 	}
-	fmt.Fprintln(tw, "errors\t")
+	fmt.Fprint(tw, "errors\t")
+	if interrupted {
+		fmt.Fprint(tw, "interrupted\t")
+	}
+	fmt.Fprintln(tw)
 	for _, x := range r.Results {
 		fmt.Fprintf(tw, "%s\t%.1f\t%.1f\t%.1f\t%.2f\t%.0f\t%.0f\t%.3f\t",
 			x.Policy, x.TTFTP50, x.TTFTP90, x.TTFTP99, x.ITLP50, x.E2EP50, x.ThroughputTokS, x.HitRate)
 		if forgone {
 			fmt.Fprintf(tw, "%.3f\t", x.ForgoneHitRate)
 		}
-		fmt.Fprintf(tw, "%d\t\n", x.Errors)
+		fmt.Fprintf(tw, "%d\t", x.Errors)
+		if interrupted {
+			fmt.Fprintf(tw, "%d\t", x.Interrupted)
+		}
+		fmt.Fprintln(tw)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -86,6 +101,8 @@ type Recorder struct {
 	cached      int64
 	output      int64
 	errors      int
+	reasons     map[string]int
+	interrupted int
 	forgone     int64
 	first, last time.Duration
 	haveSpan    bool
@@ -109,9 +126,26 @@ func (r *Recorder) ITL(d time.Duration, n int) { r.itl.AddN(d, n) }
 // chosen.
 func (r *Recorder) Forgone(tokens int) { r.forgone += int64(tokens) }
 
-// Error records a failed request.
-func (r *Recorder) Error(start, end time.Duration) {
+// Error records a failed request and why it failed.
+func (r *Recorder) Error(start, end time.Duration, reason string) {
 	r.errors++
+	if r.reasons == nil {
+		r.reasons = map[string]int{}
+	}
+	r.reasons[reason]++
+	r.span(start, end)
+}
+
+// TTFT records the time to first token of a request that got one but did
+// not finish (it failed, or was cut off), so that the slow requests a
+// timeout or an interrupt ends are not missing from the percentiles.
+func (r *Recorder) TTFT(ttft time.Duration) { r.ttft = append(r.ttft, ttft) }
+
+// Interrupted records a request cut off by the end of the run, with the
+// output tokens it had received.
+func (r *Recorder) Interrupted(start, end time.Duration, output int) {
+	r.interrupted++
+	r.output += int64(output)
 	r.span(start, end)
 }
 
@@ -127,7 +161,7 @@ func (r *Recorder) span(start, end time.Duration) {
 
 // Result summarizes what was recorded.
 func (r *Recorder) Result(policy string) Result {
-	res := Result{Policy: policy, Errors: r.errors}
+	res := Result{Policy: policy, Errors: r.errors, ErrorReasons: r.reasons, Interrupted: r.interrupted}
 	slices.Sort(r.ttft)
 	slices.Sort(r.e2e)
 	res.TTFTP50 = ms(Percentile(r.ttft, 0.50))

@@ -17,7 +17,7 @@ func TestRecorderResult(t *testing.T) {
 		r.Request(start, start+2*time.Second, time.Duration(i)*time.Millisecond, 100, 25, 10)
 		r.ITL(20*time.Millisecond, 9)
 	}
-	r.Error(0, time.Second)
+	r.Error(0, time.Second, "status 500")
 	res := r.Result("x")
 	if res.TTFTP50 != 50 || res.TTFTP90 != 90 || res.TTFTP99 != 99 {
 		t.Fatalf("ttft percentiles %v %v %v", res.TTFTP50, res.TTFTP90, res.TTFTP99)

@@ -298,10 +298,10 @@ func (s *sim) run(w *Workload) {
 }
 
 func (s *sim) arrive(i int, r *Request) {
-	if !s.fits(r) {
+	if reason := s.unservable(r); reason != "" {
 		// As an engine would refuse it, but without building a prompt
 		// that may not even fit in memory.
-		s.rec.Error(r.Arrival, s.now)
+		s.rec.Error(r.Arrival, s.now, reason)
 		return
 	}
 	var tok []uint32
@@ -317,7 +317,7 @@ func (s *sim) arrive(i int, r *Request) {
 	d, act, err := s.rts[i%len(s.rts)].Route(&req)
 	if err != nil {
 		s.tokPool = append(s.tokPool, tok)
-		s.rec.Error(r.Arrival, s.now)
+		s.rec.Error(r.Arrival, s.now, err.Error())
 		return
 	}
 	best := 0
@@ -331,7 +331,7 @@ func (s *sim) arrive(i int, r *Request) {
 	if err := en.model.Add(&sr.seq); err != nil {
 		act.Free()
 		s.tokPool = append(s.tokPool, tok)
-		s.rec.Error(r.Arrival, s.now)
+		s.rec.Error(r.Arrival, s.now, err.Error())
 		return
 	}
 	s.reqs[i] = sr
@@ -340,11 +340,19 @@ func (s *sim) arrive(i int, r *Request) {
 	}
 }
 
-// fits reports whether an engine could take r at all: a prompt, and room in
-// its KV cache for the prompt and the output (mockengine's own check).
-func (s *sim) fits(r *Request) bool {
+// unservable says why no engine could take r ("" when one could): an
+// empty prompt, or a prompt and output beyond its KV cache (mockengine's
+// own checks).
+func (s *sim) unservable(r *Request) string {
 	bs := s.cfg.BlockSize
-	return r.InputLen > 0 && (r.InputLen+max(r.OutputLen, 1)+bs-1)/bs <= s.cfg.CacheBlocks
+	switch {
+	case r.InputLen == 0:
+		return "empty prompt"
+	case (r.InputLen+max(r.OutputLen, 1)+bs-1)/bs > s.cfg.CacheBlocks:
+		return fmt.Sprintf("prompt and output (%d tokens) exceed an engine's KV cache (%d blocks of %d tokens)",
+			r.InputLen+max(r.OutputLen, 1), s.cfg.CacheBlocks, bs)
+	}
+	return ""
 }
 
 func (s *sim) engineOf(id router.WorkerID) *simEngine {

@@ -17,6 +17,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/kvproxy/kvproxy/bench"
@@ -47,7 +48,46 @@ func main() {
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "kvbench:", err)
+		var ie *interruptedError
+		if errors.As(err, &ie) {
+			os.Exit(128 + int(ie.sig)) // as a shell reports a command a signal ended
+		}
 		os.Exit(1)
+	}
+}
+
+// interruptedError ends a run a signal cut short, after its partial
+// results are printed.
+type interruptedError struct {
+	sig syscall.Signal
+	msg string
+}
+
+func (e *interruptedError) Error() string { return e.msg }
+
+// stopSignals are the signals that end a replay early with its results:
+// Ctrl-C, and the polite kill of a job runner or container.
+var stopSignals = []os.Signal{os.Interrupt, syscall.SIGTERM}
+
+// cancelOnSignal returns a context cancelled, with the signal as its cause,
+// by the first stop signal; a second one kills as usual.
+func cancelOnSignal() (context.Context, func()) {
+	ctx, cancel := context.WithCancelCause(context.Background())
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, stopSignals...)
+	quit := make(chan struct{})
+	go func() {
+		select {
+		case sig := <-sigs:
+			signal.Stop(sigs)
+			cancel(&interruptedError{sig: sig.(syscall.Signal)})
+		case <-quit:
+		}
+	}()
+	return ctx, func() {
+		close(quit)
+		signal.Stop(sigs)
+		cancel(nil)
 	}
 }
 
@@ -318,10 +358,11 @@ func runReplay(args []string, stdout io.Writer) error {
 			return err
 		}
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	ctx, stop := cancelOnSignal()
 	defer stop()
 	st := w.Stats()
 	fmt.Fprintf(os.Stderr, "kvbench replay: %s: %d requests over %v to %s\n", w.Name, st.Requests, st.Duration.Round(time.Second), *url)
+	started := time.Now()
 	res, err := bench.Replay(ctx, w, bench.ReplayConfig{
 		URL: *url, Model: *model, APIKey: *key, Mode: *mode, Words: wordList, Concurrency: *conc,
 		Synth: bench.Synth{Seed: wf.seed}, Timeout: *timeout, OnRequest: onReq,
@@ -329,11 +370,17 @@ func runReplay(args []string, stdout io.Writer) error {
 	if err != nil && ctx.Err() == nil {
 		return err
 	}
-	failed := reportErrors(os.Stderr, recs)
+	reportErrors(os.Stderr, "kvbench replay", res, len(recs))
 	res.ScaleTime(*timeScale)
 	rep := bench.Report{Results: []bench.Result{res}}
 	err = writeResults(stdout, &rep, *asJSON, *dump, recs, *plot, w.Name+"-"+*label)
-	if err == nil && failed == len(w.Requests) {
+	var ie *interruptedError
+	if errors.As(context.Cause(ctx), &ie) {
+		ie.msg = fmt.Sprintf("replay interrupted (%v) after %v: %d requests cut off in flight (not counted as errors; their TTFTs count when they had one), %d of %d never sent",
+			ie.sig, time.Since(started).Round(time.Millisecond), res.Interrupted, len(w.Requests)-len(recs), len(w.Requests))
+		return errors.Join(err, ie)
+	}
+	if err == nil && res.Errors == len(w.Requests) {
 		err = fmt.Errorf("every request failed")
 	}
 	return err
@@ -365,26 +412,24 @@ func firstModel(url, key string) (string, error) {
 	return list.Data[0].ID, nil
 }
 
-// reportErrors tells how many requests failed, by reason, with the most
-// common reasons first; it returns how many failed.
-func reportErrors(out io.Writer, recs []bench.RequestRecord) int {
-	count := map[string]int{}
-	failed := 0
-	for _, r := range recs {
-		if r.Err != "" {
-			count[r.Err]++
-			failed++
-		}
+// reportErrors tells how many of a run's requests failed, by reason, with
+// the most common reasons first.
+func reportErrors(out io.Writer, prefix string, res bench.Result, total int) {
+	if res.Errors == 0 {
+		return
 	}
-	if failed == 0 {
-		return 0
-	}
+	count := res.ErrorReasons
 	reasons := make([]string, 0, len(count))
 	for e := range count {
 		reasons = append(reasons, e)
 	}
-	slices.SortFunc(reasons, func(a, b string) int { return count[b] - count[a] })
-	fmt.Fprintf(out, "kvbench replay: %d of %d requests failed:\n", failed, len(recs))
+	slices.SortFunc(reasons, func(a, b string) int {
+		if c := count[b] - count[a]; c != 0 {
+			return c
+		}
+		return strings.Compare(a, b)
+	})
+	fmt.Fprintf(out, "%s: %d of %d requests failed:\n", prefix, res.Errors, total)
 	for i, e := range reasons {
 		if i == 5 {
 			fmt.Fprintf(out, "  ... and %d other reasons\n", len(reasons)-i)
@@ -392,18 +437,21 @@ func reportErrors(out io.Writer, recs []bench.RequestRecord) int {
 		}
 		fmt.Fprintf(out, "  %d × %s\n", count[e], e)
 	}
-	return failed
 }
 
 // checkOutputs fails early when a -dump file or -plot directory cannot be
 // written.
 func checkOutputs(dump, plot string) error {
 	if dump != "" {
+		_, statErr := os.Stat(dump)
 		f, err := os.OpenFile(dump, os.O_WRONLY|os.O_CREATE, 0o644)
 		if err != nil {
 			return err
 		}
 		f.Close()
+		if errors.Is(statErr, os.ErrNotExist) {
+			os.Remove(dump) // no empty file left behind if the run fails
+		}
 	}
 	if plot != "" {
 		if err := os.MkdirAll(plot, 0o755); err != nil {

@@ -146,9 +146,9 @@ func TestReplayEveryRequestFailed(t *testing.T) {
 		t.Fatalf("replay against nothing: %v", err)
 	}
 	var out bytes.Buffer
-	n := reportErrors(&out, []bench.RequestRecord{{Err: "status 404"}, {}, {Err: "status 404"}, {Err: "refused"}})
-	if n != 3 || !strings.Contains(out.String(), "3 of 4 requests failed:\n  2 × status 404\n  1 × refused\n") {
-		t.Fatalf("%d failed: %q", n, out.String())
+	reportErrors(&out, "kvbench replay", bench.Result{Errors: 3, ErrorReasons: map[string]int{"refused": 1, "status 404": 2}}, 4)
+	if !strings.Contains(out.String(), "kvbench replay: 3 of 4 requests failed:\n  2 × status 404\n  1 × refused\n") {
+		t.Fatalf("%q", out.String())
 	}
 }
 
@@ -202,5 +202,17 @@ func TestSimPrintsResultsBeforeCharts(t *testing.T) {
 	}
 	if !strings.Contains(out.String(), "round_robin") {
 		t.Fatalf("no table before the error: %q", out.String())
+	}
+}
+
+// A run that fails before its results leaves no empty -dump file behind.
+func TestFailedRunLeavesNoDumpFile(t *testing.T) {
+	dir := t.TempDir()
+	dump := filepath.Join(dir, "d.csv")
+	if err := runSim([]string{"-trace", filepath.Join(dir, "missing.jsonl"), "-policies", "kv", "-dump", dump}, io.Discard); err == nil {
+		t.Fatal("no error for a missing trace")
+	}
+	if _, err := os.Stat(dump); !os.IsNotExist(err) {
+		t.Fatalf("dump file left behind: %v", err)
 	}
 }
