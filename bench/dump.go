@@ -15,7 +15,7 @@ type RequestRecord struct {
 	Sent    time.Duration // when it was actually sent (replay) or routed (sim)
 	Worker  string        // engine that served it ("" if unknown)
 	Prompt  int
-	Cached  int
+	Cached  int // negative: the response did not say (an empty CSV field)
 	Output  int
 	TTFT    time.Duration
 	Err     string
@@ -32,8 +32,12 @@ func WriteRecords(w io.Writer, recs []RequestRecord) error {
 	}
 	msf := func(d time.Duration) string { return strconv.FormatFloat(float64(d)/1e6, 'f', 3, 64) }
 	for _, r := range recs {
+		cached := ""
+		if r.Cached >= 0 {
+			cached = strconv.Itoa(r.Cached)
+		}
 		cw.Write([]string{strconv.Itoa(r.Index), msf(r.Arrival), msf(r.Sent), r.Worker,
-			strconv.Itoa(r.Prompt), strconv.Itoa(r.Cached), strconv.Itoa(r.Output), msf(r.TTFT), r.Err})
+			strconv.Itoa(r.Prompt), cached, strconv.Itoa(r.Output), msf(r.TTFT), r.Err})
 	}
 	cw.Flush()
 	return cw.Error()

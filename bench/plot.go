@@ -225,7 +225,9 @@ func HitRateChart(name string, rep *Report) image.Image {
 	c.frame(name+": prefix-cache hit rate per policy", "policy", "cached / prompt tokens")
 	top := 0.1
 	for _, r := range rep.Results {
-		top = math.Max(top, r.HitRate)
+		if r.HitRate.Known() {
+			top = math.Max(top, float64(r.HitRate))
+		}
 	}
 	if rep.CeilingHitRate != nil {
 		top = math.Max(top, *rep.CeilingHitRate)
@@ -244,9 +246,13 @@ func HitRateChart(name string, rep *Report) image.Image {
 		col := palette[i%len(palette)]
 		x0 := c.left + i*slot + slot/5
 		x1 := c.left + (i+1)*slot - slot/5
-		draw.Draw(c.img, image.Rect(x0, yOf(r.HitRate), x1, c.bott), image.NewUniform(col), image.Point{}, draw.Src)
-		v := fmt.Sprintf("%.3f", r.HitRate)
-		c.text((x0+x1-textWidth(v))/2, yOf(r.HitRate)-6, v, black)
+		hit := 0.0 // an unknown rate: no bar, its label n/a
+		if r.HitRate.Known() {
+			hit = float64(r.HitRate)
+		}
+		draw.Draw(c.img, image.Rect(x0, yOf(hit), x1, c.bott), image.NewUniform(col), image.Point{}, draw.Src)
+		v := r.HitRate.String()
+		c.text((x0+x1-textWidth(v))/2, yOf(hit)-6, v, black)
 		c.text((x0+x1-textWidth(r.Policy))/2, c.bott+18, r.Policy, black)
 	}
 	if rep.CeilingHitRate != nil {

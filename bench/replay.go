@@ -61,7 +61,7 @@ type outcome struct {
 	worker           string
 	start, end, ttft time.Duration
 	itl              []time.Duration
-	prompt, cached   int
+	prompt, cached   int // cached < 0: no response reported it
 	output           int
 	chunks           int  // chunks that carried text
 	first            bool // a first token came (ttft is set)
@@ -236,7 +236,7 @@ func (rp *replayer) send(ctx context.Context, i int, r *Request) (o outcome) {
 		o.err = fmt.Errorf("status %d: %s", resp.StatusCode, bytes.TrimSpace(msg))
 		return o
 	}
-	o.prompt = r.InputLen
+	o.prompt, o.cached = r.InputLen, -1
 	o.itl = make([]time.Duration, 0, r.OutputLen)
 	o.err = readStream(resp.Body, rp.t0, &o)
 	return o
@@ -268,6 +268,7 @@ func readStream(body io.Reader, t0 time.Time, o *outcome) error {
 	br := bufio.NewReaderSize(body, 64<<10)
 	var last time.Duration
 	chunks := 0
+	usage := false
 	for {
 		line, err := br.ReadSlice('\n')
 		if err == bufio.ErrBufferFull {
@@ -282,6 +283,9 @@ func readStream(body io.Reader, t0 time.Time, o *outcome) error {
 			if string(data) == "[DONE]" {
 				if chunks == 0 && o.output == 0 {
 					return errors.New("stream ended without output")
+				}
+				if !usage {
+					o.output = chunks // a chunk a token, as engines stream them
 				}
 				return nil
 			}
@@ -300,6 +304,7 @@ func readStream(body io.Reader, t0 time.Time, o *outcome) error {
 					}
 				}
 				if u := c.Usage; u != nil {
+					usage = true
 					o.output = u.CompletionTokens
 					if u.PromptTokens > 0 {
 						o.prompt = u.PromptTokens

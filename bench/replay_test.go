@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -20,6 +21,9 @@ type fakeEngine struct {
 	bodies   []map[string]any
 	inflight int
 	peak     int
+	// usage: "" reports cached tokens, "no-details" usage without
+	// prompt_tokens_details, "none" no usage chunk.
+	usage string
 }
 
 func (f *fakeEngine) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -63,7 +67,12 @@ func (f *fakeEngine) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		fl.Flush()
 		time.Sleep(time.Millisecond) // a real engine's decode step
 	}
-	fmt.Fprintf(w, "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":%d,\"completion_tokens\":%d,\"prompt_tokens_details\":{\"cached_tokens\":%d}}}\n\n", prompt, n, prompt/2)
+	switch f.usage {
+	case "":
+		fmt.Fprintf(w, "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":%d,\"completion_tokens\":%d,\"prompt_tokens_details\":{\"cached_tokens\":%d}}}\n\n", prompt, n, prompt/2)
+	case "no-details":
+		fmt.Fprintf(w, "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":%d,\"completion_tokens\":%d}}\n\n", prompt, n)
+	}
 	fmt.Fprint(w, "data: [DONE]\n\n")
 }
 
@@ -271,5 +280,31 @@ func TestReplayTimeoutKeepsTTFT(t *testing.T) {
 	}
 	if res.Errors != 2 || res.ErrorReasons["timeout after 200ms"] != 2 || len(res.TTFTs) != 2 || res.Interrupted != 0 {
 		t.Fatalf("want 2 timeouts with their TTFTs: %+v", res)
+	}
+}
+
+// A server whose usage lacks cached tokens gives an unknown hit rate (n/a,
+// JSON null), not 0; one that sends no usage has its output counted from
+// the chunks.
+func TestReplayWithoutCachedTokensOrUsage(t *testing.T) {
+	for _, usage := range []string{"no-details", "none"} {
+		fe := &fakeEngine{usage: usage}
+		srv := httptest.NewServer(fe)
+		res, err := Replay(context.Background(), loadFixture(t).Scale(10), ReplayConfig{URL: srv.URL, Model: "m"}, "live")
+		srv.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Errors != 0 || res.HitRate.Known() || res.ThroughputTokS <= 0 {
+			t.Fatalf("%s: want no errors, an unknown hit rate and output counted: %+v", usage, res)
+		}
+		var table, js bytes.Buffer
+		rep := Report{Results: []Result{res}}
+		if err := rep.WriteTable(&table); err != nil || !strings.Contains(table.String(), "n/a") {
+			t.Fatalf("%s: table %v %q", usage, err, table.String())
+		}
+		if err := rep.WriteJSON(&js); err != nil || !strings.Contains(js.String(), `"hit_rate": null`) {
+			t.Fatalf("%s: JSON %v %s", usage, err, js.String())
+		}
 	}
 }

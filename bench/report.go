@@ -20,8 +20,11 @@ type Result struct {
 	ITLP50         float64 `json:"itl_p50_ms"`
 	E2EP50         float64 `json:"e2e_p50_ms"`
 	ThroughputTokS float64 `json:"throughput_tok_s"`
-	HitRate        float64 `json:"hit_rate"`
-	Errors         int     `json:"errors"`
+	// HitRate is cached over prompt tokens, of the requests whose
+	// responses reported cached tokens: unknown (NaN, JSON null, n/a in
+	// the table) when none did.
+	HitRate Rate `json:"hit_rate"`
+	Errors  int  `json:"errors"`
 	// ErrorReasons counts the failed requests by reason.
 	ErrorReasons map[string]int `json:"error_reasons,omitempty"`
 	// Interrupted (replay only) counts requests in flight when the run was
@@ -35,6 +38,28 @@ type Result struct {
 
 	// Samples for charts; not part of the JSON report.
 	TTFTs []time.Duration `json:"-"`
+}
+
+// Rate is a share in [0, 1], NaN when unknown: JSON null, n/a in a table.
+type Rate float64
+
+// Known reports whether the rate was measured.
+func (r Rate) Known() bool { return !math.IsNaN(float64(r)) }
+
+// MarshalJSON writes an unknown rate as null.
+func (r Rate) MarshalJSON() ([]byte, error) {
+	if !r.Known() {
+		return []byte("null"), nil
+	}
+	return json.Marshal(float64(r))
+}
+
+// String formats the rate for a table.
+func (r Rate) String() string {
+	if !r.Known() {
+		return "n/a"
+	}
+	return fmt.Sprintf("%.3f", float64(r))
 }
 
 // Report is the JSON object kvbench prints with -json.
@@ -71,7 +96,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 	}
 	fmt.Fprintln(tw)
 	for _, x := range r.Results {
-		fmt.Fprintf(tw, "%s\t%.1f\t%.1f\t%.1f\t%.2f\t%.0f\t%.0f\t%.3f\t",
+		fmt.Fprintf(tw, "%s\t%.1f\t%.1f\t%.1f\t%.2f\t%.0f\t%.0f\t%s\t",
 			x.Policy, x.TTFTP50, x.TTFTP90, x.TTFTP99, x.ITLP50, x.E2EP50, x.ThroughputTokS, x.HitRate)
 		if forgone {
 			fmt.Fprintf(tw, "%.3f\t", x.ForgoneHitRate)
@@ -99,6 +124,7 @@ type Recorder struct {
 	itl         Histogram
 	prompt      int64
 	cached      int64
+	cachedOf    int64 // prompt tokens of the requests that reported cached ones
 	output      int64
 	errors      int
 	reasons     map[string]int
@@ -109,12 +135,16 @@ type Recorder struct {
 }
 
 // Request records one finished request: its start and end on the
-// recorder's clock, time to first token, prompt, cached and output tokens.
+// recorder's clock, time to first token, prompt, cached (negative: not
+// reported) and output tokens.
 func (r *Recorder) Request(start, end, ttft time.Duration, prompt, cached, output int) {
 	r.ttft = append(r.ttft, ttft)
 	r.e2e = append(r.e2e, end-start)
 	r.prompt += int64(prompt)
-	r.cached += int64(cached)
+	if cached >= 0 {
+		r.cached += int64(cached)
+		r.cachedOf += int64(prompt)
+	}
 	r.output += int64(output)
 	r.span(start, end)
 }
@@ -172,8 +202,11 @@ func (r *Recorder) Result(policy string) Result {
 	if span := r.last - r.first; span > 0 {
 		res.ThroughputTokS = float64(r.output) / span.Seconds()
 	}
+	res.HitRate = Rate(math.NaN())
+	if r.cachedOf > 0 {
+		res.HitRate = Rate(float64(r.cached) / float64(r.cachedOf))
+	}
 	if r.prompt > 0 {
-		res.HitRate = float64(r.cached) / float64(r.prompt)
 		res.ForgoneHitRate = float64(r.forgone) / float64(r.prompt)
 	}
 	res.TTFTs = r.ttft

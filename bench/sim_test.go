@@ -69,7 +69,7 @@ func TestSimKVPolicyFindsPrefixes(t *testing.T) {
 	if rr.ForgoneHitRate <= kv.ForgoneHitRate {
 		t.Fatalf("round_robin forgoes %.3f of the prompt, kv %.3f: kv should forgo less", rr.ForgoneHitRate, kv.ForgoneHitRate)
 	}
-	if kv.HitRate > ceiling+1e-9 {
+	if float64(kv.HitRate) > ceiling+1e-9 {
 		t.Fatalf("kv hit rate %.3f above the one-cache ceiling %.3f", kv.HitRate, ceiling)
 	}
 }
@@ -108,7 +108,7 @@ func TestSimIndexTTL(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		hit[ttl] = r.HitRate
+		hit[ttl] = float64(r.HitRate)
 	}
 	t.Logf("hit rate: TTL 1s %.3f, 1h %.3f", hit[time.Second], hit[time.Hour])
 	if hit[time.Second] >= hit[time.Hour] {
