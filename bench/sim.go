@@ -51,9 +51,9 @@ type SimConfig struct {
 	// router's final view of its workers (fitted coefficients, index sizes).
 	// Runs of different policies call it concurrently.
 	Done func(policy string, workers []router.WorkerStatus)
-	// OnRequest, if set, receives each finished request's record (Worker is
-	// the engine's name, engine-N). Runs of different policies call it
-	// concurrently.
+	// OnRequest, if set, receives each request's record as it finishes or
+	// fails (Worker is the engine's name, engine-N; Err says why a request
+	// failed). Runs of different policies call it concurrently.
 	OnRequest func(policy string, r RequestRecord)
 	// Pin, if set, sends request i to engine Pin[i] (when 0 ≤ Pin[i] <
 	// Engines) instead of where the policy would: replays a recorded
@@ -301,7 +301,7 @@ func (s *sim) arrive(i int, r *Request) {
 	if reason := s.unservable(r); reason != "" {
 		// As an engine would refuse it, but without building a prompt
 		// that may not even fit in memory.
-		s.rec.Error(r.Arrival, s.now, reason)
+		s.fail(i, r, "", reason)
 		return
 	}
 	var tok []uint32
@@ -317,7 +317,7 @@ func (s *sim) arrive(i int, r *Request) {
 	d, act, err := s.rts[i%len(s.rts)].Route(&req)
 	if err != nil {
 		s.tokPool = append(s.tokPool, tok)
-		s.rec.Error(r.Arrival, s.now, err.Error())
+		s.fail(i, r, "", err.Error())
 		return
 	}
 	best := 0
@@ -331,7 +331,7 @@ func (s *sim) arrive(i int, r *Request) {
 	if err := en.model.Add(&sr.seq); err != nil {
 		act.Free()
 		s.tokPool = append(s.tokPool, tok)
-		s.rec.Error(r.Arrival, s.now, err.Error())
+		s.fail(i, r, en.name, err.Error())
 		return
 	}
 	s.reqs[i] = sr
@@ -353,6 +353,16 @@ func (s *sim) unservable(r *Request) string {
 			r.InputLen+max(r.OutputLen, 1), s.cfg.CacheBlocks, bs)
 	}
 	return ""
+}
+
+// fail records request i as failed, and hands its record (with the
+// reason) to OnRequest.
+func (s *sim) fail(i int, r *Request, worker, reason string) {
+	s.rec.Error(r.Arrival, s.now, reason)
+	if s.cfg.OnRequest != nil {
+		s.cfg.OnRequest(s.policy, RequestRecord{Index: i, Arrival: s.now, Sent: s.now, Worker: worker,
+			Prompt: r.InputLen, Output: r.OutputLen, Err: reason})
+	}
 }
 
 func (s *sim) engineOf(id router.WorkerID) *simEngine {

@@ -296,7 +296,20 @@ func runSim(args []string, stdout io.Writer) error {
 		rep.CeilingHitRate = &c
 	}
 	fmt.Fprintf(os.Stderr, "kvbench sim: %d policies in %v\n", len(pols), time.Since(start).Round(time.Millisecond))
-	return writeResults(stdout, &rep, *asJSON, *dump, recs, *plot, w.Name)
+	var allFailed []string
+	for _, res := range results {
+		reportErrors(os.Stderr, "kvbench sim: "+res.Policy, res, len(w.Requests))
+		if res.Errors == len(w.Requests) {
+			allFailed = append(allFailed, res.Policy)
+		}
+	}
+	if err := writeResults(stdout, &rep, *asJSON, *dump, recs, *plot, w.Name); err != nil {
+		return err
+	}
+	if len(allFailed) > 0 {
+		return fmt.Errorf("every request failed (%s)", strings.Join(allFailed, ", "))
+	}
+	return nil
 }
 
 // writeResults prints the report, then writes the -dump file and the

@@ -216,3 +216,66 @@ func TestFailedRunLeavesNoDumpFile(t *testing.T) {
 		t.Fatalf("dump file left behind: %v", err)
 	}
 }
+
+// captureStderr runs f with os.Stderr going to a buffer, and returns it.
+func captureStderr(t *testing.T, f func()) string {
+	t.Helper()
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	saved := os.Stderr
+	os.Stderr = w
+	done := make(chan []byte)
+	go func() {
+		b, _ := io.ReadAll(r)
+		done <- b
+	}()
+	defer func() {
+		os.Stderr = saved
+	}()
+	f()
+	w.Close()
+	return string(<-done)
+}
+
+// writeTrace writes Mooncake lines into a trace file in t's temp dir.
+func writeTrace(t *testing.T, lines ...string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "t.jsonl")
+	if err := os.WriteFile(path, []byte(strings.Join(lines, "\n")+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// sim names why requests failed, dumps them with their reason, and fails
+// when every request failed.
+func TestSimReportsFailures(t *testing.T) {
+	trace := writeTrace(t,
+		`{"timestamp":0,"input_length":100,"output_length":5,"hash_ids":[1]}`,
+		`{"timestamp":1000,"input_length":20000,"output_length":5,"hash_ids":[1]}`,
+		`{"timestamp":2000,"input_length":200,"output_length":5,"hash_ids":[1]}`)
+	dump := filepath.Join(t.TempDir(), "d.csv")
+	base := []string{"-trace", trace, "-speedup", "1", "-engines", "2", "-policies", "round_robin", "-ceiling=false"}
+	var out bytes.Buffer
+	var err error
+	stderr := captureStderr(t, func() {
+		err = runSim(append(append([]string(nil), base...), "-cache-blocks", "1000", "-dump", dump), &out)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(stderr, "round_robin: 1 of 3 requests failed:\n  1 × prompt and output (20005 tokens) exceed an engine's KV cache") {
+		t.Fatalf("stderr: %s", stderr)
+	}
+	b, _ := os.ReadFile(dump)
+	if lines := strings.Split(strings.TrimSpace(string(b)), "\n"); len(lines) != 4 || !strings.HasPrefix(lines[2], "1,") || !strings.Contains(lines[2], "exceed an engine's KV cache") {
+		t.Fatalf("dump:\n%s", b)
+	}
+	out.Reset()
+	captureStderr(t, func() { err = runSim(append(append([]string(nil), base...), "-cache-blocks", "1"), &out) })
+	if err == nil || !strings.Contains(err.Error(), "every request failed") || !strings.Contains(out.String(), "round_robin") {
+		t.Fatalf("all failed: %v, table %q", err, out.String())
+	}
+}
