@@ -208,7 +208,7 @@ func runSim(args []string, stdout io.Writer) error {
 	verbose := fs.Bool("v", false, "print each policy's final per-worker view (fitted kv coefficients) to stderr")
 	cpuprofile := fs.String("cpuprofile", "", "write a CPU profile of the simulation to this file")
 	dump := fs.String("dump", "", "write one CSV line per request to this file (one policy only)")
-	pin := fs.String("pin", "", "send each request to the engine a -dump file (of replay or sim) names for it: engine index = the worker name's trailing number")
+	pin := fs.String("pin", "", "send each request to the engine a -dump file (of replay or sim) names for it: engine index = the worker name's trailing number, which must be below -engines")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -265,7 +265,7 @@ func runSim(args []string, stdout io.Writer) error {
 		cfg.OnRequest = func(_ string, r bench.RequestRecord) { recs = append(recs, r) }
 	}
 	if *pin != "" {
-		if cfg.Pin, err = readPins(*pin, len(w.Requests)); err != nil {
+		if cfg.Pin, err = readPins(*pin, len(w.Requests), *engines); err != nil {
 			return err
 		}
 	}
@@ -495,28 +495,37 @@ func writeDump(path string, recs []bench.RequestRecord) error {
 }
 
 // readPins reads a -dump file's assignment: for request i, the trailing
-// number of its worker's name (-1 where unknown).
-func readPins(path string, n int) ([]int, error) {
+// number of its worker's name (-1 where unknown). A number that names no
+// engine of the fleet is an error.
+func readPins(path string, n, engines int) ([]int, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	rows, err := csv.NewReader(f).ReadAll()
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
-	}
 	pins := make([]int, n)
 	for i := range pins {
 		pins[i] = -1
 	}
-	for _, row := range rows[min(1, len(rows)):] {
+	cr := csv.NewReader(f)
+	for first := true; ; first = false {
+		row, err := cr.Read()
+		if err == io.EOF {
+			return pins, nil
+		}
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", path, err)
+		}
+		if first {
+			continue // the header
+		}
+		line, _ := cr.FieldPos(0)
 		if len(row) < 4 {
-			return nil, fmt.Errorf("%s: short line %q", path, row)
+			return nil, fmt.Errorf("%s line %d: short line %q", path, line, row)
 		}
 		i, err := strconv.Atoi(row[0])
 		if err != nil || i < 0 || i >= n {
-			return nil, fmt.Errorf("%s: bad request index %q", path, row[0])
+			return nil, fmt.Errorf("%s line %d: bad request index %q", path, line, row[0])
 		}
 		name := row[3]
 		k := len(name)
@@ -524,8 +533,10 @@ func readPins(path string, n int) ([]int, error) {
 			k--
 		}
 		if e, err := strconv.Atoi(name[k:]); err == nil {
+			if e >= engines {
+				return nil, fmt.Errorf("%s line %d: worker %q is engine %d, and the fleet has %d (-engines)", path, line, name, e, engines)
+			}
 			pins[i] = e
 		}
 	}
-	return pins, nil
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -126,6 +127,18 @@ func TestSimDumpAndPin(t *testing.T) {
 	args := append(append([]string(nil), smallSim...), "-policies", "kv,round_robin", "-dump", dump)
 	if err := runSim(args, io.Discard); err == nil {
 		t.Fatal("-dump with two policies accepted")
+	}
+	// The dump names engines 0-2; a fleet of 2 has no engine-2.
+	badLine := 0
+	for n, l := range lines {
+		if strings.Contains(l, ",engine-2,") {
+			badLine = n + 1
+			break
+		}
+	}
+	args = append(append([]string(nil), smallSim...), "-policies", "round_robin", "-engines", "2", "-pin", dump)
+	if err := runSim(args, io.Discard); err == nil || !strings.Contains(err.Error(), fmt.Sprintf("line %d: worker \"engine-2\" is engine 2, and the fleet has 2", badLine)) {
+		t.Fatalf("a pin to engine 2 of 2 (line %d): %v", badLine, err)
 	}
 }
 
