@@ -337,8 +337,21 @@ func rebase(rs []Request) {
 	}
 }
 
-// azureTimeLayout is the timestamp format of the Azure LLM inference traces.
-const azureTimeLayout = "2006-01-02 15:04:05.999999999"
+// azureTimeLayouts are the timestamp formats of the Azure LLM inference
+// traces: 2023's, and 2024's with a UTC offset (+00:00).
+var azureTimeLayouts = []string{"2006-01-02 15:04:05.999999999", "2006-01-02 15:04:05.999999999Z07:00"}
+
+// parseAzureTime parses a timestamp in either layout.
+func parseAzureTime(s string) (time.Time, error) {
+	t, err := time.Parse(azureTimeLayouts[0], s)
+	if err != nil {
+		var err2 error
+		if t, err2 = time.Parse(azureTimeLayouts[1], s); err2 == nil {
+			return t, nil
+		}
+	}
+	return t, err
+}
 
 // LoadAzure reads an Azure LLM inference trace (CSV with the header
 // TIMESTAMP,ContextTokens,GeneratedTokens). There is no prefix information,
@@ -372,7 +385,7 @@ func LoadAzure(r io.Reader) (*Workload, error) {
 			return nil, fmt.Errorf("azure: %w", err) // csv's errors name the line
 		}
 		line, _ := cr.FieldPos(0)
-		ts, err := time.Parse(azureTimeLayout, strings.TrimSpace(rec[ti]))
+		ts, err := parseAzureTime(strings.TrimSpace(rec[ti]))
 		if err != nil {
 			return nil, fmt.Errorf("azure line %d: %w", line, err)
 		}
@@ -400,11 +413,13 @@ func LoadAzure(r io.Reader) (*Workload, error) {
 	return w, nil
 }
 
-// azureCount parses a token count column.
+// azureCount parses a token count column: a whole number, which may be
+// written as a float (4.0), as in Mooncake traces.
 func azureCount(field, s string) (int, error) {
 	s = strings.TrimSpace(s)
-	v, err := strconv.Atoi(s)
-	if err != nil || v < 0 || v > MaxTraceTokens {
+	f, err := strconv.ParseFloat(s, 64)
+	v, ok := length(f)
+	if err != nil || !ok {
 		return 0, badLength(field, strconv.Quote(s))
 	}
 	return v, nil

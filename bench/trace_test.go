@@ -177,6 +177,25 @@ func TestAzureUniqueTokens(t *testing.T) {
 	}
 }
 
+// The 2024 Azure traces write timestamps with a UTC offset; counts written
+// as floats (4.0) load, as they do in Mooncake traces.
+func TestAzure2024Timestamps(t *testing.T) {
+	in := "TIMESTAMP,ContextTokens,GeneratedTokens\n" +
+		"2024-05-10 00:00:00.009930+00:00,2162,5\n" +
+		"2024-05-10 02:00:01.509930+02:00,4.0,1.0\n"
+	w, err := LoadAzure(strings.NewReader(in))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := w.Requests
+	if len(r) != 2 || r[0].InputLen != 2162 || r[1].InputLen != 4 || r[1].OutputLen != 1 || r[1].Arrival != 1500*time.Millisecond {
+		t.Fatalf("%+v", r)
+	}
+	if _, err := LoadAzure(strings.NewReader("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00,4.5,1\n")); err == nil {
+		t.Fatal("accepted 4.5 tokens")
+	}
+}
+
 func TestMultiTurnConversationsGrow(t *testing.T) {
 	c := DefaultMultiTurn()
 	c.Conversations = 20
