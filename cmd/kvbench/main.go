@@ -8,6 +8,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"os"
 	"os/signal"
@@ -146,13 +147,16 @@ func (wf *workloadFlags) load() (*bench.Workload, error) {
 	if wf.limit < 0 || wf.from < 0 || wf.dur < 0 {
 		return nil, fmt.Errorf("-limit, -from and -duration must not be negative")
 	}
-	if wf.speedup <= 0 {
-		return nil, fmt.Errorf("-speedup must be positive")
+	if err := inRange("-speedup", wf.speedup, minSpeedup, maxSpeedup); err != nil {
+		return nil, err
 	}
 	var w *bench.Workload
 	if wf.format == bench.FormatMultiTurn {
-		if wf.mt.Conversations <= 0 || wf.mt.Rate <= 0 || wf.mt.Think < 0 || wf.mt.Turns <= 0 {
-			return nil, fmt.Errorf("multiturn: -conversations, -rate and -turns must be positive, -think not negative")
+		if wf.mt.Conversations <= 0 || wf.mt.Think < 0 || wf.mt.Turns <= 0 {
+			return nil, fmt.Errorf("multiturn: -conversations and -turns must be positive, -think not negative")
+		}
+		if err := inRange("-rate", wf.mt.Rate, 1e-6, 1e6); err != nil {
+			return nil, err
 		}
 		wf.mt.Seed = wf.seed
 		w = bench.GenerateMultiTurn(wf.mt)
@@ -180,7 +184,26 @@ func (wf *workloadFlags) load() (*bench.Workload, error) {
 	if len(w.Requests) == 0 {
 		return nil, fmt.Errorf("%s: no requests (an empty trace, or a slice or -limit that keeps none)", w.Name)
 	}
+	if float64(w.Duration())/wf.speedup >= math.MaxInt64 {
+		return nil, fmt.Errorf("-speedup %v stretches %s beyond 292 years", wf.speedup, w.Name)
+	}
 	return w.Scale(wf.speedup), nil
+}
+
+// Bounds of -speedup: beyond them arrival times lose their meaning (or
+// overflow) long before any use.
+const (
+	minSpeedup = 1e-3
+	maxSpeedup = 1e6
+)
+
+// inRange checks that a float flag is a number from lo to hi (NaN and
+// infinities are not).
+func inRange(flag string, v, lo, hi float64) error {
+	if !(v >= lo && v <= hi) {
+		return fmt.Errorf("%s %v: want a number from %g to %g", flag, v, lo, hi)
+	}
+	return nil
 }
 
 func runSim(args []string, stdout io.Writer) error {
@@ -215,8 +238,14 @@ func runSim(args []string, stdout io.Writer) error {
 	if *engines <= 0 || *cacheBlocks <= 0 || *blockSize <= 0 || *replicas <= 0 {
 		return fmt.Errorf("-engines, -cache-blocks, -block-size and -replicas must be positive")
 	}
-	if *hostBlocks < 0 || *scrape < 0 || *shareLoad < 0 || *stepOverhead < 0 || *temperature < 0 || *indexTTL < 0 {
-		return fmt.Errorf("-host-blocks, -scrape, -share-load, -step-overhead, -temperature and -index-ttl must not be negative")
+	if *hostBlocks < 0 || *scrape < 0 || *shareLoad < 0 || *stepOverhead < 0 || *indexTTL < 0 {
+		return fmt.Errorf("-host-blocks, -scrape, -share-load, -step-overhead and -index-ttl must not be negative")
+	}
+	if err := inRange("-temperature", *temperature, 0, math.MaxFloat64); err != nil {
+		return err
+	}
+	if err := inRange("-hetero", *hetero, 0.01, 100); err != nil {
+		return err
 	}
 	pols := bench.ParsePolicies(*policies)
 	if err := bench.CheckPolicies(pols); err != nil {
@@ -270,9 +299,6 @@ func runSim(args []string, stdout io.Writer) error {
 		}
 	}
 	if *hetero != 1 {
-		if *hetero <= 0 {
-			return fmt.Errorf("-hetero must be positive")
-		}
 		cfg.Speed = bench.HeteroSpeeds(*engines, *hetero)
 	}
 	st := w.Stats()
@@ -347,6 +373,12 @@ func runReplay(args []string, stdout io.Writer) error {
 	plot := fs.String("plot", "", "write PNG charts (TTFT CDF, hit rate) into this directory")
 	dump := fs.String("dump", "", "write one CSV line per request (worker from the x-kvproxy-worker header) to this file")
 	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *conc < 0 {
+		return fmt.Errorf("-concurrency %d: want 0 (open loop) or more", *conc)
+	}
+	if err := inRange("-time-scale", *timeScale, 1e-6, 1e6); err != nil {
 		return err
 	}
 	if err := checkOutputs(*dump, *plot); err != nil {

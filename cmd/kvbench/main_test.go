@@ -85,6 +85,14 @@ func TestSimRejectsBadFlags(t *testing.T) {
 		{"-format", "multiturn", "-cache-blocks", "0"},
 		{"-format", "multiturn", "-replicas", "0"},
 		{"-format", "multiturn", "-rate", "0"},
+		{"-format", "multiturn", "-rate", "NaN"},
+		{"-format", "multiturn", "-speedup", "NaN"},
+		{"-format", "multiturn", "-speedup", "1e-300"},
+		{"-format", "multiturn", "-speedup", "Inf"},
+		{"-format", "multiturn", "-hetero", "Inf"},
+		{"-format", "multiturn", "-hetero", "1e-9"},
+		{"-format", "multiturn", "-hetero", "NaN"},
+		{"-format", "multiturn", "-temperature", "NaN"},
 		{"-format", "multiturn", "-think", "-10s"},
 		{"-format", "multiturn", "-conversations", "0"},
 		{"-format", "multiturn", "-limit", "-5"},
@@ -139,6 +147,23 @@ func TestSimDumpAndPin(t *testing.T) {
 	args = append(append([]string(nil), smallSim...), "-policies", "round_robin", "-engines", "2", "-pin", dump)
 	if err := runSim(args, io.Discard); err == nil || !strings.Contains(err.Error(), fmt.Sprintf("line %d: worker \"engine-2\" is engine 2, and the fleet has 2", badLine)) {
 		t.Fatalf("a pin to engine 2 of 2 (line %d): %v", badLine, err)
+	}
+}
+
+// Replay refuses flags it cannot honour, before sending anything.
+func TestReplayRejectsBadFlags(t *testing.T) {
+	for _, args := range [][]string{
+		{"-speedup", "NaN"},
+		{"-speedup", "1e-300"},
+		{"-time-scale", "0"},
+		{"-time-scale", "-2"},
+		{"-time-scale", "NaN"},
+		{"-concurrency", "-3"},
+	} {
+		args = append([]string{"-url", "http://127.0.0.1:1", "-model", "m", "-format", "multiturn", "-conversations", "2"}, args...)
+		if err := runReplay(args, io.Discard); err == nil || strings.Contains(err.Error(), "every request failed") {
+			t.Errorf("kvbench replay %v: %v", args, err)
+		}
 	}
 }
 
