@@ -514,15 +514,19 @@ func (em *eventMapper) apply(rts []*router.Router, w router.WorkerID, ev *kv.Eve
 	}
 }
 
-// CheckPolicies reports an empty list or an unknown name, before a run.
+// CheckPolicies reports an empty list, an unknown name or one given twice,
+// before a run.
 func CheckPolicies(policies []string) error {
 	if len(policies) == 0 {
 		return errors.New("no policy given")
 	}
 	known := append(SimPolicies(), PolicyKVFixed)
-	for _, p := range policies {
+	for i, p := range policies {
 		if !slices.Contains(known, p) {
 			return fmt.Errorf("unknown policy %q (want all, or some of %s)", p, strings.Join(known, ", "))
+		}
+		if slices.Contains(policies[:i], p) {
+			return fmt.Errorf("policy %q given twice", p)
 		}
 	}
 	return nil

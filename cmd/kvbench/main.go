@@ -122,9 +122,9 @@ type workloadFlags struct {
 
 func (wf *workloadFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&wf.trace, "trace", "", "trace file (Mooncake JSONL or Azure CSV); not needed for -format multiturn")
-	fs.StringVar(&wf.format, "format", "", "trace format: mooncake, azure or multiturn (default: from the file extension)")
+	fs.StringVar(&wf.format, "format", "", "trace format: mooncake, azure or multiturn (default: azure for a .csv file, else mooncake)")
 	fs.StringVar(&wf.name, "name", "", "workload name used in chart titles and file names (default: the trace file's base name)")
-	fs.Float64Var(&wf.speedup, "speedup", DefaultSpeedup, "divide arrival times by this factor")
+	fs.Float64Var(&wf.speedup, "speedup", DefaultSpeedup, "divide arrival times by this factor; the default is tuned for the Mooncake conversation trace on the reference fleet (8 engines): use 1 for your own trace's real rate")
 	fs.Uint64Var(&wf.seed, "seed", 1, "seed of token synthesis, the multi-turn generator and the router's tie-breaks")
 	fs.Uint64Var(&wf.shuffleTies, "shuffle-ties", 0, "put requests of equal arrival time in a random order drawn from this seed, as a live proxy sees them (0: file order)")
 	fs.Uint64Var(&wf.spreadTies, "spread-ties", 0, "spread requests of equal arrival time over the gap to the next one, as Poisson arrivals drawn from this seed (0: as in the file)")
@@ -214,7 +214,7 @@ func runSim(args []string, stdout io.Writer) error {
 	engines := fs.Int("engines", def.Engines, "simulated engines")
 	cacheBlocks := fs.Int("cache-blocks", def.CacheBlocks, "KV cache blocks per engine (30000 × 16 tokens ≈ Llama-3.1-8B on an H100)")
 	blockSize := fs.Int("block-size", def.BlockSize, "tokens per KV block")
-	policies := fs.String("policies", "all", "comma-separated router policies, or all; kv_fixed is kv with calibration off")
+	policies := fs.String("policies", "all", "comma-separated router policies ("+strings.Join(bench.SimPolicies(), ", ")+", "+bench.PolicyKVFixed+"), or all; kv_fixed is kv with calibration off")
 	hetero := fs.Float64("hetero", 1, "speed of the second half of the engines (0.5: half the engines at half speed)")
 	calibrate := fs.Bool("calibrate", true, "let the kv policy refit its coefficients from observed TTFTs")
 	approx := fs.Bool("approximate", false, "route without engine KV events (the router indexes its own decisions)")
@@ -232,7 +232,7 @@ func runSim(args []string, stdout io.Writer) error {
 	cpuprofile := fs.String("cpuprofile", "", "write a CPU profile of the simulation to this file")
 	dump := fs.String("dump", "", "write one CSV line per request to this file (one policy only)")
 	pin := fs.String("pin", "", "send each request to the engine a -dump file (of replay or sim) names for it: engine index = the worker name's trailing number, which must be below -engines")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args, stdout); err != nil {
 		return err
 	}
 	if *engines <= 0 || *cacheBlocks <= 0 || *blockSize <= 0 || *replicas <= 0 {
@@ -246,6 +246,9 @@ func runSim(args []string, stdout io.Writer) error {
 	}
 	if err := inRange("-hetero", *hetero, 0.01, 100); err != nil {
 		return err
+	}
+	if *indexTTL > 0 && !*approx {
+		return fmt.Errorf("-index-ttl applies to -approximate only (with engine events the index follows the engines)")
 	}
 	pols := bench.ParsePolicies(*policies)
 	if err := bench.CheckPolicies(pols); err != nil {
@@ -372,7 +375,7 @@ func runReplay(args []string, stdout io.Writer) error {
 	asJSON := fs.Bool("json", false, "print one JSON object instead of a table")
 	plot := fs.String("plot", "", "write PNG charts (TTFT CDF, hit rate) into this directory")
 	dump := fs.String("dump", "", "write one CSV line per request (worker from the x-kvproxy-worker header) to this file")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args, stdout); err != nil {
 		return err
 	}
 	if *conc < 0 {
@@ -429,6 +432,23 @@ func runReplay(args []string, stdout io.Writer) error {
 		err = fmt.Errorf("every request failed")
 	}
 	return err
+}
+
+// parseFlags parses args; -h prints the flags to stdout (it is asked for,
+// not an error), and a bad flag is an error saying where the flags are.
+func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) error {
+	fs.SetOutput(io.Discard)
+	err := fs.Parse(args)
+	if errors.Is(err, flag.ErrHelp) {
+		fs.SetOutput(stdout)
+		fmt.Fprintf(stdout, "Usage of %s:\n", fs.Name())
+		fs.PrintDefaults()
+		return err
+	}
+	if err != nil {
+		return fmt.Errorf("%w (%s -h lists the flags)", err, fs.Name())
+	}
+	return nil
 }
 
 // firstModel is the first model a proxy's GET /v1/models lists.

@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -80,6 +82,8 @@ func TestSimRejectsBadFlags(t *testing.T) {
 		{"-format", "multiturn", "-speedup", "0"},
 		{"-format", "multiturn", "-policies", "nope"},
 		{"-format", "multiturn", "-policies", ","},
+		{"-format", "multiturn", "-policies", "kv,kv"},
+		{"-format", "multiturn", "-index-ttl", "40s"},
 		{"-format", "multiturn", "-block-size", "0"},
 		{"-format", "multiturn", "-engines", "-3"},
 		{"-format", "multiturn", "-cache-blocks", "0"},
@@ -315,5 +319,24 @@ func TestSimReportsFailures(t *testing.T) {
 	captureStderr(t, func() { err = runSim(append(append([]string(nil), base...), "-cache-blocks", "1"), &out) })
 	if err == nil || !strings.Contains(err.Error(), "every request failed") || !strings.Contains(out.String(), "round_robin") {
 		t.Fatalf("all failed: %v, table %q", err, out.String())
+	}
+}
+
+// -h prints every flag to stdout, as kvbench -h does; the policies' help
+// names them.
+func TestHelpGoesToStdout(t *testing.T) {
+	for name, run := range map[string]func([]string, io.Writer) error{"sim": runSim, "replay": runReplay} {
+		var out bytes.Buffer
+		if err := run([]string{"-h"}, &out); !errors.Is(err, flag.ErrHelp) || !strings.Contains(out.String(), "-speedup") {
+			t.Fatalf("%s -h: %v, %q", name, err, out.String())
+		}
+	}
+	var out bytes.Buffer
+	runSim([]string{"-h"}, &out)
+	if !strings.Contains(out.String(), "round_robin") || !strings.Contains(out.String(), "use 1 for your own trace") {
+		t.Fatalf("sim -h: %s", out.String())
+	}
+	if err := runSim([]string{"-nope"}, &out); err == nil || !strings.Contains(err.Error(), "kvbench sim -h lists the flags") {
+		t.Fatalf("bad flag: %v", err)
 	}
 }
