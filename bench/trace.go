@@ -10,6 +10,7 @@ import (
 	"io"
 	"math"
 	"os"
+	"reflect"
 	"sort"
 	"strconv"
 	"strings"
@@ -282,7 +283,7 @@ func LoadMooncake(r io.Reader) (*Workload, error) {
 		}
 		var m mooncakeLine
 		if err := json.Unmarshal(b, &m); err != nil {
-			return nil, fmt.Errorf("mooncake line %d: %w", line, err)
+			return nil, fmt.Errorf("mooncake line %d: %w", line, jsonFieldError(err))
 		}
 		if m.Timestamp == nil || m.InputLength == nil || m.OutputLength == nil {
 			return nil, fmt.Errorf("mooncake line %d: timestamp, input_length and output_length are required", line)
@@ -319,11 +320,31 @@ func LoadMooncake(r io.Reader) (*Workload, error) {
 		w.Requests = append(w.Requests, req)
 	}
 	if err := sc.Err(); err != nil {
+		if errors.Is(err, bufio.ErrTooLong) {
+			return nil, fmt.Errorf("mooncake line %d: longer than 64 MiB", line+1)
+		}
 		return nil, err
 	}
 	sortByArrival(w.Requests)
 	rebase(w.Requests)
 	return w, nil
+}
+
+// jsonFieldError says which field of a Mooncake line has the wrong type,
+// in the trace's terms rather than Go's.
+func jsonFieldError(err error) error {
+	var te *json.UnmarshalTypeError
+	if !errors.As(err, &te) {
+		return err
+	}
+	want := "a number"
+	switch te.Type.Kind() {
+	case reflect.Uint64:
+		want = "a whole number from 0 to 2^64-1"
+	case reflect.Slice:
+		want = "a list of hash ids"
+	}
+	return fmt.Errorf("%s: got %s, want %s", te.Field, te.Value, want)
 }
 
 // rebase makes sorted arrivals start at 0.
@@ -361,16 +382,19 @@ func LoadAzure(r io.Reader) (*Workload, error) {
 	cr := csv.NewReader(bufio.NewReader(r))
 	cr.ReuseRecord = true
 	head, err := cr.Read()
+	if err == io.EOF {
+		return nil, errors.New("azure: empty file (want the header TIMESTAMP,ContextTokens,GeneratedTokens)")
+	}
 	if err != nil {
 		return nil, fmt.Errorf("azure header: %w", err)
 	}
-	col := map[string]int{}
+	col := map[string]int{} // by lowercase name: headers vary in case
 	for i, h := range head {
-		col[strings.TrimSpace(strings.TrimPrefix(h, "\ufeff"))] = i
+		col[strings.ToLower(strings.TrimSpace(strings.TrimPrefix(h, "\ufeff")))] = i
 	}
-	ti, ok1 := col["TIMESTAMP"]
-	ci, ok2 := col["ContextTokens"]
-	gi, ok3 := col["GeneratedTokens"]
+	ti, ok1 := col["timestamp"]
+	ci, ok2 := col["contexttokens"]
+	gi, ok3 := col["generatedtokens"]
 	if !ok1 || !ok2 || !ok3 {
 		return nil, errors.New("azure header must name TIMESTAMP, ContextTokens and GeneratedTokens")
 	}
@@ -544,20 +568,20 @@ func LoadFile(path, format string) (*Workload, error) {
 			format = FormatAzure
 		}
 	}
+	load := LoadMooncake
+	switch format {
+	case FormatMooncake:
+	case FormatAzure:
+		load = LoadAzure
+	default:
+		return nil, fmt.Errorf("unknown trace format %q (want mooncake or azure; multiturn is generated, not loaded)", format)
+	}
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	var w *Workload
-	switch format {
-	case FormatMooncake:
-		w, err = LoadMooncake(f)
-	case FormatAzure:
-		w, err = LoadAzure(f)
-	default:
-		return nil, fmt.Errorf("unknown trace format %q (want mooncake or azure)", format)
-	}
+	w, err := load(f)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}

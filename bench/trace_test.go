@@ -196,6 +196,34 @@ func TestAzure2024Timestamps(t *testing.T) {
 	}
 }
 
+// Loader errors speak the trace's terms: the field and the type it wants,
+// the line of an oversized line, an empty Azure file; Azure headers load
+// in any case.
+func TestTraceLoaderErrors(t *testing.T) {
+	_, err := LoadMooncake(strings.NewReader(`{"timestamp":0,"input_length":"10","output_length":1}`))
+	if err == nil || err.Error() != "mooncake line 1: input_length: got string, want a number" {
+		t.Errorf("a string length: %v", err)
+	}
+	_, err = LoadMooncake(strings.NewReader(`{"timestamp":0,"input_length":10,"output_length":1,"hash_ids":[-1]}`))
+	if err == nil || !strings.Contains(err.Error(), "hash_ids") || strings.Contains(err.Error(), "Go ") {
+		t.Errorf("a negative hash id: %v", err)
+	}
+	long := `{"timestamp":0,"input_length":10,"output_length":1}` + "\n" + strings.Repeat(" ", 65<<20) + "\n"
+	if _, err := LoadMooncake(strings.NewReader(long)); err == nil || err.Error() != "mooncake line 2: longer than 64 MiB" {
+		t.Errorf("a 65 MiB line: %v", err)
+	}
+	if _, err := LoadAzure(strings.NewReader("")); err == nil || !strings.Contains(err.Error(), "empty file") {
+		t.Errorf("an empty Azure file: %v", err)
+	}
+	w, err := LoadAzure(strings.NewReader("timestamp,contexttokens,generatedtokens\n2023-11-16 18:15:46.68,374,44\n"))
+	if err != nil || len(w.Requests) != 1 {
+		t.Errorf("a lowercase header: %v", err)
+	}
+	if _, err := LoadFile("x.jsonl", "json"); err == nil || !strings.Contains(err.Error(), "multiturn") {
+		t.Errorf("an unknown format: %v", err)
+	}
+}
+
 func TestMultiTurnConversationsGrow(t *testing.T) {
 	c := DefaultMultiTurn()
 	c.Conversations = 20

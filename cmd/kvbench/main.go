@@ -150,6 +150,11 @@ func (wf *workloadFlags) load() (*bench.Workload, error) {
 	if err := inRange("-speedup", wf.speedup, minSpeedup, maxSpeedup); err != nil {
 		return nil, err
 	}
+	switch wf.format {
+	case "", bench.FormatMooncake, bench.FormatAzure, bench.FormatMultiTurn:
+	default:
+		return nil, fmt.Errorf("unknown -format %q (want mooncake, azure or multiturn)", wf.format)
+	}
 	var w *bench.Workload
 	if wf.format == bench.FormatMultiTurn {
 		if wf.mt.Conversations <= 0 || wf.mt.Think < 0 || wf.mt.Turns <= 0 {

@@ -83,6 +83,7 @@ func TestSimRejectsBadFlags(t *testing.T) {
 		{"-format", "multiturn", "-policies", "nope"},
 		{"-format", "multiturn", "-policies", ","},
 		{"-format", "multiturn", "-policies", "kv,kv"},
+		{"-format", "json", "-trace", "x.jsonl"},
 		{"-format", "multiturn", "-index-ttl", "40s"},
 		{"-format", "multiturn", "-block-size", "0"},
 		{"-format", "multiturn", "-engines", "-3"},
