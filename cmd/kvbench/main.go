@@ -368,7 +368,7 @@ func runReplay(args []string, stdout io.Writer) error {
 	fs := flag.NewFlagSet("kvbench replay", flag.ContinueOnError)
 	var wf workloadFlags
 	wf.register(fs)
-	url := fs.String("url", "http://127.0.0.1:8080", "kvproxy base URL")
+	url := fs.String("url", "http://127.0.0.1:8080", "kvproxy base URL (an OpenAI base URL ending in /v1 is fine too)")
 	model := fs.String("model", "", "model name sent in requests (default: the first the proxy's /v1/models lists)")
 	key := fs.String("api-key", os.Getenv("KVBENCH_API_KEY"), "API key (default $KVBENCH_API_KEY)")
 	mode := fs.String("mode", bench.ModeCompletions, "completions (token ids: the trace's lengths exactly) or chat (text messages, one word per token; see -words)")
@@ -383,6 +383,7 @@ func runReplay(args []string, stdout io.Writer) error {
 	if err := parseFlags(fs, args, stdout); err != nil {
 		return err
 	}
+	*url = proxyBase(*url)
 	if *conc < 0 {
 		return fmt.Errorf("-concurrency %d: want 0 (open loop) or more", *conc)
 	}
@@ -454,6 +455,13 @@ func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) error {
 		return fmt.Errorf("%w (%s -h lists the flags)", err, fs.Name())
 	}
 	return nil
+}
+
+// proxyBase is the proxy's base URL without a trailing slash, or /v1:
+// an OpenAI client's base URL (http://host:8080/v1) names the same proxy.
+func proxyBase(u string) string {
+	u = strings.TrimRight(u, "/")
+	return strings.TrimRight(strings.TrimSuffix(u, "/v1"), "/")
 }
 
 // firstModel is the first model a proxy's GET /v1/models lists.

@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/kvproxy/kvproxy/bench"
@@ -339,5 +340,36 @@ func TestHelpGoesToStdout(t *testing.T) {
 	}
 	if err := runSim([]string{"-nope"}, &out); err == nil || !strings.Contains(err.Error(), "kvbench sim -h lists the flags") {
 		t.Fatalf("bad flag: %v", err)
+	}
+}
+
+// An OpenAI base URL (ending in /v1) reaches the same endpoints as the
+// proxy's base URL.
+func TestReplayTakesAnOpenAIBaseURL(t *testing.T) {
+	var paths []string
+	var mu sync.Mutex
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		paths = append(paths, r.URL.Path)
+		mu.Unlock()
+		switch r.URL.Path {
+		case "/v1/models":
+			w.Write([]byte(`{"data":[{"id":"m"}]}`))
+		case "/v1/completions":
+			w.Write([]byte("data: {\"choices\":[{\"text\":\"x\"}]}\n\ndata: [DONE]\n\n"))
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	defer srv.Close()
+	args := []string{"-url", srv.URL + "/v1/", "-format", "multiturn", "-conversations", "2", "-limit", "2", "-concurrency", "1"}
+	var out bytes.Buffer
+	if err := runReplay(args, &out); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(paths) != 3 || paths[0] != "/v1/models" || paths[1] != "/v1/completions" {
+		t.Fatalf("paths %v", paths)
 	}
 }
