@@ -63,7 +63,7 @@ type backend struct {
 	coolTimer   *time.Timer
 	coolUntil   time.Time // when cooling ends
 	forgetTimer *time.Timer
-	slots       chan struct{} // max_concurrency semaphore; nil = unlimited
+	slots       *slotCount // max_concurrency, shared with the backends it is rebuilt as
 	// inflight counts the requests holding a slot, on any of the backend's
 	// data-parallel ranks: a removed backend retires once it is 0.
 	inflight atomic.Int64
@@ -115,9 +115,9 @@ func newBackend(bc config.Backend, cfg *config.Config, p *modelPool, log zerolog
 	if bc.APIKey != "" {
 		b.authHeader = "Bearer " + bc.APIKey
 	}
-	if bc.MaxConcurrency > 0 {
-		b.slots = make(chan struct{}, bc.MaxConcurrency)
-	}
+	b.slots = &slotCount{}
+	b.slots.limit.Store(int64(bc.MaxConcurrency))
+	b.slots.owner.Store(b)
 	b.worker = p.rt.AddWorker(bc.ID)
 	p.rt.SetAvailable(b.worker, true)
 	return b
@@ -530,6 +530,11 @@ func (b *backend) handOver(next *backend) {
 	b.mu.Lock()
 	b.replaced = true
 	b.mu.Unlock()
+	// The engine runs b's requests still: they hold next's slots.
+	next.slots = b.slots
+	next.slots.limit.Store(int64(next.cfg.MaxConcurrency))
+	next.slots.owner.Store(next)
+	next.markFull()
 	next.mu.Lock()
 	for _, w := range next.workerIDs() {
 		next.pool.rt.SetAvailable(w, next.available)
@@ -553,33 +558,53 @@ func (b *backend) stop() {
 	b.up.CloseIdle()
 }
 
+// slotCount counts the requests an engine runs against the backend's
+// max_concurrency. A reload that rebuilds the backend hands the count to
+// its successor (handOver), so the requests the old one still runs hold
+// slots of the new limit: each rebuilt backend used to start with every
+// slot free, and an engine got up to twice its max_concurrency around a
+// reload, or three times a lowered one (found by the thirteenth session's
+// review).
+type slotCount struct {
+	held  atomic.Int64
+	limit atomic.Int64            // 0: no limit
+	owner atomic.Pointer[backend] // the newest backend counting here, the one in selection
+}
+
+func (c *slotCount) full() bool {
+	lim := c.limit.Load()
+	return lim > 0 && c.held.Load() >= lim
+}
+
 // acquire takes one of the backend's max_concurrency slots; false when all
 // are taken. The backend leaves selection while it is full.
 func (b *backend) acquire() bool {
-	if b.slots == nil {
-		b.inflight.Add(1)
-		return true
-	}
-	select {
-	case b.slots <- struct{}{}:
-	default:
-		b.markFull() // whatever a racing release concluded, the slots are all taken
-		return false
+	c := b.slots
+	for {
+		held := c.held.Load()
+		if lim := c.limit.Load(); lim > 0 && held >= lim {
+			b.markFull() // whatever a racing release concluded, the slots are all taken
+			return false
+		}
+		if c.held.CompareAndSwap(held, held+1) {
+			break
+		}
 	}
 	b.inflight.Add(1)
-	if len(b.slots) == cap(b.slots) {
+	if c.full() {
 		b.markFull()
 	}
 	return true
 }
 
-// release returns a slot taken by acquire.
+// release returns a slot taken by acquire: to the backend the engine's
+// requests now count on, when a reload has rebuilt b.
 func (b *backend) release() {
 	b.inflight.Add(-1)
-	if b.slots == nil {
-		return
+	b.slots.held.Add(-1)
+	if owner := b.slots.owner.Load(); owner != b {
+		owner.markFull()
 	}
-	<-b.slots
 	b.markFull()
 }
 
@@ -591,7 +616,7 @@ func (b *backend) release() {
 // by the eighth session's review).
 func (b *backend) markFull() {
 	b.mu.Lock()
-	if full := len(b.slots) == cap(b.slots); full != b.full {
+	if full := b.slots.full(); full != b.full {
 		b.full = full
 		b.applyLocked()
 	}

@@ -531,3 +531,68 @@ func coolingPair(t *testing.T, extraYAML, body string) (busy, ok *fakeEngine, p 
 	}
 	return busy, ok, p
 }
+
+// TestRebuiltBackendCountsTheRequestsItsEngineRuns: a reload that rebuilds
+// a backend (here: new connection limits; a lowered max_concurrency too)
+// hands the requests the old one still runs to the new one's count. Each
+// rebuilt backend used to start with every max_concurrency slot free: the
+// queued requests went in at once, and the engine ran twice its limit, or
+// three times a lowered one (found by the thirteenth session's review).
+func TestRebuiltBackendCountsTheRequestsItsEngineRuns(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 500 * time.Millisecond })
+	conf := func(maxConns, maxConcurrency int) string {
+		return fmt.Sprintf("models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+			"backends: [{id: e0, url: 'http://%s', model: m, max_concurrency: %d}]\n"+
+			"limits: {max_conns_per_backend: %d, queue_timeout: 10s}\n", e.addr, maxConcurrency, maxConns)
+	}
+	p := startProxyYAML(t, conf(10, 2), e)
+	reload := func(maxConns, maxConcurrency int) {
+		t.Helper()
+		cfg, err := config.Parse([]byte(conf(maxConns, maxConcurrency)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := p.s.Reload(cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	send := func(n int) *sync.WaitGroup {
+		var wg sync.WaitGroup
+		for range n {
+			wg.Go(func() {
+				if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 {
+					t.Errorf("%d %s", resp.StatusCode, b)
+				}
+			})
+		}
+		return &wg
+	}
+	waitRunning := func(n int64) {
+		t.Helper()
+		for deadline := time.Now().Add(5 * time.Second); e.current.Load() != n; time.Sleep(2 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("the engine runs %d requests, want %d", e.current.Load(), n)
+			}
+		}
+	}
+
+	wg := send(4) // two run, two wait for a slot
+	waitRunning(2)
+	reload(20, 2)
+	wg.Wait()
+	if peak := e.peak.Load(); peak != 2 {
+		t.Fatalf("the engine ran %d requests at once around a reload, max_concurrency 2", peak)
+	}
+
+	wg = send(2)
+	waitRunning(2)
+	reload(30, 1) // lowered: the next waits until both have ended
+	e.peak.Store(0)
+	wg2 := send(1)
+	wg.Wait()
+	wg2.Wait()
+	if peak := e.peak.Load(); peak != 1 { // counted as the third came in
+		t.Fatalf("the engine ran %d requests at once after max_concurrency went from 2 to 1", peak)
+	}
+	p.waitIdle(t)
+}

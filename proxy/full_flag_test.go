@@ -21,7 +21,7 @@ func TestFullFlagFollowsTheSlots(t *testing.T) {
 		t.Helper()
 		b.mu.Lock()
 		defer b.mu.Unlock()
-		if held := len(b.slots) == cap(b.slots); b.full != held || b.available == held {
+		if held := b.slots.full(); b.full != held || b.available == held {
 			t.Fatalf("%s: slot held %v, full %v, available %v", when, held, b.full, b.available)
 		}
 	}

@@ -587,8 +587,8 @@ router: {policy: round_robin}
 				}
 				p.waitIdle(t)
 				for _, b := range *p.s.st.Load().pools[0].workers.Load() {
-					if b != nil && len(b.slots) != 0 {
-						t.Fatalf("backend %s still holds %d slots", b.cfg.ID, len(b.slots))
+					if b != nil && b.slots.held.Load() != 0 {
+						t.Fatalf("backend %s still holds %d slots", b.cfg.ID, b.slots.held.Load())
 					}
 				}
 			}

@@ -716,7 +716,7 @@ func (s *Server) Idle() bool {
 			return false
 		}
 		for _, b := range *p.workers.Load() {
-			if b != nil && (len(b.slots) != 0 || b.inflight.Load() != 0) {
+			if b != nil && (b.slots.held.Load() != 0 || b.inflight.Load() != 0) {
 				return false
 			}
 		}
