@@ -805,8 +805,8 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 		// only, and the backend may be back in a moment.
 		status, errMsg = fasthttp.StatusServiceUnavailable, "backend unavailable"
 		unavailable(ctx, 1, "backend "+b.cfg.ID+", which holds the response "+id+", is not available; retry")
-	} else if _, err := b.up.Do(fr, resp, false, nil); err != nil {
-		status, errMsg = b.byIDFailed(ctx, err)
+	} else if err := s.askOwner(ctx, b, fr, resp); err != nil {
+		status, errMsg = s.byIDFailed(ctx, b, err)
 	} else {
 		status = resp.StatusCode()
 		body, enc := plainBody(resp)
@@ -852,12 +852,46 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 	s.metrics.countRequest(b.cfg.ID, status)
 }
 
+// askOwner sends a request for a stored response to the backend that holds
+// it, as a completion's exchange goes: counted on the backend (what
+// /metrics, /admin/backends and a removed backend's retirement read) and
+// among the live exchanges (Shutdown waits for it, Cut ends it), and
+// aborted the moment its client hangs up, not at stream_idle_timeout (found
+// by a review of slot accounting: an abandoned GET held its tenant's
+// max_concurrency place for minutes, and struck the engine as silent).
+// It takes no max_concurrency slot: reading a stored response is no
+// generation, and must not wait behind generations nor be refused by them.
+func (s *Server) askOwner(ctx *fasthttp.RequestCtx, b *backend, fr *fasthttp.Request, resp *fasthttp.Response) error {
+	x := &exchange{s: s}
+	x.ab = &x.abort
+	b.inflight.Add(1)
+	defer b.inflight.Add(-1)
+	s.live.add(x)
+	defer s.live.done(x)
+	x.watch = s.watcher.Watch(ctx.Conn(), abortOnHangUp{x.ab})
+	defer x.stopWatch()
+	_, err := b.up.Do(fr, resp, false, x.ab)
+	return err
+}
+
+// abortOnHangUp aborts an engine exchange that no router slot goes with
+// when its client hangs up (a routed one's is attempt).
+type abortOnHangUp struct{ ab *backends.Abort }
+
+func (a abortOnHangUp) hungUp() { a.ab.Abort() }
+
 // byIDFailed answers a request for a stored response whose exchange with
 // the backend failed, and strikes the backend as a completion's failure
-// would. It returns the status and the error for the log.
-func (b *backend) byIDFailed(ctx *fasthttp.RequestCtx, err error) (int, string) {
+// would; a client that hung up, or the drain deadline's cut, is no fault
+// of the engine's. It returns the status and the error for the log.
+func (s *Server) byIDFailed(ctx *fasthttp.RequestCtx, b *backend, err error) (int, string) {
 	var ce *backends.ConnectError
 	switch {
+	case errors.Is(err, backends.ErrAborted) && s.live.isCut():
+		shuttingDown(ctx, errCutMsg)
+		return fasthttp.StatusServiceUnavailable, errCutMsg
+	case errors.Is(err, backends.ErrAborted):
+		return 499, "" // client closed the request: nothing to answer
 	case errors.As(err, &ce):
 		b.failConn("connect: " + ce.Err.Error())
 		ctx.Response.Header.Set("Retry-After", "1")
