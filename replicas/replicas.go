@@ -55,9 +55,11 @@ type report struct {
 }
 
 type peer struct {
-	loads []Entry
-	seen  time.Time
-	ttl   time.Duration
+	id       string // its replicas.id, as the log names it
+	instance string
+	loads    []Entry
+	seen     time.Time
+	ttl      time.Duration
 }
 
 // maxPeerInterval bounds the interval a peer claims, so that one claiming
@@ -256,9 +258,9 @@ func (s *Sync) receive(m *nats.Msg) {
 		return
 	}
 	if _, known := s.peers[key]; !known {
-		s.log.Info().Str("replica", r.Replica).Msg("replicas: a replica reports; its load counts")
+		s.log.Info().Str("replica", r.Replica).Str("instance", r.Instance).Msg("replicas: a replica reports; its load counts")
 	}
-	s.peers[key] = &peer{loads: r.Loads, seen: time.Now(), ttl: max(3*iv, time.Second)}
+	s.peers[key] = &peer{id: r.Replica, instance: r.Instance, loads: r.Loads, seen: time.Now(), ttl: max(3*iv, time.Second)}
 	s.mu.Unlock()
 	s.applySum()
 }
@@ -272,11 +274,11 @@ func (s *Sync) expire(now time.Time) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	gone := false
-	for id, p := range s.peers {
+	for key, p := range s.peers {
 		if now.Sub(p.seen) > p.ttl {
-			delete(s.peers, id)
+			delete(s.peers, key)
 			gone = true
-			s.log.Info().Str("replica", id).Msg("replicas: a replica stopped reporting; its load no longer counts")
+			s.log.Info().Str("replica", p.id).Str("instance", p.instance).Msg("replicas: a replica stopped reporting; its load no longer counts")
 		}
 	}
 	return gone
