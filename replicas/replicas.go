@@ -129,6 +129,10 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 		nats.RetryOnFailedConnect(true),
 		nats.MaxReconnects(-1),
 		nats.ReconnectWait(500*time.Millisecond),
+		// A server that hangs (stopped, its host gone) without closing the
+		// connection is noticed within seconds, not nats.go's 2 minutes × 2.
+		nats.PingInterval(pingInterval),
+		nats.MaxPingsOutstanding(maxPingsOut),
 		// No reports are kept while disconnected: they would reach the
 		// others stale, megabytes at once, when the server is back.
 		nats.ReconnectBufSize(-1),
@@ -166,6 +170,13 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 	go s.loop()
 	return s, nil
 }
+
+// pingInterval and maxPingsOut: NATS is deemed lost once it has not
+// answered maxPingsOut pings, sent every pingInterval (3–4 s).
+const (
+	pingInterval = time.Second
+	maxPingsOut  = 3
+)
 
 // expiryCheck bounds how long a silent peer's load outlives its expiry: a
 // replica with a long interval of its own still looks this often (it

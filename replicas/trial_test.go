@@ -2,7 +2,9 @@ package replicas
 
 import (
 	"encoding/json"
+	"net"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -47,4 +49,98 @@ func TestLeftLogNamesTheReplicaAsJoinedDoes(t *testing.T) {
 	if j["replica"] != "proxy-b" || l["replica"] != "proxy-b" || l["instance"] != b.instance || j["instance"] != b.instance {
 		t.Fatalf("joined %v, left %v (instance %s)", j, l, b.instance)
 	}
+}
+
+// freezer relays TCP to a NATS server until frozen, then passes nothing
+// either way and keeps every connection open: a server stopped with
+// kill -STOP.
+type freezer struct {
+	ln     net.Listener
+	frozen chan struct{}
+}
+
+func newFreezer(t *testing.T, target string) *freezer {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &freezer{ln: ln, frozen: make(chan struct{})}
+	var conns []net.Conn
+	var mu sync.Mutex
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			u, err := net.Dial("tcp", target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			mu.Lock()
+			conns = append(conns, c, u)
+			mu.Unlock()
+			go f.pipe(c, u)
+			go f.pipe(u, c)
+		}
+	}()
+	return f
+}
+
+func (f *freezer) pipe(from, to net.Conn) {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := from.Read(buf)
+		select {
+		case <-f.frozen:
+			return // read but never passed on
+		default:
+		}
+		if n > 0 {
+			if _, werr := to.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// A NATS server that hangs without closing the connection (kill -STOP)
+// is noticed within seconds: kvproxy_replicas_connected stayed 1, and the
+// log silent, for about 6 minutes (nats.go's default pings, 2 min × 2;
+// found by the replicas user trial).
+func TestFrozenNATSIsNoticedWithinSeconds(t *testing.T) {
+	f := newFreezer(t, startNATS(t).Addr().String())
+	a, logs := startLogged(t, Config{URL: "nats://" + f.ln.Addr().String(), ID: "a", Interval: 20 * time.Millisecond},
+		func() []Entry { return nil }, func(map[Key]router.Load) {})
+	if !a.Connected() {
+		t.Fatal("not connected through the relay")
+	}
+	close(f.frozen)
+	frozen := time.Now()
+	for a.Connected() {
+		if time.Since(frozen) > 8*time.Second {
+			t.Fatalf("still connected %v after NATS froze", time.Since(frozen))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	for !strings.Contains(logs.String(), "disconnected from NATS") {
+		if time.Since(frozen) > 8*time.Second {
+			t.Fatalf("no disconnection logged: %s", logs.String())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Logf("lost NATS %v after it froze", time.Since(frozen).Round(100*time.Millisecond))
 }
