@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"net"
 	"runtime/pprof"
+	"strings"
 	"testing"
 	"time"
 
@@ -55,4 +56,43 @@ func TestNewFailingAtReplicasLeavesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	s.Shutdown()
+}
+
+// A replicas block with no nats (nats: ${NATS_URL:-}, the variable unset)
+// is warned about at start and on reload: the replica ran alone, with no
+// word of it (found by the replicas user trial). No block, no warning.
+func TestReplicasWithoutNATSWarns(t *testing.T) {
+	const base = "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n" +
+		"backends:\n  - {id: e0, url: 'http://127.0.0.1:1', model: m}\n"
+	const warning = `"setting":"replicas.nats"`
+	parse := func(y string) *config.Config {
+		t.Helper()
+		cfg, err := config.Parse([]byte(y))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return cfg
+	}
+	logs := &syncBuffer{}
+	s, err := New(parse(base+"replicas: {nats: '', id: proxy-a, interval: 200ms}\n"),
+		Options{Logger: zerolog.New(logs), DisableHealthChecks: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Shutdown()
+	if n := strings.Count(logs.String(), warning); n != 1 {
+		t.Fatalf("%d warnings at start, want 1: %s", n, logs.String())
+	}
+	if err := s.Reload(parse(base + "replicas: {subject: fleet-b}\n")); err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(logs.String(), warning); n != 2 {
+		t.Fatalf("%d warnings after a reload, want 2: %s", n, logs.String())
+	}
+	if err := s.Reload(parse(base)); err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(logs.String(), warning); n != 2 {
+		t.Fatalf("a config without replicas warned: %s", logs.String())
+	}
 }

@@ -461,6 +461,15 @@ func (s *Server) logWarnings(cfg *config.Config) {
 	for _, w := range cfg.Warnings() {
 		s.log.Warn().Msg("config: " + w)
 	}
+	if replicasWithoutNATS(cfg.Replicas) {
+		s.log.Warn().Str("setting", "replicas.nats").Msg("config: replicas sets subject, id or interval but no nats (an unset variable?): this replica shares no load and routes on its own")
+	}
+}
+
+// replicasWithoutNATS reports a replicas block that names the fleet but no
+// NATS server: without this warning the replica ran alone, silently.
+func replicasWithoutNATS(rc config.Replicas) bool {
+	return rc.NATS == "" && rc != (config.Replicas{})
 }
 
 // Reload applies a new configuration without dropping in-flight requests.
