@@ -123,6 +123,7 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 			log.Info().Str("server", c.ConnectedUrlRedacted()).Str("subject", cfg.Subject).Str("id", cfg.ID).Msg("replicas: connected to NATS")
 		}
 	}
+	firstErr := make(chan error, 1) // why the first connection failed
 	nc, err := nats.Connect(cfg.URL,
 		nats.Name("kvproxy "+cfg.ID),
 		nats.NoEcho(), // this replica's own reports are not delivered back to it
@@ -149,6 +150,12 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 			}
 			close(s.closed)
 		}),
+		nats.ReconnectErrHandler(func(_ *nats.Conn, err error) {
+			select { // then again every retry: only the first is kept
+			case firstErr <- err:
+			default:
+			}
+		}),
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
 			log.Warn().Err(err).Msg("replicas: NATS error")
 		}),
@@ -159,7 +166,7 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 	if nc.IsConnected() {
 		connected(nc)
 	} else {
-		log.Warn().Str("nats", redactURLs(cfg.URL)).Msg("replicas: cannot reach NATS yet; routing on this replica's load, retrying every 500ms")
+		log.Warn().Err(connectError(firstErr)).Str("nats", redactURLs(cfg.URL)).Msg("replicas: cannot reach NATS yet; routing on this replica's load, retrying every 500ms")
 	}
 	s.nc = nc
 	if s.sub, err = nc.Subscribe(cfg.Subject, s.receive); err != nil {
@@ -177,6 +184,23 @@ const (
 	pingInterval = time.Second
 	maxPingsOut  = 3
 )
+
+// connectError is why the first connection failed, as nats.go hands it to
+// the reconnect handler at once.
+func connectError(first <-chan error) error {
+	select {
+	case err := <-first:
+		if errors.Is(err, nats.ErrNoServers) { // what nats.go makes of a refused connection
+			return errors.New("connection refused")
+		}
+		if errors.Is(err, nats.ErrNoInfoReceived) {
+			return fmt.Errorf("not a NATS server: %w", err)
+		}
+		return err
+	case <-time.After(time.Second):
+		return nil
+	}
+}
 
 // expiryCheck bounds how long a silent peer's load outlives its expiry: a
 // replica with a long interval of its own still looks this often (it

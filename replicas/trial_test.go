@@ -144,3 +144,40 @@ func TestFrozenNATSIsNoticedWithinSeconds(t *testing.T) {
 	}
 	t.Logf("lost NATS %v after it froze", time.Since(frozen).Round(100*time.Millisecond))
 }
+
+// The warning that NATS cannot be reached says why: a URL pointing at a
+// port where nothing listens, or at another kind of server, was warned
+// about with no reason (found by the replicas user trial).
+func TestCannotReachNATSSaysWhy(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := ln.Addr().String()
+	ln.Close()
+	http, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer http.Close()
+	go func() {
+		for {
+			c, err := http.Accept()
+			if err != nil {
+				return
+			}
+			c.Write([]byte("HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"))
+			c.Close()
+		}
+	}()
+	for addr, want := range map[string]string{closed: "connection refused", http.Addr().String(): "not a NATS server"} {
+		_, logs := startLogged(t, Config{URL: "nats://" + addr, ID: "a"}, func() []Entry { return nil }, func(map[Key]router.Load) {})
+		ls := logLines(logs.String(), "replicas: cannot reach NATS yet; routing on this replica's load, retrying every 500ms")
+		if len(ls) != 1 {
+			t.Fatalf("%s: %d warnings: %s", addr, len(ls), logs.String())
+		}
+		if e, _ := ls[0]["error"].(string); !strings.Contains(e, want) {
+			t.Fatalf("%s: the warning says %q, want %q", addr, e, want)
+		}
+	}
+}
