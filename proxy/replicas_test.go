@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	natsserver "github.com/nats-io/nats-server/v2/server"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 
@@ -94,5 +95,56 @@ func TestReplicasWithoutNATSWarns(t *testing.T) {
 	}
 	if n := strings.Count(logs.String(), warning); n != 2 {
 		t.Fatalf("a config without replicas warned: %s", logs.String())
+	}
+}
+
+// Replicas that name one backend id at different URLs (two engines
+// swapped) do not add each other's load there, and say so: each report
+// carries a hash of the backend's URL (found by the replicas user trial;
+// the load was applied silently).
+func TestReplicasWithSwappedBackendURLsWarn(t *testing.T) {
+	ns, err := natsserver.NewServer(&natsserver.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go ns.Start()
+	if !ns.ReadyForConnections(5 * time.Second) {
+		t.Fatal("NATS did not start")
+	}
+	defer ns.Shutdown()
+	start := func(id, e0, e1 string) (*Server, *syncBuffer) {
+		t.Helper()
+		cfg, err := config.Parse([]byte("models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n" +
+			"backends:\n  - {id: e0, url: '" + e0 + "', model: m}\n  - {id: e1, url: '" + e1 + "', model: m}\n" +
+			"replicas: {nats: '" + ns.ClientURL() + "', id: " + id + ", interval: 20ms}\n"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		logs := &syncBuffer{}
+		s, err := New(cfg, Options{Logger: zerolog.New(logs), DisableHealthChecks: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Shutdown() })
+		return s, logs
+	}
+	const one, two = "http://127.0.0.1:1", "http://127.0.0.1:2"
+	_, la := start("proxy-a", one, two)
+	_, lb := start("proxy-b", two, one) // swapped
+	_, lc := start("proxy-c", one, two+"/")
+	const warning = "at another URL"
+	for deadline := time.Now().Add(5 * time.Second); strings.Count(lb.String(), warning) < 4; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("proxy-b never warned of a's and c's e0 and e1: %s", lb.String())
+		}
+	}
+	time.Sleep(200 * time.Millisecond) // ten more reports each
+	if n := strings.Count(lb.String(), warning); n != 4 {
+		t.Fatalf("%d warnings at proxy-b, want 4 (e0 and e1 of a and of c, once each): %s", n, lb.String())
+	}
+	for _, l := range []*syncBuffer{la, lc} {
+		if n := strings.Count(l.String(), warning); n != 2 || strings.Contains(l.String(), `"replica":"proxy-a","model"`) || strings.Contains(l.String(), `"replica":"proxy-c","model"`) {
+			t.Fatalf("want warnings of proxy-b's e0 and e1 only: %s", l.String())
+		}
 	}
 }

@@ -678,9 +678,10 @@ func (s *Server) Shutdown() error {
 func (s *Server) localLoad() []replicas.Entry {
 	var out []replicas.Entry
 	for _, p := range s.st.Load().pools {
+		backends := *p.workers.Load()
 		for _, w := range p.rt.Workers() {
-			if !w.Removed {
-				out = append(out, replicas.Entry{Model: p.cfg.Name, Worker: w.Name,
+			if !w.Removed && int(w.ID) < len(backends) && backends[w.ID] != nil {
+				out = append(out, replicas.Entry{Model: p.cfg.Name, Worker: w.Name, URLHash: replicas.URLHash(backends[w.ID].cfg.URL),
 					Load: router.Load{Inflight: w.Inflight, Pending: w.Pending, PrefillTokens: w.PrefillTokens, ActiveBlocks: w.ActiveBlocks}})
 			}
 		}

@@ -2,6 +2,7 @@ package replicas
 
 import (
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -40,7 +41,21 @@ type Key struct{ Model, Worker string }
 type Entry struct {
 	Model  string `json:"model"`
 	Worker string `json:"worker"`
+	// URLHash is URLHash of the worker's URL: a replica naming another
+	// engine with the same id must not add that engine's load to this one.
+	// Empty from older versions, whose reports are taken unchecked.
+	URLHash string `json:"url_hash,omitempty"`
 	router.Load
+}
+
+// URLHash is a short hash of a backend URL, enough to tell two engines
+// apart without putting their addresses (or credentials) on the subject.
+func URLHash(u string) string {
+	if p, err := url.Parse(strings.TrimSpace(u)); err == nil && p.Host != "" {
+		u = strings.ToLower(p.Scheme+"://"+p.Host) + strings.TrimRight(p.Path, "/")
+	}
+	h := sha256.Sum256([]byte(u))
+	return hex.EncodeToString(h[:6])
 }
 
 // report is what a replica publishes every interval.
@@ -66,6 +81,10 @@ type peer struct {
 // hours does not linger that long once gone.
 const maxPeerInterval = 20 * time.Second
 
+// maxMismatches bounds the (replica, backend) pairs whose mismatch was
+// logged, as maxPeers does the replicas.
+const maxMismatches = 1024
+
 // maxPeers bounds the replicas one keeps reports of: a publisher inventing
 // ids cannot grow the memory without end.
 const maxPeers = 256
@@ -86,6 +105,11 @@ type Sync struct {
 	warnMax bool             // maxPeers reached was logged
 	warnBad bool             // a malformed report was logged
 	pubErr  string           // the publish error last logged, "" once one succeeds
+	// mine is this replica's workers and their URL hashes, as local last
+	// gave them: a peer's report on another worker is not applied.
+	mine       map[Key]string
+	mineAt     time.Time       // when mine was read
+	mismatched map[string]bool // the (replica, backend) mismatches logged
 
 	stop chan struct{}
 	done chan struct{}
@@ -116,6 +140,7 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 	var nonce [8]byte
 	rand.Read(nonce[:])
 	s := &Sync{cfg: cfg, instance: hex.EncodeToString(nonce[:]), local: local, apply: apply, log: log, peers: map[string]*peer{},
+		mine: workersOf(local()), mineAt: time.Now(), mismatched: map[string]bool{},
 		stop: make(chan struct{}), done: make(chan struct{}), closed: make(chan struct{})}
 	var up atomic.Bool // each transition is logged once
 	connected := func(c *nats.Conn) {
@@ -231,7 +256,9 @@ func (s *Sync) loop() {
 
 // Publish reports this replica's load now (it also does every interval).
 func (s *Sync) Publish() {
-	b, err := json.Marshal(report{Replica: s.cfg.ID, Instance: s.instance, IntervalMs: s.cfg.Interval.Milliseconds(), Loads: s.local()})
+	loads := s.local()
+	s.setMine(loads)
+	b, err := json.Marshal(report{Replica: s.cfg.ID, Instance: s.instance, IntervalMs: s.cfg.Interval.Milliseconds(), Loads: loads})
 	if err != nil {
 		return
 	}
@@ -274,6 +301,7 @@ func (s *Sync) receive(m *nats.Msg) {
 		l.Inflight, l.Pending = clamp(l.Inflight), clamp(l.Pending)
 		l.PrefillTokens, l.ActiveBlocks = clamp(l.PrefillTokens), clamp(l.ActiveBlocks)
 	}
+	r.Loads = s.ours(r.Replica, r.Loads)
 	iv := s.cfg.Interval
 	if r.IntervalMs > 0 {
 		iv = min(time.Duration(r.IntervalMs)*time.Millisecond, maxPeerInterval)
@@ -298,6 +326,78 @@ func (s *Sync) receive(m *nats.Msg) {
 	s.peers[key] = &peer{id: r.Replica, instance: r.Instance, loads: r.Loads, seen: time.Now(), ttl: max(3*iv, time.Second)}
 	s.mu.Unlock()
 	s.applySum()
+}
+
+// workersOf is the workers of loads with their URL hashes.
+func workersOf(loads []Entry) map[Key]string {
+	m := make(map[Key]string, len(loads))
+	for _, e := range loads {
+		m[Key{e.Model, e.Worker}] = e.URLHash
+	}
+	return m
+}
+
+func (s *Sync) setMine(loads []Entry) {
+	m := workersOf(loads)
+	s.mu.Lock()
+	s.mine, s.mineAt = m, time.Now()
+	s.mu.Unlock()
+}
+
+// ours is the entries of replica's report on this replica's workers, at
+// their URLs; the others are warned of, once per replica and backend.
+// Replicas of one fleet must name the same models and backends: these
+// shared nothing, or swapped two engines' load, with no word of it.
+func (s *Sync) ours(replica string, loads []Entry) []Entry {
+	kept, odd := s.splitEntries(loads)
+	s.mu.Lock()
+	stale := time.Since(s.mineAt) > expiryCheck // not once per report of a misconfigured fleet
+	s.mu.Unlock()
+	if len(odd) > 0 && stale { // a reload may have added them since the last Publish
+		s.setMine(s.local())
+		kept, odd = s.splitEntries(loads)
+	}
+	for _, e := range odd {
+		s.warnMismatch(replica, e)
+	}
+	return kept
+}
+
+// splitEntries splits loads into those on this replica's workers and those
+// that are not (unknown, or at another URL); unhashed entries are kept.
+func (s *Sync) splitEntries(loads []Entry) (kept, odd []Entry) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	kept = loads[:0:0]
+	for _, e := range loads {
+		h, known := s.mine[Key{e.Model, e.Worker}]
+		if e.URLHash != "" && (!known || h != "" && h != e.URLHash) {
+			odd = append(odd, e)
+		} else {
+			kept = append(kept, e)
+		}
+	}
+	return kept, odd
+}
+
+func (s *Sync) warnMismatch(replica string, e Entry) {
+	s.mu.Lock()
+	h, known := s.mine[Key{e.Model, e.Worker}]
+	k := replica + "\x00" + e.Model + "\x00" + e.Worker
+	logIt := !s.mismatched[k] && len(s.mismatched) < maxMismatches
+	if logIt {
+		s.mismatched[k] = true
+	}
+	s.mu.Unlock()
+	if !logIt {
+		return
+	}
+	ev := s.log.Warn().Str("replica", replica).Str("model", e.Model).Str("backend", e.Worker)
+	if !known {
+		ev.Msg("replicas: a replica reports load on a backend this replica does not have; ignored (replicas must name the same models and backends)")
+	} else {
+		ev.Str("url_hash", e.URLHash).Str("ours", h).Msg("replicas: a replica reports load on a backend of this id at another URL; ignored (replicas must name the same backends with the same URLs)")
+	}
 }
 
 // clamp bounds one reported load figure to [0, router.MaxRemoteLoad].

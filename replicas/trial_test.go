@@ -181,3 +181,48 @@ func TestCannotReachNATSSaysWhy(t *testing.T) {
 		}
 	}
 }
+
+// A peer's load on a backend this replica does not have, or has at another
+// URL, is not applied and is warned about once per replica and backend:
+// replicas whose ids or model names differed shared nothing with no word
+// of it, and two naming different engines e0 added one's load to the other
+// (found by the replicas user trial). Entries without a URL hash (an older
+// version) are taken as before.
+func TestMismatchedBackendsAreWarnedOfAndIgnored(t *testing.T) {
+	url := startNATS(t).ClientURL()
+	ka := newSink()
+	x, y := URLHash("http://10.0.0.1:8000"), URLHash("http://10.0.0.2:8000")
+	_, logs := startLogged(t, Config{URL: url, ID: "a", Interval: 20 * time.Millisecond},
+		func() []Entry {
+			return []Entry{{Model: "m", Worker: "e0", URLHash: x}, {Model: "m", Worker: "e1", URLHash: y}}
+		}, ka.apply)
+	start(t, url, "b", []Entry{
+		{Model: "m", Worker: "e0", URLHash: y, Load: router.Load{Inflight: 100}},     // another engine under our e0's id
+		{Model: "m", Worker: "e9", URLHash: y, Load: router.Load{Inflight: 100}},     // a backend a does not have
+		{Model: "m2", Worker: "e0", URLHash: x, Load: router.Load{Inflight: 100}},    // a model a does not serve
+		{Model: "m", Worker: "e1", URLHash: y, Load: router.Load{Inflight: 1}},       // the same engine: counts
+		{Model: "m", Worker: "e1", URLHash: "", Load: router.Load{PrefillTokens: 5}}, // an older version: counts
+	}, newSink())
+	start(t, url, "c", []Entry{{Model: "m", Worker: "e0", URLHash: URLHash("HTTP://10.0.0.1:8000/"), Load: router.Load{Inflight: 2}}}, newSink())
+	ka.waitFor(t, "b's and c's load at a", func(m map[Key]router.Load) bool {
+		return m[Key{"m", "e1"}] == router.Load{Inflight: 1, PrefillTokens: 5} && m[Key{"m", "e0"}].Inflight == 2
+	})
+	time.Sleep(200 * time.Millisecond) // ten reports of b's
+	ka.mu.Lock()
+	sum := ka.last
+	ka.mu.Unlock()
+	if len(sum) != 2 || sum[Key{"m", "e0"}].Inflight != 2 {
+		t.Fatalf("a applied %v: b's load on other engines counted", sum)
+	}
+	l := logs.String()
+	other := logLines(l, "replicas: a replica reports load on a backend of this id at another URL; ignored (replicas must name the same backends with the same URLs)")
+	unknown := logLines(l, "replicas: a replica reports load on a backend this replica does not have; ignored (replicas must name the same models and backends)")
+	if len(other) != 1 || other[0]["replica"] != "b" || other[0]["backend"] != "e0" || len(unknown) != 2 {
+		t.Fatalf("want one warning of b's e0 at another URL and two of unknown backends, once each; log: %s", l)
+	}
+	for _, w := range append(other, unknown...) {
+		if w["replica"] != "b" {
+			t.Fatalf("%v: c names e0 at the same URL (spelt otherwise)", w)
+		}
+	}
+}
