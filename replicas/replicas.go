@@ -108,8 +108,10 @@ type Sync struct {
 	// mine is this replica's workers and their URL hashes, as local last
 	// gave them: a peer's report on another worker is not applied.
 	mine       map[Key]string
-	mineAt     time.Time       // when mine was read
-	mismatched map[string]bool // the (replica, backend) mismatches logged
+	mineAt     time.Time           // when mine was read
+	mismatched map[string]bool     // the (replica, backend) mismatches logged
+	sent       map[Key]router.Load // the load last published, where above zero
+	sentAt     time.Time           // when
 
 	stop chan struct{}
 	done chan struct{}
@@ -239,12 +241,16 @@ func (s *Sync) loop() {
 	perReport := max(1, int((s.cfg.Interval+tick/2)/tick)) // ticks between reports
 	t := time.NewTicker(tick)
 	defer t.Stop()
-	for n := 1; ; n++ {
+	w := time.NewTicker(min(s.cfg.Interval/4, watchEvery))
+	defer w.Stop()
+	for n := 0; ; {
 		select {
 		case <-s.stop:
 			return
+		case <-w.C:
+			s.publishIfEnded()
 		case <-t.C:
-			if n%perReport == 0 {
+			if n++; n%perReport == 0 {
 				s.Publish()
 			}
 			if s.expire(time.Now()) {
@@ -254,10 +260,66 @@ func (s *Sync) loop() {
 	}
 }
 
-// Publish reports this replica's load now (it also does every interval).
-func (s *Sync) Publish() {
+// While its last report showed load, a replica looks every watchEvery (or
+// quarter interval, if shorter) for load that has ended, and reports it
+// then, earlyGap after its last report at the soonest (a busy replica's
+// load ends all the time: at most 100 more reports a second). Peers
+// weighed ended load until the next report: a follow-up sent at once to
+// another replica left the engine holding its prefix for one whose last
+// report was taken mid-prefill (found by the replicas user trial).
+const (
+	watchEvery = 5 * time.Millisecond
+	earlyGap   = 10 * time.Millisecond
+)
+
+// publishIfEnded publishes early when some load the last report showed
+// has ended (a prefill, a request).
+func (s *Sync) publishIfEnded() {
+	s.mu.Lock()
+	due := len(s.sent) > 0 && time.Since(s.sentAt) >= earlyGap // else nothing reported can have ended, or too soon
+	s.mu.Unlock()
+	if !due {
+		return
+	}
 	loads := s.local()
+	s.mu.Lock()
+	ended := endedSince(s.sent, loads)
+	s.mu.Unlock()
+	if ended {
+		s.publish(loads)
+	}
+}
+
+// endedSince reports whether any load of sent is lower in loads.
+func endedSince(sent map[Key]router.Load, loads []Entry) bool {
+	now := make(map[Key]router.Load, len(loads))
+	for _, e := range loads {
+		now[Key{e.Model, e.Worker}] = e.Load
+	}
+	for k, was := range sent {
+		l := now[k]
+		if l.Inflight < was.Inflight || l.Pending < was.Pending || l.PrefillTokens < was.PrefillTokens || l.ActiveBlocks < was.ActiveBlocks {
+			return true
+		}
+	}
+	return false
+}
+
+// Publish reports this replica's load now (it also does every interval,
+// and when load ends).
+func (s *Sync) Publish() { s.publish(s.local()) }
+
+func (s *Sync) publish(loads []Entry) {
 	s.setMine(loads)
+	sent := map[Key]router.Load{} // the loads above zero
+	for _, e := range loads {
+		if e.Load != (router.Load{}) {
+			sent[Key{e.Model, e.Worker}] = e.Load
+		}
+	}
+	s.mu.Lock()
+	s.sent, s.sentAt = sent, time.Now()
+	s.mu.Unlock()
 	b, err := json.Marshal(report{Replica: s.cfg.ID, Instance: s.instance, IntervalMs: s.cfg.Interval.Milliseconds(), Loads: loads})
 	if err != nil {
 		return

@@ -5,8 +5,12 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/rs/zerolog"
 
 	"github.com/kvproxy/kvproxy/router"
 )
@@ -224,5 +228,90 @@ func TestMismatchedBackendsAreWarnedOfAndIgnored(t *testing.T) {
 		if w["replica"] != "b" {
 			t.Fatalf("%v: c names e0 at the same URL (spelt otherwise)", w)
 		}
+	}
+}
+
+// Load that ends (a prefill, a request) reaches the others within
+// milliseconds, not at the next interval: they kept weighing it until
+// then, and a follow-up sent at once to another replica left the engine
+// holding its prefix (found by the replicas user trial). Load that does
+// not change brings no report before the interval's.
+func TestEndedLoadIsReportedAtOnce(t *testing.T) {
+	url := startNATS(t).ClientURL()
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	var reports atomic.Int64
+	if _, err := nc.Subscribe("kvproxy.load", func(m *nats.Msg) {
+		var r report
+		if json.Unmarshal(m.Data, &r) == nil && r.Replica == "a" {
+			reports.Add(1)
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	nc.Flush()
+	var mu sync.Mutex
+	load := router.Load{Inflight: 1, Pending: 1, PrefillTokens: 830, ActiveBlocks: 52}
+	a, err := Start(Config{URL: url, ID: "a", Interval: 5 * time.Second},
+		func() []Entry { mu.Lock(); defer mu.Unlock(); return []Entry{{Model: "m", Worker: "e0", Load: load}} },
+		func(map[Key]router.Load) {}, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	kb := newSink()
+	b := start(t, url, "b", nil, kb)
+	b.nc.Flush() // b subscribed
+	a.Publish()  // taken mid-prefill
+	kb.waitFor(t, "a's load at b", func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}].PrefillTokens == 830 })
+	for deadline := time.Now().Add(5 * time.Second); reports.Load() == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) { // b saw it: nc will
+			t.Fatal("a's report never reached the counting subscriber")
+		}
+	}
+	time.Sleep(300 * time.Millisecond)
+	if n := reports.Load(); n != 1 {
+		t.Fatalf("%d reports of a's unchanged load before its interval, want the one Publish sent", n)
+	}
+
+	mu.Lock()
+	load = router.Load{Inflight: 1, ActiveBlocks: 52} // the prefill is done
+	mu.Unlock()
+	ended := time.Now()
+	kb.waitFor(t, "a's prefill gone at b", func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}].PrefillTokens == 0 })
+	mu.Lock()
+	load = router.Load{} // and the request
+	mu.Unlock()
+	kb.waitFor(t, "a's request gone at b", func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}] == router.Load{} })
+	if d := time.Since(ended); d > 500*time.Millisecond {
+		t.Fatalf("ended load reached b after %v (a reports every 5 s)", d)
+	}
+}
+
+// The regular reports keep their interval beside the early ones: the loop
+// counted the watch's ticks as the interval's, and reported at random.
+func TestRegularReportsKeepTheirInterval(t *testing.T) {
+	url := startNATS(t).ClientURL()
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	var reports atomic.Int64
+	if _, err := nc.Subscribe("kvproxy.load", func(*nats.Msg) { reports.Add(1) }); err != nil {
+		t.Fatal(err)
+	}
+	nc.Flush()
+	a, err := Start(Config{URL: url, ID: "a", Interval: time.Second}, func() []Entry { return nil }, func(map[Key]router.Load) {}, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	time.Sleep(3500 * time.Millisecond)
+	if n := reports.Load(); n != 3 {
+		t.Fatalf("%d reports in 3.5 s at an interval of 1 s, want 3", n)
 	}
 }
