@@ -93,12 +93,12 @@ func (p *modelPool) adapter(name string) string {
 // waits, just after kvproxy starts, for the engines' model lists to be read.
 const listsReadWait = 2 * time.Second
 
-// poolOfAdapter is st.poolOfAdapter, but a name not found before the
+// awaitPoolOfAdapter is st.poolOfAdapter, but a name not found before the
 // engines' model lists were first read waits for them (at most
 // listsReadWait): an adapter only the engines list was a 404 for the first
 // moment after kvproxy started, while a client sees it listed a moment
 // later.
-func (s *Server) poolOfAdapter(st *state, name string) *modelPool {
+func (s *Server) awaitPoolOfAdapter(st *state, name string) *modelPool {
 	if p := st.poolOfAdapter(name); p != nil {
 		return p
 	}

@@ -73,7 +73,7 @@ func (s *Server) handleModel(ctx *fasthttp.RequestCtx, st *state) {
 			}
 		}
 	}
-	if p := s.poolOfAdapter(st, id); p != nil {
+	if p := s.awaitPoolOfAdapter(st, id); p != nil {
 		writeJSON(ctx, modelJSON{ID: id, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: p.cfg.Name, MaxModelLen: p.maxModelLen()})
 		return
 	}
@@ -268,7 +268,7 @@ func (s *Server) handleIndexLookup(ctx *fasthttp.RequestCtx, st *state) {
 	case p == nil && len(st.pools) == 1 && q.Model == "":
 		p = st.pools[0]
 	case p == nil && q.Model != "":
-		p = s.poolOfAdapter(st, q.Model) // an adapter's hashes are its model's index's
+		p = s.awaitPoolOfAdapter(st, q.Model) // an adapter's hashes are its model's index's
 	}
 	if p == nil {
 		writeError(ctx, fasthttp.StatusNotFound, "unknown model "+strconv.Quote(q.Model), "invalid_request_error", "model", "model_not_found")

@@ -530,11 +530,6 @@ func (b *backend) handOver(next *backend) {
 	b.mu.Lock()
 	b.replaced = true
 	b.mu.Unlock()
-	// The engine runs b's requests still: they hold next's slots.
-	next.slots = b.slots
-	next.slots.limit.Store(int64(next.cfg.MaxConcurrency))
-	next.slots.owner.Store(next)
-	next.markFull()
 	next.mu.Lock()
 	for _, w := range next.workerIDs() {
 		next.pool.rt.SetAvailable(w, next.available)
@@ -559,16 +554,16 @@ func (b *backend) stop() {
 }
 
 // slotCount counts the requests an engine runs against the backend's
-// max_concurrency. A reload that rebuilds the backend hands the count to
-// its successor (handOver), so the requests the old one still runs hold
-// slots of the new limit: each rebuilt backend used to start with every
-// slot free, and an engine got up to twice its max_concurrency around a
-// reload, or three times a lowered one (found by the thirteenth session's
-// review).
+// max_concurrency. A backend a reload builds for the same id and URL takes
+// over the count (Server.shareSlots), so the requests its predecessor
+// still runs hold slots of the new limit: each rebuilt backend used to
+// start with every slot free, and an engine got up to twice its
+// max_concurrency around a reload, or three times a lowered one (found by
+// the thirteenth session's review).
 type slotCount struct {
 	held  atomic.Int64
 	limit atomic.Int64            // 0: no limit
-	owner atomic.Pointer[backend] // the newest backend counting here, the one in selection
+	owner atomic.Pointer[backend] // the newest backend counting here: whose full flag a release updates
 }
 
 func (c *slotCount) full() bool {
@@ -602,10 +597,7 @@ func (b *backend) acquire() bool {
 func (b *backend) release() {
 	b.inflight.Add(-1)
 	b.slots.held.Add(-1)
-	if owner := b.slots.owner.Load(); owner != b {
-		owner.markFull()
-	}
-	b.markFull()
+	b.slots.owner.Load().markFull()
 }
 
 // markFull sets full from the slots taken now. acquire and release call it

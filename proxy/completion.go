@@ -196,7 +196,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	}
 	p := st.models[req.model]
 	if p == nil && req.model != "" {
-		p = s.poolOfAdapter(st, req.model)
+		p = s.awaitPoolOfAdapter(st, req.model)
 	}
 	if req.fields.Model == nil {
 		// As vLLM allows: no model means the one served.

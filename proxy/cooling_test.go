@@ -596,3 +596,87 @@ func TestRebuiltBackendCountsTheRequestsItsEngineRuns(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// TestSlotCountFollowsTheEngine: the count of the requests an engine runs
+// goes with the backend's id and URL, through whatever else a reload
+// rebuilds (the model's settings: a new pool) and through a removal and
+// return while they run; a backend moved to another URL is another engine,
+// with its slots free (the first version shared the count with any
+// successor of the same id and pool: a backend moved off a bad host
+// answered 503 until the old host's requests ended; found by the
+// thirteenth session's review).
+func TestSlotCountFollowsTheEngine(t *testing.T) {
+	e0 := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 500 * time.Millisecond })
+	e1 := startFake(t, "e1", nil)
+	conf := func(blockSize int, backends string) string {
+		return fmt.Sprintf("models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: %d}]\n"+
+			"backends: [%s]\nlimits: {queue_timeout: 10s}\n", blockSize, backends)
+	}
+	on := func(e *fakeEngine) string {
+		return fmt.Sprintf("{id: gpu, url: 'http://%s', model: m, max_concurrency: 2}", e.addr)
+	}
+	p := startProxyYAML(t, conf(16, on(e0)), e0)
+	reload := func(yaml string) {
+		t.Helper()
+		cfg, err := config.Parse([]byte(yaml))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := p.s.Reload(cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	send := func(n int) *sync.WaitGroup {
+		var wg sync.WaitGroup
+		for range n {
+			wg.Go(func() {
+				if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 {
+					t.Errorf("%d %s", resp.StatusCode, b)
+				}
+			})
+		}
+		return &wg
+	}
+	waitRunning := func(n int64) {
+		t.Helper()
+		for deadline := time.Now().Add(5 * time.Second); e0.current.Load() != n; time.Sleep(2 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("e0 runs %d requests, want %d", e0.current.Load(), n)
+			}
+		}
+	}
+
+	wg := send(2)
+	waitRunning(2)
+	reload(conf(32, on(e0))) // a new pool for the model, the same engine
+	wg.Add(1)
+	go func() { defer wg.Done(); send(2).Wait() }()
+	wg.Wait()
+	if peak := e0.peak.Load(); peak != 2 {
+		t.Fatalf("e0 ran %d requests at once across a reload that rebuilt its model, max_concurrency 2", peak)
+	}
+
+	wg = send(2)
+	waitRunning(2)
+	reload(conf(32, fmt.Sprintf("{id: other, url: 'http://%s', model: m}", e1.addr))) // gpu removed...
+	reload(conf(32, on(e0)))                                                          // ...and back
+	wg.Add(1)
+	go func() { defer wg.Done(); send(2).Wait() }()
+	wg.Wait()
+	if peak := e0.peak.Load(); peak != 2 {
+		t.Fatalf("e0 ran %d requests at once after its backend was removed and added back", peak)
+	}
+
+	wg = send(2)
+	waitRunning(2)
+	reload(conf(32, on(e1))) // moved to another engine: its slots are free
+	start := time.Now()
+	if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "gpu" {
+		t.Fatalf("on the new engine: %d %s", resp.StatusCode, b)
+	}
+	if d := time.Since(start); d > 300*time.Millisecond || e1.requests.Load() == 0 {
+		t.Fatalf("the request to the moved backend took %v, %d reached its engine: it waited for the old engine's", d, e1.requests.Load())
+	}
+	wg.Wait()
+	p.waitIdle(t)
+}

@@ -50,7 +50,7 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 	}
 	p := st.models[req.model]
 	if p == nil && req.model != "" {
-		p = s.poolOfAdapter(st, req.model)
+		p = s.awaitPoolOfAdapter(st, req.model)
 	}
 	if req.fields.Model == nil {
 		// vLLM's pooling and tokenizing requests may leave the model out:

@@ -92,6 +92,10 @@ type Server struct {
 	// connection without calling the handler when it cannot flush what it
 	// holds for the client, and the relay must then end here.
 	hijacks sync.Map
+	// slotCounts holds each engine's max_concurrency count by backend id
+	// and URL, while a backend of them is configured or a request of
+	// theirs runs (activate, under reloadMu).
+	slotCounts map[string]*slotCount
 }
 
 type state struct {
@@ -316,6 +320,7 @@ func (s *Server) activate(st, prev *state) {
 	for _, mc := range st.cfg.Models {
 		st.models[mc.Name].names.Store(&modelNames{aliases: mc.Aliases, adapters: mc.Adapters})
 	}
+	s.shareSlots(st)
 	if prev != nil {
 		// A backend replaced by a new configuration of the same id hands its
 		// worker over: its event feed stops and forgets before the new one
@@ -390,6 +395,35 @@ func (s *Server) activate(st, prev *state) {
 		rebuilt := replaced && reflect.DeepEqual(nb.cfg, old.cfg)
 		s.retiring.Store(old, struct{}{})
 		go s.retire(old, replaced, rebuilt, st.cfg.Limits.DrainTimeout)
+	}
+}
+
+// shareSlots gives each new backend the max_concurrency count of the
+// backend of its id and URL it replaces, whatever else changed (its model's
+// pool too), or that a reload removed while its requests still run: they
+// hold slots of the new limit. A backend moved to another URL is another
+// engine, and starts with its slots free. Counts nothing holds any more
+// are dropped.
+func (s *Server) shareSlots(st *state) {
+	if s.slotCounts == nil {
+		s.slotCounts = map[string]*slotCount{}
+	}
+	current := map[*slotCount]bool{}
+	for id, b := range st.backends {
+		key := id + " " + b.cfg.URL
+		if c := s.slotCounts[key]; c != nil && c != b.slots {
+			c.limit.Store(int64(b.cfg.MaxConcurrency))
+			c.owner.Store(b)
+			b.slots = c
+			b.markFull()
+		}
+		s.slotCounts[key] = b.slots
+		current[b.slots] = true
+	}
+	for key, c := range s.slotCounts {
+		if !current[c] && c.held.Load() == 0 {
+			delete(s.slotCounts, key)
+		}
 	}
 }
 
