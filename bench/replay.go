@@ -173,6 +173,9 @@ func Replay(ctx context.Context, w *Workload, cfg ReplayConfig, label string) (R
 					break open
 				}
 			}
+			if ctx.Err() != nil {
+				break // interrupted: the rest were never sent
+			}
 			r := &w.Requests[i]
 			wg.Go(func() { done(rp.send(ctx, i, r)) })
 		}

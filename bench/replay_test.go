@@ -308,3 +308,20 @@ func TestReplayWithoutCachedTokensOrUsage(t *testing.T) {
 		}
 	}
 }
+
+// An open-loop replay interrupted before requests fall due sends none of
+// them: they were never sent, not cut off in flight (they were launched
+// with the cancelled context and counted interrupted; found by the review
+// of the day's diff).
+func TestReplayInterruptedBeforeItsRequestsSendsNone(t *testing.T) {
+	started := make(chan struct{}, 100)
+	srv := stallingEngine(t, started)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	records := 0
+	res, _ := Replay(ctx, stalledWorkload(50), ReplayConfig{URL: srv.URL, Model: "m",
+		OnRequest: func(RequestRecord) { records++ }}, "x")
+	if res.Interrupted != 0 || res.Errors != 0 || records != 0 || len(started) != 0 {
+		t.Fatalf("interrupted %d, errors %d, records %d, engine saw %d: want none sent", res.Interrupted, res.Errors, records, len(started))
+	}
+}

@@ -349,8 +349,9 @@ func (s *sim) unservable(r *Request) string {
 	case r.InputLen == 0:
 		return "empty prompt"
 	case (r.InputLen+max(r.OutputLen, 1)+bs-1)/bs > s.cfg.CacheBlocks:
-		return fmt.Sprintf("prompt and output (%d tokens) exceed an engine's KV cache (%d blocks of %d tokens)",
-			r.InputLen+max(r.OutputLen, 1), s.cfg.CacheBlocks, bs)
+		// One reason for all (the dump has each one's lengths), so the
+		// failures group.
+		return fmt.Sprintf("prompt and output exceed an engine's KV cache (%d blocks of %d tokens)", s.cfg.CacheBlocks, bs)
 	}
 	return ""
 }
@@ -361,7 +362,7 @@ func (s *sim) fail(i int, r *Request, worker, reason string) {
 	s.rec.Error(r.Arrival, s.now, reason)
 	if s.cfg.OnRequest != nil {
 		s.cfg.OnRequest(s.policy, RequestRecord{Index: i, Arrival: s.now, Sent: s.now, Worker: worker,
-			Prompt: r.InputLen, Output: r.OutputLen, Err: reason})
+			Prompt: r.InputLen, Err: reason})
 	}
 }
 

@@ -486,6 +486,10 @@ func DefaultMultiTurn() MultiTurnConfig {
 	}
 }
 
+// maxGeneratedSeconds bounds a generated arrival time, far below where a
+// time.Duration overflows (292 years): arrivals past it all land on it.
+const maxGeneratedSeconds = 1e8
+
 // GenerateMultiTurn builds a multi-turn chat workload: every turn's prompt is
 // the conversation's system prompt, every earlier user message and answer,
 // and the new user message, so each turn extends the previous turn's prompt.
@@ -525,7 +529,7 @@ func GenerateMultiTurn(c MultiTurnConfig) *Workload {
 				in += s.Len
 			}
 			w.Requests = append(w.Requests, Request{
-				Arrival:   time.Duration(at * float64(time.Second)),
+				Arrival:   time.Duration(min(at, maxGeneratedSeconds) * float64(time.Second)),
 				Segments:  segs,
 				InputLen:  in,
 				OutputLen: out,

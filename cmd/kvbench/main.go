@@ -107,6 +107,9 @@ Run "kvbench sim -h" or "kvbench replay -h" for every flag.
 // (TTFT p90 of seconds); at 4 its queues grow without bound.
 const DefaultSpeedup = 3.5
 
+// maxMultiTurnSpan bounds a generated workload's length.
+const maxMultiTurnSpan = 30 * 24 * time.Hour
+
 // workloadFlags are the flags shared by sim and replay.
 type workloadFlags struct {
 	trace, format string
@@ -162,6 +165,11 @@ func (wf *workloadFlags) load() (*bench.Workload, error) {
 		}
 		if err := inRange("-rate", wf.mt.Rate, 1e-6, 1e6); err != nil {
 			return nil, err
+		}
+		// The simulator steps through the whole span (a scrape each second).
+		if span := float64(wf.mt.Conversations)/wf.mt.Rate + float64(2*wf.mt.Turns)*wf.mt.Think.Seconds(); span > maxMultiTurnSpan.Seconds() {
+			return nil, fmt.Errorf("multiturn: -conversations %d at -rate %g with -turns %d and -think %v would span about %.0f days, more than %.0f: raise -rate, or lower -conversations, -turns or -think",
+				wf.mt.Conversations, wf.mt.Rate, wf.mt.Turns, wf.mt.Think, span/86400, maxMultiTurnSpan.Hours()/24)
 		}
 		wf.mt.Seed = wf.seed
 		w = bench.GenerateMultiTurn(wf.mt)
