@@ -546,35 +546,9 @@ func TestRebuiltBackendCountsTheRequestsItsEngineRuns(t *testing.T) {
 			"limits: {max_conns_per_backend: %d, queue_timeout: 10s}\n", e.addr, maxConcurrency, maxConns)
 	}
 	p := startProxyYAML(t, conf(10, 2), e)
-	reload := func(maxConns, maxConcurrency int) {
-		t.Helper()
-		cfg, err := config.Parse([]byte(conf(maxConns, maxConcurrency)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := p.s.Reload(cfg); err != nil {
-			t.Fatal(err)
-		}
-	}
-	send := func(n int) *sync.WaitGroup {
-		var wg sync.WaitGroup
-		for range n {
-			wg.Go(func() {
-				if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 {
-					t.Errorf("%d %s", resp.StatusCode, b)
-				}
-			})
-		}
-		return &wg
-	}
-	waitRunning := func(n int64) {
-		t.Helper()
-		for deadline := time.Now().Add(5 * time.Second); e.current.Load() != n; time.Sleep(2 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatalf("the engine runs %d requests, want %d", e.current.Load(), n)
-			}
-		}
-	}
+	reload := func(maxConns, maxConcurrency int) { t.Helper(); p.reloadYAML(t, conf(maxConns, maxConcurrency)) }
+	send := func(n int) *sync.WaitGroup { return p.sendCompletions(t, n) }
+	waitRunning := func(n int64) { t.Helper(); e.waitRunning(t, n) }
 
 	wg := send(4) // two run, two wait for a slot
 	waitRunning(2)
@@ -616,35 +590,9 @@ func TestSlotCountFollowsTheEngine(t *testing.T) {
 		return fmt.Sprintf("{id: gpu, url: 'http://%s', model: m, max_concurrency: 2}", e.addr)
 	}
 	p := startProxyYAML(t, conf(16, on(e0)), e0)
-	reload := func(yaml string) {
-		t.Helper()
-		cfg, err := config.Parse([]byte(yaml))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := p.s.Reload(cfg); err != nil {
-			t.Fatal(err)
-		}
-	}
-	send := func(n int) *sync.WaitGroup {
-		var wg sync.WaitGroup
-		for range n {
-			wg.Go(func() {
-				if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 {
-					t.Errorf("%d %s", resp.StatusCode, b)
-				}
-			})
-		}
-		return &wg
-	}
-	waitRunning := func(n int64) {
-		t.Helper()
-		for deadline := time.Now().Add(5 * time.Second); e0.current.Load() != n; time.Sleep(2 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatalf("e0 runs %d requests, want %d", e0.current.Load(), n)
-			}
-		}
-	}
+	reload := func(yaml string) { t.Helper(); p.reloadYAML(t, yaml) }
+	send := func(n int) *sync.WaitGroup { return p.sendCompletions(t, n) }
+	waitRunning := func(n int64) { t.Helper(); e0.waitRunning(t, n) }
 
 	wg := send(2)
 	waitRunning(2)
@@ -679,4 +627,40 @@ func TestSlotCountFollowsTheEngine(t *testing.T) {
 	}
 	wg.Wait()
 	p.waitIdle(t)
+}
+
+// reloadYAML reloads the proxy with a configuration.
+func (p *testProxy) reloadYAML(t *testing.T, yaml string) {
+	t.Helper()
+	cfg, err := config.Parse([]byte(yaml))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// sendCompletions sends n completions at once, each expected to succeed;
+// the group ends when all have.
+func (p *testProxy) sendCompletions(t *testing.T, n int) *sync.WaitGroup {
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() {
+			if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 {
+				t.Errorf("%d %s", resp.StatusCode, b)
+			}
+		})
+	}
+	return &wg
+}
+
+// waitRunning waits until the engine runs n requests.
+func (f *fakeEngine) waitRunning(t *testing.T, n int64) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); f.current.Load() != n; time.Sleep(2 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s runs %d requests, want %d", f.id, f.current.Load(), n)
+		}
+	}
 }
