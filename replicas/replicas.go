@@ -112,6 +112,7 @@ type Sync struct {
 	mismatched map[string]bool     // the (replica, backend) mismatches logged
 	sent       map[Key]router.Load // the load last published, where above zero
 	sentAt     time.Time           // when
+	watching   atomic.Bool         // the loop watches for ended load (tests)
 
 	stop chan struct{}
 	done chan struct{}
@@ -241,13 +242,18 @@ func (s *Sync) loop() {
 	perReport := max(1, int((s.cfg.Interval+tick/2)/tick)) // ticks between reports
 	t := time.NewTicker(tick)
 	defer t.Stop()
-	w := time.NewTicker(min(s.cfg.Interval/4, watchEvery))
-	defer w.Stop()
+	var w *time.Ticker // the watch for ended load, while the last report showed load
+	var watch <-chan time.Time
+	defer func() {
+		if w != nil {
+			w.Stop()
+		}
+	}()
 	for n := 0; ; {
 		select {
 		case <-s.stop:
 			return
-		case <-w.C:
+		case <-watch:
 			s.publishIfEnded()
 		case <-t.C:
 			if n++; n%perReport == 0 {
@@ -257,7 +263,24 @@ func (s *Sync) loop() {
 				s.applySum()
 			}
 		}
+		// An idle replica is not woken every few milliseconds.
+		if busy := s.reportedLoad(); busy && w == nil {
+			w = time.NewTicker(min(s.cfg.Interval/4, watchEvery))
+			watch = w.C
+			s.watching.Store(true)
+		} else if !busy && w != nil {
+			w.Stop()
+			w, watch = nil, nil
+			s.watching.Store(false)
+		}
 	}
+}
+
+// reportedLoad reports whether the last report showed load.
+func (s *Sync) reportedLoad() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.sent) > 0
 }
 
 // While its last report showed load, a replica looks every watchEvery (or

@@ -315,3 +315,38 @@ func TestRegularReportsKeepTheirInterval(t *testing.T) {
 		t.Fatalf("%d reports in 3.5 s at an interval of 1 s, want 3", n)
 	}
 }
+
+// The watch for ended load runs only while the last report showed load: an
+// idle replica was woken every 5 ms for nothing.
+func TestIdleReplicaDoesNotWatch(t *testing.T) {
+	url := startNATS(t).ClientURL()
+	var mu sync.Mutex
+	var load router.Load
+	a, err := Start(Config{URL: url, ID: "a", Interval: 50 * time.Millisecond},
+		func() []Entry { mu.Lock(); defer mu.Unlock(); return []Entry{{Model: "m", Worker: "e0", Load: load}} },
+		func(map[Key]router.Load) {}, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	waitWatching := func(want bool) {
+		t.Helper()
+		for deadline := time.Now().Add(3 * time.Second); a.watching.Load() != want; time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("watching %v, want %v", !want, want)
+			}
+		}
+	}
+	time.Sleep(200 * time.Millisecond) // several idle reports
+	if a.watching.Load() {
+		t.Fatal("an idle replica watches for ended load")
+	}
+	mu.Lock()
+	load = router.Load{Inflight: 1, PrefillTokens: 100}
+	mu.Unlock()
+	waitWatching(true)
+	mu.Lock()
+	load = router.Load{}
+	mu.Unlock()
+	waitWatching(false)
+}
