@@ -148,14 +148,15 @@ func TestQueueWaitingMetric(t *testing.T) {
 	}
 }
 
-// Reloads are counted by result; the summary line names what changed, and
+// Reloads are counted by result; the summary line names what changed (a
+// model's aliases too: it named no changed model), and
 // a backend the reload removes drains at info, not as an outage.
 func TestReloadMetricsAndSummary(t *testing.T) {
 	a, b := startFake(t, "a", nil), startFake(t, "b", nil)
 	base := "models: [{name: m}]\nbackends:\n  - {id: a, url: 'http://" + a.addr + "'}\n  - {id: b, url: 'http://" + b.addr + "'}\n" +
 		"auth:\n  keys: [{key: key-one-0001, tenant: one}, {key: key-two-0002, tenant: two}]\n"
 	p := startProxyYAML(t, base)
-	next := "models: [{name: m}, {name: m2}]\nbackends:\n  - {id: a, url: 'http://" + a.addr + "', model: m, max_concurrency: 4}\n  - {id: c, url: 'http://" + b.addr + "', model: m2}\n" +
+	next := "models: [{name: m, aliases: [mm]}, {name: m2}]\nbackends:\n  - {id: a, url: 'http://" + a.addr + "', model: m, max_concurrency: 4}\n  - {id: c, url: 'http://" + b.addr + "', model: m2}\n" +
 		"auth:\n  keys: [{key: key-one-0001, tenant: one}, {key: key-two-0003, tenant: two}]\nlimits: {retry_budget: 0.5}\n"
 	cfg, err := config.Parse([]byte(next))
 	if err != nil {
@@ -176,7 +177,7 @@ func TestReloadMetricsAndSummary(t *testing.T) {
 		`kvproxy_config_last_reload_successful 0`,
 	)
 	logs := p.logs.String()
-	want := `"backends_added":["c"],"backends_removed":["b"],"backends_replaced":["a"],"models_added":["m2"],"tenants_changed":["two"],"restart_needed":["limits.retry_budget"]`
+	want := `"backends_added":["c"],"backends_removed":["b"],"backends_replaced":["a"],"models_added":["m2"],"models_changed":["m"],"tenants_changed":["two"],"restart_needed":["limits.retry_budget"]`
 	if !strings.Contains(logs, want) || !strings.Contains(logs, `"message":"configuration reloaded"`) {
 		t.Errorf("the reload's line lacks %s:\n%s", want, logs)
 	}

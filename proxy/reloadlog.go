@@ -14,7 +14,7 @@ import (
 // names, sorted, never keys.
 type reloadChanges struct {
 	backendsAdded, backendsRemoved, backendsReplaced []string
-	modelsAdded, modelsRemoved                       []string
+	modelsAdded, modelsRemoved, modelsChanged        []string // changed: aliases, adapters or settings
 	tenantsChanged                                   []string // settings or keys added, removed or changed
 	adminKeysChanged, logLevelChanged                bool
 	restartNeeded                                    []string
@@ -35,15 +35,19 @@ func diffReload(prev, next *state) reloadChanges {
 			c.backendsRemoved = append(c.backendsRemoved, id)
 		}
 	}
-	had := map[string]bool{}
-	for _, p := range prev.pools {
-		had[p.cfg.Name] = true
+	had := map[string]*config.Model{} // as configured: a pool kept across a reload keeps its first cfg
+	for i := range prev.cfg.Models {
+		had[prev.cfg.Models[i].Name] = &prev.cfg.Models[i]
 	}
-	for _, p := range next.pools {
-		if !had[p.cfg.Name] {
-			c.modelsAdded = append(c.modelsAdded, p.cfg.Name)
+	for i := range next.cfg.Models {
+		m := &next.cfg.Models[i]
+		switch old := had[m.Name]; {
+		case old == nil:
+			c.modelsAdded = append(c.modelsAdded, m.Name)
+		case !reflect.DeepEqual(*old, *m):
+			c.modelsChanged = append(c.modelsChanged, m.Name)
 		}
-		delete(had, p.cfg.Name)
+		delete(had, m.Name)
 	}
 	for name := range had {
 		c.modelsRemoved = append(c.modelsRemoved, name)
@@ -52,7 +56,7 @@ func diffReload(prev, next *state) reloadChanges {
 	c.adminKeysChanged = !slices.Equal(prev.cfg.Auth.AdminKeys, next.cfg.Auth.AdminKeys)
 	c.logLevelChanged = prev.cfg.LogLevel != next.cfg.LogLevel
 	c.restartNeeded = next.restartNeeded
-	for _, l := range [][]string{c.backendsAdded, c.backendsRemoved, c.backendsReplaced, c.modelsAdded, c.modelsRemoved} {
+	for _, l := range [][]string{c.backendsAdded, c.backendsRemoved, c.backendsReplaced, c.modelsAdded, c.modelsRemoved, c.modelsChanged} {
 		slices.Sort(l)
 	}
 	return c
@@ -121,6 +125,7 @@ func (c reloadChanges) log(ev *zerolog.Event, backends, models int) {
 	list("backends_replaced", c.backendsReplaced)
 	list("models_added", c.modelsAdded)
 	list("models_removed", c.modelsRemoved)
+	list("models_changed", c.modelsChanged)
 	list("tenants_changed", c.tenantsChanged)
 	if c.adminKeysChanged {
 		ev = ev.Bool("admin_keys_changed", true)
