@@ -37,9 +37,11 @@ func (b *backend) pollAdapters(scraper *backends.MetricsScraper) {
 }
 
 // maxModelLen is the context length the model's engines take, the
-// smallest any of them lists (a request must fit wherever it goes); 0 when
-// none lists one.
-func (p *modelPool) maxModelLen() int {
+// smallest any of them lists (a request must fit wherever it goes), and no
+// more than maxPrompt, kvproxy's own limit (limits.max_prompt_tokens: a
+// client sizing its prompts by the list had them refused); 0 when no
+// engine lists one.
+func (p *modelPool) maxModelLen(maxPrompt int) int {
 	least := int64(0)
 	for _, b := range *p.workers.Load() {
 		if b == nil {
@@ -48,6 +50,9 @@ func (p *modelPool) maxModelLen() int {
 		if n := b.maxModelLen.Load(); n > 0 && (least == 0 || n < least) {
 			least = n
 		}
+	}
+	if least > 0 && maxPrompt > 0 {
+		least = min(least, int64(maxPrompt))
 	}
 	return int(least)
 }
@@ -167,7 +172,7 @@ func (b *backend) loraFull(lora string) bool {
 
 // listedAdapters appends the cards of the adapters the model's engines list
 // that the configuration does not name, each once.
-func (p *modelPool) listedAdapters(data []modelJSON) []modelJSON {
+func (p *modelPool) listedAdapters(data []modelJSON, maxPrompt int) []modelJSON {
 	seen, names := map[string]bool{}, p.names.Load()
 	for i, b := range *p.workers.Load() {
 		if b == nil || b.worker != router.WorkerID(i) || b.adapters.Load() == nil {
@@ -176,7 +181,7 @@ func (p *modelPool) listedAdapters(data []modelJSON) []modelJSON {
 		for _, a := range *b.adapters.Load() {
 			if !seen[a] && !slices.Contains(names.adapters, a) && a != p.cfg.Name && !slices.Contains(names.aliases, a) {
 				seen[a] = true
-				data = append(data, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: p.cfg.Name, MaxModelLen: p.maxModelLen()})
+				data = append(data, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: p.cfg.Name, MaxModelLen: p.maxModelLen(maxPrompt)})
 			}
 		}
 	}

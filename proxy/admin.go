@@ -33,7 +33,7 @@ type modelJSON struct {
 func modelCards(data []modelJSON, m *config.Model, st *state) []modelJSON {
 	maxLen := 0
 	if p := st.models[m.Name]; p != nil {
-		maxLen = p.maxModelLen()
+		maxLen = p.maxModelLen(st.cfg.Limits.MaxPromptTokens)
 	}
 	data = append(data, modelJSON{ID: m.Name, Object: "model", Created: startTime, OwnedBy: "kvproxy", MaxModelLen: maxLen})
 	for _, a := range m.Aliases {
@@ -54,7 +54,7 @@ func (s *Server) handleModels(ctx *fasthttp.RequestCtx, st *state) {
 		data = modelCards(data, &st.cfg.Models[i], st)
 	}
 	for _, p := range st.pools {
-		data = p.listedAdapters(data)
+		data = p.listedAdapters(data, st.cfg.Limits.MaxPromptTokens)
 	}
 	writeJSON(ctx, map[string]any{"object": "list", "data": data})
 }
@@ -74,7 +74,7 @@ func (s *Server) handleModel(ctx *fasthttp.RequestCtx, st *state) {
 		}
 	}
 	if p := s.awaitPoolOfAdapter(st, id); p != nil {
-		writeJSON(ctx, modelJSON{ID: id, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: p.cfg.Name, MaxModelLen: p.maxModelLen()})
+		writeJSON(ctx, modelJSON{ID: id, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: p.cfg.Name, MaxModelLen: p.maxModelLen(st.cfg.Limits.MaxPromptTokens)})
 		return
 	}
 	writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", id), "invalid_request_error", "model", "model_not_found")

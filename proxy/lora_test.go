@@ -511,6 +511,22 @@ func TestModelsGiveTheEnginesContextLength(t *testing.T) {
 	if _, b := fetch(t, p.url+"/v1/models/other"); strings.Contains(string(b), `max_model_len`) {
 		t.Fatalf("/v1/models/other, whose engine gives none: %s", b)
 	}
+	// kvproxy's own prompt limit, when lower, is the context a client gets
+	// (it was listed as the engines' while longer prompts were refused).
+	p.reloadYAML(t, "models:\n"+
+		"  - {name: m, aliases: [mm], tokenizer: cl100k_base, template: chatml, block_size: 16}\n"+
+		"  - {name: other, tokenizer: cl100k_base, template: chatml, block_size: 16}\n"+
+		"backends:\n"+
+		"  - {id: e0, url: 'http://"+e0.addr+"', model: m, served_model: engine-m}\n"+
+		"  - {id: e1, url: 'http://"+e1.addr+"', model: m, served_model: engine-m}\n"+
+		"  - {id: e2, url: 'http://"+e2.addr+"', model: m, served_model: engine-m}\n"+
+		"  - {id: e3, url: 'http://"+e3.addr+"', model: other, served_model: engine-m}\n"+
+		"limits: {max_prompt_tokens: 4096}\n")
+	for _, path := range []string{"/v1/models", "/v1/models/mm", "/v1/models/sql-lora"} {
+		if _, b := fetch(t, p.url+path); !strings.Contains(string(b), `"max_model_len":4096`) || strings.Contains(string(b), `"max_model_len":8192`) {
+			t.Fatalf("%s with max_prompt_tokens 4096: %s", path, b)
+		}
+	}
 }
 
 // waitListsRead waits until kvproxy has read the model lists of n engines
