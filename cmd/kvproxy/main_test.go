@@ -414,11 +414,12 @@ func TestReloadDuringStreams(t *testing.T) {
 func TestMockServesTheModelsAdapters(t *testing.T) {
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "c.yaml")
-	port := freePort(t)
+	port, port1 := freePort(t), freePort(t)
 	write := func(adapters string) {
 		t.Helper()
 		body := fmt.Sprintf("listen: 127.0.0.1:0\nlog_level: warn\nmodels:\n  - {name: m, adapters: [%s], tokenizer: cl100k_base, template: chatml}\n"+
-			"backends:\n  - {id: m0, url: \"http://127.0.0.1:%d\", model: m, kind: mock, mock: {speedup: 1000}}\n", adapters, port)
+			"backends:\n  - {id: m0, url: \"http://127.0.0.1:%d\", model: m, kind: mock, mock: {speedup: 1000}}\n"+
+			"  - {id: m1, url: \"http://127.0.0.1:%d\", model: m, kind: mock, mock: {speedup: 1000}}\n", adapters, port, port1)
 		if err := os.WriteFile(cfg, []byte(body), 0o644); err != nil {
 			t.Fatal(err)
 		}
@@ -435,7 +436,8 @@ func TestMockServesTheModelsAdapters(t *testing.T) {
 		t.Fatalf("the mock's models: %s", b)
 	}
 	write("a-lora, b-lora")
-	if msg := p.reloadRejected(t); !strings.Contains(msg, "cannot change on reload") {
+	// Both engines are named: the reload named the first only.
+	if msg := p.reloadRejected(t); !strings.Contains(msg, "cannot change on reload") || !strings.Contains(msg, "backends m0, m1:") {
 		t.Fatalf("changing a mock's adapters: %s", msg)
 	}
 }

@@ -64,6 +64,19 @@ func newMockFleet(log zerolog.Logger) *mockFleet {
 // left running if it fails. A running mock whose settings differ in cfg is
 // an error: it keeps serving as it is.
 func (f *mockFleet) start(cfg *config.Config) ([]*mockRun, error) {
+	// Every refused engine is named: a change of the model's settings
+	// changes all of its engines.
+	var changed []string
+	f.mu.Lock()
+	for _, b := range cfg.Backends {
+		if r := f.running[b.ID]; r != nil && b.Kind == config.KindMock && r.key != keyOf(cfg, b) {
+			changed = append(changed, b.ID)
+		}
+	}
+	f.mu.Unlock()
+	if len(changed) > 0 {
+		return nil, fmt.Errorf("backends %s: a running mock engine's url, mock, kv_events and model settings cannot change on reload; restart kvproxy, or remove the backend in one reload and add it back in the next", strings.Join(changed, ", "))
+	}
 	var started []*mockRun
 	for i, b := range cfg.Backends {
 		if b.Kind != config.KindMock {
@@ -82,11 +95,7 @@ func (f *mockFleet) start(cfg *config.Config) ([]*mockRun, error) {
 			return nil, fmt.Errorf("backends[%d] (%s): the mock engine a previous reload removed is still draining (up to limits.drain_timeout); reload again once it has stopped", i, b.ID)
 		}
 		if r != nil {
-			if r.key != key {
-				f.abort(started)
-				return nil, fmt.Errorf("backends[%d] (%s): a running mock engine's url, mock, kv_events and model settings cannot change on reload; restart kvproxy, or remove the backend in one reload and add it back in the next", i, b.ID)
-			}
-			continue
+			continue // unchanged: checked above
 		}
 		r, err := f.startOne(cfg, b, key)
 		if err != nil {
