@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvproxy/kvproxy/backends"
 	"github.com/kvproxy/kvproxy/config"
+	"github.com/kvproxy/kvproxy/replicas"
 	"github.com/kvproxy/kvproxy/router"
 )
 
@@ -27,6 +28,7 @@ type backend struct {
 	host       string
 	base       string // scheme://host[:port] as configured (the Host its /health and /metrics are asked with)
 	authHeader string // the engine's own key, never the client's
+	urlHash    string // replicas.URLHash of its URL, for the load reports
 	salted     bool   // the engine honours cache_salt (vLLM, SGLang, the mock)
 	health     config.Health
 	log        zerolog.Logger
@@ -115,6 +117,7 @@ func newBackend(bc config.Backend, cfg *config.Config, p *modelPool, log zerolog
 	if bc.APIKey != "" {
 		b.authHeader = "Bearer " + bc.APIKey
 	}
+	b.urlHash = replicas.URLHash(bc.URL)
 	b.slots = &slotCount{}
 	b.slots.limit.Store(int64(bc.MaxConcurrency))
 	b.slots.owner.Store(b)

@@ -715,7 +715,7 @@ func (s *Server) localLoad() []replicas.Entry {
 		backends := *p.workers.Load()
 		for _, w := range p.rt.Workers() {
 			if !w.Removed && int(w.ID) < len(backends) && backends[w.ID] != nil {
-				out = append(out, replicas.Entry{Model: p.cfg.Name, Worker: w.Name, URLHash: replicas.URLHash(backends[w.ID].cfg.URL),
+				out = append(out, replicas.Entry{Model: p.cfg.Name, Worker: w.Name, URLHash: backends[w.ID].urlHash,
 					Load: router.Load{Inflight: w.Inflight, Pending: w.Pending, PrefillTokens: w.PrefillTokens, ActiveBlocks: w.ActiveBlocks}})
 			}
 		}
