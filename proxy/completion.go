@@ -48,6 +48,7 @@ type exchange struct {
 	rank     int        // data-parallel rank of the chosen worker
 	// released: the backend slot was returned
 	released bool
+	live     bool // counted in s.live (add, until done)
 	// pass: a pass-through request (passthroughPaths): its answer is
 	// relayed as it comes, unread.
 	pass bool
@@ -428,6 +429,30 @@ func (s *Server) newExchange(rid, engineID, path string, stream bool, start time
 // best tried, up to maxAttempts and the retry budget. salt is the tenant's
 // cache_salt, sent to engines that take one.
 func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *exchange, salt string) {
+	returned := false
+	defer func() {
+		if !returned { // a panic, which handle answers: free what x holds
+			x.abandon()
+		}
+	}()
+	s.attempt(ctx, st, sc, x, salt)
+	returned = true
+}
+
+// abandon frees what an exchange whose handler panicked holds: its hang-up
+// watch, slots, engine connection and place in the drain. Each is freed at
+// most once, whatever the exchange had already given back.
+func (x *exchange) abandon() {
+	x.stopWatch()
+	x.release()
+	x.slot.release()
+	x.ab.Abort()
+	x.s.live.done(x)
+}
+
+// attempt is dispatch's work: routes, sends and relays, trying the next
+// best engine when one refuses.
+func (s *Server) attempt(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *exchange, salt string) {
 	rr, req, rid, start := &sc.route, &sc.req, x.id, x.start
 	x.remote = st.clientIP(ctx)
 	s.retries.deposit(start)

@@ -16,6 +16,7 @@ type liveExchanges struct {
 
 // add registers x; after cut, x is aborted at once.
 func (l *liveExchanges) add(x *exchange) {
+	x.live = true
 	l.wg.Add(1)
 	l.mu.Lock()
 	cut := l.cut.Load()
@@ -31,7 +32,13 @@ func (l *liveExchanges) add(x *exchange) {
 	}
 }
 
+// done unregisters x. Once is enough: a panicked handler's clean-up may
+// come after the exchange's own.
 func (l *liveExchanges) done(x *exchange) {
+	if !x.live {
+		return
+	}
+	x.live = false
 	l.mu.Lock()
 	delete(l.set, x)
 	l.mu.Unlock()

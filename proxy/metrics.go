@@ -28,6 +28,7 @@ type metrics struct {
 	reloads    *prometheus.CounterVec // result: ok, rejected
 	reloadOK   prometheus.Gauge
 	limited    *prometheus.CounterVec // tenant, limit: requests, tokens, concurrency
+	panics     prometheus.Counter
 	handler    fasthttp.RequestHandler
 }
 
@@ -77,13 +78,16 @@ func newMetrics() *metrics {
 	m.limited = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvproxy_rate_limited_total", Help: "Requests refused with 429 by a tenant's limit, by tenant and limit: requests (requests_per_second), tokens (tokens_per_minute) or concurrency (max_concurrency).",
 	}, []string{"tenant", "limit"})
+	m.panics = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvproxy_handler_panics_total", Help: "Requests whose handler panicked: answered 500, logged with the stack (\"request handler panicked\"). Any is a bug.",
+	})
 	return m
 }
 
 // register adds the metrics to reg, with the collectors that read s at
 // scrape time; s must be complete (its state and replicas set).
 func (m *metrics) register(reg *prometheus.Registry, s *Server) {
-	reg.MustRegister(m.requests, m.ttft, m.duration, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.reloads, m.reloadOK, m.limited,
+	reg.MustRegister(m.requests, m.ttft, m.duration, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.reloads, m.reloadOK, m.limited, m.panics,
 		&loadCollector{s: s})
 	if r := s.replicas; r != nil {
 		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{

@@ -10,6 +10,7 @@ import (
 	"io"
 	"net"
 	"reflect"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"sync"
@@ -814,6 +815,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		defer toAnthropicError(ctx)
 		defer func() { ctx.Response.Header.SetBytesV("Request-Id", ctx.Response.Header.PeekBytes(hdrRequestID)) }()
 	}
+	defer s.recoverPanic(ctx) // before those above: they shape its answer
 	if s.cors(ctx, s.st.Load()) {
 		return // a preflight
 	}
@@ -857,6 +859,31 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	r.serve(ctx, st)
+}
+
+// recoverPanic answers a request whose handler panicked with a 500 and logs
+// the stack. fasthttp recovers no handler's panic: one request would end
+// the process, and every stream in it. What the request held is freed by
+// the defers on its way (dispatch's among them).
+func (s *Server) recoverPanic(ctx *fasthttp.RequestCtx) {
+	p := recover()
+	if p == nil {
+		return
+	}
+	s.metrics.panics.Inc()
+	rid := string(ctx.Response.Header.PeekBytes(hdrRequestID))
+	s.log.Error().Str("request_id", rid).Str("path", string(ctx.Path())).Interface("panic", p).
+		Str("stack", string(debug.Stack())).Msg("request handler panicked")
+	if ctx.Hijacked() {
+		return
+	}
+	ctx.Response.Reset()
+	msg := "kvproxy failed on this request: a bug, which its log has the details of"
+	if rid != "" {
+		ctx.Response.Header.SetCanonical(hdrRequestID, stringBytes(rid))
+		msg += " (request id " + rid + ")"
+	}
+	writeError(ctx, fasthttp.StatusInternalServerError, msg, "server_error", "", "internal_error")
 }
 
 // SetReloader gives POST /admin/reload what SIGHUP does: f loads the
