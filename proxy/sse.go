@@ -169,9 +169,13 @@ func (r *relay) end(out []byte, err error) []byte {
 	x := r.x
 	r.ended = true
 	switch {
-	case r.sawDone && (errors.Is(err, io.EOF) || errors.Is(err, backends.ErrTruncated) || x.s.live.isCut()):
-		// Complete: a cut after [DONE] (the engine had not closed its
-		// stream yet), or a connection dropped after it, adds nothing.
+	case r.sawDone && (errors.Is(err, io.EOF) || errors.Is(err, backends.ErrTruncated) ||
+		errors.Is(err, backends.ErrAborted) || x.ab.Aborted()):
+		// Complete: a connection dropped after [DONE], or one aborted
+		// (a cut, or a client that hung up once it had [DONE], as SDKs
+		// do, before the engine closed its stream), adds nothing. A
+		// [DONE] not yet written goes in out, and a client gone since
+		// fails that write: a 499 still.
 		x.b.succeed()
 		if rest := r.f.pending(); len(rest) > 0 { // bytes after [DONE] without a blank line
 			out = append(append(out, rest...), "\n\n"...)
