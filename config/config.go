@@ -629,6 +629,8 @@ func (c *Config) Validate() error {
 			add(f+".url", "want http://host:port or https://host[:port], got %q", b.URL)
 		} else if u.Path != "" && u.Path != "/" {
 			add(f+".url", "must not have a path (kvproxy appends /v1/...), got %q", b.URL)
+		} else if p := u.Port(); p != "" && !validPort(p) {
+			add(f+".url", "port must be 1-65535, got %q", b.URL)
 		}
 		if b.InsecureSkipVerify && (err != nil || u.Scheme != "https") {
 			add(f+".insecure_skip_verify", "only applies to an https url")
@@ -985,4 +987,10 @@ func finiteNonNegative(vs ...float64) bool {
 		}
 	}
 	return true
+}
+
+// validPort reports whether p (a URL's port, digits only) is a TCP port.
+func validPort(p string) bool {
+	n, err := strconv.Atoi(p)
+	return err == nil && n >= 1 && n <= 65535
 }

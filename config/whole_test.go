@@ -41,6 +41,11 @@ func TestHTTPSBackendURLs(t *testing.T) {
 		{"{id: e0, url: 'http://engine.example:8000', model: m, insecure_skip_verify: true}", "backends[0].insecure_skip_verify: only applies to an https url"},
 		{"{id: e0, url: 'https://127.0.0.1:9000', model: m, kind: mock}", "a mock backend serves plain http"},
 		{"{id: e0, url: 'ftp://engine.example', model: m}", "want http://host:port or https://host[:port]"},
+		// A port out of range was accepted, and the engine ejected at its
+		// first request (found by the fourteenth session's operator trial).
+		{"{id: e0, url: 'http://127.0.0.1:99999', model: m}", "backends[0].url: port must be 1-65535"},
+		{"{id: e0, url: 'http://127.0.0.1:0', model: m}", "backends[0].url: port must be 1-65535"},
+		{"{id: e0, url: 'http://127.0.0.1:65535', model: m}", ""},
 	} {
 		_, err := Parse([]byte("models: [{name: m}]\nbackends: [" + c.backend + "]\n"))
 		switch {
