@@ -13,6 +13,7 @@ import (
 	"strings"
 	"syscall"
 	"time"
+	"unicode/utf8"
 	"unsafe"
 
 	"github.com/valyala/fasthttp"
@@ -1205,6 +1206,21 @@ func (x *exchange) tokens() (prompt, completion, cached int) {
 	return prompt, completion, cached
 }
 
+// logClip is a client's string for a log line: its first 200 bytes (cut
+// at a character's start) and an ellipsis. The line count is bounded
+// per tenant; its size was not: a 10 MB model name made a 10 MB line.
+func logClip(b []byte) string {
+	const most = 200
+	if len(b) <= most {
+		return string(b)
+	}
+	i := most
+	for i > 0 && !utf8.RuneStart(b[i]) {
+		i--
+	}
+	return string(b[:i]) + "…"
+}
+
 // logRejected counts and logs a request kvproxy answered itself. The log
 // lines are bounded per tenant and reason (logLimiter); the metrics count
 // every one.
@@ -1213,7 +1229,7 @@ func (s *Server) logRejected(ctx *fasthttp.RequestCtx, rid, tenant, model string
 	if !s.rejectLog.allow(tenant, reason) {
 		return
 	}
-	s.log.Info().Str("request_id", rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("path", string(ctx.Path())).
-		Str("model", model).Str("tenant", tenant).Int("status", status).
+	s.log.Info().Str("request_id", rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("path", logClip(ctx.Path())).
+		Str("model", logClip(stringBytes(model))).Str("tenant", tenant).Int("status", status).
 		Dur("duration", time.Since(start)).Str("error", reason).Msg("request")
 }

@@ -871,6 +871,7 @@ func (s *Server) recoverPanic(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	s.metrics.panics.Inc()
+	s.metrics.countRequest("", fasthttp.StatusInternalServerError)
 	rid := string(ctx.Response.Header.PeekBytes(hdrRequestID))
 	s.log.Error().Str("request_id", rid).Str("path", string(ctx.Path())).Interface("panic", p).
 		Str("stack", string(debug.Stack())).Msg("request handler panicked")
@@ -930,14 +931,11 @@ func unauthorized(ctx *fasthttp.RequestCtx) {
 // path is cut at 200 bytes. Its lines are bounded as logRejected's are.
 func (s *Server) logUnrouted(ctx *fasthttp.RequestCtx, reason string) {
 	rid, _ := s.requestIDs(ctx)
+	s.metrics.countRequest("", ctx.Response.StatusCode())
 	if !s.rejectLog.allow("", reason) {
 		return
 	}
-	path := ctx.Path()
-	if len(path) > 200 {
-		path = path[:200]
-	}
-	s.log.Info().Str("request_id", rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("method", string(ctx.Method())).Str("path", string(path)).
+	s.log.Info().Str("request_id", rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("method", logClip(ctx.Method())).Str("path", logClip(ctx.Path())).
 		Int("status", ctx.Response.StatusCode()).Dur("duration", time.Since(ctx.Time())).Str("error", reason).Msg("request")
 }
 
