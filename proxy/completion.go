@@ -319,7 +319,14 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 			param, what = fmt.Sprintf("prompt[%d]", at), fmt.Sprintf("prompt %d of the batch", at)
 		}
 		msg := fmt.Sprintf("%s has %d tokens, more than the limit of %d", what, longest, lim.MaxPromptTokens)
-		if !within { // not counted to its end
+		switch {
+		case kind == apiMessages && within:
+			// Anthropic's words, which its clients recognize (Claude Code
+			// compacts the conversation on them).
+			msg = fmt.Sprintf("prompt is too long: %d tokens > %d maximum", longest, lim.MaxPromptTokens)
+		case kind == apiMessages:
+			msg = fmt.Sprintf("prompt is too long: at least %d tokens > %d maximum", longest, lim.MaxPromptTokens)
+		case !within: // not counted to its end
 			msg = fmt.Sprintf("%s has more tokens than the limit of %d", what, lim.MaxPromptTokens)
 		}
 		writeError(ctx, fasthttp.StatusBadRequest, msg, "invalid_request_error", param, "context_length_exceeded")
@@ -1043,8 +1050,8 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 		x.accepted = true
 		x.usage.read(body)
 	} else {
+		x.errMsg = "engine answered " + strconv.Itoa(code) + engineErrorKind(body) // in the engine's words
 		body = normalizeEngineError(code, body)
-		x.errMsg = "engine answered " + strconv.Itoa(code) + engineErrorKind(body)
 	}
 	if x.resp != nil && enc == nil {
 		if code == fasthttp.StatusOK {

@@ -11,7 +11,11 @@ import (
 // Complete OpenAI-shaped bodies pass through, incomplete ones are filled in;
 // older vLLM's flat
 // {"object":"error","message","type","param","code"} and anything else
-// (plain text, HTML from a load balancer) are wrapped.
+// (plain text, HTML from a load balancer) are wrapped. vLLM's and SGLang's
+// type (a Python exception's name, "BadRequestError") and code (the
+// status) become OpenAI's: the type its status's ("invalid_request_error")
+// and no code, or context_length_exceeded; clients test both, and kvproxy's
+// own errors have them so.
 func normalizeEngineError(status int, body []byte) []byte {
 	var probe struct {
 		Error   json.RawMessage `json:"error"`
@@ -36,34 +40,30 @@ func normalizeEngineError(status int, body []byte) []byte {
 			if json.Unmarshal(probe.Error, &e) != nil {
 				return body
 			}
-			if e.Message != nil && e.Type != nil && len(e.Param) > 0 && len(e.Code) > 0 && (e.Code[0] == '"' || string(e.Code) == "null") {
+			if e.Message != nil && e.Type != nil && openAIType(*e.Type) && len(e.Param) > 0 && len(e.Code) > 0 && (e.Code[0] == '"' || string(e.Code) == "null") {
 				return body
 			}
-			msg, typ, param := "", defaultErrorType(status), ""
+			msg, typ, param := "", "", ""
 			if e.Message != nil {
 				msg = *e.Message
 			}
 			if msg == "" {
 				msg = "the engine answered with status " + strconv.Itoa(status)
 			}
-			if e.Type != nil && *e.Type != "" {
+			if e.Type != nil {
 				typ = *e.Type
 			}
 			if len(e.Param) > 0 && e.Param[0] == '"' {
 				json.Unmarshal(e.Param, &param)
 			}
-			return errorJSON(msg, typ, param, engineCode(status, msg, e.Code))
+			return engineErrorJSON(status, msg, typ, param, e.Code)
 		}
 		if probe.Message != "" {
-			typ := probe.Type
-			if typ == "" {
-				typ = defaultErrorType(status)
-			}
 			param := ""
 			if probe.Param != nil {
 				param = *probe.Param
 			}
-			return errorJSON(probe.Message, typ, param, engineCode(status, probe.Message, probe.Code))
+			return engineErrorJSON(status, probe.Message, probe.Type, param, probe.Code)
 		}
 		if len(probe.Detail) > 0 {
 			return errorJSON("engine error: "+string(probe.Detail), defaultErrorType(status), "", "")
@@ -79,16 +79,42 @@ func normalizeEngineError(status int, body []byte) []byte {
 	return errorJSON(msg, defaultErrorType(status), "", "")
 }
 
-// engineCode is the code of an engine's error in OpenAI's terms. vLLM and
-// SGLang give the status as the code; a prompt too long for the model then
-// gets OpenAI's context_length_exceeded, which kvproxy's own check gives and
-// clients test for (an agent compacts its conversation on it).
-func engineCode(status int, msg string, raw json.RawMessage) string {
+// engineErrorJSON is an engine's error in OpenAI's terms. vLLM and SGLang
+// give the status as the code (in a stream's error frame, the only word of
+// it): it sets the type, and is no code of OpenAI's. A prompt too long for
+// the model gets OpenAI's context_length_exceeded, which kvproxy's own
+// check gives and clients test for (an agent compacts its conversation on
+// it). A type that is not OpenAI's (a Python exception's name) is the
+// status's.
+func engineErrorJSON(status int, msg, typ, param string, raw json.RawMessage) []byte {
 	code := codeString(raw)
-	if status == 400 && (code == "" || code == "400") && exceedsContext(msg) {
-		return "context_length_exceeded"
+	if n, err := strconv.Atoi(code); err == nil {
+		if n >= 400 && n <= 599 {
+			status = n
+		}
+		code = ""
 	}
-	return code
+	if status == 400 && code == "" && exceedsContext(msg) {
+		code = "context_length_exceeded"
+	}
+	if !openAIType(typ) {
+		typ = defaultErrorType(status)
+	}
+	return errorJSON(msg, typ, param, code)
+}
+
+// openAIType reports whether an error type is in OpenAI's style: a
+// snake_case word ("invalid_request_error"), not a class name.
+func openAIType(typ string) bool {
+	if typ == "" {
+		return false
+	}
+	for i := 0; i < len(typ); i++ {
+		if c := typ[i]; !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '_') {
+			return false
+		}
+	}
+	return true
 }
 
 // exceedsContext reports whether an engine's message says the prompt (with
@@ -148,24 +174,30 @@ func engineMessage(status int, body []byte) string {
 // the request (VLLMValidationError appends "value=…", FastAPI's validation
 // errors the input), and the log must not carry prompts.
 func engineErrorKind(body []byte) string {
+	type kind struct {
+		Type  string          `json:"type"`
+		Code  json.RawMessage `json:"code"`
+		Param *string         `json:"param"`
+	}
 	var e struct {
-		Error struct {
-			Type  string          `json:"type"`
-			Code  json.RawMessage `json:"code"`
-			Param *string         `json:"param"`
-		} `json:"error"`
+		Error *kind `json:"error"`
+		kind        // older vLLM's flat {"object":"error",...}
 	}
 	json.Unmarshal(body, &e)
+	k := e.kind
+	if e.Error != nil {
+		k = *e.Error
+	}
 	var parts []string
 	add := func(name, v string) {
 		if v != "" {
 			parts = append(parts, name+" "+cut(v, 64))
 		}
 	}
-	add("type", e.Error.Type)
-	add("code", codeString(e.Error.Code))
-	if e.Error.Param != nil {
-		add("param", *e.Error.Param)
+	add("type", k.Type)
+	add("code", codeString(k.Code))
+	if k.Param != nil {
+		add("param", *k.Param)
 	}
 	if len(parts) == 0 {
 		return ""

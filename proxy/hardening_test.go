@@ -696,7 +696,7 @@ func TestRefusedRequestGoesToTheNextBest(t *testing.T) {
 	p2.waitIdle(t)
 
 	// The refusal reaches the client as its engine gave it: message, type
-	// and Retry-After (SDKs wait that long).
+	// (in OpenAI's words) and Retry-After (SDKs wait that long).
 	// A model's last available backend is never cooled down: each request
 	// still reaches it.
 	p3 := startProxy(t, "kv", busy2)
@@ -704,7 +704,7 @@ func TestRefusedRequestGoesToTheNextBest(t *testing.T) {
 		before := busy2.requests.Load()
 		resp, b = post(t, p3.url+"/v1/chat/completions", chatBody)
 		if resp.StatusCode != 429 || resp.Header.Get("Retry-After") != "7" || resp.Header.Get(WorkerHeader) != "busy2" ||
-			!strings.Contains(string(b), `{"error":{"message":"engine busy","type":"RateLimitError","param":null,"code":"429"}}`) {
+			!strings.Contains(string(b), `{"error":{"message":"engine busy","type":"rate_limit_error","param":null,"code":null}}`) {
 			t.Fatalf("the engine's refusal: %d %v %s", resp.StatusCode, resp.Header, b)
 		}
 		if busy2.requests.Load() != before+1 {

@@ -666,6 +666,9 @@ func anthropicErrorJSON(status int, msg string) []byte {
 // toAnthropicError turns the error answer of a Messages API request, in
 // OpenAI's shape (kvproxy's own, or an engine's reshaped), into
 // Anthropic's. An answer already in Anthropic's shape stays as it is.
+// promptTooLong begins Anthropic's error for a prompt over the context.
+const promptTooLong = "prompt is too long: "
+
 func toAnthropicError(ctx *fasthttp.RequestCtx) {
 	status := ctx.Response.StatusCode()
 	if status < 400 || ctx.Response.IsBodyStream() {
@@ -675,6 +678,7 @@ func toAnthropicError(ctx *fasthttp.RequestCtx) {
 		Type  string `json:"type"`
 		Error struct {
 			Message string `json:"message"`
+			Code    any    `json:"code"`
 		} `json:"error"`
 	}
 	body := ctx.Response.Body()
@@ -684,6 +688,10 @@ func toAnthropicError(ctx *fasthttp.RequestCtx) {
 	msg := e.Error.Message
 	if msg == "" {
 		msg = string(body)
+	}
+	if e.Error.Code == "context_length_exceeded" && !strings.HasPrefix(msg, promptTooLong) {
+		// An engine's refusal, in the words Anthropic's clients recognize.
+		msg = promptTooLong + msg
 	}
 	ctx.Response.Header.SetContentType("application/json")
 	ctx.SetBody(anthropicErrorJSON(status, msg))

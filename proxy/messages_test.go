@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -409,5 +410,36 @@ func TestAnthropicErrorTypes(t *testing.T) {
 	// A stream cut by a silent engine says so in its error event.
 	if ev := string(anthropicFailEvent(nil, 504, "silent")); ev != "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"timeout_error\",\"message\":\"silent\"}}\n\n" {
 		t.Errorf("%q", ev)
+	}
+}
+
+// A prompt over the context gets Anthropic's "prompt is too long: N tokens
+// > M maximum", the words its clients recognize (Claude Code compacts on
+// them; the SDK trial found kvproxy's own words): from kvproxy's
+// max_prompt_tokens check, and prefixed to an engine's refusal.
+func TestMessagesPromptTooLongInAnthropicsWords(t *testing.T) {
+	e := startAnthEngine(t)
+	p := startAnthProxy(t, e, "limits: {max_prompt_tokens: 100}\n")
+	long := `{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"` + strings.Repeat("word ", 300) + `"}]}`
+	resp, b := postHeaders(t, p.url+"/v1/messages", long)
+	var v struct {
+		Type  string `json:"type"`
+		Error struct{ Type, Message string }
+	}
+	json.Unmarshal(b, &v)
+	if resp.StatusCode != 400 || v.Type != "error" || v.Error.Type != "invalid_request_error" ||
+		!regexp.MustCompile(`^prompt is too long: (at least )?\d+ tokens > 100 maximum$`).MatchString(v.Error.Message) {
+		t.Fatalf("kvproxy's own refusal: %d %s", resp.StatusCode, b)
+	}
+
+	f := startFake(t, "e0", func(f *fakeEngine) {
+		f.status = 400
+		f.errBody = `{"error":{"message":"This model's maximum context length is 4096 tokens. However, your request has 5000 input tokens.","type":"BadRequestError","param":null,"code":400}}`
+	})
+	p2 := startProxy(t, "kv", f)
+	resp, b = postHeaders(t, p2.url+"/v1/messages", `{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"hi"}]}`)
+	json.Unmarshal(b, &v)
+	if resp.StatusCode != 400 || v.Error.Message != "prompt is too long: This model's maximum context length is 4096 tokens. However, your request has 5000 input tokens." {
+		t.Fatalf("an engine's refusal: %d %s", resp.StatusCode, b)
 	}
 }

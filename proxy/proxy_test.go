@@ -457,7 +457,9 @@ func TestEngineErrorsAreNormalized(t *testing.T) {
 	})
 	p := startProxy(t, "kv", e)
 	resp, body := post(t, p.url+"/v1/chat/completions", chatBody)
-	if resp.StatusCode != 400 || !strings.Contains(string(body), `{"error":{"message":"max_tokens is too large","type":"BadRequestError"`) {
+	// vLLM's exception name and numeric code become OpenAI's type and no
+	// code (the SDK trial: clients test type == "invalid_request_error").
+	if resp.StatusCode != 400 || string(body) != `{"error":{"message":"max_tokens is too large","type":"invalid_request_error","param":null,"code":null}}` {
 		t.Fatalf("flat vLLM error not normalized: %d %s", resp.StatusCode, body)
 	}
 	p.waitIdle(t)
@@ -696,17 +698,24 @@ func TestLogsNeverCarryPromptText(t *testing.T) {
 
 // An engine's error frame mid-stream, in each shape vLLM versions write it
 // (flat or nested, compact or spaced by Python's json.dumps), reaches the
-// client in OpenAI's shape with a string code, and is logged as an error.
+// client in OpenAI's shape (the type the engine's numeric code says, no
+// code), and is logged as an error.
 func TestEngineErrorFramesAreNormalized(t *testing.T) {
-	want := `data: {"error":{"message":"CUDA out of memory","type":"InternalServerError","param":null,"code":"500"}}`
+	want := `data: {"error":{"message":"CUDA out of memory","type":"server_error","param":null,"code":null}}`
 	for _, c := range []struct{ frame, want string }{
 		{"", want}, // flat, compact
 		{`{"object": "error", "message": "CUDA out of memory", "type": "InternalServerError", "param": null, "code": 500}`, want},
 		{`{"error": {"object": "error", "message": "CUDA out of memory", "type": "InternalServerError", "param": null, "code": 500}}`, want},
 		{`{"error":{"message":"CUDA out of memory","type":"InternalServerError","param":null,"code":500}}`, want},
 		// complete already: passed on as it is
+		{`{"error": {"message": "CUDA out of memory", "type": "server_error", "param": null, "code": "oom"}}`,
+			`data: {"error": {"message": "CUDA out of memory", "type": "server_error", "param": null, "code": "oom"}}`},
+		// an exception's name is not OpenAI's type; a word of a code stays
 		{`{"error": {"message": "CUDA out of memory", "type": "InternalServerError", "param": null, "code": "oom"}}`,
-			`data: {"error": {"message": "CUDA out of memory", "type": "InternalServerError", "param": null, "code": "oom"}}`},
+			`data: {"error":{"message":"CUDA out of memory","type":"server_error","param":null,"code":"oom"}}`},
+		// a client's error in the engine's code: its type
+		{`{"error":{"message":"bad logprobs","type":"BadRequestError","param":null,"code":400}}`,
+			`data: {"error":{"message":"bad logprobs","type":"invalid_request_error","param":null,"code":null}}`},
 	} {
 		e := startFake(t, "e0", func(f *fakeEngine) { f.tokens = 10; f.errorAfter = 3; f.errorFrame = c.frame })
 		p := startProxy(t, "kv", e)
@@ -774,9 +783,9 @@ func TestDisconnectOnKeepAliveConnection(t *testing.T) {
 
 func TestNormalizeEngineError(t *testing.T) {
 	cases := map[string]string{
-		`{"error":{"message":"bad","type":"BadRequestError","param":null,"code":400}}`:         `{"error":{"message":"bad","type":"BadRequestError","param":null,"code":"400"}}`,
+		`{"error":{"message":"bad","type":"BadRequestError","param":null,"code":400}}`:         `{"error":{"message":"bad","type":"invalid_request_error","param":null,"code":null}}`,
 		`{"error":{"message":"ok","type":"x","param":"p","code":"c"}}`:                         `{"error":{"message":"ok","type":"x","param":"p","code":"c"}}`,
-		`{"object":"error","message":"flat","type":"BadRequestError","param":null,"code":400}`: `{"error":{"message":"flat","type":"BadRequestError","param":null,"code":"400"}}`,
+		`{"object":"error","message":"flat","type":"BadRequestError","param":null,"code":400}`: `{"error":{"message":"flat","type":"invalid_request_error","param":null,"code":null}}`,
 		`{"error":{"message":"slow down"}}`:                                                    `{"error":{"message":"slow down","type":"server_error","param":null,"code":null}}`,
 		`{"error":{"message":"m","type":"t","code":"c"}}`:                                      `{"error":{"message":"m","type":"t","param":null,"code":"c"}}`,
 		`{"error":{"type":"t","param":"p","code":null}}`:                                       `{"error":{"message":"the engine answered with status 500","type":"t","param":"p","code":null}}`,
@@ -801,7 +810,7 @@ func TestNormalizeEngineError(t *testing.T) {
 		}
 	}
 	// The same words with another status are not that.
-	if got := string(normalizeEngineError(500, []byte(`{"error":{"message":"maximum context length","type":"x","param":null,"code":500}}`))); !strings.HasSuffix(got, `"code":"500"}}`) {
+	if got := string(normalizeEngineError(500, []byte(`{"error":{"message":"maximum context length","type":"x","param":null,"code":500}}`))); !strings.HasSuffix(got, `"code":null}}`) {
 		t.Errorf("a 500: %s", got)
 	}
 }

@@ -811,8 +811,8 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 		status = resp.StatusCode()
 		body, enc := plainBody(resp)
 		if status != fasthttp.StatusOK {
+			errMsg = "engine answered " + strconv.Itoa(status) + engineErrorKind(body) // in the engine's words
 			body = normalizeEngineError(status, body)
-			errMsg = "engine answered " + strconv.Itoa(status) + engineErrorKind(body)
 		}
 		switch {
 		case enc != nil:
