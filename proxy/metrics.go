@@ -9,6 +9,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/valyala/fasthttp"
 	"github.com/valyala/fasthttp/fasthttpadaptor"
+
+	"github.com/kvproxy/kvproxy/internal/buildinfo"
 )
 
 type metrics struct {
@@ -87,8 +89,12 @@ func newMetrics() *metrics {
 // register adds the metrics to reg, with the collectors that read s at
 // scrape time; s must be complete (its state and replicas set).
 func (m *metrics) register(reg *prometheus.Registry, s *Server) {
+	build := buildinfo.Read()
 	reg.MustRegister(m.requests, m.ttft, m.duration, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.reloads, m.reloadOK, m.limited, m.panics,
-		&loadCollector{s: s})
+		&loadCollector{s: s}, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "kvproxy_build_info", Help: "1, labelled with the running build: its version, commit (revision) and Go version.",
+			ConstLabels: prometheus.Labels{"version": build.Version, "revision": build.Revision, "goversion": build.GoVersion},
+		}, func() float64 { return 1 }))
 	if r := s.replicas; r != nil {
 		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvproxy_replicas_connected", Help: "1 while connected to NATS, sharing load with the other replicas (replicas.nats).",

@@ -27,7 +27,7 @@ import (
 )
 
 func main() {
-	log.SetFlags(log.LstdFlags | log.LUTC)
+	log.SetFlags(log.LstdFlags | log.Lmicroseconds | log.LUTC)
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if err := run(ctx, os.Args[1:], nil); err != nil {

@@ -1,0 +1,47 @@
+package main
+
+import (
+	"bytes"
+	"io"
+	"net/http"
+	"path/filepath"
+	"regexp"
+	"runtime"
+	"strings"
+	"testing"
+)
+
+// -version prints the build and exits; the start's log line and /metrics
+// (kvproxy_build_info) name it too, and log times have milliseconds (the
+// operator trial could not order ten requests of one second, nor tell
+// which build ran).
+func TestVersionAndBuildInfo(t *testing.T) {
+	var out bytes.Buffer
+	c := &command{stdout: &out, stderr: io.Discard}
+	if code := c.run([]string{"-version", "-config", "/nonexistent"}); code != 0 {
+		t.Fatalf("-version exited %d", code)
+	}
+	if line := out.String(); !strings.HasPrefix(line, "kvproxy ") || !strings.Contains(line, runtime.Version()) {
+		t.Fatalf("-version printed %q", line)
+	}
+
+	cfg := filepath.Join(t.TempDir(), "kvproxy.yaml")
+	opsConfig(t, cfg, "info", "", mockSpec{id: "m0", port: freePort(t), speedup: 100})
+	p := startProxy(t, cfg)
+	logs := p.logs.String()
+	if !regexp.MustCompile(`"time":"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"`).MatchString(logs) {
+		t.Fatalf("log times without milliseconds:\n%s", logs)
+	}
+	if !regexp.MustCompile(`"version":"[^"]+".*"message":"kvproxy starting"`).MatchString(logs) {
+		t.Fatalf("the start does not name the build:\n%s", logs)
+	}
+	resp, err := http.Get("http://" + p.addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !regexp.MustCompile(`kvproxy_build_info\{goversion="` + regexp.QuoteMeta(runtime.Version()) + `",revision="[^"]*",version="[^"]+"\} 1`).Match(b) {
+		t.Fatalf("no kvproxy_build_info:\n%s", b)
+	}
+}
