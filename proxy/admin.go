@@ -107,6 +107,8 @@ type backendJSON struct {
 	Kind       string `json:"kind"`
 	InstanceID uint64 `json:"instance_id"`
 	Healthy    bool   `json:"healthy"`
+	// Down: why it is unhealthy (absent while healthy).
+	Down *downJSON `json:"down,omitempty"`
 	// Available: takes new requests (healthy, below max_concurrency, not
 	// cooling down after a 429 for CoolingMs more).
 	Available bool  `json:"available"`
@@ -173,6 +175,7 @@ func (s *Server) backendRows(st *state) []backendJSON {
 				Remote: w.Remote,
 			})
 			row := &rows[len(rows)-1]
+			row.Down = b.whyDown()
 			if b.feed != nil { // load and index over all data-parallel ranks
 				row.IndexedBlocks, row.PrefillTokens, row.ActiveBlocks, row.Pending = 0, 0, 0, 0
 				row.Remote = router.Load{}

@@ -46,7 +46,9 @@ type backend struct {
 	// it failed (engineTokenizeBackoff).
 	tokenizeDown atomic.Int64
 	ejected      bool
-	ejectKind    string // what the ejections metric counted the ejection in force under
+	ejectKind    string    // what the ejections metric counted the ejection in force under
+	ejectReason  string    // the failure that ejected it
+	downSince    time.Time // when it last became unhealthy (down)
 	// probeEnds: the ejection in force is for failed connections only, and
 	// a passing health probe ends it (failConn); with probes running
 	// (probed), only that does.
@@ -233,7 +235,7 @@ func (b *backend) eject(kind, reason string, conn bool) {
 	if d > b.health.EjectMax || d <= 0 {
 		d = b.health.EjectMax
 	}
-	b.ejected, b.ejectKind = true, kind
+	b.ejected, b.ejectKind, b.ejectReason = true, kind, reason
 	b.metrics.countEjection(b.cfg.ID, kind)
 	b.armLocked(&b.ejectTimer, d, func() {
 		// An engine whose connections failed is back when its probe says
@@ -244,7 +246,11 @@ func (b *backend) eject(kind, reason string, conn bool) {
 			b.ejected = false
 		}
 	})
-	b.log.Warn().Str("backend", b.cfg.ID).Str("reason", reason).Dur("ejected_for", d).Msg("backend ejected")
+	ev := b.log.Warn().Str("backend", b.cfg.ID).Str("reason", reason).Dur("ejected_for", d)
+	if b.probeEnds && b.probed {
+		ev = ev.Bool("until_probe_passes", true) // a failed connection: ejected_for is the least
+	}
+	ev.Msg("backend ejected")
 	b.applyLocked()
 }
 
@@ -437,6 +443,36 @@ func (b *backend) healthy() bool {
 	return b.healthyLocked()
 }
 
+// downJSON says why a backend is unhealthy, for /admin/backends.
+type downJSON struct {
+	// EjectedBy: the ejection's reason as kvproxy_backend_ejections_total
+	// counts it (connect, status, timeout, error_answers, probe).
+	EjectedBy  string `json:"ejected_by"`
+	Reason     string `json:"reason,omitempty"`      // the failure that ejected it
+	ProbeError string `json:"probe_error,omitempty"` // why its health probe fails, while it does
+	Since      string `json:"since,omitempty"`       // when it went down, UTC
+}
+
+// whyDown is why the backend is unhealthy (nil while it is healthy).
+func (b *backend) whyDown() *downJSON {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.healthyLocked() {
+		return nil
+	}
+	d := &downJSON{}
+	if !b.downSince.IsZero() {
+		d.Since = b.downSince.UTC().Format("2006-01-02T15:04:05.000Z07:00")
+	}
+	if !b.probeOK {
+		d.EjectedBy, d.ProbeError = ejectProbe, b.probeErr
+	}
+	if b.ejected {
+		d.EjectedBy, d.Reason = b.ejectKind, b.ejectReason
+	}
+	return d
+}
+
 // owns reports whether the router worker named name is this backend (or
 // one of its data-parallel ranks, "id#r").
 func (b *backend) owns(name string) bool {
@@ -479,6 +515,9 @@ func (b *backend) applyLocked() {
 		return // no change of health (down is its negation)
 	}
 	b.down = !healthy
+	if !healthy {
+		b.downSince = time.Now()
+	}
 	if healthy {
 		b.log.Info().Str("backend", b.cfg.ID).Msg("backend available")
 		if b.forgetTimer != nil {

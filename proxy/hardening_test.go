@@ -318,6 +318,29 @@ health: {eject_base: 300ms, eject_max: 1s}
 	if codes[500] != errorAnswerLimit || bad.requests.Load() != errorAnswerLimit {
 		t.Fatalf("after %d 500s in a row the backend must be ejected: codes %v, bad saw %d", errorAnswerLimit, codes, bad.requests.Load())
 	}
+	// /admin/backends says why (the operator trial had to guess it from
+	// the log).
+	down := func() map[string]*downJSON {
+		r, err := http.Get(p.url + "/admin/backends")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Body.Close()
+		var rows []backendJSON
+		json.NewDecoder(r.Body).Decode(&rows)
+		out := map[string]*downJSON{}
+		for _, row := range rows {
+			if row.Healthy != (row.Down == nil) {
+				t.Fatalf("%s: healthy %v but down %+v", row.ID, row.Healthy, row.Down)
+			}
+			out[row.ID] = row.Down
+		}
+		return out
+	}
+	if d := down(); d["good"] != nil || d["bad"] == nil || d["bad"].EjectedBy != ejectErrorAnswers ||
+		!strings.Contains(d["bad"].Reason, "500") || d["bad"].Since == "" {
+		t.Fatalf("why the backend is down: %+v", d["bad"])
+	}
 	bad.status = 0 // it recovers
 	deadline := time.Now().Add(3 * time.Second)
 	for bad.requests.Load() < errorAnswerLimit+1 {
@@ -328,6 +351,9 @@ health: {eject_base: 300ms, eject_max: 1s}
 		time.Sleep(20 * time.Millisecond)
 	}
 	p.waitIdle(t)
+	if d := down(); d["bad"] != nil {
+		t.Fatalf("back, and still down: %+v", d["bad"])
+	}
 }
 
 func TestReloadAddsAndRemovesBackendsDuringStreams(t *testing.T) {
