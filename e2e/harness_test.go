@@ -51,7 +51,20 @@ type proc struct {
 
 func start(t *testing.T, name string, args ...string) *proc {
 	t.Helper()
-	p := &proc{cmd: exec.Command(filepath.Join(binDir, name), args...)}
+	return startCmd(t, name, exec.Command(filepath.Join(binDir, name), args...))
+}
+
+// startLimited starts a program of binDir with at most nofile open files
+// (soft and hard: Go raises the soft limit to the hard one at start).
+func startLimited(t *testing.T, nofile int, name string, args ...string) *proc {
+	t.Helper()
+	sh := fmt.Sprintf(`ulimit -n %d && exec "$0" "$@"`, nofile)
+	return startCmd(t, name, exec.Command("bash", append([]string{"-c", sh, filepath.Join(binDir, name)}, args...)...))
+}
+
+func startCmd(t *testing.T, name string, cmd *exec.Cmd) *proc {
+	t.Helper()
+	p := &proc{cmd: cmd}
 	p.cmd.Stdout, p.cmd.Stderr = p, p
 	if err := p.cmd.Start(); err != nil {
 		t.Fatal(err)

@@ -31,7 +31,9 @@ type metrics struct {
 	reloadOK   prometheus.Gauge
 	limited    *prometheus.CounterVec // tenant, limit: requests, tokens, concurrency
 	panics     prometheus.Counter
-	handler    fasthttp.RequestHandler
+	// acceptErrors counts accept errors kvproxy served on through.
+	acceptErrors prometheus.Counter
+	handler      fasthttp.RequestHandler
 }
 
 // newMetrics makes the metrics the request path and the backends count,
@@ -83,6 +85,9 @@ func newMetrics() *metrics {
 	m.panics = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvproxy_handler_panics_total", Help: "Requests whose handler panicked: answered 500, logged with the stack (\"request handler panicked\"). Any is a bug.",
 	})
+	m.acceptErrors = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvproxy_accept_errors_total", Help: "Client connections the listener failed to accept (out of file descriptors, EMFILE/ENFILE, or kernel memory): kvproxy retries, 5 ms doubling to 1 s, and serves on; the connections wait in the kernel's backlog meanwhile.",
+	})
 	return m
 }
 
@@ -90,7 +95,7 @@ func newMetrics() *metrics {
 // scrape time; s must be complete (its state and replicas set).
 func (m *metrics) register(reg *prometheus.Registry, s *Server) {
 	build := buildinfo.Read()
-	reg.MustRegister(m.requests, m.ttft, m.duration, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.reloads, m.reloadOK, m.limited, m.panics,
+	reg.MustRegister(m.requests, m.ttft, m.duration, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.reloads, m.reloadOK, m.limited, m.panics, m.acceptErrors,
 		&loadCollector{s: s}, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvproxy_build_info", Help: "1, labelled with the running build: its version, commit (revision) and Go version.",
 			ConstLabels: prometheus.Labels{"version": build.Version, "revision": build.Revision, "goversion": build.GoVersion},

@@ -71,6 +71,7 @@ type Server struct {
 	draining  atomic.Bool
 	live      liveExchanges
 	rejectLog *logLimiter // the rejected requests' log lines
+	acceptLog acceptLog   // the accept errors' log lines
 
 	routeTable map[string]route
 	reloader   atomic.Pointer[func() error] // SetReloader
@@ -645,6 +646,7 @@ func (s *Server) Serve(ln net.Listener) error {
 		ln.Close()
 		return nil
 	}
+	ln = newRetryListener(ln, s.acceptFailed, s.acceptRecovered)
 	ln = writeIdleListener{ln, func() time.Duration { return s.st.Load().cfg.Limits.StreamIdleTimeout }}
 	if s.cert.Load() != nil {
 		ln = tls.NewListener(plainHTTPGuard{ln}, &tls.Config{
