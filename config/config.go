@@ -280,6 +280,12 @@ type Limits struct {
 	RetryBudget float64 `yaml:"retry_budget"`
 	// DrainTimeout is how long SIGTERM and reloads wait for streams.
 	DrainTimeout time.Duration `yaml:"drain_timeout"`
+	// MaxConnections caps the client connections open at once: more are
+	// answered 503 and closed. 0: derived from the open files limit at
+	// start (the proxy does it: the limit is the process's).
+	MaxConnections int `yaml:"max_connections"`
+	// IdleTimeout closes a client's keep-alive connection idle this long.
+	IdleTimeout time.Duration `yaml:"idle_timeout"`
 }
 
 // Policies the router knows; validated here so a typo fails at start.
@@ -531,6 +537,7 @@ func (c *Config) applyDefaults() {
 	defInt(&c.Limits.MaxMessages, 4096)
 	defInt(&c.Limits.MaxPromptTokens, 1<<20)
 	def(&c.Limits.QueueTimeout, 10*time.Second)
+	def(&c.Limits.IdleTimeout, 120*time.Second)
 	def(&c.Health.Interval, 2*time.Second)
 	def(&c.Health.Timeout, time.Second)
 	defInt(&c.Health.Rise, 1)
@@ -737,6 +744,9 @@ func (c *Config) Validate() error {
 	if c.Limits.MaxConnsPerBackend < 0 {
 		add("limits.max_conns_per_backend", "must not be negative")
 	}
+	if c.Limits.MaxConnections < 0 {
+		add("limits.max_connections", "must not be negative")
+	}
 	if c.Limits.MaxMessages < 1 {
 		add("limits.max_messages", "must be positive")
 	}
@@ -755,6 +765,7 @@ func (c *Config) Validate() error {
 	}{{"limits.header_timeout", c.Limits.HeaderTimeout}, {"limits.body_timeout", c.Limits.BodyTimeout},
 		{"limits.stream_idle_timeout", c.Limits.StreamIdleTimeout}, {"limits.queue_timeout", c.Limits.QueueTimeout},
 		{"limits.drain_timeout", c.Limits.DrainTimeout}, {"limits.upstream_connect_timeout", c.Limits.UpstreamConnectTime},
+		{"limits.idle_timeout", c.Limits.IdleTimeout},
 		{"health.interval", c.Health.Interval},
 		{"health.timeout", c.Health.Timeout}, {"health.eject_base", c.Health.EjectBase},
 		{"health.eject_max", c.Health.EjectMax}, {"health.forget_after", c.Health.ForgetAfter},

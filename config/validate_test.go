@@ -26,7 +26,8 @@ health: {forget_after: 0s}
 		if err != nil {
 			t.Fatal(err)
 		}
-		if c.Limits.RetryBudget != 0.2 || c.Limits.MaxQueue != 1024 || c.Limits.DrainTimeout != 30*time.Second || c.Health.ForgetAfter != time.Minute {
+		if c.Limits.RetryBudget != 0.2 || c.Limits.MaxQueue != 1024 || c.Limits.DrainTimeout != 30*time.Second || c.Health.ForgetAfter != time.Minute ||
+			c.Limits.IdleTimeout != 120*time.Second || c.Limits.MaxConnections != 0 {
 			t.Fatalf("defaults missing for %q: %+v %+v", doc, c.Limits, c.Health)
 		}
 	}
@@ -41,6 +42,8 @@ func TestValidationRejects(t *testing.T) {
 	cases := map[string]struct{ yaml, want string }{
 		"negative connect timeout": {minimal + "limits: {upstream_connect_timeout: -1s}\n", "limits.upstream_connect_timeout"},
 		"negative conns":           {minimal + "limits: {max_conns_per_backend: -1}\n", "limits.max_conns_per_backend"},
+		"negative client conns":    {minimal + "limits: {max_connections: -1}\n", "limits.max_connections"},
+		"negative idle timeout":    {minimal + "limits: {idle_timeout: -1s}\n", "limits.idle_timeout"},
 		"negative overlap weight":  {minimal + "router: {overlap_weight: -1}\n", "router.overlap_weight"},
 		"NaN temperature":          {minimal + "router: {temperature: .nan}\n", "router.temperature"},
 		"infinite overlap weight":  {minimal + "router: {overlap_weight: .inf}\n", "router.overlap_weight"},

@@ -47,13 +47,14 @@ func holdConns(t *testing.T, addr string, n int) []net.Conn {
 // in kvproxy_accept_errors_total) until the connections close, and then a
 // real request is served. kvproxy exited with code 1 within 140 ms of
 // ~1,017 idle connections under ulimit -n 1024 (found by the security
-// review); here the limit is 64.
+// review); here the limit is 64, and limits.max_connections lets the
+// connections take every descriptor.
 func TestSurvivesDescriptorExhaustion(t *testing.T) {
 	engines := fleet(t, 1)
 	listen := freePort(t)
 	path := filepath.Join(t.TempDir(), "kvproxy.yaml")
 	body := "listen: " + listen + "\nlog_level: info\n" +
-		backendsYAML(map[string]string{"e0": engines[0]}, "")
+		backendsYAML(map[string]string{"e0": engines[0]}, "limits: {max_connections: 1000}\n")
 	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -90,5 +91,50 @@ func TestSurvivesDescriptorExhaustion(t *testing.T) {
 	resp.Body.Close()
 	if !strings.Contains(m, "kvproxy_accept_errors_total ") || strings.Contains(m, "kvproxy_accept_errors_total 0\n") {
 		t.Errorf("kvproxy_accept_errors_total not counted:\n%s", m)
+	}
+}
+
+// Under the default limits.max_connections (what the open files limit has
+// room for: 24 of 64 here) idle connections never exhaust the descriptors:
+// those over the cap are answered 503 and closed, no accept fails, the
+// engine connections and probes keep theirs, and a request is served at
+// once when some close.
+func TestDefaultConnectionCapKeepsDescriptors(t *testing.T) {
+	engines := fleet(t, 1)
+	listen := freePort(t)
+	path := filepath.Join(t.TempDir(), "kvproxy.yaml")
+	body := "listen: " + listen + "\nlog_level: info\n" +
+		backendsYAML(map[string]string{"e0": engines[0]}, "")
+	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p := startLimited(t, 64, "kvproxy", "-config", path)
+	url := "http://" + listen
+	waitHealthy(t, url, p)
+
+	conns := holdConns(t, listen, 60)
+	waitFor(t, 5*time.Second, "the refusals' warning", func() bool {
+		return strings.Contains(p.String(), "client connections refused")
+	})
+	time.Sleep(300 * time.Millisecond)
+	if out := p.String(); strings.Contains(out, "accepting a connection failed") || strings.Contains(out, "kvproxy exited") {
+		t.Fatalf("the connections took every descriptor:\n%s", tail(out, 3000))
+	}
+	for _, c := range conns[:10] {
+		c.Close()
+	}
+	waitFor(t, 3*time.Second, "a request served with 50 connections held", func() bool { return chatOK(url) })
+	for _, c := range conns {
+		c.Close()
+	}
+	resp, err := http.Get(url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := readAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(m, "kvproxy_client_connections_refused_total ") || strings.Contains(m, "kvproxy_client_connections_refused_total 0\n") ||
+		strings.Contains(p.String(), "backend unavailable") {
+		t.Errorf("refusals not counted, or the engine taken out:\n%s\n%s", m, tail(p.String(), 3000))
 	}
 }

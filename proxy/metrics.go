@@ -33,6 +33,8 @@ type metrics struct {
 	panics     prometheus.Counter
 	// acceptErrors counts accept errors kvproxy served on through.
 	acceptErrors prometheus.Counter
+	// connsRefused counts client connections refused over the cap.
+	connsRefused prometheus.Counter
 	handler      fasthttp.RequestHandler
 }
 
@@ -88,6 +90,9 @@ func newMetrics() *metrics {
 	m.acceptErrors = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvproxy_accept_errors_total", Help: "Client connections the listener failed to accept (out of file descriptors, EMFILE/ENFILE, or kernel memory): kvproxy retries, 5 ms doubling to 1 s, and serves on; the connections wait in the kernel's backlog meanwhile.",
 	})
+	m.connsRefused = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvproxy_client_connections_refused_total", Help: "Client connections answered 503 and closed at once because limits.max_connections were open (kvproxy_client_connections).",
+	})
 	return m
 }
 
@@ -95,7 +100,10 @@ func newMetrics() *metrics {
 // scrape time; s must be complete (its state and replicas set).
 func (m *metrics) register(reg *prometheus.Registry, s *Server) {
 	build := buildinfo.Read()
-	reg.MustRegister(m.requests, m.ttft, m.duration, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.reloads, m.reloadOK, m.limited, m.panics, m.acceptErrors,
+	reg.MustRegister(m.requests, m.ttft, m.duration, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.reloads, m.reloadOK, m.limited, m.panics, m.acceptErrors, m.connsRefused,
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "kvproxy_client_connections", Help: "Client connections open (limits.max_connections caps them).",
+		}, func() float64 { return float64(s.openConns.Load()) }),
 		&loadCollector{s: s}, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvproxy_build_info", Help: "1, labelled with the running build: its version, commit (revision) and Go version.",
 			ConstLabels: prometheus.Labels{"version": build.Version, "revision": build.Revision, "goversion": build.GoVersion},

@@ -72,6 +72,13 @@ type Server struct {
 	live      liveExchanges
 	rejectLog *logLimiter // the rejected requests' log lines
 	acceptLog acceptLog   // the accept errors' log lines
+	refuseLog refuseLog   // the lines of connections refused over the cap
+	// openConns counts the client connections open (limits.max_connections);
+	// autoConns is the cap when the configuration sets none, derived from
+	// fdLimit, the open files limit at start (0: unknown).
+	openConns atomic.Int64
+	autoConns int
+	fdLimit   uint64
 
 	routeTable map[string]route
 	reloader   atomic.Pointer[func() error] // SetReloader
@@ -162,6 +169,8 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 	rand.Read(rb[:])
 	s.reqPrefix = hex.EncodeToString(rb[:])
 	rand.Read(s.respRandom[:])
+	s.fdLimit = openFilesLimit()
+	s.autoConns = autoMaxConns(s.fdLimit)
 	s.logWarnings(cfg)
 	if cfg.TLS.Enabled() {
 		c, err := cfg.TLS.Load()
@@ -220,7 +229,7 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 			}
 			return fasthttp.RequestConfig{ReadTimeout: l.BodyTimeout, MaxRequestBodySize: max}
 		},
-		IdleTimeout:                  120 * time.Second,
+		IdleTimeout:                  cfg.Limits.IdleTimeout,
 		MaxIdleWorkerDuration:        5 * time.Second,
 		DisablePreParseMultipartForm: true,
 		ErrorHandler:                 s.transportError,
@@ -500,6 +509,11 @@ func (s *Server) logWarnings(cfg *config.Config) {
 	if replicasWithoutNATS(cfg.Replicas) {
 		s.log.Warn().Str("setting", "replicas.nats").Msg("config: replicas sets subject, id or interval but no nats (an unset variable?): this replica shares no load and routes on its own")
 	}
+	if n := cfg.Limits.MaxConnections; n > 0 && s.fdLimit > 0 && uint64(n) > connsFor(s.fdLimit) {
+		s.log.Warn().Str("setting", "limits.max_connections").Int("max_connections", n).Uint64("open_files_limit", s.fdLimit).
+			Uint64("room_for", connsFor(s.fdLimit)).
+			Msg("config: the open files limit has no room for this many client connections and their engine connections: accepts will fail for want of descriptors (kvproxy retries them) before the cap refuses any")
+	}
 }
 
 // replicasWithoutNATS reports a replicas block that names the fleet but no
@@ -562,6 +576,7 @@ func (s *Server) Reload(cfg *config.Config) (err error) {
 	}{
 		{"limits.max_header_bytes", pl.MaxHeaderBytes != l.MaxHeaderBytes},
 		{"limits.header_timeout", pl.HeaderTimeout != l.HeaderTimeout},
+		{"limits.idle_timeout", pl.IdleTimeout != l.IdleTimeout},
 		{"limits.retry_budget", pl.RetryBudget != l.RetryBudget},
 		{"health.interval", ph.Interval != h.Interval},
 		{"health.timeout", ph.Timeout != h.Timeout},
@@ -647,6 +662,11 @@ func (s *Server) Serve(ln net.Listener) error {
 		return nil
 	}
 	ln = newRetryListener(ln, s.acceptFailed, s.acceptRecovered)
+	capped := &capListener{Listener: ln, max: s.maxConns, open: &s.openConns, refused: s.connRefused}
+	if s.cert.Load() == nil {
+		capped.refusal = tooManyConnsAnswer // under TLS, plain text is no answer: closed only
+	}
+	ln = capped
 	ln = writeIdleListener{ln, func() time.Duration { return s.st.Load().cfg.Limits.StreamIdleTimeout }}
 	if s.cert.Load() != nil {
 		ln = tls.NewListener(plainHTTPGuard{ln}, &tls.Config{

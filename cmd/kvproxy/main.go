@@ -112,7 +112,7 @@ func (c *command) run(args []string) (code int) {
 		return 1
 	}
 	log.Info().Str("listen", ln.Addr().String()).Bool("tls", cfg.TLS.Enabled()).Int("backends", len(cfg.Backends)).
-		Str("policy", cfg.Router.Policy).Msg("kvproxy serving")
+		Str("policy", cfg.Router.Policy).Int("max_connections", srv.MaxConnections()).Msg("kvproxy serving")
 
 	// A reload (SIGHUP or POST /admin/reload, which may come at once) is
 	// applied whole under reloadMu: load, start the mocks it adds, swap the

@@ -1,0 +1,137 @@
+package proxy
+
+import (
+	"errors"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// capListener caps the client connections open at once
+// (limits.max_connections, read at each accept: a reload changes it). One
+// over the cap is answered a 503 and closed at once, before fasthttp gives
+// it a goroutine and buffers: without a cap, idle connections took every
+// file descriptor the process had, and then the engine connections,
+// probes and event feeds had none either (found by the security review).
+type capListener struct {
+	net.Listener
+	max     func() int
+	open    *atomic.Int64
+	refusal []byte // written to a connection over the cap; nil under TLS
+	refused func()
+}
+
+func (l *capListener) Accept() (net.Conn, error) {
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil {
+			return nil, err
+		}
+		if l.open.Add(1) <= int64(l.max()) {
+			return &countedConn{Conn: c, open: l.open}, nil
+		}
+		l.open.Add(-1)
+		if l.refusal != nil {
+			// A new socket's send buffer is empty: this never waits, but
+			// the accept loop must not, whatever the kernel does.
+			c.SetWriteDeadline(time.Now().Add(10 * time.Millisecond))
+			c.Write(l.refusal)
+		}
+		c.Close()
+		l.refused()
+	}
+}
+
+// countedConn is a client connection counted open until its first Close.
+type countedConn struct {
+	net.Conn
+	open   *atomic.Int64
+	closed atomic.Bool
+}
+
+func (c *countedConn) Close() error {
+	if c.closed.CompareAndSwap(false, true) {
+		c.open.Add(-1)
+	}
+	return c.Conn.Close()
+}
+
+// SyscallConn lets the hang-up watcher reach the socket.
+func (c *countedConn) SyscallConn() (syscall.RawConn, error) {
+	if sc, ok := c.Conn.(syscall.Conn); ok {
+		return sc.SyscallConn()
+	}
+	return nil, errors.ErrUnsupported
+}
+
+var tooManyConnsAnswer = func() []byte {
+	body := errorJSON("kvproxy has as many client connections open as limits.max_connections allows; try again", "service_unavailable", "", "too_many_connections")
+	return []byte("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\nConnection: close\r\nContent-Length: " +
+		strconv.Itoa(len(body)) + "\r\n\r\n" + string(body))
+}()
+
+// defaultMaxConns bounds the derived cap: an idle keep-alive connection
+// holds ~20 KB (its goroutine and read buffer: 3,000 took 64 MB of RSS), so
+// 10,000 stay near 200 MB, far more clients than a fleet of engines serves
+// at once (vLLM runs 256 sequences an engine by default).
+const defaultMaxConns = 10000
+
+// connsFor is how many client connections an open files limit has room
+// for: each may hold an engine connection too (its request in flight, then
+// kept idle in the pool), and a reserve stays for the listener, the
+// engines' event feeds, probes and scrapes, the tokenizers' files and logs.
+func connsFor(nofile uint64) uint64 {
+	reserve := min(nofile/4, 256)
+	return (nofile - reserve) / 2
+}
+
+// autoMaxConns is the cap when limits.max_connections is 0: what the open
+// files limit has room for, at most defaultMaxConns (nofile 0: unknown).
+func autoMaxConns(nofile uint64) int {
+	if nofile == 0 {
+		return defaultMaxConns
+	}
+	return int(max(1, min(defaultMaxConns, connsFor(nofile))))
+}
+
+// MaxConnections is the cap on client connections in force
+// (limits.max_connections, or the one derived from the open files limit).
+func (s *Server) MaxConnections() int { return s.maxConns() }
+
+// maxConns is the cap on client connections in force.
+func (s *Server) maxConns() int {
+	if n := s.st.Load().cfg.Limits.MaxConnections; n > 0 {
+		return n
+	}
+	return s.autoConns
+}
+
+// refuseLog says how many connections the cap refused, in a line every
+// 10 s at most.
+type refuseLog struct {
+	mu      sync.Mutex
+	last    time.Time
+	refused int // since the last line
+}
+
+// connRefused counts a connection refused over the cap and logs it, with
+// those since the last line.
+func (s *Server) connRefused() {
+	s.metrics.connsRefused.Inc()
+	l := &s.refuseLog
+	l.mu.Lock()
+	l.refused++
+	now := time.Now()
+	if now.Sub(l.last) < 10*time.Second {
+		l.mu.Unlock()
+		return
+	}
+	n := l.refused
+	l.refused, l.last = 0, now
+	l.mu.Unlock()
+	s.log.Warn().Int("max_connections", s.maxConns()).Int("refused", n).
+		Msg("client connections refused: limits.max_connections are open (answered 503 and closed)")
+}

@@ -1,0 +1,198 @@
+package proxy
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvproxy/kvproxy/config"
+)
+
+// rawGet sends a GET on c (keep-alive) and returns the answer's status and
+// body.
+func rawGet(t *testing.T, c net.Conn, br *bufio.Reader, path string) (int, string) {
+	t.Helper()
+	c.SetDeadline(time.Now().Add(3 * time.Second))
+	defer c.SetDeadline(time.Time{})
+	if _, err := fmt.Fprintf(c, "GET %s HTTP/1.1\r\nHost: x\r\n\r\n", path); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	return resp.StatusCode, string(b)
+}
+
+// refusedAtOnce reports how a connection over the cap ended: answered 503
+// too_many_connections, or closed (a reset may beat the answer); an
+// answer from the handler, or none within 2 s, fails.
+func refusedAtOnce(t *testing.T, addr string) {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(2 * time.Second))
+	fmt.Fprintf(c, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+	b, err := io.ReadAll(c)
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		t.Fatalf("a connection over the cap was neither answered nor closed (read %q)", b)
+	}
+	if len(b) > 0 && (!strings.HasPrefix(string(b), "HTTP/1.1 503") || !strings.Contains(string(b), "too_many_connections")) {
+		t.Fatalf("a connection over the cap got %q", b)
+	}
+}
+
+func gauge(metrics, name string) string {
+	for _, l := range strings.Split(metrics, "\n") {
+		if strings.HasPrefix(l, name+" ") {
+			return strings.TrimPrefix(l, name+" ")
+		}
+	}
+	return ""
+}
+
+// limits.max_connections caps the client connections open at once: one
+// more is answered 503 too_many_connections and closed at once, counted
+// and logged; a connection that closes makes room again, and a reload
+// changes the cap. Without one, idle connections took every descriptor.
+func TestConnectionCap(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	yaml := "models: [{name: m, tokenizer: cl100k_base, template: chatml}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {max_connections: %d}\n"
+	p := startProxyYAML(t, fmt.Sprintf(yaml, 3), e)
+	addr := strings.TrimPrefix(p.url, "http://")
+
+	a, err := net.Dial("tcp", addr) // asks for the metrics, keep-alive
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	ar := bufio.NewReader(a)
+	idle := make([]net.Conn, 2) // send nothing
+	for i := range idle {
+		if idle[i], err = net.Dial("tcp", addr); err != nil {
+			t.Fatal(err)
+		}
+		defer idle[i].Close()
+	}
+	for deadline := time.Now().Add(3 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		_, m := rawGet(t, a, ar, "/metrics")
+		if gauge(m, "kvproxy_client_connections") == "3" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("kvproxy_client_connections %q, want 3", gauge(m, "kvproxy_client_connections"))
+		}
+	}
+	refusedAtOnce(t, addr)
+	refusedAtOnce(t, addr)
+	if _, m := rawGet(t, a, ar, "/metrics"); gauge(m, "kvproxy_client_connections_refused_total") != "2" || gauge(m, "kvproxy_client_connections") != "3" {
+		t.Fatalf("refused %q open %q, want 2 and 3", gauge(m, "kvproxy_client_connections_refused_total"), gauge(m, "kvproxy_client_connections"))
+	}
+	if n := strings.Count(p.logs.String(), "client connections refused"); n != 1 {
+		t.Errorf("%d lines for 2 refusals in a moment, want 1:\n%s", n, p.logs.String())
+	}
+
+	// A connection closing makes room.
+	idle[0].Close()
+	waitServed := func(what string) {
+		t.Helper()
+		for deadline := time.Now().Add(3 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+			resp, err := http.Get(p.url + "/health")
+			if err == nil {
+				resp.Body.Close()
+				if resp.StatusCode == 200 {
+					return
+				}
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: no answer (%v)", what, err)
+			}
+		}
+	}
+	waitServed("after a connection closed")
+	http.DefaultClient.CloseIdleConnections()
+
+	// A reload changes the cap for the connections that come next.
+	cfg, err := config.Parse([]byte(strings.ReplaceAll(fmt.Sprintf(yaml, 1), "{{e0}}", e.addr)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	refusedAtOnce(t, addr)
+	cfg, err = config.Parse([]byte(strings.ReplaceAll(fmt.Sprintf(yaml, 5), "{{e0}}", e.addr)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(p.s.st.Load().restartNeeded); n != 0 {
+		t.Errorf("max_connections needs a restart: %v", p.s.st.Load().restartNeeded)
+	}
+	waitServed("after the cap was raised")
+}
+
+// The cap's default: what the open files limit has room for (a client
+// connection and its engine connection each, a reserve besides), at most
+// 10,000.
+func TestAutoMaxConns(t *testing.T) {
+	for _, c := range []struct {
+		nofile uint64
+		want   int
+	}{{0, 10000}, {64, 24}, {1024, 384}, {20000, 9872}, {1 << 20, 10000}, {1<<64 - 1, 10000}, {2, 1}} {
+		if got := autoMaxConns(c.nofile); got != c.want {
+			t.Errorf("autoMaxConns(%d) = %d, want %d", c.nofile, got, c.want)
+		}
+	}
+}
+
+// limits.idle_timeout closes a client's keep-alive connection idle that
+// long (it was a fixed 120 s); changing it needs a restart, as the other
+// settings of the HTTP server do.
+func TestIdleTimeoutClosesKeepAlive(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	yaml := "models: [{name: m, tokenizer: cl100k_base, template: chatml}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {idle_timeout: %s}\n"
+	p := startProxyYAML(t, fmt.Sprintf(yaml, "300ms"), e)
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	br := bufio.NewReader(c)
+	rawGet(t, c, br, "/health") // the first request: header_timeout applies before it
+	if status, _ := rawGet(t, c, br, "/health"); status != 200 {
+		t.Fatalf("/health: %d", status)
+	}
+	start := time.Now()
+	c.SetReadDeadline(time.Now().Add(3 * time.Second))
+	if _, err := br.ReadByte(); err != io.EOF {
+		t.Fatalf("an idle keep-alive connection: %v after %v, want closed (EOF) after 300ms", err, time.Since(start))
+	}
+	if d := time.Since(start); d < 200*time.Millisecond {
+		t.Fatalf("closed after %v, before the idle timeout", d)
+	}
+	cfg, err := config.Parse([]byte(strings.ReplaceAll(fmt.Sprintf(yaml, "1m"), "{{e0}}", e.addr)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if got := fmt.Sprint(p.s.st.Load().restartNeeded); got != "[limits.idle_timeout]" {
+		t.Errorf("restart_needed %s, want [limits.idle_timeout]", got)
+	}
+}
