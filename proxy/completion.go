@@ -109,7 +109,7 @@ func (s *Server) admit(ctx *fasthttp.RequestCtx, st *state) (admitted, bool) {
 	start := ctx.Time() // fasthttp reads the clock just before calling the handler
 	rid, engineID := s.requestIDs(ctx)
 	if s.draining.Load() {
-		shuttingDown(ctx, "kvproxy is shutting down; retry")
+		s.shuttingDown(ctx, "kvproxy is shutting down; retry")
 		return admitted{}, false
 	}
 	t := st.auth.client(ctx)
@@ -492,7 +492,7 @@ func (s *Server) attempt(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *ex
 			if x.resp != nil && x.resp.owner != "" && errors.Is(err, router.ErrWorkerUnavailable) {
 				msg := "backend " + x.resp.owner + ", which holds the previous response " + x.resp.prevTagged + ", is not available; retry"
 				ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(x.resp.owner))
-				unavailable(ctx, 1, msg)
+				s.unavailable(ctx, whyOwner, msg)
 				s.logRejected(ctx, rid, x.tenant, x.model, fasthttp.StatusServiceUnavailable, start, "previous response's backend unavailable")
 				return
 			}
@@ -674,13 +674,17 @@ func (x *exchange) release() {
 func (s *Server) routeFailed(ctx *fasthttp.RequestCtx, rid, tenant, model string, start time.Time, err error) {
 	switch {
 	case errors.Is(err, errQueueFull), errors.Is(err, errQueueTimeout):
-		unavailable(ctx, 1, err.Error())
+		why := whyQueueFull
+		if errors.Is(err, errQueueTimeout) {
+			why = whyQueueTimeout
+		}
+		s.unavailable(ctx, why, err.Error())
 		ctx.Response.Header.Set("X-Kvproxy-Overloaded", "1")
 		s.logRejected(ctx, rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
 	case errors.Is(err, errClientGone):
 		s.logRejected(ctx, rid, tenant, model, 499, start, err.Error())
 	case errors.Is(err, errRemoved):
-		unavailable(ctx, 1, err.Error()+"; retry")
+		s.unavailable(ctx, whyRemoved, err.Error()+"; retry")
 		s.logRejected(ctx, rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
 	default:
 		s.noWorker(ctx, rid, tenant, model, start, err)
@@ -730,9 +734,9 @@ func (s *Server) rateLimited(ctx *fasthttp.RequestCtx, rid, tenant, model string
 
 func (s *Server) noWorker(ctx *fasthttp.RequestCtx, rid, tenant, model string, start time.Time, err error) {
 	if errors.Is(err, router.ErrWorkerUnavailable) {
-		unavailable(ctx, 1, "the pinned backend is not available")
+		s.unavailable(ctx, whyPinned, "the pinned backend is not available")
 	} else {
-		unavailable(ctx, 1, "no healthy backend is available for model "+strconv.Quote(model))
+		s.unavailable(ctx, whyNoBackend, "no healthy backend is available for model "+strconv.Quote(model))
 	}
 	s.logRejected(ctx, rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
 }
@@ -790,7 +794,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		case errors.Is(err, backends.ErrAborted) && s.live.isCut():
 			x.status, x.errMsg = fasthttp.StatusServiceUnavailable, errCutMsg
 			ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
-			shuttingDown(ctx, errCutMsg)
+			s.shuttingDown(ctx, errCutMsg)
 		case errors.Is(err, backends.ErrAborted):
 			x.status = 499 // client closed the request
 		case errors.As(err, &ce):
@@ -848,7 +852,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				switch {
 				case aborted && s.live.isCut():
 					x.status, x.errMsg = fasthttp.StatusServiceUnavailable, errCutMsg
-					shuttingDown(ctx, errCutMsg)
+					s.shuttingDown(ctx, errCutMsg)
 				case aborted: // the client hung up: the engine is not at fault
 					x.status = 499
 				default:

@@ -1,8 +1,6 @@
 package proxy
 
 import (
-	"strconv"
-
 	"github.com/goccy/go-json"
 	"github.com/valyala/fasthttp"
 )
@@ -42,15 +40,35 @@ func badRequest(ctx *fasthttp.RequestCtx, param, msg string) {
 	writeError(ctx, fasthttp.StatusBadRequest, msg, "invalid_request_error", param, "")
 }
 
-func unavailable(ctx *fasthttp.RequestCtx, retryAfter int, msg string) {
-	ctx.Response.Header.Set("Retry-After", strconv.Itoa(retryAfter))
+func (s *Server) unavailable(ctx *fasthttp.RequestCtx, why unavailableReason, msg string) {
+	s.metrics.unavailable.WithLabelValues(string(why)).Inc()
+	ctx.Response.Header.Set("Retry-After", "1")
 	writeError(ctx, fasthttp.StatusServiceUnavailable, msg, "service_unavailable", "", "no_backend_available")
 }
+
+// unavailableReason is why kvproxy answered a 503 itself, as
+// kvproxy_unavailable_total counts it: saturation (the queue) told apart
+// from an outage (no healthy backend) without reading the log.
+type unavailableReason string
+
+const (
+	whyQueueFull    unavailableReason = "queue_full"                   // every backend at max_concurrency, limits.max_queue waiting
+	whyQueueTimeout unavailableReason = "queue_timeout"                // waited limits.queue_timeout for a slot
+	whyNoBackend    unavailableReason = "no_healthy_backend"           // the model has none
+	whyPinned       unavailableReason = "pinned_backend_unavailable"   // nvext.backend_instance_id's is down or full
+	whyOwner        unavailableReason = "response_backend_unavailable" // the backend that holds a previous response is down
+	whyRemoved      unavailableReason = "backend_removed"              // a reload removed the chosen one
+	whyShuttingDown unavailableReason = "shutting_down"                // draining, or cut at the drain deadline
+)
+
+// unavailableReasons are all of them, for the metric to start at zero.
+var unavailableReasons = []unavailableReason{whyQueueFull, whyQueueTimeout, whyNoBackend, whyPinned, whyOwner, whyRemoved, whyShuttingDown}
 
 // shuttingDown answers a request kvproxy will not serve because it is
 // shutting down (draining, or cut at the drain deadline), in the shape of a
 // cut stream's error event: service_unavailable, code shutting_down.
-func shuttingDown(ctx *fasthttp.RequestCtx, msg string) {
+func (s *Server) shuttingDown(ctx *fasthttp.RequestCtx, msg string) {
+	s.metrics.unavailable.WithLabelValues(string(whyShuttingDown)).Inc()
 	ctx.Response.Header.Set("Connection", "close")
 	ctx.Response.Header.Set("Retry-After", "1")
 	writeError(ctx, fasthttp.StatusServiceUnavailable, msg, "service_unavailable", "", "shutting_down")

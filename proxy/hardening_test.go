@@ -424,8 +424,9 @@ func TestReloadAddsAndRemovesBackendsDuringStreams(t *testing.T) {
 
 func TestConcurrencyLimitQueuesThenSheds(t *testing.T) {
 	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 600 * time.Millisecond })
+	var p *testProxy
 	run := func(yaml string, n int) map[int]int {
-		p := startProxyYAML(t, yaml, e)
+		p = startProxyYAML(t, yaml, e)
 		codes := make(chan int, n)
 		for i := 0; i < n; i++ {
 			go func() {
@@ -454,6 +455,13 @@ limits: {max_queue: 2, queue_timeout: 200ms}
 `, 6)
 	if got[200] != 2 || got[503] != 4 {
 		t.Fatalf("want 2 served and 4 shed, got %v", got)
+	}
+	// Saturation, told apart from an outage (the operator trial).
+	m := p.metrics(t)
+	for _, want := range []string{`kvproxy_unavailable_total{reason="queue_full"} 2`, `kvproxy_unavailable_total{reason="queue_timeout"} 2`, `kvproxy_unavailable_total{reason="no_healthy_backend"} 0`} {
+		if !strings.Contains(m, want) {
+			t.Errorf("want %s:\n%s", want, grepLines(m, "unavailable_total"))
+		}
 	}
 	// A queue timeout longer than a request: waiting requests get served.
 	got = run(`

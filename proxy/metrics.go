@@ -14,23 +14,24 @@ import (
 )
 
 type metrics struct {
-	requests   *prometheus.CounterVec
-	ok         sync.Map // backend id → its requests counter for status 200
-	ttft       *prometheus.HistogramVec
-	ttftOf     sync.Map // backend id → its TTFT observer
-	duration   *prometheus.HistogramVec
-	durationOf sync.Map // backend id → its duration observer
-	tokens     *prometheus.CounterVec
-	tokensMu   sync.RWMutex
-	tokensOf   map[[2]string]*[3]prometheus.Counter // model, tenant → prompt, completion, cached
-	hitRatio   prometheus.Histogram
-	route      prometheus.Histogram
-	ejections  *prometheus.CounterVec // backend, reason (the eject* constants)
-	reroutes   *prometheus.CounterVec // backend that refused
-	reloads    *prometheus.CounterVec // result: ok, rejected
-	reloadOK   prometheus.Gauge
-	limited    *prometheus.CounterVec // tenant, limit: requests, tokens, concurrency
-	panics     prometheus.Counter
+	requests    *prometheus.CounterVec
+	ok          sync.Map // backend id → its requests counter for status 200
+	ttft        *prometheus.HistogramVec
+	ttftOf      sync.Map // backend id → its TTFT observer
+	duration    *prometheus.HistogramVec
+	durationOf  sync.Map // backend id → its duration observer
+	tokens      *prometheus.CounterVec
+	tokensMu    sync.RWMutex
+	tokensOf    map[[2]string]*[3]prometheus.Counter // model, tenant → prompt, completion, cached
+	hitRatio    prometheus.Histogram
+	route       prometheus.Histogram
+	ejections   *prometheus.CounterVec // backend, reason (the eject* constants)
+	reroutes    *prometheus.CounterVec // backend that refused
+	reloads     *prometheus.CounterVec // result: ok, rejected
+	reloadOK    prometheus.Gauge
+	limited     *prometheus.CounterVec // tenant, limit: requests, tokens, concurrency
+	panics      prometheus.Counter
+	unavailable *prometheus.CounterVec // reason (unavailableReason)
 	// acceptErrors counts accept errors kvproxy served on through.
 	acceptErrors prometheus.Counter
 	// connsRefused counts client connections refused over the cap.
@@ -47,11 +48,11 @@ func newMetrics() *metrics {
 		}, []string{"backend", "code"}),
 		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "kvproxy_ttft_seconds", Help: "Time from request arrival to the first streamed token, by backend.",
-			Buckets: prometheus.ExponentialBuckets(0.005, 2, 14),
+			Buckets: prometheus.ExponentialBuckets(0.005, 2, 16), // 5 ms to 164 s: a prefill queued behind a loaded engine's can take a minute
 		}, []string{"backend"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "kvproxy_request_duration_seconds", Help: "Time from request arrival to the end of its answer, by backend (every status, streams included).",
-			Buckets: prometheus.ExponentialBuckets(0.005, 2, 16),
+			Buckets: prometheus.ExponentialBuckets(0.005, 2, 18), // 5 ms to 11 min: long generations
 		}, []string{"backend"}),
 		tokens: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvproxy_tokens_total", Help: "Tokens of the completion requests engines took (and of pass-through answers with a usage), by model, tenant and type: prompt, completion (output) and cached (prompt tokens the engine found in its cache); the engine's usage where it reported one, else kvproxy's estimate.",
@@ -93,6 +94,12 @@ func newMetrics() *metrics {
 	m.connsRefused = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvproxy_client_connections_refused_total", Help: "Client connections answered 503 and closed at once because limits.max_connections were open (kvproxy_client_connections).",
 	})
+	m.unavailable = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvproxy_unavailable_total", Help: "503s kvproxy answered itself, by reason: queue_full, queue_timeout (saturation: every backend at max_concurrency), no_healthy_backend (an outage), pinned_backend_unavailable, response_backend_unavailable, backend_removed, shutting_down.",
+	}, []string{"reason"})
+	for _, why := range unavailableReasons {
+		m.unavailable.WithLabelValues(string(why))
+	}
 	return m
 }
 
@@ -100,7 +107,7 @@ func newMetrics() *metrics {
 // scrape time; s must be complete (its state and replicas set).
 func (m *metrics) register(reg *prometheus.Registry, s *Server) {
 	build := buildinfo.Read()
-	reg.MustRegister(m.requests, m.ttft, m.duration, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.reloads, m.reloadOK, m.limited, m.panics, m.acceptErrors, m.connsRefused,
+	reg.MustRegister(m.requests, m.ttft, m.duration, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.reloads, m.reloadOK, m.limited, m.panics, m.unavailable, m.acceptErrors, m.connsRefused,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvproxy_client_connections", Help: "Client connections open (limits.max_connections caps them).",
 		}, func() float64 { return float64(s.openConns.Load()) }),

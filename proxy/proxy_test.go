@@ -440,6 +440,9 @@ func TestNoHealthyBackendIs503(t *testing.T) {
 	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" || !bytes.Contains(body, []byte(`"error"`)) {
 		t.Fatalf("want 503 with Retry-After, got %d %v %s", resp.StatusCode, resp.Header, body)
 	}
+	if m := p.metrics(t); !strings.Contains(m, `kvproxy_unavailable_total{reason="no_healthy_backend"} 1`) {
+		t.Errorf("the outage is not counted:\n%s", grepLines(m, "unavailable_total"))
+	}
 	resp, err := http.Get(p.url + "/health")
 	if err != nil {
 		t.Fatal(err)
@@ -673,7 +676,9 @@ func TestModelsHealthAdminMetrics(t *testing.T) {
 		t.Fatalf("/admin/backends: pending %d, mean lifetime %.0f ms; want 0 and the request's ≥ 20 ms", rows[0].Pending, rows[0].MeanLifetimeMs)
 	}
 	m := string(get("/metrics"))
-	for _, name := range []string{"kvproxy_requests_total{backend=\"e0\",code=\"200\"} 2", "kvproxy_inflight_requests{backend=\"e0\"} 0", "kvproxy_route_seconds_count", "kvproxy_prefix_hit_ratio_count", "kvproxy_ttft_seconds_count{backend=\"e0\"} 1"} {
+	for _, name := range []string{"kvproxy_requests_total{backend=\"e0\",code=\"200\"} 2", "kvproxy_inflight_requests{backend=\"e0\"} 0", "kvproxy_route_seconds_count", "kvproxy_prefix_hit_ratio_count", "kvproxy_ttft_seconds_count{backend=\"e0\"} 1",
+		// LLM latencies: a TTFT of a minute, a generation of ten, still in a bucket.
+		"kvproxy_ttft_seconds_bucket{backend=\"e0\",le=\"163.84\"} 1", "kvproxy_request_duration_seconds_bucket{backend=\"e0\",le=\"655.36\"} 2"} {
 		if !strings.Contains(m, name) {
 			t.Fatalf("/metrics lacks %q", name)
 		}

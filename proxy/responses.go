@@ -804,7 +804,7 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 		// As a follow-up that needs it gets: the response is stored there
 		// only, and the backend may be back in a moment.
 		status, errMsg = fasthttp.StatusServiceUnavailable, "backend unavailable"
-		unavailable(ctx, 1, "backend "+b.cfg.ID+", which holds the response "+id+", is not available; retry")
+		s.unavailable(ctx, whyOwner, "backend "+b.cfg.ID+", which holds the response "+id+", is not available; retry")
 	} else if err := s.askOwner(ctx, b, fr, resp); err != nil {
 		status, errMsg = s.byIDFailed(ctx, b, err)
 	} else {
@@ -888,7 +888,7 @@ func (s *Server) byIDFailed(ctx *fasthttp.RequestCtx, b *backend, err error) (in
 	var ce *backends.ConnectError
 	switch {
 	case errors.Is(err, backends.ErrAborted) && s.live.isCut():
-		shuttingDown(ctx, errCutMsg)
+		s.shuttingDown(ctx, errCutMsg)
 		return fasthttp.StatusServiceUnavailable, errCutMsg
 	case errors.Is(err, backends.ErrAborted):
 		return 499, "" // client closed the request: nothing to answer
