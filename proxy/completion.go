@@ -103,7 +103,8 @@ type admitted struct {
 }
 
 // admit names the request and checks what comes before reading it: the
-// proxy is not draining, the API key, the tenant's request rate, the body.
+// proxy is not draining, the API key, the tenant's request rate and
+// max_concurrency, the body.
 // When it reports false the request has been answered.
 func (s *Server) admit(ctx *fasthttp.RequestCtx, st *state) (admitted, bool) {
 	start := ctx.Time() // fasthttp reads the clock just before calling the handler
@@ -122,17 +123,22 @@ func (s *Server) admit(ctx *fasthttp.RequestCtx, st *state) (admitted, bool) {
 		s.rateLimited(ctx, rid, t.name, "", start, wait, "requests") // before the body is read
 		return admitted{}, false
 	}
-	body, ok := requestBody(ctx, st.cfg.Limits.MaxRequestBodyBytes)
-	if !ok {
-		s.logRejected(ctx, rid, t.name, "", ctx.Response.StatusCode(), start, "undecodable body")
-		return admitted{}, false
-	}
+	// The slot is taken before the body is decoded: decoding takes up to
+	// the body limit of memory, and a tenant's max_concurrency bounds how
+	// many of its bodies are decoded at once (twenty small compressed
+	// bombs at once took 1.8 GB when it came after).
 	slot, ok := t.acquire()
 	if !ok {
 		s.metrics.limited.WithLabelValues(t.name, "concurrency").Inc()
 		ctx.Response.Header.Set("Retry-After", "1")
 		writeError(ctx, fasthttp.StatusTooManyRequests, fmt.Sprintf("too many requests in flight: the limit is %d at once; retry when one has ended", t.maxInflight), "rate_limit_error", "", "concurrency_limit_exceeded")
 		s.logRejected(ctx, rid, t.name, "", fasthttp.StatusTooManyRequests, start, "tenant max_concurrency")
+		return admitted{}, false
+	}
+	body, ok := requestBody(ctx, st.cfg.Limits.MaxRequestBodyBytes)
+	if !ok {
+		slot.release()
+		s.logRejected(ctx, rid, t.name, "", ctx.Response.StatusCode(), start, "undecodable body")
 		return admitted{}, false
 	}
 	return admitted{rid, engineID, start, t, body, slot}, true
@@ -1036,8 +1042,7 @@ func plainBody(resp *fasthttp.Response) (body, enc []byte) {
 	if len(coding) == 0 || string(coding) == "identity" {
 		return resp.Body(), nil
 	}
-	resp.Header.SetContentEncodingBytes(coding) // fasthttp matches lowercase
-	b, err := uncompressed(coding, resp.Body(), 64<<20, resp.BodyUncompressedWithLimit)
+	b, err := decoded(coding, resp.Body(), 64<<20)
 	if err != nil {
 		return resp.Body(), coding
 	}

@@ -20,13 +20,12 @@ func requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
 	if len(enc) == 0 || string(enc) == "identity" {
 		return ctx.PostBody(), true
 	}
-	// Content codings are case-insensitive; fasthttp matches lowercase.
+	// Content codings are case-insensitive.
 	lower := bytes.ToLower(bytes.TrimSpace(enc))
-	ctx.Request.Header.SetContentEncodingBytes(lower)
 	if string(lower) == "identity" {
 		return ctx.PostBody(), true
 	}
-	body, err := uncompressed(lower, ctx.PostBody(), max, ctx.Request.BodyUncompressedWithLimit)
+	body, err := decoded(lower, ctx.PostBody(), max)
 	if err != nil && string(lower) == "deflate" && !errors.Is(err, fasthttp.ErrBodyTooLarge) {
 		// "deflate" is zlib-wrapped by the standard; some clients send the
 		// raw stream.
@@ -53,28 +52,64 @@ func requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
 func inflateRaw(b []byte, max int) ([]byte, error) {
 	r := flate.NewReader(bytes.NewReader(b))
 	defer r.Close()
-	return readAtMost(r, max)
+	w := newCappedBuffer(len(b), max)
+	if _, err := io.Copy(w, r); err != nil {
+		return nil, err
+	}
+	return w.b, nil
 }
 
-// readAtMost reads r to its end, failing with ErrBodyTooLarge past max bytes.
-func readAtMost(r io.Reader, max int) ([]byte, error) {
-	out, err := io.ReadAll(io.LimitReader(r, int64(max)+1))
+// cappedBuffer collects what is written to it, up to max bytes: a write
+// past them fails with ErrBodyTooLarge. It grows by doubling, but never
+// past max, so a decompression bomb costs at most max bytes of output
+// (fasthttp's pooled buffers and io.ReadAll double past the limit: a body
+// at a 32 MiB limit took 64 MiB, and the copy before it 32 more).
+type cappedBuffer struct {
+	b   []byte
+	max int
+}
+
+// newCappedBuffer is a cappedBuffer for what in bytes of compressed input
+// decompress to: it starts at a few times that.
+func newCappedBuffer(in, max int) *cappedBuffer {
+	return &cappedBuffer{b: make([]byte, 0, min(max, 4*in+512)), max: max}
+}
+
+func (c *cappedBuffer) Write(p []byte) (int, error) {
+	if len(p) > c.max-len(c.b) {
+		return 0, fasthttp.ErrBodyTooLarge
+	}
+	if need := len(c.b) + len(p); need > cap(c.b) {
+		nb := make([]byte, len(c.b), min(c.max, max(2*cap(c.b), need)))
+		copy(nb, c.b)
+		c.b = nb
+	}
+	c.b = append(c.b, p...)
+	return len(p), nil
+}
+
+// decoded is body decompressed from coding, no larger than max. fasthttp's
+// decoders write into a cappedBuffer (its own ...WithLimit ones collect
+// into a buffer that doubles past the limit); zstd kvproxy decodes itself.
+func decoded(coding, body []byte, max int) ([]byte, error) {
+	w := newCappedBuffer(len(body), max)
+	var err error
+	switch string(coding) {
+	case "gzip":
+		_, err = fasthttp.WriteGunzip(w, body)
+	case "deflate":
+		_, err = fasthttp.WriteInflate(w, body)
+	case "br":
+		_, err = fasthttp.WriteUnbrotli(w, body)
+	case "zstd":
+		err = unzstd(w, body)
+	default:
+		return nil, fasthttp.ErrContentEncodingUnsupported
+	}
 	if err != nil {
 		return nil, err
 	}
-	if len(out) > max {
-		return nil, fasthttp.ErrBodyTooLarge
-	}
-	return out, nil
-}
-
-// uncompressed is body decompressed from coding, no larger than max:
-// fasthttp's decoding (decode), but for zstd, which kvproxy decodes itself.
-func uncompressed(coding, body []byte, max int, decode func(max int) ([]byte, error)) ([]byte, error) {
-	if string(coding) == "zstd" {
-		return unzstd(body, max)
-	}
-	return decode(max)
+	return w.b, nil
 }
 
 // zstdMaxWindow bounds the window a zstd body may need: what the zstd tool
@@ -82,16 +117,17 @@ func uncompressed(coding, body []byte, max int, decode func(max int) ([]byte, er
 // a request body has no use for.
 const zstdMaxWindow = 64 << 20
 
-// unzstd decompresses a zstd body of at most max bytes, with a decoder of
-// its own that it closes. fasthttp's (v1.74) puts its pooled decoder back
-// mid-stream when the limit stops it, never closed: every body over the
-// limit leaked the decoder's goroutines and window for good (a 10 KB bomb
-// held 125 MB; found by the twelfth session's abuse trial).
-func unzstd(b []byte, max int) ([]byte, error) {
+// unzstd decompresses a zstd body into w, with a decoder of its own that
+// it closes. fasthttp's (v1.74) puts its pooled decoder back mid-stream
+// when the limit stops it, never closed: every body over the limit leaked
+// the decoder's goroutines and window for good (a 10 KB bomb held 125 MB;
+// found by the twelfth session's abuse trial).
+func unzstd(w io.Writer, b []byte) error {
 	d, err := zstd.NewReader(bytes.NewReader(b), zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxWindow(zstdMaxWindow), zstd.WithDecoderLowmem(true))
 	if err != nil {
-		return nil, err
+		return err
 	}
 	defer d.Close()
-	return readAtMost(d, max)
+	_, err = io.Copy(w, d)
+	return err
 }
