@@ -3,8 +3,10 @@ package proxy
 import (
 	"bufio"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
+	"runtime"
 	rtmetrics "runtime/metrics"
 	"strings"
 	"sync"
@@ -117,5 +119,192 @@ func TestCompressedBombsWaitForTheTenantsSlot(t *testing.T) {
 		t.Fatalf("the heap grew by %d MB decoding bombs one at a time (answers %v)", grew>>20, statuses)
 	}
 	t.Logf("answers %v, heap peak +%d MB", statuses, (int64(peak)-int64(base))>>20)
+	p.waitIdle(t)
+}
+
+// liveHeap is the heap's live bytes, after a collection.
+func liveHeap() int64 {
+	runtime.GC()
+	return int64(heapNow())
+}
+
+// A body costs memory as it arrives, not as declared: connections that
+// declare the limit (8 MiB) and send a byte every 100 ms hold a few KB
+// each, not 8 MiB each (fasthttp allocated the declared length before
+// reading: a tenant's 40 such connections took 1.6 GB at the 32 MiB
+// default). And a tenant's bodies are read one max_concurrency slot each:
+// of a capped tenant's six bodies on their way, five are refused (429) at
+// once, not read.
+func TestDeclaredBodiesCostWhatArrives(t *testing.T) {
+	p := startProxyYAML(t, bodyLimitYAML, startFake(t, "e0", nil))
+	const limit = 8 << 20
+	base := liveHeap()
+	var mu sync.Mutex
+	var conns []net.Conn
+	open := func(key string, first int) net.Conn {
+		c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.SetDeadline(time.Now().Add(20 * time.Second))
+		fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n{%s",
+			key, limit, strings.Repeat(" ", first))
+		mu.Lock()
+		conns = append(conns, c)
+		mu.Unlock()
+		return c
+	}
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { // a byte every 100 ms on every connection
+		defer wg.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(100 * time.Millisecond):
+			}
+			mu.Lock()
+			for _, c := range conns {
+				c.Write([]byte(" "))
+			}
+			mu.Unlock()
+		}
+	}()
+	defer func() {
+		close(stop)
+		wg.Wait()
+		for _, c := range conns {
+			c.Close()
+		}
+	}()
+	for range 12 {
+		open("key-free-45678", 0)
+	}
+	time.Sleep(500 * time.Millisecond)
+	grew := liveHeap() - base
+	t.Logf("12 connections trickling: heap +%d KB", grew>>10)
+	if grew > 4<<20 {
+		t.Fatalf("12 connections declaring %d MB bodies, a few bytes of each sent: the heap holds %d MB more", limit>>20, grew>>20)
+	}
+
+	// The capped tenant: 32 KB of each body at once, then a byte at a time.
+	capped := make([]net.Conn, 6)
+	for i := range capped {
+		capped[i] = open("key-capped-123", 32<<10)
+	}
+	statuses := make(chan int, len(capped))
+	for _, c := range capped {
+		go func() {
+			c.SetReadDeadline(time.Now().Add(4 * time.Second))
+			resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+			if err != nil {
+				statuses <- 0
+				return
+			}
+			resp.Body.Close()
+			statuses <- resp.StatusCode
+		}()
+	}
+	got := map[int]int{}
+	for range 5 {
+		got[<-statuses]++
+	}
+	if got[429] != 5 {
+		t.Fatalf("a tenant with max_concurrency 1 sending six bodies: %v in 4 s, want five 429s", got)
+	}
+	grew = liveHeap() - base
+	t.Logf("and the capped tenant's: heap +%d KB, answers %v", grew>>10, got)
+	if grew > 4<<20 {
+		t.Fatalf("the heap holds %d MB more with the capped tenant's bodies coming", grew>>20)
+	}
+}
+
+// Bodies are read by the handlers (streamed): one left unread (a 404, a
+// 401, a 429) is read and dropped before the next request on the
+// connection, never taken for it, and chunked bodies, small and large, and
+// bodies that stop coming get their answers.
+func TestUnreadBodiesAreNotTakenForRequests(t *testing.T) {
+	p := startProxyYAML(t, bodyLimitYAML, startFake(t, "e0", nil))
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	br := bufio.NewReader(c)
+	inner := "GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+	for _, tc := range []struct {
+		path, key string
+		body      string
+		want      int
+	}{
+		{"/nowhere", "key-free-45678", inner, 404},
+		{"/v1/completions", "wrong-key-000", inner, 401},
+		{"/v1/completions", "wrong-key-000", inner + strings.Repeat(" ", 20<<10), 401}, // past what comes with the headers
+		{"/v1/models", "key-free-45678", inner, 405},
+	} {
+		fmt.Fprintf(c, "POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s", tc.path, tc.key, len(tc.body), tc.body)
+		fmt.Fprintf(c, "GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-free-45678\r\n\r\n")
+		for _, want := range []int{tc.want, 200} {
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				t.Fatalf("%s: %v", tc.path, err)
+			}
+			b, _ := io.ReadAll(resp.Body)
+			if resp.StatusCode != want || (want == 200 && !strings.Contains(string(b), `"object":"list"`)) {
+				t.Fatalf("%s with a body: %d %s, want %d", tc.path, resp.StatusCode, b, want)
+			}
+		}
+	}
+
+	chunked := func(body string, key string) (int, string) {
+		t.Helper()
+		req, _ := http.NewRequest("POST", p.url+"/v1/completions", io.MultiReader(strings.NewReader(body)))
+		req.ContentLength = -1 // chunked
+		req.Header.Set("Authorization", "Bearer "+key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	if status, b := chunked(`{"model":"m","prompt":"hello there"}`, "key-free-45678"); status != 200 {
+		t.Fatalf("a small chunked body: %d %s", status, b)
+	}
+	if status, b := chunked(`{"model":"m","prompt":"`+strings.Repeat("hello ", 100000)+`"}`, "key-free-45678"); status != 200 {
+		t.Fatalf("a 600 KB chunked body: %d %s", status, b)
+	}
+	if status, b := chunked(`{"model":"m","prompt":"`+strings.Repeat("a", 8<<20)+`"}`, "key-free-45678"); status != 413 || !strings.Contains(b, "request_too_large") {
+		t.Fatalf("a chunked body over the limit: %d %s", status, b)
+	}
+	if status, b := chunked(`{"model":"m","prompt":"`+strings.Repeat("a", 100<<10)+`"}`, "wrong-key-000"); status != 401 {
+		t.Fatalf("a stranger's chunked body: %d %s", status, b)
+	}
+	p.waitIdle(t)
+
+	// A body that stops coming: 408 at body_timeout, read by the handler
+	// (past what comes with the headers) or by fasthttp (within it).
+	p = startProxyYAML(t, strings.Replace(bodyLimitYAML, "limits: {", "limits: {body_timeout: 300ms, ", 1), startFake(t, "e0", nil))
+	for _, sent := range []int{20 << 10, 100} {
+		c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-free-45678\r\nContent-Length: %d\r\n\r\n{%s", 40<<10, strings.Repeat(" ", sent))
+		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+		if err != nil {
+			t.Fatalf("%d bytes of a body, then nothing: %v", sent, err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		if resp.StatusCode != 408 || !strings.Contains(string(b), "request_timeout") {
+			t.Fatalf("%d bytes of a body, then nothing: %d %s", sent, resp.StatusCode, b)
+		}
+	}
 	p.waitIdle(t)
 }

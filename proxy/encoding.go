@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 
 	"github.com/klauspost/compress/zstd"
 	"github.com/valyala/fasthttp"
@@ -16,20 +17,25 @@ import (
 // HTTP clients send), and no larger than max once decompressed. When it
 // fails it has written the error and returns ok false.
 func requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
+	raw, err := rawBody(&ctx.Request, max)
+	if err != nil {
+		unreadBody(ctx, err, max)
+		return nil, false
+	}
 	enc := ctx.Request.Header.ContentEncoding()
 	if len(enc) == 0 || string(enc) == "identity" {
-		return ctx.PostBody(), true
+		return raw, true
 	}
 	// Content codings are case-insensitive.
 	lower := bytes.ToLower(bytes.TrimSpace(enc))
 	if string(lower) == "identity" {
-		return ctx.PostBody(), true
+		return raw, true
 	}
-	body, err := decoded(lower, ctx.PostBody(), max)
+	body, err = decoded(lower, raw, max)
 	if err != nil && string(lower) == "deflate" && !errors.Is(err, fasthttp.ErrBodyTooLarge) {
 		// "deflate" is zlib-wrapped by the standard; some clients send the
 		// raw stream.
-		body, err = inflateRaw(ctx.PostBody(), max)
+		body, err = inflateRaw(raw, max)
 	}
 	switch {
 	case err == nil:
@@ -46,6 +52,78 @@ func requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
 		badRequest(ctx, "", fmt.Sprintf("the request body is not valid %s data: %v", lower, err))
 	}
 	return nil, false
+}
+
+// unreadBody answers a request whose body rawBody could not read.
+func unreadBody(ctx *fasthttp.RequestCtx, err error, max int) {
+	var ne net.Error
+	switch {
+	case errors.Is(err, fasthttp.ErrBodyTooLarge):
+		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", max), "invalid_request_error", "", "request_too_large")
+	case errors.As(err, &ne) && ne.Timeout():
+		ctx.SetConnectionClose()
+		writeError(ctx, fasthttp.StatusRequestTimeout, "the request was not received in time", "invalid_request_error", "", "request_timeout")
+	default: // the client went away mid-body, or sent a malformed chunk
+		ctx.SetConnectionClose()
+		badRequest(ctx, "", "the request body was not received whole")
+	}
+}
+
+// prefetchedBody is how much of a streamed body fasthttp reads with its
+// headers (StreamRequestBody): a body of a declared length up to this is
+// whole in the request's pooled buffer when the handler runs.
+const prefetchedBody = 8 << 10
+
+// rawBody reads the request's body as it came, failing with
+// ErrBodyTooLarge past max bytes. Bodies are streamed (the server's
+// StreamRequestBody): fasthttp reading them before the handler allocated
+// the declared Content-Length at once, so a tenant's connections, each
+// declaring the limit and sending a byte a second, held 32 MB each. Here
+// the buffer grows as bytes arrive, to the declared length at most, and
+// the handler reads the body once its checks have passed (admit: the key,
+// the tenant's rate and max_concurrency).
+func rawBody(req *fasthttp.Request, max int) ([]byte, error) {
+	cl := req.Header.ContentLength()
+	if cl > max {
+		return nil, fasthttp.ErrBodyTooLarge
+	}
+	if !req.IsBodyStream() || (cl >= 0 && cl <= prefetchedBody) {
+		// Read already, or small enough to be (the common case): fasthttp's
+		// own buffer, with nothing more from the connection.
+		if b := req.Body(); len(b) <= max {
+			return b, nil
+		}
+		return nil, fasthttp.ErrBodyTooLarge
+	}
+	end := max + 1 // chunked: one byte past the limit says it is over
+	if cl >= 0 {
+		end = cl // the stream stops there
+	}
+	b := make([]byte, 0, min(end, 2*prefetchedBody))
+	r := req.BodyStream()
+	for len(b) < end {
+		if len(b) == cap(b) {
+			nb := make([]byte, len(b), min(end, 2*cap(b)))
+			copy(nb, b)
+			b = nb
+		}
+		n, err := r.Read(b[len(b):cap(b)])
+		b = b[:len(b)+n]
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	if len(b) > max {
+		return nil, fasthttp.ErrBodyTooLarge // the rest is drained (finishBody)
+	}
+	if cl >= 0 && len(b) < cl {
+		return nil, io.ErrUnexpectedEOF
+	}
+	req.SetBodyRaw(b) // closes the stream: the body was read whole
+	return b, nil
 }
 
 // inflateRaw decompresses a raw DEFLATE stream of at most max bytes.

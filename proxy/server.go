@@ -212,22 +212,26 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 		NoDefaultServerHeader: true,
 		MaxRequestBodySize:    cfg.Limits.MaxRequestBodyBytes,
 		ReadBufferSize:        cfg.Limits.MaxHeaderBytes, // also the largest header accepted
+		// Bodies are read by the handler once it has checked the request
+		// (rawBody), into a buffer that grows as bytes arrive: fasthttp
+		// reading them first allocated each one's declared length at once.
+		StreamRequestBody: true,
 		// ReadTimeout covers the headers (slowloris); the body gets its own
 		// budget once the headers are in. No WriteTimeout: it would cut long
 		// streams, which have an idle timer instead.
 		ReadTimeout: cfg.Limits.HeaderTimeout,
 		HeaderReceived: func(h *fasthttp.RequestHeader) fasthttp.RequestConfig {
 			// The body's limits are read per request: a reload changes them.
+			// With bodies streamed, fasthttp reads up to the smallest of
+			// this, the declared length and 8 KiB before calling the
+			// handler (prefetchedBody); the handler refuses a body declared
+			// over its limit (refuseDeclaredBody), and gets one byte of it.
 			st := s.st.Load()
-			l := &st.cfg.Limits
-			max := l.MaxRequestBodyBytes
-			if !st.auth.knows(h) {
-				// fasthttp allocates a body's declared length before reading
-				// it: without this, each connection of a client with no key
-				// held up to max_request_body_bytes until body_timeout.
-				max = min(max, strangerBodyLimit)
+			max := st.bodyLimit(h)
+			if h.ContentLength() > max {
+				max = 1
 			}
-			return fasthttp.RequestConfig{ReadTimeout: l.BodyTimeout, MaxRequestBodySize: max}
+			return fasthttp.RequestConfig{ReadTimeout: st.cfg.Limits.BodyTimeout, MaxRequestBodySize: max}
 		},
 		IdleTimeout:                  cfg.Limits.IdleTimeout,
 		MaxIdleWorkerDuration:        5 * time.Second,
@@ -831,6 +835,10 @@ func (s *Server) routes() map[string]route {
 // handle dispatches a request. Completions check their key themselves
 // (after counting the request), other endpoints here.
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
+	defer s.finishBody(ctx)
+	if cl := ctx.Request.Header.ContentLength(); cl > min(strangerBodyLimit, s.st.Load().cfg.Limits.MaxRequestBodyBytes) && s.refuseDeclaredBody(ctx) {
+		return
+	}
 	if bytes.HasPrefix(ctx.Path(), messagesPath) {
 		// Anthropic's clients read Anthropic's errors, whoever answers,
 		// and its SDKs show the request's id from request-id.
@@ -1004,20 +1012,11 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	// request's headers, API keys included.
 	reason := "malformed HTTP request"
 	switch {
-	case errors.Is(err, fasthttp.ErrBodyTooLarge) && !s.st.Load().auth.knows(&ctx.Request.Header):
-		// Over the limit of a request without a known key: the key is
-		// the answer. The body is read into one buffer and dropped, not
-		// kept (a client still sending it would get a reset, not the 401).
-		s.refuseStranger(ctx)
-		s.drainRejectedBody(ctx)
-		reason = "invalid api key"
 	case errors.Is(err, fasthttp.ErrBodyTooLarge):
-		s.drainRejectedBody(ctx)
-		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", s.st.Load().cfg.Limits.MaxRequestBodyBytes), "invalid_request_error", "", "request_too_large")
-		reason = "body too large"
-		if bytes.HasPrefix(ctx.Path(), messagesPath) { // its headers were read
-			toAnthropicError(ctx)
-		}
+		// Not met with bodies streamed: handle refuses them
+		// (refuseDeclaredBody).
+		s.refuseLargeBody(ctx, s.st.Load())
+		return
 	case errors.As(err, &small) || errors.Is(err, fasthttp.ErrSmallReadBuffer):
 		writeError(ctx, fasthttp.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers exceed the limit of %d bytes", s.limits.MaxHeaderBytes), "invalid_request_error", "", "headers_too_large")
 		reason = "headers too large"
@@ -1058,39 +1057,96 @@ func (s *Server) logTransport(ctx *fasthttp.RequestCtx, reason, limitKey string)
 // (a preflight, a probe), and for the 401 to need no more.
 const strangerBodyLimit = 64 << 10
 
-// maxDrain bounds how much of a rejected body is read and thrown away.
+// bodyLimit is the body limit of a request with headers h: a request
+// without a key kvproxy knows has strangerBodyLimit when keys are
+// configured.
+func (st *state) bodyLimit(h *fasthttp.RequestHeader) int {
+	max := st.cfg.Limits.MaxRequestBodyBytes
+	if !st.auth.knows(h) {
+		max = min(max, strangerBodyLimit)
+	}
+	return max
+}
+
+// refuseDeclaredBody answers a request whose declared body is over its
+// limit, before any of the body is read, as fasthttp's limit did: a
+// request without a known key gets the 401 (its key is the answer), others
+// the 413. It reports false when the body is within the limit.
+func (s *Server) refuseDeclaredBody(ctx *fasthttp.RequestCtx) bool {
+	st := s.st.Load()
+	if ctx.Request.Header.ContentLength() <= st.bodyLimit(&ctx.Request.Header) {
+		return false
+	}
+	s.refuseLargeBody(ctx, st)
+	return true
+}
+
+// refuseLargeBody answers a request refused for its body's size, its
+// connection closed after the answer. The body is not kept: what comes of
+// it is read and thrown away (finishBody).
+func (s *Server) refuseLargeBody(ctx *fasthttp.RequestCtx, st *state) {
+	reason := "invalid api key"
+	if st.auth.knows(&ctx.Request.Header) {
+		reason = "body too large"
+		ctx.SetConnectionClose()
+		s.cors(ctx, st)
+		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", st.cfg.Limits.MaxRequestBodyBytes), "invalid_request_error", "", "request_too_large")
+		if bytes.HasPrefix(ctx.Path(), messagesPath) {
+			toAnthropicError(ctx)
+		}
+	} else {
+		s.refuseStranger(ctx)
+	}
+	s.logTransport(ctx, reason, reason)
+}
+
+// maxDrain bounds how much of an unread body is read and thrown away.
 const maxDrain = 8 << 20
 
-// drainRejectedBody reads the rest of a body refused for its size before
-// the 413 goes out and the connection closes: closing a socket with unread
-// data sends a reset, and a client still writing its body would get
-// "connection reset" instead of the answer. Bounded by maxDrain (beyond it
-// the client gets its reset) and a deadline, with one buffer, however large
-// the declared body; what fasthttp already buffered is not known, so it stops one
-// read buffer short of the declared length rather than wait for bytes that
-// will not come.
-func (s *Server) drainRejectedBody(ctx *fasthttp.RequestCtx) {
-	left := min(ctx.Request.Header.ContentLength()-s.srv.ReadBufferSize, maxDrain)
-	if left <= 0 {
-		return
+// drainBufs are finishBody's buffers.
+var drainBufs = sync.Pool{New: func() any { return new([16 << 10]byte) }}
+
+// finishBody reads what the handler left unread of the request's body
+// (answered before it was needed: a 401, 413, 429 or 404), so the
+// connection can carry the next request, and a client still writing its
+// body gets the answer rather than "connection reset" from a socket closed
+// on unread data. A body that goes on past maxDrain, or stalls (250 ms
+// without a byte, 2 s in all), is not waited for: the connection closes
+// after the answer. Memory is one pooled buffer, whatever the declared
+// length.
+func (s *Server) finishBody(ctx *fasthttp.RequestCtx) {
+	if !ctx.Request.IsBodyStream() {
+		return // read (rawBody), or none
 	}
-	c := ctx.Conn()
+	r, c := ctx.RequestBodyStream(), ctx.Conn()
+	buf := drainBufs.Get().(*[16 << 10]byte)
+	defer drainBufs.Put(buf)
 	end := time.Now().Add(2 * time.Second)
-	buf := make([]byte, 32<<10)
-	for left > 0 {
+	for left := maxDrain; ; {
+		if left <= 0 {
+			ctx.SetConnectionClose()
+			break
+		}
 		// A client that stops sending is not waited for: one that
 		// declared a body it never sends gets its answer at once.
 		by := time.Now().Add(250 * time.Millisecond)
 		if by.After(end) {
 			by = end
 		}
-		c.SetReadDeadline(by)
-		n, err := c.Read(buf)
+		if cl := ctx.Request.Header.ContentLength(); cl < 0 || cl > prefetchedBody {
+			c.SetReadDeadline(by) // else it is all in, read with the headers
+		}
+		n, err := r.Read(buf[:min(len(buf), left)])
 		left -= n
+		if err == io.EOF {
+			break
+		}
 		if err != nil {
-			return
+			ctx.SetConnectionClose()
+			break
 		}
 	}
+	ctx.Request.CloseBodyStream()
 }
 
 // clientRequestID is the client's X-Request-Id when it is one a log can
