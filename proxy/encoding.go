@@ -134,36 +134,57 @@ func inflateRaw(b []byte, max int) ([]byte, error) {
 	if _, err := io.Copy(w, r); err != nil {
 		return nil, err
 	}
-	return w.b, nil
+	return w.bytes(), nil
 }
 
 // cappedBuffer collects what is written to it, up to max bytes: a write
-// past them fails with ErrBodyTooLarge. It grows by doubling, but never
-// past max, so a decompression bomb costs at most max bytes of output
-// (fasthttp's pooled buffers and io.ReadAll double past the limit: a body
-// at a 32 MiB limit took 64 MiB, and the copy before it 32 more).
+// past them fails with ErrBodyTooLarge. It collects in chunks that double
+// in size (to 4 MiB), joined once at the end, so a decompression bomb costs
+// the limit and nothing more (fasthttp's pooled buffers and io.ReadAll
+// double past the limit: a body at a 32 MiB limit took 64 MiB, and the
+// buffers before it 64 more), and a whole body twice its size while it is
+// joined.
 type cappedBuffer struct {
-	b   []byte
-	max int
+	full [][]byte // filled chunks, n bytes
+	n    int
+	cur  []byte
+	max  int
 }
 
 // newCappedBuffer is a cappedBuffer for what in bytes of compressed input
-// decompress to: it starts at a few times that.
+// decompress to: its first chunk is a few times that.
 func newCappedBuffer(in, max int) *cappedBuffer {
-	return &cappedBuffer{b: make([]byte, 0, min(max, 4*in+512)), max: max}
+	return &cappedBuffer{cur: make([]byte, 0, min(max, 4*in+512)), max: max}
 }
 
 func (c *cappedBuffer) Write(p []byte) (int, error) {
-	if len(p) > c.max-len(c.b) {
+	if len(p) > c.max-c.n-len(c.cur) {
 		return 0, fasthttp.ErrBodyTooLarge
 	}
-	if need := len(c.b) + len(p); need > cap(c.b) {
-		nb := make([]byte, len(c.b), min(c.max, max(2*cap(c.b), need)))
-		copy(nb, c.b)
-		c.b = nb
+	written := len(p)
+	for len(p) > 0 {
+		if len(c.cur) == cap(c.cur) {
+			c.full = append(c.full, c.cur)
+			c.n += len(c.cur)
+			c.cur = make([]byte, 0, min(max(2*cap(c.cur), 4<<10), 4<<20, c.max-c.n))
+		}
+		k := copy(c.cur[len(c.cur):cap(c.cur)], p)
+		c.cur = c.cur[:len(c.cur)+k]
+		p = p[k:]
 	}
-	c.b = append(c.b, p...)
-	return len(p), nil
+	return written, nil
+}
+
+// bytes is what was written, in one slice.
+func (c *cappedBuffer) bytes() []byte {
+	if c.n == 0 {
+		return c.cur
+	}
+	b := make([]byte, 0, c.n+len(c.cur))
+	for _, f := range c.full {
+		b = append(b, f...)
+	}
+	return append(b, c.cur...)
 }
 
 // decoded is body decompressed from coding, no larger than max. fasthttp's
@@ -187,7 +208,7 @@ func decoded(coding, body []byte, max int) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	return w.b, nil
+	return w.bytes(), nil
 }
 
 // zstdMaxWindow bounds the window a zstd body may need: what the zstd tool
