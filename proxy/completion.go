@@ -21,6 +21,7 @@ import (
 	"github.com/kvproxy/kvproxy/backends"
 	"github.com/kvproxy/kvproxy/kv"
 	"github.com/kvproxy/kvproxy/router"
+	"github.com/kvproxy/kvproxy/tokenize"
 )
 
 // maxAttempts bounds how many workers one request may try when engines
@@ -240,6 +241,15 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	// token_data as given: counting would cost what token_data saves, and
 	// the engine still checks its context). A prompt the engine could not
 	// tokenize counts at 4 bytes a token rather than none.
+	salt, ns := t.salt, t.ns
+	if req.cacheSalt != "" {
+		salt = composeSalt(t.salt, req.cacheSalt)
+		ns = kv.NewNamespace(salt)
+	}
+	// The tokenizer's message cache is kept apart per cache namespace, as
+	// the KV index is: a cached message tokenizes faster, which would tell
+	// a tenant what another one sent.
+	scope := tokenize.CacheScope(ns)
 	tokens := sc.tokens
 	counted := 0
 	hint := req.nv.TokenData
@@ -256,7 +266,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	case req.hasTokens:
 		tokens = req.promptTokens
 	case p.engineTok != nil:
-		ids, err := p.engineTok.tokens(p, req, chat, lim.MaxPromptTokens)
+		ids, err := p.engineTok.tokens(p, req, chat, lim.MaxPromptTokens, ns)
 		if err != nil && kind == apiCountTokens {
 			// A count must be the engine's, not kvproxy's guess.
 			writeError(ctx, fasthttp.StatusServiceUnavailable, "could not count the tokens: "+err.Error(), "service_unavailable", "", "tokenizer_unavailable")
@@ -270,7 +280,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		}
 		tokens = ids
 	case chat:
-		tokens, within = p.enc.EncodeChatToolsLimit(tokens[:0], req.messages, req.tools, req.addGenPrompt, tokLimit)
+		tokens, within = p.enc.EncodeChatToolsLimitIn(scope, tokens[:0], req.messages, req.tools, req.addGenPrompt, tokLimit)
 		sc.tokens = tokens
 	default:
 		tokens, within = p.enc.EncodePromptLimit(tokens[:0], req.promptText, tokLimit)
@@ -345,11 +355,6 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 			s.rateLimited(ctx, rid, t.name, req.model, start, wait, "tokens")
 			return
 		}
-	}
-	salt, ns := t.salt, t.ns
-	if req.cacheSalt != "" {
-		salt = composeSalt(t.salt, req.cacheSalt)
-		ns = kv.NewNamespace(salt)
 	}
 	if lora != "" {
 		ns = kv.RequestNamespace(salt, lora) // the engine caches an adapter's blocks apart

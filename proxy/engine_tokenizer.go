@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"sync"
@@ -12,6 +13,7 @@ import (
 	"github.com/zeebo/xxh3"
 
 	"github.com/kvproxy/kvproxy/backends"
+	"github.com/kvproxy/kvproxy/kv"
 )
 
 // engineTokenizer asks a backend's own POST /tokenize (vLLM's endpoint takes
@@ -49,8 +51,10 @@ type engineTokenizeBody struct {
 }
 
 // tokens returns the engine's token ids for req; more than maxTokens are
-// returned but not cached (the request is refused for them).
-func (et *engineTokenizer) tokens(p *modelPool, req *apiRequest, chat bool, maxTokens int) ([]uint32, error) {
+// returned but not cached (the request is refused for them). Answers are
+// cached per scope (the tenant's cache namespace): a cached answer comes
+// without an engine call, which would tell a tenant what another one sent.
+func (et *engineTokenizer) tokens(p *modelPool, req *apiRequest, chat bool, maxTokens int, scope kv.Namespace) ([]uint32, error) {
 	body := engineTokenizeBody{}
 	if chat {
 		body.Messages = req.fields.Messages
@@ -64,6 +68,9 @@ func (et *engineTokenizer) tokens(p *modelPool, req *apiRequest, chat bool, maxT
 		body.Prompt = req.fields.Prompt
 	}
 	h := xxh3.New()
+	var sb [8]byte
+	binary.LittleEndian.PutUint64(sb[:], uint64(scope))
+	h.Write(sb[:])
 	if chat && req.addGenPrompt {
 		h.Write([]byte{1})
 	}

@@ -238,3 +238,40 @@ func TestEngineWithoutTokenizeIsSkipped(t *testing.T) {
 		})
 	}
 }
+
+// The engine's /tokenize answers are cached per cache namespace, as the KV
+// index is: a cached answer comes without an engine call, so its speed
+// would tell a tenant that another one sent the same conversation (found
+// by a security review). Tenants with shared_cache share them, and a
+// client's own cache_salt is a namespace of its own.
+func TestEngineTokenCacheIsPerTenant(t *testing.T) {
+	e := &tokenizeEngine{ids: few}
+	yaml := strings.Replace(tenantsYAML, "models: [{name: m, block_size: 16}]", "models: [{name: m, block_size: 16, tokenizer: engine}]", 1)
+	yaml = strings.Replace(yaml, "http://{{e0}}", "http://"+startRawEngine(t, e.serve), 1)
+	p := startProxyYAML(t, yaml)
+	body := `{"model":"m","messages":[{"role":"user","content":"a secret of alpha's"}],"nvext":{"annotations":["query_instance_id"]}}`
+	for i, step := range []struct {
+		key   string
+		salt  string
+		calls int64
+	}{
+		{"key-alpha-123", "", 1},
+		{"key-alpha-123", "", 1}, // alpha's own repeat: cached
+		{"key-beta-4567", "", 2}, // not alpha's answer
+		{"key-gamma-890", "", 3},
+		{"key-delta-890", "", 3}, // shares gamma's namespace
+		{"key-alpha-123", "user-1", 4},
+		{"key-alpha-123", "user-1", 4},
+	} {
+		b := body
+		if step.salt != "" {
+			b = strings.Replace(b, `"model":"m",`, `"model":"m","cache_salt":"`+step.salt+`",`, 1)
+		}
+		if resp, got := postAuth(t, p.url+"/v1/chat/completions", step.key, b); resp.StatusCode != 200 {
+			t.Fatalf("step %d: %d %s", i, resp.StatusCode, got)
+		}
+		if calls := e.calls.Load(); calls != step.calls {
+			t.Fatalf("step %d (%s, salt %q): %d /tokenize calls, want %d", i, step.key, step.salt, calls, step.calls)
+		}
+	}
+}

@@ -16,10 +16,20 @@ import (
 // NewEncoder is given cacheEntries <= 0.
 const DefaultCacheEntries = 16384
 
-// CacheTokensPerEntry bounds the cache's memory: it holds at most
-// cacheEntries × CacheTokensPerEntry token ids (64 MiB of ids by default),
-// and never one piece above a quarter of a shard's share of that.
-const CacheTokensPerEntry = 1024
+// CacheBytesPerEntry bounds the cache's memory: it holds at most
+// cacheEntries × CacheBytesPerEntry bytes (128 MiB by default), counting
+// each entry's token ids (4 bytes each) and the text it keeps to compare
+// (role, content, tool calls), and never one piece above a quarter of a
+// shard's share of that. A budget of ids alone let text of 128 bytes a
+// token (a run of spaces) hold about 2 GiB (found by a security review).
+const CacheBytesPerEntry = 8 << 10
+
+// CacheScope is the cache namespace a message is tokenized in: a message's
+// cached tokens serve only requests of the same scope, so the time a
+// request takes tells nothing of what another scope's requests sent. The
+// proxy gives each tenant's cache namespace its own scope (tenants with
+// shared_cache share one), as it does for the KV index.
+type CacheScope uint64
 
 const (
 	cacheShardBits = 6
@@ -61,7 +71,7 @@ func NewEncoder(tok Tokenizer, tmpl Template, cacheEntries int) *Encoder {
 	per := (cacheEntries + cacheShards - 1) / cacheShards
 	e := &Encoder{tok: tok, tmpl: tmpl}
 	for i := range e.shards {
-		e.shards[i].init(per, per*CacheTokensPerEntry)
+		e.shards[i].init(per, per*CacheBytesPerEntry)
 	}
 	e.scratch.New = func() any { return new(encScratch) }
 	return e
@@ -150,7 +160,13 @@ func (e *Encoder) EncodeChatTools(dst []uint32, msgs []Message, tools string, ad
 // EncodeChatToolsLimit is EncodeChatTools that stops once dst would hold
 // more than limit ids, and then reports false (see EncodePromptLimit).
 func (e *Encoder) EncodeChatToolsLimit(dst []uint32, msgs []Message, tools string, addGenerationPrompt bool, limit int) ([]uint32, bool) {
-	out, err := e.tryEncodeChat(dst, msgs, tools, addGenerationPrompt, limit)
+	return e.EncodeChatToolsLimitIn(0, dst, msgs, tools, addGenerationPrompt, limit)
+}
+
+// EncodeChatToolsLimitIn is EncodeChatToolsLimit in a cache scope: only
+// messages cached in the same scope are reused (see CacheScope).
+func (e *Encoder) EncodeChatToolsLimitIn(scope CacheScope, dst []uint32, msgs []Message, tools string, addGenerationPrompt bool, limit int) ([]uint32, bool) {
+	out, err := e.tryEncodeChat(scope, dst, msgs, tools, addGenerationPrompt, limit)
 	switch {
 	case errors.Is(err, errTooLong):
 		return out, false
@@ -159,7 +175,7 @@ func (e *Encoder) EncodeChatToolsLimit(dst []uint32, msgs []Message, tools strin
 		out = dst
 		for i := range ps {
 			var ok bool
-			if out, ok = e.encodePiece(out, &ps[i], nil, limit); !ok {
+			if out, ok = e.encodePiece(scope, out, &ps[i], nil, limit); !ok {
 				return out, false
 			}
 		}
@@ -179,10 +195,10 @@ func (e *Encoder) TryEncodeChat(dst []uint32, msgs []Message, addGenerationPromp
 
 // TryEncodeChatTools is TryEncodeChat for a request with tools.
 func (e *Encoder) TryEncodeChatTools(dst []uint32, msgs []Message, tools string, addGenerationPrompt bool) ([]uint32, error) {
-	return e.tryEncodeChat(dst, msgs, tools, addGenerationPrompt, math.MaxInt)
+	return e.tryEncodeChat(0, dst, msgs, tools, addGenerationPrompt, math.MaxInt)
 }
 
-func (e *Encoder) tryEncodeChat(dst []uint32, msgs []Message, tools string, addGenerationPrompt bool, limit int) ([]uint32, error) {
+func (e *Encoder) tryEncodeChat(scope CacheScope, dst []uint32, msgs []Message, tools string, addGenerationPrompt bool, limit int) ([]uint32, error) {
 	s := e.scratch.Get().(*encScratch)
 	defer e.scratch.Put(s)
 	defer clear(s.pieces) // drop references to request strings
@@ -194,9 +210,9 @@ func (e *Encoder) tryEncodeChat(dst []uint32, msgs []Message, tools string, addG
 	for i := range s.pieces {
 		ok := true
 		if p := &s.pieces[i]; p.split {
-			dst, ok = e.encodeSplit(dst, p.msg.Content, s, limit)
+			dst, ok = e.encodeSplit(scope, dst, p.msg.Content, s, limit)
 		} else {
-			dst, ok = e.encodePiece(dst, p, s, limit)
+			dst, ok = e.encodePiece(scope, dst, p, s, limit)
 		}
 		if !ok {
 			return dst, errTooLong
@@ -215,15 +231,15 @@ type addedTokenSplitter interface {
 // encodeSplit encodes a rendered conversation, caching each run of text
 // between the tokenizer's added tokens (for a model template, roughly one
 // message each).
-func (e *Encoder) encodeSplit(dst []uint32, text string, s *encScratch, limit int) ([]uint32, bool) {
+func (e *Encoder) encodeSplit(scope CacheScope, dst []uint32, text string, s *encScratch, limit int) ([]uint32, bool) {
 	sp, ok := e.tok.(addedTokenSplitter)
 	if !ok {
-		return e.encodePiece(dst, &piece{msg: Message{Content: text}, literal: true}, s, limit)
+		return e.encodePiece(scope, dst, &piece{msg: Message{Content: text}, literal: true}, s, limit)
 	}
 	for i := 0; i < len(text); {
 		textEnd, tokEnd, id := sp.nextAdded(text, i)
 		if textEnd > i {
-			if dst, ok = e.encodePiece(dst, &piece{msg: Message{Content: text[i:textEnd]}, literal: true}, s, limit); !ok {
+			if dst, ok = e.encodePiece(scope, dst, &piece{msg: Message{Content: text[i:textEnd]}, literal: true}, s, limit); !ok {
 				return dst, false
 			}
 		}
@@ -235,13 +251,13 @@ func (e *Encoder) encodeSplit(dst []uint32, text string, s *encScratch, limit in
 	return dst, len(dst) <= limit
 }
 
-// encodePiece appends the ids of p, from the cache or encoded (and then
+// encodePiece appends the ids of p, from scope's cache or encoded (and then
 // cached, unless the limit stopped it); it reports whether dst holds no
 // more than limit ids.
-func (e *Encoder) encodePiece(dst []uint32, p *piece, s *encScratch, limit int) ([]uint32, bool) {
-	key := pieceKey(p)
+func (e *Encoder) encodePiece(scope CacheScope, dst []uint32, p *piece, s *encScratch, limit int) ([]uint32, bool) {
+	key := pieceKey(scope, p)
 	sh := &e.shards[key>>(64-cacheShardBits)]
-	if ids, ok := sh.get(key, p); ok {
+	if ids, ok := sh.get(key, scope, p); ok {
 		dst = append(dst, ids...)
 		return dst, len(dst) <= limit
 	}
@@ -257,15 +273,17 @@ func (e *Encoder) encodePiece(dst []uint32, p *piece, s *encScratch, limit int) 
 		dst, ok = encodeLimit(e.tok, dst, unsafe.String(unsafe.SliceData(s.buf), len(s.buf)), limit)
 	}
 	if ok {
-		sh.put(key, p, dst[n:])
+		sh.put(key, scope, p, dst[n:])
 	}
 	return dst, ok
 }
 
-func pieceKey(p *piece) uint64 {
-	seed := uint64(0x9e3779b97f4a7c15)
+// pieceKey hashes p in scope: the scope seeds the hash, so the same
+// message lands in unrelated slots (and shards) in two scopes.
+func pieceKey(scope CacheScope, p *piece) uint64 {
+	seed := uint64(0x9e3779b97f4a7c15) ^ uint64(scope)*0xbf58476d1ce4e5b9
 	if !p.literal {
-		seed = xxh3.HashString(p.msg.Role)
+		seed = xxh3.HashStringSeed(p.msg.Role, seed)
 	}
 	key := xxh3.HashStringSeed(p.msg.Content, seed)
 	if !p.literal && p.msg.ToolCalls != "" {
@@ -279,14 +297,15 @@ type cacheShard struct {
 	index   map[uint64]int32 // key → position in entries
 	entries []cacheEntry     // a slot with ids == nil is free
 	max     int              // entries
-	budget  int              // tokens held by all entries
-	tokens  int
+	budget  int              // bytes held by all entries (entryBytes)
+	bytes   int
 	hand    int
 	_       [64]byte // keep shards on separate cache lines
 }
 
 type cacheEntry struct {
 	key     uint64
+	scope   CacheScope
 	literal bool
 	role    string
 	content string
@@ -301,12 +320,25 @@ func (s *cacheShard) init(max, budget int) {
 	s.entries = make([]cacheEntry, 0, max)
 }
 
-func (c *cacheEntry) matches(p *piece) bool {
-	return c.literal == p.literal && c.content == p.msg.Content &&
+// entryBytes is what an entry holding ids and p's text costs the budget.
+func entryBytes(p *piece, ids int) int {
+	n := 4*ids + len(p.msg.Content)
+	if !p.literal {
+		n += len(p.msg.Role) + len(p.msg.ToolCalls)
+	}
+	return n
+}
+
+func (c *cacheEntry) size() int {
+	return 4*len(c.ids) + len(c.content) + len(c.role) + len(c.calls)
+}
+
+func (c *cacheEntry) matches(scope CacheScope, p *piece) bool {
+	return c.scope == scope && c.literal == p.literal && c.content == p.msg.Content &&
 		(p.literal || c.role == p.msg.Role && c.calls == p.msg.ToolCalls)
 }
 
-func (s *cacheShard) get(key uint64, p *piece) ([]uint32, bool) {
+func (s *cacheShard) get(key uint64, scope CacheScope, p *piece) ([]uint32, bool) {
 	s.mu.RLock()
 	i, ok := s.index[key]
 	if !ok {
@@ -314,7 +346,7 @@ func (s *cacheShard) get(key uint64, p *piece) ([]uint32, bool) {
 		return nil, false
 	}
 	c := &s.entries[i]
-	if !c.matches(p) { // hash collision
+	if !c.matches(scope, p) { // hash collision
 		s.mu.RUnlock()
 		return nil, false
 	}
@@ -324,12 +356,14 @@ func (s *cacheShard) get(key uint64, p *piece) ([]uint32, bool) {
 	return ids, true
 }
 
-func (s *cacheShard) put(key uint64, p *piece, ids []uint32) {
-	if len(ids) == 0 || len(ids) > s.budget/4 { // not worth a slot, or would flush the shard
+func (s *cacheShard) put(key uint64, scope CacheScope, p *piece, ids []uint32) {
+	size := entryBytes(p, len(ids))
+	if len(ids) == 0 || size > s.budget/4 { // not worth a slot, or would flush the shard
 		return
 	}
 	stored := cacheEntry{
 		key:     key,
+		scope:   scope,
 		literal: p.literal,
 		content: strings.Clone(p.msg.Content), // never pin a request buffer
 		ids:     slices.Clone(ids),
@@ -349,8 +383,8 @@ func (s *cacheShard) put(key uint64, p *piece, ids []uint32) {
 		slot = len(s.entries) - 1
 	}
 	// CLOCK: skip (and clear) recently used entries, evict cold ones until
-	// there is a slot and room for the tokens.
-	for slot < 0 || s.tokens+len(ids) > s.budget {
+	// there is a slot and room for its bytes.
+	for slot < 0 || s.bytes+size > s.budget {
 		c := &s.entries[s.hand]
 		if c.ids != nil && c.ref.Load() {
 			c.ref.Store(false)
@@ -366,17 +400,17 @@ func (s *cacheShard) put(key uint64, p *piece, ids []uint32) {
 	}
 	s.entries[slot].set(&stored)
 	s.index[key] = int32(slot)
-	s.tokens += len(ids)
+	s.bytes += size
 }
 
 func (s *cacheShard) evict(i int) {
 	c := &s.entries[i]
 	delete(s.index, c.key)
-	s.tokens -= len(c.ids)
+	s.bytes -= c.size()
 	c.set(&cacheEntry{})
 }
 
 func (c *cacheEntry) set(from *cacheEntry) {
-	c.key, c.literal, c.role, c.content, c.calls, c.ids = from.key, from.literal, from.role, from.content, from.calls, from.ids
+	c.key, c.scope, c.literal, c.role, c.content, c.calls, c.ids = from.key, from.scope, from.literal, from.role, from.content, from.calls, from.ids
 	c.ref.Store(false)
 }

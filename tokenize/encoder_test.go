@@ -2,7 +2,9 @@ package tokenize
 
 import (
 	"fmt"
+	"math"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 )
@@ -113,10 +115,10 @@ func TestEncoderCacheIsBounded(t *testing.T) {
 	}
 }
 
-func TestEncoderCacheTokenBudget(t *testing.T) {
+func TestEncoderCacheBudget(t *testing.T) {
 	tok := mustGet(t, "cl100k_base")
 	tmpl := mustTemplate(t, "raw")
-	enc := NewEncoder(tok, tmpl, 2*cacheShards) // 2 entries, 2048 tokens per shard
+	enc := NewEncoder(tok, tmpl, 2*cacheShards) // 2 entries, 16 KiB per shard
 	for i := range 300 {
 		m := []Message{{Role: "user", Content: fmt.Sprintf("%d %s", i, longText(100+i%300))}} // ~150 to ~600 tokens
 		if got, want := enc.EncodeChat(nil, m, false), coldEncode(tok, tmpl, m, false); !slices.Equal(got, want) {
@@ -128,10 +130,10 @@ func TestEncoderCacheTokenBudget(t *testing.T) {
 		s := &enc.shards[i]
 		sum := 0
 		for j := range s.entries {
-			sum += len(s.entries[j].ids)
+			sum += s.entries[j].size()
 		}
-		if sum != s.tokens || s.tokens > s.budget || len(s.index) > s.max {
-			t.Fatalf("shard %d: %d tokens (counted %d), budget %d, %d entries", i, sum, s.tokens, s.budget, len(s.index))
+		if sum != s.bytes || s.bytes > s.budget || len(s.index) > s.max {
+			t.Fatalf("shard %d: %d bytes (counted %d), budget %d, %d entries", i, sum, s.bytes, s.budget, len(s.index))
 		}
 		cached += len(s.index)
 	}
@@ -292,4 +294,82 @@ func TestHugeWordsAreMergedInSlices(t *testing.T) {
 	if k := wordSlice(text); k != maxWordBytes-1 {
 		t.Fatalf("the first cut is at %d, want %d (before the é)", k, maxWordBytes-1)
 	}
+}
+
+// The cache's budget counts the text an entry keeps, not only its ids: a
+// run of spaces is 128 bytes a token, and a budget of ids let it hold
+// about 2 GiB (found by a security review: 24 dry runs of 8 MB of spaces
+// left 460 MB in use).
+func TestEncoderCacheBoundsBytes(t *testing.T) {
+	tok := mustGet(t, "cl100k_base")
+	tmpl := mustTemplate(t, "raw")
+	enc := NewEncoder(tok, tmpl, cacheShards) // one entry, 8 KiB per shard
+	for i := range 100 {
+		m := []Message{{Role: "user", Content: fmt.Sprint(i) + strings.Repeat(" ", 30_000) + "x"}} // ~240 tokens
+		if got, want := enc.EncodeChat(nil, m, false), coldEncode(tok, tmpl, m, false); !slices.Equal(got, want) {
+			t.Fatalf("message %d differs", i)
+		}
+	}
+	held := 0
+	for i := range enc.shards {
+		for j := range enc.shards[i].entries {
+			held += enc.shards[i].entries[j].size()
+		}
+	}
+	if limit := cacheShards * CacheBytesPerEntry; held > limit {
+		t.Fatalf("the cache holds %d bytes, more than its %d", held, limit)
+	}
+}
+
+// A message cached for one scope (a tenant's cache namespace) is not
+// served to another: the time a request takes must not tell a tenant what
+// another one sent (found by a security review: 280 KB took 1.5-2.7 ms when
+// another tenant had sent it, 3.7-7.8 ms when not). The same scope hits.
+func TestEncoderCacheIsPerScope(t *testing.T) {
+	tok := mustGet(t, "cl100k_base")
+	for _, name := range []string{"chatml", "raw"} {
+		tmpl := mustTemplate(t, name)
+		enc := NewEncoder(tok, tmpl, 0)
+		m := []Message{{Role: "user", Content: "a secret only tenant A sent " + longText(200)}}
+		const a, b CacheScope = 0x1111, 0x2222
+		want := coldEncode(tok, tmpl, m, true)
+		if got, _ := enc.EncodeChatToolsLimitIn(a, nil, m, "", true, math.MaxInt); !slices.Equal(got, want) {
+			t.Fatalf("%s: scope A's tokens differ", name)
+		}
+		cached := func(scope CacheScope) bool {
+			for _, p := range mustPieces(t, tmpl, m) {
+				key := pieceKey(scope, &p)
+				if _, ok := enc.shards[key>>(64-cacheShardBits)].get(key, scope, &p); ok {
+					return true
+				}
+			}
+			return false
+		}
+		if !cached(a) {
+			t.Fatalf("%s: scope A's message is not cached for A", name)
+		}
+		if cached(b) || cached(0) {
+			t.Fatalf("%s: scope A's message is served from the cache to another scope", name)
+		}
+		if got, _ := enc.EncodeChatToolsLimitIn(b, nil, m, "", true, math.MaxInt); !slices.Equal(got, want) {
+			t.Fatalf("%s: scope B's tokens differ", name)
+		}
+		if !cached(b) {
+			t.Fatalf("%s: scope B's message is not cached for B", name)
+		}
+	}
+}
+
+func mustPieces(t *testing.T, tmpl Template, msgs []Message) []piece {
+	t.Helper()
+	ps, err := tmpl.pieces(nil, msgs, "", true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range ps {
+		if ps[i].split { // cached as the literal runs between added tokens
+			ps[i] = piece{msg: Message{Content: ps[i].msg.Content}, literal: true}
+		}
+	}
+	return ps
 }
