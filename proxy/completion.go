@@ -255,11 +255,10 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	hint := req.nv.TokenData
 	// A prompt over max_prompt_tokens is refused once it is known to be:
 	// tokenizing the rest would cost CPU for nothing (an attacker's 16 MB
-	// prompt took 13 s). count_tokens counts it all.
+	// prompt took 13 s). count_tokens too: counting without a bound let one
+	// tenant's 30 MB prompts take both cores for half a minute (security
+	// review), and a prompt no engine would take has no use for its count.
 	tokLimit, within := lim.MaxPromptTokens, true
-	if kind == apiCountTokens {
-		tokLimit = math.MaxInt
-	}
 	switch {
 	case len(hint) > 0 && t.tokens == nil:
 		tokens = hint
@@ -317,15 +316,6 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		}
 		batchPrompt(i, n)
 	}
-	if kind == apiCountTokens {
-		ctx.SetContentType("application/json")
-		ctx.SetBody(strconv.AppendInt([]byte(`{"input_tokens":`), int64(counted), 10))
-		ctx.Response.AppendBodyString("}")
-		s.log.Info().Str("request_id", rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("path", string(ctx.Path())).
-			Str("model", req.model).Str("tenant", t.name).Int("prompt_tokens", counted).
-			Int("status", 200).Dur("duration", time.Since(start)).Msg("request")
-		return
-	}
 	if longest > lim.MaxPromptTokens {
 		param, what := "prompt", "the prompt"
 		switch {
@@ -345,16 +335,36 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		case !within: // not counted to its end
 			msg = fmt.Sprintf("%s has more tokens than the limit of %d", what, lim.MaxPromptTokens)
 		}
+		if kind == apiMessages || kind == apiCountTokens {
+			// Anthropic's words, which its clients look for (Claude Code
+			// compacts the conversation on "prompt is too long").
+			msg = fmt.Sprintf("prompt is too long: %d tokens > %d maximum", longest, lim.MaxPromptTokens)
+			if !within {
+				msg = fmt.Sprintf("prompt is too long: more than the %d tokens maximum", lim.MaxPromptTokens)
+			}
+		}
 		writeError(ctx, fasthttp.StatusBadRequest, msg, "invalid_request_error", param, "context_length_exceeded")
 		s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusBadRequest, start, "prompt too long")
 		return
 	}
-	dryRun := req.nv.has("query_instance_id") // it computes nothing on an engine: no tokens spent
+	dryRun := req.nv.has("query_instance_id") && kind != apiCountTokens // it computes nothing on an engine: no tokens spent
 	if !dryRun {
+		// count_tokens is charged as the prompt it counts: its work, all
+		// of it kvproxy's, is that prompt's tokenizing, and a tenant's
+		// budget is what bounds the tokens kvproxy handles for it.
 		if ok, wait := t.tokens.take(float64(counted), &ctx.Response.Header); !ok {
 			s.rateLimited(ctx, rid, t.name, req.model, start, wait, "tokens")
 			return
 		}
+	}
+	if kind == apiCountTokens {
+		ctx.SetContentType("application/json")
+		ctx.SetBody(strconv.AppendInt([]byte(`{"input_tokens":`), int64(counted), 10))
+		ctx.Response.AppendBodyString("}")
+		s.log.Info().Str("request_id", rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("path", string(ctx.Path())).
+			Str("model", req.model).Str("tenant", t.name).Int("prompt_tokens", counted).
+			Int("status", 200).Dur("duration", time.Since(start)).Msg("request")
+		return
 	}
 	if lora != "" {
 		ns = kv.RequestNamespace(salt, lora) // the engine caches an adapter's blocks apart

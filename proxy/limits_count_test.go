@@ -175,3 +175,39 @@ func TestUnlistedTenantIsLogged(t *testing.T) {
 		t.Fatalf("%d warnings after a reload, want 2:\n%s", n, p.logs.String())
 	}
 }
+
+// count_tokens is bounded by max_prompt_tokens and charged to the tenant's
+// token budget like the prompt it counts: it counted without a bound and
+// for free, so one tenant's 30 MB prompts (29 KB gzipped) took both cores
+// for half a minute (found by a security review). Over the limit it is
+// Anthropic's 400 "prompt is too long", without tokenizing the rest.
+func TestCountTokensIsBoundedAndCharged(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, `
+models: [{name: m, block_size: 16, tokenizer: cl100k_base, template: chatml}]
+backends: [{id: e0, url: 'http://{{e0}}', model: m}]
+limits: {max_prompt_tokens: 1000}
+auth:
+  keys: [{key: key-small-123, tenant: small}, {key: key-free-4567, tenant: free}]
+tenants:
+  - {name: small, tokens_per_minute: 300}
+`, e)
+	count := func(key, content string) (int, string) {
+		t.Helper()
+		resp, b := postAuth(t, p.url+"/v1/messages/count_tokens", key,
+			`{"model":"m","messages":[{"role":"user","content":"`+content+`"}],"nvext":{"annotations":["query_instance_id"]}}`)
+		return resp.StatusCode, b
+	}
+	code, b := count("key-free-4567", strings.Repeat("word ", 200_000))
+	if code != 400 || !strings.Contains(b, `"type":"error"`) || !strings.Contains(b, "prompt is too long: more than the 1000 tokens maximum") {
+		t.Fatalf("count_tokens of 200,000 words, limit 1,000 tokens: %d %s, want Anthropic's 400", code, b)
+	}
+	if code, b := count("key-free-4567", strings.Repeat("word ", 900)); code != 200 || !strings.Contains(b, `"input_tokens":9`) {
+		t.Fatalf("count_tokens within the limit: %d %s", code, b)
+	}
+	for i, want := range []int{200, 200, 429} { // ~110 tokens each against 300, dry-run annotation or not
+		if code, b := count("key-small-123", strings.Repeat("word ", 100)); code != want {
+			t.Fatalf("count %d against a 300-token budget: %d %s, want %d", i, code, b, want)
+		}
+	}
+}
