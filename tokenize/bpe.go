@@ -8,7 +8,20 @@ import (
 // bpe is a byte-level BPE vocabulary: token bytes → rank, where a token's
 // rank is both its id and its merge priority (tiktoken's convention).
 type bpe struct {
-	ranks map[string]uint32
+	ranks    map[string]uint32
+	maxLen   int         // bytes of the longest token
+	byteRank [256]uint32 // the rank of each byte's token
+}
+
+func newBPE(ranks map[string]uint32) bpe {
+	b := bpe{ranks: ranks}
+	for t, r := range ranks {
+		b.maxLen = max(b.maxLen, len(t))
+		if len(t) == 1 {
+			b.byteRank[t[0]] = r
+		}
+	}
+	return b
 }
 
 const noRank = math.MaxUint32

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 )
 
 // longPieces returns long single pieces (and texts made of them) of the
@@ -103,4 +104,30 @@ func FuzzLargeMerge(f *testing.F) {
 			}
 		}
 	})
+}
+
+// Runs of one byte or of a few bytes merge exactly as the quadratic merge
+// does at every length, through the rank buckets and the pair memo of the
+// heap merge (the shapes the security review timed: spaces, newlines, tabs,
+// one letter, "ab").
+func TestRunsMergeAsTheQuadraticMerge(t *testing.T) {
+	bpes := map[string]*bpe{"cl100k_base": &mustGet(t, "cl100k_base").(*tiktokenEncoding).bpe, "o200k_base": &mustGet(t, "o200k_base").(*tiktokenEncoding).bpe}
+	top := 1500
+	if raceEnabled {
+		top = 400
+	}
+	for name, b := range bpes {
+		for _, unit := range []string{" ", "\n", "\t", "a", "ab", "abc", " \n", "é", "日本"} {
+			for n := largePiece; n < top; n += 1 + n/16 {
+				piece := strings.Repeat(unit, n/len(unit)+1)[:n]
+				if !utf8.ValidString(piece) {
+					continue
+				}
+				want := b.mergeQuadratic(nil, piece, make([]bpePart, len(piece)+1))
+				if got := b.appendLargePiece(nil, piece); !slices.Equal(got, want) {
+					t.Fatalf("%s: %d bytes of %q: heap merge %v, quadratic %v", name, n, unit, got, want)
+				}
+			}
+		}
+	}
 }

@@ -42,7 +42,7 @@ func loadTiktoken(name string) (Tokenizer, error) {
 		return nil, fmt.Errorf("tokenize: load %s: %w", name, err)
 	}
 	initClasses()
-	return &tiktokenEncoding{name: name, split: split, bpe: bpe{ranks: ranks}}, nil
+	return &tiktokenEncoding{name: name, split: split, bpe: newBPE(ranks)}, nil
 }
 
 // parseTiktokenFile parses "base64-token rank" lines. Token bytes share one
