@@ -286,6 +286,11 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		sc.tokens = tokens
 	}
 	counted = max(counted, len(tokens))
+	if !within {
+		// Stopped over the limit, maybe before tokenizing (a prompt whose
+		// size in bytes alone puts it over): it has more than tokLimit.
+		counted = max(counted, tokLimit+1)
+	}
 	if len(hint) > 0 {
 		tokens = hint
 		counted = max(counted, len(hint)) // a client's word may count against it, never for it
@@ -312,6 +317,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 			n = len(sc.batch)
 		}
 		if !within {
+			n = max(n, tokLimit+1)
 			longest, at = n, i+1
 		}
 		batchPrompt(i, n)

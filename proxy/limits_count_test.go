@@ -211,3 +211,29 @@ tenants:
 		}
 	}
 }
+
+// A prompt whose size in bytes alone puts it over max_prompt_tokens is
+// refused without being tokenized (the tokenizer stops with fewer ids than
+// the limit, and says it stopped): chat, completions, a batch's prompt and
+// count_tokens alike. 30 MB of spaces (29 KB gzipped) took 6.5 s of CPU to
+// refuse (found by a security review).
+func TestPromptOverTheLimitBySizeIsRefused(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, `
+models: [{name: m, block_size: 16, tokenizer: cl100k_base, template: chatml}]
+backends: [{id: e0, url: 'http://{{e0}}', model: m}]
+limits: {max_prompt_tokens: 1000}
+`, e)
+	spaces := strings.Repeat(" ", 200_000) + "x" // at least 1,563 tokens of 128 bytes
+	for _, c := range []struct{ path, body, want string }{
+		{"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"` + spaces + `"}]}`, "more tokens than the limit of 1000"},
+		{"/v1/completions", `{"model":"m","prompt":"` + spaces + `"}`, "more tokens than the limit of 1000"},
+		{"/v1/completions", `{"model":"m","prompt":["hi","` + spaces + `"]}`, `"param":"prompt[1]"`},
+		{"/v1/messages/count_tokens", `{"model":"m","messages":[{"role":"user","content":"` + spaces + `"}]}`, "prompt is too long"},
+	} {
+		if resp, b := post(t, p.url+c.path, c.body); resp.StatusCode != 400 || !strings.Contains(string(b), c.want) {
+			t.Fatalf("%s, 200 kB of spaces, limit 1,000 tokens: %d %s, want 400 %s", c.path, resp.StatusCode, b, c.want)
+		}
+	}
+	p.waitIdle(t)
+}

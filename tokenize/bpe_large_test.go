@@ -1,6 +1,7 @@
 package tokenize
 
 import (
+	"math"
 	"math/rand/v2"
 	"os"
 	"slices"
@@ -128,6 +129,32 @@ func TestRunsMergeAsTheQuadraticMerge(t *testing.T) {
 					t.Fatalf("%s: %d bytes of %q: heap merge %v, quadratic %v", name, n, unit, got, want)
 				}
 			}
+		}
+	}
+}
+
+// A text whose size in bytes alone proves it over the limit (each token is
+// at most the vocabulary's longest, 128 bytes for cl100k) is refused without
+// tokenizing any of it: 30 MB of spaces (29 KB gzipped) took 6.5 s of CPU
+// to refuse at a limit of 131,072 tokens (found by a security review).
+func TestTextOverTheLimitBySizeIsNotTokenized(t *testing.T) {
+	hf, err := LoadHF(tinyHF(t, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	spaces := strings.Repeat(" ", 30<<20) + "x"
+	for name, tok := range map[string]Tokenizer{"cl100k_base": mustGet(t, "cl100k_base"), "o200k_base": mustGet(t, "o200k_base"), "tokenizer.json": hf} {
+		if got, ok := encodeLimit(tok, nil, spaces, 131072); ok || len(got) != 0 {
+			t.Fatalf("%s: 30 MB of spaces, limit 131072: ok %v after %d ids, want none", name, ok, len(got))
+		}
+		// Past the first slices, the bytes left prove it too.
+		text := strings.Repeat(" ", 3<<20) + "x"
+		got, ok := encodeLimit(tok, nil, text, 20000)
+		if ok || len(got) > 20000 {
+			t.Fatalf("%s: 3 MB of spaces, limit 20000: ok %v after %d ids", name, ok, len(got))
+		}
+		if got, ok := encodeLimit(tok, nil, text, math.MaxInt); !ok || !slices.Equal(got, tok.Encode(nil, text)) {
+			t.Fatalf("%s: without a limit: ok %v, %d ids", name, ok, len(got))
 		}
 	}
 }

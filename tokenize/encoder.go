@@ -99,9 +99,11 @@ func (e *Encoder) EncodePrompt(dst []uint32, text string) []uint32 {
 }
 
 // EncodePromptLimit is EncodePrompt that stops once dst would hold more
-// than limit ids, and then reports false (dst holds more than limit ids,
-// not all of them): a prompt over a limit costs no more to refuse than one
-// at the limit costs to read.
+// than limit ids, and then reports false (dst holds some of the ids, more
+// than limit, or fewer when the text's length in bytes alone proves it
+// over the limit: no token is longer than the vocabulary's longest): a
+// prompt over a limit costs no more to refuse than one at the limit costs
+// to read.
 func (e *Encoder) EncodePromptLimit(dst []uint32, text string, limit int) ([]uint32, bool) {
 	prefix, suffix := PromptSpecialTokens(e.tok)
 	dst = append(dst, prefix...)

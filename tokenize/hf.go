@@ -26,6 +26,7 @@ type hfTokenizer struct {
 	split        func(s string, i int) int
 	byteID       [256]uint32
 	vocab        map[string]uint32 // token bytes → id
+	maxLen       int               // bytes of the longest token in vocab
 	merges       map[uint64]uint64 // left<<32|right → rank<<32|merged id
 	ignoreMerges bool              // a piece found whole in vocab is one token
 	// prefix and suffix are what add_special_tokens=True adds around a
@@ -188,6 +189,7 @@ func parseHF(data []byte) (*hfTokenizer, error) {
 			return nil, fmt.Errorf("vocabulary entry %q is not byte-level: only byte-level BPE is supported", tok)
 		}
 		t.vocab[b] = id
+		t.maxLen = max(t.maxLen, len(b))
 	}
 	for b := range 256 {
 		id, ok := t.vocab[string([]byte{byte(b)})]
@@ -405,16 +407,16 @@ func (t *hfTokenizer) encodeText(dst []uint32, s string, limit int) ([]uint32, b
 		s = f.String(s)
 	}
 	for i := 0; i < len(s); {
-		if len(dst) > limit {
+		if overLimit(len(dst), len(s)-i, t.maxLen, limit) {
 			return dst, false
 		}
 		end := t.split(s, i)
 		for i+wordSlice(s[i:end]) < end { // a word of megabytes: in slices
 			k := i + wordSlice(s[i:end])
-			if dst = t.appendWord(dst, s[i:k]); len(dst) > limit {
+			dst = t.appendWord(dst, s[i:k])
+			if i = k; overLimit(len(dst), len(s)-i, t.maxLen, limit) {
 				return dst, false
 			}
-			i = k
 		}
 		dst = t.appendWord(dst, s[i:end])
 		i = end
