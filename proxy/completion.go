@@ -331,33 +331,28 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 			param, what = fmt.Sprintf("prompt[%d]", at), fmt.Sprintf("prompt %d of the batch", at)
 		}
 		msg := fmt.Sprintf("%s has %d tokens, more than the limit of %d", what, longest, lim.MaxPromptTokens)
-		switch {
-		case kind == apiMessages && within:
-			// Anthropic's words, which its clients recognize (Claude Code
-			// compacts the conversation on them).
-			msg = fmt.Sprintf("prompt is too long: %d tokens > %d maximum", longest, lim.MaxPromptTokens)
-		case kind == apiMessages:
-			msg = fmt.Sprintf("prompt is too long: at least %d tokens > %d maximum", longest, lim.MaxPromptTokens)
-		case !within: // not counted to its end
+		if !within { // not counted to its end
 			msg = fmt.Sprintf("%s has more tokens than the limit of %d", what, lim.MaxPromptTokens)
 		}
 		if kind == apiMessages || kind == apiCountTokens {
 			// Anthropic's words, which its clients look for (Claude Code
-			// compacts the conversation on "prompt is too long").
+			// compacts the conversation on "prompt is too long"); a count
+			// cut short gives what it had counted, a lower bound.
 			msg = fmt.Sprintf("prompt is too long: %d tokens > %d maximum", longest, lim.MaxPromptTokens)
 			if !within {
-				msg = fmt.Sprintf("prompt is too long: more than the %d tokens maximum", lim.MaxPromptTokens)
+				msg = fmt.Sprintf("prompt is too long: at least %d tokens > %d maximum", max(longest, lim.MaxPromptTokens+1), lim.MaxPromptTokens)
 			}
 		}
 		writeError(ctx, fasthttp.StatusBadRequest, msg, "invalid_request_error", param, "context_length_exceeded")
 		s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusBadRequest, start, "prompt too long")
 		return
 	}
-	dryRun := req.nv.has("query_instance_id") && kind != apiCountTokens // it computes nothing on an engine: no tokens spent
-	if !dryRun {
-		// count_tokens is charged as the prompt it counts: its work, all
-		// of it kvproxy's, is that prompt's tokenizing, and a tenant's
-		// budget is what bounds the tokens kvproxy handles for it.
+	// count_tokens and dry runs compute nothing on an engine: no tokens
+	// are spent (Anthropic's counts do not count against its token rate
+	// limits either); max_prompt_tokens bounds the tokenizing they cost,
+	// and the tenant's requests_per_second their number.
+	dryRun := req.nv.has("query_instance_id")
+	if !dryRun && kind != apiCountTokens {
 		if ok, wait := t.tokens.take(float64(counted), &ctx.Response.Header); !ok {
 			s.rateLimited(ctx, rid, t.name, req.model, start, wait, "tokens")
 			return

@@ -233,7 +233,7 @@ limits: {max_messages: 3, max_prompt_tokens: 100, max_header_bytes: 2048, header
 	if resp, b := post(t, p.url+"/v1/chat/completions", chat); resp.StatusCode != 400 || !strings.Contains(string(b), "the prompt has more tokens than the limit of 100") {
 		t.Fatalf("too many tokens in a chat: %d %s", resp.StatusCode, b)
 	}
-	// count_tokens too stops at the limit (TestCountTokensIsBoundedAndCharged).
+	// count_tokens too stops at the limit (TestCountTokensIsBounded).
 	count := `{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"` + strings.Repeat("word ", 20000) + `"}]}`
 	if resp, b := post(t, p.url+"/v1/messages/count_tokens", count); resp.StatusCode != 400 || !strings.Contains(string(b), "prompt is too long") {
 		t.Fatalf("count_tokens over the limit: %d %s", resp.StatusCode, b)

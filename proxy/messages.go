@@ -663,12 +663,12 @@ func anthropicErrorJSON(status int, msg string) []byte {
 	return append(b, "}}"...)
 }
 
-// toAnthropicError turns the error answer of a Messages API request, in
-// OpenAI's shape (kvproxy's own, or an engine's reshaped), into
-// Anthropic's. An answer already in Anthropic's shape stays as it is.
 // promptTooLong begins Anthropic's error for a prompt over the context.
 const promptTooLong = "prompt is too long: "
 
+// toAnthropicError turns the error answer of a Messages API request, in
+// OpenAI's shape (kvproxy's own, or an engine's reshaped), into
+// Anthropic's. An answer already in Anthropic's shape stays as it is.
 func toAnthropicError(ctx *fasthttp.RequestCtx) {
 	status := ctx.Response.StatusCode()
 	if status < 400 || ctx.Response.IsBodyStream() {
