@@ -12,10 +12,6 @@ import (
 	"syscall"
 	"testing"
 	"time"
-
-	"github.com/rs/zerolog"
-
-	"github.com/kvproxy/kvproxy/config"
 )
 
 // emfileListener fails its first accepts as a process out of descriptors
@@ -50,15 +46,7 @@ func (l *emfileListener) Close() error {
 // and kvproxy exited. A Shutdown while the retries wait ends them at once.
 func TestServeSurvivesAcceptErrors(t *testing.T) {
 	e := startFake(t, "e0", nil)
-	cfg, err := config.Parse([]byte(fmt.Sprintf("models: [{name: m, tokenizer: cl100k_base, template: chatml}]\nbackends: [{id: e0, url: 'http://%s', model: m}]\n", e.addr)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	logs := &syncBuffer{}
-	s, err := New(cfg, Options{Logger: zerolog.New(logs), DisableHealthChecks: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, logs := newTestServer(t, fmt.Sprintf("models: [{name: m, tokenizer: cl100k_base, template: chatml}]\nbackends: [{id: e0, url: 'http://%s', model: m}]\n", e.addr), true)
 	inner, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

@@ -29,9 +29,9 @@ func startProxyYAML(t *testing.T, yaml string, engines ...*fakeEngine) *testProx
 	return serveYAML(t, yaml, true)
 }
 
-// serveYAML starts a proxy for a configuration on loopback, its health
-// checks off or on.
-func serveYAML(t *testing.T, yaml string, noHealthChecks bool) *testProxy {
+// newTestServer builds a server for a configuration, logging to the buffer
+// it returns, its health checks off or on; the caller serves it.
+func newTestServer(t *testing.T, yaml string, noHealthChecks bool) (*Server, *syncBuffer) {
 	t.Helper()
 	cfg, err := config.Parse([]byte(yaml))
 	if err != nil {
@@ -42,6 +42,14 @@ func serveYAML(t *testing.T, yaml string, noHealthChecks bool) *testProxy {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return s, logs
+}
+
+// serveYAML starts a proxy for a configuration on loopback, its health
+// checks off or on.
+func serveYAML(t *testing.T, yaml string, noHealthChecks bool) *testProxy {
+	t.Helper()
+	s, logs := newTestServer(t, yaml, noHealthChecks)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

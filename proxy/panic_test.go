@@ -7,10 +7,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/rs/zerolog"
-
-	"github.com/kvproxy/kvproxy/config"
 )
 
 // A handler that panics answers its request with an OpenAI 500, logs the
@@ -20,22 +16,14 @@ import (
 // before, one such request ended kvproxy and every stream in it).
 func TestHandlerPanicIsA500AndFreesEverything(t *testing.T) {
 	addr := startTLSEngine(t)
-	cfg, err := config.Parse([]byte(`
+	s, logs := newTestServer(t, `
 models: [{name: m, tokenizer: cl100k_base, template: chatml}]
-backends: [{id: e0, url: 'https://` + addr + `', model: m, insecure_skip_verify: true, max_concurrency: 1}]
+backends: [{id: e0, url: 'https://`+addr+`', model: m, insecure_skip_verify: true, max_concurrency: 1}]
 limits: {queue_timeout: 300ms}
 auth:
   keys: [{key: key-alpha-123, tenant: alpha}]
 tenants: [{name: alpha, max_concurrency: 1}]
-`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	logs := &syncBuffer{}
-	s, err := New(cfg, Options{Logger: zerolog.New(logs), DisableHealthChecks: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+`, true)
 	// The fault: the engine's TLS handshake, run on the handler's
 	// goroutine once the request holds every slot, panics.
 	up := s.st.Load().backends["e0"].up

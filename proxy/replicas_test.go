@@ -114,17 +114,9 @@ func TestReplicasWithSwappedBackendURLsWarn(t *testing.T) {
 	defer ns.Shutdown()
 	start := func(id, e0, e1 string) (*Server, *syncBuffer) {
 		t.Helper()
-		cfg, err := config.Parse([]byte("models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n" +
-			"backends:\n  - {id: e0, url: '" + e0 + "', model: m}\n  - {id: e1, url: '" + e1 + "', model: m}\n" +
-			"replicas: {nats: '" + ns.ClientURL() + "', id: " + id + ", interval: 20ms}\n"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		logs := &syncBuffer{}
-		s, err := New(cfg, Options{Logger: zerolog.New(logs), DisableHealthChecks: true})
-		if err != nil {
-			t.Fatal(err)
-		}
+		s, logs := newTestServer(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+			"backends:\n  - {id: e0, url: '"+e0+"', model: m}\n  - {id: e1, url: '"+e1+"', model: m}\n"+
+			"replicas: {nats: '"+ns.ClientURL()+"', id: "+id+", interval: 20ms}\n", true)
 		t.Cleanup(func() { s.Shutdown() })
 		return s, logs
 	}
