@@ -1189,9 +1189,15 @@ func (x *exchange) finish() {
 
 func (x *exchange) logLine() {
 	s := x.s
+	dur := time.Since(x.start)
 	s.metrics.countRequest(x.b.cfg.ID, x.status)
-	s.metrics.observeDuration(x.b.cfg.ID, time.Since(x.start).Seconds())
+	s.metrics.observeDuration(x.b.cfg.ID, dur.Seconds())
 	prompt, completion, cached := x.tokens()
+	if x.stream && x.status == fasthttp.StatusOK && x.ttft > 0 && completion > 1 {
+		// The mean gap between output tokens after the first (inter-token
+		// latency), once a stream: per token would cost the relay.
+		s.metrics.observeTPOT(x.b.cfg.ID, (dur-x.ttft).Seconds()/float64(completion-1))
+	}
 	metered := x.accepted && (!x.pass || x.usage.prompt >= 0) // pass-through: only an answer's own usage
 	if metered {
 		model := x.p.cfg.Name
@@ -1208,7 +1214,7 @@ func (x *exchange) logLine() {
 		Str("model", x.model).Str("tenant", x.tenant).Str("backend", x.b.cfg.ID)
 	ev = ev.Int("overlap_blocks", x.d.Overlap).Int("total_blocks", x.d.Total).
 		Bool("stream", x.stream).Int("status", x.status).
-		Dur("duration", time.Since(x.start))
+		Dur("duration", dur)
 	if x.ttft > 0 {
 		ev = ev.Dur("ttft", x.ttft)
 	}

@@ -20,6 +20,8 @@ type metrics struct {
 	ttftOf      sync.Map // backend id → its TTFT observer
 	duration    *prometheus.HistogramVec
 	durationOf  sync.Map // backend id → its duration observer
+	tpot        *prometheus.HistogramVec
+	tpotOf      sync.Map // backend id → its time-per-output-token observer
 	tokens      *prometheus.CounterVec
 	tokensMu    sync.RWMutex
 	tokensOf    map[[2]string]*[3]prometheus.Counter // model, tenant → prompt, completion, cached
@@ -53,6 +55,10 @@ func newMetrics() *metrics {
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "kvproxy_request_duration_seconds", Help: "Time from request arrival to the end of its answer, by backend (every status, streams included).",
 			Buckets: prometheus.ExponentialBuckets(0.005, 2, 18), // 5 ms to 11 min: long generations
+		}, []string{"backend"}),
+		tpot: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kvproxy_time_per_output_token_seconds", Help: "A stream's mean time between output tokens after the first (inter-token latency), one observation per stream, by backend.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 14), // 1 ms to 8 s
 		}, []string{"backend"}),
 		tokens: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvproxy_tokens_total", Help: "Tokens of the completion requests engines took (and of pass-through answers with a usage), by model, tenant and type: prompt, completion (output) and cached (prompt tokens the engine found in its cache); the engine's usage where it reported one, else kvproxy's estimate.",
@@ -107,7 +113,7 @@ func newMetrics() *metrics {
 // scrape time; s must be complete (its state and replicas set).
 func (m *metrics) register(reg *prometheus.Registry, s *Server) {
 	build := buildinfo.Read()
-	reg.MustRegister(m.requests, m.ttft, m.duration, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.reloads, m.reloadOK, m.limited, m.panics, m.unavailable, m.acceptErrors, m.connsRefused,
+	reg.MustRegister(m.requests, m.ttft, m.duration, m.tpot, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.reloads, m.reloadOK, m.limited, m.panics, m.unavailable, m.acceptErrors, m.connsRefused,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvproxy_client_connections", Help: "Client connections open (limits.max_connections caps them).",
 		}, func() float64 { return float64(s.openConns.Load()) }),
@@ -154,6 +160,15 @@ func (m *metrics) observeTTFT(backend string, seconds float64) {
 	o, ok := m.ttftOf.Load(backend)
 	if !ok {
 		o, _ = m.ttftOf.LoadOrStore(backend, m.ttft.WithLabelValues(backend))
+	}
+	o.(prometheus.Observer).Observe(seconds)
+}
+
+// observeTPOT records a stream's mean time per output token after the first.
+func (m *metrics) observeTPOT(backend string, seconds float64) {
+	o, ok := m.tpotOf.Load(backend)
+	if !ok {
+		o, _ = m.tpotOf.LoadOrStore(backend, m.tpot.WithLabelValues(backend))
 	}
 	o.(prometheus.Observer).Observe(seconds)
 }
