@@ -71,6 +71,9 @@ type backend struct {
 	// inflight counts the requests holding a slot, on any of the backend's
 	// data-parallel ranks: a removed backend retires once it is 0.
 	inflight atomic.Int64
+	// retiring: a reload removed or replaced it, and its retirement may
+	// have found it idle; it takes no more requests (route).
+	retiring atomic.Bool
 	// wake tells the requests queued for a full backend that this one
 	// became available (its cooling or ejection ended, its probe passed).
 	wake    func()

@@ -609,8 +609,21 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 				active.Free()
 				continue
 			}
+			if hook := s.testRouted.Load(); hook != nil {
+				(*hook)(b)
+			}
 			if !b.acquire() {
 				// Lost the race for its last slot; it is now unselectable.
+				active.Free()
+				continue
+			}
+			if b.retiring.Load() {
+				// A reload removed or replaced it since Route chose it: its
+				// retirement read its inflight before this slot counted,
+				// and may be over (its engine stopped). Route again: it is
+				// unselectable now, or its successor is in the pool.
+				b.release()
+				s.queue.signal()
 				active.Free()
 				continue
 			}

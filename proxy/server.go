@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"context"
 	"crypto/rand"
 	"crypto/tls"
 	"encoding/hex"
@@ -96,6 +97,13 @@ type Server struct {
 	listsRead chan struct{}
 	replicas  *replicas.Sync // nil without replicas.nats
 	retiring  sync.Map       // *backend → struct{}: removed or replaced by a reload, finishing its requests
+	// retiredCh is closed (and dropped) whenever a backend has retired,
+	// for AwaitRetired; nil while nothing waits (retiredMu).
+	retiredMu sync.Mutex
+	retiredCh chan struct{}
+	// testRouted, set by tests, runs between a route's choice of a backend
+	// and its taking a slot there.
+	testRouted atomic.Pointer[func(*backend)]
 	// hijacks holds the relay of each HTTP/1.0 stream (net.Conn →
 	// io.Closer) until its hijack handler starts: fasthttp closes the
 	// connection without calling the handler when it cannot flush what it
@@ -408,6 +416,7 @@ func (s *Server) activate(st, prev *state) {
 			old.stopEvents()
 		}
 		rebuilt := replaced && reflect.DeepEqual(nb.cfg, old.cfg)
+		old.retiring.Store(true) // before retire reads its inflight: see route
 		s.retiring.Store(old, struct{}{})
 		go s.retire(old, replaced, rebuilt, st.cfg.Limits.DrainTimeout)
 	}
@@ -483,6 +492,7 @@ func (s *Server) retire(b *backend, replaced, rebuilt bool, timeout time.Duratio
 		}
 		b.stop()
 		s.retiring.Delete(b)
+		s.signalRetired()
 		ev := s.log.Info()
 		if rebuilt {
 			ev = s.log.Debug()
@@ -503,6 +513,57 @@ func (s *Server) retire(b *backend, replaced, rebuilt bool, timeout time.Duratio
 		}
 		s.reloadMu.Unlock()
 	}
+}
+
+// AwaitRetired waits until the proxy is done with the engine of backend
+// id at url: no backend of its configuration is that one, and every one a
+// reload removed or replaced has retired (its requests are over, none can
+// be routed to it, its pooled connections are closed). An engine the proxy
+// alone uses (an in-process mock) may stop then without failing a request.
+// It returns ctx's error if ctx ends first. A backend a reload removes
+// counts from the time Reload returns.
+func (s *Server) AwaitRetired(ctx context.Context, id, url string) error {
+	for {
+		s.retiredMu.Lock()
+		if s.retiredCh == nil {
+			s.retiredCh = make(chan struct{})
+		}
+		ch := s.retiredCh
+		s.retiredMu.Unlock()
+		if !s.usesEngine(id, url) {
+			return nil
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+// usesEngine reports whether a backend of id and url is configured or
+// retiring.
+func (s *Server) usesEngine(id, url string) bool {
+	if b := s.st.Load().backends[id]; b != nil && b.cfg.URL == url {
+		return true
+	}
+	found := false
+	s.retiring.Range(func(k, _ any) bool {
+		b := k.(*backend)
+		found = b.cfg.ID == id && b.cfg.URL == url
+		return !found
+	})
+	return found
+}
+
+// signalRetired wakes AwaitRetired: a backend has retired.
+func (s *Server) signalRetired() {
+	s.retiredMu.Lock()
+	if s.retiredCh != nil {
+		close(s.retiredCh)
+		s.retiredCh = nil
+	}
+	s.retiredMu.Unlock()
 }
 
 // logWarnings logs what in cfg is likely a mistake.
