@@ -53,6 +53,8 @@ type command struct {
 	ready  func(addr string)
 
 	mocks *mockFleet
+	// listen, when set, opens the mocks' listeners (tests).
+	listen func(network, addr string) (net.Listener, error)
 }
 
 func (c *command) run(args []string) (code int) {
@@ -92,19 +94,23 @@ func (c *command) run(args []string) (code int) {
 	}()
 
 	c.mocks = newMockFleet(log)
+	if c.listen != nil {
+		c.mocks.listen = c.listen
+	}
 	defer c.mocks.close()
 	started, err := c.mocks.start(cfg)
 	if err != nil {
 		fmt.Fprintln(c.stderr, "kvproxy:", err)
 		return 1
 	}
-	c.mocks.commit(cfg, started)
-
 	srv, err := proxy.New(cfg, proxy.Options{Logger: log})
 	if err != nil {
+		c.mocks.abort(started)
 		fmt.Fprintln(c.stderr, "kvproxy:", err)
 		return 1
 	}
+	c.mocks.commit(cfg, started, srv) // retires nothing: none ran before
+
 	defer srv.FlushLogs() // before "kvproxy exited"
 	ln, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
@@ -154,7 +160,7 @@ func (c *command) run(args []string) (code int) {
 			c.mocks.abort(started)
 			return err
 		}
-		c.mocks.commit(next, started)
+		c.mocks.commit(next, started, srv)
 		if levelChanged != nil {
 			levelChanged.Str("log_level", next.LogLevel).Str("was", current.LogLevel).Msg("log level changed")
 		}

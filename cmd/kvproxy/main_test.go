@@ -67,9 +67,19 @@ type syncBuffer = testutil.SyncBuffer
 
 func startProxy(t *testing.T, cfgPath string) *proxyRun {
 	t.Helper()
+	return startProxyWith(t, cfgPath, nil)
+}
+
+// startProxyWith is startProxy with set, when not nil, changing the
+// command before it runs.
+func startProxyWith(t *testing.T, cfgPath string, set func(*command)) *proxyRun {
+	t.Helper()
 	p := &proxyRun{hup: make(chan os.Signal, 1), term: make(chan os.Signal, 1), code: make(chan int, 1), logs: &syncBuffer{}}
 	ready := make(chan string, 1)
 	p.c = &command{hup: p.hup, term: p.term, stderr: p.logs, ready: func(a string) { ready <- a }}
+	if set != nil {
+		set(p.c)
+	}
 	go func() { p.code <- p.c.run([]string{"-config", cfgPath}) }()
 	select {
 	case p.addr = <-ready:

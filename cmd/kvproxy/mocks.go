@@ -19,7 +19,9 @@ import (
 // (start), then either keeps them and retires the mocks it dropped (commit)
 // or, rejected, stops what it started (abort). Callers serialise reloads.
 type mockFleet struct {
-	log      zerolog.Logger
+	log zerolog.Logger
+	// listen opens a mock's listener (net.Listen; tests wrap it).
+	listen   func(network, addr string) (net.Listener, error)
 	mu       sync.Mutex
 	running  map[string]*mockRun // by backend id
 	retiring map[*mockRun]bool
@@ -57,7 +59,7 @@ func keyOf(cfg *config.Config, b config.Backend) mockKey {
 }
 
 func newMockFleet(log zerolog.Logger) *mockFleet {
-	return &mockFleet{log: log, running: map[string]*mockRun{}, retiring: map[*mockRun]bool{}}
+	return &mockFleet{log: log, listen: net.Listen, running: map[string]*mockRun{}, retiring: map[*mockRun]bool{}}
 }
 
 // start runs the mocks of cfg not running yet and returns them; nothing is
@@ -141,7 +143,7 @@ func (f *mockFleet) startOne(cfg *config.Config, b config.Backend, key mockKey) 
 		return nil, fmt.Errorf("mock backend %s: %w", b.ID, err)
 	}
 	u, _ := url.Parse(b.URL)
-	ln, err := net.Listen("tcp", u.Host)
+	ln, err := f.listen("tcp", u.Host)
 	if err != nil {
 		e.Close()
 		return nil, fmt.Errorf("mock backend %s: %w", b.ID, err)
@@ -166,14 +168,23 @@ func (f *mockFleet) startOne(cfg *config.Config, b config.Backend, key mockKey) 
 	return r, nil
 }
 
+// retirements tells when the proxy is done with a backend's engine
+// (proxy.Server.AwaitRetired).
+type retirements interface {
+	AwaitRetired(ctx context.Context, id, url string) error
+}
+
 // commit makes started part of the fleet and retires every mock cfg no
-// longer has. A retiring mock keeps serving until the proxy has closed its
-// connections to it, which it does once it has retired the backend (its
-// requests are over), or until cfg's drain_timeout, when the proxy gives up
-// on them too. Its own idleness is not enough: a request routed just
-// before the reload may be on its way. Nor is closing its listener first:
-// a connection the kernel already accepted would be reset.
-func (f *mockFleet) commit(cfg *config.Config, started []*mockRun) {
+// longer has, once srv (which has applied cfg) has retired its backend:
+// its requests are over, none can be routed to it any more and the proxy's
+// pooled connections to it are closed. It then waits for its other
+// connections (probes, clients of its own) to close, all of it bounded by
+// cfg's drain_timeout. Its own idleness is not enough: a request routed
+// just before the reload may still be dialing, its connection in the
+// kernel's backlog and counted nowhere, and stopping the engine then
+// resets it (a 502 in a test's run under load). Nor is closing its
+// listener first: a connection the kernel already accepted would be reset.
+func (f *mockFleet) commit(cfg *config.Config, started []*mockRun, srv retirements) {
 	keep := map[string]bool{}
 	for _, b := range cfg.Backends {
 		if b.Kind == config.KindMock {
@@ -195,6 +206,7 @@ func (f *mockFleet) commit(cfg *config.Config, started []*mockRun) {
 		go func() {
 			defer f.retired.Done()
 			ctx, cancel := context.WithTimeout(context.Background(), cfg.Limits.DrainTimeout)
+			srv.AwaitRetired(ctx, r.id, r.key.url)
 			r.ln.waitClosed(ctx)
 			cancel()
 			r.close()
