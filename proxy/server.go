@@ -109,6 +109,9 @@ type Server struct {
 	// connection without calling the handler when it cannot flush what it
 	// holds for the client, and the relay must then end here.
 	hijacks sync.Map
+	// overLimit: requests whose body was declared over its limit, by
+	// their header (overLimitBody), until answered.
+	overLimit sync.Map
 	// slotCounts holds each engine's max_concurrency count by backend id
 	// and URL, while a backend of them is configured or a request of
 	// theirs runs (activate, under reloadMu).
@@ -235,11 +238,17 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 			// handler (prefetchedBody); the handler refuses a body declared
 			// over its limit (refuseDeclaredBody), and gets one byte of it.
 			st := s.st.Load()
-			max := st.bodyLimit(h)
+			max, wait := st.bodyLimit(h), st.cfg.Limits.BodyTimeout
 			if h.ContentLength() > max {
-				max = 1
+				// A client that waits for an answer before it sends the
+				// body gets its 413 (or 401) when that byte is not there
+				// at once (transportError, which gets the request with its
+				// headers reset: they are noted here), not a 408 after
+				// body_timeout.
+				s.overLimit.Store(h, overLimitBody{at: time.Now(), known: st.auth.knows(h)})
+				max, wait = 1, min(wait, declaredBodyWait)
 			}
-			return fasthttp.RequestConfig{ReadTimeout: st.cfg.Limits.BodyTimeout, MaxRequestBodySize: max}
+			return fasthttp.RequestConfig{ReadTimeout: wait, MaxRequestBodySize: max}
 		},
 		IdleTimeout:                  cfg.Limits.IdleTimeout,
 		MaxIdleWorkerDuration:        5 * time.Second,
@@ -1076,11 +1085,14 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	case errors.Is(err, fasthttp.ErrBodyTooLarge):
 		// Not met with bodies streamed: handle refuses them
 		// (refuseDeclaredBody).
-		s.refuseLargeBody(ctx, s.st.Load())
+		st := s.st.Load()
+		s.refuseLargeBody(ctx, st, st.auth.knows(&ctx.Request.Header))
 		return
 	case errors.As(err, &small) || errors.Is(err, fasthttp.ErrSmallReadBuffer):
 		writeError(ctx, fasthttp.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers exceed the limit of %d bytes", s.limits.MaxHeaderBytes), "invalid_request_error", "", "headers_too_large")
 		reason = "headers too large"
+	case errors.As(err, &ne) && ne.Timeout() && s.declaredOverLimit(ctx):
+		return
 	case errors.As(err, &ne) && ne.Timeout():
 		writeError(ctx, fasthttp.StatusRequestTimeout, "the request was not received in time", "invalid_request_error", "", "request_timeout")
 		reason = "request not received in time"
@@ -1106,12 +1118,37 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 // when its headers were read (a body too large).
 func (s *Server) logTransport(ctx *fasthttp.RequestCtx, reason, limitKey string) {
 	rid, _ := s.requestIDs(ctx)
+	s.metrics.countRequest("", ctx.Response.StatusCode())
 	if !s.rejectLog.allow("", limitKey) {
 		return
 	}
 	s.log.Info().Str("request_id", rid).Str("remote", s.st.Load().clientIP(ctx).String()).Int("status", ctx.Response.StatusCode()).
 		Str("error", reason).Msg("request")
 }
+
+// overLimitBody notes a request whose body was declared over its limit
+// (HeaderReceived), by its header: fasthttp resets the request before it
+// reports the wait for its first byte timing out.
+type overLimitBody struct {
+	at    time.Time
+	known bool // its key is one kvproxy knows: a 413, not the 401
+}
+
+// declaredOverLimit answers a request whose body, declared over its limit,
+// never began, as refused for its size, and reports whether it did. A note
+// older than the wait is a dead connection's (no handler ran, nor this).
+func (s *Server) declaredOverLimit(ctx *fasthttp.RequestCtx) bool {
+	v, ok := s.overLimit.LoadAndDelete(&ctx.Request.Header)
+	if !ok || time.Since(v.(overLimitBody).at) > declaredBodyWait+time.Second {
+		return false
+	}
+	s.refuseLargeBody(ctx, s.st.Load(), v.(overLimitBody).known)
+	return true
+}
+
+// declaredBodyWait is how long a body declared over its limit has for its
+// first byte before it is refused for its size.
+const declaredBodyWait = 250 * time.Millisecond
 
 // strangerBodyLimit is the body limit of a request without a key kvproxy
 // knows, when keys are configured: enough for any request that needs none
@@ -1138,16 +1175,17 @@ func (s *Server) refuseDeclaredBody(ctx *fasthttp.RequestCtx) bool {
 	if ctx.Request.Header.ContentLength() <= st.bodyLimit(&ctx.Request.Header) {
 		return false
 	}
-	s.refuseLargeBody(ctx, st)
+	s.overLimit.Delete(&ctx.Request.Header)
+	s.refuseLargeBody(ctx, st, st.auth.knows(&ctx.Request.Header))
 	return true
 }
 
 // refuseLargeBody answers a request refused for its body's size, its
 // connection closed after the answer. The body is not kept: what comes of
 // it is read and thrown away (finishBody).
-func (s *Server) refuseLargeBody(ctx *fasthttp.RequestCtx, st *state) {
+func (s *Server) refuseLargeBody(ctx *fasthttp.RequestCtx, st *state, known bool) {
 	reason := "invalid api key"
-	if st.auth.knows(&ctx.Request.Header) {
+	if known {
 		reason = "body too large"
 		ctx.SetConnectionClose()
 		s.cors(ctx, st)
