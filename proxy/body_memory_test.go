@@ -382,10 +382,11 @@ func TestDeclaredBodyOverTheLimitIsRefusedAtOnce(t *testing.T) {
 	e := startFake(t, "e0", nil)
 	p := startProxyYAML(t, strings.Replace(bodyLimitYAML, "limits: {", "limits: {body_timeout: 20s, ", 1), e)
 	for _, c := range []struct {
-		key    string
-		length int
-		status int
-	}{{"key-free-45678", 9_000_000, 413}, {"", 200_000, 401}} {
+		key, path string
+		length    int
+		status    int
+	}{{"key-free-45678", "/v1/chat/completions", 9_000_000, 413}, {"", "/v1/chat/completions", 200_000, 401},
+		{"key-free-45678", "/v1/messages", 9_000_000, 413}, {"", "/v1/messages", 200_000, 401}} {
 		conn, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
 		if err != nil {
 			t.Fatal(err)
@@ -395,22 +396,55 @@ func TestDeclaredBodyOverTheLimitIsRefusedAtOnce(t *testing.T) {
 			auth = "Authorization: Bearer " + c.key + "\r\n"
 		}
 		start := time.Now()
-		fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n", auth, c.length)
+		fmt.Fprintf(conn, "POST %s HTTP/1.1\r\nHost: x\r\n%sX-Request-Id: my-req-1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n", c.path, auth, c.length)
 		conn.SetReadDeadline(time.Now().Add(5 * time.Second))
 		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
 		if err != nil {
 			t.Fatalf("no answer to a body of %d declared: %v", c.length, err)
 		}
+		b, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
 		conn.Close()
 		if resp.StatusCode != c.status || time.Since(start) > 3*time.Second {
-			t.Fatalf("a body of %d declared, none sent: %d after %v, want %d at once", c.length, resp.StatusCode, time.Since(start), c.status)
+			t.Fatalf("%s, a body of %d declared, none sent: %d after %v, want %d at once", c.path, c.length, resp.StatusCode, time.Since(start), c.status)
+		}
+		// Answered as the request's path and id say (fasthttp had reset
+		// its headers: the verifying trial got OpenAI's shape on
+		// /v1/messages, and an id of kvproxy's).
+		if resp.Header.Get("X-Request-Id") != "my-req-1" {
+			t.Errorf("%s %d: X-Request-Id %q", c.path, c.status, resp.Header.Get("X-Request-Id"))
+		}
+		if anth := c.path == "/v1/messages"; anth != strings.HasPrefix(string(b), `{"type":"error"`) || anth && resp.Header.Get("Request-Id") != "my-req-1" {
+			t.Errorf("%s %d: %s (Request-Id %q)", c.path, c.status, b, resp.Header.Get("Request-Id"))
 		}
 	}
 	m := p.metrics(t)
-	for _, want := range []string{`kvproxy_requests_total{backend="",code="413"} 1`, `kvproxy_requests_total{backend="",code="401"} 1`} {
+	for _, want := range []string{`kvproxy_requests_total{backend="",code="413"} 2`, `kvproxy_requests_total{backend="",code="401"} 2`} {
 		if !strings.Contains(m, want) {
 			t.Errorf("want %s:\n%s", want, grepLines(m, "requests_total"))
 		}
+	}
+}
+
+// A client that leaves before its body is whole is logged and counted as
+// a 499, not a 400 "malformed HTTP request" (the verifying trial: 100,000
+// aborted uploads read as garbage on the dashboards).
+func TestClientLeavingMidBodyIs499(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, bodyLimitYAML, e)
+	for _, length := range []int{1000, 5000} {
+		conn, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-free-45678\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n{\"model\":", length)
+		time.Sleep(20 * time.Millisecond)
+		conn.Close()
+	}
+	waitFor(t, "the two hang-ups counted", func() bool {
+		return strings.Contains(p.metrics(t), `kvproxy_requests_total{backend="",code="499"} 2`)
+	})
+	if m := p.metrics(t); strings.Contains(m, `code="400"`) {
+		t.Fatalf("hang-ups counted as 400s:\n%s", grepLines(m, "requests_total"))
 	}
 }

@@ -16,6 +16,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -245,7 +246,9 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 				// at once (transportError, which gets the request with its
 				// headers reset: they are noted here), not a 408 after
 				// body_timeout.
-				s.overLimit.Store(h, overLimitBody{at: time.Now(), known: st.auth.knows(h)})
+				note := overLimitBody{at: time.Now(), known: st.auth.knows(h), header: new(fasthttp.RequestHeader)}
+				h.CopyTo(note.header)
+				s.overLimit.Store(h, note)
 				max, wait = 1, min(wait, declaredBodyWait)
 			}
 			return fasthttp.RequestConfig{ReadTimeout: wait, MaxRequestBodySize: max}
@@ -1096,6 +1099,12 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	case errors.As(err, &ne) && ne.Timeout():
 		writeError(ctx, fasthttp.StatusRequestTimeout, "the request was not received in time", "invalid_request_error", "", "request_timeout")
 		reason = "request not received in time"
+	case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE):
+		// The client left before its request was whole: no answer reaches
+		// it, and it is no malformed request (counted as 400s, a client
+		// aborting its uploads looked like one sending garbage).
+		ctx.SetStatusCode(499)
+		reason = "client closed before its request was whole"
 	default:
 		writeError(ctx, fasthttp.StatusBadRequest, "malformed HTTP request", "invalid_request_error", "", "bad_request")
 	}
@@ -1130,8 +1139,9 @@ func (s *Server) logTransport(ctx *fasthttp.RequestCtx, reason, limitKey string)
 // (HeaderReceived), by its header: fasthttp resets the request before it
 // reports the wait for its first byte timing out.
 type overLimitBody struct {
-	at    time.Time
-	known bool // its key is one kvproxy knows: a 413, not the 401
+	at     time.Time
+	known  bool                    // its key is one kvproxy knows: a 413, not the 401
+	header *fasthttp.RequestHeader // a copy: the answer's shape, CORS and request id come from it
 }
 
 // declaredOverLimit answers a request whose body, declared over its limit,
@@ -1142,7 +1152,12 @@ func (s *Server) declaredOverLimit(ctx *fasthttp.RequestCtx) bool {
 	if !ok || time.Since(v.(overLimitBody).at) > declaredBodyWait+time.Second {
 		return false
 	}
-	s.refuseLargeBody(ctx, s.st.Load(), v.(overLimitBody).known)
+	note := v.(overLimitBody)
+	note.header.CopyTo(&ctx.Request.Header)
+	s.refuseLargeBody(ctx, s.st.Load(), note.known)
+	if bytes.HasPrefix(ctx.Path(), messagesPath) { // as handle's defers give it
+		ctx.Response.Header.SetBytesV("Request-Id", ctx.Response.Header.PeekBytes(hdrRequestID))
+	}
 	return true
 }
 
