@@ -114,24 +114,44 @@ func (s *Server) maxConns() int {
 type refuseLog struct {
 	mu      sync.Mutex
 	last    time.Time
-	refused int // since the last line
+	refused int  // since the last line
+	pending bool // a line is due at last + refuseLogEvery
 }
 
-// connRefused counts a connection refused over the cap and logs it, with
-// those since the last line.
+// refuseLogEvery is how often at most the refusals are logged.
+var refuseLogEvery = 10 * time.Second
+
+// connRefused counts a connection refused over the cap and logs it: at
+// once if no line was written in the last refuseLogEvery, else in a line
+// due when that time is up, with every refusal since (it waited for the
+// next refusal after it, and an operator reading the log after a burst
+// saw 1).
 func (s *Server) connRefused() {
 	s.metrics.connsRefused.Inc()
 	l := &s.refuseLog
 	l.mu.Lock()
 	l.refused++
-	now := time.Now()
-	if now.Sub(l.last) < 10*time.Second {
+	if wait := refuseLogEvery - time.Since(l.last); wait > 0 {
+		if !l.pending {
+			l.pending = true
+			time.AfterFunc(wait, s.logRefused)
+		}
 		l.mu.Unlock()
 		return
 	}
-	n := l.refused
-	l.refused, l.last = 0, now
 	l.mu.Unlock()
+	s.logRefused()
+}
+
+func (s *Server) logRefused() {
+	l := &s.refuseLog
+	l.mu.Lock()
+	n := l.refused
+	l.refused, l.last, l.pending = 0, time.Now(), false
+	l.mu.Unlock()
+	if n == 0 {
+		return
+	}
 	s.log.Warn().Int("max_connections", s.maxConns()).Int("refused", n).
 		Msg("client connections refused: limits.max_connections are open (answered 503 and closed)")
 }
