@@ -866,6 +866,12 @@ func (s *Server) askOwner(ctx *fasthttp.RequestCtx, b *backend, fr *fasthttp.Req
 	x.ab = &x.abort
 	b.inflight.Add(1)
 	defer b.inflight.Add(-1)
+	if b.retiring.Load() {
+		// A reload removed or replaced it since it was looked up: its
+		// retirement may have read its count before this one (and its
+		// engine stopped), as route guards against for completions.
+		return errRetiring
+	}
 	s.live.add(x)
 	defer s.live.done(x)
 	x.watch = s.watcher.Watch(ctx.Conn(), abortOnHangUp{x.ab})
@@ -873,6 +879,10 @@ func (s *Server) askOwner(ctx *fasthttp.RequestCtx, b *backend, fr *fasthttp.Req
 	_, err := b.up.Do(fr, resp, false, x.ab)
 	return err
 }
+
+// errRetiring: the backend asked for a stored response was retired by a
+// reload in the moment since it was looked up.
+var errRetiring = errors.New("the backend is retiring (a reload removed or replaced it)")
 
 // abortOnHangUp aborts an engine exchange that no router slot goes with
 // when its client hangs up (a routed one's is attempt).
@@ -887,6 +897,9 @@ func (a abortOnHangUp) hungUp() { a.ab.Abort() }
 func (s *Server) byIDFailed(ctx *fasthttp.RequestCtx, b *backend, err error) (int, string) {
 	var ce *backends.ConnectError
 	switch {
+	case errors.Is(err, errRetiring):
+		s.unavailable(ctx, whyOwner, "backend "+b.cfg.ID+", which holds the response, is being replaced or removed by a reload; retry")
+		return fasthttp.StatusServiceUnavailable, err.Error()
 	case errors.Is(err, backends.ErrAborted) && s.live.isCut():
 		s.shuttingDown(ctx, errCutMsg)
 		return fasthttp.StatusServiceUnavailable, errCutMsg

@@ -148,3 +148,30 @@ func TestResponseByIDCutAtDrainDeadline(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// A request for a stored response whose backend a reload is retiring,
+// caught in the moment between its lookup and its counting on the backend
+// (the retirement may have read the count before it, and the engine be
+// gone), gets a 503 to retry, and never reaches the engine.
+func TestResponseByIDOnARetiringBackend(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, byIDYAML, e)
+	b := p.s.st.Load().backends["e0"]
+	b.retiring.Store(true) // the reload's mark, set just after the lookup
+	defer b.retiring.Store(false)
+	id := string(appendTaggedID(nil, testTag(p, "e0", "capped", "resp_1"), []byte("resp_1")))
+	req, _ := http.NewRequest("GET", p.url+"/v1/responses/"+id, nil)
+	req.Header.Set("Authorization", "Bearer key-capped-123")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" || e.requests.Load() != 0 {
+		t.Fatalf("%d %s (engine saw %d requests), want a 503 to retry", resp.StatusCode, body, e.requests.Load())
+	}
+	if n := b.inflight.Load(); n != 0 {
+		t.Fatalf("backend count %d after the refusal", n)
+	}
+}
