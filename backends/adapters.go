@@ -12,6 +12,8 @@ type ModelList struct {
 	// Adapters are the cards with a parent: the LoRA adapters given by
 	// --lora-modules or loaded at run time, as vLLM lists them.
 	Adapters []string
+	// Bases are the cards without a parent: the models the engine serves.
+	Bases []string
 	// MaxModelLen is the base model's context length in tokens (the
 	// smallest its cards give), 0 when they give none.
 	MaxModelLen int
@@ -56,8 +58,13 @@ func (s *MetricsScraper) Models(url, apiKey string, insecure bool) (ModelList, e
 			if card.ID != "" {
 				ml.Adapters = append(ml.Adapters, card.ID)
 			}
-		case card.MaxModelLen > 0 && (ml.MaxModelLen == 0 || card.MaxModelLen < ml.MaxModelLen):
-			ml.MaxModelLen = card.MaxModelLen
+		default:
+			if card.ID != "" {
+				ml.Bases = append(ml.Bases, card.ID)
+			}
+			if card.MaxModelLen > 0 && (ml.MaxModelLen == 0 || card.MaxModelLen < ml.MaxModelLen) {
+				ml.MaxModelLen = card.MaxModelLen
+			}
 		}
 	}
 	return ml, nil

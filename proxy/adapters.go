@@ -34,6 +34,15 @@ func (b *backend) pollAdapters(scraper *backends.MetricsScraper) {
 	}
 	b.adapters.Store(&list.Adapters)
 	b.maxModelLen.Store(int64(list.MaxModelLen))
+	unlisted := len(list.Bases) > 0 && !slices.Contains(list.Bases, b.cfg.ServedModel)
+	if unlisted && !b.unlistedWarned {
+		// Each request would get the engine's 404, and the backend looked
+		// healthy until one came (found by the newcomer trial, with a
+		// kvmock serving its default name).
+		b.log.Warn().Str("backend", b.cfg.ID).Str("served_model", b.cfg.ServedModel).Strs("engine_models", list.Bases).
+			Msg("the engine does not list the model kvproxy sends it: its requests will get 404 (set backends[].served_model, or the engine's --served-model-name)")
+	}
+	b.unlistedWarned = unlisted
 }
 
 // maxModelLen is the context length the model's engines take, the

@@ -90,6 +90,7 @@ type backend struct {
 	// polled); nil while unknown.
 	adapters       atomic.Pointer[[]string]
 	adaptersPolled time.Time // scrape loop only
+	unlistedWarned bool      // the engine's list lacks served_model, and it was said (scrape loop only)
 	// maxModelLen: the context length its /v1/models gives (polled with
 	// the adapters); 0 while unknown.
 	maxModelLen atomic.Int64

@@ -553,3 +553,25 @@ func waitListsRead(t *testing.T, p *testProxy, n int) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// An engine whose model list lacks the model kvproxy sends it (a kvmock
+// left at its default name, an engine started with another
+// --served-model-name) is warned of once, naming what it lists: the
+// backend looked healthy until the first request got its 404 (found by
+// the newcomer trial).
+func TestEngineNotListingTheServedModelIsWarned(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) {
+		f.modelList = `{"object":"list","data":[{"id":"mock-model","parent":null}]}`
+	})
+	p := startProxyYAML(t, "models: [{name: m, block_size: 16}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m, served_model: engine-m}]\n", e)
+	deadline := time.Now().Add(5 * time.Second)
+	for !strings.Contains(p.logs.String(), "the engine does not list the model kvproxy sends it") {
+		if time.Now().After(deadline) {
+			t.Fatalf("no warning:\n%s", p.logs.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if l := p.logs.String(); !strings.Contains(l, `"served_model":"engine-m"`) || !strings.Contains(l, `"engine_models":["mock-model"]`) {
+		t.Fatalf("the warning should name both:\n%s", l)
+	}
+}
