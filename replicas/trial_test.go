@@ -231,6 +231,28 @@ func TestMismatchedBackendsAreWarnedOfAndIgnored(t *testing.T) {
 	}
 }
 
+// countReports counts the load reports replica id sends, as a subscriber
+// of the NATS server at url sees them.
+func countReports(t *testing.T, url, id string) *atomic.Int64 {
+	t.Helper()
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	n := new(atomic.Int64)
+	if _, err := nc.Subscribe("kvproxy.load", func(m *nats.Msg) {
+		var r report
+		if json.Unmarshal(m.Data, &r) == nil && r.Replica == id {
+			n.Add(1)
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	nc.Flush()
+	return n
+}
+
 // Load that ends (a prefill, a request) reaches the others within
 // milliseconds, not at the next interval: they kept weighing it until
 // then, and a follow-up sent at once to another replica left the engine
@@ -238,21 +260,7 @@ func TestMismatchedBackendsAreWarnedOfAndIgnored(t *testing.T) {
 // not change brings no report before the interval's.
 func TestEndedLoadIsReportedAtOnce(t *testing.T) {
 	url := startNATS(t).ClientURL()
-	nc, err := nats.Connect(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	var reports atomic.Int64
-	if _, err := nc.Subscribe("kvproxy.load", func(m *nats.Msg) {
-		var r report
-		if json.Unmarshal(m.Data, &r) == nil && r.Replica == "a" {
-			reports.Add(1)
-		}
-	}); err != nil {
-		t.Fatal(err)
-	}
-	nc.Flush()
+	reports := countReports(t, url, "a")
 	var mu sync.Mutex
 	load := router.Load{Inflight: 1, Pending: 1, PrefillTokens: 830, ActiveBlocks: 52}
 	a, err := Start(Config{URL: url, ID: "a", Interval: 5 * time.Second},
@@ -295,16 +303,7 @@ func TestEndedLoadIsReportedAtOnce(t *testing.T) {
 // counted the watch's ticks as the interval's, and reported at random.
 func TestRegularReportsKeepTheirInterval(t *testing.T) {
 	url := startNATS(t).ClientURL()
-	nc, err := nats.Connect(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	var reports atomic.Int64
-	if _, err := nc.Subscribe("kvproxy.load", func(*nats.Msg) { reports.Add(1) }); err != nil {
-		t.Fatal(err)
-	}
-	nc.Flush()
+	reports := countReports(t, url, "a")
 	a, err := Start(Config{URL: url, ID: "a", Interval: time.Second}, func() []Entry { return nil }, func(map[Key]router.Load) {}, zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)
