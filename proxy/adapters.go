@@ -45,25 +45,57 @@ func (b *backend) pollAdapters(scraper *backends.MetricsScraper) {
 	b.unlistedWarned = unlisted
 }
 
-// maxModelLen is the context length the model's engines take, the
-// smallest any of them lists (a request must fit wherever it goes), and no
-// more than maxPrompt, kvproxy's own limit (limits.max_prompt_tokens: a
-// client sizing its prompts by the list had them refused); 0 when no
-// engine lists one.
+// maxModelLen is the context length the model's engines take: the
+// largest any of them lists (a request is sent to an engine it fits,
+// avoidForLength), and no more than maxPrompt, kvproxy's own limit
+// (limits.max_prompt_tokens: a client sizing its prompts by the list had
+// them refused); 0 when no engine lists one.
 func (p *modelPool) maxModelLen(maxPrompt int) int {
-	least := int64(0)
+	most := int64(0)
 	for _, b := range *p.workers.Load() {
-		if b == nil {
+		if b != nil {
+			most = max(most, b.maxModelLen.Load())
+		}
+	}
+	if most > 0 && maxPrompt > 0 {
+		most = min(most, int64(maxPrompt))
+	}
+	return int(most)
+}
+
+// avoidForLength appends to avoid the engines whose context is too short
+// for a request that needs need tokens (its longest prompt and the output
+// it asks for), as their /v1/models lists it (max_model_len), when a
+// healthy engine of the model has room for it, or does not say: a fleet
+// whose engines run different context lengths serves each request where
+// it fits, not where its prefix is cached, which would refuse it with 400.
+// When none fits, the request goes where routing sends it and the engine's
+// own refusal answers it: kvproxy's count of a chat prompt can be a few
+// tokens off the engine's.
+func (p *modelPool) avoidForLength(avoid []router.WorkerID, need int) []router.WorkerID {
+	ws := *p.workers.Load()
+	short, room := false, false
+	for i, b := range ws {
+		if b == nil || b.worker != router.WorkerID(i) { // a data-parallel rank's worker
 			continue
 		}
-		if n := b.maxModelLen.Load(); n > 0 && (least == 0 || n < least) {
-			least = n
+		if n := b.maxModelLen.Load(); n > 0 && n < int64(need) {
+			short = true
+		} else if !room && b.healthy() {
+			room = true
 		}
 	}
-	if least > 0 && maxPrompt > 0 {
-		least = min(least, int64(maxPrompt))
+	if !short || !room {
+		return avoid
 	}
-	return int(least)
+	for i, b := range ws {
+		if b != nil && b.worker == router.WorkerID(i) {
+			if n := b.maxModelLen.Load(); n > 0 && n < int64(need) {
+				avoid = append(avoid, b.workerIDs()...)
+			}
+		}
+	}
+	return avoid
 }
 
 // serves reports whether the engine is known to serve the adapter, and

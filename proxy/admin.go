@@ -25,7 +25,8 @@ type modelJSON struct {
 	// Parent is the base model of a LoRA adapter, as vLLM lists adapters.
 	Parent string `json:"parent,omitempty"`
 	// MaxModelLen is the context length the model's engines list (the
-	// smallest), which clients size prompts by; left out while unknown.
+	// largest: requests go where they fit), which clients size prompts by;
+	// left out while unknown.
 	MaxModelLen int `json:"max_model_len,omitempty"`
 }
 

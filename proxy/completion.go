@@ -376,6 +376,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	if lora != "" {
 		rr.Avoid = p.avoidForAdapter(nil, lora)
 	}
+	rr.Avoid = p.avoidForLength(rr.Avoid, longest+max(req.maxTokens, 1))
 
 	if name, inst, isNum, ok := req.nv.pinned(); ok {
 		w, found := p.rt.WorkerByName(name)

@@ -473,9 +473,9 @@ func TestLoRAAdapterAvoidsFullBatches(t *testing.T) {
 }
 
 // vLLM's model cards give max_model_len, which clients size prompts by;
-// kvproxy's give the smallest its engines list (a request must fit wherever
-// it goes), and none while no engine gives one (found by the twelfth
-// session's SDK trial: the field was dropped).
+// kvproxy's give the largest its engines list (a request goes to an engine
+// it fits: TestRequestsGoWhereTheyFit), and none while no engine gives one
+// (found by the twelfth session's SDK trial: the field was dropped).
 func TestModelsGiveTheEnginesContextLength(t *testing.T) {
 	card := func(maxLen string) string {
 		return `{"object":"list","data":[{"id":"engine-m","object":"model","parent":null` + maxLen + `},{"id":"sql-lora","parent":"engine-m"}]}`
@@ -502,10 +502,10 @@ func TestModelsGiveTheEnginesContextLength(t *testing.T) {
 	for _, c := range list.Data {
 		got[c.ID] = c.MaxModelLen
 	}
-	if want := map[string]int{"m": 8192, "mm": 8192, "sql-lora": 8192, "other": 0}; !maps.Equal(got, want) {
+	if want := map[string]int{"m": 32768, "mm": 32768, "sql-lora": 32768, "other": 0}; !maps.Equal(got, want) {
 		t.Fatalf("/v1/models: %v, want %v (%s)", got, want, b)
 	}
-	if _, b := fetch(t, p.url+"/v1/models/mm"); !strings.Contains(string(b), `"max_model_len":8192`) {
+	if _, b := fetch(t, p.url+"/v1/models/mm"); !strings.Contains(string(b), `"max_model_len":32768`) {
 		t.Fatalf("/v1/models/mm: %s", b)
 	}
 	if _, b := fetch(t, p.url+"/v1/models/other"); strings.Contains(string(b), `max_model_len`) {
@@ -523,10 +523,80 @@ func TestModelsGiveTheEnginesContextLength(t *testing.T) {
 		"  - {id: e3, url: 'http://"+e3.addr+"', model: other, served_model: engine-m}\n"+
 		"limits: {max_prompt_tokens: 4096}\n")
 	for _, path := range []string{"/v1/models", "/v1/models/mm", "/v1/models/sql-lora"} {
-		if _, b := fetch(t, p.url+path); !strings.Contains(string(b), `"max_model_len":4096`) || strings.Contains(string(b), `"max_model_len":8192`) {
+		if _, b := fetch(t, p.url+path); !strings.Contains(string(b), `"max_model_len":4096`) || strings.Contains(string(b), `"max_model_len":32768`) {
 			t.Fatalf("%s with max_prompt_tokens 4096: %s", path, b)
 		}
 	}
+}
+
+// Engines of one model may run different context lengths (a few with long
+// context for the long prompts). A request is sent only to an engine whose
+// max_model_len holds its prompt and the output it asks for, whatever
+// routing would prefer; when none does, routing decides and the engine's
+// refusal answers it. Without this, round_robin sent every other long
+// prompt to the short engine, which refuses it with 400.
+func TestRequestsGoWhereTheyFit(t *testing.T) {
+	card := func(maxLen int) string {
+		return fmt.Sprintf(`{"object":"list","data":[{"id":"engine-m","object":"model","parent":null,"max_model_len":%d}]}`, maxLen)
+	}
+	short := startFake(t, "short", func(f *fakeEngine) { f.modelList = card(1024) })
+	long := startFake(t, "long", func(f *fakeEngine) { f.modelList = card(4096) })
+	unknown := startFake(t, "unknown", func(f *fakeEngine) {
+		f.modelList = `{"object":"list","data":[{"id":"engine-m","object":"model","parent":null}]}`
+	})
+	p := startProxyYAML(t, "models:\n"+
+		"  - {name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}\n"+
+		"  - {name: n, tokenizer: cl100k_base, template: chatml, block_size: 16}\n"+
+		"backends:\n"+
+		"  - {id: short, url: 'http://{{e0}}', model: m, served_model: engine-m}\n"+
+		"  - {id: long, url: 'http://{{e1}}', model: m, served_model: engine-m}\n"+
+		"  - {id: short-n, url: 'http://{{e0}}', model: n, served_model: engine-m}\n"+
+		"  - {id: unknown-n, url: 'http://{{e2}}', model: n, served_model: engine-m}\n"+
+		"router: {policy: round_robin}\n", short, long, unknown)
+	waitListsRead(t, p, 4)
+	words := func(n int) string { return strings.Repeat("hello ", n) } // a token each
+	served := func(model, body string) map[string]int {
+		t.Helper()
+		got := map[string]int{}
+		for range 4 {
+			resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"`+model+`",`+body+`}`)
+			if resp.StatusCode != 200 {
+				t.Fatalf("%d %s", resp.StatusCode, b)
+			}
+			got[resp.Header.Get(WorkerHeader)]++
+		}
+		return got
+	}
+	msg := func(n int) string { return `"messages":[{"role":"user","content":"` + words(n) + `"}]` }
+	if got := served("m", msg(10)); got["short"] != 2 || got["long"] != 2 {
+		t.Fatalf("short prompts went to %v, want both engines in turn", got)
+	}
+	if got := served("m", msg(2000)); got["long"] != 4 {
+		t.Fatalf("2,000-token prompts went to %v, want only the 4,096-token engine", got)
+	}
+	// The output asked for counts too: 500 + 600 is over 1,024.
+	for _, field := range []string{"max_tokens", "max_completion_tokens"} {
+		if got := served("m", msg(500)+`,"`+field+`":600`); got["long"] != 4 {
+			t.Fatalf("500 tokens with %s 600 went to %v, want only the long engine", field, got)
+		}
+	}
+	if got := served("m", msg(500)+`,"max_tokens":100`); got["short"] != 2 {
+		t.Fatalf("500 tokens with max_tokens 100 went to %v, want both engines", got)
+	}
+	// Longer than any engine: routing decides, the engine answers.
+	if got := served("m", msg(5000)); got["short"] != 2 || got["long"] != 2 {
+		t.Fatalf("a prompt too long for every engine went to %v, want both in turn", got)
+	}
+	// An engine that does not list its context length may have room.
+	if got := served("n", msg(2000)); got["unknown-n"] != 4 {
+		t.Fatalf("model n's long prompts went to %v, want the engine of unknown length", got)
+	}
+	// The dry run tells the same.
+	_, b := post(t, p.url+"/v1/chat/completions", `{"model":"m",`+msg(2000)+`,"nvext":{"annotations":["query_instance_id"]}}`)
+	if !strings.Contains(string(b), `"worker_id":"long"`) {
+		t.Fatalf("dry run of a long prompt: %s", b)
+	}
+	p.waitIdle(t)
 }
 
 // waitListsRead waits until kvproxy has read the model lists of n engines

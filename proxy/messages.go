@@ -32,13 +32,11 @@ func (r *apiRequest) parseAnthropic(body []byte, counting bool) *paramError {
 		return pe
 	}
 	f := &r.fields
-	var maxTokens, system []byte
+	var system []byte
 	for m := (members{b: r.body}); m.next(); {
 		switch slot := f.slot(m.key); {
 		case slot != nil:
 			*slot = m.value
-		case keyIs(m.key, "max_tokens"):
-			maxTokens = m.value
 		case keyIs(m.key, "system"):
 			system = m.value
 		}
@@ -46,7 +44,7 @@ func (r *apiRequest) parseAnthropic(body []byte, counting bool) *paramError {
 	if pe := r.readCommon(); pe != nil {
 		return pe
 	}
-	if !counting && !positiveInt(maxTokens) {
+	if !counting && !positiveInt(f.MaxTokens) {
 		return perr("max_tokens", "max_tokens must be a positive integer")
 	}
 	if pe := r.anthropicTools(f.Tools); pe != nil {

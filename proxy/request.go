@@ -80,6 +80,10 @@ type apiRequest struct {
 	batchTokens  [][]uint32
 	addGenPrompt bool
 	cacheSalt    string // the client's own, within its tenant's (composeSalt)
+	// maxTokens is the output the request asks for at most (vLLM's
+	// max_completion_tokens or max_tokens), 0 when it names none: with
+	// the prompt, what must fit an engine's context (avoidForLength).
+	maxTokens int
 	// converted: the messages and tools are kvproxy's rendering of
 	// another API's request as the chat request the engine makes of it
 	// (parseResponses, parseAnthropic). A Responses request's
@@ -191,6 +195,12 @@ func (r *apiRequest) readCommon() *paramError {
 			return perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)")
 		}
 	}
+	for _, raw := range [...][]byte{f.MaxCompletionTokens, f.MaxTokens, f.MaxOutputTokens} {
+		if n := tokenCount(raw); n > 0 {
+			r.maxTokens = n
+			break
+		}
+	}
 	if raw := f.CacheSalt; raw != nil && !isNull(raw) {
 		if raw[0] != '"' {
 			return perr("cache_salt", "cache_salt must be a string")
@@ -203,6 +213,19 @@ func (r *apiRequest) readCommon() *paramError {
 }
 
 func isNull(v []byte) bool { return string(v) == "null" }
+
+// tokenCount is v, a JSON value, as a positive whole number of tokens; 0
+// for anything else, which the engine refuses or defaults as it does.
+func tokenCount(v []byte) int {
+	n := 0
+	for _, c := range v {
+		if c < '0' || c > '9' || n > 1<<40 {
+			return 0
+		}
+		n = n*10 + int(c-'0')
+	}
+	return n
+}
 
 func jsonBool(v []byte) (value, ok bool) {
 	switch string(v) {
@@ -639,6 +662,11 @@ type wireFields struct {
 	Prompt              json.RawMessage `json:"prompt"`
 	CacheSalt           json.RawMessage `json:"cache_salt"`
 	Tools               json.RawMessage `json:"tools"`
+	// the output asked for: chat and completions' max_tokens, chat's
+	// max_completion_tokens, the Responses API's max_output_tokens
+	MaxTokens           json.RawMessage `json:"max_tokens"`
+	MaxCompletionTokens json.RawMessage `json:"max_completion_tokens"`
+	MaxOutputTokens     json.RawMessage `json:"max_output_tokens"`
 }
 
 // slot is the field a member named key fills; nil for the others.
@@ -660,6 +688,12 @@ func (f *wireFields) slot(key []byte) *json.RawMessage {
 		return &f.CacheSalt
 	case keyIs(key, "tools"):
 		return &f.Tools
+	case keyIs(key, "max_tokens"):
+		return &f.MaxTokens
+	case keyIs(key, "max_completion_tokens"):
+		return &f.MaxCompletionTokens
+	case keyIs(key, "max_output_tokens"):
+		return &f.MaxOutputTokens
 	}
 	return nil
 }
