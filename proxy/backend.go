@@ -151,15 +151,17 @@ func (b *backend) probeURL() backends.ProbeURL {
 	return u
 }
 
-func (b *backend) setProbe(ok bool, why string) {
+// It reports whether the probe started failing with this result.
+func (b *backend) setProbe(ok bool, why string) (failing bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if ok && b.probeOK && !b.ejected {
-		return
+		return false
 	}
 	if !ok && b.probeOK && !b.ejected && !b.draining && !b.replaced { // one outage, one ejection counted
 		b.metrics.countEjection(b.cfg.ID, ejectProbe)
 	}
+	failing = !ok && b.probeOK
 	b.probeOK, b.probeErr = ok, why
 	if ok && b.ejected && b.ejectTimer != nil && b.probeEnds {
 		b.ejectTimer.Stop()
@@ -170,6 +172,7 @@ func (b *backend) setProbe(ok bool, why string) {
 		b.ejected = false
 	}
 	b.applyLocked()
+	return failing
 }
 
 // setHealth applies a reload's health settings (ejection back-off,
@@ -179,6 +182,13 @@ func (b *backend) setHealth(h config.Health) {
 	b.mu.Lock()
 	b.health = h
 	b.mu.Unlock()
+}
+
+// healthCfg is b's health settings.
+func (b *backend) healthCfg() config.Health {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.health
 }
 
 // inheritProbe starts b, which replaces was for the same engine (same id

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unicode/utf8"
@@ -73,6 +74,12 @@ type exchange struct {
 	resp         *respIDs // a Responses API request's ids; nil for others
 	api          api      // the endpoint the request came to
 	budget       *bucket  // the tenant's token budget (nil: none), charged promptTokens
+	// heard is when the engine last sent bytes of the current attempt, or
+	// took its request, Unix ns.
+	heard atomic.Int64
+	// unresponsive says why the exchange was aborted when its engine
+	// stopped answering its health probe (cutUnresponsive); nil otherwise.
+	unresponsive atomic.Pointer[string]
 }
 
 // errCutMsg answers the requests still in flight at the drain deadline.
@@ -821,6 +828,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		x.resp.signer = respSigner{macs: x.s.st.Load().respMACs, backend: b.cfg.ID, tenant: x.tenant}
 	}
 	x.sent = time.Now()
+	x.heard.Store(x.sent.UnixNano())
 	resp := fasthttp.AcquireResponse()
 	stream, err := b.up.Do(fr, resp, x.stream || x.pass, x.ab)
 	if err != nil {
@@ -831,6 +839,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			x.status, x.errMsg = fasthttp.StatusServiceUnavailable, errCutMsg
 			ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 			s.shuttingDown(ctx, errCutMsg)
+		case errors.Is(err, backends.ErrAborted) && x.unresponsive.Load() != nil:
+			x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, *x.unresponsive.Load())
 		case errors.Is(err, backends.ErrAborted):
 			x.status = 499 // client closed the request
 		case errors.As(err, &ce):
@@ -889,6 +899,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				case aborted && s.live.isCut():
 					x.status, x.errMsg = fasthttp.StatusServiceUnavailable, errCutMsg
 					s.shuttingDown(ctx, errCutMsg)
+				case aborted && x.unresponsive.Load() != nil:
+					x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, *x.unresponsive.Load())
 				case aborted: // the client hung up: the engine is not at fault
 					x.status = 499
 				default:

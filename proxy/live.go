@@ -60,4 +60,20 @@ func (l *liveExchanges) cutAll() int {
 
 func (l *liveExchanges) isCut() bool { return l.cut.Load() }
 
+// cutSilent aborts the exchanges with engine (a backend's base URL) that
+// have heard nothing from it since before since (Unix ns), each told why.
+func (l *liveExchanges) cutSilent(engine string, since int64, why string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for x := range l.set {
+		if x.b != nil && x.b.base == engine && x.heard.Load() < since {
+			x.unresponsive.Store(&why)
+			x.ab.Abort()
+			n++
+		}
+	}
+	return n
+}
+
 func (l *liveExchanges) wait() { l.wg.Wait() }

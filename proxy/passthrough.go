@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"time"
 
 	"github.com/valyala/fasthttp"
 
@@ -138,6 +139,9 @@ func (r *rawRelay) Read(p []byte) (int, error) {
 		return 0, r.err
 	}
 	n, err := r.body.Read(p)
+	if n > 0 {
+		r.x.heard.Store(time.Now().UnixNano())
+	}
 	if !r.coded {
 		r.keepTail(p[:n])
 	}
@@ -187,6 +191,8 @@ func (r *rawRelay) end(err error) {
 		}
 	case (errors.Is(err, backends.ErrAborted) || x.ab.Aborted()) && x.s.live.isCut():
 		x.status, x.errMsg = fasthttp.StatusServiceUnavailable, errCutMsg
+	case (errors.Is(err, backends.ErrAborted) || x.ab.Aborted()) && x.unresponsive.Load() != nil:
+		x.status, x.errMsg = fasthttp.StatusGatewayTimeout, *x.unresponsive.Load()
 	case errors.Is(err, backends.ErrAborted) || x.ab.Aborted():
 		x.status = 499
 	default:

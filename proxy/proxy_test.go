@@ -48,6 +48,8 @@ type fakeEngine struct {
 	modelList    string        // GET /v1/models (default: the base model alone); not recorded
 	modelsDelay  time.Duration // before answering GET /v1/models
 	notServed    string        // a model it answers vLLM's 404 for (under mu)
+	tokenEvery   time.Duration // stream: between tokens
+	unhealthy    atomic.Bool   // GET /health answers 503
 	metricsPage  string        // GET /metrics (under mu; "": 404); not recorded
 }
 
@@ -63,7 +65,13 @@ func startFake(t *testing.T, id string, setup func(*fakeEngine)) *fakeEngine {
 	}
 	f.addr = ln.Addr().String()
 	mux := http.NewServeMux()
-	mux.HandleFunc("/health", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok")) })
+	mux.HandleFunc("/health", func(w http.ResponseWriter, r *http.Request) {
+		if f.unhealthy.Load() {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			return
+		}
+		w.Write([]byte("ok"))
+	})
 	mux.HandleFunc("/v1/", f.serve)
 	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, r *http.Request) {
 		f.mu.Lock()
@@ -174,6 +182,7 @@ func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 		}
 		fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t%d \"}}]}\n\n", i)
 		fl.Flush()
+		time.Sleep(f.tokenEvery)
 	}
 	if so, _ := body["stream_options"].(map[string]any); so["include_usage"] == true {
 		// Two tokens a chunk, as vLLM's --stream-interval 2 sends them.

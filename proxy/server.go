@@ -404,7 +404,11 @@ func (s *Server) activate(st, prev *state) {
 			// Replaces the probe of a backend of its id: the same engine
 			// keeps its probe state (a rebuilt backend of a dead engine
 			// is down at once, not healthy until probes fail again).
-			s.health.Add(b.cfg.ID, b.probeURL(), b.setProbe)
+			s.health.Add(b.cfg.ID, b.probeURL(), func(ok bool, why string) {
+				if b.setProbe(ok, why) {
+					s.cutUnresponsive(b, why)
+				}
+			})
 		}
 	}
 	s.st.Store(st)
@@ -1337,4 +1341,22 @@ func (s *Server) putScratch(sc *scratch) {
 	sc.route = router.Request{}
 	sc.tokens, sc.hashes = sc.tokens[:0], sc.hashes[:0]
 	s.bufs.Put(sc)
+}
+
+// cutUnresponsive ends the requests waiting on b's engine once its health
+// probe starts failing (a frozen process, a lost node: its connections
+// neither answer nor close): those it has sent nothing to since the probe
+// began to fail get 504 (a stream, an error event and [DONE]) at once,
+// where they waited for stream_idle_timeout (5 minutes by default). SDKs
+// retry a 504, and the engine is out of selection meanwhile. Requests the
+// engine still sends to are left alone: it is alive to them.
+func (s *Server) cutUnresponsive(b *backend, why string) {
+	h := b.healthCfg()
+	failingFor := time.Duration(max(h.Fall-1, 0))*h.Interval + h.Timeout
+	since := time.Now().Add(-failingFor)
+	msg := "backend " + b.cfg.ID + " sent nothing for this request while its health probe failed (" + why + ")"
+	if n := s.live.cutSilent(b.base, since.UnixNano(), msg); n > 0 {
+		s.log.Warn().Str("backend", b.cfg.ID).Int("requests", n).Str("probe_error", why).
+			Msg("ended the requests the backend stopped answering")
+	}
 }

@@ -121,6 +121,9 @@ func (r *relay) nextBatch() []byte {
 		}
 		var n int
 		n, err = r.body.Read(f.free())
+		if n > 0 {
+			r.x.heard.Store(time.Now().UnixNano())
+		}
 		f.commit(n)
 		if err != nil && (errors.Is(err, io.EOF) || errors.Is(err, backends.ErrTruncated)) {
 			f.atEOF()
@@ -184,6 +187,11 @@ func (r *relay) end(out []byte, err error) []byte {
 		x.errMsg = errCutMsg
 		x.status = fasthttp.StatusServiceUnavailable
 		out = r.failEvent(out, errCutMsg, "service_unavailable", "shutting_down")
+	case (errors.Is(err, backends.ErrAborted) || x.ab.Aborted()) && x.unresponsive.Load() != nil:
+		msg := *x.unresponsive.Load()
+		x.errMsg = msg
+		x.status = fasthttp.StatusGatewayTimeout
+		out = r.failEvent(out, "the backend serving this request stopped answering: "+msg, "timeout_error", "backend_timeout")
 	case errors.Is(err, backends.ErrAborted) || x.ab.Aborted():
 		x.status = 499
 	case errors.Is(err, errEventTooLarge):

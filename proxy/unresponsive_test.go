@@ -1,0 +1,108 @@
+package proxy
+
+import (
+	"bufio"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+// An engine that stops answering (a frozen process, a lost node) neither
+// answers nor closes its connections: its requests waited for
+// stream_idle_timeout (5 minutes by default). Once its health probe fails,
+// the requests it has sent nothing to since end at once with 504 (a stream
+// with an error event and [DONE]); a stream it still sends to goes on.
+func TestRequestsOfAnEngineThatStopsAnsweringEndEarly(t *testing.T) {
+	stuck := startFake(t, "stuck", func(f *fakeEngine) { f.tokens, f.pauseAfter, f.pause = 10, 3, 30*time.Second })
+	whole := startFake(t, "whole", func(f *fakeEngine) { f.prefillDelay = 30 * time.Second })
+	alive := startFake(t, "alive", func(f *fakeEngine) { f.tokens, f.tokenEvery = 60, 20*time.Millisecond })
+	yaml := strings.NewReplacer("{{stuck}}", stuck.addr, "{{whole}}", whole.addr, "{{alive}}", alive.addr).Replace(
+		"models: [{name: stuck}, {name: whole}, {name: alive}]\n" +
+			"backends:\n" +
+			"  - {id: stuck, url: 'http://{{stuck}}', model: stuck}\n" +
+			"  - {id: whole, url: 'http://{{whole}}', model: whole}\n" +
+			"  - {id: alive, url: 'http://{{alive}}', model: alive}\n" +
+			"health: {interval: 200ms, timeout: 100ms, fall: 2}\n" +
+			"limits: {stream_idle_timeout: 60s}\n")
+	p := serveYAML(t, yaml, false)
+
+	type answer struct {
+		status int
+		body   string
+		took   time.Duration
+	}
+	send := func(model string, stream bool, started chan<- struct{}) <-chan answer {
+		done := make(chan answer, 1)
+		go func() {
+			body := `{"model":"` + model + `","messages":[{"role":"user","content":"hi"}]`
+			if stream {
+				body += `,"stream":true`
+			}
+			t0 := time.Now()
+			resp, err := http.Post(p.url+"/v1/chat/completions", "application/json", strings.NewReader(body+"}"))
+			if err != nil {
+				done <- answer{body: err.Error()}
+				return
+			}
+			defer resp.Body.Close()
+			var got strings.Builder
+			r := bufio.NewReader(resp.Body)
+			for {
+				line, err := r.ReadString('\n')
+				got.WriteString(line)
+				if started != nil && strings.Contains(line, `"t2 "`) {
+					close(started)
+					started = nil
+				}
+				if err != nil {
+					if err != io.EOF {
+						got.WriteString(err.Error())
+					}
+					break
+				}
+			}
+			done <- answer{resp.StatusCode, got.String(), time.Since(t0)}
+		}()
+		return done
+	}
+	stuckStarted, aliveStarted := make(chan struct{}), make(chan struct{})
+	stuckDone := send("stuck", true, stuckStarted)
+	wholeDone := send("whole", false, nil)
+	aliveDone := send("alive", true, aliveStarted)
+	for _, c := range []chan struct{}{stuckStarted, aliveStarted} {
+		select {
+		case <-c:
+		case <-time.After(5 * time.Second):
+			t.Fatal("the streams did not start")
+		}
+	}
+	waitFor(t, "the non-streamed request to reach its engine", func() bool { return whole.requests.Load() == 1 })
+	for _, f := range []*fakeEngine{stuck, whole, alive} {
+		f.unhealthy.Store(true)
+	}
+
+	a := <-stuckDone
+	if a.status != 200 || !strings.Contains(a.body, "stopped answering") || !strings.Contains(a.body, `"code":"backend_timeout"`) ||
+		!strings.HasSuffix(strings.TrimSpace(a.body), "data: [DONE]") || a.took > 10*time.Second {
+		t.Fatalf("the stalled stream (%v): %d %s", a.took, a.status, a.body)
+	}
+	a = <-wholeDone
+	if a.status != 504 || !strings.Contains(a.body, "health probe failed") || !strings.Contains(a.body, `"code":"backend_timeout"`) || a.took > 10*time.Second {
+		t.Fatalf("the unanswered request (%v): %d %s", a.took, a.status, a.body)
+	}
+	a = <-aliveDone
+	if a.status != 200 || !strings.Contains(a.body, `"t59 "`) || strings.Contains(a.body, "error") {
+		t.Fatalf("the stream its engine kept sending: %d %s", a.status, a.body)
+	}
+	waitFor(t, "the warning", func() bool {
+		return strings.Contains(p.logs.String(), "ended the requests the backend stopped answering")
+	})
+	for _, l := range strings.Split(p.logs.String(), "\n") {
+		if strings.Contains(l, `"msg":"request"`) && strings.Contains(l, `"backend":"alive"`) && !strings.Contains(l, `"status":200`) {
+			t.Fatalf("the live stream was logged as failed: %s", l)
+		}
+	}
+	p.waitIdle(t)
+}
