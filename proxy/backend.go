@@ -710,27 +710,19 @@ func (p *modelPool) anyFull() bool {
 	return false
 }
 
-// waitQueue lets requests wait for a backend slot to free up.
-// Every request reads the channel before routing, so reading takes no lock.
-type waitQueue struct {
-	waiters atomic.Int64
-	ch      atomic.Pointer[chan struct{}]
-}
-
-func newWaitQueue() *waitQueue {
-	q := &waitQueue{}
-	ch := make(chan struct{})
-	q.ch.Store(&ch)
-	return q
-}
-
-// changed returns a channel closed at the next signal.
-func (q *waitQueue) changed() <-chan struct{} { return *q.ch.Load() }
-
-func (q *waitQueue) signal() {
-	if q.waiters.Load() == 0 {
-		return
+// anyAvailable reports whether the pool has a backend that takes requests
+// now (healthy, below max_concurrency, not cooling down).
+func (p *modelPool) anyAvailable() bool {
+	for _, b := range *p.workers.Load() {
+		if b == nil {
+			continue
+		}
+		b.mu.Lock()
+		avail := b.available
+		b.mu.Unlock()
+		if avail {
+			return true
+		}
 	}
-	next := make(chan struct{})
-	close(*q.ch.Swap(&next)) // each swapped-out channel is closed once
+	return false
 }

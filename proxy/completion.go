@@ -579,13 +579,15 @@ var (
 // (bounded by limits.max_queue waiters and limits.queue_timeout) for a slot.
 func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request) error {
 	s, p := x.s, x.p
-	var waiting, rechecked bool
+	var w *waiter // in p.queue while the request waits
+	var routed, rechecked bool
 	var timer *time.Timer
 	var gone clientGone
 	var watch *connWatch
 	defer func() {
-		if waiting {
-			s.queue.waiters.Add(-1)
+		if w != nil {
+			p.queue.leave(w, routed && p.anyAvailable())
+			s.queued.Add(-1)
 			p.waiting.Add(-1)
 		}
 		if timer != nil {
@@ -594,7 +596,6 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 		}
 	}()
 	for {
-		changed := s.queue.changed()
 		t0 := time.Now()
 		d, active, err := p.rt.Route(rr)
 		s.metrics.route.Observe(time.Since(t0).Seconds())
@@ -631,7 +632,7 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 				// and may be over (its engine stopped). Route again: it is
 				// unselectable now, or its successor is in the pool.
 				b.release()
-				s.queue.signal()
+				p.queue.signal()
 				active.Free()
 				continue
 			}
@@ -639,24 +640,25 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 				s.metrics.hitRatio.Observe(float64(d.Overlap) / float64(d.Total))
 			}
 			x.d, x.active, x.b, x.rank = d, active, b, rank
+			routed = true
 			return nil
 		}
 		if !rr.Pinned && errors.Is(err, router.ErrNoWorker) && p.endCooling() {
 			continue // the backends cooling down after a 429 were the last ones
 		}
 		lim := st.cfg.Limits
-		if !waiting {
-			// Count the request as a waiter, then route again: a slot freed
-			// before it was counted signalled no one, and may already have
-			// left no backend full.
-			if s.queue.waiters.Add(1) > int64(lim.MaxQueue) {
-				s.queue.waiters.Add(-1)
+		if w == nil {
+			// Join the queue, then route again: a slot freed before it
+			// joined woke no one, and may already have left no backend
+			// full.
+			if s.queued.Add(1) > int64(lim.MaxQueue) {
+				s.queued.Add(-1)
 				if p.fullFor(rr) {
 					return errQueueFull
 				}
 				return err
 			}
-			waiting = true
+			w = p.queue.join()
 			p.waiting.Add(1)
 			continue
 		}
@@ -671,13 +673,14 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 			continue
 		}
 		rechecked = false
+		p.queue.rest(w, p.anyAvailable())
 		if timer == nil {
 			timer = time.NewTimer(lim.QueueTimeout)
 			gone = make(clientGone)
 			watch = s.watcher.Watch(ctx.Conn(), gone)
 		}
 		select {
-		case <-changed:
+		case <-w.wake:
 		case <-timer.C:
 			return errQueueTimeout
 		case <-gone:
@@ -709,8 +712,7 @@ func (x *exchange) release() {
 	x.active.Free()
 	if x.b != nil && !x.released {
 		x.released = true
-		x.b.release()
-		x.s.queue.signal()
+		x.b.release() // a backend it leaves below max_concurrency wakes its queue
 	}
 }
 

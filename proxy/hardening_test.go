@@ -525,9 +525,9 @@ limits: {max_queue: 4, queue_timeout: 10s}
 	}()
 	waitFor(t, "the first request at the engine", func() bool { return e.requests.Load() == 1 })
 	c := rawCompletion(t, p, `{"model":"m","prompt":"second"}`)
-	waitFor(t, "the second request in the queue", func() bool { return p.s.queue.waiters.Load() == 1 })
+	waitFor(t, "the second request in the queue", func() bool { return p.s.queued.Load() == 1 })
 	c.Close()
-	waitFor(t, "the queue to let the departed client go", func() bool { return p.s.queue.waiters.Load() == 0 })
+	waitFor(t, "the queue to let the departed client go", func() bool { return p.s.queued.Load() == 0 })
 	if code := <-first; code != 200 {
 		t.Fatalf("first request: %d", code)
 	}

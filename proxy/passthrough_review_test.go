@@ -247,7 +247,7 @@ func TestRequestAtReplacedBackend(t *testing.T) {
 		resp, _ := post(t, p.url+"/v1/completions", body)
 		res <- resp.StatusCode
 	}()
-	waitFor(t, "the second request to queue", func() bool { return p.s.queue.waiters.Load() == 1 })
+	waitFor(t, "the second request to queue", func() bool { return p.s.queued.Load() == 1 })
 	cfg, err := config.Parse([]byte(head + "  - {id: e0, url: 'http://" + nu.addr + "', model: m, max_concurrency: 1, kv_events: {mode: http}}\n"))
 	if err != nil {
 		t.Fatal(err)
@@ -288,7 +288,7 @@ func TestQueuedRankRequestAfterReplace(t *testing.T) {
 	waitFor(t, "the first request at the old engine", func() bool { return old.current.Load() == 1 })
 	go send()
 	go send()
-	waitFor(t, "two requests to queue", func() bool { return p.s.queue.waiters.Load() == 2 })
+	waitFor(t, "two requests to queue", func() bool { return p.s.queued.Load() == 2 })
 	cfg, err := config.Parse([]byte(head + "  - {id: e0, url: 'http://" + nu.addr + "', model: m, max_concurrency: 1, kv_events: {mode: http}}\n"))
 	if err != nil {
 		t.Fatal(err)

@@ -207,7 +207,7 @@ limits: {max_queue: 4, queue_timeout: 10s}
 			waitFor(t, "the first request at the engine", func() bool { return e.requests.Load() == 1 })
 		}
 	}
-	waitFor(t, "the second request in the queue", func() bool { return p.s.queue.waiters.Load() == 1 })
+	waitFor(t, "the second request in the queue", func() bool { return p.s.queued.Load() == 1 })
 	start := time.Now()
 	p.s.Cut()
 	for i := 0; i < 2; i++ {

@@ -56,7 +56,7 @@ type Server struct {
 	srv      *fasthttp.Server
 	health   *backends.Prober
 	retries  *retryBudget
-	queue    *waitQueue
+	queued   atomic.Int64  // requests waiting for a backend slot, all models (limits.max_queue)
 	limits   config.Limits // fixed at start: the header limits shape the HTTP server
 	// respRandom keys response ids where no secret does (respKey).
 	respRandom [32]byte
@@ -142,6 +142,7 @@ type modelPool struct {
 	workers   atomic.Pointer[[]*backend] // indexed by router.WorkerID
 	coolMu    sync.Mutex                 // one backend cools down at a time: never the last
 	waiting   atomic.Int64               // requests queued for a slot (route)
+	queue     waitQueue                  // ... in order
 }
 
 // modelNames are a model's other names, which a reload changes without
@@ -175,7 +176,7 @@ func (p *modelPool) setBackend(b *backend) {
 // New builds the pools and backends of cfg; Serve starts answering.
 func New(cfg *config.Config, opts Options) (*Server, error) {
 	s := &Server{log: opts.Logger, opts: opts, watcher: newHangupWatcher(), limits: cfg.Limits, started: cfg,
-		retries: newRetryBudget(cfg.Limits.RetryBudget), queue: newWaitQueue(), rejectLog: newLogLimiter(opts.Logger),
+		retries: newRetryBudget(cfg.Limits.RetryBudget), rejectLog: newLogLimiter(opts.Logger),
 		listsRead: make(chan struct{})}
 	var rb [6]byte
 	rand.Read(rb[:])
@@ -342,7 +343,7 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 			}
 		}
 		b := newBackend(bc, cfg, p, s.log)
-		b.wake, b.metrics = s.queue.signal, s.metrics
+		b.wake, b.metrics = p.queue.signal, s.metrics
 		b.probed = s.health != nil
 		st.backends[bc.ID] = b
 	}
@@ -417,7 +418,11 @@ func (s *Server) activate(st, prev *state) {
 	}
 	// Queued requests look again: there may be new backends or slots, or
 	// none left to wait for.
-	defer s.queue.signal()
+	defer func() {
+		for _, p := range slices.Concat(prev.pools, st.pools) {
+			p.queue.wakeAll()
+		}
+	}()
 	for id, old := range prev.backends {
 		if st.backends[id] == old {
 			continue
