@@ -1164,9 +1164,6 @@ func (s *Server) declaredOverLimit(ctx *fasthttp.RequestCtx) bool {
 	note := v.(overLimitBody)
 	note.header.CopyTo(&ctx.Request.Header)
 	s.refuseLargeBody(ctx, s.st.Load(), note.known)
-	if bytes.HasPrefix(ctx.Path(), messagesPath) { // as handle's defers give it
-		ctx.Response.Header.SetBytesV("Request-Id", ctx.Response.Header.PeekBytes(hdrRequestID))
-	}
 	return true
 }
 
@@ -1221,6 +1218,11 @@ func (s *Server) refuseLargeBody(ctx *fasthttp.RequestCtx, st *state, known bool
 		s.refuseStranger(ctx)
 	}
 	s.logTransport(ctx, reason, reason)
+	if bytes.HasPrefix(ctx.Path(), messagesPath) {
+		// As handle's defers give every other answer there (it runs before
+		// them); logTransport has set X-Request-Id.
+		ctx.Response.Header.SetBytesV("Request-Id", ctx.Response.Header.PeekBytes(hdrRequestID))
+	}
 }
 
 // maxDrain bounds how much of an unread body is read and thrown away.
