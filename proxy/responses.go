@@ -242,10 +242,11 @@ const (
 	itemOutput
 	itemSummary
 	itemNamespace
+	itemID
 	itemMembersLen
 )
 
-var itemMembers = [itemMembersLen]string{"type", "role", "content", "call_id", "name", "arguments", "output", "summary", "namespace"}
+var itemMembers = [itemMembersLen]string{"type", "role", "content", "call_id", "name", "arguments", "output", "summary", "namespace", "id"}
 
 // parseResponses fills r, new or reset, from a Responses API request: its
 // instructions, input and tools become the messages and tools the engine's
@@ -318,6 +319,11 @@ func (r *apiRequest) responsesInput(raw []byte) *paramError {
 		var v [itemMembersLen][]byte
 		membersNamed(e.value, itemMembers[:], v[:])
 		typ := "message"
+		if v[itemType] == nil && v[itemRole] == nil && v[itemContent] == nil && v[itemID] != nil {
+			// An item reference, whose type may be left out (the Go SDK
+			// leaves it out), not a message without its role.
+			typ = "item_reference"
+		}
 		if t := v[itemType]; t != nil && !isNull(t) {
 			if t[0] != '"' {
 				return perr(fmt.Sprintf("input[%d].type", i), "type must be a string")

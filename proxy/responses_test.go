@@ -260,6 +260,7 @@ func TestParseResponses(t *testing.T) {
 		`{"input":[3]}`:                     "input[0]",
 		`{"input":[{"content":"no role"}]}`: "input[0].role",
 		`{"input":[{"type":"item_reference","id":"x"}]}`:                               "input[0].type",
+		`{"input":[{"id":"msg_1"}]}`:                                                   "input[0].type", // a reference without its type (the Go SDK's)
 		`{"input":[{"type":"function_call","call_id":1,"name":"f","arguments":"{}"}]}`: "input[0].call_id",
 		`{"input":[{"role":"user","content":{}}]}`:                                     "input[0].content",
 		`{"input":"x","instructions":5}`:                                               "instructions",
