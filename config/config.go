@@ -132,6 +132,11 @@ type Tenant struct {
 	TokensPerMinute   float64 `yaml:"tokens_per_minute"`
 	// MaxConcurrency caps the tenant's requests in flight (0: no cap).
 	MaxConcurrency int `yaml:"max_concurrency"`
+	// Priority, when set, is the tenant's requests' place in the queue
+	// for a backend slot (vLLM's sense: lower comes first) and the most
+	// urgent a request of it may ask for; unset, a request's own priority
+	// (default 0) is taken as it is.
+	Priority *int `yaml:"priority"`
 }
 
 // Health configures active probes and passive ejection.

@@ -74,6 +74,7 @@ type exchange struct {
 	resp         *respIDs // a Responses API request's ids; nil for others
 	api          api      // the endpoint the request came to
 	budget       *bucket  // the tenant's token budget (nil: none), charged promptTokens
+	priority     int      // its place in a queue for a backend slot: lower first (vLLM's sense)
 	// heard is when the engine last sent bytes of the current attempt, or
 	// took its request, Unix ns.
 	heard atomic.Int64
@@ -439,6 +440,13 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	}
 	x := s.newExchange(rid, engineID, path, req.stream, start, p, req.model)
 	x.tenant, x.promptTokens, x.slot, x.resp, x.api, x.budget = t.name, counted, in.slot, ids, kind, t.tokens
+	prio, rewrite := t.queuePriority(req.priority, req.priorityGiven)
+	if req.priorityOdd && t.capped {
+		// A form kvproxy does not read (5.0, "5") the engine might: the
+		// tenant's priority goes instead.
+		prio, rewrite = t.priority, true
+	}
+	x.priority, req.sendPriority, req.priorityTo = prio, rewrite, prio
 	s.dispatch(ctx, st, sc, x, salt)
 }
 
@@ -570,8 +578,10 @@ func (s *Server) attempt(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *ex
 var (
 	errQueueFull    = errors.New("every backend is at its concurrency limit and the wait queue is full")
 	errQueueTimeout = errors.New("no backend had capacity within the queue timeout")
-	errClientGone   = errors.New("the client left while waiting")
-	errRemoved      = errors.New("the chosen backend was just removed")
+	// errQueueDisplaced: a more urgent request took its place in the full queue.
+	errQueueDisplaced = errors.New("every backend is at its concurrency limit and a more urgent request took this one's place in the full wait queue")
+	errClientGone     = errors.New("the client left while waiting")
+	errRemoved        = errors.New("the chosen backend was just removed")
 )
 
 // route picks a worker, registers the request and takes a slot on its
@@ -652,13 +662,18 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 			// joined woke no one, and may already have left no backend
 			// full.
 			if s.queued.Add(1) > int64(lim.MaxQueue) {
-				s.queued.Add(-1)
-				if p.fullFor(rr) {
+				// Full: a less urgent waiter of the model makes room (it
+				// leaves, and its count with it), or this one is refused.
+				if !p.fullFor(rr) {
+					s.queued.Add(-1)
+					return err
+				}
+				if !p.queue.evict(x.priority) {
+					s.queued.Add(-1)
 					return errQueueFull
 				}
-				return err
 			}
-			w = p.queue.join()
+			w = p.queue.join(x.priority)
 			p.waiting.Add(1)
 			continue
 		}
@@ -681,6 +696,9 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 		}
 		select {
 		case <-w.wake:
+			if p.queue.wasEvicted(w) {
+				return errQueueDisplaced
+			}
 		case <-timer.C:
 			return errQueueTimeout
 		case <-gone:
@@ -718,7 +736,7 @@ func (x *exchange) release() {
 
 func (s *Server) routeFailed(ctx *fasthttp.RequestCtx, rid, tenant, model string, start time.Time, err error) {
 	switch {
-	case errors.Is(err, errQueueFull), errors.Is(err, errQueueTimeout):
+	case errors.Is(err, errQueueFull), errors.Is(err, errQueueTimeout), errors.Is(err, errQueueDisplaced):
 		why := whyQueueFull
 		if errors.Is(err, errQueueTimeout) {
 			why = whyQueueTimeout

@@ -80,6 +80,7 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 		sc.route.Avoid = p.avoidForAdapter(nil, x.lora)
 	}
 	x.pass, x.tenant, x.slot = true, in.t.name, in.slot
+	x.priority, _ = in.t.queuePriority(0, false)
 	s.dispatch(ctx, st, sc, x, "")
 }
 

@@ -84,6 +84,14 @@ type apiRequest struct {
 	// max_completion_tokens or max_tokens), 0 when it names none: with
 	// the prompt, what must fit an engine's context (avoidForLength).
 	maxTokens int
+	// priority is the request's priority member (priorityGiven: it has
+	// one; priorityOdd: not as a plain integer, which kvproxy does not
+	// read). sendPriority, set by the handler, replaces it in the engine's
+	// body with priorityTo (the tenant allows no more urgency).
+	priority                   int
+	priorityGiven, priorityOdd bool
+	sendPriority               bool
+	priorityTo                 int
 	// converted: the messages and tools are kvproxy's rendering of
 	// another API's request as the chat request the engine makes of it
 	// (parseResponses, parseAnthropic). A Responses request's
@@ -195,6 +203,11 @@ func (r *apiRequest) readCommon() *paramError {
 			return perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)")
 		}
 	}
+	if raw := f.Priority; raw != nil {
+		r.priorityGiven = true
+		r.priority, r.priorityOdd = jsonInt(raw)
+		r.priorityOdd = !r.priorityOdd
+	}
 	for _, raw := range [...][]byte{f.MaxCompletionTokens, f.MaxTokens, f.MaxOutputTokens} {
 		if n := tokenCount(raw); n > 0 {
 			r.maxTokens = n
@@ -213,6 +226,29 @@ func (r *apiRequest) readCommon() *paramError {
 }
 
 func isNull(v []byte) bool { return string(v) == "null" }
+
+// jsonInt is v, a JSON value, as an integer, if it is one that fits in 18
+// digits.
+func jsonInt(v []byte) (int, bool) {
+	neg := len(v) > 0 && v[0] == '-'
+	if neg {
+		v = v[1:]
+	}
+	if len(v) == 0 || len(v) > 18 {
+		return 0, false
+	}
+	n := 0
+	for _, c := range v {
+		if c < '0' || c > '9' {
+			return 0, false
+		}
+		n = n*10 + int(c-'0')
+	}
+	if neg {
+		n = -n
+	}
+	return n, true
+}
 
 // tokenCount is v, a JSON value, as a positive whole number of tokens; 0
 // for anything else, which the engine refuses or defaults as it does.
@@ -667,6 +703,7 @@ type wireFields struct {
 	MaxTokens           json.RawMessage `json:"max_tokens"`
 	MaxCompletionTokens json.RawMessage `json:"max_completion_tokens"`
 	MaxOutputTokens     json.RawMessage `json:"max_output_tokens"`
+	Priority            json.RawMessage `json:"priority"` // vLLM's: lower is handled earlier
 }
 
 // slot is the field a member named key fills; nil for the others.
@@ -694,6 +731,8 @@ func (f *wireFields) slot(key []byte) *json.RawMessage {
 		return &f.MaxCompletionTokens
 	case keyIs(key, "max_output_tokens"):
 		return &f.MaxOutputTokens
+	case keyIs(key, "priority"):
+		return &f.Priority
 	}
 	return nil
 }
@@ -728,7 +767,8 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 	for m.next() {
 		if keyIs(m.key, "nvext") || keyIs(m.key, "cache_salt") || keyIs(m.key, "model") || keyIs(m.key, "stream") ||
 			r.prevEngine != "" && keyIs(m.key, "previous_response_id") ||
-			r.responses && keyIs(m.key, "request_id") { // vLLM makes it the response's id: the engine picks its own
+			r.responses && keyIs(m.key, "request_id") || // vLLM makes it the response's id: the engine picks its own
+			r.sendPriority && keyIs(m.key, "priority") {
 			continue
 		}
 		if n > 0 {
@@ -756,6 +796,10 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 	if r.prevEngine != "" {
 		out = append(out, `,"previous_response_id":`...)
 		out = appendJSONQuoted(out, r.prevEngine)
+	}
+	if r.sendPriority {
+		out = append(out, `,"priority":`...)
+		out = strconv.AppendInt(out, int64(r.priorityTo), 10)
 	}
 	return append(out, '}'), nil
 }

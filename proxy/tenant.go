@@ -33,6 +33,23 @@ type tenant struct {
 	// cap, nothing counted). A reload keeps the count.
 	maxInflight int64
 	inflight    *atomic.Int64
+	// priority is tenants[].priority (capped set): the least a request's
+	// priority may be (lower: more urgent), and its default.
+	priority int
+	capped   bool
+}
+
+// queuePriority is the priority a request of t that asked for asked (has:
+// it named one) waits at, and whether its engine must be sent that instead
+// of what it asked (the tenant allows no more urgency).
+func (t *tenant) queuePriority(asked int, has bool) (prio int, rewrite bool) {
+	if !t.capped {
+		return asked, false
+	}
+	if has && asked >= t.priority {
+		return asked, false
+	}
+	return t.priority, has
 }
 
 // tenantSlot is a request's place in its tenant's max_concurrency, taken
@@ -121,6 +138,9 @@ func newAuthTable(cfg *config.Config, prev *authTable) *authTable {
 			// through a reload that lifts the cap and one that brings it
 			// back (those admitted without a cap are not counted).
 			t.inflight = old.inflight
+		}
+		if ts.Priority != nil {
+			t.priority, t.capped = *ts.Priority, true
 		}
 		if ts.MaxConcurrency > 0 {
 			t.maxInflight = int64(ts.MaxConcurrency)

@@ -6,7 +6,8 @@ import (
 )
 
 // waitQueue holds a model's requests waiting for a backend slot (every
-// backend they may use is at its max_concurrency), in arrival order. A slot
+// backend they may use is at its max_concurrency), by priority (lower
+// first, as vLLM orders its own queue), then in arrival order. A slot
 // that frees wakes the oldest waiter not already woken, and only it: waking
 // every waiter at each freed slot had them all route again, hundreds of
 // route calls per slot under overload, and served them in no order, so a
@@ -18,23 +19,62 @@ import (
 // context), it hands the wake-up to the waiter behind it (rest), and one
 // that routes wakes the next while backends stay available (leave), so
 // capacity that frees at once (a backend back up) is taken in order too.
+//
+// When limits.max_queue is reached, a request takes the place of the least
+// urgent waiter, if that one is less urgent (evict): batch traffic queued
+// first does not turn interactive traffic away.
 type waitQueue struct {
 	mu   sync.Mutex
 	list []*waiter
 }
 
 type waiter struct {
-	wake  chan struct{} // a wake-up, buffered: none is lost before the waiter waits
-	woken bool          // woken and not yet back to waiting (under mu)
+	wake    chan struct{} // a wake-up, buffered: none is lost before the waiter waits
+	prio    int
+	woken   bool // woken and not yet back to waiting (under mu)
+	evicted bool // taken out of the queue by a more urgent request (under mu)
 }
 
-// join appends a new waiter.
-func (q *waitQueue) join() *waiter {
-	w := &waiter{wake: make(chan struct{}, 1)}
+// join adds a waiter of priority prio, behind those of the same or lower.
+func (q *waitQueue) join(prio int) *waiter {
+	w := &waiter{wake: make(chan struct{}, 1), prio: prio}
 	q.mu.Lock()
-	q.list = append(q.list, w)
+	i := len(q.list)
+	for i > 0 && q.list[i-1].prio > prio {
+		i--
+	}
+	q.list = slices.Insert(q.list, i, w)
 	q.mu.Unlock()
 	return w
+}
+
+// evict takes the last waiter out of the queue, if it is less urgent than
+// prio, and wakes it to find itself evicted; it reports whether it did.
+func (q *waitQueue) evict(prio int) bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	n := len(q.list)
+	if n == 0 || q.list[n-1].prio <= prio {
+		return false
+	}
+	w := q.list[n-1]
+	q.list = slices.Delete(q.list, n-1, n)
+	w.evicted = true
+	if w.woken {
+		q.wakeLocked(0) // the wake-up it has, or is routing on, may be a slot's
+	}
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+	return true
+}
+
+// wasEvicted reports whether evict took w out.
+func (q *waitQueue) wasEvicted(w *waiter) bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return w.evicted
 }
 
 // leave removes w. A wake-up it got and did not use goes to the next
@@ -43,6 +83,9 @@ func (q *waitQueue) join() *waiter {
 func (q *waitQueue) leave(w *waiter, more bool) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
+	if w.evicted {
+		return // out already; its wake-up was the eviction's
+	}
 	for i, o := range q.list {
 		if o == w {
 			q.list = slices.Delete(q.list, i, i+1)

@@ -2,6 +2,8 @@ package proxy
 
 import (
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -19,7 +21,7 @@ func woken(w *waiter) bool {
 // A freed slot wakes the oldest waiter not yet woken, and only it.
 func TestWaitQueueWakesInOrder(t *testing.T) {
 	var q waitQueue
-	a, b, c := q.join(), q.join(), q.join()
+	a, b, c := q.join(0), q.join(0), q.join(0)
 	q.signal()
 	if !woken(a) || woken(b) || woken(c) {
 		t.Fatal("the first signal must wake the first waiter alone")
@@ -53,7 +55,7 @@ func TestWaitQueueWakesInOrder(t *testing.T) {
 // one when the waiter routed while backends stay available.
 func TestWaitQueueLeavePassesOn(t *testing.T) {
 	var q waitQueue
-	a, b, c := q.join(), q.join(), q.join()
+	a, b, c := q.join(0), q.join(0), q.join(0)
 	q.signal()        // a's
 	q.leave(a, false) // timed out with the wake-up unread
 	if !woken(b) {
@@ -65,10 +67,55 @@ func TestWaitQueueLeavePassesOn(t *testing.T) {
 	}
 	q.leave(c, false)
 	q.wakeAll() // nobody: nothing happens
-	d, e := q.join(), q.join()
+	d, e := q.join(0), q.join(0)
 	q.wakeAll()
 	if !woken(d) || !woken(e) {
 		t.Fatal("wakeAll must wake every waiter")
+	}
+}
+
+// Waiters are ordered by priority, lower first, then by arrival; a full
+// queue gives the least urgent waiter's place to a more urgent request.
+func TestWaitQueuePriorities(t *testing.T) {
+	var q waitQueue
+	batch1, batch2 := q.join(10), q.join(10)
+	chat := q.join(0)
+	urgent := q.join(-5)
+	chat2 := q.join(0)
+	var order []*waiter
+	for range 5 {
+		q.signal()
+		for _, w := range []*waiter{batch1, batch2, chat, urgent, chat2} {
+			if woken(w) {
+				order = append(order, w)
+			}
+		}
+	}
+	if want := []*waiter{urgent, chat, chat2, batch1, batch2}; !slices.Equal(order, want) {
+		t.Fatalf("woken in the wrong order")
+	}
+	for _, w := range order {
+		q.leave(w, false)
+	}
+
+	a, b := q.join(10), q.join(10)
+	if q.evict(10) {
+		t.Fatal("evicted a waiter as urgent as the newcomer")
+	}
+	if !q.evict(0) || !q.wasEvicted(b) || q.wasEvicted(a) || !woken(b) {
+		t.Fatal("the newest of the least urgent must make room")
+	}
+	q.leave(b, false) // out already: nothing to hand on
+	if woken(a) {
+		t.Fatal("an eviction's wake-up was handed on as a slot's")
+	}
+	q.signal()
+	if !woken(a) {
+		t.Fatal("the remaining waiter is first in line")
+	}
+	q.leave(a, false)
+	if len(q.list) != 0 {
+		t.Fatalf("%d waiters left", len(q.list))
 	}
 }
 
@@ -81,7 +128,7 @@ func TestWaitQueueConcurrent(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for i := 0; i < 300; i++ {
-				w := q.join()
+				w := q.join(0)
 				q.signal()
 				<-w.wake // this signal's, or another goroutine's
 				q.rest(w, i%2 == 0)
@@ -129,6 +176,70 @@ func TestQueuedRequestsAreServedInOrder(t *testing.T) {
 			}
 			t.Fatalf("the engine got %v, want them in the order they came", got)
 		}
+	}
+	p.waitIdle(t)
+}
+
+// A tenant's priority orders its requests in the queue for a slot (lower
+// first, as vLLM's priority does), bounds the urgency its requests may ask
+// for (what they asked is replaced in the engine's body), and lets them
+// take the place of a less urgent waiter when the queue is full.
+func TestQueuePriorities(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 60 * time.Millisecond })
+	p := startProxyYAML(t, `models: [{name: m}]
+backends: [{id: e0, url: 'http://{{e0}}', max_concurrency: 1}]
+auth: {keys: [{key: key-batch-1234, tenant: batch}, {key: key-chat-12345, tenant: chat}]}
+tenants: [{name: batch, priority: 10}, {name: chat, priority: 0}]
+limits: {max_queue: 4}
+`, e)
+	type req struct{ name, key, extra string }
+	reqs := []req{
+		{"hold", "key-batch-1234", ""},
+		{"b1", "key-batch-1234", ""},
+		{"b2", "key-batch-1234", ""},
+		{"b50", "key-batch-1234", `,"priority":50`},
+		{"c1", "key-chat-12345", ""},
+		{"c2", "key-chat-12345", `,"priority":-20`}, // more urgent than chat may be: 0
+	}
+	status := make(map[string]int)
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for i, r := range reqs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp, _ := postAuth(t, p.url+"/v1/completions", r.key, `{"model":"m","prompt":"`+r.name+`"`+r.extra+`}`)
+			mu.Lock()
+			status[r.name] = resp.StatusCode
+			mu.Unlock()
+		}()
+		switch {
+		case i == 0:
+			waitFor(t, "the first request at the engine", func() bool { return e.requests.Load() == 1 })
+		case i < 5:
+			waitFor(t, "the request in the queue", func() bool { return p.s.queued.Load() == int64(i) })
+		}
+	}
+	wg.Wait()
+	if status["b50"] != 503 || len(status) != 6 {
+		t.Fatalf("statuses %v: want b50, the least urgent, displaced by c2 from the full queue", status)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var order []string
+	sent := map[string]any{}
+	for _, b := range e.bodies {
+		order = append(order, b["prompt"].(string))
+		sent[b["prompt"].(string)] = b["priority"]
+	}
+	if want := []string{"hold", "c1", "c2", "b1", "b2"}; !slices.Equal(order, want) {
+		t.Fatalf("the engine got %v, want %v", order, want)
+	}
+	if sent["c2"] != float64(0) || sent["b1"] != nil {
+		t.Fatalf("priorities sent: %v; want c2's capped to 0 and none added to b1", sent)
+	}
+	if !strings.Contains(p.logs.String(), "a more urgent request took this one's place") {
+		t.Fatalf("the displaced request's log line is missing:\n%s", p.logs.String())
 	}
 	p.waitIdle(t)
 }
