@@ -8,6 +8,7 @@ import (
 	"net"
 	"strconv"
 	"testing"
+	"time"
 
 	"github.com/rs/zerolog"
 
@@ -21,15 +22,21 @@ type cannedEngine struct {
 	ln           net.Listener
 	whole, sse   []byte
 	streamMarker []byte
+	delay        time.Duration // before each answer
 }
 
 func startCannedEngine(b *testing.B, events int) *cannedEngine {
+	return startSlowCannedEngine(b, events, 0)
+}
+
+// startSlowCannedEngine starts a canned engine that takes delay to answer.
+func startSlowCannedEngine(b *testing.B, events int, delay time.Duration) *cannedEngine {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		b.Fatal(err)
 	}
 	body := `{"id":"cmpl-1","object":"chat.completion","created":1,"model":"engine-m","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"length"}],"usage":{"prompt_tokens":20,"completion_tokens":1,"total_tokens":21,"prompt_tokens_details":{"cached_tokens":16}}}`
-	e := &cannedEngine{ln: ln, streamMarker: []byte(`"stream":true`)}
+	e := &cannedEngine{ln: ln, streamMarker: []byte(`"stream":true`), delay: delay}
 	e.whole = []byte("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: " + strconv.Itoa(len(body)) + "\r\n\r\n" + body)
 	var sse bytes.Buffer
 	sse.WriteString("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -60,6 +67,7 @@ func (e *cannedEngine) serve(c net.Conn) {
 		if err != nil {
 			return
 		}
+		time.Sleep(e.delay)
 		answer := e.whole
 		if bytes.Contains(body, e.streamMarker) {
 			answer = e.sse
@@ -128,8 +136,15 @@ func atoi(b []byte) int {
 }
 
 func startBenchProxy(b *testing.B, engine string) string {
+	_, addr := startBenchServer(b, engine, "")
+	return addr
+}
+
+// startBenchServer serves a proxy in front of engine, with more (YAML) in
+// its backend's settings.
+func startBenchServer(b *testing.B, engine, more string) (*Server, string) {
 	cfg, err := config.Parse([]byte("models:\n  - {name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}\n" +
-		"backends:\n  - {id: e0, url: 'http://" + engine + "', model: m, served_model: engine-m}\n" +
+		"backends:\n  - {id: e0, url: 'http://" + engine + "', model: m, served_model: engine-m" + more + "}\n" +
 		"router: {policy: kv}\nlog_level: warn\n"))
 	if err != nil {
 		b.Fatal(err)
@@ -144,7 +159,7 @@ func startBenchProxy(b *testing.B, engine string) string {
 	}
 	go s.Serve(ln)
 	b.Cleanup(func() { s.Shutdown() })
-	return ln.Addr().String()
+	return s, ln.Addr().String()
 }
 
 // benchRoundTrips sends body over keep-alive connections (parallelism × GOMAXPROCS
