@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"slices"
 	"strconv"
@@ -74,6 +75,13 @@ type apiRequest struct {
 	} `json:"stream_options"`
 	CacheSalt string `json:"cache_salt"`
 	N         *int   `json:"n"`
+	// KVTransfer is vLLM's kv_transfer_params (NixlConnector): a prefill
+	// engine is asked to keep the prompt's KV for a decode engine
+	// (do_remote_decode), a decode engine to pull it (do_remote_prefill).
+	KVTransfer *struct {
+		DoRemoteDecode  bool `json:"do_remote_decode"`
+		DoRemotePrefill bool `json:"do_remote_prefill"`
+	} `json:"kv_transfer_params"`
 }
 
 type apiMessage struct {
@@ -427,6 +435,7 @@ func (e *Engine) serveCompletion(w http.ResponseWriter, hr *http.Request, chat b
 	}
 	r := e.newAnswer(prompt, maxTokens, req.IgnoreEOS, req.CacheSalt, force)
 	r.seq.LoRA = e.adapterOf(req.Model)
+	r.seq.RemoteKV = req.KVTransfer != nil && req.KVTransfer.DoRemotePrefill
 	if err := e.submit(r); err != nil {
 		e.fail(w, err)
 		return
@@ -437,6 +446,12 @@ func (e *Engine) serveCompletion(w http.ResponseWriter, hr *http.Request, chat b
 		prefix = "chatcmpl"
 	}
 	rs.id = fmt.Sprintf("%s-%s-%d", prefix, e.idPrefix, r.seq.ID)
+	if req.KVTransfer != nil && req.KVTransfer.DoRemoteDecode {
+		// Where a decode engine finds the prompt's KV, as vLLM's
+		// NixlConnector tells it (the blocks are this engine's to name).
+		rs.kvTransfer = fmt.Appendf(nil, `{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":%q,"remote_block_ids":[%d],"remote_host":%q,"remote_port":%d,"remote_request_id":%q,"tp_size":1}`,
+			e.idPrefix, r.seq.ID, hostOf(hr.Host), 5600, hr.Header.Get("X-Request-Id"))
+	}
 	ctx := hr.Context()
 	if req.Stream {
 		includeUsage := req.StreamOptions != nil && req.StreamOptions.IncludeUsage
@@ -592,4 +607,12 @@ func (e *Engine) serveResetPrefixCache(w http.ResponseWriter, _ *http.Request) {
 		return
 	}
 	w.WriteHeader(http.StatusOK)
+}
+
+// hostOf is the host of a Host header (host:port).
+func hostOf(hostport string) string {
+	if h, _, err := net.SplitHostPort(hostport); err == nil {
+		return h
+	}
+	return hostport
 }

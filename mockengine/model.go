@@ -94,6 +94,12 @@ type Seq struct {
 	// LoRA is the LoRA adapter the sequence runs with ("" for the base
 	// model): its blocks never serve another adapter or the base model.
 	LoRA string
+	// RemoteKV: a prefill engine computed the prompt (disaggregated
+	// prefill): its full blocks that are not cached here are pulled rather
+	// than computed, and only the rest (less than a block) is. vLLM's
+	// NixlConnector pulls them beside the running batch (RDMA, while the
+	// request waits for its KV); the model charges the step nothing for it.
+	RemoteKV bool
 
 	ns         kv.Namespace
 	hashes     []kv.BlockHash // engine hashes of every full block known
@@ -444,8 +450,12 @@ func (m *Model) admit(s *Seq, budget int) bool {
 			loaded++
 		}
 	}
-	n := min(total-loaded*bs, budget)
-	need := (loaded*bs+n+bs-1)/bs - hits
+	pulled := loaded
+	if s.RemoteKV && !s.admitted {
+		pulled = maxHit
+	}
+	n := min(total-pulled*bs, budget)
+	need := (pulled*bs+n+bs-1)/bs - hits
 	if need > m.cache.available()-inLRU {
 		return false
 	}
@@ -455,6 +465,9 @@ func (m *Model) admit(s *Seq, budget int) bool {
 		s.blocks = append(s.blocks, b)
 	}
 	loaded = hits + m.loadFromHost(s, hits, loaded)
+	if pulled > loaded {
+		loaded = m.pullRemote(s, loaded, pulled)
+	}
 	for end := (loaded*bs + n + bs - 1) / bs; len(s.blocks) < end; {
 		s.blocks = append(s.blocks, m.alloc())
 	}
@@ -500,6 +513,16 @@ func (m *Model) loadFromHost(s *Seq, from, to int) int {
 		m.hostLoads++
 	}
 	return to - from
+}
+
+// pullRemote fills blocks from..to-1 of s with the prompt's KV a prefill
+// engine computed, registering them as computed ones are. It returns to.
+func (m *Model) pullRemote(s *Seq, from, to int) int {
+	for i := from; i < to; i++ {
+		s.blocks = append(s.blocks, m.alloc())
+		m.fillBlock(s, i)
+	}
+	return to
 }
 
 // preempt sends a running sequence back to the front of the queue, releasing

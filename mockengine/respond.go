@@ -169,6 +169,7 @@ type responder struct {
 	created      int64
 	promptTokens int
 	maxTokens    int
+	kvTransfer   []byte // a prefill's kv_transfer_params, for the whole answer
 }
 
 func (rs *responder) finishReason(r *request) string {
@@ -309,6 +310,9 @@ func (rs *responder) whole(ctx context.Context, w http.ResponseWriter, r *reques
 	b = append(b, rs.finishReason(r)...)
 	b = append(b, `"}],`...)
 	b = rs.usage(b, r, n)
+	if rs.kvTransfer != nil {
+		b = append(append(b, `,"kv_transfer_params":`...), rs.kvTransfer...)
+	}
 	b = append(b, '}')
 	w.Header().Set("Content-Type", "application/json")
 	_, err := w.Write(b)
