@@ -183,6 +183,12 @@ const (
 	KindMock   = "mock"
 )
 
+// Backend roles (disaggregated prefill).
+const (
+	RoleBoth    = "both"
+	RolePrefill = "prefill"
+)
+
 // Backend is one engine.
 type Backend struct {
 	ID    string `yaml:"id"`
@@ -198,6 +204,11 @@ type Backend struct {
 	InsecureSkipVerify bool `yaml:"insecure_skip_verify"`
 	// MaxConcurrency caps requests in flight on this engine (0: no cap).
 	MaxConcurrency int `yaml:"max_concurrency"`
+	// Role is RolePrefill for an engine that only computes prompts for
+	// others to decode (disaggregated prefill); "" or RoleBoth for one
+	// that serves whole requests, and decodes prompts a prefill engine
+	// computed.
+	Role string `yaml:"role"`
 	// KVEvents says how kvproxy learns what the engine caches.
 	KVEvents KVEvents `yaml:"kv_events"`
 	// Mock configures the simulated engine kvproxy starts for kind: mock.
@@ -699,6 +710,15 @@ func (c *Config) Validate() error {
 		if b.MaxConcurrency < 0 {
 			add(f+".max_concurrency", "must not be negative")
 		}
+		switch b.Role {
+		case "", RoleBoth:
+		case RolePrefill:
+			if b.Kind != KindVLLM && b.Kind != KindMock {
+				add(f+".role", "disaggregated prefill speaks vLLM's kv_transfer_params: kind vllm or mock, got %q", b.Kind)
+			}
+		default:
+			add(f+".role", "want both or prefill, got %q", b.Role)
+		}
 		if m := b.Mock; !finiteNonNegative(m.Speedup) || m.CacheBlocks < 0 || m.HostCacheBlocks < 0 || m.MaxNumSeqs < 0 || m.MaxNumBatchedTokens < 0 || m.MaxLoRAs < 0 {
 			add(f+".mock", "values must be numbers, not negative")
 		}
@@ -717,6 +737,13 @@ func (c *Config) Validate() error {
 				add(f+".url", "backends[%d] already serves model %q from %s (with the same api_key)", j, b.Model, b.URL)
 			}
 			engineURLs[key] = i
+		}
+	}
+	// A prefill engine's work is decoded elsewhere: its model needs an
+	// engine that serves whole requests.
+	for i, b := range c.Backends {
+		if b.Role == RolePrefill && !slices.ContainsFunc(c.Backends, func(o Backend) bool { return o.Model == b.Model && o.Role != RolePrefill }) {
+			add(fmt.Sprintf("backends[%d].role", i), "model %q has no backend that decodes (role both) for its prefill engines", b.Model)
 		}
 	}
 	if !contains(Policies, c.Router.Policy) {

@@ -75,6 +75,11 @@ type exchange struct {
 	api          api      // the endpoint the request came to
 	budget       *bucket  // the tenant's token budget (nil: none), charged promptTokens
 	priority     int      // its place in a queue for a backend slot: lower first (vLLM's sense)
+	// prefillBy is the prefill engine that computed the prompt
+	// (disaggregated prefill), prefillTime how long it took, prefillErr why
+	// it did not when it was tried and failed.
+	prefillBy, prefillErr string
+	prefillTime           time.Duration
 	// heard is when the engine last sent bytes of the current attempt, or
 	// took its request, Unix ns.
 	heard atomic.Int64
@@ -385,6 +390,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		rr.Avoid = p.avoidForAdapter(nil, lora)
 	}
 	rr.Avoid = p.avoidForLength(rr.Avoid, longest+max(req.maxTokens, 1))
+	rr.Avoid, _ = p.avoidForRole(rr.Avoid, false) // a prefill engine only computes prompts for the others
 
 	if name, inst, isNum, ok := req.nv.pinned(); ok {
 		w, found := p.rt.WorkerByName(name)
@@ -547,6 +553,12 @@ func (s *Server) attempt(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *ex
 		}
 		sc.keepCandidates(x.d.Candidates)
 		x.d.Candidates = nil // the scratch's
+		if attempt == 1 && !x.pass && (x.api == apiChat || x.api == apiCompletions) && !rr.Pinned {
+			// Disaggregated prefill, once the decode engine's slot is
+			// held: its params stay good for the next engine if this one
+			// refuses.
+			req.kvParams = s.remotePrefill(ctx, sc, x, rr, salt)
+		}
 		engineSalt := ""
 		if x.b.salted {
 			engineSalt = salt
@@ -1263,6 +1275,12 @@ func (x *exchange) logLine() {
 		Dur("duration", dur)
 	if x.ttft > 0 {
 		ev = ev.Dur("ttft", x.ttft)
+	}
+	if x.prefillBy != "" {
+		ev = ev.Str("prefill_backend", x.prefillBy).Dur("prefill", x.prefillTime)
+		if x.prefillErr != "" {
+			ev = ev.Str("prefill_error", x.prefillErr)
+		}
 	}
 	if metered {
 		ev = ev.Int("prompt_tokens", prompt).Int("output_tokens", completion)

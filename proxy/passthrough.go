@@ -79,6 +79,7 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 	if x.lora != "" {
 		sc.route.Avoid = p.avoidForAdapter(nil, x.lora)
 	}
+	sc.route.Avoid, _ = p.avoidForRole(sc.route.Avoid, false)
 	x.pass, x.tenant, x.slot = true, in.t.name, in.slot
 	x.priority, _ = in.t.queuePriority(0, false)
 	s.dispatch(ctx, st, sc, x, "")

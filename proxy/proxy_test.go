@@ -147,8 +147,13 @@ func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	stream, _ := body["stream"].(bool)
 	if !stream {
+		extra := ""
+		if kvp, _ := body["kv_transfer_params"].(map[string]any); kvp["do_remote_decode"] == true {
+			// A disaggregated prefill, as vLLM's NixlConnector answers it.
+			extra = fmt.Sprintf(`,"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":%q,"remote_block_ids":[1,2,3],"remote_host":"127.0.0.1","remote_port":5600}`, f.id)
+		}
 		w.Header().Set("Content-Type", "application/json")
-		fmt.Fprintf(w, `{"id":"x","object":"chat.completion","model":%q,"choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":1,"total_tokens":11,"prompt_tokens_details":{"cached_tokens":3}},"served_by":%q}`, body["model"], f.id)
+		fmt.Fprintf(w, `{"id":"x","object":"chat.completion","model":%q,"choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":1,"total_tokens":11,"prompt_tokens_details":{"cached_tokens":3}},"served_by":%q%s}`, body["model"], f.id, extra)
 		return
 	}
 	w.Header().Set("Content-Type", "text/event-stream")

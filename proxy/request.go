@@ -92,6 +92,12 @@ type apiRequest struct {
 	priorityGiven, priorityOdd bool
 	sendPriority               bool
 	priorityTo                 int
+	// prefillStage makes forwardBody the body of a disaggregated prefill
+	// (one token, not streamed, kv_transfer_params asking for the KV to be
+	// kept for a decode engine); kvParams, when set, are the
+	// kv_transfer_params the decode engine is sent.
+	prefillStage bool
+	kvParams     []byte
 	// converted: the messages and tools are kvproxy's rendering of
 	// another API's request as the chat request the engine makes of it
 	// (parseResponses, parseAnthropic). A Responses request's
@@ -768,7 +774,9 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 		if keyIs(m.key, "nvext") || keyIs(m.key, "cache_salt") || keyIs(m.key, "model") || keyIs(m.key, "stream") ||
 			r.prevEngine != "" && keyIs(m.key, "previous_response_id") ||
 			r.responses && keyIs(m.key, "request_id") || // vLLM makes it the response's id: the engine picks its own
-			r.sendPriority && keyIs(m.key, "priority") {
+			r.sendPriority && keyIs(m.key, "priority") ||
+			(r.prefillStage || r.kvParams != nil) && keyIs(m.key, "kv_transfer_params") ||
+			r.prefillStage && (keyIs(m.key, "max_tokens") || keyIs(m.key, "max_completion_tokens") || keyIs(m.key, "stream_options")) {
 			continue
 		}
 		if n > 0 {
@@ -785,9 +793,17 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 	}
 	out = append(out, `"model":`...)
 	out = appendJSONQuoted(out, servedModel)
-	if r.fields.Stream != nil {
+	switch {
+	case r.prefillStage:
+		out = append(out, `,"stream":false,"max_tokens":1,"kv_transfer_params":`...)
+		out = append(out, prefillParams...)
+	case r.fields.Stream != nil:
 		out = append(out, `,"stream":`...)
 		out = append(out, r.fields.Stream...)
+	}
+	if r.kvParams != nil && !r.prefillStage {
+		out = append(out, `,"kv_transfer_params":`...)
+		out = append(out, r.kvParams...)
 	}
 	if salt != "" {
 		out = append(out, `,"cache_salt":`...)

@@ -1,0 +1,152 @@
+package proxy
+
+import (
+	"bytes"
+	"errors"
+	"strconv"
+	"time"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvproxy/kvproxy/backends"
+	"github.com/kvproxy/kvproxy/config"
+	"github.com/kvproxy/kvproxy/router"
+)
+
+// Disaggregated prefill, as vLLM's NixlConnector does it: a prefill engine
+// (backends[].role: prefill) computes the prompt of a chat or completion
+// request asked for one token with kv_transfer_params {"do_remote_decode":
+// true}, and answers with the kv_transfer_params that tell a decode engine
+// where the prompt's KV is; the request then goes, with those params, to an
+// engine that serves whole requests, which pulls the KV instead of
+// computing it and streams the answer. Both stages are routed on the
+// prompt's blocks by the model's policy. A prefill that cannot run (no
+// prefill engine free, a failure, an answer without params) leaves the
+// decode engine to compute the prompt itself.
+
+// prefillParams is what the prefill engine is asked for.
+const prefillParams = `{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`
+
+var kvTransferParams = [1]string{"kv_transfer_params"}
+
+// prefillOnly reports whether b only computes prompts (role: prefill).
+func (b *backend) prefillOnly() bool { return b.cfg.Role == config.RolePrefill }
+
+// avoidForRole appends to avoid the workers of the model's prefill engines
+// (prefill false: the stage that serves the request) or of its other
+// engines (prefill true: the prefill stage), and reports whether the model
+// has a prefill engine at all.
+func (p *modelPool) avoidForRole(avoid []router.WorkerID, prefill bool) ([]router.WorkerID, bool) {
+	ws := *p.workers.Load()
+	disaggregated := false
+	for i, b := range ws {
+		if b != nil && b.worker == router.WorkerID(i) && b.prefillOnly() {
+			disaggregated = true
+			break
+		}
+	}
+	if !disaggregated {
+		return avoid, false
+	}
+	for i, b := range ws {
+		if b != nil && b.worker == router.WorkerID(i) && b.prefillOnly() != prefill {
+			avoid = append(avoid, b.workerIDs()...)
+		}
+	}
+	return avoid, true
+}
+
+// remotePrefill runs x's prefill on one of its model's prefill engines and
+// returns the kv_transfer_params its answer gives for the decode engine;
+// nil when none ran. rr is the request as routed (its prompt's blocks).
+func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchange, rr *router.Request, salt string) []byte {
+	p := x.p
+	pr := router.Request{Hashes: rr.Hashes, PromptTokens: rr.PromptTokens, Unstreamed: true}
+	var ok bool
+	if pr.Avoid, ok = p.avoidForRole(nil, true); !ok {
+		return nil
+	}
+	d, active, err := p.rt.Route(&pr)
+	if err != nil {
+		return nil // every prefill engine is busy or down: the decode engine computes it
+	}
+	b := p.backend(d.Worker)
+	if b == nil || !b.acquire() {
+		active.Free()
+		return nil
+	}
+	defer func() {
+		active.PrefillDone()
+		active.Free()
+		b.release()
+	}()
+	req := &sc.req
+	served := b.cfg.ServedModel
+	if x.lora != "" {
+		served = x.lora
+	}
+	engineSalt := ""
+	if b.salted {
+		engineSalt = salt
+	}
+	req.prefillStage = true
+	body, err := req.forwardBody(sc.body[:0], served, engineSalt)
+	req.prefillStage = false
+	if err != nil {
+		return nil
+	}
+	sc.body = body
+
+	fr := fasthttp.AcquireRequest()
+	defer fasthttp.ReleaseRequest(fr)
+	fr.Header.SetMethod(fasthttp.MethodPost)
+	fr.SetRequestURI(x.path)
+	fr.Header.SetHost(b.host)
+	fr.Header.SetContentType("application/json")
+	fr.Header.SetCanonical(hdrRequestID, stringBytes(x.engineID))
+	if b.authHeader != "" {
+		fr.Header.Set("Authorization", b.authHeader)
+	}
+	if b.dataParallel() {
+		fr.Header.Set("X-Data-Parallel-Rank", "0")
+	}
+	for _, h := range traceHeaders {
+		if v := ctx.Request.Header.PeekBytes(h); len(v) > 0 {
+			fr.Header.SetCanonical(h, v)
+		}
+	}
+	fr.SetBodyRaw(body)
+	ab := &backends.Abort{}
+	watch := s.watcher.Watch(ctx.Conn(), abortOnHangUp{ab})
+	defer s.watcher.Unwatch(watch)
+	resp := fasthttp.AcquireResponse()
+	defer fasthttp.ReleaseResponse(resp)
+	start := time.Now()
+	_, err = b.up.Do(fr, resp, false, ab)
+	x.prefillBy, x.prefillTime = b.cfg.ID, time.Since(start)
+	var ce *backends.ConnectError
+	switch {
+	case err == nil && resp.StatusCode() == fasthttp.StatusOK:
+	case errors.Is(err, backends.ErrAborted):
+		return nil // the client left: the decode stage finds out
+	case errors.As(err, &ce):
+		b.failConn("connect: " + ce.Err.Error())
+		x.prefillErr = "connect: " + ce.Err.Error()
+		return nil
+	case err != nil:
+		x.prefillErr = err.Error()
+		return nil
+	default:
+		x.prefillErr = "answered " + strconv.Itoa(resp.StatusCode())
+		return nil
+	}
+	var v [1][]byte
+	params := membersNamed(resp.Body(), kvTransferParams[:], v[:])[0]
+	if len(params) == 0 || params[0] != '{' {
+		x.prefillErr = "its answer has no kv_transfer_params"
+		return nil
+	}
+	b.succeed()
+	ctx.Response.Header.Set("X-Kvproxy-Prefill-Worker", b.cfg.ID)
+	return bytes.Clone(params)
+}
