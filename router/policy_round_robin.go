@@ -1,26 +1,52 @@
 package router
 
-import "sync/atomic"
+import "sync"
 
-// roundRobinPolicy takes available workers in WorkerID order; its cursor
-// advances only on Commit, so a dry run and the real request agree.
-type roundRobinPolicy struct{ next atomic.Uint32 }
+// roundRobinPolicy takes the available worker chosen least recently (never
+// chosen: lowest WorkerID first), which cycles through the workers in
+// WorkerID order. It remembers each worker's last turn rather than one
+// cursor: requests that leave out different workers (Request.Avoid: the
+// prefill and decode stages of disaggregated prefill, adapters, context
+// lengths) each cycle through their own, where a shared cursor sent every
+// prefill to the first prefill engine and every decode to the first decode
+// engine. Turns advance only on Commit, so a dry run and the real request
+// agree.
+type roundRobinPolicy struct {
+	mu    sync.Mutex // Pick runs beside Commit (Select takes no router lock)
+	turns uint64
+	last  []uint64 // by WorkerID: the turn it was last chosen at, 0 never
+}
 
 func newRoundRobinPolicy(*Config) (Policy, error) { return &roundRobinPolicy{}, nil }
 
-// Pick takes the first candidate at or after the cursor, wrapping around.
+// Pick takes the candidate chosen least recently.
 func (p *roundRobinPolicy) Pick(s *Snapshot) int {
-	next := int(p.next.Load())
-	n := int(s.Cands[len(s.Cands)-1].Worker) + 1
-	for i := range s.Cands { // distance from the cursor in cycle order
-		s.Cands[i].Score = float64((int(s.Cands[i].Worker) - next%n + n) % n)
-	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	best := 0
 	for i := range s.Cands {
-		if int(s.Cands[i].Worker) >= next {
-			return i
+		t := p.turn(s.Cands[i].Worker)
+		s.Cands[i].Score = float64(t)
+		if t < p.turn(s.Cands[best].Worker) {
+			best = i
 		}
+	}
+	return best
+}
+
+func (p *roundRobinPolicy) turn(w WorkerID) uint64 {
+	if int(w) < len(p.last) {
+		return p.last[w]
 	}
 	return 0
 }
 
-func (p *roundRobinPolicy) Commit(_ *Request, d *Decision) { p.next.Store(uint32(d.Worker) + 1) }
+func (p *roundRobinPolicy) Commit(_ *Request, d *Decision) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for int(d.Worker) >= len(p.last) {
+		p.last = append(p.last, 0)
+	}
+	p.turns++
+	p.last[d.Worker] = p.turns
+}

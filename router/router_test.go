@@ -246,6 +246,23 @@ func TestRoundRobinCycles(t *testing.T) {
 	}
 }
 
+// Requests that leave out different workers (the two stages of
+// disaggregated prefill) each cycle through their own: one shared cursor
+// sent every prefill to worker 0 and every decode to worker 2.
+func TestRoundRobinCyclesWithinEachSubset(t *testing.T) {
+	r := newTestRouter(t, "round_robin", 4, nil)
+	var pre, dec []WorkerID
+	for i := 0; i < 4; i++ {
+		d, _ := mustRoute(t, r, &Request{Avoid: []WorkerID{2, 3}, PromptTokens: 16})
+		pre = append(pre, d.Worker)
+		d, _ = mustRoute(t, r, &Request{Avoid: []WorkerID{0, 1}, PromptTokens: 16})
+		dec = append(dec, d.Worker)
+	}
+	if fmt.Sprint(pre, dec) != "[0 1 0 1] [2 3 2 3]" {
+		t.Fatalf("prefill stage %v, decode stage %v", pre, dec)
+	}
+}
+
 func TestLeastLoadPicksLeast(t *testing.T) {
 	r := newTestRouter(t, "least_load", 3, nil)
 	mustRoute(t, r, &Request{Pinned: true, Pin: 0, PromptTokens: 16})
