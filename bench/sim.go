@@ -74,6 +74,12 @@ type SimConfig struct {
 	// Temperature is the router's (router.temperature): above 0, a
 	// policy samples among near-best workers instead of taking the best.
 	Temperature float64
+	// PrefillEngines makes the first this many engines prefill engines
+	// (backends[].role: prefill): each request's prompt is computed on one
+	// of them, routed by the policy on its blocks, then decoded on one of
+	// the others, which pulls its KV (mockengine.Seq.RemoteKV) at no cost.
+	// Its TTFT is the decode engine's first token.
+	PrefillEngines int
 }
 
 // DefaultSimConfig is the reference fleet: 8 engines sized like
@@ -166,6 +172,8 @@ type sim struct {
 	tokPool [][]uint32
 	hashes  []kv.BlockHash
 	cands   []router.Candidate
+	// with PrefillEngines: the workers each stage leaves out
+	decodeAvoid, prefillAvoid []router.WorkerID
 }
 
 type simEngine struct {
@@ -186,6 +194,15 @@ type simReq struct {
 	arrival time.Duration
 	last    time.Duration
 	ttft    time.Duration
+	// a disaggregated prefill's (PrefillEngines): its sequence while it
+	// runs on the prefill engine, its slot there, and the decode engine
+	// the request goes to afterwards
+	pre    *mockengine.Seq
+	preAct *router.Active
+	dec    *simEngine
+	// cached is the prompt tokens the prefill engine found cached (-1: no
+	// prefill stage; the decode engine's count is the hit rate's)
+	cached int
 }
 
 func newSim(cfg SimConfig, policy string) (*sim, error) {
@@ -239,6 +256,13 @@ func newSim(cfg SimConfig, policy string) (*sim, error) {
 		s.engines = append(s.engines, e)
 	}
 	s.cands = make([]router.Candidate, 0, cfg.Engines)
+	for i, e := range s.engines {
+		if i < cfg.PrefillEngines {
+			s.decodeAvoid = append(s.decodeAvoid, e.id)
+		} else {
+			s.prefillAvoid = append(s.prefillAvoid, e.id)
+		}
+	}
 	return s, nil
 }
 
@@ -314,7 +338,12 @@ func (s *sim) arrive(i int, r *Request) {
 	if i < len(s.cfg.Pin) && s.cfg.Pin[i] >= 0 && s.cfg.Pin[i] < len(s.engines) {
 		req.Pinned, req.Pin = true, s.engines[s.cfg.Pin[i]].id
 	}
-	d, act, err := s.rts[i%len(s.rts)].Route(&req)
+	disaggregated := s.cfg.PrefillEngines > 0 && !req.Pinned
+	if disaggregated {
+		req.Avoid = s.decodeAvoid
+	}
+	rt := s.rts[i%len(s.rts)]
+	d, act, err := rt.Route(&req)
 	if err != nil {
 		s.tokPool = append(s.tokPool, tok)
 		s.fail(i, r, "", err.Error())
@@ -325,11 +354,28 @@ func (s *sim) arrive(i int, r *Request) {
 		best = max(best, c.Overlap)
 	}
 	s.rec.Forgone((best - d.Overlap) * s.cfg.BlockSize)
-	sr := &simReq{act: act, arrival: s.now}
+	sr := &simReq{act: act, arrival: s.now, cached: -1}
 	sr.seq = mockengine.Seq{ID: uint64(i), Prompt: tok, MaxTokens: max(r.OutputLen, 1)}
 	en := s.engineOf(d.Worker)
-	if err := en.model.Add(&sr.seq); err != nil {
+	if disaggregated {
+		// The decode engine's slot is held (as kvproxy holds it); the
+		// prompt goes to a prefill engine first.
+		pre := router.Request{Hashes: s.hashes, PromptTokens: len(tok), Unstreamed: true, Avoid: s.prefillAvoid, CandidateBuf: s.cands}
+		if pd, pact, err := rt.Route(&pre); err == nil {
+			sr.pre = &mockengine.Seq{ID: uint64(i), Prompt: tok, MaxTokens: 1}
+			sr.preAct, sr.dec, sr.seq.RemoteKV = pact, en, true
+			en = s.engineOf(pd.Worker)
+		}
+	}
+	seq := &sr.seq
+	if sr.pre != nil {
+		seq = sr.pre
+	}
+	if err := en.model.Add(seq); err != nil {
 		act.Free()
+		if sr.preAct != nil {
+			sr.preAct.Free()
+		}
 		s.tokPool = append(s.tokPool, tok)
 		s.fail(i, r, en.name, err.Error())
 		return
@@ -398,6 +444,19 @@ func (s *sim) finishStep(e *simEngine) {
 	for _, res := range e.out {
 		id := int(res.Seq.ID)
 		sr := s.reqs[id]
+		if sr.pre != nil && res.Seq == sr.pre {
+			// The prefill is done: the decode engine pulls its KV.
+			sr.preAct.PrefillDone()
+			sr.preAct.Free()
+			sr.pre, sr.preAct, sr.cached = nil, nil, res.CachedTokens
+			if err := sr.dec.model.Add(&sr.seq); err != nil {
+				panic("sim: a decode engine refused what its prefill engine took: " + err.Error())
+			}
+			if !sr.dec.busy {
+				s.startStep(sr.dec)
+			}
+			continue
+		}
 		if res.Generated == 1 {
 			sr.ttft = s.now - sr.arrival
 			sr.act.PrefillDone()
@@ -411,10 +470,14 @@ func (s *sim) finishStep(e *simEngine) {
 		}
 		if res.Finished {
 			sr.act.Free()
-			s.rec.Request(sr.arrival, s.now, sr.ttft, len(sr.seq.Prompt), res.CachedTokens, res.Generated)
+			cached := res.CachedTokens
+			if sr.cached >= 0 {
+				cached = sr.cached // what its prefill engine had, not what the decode engine pulled
+			}
+			s.rec.Request(sr.arrival, s.now, sr.ttft, len(sr.seq.Prompt), cached, res.Generated)
 			if s.cfg.OnRequest != nil {
 				s.cfg.OnRequest(s.policy, RequestRecord{Index: id, Arrival: sr.arrival, Sent: sr.arrival, Worker: e.name,
-					Prompt: len(sr.seq.Prompt), Cached: res.CachedTokens, Output: res.Generated, TTFT: sr.ttft})
+					Prompt: len(sr.seq.Prompt), Cached: cached, Output: res.Generated, TTFT: sr.ttft})
 			}
 			s.tokPool = append(s.tokPool, sr.seq.Prompt)
 			s.reqs[id] = nil

@@ -287,3 +287,36 @@ func TestSimRefusesAPromptNoEngineHoldsWithoutBuildingIt(t *testing.T) {
 		t.Fatalf("allocated %d MB for a request that cannot fit", alloc>>20)
 	}
 }
+
+// Disaggregated prefill in the simulator: every prompt is computed on a
+// prefill engine and decoded on another, which pulls it; the hit rate is
+// the prefill engines' (the decode engine's pulled blocks are not hits),
+// and conversations still find their earlier turns there.
+func TestSimDisaggregatedPrefill(t *testing.T) {
+	c := DefaultMultiTurn()
+	c.Seed = 5
+	c.Conversations = 60
+	c.OutputLen = 20
+	w := GenerateMultiTurn(c)
+	cfg := smallFleet()
+	cfg.Engines, cfg.PrefillEngines = 4, 2
+	workers := map[string]int{}
+	cached := 0
+	cfg.OnRequest = func(_ string, r RequestRecord) {
+		if r.Err != "" {
+			t.Errorf("request %d failed: %s", r.Index, r.Err)
+		}
+		workers[r.Worker]++
+		cached += r.Cached
+	}
+	res, err := Simulate(w, cfg, "kv")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if workers["engine-0"]+workers["engine-1"] > 0 || workers["engine-2"] == 0 || workers["engine-3"] == 0 {
+		t.Fatalf("decoded on %v: want only the two decode engines", workers)
+	}
+	if res.HitRate <= 0.3 || res.HitRate >= 0.99 || cached == 0 {
+		t.Fatalf("hit rate %.3f: want the prefill engines' prefix hits, not the pulled prompts", res.HitRate)
+	}
+}

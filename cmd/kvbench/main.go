@@ -237,6 +237,7 @@ func runSim(args []string, stdout io.Writer) error {
 	scrape := fs.Duration("scrape", time.Second, "feed engine load (waiting, running, KV usage) to the router at this interval, as kvproxy's /metrics scrape does (0: off)")
 	replicas := fs.Int("replicas", 1, "kvproxy replicas, each with its own router, taking the requests in turn")
 	temperature := fs.Float64("temperature", 0, "the router's temperature: above 0, sample among near-best workers")
+	prefillEngines := fs.Int("prefill-engines", 0, "disaggregated prefill: the first N engines only compute prompts, which the others decode (backends[].role: prefill)")
 	shareLoad := fs.Duration("share-load", 0, "with -replicas > 1, how often replicas exchange their load, as replicas.nats does (0: never)")
 	asJSON := fs.Bool("json", false, "print one JSON object instead of a table")
 	ceiling := fs.Bool("ceiling", true, "compute the hit-rate ceiling (one LRU cache of the whole fleet's capacity)")
@@ -253,6 +254,9 @@ func runSim(args []string, stdout io.Writer) error {
 	}
 	if *hostBlocks < 0 || *scrape < 0 || *shareLoad < 0 || *stepOverhead < 0 || *indexTTL < 0 {
 		return fmt.Errorf("-host-blocks, -scrape, -share-load, -step-overhead and -index-ttl must not be negative")
+	}
+	if *prefillEngines < 0 || *prefillEngines >= *engines {
+		return fmt.Errorf("-prefill-engines must be at least 0 and below -engines")
 	}
 	if err := inRange("-temperature", *temperature, 0, math.MaxFloat64); err != nil {
 		return err
@@ -292,7 +296,7 @@ func runSim(args []string, stdout io.Writer) error {
 		Engines: *engines, CacheBlocks: *cacheBlocks, BlockSize: *blockSize,
 		Approximate: *approx, IndexTTL: *indexTTL, NoCalibrate: !*calibrate, Seed: wf.seed, Scrape: *scrape,
 		HostCacheBlocks: *hostBlocks, StepOverhead: *stepOverhead,
-		Replicas: *replicas, ShareLoad: *shareLoad, Temperature: *temperature,
+		Replicas: *replicas, ShareLoad: *shareLoad, Temperature: *temperature, PrefillEngines: *prefillEngines,
 	}
 	if *verbose {
 		var mu sync.Mutex
