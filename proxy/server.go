@@ -112,7 +112,7 @@ type Server struct {
 	hijacks sync.Map
 	// overLimit: requests whose body was declared over its limit, by
 	// their header (overLimitBody), until answered.
-	overLimit sync.Map
+	overLimit overLimitNotes
 	// slotCounts holds each engine's max_concurrency count by backend id
 	// and URL, while a backend of them is configured or a request of
 	// theirs runs (activate, under reloadMu).
@@ -249,7 +249,7 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 				// body_timeout.
 				note := overLimitBody{at: time.Now(), known: st.auth.knows(h), header: new(fasthttp.RequestHeader)}
 				h.CopyTo(note.header)
-				s.overLimit.Store(h, note)
+				s.overLimit.add(h, note)
 				max, wait = 1, min(wait, declaredBodyWait)
 			}
 			return fasthttp.RequestConfig{ReadTimeout: wait, MaxRequestBodySize: max}
@@ -1056,6 +1056,7 @@ func (s *Server) logUnrouted(ctx *fasthttp.RequestCtx, reason string) {
 // the client sends its body (fasthttp asked for it, then refused it).
 func (s *Server) expectContinue(ctx *fasthttp.RequestCtx) int {
 	st := s.st.Load()
+	s.overLimit.drop(&ctx.Request.Header) // answered here, or its body is asked for
 	reason := "body too large"
 	switch {
 	case !st.auth.knows(&ctx.Request.Header):
@@ -1144,24 +1145,14 @@ func (s *Server) logTransport(ctx *fasthttp.RequestCtx, reason, limitKey string)
 		Str("error", reason).Msg("request")
 }
 
-// overLimitBody notes a request whose body was declared over its limit
-// (HeaderReceived), by its header: fasthttp resets the request before it
-// reports the wait for its first byte timing out.
-type overLimitBody struct {
-	at     time.Time
-	known  bool                    // its key is one kvproxy knows: a 413, not the 401
-	header *fasthttp.RequestHeader // a copy: the answer's shape, CORS and request id come from it
-}
-
 // declaredOverLimit answers a request whose body, declared over its limit,
 // never began, as refused for its size, and reports whether it did. A note
 // older than the wait is a dead connection's (no handler ran, nor this).
 func (s *Server) declaredOverLimit(ctx *fasthttp.RequestCtx) bool {
-	v, ok := s.overLimit.LoadAndDelete(&ctx.Request.Header)
-	if !ok || time.Since(v.(overLimitBody).at) > declaredBodyWait+time.Second {
+	note, ok := s.overLimit.take(&ctx.Request.Header)
+	if !ok {
 		return false
 	}
-	note := v.(overLimitBody)
 	note.header.CopyTo(&ctx.Request.Header)
 	s.refuseLargeBody(ctx, s.st.Load(), note.known)
 	return true
@@ -1196,7 +1187,7 @@ func (s *Server) refuseDeclaredBody(ctx *fasthttp.RequestCtx) bool {
 	if ctx.Request.Header.ContentLength() <= st.bodyLimit(&ctx.Request.Header) {
 		return false
 	}
-	s.overLimit.Delete(&ctx.Request.Header)
+	s.overLimit.drop(&ctx.Request.Header)
 	s.refuseLargeBody(ctx, st, st.auth.knows(&ctx.Request.Header))
 	return true
 }
