@@ -155,6 +155,20 @@ func (m *metrics) countRequest(backend string, status int) {
 	c.(prometheus.Counter).Inc()
 }
 
+// forgetBackend drops the series of a backend id no longer configured (a
+// reload removed it and its last request ended): a fleet whose backends
+// come and go under new ids grew 22 series for each id it ever had (the
+// soak trial). An id configured again starts its series anew.
+func (m *metrics) forgetBackend(id string) {
+	for _, cache := range []*sync.Map{&m.ok, &m.ttftOf, &m.durationOf, &m.tpotOf} {
+		cache.Delete(id)
+	}
+	match := prometheus.Labels{"backend": id}
+	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{m.requests, m.ttft, m.duration, m.tpot, m.ejections, m.reroutes} {
+		v.DeletePartialMatch(match)
+	}
+}
+
 // observeTTFT records a stream's time to first token on its backend.
 func (m *metrics) observeTTFT(backend string, seconds float64) {
 	o, ok := m.ttftOf.Load(backend)

@@ -513,6 +513,11 @@ func (s *Server) retire(b *backend, replaced, rebuilt bool, timeout time.Duratio
 		}
 		b.stop()
 		s.retiring.Delete(b)
+		s.reloadMu.Lock()
+		if s.st.Load().backends[b.cfg.ID] == nil {
+			s.metrics.forgetBackend(b.cfg.ID)
+		}
+		s.reloadMu.Unlock()
 		s.signalRetired()
 		ev := s.log.Info()
 		if rebuilt {
