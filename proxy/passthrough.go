@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"time"
 
 	"github.com/valyala/fasthttp"
 
@@ -142,7 +141,7 @@ func (r *rawRelay) Read(p []byte) (int, error) {
 	}
 	n, err := r.body.Read(p)
 	if n > 0 {
-		r.x.heard.Store(time.Now().UnixNano())
+		r.x.heard.Store(coarseNow())
 	}
 	if !r.coded {
 		r.keepTail(p[:n])

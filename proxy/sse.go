@@ -122,7 +122,7 @@ func (r *relay) nextBatch() []byte {
 		var n int
 		n, err = r.body.Read(f.free())
 		if n > 0 {
-			r.x.heard.Store(time.Now().UnixNano())
+			r.x.heard.Store(coarseNow())
 		}
 		f.commit(n)
 		if err != nil && (errors.Is(err, io.EOF) || errors.Is(err, backends.ErrTruncated)) {
