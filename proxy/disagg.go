@@ -61,11 +61,11 @@ func (p *modelPool) avoidForRole(avoid []router.WorkerID, prefill bool) ([]route
 // nil when none ran. rr is the request as routed (its prompt's blocks).
 func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchange, rr *router.Request, salt string) []byte {
 	p := x.p
-	pr := router.Request{Hashes: rr.Hashes, PromptTokens: rr.PromptTokens, Unstreamed: true}
-	var ok bool
-	if pr.Avoid, ok = p.avoidForRole(nil, true); !ok {
-		return nil
+	avoid, ok := p.avoidForRole(nil, true)
+	if !ok {
+		return nil // before pr, which escapes: a model without prefill engines allocates nothing here
 	}
+	pr := router.Request{Hashes: rr.Hashes, PromptTokens: rr.PromptTokens, Unstreamed: true, Avoid: avoid}
 	d, active, err := p.rt.Route(&pr)
 	if err != nil {
 		return nil // every prefill engine is busy or down: the decode engine computes it
