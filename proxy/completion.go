@@ -821,30 +821,11 @@ func (s *Server) noWorker(ctx *fasthttp.RequestCtx, rid, tenant, model string, s
 // when mayRetry and the engine never took the request.
 func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool) outcome {
 	s, b := x.s, x.b
-	fr := fasthttp.AcquireRequest()
+	fr := x.engineRequest(ctx, b, x.rank, body)
 	defer fasthttp.ReleaseRequest(fr)
-	fr.Header.SetMethod(fasthttp.MethodPost)
-	fr.SetRequestURI(x.path)
-	fr.Header.SetHost(b.host)
-	fr.Header.SetContentType("application/json")
-	fr.Header.SetCanonical(hdrRequestID, stringBytes(x.engineID))
-	if b.authHeader != "" {
-		fr.Header.Set("Authorization", b.authHeader)
-	}
-	if x.rank > 0 || b.dataParallel() {
-		// Rank 0 too: without the header vLLM balances the request over
-		// its ranks itself, away from the one whose cache was chosen.
-		fr.Header.Set("X-Data-Parallel-Rank", strconv.Itoa(x.rank))
-	}
-	for _, h := range traceHeaders {
-		if v := ctx.Request.Header.PeekBytes(h); len(v) > 0 {
-			fr.Header.SetCanonical(h, v)
-		}
-	}
 	if x.stream {
 		fr.Header.Set("Accept", "text/event-stream")
 	}
-	fr.SetBodyRaw(body)
 
 	// A non-streamed request's prefill ends, for the router, at its
 	// predicted TTFT (router.Request.Unstreamed): no first token is seen.
@@ -1214,6 +1195,32 @@ func (x *exchange) failUpstream(ctx *fasthttp.RequestCtx, status int, msg string
 		typ, code = "rate_limit_error", "rate_limit_exceeded"
 	}
 	writeError(ctx, status, msg, typ, "", code)
+}
+
+// engineRequest is x's request to backend b's engine (its data-parallel
+// rank), with body; release it with fasthttp.ReleaseRequest.
+func (x *exchange) engineRequest(ctx *fasthttp.RequestCtx, b *backend, rank int, body []byte) *fasthttp.Request {
+	fr := fasthttp.AcquireRequest()
+	fr.Header.SetMethod(fasthttp.MethodPost)
+	fr.SetRequestURI(x.path)
+	fr.Header.SetHost(b.host)
+	fr.Header.SetContentType("application/json")
+	fr.Header.SetCanonical(hdrRequestID, stringBytes(x.engineID))
+	if b.authHeader != "" {
+		fr.Header.Set("Authorization", b.authHeader)
+	}
+	if rank > 0 || b.dataParallel() {
+		// Rank 0 too: without the header vLLM balances the request over
+		// its ranks itself, away from the one whose cache was chosen.
+		fr.Header.Set("X-Data-Parallel-Rank", strconv.Itoa(rank))
+	}
+	for _, h := range traceHeaders {
+		if v := ctx.Request.Header.PeekBytes(h); len(v) > 0 {
+			fr.Header.SetCanonical(h, v)
+		}
+	}
+	fr.SetBodyRaw(body)
+	return fr
 }
 
 // endAttempt ends an attempt the engine never took: its watch and slots

@@ -97,25 +97,8 @@ func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchang
 	}
 	sc.body = body
 
-	fr := fasthttp.AcquireRequest()
+	fr := x.engineRequest(ctx, b, 0, body)
 	defer fasthttp.ReleaseRequest(fr)
-	fr.Header.SetMethod(fasthttp.MethodPost)
-	fr.SetRequestURI(x.path)
-	fr.Header.SetHost(b.host)
-	fr.Header.SetContentType("application/json")
-	fr.Header.SetCanonical(hdrRequestID, stringBytes(x.engineID))
-	if b.authHeader != "" {
-		fr.Header.Set("Authorization", b.authHeader)
-	}
-	if b.dataParallel() {
-		fr.Header.Set("X-Data-Parallel-Rank", "0")
-	}
-	for _, h := range traceHeaders {
-		if v := ctx.Request.Header.PeekBytes(h); len(v) > 0 {
-			fr.Header.SetCanonical(h, v)
-		}
-	}
-	fr.SetBodyRaw(body)
 	ab := &backends.Abort{}
 	watch := s.watcher.Watch(ctx.Conn(), abortOnHangUp{ab})
 	defer s.watcher.Unwatch(watch)
