@@ -102,6 +102,13 @@ func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchang
 	ab := &backends.Abort{}
 	watch := s.watcher.Watch(ctx.Conn(), abortOnHangUp{ab})
 	defer s.watcher.Unwatch(watch)
+	// Live, for the drain deadline and a failing health probe to cut it
+	// (cutUnresponsive): a frozen prefill engine held the request until
+	// stream_idle_timeout.
+	px := &exchange{s: s, b: b, ab: ab}
+	px.heard.Store(time.Now().UnixNano())
+	s.live.add(px)
+	defer s.live.done(px)
 	resp := fasthttp.AcquireResponse()
 	defer fasthttp.ReleaseResponse(resp)
 	start := time.Now()
@@ -111,7 +118,10 @@ func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchang
 	switch {
 	case err == nil && resp.StatusCode() == fasthttp.StatusOK:
 	case errors.Is(err, backends.ErrAborted):
-		return nil // the client left: the decode stage finds out
+		if msg := px.unresponsive.Load(); msg != nil {
+			x.prefillErr = *msg
+		}
+		return nil // the client left (the decode stage finds out), or the engine stopped answering
 	case errors.As(err, &ce):
 		b.failConn("connect: " + ce.Err.Error())
 		x.prefillErr = "connect: " + ce.Err.Error()

@@ -3,6 +3,7 @@ package proxy
 import (
 	"strings"
 	"testing"
+	"time"
 )
 
 // A model with a prefill engine (role: prefill) computes each chat or
@@ -71,5 +72,32 @@ func TestDisaggregatedPrefillFailing(t *testing.T) {
 		t.Fatalf("the decode engine was sent params no prefill gave: %v", got)
 	}
 	waitFor(t, "the access log", func() bool { return strings.Contains(p.logs.String(), `"prefill_error":"answered 500"`) })
+	p.waitIdle(t)
+}
+
+// A prefill engine that stops answering (frozen, its node lost) is cut off
+// once its health probe fails, and the decode engine computes the prompt:
+// the request waited for stream_idle_timeout.
+func TestDisaggregatedPrefillOnAFrozenEngine(t *testing.T) {
+	pre := startFake(t, "pre", func(f *fakeEngine) { f.prefillDelay = 30 * time.Second })
+	dec := startFake(t, "dec", nil)
+	yaml := strings.NewReplacer("{{pre}}", pre.addr, "{{dec}}", dec.addr).Replace("models: [{name: m}]\nbackends:\n" +
+		"  - {id: pre, url: 'http://{{pre}}', model: m, role: prefill}\n" +
+		"  - {id: dec, url: 'http://{{dec}}', model: m}\n" +
+		"health: {interval: 200ms, timeout: 100ms, fall: 2}\nlimits: {stream_idle_timeout: 60s}\n")
+	p := serveYAML(t, yaml, false)
+	go func() {
+		waitFor(t, "the prefill at its engine", func() bool { return pre.requests.Load() == 1 })
+		pre.unhealthy.Store(true)
+	}()
+	start := time.Now()
+	resp, body := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hello"}]}`)
+	if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "dec" || time.Since(start) > 10*time.Second {
+		t.Fatalf("after %v: %d %s", time.Since(start), resp.StatusCode, body)
+	}
+	if got := dec.lastBody(); got["kv_transfer_params"] != nil {
+		t.Fatalf("the decode engine was sent params no prefill gave: %v", got)
+	}
+	waitFor(t, "the access log", func() bool { return strings.Contains(p.logs.String(), `"prefill_error":"backend pre sent nothing`) })
 	p.waitIdle(t)
 }
