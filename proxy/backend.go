@@ -711,10 +711,12 @@ func (p *modelPool) anyFull() bool {
 }
 
 // anyAvailable reports whether the pool has a backend that takes requests
-// now (healthy, below max_concurrency, not cooling down).
+// now (healthy, below max_concurrency, not cooling down). Prefill engines
+// do not count: no waiter routes to them (a free one had every freed slot
+// wake the whole queue in turn: the review).
 func (p *modelPool) anyAvailable() bool {
 	for _, b := range *p.workers.Load() {
-		if b == nil {
+		if b == nil || b.prefillOnly() {
 			continue
 		}
 		b.mu.Lock()

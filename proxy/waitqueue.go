@@ -26,6 +26,9 @@ import (
 type waitQueue struct {
 	mu   sync.Mutex
 	list []*waiter
+	// missed: a wake-up found every waiter woken already (routing, and
+	// maybe about to fail): the first to rest takes it (rest).
+	missed bool
 }
 
 type waiter struct {
@@ -105,11 +108,21 @@ func (q *waitQueue) leave(w *waiter, more bool) {
 
 // rest returns a woken waiter that could not route to waiting, in its
 // place; with pass set (a backend is available that it may not use), the
-// first waiter behind it that is not woken is.
+// first waiter behind it that is not woken is. A wake-up that came while
+// it routed and found no one to wake is its own: it routes again.
 func (q *waitQueue) rest(w *waiter, pass bool) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	w.woken = false
+	if q.missed {
+		q.missed = false
+		w.woken = true
+		select {
+		case w.wake <- struct{}{}:
+		default:
+		}
+		return
+	}
 	if !pass {
 		return
 	}
@@ -131,16 +144,21 @@ func (q *waitQueue) signal() {
 // wakeAll wakes every waiter: the backends changed (a reload).
 func (q *waitQueue) wakeAll() {
 	q.mu.Lock()
-	for range q.list {
-		if !q.wakeLocked(0) {
-			break
+	for _, w := range q.list {
+		if !w.woken {
+			w.woken = true
+			select {
+			case w.wake <- struct{}{}:
+			default:
+			}
 		}
 	}
 	q.mu.Unlock()
 }
 
 // wakeLocked wakes the first waiter from list[from] on that is not woken,
-// and reports whether there was one.
+// and reports whether there was one; a wake-up from the front that finds
+// none is kept for the next to rest (missed).
 func (q *waitQueue) wakeLocked(from int) bool {
 	for _, w := range q.list[min(from, len(q.list)):] {
 		if !w.woken {
@@ -151,6 +169,9 @@ func (q *waitQueue) wakeLocked(from int) bool {
 			}
 			return true
 		}
+	}
+	if from == 0 && len(q.list) > 0 {
+		q.missed = true
 	}
 	return false
 }
