@@ -209,6 +209,10 @@ type Backend struct {
 	// that serves whole requests, and decodes prompts a prefill engine
 	// computed.
 	Role string `yaml:"role"`
+	// PriorityScheduling: the engine orders its queue by the requests'
+	// priority (vLLM --scheduling-policy priority). The requests of a
+	// tenant with a priority are sent it; others' go as they came.
+	PriorityScheduling bool `yaml:"priority_scheduling"`
 	// KVEvents says how kvproxy learns what the engine caches.
 	KVEvents KVEvents `yaml:"kv_events"`
 	// Mock configures the simulated engine kvproxy starts for kind: mock.

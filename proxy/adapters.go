@@ -69,28 +69,38 @@ func (p *modelPool) maxModelLen(maxPrompt int) int {
 // healthy engine of the model has room for it, or does not say: a fleet
 // whose engines run different context lengths serves each request where
 // it fits, not where its prefix is cached, which would refuse it with 400.
-// When none fits, the request goes where routing sends it and the engine's
-// own refusal answers it: kvproxy's count of a chat prompt can be a few
-// tokens off the engine's.
+// When none fits, the request goes to the engines of the longest context
+// listed, whose refusal answers it (naming the context /v1/models gives),
+// and which take it if kvproxy's count of a chat prompt was a few tokens
+// over the engine's.
 func (p *modelPool) avoidForLength(avoid []router.WorkerID, need int) []router.WorkerID {
 	ws := *p.workers.Load()
 	short, room := false, false
+	longest := int64(0) // among healthy engines that list one
 	for i, b := range ws {
-		if b == nil || b.worker != router.WorkerID(i) { // a data-parallel rank's worker
+		if b == nil || b.worker != router.WorkerID(i) || b.prefillOnly() { // a data-parallel rank's worker; a prefill engine serves no request whole
 			continue
 		}
-		if n := b.maxModelLen.Load(); n > 0 && n < int64(need) {
+		n := b.maxModelLen.Load()
+		if n > 0 && n < int64(need) {
 			short = true
 		} else if !room && b.healthy() {
 			room = true
 		}
+		if n > longest && b.healthy() {
+			longest = n
+		}
 	}
-	if !short || !room {
+	if !short {
 		return avoid
 	}
+	least := int64(need) // what an engine must list not to be left out
+	if !room {
+		least = longest
+	}
 	for i, b := range ws {
-		if b != nil && b.worker == router.WorkerID(i) {
-			if n := b.maxModelLen.Load(); n > 0 && n < int64(need) {
+		if b != nil && b.worker == router.WorkerID(i) && !b.prefillOnly() {
+			if n := b.maxModelLen.Load(); n > 0 && n < least {
 				avoid = append(avoid, b.workerIDs()...)
 			}
 		}

@@ -106,6 +106,7 @@ type backendJSON struct {
 	URL        string `json:"url"`
 	Model      string `json:"model"`
 	Kind       string `json:"kind"`
+	Role       string `json:"role,omitempty"` // prefill: it only computes prompts for the others
 	InstanceID uint64 `json:"instance_id"`
 	Healthy    bool   `json:"healthy"`
 	// Down: why it is unhealthy (absent while healthy).
@@ -166,7 +167,7 @@ func (s *Server) backendRows(st *state) []backendJSON {
 			}
 			w := status[b.worker]
 			rows = append(rows, backendJSON{
-				ID: b.cfg.ID, URL: b.cfg.URL, Model: b.cfg.Model, Kind: b.cfg.Kind,
+				ID: b.cfg.ID, URL: b.cfg.URL, Model: b.cfg.Model, Kind: b.cfg.Kind, Role: b.cfg.Role,
 				InstanceID: w.InstanceID, Healthy: b.healthy(), Available: w.Available, CoolingMs: b.coolingLeft().Milliseconds(),
 				Inflight: b.inflight.Load(), PrefillTokens: int64(w.PrefillTokens),
 				ActiveBlocks: int64(w.ActiveBlocks), IndexedBlocks: int64(w.IndexedBlocks),
@@ -204,7 +205,7 @@ func (s *Server) backendRows(st *state) []backendJSON {
 		if st.backends[b.cfg.ID] == b { // st predates the reload: listed above
 			return true
 		}
-		rows = append(rows, backendJSON{ID: b.cfg.ID, URL: b.cfg.URL, Model: b.cfg.Model, Kind: b.cfg.Kind,
+		rows = append(rows, backendJSON{ID: b.cfg.ID, URL: b.cfg.URL, Model: b.cfg.Model, Kind: b.cfg.Kind, Role: b.cfg.Role,
 			Draining: true, Inflight: b.inflight.Load()})
 		return true
 	})

@@ -80,8 +80,8 @@ type exchange struct {
 	// it did not when it was tried and failed.
 	prefillBy, prefillErr string
 	prefillTime           time.Duration
-	// heard is when the engine last sent bytes of the current attempt, or
-	// took its request, Unix ns.
+	// heard is when the engine last sent bytes of the current attempt,
+	// Unix ns (coarseNow); 0 before the first.
 	heard atomic.Int64
 	// unresponsive says why the exchange was aborted when its engine
 	// stopped answering its health probe (cutUnresponsive); nil otherwise.
@@ -446,13 +446,8 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	}
 	x := s.newExchange(rid, engineID, path, req.stream, start, p, req.model)
 	x.tenant, x.promptTokens, x.slot, x.resp, x.api, x.budget = t.name, counted, in.slot, ids, kind, t.tokens
-	prio, rewrite := t.queuePriority(req.priority, req.priorityGiven)
-	if req.priorityOdd && t.capped {
-		// A form kvproxy does not read (5.0, "5") the engine might: the
-		// tenant's priority goes instead.
-		prio, rewrite = t.priority, true
-	}
-	x.priority, req.sendPriority, req.priorityTo = prio, rewrite, prio
+	prio := t.queuePriority(req.priority, req.priorityGiven && !req.priorityOdd)
+	x.priority, req.dropPriority, req.priorityTo = prio, t.capped, prio
 	s.dispatch(ctx, st, sc, x, salt)
 }
 
@@ -553,12 +548,15 @@ func (s *Server) attempt(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *ex
 		}
 		sc.keepCandidates(x.d.Candidates)
 		x.d.Candidates = nil // the scratch's
-		if attempt == 1 && !x.pass && (x.api == apiChat || x.api == apiCompletions) && !rr.Pinned {
+		if attempt == 1 && !x.pass && (x.api == apiChat || x.api == apiCompletions) && !rr.Pinned &&
+			len(req.batchTexts)+len(req.batchTokens) == 0 && req.choices <= 1 {
 			// Disaggregated prefill, once the decode engine's slot is
 			// held: its params stay good for the next engine if this one
-			// refuses.
+			// refuses. Not for a batch of prompts or several choices:
+			// vLLM's answer holds the params of one sequence.
 			req.kvParams = s.remotePrefill(ctx, sc, x, rr, salt)
 		}
+		req.sendPriority = req.dropPriority && x.b.cfg.PriorityScheduling
 		engineSalt := ""
 		if x.b.salted {
 			engineSalt = salt
@@ -841,7 +839,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		x.resp.signer = respSigner{macs: x.s.st.Load().respMACs, backend: b.cfg.ID, tenant: x.tenant}
 	}
 	x.sent = time.Now()
-	x.heard.Store(x.sent.UnixNano())
+	x.heard.Store(0) // nothing from this attempt's engine yet
 	resp := fasthttp.AcquireResponse()
 	stream, err := b.up.Do(fr, resp, x.stream || x.pass, x.ab)
 	if err != nil {
@@ -1285,9 +1283,9 @@ func (x *exchange) logLine() {
 	}
 	if x.prefillBy != "" {
 		ev = ev.Str("prefill_backend", x.prefillBy).Dur("prefill", x.prefillTime)
-		if x.prefillErr != "" {
-			ev = ev.Str("prefill_error", x.prefillErr)
-		}
+	}
+	if x.prefillErr != "" {
+		ev = ev.Str("prefill_error", x.prefillErr)
 	}
 	if metered {
 		ev = ev.Int("prompt_tokens", prompt).Int("output_tokens", completion)

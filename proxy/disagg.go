@@ -68,11 +68,13 @@ func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchang
 	pr := router.Request{Hashes: rr.Hashes, PromptTokens: rr.PromptTokens, Unstreamed: true, Avoid: avoid}
 	d, active, err := p.rt.Route(&pr)
 	if err != nil {
-		return nil // every prefill engine is busy or down: the decode engine computes it
+		x.prefillErr = "no prefill engine is available" // the decode engine computes it
+		return nil
 	}
 	b := p.backend(d.Worker)
 	if b == nil || !b.acquire() {
 		active.Free()
+		x.prefillErr = "no prefill engine is available"
 		return nil
 	}
 	defer func() {
@@ -106,7 +108,6 @@ func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchang
 	// (cutUnresponsive): a frozen prefill engine held the request until
 	// stream_idle_timeout.
 	px := &exchange{s: s, b: b, ab: ab}
-	px.heard.Store(time.Now().UnixNano())
 	s.live.add(px)
 	defer s.live.done(px)
 	resp := fasthttp.AcquireResponse()
@@ -114,6 +115,14 @@ func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchang
 	start := time.Now()
 	_, err = b.up.Do(fr, resp, false, ab)
 	x.prefillBy, x.prefillTime = b.cfg.ID, time.Since(start)
+	status := resp.StatusCode()
+	switch {
+	case errors.Is(err, backends.ErrAborted):
+		status = 499
+	case err != nil:
+		status = fasthttp.StatusBadGateway
+	}
+	s.metrics.countRequest(b.cfg.ID, status) // the prefill engine's traffic
 	var ce *backends.ConnectError
 	switch {
 	case err == nil && resp.StatusCode() == fasthttp.StatusOK:

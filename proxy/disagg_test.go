@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -54,6 +55,33 @@ func TestDisaggregatedPrefill(t *testing.T) {
 		t.Fatalf("the prefill engine got a request that is not a prefill: %v", pre.paths)
 	}
 	waitFor(t, "the access log", func() bool { return strings.Contains(p.logs.String(), `"prefill_backend":"pre"`) })
+	if m := p.metrics(t); !strings.Contains(m, `kvproxy_requests_total{backend="pre",code="200"} 2`) {
+		t.Fatalf("the prefill stages are not counted:\n%s", grepLines(m, "requests_total"))
+	}
+	if _, b := fetch(t, p.url+"/admin/backends"); !strings.Contains(string(b), `"id":"pre","url"`) || !strings.Contains(string(b), `"role":"prefill"`) {
+		t.Fatalf("/admin/backends does not show the role: %s", b)
+	}
+	p.waitIdle(t)
+}
+
+// Without a prefill engine to use, the decode engine computes the prompt,
+// and the log says why (the trial: nothing told P/D had turned off).
+func TestDisaggregatedPrefillWithItsEngineDown(t *testing.T) {
+	pre := startFake(t, "pre", nil)
+	dec := startFake(t, "dec", nil)
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends:\n"+
+		"  - {id: pre, url: 'http://{{e0}}', model: m, role: prefill}\n"+
+		"  - {id: dec, url: 'http://{{e1}}', model: m}\n", pre, dec)
+	pre.srv.Close()
+	for range 2 {
+		if resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+	}
+	waitFor(t, "the access log", func() bool {
+		l := p.logs.String()
+		return strings.Contains(l, `"prefill_error":"connect: `) && strings.Contains(l, `"prefill_error":"no prefill engine is available"`)
+	})
 	p.waitIdle(t)
 }
 
@@ -100,4 +128,53 @@ func TestDisaggregatedPrefillOnAFrozenEngine(t *testing.T) {
 	}
 	waitFor(t, "the access log", func() bool { return strings.Contains(p.logs.String(), `"prefill_error":"backend pre sent nothing`) })
 	p.waitIdle(t)
+}
+
+// A client's own kv_transfer_params never reach an engine (they would have
+// a NixlConnector engine fetch KV from any host they name), nor does a
+// batch of prompts get one prompt's (vLLM's answer holds one sequence's
+// params): a batch is not disaggregated. Found by the review.
+func TestDisaggregatedPrefillKeepsTheParamsItsOwn(t *testing.T) {
+	pre := startFake(t, "pre", nil)
+	dec := startFake(t, "dec", nil)
+	p := startProxyYAML(t, "models: [{name: m}, {name: plain}]\nbackends:\n"+
+		"  - {id: pre, url: 'http://{{e0}}', model: m, role: prefill}\n"+
+		"  - {id: dec, url: 'http://{{e1}}', model: m}\n"+
+		"  - {id: plain, url: 'http://{{e1}}', model: plain}\n", pre, dec)
+	evil := `"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"evil","remote_host":"10.0.0.66","remote_port":5600,"remote_block_ids":[1]}`
+	if resp, b := post(t, p.url+"/v1/completions", `{"model":"plain","prompt":"hi",`+evil+`}`); resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	if got := dec.lastBody()["kv_transfer_params"]; got != nil {
+		t.Fatalf("the client's kv_transfer_params reached the engine: %v", got)
+	}
+	before := pre.requests.Load()
+	for _, body := range []string{`{"model":"m","prompt":["first prompt","a second one"],` + evil + `}`, `{"model":"m","n":2,"prompt":"hi"}`} {
+		if resp, b := post(t, p.url+"/v1/completions", body); resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+		if got := dec.lastBody()["kv_transfer_params"]; got != nil || pre.requests.Load() != before {
+			t.Fatalf("%s: disaggregated (decode engine got %v)", body, got)
+		}
+	}
+	p.waitIdle(t)
+}
+
+// A prefill engine of longer context than the others does not make the
+// length filter leave the decode engines out (a 503 for every long prompt:
+// the review): the prompt goes to a decode engine, which answers.
+func TestLongPromptsWithAPrefillEngineOfLongerContext(t *testing.T) {
+	card := func(maxLen int) string {
+		return fmt.Sprintf(`{"object":"list","data":[{"id":"engine-m","object":"model","parent":null,"max_model_len":%d}]}`, maxLen)
+	}
+	pre := startFake(t, "pre", func(f *fakeEngine) { f.modelList = card(8192) })
+	dec := startFake(t, "dec", func(f *fakeEngine) { f.modelList = card(1024) })
+	p := startProxyYAML(t, "models:\n  - {name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}\nbackends:\n"+
+		"  - {id: pre, url: 'http://{{e0}}', model: m, served_model: engine-m, role: prefill}\n"+
+		"  - {id: dec, url: 'http://{{e1}}', model: m, served_model: engine-m}\n", pre, dec)
+	waitListsRead(t, p, 2)
+	resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"`+strings.Repeat("hello ", 2000)+`"}]}`)
+	if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "dec" {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
 }

@@ -532,8 +532,9 @@ func TestModelsGiveTheEnginesContextLength(t *testing.T) {
 // Engines of one model may run different context lengths (a few with long
 // context for the long prompts). A request is sent only to an engine whose
 // max_model_len holds its prompt and the output it asks for, whatever
-// routing would prefer; when none does, routing decides and the engine's
-// refusal answers it. Without this, round_robin sent every other long
+// routing would prefer; when none does, it goes to the longest, whose
+// refusal names the context /v1/models gives (the trial got the shortest
+// engine's). Without this, round_robin sent every other long
 // prompt to the short engine, which refuses it with 400.
 func TestRequestsGoWhereTheyFit(t *testing.T) {
 	card := func(maxLen int) string {
@@ -583,9 +584,9 @@ func TestRequestsGoWhereTheyFit(t *testing.T) {
 	if got := served("m", msg(500)+`,"max_tokens":100`); got["short"] != 2 {
 		t.Fatalf("500 tokens with max_tokens 100 went to %v, want both engines", got)
 	}
-	// Longer than any engine: routing decides, the engine answers.
-	if got := served("m", msg(5000)); got["short"] != 2 || got["long"] != 2 {
-		t.Fatalf("a prompt too long for every engine went to %v, want both in turn", got)
+	// Longer than any engine: the longest answers.
+	if got := served("m", msg(5000)); got["long"] != 4 {
+		t.Fatalf("a prompt too long for every engine went to %v, want the longest", got)
 	}
 	// An engine that does not list its context length may have room.
 	if got := served("n", msg(2000)); got["unknown-n"] != 4 {

@@ -80,7 +80,8 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 	}
 	sc.route.Avoid, _ = p.avoidForRole(sc.route.Avoid, false)
 	x.pass, x.tenant, x.slot = true, in.t.name, in.slot
-	x.priority, _ = in.t.queuePriority(0, false)
+	x.priority = in.t.queuePriority(0, false)
+	req.dropPriority, req.priorityTo = in.t.capped, x.priority
 	s.dispatch(ctx, st, sc, x, "")
 }
 

@@ -50,6 +50,7 @@ type fakeEngine struct {
 	notServed    string        // a model it answers vLLM's 404 for (under mu)
 	tokenEvery   time.Duration // stream: between tokens
 	unhealthy    atomic.Bool   // GET /health answers 503
+	probes       atomic.Int64  // GET /health asked
 	metricsPage  string        // GET /metrics (under mu; "": 404); not recorded
 }
 
@@ -66,6 +67,7 @@ func startFake(t *testing.T, id string, setup func(*fakeEngine)) *fakeEngine {
 	f.addr = ln.Addr().String()
 	mux := http.NewServeMux()
 	mux.HandleFunc("/health", func(w http.ResponseWriter, r *http.Request) {
+		f.probes.Add(1)
 		if f.unhealthy.Load() {
 			w.WriteHeader(http.StatusServiceUnavailable)
 			return

@@ -86,12 +86,16 @@ type apiRequest struct {
 	maxTokens int
 	// priority is the request's priority member (priorityGiven: it has
 	// one; priorityOdd: not as a plain integer, which kvproxy does not
-	// read). sendPriority, set by the handler, replaces it in the engine's
-	// body with priorityTo (the tenant allows no more urgency).
+	// read). For a tenant with a priority, the handler sets dropPriority
+	// (the engine does not get the client's) and priorityTo, which an
+	// engine that schedules by priority gets instead (sendPriority, set
+	// per engine).
 	priority                   int
 	priorityGiven, priorityOdd bool
-	sendPriority               bool
+	dropPriority, sendPriority bool
 	priorityTo                 int
+	// choices is the request's n (0: none given)
+	choices int
 	// prefillStage makes forwardBody the body of a disaggregated prefill
 	// (one token, not streamed, kv_transfer_params asking for the KV to be
 	// kept for a decode engine); kvParams, when set, are the
@@ -209,6 +213,7 @@ func (r *apiRequest) readCommon() *paramError {
 			return perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)")
 		}
 	}
+	r.choices = tokenCount(f.N)
 	if raw := f.Priority; raw != nil {
 		r.priorityGiven = true
 		r.priority, r.priorityOdd = jsonInt(raw)
@@ -709,6 +714,7 @@ type wireFields struct {
 	MaxTokens           json.RawMessage `json:"max_tokens"`
 	MaxCompletionTokens json.RawMessage `json:"max_completion_tokens"`
 	MaxOutputTokens     json.RawMessage `json:"max_output_tokens"`
+	N                   json.RawMessage `json:"n"`
 	Priority            json.RawMessage `json:"priority"` // vLLM's: lower is handled earlier
 }
 
@@ -739,6 +745,8 @@ func (f *wireFields) slot(key []byte) *json.RawMessage {
 		return &f.MaxOutputTokens
 	case keyIs(key, "priority"):
 		return &f.Priority
+	case keyIs(key, "n"):
+		return &f.N
 	}
 	return nil
 }
@@ -774,9 +782,11 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 		if keyIs(m.key, "nvext") || keyIs(m.key, "cache_salt") || keyIs(m.key, "model") || keyIs(m.key, "stream") ||
 			r.prevEngine != "" && keyIs(m.key, "previous_response_id") ||
 			r.responses && keyIs(m.key, "request_id") || // vLLM makes it the response's id: the engine picks its own
-			r.sendPriority && keyIs(m.key, "priority") ||
-			(r.prefillStage || r.kvParams != nil) && keyIs(m.key, "kv_transfer_params") ||
-			r.prefillStage && (keyIs(m.key, "max_tokens") || keyIs(m.key, "max_completion_tokens") || keyIs(m.key, "stream_options")) {
+			r.dropPriority && keyIs(m.key, "priority") ||
+			// A client's own would have a NixlConnector engine fetch KV
+			// from any host it names; kvproxy's are the prefill's (kvParams).
+			keyIs(m.key, "kv_transfer_params") ||
+			r.prefillStage && (keyIs(m.key, "max_tokens") || keyIs(m.key, "max_completion_tokens") || keyIs(m.key, "min_tokens") || keyIs(m.key, "stream_options")) {
 			continue
 		}
 		if n > 0 {

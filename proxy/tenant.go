@@ -40,16 +40,18 @@ type tenant struct {
 }
 
 // queuePriority is the priority a request of t that asked for asked (has:
-// it named one) waits at, and whether its engine must be sent that instead
-// of what it asked (the tenant allows no more urgency).
-func (t *tenant) queuePriority(asked int, has bool) (prio int, rewrite bool) {
-	if !t.capped {
-		return asked, false
+// it named one kvproxy reads) waits at: what it asked, or the tenant's
+// when the tenant has one and allows no more urgency, or it asked none.
+func (t *tenant) queuePriority(asked int, has bool) int {
+	switch {
+	case !t.capped && has:
+		return asked
+	case !t.capped:
+		return 0
+	case has:
+		return max(asked, t.priority)
 	}
-	if has && asked >= t.priority {
-		return asked, false
-	}
-	return t.priority, has
+	return t.priority
 }
 
 // tenantSlot is a request's place in its tenant's max_concurrency, taken

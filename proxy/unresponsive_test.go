@@ -106,3 +106,21 @@ func TestRequestsOfAnEngineThatStopsAnsweringEndEarly(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// A request sent after the engine's probe first failed, but before enough
+// failures took it out, is cut with the others if the engine sent it
+// nothing: it waited out stream_idle_timeout (the review).
+func TestRequestSentWhileTheProbeFailsIsCutToo(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 30 * time.Second })
+	p := serveYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://"+e.addr+"'}]\n"+
+		"health: {interval: 300ms, timeout: 100ms, fall: 3}\nlimits: {stream_idle_timeout: 60s}\n", false)
+	waitFor(t, "a probe to pass", func() bool { return e.probes.Load() >= 2 })
+	e.unhealthy.Store(true)
+	time.Sleep(350 * time.Millisecond) // a probe or two failed: not yet three
+	start := time.Now()
+	resp, body := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)
+	if took := time.Since(start); took > 10*time.Second || resp.StatusCode != 504 && resp.StatusCode != 503 {
+		t.Fatalf("after %v: %d %s", took, resp.StatusCode, body)
+	}
+	p.waitIdle(t)
+}

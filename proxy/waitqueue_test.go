@@ -74,6 +74,35 @@ func TestWaitQueueLeavePassesOn(t *testing.T) {
 	}
 }
 
+// A slot freed while the only waiter routes (it was woken, and a newcomer
+// took the slot it woke for) is not lost: the waiter, back to waiting,
+// routes again at once (the review: it slept with a backend free).
+func TestWaitQueueKeepsAWakeUpNobodyTook(t *testing.T) {
+	var q waitQueue
+	a := q.join(0)
+	q.signal()
+	if !woken(a) {
+		t.Fatal("the first signal must wake the waiter")
+	}
+	q.signal() // a routes meanwhile: nobody to wake
+	q.rest(a, true)
+	if !woken(a) {
+		t.Fatal("the wake-up nobody took must go to the waiter that rests")
+	}
+	q.rest(a, false)
+	if woken(a) {
+		t.Fatal("a wake-up is kept once only")
+	}
+	q.leave(a, false)
+	q.wakeAll() // nobody waits: nothing is kept for later
+	b := q.join(0)
+	q.rest(b, false)
+	if woken(b) {
+		t.Fatal("a wake-up with no waiter was kept")
+	}
+	q.leave(b, false)
+}
+
 // Waiters are ordered by priority, lower first, then by arrival; a full
 // queue gives the least urgent waiter's place to a more urgent request.
 func TestWaitQueuePriorities(t *testing.T) {
@@ -116,6 +145,35 @@ func TestWaitQueuePriorities(t *testing.T) {
 	q.leave(a, false)
 	if len(q.list) != 0 {
 		t.Fatalf("%d waiters left", len(q.list))
+	}
+}
+
+// An engine that does not schedule by priority (vLLM refuses any priority
+// but 0 then) gets none for a tenant with a priority, whatever the client
+// sent, on every endpoint; a tenant without one sends what it likes.
+func TestPriorityOfCappedTenantsStaysOffFCFSEngines(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, `models: [{name: m}]
+backends: [{id: e0, url: 'http://{{e0}}'}]
+auth: {keys: [{key: key-batch-1234, tenant: batch}, {key: key-free-12345, tenant: free}]}
+tenants: [{name: batch, priority: 10}, {name: free}]
+`, e)
+	for _, c := range []struct{ path, body string }{
+		{"/v1/chat/completions", `{"model":"m","priority":-100,"messages":[{"role":"user","content":"hi"}]}`},
+		{"/v1/completions", `{"model":"m","priority":5.0,"prompt":"hi"}`},
+		{"/v1/embeddings", `{"model":"m","priority":-100,"input":"hi"}`},
+		{"/v1/responses", `{"model":"m","priority":-100,"input":"hi"}`},
+	} {
+		if resp, b := postAuth(t, p.url+c.path, "key-batch-1234", c.body); resp.StatusCode != 200 {
+			t.Fatalf("%s: %d %s", c.path, resp.StatusCode, b)
+		}
+		if got, ok := e.lastBody()["priority"]; ok {
+			t.Fatalf("%s: the engine got priority %v from a capped tenant", c.path, got)
+		}
+	}
+	postAuth(t, p.url+"/v1/chat/completions", "key-free-12345", `{"model":"m","priority":-100,"messages":[{"role":"user","content":"hi"}]}`)
+	if got := e.lastBody()["priority"]; got != float64(-100) {
+		t.Fatalf("an uncapped tenant's priority reached the engine as %v", got)
 	}
 }
 
@@ -182,12 +240,13 @@ func TestQueuedRequestsAreServedInOrder(t *testing.T) {
 
 // A tenant's priority orders its requests in the queue for a slot (lower
 // first, as vLLM's priority does), bounds the urgency its requests may ask
-// for (what they asked is replaced in the engine's body), and lets them
-// take the place of a less urgent waiter when the queue is full.
+// for, is what an engine that schedules by priority is sent for them
+// (asked or not: vLLM's default 0 would be more urgent), and lets them take
+// the place of a less urgent waiter when the queue is full.
 func TestQueuePriorities(t *testing.T) {
 	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 60 * time.Millisecond })
 	p := startProxyYAML(t, `models: [{name: m}]
-backends: [{id: e0, url: 'http://{{e0}}', max_concurrency: 1}]
+backends: [{id: e0, url: 'http://{{e0}}', max_concurrency: 1, priority_scheduling: true}]
 auth: {keys: [{key: key-batch-1234, tenant: batch}, {key: key-chat-12345, tenant: chat}]}
 tenants: [{name: batch, priority: 10}, {name: chat, priority: 0}]
 limits: {max_queue: 4}
@@ -235,8 +294,8 @@ limits: {max_queue: 4}
 	if want := []string{"hold", "c1", "c2", "b1", "b2"}; !slices.Equal(order, want) {
 		t.Fatalf("the engine got %v, want %v", order, want)
 	}
-	if sent["c2"] != float64(0) || sent["b1"] != nil {
-		t.Fatalf("priorities sent: %v; want c2's capped to 0 and none added to b1", sent)
+	if sent["c2"] != float64(0) || sent["c1"] != float64(0) || sent["b1"] != float64(10) || sent["hold"] != float64(10) {
+		t.Fatalf("priorities sent: %v; want the tenants' (c2's -20 capped to 0)", sent)
 	}
 	if !strings.Contains(p.logs.String(), "a more urgent request took this one's place") {
 		t.Fatalf("the displaced request's log line is missing:\n%s", p.logs.String())
