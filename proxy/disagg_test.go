@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -14,11 +13,7 @@ import (
 // answered, and its answer, streamed or not, is the client's. Prefill
 // engines get nothing else.
 func TestDisaggregatedPrefill(t *testing.T) {
-	pre := startFake(t, "pre", nil)
-	dec := startFake(t, "dec", nil)
-	p := startProxyYAML(t, "models: [{name: m}]\nbackends:\n"+
-		"  - {id: pre, url: 'http://{{e0}}', model: m, role: prefill}\n"+
-		"  - {id: dec, url: 'http://{{e1}}', model: m}\n", pre, dec)
+	pre, dec, p := startPD(t, nil, "[{name: m}]", "")
 	for _, c := range []struct{ path, body string }{
 		{"/v1/chat/completions", `{"model":"m","stream":true,"stream_options":{"include_usage":true},"max_completion_tokens":50,"messages":[{"role":"user","content":"hello there"}]}`},
 		{"/v1/completions", `{"model":"m","max_tokens":50,"prompt":"hello there","kv_transfer_params":{"do_remote_prefill":true}}`},
@@ -67,11 +62,7 @@ func TestDisaggregatedPrefill(t *testing.T) {
 // Without a prefill engine to use, the decode engine computes the prompt,
 // and the log says why (the trial: nothing told P/D had turned off).
 func TestDisaggregatedPrefillWithItsEngineDown(t *testing.T) {
-	pre := startFake(t, "pre", nil)
-	dec := startFake(t, "dec", nil)
-	p := startProxyYAML(t, "models: [{name: m}]\nbackends:\n"+
-		"  - {id: pre, url: 'http://{{e0}}', model: m, role: prefill}\n"+
-		"  - {id: dec, url: 'http://{{e1}}', model: m}\n", pre, dec)
+	pre, _, p := startPD(t, nil, "[{name: m}]", "")
 	pre.srv.Close()
 	for range 2 {
 		if resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != 200 {
@@ -87,11 +78,7 @@ func TestDisaggregatedPrefillWithItsEngineDown(t *testing.T) {
 
 // A prefill that fails leaves the decode engine to compute the prompt.
 func TestDisaggregatedPrefillFailing(t *testing.T) {
-	pre := startFake(t, "pre", func(f *fakeEngine) { f.status, f.errBody = 500, `{"error":{"message":"boom"}}` })
-	dec := startFake(t, "dec", nil)
-	p := startProxyYAML(t, "models: [{name: m}]\nbackends:\n"+
-		"  - {id: pre, url: 'http://{{e0}}', model: m, role: prefill}\n"+
-		"  - {id: dec, url: 'http://{{e1}}', model: m}\n", pre, dec)
+	_, dec, p := startPD(t, func(f *fakeEngine) { f.status, f.errBody = 500, `{"error":{"message":"boom"}}` }, "[{name: m}]", "")
 	resp, body := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hello"}]}`)
 	if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "dec" || resp.Header.Get("X-Kvproxy-Prefill-Worker") != "" {
 		t.Fatalf("%d %s", resp.StatusCode, body)
@@ -135,12 +122,7 @@ func TestDisaggregatedPrefillOnAFrozenEngine(t *testing.T) {
 // batch of prompts get one prompt's (vLLM's answer holds one sequence's
 // params): a batch is not disaggregated. Found by the review.
 func TestDisaggregatedPrefillKeepsTheParamsItsOwn(t *testing.T) {
-	pre := startFake(t, "pre", nil)
-	dec := startFake(t, "dec", nil)
-	p := startProxyYAML(t, "models: [{name: m}, {name: plain}]\nbackends:\n"+
-		"  - {id: pre, url: 'http://{{e0}}', model: m, role: prefill}\n"+
-		"  - {id: dec, url: 'http://{{e1}}', model: m}\n"+
-		"  - {id: plain, url: 'http://{{e1}}', model: plain}\n", pre, dec)
+	pre, dec, p := startPD(t, nil, "[{name: m}, {name: plain}]", "  - {id: plain, url: 'http://{{e1}}', model: plain}\n")
 	evil := `"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"evil","remote_host":"10.0.0.66","remote_port":5600,"remote_block_ids":[1]}`
 	if resp, b := post(t, p.url+"/v1/completions", `{"model":"plain","prompt":"hi",`+evil+`}`); resp.StatusCode != 200 {
 		t.Fatalf("%d %s", resp.StatusCode, b)
@@ -164,11 +146,8 @@ func TestDisaggregatedPrefillKeepsTheParamsItsOwn(t *testing.T) {
 // length filter leave the decode engines out (a 503 for every long prompt:
 // the review): the prompt goes to a decode engine, which answers.
 func TestLongPromptsWithAPrefillEngineOfLongerContext(t *testing.T) {
-	card := func(maxLen int) string {
-		return fmt.Sprintf(`{"object":"list","data":[{"id":"engine-m","object":"model","parent":null,"max_model_len":%d}]}`, maxLen)
-	}
-	pre := startFake(t, "pre", func(f *fakeEngine) { f.modelList = card(8192) })
-	dec := startFake(t, "dec", func(f *fakeEngine) { f.modelList = card(1024) })
+	pre := startFake(t, "pre", func(f *fakeEngine) { f.modelList = modelCard(8192) })
+	dec := startFake(t, "dec", func(f *fakeEngine) { f.modelList = modelCard(1024) })
 	p := startProxyYAML(t, "models:\n  - {name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}\nbackends:\n"+
 		"  - {id: pre, url: 'http://{{e0}}', model: m, served_model: engine-m, role: prefill}\n"+
 		"  - {id: dec, url: 'http://{{e1}}', model: m, served_model: engine-m}\n", pre, dec)
@@ -177,4 +156,16 @@ func TestLongPromptsWithAPrefillEngineOfLongerContext(t *testing.T) {
 	if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "dec" {
 		t.Fatalf("%d %s", resp.StatusCode, b)
 	}
+}
+
+// startPD serves models (YAML) with a prefill engine (pre, set up by
+// preSetup) and a decode engine (dec) for model m, and more backends.
+func startPD(t *testing.T, preSetup func(*fakeEngine), models, more string) (pre, dec *fakeEngine, p *testProxy) {
+	t.Helper()
+	pre = startFake(t, "pre", preSetup)
+	dec = startFake(t, "dec", nil)
+	p = startProxyYAML(t, "models: "+models+"\nbackends:\n"+
+		"  - {id: pre, url: 'http://{{e0}}', model: m, role: prefill}\n"+
+		"  - {id: dec, url: 'http://{{e1}}', model: m}\n"+more, pre, dec)
+	return pre, dec, p
 }

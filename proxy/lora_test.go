@@ -537,11 +537,8 @@ func TestModelsGiveTheEnginesContextLength(t *testing.T) {
 // engine's). Without this, round_robin sent every other long
 // prompt to the short engine, which refuses it with 400.
 func TestRequestsGoWhereTheyFit(t *testing.T) {
-	card := func(maxLen int) string {
-		return fmt.Sprintf(`{"object":"list","data":[{"id":"engine-m","object":"model","parent":null,"max_model_len":%d}]}`, maxLen)
-	}
-	short := startFake(t, "short", func(f *fakeEngine) { f.modelList = card(1024) })
-	long := startFake(t, "long", func(f *fakeEngine) { f.modelList = card(4096) })
+	short := startFake(t, "short", func(f *fakeEngine) { f.modelList = modelCard(1024) })
+	long := startFake(t, "long", func(f *fakeEngine) { f.modelList = modelCard(4096) })
 	unknown := startFake(t, "unknown", func(f *fakeEngine) {
 		f.modelList = `{"object":"list","data":[{"id":"engine-m","object":"model","parent":null}]}`
 	})
@@ -645,4 +642,9 @@ func TestEngineNotListingTheServedModelIsWarned(t *testing.T) {
 	if l := p.logs.String(); !strings.Contains(l, `"served_model":"engine-m"`) || !strings.Contains(l, `"engine_models":["mock-model"]`) {
 		t.Fatalf("the warning should name both:\n%s", l)
 	}
+}
+
+// modelCard is a vLLM model list of engine-m with its max_model_len.
+func modelCard(maxLen int) string {
+	return fmt.Sprintf(`{"object":"list","data":[{"id":"engine-m","object":"model","parent":null,"max_model_len":%d}]}`, maxLen)
 }
