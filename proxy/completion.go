@@ -427,7 +427,13 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 			return
 		}
 		sc.keepCandidates(d.Candidates)
-		s.writeDecision(ctx, req.stream, d, tokens, sc.hashes)
+		var prefill *router.Decision
+		if avoid, ok := p.avoidForRole(nil, true); ok && s.disaggregates(req, kind, rr) {
+			if pd, err := p.rt.Select(&router.Request{Hashes: rr.Hashes, PromptTokens: rr.PromptTokens, Unstreamed: true, Avoid: avoid}); err == nil {
+				prefill = &pd
+			}
+		}
+		s.writeDecision(ctx, req.stream, d, prefill, tokens, sc.hashes)
 		s.log.Info().Str("request_id", rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("path", string(ctx.Path())).
 			Str("model", req.model).Str("tenant", t.name).Str("backend", d.Name).
 			Int("overlap_blocks", d.Overlap).Int("total_blocks", d.Total).Bool("dry_run", true).
@@ -548,12 +554,10 @@ func (s *Server) attempt(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *ex
 		}
 		sc.keepCandidates(x.d.Candidates)
 		x.d.Candidates = nil // the scratch's
-		if attempt == 1 && !x.pass && (x.api == apiChat || x.api == apiCompletions) && !rr.Pinned &&
-			len(req.batchTexts)+len(req.batchTokens) == 0 && req.choices <= 1 {
+		if attempt == 1 && !x.pass && s.disaggregates(req, x.api, rr) {
 			// Disaggregated prefill, once the decode engine's slot is
 			// held: its params stay good for the next engine if this one
-			// refuses. Not for a batch of prompts or several choices:
-			// vLLM's answer holds the params of one sequence.
+			// refuses.
 			req.kvParams = s.remotePrefill(ctx, sc, x, rr, salt)
 		}
 		req.sendPriority = req.dropPriority && x.b.cfg.PriorityScheduling

@@ -56,6 +56,15 @@ func (p *modelPool) avoidForRole(avoid []router.WorkerID, prefill bool) ([]route
 	return avoid, true
 }
 
+// disaggregates reports whether a request of kind may have its prefill
+// done by a prefill engine: a chat or completion, not pinned, one sequence
+// (vLLM's answer holds the params of one: not a batch of prompts, nor n >
+// 1).
+func (s *Server) disaggregates(req *apiRequest, kind api, rr *router.Request) bool {
+	return (kind == apiChat || kind == apiCompletions) && !rr.Pinned &&
+		len(req.batchTexts)+len(req.batchTokens) == 0 && req.choices <= 1
+}
+
 // remotePrefill runs x's prefill on one of its model's prefill engines and
 // returns the kv_transfer_params its answer gives for the decode engine;
 // nil when none ran. rr is the request as routed (its prompt's blocks).
@@ -140,6 +149,9 @@ func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchang
 		return nil
 	default:
 		x.prefillErr = "answered " + strconv.Itoa(resp.StatusCode())
+		if resp.StatusCode() >= 500 {
+			b.answeredError("prefill " + x.prefillErr) // as a completion's 500s count
+		}
 		return nil
 	}
 	var v [1][]byte

@@ -39,6 +39,11 @@ func TestDisaggregatedPrefill(t *testing.T) {
 			t.Fatalf("%s: the two stages went with different request ids", c.path)
 		}
 	}
+	// The dry run names both stages' engines.
+	resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hello there"}],"nvext":{"annotations":["query_instance_id"]}}`)
+	if !strings.Contains(string(b), `"worker_id":"dec"`) || !strings.Contains(string(b), `"prefill_worker_id":"pre"`) || resp.Header.Get("X-Kvproxy-Prefill-Worker") != "pre" {
+		t.Fatalf("dry run: %s", b)
+	}
 	// Other requests never go to the prefill engine.
 	before := pre.requests.Load()
 	for range 4 {
@@ -87,6 +92,11 @@ func TestDisaggregatedPrefillFailing(t *testing.T) {
 		t.Fatalf("the decode engine was sent params no prefill gave: %v", got)
 	}
 	waitFor(t, "the access log", func() bool { return strings.Contains(p.logs.String(), `"prefill_error":"answered 500"`) })
+	// Its 500s count as a completion's do: three in a row take it out.
+	for range 2 {
+		post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hello"}]}`)
+	}
+	waitFor(t, "the prefill engine's ejection", func() bool { return strings.Contains(p.logs.String(), `"ejected_by":"error_answers"`) })
 	p.waitIdle(t)
 }
 

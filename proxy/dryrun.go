@@ -18,21 +18,28 @@ type candidateJSON struct {
 }
 
 type decisionJSON struct {
-	WorkerID        string          `json:"worker_id"`
-	InstanceID      uint64          `json:"instance_id"`
-	OverlapBlocks   int             `json:"overlap_blocks"`
-	TotalBlocks     int             `json:"total_blocks"`
-	PredictedTTFTms float64         `json:"predicted_ttft_ms"`
-	TokenIDs        []uint32        `json:"token_ids"`
-	BlockHashes     []string        `json:"block_hashes"` // the router's, as /admin/index/lookup takes them: decimal strings, since JavaScript's numbers hold 53 bits
-	Candidates      []candidateJSON `json:"candidates"`
+	WorkerID   string `json:"worker_id"`
+	InstanceID uint64 `json:"instance_id"`
+	// the prefill engine a disaggregated request would be computed on
+	// (Dynamo names it prefill_worker_id too)
+	PrefillWorkerID   string          `json:"prefill_worker_id,omitempty"`
+	PrefillInstanceID uint64          `json:"prefill_instance_id,omitempty"`
+	OverlapBlocks     int             `json:"overlap_blocks"`
+	TotalBlocks       int             `json:"total_blocks"`
+	PredictedTTFTms   float64         `json:"predicted_ttft_ms"`
+	TokenIDs          []uint32        `json:"token_ids"`
+	BlockHashes       []string        `json:"block_hashes"` // the router's, as /admin/index/lookup takes them: decimal strings, since JavaScript's numbers hold 53 bits
+	Candidates        []candidateJSON `json:"candidates"`
 }
 
 // writeDecision answers a dry-run (nvext.annotations: ["query_instance_id"]).
 // Streaming requests get Dynamo's SSE form: the instance id and the token
 // ids as annotated events (SSE comments), then [DONE].
-func (s *Server) writeDecision(ctx *fasthttp.RequestCtx, stream bool, d router.Decision, tokens []uint32, hashes []kv.BlockHash) {
+func (s *Server) writeDecision(ctx *fasthttp.RequestCtx, stream bool, d router.Decision, prefill *router.Decision, tokens []uint32, hashes []kv.BlockHash) {
 	ctx.Response.Header.Set(WorkerHeader, d.Name)
+	if prefill != nil {
+		ctx.Response.Header.Set("X-Kvproxy-Prefill-Worker", prefill.Name)
+	}
 	if tokens == nil {
 		tokens = []uint32{}
 	}
@@ -60,6 +67,9 @@ func (s *Server) writeDecision(ctx *fasthttp.RequestCtx, stream bool, d router.D
 		TokenIDs:        tokens,
 		BlockHashes:     make([]string, len(hashes)),
 		Candidates:      make([]candidateJSON, len(d.Candidates)),
+	}
+	if prefill != nil {
+		out.PrefillWorkerID, out.PrefillInstanceID = prefill.Name, prefill.InstanceID
 	}
 	for i, h := range hashes {
 		out.BlockHashes[i] = strconv.FormatUint(uint64(h), 10)
