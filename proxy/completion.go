@@ -897,6 +897,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		return done
 	}
 
+	x.heard.Store(coarseNow()) // its answer began: the engine is alive to this request
 	code := resp.StatusCode()
 	if stream == nil || code != fasthttp.StatusOK {
 		if stream != nil {
