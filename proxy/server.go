@@ -512,18 +512,20 @@ func (s *Server) retire(b *backend, replaced, rebuilt bool, timeout time.Duratio
 			time.Sleep(50 * time.Millisecond)
 		}
 		b.stop()
-		s.retiring.Delete(b)
 		s.reloadMu.Lock()
 		if s.st.Load().backends[b.cfg.ID] == nil {
 			s.metrics.forgetBackend(b.cfg.ID)
 		}
 		s.reloadMu.Unlock()
-		s.signalRetired()
 		ev := s.log.Info()
 		if rebuilt {
 			ev = s.log.Debug()
 		}
+		// Logged before AwaitRetired can return: whoever stops the engine
+		// then finds the line in the log.
 		ev.Str("backend", b.cfg.ID).Bool("replaced", replaced).Msg("backend retired")
+		s.retiring.Delete(b)
+		s.signalRetired()
 	}()
 	if !replaced {
 		// Not while a reload runs: one bringing the id back into the pool
