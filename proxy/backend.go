@@ -694,10 +694,11 @@ func (b *backend) isDraining() bool {
 }
 
 // anyFull reports whether the pool has a healthy backend that is
-// only full, so a request may wait for it.
+// only full, so a request may wait for it (not a prefill engine: no
+// request waits for one).
 func (p *modelPool) anyFull() bool {
 	for _, b := range *p.workers.Load() {
-		if b == nil {
+		if b == nil || b.prefillOnly() {
 			continue
 		}
 		b.mu.Lock()

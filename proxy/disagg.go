@@ -62,7 +62,7 @@ func (p *modelPool) avoidForRole(avoid []router.WorkerID, prefill bool) ([]route
 // 1).
 func (s *Server) disaggregates(req *apiRequest, kind api, rr *router.Request) bool {
 	return (kind == apiChat || kind == apiCompletions) && !rr.Pinned &&
-		len(req.batchTexts)+len(req.batchTokens) == 0 && req.choices <= 1
+		len(req.batchTexts)+len(req.batchTokens) == 0 && req.oneChoice
 }
 
 // remotePrefill runs x's prefill on one of its model's prefill engines and
@@ -86,6 +86,12 @@ func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchang
 		x.prefillErr = "no prefill engine is available"
 		return nil
 	}
+	if b.retiring.Load() { // a reload removed it since Route chose it
+		b.release()
+		active.Free()
+		x.prefillErr = "no prefill engine is available"
+		return nil
+	}
 	defer func() {
 		active.PrefillDone()
 		active.Free()
@@ -101,6 +107,7 @@ func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchang
 		engineSalt = salt
 	}
 	req.prefillStage = true
+	req.sendPriority = req.dropPriority && b.cfg.PriorityScheduling
 	body, err := req.forwardBody(sc.body[:0], served, engineSalt)
 	req.prefillStage = false
 	if err != nil {

@@ -141,7 +141,8 @@ func TestDisaggregatedPrefillKeepsTheParamsItsOwn(t *testing.T) {
 		t.Fatalf("the client's kv_transfer_params reached the engine: %v", got)
 	}
 	before := pre.requests.Load()
-	for _, body := range []string{`{"model":"m","prompt":["first prompt","a second one"],` + evil + `}`, `{"model":"m","n":2,"prompt":"hi"}`} {
+	for _, body := range []string{`{"model":"m","prompt":["first prompt","a second one"],` + evil + `}`, `{"model":"m","n":2,"prompt":"hi"}`,
+		`{"model":"m","n":2.0,"prompt":"hi"}`, `{"model":"m","n":"2","prompt":"hi"}`} { // two to vLLM as well (the second review)
 		if resp, b := post(t, p.url+"/v1/completions", body); resp.StatusCode != 200 {
 			t.Fatalf("%d %s", resp.StatusCode, b)
 		}
@@ -178,4 +179,23 @@ func startPD(t *testing.T, preSetup func(*fakeEngine), models, more string) (pre
 		"  - {id: pre, url: 'http://{{e0}}', model: m, role: prefill}\n"+
 		"  - {id: dec, url: 'http://{{e1}}', model: m}\n"+more, pre, dec)
 	return pre, dec, p
+}
+
+// A tenant's priority reaches a prefill engine that schedules by priority
+// as it reaches the decode engine (the second review: the prefill went
+// without one, at vLLM's default 0, more urgent than the tenant's 10).
+func TestDisaggregatedPrefillCarriesTheTenantsPriority(t *testing.T) {
+	pre, dec, p := startPD(t, nil, "[{name: m}]", "auth: {keys: [{key: key-batch-1234, tenant: batch}]}\ntenants: [{name: batch, priority: 10}]\n")
+	_ = dec
+	p.reloadYAML(t, "models: [{name: m}]\nbackends:\n"+
+		"  - {id: pre, url: 'http://"+pre.addr+"', model: m, role: prefill, priority_scheduling: true}\n"+
+		"  - {id: dec, url: 'http://"+dec.addr+"', model: m, priority_scheduling: true}\n"+
+		"auth: {keys: [{key: key-batch-1234, tenant: batch}]}\ntenants: [{name: batch, priority: 10}]\n")
+	if resp, b := postAuth(t, p.url+"/v1/completions", "key-batch-1234", `{"model":"m","prompt":"hi","priority":-100}`); resp.StatusCode != 200 || pre.requests.Load() != 1 {
+		t.Fatalf("%d %s (prefills %d)", resp.StatusCode, b, pre.requests.Load())
+	}
+	if got, got2 := pre.lastBody()["priority"], dec.lastBody()["priority"]; got != float64(10) || got2 != float64(10) {
+		t.Fatalf("priorities sent: prefill %v, decode %v; want the tenant's 10 to both", got, got2)
+	}
+	p.waitIdle(t)
 }

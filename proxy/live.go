@@ -60,14 +60,16 @@ func (l *liveExchanges) cutAll() int {
 
 func (l *liveExchanges) isCut() bool { return l.cut.Load() }
 
-// cutSilent aborts the exchanges with engine (a backend's base URL) that
-// have heard nothing from it since before since (Unix ns), each told why.
-func (l *liveExchanges) cutSilent(engine string, since int64, why string) int {
+// cutSilent aborts the exchanges with the backend of id that have heard
+// nothing from its engine since before since (Unix ns), each told why.
+// Another backend of the same host (another model, another API key) has a
+// probe of its own.
+func (l *liveExchanges) cutSilent(id string, since int64, why string) int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	n := 0
 	for x := range l.set {
-		if x.b != nil && x.b.base == engine && x.heard.Load() < since {
+		if x.b != nil && x.b.cfg.ID == id && x.heard.Load() < since {
 			x.unresponsive.Store(&why)
 			x.ab.Abort()
 			n++

@@ -94,8 +94,9 @@ type apiRequest struct {
 	priorityGiven, priorityOdd bool
 	dropPriority, sendPriority bool
 	priorityTo                 int
-	// choices is the request's n (0: none given)
-	choices int
+	// oneChoice: the request asks for one sequence (n absent, null or 1;
+	// 2.0 and "2" are two to vLLM)
+	oneChoice bool
 	// prefillStage makes forwardBody the body of a disaggregated prefill
 	// (one token, not streamed, kv_transfer_params asking for the KV to be
 	// kept for a decode engine); kvParams, when set, are the
@@ -213,7 +214,7 @@ func (r *apiRequest) readCommon() *paramError {
 			return perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)")
 		}
 	}
-	r.choices = tokenCount(f.N)
+	r.oneChoice = f.N == nil || isNull(f.N) || string(f.N) == "1"
 	if raw := f.Priority; raw != nil {
 		r.priorityGiven = true
 		r.priority, r.priorityOdd = jsonInt(raw)

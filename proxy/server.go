@@ -344,6 +344,9 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 		}
 		b := newBackend(bc, cfg, p, s.log)
 		b.wake, b.metrics = p.queue.signal, s.metrics
+		if b.prefillOnly() {
+			b.wake = nil // no waiter can use its slots
+		}
 		b.probed = s.health != nil
 		st.backends[bc.ID] = b
 	}
@@ -1360,7 +1363,7 @@ func (s *Server) cutUnresponsive(b *backend, why string) {
 	failingFor := time.Duration(max(h.Fall-1, 0))*h.Interval + h.Timeout
 	since := time.Now().Add(-failingFor)
 	msg := "backend " + b.cfg.ID + " sent nothing for this request while its health probe failed (" + why + ")"
-	if n := s.live.cutSilent(b.base, since.UnixNano(), msg); n > 0 {
+	if n := s.live.cutSilent(b.cfg.ID, since.UnixNano(), msg); n > 0 {
 		s.log.Warn().Str("backend", b.cfg.ID).Int("requests", n).Str("probe_error", why).
 			Msg("ended the requests the backend stopped answering")
 	}

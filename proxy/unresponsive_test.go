@@ -3,8 +3,10 @@ package proxy
 import (
 	"bufio"
 	"io"
+	"net"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -123,4 +125,49 @@ func TestRequestSentWhileTheProbeFailsIsCutToo(t *testing.T) {
 		t.Fatalf("after %v: %d %s", took, resp.StatusCode, body)
 	}
 	p.waitIdle(t)
+}
+
+// One host may serve several backends (models, API keys), each probed on
+// its own: one's failing probe cuts its own requests, not the others' (the
+// second review: a revoked key's probe cut the other key's requests).
+func TestProbeCutsOnlyItsOwnBackend(t *testing.T) {
+	var revoked atomic.Bool
+	mux := http.NewServeMux()
+	mux.HandleFunc("/v1/models", func(w http.ResponseWriter, r *http.Request) {
+		if revoked.Load() && r.Header.Get("Authorization") == "Bearer key-b-12345" {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Write([]byte(`{"object":"list","data":[]}`))
+	})
+	mux.HandleFunc("/v1/completions", func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(time.Second)
+		w.Header().Set("Content-Type", "application/json")
+		w.Write([]byte(`{"id":"x","object":"text_completion","choices":[{"index":0,"text":"hi","finish_reason":"stop"}]}`))
+	})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: mux}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	host := ln.Addr().String()
+	p := serveYAML(t, "models: [{name: a}, {name: b}]\nbackends:\n"+
+		"  - {id: a, url: 'http://"+host+"', model: a, kind: openai, api_key: key-a-12345}\n"+
+		"  - {id: b, url: 'http://"+host+"', model: b, kind: openai, api_key: key-b-12345}\n"+
+		"health: {interval: 200ms, timeout: 100ms, fall: 2}\n", false)
+	time.Sleep(500 * time.Millisecond) // both probed healthy
+	done := make(chan int, 1)
+	go func() {
+		resp, _ := post(t, p.url+"/v1/completions", `{"model":"a","prompt":"hi"}`)
+		done <- resp.StatusCode
+	}()
+	time.Sleep(100 * time.Millisecond)
+	revoked.Store(true)
+	waitFor(t, "b's ejection", func() bool { return strings.Contains(p.logs.String(), `"ejected_by":"probe"`) })
+	if code := <-done; code != 200 {
+		t.Fatalf("backend a's request got %d when b's probe failed", code)
+	}
 }

@@ -26,9 +26,6 @@ import (
 type waitQueue struct {
 	mu   sync.Mutex
 	list []*waiter
-	// missed: a wake-up found every waiter woken already (routing, and
-	// maybe about to fail): the first to rest takes it (rest).
-	missed bool
 }
 
 type waiter struct {
@@ -36,6 +33,11 @@ type waiter struct {
 	prio    int
 	woken   bool // woken and not yet back to waiting (under mu)
 	evicted bool // taken out of the queue by a more urgent request (under mu)
+	// again: a wake-up came while it was woken already and found no
+	// waiter to wake (it routed, and may lose its slot to a newcomer): it
+	// routes again when it rests, as does every waiter woken then, since
+	// the capacity may be one only some of them can use (under mu).
+	again bool
 }
 
 // join adds a waiter of priority prio, behind those of the same or lower.
@@ -109,13 +111,16 @@ func (q *waitQueue) leave(w *waiter, more bool) {
 // rest returns a woken waiter that could not route to waiting, in its
 // place; with pass set (a backend is available that it may not use), the
 // first waiter behind it that is not woken is. A wake-up that came while
-// it routed and found no one to wake is its own: it routes again.
+// it routed and found no one to wake (again) has it route again.
 func (q *waitQueue) rest(w *waiter, pass bool) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	w.woken = false
-	if q.missed {
-		q.missed = false
+	if w.evicted {
+		return // its wake-up is the eviction's
+	}
+	if w.again {
+		w.again = false
 		w.woken = true
 		select {
 		case w.wake <- struct{}{}:
@@ -157,8 +162,8 @@ func (q *waitQueue) wakeAll() {
 }
 
 // wakeLocked wakes the first waiter from list[from] on that is not woken,
-// and reports whether there was one; a wake-up from the front that finds
-// none is kept for the next to rest (missed).
+// and reports whether there was one. A wake-up from the front that finds
+// every waiter woken already is kept by each of them (again).
 func (q *waitQueue) wakeLocked(from int) bool {
 	for _, w := range q.list[min(from, len(q.list)):] {
 		if !w.woken {
@@ -170,8 +175,10 @@ func (q *waitQueue) wakeLocked(from int) bool {
 			return true
 		}
 	}
-	if from == 0 && len(q.list) > 0 {
-		q.missed = true
+	if from == 0 {
+		for _, w := range q.list {
+			w.again = true
+		}
 	}
 	return false
 }

@@ -94,13 +94,51 @@ func TestWaitQueueKeepsAWakeUpNobodyTook(t *testing.T) {
 		t.Fatal("a wake-up is kept once only")
 	}
 	q.leave(a, false)
-	q.wakeAll() // nobody waits: nothing is kept for later
 	b := q.join(0)
 	q.rest(b, false)
 	if woken(b) {
 		t.Fatal("a wake-up with no waiter was kept")
 	}
 	q.leave(b, false)
+
+	// Two waiters routing when a slot only the first can use frees: the
+	// one behind rests first and routes in vain; the first must route
+	// again too (review: it slept with the slot free).
+	front, behind := q.join(0), q.join(0)
+	q.signal()
+	q.signal()
+	woken(front)
+	woken(behind)
+	q.signal() // both are routing
+	q.rest(behind, true)
+	if !woken(behind) {
+		t.Fatal("the waiter behind must route again")
+	}
+	q.rest(behind, true) // in vain: nobody behind it
+	q.rest(front, true)
+	if !woken(front) {
+		t.Fatal("the front waiter slept with the wake-up it could use")
+	}
+	// An evicted waiter does not take a kept wake-up with it.
+	q.signal() // both woken (front routing, behind not): behind is woken
+	woken(behind)
+	q.signal() // nobody to wake: both keep it
+	if !q.evict(-1) {
+		t.Fatal("no waiter evicted")
+	}
+	q.rest(behind, false) // it routed in vain: it finds its eviction when it waits
+	if !woken(behind) || !q.wasEvicted(behind) {
+		t.Fatal("the evicted waiter does not learn of it")
+	}
+	q.rest(front, false)
+	if !woken(front) {
+		t.Fatal("the kept wake-up was lost with the evicted waiter")
+	}
+	q.leave(front, false)
+	q.leave(behind, false)
+	if len(q.list) != 0 {
+		t.Fatalf("%d waiters left", len(q.list))
+	}
 }
 
 // Waiters are ordered by priority, lower first, then by arrival; a full
