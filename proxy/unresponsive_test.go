@@ -3,8 +3,8 @@ package proxy
 import (
 	"bufio"
 	"io"
-	"net"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -146,14 +146,9 @@ func TestProbeCutsOnlyItsOwnBackend(t *testing.T) {
 		w.Header().Set("Content-Type", "application/json")
 		w.Write([]byte(`{"id":"x","object":"text_completion","choices":[{"index":0,"text":"hi","finish_reason":"stop"}]}`))
 	})
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := &http.Server{Handler: mux}
-	go srv.Serve(ln)
-	t.Cleanup(func() { srv.Close() })
-	host := ln.Addr().String()
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	host := strings.TrimPrefix(srv.URL, "http://")
 	p := serveYAML(t, "models: [{name: a}, {name: b}]\nbackends:\n"+
 		"  - {id: a, url: 'http://"+host+"', model: a, kind: openai, api_key: key-a-12345}\n"+
 		"  - {id: b, url: 'http://"+host+"', model: b, kind: openai, api_key: key-b-12345}\n"+
