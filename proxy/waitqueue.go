@@ -68,10 +68,7 @@ func (q *waitQueue) evict(prio int) bool {
 	if w.woken {
 		q.wakeLocked(0) // the wake-up it has, or is routing on, may be a slot's
 	}
-	select {
-	case w.wake <- struct{}{}:
-	default:
-	}
+	w.wakeUp()
 	return true
 }
 
@@ -121,11 +118,7 @@ func (q *waitQueue) rest(w *waiter, pass bool) {
 	}
 	if w.again {
 		w.again = false
-		w.woken = true
-		select {
-		case w.wake <- struct{}{}:
-		default:
-		}
+		w.wakeUp()
 		return
 	}
 	if !pass {
@@ -151,11 +144,7 @@ func (q *waitQueue) wakeAll() {
 	q.mu.Lock()
 	for _, w := range q.list {
 		if !w.woken {
-			w.woken = true
-			select {
-			case w.wake <- struct{}{}:
-			default:
-			}
+			w.wakeUp()
 		}
 	}
 	q.mu.Unlock()
@@ -167,11 +156,7 @@ func (q *waitQueue) wakeAll() {
 func (q *waitQueue) wakeLocked(from int) bool {
 	for _, w := range q.list[min(from, len(q.list)):] {
 		if !w.woken {
-			w.woken = true
-			select {
-			case w.wake <- struct{}{}:
-			default:
-			}
+			w.wakeUp()
 			return true
 		}
 	}
@@ -181,4 +166,14 @@ func (q *waitQueue) wakeLocked(from int) bool {
 		}
 	}
 	return false
+}
+
+// wakeUp marks w woken and gives it a wake-up unless it has one waiting
+// (under mu).
+func (w *waiter) wakeUp() {
+	w.woken = true
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
 }
