@@ -133,6 +133,8 @@ func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchang
 	x.prefillBy, x.prefillTime = b.cfg.ID, time.Since(start)
 	status := resp.StatusCode()
 	switch {
+	case errors.Is(err, backends.ErrAborted) && px.unresponsive.Load() != nil:
+		status = fasthttp.StatusGatewayTimeout
 	case errors.Is(err, backends.ErrAborted):
 		status = 499
 	case err != nil:

@@ -124,6 +124,9 @@ func TestDisaggregatedPrefillOnAFrozenEngine(t *testing.T) {
 		t.Fatalf("the decode engine was sent params no prefill gave: %v", got)
 	}
 	waitFor(t, "the access log", func() bool { return strings.Contains(p.logs.String(), `"prefill_error":"backend pre sent nothing`) })
+	if m := p.metrics(t); !strings.Contains(m, `kvproxy_requests_total{backend="pre",code="504"} 1`) {
+		t.Fatalf("the cut prefill is not counted as a 504:\n%s", grepLines(m, "requests_total"))
+	}
 	p.waitIdle(t)
 }
 
