@@ -311,7 +311,13 @@ func LoadMooncake(r io.Reader) (*Workload, error) {
 				break
 			}
 			n := min(left, MooncakeBlockTokens)
-			req.Segments = append(req.Segments, Segment{Key: keyMooncake | id&keyIDMask, Len: n})
+			if id > keyIDMask {
+				// Masked, ids that differ only in their top bits would be
+				// one block (the planner's trial); mixed, two collide with
+				// a chance of 2^-60. Smaller ids stay as they are.
+				id = mix64(id) & keyIDMask
+			}
+			req.Segments = append(req.Segments, Segment{Key: keyMooncake | id, Len: n})
 			left -= n
 		}
 		if left > 0 {

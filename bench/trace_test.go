@@ -78,6 +78,22 @@ func TestMooncakeSharedPrefixSharesTokens(t *testing.T) {
 	}
 }
 
+// Hash ids that differ only in their top bits are different blocks (they
+// were masked into one: the planner's trial).
+func TestMooncakeLargeHashIDsStayApart(t *testing.T) {
+	w, err := LoadMooncake(strings.NewReader(`{"timestamp":0,"input_length":1024,"output_length":5,"hash_ids":[1,2]}
+{"timestamp":10,"input_length":1024,"output_length":5,"hash_ids":[1152921504606846977,1152921504606846978]}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	syn := Synth{Seed: 1}
+	a, b := syn.Tokens(nil, &w.Requests[0]), syn.Tokens(nil, &w.Requests[1])
+	if slices.Equal(a[:512], b[:512]) {
+		t.Fatal("hash ids 1 and 2^60+1 gave the same block")
+	}
+}
+
 func TestSynthDeterministic(t *testing.T) {
 	w := loadFixture(t)
 	a := Synth{Seed: 1}.Tokens(nil, &w.Requests[0])

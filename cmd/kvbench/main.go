@@ -41,6 +41,7 @@ func main() {
 		usage(os.Stdout)
 		return
 	default:
+		fmt.Fprintf(os.Stderr, "kvbench: unknown command %q\n", os.Args[1])
 		usage(os.Stderr)
 		os.Exit(2)
 	}
@@ -128,12 +129,12 @@ func (wf *workloadFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&wf.format, "format", "", "trace format: mooncake, azure or multiturn (default: azure for a .csv file, else mooncake)")
 	fs.StringVar(&wf.name, "name", "", "workload name used in chart titles and file names (default: the trace file's base name)")
 	fs.Float64Var(&wf.speedup, "speedup", DefaultSpeedup, "divide arrival times by this factor; the default is tuned for the Mooncake conversation trace on the reference fleet (8 engines): use 1 for your own trace's real rate")
-	fs.Uint64Var(&wf.seed, "seed", 1, "seed of token synthesis, the multi-turn generator and the router's tie-breaks")
-	fs.Uint64Var(&wf.shuffleTies, "shuffle-ties", 0, "put requests of equal arrival time in a random order drawn from this seed, as a live proxy sees them (0: file order)")
+	fs.Uint64Var(&wf.seed, "seed", 1, "seed of token synthesis, the multi-turn generator and (sim) the router's tie-breaks; a replay with another seed sends other tokens, so a fleet warmed by an earlier replay does not inflate its hits")
+	fs.Uint64Var(&wf.shuffleTies, "shuffle-ties", 0, "put requests of equal arrival time in a random order drawn from this seed (sim: as a live proxy would see them; 0: file order)")
 	fs.Uint64Var(&wf.spreadTies, "spread-ties", 0, "spread requests of equal arrival time over the gap to the next one, as Poisson arrivals drawn from this seed (0: as in the file)")
 	fs.IntVar(&wf.limit, "limit", 0, "use only the first N requests (0: all)")
 	fs.DurationVar(&wf.from, "from", 0, "start of the slice of the trace to use (trace time, before -speedup)")
-	fs.DurationVar(&wf.dur, "duration", 0, "length of the slice of the trace to use (0: to the end)")
+	fs.DurationVar(&wf.dur, "duration", 0, "length of the slice of the trace to use, in trace time before -speedup (0: to the end)")
 	d := bench.DefaultMultiTurn()
 	wf.mt = d
 	fs.IntVar(&wf.mt.Conversations, "conversations", d.Conversations, "multiturn: conversations")
@@ -396,6 +397,9 @@ func runReplay(args []string, stdout io.Writer) error {
 		return err
 	}
 	*url = proxyBase(*url)
+	if !strings.HasPrefix(*url, "http://") && !strings.HasPrefix(*url, "https://") {
+		return fmt.Errorf("-url %q: want http://host:port (or https://)", *url)
+	}
 	if *conc < 0 {
 		return fmt.Errorf("-concurrency %d: want 0 (open loop) or more", *conc)
 	}
@@ -465,6 +469,11 @@ func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) error {
 	}
 	if err != nil {
 		return fmt.Errorf("%w (%s -h lists the flags)", err, fs.Name())
+	}
+	if fs.NArg() > 0 {
+		// Flag parsing stops there: the flags after it were ignored, and
+		// the run went on without them (found by the planner's trial).
+		return fmt.Errorf("unexpected argument %q: every argument is a flag (%s -h lists them)", fs.Arg(0), fs.Name())
 	}
 	return nil
 }

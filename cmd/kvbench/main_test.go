@@ -106,6 +106,8 @@ func TestSimRejectsBadFlags(t *testing.T) {
 		{"-format", "multiturn", "-dump", filepath.Join(t.TempDir(), "no", "such", "dir", "d.csv"), "-policies", "kv"},
 		{"-trace", empty},
 		{},
+		{"-format", "multiturn", "stray", "-policies", "kv"}, // the flags after it were dropped
+		{"-format", "multiturn", "-prefill-engines", "8"},
 	} {
 		if err := runSim(args, &bytes.Buffer{}); err == nil {
 			t.Errorf("kvbench sim %v succeeded", args)
@@ -165,6 +167,8 @@ func TestReplayRejectsBadFlags(t *testing.T) {
 		{"-time-scale", "-2"},
 		{"-time-scale", "NaN"},
 		{"-concurrency", "-3"},
+		{"-url", "127.0.0.1:1"}, // no scheme: said so, not Go's URL parser's words
+		{"stray"},
 	} {
 		args = append([]string{"-url", "http://127.0.0.1:1", "-model", "m", "-format", "multiturn", "-conversations", "2"}, args...)
 		if err := runReplay(args, io.Discard); err == nil || strings.Contains(err.Error(), "every request failed") {
