@@ -64,6 +64,9 @@ type Request struct {
 type Workload struct {
 	Name     string
 	Requests []Request
+	// Warnings are what a loader found questionable but took (lines
+	// without hash_ids), for the user to see.
+	Warnings []string
 }
 
 // Duration is the arrival time of the last request.
@@ -272,6 +275,7 @@ func LoadMooncake(r io.Reader) (*Workload, error) {
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 0, 1<<20), 64<<20)
 	line := 0
+	noIDs, firstNoIDs := 0, 0 // lines without hash_ids: prompts that share nothing
 	for sc.Scan() {
 		line++
 		b := sc.Bytes()
@@ -298,6 +302,11 @@ func LoadMooncake(r io.Reader) (*Workload, error) {
 		}
 		if !(*m.Timestamp >= 0 && *m.Timestamp <= maxTraceMs) { // NaN too
 			return nil, fmt.Errorf("mooncake line %d: timestamp %v ms is negative or beyond 292 years", line, *m.Timestamp)
+		}
+		if m.HashIDs == nil && in > 0 {
+			if noIDs++; firstNoIDs == 0 {
+				firstNoIDs = line
+			}
 		}
 		req := Request{
 			Arrival:   time.Duration(*m.Timestamp * float64(time.Millisecond)),
@@ -330,6 +339,11 @@ func LoadMooncake(r io.Reader) (*Workload, error) {
 			return nil, fmt.Errorf("mooncake line %d: longer than 64 MiB", line+1)
 		}
 		return nil, err
+	}
+	if noIDs > 0 {
+		// A misspelled key reads as none (the planner's trial): no reuse,
+		// without a word.
+		w.Warnings = append(w.Warnings, fmt.Sprintf("%d of %d requests have no hash_ids (line %d first): their prompts share nothing", noIDs, len(w.Requests), firstNoIDs))
 	}
 	sortByArrival(w.Requests)
 	rebase(w.Requests)
@@ -370,14 +384,12 @@ var azureTimeLayouts = []string{"2006-01-02 15:04:05.999999999", "2006-01-02 15:
 
 // parseAzureTime parses a timestamp in either layout.
 func parseAzureTime(s string) (time.Time, error) {
-	t, err := time.Parse(azureTimeLayouts[0], s)
-	if err != nil {
-		var err2 error
-		if t, err2 = time.Parse(azureTimeLayouts[1], s); err2 == nil {
+	for _, layout := range azureTimeLayouts {
+		if t, err := time.Parse(layout, s); err == nil {
 			return t, nil
 		}
 	}
-	return t, err
+	return time.Time{}, fmt.Errorf("timestamp %q: want 2023's form (2023-11-16 18:15:46.6805) or 2024's, with a UTC offset (2024-05-10 00:00:00.009930+00:00)", s)
 }
 
 // LoadAzure reads an Azure LLM inference trace (CSV with the header

@@ -94,6 +94,26 @@ func TestMooncakeLargeHashIDsStayApart(t *testing.T) {
 	}
 }
 
+// A line without hash_ids (or with the key misspelled) is taken as a
+// prompt that shares nothing, and said so (the planner's trial); an Azure
+// timestamp in another form names the two it takes.
+func TestTraceLoadersSayWhatTheyDoubt(t *testing.T) {
+	w, err := LoadMooncake(strings.NewReader(`{"timestamp":0,"input_length":600,"output_length":5,"hash_ids":[1,2]}
+{"timestamp":10,"input_length":600,"output_length":5,"hash_id":[1,2]}
+{"timestamp":20,"input_length":600,"output_length":5}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(w.Warnings) != 1 || !strings.Contains(w.Warnings[0], "2 of 3 requests have no hash_ids (line 2 first)") {
+		t.Fatalf("warnings %q", w.Warnings)
+	}
+	_, err = LoadAzure(strings.NewReader("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16T18:15:46Z,10,2\n"))
+	if err == nil || !strings.Contains(err.Error(), "azure line 2: timestamp") || !strings.Contains(err.Error(), "2023-11-16 18:15:46.6805") {
+		t.Fatalf("error %v", err)
+	}
+}
+
 func TestSynthDeterministic(t *testing.T) {
 	w := loadFixture(t)
 	a := Synth{Seed: 1}.Tokens(nil, &w.Requests[0])

@@ -182,6 +182,9 @@ func (wf *workloadFlags) load() (*bench.Workload, error) {
 		if w, err = bench.LoadFile(wf.trace, wf.format); err != nil {
 			return nil, err
 		}
+		for _, warn := range w.Warnings {
+			fmt.Fprintf(os.Stderr, "kvbench: %s: warning: %s\n", wf.trace, warn)
+		}
 		w.Name = strings.TrimSuffix(filepath.Base(wf.trace), filepath.Ext(wf.trace))
 	}
 	if wf.from > 0 || wf.dur > 0 {
