@@ -300,6 +300,9 @@ type Limits struct {
 	RetryBudget float64 `yaml:"retry_budget"`
 	// DrainTimeout is how long SIGTERM and reloads wait for streams.
 	DrainTimeout time.Duration `yaml:"drain_timeout"`
+	// MigrationLimit is how many times a stream whose engine fails
+	// mid-answer may be continued on another engine (0: never).
+	MigrationLimit int `yaml:"migration_limit"`
 	// MaxConnections caps the client connections open at once: more are
 	// answered 503 and closed. 0: derived from the open files limit at
 	// start (the proxy does it: the limit is the process's).
@@ -791,6 +794,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Limits.MaxQueue < 0 {
 		add("limits.max_queue", "must not be negative")
+	}
+	if c.Limits.MigrationLimit < 0 || c.Limits.MigrationLimit > 8 {
+		add("limits.migration_limit", "must be between 0 and 8, got %d", c.Limits.MigrationLimit)
 	}
 	if !(c.Limits.RetryBudget >= 0 && c.Limits.RetryBudget <= 1) {
 		add("limits.retry_budget", "must be between 0 and 1, got %g", c.Limits.RetryBudget)

@@ -75,6 +75,11 @@ type apiRequest struct {
 	} `json:"stream_options"`
 	CacheSalt string `json:"cache_salt"`
 	N         *int   `json:"n"`
+	// AddGenerationPrompt (default true) ends a chat prompt with the
+	// assistant's turn opened; ContinueFinalMessage leaves the final
+	// message (the assistant's) open instead, to be continued.
+	AddGenerationPrompt  *bool `json:"add_generation_prompt"`
+	ContinueFinalMessage bool  `json:"continue_final_message"`
 	// KVTransfer is vLLM's kv_transfer_params (NixlConnector): a prefill
 	// engine is asked to keep the prompt's KV for a decode engine
 	// (do_remote_decode), a decode engine to pull it (do_remote_prefill).
@@ -335,9 +340,8 @@ func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiR
 		if err != nil {
 			return nil, nil, 0, err
 		}
-		if prompt, err = e.enc.TryEncodeChatTools(nil, msgs, chatTools(req.Tools), true); err != nil {
-			// vLLM answers 400 when the chat template raises.
-			return nil, nil, 0, invalid("messages", "chat template: %v", err)
+		if prompt, err = e.chatPrompt(&req, msgs); err != nil {
+			return nil, nil, 0, err
 		}
 	} else {
 		if prompt, err = e.promptTokens(req.Prompt); err != nil {
@@ -352,6 +356,33 @@ func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiR
 		return nil, nil, 0, invalid(param, "the prompt is empty")
 	}
 	return &req, prompt, maxTokens, nil
+}
+
+// chatPrompt renders a chat request's messages as the model's prompt.
+func (e *Engine) chatPrompt(req *apiRequest, msgs []tokenize.Message) ([]uint32, error) {
+	gen := req.AddGenerationPrompt == nil || *req.AddGenerationPrompt
+	if !req.ContinueFinalMessage {
+		ids, err := e.enc.TryEncodeChatTools(nil, msgs, chatTools(req.Tools), gen)
+		if err != nil {
+			// vLLM answers 400 when the chat template raises.
+			return nil, invalid("messages", "chat template: %v", err)
+		}
+		return ids, nil
+	}
+	if gen {
+		return nil, invalid("continue_final_message", "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+	}
+	last := msgs[len(msgs)-1]
+	if last.Role != "assistant" || last.ToolCalls != "" {
+		return nil, invalid("messages", "continue_final_message continues the final message, which must be the assistant's text")
+	}
+	// The turns before it, the assistant's opened, then its text with the
+	// turn left open: what the template's continuation renders.
+	ids, err := e.enc.TryEncodeChatTools(nil, msgs[:len(msgs)-1], chatTools(req.Tools), true)
+	if err != nil {
+		return nil, invalid("messages", "chat template: %v", err)
+	}
+	return e.enc.EncodeText(ids, last.Content), nil
 }
 
 // checkModel is vLLM's 404 for a request naming a model the engine does

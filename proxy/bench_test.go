@@ -43,6 +43,24 @@ func BenchmarkSSERelay(b *testing.B) {
 	})
 }
 
+// BenchmarkSSERelayMigratable is BenchmarkSSERelay for a stream that may be
+// continued on another engine (limits.migration_limit): the relay keeps the
+// text it passes on.
+func BenchmarkSSERelayMigratable(b *testing.B) {
+	const events = 256
+	var stream bytes.Buffer
+	for i := 0; i < events; i++ {
+		fmt.Fprintf(&stream, `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" tok%d"},"logprobs":null,"finish_reason":null}]}`+"\n\n", i)
+	}
+	stream.WriteString("data: [DONE]\n\n")
+	benchRelay(b, stream.Bytes(), events, func(x *exchange) { x.mig = &migration{chat: true, left: 1, partial: make([]byte, 0, 1024)} }, func(x *exchange) string {
+		if x.outputTokens != events || !bytes.HasSuffix(x.mig.partial, []byte(" tok255")) {
+			return fmt.Sprintf("counted %d tokens, kept %q", x.outputTokens, x.mig.partial)
+		}
+		return ""
+	})
+}
+
 // benchRelay relays raw, an engine's stream of events, through a new
 // exchange set up by setup in each iteration; check says what is wrong
 // with the exchange afterwards ("" for nothing).

@@ -86,6 +86,9 @@ type exchange struct {
 	// unresponsive says why the exchange was aborted when its engine
 	// stopped answering its health probe (cutUnresponsive); nil otherwise.
 	unresponsive atomic.Pointer[string]
+	// mig continues a stream on another engine if its engine fails
+	// mid-answer (limits.migration_limit); nil when it may not be.
+	mig *migration
 }
 
 // errCutMsg answers the requests still in flight at the drain deadline.
@@ -101,7 +104,18 @@ var (
 // traceHeaders are the client headers an engine gets: W3C trace context
 // (vLLM joins the client's OpenTelemetry trace with them) and baggage.
 // Others stay here: they may carry the client's credentials.
-var traceHeaders = [][]byte{[]byte("Traceparent"), []byte("Tracestate"), []byte("Baggage")}
+var traceHeaders = [3][]byte{[]byte("Traceparent"), []byte("Tracestate"), []byte("Baggage")}
+
+// traceValues are a request's traceHeaders values (nil: absent).
+type traceValues [len(traceHeaders)][]byte
+
+// traceOf is h's traceHeaders values, pointing into h.
+func traceOf(h *fasthttp.RequestHeader) (t traceValues) {
+	for i, name := range traceHeaders {
+		t[i] = h.PeekBytes(name)
+	}
+	return t
+}
 
 // stringBytes is s's bytes, for fasthttp calls that copy them.
 func stringBytes(s string) []byte { return unsafe.Slice(unsafe.StringData(s), len(s)) }
@@ -454,6 +468,9 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	x.tenant, x.promptTokens, x.slot, x.resp, x.api, x.budget = t.name, counted, in.slot, ids, kind, t.tokens
 	prio := t.queuePriority(req.priority, req.priorityGiven && !req.priorityOdd)
 	x.priority, req.dropPriority, req.priorityTo = prio, t.capped, prio
+	if n := lim.MigrationLimit; n > 0 && req.stream && ctx.Request.Header.IsHTTP11() && migratable(req, kind, rr) {
+		x.mig = newMigration(ctx, req, kind, rr, salt, n)
+	}
 	s.dispatch(ctx, st, sc, x, salt)
 }
 
@@ -522,7 +539,7 @@ func (s *Server) attempt(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *ex
 			x.answerRefusal(ctx)
 			return
 		}
-		if err := x.route(ctx, st, rr); err != nil {
+		if err := x.route(ctx.Conn(), st, rr); err != nil {
 			if attempt > 1 {
 				s.retries.refund()
 			}
@@ -601,7 +618,7 @@ var (
 // route picks a worker, registers the request and takes a slot on its
 // backend. When every healthy backend is at its max_concurrency, it waits
 // (bounded by limits.max_queue waiters and limits.queue_timeout) for a slot.
-func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request) error {
+func (x *exchange) route(conn net.Conn, st *state, rr *router.Request) error {
 	s, p := x.s, x.p
 	var w *waiter // in p.queue while the request waits
 	var routed, rechecked bool
@@ -706,7 +723,7 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx, st *state, rr *router.Request
 		if timer == nil {
 			timer = time.NewTimer(lim.QueueTimeout)
 			gone = make(clientGone)
-			watch = s.watcher.Watch(ctx.Conn(), gone)
+			watch = s.watcher.Watch(conn, gone)
 		}
 		select {
 		case <-w.wake:
@@ -823,7 +840,8 @@ func (s *Server) noWorker(ctx *fasthttp.RequestCtx, rid, tenant, model string, s
 // when mayRetry and the engine never took the request.
 func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool) outcome {
 	s, b := x.s, x.b
-	fr := x.engineRequest(ctx, b, x.rank, body)
+	trace := traceOf(&ctx.Request.Header)
+	fr := x.engineRequest(&trace, b, x.rank, body)
 	defer fasthttp.ReleaseRequest(fr)
 	if x.stream {
 		fr.Header.Set("Accept", "text/event-stream")
@@ -1202,7 +1220,7 @@ func (x *exchange) failUpstream(ctx *fasthttp.RequestCtx, status int, msg string
 
 // engineRequest is x's request to backend b's engine (its data-parallel
 // rank), with body; release it with fasthttp.ReleaseRequest.
-func (x *exchange) engineRequest(ctx *fasthttp.RequestCtx, b *backend, rank int, body []byte) *fasthttp.Request {
+func (x *exchange) engineRequest(trace *traceValues, b *backend, rank int, body []byte) *fasthttp.Request {
 	fr := fasthttp.AcquireRequest()
 	fr.Header.SetMethod(fasthttp.MethodPost)
 	fr.SetRequestURI(x.path)
@@ -1217,8 +1235,8 @@ func (x *exchange) engineRequest(ctx *fasthttp.RequestCtx, b *backend, rank int,
 		// its ranks itself, away from the one whose cache was chosen.
 		fr.Header.Set("X-Data-Parallel-Rank", strconv.Itoa(rank))
 	}
-	for _, h := range traceHeaders {
-		if v := ctx.Request.Header.PeekBytes(h); len(v) > 0 {
+	for i, h := range traceHeaders {
+		if v := trace[i]; len(v) > 0 {
 			fr.Header.SetCanonical(h, v)
 		}
 	}
@@ -1291,6 +1309,9 @@ func (x *exchange) logLine() {
 	}
 	if x.prefillErr != "" {
 		ev = ev.Str("prefill_error", x.prefillErr)
+	}
+	if x.mig != nil && len(x.mig.from) > 0 {
+		ev = ev.Strs("migrated_from", x.mig.from)
 	}
 	if metered {
 		ev = ev.Int("prompt_tokens", prompt).Int("output_tokens", completion)

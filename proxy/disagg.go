@@ -115,7 +115,8 @@ func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchang
 	}
 	sc.body = body
 
-	fr := x.engineRequest(ctx, b, 0, body)
+	trace := traceOf(&ctx.Request.Header)
+	fr := x.engineRequest(&trace, b, 0, body)
 	defer fasthttp.ReleaseRequest(fr)
 	ab := &backends.Abort{}
 	watch := s.watcher.Watch(ctx.Conn(), abortOnHangUp{ab})

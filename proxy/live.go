@@ -79,3 +79,24 @@ func (l *liveExchanges) cutSilent(id string, since int64, why string) int {
 }
 
 func (l *liveExchanges) wait() { l.wg.Wait() }
+
+// hide takes x out of the set, still counted by wait, while its stream
+// moves to another engine: the cuts read x.b and x.ab, which change.
+func (l *liveExchanges) hide(x *exchange) {
+	l.mu.Lock()
+	delete(l.set, x)
+	l.mu.Unlock()
+}
+
+// show puts a hidden x back; a cut since has it aborted at once.
+func (l *liveExchanges) show(x *exchange) {
+	l.mu.Lock()
+	cut := l.cut.Load()
+	if !cut && x.live {
+		l.set[x] = struct{}{}
+	}
+	l.mu.Unlock()
+	if cut {
+		x.ab.Abort()
+	}
+}

@@ -29,6 +29,7 @@ type metrics struct {
 	route       prometheus.Histogram
 	ejections   *prometheus.CounterVec // backend, reason (the eject* constants)
 	reroutes    *prometheus.CounterVec // backend that refused
+	migrations  *prometheus.CounterVec // backend that failed mid-stream, result
 	reloads     *prometheus.CounterVec // result: ok, rejected
 	reloadOK    prometheus.Gauge
 	limited     *prometheus.CounterVec // tenant, limit: requests, tokens, concurrency
@@ -76,6 +77,9 @@ func newMetrics() *metrics {
 	m.ejections = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvproxy_backend_ejections_total", Help: "Backends taken out of selection after failures, by backend and reason: connect (refused, reset, cut off, TLS), status (5xx, 503), timeout (silent), error_answers (500s or credential refusals in a row), probe (health probe failing).",
 	}, []string{"backend", "reason"})
+	m.migrations = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvproxy_stream_migrations_total", Help: "Streams whose backend failed mid-answer, by that backend and result: continued on another backend (ok), or ended with an error event because none could continue it (failed).",
+	}, []string{"backend", "result"})
 	m.reroutes = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvproxy_reroutes_total", Help: "Requests sent on to another backend after this one refused them before starting (connection refused, 429, 503, credentials, 404), by the backend that refused.",
 	}, []string{"backend"})
@@ -113,7 +117,7 @@ func newMetrics() *metrics {
 // scrape time; s must be complete (its state and replicas set).
 func (m *metrics) register(reg *prometheus.Registry, s *Server) {
 	build := buildinfo.Read()
-	reg.MustRegister(m.requests, m.ttft, m.duration, m.tpot, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.reloads, m.reloadOK, m.limited, m.panics, m.unavailable, m.acceptErrors, m.connsRefused,
+	reg.MustRegister(m.requests, m.ttft, m.duration, m.tpot, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.migrations, m.reloads, m.reloadOK, m.limited, m.panics, m.unavailable, m.acceptErrors, m.connsRefused,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvproxy_client_connections", Help: "Client connections open (limits.max_connections caps them).",
 		}, func() float64 { return float64(s.openConns.Load()) }),
@@ -164,7 +168,7 @@ func (m *metrics) forgetBackend(id string) {
 		cache.Delete(id)
 	}
 	match := prometheus.Labels{"backend": id}
-	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{m.requests, m.ttft, m.duration, m.tpot, m.ejections, m.reroutes} {
+	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{m.requests, m.ttft, m.duration, m.tpot, m.ejections, m.reroutes, m.migrations} {
 		v.DeletePartialMatch(match)
 	}
 }

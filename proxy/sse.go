@@ -38,6 +38,12 @@ type relay struct {
 	blocks   int
 	ended    bool // the engine's stream is over (or failed): nothing more to send
 	closed   bool
+	// A stream continued on another engine (migrate): resumed until that
+	// engine's first token (the events before it, which restate the role,
+	// are dropped), restarted until its first event (its prefill);
+	// blockBase is the output relayed before it.
+	resumed, restarted bool
+	blockBase          int
 }
 
 // streamBody is an engine's streamed answer (*backends.Body).
@@ -189,7 +195,12 @@ func (r *relay) end(out []byte, err error) []byte {
 		out = r.failEvent(out, errCutMsg, "service_unavailable", "shutting_down")
 	case (errors.Is(err, backends.ErrAborted) || x.ab.Aborted()) && x.unresponsive.Load() != nil:
 		msg := *x.unresponsive.Load()
-		x.errMsg = msg
+		moved, detail := r.migrate(msg)
+		if moved {
+			r.ended = false
+			return out
+		}
+		x.errMsg = msg + detail
 		x.status = fasthttp.StatusGatewayTimeout
 		out = r.failEvent(out, "the backend serving this request stopped answering: "+msg, "timeout_error", "backend_timeout")
 	case errors.Is(err, backends.ErrAborted) || x.ab.Aborted():
@@ -202,8 +213,13 @@ func (r *relay) end(out []byte, err error) []byte {
 		out = r.failEvent(out, "the answer holds "+err.Error()+", more than kvproxy relays", "upstream_error", "event_too_large")
 	case backends.IsTimeout(err):
 		msg := "backend " + x.b.cfg.ID + " sent nothing for " + x.b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
-		x.errMsg = msg + " mid-stream"
 		x.b.fail(ejectTimeout, "silent mid-stream")
+		moved, detail := r.migrate("silent for " + x.b.up.ReadTimeout.String())
+		if moved {
+			r.ended = false
+			return out
+		}
+		x.errMsg = msg + " mid-stream" + detail
 		x.status = fasthttp.StatusGatewayTimeout
 		out = r.failEvent(out, "the backend serving this request went silent mid-stream: "+msg, "timeout_error", "backend_timeout")
 	default:
@@ -219,8 +235,14 @@ func (r *relay) end(out []byte, err error) []byte {
 				err = errors.New("stream ended before message_stop")
 			}
 		}
-		x.errMsg = "backend " + x.b.cfg.ID + " failed mid-stream: " + err.Error()
+		msg := "backend " + x.b.cfg.ID + " failed mid-stream: " + err.Error()
 		x.b.failConn("mid-stream: " + err.Error())
+		moved, detail := r.migrate(err.Error())
+		if moved {
+			r.ended = false
+			return out
+		}
+		x.errMsg = msg + detail
 		x.status = fasthttp.StatusBadGateway
 		out = r.failEvent(out, "the backend serving this request failed mid-stream", "upstream_error", "backend_failed")
 	}
@@ -238,8 +260,10 @@ func (r *relay) Close() error {
 	if !r.ended {
 		r.clientGone()
 	}
-	r.body.Close()
-	fasthttp.ReleaseResponse(r.resp)
+	if r.body != nil { // nil after a failed migration
+		r.body.Close()
+		fasthttp.ReleaseResponse(r.resp)
+	}
 	if cap(r.f.buf) <= 1<<20 && cap(r.bufs.out) <= 1<<20 {
 		r.bufs.in = r.f.buf
 		relayBufs.Put(r.bufs)
@@ -298,7 +322,19 @@ func (r *relay) onEvent(ev []byte) []byte {
 			r.sawDone = true
 			continue
 		}
+		if r.resumed || r.x.mig != nil && r.x.mig.carried > 0 {
+			if d, drop := r.continued(data); drop {
+				return dropped
+			} else if d != nil {
+				fixed = append(append(append(fixed, "data: "...), d...), "\n\n"...)
+				r.onData(d)
+				continue
+			}
+		}
 		if isErrorFrame(data) {
+			if r.x.mig != nil {
+				r.x.mig.off = true // the client was told
+			}
 			// The engine failed mid-stream (vLLM: {"error": {...}}, older
 			// versions {"object": "error", "message": ...}, compact or
 			// spaced): logged, and passed on in OpenAI's shape, with the
@@ -379,7 +415,11 @@ func firstMember(data []byte) (key, val []byte, ok bool) {
 }
 
 func (r *relay) onData(data []byte) {
-	if carriesToken(data) {
+	k, v := outputOf(data)
+	if m := r.x.mig; m != nil {
+		m.note(data, k, v)
+	}
+	if k >= 0 {
 		r.onToken()
 		return
 	}
@@ -398,7 +438,7 @@ func (r *relay) onToken() {
 	}
 	x := r.x
 	x.outputTokens++
-	if bs := x.p.cfg.BlockSize; x.outputTokens/bs > r.blocks {
+	if bs := x.p.cfg.BlockSize; (x.outputTokens-r.blockBase)/bs > r.blocks {
 		r.blocks++
 		x.active.OutputBlock()
 	}
@@ -425,13 +465,27 @@ func (r *relay) firstEvent() {
 // none. Engines that write JSON with spaces (Python's json.dumps) count as
 // compact ones do.
 func carriesToken(data []byte) bool {
-	for _, key := range [...][]byte{contentKey, textKey, reasoningKey, reasonKey} {
-		if v := valueAfter(data, key); len(v) > 1 && v[0] == '"' && v[1] != '"' {
-			return true
+	k, _ := outputOf(data)
+	return k >= 0
+}
+
+// outputKeys are the members whose non-empty string carries output.
+var outputKeys = [...][]byte{contentKey, textKey, reasoningKey, reasonKey}
+
+// outputOf finds a chunk's output: the value (from its start on) of the
+// first of outputKeys holding a non-empty string, and that key's place in
+// outputKeys, or a non-empty tool_calls array with len(outputKeys); -1
+// when the chunk carries none.
+func outputOf(data []byte) (key int, v []byte) {
+	for i, k := range outputKeys {
+		if v := valueAfter(data, k); len(v) > 1 && v[0] == '"' && v[1] != '"' {
+			return i, v
 		}
 	}
-	v := valueAfter(data, toolCallsKey)
-	return len(v) > 1 && v[0] == '[' && v[1] != ']'
+	if v := valueAfter(data, toolCallsKey); len(v) > 1 && v[0] == '[' && v[1] != ']' {
+		return len(outputKeys), v
+	}
+	return -1, nil
 }
 
 // valueAfter is what follows the first key in data, spaces skipped.

@@ -1,0 +1,408 @@
+package proxy
+
+import (
+	"bytes"
+	"errors"
+	"net"
+	"strconv"
+	"time"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvproxy/kvproxy/backends"
+	"github.com/kvproxy/kvproxy/config"
+	"github.com/kvproxy/kvproxy/kv"
+	"github.com/kvproxy/kvproxy/router"
+)
+
+// Stream migration (limits.migration_limit), as Dynamo's frontend does it:
+// when the engine of a chat or completion stream fails mid-answer (its
+// connection drops, it goes silent, or its health probe fails), the
+// request is sent again to another engine with the output relayed so far
+// appended to the prompt (chat: as a final assistant message the engine
+// continues, vLLM's and SGLang's continue_final_message), and asked for
+// the output still due. The client's stream goes on where it stopped.
+//
+// Only what can be continued is: one choice, a text prompt, output of text
+// alone (no tool calls or reasoning relayed yet), no constrained output,
+// echo or prompt logprobs, not pinned to an engine, and only onto engines
+// that continue a final message (kind vllm, sglang or mock).
+
+// migration is what a stream needs to be continued on another engine.
+type migration struct {
+	left  int    // migrations still allowed
+	chat  bool   // chat completions (else completions)
+	body  []byte // the client's request, decoded
+	salt  string // the tenant's cache_salt, for engines that take one
+	trace traceValues
+	conn  net.Conn // the client's, watched for a hang-up while moving
+	// routing: the prompt's blocks and size, the engines left out
+	hashes       []kv.BlockHash
+	promptTokens int
+	avoid        []router.WorkerID
+	maxTokens    int // the output asked for (0: none named)
+	dropPriority bool
+	priorityTo   int
+
+	partial  []byte // the output relayed so far: JSON string contents, escaped
+	off      bool   // output other than text was relayed: it cannot be continued
+	finished bool   // a finish_reason was relayed: the answer is whole
+	carried  int    // output tokens the current engine got as prompt
+	from     []string
+}
+
+// migratable reports whether a streamed request may be continued on
+// another engine if its own fails (see migration).
+func migratable(req *apiRequest, kind api, rr *router.Request) bool {
+	if !req.stream || kind != apiChat && kind != apiCompletions || rr.Pinned || !req.oneChoice ||
+		req.hasTokens || len(req.batchTexts)+len(req.batchTokens) > 0 || !req.addGenPrompt {
+		return false
+	}
+	for m := (members{b: req.body}); m.next(); {
+		v := m.value
+		switch {
+		case keyIs(m.key, "echo"), keyIs(m.key, "continue_final_message"):
+			if string(v) == "true" {
+				return false
+			}
+		case keyIs(m.key, "response_format"):
+			// {"type": "text"} constrains nothing; a schema would restart.
+			if !isNull(v) && !bytes.Equal(bytes.Join(bytes.Fields(v), nil), []byte(`{"type":"text"}`)) {
+				return false
+			}
+		case keyIs(m.key, "guided_json"), keyIs(m.key, "guided_regex"), keyIs(m.key, "guided_choice"),
+			keyIs(m.key, "guided_grammar"), keyIs(m.key, "structured_outputs"), keyIs(m.key, "prompt_logprobs"):
+			if !isNull(v) {
+				return false
+			}
+		case keyIs(m.key, "best_of"):
+			if !isNull(v) && string(v) != "1" {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// newMigration keeps what continuing x's stream needs; lim is
+// limits.migration_limit.
+func newMigration(ctx *fasthttp.RequestCtx, req *apiRequest, kind api, rr *router.Request, salt string, lim int) *migration {
+	m := &migration{
+		left: lim, chat: kind == apiChat, body: bytes.Clone(req.body), salt: salt, conn: ctx.Conn(), partial: make([]byte, 0, 1024),
+		hashes: append([]kv.BlockHash(nil), rr.Hashes...), promptTokens: rr.PromptTokens, avoid: append([]router.WorkerID(nil), rr.Avoid...),
+		maxTokens: req.maxTokens, dropPriority: req.dropPriority, priorityTo: req.priorityTo,
+	}
+	for i, v := range traceOf(&ctx.Request.Header) {
+		m.trace[i] = bytes.Clone(v)
+	}
+	return m
+}
+
+var finishKey = []byte(`"finish_reason":`)
+
+// note reads a chunk the relay passes on, whose output outputOf found
+// (key, v): the text it adds to the answer, or that the answer can no
+// longer be continued.
+func (m *migration) note(data []byte, key int, v []byte) {
+	if m.off || m.finished {
+		return
+	}
+	rest := data // the chunk after its output
+	switch {
+	case key == 0 && m.chat || key == 1 && !m.chat: // content, text
+		end, err := skipValue(v, 0)
+		if err != nil {
+			m.off = true
+			return
+		}
+		m.partial = append(m.partial, v[1:end-1]...)
+		rest = v[end:]
+	case key >= 0: // reasoning, tool calls: not text to continue
+		m.off = true
+		return
+	}
+	if v := valueAfter(rest, finishKey); len(v) > 0 && v[0] == '"' {
+		m.finished = true
+	}
+}
+
+// continuation is the client's request continued after the output so far,
+// which counts emitted tokens: the text appended to the prompt, the output
+// asked for reduced by what was relayed.
+func (m *migration) continuation(emitted int) []byte {
+	out := []byte{'{'}
+	sep := func() {
+		if len(out) > 1 {
+			out = append(out, ',')
+		}
+	}
+	for mb := (members{b: m.body}); mb.next(); {
+		k, v := mb.key, mb.value
+		switch {
+		case m.chat && keyIs(k, "messages") && len(m.partial) > 0:
+			sep()
+			out = append(out, `"messages":`...)
+			out = append(out, bytes.TrimRight(v[:len(v)-1], " \t\r\n")...) // the array without its ]
+			out = append(out, `,{"role":"assistant","content":"`...)
+			out = append(append(out, m.partial...), `"}],"add_generation_prompt":false,"continue_final_message":true`...)
+			continue
+		case m.chat && len(m.partial) > 0 && (keyIs(k, "add_generation_prompt") || keyIs(k, "continue_final_message")):
+			continue
+		case !m.chat && keyIs(k, "prompt"):
+			sep()
+			out = append(out, `"prompt":`...)
+			if v[0] == '[' { // a batch of one
+				v = bytes.TrimSpace(v[1 : len(v)-1])
+			}
+			out = append(append(append(out, v[:len(v)-1]...), m.partial...), '"')
+			continue
+		case keyIs(k, "max_tokens") || keyIs(k, "max_completion_tokens") || keyIs(k, "min_tokens"):
+			if n := tokenCount(v); n > 0 {
+				least := 1 // an engine refuses max_tokens 0
+				if keyIs(k, "min_tokens") {
+					least = 0
+				}
+				sep()
+				out = append(append(out, '"'), k...)
+				out = strconv.AppendInt(append(out, `":`...), int64(max(n-emitted, least)), 10)
+				continue
+			}
+		}
+		sep()
+		out = append(out, mb.member...)
+	}
+	return append(out, '}')
+}
+
+// continues reports whether b's engine can continue a final assistant
+// message (vLLM's and SGLang's continue_final_message).
+func (b *backend) continues() bool { return b.cfg.Kind != config.KindOpenAI }
+
+// migrate continues the stream on another engine after its engine failed
+// (why), and reports whether it did: the relay then reads the new engine's
+// stream. The failed engine's failure is counted by the caller before.
+// When it tried and could not, detail says why, for the log.
+func (r *relay) migrate(why string) (ok bool, detail string) {
+	x, m := r.x, r.x.mig
+	if m == nil || m.left == 0 || m.off || m.finished || r.sawDone || x.ab.Aborted() && x.unresponsive.Load() == nil ||
+		m.maxTokens > 0 && x.outputTokens >= m.maxTokens {
+		return false, ""
+	}
+	s, p, failed := x.s, x.p, x.b
+	s.live.hide(x)
+	x.stopWatch()
+	x.release()
+	r.body.Close()
+	fasthttp.ReleaseResponse(r.resp)
+	r.body, r.resp = nil, nil
+	x.unresponsive.Store(nil)
+	x.ab = new(backends.Abort) // the failed engine's may be aborted (a cut)
+	moved, detail := false, ""
+	defer func() {
+		if !moved {
+			s.metrics.migrations.WithLabelValues(failed.cfg.ID, "failed").Inc()
+			s.live.show(x)
+		}
+	}()
+	for m.left > 0 {
+		m.left--
+		m.avoid = append(append(m.avoid, x.d.Worker, x.b.worker), x.b.workerIDs()...)
+		rr := router.Request{Hashes: m.hashes, PromptTokens: m.promptTokens + x.outputTokens, Avoid: p.avoidForKind(m.avoid)}
+		x.released = false
+		if err := x.route(m.conn, s.st.Load(), &rr); err != nil {
+			x.released = true // nothing held
+			return false, detail + "; no backend could continue it: " + err.Error()
+		}
+		stream, resp, err := r.sendContinuation()
+		if err == nil {
+			moved = true
+			s.metrics.migrations.WithLabelValues(failed.cfg.ID, "ok").Inc()
+			m.from = append(m.from, failed.cfg.ID)
+			m.carried = x.outputTokens
+			r.body, r.resp = stream, resp
+			r.f = *newSSEFramer(r.f.buf)
+			r.resumed, r.restarted, r.blockBase, r.blocks = true, true, x.outputTokens, 0
+			s.live.show(x)
+			s.log.Warn().Str("request_id", x.id).Str("backend", failed.cfg.ID).Str("to", x.b.cfg.ID).
+				Int("output_tokens", x.outputTokens).Str("reason", why).Msg("stream migrated")
+			return true, ""
+		}
+		x.release()
+		if x.ab.Aborted() { // the client left
+			return false, "; the client left while it moved"
+		}
+		detail += "; backend " + x.b.cfg.ID + " could not continue it: " + err.Error()
+	}
+	return false, detail
+}
+
+var errNotStreamed = errors.New("answered without a stream")
+
+// sendContinuation sends the continued request to the engine x was just
+// routed to, and returns its stream once it answered 200.
+func (r *relay) sendContinuation() (*backends.Body, *fasthttp.Response, error) {
+	x, m, b := r.x, r.x.mig, r.x.b
+	var req apiRequest
+	if pe := req.parse(m.continuation(x.outputTokens), m.chat); pe != nil {
+		return nil, nil, pe
+	}
+	req.dropPriority, req.priorityTo = m.dropPriority, m.priorityTo
+	req.sendPriority = req.dropPriority && b.cfg.PriorityScheduling
+	salt, served := "", b.cfg.ServedModel
+	if b.salted {
+		salt = m.salt
+	}
+	if x.lora != "" {
+		served = x.lora
+	}
+	body, err := req.forwardBody(nil, served, salt)
+	if err != nil {
+		return nil, nil, err
+	}
+	fr := x.engineRequest(&m.trace, b, x.rank, body)
+	defer fasthttp.ReleaseRequest(fr)
+	fr.Header.Set("Accept", "text/event-stream")
+	at := &attempt{ab: x.ab, active: x.active}
+	x.watch = x.s.watcher.Watch(m.conn, at)
+	x.sent = time.Now()
+	x.heard.Store(0)
+	resp := fasthttp.AcquireResponse()
+	stream, err := b.up.Do(fr, resp, true, x.ab)
+	if err != nil || resp.StatusCode() != fasthttp.StatusOK || stream == nil {
+		x.stopWatch() // kept for the stream otherwise, as forward keeps it
+	}
+	var ce *backends.ConnectError
+	switch {
+	case err == nil && resp.StatusCode() == fasthttp.StatusOK && stream != nil:
+		x.heard.Store(coarseNow())
+		b.succeed()
+		return stream, resp, nil
+	case err == nil:
+		code := resp.StatusCode()
+		if stream != nil {
+			stream.Close()
+		}
+		switch {
+		case code == fasthttp.StatusTooManyRequests:
+			b.coolDown(coolingFor(resp.Header.Peek("Retry-After")))
+		case code == fasthttp.StatusInternalServerError:
+			b.answeredError("status 500")
+		case code >= 500:
+			b.fail(ejectStatus, "status "+strconv.Itoa(code))
+		}
+		err = errors.New("it answered " + strconv.Itoa(code))
+		if code == fasthttp.StatusOK {
+			err = errNotStreamed
+		}
+	case errors.Is(err, backends.ErrAborted):
+	case errors.As(err, &ce):
+		b.failConn("connect: " + ce.Err.Error())
+	case backends.IsTimeout(err):
+		b.fail(ejectTimeout, "sent nothing for a continued stream")
+	default:
+		b.failConn(err.Error())
+	}
+	fasthttp.ReleaseResponse(resp)
+	return nil, nil, err
+}
+
+// avoidForKind appends to avoid the workers of the model's engines that
+// cannot continue a final message.
+func (p *modelPool) avoidForKind(avoid []router.WorkerID) []router.WorkerID {
+	for i, b := range *p.workers.Load() {
+		if b != nil && b.worker == router.WorkerID(i) && !b.continues() {
+			avoid = append(avoid, b.workerIDs()...)
+		}
+	}
+	return avoid
+}
+
+// dropped replaces an event the client must not get (onEvent).
+var dropped = []byte{}
+
+// continued inspects a chunk of a stream continued on another engine. It
+// reports whether to drop it: before the engine's first token, a chunk
+// that neither carries output, finishes, reports usage nor is an error
+// restates the role. It returns the chunk with its usage restated as the
+// client's request has it (the output carried over in the prompt counted
+// as output), or nil to relay it as it is.
+func (r *relay) continued(data []byte) (fixed []byte, drop bool) {
+	x := r.x
+	if r.restarted {
+		// The new engine has computed its prompt.
+		r.restarted = false
+		x.active.PrefillDone()
+		x.active.ObserveTTFT(time.Since(x.sent))
+	}
+	if r.resumed {
+		v := valueAfter(data, finishKey)
+		if !carriesToken(data) && !isErrorFrame(data) && !hasUsage(data) && (len(v) == 0 || v[0] != '"') {
+			return nil, true
+		}
+		r.resumed = false
+		fixed = withoutRole(data)
+	}
+	if c := x.mig.carried; c > 0 && hasUsage(data) {
+		if fixed != nil {
+			data = fixed
+		}
+		i := bytes.LastIndex(data, usageKey)
+		u := shiftInt(data[i:], promptKey, -c)
+		fixed = append(append([]byte(nil), data[:i]...), shiftInt(u, completionKey, c)...)
+	}
+	return fixed, false
+}
+
+var roleKey = []byte(`"role":`)
+
+// withoutRole is a chat chunk without its delta's role, which the client
+// had from the first engine; nil when it has none.
+func withoutRole(data []byte) []byte {
+	d := bytes.Index(data, deltaKey)
+	if d < 0 {
+		return nil
+	}
+	i := bytes.Index(data[d:], roleKey)
+	if i < 0 {
+		return nil
+	}
+	i += d
+	end, err := skipValue(data, skipSpace(data, i+len(roleKey)))
+	if err != nil {
+		return nil
+	}
+	// The member and the comma after it, or else the one before it.
+	if j := skipSpace(data, end); j < len(data) && data[j] == ',' {
+		end = skipSpace(data, j+1)
+	} else if k := bytes.LastIndexByte(data[:i], ','); k > d {
+		i = k
+	}
+	return append(append([]byte(nil), data[:i]...), data[end:]...)
+}
+
+func hasUsage(data []byte) bool {
+	v := valueAfter(data, usageKey)
+	return len(v) > 0 && v[0] == '{'
+}
+
+// shiftInt returns b with the whole number after key's first occurrence
+// moved by d (not below 0); b itself when there is none.
+func shiftInt(b, key []byte, d int) []byte {
+	i := bytes.Index(b, key)
+	if i < 0 {
+		return b
+	}
+	j := skipSpace(b, i+len(key))
+	k := j
+	n := 0
+	for k < len(b) && k-j < 12 && b[k] >= '0' && b[k] <= '9' {
+		n = n*10 + int(b[k]-'0')
+		k++
+	}
+	if k == j {
+		return b
+	}
+	out := append([]byte(nil), b[:j]...)
+	out = strconv.AppendInt(out, int64(max(n+d, 0)), 10)
+	return append(out, b[k:]...)
+}

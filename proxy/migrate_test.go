@@ -1,0 +1,239 @@
+package proxy
+
+import (
+	"encoding/json"
+	"fmt"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvproxy/kvproxy/router"
+)
+
+func parsedRequest(t *testing.T, body string, chat bool) *apiRequest {
+	t.Helper()
+	var req apiRequest
+	if pe := req.parse([]byte(body), chat); pe != nil {
+		t.Fatalf("parse %s: %v", body, pe)
+	}
+	return &req
+}
+
+func TestMigratableRequests(t *testing.T) {
+	for _, c := range []struct {
+		body string
+		kind api
+		want bool
+	}{
+		{`{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`, apiChat, true},
+		{`{"model":"m","stream":true,"prompt":"hi","max_tokens":9}`, apiCompletions, true},
+		{`{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}],"response_format":{"type": "text"}}`, apiChat, true},
+		{`{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}],"n":1,"best_of":1}`, apiChat, true},
+		{`{"model":"m","messages":[{"role":"user","content":"hi"}]}`, apiChat, false}, // not streamed
+		{`{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}],"n":2}`, apiChat, false},
+		{`{"model":"m","stream":true,"prompt":[1,2,3]}`, apiCompletions, false},
+		{`{"model":"m","stream":true,"prompt":["a","b"]}`, apiCompletions, false},
+		{`{"model":"m","stream":true,"prompt":"hi","echo":true}`, apiCompletions, false},
+		{`{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_object"}}`, apiChat, false},
+		{`{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}],"guided_json":{"type":"object"}}`, apiChat, false},
+		{`{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}],"structured_outputs":{"regex":"a+"}}`, apiChat, false},
+		{`{"model":"m","stream":true,"prompt":"hi","prompt_logprobs":1}`, apiCompletions, false},
+		{`{"model":"m","stream":true,"messages":[{"role":"assistant","content":"Once"}],"add_generation_prompt":false,"continue_final_message":true}`, apiChat, false},
+		{`{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`, apiResponses, false},
+		{`{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`, apiMessages, false},
+	} {
+		req := parsedRequest(t, c.body, c.kind != apiCompletions)
+		if got := migratable(req, c.kind, &router.Request{}); got != c.want {
+			t.Errorf("migratable(%s) = %v, want %v", c.body, got, c.want)
+		}
+	}
+	req := parsedRequest(t, `{"model":"m","stream":true,"prompt":"hi"}`, false)
+	if migratable(req, apiCompletions, &router.Request{Pinned: true}) {
+		t.Error("a request pinned to an engine was migratable")
+	}
+}
+
+// note reads the text relayed so far, and gives up on output that is not
+// text, or an answer already finished.
+func TestMigrationNotesTheOutput(t *testing.T) {
+	m := &migration{chat: true}
+	for _, c := range []string{
+		`{"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}`,
+		`{"id":"c","choices":[{"index":0,"delta":{"content":"Say \"hi\""},"logprobs":null,"finish_reason":null}]}`,
+		`{"id": "c", "choices": [{"index": 0, "delta": {"content": "\n\u00e9"}, "logprobs": {"content": [{"token": "x"}]}, "finish_reason": null}]}`,
+	} {
+		note(m, c)
+	}
+	if got := string(m.partial); got != `Say \"hi\"\n\u00e9` || m.off || m.finished {
+		t.Fatalf("partial %q off %v finished %v", got, m.off, m.finished)
+	}
+	note(m, `{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"name":"f"}}]},"finish_reason":null}]}`)
+	if !m.off {
+		t.Fatal("a tool call left the stream continuable")
+	}
+	m = &migration{chat: true}
+	note(m, `{"choices":[{"index":0,"delta":{"reasoning_content":"hmm"},"finish_reason":null}]}`)
+	if !m.off {
+		t.Fatal("reasoning left the stream continuable")
+	}
+	m = &migration{}
+	note(m, `{"choices":[{"index":0,"text":" once","logprobs":null,"finish_reason":null}]}`)
+	note(m, `{"choices":[{"index":0,"text":" upon","logprobs":null,"finish_reason":"length"}]}`)
+	if string(m.partial) != " once upon" || !m.finished {
+		t.Fatalf("completions: partial %q finished %v", m.partial, m.finished)
+	}
+}
+
+func note(m *migration, chunk string) {
+	k, v := outputOf([]byte(chunk))
+	m.note([]byte(chunk), k, v)
+}
+
+func TestContinuationBodies(t *testing.T) {
+	for _, c := range []struct {
+		chat          bool
+		body, partial string
+		emitted       int
+		want          string
+	}{
+		{true, `{"model":"m","stream":true,"max_tokens":100,"min_tokens":10,"messages":[{"role":"user","content":"hi"} ]}`, `Say \"hi\"`, 12,
+			`{"model":"m","stream":true,"max_tokens":88,"min_tokens":0,"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"Say \"hi\""}],"add_generation_prompt":false,"continue_final_message":true}`},
+		{true, `{"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":true,"max_completion_tokens":5,"model":"m"}`, `ab`, 5,
+			`{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"ab"}],"add_generation_prompt":false,"continue_final_message":true,"max_completion_tokens":1,"model":"m"}`},
+		{true, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`, ``, 0, // nothing relayed yet: the request as it came
+			`{"model":"m","messages":[{"role":"user","content":"hi"}]}`},
+		{false, `{"model":"m","prompt":"Once upon","max_tokens":50}`, ` a time`, 2,
+			`{"model":"m","prompt":"Once upon a time","max_tokens":48}`},
+		{false, `{"model":"m","prompt":[ "Once upon" ]}`, ` a`, 1,
+			`{"model":"m","prompt":"Once upon a"}`},
+	} {
+		m := &migration{chat: c.chat, body: []byte(c.body), partial: []byte(c.partial)}
+		got := m.continuation(c.emitted)
+		if string(got) != c.want {
+			t.Errorf("continuation of %s after %q:\n got %s\nwant %s", c.body, c.partial, got, c.want)
+		}
+		if !json.Valid(got) {
+			t.Errorf("not JSON: %s", got)
+		}
+	}
+}
+
+func TestContinuedChunks(t *testing.T) {
+	for _, c := range []struct{ in, want string }{
+		{`{"choices":[{"index":0,"delta":{"role":"assistant","content":" the"},"finish_reason":null}]}`,
+			`{"choices":[{"index":0,"delta":{"content":" the"},"finish_reason":null}]}`},
+		{`{"choices":[{"index":0,"delta":{"content":" the", "role": "assistant"},"finish_reason":null}]}`,
+			`{"choices":[{"index":0,"delta":{"content":" the"},"finish_reason":null}]}`},
+		{`{"choices":[{"index":0,"delta":{"content":" the"}}]}`, ``},
+	} {
+		if got := string(withoutRole([]byte(c.in))); got != c.want {
+			t.Errorf("withoutRole(%s) = %s, want %s", c.in, got, c.want)
+		}
+	}
+	usage := []byte(`{"choices":[],"usage":{"prompt_tokens":63,"total_tokens":363,"completion_tokens":280,"prompt_tokens_details":{"cached_tokens":48}}}`)
+	got := shiftInt(shiftInt(usage, promptKey, -20), completionKey, 20)
+	var u struct {
+		Usage map[string]any `json:"usage"`
+	}
+	if err := json.Unmarshal(got, &u); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]any{"prompt_tokens": 43.0, "total_tokens": 363.0, "completion_tokens": 300.0, "prompt_tokens_details": map[string]any{"cached_tokens": 48.0}}
+	if !reflect.DeepEqual(u.Usage, want) {
+		t.Fatalf("usage shifted: %s", got)
+	}
+}
+
+const migrateYAML = `models: [{name: m}]
+backends:
+  - {id: dies, url: 'http://{{e0}}', model: m, served_model: engine-m}
+  - {id: next, url: 'http://{{e1}}', model: m, served_model: engine-m, kind: %s}
+router: {policy: round_robin}
+limits:
+  migration_limit: 1
+`
+
+const migrateBody = `{"model":"m","stream":true,"max_tokens":10,"min_tokens":5,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}`
+
+// A stream whose engine drops its connection mid-answer goes on from
+// another engine: the client gets all the tokens, one role, no error, and
+// usage as its request has it; the engine is asked to continue the
+// assistant's message with the output still due, under the request's id.
+func TestStreamMovesToAnotherEngineMidAnswer(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		fails func(*fakeEngine)
+	}{
+		{"drops its connection", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 3 }},
+		{"goes silent", func(f *fakeEngine) { f.tokens, f.pauseAfter, f.pause = 10, 3, 20*time.Second }},
+	} {
+		t.Run(c.name, func(t *testing.T) { testStreamMoves(t, c.fails) })
+	}
+}
+
+func testStreamMoves(t *testing.T, fails func(*fakeEngine)) {
+	dies := startFake(t, "dies", fails)
+	next := startFake(t, "next", func(f *fakeEngine) { f.tokens = 7 })
+	p := startProxyYAML(t, fmt.Sprintf(migrateYAML, "vllm")+"  stream_idle_timeout: 300ms\n", dies, next)
+	resp, body := post(t, p.url+"/v1/chat/completions", migrateBody)
+	got := string(body)
+	if resp.StatusCode != 200 || strings.Contains(got, "error") || !strings.HasSuffix(got, "data: [DONE]\n\n") ||
+		strings.Count(got, `"content":"t`) != 10 || strings.Count(got, `"role"`) != 1 {
+		t.Fatalf("status %d, stream:\n%s", resp.StatusCode, got)
+	}
+	// The engine counted its 7 tokens as 14 (two a chunk) and a prompt of
+	// 10; the 3 tokens carried over move from prompt to output.
+	if !strings.Contains(got, `"usage":{"prompt_tokens":7,"completion_tokens":17,"total_tokens":24`) {
+		t.Fatalf("usage not restated:\n%s", got)
+	}
+	if dies.requests.Load() != 1 || next.requests.Load() != 1 {
+		t.Fatalf("requests: dies %d, next %d", dies.requests.Load(), next.requests.Load())
+	}
+	next.mu.Lock()
+	b, id := next.bodies[0], next.ids[0]
+	next.mu.Unlock()
+	msgs, _ := b["messages"].([]any)
+	last, _ := msgs[len(msgs)-1].(map[string]any)
+	if len(msgs) != 2 || last["role"] != "assistant" || last["content"] != "t0 t1 t2 " || b["continue_final_message"] != true ||
+		b["add_generation_prompt"] != false || b["max_tokens"] != 7.0 || b["min_tokens"] != 2.0 || b["model"] != "engine-m" || b["stream"] != true {
+		t.Fatalf("continuation request: %v", b)
+	}
+	dies.mu.Lock()
+	first := dies.ids[0]
+	dies.mu.Unlock()
+	if id != first {
+		t.Fatalf("the continuation's X-Request-Id %q is not the request's %q", id, first)
+	}
+	p.waitIdle(t)
+	if m := p.metrics(t); !strings.Contains(m, `kvproxy_stream_migrations_total{backend="dies",result="ok"} 1`) {
+		t.Fatalf("metrics:\n%s", m)
+	}
+}
+
+// No engine able to continue (an OpenAI-compatible server of unknown
+// kind), or the one chosen refusing: the stream ends as it did before
+// migration, with the error event and [DONE], and nothing stays held.
+func TestStreamMigrationThatCannotHappen(t *testing.T) {
+	for _, c := range []struct {
+		kind, why string
+		status    int
+	}{
+		{"openai", "no backend could continue it", 0},
+		{"vllm", "backend next could not continue it: it answered 503", 503},
+	} {
+		dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 3 })
+		next := startFake(t, "next", func(f *fakeEngine) { f.status, f.errBody = c.status, `{"error":{"message":"busy"}}` })
+		p := startProxyYAML(t, fmt.Sprintf(migrateYAML, c.kind), dies, next)
+		_, body := post(t, p.url+"/v1/chat/completions", migrateBody)
+		got := string(body)
+		if !strings.Contains(got, `"code":"backend_failed"`) || !strings.HasSuffix(got, "data: [DONE]\n\n") || strings.Count(got, `"content":"t`) != 3 {
+			t.Fatalf("%s: stream:\n%s", c.kind, got)
+		}
+		p.waitIdle(t)
+		waitFor(t, "the log naming why: "+p.logs.String(), func() bool { return strings.Contains(p.logs.String(), c.why) })
+		if m := p.metrics(t); !strings.Contains(m, `kvproxy_stream_migrations_total{backend="dies",result="failed"} 1`) {
+			t.Fatalf("%s: metrics:\n%s", c.kind, m)
+		}
+	}
+}
