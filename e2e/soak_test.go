@@ -50,6 +50,21 @@ func promValue(t *testing.T, url, name string) float64 {
 	return 0
 }
 
+// promValueOr0 is promValue, 0 for a series not (yet) there.
+func promValueOr0(t *testing.T, url, name string) float64 {
+	t.Helper()
+	resp, err := http.Get(url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if !strings.Contains(string(b), "\n"+name+" ") {
+		return 0
+	}
+	return promValue(t, url, name)
+}
+
 type soakStats struct {
 	mu          sync.Mutex
 	completions int
@@ -109,7 +124,8 @@ func TestSoak(t *testing.T) {
 	// the clients' count: its places must all come back too.
 	health := "health: {interval: 250ms, fall: 1, eject_base: 200ms, eject_max: 2s, forget_after: 3s}\n" +
 		"auth: {keys: [{key: " + soakKey + ", tenant: soak}], admin_keys: [admin-key-0005]}\n" +
-		"tenants: [{name: soak, max_concurrency: 150}]\n"
+		"tenants: [{name: soak, max_concurrency: 150}]\n" +
+		"limits: {migration_limit: 1}\n" // streams on the killed engine go on from another
 	url, p, path := startProxyConfig(t, backendsYAML(backends, health))
 
 	http.DefaultTransport.(*http.Transport).MaxIdleConnsPerHost = clients
@@ -206,6 +222,9 @@ func TestSoak(t *testing.T) {
 	}
 	t.Logf("soak %v, %d clients: %d requests; %d completions, %d disconnects, %d malformed (all answered with OpenAI errors), errors by status %v",
 		dur, clients, requests.Load(), stats.completions, stats.disconnects, stats.malformed, stats.errors)
+	t.Logf("streams migrated off the killed engine: %.0f, not migrated: %.0f",
+		promValueOr0(t, url, `kvproxy_stream_migrations_total{backend="victim",result="ok"}`),
+		promValueOr0(t, url, `kvproxy_stream_migrations_total{backend="victim",result="failed"}`))
 	t.Logf("completion latency p50 %v p99 %v; kvproxy after: goroutines %.0f (baseline %.0f), RSS %.1f MiB, heap in use %.1f MiB",
 		pct(0.5), pct(0.99), goroutines, baseGoroutines, rss/(1<<20), heap/(1<<20))
 	if stats.completions < clients {
