@@ -477,6 +477,9 @@ func (e *Engine) serveCompletion(w http.ResponseWriter, hr *http.Request, chat b
 		prefix = "chatcmpl"
 	}
 	rs.id = fmt.Sprintf("%s-%s-%d", prefix, e.idPrefix, r.seq.ID)
+	if rid := hr.Header.Get("X-Request-Id"); rid != "" {
+		rs.id = prefix + "-" + rid // as vLLM names its answers
+	}
 	if req.KVTransfer != nil && req.KVTransfer.DoRemoteDecode {
 		// Where a decode engine finds the prompt's KV, as vLLM's
 		// NixlConnector tells it (the blocks are this engine's to name).

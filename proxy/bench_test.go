@@ -53,7 +53,7 @@ func BenchmarkSSERelayMigratable(b *testing.B) {
 		fmt.Fprintf(&stream, `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" tok%d"},"logprobs":null,"finish_reason":null}]}`+"\n\n", i)
 	}
 	stream.WriteString("data: [DONE]\n\n")
-	benchRelay(b, stream.Bytes(), events, func(x *exchange) { x.mig = &migration{chat: true, left: 1, partial: make([]byte, 0, 1024)} }, func(x *exchange) string {
+	benchRelay(b, stream.Bytes(), events, func(x *exchange) { x.mig, x.migrations = &migration{chat: true, partial: make([]byte, 0, 1024)}, 1 }, func(x *exchange) string {
 		if x.outputTokens != events || !bytes.HasSuffix(x.mig.partial, []byte(" tok255")) {
 			return fmt.Sprintf("counted %d tokens, kept %q", x.outputTokens, x.mig.partial)
 		}

@@ -86,9 +86,15 @@ type exchange struct {
 	// unresponsive says why the exchange was aborted when its engine
 	// stopped answering its health probe (cutUnresponsive); nil otherwise.
 	unresponsive atomic.Pointer[string]
-	// mig continues a stream on another engine if its engine fails
-	// mid-answer (limits.migration_limit); nil when it may not be.
-	mig *migration
+	// migrations is how many more times the request may move to another
+	// engine when its engine fails after taking it (limits.migration_limit);
+	// mig continues a stream there from where it stopped, nil when it
+	// cannot be.
+	migrations int
+	mig        *migration
+	// cutB is the backend whose failing probe cuts the exchange (its
+	// engine's), set under the live set's lock (liveExchanges.move).
+	cutB *backend
 }
 
 // errCutMsg answers the requests still in flight at the drain deadline.
@@ -468,8 +474,9 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	x.tenant, x.promptTokens, x.slot, x.resp, x.api, x.budget = t.name, counted, in.slot, ids, kind, t.tokens
 	prio := t.queuePriority(req.priority, req.priorityGiven && !req.priorityOdd)
 	x.priority, req.dropPriority, req.priorityTo = prio, t.capped, prio
-	if n := lim.MigrationLimit; n > 0 && req.stream && ctx.Request.Header.IsHTTP11() && migratable(req, kind, rr) {
-		x.mig = newMigration(ctx, req, kind, rr, salt, n)
+	x.migrations = lim.MigrationLimit
+	if x.migrations > 0 && req.stream && ctx.Request.Header.IsHTTP11() && migratable(req, kind, rr) {
+		x.mig = newMigration(ctx, req, kind, rr, salt, longest+max(req.maxTokens, 1))
 	}
 	s.dispatch(ctx, st, sc, x, salt)
 }
@@ -908,6 +915,15 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			x.failUpstream(ctx, fasthttp.StatusBadGateway, "the answer of backend "+b.cfg.ID+" is larger than kvproxy reads whole (64 MiB); ask for less at once, or stream it")
 		default:
 			b.failConn(err.Error())
+			if mayRetry && x.migrations > 0 {
+				// The engine took the request and failed before its first
+				// byte: nothing reached the client, so the next engine
+				// may compute it all (limits.migration_limit).
+				x.migrations--
+				x.errMsg = "backend " + b.cfg.ID + " " + upstreamFault(err)
+				x.refused = fasthttp.StatusBadGateway
+				return x.endAttempt()
+			}
 			x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" "+upstreamFault(err))
 			x.errMsg += ": " + err.Error()
 		}

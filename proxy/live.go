@@ -2,6 +2,8 @@ package proxy
 
 import (
 	"sync"
+
+	"github.com/kvproxy/kvproxy/backends"
 	"sync/atomic"
 )
 
@@ -19,6 +21,7 @@ func (l *liveExchanges) add(x *exchange) {
 	x.live = true
 	l.wg.Add(1)
 	l.mu.Lock()
+	x.cutB = x.b
 	cut := l.cut.Load()
 	if !cut {
 		if l.set == nil {
@@ -69,7 +72,7 @@ func (l *liveExchanges) cutSilent(id string, since int64, why string) int {
 	defer l.mu.Unlock()
 	n := 0
 	for x := range l.set {
-		if x.b != nil && x.b.cfg.ID == id && x.heard.Load() < since {
+		if x.cutB != nil && x.cutB.cfg.ID == id && x.heard.Load() < since {
 			x.unresponsive.Store(&why)
 			x.ab.Abort()
 			n++
@@ -80,23 +83,14 @@ func (l *liveExchanges) cutSilent(id string, since int64, why string) int {
 
 func (l *liveExchanges) wait() { l.wg.Wait() }
 
-// hide takes x out of the set, still counted by wait, while its stream
-// moves to another engine: the cuts read x.b and x.ab, which change.
-func (l *liveExchanges) hide(x *exchange) {
+// move points x's cuts at its new engine b (nil: none yet) and abort ab,
+// as its stream moves to another engine; a cut since has ab aborted at once.
+func (l *liveExchanges) move(x *exchange, b *backend, ab *backends.Abort) {
 	l.mu.Lock()
-	delete(l.set, x)
-	l.mu.Unlock()
-}
-
-// show puts a hidden x back; a cut since has it aborted at once.
-func (l *liveExchanges) show(x *exchange) {
-	l.mu.Lock()
+	x.ab, x.cutB = ab, b
 	cut := l.cut.Load()
-	if !cut && x.live {
-		l.set[x] = struct{}{}
-	}
 	l.mu.Unlock()
 	if cut {
-		x.ab.Abort()
+		ab.Abort()
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"net"
 	"strconv"
 	"time"
+	"unsafe"
 
 	"github.com/valyala/fasthttp"
 
@@ -30,17 +31,22 @@ import (
 
 // migration is what a stream needs to be continued on another engine.
 type migration struct {
-	left  int    // migrations still allowed
 	chat  bool   // chat completions (else completions)
 	body  []byte // the client's request, decoded
 	salt  string // the tenant's cache_salt, for engines that take one
 	trace traceValues
 	conn  net.Conn // the client's, watched for a hang-up while moving
-	// routing: the prompt's blocks and size, the engines left out
+	// routing: the prompt's blocks and size, the context it needs (prompt
+	// and output asked for), the backends that failed it or refused to
+	// continue it
 	hashes       []kv.BlockHash
 	promptTokens int
-	avoid        []router.WorkerID
-	maxTokens    int // the output asked for (0: none named)
+	need         int
+	tried        []string
+	// maxTokens is the output asked for: what the request names, or the
+	// engines' default for completions, 16 (defaultMax); 0 for none
+	maxTokens    int
+	defaultMax   bool
 	dropPriority bool
 	priorityTo   int
 
@@ -84,13 +90,20 @@ func migratable(req *apiRequest, kind api, rr *router.Request) bool {
 	return true
 }
 
-// newMigration keeps what continuing x's stream needs; lim is
-// limits.migration_limit.
-func newMigration(ctx *fasthttp.RequestCtx, req *apiRequest, kind api, rr *router.Request, salt string, lim int) *migration {
+// completionsDefaultMax is vLLM's and SGLang's max_tokens for a
+// completion request that names none.
+const completionsDefaultMax = 16
+
+// newMigration keeps what continuing a stream needs; need is the context
+// the request needs (its prompt and the output it asks for).
+func newMigration(ctx *fasthttp.RequestCtx, req *apiRequest, kind api, rr *router.Request, salt string, need int) *migration {
 	m := &migration{
-		left: lim, chat: kind == apiChat, body: bytes.Clone(req.body), salt: salt, conn: ctx.Conn(), partial: make([]byte, 0, 1024),
-		hashes: append([]kv.BlockHash(nil), rr.Hashes...), promptTokens: rr.PromptTokens, avoid: append([]router.WorkerID(nil), rr.Avoid...),
+		chat: kind == apiChat, body: bytes.Clone(req.body), salt: salt, conn: ctx.Conn(), partial: make([]byte, 0, 1024),
+		hashes: append([]kv.BlockHash(nil), rr.Hashes...), promptTokens: rr.PromptTokens, need: need,
 		maxTokens: req.maxTokens, dropPriority: req.dropPriority, priorityTo: req.priorityTo,
+	}
+	if !m.chat && m.maxTokens == 0 {
+		m.maxTokens, m.defaultMax = completionsDefaultMax, true
 	}
 	for i, v := range traceOf(&ctx.Request.Header) {
 		m.trace[i] = bytes.Clone(v)
@@ -136,6 +149,7 @@ func (m *migration) continuation(emitted int) []byte {
 			out = append(out, ',')
 		}
 	}
+	wroteMax := false
 	for mb := (members{b: m.body}); mb.next(); {
 		k, v := mb.key, mb.value
 		switch {
@@ -157,10 +171,16 @@ func (m *migration) continuation(emitted int) []byte {
 			out = append(append(append(out, v[:len(v)-1]...), m.partial...), '"')
 			continue
 		case keyIs(k, "max_tokens") || keyIs(k, "max_completion_tokens") || keyIs(k, "min_tokens"):
-			if n := tokenCount(v); n > 0 {
+			n := tokenCount(v)
+			if n == 0 && m.defaultMax && keyIs(k, "max_tokens") {
+				continue // null: the default, written below
+			}
+			if n > 0 {
 				least := 1 // an engine refuses max_tokens 0
 				if keyIs(k, "min_tokens") {
 					least = 0
+				} else {
+					wroteMax = true
 				}
 				sep()
 				out = append(append(out, '"'), k...)
@@ -171,79 +191,179 @@ func (m *migration) continuation(emitted int) []byte {
 		sep()
 		out = append(out, mb.member...)
 	}
+	if m.defaultMax && !wroteMax {
+		sep()
+		out = strconv.AppendInt(append(out, `"max_tokens":`...), int64(max(completionsDefaultMax-emitted, 1)), 10)
+	}
 	return append(out, '}')
+}
+
+// emitted is the output relayed so far, in tokens: the chunks that carried
+// it, or the carried text's tokens as the model's tokenizer counts them
+// when that is more (an engine may send several tokens a chunk:
+// speculative decoding, --stream-interval).
+func (m *migration) emitted(x *exchange) int {
+	n := x.outputTokens
+	if enc := x.p.enc; enc != nil && len(m.partial) > 0 {
+		text := appendUnquoted(nil, m.partial)
+		n = max(n, len(enc.EncodeText(nil, unsafe.String(unsafe.SliceData(text), len(text)))))
+	}
+	return n
+}
+
+// avoid is what routing a continuation on p leaves out: the engines that
+// cannot serve the request (its adapter, its length, prefill engines),
+// cannot continue a message, or have failed it.
+func (m *migration) avoid(p *modelPool, lora string) []router.WorkerID {
+	var avoid []router.WorkerID
+	if lora != "" {
+		avoid = p.avoidForAdapter(avoid, lora)
+	}
+	avoid = p.avoidForLength(avoid, m.need)
+	avoid, _ = p.avoidForRole(avoid, false)
+	for _, id := range m.tried {
+		if w, ok := p.rt.WorkerByName(id); ok {
+			avoid = append(avoid, w)
+			if b := p.backend(w); b != nil {
+				avoid = append(avoid, b.workerIDs()...)
+			}
+		}
+	}
+	return p.avoidForKind(avoid)
 }
 
 // continues reports whether b's engine can continue a final assistant
 // message (vLLM's and SGLang's continue_final_message).
 func (b *backend) continues() bool { return b.cfg.Kind != config.KindOpenAI }
 
+// moveResult is how an attempt to move a stream ended.
+type moveResult int
+
+const (
+	notMoved   moveResult = iota // not tried, or no engine could continue it
+	moved                        // the relay reads the new engine's stream
+	clientLeft                   // the client hung up while it moved
+	cutShort                     // the drain deadline cut it while it moved
+)
+
 // migrate continues the stream on another engine after its engine failed
-// (why), and reports whether it did: the relay then reads the new engine's
-// stream. The failed engine's failure is counted by the caller before.
+// (why). The failed engine's failure is counted by the caller before.
 // When it tried and could not, detail says why, for the log.
-func (r *relay) migrate(why string) (ok bool, detail string) {
+func (r *relay) migrate(why string) (res moveResult, detail string) {
 	x, m := r.x, r.x.mig
-	if m == nil || m.left == 0 || m.off || m.finished || r.sawDone || x.ab.Aborted() && x.unresponsive.Load() == nil ||
-		m.maxTokens > 0 && x.outputTokens >= m.maxTokens {
-		return false, ""
+	if m == nil || x.migrations == 0 || m.off || m.finished || r.sawDone || x.ab.Aborted() && x.unresponsive.Load() == nil {
+		return notMoved, ""
 	}
-	s, p, failed := x.s, x.p, x.b
-	s.live.hide(x)
+	emitted := m.emitted(x)
+	if m.maxTokens > 0 && emitted >= m.maxTokens {
+		return notMoved, ""
+	}
+	s, failed, failedD := x.s, x.b, x.d
+	m.tried = append(m.tried, failed.cfg.ID)
 	x.stopWatch()
 	x.release()
 	r.body.Close()
 	fasthttp.ReleaseResponse(r.resp)
 	r.body, r.resp = nil, nil
-	x.unresponsive.Store(nil)
-	x.ab = new(backends.Abort) // the failed engine's may be aborted (a cut)
-	moved, detail := false, ""
 	defer func() {
-		if !moved {
+		if res == moved {
+			return
+		}
+		// The request's line and metrics name the engine that failed it,
+		// not the last that refused to continue it.
+		x.b, x.d, x.released = failed, failedD, true
+		if res == notMoved {
 			s.metrics.migrations.WithLabelValues(failed.cfg.ID, "failed").Inc()
-			s.live.show(x)
 		}
 	}()
-	for m.left > 0 {
-		m.left--
-		m.avoid = append(append(m.avoid, x.d.Worker, x.b.worker), x.b.workerIDs()...)
-		rr := router.Request{Hashes: m.hashes, PromptTokens: m.promptTokens + x.outputTokens, Avoid: p.avoidForKind(m.avoid)}
-		x.released = false
-		if err := x.route(m.conn, s.st.Load(), &rr); err != nil {
-			x.released = true // nothing held
-			return false, detail + "; no backend could continue it: " + err.Error()
+	for x.migrations > 0 {
+		x.migrations--
+		// A fresh abort: the failed engine's may be aborted (a probe's
+		// cut). Cuts see the exchange all along: the drain's aborts it.
+		x.unresponsive.Store(nil)
+		s.live.move(x, nil, new(backends.Abort))
+		if s.live.isCut() {
+			return cutShort, ""
 		}
-		stream, resp, err := r.sendContinuation()
+		st := s.st.Load()
+		if p := st.models[x.p.cfg.Name]; p != nil && p != x.p {
+			// A reload rebuilt the model's pool: its router, and maybe its
+			// blocks.
+			if p.cfg.BlockSize != x.p.cfg.BlockSize || p.cfg.Tokenizer != x.p.cfg.Tokenizer || p.cfg.Template != x.p.cfg.Template {
+				m.hashes = nil
+			}
+			x.p = p
+		}
+		rr := router.Request{Hashes: m.hashes, PromptTokens: m.promptTokens + emitted, Avoid: m.avoid(x.p, x.lora)}
+		x.released = false
+		if err := x.route(m.conn, st, &rr); err != nil {
+			x.released = true // nothing held
+			switch {
+			case errors.Is(err, errClientGone):
+				return clientLeft, ""
+			case s.live.isCut():
+				return cutShort, ""
+			}
+			return notMoved, detail + "; no backend could continue it: " + err.Error()
+		}
+		x.heard.Store(0)
+		s.live.move(x, x.b, x.ab) // a failing probe of the new engine cuts it
+		stream, resp, err := r.sendContinuation(emitted)
 		if err == nil {
-			moved = true
 			s.metrics.migrations.WithLabelValues(failed.cfg.ID, "ok").Inc()
 			m.from = append(m.from, failed.cfg.ID)
-			m.carried = x.outputTokens
+			m.carried = emitted
 			r.body, r.resp = stream, resp
 			r.f = *newSSEFramer(r.f.buf)
 			r.resumed, r.restarted, r.blockBase, r.blocks = true, true, x.outputTokens, 0
-			s.live.show(x)
 			s.log.Warn().Str("request_id", x.id).Str("backend", failed.cfg.ID).Str("to", x.b.cfg.ID).
-				Int("output_tokens", x.outputTokens).Str("reason", why).Msg("stream migrated")
-			return true, ""
+				Int("output_tokens", emitted).Str("reason", why).Msg("stream migrated")
+			return moved, ""
 		}
 		x.release()
-		if x.ab.Aborted() { // the client left
-			return false, "; the client left while it moved"
+		switch {
+		case s.live.isCut():
+			return cutShort, ""
+		case x.ab.Aborted() && x.unresponsive.Load() == nil:
+			return clientLeft, ""
 		}
+		m.tried = append(m.tried, x.b.cfg.ID)
 		detail += "; backend " + x.b.cfg.ID + " could not continue it: " + err.Error()
 	}
-	return false, detail
+	return notMoved, detail
+}
+
+// moveOrEnd tries to move the stream after its engine failed (why); it
+// reports whether the stream goes on or has been ended (a client gone, a
+// drain cut: out then holds the ending), and otherwise detail, for the
+// caller to end the stream with the engine's failure.
+func (r *relay) moveOrEnd(why string, out []byte) (next []byte, handled bool, detail string) {
+	x := r.x
+	res, detail := r.migrate(why)
+	switch res {
+	case moved:
+		r.ended = false
+	case clientLeft:
+		x.status = 499
+		x.errMsg = ""
+	case cutShort:
+		x.errMsg = errCutMsg
+		x.status = fasthttp.StatusServiceUnavailable
+		out = r.failEvent(out, errCutMsg, "service_unavailable", "shutting_down")
+	default:
+		return out, false, detail
+	}
+	return out, true, ""
 }
 
 var errNotStreamed = errors.New("answered without a stream")
 
 // sendContinuation sends the continued request to the engine x was just
 // routed to, and returns its stream once it answered 200.
-func (r *relay) sendContinuation() (*backends.Body, *fasthttp.Response, error) {
+func (r *relay) sendContinuation(emitted int) (*backends.Body, *fasthttp.Response, error) {
 	x, m, b := r.x, r.x.mig, r.x.b
 	var req apiRequest
-	if pe := req.parse(m.continuation(x.outputTokens), m.chat); pe != nil {
+	if pe := req.parse(m.continuation(emitted), m.chat); pe != nil {
 		return nil, nil, pe
 	}
 	req.dropPriority, req.priorityTo = m.dropPriority, m.priorityTo
@@ -329,10 +449,13 @@ var dropped = []byte{}
 func (r *relay) continued(data []byte) (fixed []byte, drop bool) {
 	x := r.x
 	if r.restarted {
-		// The new engine has computed its prompt.
+		// The new engine has computed its prompt (firstEvent says it for
+		// a stream that had relayed nothing).
 		r.restarted = false
-		x.active.PrefillDone()
-		x.active.ObserveTTFT(time.Since(x.sent))
+		if r.sawFirst {
+			x.active.PrefillDone()
+			x.active.ObserveTTFT(time.Since(x.sent))
+		}
 	}
 	if r.resumed {
 		v := valueAfter(data, finishKey)

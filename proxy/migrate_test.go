@@ -3,6 +3,7 @@ package proxy
 import (
 	"encoding/json"
 	"fmt"
+	"net"
 	"reflect"
 	"strings"
 	"testing"
@@ -105,10 +106,15 @@ func TestContinuationBodies(t *testing.T) {
 			`{"model":"m","messages":[{"role":"user","content":"hi"}]}`},
 		{false, `{"model":"m","prompt":"Once upon","max_tokens":50}`, ` a time`, 2,
 			`{"model":"m","prompt":"Once upon a time","max_tokens":48}`},
-		{false, `{"model":"m","prompt":[ "Once upon" ]}`, ` a`, 1,
-			`{"model":"m","prompt":"Once upon a"}`},
+		{false, `{"model":"m","prompt":[ "Once upon" ],"max_tokens":30}`, ` a`, 1,
+			`{"model":"m","prompt":"Once upon a","max_tokens":29}`},
+		// Completions default to 16 tokens: the continuation asks for the rest.
+		{false, `{"model":"m","prompt":"Once upon"}`, ` a time`, 2,
+			`{"model":"m","prompt":"Once upon a time","max_tokens":14}`},
+		{false, `{"model":"m","max_tokens":null,"prompt":"Once upon"}`, ` a time`, 2,
+			`{"model":"m","prompt":"Once upon a time","max_tokens":14}`},
 	} {
-		m := &migration{chat: c.chat, body: []byte(c.body), partial: []byte(c.partial)}
+		m := &migration{chat: c.chat, body: []byte(c.body), partial: []byte(c.partial), defaultMax: !c.chat && !strings.Contains(c.body, `"max_tokens":3`)}
 		got := m.continuation(c.emitted)
 		if string(got) != c.want {
 			t.Errorf("continuation of %s after %q:\n got %s\nwant %s", c.body, c.partial, got, c.want)
@@ -151,7 +157,7 @@ backends:
   - {id: next, url: 'http://{{e1}}', model: m, served_model: engine-m, kind: %s}
 router: {policy: round_robin}
 limits:
-  migration_limit: 1
+  migration_limit: %d
 `
 
 const migrateBody = `{"model":"m","stream":true,"max_tokens":10,"min_tokens":5,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}`
@@ -175,7 +181,7 @@ func TestStreamMovesToAnotherEngineMidAnswer(t *testing.T) {
 func testStreamMoves(t *testing.T, fails func(*fakeEngine)) {
 	dies := startFake(t, "dies", fails)
 	next := startFake(t, "next", func(f *fakeEngine) { f.tokens = 7 })
-	p := startProxyYAML(t, fmt.Sprintf(migrateYAML, "vllm")+"  stream_idle_timeout: 300ms\n", dies, next)
+	p := startProxyYAML(t, fmt.Sprintf(migrateYAML, "vllm", 1)+"  stream_idle_timeout: 300ms\n", dies, next)
 	resp, body := post(t, p.url+"/v1/chat/completions", migrateBody)
 	got := string(body)
 	if resp.StatusCode != 200 || strings.Contains(got, "error") || !strings.HasSuffix(got, "data: [DONE]\n\n") ||
@@ -183,8 +189,10 @@ func testStreamMoves(t *testing.T, fails func(*fakeEngine)) {
 		t.Fatalf("status %d, stream:\n%s", resp.StatusCode, got)
 	}
 	// The engine counted its 7 tokens as 14 (two a chunk) and a prompt of
-	// 10; the 3 tokens carried over move from prompt to output.
-	if !strings.Contains(got, `"usage":{"prompt_tokens":7,"completion_tokens":17,"total_tokens":24`) {
+	// 10; the tokens carried over (3 chunks, or more by the model's
+	// tokenizer) move from prompt to output.
+	carried := max(3, len(p.s.st.Load().models["m"].enc.EncodeText(nil, "t0 t1 t2 ")))
+	if !strings.Contains(got, fmt.Sprintf(`"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":24`, 10-carried, 14+carried)) {
 		t.Fatalf("usage not restated:\n%s", got)
 	}
 	if dies.requests.Load() != 1 || next.requests.Load() != 1 {
@@ -196,7 +204,7 @@ func testStreamMoves(t *testing.T, fails func(*fakeEngine)) {
 	msgs, _ := b["messages"].([]any)
 	last, _ := msgs[len(msgs)-1].(map[string]any)
 	if len(msgs) != 2 || last["role"] != "assistant" || last["content"] != "t0 t1 t2 " || b["continue_final_message"] != true ||
-		b["add_generation_prompt"] != false || b["max_tokens"] != 7.0 || b["min_tokens"] != 2.0 || b["model"] != "engine-m" || b["stream"] != true {
+		b["add_generation_prompt"] != false || b["max_tokens"] != float64(10-carried) || b["min_tokens"] != float64(max(5-carried, 0)) || b["model"] != "engine-m" || b["stream"] != true {
 		t.Fatalf("continuation request: %v", b)
 	}
 	dies.mu.Lock()
@@ -224,16 +232,163 @@ func TestStreamMigrationThatCannotHappen(t *testing.T) {
 	} {
 		dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 3 })
 		next := startFake(t, "next", func(f *fakeEngine) { f.status, f.errBody = c.status, `{"error":{"message":"busy"}}` })
-		p := startProxyYAML(t, fmt.Sprintf(migrateYAML, c.kind), dies, next)
+		p := startProxyYAML(t, fmt.Sprintf(migrateYAML, c.kind, 1), dies, next)
 		_, body := post(t, p.url+"/v1/chat/completions", migrateBody)
 		got := string(body)
 		if !strings.Contains(got, `"code":"backend_failed"`) || !strings.HasSuffix(got, "data: [DONE]\n\n") || strings.Count(got, `"content":"t`) != 3 {
 			t.Fatalf("%s: stream:\n%s", c.kind, got)
 		}
 		p.waitIdle(t)
-		waitFor(t, "the log naming why: "+p.logs.String(), func() bool { return strings.Contains(p.logs.String(), c.why) })
+		waitFor(t, "the log naming why", func() bool { return strings.Contains(p.logs.String(), c.why) })
+		// The request's line names the engine that failed it, not the
+		// one that refused to continue it.
+		if line := requestLine(t, p.logs.String()); line["backend"] != "dies" || line["status"] != 502.0 {
+			t.Fatalf("%s: request line %v", c.kind, line)
+		}
 		if m := p.metrics(t); !strings.Contains(m, `kvproxy_stream_migrations_total{backend="dies",result="failed"} 1`) {
 			t.Fatalf("%s: metrics:\n%s", c.kind, m)
 		}
+	}
+}
+
+// An engine that takes a request and drops it before answering anything:
+// with migration_limit, the request goes to the next engine, streamed or
+// not, whatever it asks for (n = 2 here); without, it is a 502.
+func TestRequestWhoseEngineDropsItBeforeAnsweringMoves(t *testing.T) {
+	for _, limit := range []int{1, 0} {
+		for _, stream := range []bool{false, true} {
+			dies := startFake(t, "dies", func(f *fakeEngine) { f.dropRequests = true })
+			next := startFake(t, "next", nil)
+			p := startProxyYAML(t, fmt.Sprintf(migrateYAML, "vllm", limit), dies, next)
+			resp, body := post(t, p.url+"/v1/chat/completions", fmt.Sprintf(`{"model":"m","stream":%v,"n":2,"messages":[{"role":"user","content":"hi"}]}`, stream))
+			want := 200
+			if limit == 0 {
+				want = 502
+			}
+			if resp.StatusCode != want || dies.requests.Load() != 1 || next.requests.Load() != int64(limit) {
+				t.Fatalf("limit %d, stream %v: status %d (want %d), requests dies %d next %d: %s", limit, stream, resp.StatusCode, want, dies.requests.Load(), next.requests.Load(), body)
+			}
+			if limit == 1 && resp.Header.Get("X-Kvproxy-Worker") != "next" {
+				t.Fatalf("answered by %q", resp.Header.Get("X-Kvproxy-Worker"))
+			}
+			p.waitIdle(t)
+		}
+	}
+}
+
+// requestLine is the access log's last request line, decoded.
+func requestLine(t *testing.T, logs string) map[string]any {
+	t.Helper()
+	lines := strings.Split(strings.TrimSpace(logs), "\n")
+	for i := len(lines) - 1; i >= 0; i-- {
+		var m map[string]any
+		if json.Unmarshal([]byte(lines[i]), &m) == nil && m["message"] == "request" {
+			return m
+		}
+	}
+	t.Fatalf("no request line in:\n%s", logs)
+	return nil
+}
+
+// A stream moving when the drain deadline comes (its new engine still
+// computing the prompt) is cut as the streams still running are: the
+// shutting_down error event and [DONE], counted in flight and cut.
+func TestStreamMovingAtTheDrainDeadlineIsCut(t *testing.T) {
+	dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 3 })
+	next := startFake(t, "next", func(f *fakeEngine) { f.prefillDelay = 30 * time.Second })
+	p := startProxyYAML(t, fmt.Sprintf(migrateYAML, "vllm", 1), dies, next)
+	done := make(chan string, 1)
+	go func() {
+		_, body := post(t, p.url+"/v1/chat/completions", migrateBody)
+		done <- string(body)
+	}()
+	waitFor(t, "the continuation to reach the next engine", func() bool { return next.requests.Load() == 1 })
+	// What kvproxy does at SIGTERM: drain, and cut what is left at the
+	// deadline.
+	drained := make(chan struct{})
+	go func() {
+		p.s.Shutdown()
+		close(drained)
+	}()
+	if n := p.s.InFlight(); n != 1 {
+		t.Fatalf("in flight while draining: %d, want the moving stream", n)
+	}
+	if n := p.s.Cut(); n != 1 {
+		t.Fatalf("cut %d requests, want the moving stream", n)
+	}
+	select {
+	case <-drained:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the drain did not end after the cut")
+	}
+	select {
+	case got := <-done:
+		if !strings.Contains(got, `"code":"shutting_down"`) || !strings.HasSuffix(got, "data: [DONE]\n\n") || strings.Count(got, `"content":"t`) != 3 {
+			t.Fatalf("stream:\n%s", got)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the stream did not end")
+	}
+}
+
+// A reload that rebuilds the model's pool (a new router: its block size
+// changed) while a stream runs: the stream still moves, on the new pool.
+func TestStreamMovesAfterItsPoolWasRebuilt(t *testing.T) {
+	dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.pauseAfter, f.pause = 10, 3, 20*time.Second })
+	next := startFake(t, "next", func(f *fakeEngine) { f.tokens = 7 })
+	yaml := fmt.Sprintf(migrateYAML, "vllm", 1) + "  stream_idle_timeout: 500ms\n"
+	p := startProxyYAML(t, yaml, dies, next)
+	done := make(chan string, 1)
+	go func() {
+		_, body := post(t, p.url+"/v1/chat/completions", migrateBody)
+		done <- string(body)
+	}()
+	waitFor(t, "the stream to start", func() bool { return dies.requests.Load() == 1 })
+	yaml = strings.NewReplacer("{{e0}}", dies.addr, "{{e1}}", next.addr, "models: [{name: m}]", "models: [{name: m, block_size: 32}]").Replace(yaml)
+	p.reloadYAML(t, yaml)
+	got := <-done
+	if strings.Contains(got, "error") || strings.Count(got, `"content":"t`) != 10 || next.requests.Load() != 1 {
+		t.Fatalf("stream:\n%s\nlog:\n%s", got, p.logs.String())
+	}
+	p.waitIdle(t)
+}
+
+// emitted counts the output carried over by the model's tokenizer when an
+// engine sent several tokens a chunk.
+func TestEmittedCountsTokensNotChunks(t *testing.T) {
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e, url: 'http://127.0.0.1:9', model: m}]\n")
+	x := &exchange{p: p.s.st.Load().models["m"], outputTokens: 2}
+	m := &migration{partial: []byte(` the river runs to the sea, and the sea \"is\" wide`)}
+	if n := m.emitted(x); n < 12 {
+		t.Fatalf("emitted %d for 2 chunks of 12+ tokens", n)
+	}
+	x.outputTokens = 40
+	if n := m.emitted(x); n != 40 {
+		t.Fatalf("emitted %d, want the 40 chunks", n)
+	}
+}
+
+// A client that leaves while its stream moves (the new engine still
+// computing the prompt): a 499, the new engine's request aborted, nothing
+// held, and no failed migration counted.
+func TestClientLeavingWhileItsStreamMoves(t *testing.T) {
+	dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 3 })
+	next := startFake(t, "next", func(f *fakeEngine) { f.prefillDelay = 30 * time.Second })
+	p := startProxyYAML(t, fmt.Sprintf(migrateYAML, "vllm", 1), dies, next)
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(migrateBody), migrateBody)
+	waitFor(t, "the continuation to reach the next engine", func() bool { return next.requests.Load() == 1 })
+	c.Close()
+	waitFor(t, "the next engine's request to be aborted", func() bool { return next.aborted.Load() == 1 })
+	p.waitIdle(t)
+	waitFor(t, "the request line", func() bool { return strings.Contains(p.logs.String(), `"message":"request"`) })
+	if line := requestLine(t, p.logs.String()); line["status"] != 499.0 || line["backend"] != "dies" {
+		t.Fatalf("request line %v", line)
+	}
+	if m := p.metrics(t); strings.Contains(m, `result="failed"`) {
+		t.Fatalf("a client's hang-up counted as a failed migration:\n%s", m)
 	}
 }

@@ -40,6 +40,7 @@ type fakeEngine struct {
 	pauseAfter   int           // stream: stop after this many tokens for pause
 	pause        time.Duration // ...
 	dieAfter     int           // stream: drop the connection after this many tokens
+	dropRequests bool          // drop the connection once a completion request is read, unanswered
 	errorAfter   int           // stream: send an error frame after this many tokens
 	errorFrame   string        // ... this one (default: older vLLM's flat one, compact)
 	status       int           // non-200 answer
@@ -126,6 +127,12 @@ func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusNotFound)
 		fmt.Fprintf(w, `{"error":{"message":"The model %s does not exist.","type":"NotFoundError","param":"model","code":404}}`, notServed)
+		return
+	}
+	if f.dropRequests && strings.HasSuffix(r.URL.Path, "completions") {
+		hj, _ := w.(http.Hijacker)
+		c, _, _ := hj.Hijack()
+		c.Close()
 		return
 	}
 	if f.status != 0 {

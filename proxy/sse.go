@@ -195,9 +195,10 @@ func (r *relay) end(out []byte, err error) []byte {
 		out = r.failEvent(out, errCutMsg, "service_unavailable", "shutting_down")
 	case (errors.Is(err, backends.ErrAborted) || x.ab.Aborted()) && x.unresponsive.Load() != nil:
 		msg := *x.unresponsive.Load()
-		moved, detail := r.migrate(msg)
-		if moved {
-			r.ended = false
+		var handled bool
+		var detail string
+		out, handled, detail = r.moveOrEnd(msg, out)
+		if handled {
 			return out
 		}
 		x.errMsg = msg + detail
@@ -214,9 +215,10 @@ func (r *relay) end(out []byte, err error) []byte {
 	case backends.IsTimeout(err):
 		msg := "backend " + x.b.cfg.ID + " sent nothing for " + x.b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
 		x.b.fail(ejectTimeout, "silent mid-stream")
-		moved, detail := r.migrate("silent for " + x.b.up.ReadTimeout.String())
-		if moved {
-			r.ended = false
+		var handled bool
+		var detail string
+		out, handled, detail = r.moveOrEnd("silent for "+x.b.up.ReadTimeout.String(), out)
+		if handled {
 			return out
 		}
 		x.errMsg = msg + " mid-stream" + detail
@@ -237,9 +239,10 @@ func (r *relay) end(out []byte, err error) []byte {
 		}
 		msg := "backend " + x.b.cfg.ID + " failed mid-stream: " + err.Error()
 		x.b.failConn("mid-stream: " + err.Error())
-		moved, detail := r.migrate(err.Error())
-		if moved {
-			r.ended = false
+		var handled bool
+		var detail string
+		out, handled, detail = r.moveOrEnd(err.Error(), out)
+		if handled {
 			return out
 		}
 		x.errMsg = msg + detail
