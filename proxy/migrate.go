@@ -315,7 +315,7 @@ func (r *relay) migrate(why string) (res moveResult, detail string) {
 			m.carried = emitted
 			r.body, r.resp = stream, resp
 			r.f = *newSSEFramer(r.f.buf)
-			r.resumed, r.restarted, r.blockBase, r.blocks = true, true, x.outputTokens, 0
+			r.moved, r.resumed, r.restarted, r.blockBase, r.blocks = true, true, true, x.outputTokens, 0
 			s.log.Warn().Str("request_id", x.id).Str("backend", failed.cfg.ID).Str("to", x.b.cfg.ID).
 				Int("output_tokens", emitted).Str("reason", why).Msg("stream migrated")
 			return moved, ""

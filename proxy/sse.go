@@ -43,6 +43,7 @@ type relay struct {
 	// are dropped), restarted until its first event (its prefill);
 	// blockBase is the output relayed before it.
 	resumed, restarted bool
+	moved              bool // continued on another engine at least once
 	blockBase          int
 }
 
@@ -325,7 +326,7 @@ func (r *relay) onEvent(ev []byte) []byte {
 			r.sawDone = true
 			continue
 		}
-		if r.resumed || r.x.mig != nil && r.x.mig.carried > 0 {
+		if r.moved {
 			if d, drop := r.continued(data); drop {
 				return dropped
 			} else if d != nil {
