@@ -83,7 +83,7 @@ func TestStreamMigratesWhenItsEngineIsKilled(t *testing.T) {
 	if !strings.Contains(p.String(), `"message":"stream migrated"`) {
 		t.Fatalf("no migration warning in the log:\n%s", tail(p.String(), 2000))
 	}
-	if m := proxyMetric(t, url, `kvproxy_stream_migrations_total{backend="`+killed+`",result="ok"}`); m != 1 {
+	if m := promValueOr0(t, url, `kvproxy_stream_migrations_total{backend="`+killed+`",result="ok"}`); m != 1 {
 		t.Fatalf("kvproxy_stream_migrations_total ok = %v, want 1", m)
 	}
 	assertIdle(t, url)
@@ -132,21 +132,4 @@ func TestCompletionStreamMigratesFromAFrozenEngine(t *testing.T) {
 		t.Fatalf("%d tokens (want 300), and the stream did not end cleanly:\n%s", tokens, tail[max(len(tail)-800, 0):])
 	}
 	assertIdle(t, url)
-}
-
-func proxyMetric(t *testing.T, url, series string) float64 {
-	t.Helper()
-	resp, err := http.Get(url + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	for _, l := range strings.Split(readAll(resp.Body), "\n") {
-		if v, ok := strings.CutPrefix(l, series+" "); ok {
-			var f float64
-			json.Unmarshal([]byte(v), &f)
-			return f
-		}
-	}
-	return 0
 }

@@ -33,6 +33,15 @@ func (k keyed) RoundTrip(r *http.Request) (*http.Response, error) {
 // promValue reads one sample (name with its labels, if any) from kvproxy's /metrics.
 func promValue(t *testing.T, url, name string) float64 {
 	t.Helper()
+	v, ok := metricValue(t, url, name)
+	if !ok {
+		t.Fatalf("no metric %s", name)
+	}
+	return v
+}
+
+func metricValue(t *testing.T, url, name string) (float64, bool) {
+	t.Helper()
 	resp, err := http.Get(url + "/metrics")
 	if err != nil {
 		t.Fatal(err)
@@ -43,26 +52,17 @@ func promValue(t *testing.T, url, name string) float64 {
 	for sc.Scan() {
 		if l := sc.Text(); strings.HasPrefix(l, name+" ") {
 			v, _ := strconv.ParseFloat(strings.TrimSpace(l[len(name):]), 64)
-			return v
+			return v, true
 		}
 	}
-	t.Fatalf("no metric %s", name)
-	return 0
+	return 0, false
 }
 
 // promValueOr0 is promValue, 0 for a series not (yet) there.
 func promValueOr0(t *testing.T, url, name string) float64 {
 	t.Helper()
-	resp, err := http.Get(url + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	if !strings.Contains(string(b), "\n"+name+" ") {
-		return 0
-	}
-	return promValue(t, url, name)
+	v, _ := metricValue(t, url, name)
+	return v
 }
 
 type soakStats struct {

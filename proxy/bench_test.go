@@ -30,12 +30,8 @@ func (m *memBody) Buffered() int { return 0 }
 // framing, inspection (first token, output blocks), writing and flushing.
 func BenchmarkSSERelay(b *testing.B) {
 	const events = 256
-	var stream bytes.Buffer
-	for i := 0; i < events; i++ {
-		fmt.Fprintf(&stream, `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" tok%d"},"logprobs":null,"finish_reason":null}]}`+"\n\n", i)
-	}
-	stream.WriteString("data: [DONE]\n\n")
-	benchRelay(b, stream.Bytes(), events, func(*exchange) {}, func(x *exchange) string {
+	stream := chatStream(events)
+	benchRelay(b, stream, events, func(*exchange) {}, func(x *exchange) string {
 		if x.outputTokens != events {
 			return fmt.Sprintf("counted %d tokens", x.outputTokens)
 		}
@@ -48,17 +44,24 @@ func BenchmarkSSERelay(b *testing.B) {
 // text it passes on.
 func BenchmarkSSERelayMigratable(b *testing.B) {
 	const events = 256
-	var stream bytes.Buffer
-	for i := 0; i < events; i++ {
-		fmt.Fprintf(&stream, `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" tok%d"},"logprobs":null,"finish_reason":null}]}`+"\n\n", i)
-	}
-	stream.WriteString("data: [DONE]\n\n")
-	benchRelay(b, stream.Bytes(), events, func(x *exchange) { x.mig, x.migrations = &migration{chat: true, partial: make([]byte, 0, 1024)}, 1 }, func(x *exchange) string {
+	stream := chatStream(events)
+	benchRelay(b, stream, events, func(x *exchange) { x.mig, x.migrations = &migration{chat: true, partial: make([]byte, 0, 1024)}, 1 }, func(x *exchange) string {
 		if x.outputTokens != events || !bytes.HasSuffix(x.mig.partial, []byte(" tok255")) {
 			return fmt.Sprintf("counted %d tokens, kept %q", x.outputTokens, x.mig.partial)
 		}
 		return ""
 	})
+}
+
+// chatStream is a chat stream of n one-token chunks and [DONE], as vLLM
+// sends it.
+func chatStream(n int) []byte {
+	var stream bytes.Buffer
+	for i := 0; i < n; i++ {
+		fmt.Fprintf(&stream, `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" tok%d"},"logprobs":null,"finish_reason":null}]}`+"\n\n", i)
+	}
+	stream.WriteString("data: [DONE]\n\n")
+	return stream.Bytes()
 }
 
 // benchRelay relays raw, an engine's stream of events, through a new
