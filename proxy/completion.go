@@ -92,6 +92,10 @@ type exchange struct {
 	// cannot be.
 	migrations int
 	mig        *migration
+	// resend: the engine took the request and dropped it before answering;
+	// the next is sent it whole (a disaggregated prefill's KV, which that
+	// engine may have pulled and freed, not included).
+	resend bool
 	// cutB is the backend whose failing probe cuts the exchange (its
 	// engine's), set under the live set's lock (liveExchanges.move).
 	cutB *backend
@@ -584,6 +588,10 @@ func (s *Server) attempt(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *ex
 			// refuses.
 			req.kvParams = s.remotePrefill(ctx, sc, x, rr, salt)
 		}
+		if x.resend && req.kvParams != nil {
+			req.kvParams = nil
+			x.prefillErr = "the decode engine given its KV dropped the request; the next computes the prompt"
+		}
 		req.sendPriority = req.dropPriority && x.b.cfg.PriorityScheduling
 		engineSalt := ""
 		if x.b.salted {
@@ -920,6 +928,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				// byte: nothing reached the client, so the next engine
 				// may compute it all (limits.migration_limit).
 				x.migrations--
+				x.resend = true
 				x.errMsg = "backend " + b.cfg.ID + " " + upstreamFault(err)
 				x.refused = fasthttp.StatusBadGateway
 				return x.endAttempt()

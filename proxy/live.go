@@ -88,6 +88,7 @@ func (l *liveExchanges) wait() { l.wg.Wait() }
 func (l *liveExchanges) move(x *exchange, b *backend, ab *backends.Abort) {
 	l.mu.Lock()
 	x.ab, x.cutB = ab, b
+	x.unresponsive.Store(nil) // a cut of the engine it leaves is over with
 	cut := l.cut.Load()
 	l.mu.Unlock()
 	if cut {

@@ -256,7 +256,7 @@ func (r *relay) migrate(why string) (res moveResult, detail string) {
 	}
 	emitted := m.emitted(x)
 	if m.maxTokens > 0 && emitted >= m.maxTokens {
-		return notMoved, ""
+		return notMoved, "; not moved: the output relayed has the tokens asked for"
 	}
 	s, failed, failedD := x.s, x.b, x.d
 	m.tried = append(m.tried, failed.cfg.ID)
@@ -280,7 +280,6 @@ func (r *relay) migrate(why string) (res moveResult, detail string) {
 		x.migrations--
 		// A fresh abort: the failed engine's may be aborted (a probe's
 		// cut). Cuts see the exchange all along: the drain's aborts it.
-		x.unresponsive.Store(nil)
 		s.live.move(x, nil, new(backends.Abort))
 		if s.live.isCut() {
 			return cutShort, ""

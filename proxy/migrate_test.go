@@ -392,3 +392,31 @@ func TestClientLeavingWhileItsStreamMoves(t *testing.T) {
 		t.Fatalf("a client's hang-up counted as a failed migration:\n%s", m)
 	}
 }
+
+// A decode engine that takes a request with a disaggregated prefill's KV
+// and drops it: the next decode engine is sent the request without that
+// KV (the first may have pulled and freed it), and computes the prompt.
+func TestResentRequestDropsThePrefillsKV(t *testing.T) {
+	pre := startFake(t, "pre", nil)
+	dec1 := startFake(t, "dec1", func(f *fakeEngine) { f.dropRequests = true })
+	dec2 := startFake(t, "dec2", nil)
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends:\n"+
+		"  - {id: pre, url: 'http://{{e0}}', model: m, role: prefill}\n"+
+		"  - {id: dec1, url: 'http://{{e1}}', model: m, kind: vllm}\n"+
+		"  - {id: dec2, url: 'http://{{e2}}', model: m, kind: vllm}\n"+
+		"router: {policy: round_robin}\nlimits: {migration_limit: 1}\n", pre, dec1, dec2)
+	resp, body := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hello there"}]}`)
+	if resp.StatusCode != 200 || pre.requests.Load() != 1 || dec1.requests.Load() != 1 || dec2.requests.Load() != 1 {
+		t.Fatalf("status %d (requests pre %d dec1 %d dec2 %d): %s", resp.StatusCode, pre.requests.Load(), dec1.requests.Load(), dec2.requests.Load(), body)
+	}
+	dec1.mu.Lock()
+	first := dec1.bodies[0]["kv_transfer_params"]
+	dec1.mu.Unlock()
+	if first == nil {
+		t.Fatal("the first decode engine got no kv_transfer_params: the test sets nothing up")
+	}
+	if kvp := dec2.lastBody()["kv_transfer_params"]; kvp != nil {
+		t.Fatalf("the second decode engine was sent the first's KV: %v", kvp)
+	}
+	p.waitIdle(t)
+}
