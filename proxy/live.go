@@ -2,9 +2,9 @@ package proxy
 
 import (
 	"sync"
+	"sync/atomic"
 
 	"github.com/kvproxy/kvproxy/backends"
-	"sync/atomic"
 )
 
 // liveExchanges are the requests in flight towards engines. Shutdown waits

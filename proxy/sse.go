@@ -196,15 +196,8 @@ func (r *relay) end(out []byte, err error) []byte {
 		out = r.failEvent(out, errCutMsg, "service_unavailable", "shutting_down")
 	case (errors.Is(err, backends.ErrAborted) || x.ab.Aborted()) && x.unresponsive.Load() != nil:
 		msg := *x.unresponsive.Load()
-		var handled bool
-		var detail string
-		out, handled, detail = r.moveOrEnd(msg, out)
-		if handled {
-			return out
-		}
-		x.errMsg = msg + detail
-		x.status = fasthttp.StatusGatewayTimeout
-		out = r.failEvent(out, "the backend serving this request stopped answering: "+msg, "timeout_error", "backend_timeout")
+		return r.engineFailed(out, msg, msg, fasthttp.StatusGatewayTimeout,
+			"the backend serving this request stopped answering: "+msg, "timeout_error", "backend_timeout")
 	case errors.Is(err, backends.ErrAborted) || x.ab.Aborted():
 		x.status = 499
 	case errors.Is(err, errEventTooLarge):
@@ -216,15 +209,8 @@ func (r *relay) end(out []byte, err error) []byte {
 	case backends.IsTimeout(err):
 		msg := "backend " + x.b.cfg.ID + " sent nothing for " + x.b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
 		x.b.fail(ejectTimeout, "silent mid-stream")
-		var handled bool
-		var detail string
-		out, handled, detail = r.moveOrEnd("silent for "+x.b.up.ReadTimeout.String(), out)
-		if handled {
-			return out
-		}
-		x.errMsg = msg + " mid-stream" + detail
-		x.status = fasthttp.StatusGatewayTimeout
-		out = r.failEvent(out, "the backend serving this request went silent mid-stream: "+msg, "timeout_error", "backend_timeout")
+		return r.engineFailed(out, "silent for "+x.b.up.ReadTimeout.String(), msg+" mid-stream", fasthttp.StatusGatewayTimeout,
+			"the backend serving this request went silent mid-stream: "+msg, "timeout_error", "backend_timeout")
 	default:
 		// The engine failed mid-stream (an error, or the connection ended
 		// before [DONE]: a dropped chunked stream reads as a plain EOF): tell
@@ -238,19 +224,24 @@ func (r *relay) end(out []byte, err error) []byte {
 				err = errors.New("stream ended before message_stop")
 			}
 		}
-		msg := "backend " + x.b.cfg.ID + " failed mid-stream: " + err.Error()
 		x.b.failConn("mid-stream: " + err.Error())
-		var handled bool
-		var detail string
-		out, handled, detail = r.moveOrEnd(err.Error(), out)
-		if handled {
-			return out
-		}
-		x.errMsg = msg + detail
-		x.status = fasthttp.StatusBadGateway
-		out = r.failEvent(out, "the backend serving this request failed mid-stream", "upstream_error", "backend_failed")
+		return r.engineFailed(out, err.Error(), "backend "+x.b.cfg.ID+" failed mid-stream: "+err.Error(), fasthttp.StatusBadGateway,
+			"the backend serving this request failed mid-stream", "upstream_error", "backend_failed")
 	}
 	return out
+}
+
+// engineFailed ends a stream whose engine failed mid-answer (why), unless
+// it moves to another engine (migrate): the exchange records logMsg and
+// status, and the client gets the error event of msg, typ and code.
+func (r *relay) engineFailed(out []byte, why, logMsg string, status int, msg, typ, code string) []byte {
+	out, handled, detail := r.moveOrEnd(why, out)
+	if handled {
+		return out
+	}
+	r.x.errMsg = logMsg + detail
+	r.x.status = status
+	return r.failEvent(out, msg, typ, code)
 }
 
 // Close ends the exchange: the engine connection is released (or closed, if
