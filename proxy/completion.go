@@ -627,6 +627,7 @@ var (
 	// errQueueDisplaced: a more urgent request took its place in the full queue.
 	errQueueDisplaced = errors.New("every backend is at its concurrency limit and a more urgent request took this one's place in the full wait queue")
 	errClientGone     = errors.New("the client left while waiting")
+	errCutQueued      = errors.New("cut at the drain deadline while waiting for a backend slot")
 	errRemoved        = errors.New("the chosen backend was just removed")
 )
 
@@ -639,12 +640,17 @@ func (x *exchange) route(conn net.Conn, st *state, rr *router.Request) error {
 	var routed, rechecked bool
 	var timer *time.Timer
 	var gone clientGone
+	var cut <-chan struct{}
 	var watch *connWatch
+	counted := !x.live // a moving stream is counted in flight already
 	defer func() {
 		if w != nil {
 			p.queue.leave(w, routed && p.anyAvailable())
 			s.queued.Add(-1)
 			p.waiting.Add(-1)
+			if counted {
+				s.queuedFirst.Add(-1)
+			}
 		}
 		if timer != nil {
 			timer.Stop()
@@ -721,6 +727,9 @@ func (x *exchange) route(conn net.Conn, st *state, rr *router.Request) error {
 			}
 			w = p.queue.join(x.priority)
 			p.waiting.Add(1)
+			if counted {
+				s.queuedFirst.Add(1)
+			}
 			continue
 		}
 		if !p.fullFor(rr) {
@@ -739,6 +748,7 @@ func (x *exchange) route(conn net.Conn, st *state, rr *router.Request) error {
 			timer = time.NewTimer(lim.QueueTimeout)
 			gone = make(clientGone)
 			watch = s.watcher.Watch(conn, gone)
+			cut = s.live.cutSignal()
 		}
 		select {
 		case <-w.wake:
@@ -749,6 +759,8 @@ func (x *exchange) route(conn net.Conn, st *state, rr *router.Request) error {
 			return errQueueTimeout
 		case <-gone:
 			return errClientGone
+		case <-cut:
+			return errCutQueued
 		}
 	}
 }
@@ -792,6 +804,9 @@ func (s *Server) routeFailed(ctx *fasthttp.RequestCtx, rid, tenant, model string
 		s.logRejected(ctx, rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
 	case errors.Is(err, errClientGone):
 		s.logRejected(ctx, rid, tenant, model, 499, start, err.Error())
+	case errors.Is(err, errCutQueued):
+		s.shuttingDown(ctx, errCutMsg)
+		s.logRejected(ctx, rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
 	case errors.Is(err, errRemoved):
 		s.unavailable(ctx, whyRemoved, err.Error()+"; retry")
 		s.logRejected(ctx, rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())

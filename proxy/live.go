@@ -14,6 +14,9 @@ type liveExchanges struct {
 	mu  sync.Mutex
 	set map[*exchange]struct{}
 	cut atomic.Bool
+	// cutCh is closed by cutAll: requests waiting for a slot are answered
+	// then, not dispatched to an engine only to be cut there (under mu).
+	cutCh chan struct{}
 }
 
 // add registers x; after cut, x is aborted at once.
@@ -54,7 +57,12 @@ func (l *liveExchanges) done(x *exchange) {
 func (l *liveExchanges) cutAll() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.cut.Store(true)
+	if !l.cut.Swap(true) {
+		if l.cutCh == nil {
+			l.cutCh = make(chan struct{})
+		}
+		close(l.cutCh)
+	}
 	for x := range l.set {
 		x.ab.Abort()
 	}
@@ -62,6 +70,16 @@ func (l *liveExchanges) cutAll() int {
 }
 
 func (l *liveExchanges) isCut() bool { return l.cut.Load() }
+
+// cutSignal is closed once cutAll has run.
+func (l *liveExchanges) cutSignal() <-chan struct{} {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.cutCh == nil {
+		l.cutCh = make(chan struct{})
+	}
+	return l.cutCh
+}
 
 // cutSilent aborts the exchanges with the backend of id that have heard
 // nothing from its engine since before since (Unix ns), each told why.

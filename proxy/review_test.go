@@ -208,8 +208,13 @@ limits: {max_queue: 4, queue_timeout: 10s}
 		}
 	}
 	waitFor(t, "the second request in the queue", func() bool { return p.s.queued.Load() == 1 })
+	if n := p.s.InFlight(); n != 2 {
+		t.Fatalf("in flight before the cut: %d, want 2 (the queued request counts)", n)
+	}
 	start := time.Now()
-	p.s.Cut()
+	if n := p.s.Cut(); n != 2 {
+		t.Fatalf("Cut reported %d requests, want 2", n)
+	}
 	for i := 0; i < 2; i++ {
 		select {
 		case code := <-codes:
@@ -223,6 +228,10 @@ limits: {max_queue: 4, queue_timeout: 10s}
 	if e.requests.Load() != 1 {
 		t.Fatalf("the engine saw %d requests after the cut", e.requests.Load())
 	}
+	// Answered where it waited, not routed to the slot the cut freed.
+	waitFor(t, "the queued request's log line", func() bool {
+		return strings.Contains(p.logs.String(), "while waiting for a backend slot")
+	})
 	p.waitIdle(t)
 }
 

@@ -56,8 +56,10 @@ type Server struct {
 	srv      *fasthttp.Server
 	health   *backends.Prober
 	retries  *retryBudget
-	queued   atomic.Int64  // requests waiting for a backend slot, all models (limits.max_queue)
-	limits   config.Limits // fixed at start: the header limits shape the HTTP server
+	queued   atomic.Int64 // requests waiting for a backend slot, all models (limits.max_queue)
+	// queuedFirst: those of them not in live yet (not moving streams).
+	queuedFirst atomic.Int64
+	limits      config.Limits // fixed at start: the header limits shape the HTTP server
 	// respRandom keys response ids where no secret does (respKey).
 	respRandom [32]byte
 	// cert is the listener's certificate (tls in the config), replaced by
@@ -854,19 +856,21 @@ func (s *Server) applyRemoteLoad(sum map[replicas.Key]router.Load) {
 
 // Cut ends the requests still in flight, for when the drain deadline has
 // passed: a stream gets an OpenAI error event and [DONE], a request whose
-// answer has not begun a 503, instead of a connection dropped mid-answer.
-// Shutdown returns once they are answered. It reports how many were cut.
+// answer has not begun or that waits for a backend slot a 503, instead of
+// a connection dropped mid-answer. Shutdown returns once they are
+// answered. It reports how many were cut.
 func (s *Server) Cut() int {
 	s.draining.Store(true)
-	return s.live.cutAll()
+	queued := int(s.queuedFirst.Load())
+	return s.live.cutAll() + queued
 }
 
-// InFlight is how many requests are in flight towards engines: what
-// Shutdown waits for and Cut would end.
+// InFlight is how many requests are in flight towards engines or waiting
+// for a backend slot: what Shutdown waits for and Cut would end.
 func (s *Server) InFlight() int {
 	s.live.mu.Lock()
 	defer s.live.mu.Unlock()
-	return len(s.live.set)
+	return len(s.live.set) + int(s.queuedFirst.Load())
 }
 
 // Idle reports whether every load counter of every worker is zero and no
