@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -87,4 +88,24 @@ func TestCORS(t *testing.T) {
 		t.Fatalf("CORS off: %d %v", resp.StatusCode, resp.Header)
 	}
 	p.waitIdle(t)
+}
+
+// A web page may delete a stored response (DELETE /v1/responses/{id}): the
+// preflight must allow the method, or the browser never sends it (found by
+// the newcomer trial, with the OpenAI SDK's responses.delete).
+func TestCORSPreflightAllowsDelete(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, "models: [{name: m, block_size: 16}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
+	req, _ := http.NewRequest("OPTIONS", p.url+"/v1/responses/resp_abc", nil)
+	req.Header.Set("Origin", "https://app.example.com")
+	req.Header.Set("Access-Control-Request-Method", "DELETE")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	methods := strings.Split(resp.Header.Get("Access-Control-Allow-Methods"), ", ")
+	if resp.StatusCode != 204 || !slices.Contains(methods, "DELETE") || !slices.Contains(methods, "POST") {
+		t.Fatalf("preflight of a DELETE: %d, methods %q", resp.StatusCode, methods)
+	}
 }
