@@ -75,6 +75,10 @@ type apiRequest struct {
 	} `json:"stream_options"`
 	CacheSalt string `json:"cache_salt"`
 	N         *int   `json:"n"`
+	// Temperature and TopP are only checked, as vLLM's SamplingParams
+	// checks them: the simulated engine samples by its seed.
+	Temperature *float64 `json:"temperature"`
+	TopP        *float64 `json:"top_p"`
 	// AddGenerationPrompt (default true) ends a chat prompt with the
 	// assistant's turn opened; ContinueFinalMessage leaves the final
 	// message (the assistant's) open instead, to be continued.
@@ -319,8 +323,8 @@ func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiR
 	if err := e.checkModel(req.Model); err != nil {
 		return nil, nil, 0, err
 	}
-	if req.N != nil && *req.N != 1 {
-		return nil, nil, 0, invalid("n", "the simulated engine generates one choice per request (n = 1), got n = %d", *req.N)
+	if err := req.checkSampling(); err != nil {
+		return nil, nil, 0, err
 	}
 	maxTokens := DefaultMaxTokens
 	if req.MaxCompletionTokens != nil {
@@ -356,6 +360,21 @@ func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiR
 		return nil, nil, 0, invalid(param, "the prompt is empty")
 	}
 	return &req, prompt, maxTokens, nil
+}
+
+// checkSampling refuses what vLLM's SamplingParams refuses, in its words.
+func (req *apiRequest) checkSampling() error {
+	switch {
+	case req.N != nil && *req.N < 1:
+		return invalid("n", "n must be at least 1, got %d.", *req.N)
+	case req.N != nil && *req.N != 1:
+		return invalid("n", "the simulated engine generates one choice per request (n = 1), got n = %d", *req.N)
+	case req.Temperature != nil && *req.Temperature < 0:
+		return invalid("temperature", "temperature must be non-negative, got %v.", *req.Temperature)
+	case req.TopP != nil && !(*req.TopP > 0 && *req.TopP <= 1):
+		return invalid("top_p", "top_p must be in (0, 1], got %v.", *req.TopP)
+	}
+	return nil
 }
 
 // chatPrompt renders a chat request's messages as the model's prompt.

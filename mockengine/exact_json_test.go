@@ -54,3 +54,43 @@ func TestWrongTypeOverHTTP(t *testing.T) {
 		}
 	}
 }
+
+// Sampling values vLLM refuses are refused, on chat and completions, with a
+// 400 naming the member (the newcomer trial had temperature "x", -1 and
+// top_p 5 answered 200).
+func TestSamplingValuesChecked(t *testing.T) {
+	_, url := startEngine(t, Config{})
+	for _, path := range []string{"/v1/chat/completions", "/v1/completions"} {
+		for member, want := range map[string]string{
+			`"temperature":"x"`: "temperature must be a number, got string",
+			`"temperature":-1`:  "temperature must be non-negative, got -1.",
+			`"top_p":5`:         "top_p must be in (0, 1], got 5.",
+			`"top_p":0`:         "top_p must be in (0, 1], got 0.",
+			`"n":0`:             "n must be at least 1, got 0.",
+		} {
+			body := `{"prompt":"hi",` + member + `}`
+			if path == "/v1/chat/completions" {
+				body = `{"messages":[{"role":"user","content":"hi"}],` + member + `}`
+			}
+			resp, err := http.Post(url+path, "application/json", strings.NewReader(body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			param := strings.Trim(strings.Split(member, ":")[0], `"`)
+			if resp.StatusCode != 400 || !strings.Contains(string(b), want) || !strings.Contains(string(b), `"param":"`+param+`"`) {
+				t.Errorf("%s %s: %d %s, want 400: %q", path, member, resp.StatusCode, b, want)
+			}
+		}
+		ok := `{"prompt":"hi","temperature":0,"top_p":1,"max_tokens":2}`
+		if path == "/v1/chat/completions" {
+			ok = `{"messages":[{"role":"user","content":"hi"}],"temperature":1.5,"top_p":0.9,"max_tokens":2}`
+		}
+		if resp, err := http.Post(url+path, "application/json", strings.NewReader(ok)); err != nil || resp.StatusCode != 200 {
+			t.Fatalf("%s %s: %v %v", path, ok, resp, err)
+		} else {
+			resp.Body.Close()
+		}
+	}
+}
