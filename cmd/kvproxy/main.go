@@ -84,7 +84,7 @@ func (c *command) run(args []string) (code int) {
 	level := &logLevel{}
 	level.set(cfg.LogLevel)
 	log := zerolog.New(c.stderr).Sample(level).With().Timestamp().Logger()
-	log.Info().Str("config", *cfgPath).Str("version", build.Version).Str("revision", build.Revision).Msg("kvproxy starting")
+	log.Info().Str("config", *cfgPath).Str("version", build.Version).Str("revision", build.Revision).Int("pid", os.Getpid()).Msg("kvproxy starting")
 	defer func() {
 		ev := log.Info()
 		if code != 0 {

@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"io"
 	"net/http"
+	"os"
 	"path/filepath"
 	"regexp"
 	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -34,6 +36,10 @@ func TestVersionAndBuildInfo(t *testing.T) {
 	}
 	if !regexp.MustCompile(`"version":"[^"]+".*"message":"kvproxy starting"`).MatchString(logs) {
 		t.Fatalf("the start does not name the build:\n%s", logs)
+	}
+	// Its pid: the process to send SIGHUP, which `go run` is not.
+	if !strings.Contains(logs, `"pid":`+strconv.Itoa(os.Getpid())+`,`) {
+		t.Fatalf("the start does not give kvproxy's pid (%d):\n%s", os.Getpid(), logs)
 	}
 	resp, err := http.Get("http://" + p.addr + "/metrics")
 	if err != nil {
