@@ -43,7 +43,11 @@ func badRequest(ctx *fasthttp.RequestCtx, param, msg string) {
 func (s *Server) unavailable(ctx *fasthttp.RequestCtx, why unavailableReason, msg string) {
 	s.metrics.unavailable.WithLabelValues(string(why)).Inc()
 	ctx.Response.Header.Set("Retry-After", "1")
-	writeError(ctx, fasthttp.StatusServiceUnavailable, msg, "service_unavailable", "", "no_backend_available")
+	code := "no_backend_available"
+	if why == whyQueueFull || why == whyQueueTimeout {
+		code = string(why) // saturation, which a client backs off from, not an outage
+	}
+	writeError(ctx, fasthttp.StatusServiceUnavailable, msg, "service_unavailable", "", code)
 }
 
 // unavailableReason is why kvproxy answered a 503 itself, as

@@ -433,6 +433,8 @@ func TestReloadAddsAndRemovesBackendsDuringStreams(t *testing.T) {
 func TestConcurrencyLimitQueuesThenSheds(t *testing.T) {
 	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 600 * time.Millisecond })
 	var p *testProxy
+	var shedMu sync.Mutex
+	shed := map[string]int{} // the 503s' error codes
 	run := func(yaml string, n int) map[int]int {
 		p = startProxyYAML(t, yaml, e)
 		codes := make(chan int, n)
@@ -441,6 +443,13 @@ func TestConcurrencyLimitQueuesThenSheds(t *testing.T) {
 				resp, b := post(t, p.url+"/v1/chat/completions", chatBody)
 				if resp.StatusCode == 503 && (resp.Header.Get("Retry-After") == "" || !strings.Contains(string(b), `"error"`)) {
 					t.Errorf("503 without Retry-After or error object: %s", b)
+				}
+				if resp.StatusCode == 503 {
+					var eb struct{ Error struct{ Code string } }
+					json.Unmarshal([]byte(b), &eb)
+					shedMu.Lock()
+					shed[eb.Error.Code]++
+					shedMu.Unlock()
 				}
 				codes <- resp.StatusCode
 			}()
@@ -463,6 +472,11 @@ limits: {max_queue: 2, queue_timeout: 200ms}
 `, 6)
 	if got[200] != 2 || got[503] != 4 {
 		t.Fatalf("want 2 served and 4 shed, got %v", got)
+	}
+	// Saturation, told apart from an outage by the client too (the
+	// newcomer trial: both were no_backend_available).
+	if shed["queue_full"] != 2 || shed["queue_timeout"] != 2 {
+		t.Fatalf("the 503s' codes: %v, want 2 queue_full and 2 queue_timeout", shed)
 	}
 	// Saturation, told apart from an outage (the operator trial).
 	m := p.metrics(t)
