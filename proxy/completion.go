@@ -457,7 +457,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 				prefill = &pd
 			}
 		}
-		s.writeDecision(ctx, req.stream, d, prefill, tokens, sc.hashes)
+		s.writeDecision(ctx, req.stream, p.rt.Config().Policy, d, prefill, tokens, sc.hashes)
 		s.log.Info().Str("request_id", rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("path", string(ctx.Path())).
 			Str("model", req.model).Str("tenant", t.name).Str("backend", d.Name).
 			Int("overlap_blocks", d.Overlap).Int("total_blocks", d.Total).Bool("dry_run", true).

@@ -14,12 +14,14 @@ type candidateJSON struct {
 	WorkerID      string  `json:"worker_id"`
 	InstanceID    uint64  `json:"instance_id"`
 	OverlapBlocks int     `json:"overlap_blocks"`
-	CostMs        float64 `json:"cost_ms"`
+	CostMs        float64 `json:"cost_ms"` // the kv cost model's predicted TTFT, whatever the policy
+	Score         float64 `json:"score"`   // the policy's own, lower wins
 }
 
 type decisionJSON struct {
 	WorkerID   string `json:"worker_id"`
 	InstanceID uint64 `json:"instance_id"`
+	Policy     string `json:"policy"` // the one that chose (router.policy)
 	// the prefill engine a disaggregated request would be computed on
 	// (Dynamo names it prefill_worker_id too)
 	PrefillWorkerID   string          `json:"prefill_worker_id,omitempty"`
@@ -35,7 +37,7 @@ type decisionJSON struct {
 // writeDecision answers a dry-run (nvext.annotations: ["query_instance_id"]).
 // Streaming requests get Dynamo's SSE form: the instance id and the token
 // ids as annotated events (SSE comments), then [DONE].
-func (s *Server) writeDecision(ctx *fasthttp.RequestCtx, stream bool, d router.Decision, prefill *router.Decision, tokens []uint32, hashes []kv.BlockHash) {
+func (s *Server) writeDecision(ctx *fasthttp.RequestCtx, stream bool, policy string, d router.Decision, prefill *router.Decision, tokens []uint32, hashes []kv.BlockHash) {
 	ctx.Response.Header.Set(WorkerHeader, d.Name)
 	if prefill != nil {
 		ctx.Response.Header.Set("X-Kvproxy-Prefill-Worker", prefill.Name)
@@ -61,6 +63,7 @@ func (s *Server) writeDecision(ctx *fasthttp.RequestCtx, stream bool, d router.D
 	out := decisionJSON{
 		WorkerID:        d.Name,
 		InstanceID:      d.InstanceID,
+		Policy:          policy,
 		OverlapBlocks:   d.Overlap,
 		TotalBlocks:     d.Total,
 		PredictedTTFTms: d.PredictedTTFTms,
@@ -75,7 +78,7 @@ func (s *Server) writeDecision(ctx *fasthttp.RequestCtx, stream bool, d router.D
 		out.BlockHashes[i] = strconv.FormatUint(uint64(h), 10)
 	}
 	for i, c := range d.Candidates {
-		out.Candidates[i] = candidateJSON{WorkerID: c.Name, InstanceID: router.InstanceID(c.Name), OverlapBlocks: c.Overlap, CostMs: c.CostMs}
+		out.Candidates[i] = candidateJSON{WorkerID: c.Name, InstanceID: router.InstanceID(c.Name), OverlapBlocks: c.Overlap, CostMs: c.CostMs, Score: c.Score}
 	}
 	b, _ := json.Marshal(out)
 	ctx.Response.Header.SetContentType("application/json")

@@ -504,6 +504,29 @@ func TestEngineErrorsAreNormalized(t *testing.T) {
 	p.waitIdle(t)
 }
 
+// A dry run says which policy chose and each candidate's score under it:
+// under least_load the kv cost model's cost_ms does not explain the choice
+// (the newcomer trial took it for a disagreement with the real request).
+func TestDryRunShowsThePolicysScores(t *testing.T) {
+	busy := startFake(t, "busy", func(f *fakeEngine) { f.prefillDelay = time.Second })
+	idle := startFake(t, "idle", nil)
+	p := startProxy(t, "least_load", busy, idle)
+	go post(t, p.url+"/v1/completions", `{"model":"m","prompt":"long","max_tokens":1,"nvext":{"backend_instance_id":"busy"}}`)
+	waitFor(t, "the request at busy", func() bool { return busy.requests.Load() == 1 })
+	resp, body := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}],"nvext":{"annotations":["query_instance_id"]}}`)
+	var d decisionJSON
+	if err := json.Unmarshal(body, &d); err != nil || resp.StatusCode != 200 || len(d.Candidates) != 2 {
+		t.Fatalf("dry-run answer: %d %s", resp.StatusCode, body)
+	}
+	score := map[string]float64{}
+	for _, c := range d.Candidates {
+		score[c.WorkerID] = c.Score
+	}
+	if d.Policy != "least_load" || d.WorkerID != "idle" || !(score["idle"] < score["busy"]) {
+		t.Fatalf("dry run: policy %q chose %s, scores %v; want least_load choosing idle, the lower score", d.Policy, d.WorkerID, score)
+	}
+}
+
 func TestDryRunMatchesRealDecision(t *testing.T) {
 	engines := []*fakeEngine{startFake(t, "e0", nil), startFake(t, "e1", nil), startFake(t, "e2", nil)}
 	p := startProxy(t, "kv", engines...)
@@ -520,6 +543,9 @@ func TestDryRunMatchesRealDecision(t *testing.T) {
 	}
 	if d.WorkerID != warm || resp.Header.Get(WorkerHeader) != warm {
 		t.Fatalf("dry-run chose %s, the prefix is on %s", d.WorkerID, warm)
+	}
+	if d.Policy != "kv" {
+		t.Fatalf("dry run names policy %q, want kv", d.Policy)
 	}
 	if d.OverlapBlocks == 0 || d.TotalBlocks <= d.OverlapBlocks-1 || len(d.TokenIDs) < 16*d.TotalBlocks || len(d.Candidates) != 3 {
 		t.Fatalf("dry-run decision incomplete: %+v", d)
