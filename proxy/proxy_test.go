@@ -511,7 +511,12 @@ func TestDryRunShowsThePolicysScores(t *testing.T) {
 	busy := startFake(t, "busy", func(f *fakeEngine) { f.prefillDelay = time.Second })
 	idle := startFake(t, "idle", nil)
 	p := startProxy(t, "least_load", busy, idle)
-	go post(t, p.url+"/v1/completions", `{"model":"m","prompt":"long","max_tokens":1,"nvext":{"backend_instance_id":"busy"}}`)
+	go func() {
+		resp, err := http.Post(p.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"long","max_tokens":1,"nvext":{"backend_instance_id":"busy"}}`))
+		if err == nil {
+			resp.Body.Close()
+		}
+	}()
 	waitFor(t, "the request at busy", func() bool { return busy.requests.Load() == 1 })
 	resp, body := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}],"nvext":{"annotations":["query_instance_id"]}}`)
 	var d decisionJSON
