@@ -72,13 +72,18 @@ func (p *modelPool) maxModelLen(maxPrompt int) int {
 // When none fits, the request goes to the engines of the longest context
 // listed, whose refusal answers it (naming the context /v1/models gives),
 // and which take it if kvproxy's count of a chat prompt was a few tokens
-// over the engine's.
+// over the engine's. Engines avoid holds already (another adapter's) are
+// not counted as room: a long prompt for an adapter only short engines
+// serve is theirs to refuse, not a 503.
 func (p *modelPool) avoidForLength(avoid []router.WorkerID, need int) []router.WorkerID {
 	ws := *p.workers.Load()
 	short, room := false, false
 	longest := int64(0) // among healthy engines that list one
 	for i, b := range ws {
 		if b == nil || b.worker != router.WorkerID(i) || b.prefillOnly() { // a data-parallel rank's worker; a prefill engine serves no request whole
+			continue
+		}
+		if slices.Contains(avoid, b.worker) {
 			continue
 		}
 		n := b.maxModelLen.Load()
@@ -183,35 +188,61 @@ func (st *state) poolOfAdapter(name string) *modelPool {
 	return nil
 }
 
-// avoidForAdapter adds to avoid the workers of the engines a request for
-// the adapter lora should not go to:
-//   - those known not to serve it, unless every engine is: a configured
-//     adapter no engine lists yet is asked of all (vLLM's LoRA resolvers
-//     load an adapter when a request first names it), each answering for
-//     itself;
-//   - of the others, those whose batch holds all the adapters it can
-//     (vLLM's max_lora) without this one, where the request would wait for
-//     a place, unless every one does.
+// avoidForAdapter adds to avoid the workers of the engines known not to
+// serve the adapter lora, unless every engine is: a configured adapter no
+// engine lists yet is asked of all (vLLM's LoRA resolvers load an adapter
+// when a request first names it), each answering for itself.
 func (p *modelPool) avoidForAdapter(avoid []router.WorkerID, lora string) []router.WorkerID {
-	var engines []*backend
-	for i, b := range *p.workers.Load() {
-		if b != nil && b.worker == router.WorkerID(i) { // not a data-parallel rank's worker
-			engines = append(engines, b)
-		}
-	}
+	engines := p.engines()
 	mayServe := func(b *backend) bool {
 		yes, known := b.serves(lora)
 		return yes || !known
 	}
-	listed := slices.ContainsFunc(engines, mayServe)
-	candidate := func(b *backend) bool { return !listed || mayServe(b) }
-	room := slices.ContainsFunc(engines, func(b *backend) bool { return candidate(b) && !b.loraFull(lora) })
+	if !slices.ContainsFunc(engines, mayServe) {
+		return avoid
+	}
 	for _, b := range engines {
-		if !candidate(b) || room && b.loraFull(lora) {
+		if !mayServe(b) {
 			avoid = append(avoid, b.workerIDs()...)
 		}
 	}
 	return avoid
+}
+
+// avoidFullBatches adds to avoid, of the engines it leaves, those whose
+// batch holds all the adapters it can (vLLM's max_lora) without lora, where
+// the request would wait for a place, unless every one does. It is a
+// preference, applied after what an engine must have (the adapter, the
+// context length): a long prompt waits for the long engine's batch rather
+// than be sent where it does not fit.
+func (p *modelPool) avoidFullBatches(avoid []router.WorkerID, lora string) []router.WorkerID {
+	var left []*backend
+	for _, b := range p.engines() {
+		if !slices.Contains(avoid, b.worker) {
+			left = append(left, b)
+		}
+	}
+	if !slices.ContainsFunc(left, func(b *backend) bool { return !b.loraFull(lora) }) {
+		return avoid
+	}
+	for _, b := range left {
+		if b.loraFull(lora) {
+			avoid = append(avoid, b.workerIDs()...)
+		}
+	}
+	return avoid
+}
+
+// engines are the model's backends, one each (not their data-parallel
+// ranks' workers).
+func (p *modelPool) engines() []*backend {
+	var engines []*backend
+	for i, b := range *p.workers.Load() {
+		if b != nil && b.worker == router.WorkerID(i) {
+			engines = append(engines, b)
+		}
+	}
+	return engines
 }
 
 // loraFull reports whether the engine last said its batch holds all the

@@ -415,6 +415,9 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	}
 	rr.Avoid = p.avoidForLength(rr.Avoid, longest+max(req.maxTokens, 1))
 	rr.Avoid, _ = p.avoidForRole(rr.Avoid, false) // a prefill engine only computes prompts for the others
+	if lora != "" {
+		rr.Avoid = p.avoidFullBatches(rr.Avoid, lora)
+	}
 
 	if name, inst, isNum, ok := req.nv.pinned(); ok {
 		w, found := p.rt.WorkerByName(name)

@@ -648,3 +648,68 @@ func TestEngineNotListingTheServedModelIsWarned(t *testing.T) {
 func modelCard(maxLen int) string {
 	return fmt.Sprintf(`{"object":"list","data":[{"id":"engine-m","object":"model","parent":null,"max_model_len":%d}]}`, maxLen)
 }
+
+// A prompt too long for the short engines that serve its adapter goes to
+// them, whose 400 names their context, not to a 503: the long engine that
+// has room does not serve the adapter (it was "no healthy backend").
+func TestLongPromptForAnAdapterOfShortEngines(t *testing.T) {
+	list := func(maxLen int, adapters ...string) string {
+		data := fmt.Sprintf(`{"id":"engine-m","object":"model","parent":null,"max_model_len":%d}`, maxLen)
+		for _, a := range adapters {
+			data += fmt.Sprintf(`,{"id":%q,"object":"model","parent":"engine-m","max_model_len":%d}`, a, maxLen)
+		}
+		return `{"object":"list","data":[` + data + `]}`
+	}
+	short := startFake(t, "short", func(f *fakeEngine) { f.modelList = list(1024, "sql-lora") })
+	long := startFake(t, "long", func(f *fakeEngine) { f.modelList = list(4096) })
+	p := startProxyYAML(t, "models: [{name: m, adapters: [sql-lora], tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n"+
+		"  - {id: short, url: 'http://{{e0}}', model: m, served_model: engine-m}\n"+
+		"  - {id: long, url: 'http://{{e1}}', model: m, served_model: engine-m}\n", short, long)
+	waitListsRead(t, p, 2)
+	body := `{"model":"sql-lora","messages":[{"role":"user","content":"` + strings.Repeat("hello ", 2000) + `"}]}`
+	resp, b := post(t, p.url+"/v1/chat/completions", body)
+	if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "short" || short.lastBody()["model"] != "sql-lora" {
+		t.Fatalf("a long prompt for the adapter: %d %s (worker %q), want it sent to short", resp.StatusCode, b, resp.Header.Get(WorkerHeader))
+	}
+	// The base model's long prompts still go where they fit.
+	resp, b = post(t, p.url+"/v1/chat/completions", strings.Replace(body, "sql-lora", "m", 1))
+	if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "long" {
+		t.Fatalf("a long prompt for the model: %d %s (worker %q), want long", resp.StatusCode, b, resp.Header.Get(WorkerHeader))
+	}
+	p.waitIdle(t)
+}
+
+// A full batch is a preference, a short context is not: a long prompt for
+// an adapter waits for a place in the batch of the engine it fits rather
+// than go to a short engine with room, which would refuse it.
+func TestLongPromptWaitsForTheBatchItFits(t *testing.T) {
+	list := func(maxLen int) string {
+		return fmt.Sprintf(`{"object":"list","data":[{"id":"engine-m","parent":null,"max_model_len":%[1]d},{"id":"sql-lora","parent":"engine-m","max_model_len":%[1]d}]}`, maxLen)
+	}
+	full := "vllm:num_requests_running{model_name=\"engine-m\"} 1\n" +
+		"vllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"other-lora\",waiting_lora_adapters=\"\"} 1.79e+09\n"
+	short := startFake(t, "short", func(f *fakeEngine) { f.modelList = list(1024) })
+	long := startFake(t, "long", func(f *fakeEngine) { f.modelList, f.metricsPage = list(4096), full })
+	p := startProxyYAML(t, "models: [{name: m, adapters: [sql-lora], tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n"+
+		"  - {id: short, url: 'http://{{e0}}', model: m, served_model: engine-m}\n"+
+		"  - {id: long, url: 'http://{{e1}}', model: m, served_model: engine-m}\n", short, long)
+	waitListsRead(t, p, 2)
+	for deadline := time.Now().Add(5 * time.Second); !p.s.st.Load().backends["long"].loraFull("sql-lora"); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("long's full batch was not read")
+		}
+	}
+	body := `{"model":"sql-lora","messages":[{"role":"user","content":"` + strings.Repeat("hello ", 2000) + `"}]}`
+	resp, b := post(t, p.url+"/v1/chat/completions", body)
+	if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "long" {
+		t.Fatalf("a long prompt for the adapter: %d %s (worker %q), want long", resp.StatusCode, b, resp.Header.Get(WorkerHeader))
+	}
+	// A short one goes where the batch has room.
+	resp, b = post(t, p.url+"/v1/chat/completions", `{"model":"sql-lora","messages":[{"role":"user","content":"hi"}]}`)
+	if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "short" {
+		t.Fatalf("a short prompt for the adapter: %d %s (worker %q), want short", resp.StatusCode, b, resp.Header.Get(WorkerHeader))
+	}
+	p.waitIdle(t)
+}

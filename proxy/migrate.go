@@ -219,8 +219,6 @@ func (m *migration) avoid(p *modelPool, lora string) []router.WorkerID {
 	if lora != "" {
 		avoid = p.avoidForAdapter(avoid, lora)
 	}
-	avoid = p.avoidForLength(avoid, m.need)
-	avoid, _ = p.avoidForRole(avoid, false)
 	for _, id := range m.tried {
 		if w, ok := p.rt.WorkerByName(id); ok {
 			avoid = append(avoid, w)
@@ -229,7 +227,13 @@ func (m *migration) avoid(p *modelPool, lora string) []router.WorkerID {
 			}
 		}
 	}
-	return p.avoidForKind(avoid)
+	avoid = p.avoidForKind(avoid)
+	avoid = p.avoidForLength(avoid, m.need) // the room left among those
+	avoid, _ = p.avoidForRole(avoid, false)
+	if lora != "" {
+		avoid = p.avoidFullBatches(avoid, lora)
+	}
+	return avoid
 }
 
 // continues reports whether b's engine can continue a final assistant

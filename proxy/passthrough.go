@@ -79,6 +79,9 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 		sc.route.Avoid = p.avoidForAdapter(nil, x.lora)
 	}
 	sc.route.Avoid, _ = p.avoidForRole(sc.route.Avoid, false)
+	if x.lora != "" {
+		sc.route.Avoid = p.avoidFullBatches(sc.route.Avoid, x.lora)
+	}
 	x.pass, x.tenant, x.slot = true, in.t.name, in.slot
 	x.priority = in.t.queuePriority(0, false)
 	req.dropPriority, req.priorityTo = in.t.capped, x.priority
