@@ -76,17 +76,19 @@ func (p *modelPool) maxModelLen(maxPrompt int) int {
 // not counted as room: a long prompt for an adapter only short engines
 // serve is theirs to refuse, not a 503.
 func (p *modelPool) avoidForLength(avoid []router.WorkerID, need int) []router.WorkerID {
-	ws := *p.workers.Load()
+	type engine struct {
+		b *backend
+		n int64 // its max_model_len, read once: the scrape loop sets it
+	}
+	var left []engine
 	short, room := false, false
 	longest := int64(0) // among healthy engines that list one
-	for i, b := range ws {
-		if b == nil || b.worker != router.WorkerID(i) || b.prefillOnly() { // a data-parallel rank's worker; a prefill engine serves no request whole
-			continue
-		}
-		if slices.Contains(avoid, b.worker) {
+	for _, b := range p.engines() {
+		if b.prefillOnly() || slices.Contains(avoid, b.worker) { // a prefill engine serves no request whole
 			continue
 		}
 		n := b.maxModelLen.Load()
+		left = append(left, engine{b, n})
 		if n > 0 && n < int64(need) {
 			short = true
 		} else if !room && b.healthy() {
@@ -103,11 +105,9 @@ func (p *modelPool) avoidForLength(avoid []router.WorkerID, need int) []router.W
 	if !room {
 		least = longest
 	}
-	for i, b := range ws {
-		if b != nil && b.worker == router.WorkerID(i) && !b.prefillOnly() {
-			if n := b.maxModelLen.Load(); n > 0 && n < least {
-				avoid = append(avoid, b.workerIDs()...)
-			}
+	for _, e := range left {
+		if e.n > 0 && e.n < least {
+			avoid = append(avoid, e.b.workerIDs()...)
 		}
 	}
 	return avoid
@@ -193,18 +193,24 @@ func (st *state) poolOfAdapter(name string) *modelPool {
 // engine lists yet is asked of all (vLLM's LoRA resolvers load an adapter
 // when a request first names it), each answering for itself.
 func (p *modelPool) avoidForAdapter(avoid []router.WorkerID, lora string) []router.WorkerID {
-	engines := p.engines()
-	mayServe := func(b *backend) bool {
-		yes, known := b.serves(lora)
-		return yes || !known
-	}
-	if !slices.ContainsFunc(engines, mayServe) {
-		return avoid
-	}
-	for _, b := range engines {
-		if !mayServe(b) {
-			avoid = append(avoid, b.workerIDs()...)
+	// Each engine's list is read once: the scrape loop replaces it, and one
+	// read as unknown, then as known without the adapter, left the request
+	// no engine at all (a 503, TestFailedReloadKeepsTheNames once in a
+	// thousand runs).
+	var no []*backend
+	some := false
+	for _, b := range p.engines() {
+		if yes, known := b.serves(lora); yes || !known {
+			some = true
+		} else {
+			no = append(no, b)
 		}
+	}
+	if !some {
+		return avoid // none may serve it: all are asked
+	}
+	for _, b := range no {
+		avoid = append(avoid, b.workerIDs()...)
 	}
 	return avoid
 }
@@ -216,19 +222,22 @@ func (p *modelPool) avoidForAdapter(avoid []router.WorkerID, lora string) []rout
 // context length): a long prompt waits for the long engine's batch rather
 // than be sent where it does not fit.
 func (p *modelPool) avoidFullBatches(avoid []router.WorkerID, lora string) []router.WorkerID {
-	var left []*backend
+	var full []*backend // each read once: the scrape loop changes it
+	room := false
 	for _, b := range p.engines() {
-		if !slices.Contains(avoid, b.worker) {
-			left = append(left, b)
+		switch {
+		case slices.Contains(avoid, b.worker):
+		case b.loraFull(lora):
+			full = append(full, b)
+		default:
+			room = true
 		}
 	}
-	if !slices.ContainsFunc(left, func(b *backend) bool { return !b.loraFull(lora) }) {
+	if !room {
 		return avoid
 	}
-	for _, b := range left {
-		if b.loraFull(lora) {
-			avoid = append(avoid, b.workerIDs()...)
-		}
+	for _, b := range full {
+		avoid = append(avoid, b.workerIDs()...)
 	}
 	return avoid
 }

@@ -713,3 +713,49 @@ func TestLongPromptWaitsForTheBatchItFits(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// The scrape loop replaces an engine's model list and context length while
+// requests read them: a request must never find every engine left out
+// because it read one engine twice and got two answers (a 503 "no healthy
+// backend" with one healthy engine, TestFailedReloadKeepsTheNames about
+// once in a thousand runs).
+func TestAvoidReadsEachEngineOnce(t *testing.T) {
+	e0, e1 := startFake(t, "e0", nil), startFake(t, "e1", nil)
+	p := startProxyYAML(t, "models: [{name: m, adapters: [sql-lora], tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"backends:\n"+
+		"  - {id: e0, url: 'http://{{e0}}', model: m, served_model: engine-m}\n"+
+		"  - {id: e1, url: 'http://{{e1}}', model: m, served_model: engine-m}\n", e0, e1)
+	waitListsRead(t, p, 2)
+	pool, b0, b1 := p.s.st.Load().models["m"], p.s.st.Load().backends["e0"], p.s.st.Load().backends["e1"]
+	none := []string{}
+	b1.adapters.Store(&none)
+	b1.maxModelLen.Store(1024)
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() { // what the scrape loop does, much faster
+		defer close(done)
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if i%2 == 0 {
+				b0.adapters.Store(nil)
+				b0.maxModelLen.Store(0)
+			} else {
+				b0.adapters.Store(&none)
+				b0.maxModelLen.Store(1024)
+			}
+		}
+	}()
+	defer func() { close(stop); <-done }()
+	for i, end := 0, time.Now().Add(2*time.Second); i < 1000000 && time.Now().Before(end); i++ {
+		if avoid := pool.avoidForAdapter(nil, "sql-lora"); len(avoid) == 2 {
+			t.Fatalf("run %d: the adapter left out both engines: %v", i, avoid)
+		}
+		if avoid := pool.avoidForLength(nil, 2000); len(avoid) == 2 {
+			t.Fatalf("run %d: a 2,000-token request left out both engines: %v", i, avoid)
+		}
+	}
+}
