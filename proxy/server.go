@@ -256,7 +256,12 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 			}
 			return fasthttp.RequestConfig{ReadTimeout: wait, MaxRequestBodySize: max}
 		},
-		IdleTimeout:                  cfg.Limits.IdleTimeout,
+		IdleTimeout: cfg.Limits.IdleTimeout,
+		// An answer that ends once Shutdown has begun says Connection:
+		// close, and that makes fasthttp flush it: with another request
+		// pipelined behind it, fasthttp waits to flush and, stopping,
+		// dropped the unflushed answer (the chaos trial's drain).
+		CloseOnShutdown:              true,
 		MaxIdleWorkerDuration:        5 * time.Second,
 		DisablePreParseMultipartForm: true,
 		ErrorHandler:                 s.transportError,

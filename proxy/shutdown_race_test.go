@@ -1,8 +1,14 @@
 package proxy
 
 import (
+	"bufio"
+	"io"
 	"net"
+	"net/http"
+	"strconv"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/rs/zerolog"
 
@@ -29,5 +35,36 @@ func TestShutdownRacingServe(t *testing.T) {
 		s.Shutdown()
 		ln.Close()
 		<-served
+	}
+}
+
+// A client that pipelines a second request behind one in flight when the
+// drain begins gets the first answer whole, marked Connection: close (the
+// second is never read; the client sends it again elsewhere). fasthttp
+// holds an answer unflushed while a pipelined request waits, and dropped
+// it when it stopped: the client got nothing (the chaos trial).
+func TestDrainAnswersAPipelinedConnection(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 300 * time.Millisecond })
+	p := startProxy(t, "kv", e)
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	body := `{"model":"m","messages":[{"role":"user","content":"hi"}]}`
+	req := "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " + strconv.Itoa(len(body)) + "\r\n\r\n" + body
+	if _, err := c.Write([]byte(req + req)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the first request at the engine", func() bool { return e.requests.Load() == 1 })
+	go p.s.Shutdown()
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatalf("no answer to the first request: %v", err)
+	}
+	b, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != 200 || !resp.Close || !strings.Contains(string(b), `"choices"`) {
+		t.Fatalf("first answer: %d close=%v %v %s", resp.StatusCode, resp.Close, err, b)
 	}
 }
