@@ -183,9 +183,12 @@ type Body struct {
 	ab   *Abort
 	eof  bool
 	err  error
+	// ending: EndBy was called, and the read deadline is its.
+	ending bool
 }
 
-// Read reads the next bytes of the body, each wait bounded by ReadTimeout.
+// Read reads the next bytes of the body, each wait bounded by ReadTimeout
+// (or by EndBy's deadline).
 func (b *Body) Read(p []byte) (int, error) {
 	if b.err != nil {
 		return 0, b.err
@@ -194,7 +197,9 @@ func (b *Body) Read(p []byte) (int, error) {
 		b.eof = true
 		return 0, io.EOF
 	}
-	b.uc.armRead(time.Now(), b.u.readTimeout())
+	if !b.ending {
+		b.uc.armRead(time.Now(), b.u.readTimeout())
+	}
 	n, err := b.r.Read(p)
 	if err == io.EOF && b.uc.rd.closed && b.resp.Header.ContentLength() == -1 {
 		// fasthttp reports a chunked body whose connection closed between
@@ -211,6 +216,18 @@ func (b *Body) Read(p []byte) (int, error) {
 		b.err = err
 	}
 	return n, err
+}
+
+// EndBy bounds the rest of the body to d from now: the answer's own end
+// has come (an SSE stream's [DONE]), and what is left, the body's framing,
+// comes at once from an engine that is well. Reading past it is a timeout.
+func (b *Body) EndBy(d time.Duration) {
+	if b.uc == nil || b.ending {
+		return
+	}
+	b.ending = true
+	b.uc.readBy = time.Now().Add(d) // the next exchange's armRead moves it
+	b.uc.c.SetReadDeadline(b.uc.readBy)
 }
 
 // Buffered is how many bytes of the answer have arrived and not been read

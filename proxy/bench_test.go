@@ -7,6 +7,7 @@ import (
 	"io"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/valyala/fasthttp"
 
@@ -23,8 +24,9 @@ func (m *memBody) Read(p []byte) (int, error) {
 	}
 	return m.r.Read(p)
 }
-func (m *memBody) Close()        {}
-func (m *memBody) Buffered() int { return 0 }
+func (m *memBody) Close()              {}
+func (m *memBody) Buffered() int       { return 0 }
+func (m *memBody) EndBy(time.Duration) {}
 
 // BenchmarkSSERelay measures the relay's own work per streamed event:
 // framing, inspection (first token, output blocks), writing and flushing.

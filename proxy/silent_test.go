@@ -1,6 +1,9 @@
 package proxy
 
 import (
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -75,5 +78,44 @@ func TestSilentMidStreamSaysTimeout(t *testing.T) {
 	p.waitIdle(t)
 	if !strings.Contains(p.logs.String(), `"status":504`) {
 		t.Fatalf("access log: %s", p.logs.String())
+	}
+}
+
+// An engine that sends [DONE] and then leaves its body open (no chunked
+// terminator) has answered: the client's stream ends endGrace later, with
+// nothing added, logged 200, and the engine stays in. It waited out
+// stream_idle_timeout (5 minutes by default: SDKs read a stream to its end
+// after [DONE]), then got an error event and a second [DONE], and the
+// engine was ejected (the chaos trial).
+func TestStallAfterDoneEndsTheStream(t *testing.T) {
+	release := make(chan struct{})
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, `data: {"id":"c1","object":"text_completion","choices":[{"index":0,"text":"hi","finish_reason":"stop"}]}`+"\n\n")
+		io.WriteString(w, "data: [DONE]\n\n")
+		w.(http.Flusher).Flush()
+		select {
+		case <-r.Context().Done():
+		case <-release:
+		}
+	}))
+	defer engine.Close()
+	defer close(release)
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: '"+engine.URL+"', model: m}]\nlimits: {stream_idle_timeout: 30s}\n")
+	start := time.Now()
+	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","stream":true}`)
+	took := time.Since(start)
+	if resp.StatusCode != 200 || strings.Contains(string(b), "error") || strings.Count(string(b), "[DONE]") != 1 || !strings.HasSuffix(string(b), "data: [DONE]\n\n") {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	if took > endGrace+5*time.Second {
+		t.Fatalf("the stream ended %v after it began, want about endGrace (%v)", took, endGrace)
+	}
+	if ejected(p, "e0") {
+		t.Fatal("an engine that answered in full was ejected")
+	}
+	p.waitIdle(t)
+	if l := p.logs.String(); !strings.Contains(l, `"status":200`) {
+		t.Fatalf("access log: %s", l)
 	}
 }

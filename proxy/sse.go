@@ -34,7 +34,8 @@ type relay struct {
 
 	sawFirst bool
 	sawDone  bool
-	relayed  int // a Responses stream's events: its next sequence_number
+	ending   bool // the body's end was bounded (EndBy) once sawDone
+	relayed  int  // a Responses stream's events: its next sequence_number
 	blocks   int
 	ended    bool // the engine's stream is over (or failed): nothing more to send
 	closed   bool
@@ -52,7 +53,13 @@ type streamBody interface {
 	Read(p []byte) (int, error)
 	Buffered() int // bytes received and not yet read
 	Close()
+	EndBy(d time.Duration) // the answer's end came: the rest must come within d
 }
+
+// endGrace is how long the engine may take to end its body once its
+// answer's last event came: the client waits for that end, and SDKs read
+// a stream to its end after [DONE].
+const endGrace = 2 * time.Second
 
 // maxBatch bounds the events gathered into one client chunk.
 const maxBatch = 16 << 10
@@ -136,6 +143,10 @@ func (r *relay) nextBatch() []byte {
 			f.atEOF()
 		}
 		out = r.events(out)
+		if r.sawDone && !r.ending {
+			r.ending = true
+			r.body.EndBy(endGrace)
+		}
 		// What the engine has already sent goes out in the same chunk: one
 		// client write per burst, not per engine chunk, as a pipe would.
 		if err != nil || len(out) >= maxBatch || r.body.Buffered() == 0 {
@@ -180,10 +191,11 @@ func (r *relay) end(out []byte, err error) []byte {
 	r.ended = true
 	switch {
 	case r.sawDone && (errors.Is(err, io.EOF) || errors.Is(err, backends.ErrTruncated) ||
-		errors.Is(err, backends.ErrAborted) || x.ab.Aborted()):
+		errors.Is(err, backends.ErrAborted) || x.ab.Aborted() || backends.IsTimeout(err)):
 		// Complete: a connection dropped after [DONE], or one aborted
 		// (a cut, or a client that hung up once it had [DONE], as SDKs
-		// do, before the engine closed its stream), adds nothing. A
+		// do, before the engine closed its stream), or an engine that did
+		// not end its body within endGrace of [DONE], adds nothing. A
 		// [DONE] not yet written goes in out, and a client gone since
 		// fails that write: a 499 still.
 		x.b.succeed()

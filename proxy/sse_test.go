@@ -6,6 +6,7 @@ import (
 	"io"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/rs/zerolog"
 	"github.com/valyala/fasthttp"
@@ -45,7 +46,8 @@ func (b *burstBody) Buffered() int {
 	return min(len(b.data), b.burst-b.inBurst)
 }
 
-func (b *burstBody) Close() { b.closed = true }
+func (b *burstBody) Close()              { b.closed = true }
+func (b *burstBody) EndBy(time.Duration) {}
 
 // chunkRecorder records each Write, as fasthttp sends each as one chunk.
 type chunkRecorder struct{ chunks [][]byte }
@@ -190,8 +192,9 @@ func (e *endlessEvent) Read(p []byte) (int, error) {
 	e.read += len(p)
 	return len(p), nil
 }
-func (e *endlessEvent) Buffered() int { return 0 }
-func (e *endlessEvent) Close()        { e.closed = true }
+func (e *endlessEvent) Buffered() int       { return 0 }
+func (e *endlessEvent) EndBy(time.Duration) {}
+func (e *endlessEvent) Close()              { e.closed = true }
 
 // TestEndlessEventIsBounded: an event that never ends is not buffered
 // without limit: past maxSSEEvent the stream ends with an OpenAI error event
