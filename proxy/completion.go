@@ -632,6 +632,7 @@ var (
 	errClientGone     = errors.New("the client left while waiting")
 	errCutQueued      = errors.New("cut at the drain deadline while waiting for a backend slot")
 	errRemoved        = errors.New("the chosen backend was just removed")
+	errModelReloaded  = errors.New("a reload changed or removed the model's configuration while the request waited")
 )
 
 // route picks a worker, registers the request and takes a slot on its
@@ -710,6 +711,11 @@ func (x *exchange) route(conn net.Conn, st *state, rr *router.Request) error {
 		}
 		if !rr.Pinned && errors.Is(err, router.ErrNoWorker) && p.endCooling() {
 			continue // the backends cooling down after a 429 were the last ones
+		}
+		if errors.Is(err, router.ErrNoWorker) && s.st.Load().models[p.cfg.Name] != p {
+			// The pool it waits on was rebuilt: its engines serve the new
+			// one now. A retry is routed there; this is no outage.
+			return errModelReloaded
 		}
 		lim := st.cfg.Limits
 		if w == nil {
@@ -810,7 +816,7 @@ func (s *Server) routeFailed(ctx *fasthttp.RequestCtx, rid, tenant, model string
 	case errors.Is(err, errCutQueued):
 		s.shuttingDown(ctx, errCutMsg)
 		s.logRejected(ctx, rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
-	case errors.Is(err, errRemoved):
+	case errors.Is(err, errRemoved), errors.Is(err, errModelReloaded):
 		s.unavailable(ctx, whyRemoved, err.Error()+"; retry")
 		s.logRejected(ctx, rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
 	default:

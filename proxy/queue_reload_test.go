@@ -145,3 +145,52 @@ func postAsync(url, body string) (status int, worker string) {
 	resp.Body.Close()
 	return resp.StatusCode, resp.Header.Get(WorkerHeader)
 }
+
+// A reload that rebuilds a model (its template changed) leaves the requests
+// queued on the old pool no engine: they get a 503 that says to retry,
+// counted as backend_removed, not as an outage (no_healthy_backend, the one
+// to alert on), and a retry is served (the chaos trial).
+func TestQueuedRequestsOfARebuiltModel(t *testing.T) {
+	busy := startFake(t, "busy", func(f *fakeEngine) { f.prefillDelay = time.Second })
+	base := "models: [{name: m, aliases: [alias-m], template: chatml}]\nlimits: {max_queue: 8, queue_timeout: 5s}\nbackends:\n  - {id: busy, url: 'http://{{e0}}', max_concurrency: 1}\n"
+	p := startProxyYAML(t, base, busy)
+	go postAsync(p.url+"/v1/chat/completions", chatBody) // holds busy's only slot
+	waitFor(t, "the first request at the engine", func() bool { return busy.requests.Load() == 1 })
+	type answer struct {
+		code int
+		body string
+	}
+	queued := make(chan answer, 1)
+	go func() {
+		resp, err := http.Post(p.url+"/v1/chat/completions", "application/json", strings.NewReader(chatBody))
+		if err != nil {
+			queued <- answer{}
+			return
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		queued <- answer{resp.StatusCode, string(b)}
+	}()
+	waitFor(t, "the second request queued", func() bool { return p.s.queued.Load() == 1 })
+	cfg, err := config.Parse([]byte(strings.ReplaceAll(strings.Replace(base, "chatml", "raw", 1), "{{e0}}", busy.addr)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	a := <-queued
+	if a.code != 503 || !strings.Contains(a.body, "a reload changed or removed the model's configuration while the request waited; retry") {
+		t.Fatalf("the queued request: %d %s", a.code, a.body)
+	}
+	m := p.metrics(t)
+	for _, want := range []string{`kvproxy_unavailable_total{reason="backend_removed"} 1`, `kvproxy_unavailable_total{reason="no_healthy_backend"} 0`} {
+		if !strings.Contains(m, want) {
+			t.Errorf("want %s:\n%s", want, grepLines(m, "unavailable_total"))
+		}
+	}
+	if resp, b := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 200 {
+		t.Fatalf("the retry: %d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+}
