@@ -80,12 +80,13 @@ func (p *modelPool) avoidForLength(avoid []router.WorkerID, need int) []router.W
 		b *backend
 		n int64 // its max_model_len, read once: the scrape loop sets it
 	}
-	var left []engine
+	var buf [16]engine // on the stack: most fleets have no more
+	left := buf[:0]
 	short, room := false, false
 	longest := int64(0) // among healthy engines that list one
-	for _, b := range p.engines() {
-		if b.prefillOnly() || slices.Contains(avoid, b.worker) { // a prefill engine serves no request whole
-			continue
+	for i, b := range *p.workers.Load() {
+		if b == nil || b.worker != router.WorkerID(i) || b.prefillOnly() || slices.Contains(avoid, b.worker) {
+			continue // a data-parallel rank's worker; a prefill engine serves no request whole
 		}
 		n := b.maxModelLen.Load()
 		left = append(left, engine{b, n})
