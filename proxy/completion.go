@@ -1035,7 +1035,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			code = 0 // relayed below as the engine answered it
 		}
 		switch {
-		case code == fasthttp.StatusUnauthorized || code == fasthttp.StatusForbidden ||
+		case code == fasthttp.StatusUnauthorized || code == fasthttp.StatusForbidden || code >= 300 && code < 400 ||
 			code == fasthttp.StatusNotFound && !x.pass && !x.resp.lostPrevious(resp.Body()):
 			// The engine gets kvproxy's key (backends[].api_key), never
 			// the client's, and the model kvproxy routed to it: a refusal
@@ -1045,8 +1045,14 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			// request: another may.
 			plain, _ := plainBody(resp)
 			what, hint := "refused kvproxy's credentials", "check its api_key"
-			if code == fasthttp.StatusNotFound {
+			switch {
+			case code == fasthttp.StatusNotFound:
 				what, hint = "does not serve the model or path", "check its url and served_model"
+			case code < 400:
+				// An engine's redirect names an address of its own, which
+				// is no answer for the client (an http URL for an engine
+				// behind https, a path with a missing slash).
+				what, hint = "answered with a redirect to "+strconv.Quote(string(resp.Header.Peek("Location"))), "check its url"
 			}
 			optional := code == fasthttp.StatusNotFound && (x.api == apiResponses || x.api == apiMessages)
 			if optional {

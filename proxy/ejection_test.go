@@ -3,6 +3,7 @@ package proxy
 import (
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -250,6 +251,30 @@ func TestOpenAIKindIsProbedOnModels(t *testing.T) {
 	}
 	if unauthorized.Load() != 0 || ejected(p, "api") {
 		t.Fatalf("%d probes without the api_key; ejected: %v", unauthorized.Load(), ejected(p, "api"))
+	}
+	p.waitIdle(t)
+}
+
+// An engine that answers with a redirect (an http url for an engine behind
+// https) is misconfigured in kvproxy: the client gets a 502 naming the
+// backend and where it redirects, not the engine's 302, whose address is
+// the engine's own (the chaos trial).
+func TestEngineRedirectIsAConfigurationFault(t *testing.T) {
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Redirect(w, r, "https://engine.internal"+r.URL.Path, http.StatusFound)
+	}))
+	defer engine.Close()
+	p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: e0, url: '"+engine.URL+"'}]\n")
+	for path, body := range map[string]string{
+		"/v1/chat/completions": chatBody,
+		"/v1/completions":      `{"model":"m","prompt":"hi","stream":true}`,
+		"/v1/embeddings":       `{"model":"m","input":"hi"}`,
+	} {
+		resp, b := post(t, p.url+path, body)
+		if resp.StatusCode != 502 || resp.Header.Get("Location") != "" ||
+			!strings.Contains(string(b), `backend e0 answered with a redirect to \"https://engine.internal`+path+`\"`) || !strings.Contains(string(b), "check its url") {
+			t.Fatalf("%s: %d %v %s", path, resp.StatusCode, resp.Header, b)
+		}
 	}
 	p.waitIdle(t)
 }
