@@ -801,23 +801,19 @@ func (s *Server) FlushLogs() { s.rejectLog.flush() }
 // Shutdown stops accepting, lets in-flight requests and streams finish, and
 // stops probes. Bound it with a deadline from outside if needed.
 func (s *Server) Shutdown() error {
-	s.draining.Store(true)
 	s.serveMu.Lock()
 	s.stopped = true          // a Serve from now on returns at once
 	s.startOnce.Do(func() {}) // a Serve still starting has set up the scrape loop, or never will
+	s.serveMu.Unlock()
+	s.draining.Store(true)
+	err := s.srv.Shutdown()
+	// fasthttp closes only the listeners its Serve had registered: one still
+	// being registered is closed here (closing one twice is harmless).
+	s.serveMu.Lock()
 	for _, ln := range s.listeners {
-		ln.Close() // no new connections (fasthttp's Serve returns)
+		ln.Close()
 	}
 	s.serveMu.Unlock()
-	// fasthttp is told to stop once the requests in flight have ended:
-	// stopping, it drops an answer it holds unflushed because a pipelined
-	// request waits behind it, and a stream's end is written after its
-	// headers said to keep the connection. Until then each answer closes
-	// its connection, and a new request on one is answered 503.
-	for s.InFlight() > 0 {
-		time.Sleep(10 * time.Millisecond)
-	}
-	err := s.srv.Shutdown()
 	s.live.wait()          // streams outlive fasthttp's view of the handler
 	s.stopOnce.Do(func() { // a second Shutdown (a test's cleanup) must not panic
 		if s.health != nil {
@@ -1254,9 +1250,6 @@ var drainBufs = sync.Pool{New: func() any { return new([16 << 10]byte) }}
 // after the answer. Memory is one pooled buffer, whatever the declared
 // length.
 func (s *Server) finishBody(ctx *fasthttp.RequestCtx) {
-	if s.draining.Load() {
-		ctx.SetConnectionClose() // fasthttp flushes it then, pipelined requests or not
-	}
 	if !ctx.Request.IsBodyStream() {
 		return // read (rawBody), or none
 	}
