@@ -1051,8 +1051,12 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			case code < 400:
 				// An engine's redirect names an address of its own, which
 				// is no answer for the client (an http URL for an engine
-				// behind https, a path with a missing slash).
-				what, hint = "answered with a redirect to "+strconv.Quote(string(resp.Header.Peek("Location"))), "check its url"
+				// behind https, a path with a missing slash), and which
+				// only the operator may see.
+				what, hint = "answered with a redirect", "check its url"
+				b.log.Warn().Str("backend", b.cfg.ID).Int("status", code).Str("location", string(resp.Header.Peek("Location"))).
+					Msg("the engine answered with a redirect: check the backend's url")
+				plain = nil
 			}
 			optional := code == fasthttp.StatusNotFound && (x.api == apiResponses || x.api == apiMessages)
 			if optional {
@@ -1060,7 +1064,11 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				// worse an engine for chat: not a strike against it.
 				what, hint = "does not serve "+x.path, "its engine may not have this API"
 			}
-			msg := "backend " + b.cfg.ID + " " + what + " (" + strconv.Itoa(code) + " " + engineMessage(code, plain) + "); " + hint
+			detail := strconv.Itoa(code)
+			if plain != nil {
+				detail += " " + engineMessage(code, plain)
+			}
+			msg := "backend " + b.cfg.ID + " " + what + " (" + detail + "); " + hint
 			if !optional {
 				b.answeredError(msg)
 			}
