@@ -230,7 +230,7 @@ func (p *modelPool) avoidFullBatches(avoid []router.WorkerID, lora string) []rou
 		case slices.Contains(avoid, b.worker):
 		case b.loraFull(lora):
 			full = append(full, b)
-		default:
+		case b.healthy(): // a down engine's batch is not read: no room
 			room = true
 		}
 	}

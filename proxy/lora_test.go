@@ -759,3 +759,38 @@ func TestAvoidReadsEachEngineOnce(t *testing.T) {
 		}
 	}
 }
+
+// An engine that is down (no scrape, so no "full batch") is no room for
+// the adapter: the healthy engine whose batch is full was left out, and the
+// request got a 503 with a healthy engine serving it (the review).
+func TestDownEngineIsNoBatchRoom(t *testing.T) {
+	list := func(maxLen int) string {
+		return fmt.Sprintf(`{"object":"list","data":[{"id":"engine-m","parent":null,"max_model_len":%[1]d},{"id":"sql-lora","parent":"engine-m","max_model_len":%[1]d}]}`, maxLen)
+	}
+	full := "vllm:num_requests_running{model_name=\"engine-m\"} 1\n" +
+		"vllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"other-lora\",waiting_lora_adapters=\"\"} 1.79e+09\n"
+	a := startFake(t, "a", func(f *fakeEngine) { f.modelList, f.metricsPage = list(4096), full })
+	b := startFake(t, "b", func(f *fakeEngine) { f.modelList = list(4096) })
+	p := serveYAML(t, strings.NewReplacer("{{e0}}", a.addr, "{{e1}}", b.addr).Replace("models: [{name: m, adapters: [sql-lora], tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
+		"health: {interval: 200ms, timeout: 100ms, fall: 1}\n"+
+		"backends:\n"+
+		"  - {id: a, url: 'http://{{e0}}', model: m, served_model: engine-m}\n"+
+		"  - {id: b, url: 'http://{{e1}}', model: m, served_model: engine-m}\n"), false)
+	waitListsRead(t, p, 2)
+	for deadline := time.Now().Add(5 * time.Second); !p.s.st.Load().backends["a"].loraFull("sql-lora"); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("a's full batch was not read")
+		}
+	}
+	b.unhealthy.Store(true)
+	for deadline := time.Now().Add(8 * time.Second); p.s.st.Load().backends["b"].healthy(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("b not ejected")
+		}
+	}
+	resp, body := post(t, p.url+"/v1/chat/completions", `{"model":"sql-lora","messages":[{"role":"user","content":"hi"}]}`)
+	if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "a" {
+		t.Fatalf("with b down, a request for the adapter: %d %s (worker %q), want a", resp.StatusCode, body, resp.Header.Get(WorkerHeader))
+	}
+	p.waitIdle(t)
+}
