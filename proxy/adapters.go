@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"iter"
 	"slices"
 	"time"
 
@@ -84,9 +85,9 @@ func (p *modelPool) avoidForLength(avoid []router.WorkerID, need int) []router.W
 	left := buf[:0]
 	short, room := false, false
 	longest := int64(0) // among healthy engines that list one
-	for i, b := range *p.workers.Load() {
-		if b == nil || b.worker != router.WorkerID(i) || b.prefillOnly() || slices.Contains(avoid, b.worker) {
-			continue // a data-parallel rank's worker; a prefill engine serves no request whole
+	for b := range p.engines() {
+		if b.prefillOnly() || slices.Contains(avoid, b.worker) {
+			continue // a prefill engine serves no request whole
 		}
 		n := b.maxModelLen.Load()
 		left = append(left, engine{b, n})
@@ -138,10 +139,7 @@ func (p *modelPool) adapter(name string) string {
 	if slices.Contains(names.aliases, name) {
 		return ""
 	}
-	for i, b := range *p.workers.Load() {
-		if b == nil || b.worker != router.WorkerID(i) {
-			continue // a data-parallel rank's worker: its backend is listed too
-		}
+	for b := range p.engines() {
 		if list := b.adapters.Load(); list != nil {
 			if j := slices.Index(*list, name); j >= 0 {
 				return (*list)[j]
@@ -200,7 +198,7 @@ func (p *modelPool) avoidForAdapter(avoid []router.WorkerID, lora string) []rout
 	// thousand runs).
 	var no []*backend
 	some := false
-	for _, b := range p.engines() {
+	for b := range p.engines() {
 		if yes, known := b.serves(lora); yes || !known {
 			some = true
 		} else {
@@ -225,7 +223,7 @@ func (p *modelPool) avoidForAdapter(avoid []router.WorkerID, lora string) []rout
 func (p *modelPool) avoidFullBatches(avoid []router.WorkerID, lora string) []router.WorkerID {
 	var full []*backend // each read once: the scrape loop changes it
 	room := false
-	for _, b := range p.engines() {
+	for b := range p.engines() {
 		switch {
 		case slices.Contains(avoid, b.worker):
 		case b.loraFull(lora):
@@ -243,16 +241,17 @@ func (p *modelPool) avoidFullBatches(avoid []router.WorkerID, lora string) []rou
 	return avoid
 }
 
-// engines are the model's backends, one each (not their data-parallel
-// ranks' workers).
-func (p *modelPool) engines() []*backend {
-	var engines []*backend
-	for i, b := range *p.workers.Load() {
-		if b != nil && b.worker == router.WorkerID(i) {
-			engines = append(engines, b)
+// engines yields the model's backends, one each (not their data-parallel
+// ranks' workers, which the list holds too).
+func (p *modelPool) engines() iter.Seq[*backend] {
+	ws := *p.workers.Load()
+	return func(yield func(*backend) bool) {
+		for i, b := range ws {
+			if b != nil && b.worker == router.WorkerID(i) && !yield(b) {
+				return
+			}
 		}
 	}
-	return engines
 }
 
 // loraFull reports whether the engine last said its batch holds all the
@@ -266,11 +265,12 @@ func (b *backend) loraFull(lora string) bool {
 // that the configuration does not name, each once.
 func (p *modelPool) listedAdapters(data []modelJSON, maxPrompt int) []modelJSON {
 	seen, names := map[string]bool{}, p.names.Load()
-	for i, b := range *p.workers.Load() {
-		if b == nil || b.worker != router.WorkerID(i) || b.adapters.Load() == nil {
+	for b := range p.engines() {
+		list := b.adapters.Load()
+		if list == nil {
 			continue
 		}
-		for _, a := range *b.adapters.Load() {
+		for _, a := range *list {
 			if !seen[a] && !slices.Contains(names.adapters, a) && a != p.cfg.Name && !slices.Contains(names.aliases, a) {
 				seen[a] = true
 				data = append(data, modelJSON{ID: a, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: p.cfg.Name, MaxModelLen: p.maxModelLen(maxPrompt)})

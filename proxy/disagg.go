@@ -37,10 +37,10 @@ func (b *backend) prefillOnly() bool { return b.cfg.Role == config.RolePrefill }
 // engines (prefill true: the prefill stage), and reports whether the model
 // has a prefill engine at all.
 func (p *modelPool) avoidForRole(avoid []router.WorkerID, prefill bool) ([]router.WorkerID, bool) {
-	ws := *p.workers.Load()
+	engines := p.engines()
 	disaggregated := false
-	for i, b := range ws {
-		if b != nil && b.worker == router.WorkerID(i) && b.prefillOnly() {
+	for b := range engines {
+		if b.prefillOnly() {
 			disaggregated = true
 			break
 		}
@@ -48,8 +48,8 @@ func (p *modelPool) avoidForRole(avoid []router.WorkerID, prefill bool) ([]route
 	if !disaggregated {
 		return avoid, false
 	}
-	for i, b := range ws {
-		if b != nil && b.worker == router.WorkerID(i) && b.prefillOnly() != prefill {
+	for b := range engines {
+		if b.prefillOnly() != prefill {
 			avoid = append(avoid, b.workerIDs()...)
 		}
 	}

@@ -58,10 +58,7 @@ func (l *liveExchanges) cutAll() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if !l.cut.Swap(true) {
-		if l.cutCh == nil {
-			l.cutCh = make(chan struct{})
-		}
-		close(l.cutCh)
+		close(l.cutChLocked())
 	}
 	for x := range l.set {
 		x.ab.Abort()
@@ -75,6 +72,10 @@ func (l *liveExchanges) isCut() bool { return l.cut.Load() }
 func (l *liveExchanges) cutSignal() <-chan struct{} {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	return l.cutChLocked()
+}
+
+func (l *liveExchanges) cutChLocked() chan struct{} {
 	if l.cutCh == nil {
 		l.cutCh = make(chan struct{})
 	}

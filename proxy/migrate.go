@@ -432,8 +432,8 @@ func (r *relay) sendContinuation(emitted int) (*backends.Body, *fasthttp.Respons
 // avoidForKind appends to avoid the workers of the model's engines that
 // cannot continue a final message.
 func (p *modelPool) avoidForKind(avoid []router.WorkerID) []router.WorkerID {
-	for i, b := range *p.workers.Load() {
-		if b != nil && b.worker == router.WorkerID(i) && !b.continues() {
+	for b := range p.engines() {
+		if !b.continues() {
 			avoid = append(avoid, b.workerIDs()...)
 		}
 	}

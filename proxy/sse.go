@@ -34,8 +34,7 @@ type relay struct {
 
 	sawFirst bool
 	sawDone  bool
-	ending   bool // the body's end was bounded (EndBy) once sawDone
-	relayed  int  // a Responses stream's events: its next sequence_number
+	relayed  int // a Responses stream's events: its next sequence_number
 	blocks   int
 	ended    bool // the engine's stream is over (or failed): nothing more to send
 	closed   bool
@@ -143,9 +142,8 @@ func (r *relay) nextBatch() []byte {
 			f.atEOF()
 		}
 		out = r.events(out)
-		if r.sawDone && !r.ending {
-			r.ending = true
-			r.body.EndBy(endGrace)
+		if r.sawDone {
+			r.body.EndBy(endGrace) // once: later calls do nothing
 		}
 		// What the engine has already sent goes out in the same chunk: one
 		// client write per burst, not per engine chunk, as a pipe would.
