@@ -158,7 +158,7 @@ func TestReplacedBackendLeavesItsWorkerAlone(t *testing.T) {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/health", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok")) })
 	var held atomic.Bool
-	mux.HandleFunc("/v1/", func(w http.ResponseWriter, r *http.Request) {
+	mux.HandleFunc("POST /v1/", func(w http.ResponseWriter, r *http.Request) { // not GET /v1/models: the scrape loop lists it
 		io.Copy(io.Discard, r.Body)
 		if held.CompareAndSwap(false, true) {
 			once.Do(func() { close(arrived) })
@@ -276,7 +276,7 @@ func TestQueuedRequestTakesABackendBackFromCooling(t *testing.T) {
 	handler := func(serve func(w http.ResponseWriter, prompt string)) string {
 		mux := http.NewServeMux()
 		mux.HandleFunc("/health", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok")) })
-		mux.HandleFunc("/v1/", func(w http.ResponseWriter, r *http.Request) {
+		mux.HandleFunc("POST /v1/", func(w http.ResponseWriter, r *http.Request) { // not GET /v1/models: the scrape loop lists it
 			var body struct{ Prompt string }
 			json.NewDecoder(r.Body).Decode(&body)
 			serve(w, body.Prompt)

@@ -102,8 +102,8 @@ func TestEngineClosesIdleConnections(t *testing.T) {
 	srv := &http.Server{
 		IdleTimeout: 100 * time.Millisecond,
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if !strings.HasPrefix(r.URL.Path, "/v1/") {
-				return
+			if r.Method != http.MethodPost || !strings.HasPrefix(r.URL.Path, "/v1/") {
+				return // not a completion: the probe, or the scrape listing /v1/models
 			}
 			select {
 			case arrived <- struct{}{}:
