@@ -44,8 +44,11 @@ func (s *Server) unavailable(ctx *fasthttp.RequestCtx, why unavailableReason, ms
 	s.metrics.unavailable.WithLabelValues(string(why)).Inc()
 	ctx.Response.Header.Set("Retry-After", "1")
 	code := "no_backend_available"
-	if why == whyQueueFull || why == whyQueueTimeout {
-		code = string(why) // saturation, which a client backs off from, not an outage
+	switch why {
+	case whyQueueFull, whyQueueTimeout: // saturation, which a client backs off from, not an outage
+		code = string(why)
+	case whyRemoved: // a reload in progress: a retry is served at once
+		code = string(why)
 	}
 	writeError(ctx, fasthttp.StatusServiceUnavailable, msg, "service_unavailable", "", code)
 }

@@ -180,7 +180,7 @@ func TestQueuedRequestsOfARebuiltModel(t *testing.T) {
 		t.Fatal(err)
 	}
 	a := <-queued
-	if a.code != 503 || !strings.Contains(a.body, "a reload changed or removed the model's configuration while the request waited; retry") {
+	if a.code != 503 || !strings.Contains(a.body, "a reload changed or removed the model's configuration while the request waited; retry") || !strings.Contains(a.body, `"code":"backend_removed"`) {
 		t.Fatalf("the queued request: %d %s", a.code, a.body)
 	}
 	m := p.metrics(t)
