@@ -218,11 +218,13 @@ func (b *Body) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// EndBy bounds the rest of the body to d from now: the answer's own end
-// has come (an SSE stream's [DONE]), and what is left, the body's framing,
-// comes at once from an engine that is well. Reading past it is a timeout.
+// EndBy bounds the next read to d from now, in place of ReadTimeout: the
+// answer's own end has come (an SSE stream's [DONE]), and what is left, the
+// body's framing, comes at once from an engine that is well. Reading past
+// it is a timeout. Called before each read, it leaves out the time spent
+// between reads (a slow client taking the last events).
 func (b *Body) EndBy(d time.Duration) {
-	if b.uc == nil || b.ending {
+	if b.uc == nil {
 		return
 	}
 	b.ending = true

@@ -218,3 +218,42 @@ func TestBodilessStreamedAnswer(t *testing.T) {
 		t.Fatalf("%d dials for 2 sequential requests, want 1", d)
 	}
 }
+
+// EndBy bounds the read that follows it, not the time since the first
+// call: a caller that took longer than d between reads (a proxy writing
+// the last events to a slow client) still reads the body's end, already
+// arrived, and the connection goes back to the pool. It timed out, and a
+// healthy engine's connection was closed.
+func TestEndByCountsFromTheNextRead(t *testing.T) {
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		for readRequest(br) == nil {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+			io.WriteString(c, "e\r\ndata: [DONE]\n\n\r\n")
+			time.Sleep(50 * time.Millisecond)
+			io.WriteString(c, "0\r\n\r\n")
+		}
+	})
+	u := &Upstream{Addr: addr, ReadTimeout: 10 * time.Second}
+	for i := 0; i < 2; i++ {
+		req, resp := newRequest(addr, `{"stream":true}`), fasthttp.AcquireResponse()
+		body, err := u.Do(req, resp, true, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		buf := make([]byte, 64)
+		n, err := body.Read(buf)
+		if err != nil || !strings.Contains(string(buf[:n]), "[DONE]") {
+			t.Fatalf("first read: %q %v", buf[:n], err)
+		}
+		body.EndBy(200 * time.Millisecond)
+		time.Sleep(400 * time.Millisecond) // a slow client takes the [DONE]
+		body.EndBy(200 * time.Millisecond)
+		if rest, err := io.ReadAll(body); err != nil || len(rest) != 0 {
+			t.Fatalf("request %d: the body's end read as %q %v, want its end", i, rest, err)
+		}
+		body.Close()
+	}
+	if d := u.Dials.Load(); d != 1 {
+		t.Fatalf("%d dials for 2 sequential streams, want 1: the first stream's connection was not reused", d)
+	}
+}

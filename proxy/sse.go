@@ -52,7 +52,7 @@ type streamBody interface {
 	Read(p []byte) (int, error)
 	Buffered() int // bytes received and not yet read
 	Close()
-	EndBy(d time.Duration) // the answer's end came: the rest must come within d
+	EndBy(d time.Duration) // the answer's end came: the next read must end within d
 }
 
 // endGrace is how long the engine may take to end its body once its
@@ -132,6 +132,11 @@ func (r *relay) nextBatch() []byte {
 			err = errEventTooLarge
 			break
 		}
+		if r.sawDone {
+			// Counted from this read: the time a slow client took to
+			// take the last events is not the engine's.
+			r.body.EndBy(endGrace)
+		}
 		var n int
 		n, err = r.body.Read(f.free())
 		if n > 0 {
@@ -142,9 +147,6 @@ func (r *relay) nextBatch() []byte {
 			f.atEOF()
 		}
 		out = r.events(out)
-		if r.sawDone {
-			r.body.EndBy(endGrace) // once: later calls do nothing
-		}
 		// What the engine has already sent goes out in the same chunk: one
 		// client write per burst, not per engine chunk, as a pipe would.
 		if err != nil || len(out) >= maxBatch || r.body.Buffered() == 0 {

@@ -224,3 +224,42 @@ func TestEndlessEventIsBounded(t *testing.T) {
 		t.Fatalf("engine body closed %v, router idle %v", body.closed, p.rt.Idle())
 	}
 }
+
+// loggedBody is a burstBody that logs its reads and EndBy calls, beside
+// the client writes a loggedWriter logs.
+type loggedBody struct {
+	burstBody
+	log *[]string
+}
+
+func (b *loggedBody) Read(p []byte) (int, error) {
+	*b.log = append(*b.log, "read")
+	return b.burstBody.Read(p)
+}
+func (b *loggedBody) EndBy(time.Duration) { *b.log = append(*b.log, "endby") }
+
+type loggedWriter struct{ log *[]string }
+
+func (w loggedWriter) Write(p []byte) (int, error) {
+	*w.log = append(*w.log, "write")
+	return len(p), nil
+}
+
+// Once [DONE] has come, the engine's grace to end its body (EndBy) is
+// given again before each read, after the client write: a slow client
+// taking the last events used up the engine's 2 s, and its healthy
+// connection was closed instead of reused.
+func TestEndGraceCountsFromEachRead(t *testing.T) {
+	s, p, be := relayFixture(t)
+	raw := sseEvents(3)
+	var log []string
+	body := &loggedBody{burstBody{data: raw, step: len(raw), burst: len(raw)}, &log}
+	r, _ := startRelay(t, s, p, be, body)
+	if _, err := r.WriteTo(loggedWriter{&log}); err != nil {
+		t.Fatal(err)
+	}
+	r.Close()
+	if got := strings.Join(log, " "); got != "read write endby read" {
+		t.Fatalf("reads, grants and writes: %s; want the grant after the client write, before the read", got)
+	}
+}
