@@ -74,6 +74,9 @@ type backend struct {
 	// retiring: a reload removed or replaced it, and its retirement may
 	// have found it idle; it takes no more requests (route).
 	retiring atomic.Bool
+	// noDoneSaid: the engine was found to end its streams without
+	// [DONE], and the log said so (once).
+	noDoneSaid atomic.Bool
 	// wake tells the requests queued for a full backend that this one
 	// became available (its cooling or ejection ended, its probe passed).
 	wake    func()

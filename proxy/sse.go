@@ -34,6 +34,9 @@ type relay struct {
 
 	sawFirst bool
 	sawDone  bool
+	// finished: the last chunk with choices gave a finish_reason, so an
+	// engine that ends its body there without [DONE] answered in full.
+	finished bool
 	relayed  int // a Responses stream's events: its next sequence_number
 	blocks   int
 	ended    bool // the engine's stream is over (or failed): nothing more to send
@@ -202,6 +205,18 @@ func (r *relay) end(out []byte, err error) []byte {
 		if rest := r.f.pending(); len(rest) > 0 { // bytes after [DONE] without a blank line
 			out = append(append(out, rest...), "\n\n"...)
 		}
+	case err == io.EOF && r.finished && (x.api == apiChat || x.api == apiCompletions) && len(bytes.TrimSpace(r.f.pending())) == 0:
+		// The body ended cleanly after the answer's finish_reason, with
+		// no [DONE]: engines that leave it out (llama.cpp before late
+		// 2024, TGI before mid-2024, ik_llama.cpp without --send-done)
+		// answered in full. The client gets the [DONE] OpenAI sends, and
+		// the engine is not taken for one that died mid-answer.
+		x.b.succeed()
+		if x.b.noDoneSaid.CompareAndSwap(false, true) {
+			x.b.log.Info().Str("backend", x.b.cfg.ID).
+				Msg("the engine ends its streams without data: [DONE] (after the finish_reason): kvproxy adds it for the clients")
+		}
+		out = append(out, doneEvent...)
 	case (errors.Is(err, backends.ErrAborted) || x.ab.Aborted()) && x.s.live.isCut():
 		x.errMsg = errCutMsg
 		x.status = fasthttp.StatusServiceUnavailable
@@ -422,6 +437,9 @@ func firstMember(data []byte) (key, val []byte, ok bool) {
 }
 
 func (r *relay) onData(data []byte) {
+	if v, ok := finishValue(data); ok { // none in a usage chunk (no choices)
+		r.finished = len(v) > 0 && v[0] == '"'
+	}
 	k, v := outputOf(data)
 	if m := r.x.mig; m != nil {
 		m.note(data, k, v)
@@ -464,6 +482,26 @@ func (r *relay) firstEvent() {
 	x.active.ObserveTTFT(now.Sub(x.sent))
 	x.s.metrics.observeTTFT(x.b.cfg.ID, x.ttft.Seconds())
 }
+
+// finishValue finds a chunk's "finish_reason" and returns what follows its
+// colon, spaces skipped. The search is for "_reason": (measured: from the
+// name's opening quote, which starts every member, it cost half the relay's
+// time per event; from '_', rare in a chunk, nothing measurable).
+func finishValue(data []byte) ([]byte, bool) {
+	for off := 0; ; {
+		i := bytes.Index(data[off:], reasonSuffix)
+		if i < 0 {
+			return nil, false
+		}
+		at := off + i
+		off = at + len(reasonSuffix)
+		if at >= len(finishPrefix) && bytes.Equal(data[at-len(finishPrefix):at], finishPrefix) {
+			return bytes.TrimLeft(data[off:], " \t"), true
+		}
+	}
+}
+
+var reasonSuffix, finishPrefix = []byte(`_reason":`), []byte(`"finish`)
 
 // carriesToken reports whether a chunk carries generated output: a
 // non-empty content, text, reasoning or reasoning_content string, or

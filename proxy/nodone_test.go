@@ -1,0 +1,96 @@
+package proxy
+
+import (
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+)
+
+// noDoneEngine streams answers as engines that leave out data: [DONE] do
+// (llama.cpp before late 2024, TGI before mid-2024): the body ends after
+// the chunk with the finish_reason. A prompt "cut" ends the body before
+// any finish_reason, as an engine that gave up mid-answer.
+func noDoneEngine(t *testing.T) *httptest.Server {
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost {
+			return // the probe and the scrape
+		}
+		var req struct {
+			Prompt   string
+			Messages []struct{ Content string }
+		}
+		json.NewDecoder(r.Body).Decode(&req)
+		w.Header().Set("Content-Type", "text/event-stream")
+		chunk := func(s string) { io.WriteString(w, "data: "+s+"\n\n") }
+		if r.URL.Path == "/v1/completions" {
+			// llama.cpp's member order: finish_reason before the text.
+			chunk(`{"choices":[{"finish_reason":null,"index":0,"text":"hel"}],"object":"text_completion"}`)
+			if req.Prompt != "cut" {
+				chunk(`{"choices":[{"finish_reason":"length","index":0,"text":"lo"}],"object":"text_completion"}`)
+			}
+			return
+		}
+		chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}`)
+		chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"logprobs":null,"finish_reason":null,"stop_reason":null}]}`)
+		if len(req.Messages) > 0 && req.Messages[0].Content == "cut" {
+			return
+		}
+		chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" there"},"logprobs":null,"finish_reason": "stop","stop_reason":null}]}`)
+		chunk(`{"id":"c","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}`)
+	}))
+	t.Cleanup(engine.Close)
+	return engine
+}
+
+// An engine that ends its stream after the finish_reason without [DONE]
+// answered in full: the client's stream ends with the [DONE] OpenAI sends
+// and no error event, and the engine stays in (it was ejected after every
+// stream, the client's complete answer ending in "failed mid-stream").
+func TestEngineWithoutDoneAnswersInFull(t *testing.T) {
+	engine := noDoneEngine(t)
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: '"+engine.URL+"', model: m}]\n")
+	for i := 0; i < 2; i++ {
+		resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}`)
+		out := string(b)
+		if resp.StatusCode != 200 || strings.Contains(out, "error") || !strings.Contains(out, `" there"`) ||
+			!strings.Contains(out, `"total_tokens":5`) || !strings.HasSuffix(out, "}\n\ndata: [DONE]\n\n") || strings.Count(out, "[DONE]") != 1 {
+			t.Fatalf("chat stream %d: %d\n%s", i, resp.StatusCode, out)
+		}
+		resp, b = post(t, p.url+"/v1/completions", `{"model":"m","stream":true,"prompt":"hi"}`)
+		if out := string(b); resp.StatusCode != 200 || strings.Contains(out, "error") || !strings.HasSuffix(out, `"text":"lo"}],"object":"text_completion"}`+"\n\ndata: [DONE]\n\n") {
+			t.Fatalf("completion stream %d: %d\n%s", i, resp.StatusCode, out)
+		}
+		if ejected(p, "e0") {
+			t.Fatalf("after stream %d the engine is ejected: %s", i, p.logs.String())
+		}
+	}
+	p.waitIdle(t)
+	logs := p.logs.String()
+	if strings.Count(logs, "the engine ends its streams without data: [DONE]") != 1 || strings.Contains(logs, "failed mid-stream") {
+		t.Fatalf("want the engine's missing [DONE] said once, and no failure: %s", logs)
+	}
+}
+
+// Without a finish_reason, a body that ends is an answer cut short: the
+// client is told so with an error event, and the engine is taken out.
+func TestEngineEndingBeforeTheFinishFailsTheStream(t *testing.T) {
+	for _, tc := range []struct{ path, body string }{
+		{"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"cut"}]}`},
+		{"/v1/completions", `{"model":"m","stream":true,"prompt":"cut"}`},
+	} {
+		engine := noDoneEngine(t)
+		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: '"+engine.URL+"', model: m}]\n")
+		resp, b := post(t, p.url+tc.path, tc.body)
+		out := string(b)
+		if resp.StatusCode != 200 || !strings.Contains(out, `"code":"backend_failed"`) || !strings.HasSuffix(out, "data: [DONE]\n\n") {
+			t.Fatalf("%s: %d\n%s", tc.path, resp.StatusCode, out)
+		}
+		if !ejected(p, "e0") {
+			t.Fatalf("%s: an engine that cut its answer short is not ejected", tc.path)
+		}
+		p.waitIdle(t)
+	}
+}
