@@ -534,6 +534,13 @@ func (b *backend) applyLocked() {
 	b.down = !healthy
 	if !healthy {
 		b.downSince = time.Now()
+		if b.full && b.wake != nil {
+			// Requests may be queued for its slots: they route again, to
+			// wait on for another full backend or be told at once that
+			// none is healthy (they waited out queue_timeout, an outage
+			// answered as saturation).
+			b.pool.queue.wakeAll()
+		}
 	}
 	if healthy {
 		b.log.Info().Str("backend", b.cfg.ID).Msg("backend available")
