@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -151,6 +152,18 @@ tenants:
 	}
 	if resp, b := postAuth(t, p.url+"/v1/chat/completions", "key-small-123", body); resp.StatusCode != 429 {
 		t.Fatalf("after a reload to 310 tokens/min with ~80 left: %d %s, want 429", resp.StatusCode, b)
+	}
+	// Raised to 600, with ~240 spent: ~360 left, not the ~60 it had.
+	if cfg, err = config.Parse([]byte(yaml(600))); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	resp, b := postAuth(t, p.url+"/v1/chat/completions", "key-small-123", body)
+	left, _ := strconv.Atoi(resp.Header.Get("X-Ratelimit-Remaining-Tokens"))
+	if resp.StatusCode != 200 || left < 200 || left > 300 {
+		t.Fatalf("after a reload to 600 tokens/min with ~240 spent: %d, %d left (want ~240 after this one): %s", resp.StatusCode, left, b)
 	}
 	p.waitIdle(t)
 }

@@ -183,13 +183,14 @@ func reuseBucket(old *tenant, requests bool, rate, burst float64) *bucket {
 		}
 		if b != nil {
 			// New limits, not a new allowance: the tenant keeps what it
-			// has spent (up to the new burst), or a reload would refill
-			// the bucket of a tenant being throttled.
+			// has spent, or a reload would refill the bucket of a tenant
+			// being throttled; a raised limit gives it the difference at
+			// once (it kept what it had left, no more than before).
 			nb := newBucket(rate, burst, headers)
 			b.mu.Lock()
-			left := math.Min(b.burst, b.level+nb.last.Sub(b.last).Seconds()*b.rate)
+			spent := b.burst - math.Min(b.burst, b.level+nb.last.Sub(b.last).Seconds()*b.rate)
 			b.mu.Unlock()
-			nb.level = math.Min(burst, left)
+			nb.level = burst - spent
 			return nb
 		}
 	}
