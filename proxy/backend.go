@@ -55,6 +55,7 @@ type backend struct {
 	probeEnds bool
 	probed    bool // set before it takes requests
 	draining  bool
+	succeeded bool // draining, and a backend of its id serves in its place (another pool's)
 	full      bool // at max_concurrency: healthy but takes nothing new
 	cooling   bool // refused a request with 429: left out until coolTimer
 	// replaced: a reload handed the router worker(s) to a new backend of
@@ -321,10 +322,10 @@ func (b *backend) strike(streak *int, limit int, kind, reason string) {
 }
 
 // drain stops new requests to the backend (it is being removed).
-func (b *backend) drain() {
+func (b *backend) drain(succeeded bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.draining = true
+	b.draining, b.succeeded = true, succeeded
 	b.applyLocked()
 }
 
@@ -552,7 +553,13 @@ func (b *backend) applyLocked() {
 	}
 	if b.draining && b.probeOK && !b.ejected {
 		// A reload's doing, not an outage.
-		b.log.Info().Str("backend", b.cfg.ID).Msg("backend draining (removed by reload)")
+		if b.succeeded {
+			// Its model's pool was rebuilt (block size, tokenizer,
+			// template): the same engine goes on in the new one.
+			b.log.Info().Str("backend", b.cfg.ID).Msg("backend draining (replaced by reload: new requests go to its successor)")
+		} else {
+			b.log.Info().Str("backend", b.cfg.ID).Msg("backend draining (removed by reload)")
+		}
 		return
 	}
 	// A failing probe takes it out as an ejection does, and the ejections

@@ -193,4 +193,12 @@ func TestQueuedRequestsOfARebuiltModel(t *testing.T) {
 		t.Fatalf("the retry: %d %s", resp.StatusCode, b)
 	}
 	p.waitIdle(t)
+	// The old busy is replaced, as the reload's line says, not removed (the
+	// operator trial: its lines read as a backend gone).
+	waitRetired(t, p, "busy", true)
+	if logs := p.logs.String(); !strings.Contains(logs, `"backends_replaced":["busy"]`) ||
+		!strings.Contains(logs, `"backend":"busy","message":"backend draining (replaced by reload: new requests go to its successor)"`) ||
+		strings.Contains(logs, "removed by reload") {
+		t.Fatalf("the reload's lines: %s", logs)
+	}
 }
