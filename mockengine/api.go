@@ -57,6 +57,14 @@ func (e *Engine) Handler() http.Handler {
 	return mux
 }
 
+// minTokens is a request's min_tokens (0 when it names none).
+func minTokens(m *int) int {
+	if m == nil {
+		return 0
+	}
+	return *m
+}
+
 // apiRequest holds the fields of a chat or completions request the engine
 // understands; everything else is ignored, as vLLM ignores what it does not
 // use.
@@ -69,6 +77,7 @@ type apiRequest struct {
 	MaxTokens           *int            `json:"max_tokens"`
 	MaxCompletionTokens *int            `json:"max_completion_tokens"`
 	IgnoreEOS           bool            `json:"ignore_eos"`
+	MinTokens           *int            `json:"min_tokens"` // vLLM's: no end of sequence before it
 	Stream              bool            `json:"stream"`
 	StreamOptions       *struct {
 		IncludeUsage bool `json:"include_usage"`
@@ -338,6 +347,19 @@ func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiR
 			return nil, nil, 0, invalid("max_tokens", "max_tokens must be at least 1, got %d", maxTokens)
 		}
 	}
+	if m := req.MinTokens; m != nil {
+		// vLLM's SamplingParams checks, in its words. Without a max_tokens
+		// vLLM's default for chat is the context left, which a min_tokens
+		// may exceed 16 by: the answer is then made as long as it.
+		switch {
+		case *m < 0:
+			return nil, nil, 0, invalid("min_tokens", "min_tokens must be greater than or equal to 0, got %d.", *m)
+		case *m > maxTokens && (req.MaxTokens != nil || req.MaxCompletionTokens != nil):
+			return nil, nil, 0, invalid("min_tokens", "min_tokens must be less than or equal to max_tokens=%d, got %d.", maxTokens, *m)
+		case *m > maxTokens:
+			maxTokens = *m
+		}
+	}
 	var prompt []uint32
 	if chat {
 		msgs, err := chatMessages(req.Messages)
@@ -483,7 +505,7 @@ func (e *Engine) serveCompletion(w http.ResponseWriter, hr *http.Request, chat b
 		e.fail(w, tooLong("max_tokens", len(prompt), maxTokens, capacity))
 		return
 	}
-	r := e.newAnswer(prompt, maxTokens, req.IgnoreEOS, req.CacheSalt, force)
+	r := e.newAnswer(prompt, minTokens(req.MinTokens), maxTokens, req.IgnoreEOS, req.CacheSalt, force)
 	r.seq.LoRA = e.adapterOf(req.Model)
 	r.seq.RemoteKV = req.KVTransfer != nil && req.KVTransfer.DoRemotePrefill
 	if err := e.submit(r); err != nil {

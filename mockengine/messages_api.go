@@ -89,7 +89,7 @@ func (e *Engine) serveMessages(w http.ResponseWriter, hr *http.Request) {
 		e.failAnthropic(w, err)
 		return
 	}
-	r := e.newAnswer(c.prompt, c.maxTokens, c.req.IgnoreEOS, c.req.CacheSalt, c.force)
+	r := e.newAnswer(c.prompt, 0, c.maxTokens, c.req.IgnoreEOS, c.req.CacheSalt, c.force)
 	r.seq.LoRA = e.adapterOf(c.req.Model)
 	if err := e.submit(r); err != nil {
 		e.failAnthropic(w, err)

@@ -51,11 +51,13 @@ func mix64(x uint64) uint64 {
 // newRequest decides the answer: its length (exactly maxTokens with
 // ignoreEOS, otherwise a pseudo-random length in [1, maxTokens] seeded by
 // the prompt and the engine's seed) and its words.
-func (e *Engine) newRequest(prompt []uint32, maxTokens int, ignoreEOS bool, salt string) *request {
+func (e *Engine) newRequest(prompt []uint32, minTokens, maxTokens int, ignoreEOS bool, salt string) *request {
 	seed := mix64(uint64(e.cfg.Seed) ^ kv.LocalHash(prompt))
 	n := maxTokens
 	if !ignoreEOS {
-		n = 1 + int(seed%uint64(maxTokens))
+		// The end of sequence comes somewhere past min_tokens.
+		least := max(1, minTokens)
+		n = least + int(seed%uint64(maxTokens-least+1))
 	}
 	r := &request{
 		seq:    Seq{Prompt: prompt, MaxTokens: n, Output: make([]uint32, n), Salt: salt},

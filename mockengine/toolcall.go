@@ -98,9 +98,9 @@ func (c *toolCall) finishReason() string {
 // newAnswer is newRequest, or, when the request forces a call, a request
 // whose output tokens are the arguments' tokens, up to maxTokens
 // (ignore_eos has no say: the constrained output ends with the arguments).
-func (e *Engine) newAnswer(prompt []uint32, maxTokens int, ignoreEOS bool, salt string, force *forcedCall) *request {
+func (e *Engine) newAnswer(prompt []uint32, minTokens, maxTokens int, ignoreEOS bool, salt string, force *forcedCall) *request {
 	if force == nil {
-		return e.newRequest(prompt, maxTokens, ignoreEOS, salt)
+		return e.newRequest(prompt, minTokens, maxTokens, ignoreEOS, salt)
 	}
 	seed := mix64(uint64(e.cfg.Seed) ^ kv.LocalHash(prompt))
 	args := string(e.appendArguments(nil, force.tool.schema, seed, 0))
