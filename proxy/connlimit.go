@@ -40,8 +40,8 @@ func (l *capListener) Accept() (net.Conn, error) {
 			c.SetWriteDeadline(time.Now().Add(10 * time.Millisecond))
 			c.Write(l.refusal)
 		}
+		l.refused() // counted before the client sees the close (a test read the metric at once)
 		c.Close()
-		l.refused()
 	}
 }
 

@@ -14,6 +14,9 @@ import (
 // session's review).
 func TestHangUpDuringAnErrorAnswerIsNotTheEngines(t *testing.T) {
 	addr := startRawEngine(t, func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost {
+			return // the probe and the scrape
+		}
 		io.Copy(io.Discard, r.Body)
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(400)
@@ -27,6 +30,8 @@ func TestHangUpDuringAnErrorAnswerIsNotTheEngines(t *testing.T) {
 	time.Sleep(300 * time.Millisecond)
 	c.Close()
 	p.waitIdle(t)
+	// The slots are freed before the access line is written.
+	waitFor(t, "the access line", func() bool { return strings.Contains(p.logs.String(), `"message":"request"`) })
 	logs := p.logs.String()
 	if strings.Contains(logs, "backend ejected") || !strings.Contains(logs, `"status":499`) {
 		t.Fatalf("a client hanging up on an engine's error answer:\n%s", logs)

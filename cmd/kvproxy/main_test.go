@@ -16,16 +16,26 @@ import (
 	"github.com/kvproxy/kvproxy/internal/testutil"
 )
 
-// freePort returns a loopback port nothing listens on (at the time asked).
+// freePort returns a loopback port nothing listens on (at the time asked),
+// never one it returned before: the kernel may hand a port just released
+// out again, and two mocks of one configuration got the same (the flaky
+// test hunt: 1 run in 400).
 func freePort(t *testing.T) int {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	for {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := ln.Addr().(*net.TCPAddr).Port
+		ln.Close()
+		if _, given := portsGiven.LoadOrStore(port, true); !given {
+			return port
+		}
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
 }
+
+var portsGiven sync.Map
 
 type mockSpec struct {
 	id      string

@@ -252,6 +252,11 @@ func (r *mockRun) close() {
 		r.pub.Close()
 	}
 	r.e.Close()
+	// The engine closes only the listeners its Serve has taken: one
+	// started just before (a reload rejected at its next mock) would be
+	// closed later by Serve's goroutine, its port still taken when the
+	// answer said the reload was rejected. Closing twice is harmless.
+	r.ln.Close()
 }
 
 // connListener is a listener that knows how many of its connections are
