@@ -349,12 +349,13 @@ func (e *Engine) parse(w http.ResponseWriter, r *http.Request, chat bool) (*apiR
 	}
 	if m := req.MinTokens; m != nil {
 		// vLLM's SamplingParams checks, in its words. Without a max_tokens
-		// vLLM's default for chat is the context left, which a min_tokens
-		// may exceed 16 by: the answer is then made as long as it.
+		// vLLM's default is 16 for completions, and for chat the context
+		// left, which a min_tokens may exceed 16 by: the answer is then
+		// made as long as it.
 		switch {
 		case *m < 0:
 			return nil, nil, 0, invalid("min_tokens", "min_tokens must be greater than or equal to 0, got %d.", *m)
-		case *m > maxTokens && (req.MaxTokens != nil || req.MaxCompletionTokens != nil):
+		case *m > maxTokens && (!chat || req.MaxTokens != nil || req.MaxCompletionTokens != nil):
 			return nil, nil, 0, invalid("min_tokens", "min_tokens must be less than or equal to max_tokens=%d, got %d.", maxTokens, *m)
 		case *m > maxTokens:
 			maxTokens = *m

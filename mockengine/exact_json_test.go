@@ -71,7 +71,11 @@ func TestSamplingValuesChecked(t *testing.T) {
 			`"n":0`:                         "n must be at least 1, got 0.",
 			`"min_tokens":-1`:               "min_tokens must be greater than or equal to 0, got -1.",
 			`"min_tokens":9,"max_tokens":8`: "min_tokens must be less than or equal to max_tokens=8, got 9.",
+			`"min_tokens":17`:               "min_tokens must be less than or equal to max_tokens=16, got 17.",
 		} {
+			if member == `"min_tokens":17` && path == "/v1/chat/completions" {
+				continue // chat's default max_tokens is the context left
+			}
 			body := `{"prompt":"hi",` + member + `}`
 			if path == "/v1/chat/completions" {
 				body = `{"messages":[{"role":"user","content":"hi"}],` + member + `}`
@@ -101,13 +105,14 @@ func TestSamplingValuesChecked(t *testing.T) {
 
 // min_tokens is honoured as vLLM does: no end of sequence before it (the
 // operator trial: 300 asked, 29 to 226 given, each ending "stop"). Without
-// a max_tokens the answer may be as long as it.
+// a max_tokens a chat answer may be as long as it; a completion's default
+// max_tokens is 16, which bounds it (the review).
 func TestMinTokensHonoured(t *testing.T) {
 	_, url := startEngine(t, Config{})
 	for i, body := range []string{
 		`{"messages":[{"role":"user","content":"q%d"}],"min_tokens":40,"max_tokens":50}`,
 		`{"prompt":"q%d","min_tokens":40,"max_tokens":50}`,
-		`{"prompt":"q%d","min_tokens":40}`,
+		`{"messages":[{"role":"user","content":"q%d"}],"min_tokens":40}`,
 	} {
 		for j := 0; j < 8; j++ {
 			path := "/v1/completions"

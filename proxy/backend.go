@@ -554,9 +554,9 @@ func (b *backend) applyLocked() {
 	if b.draining && b.probeOK && !b.ejected {
 		// A reload's doing, not an outage.
 		if b.succeeded {
-			// Its model's pool was rebuilt (block size, tokenizer,
-			// template): the same engine goes on in the new one.
-			b.log.Info().Str("backend", b.cfg.ID).Msg("backend draining (replaced by reload: new requests go to its successor)")
+			// A backend of its id is in another pool: its model's, rebuilt
+			// (block size, tokenizer, template), or another model's.
+			b.log.Info().Str("backend", b.cfg.ID).Msg("backend draining (replaced by reload: a backend of its id takes the new requests)")
 		} else {
 			b.log.Info().Str("backend", b.cfg.ID).Msg("backend draining (removed by reload)")
 		}

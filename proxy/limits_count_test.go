@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvproxy/kvproxy/config"
 )
@@ -256,4 +257,36 @@ limits: {max_prompt_tokens: 1000}
 		}
 	}
 	p.waitIdle(t)
+}
+
+// A reload's new limits against what a tenant had left: raised, it keeps
+// what it spent and gets the difference; lowered, it keeps what it had
+// left up to the new burst, not a debt of what it spent above it (the
+// review: 800 of 1,000 tokens spent, lowered to 100, was 7 minutes of 429s).
+func TestReloadedBucketLevels(t *testing.T) {
+	for _, tc := range []struct {
+		name                      string
+		requests                  bool
+		oldBurst, level, newBurst float64
+		wantLevel                 float64
+	}{
+		{"tokens raised", false, 300, 60, 600, 360},
+		{"tokens lowered below what was left", false, 1000, 200, 100, 100},
+		{"tokens lowered above what was left", false, 1000, 50, 100, 50},
+		{"requests lowered", true, 50, 5, 5, 5},
+		{"tokens in debt, raised", false, 100, -50, 200, 50},
+	} {
+		old := &tenant{}
+		b := newBucket(tc.oldBurst/60, tc.oldBurst, &tokenLimitHeaders)
+		b.level, b.last = tc.level, time.Now()
+		if tc.requests {
+			old.requests = b
+		} else {
+			old.tokens = b
+		}
+		nb := reuseBucket(old, tc.requests, tc.newBurst/60, tc.newBurst)
+		if nb.level < tc.wantLevel-0.01 || nb.level > tc.wantLevel+0.01 {
+			t.Errorf("%s: level %.2f, want %.0f", tc.name, nb.level, tc.wantLevel)
+		}
+	}
 }

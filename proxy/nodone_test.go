@@ -1,12 +1,16 @@
 package proxy
 
 import (
+	"bufio"
 	"encoding/json"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
+
+	"github.com/valyala/fasthttp"
 )
 
 // noDoneEngine streams answers as engines that leave out data: [DONE] do
@@ -34,11 +38,23 @@ func noDoneEngine(t *testing.T) *httptest.Server {
 			return
 		}
 		chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}`)
-		chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"logprobs":null,"finish_reason":null,"stop_reason":null}]}`)
-		if len(req.Messages) > 0 && req.Messages[0].Content == "cut" {
+		switch req.Messages[0].Content {
+		case "cut":
+			chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"logprobs":null,"finish_reason":null,"stop_reason":null}]}`)
+			return
+		case "empty": // SGLang 0.4.3's mid-answer finish_reason
+			chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":""}]}`)
+			return
+		case "two": // n 2: choice 1 finishes, choice 0 does not
+			chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}`)
+			chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":1,"delta":{"content":"yo"},"finish_reason":"stop"}]}`)
 			return
 		}
+		chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"logprobs":null,"finish_reason":null,"stop_reason":null}]}`)
 		chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" there"},"logprobs":null,"finish_reason": "stop","stop_reason":null}]}`)
+		if req.Messages[0].Content == "no usage" {
+			return
+		}
 		chunk(`{"id":"c","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}`)
 	}))
 	t.Cleanup(engine.Close)
@@ -74,23 +90,65 @@ func TestEngineWithoutDoneAnswersInFull(t *testing.T) {
 	}
 }
 
-// Without a finish_reason, a body that ends is an answer cut short: the
-// client is told so with an error event, and the engine is taken out.
+// Without all of the answer's end, a body that ends is an answer cut
+// short: the client is told so with an error event, and the engine is
+// taken out. Its end is a finish_reason (not "", which SGLang 0.4.3 sent
+// mid-answer) for the one choice asked for (one choice of two finishing
+// says nothing of the other), and the usage chunk when one was asked for
+// (the review).
 func TestEngineEndingBeforeTheFinishFailsTheStream(t *testing.T) {
+	chat := func(content, more string) string {
+		return `{"model":"m","stream":true` + more + `,"messages":[{"role":"user","content":"` + content + `"}]}`
+	}
 	for _, tc := range []struct{ path, body string }{
-		{"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"cut"}]}`},
+		{"/v1/chat/completions", chat("cut", "")},
 		{"/v1/completions", `{"model":"m","stream":true,"prompt":"cut"}`},
+		{"/v1/chat/completions", chat("empty", "")},
+		{"/v1/chat/completions", chat("two", `,"n":2`)},
+		{"/v1/chat/completions", chat("no usage", `,"stream_options":{"include_usage":true}`)},
 	} {
 		engine := noDoneEngine(t)
 		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: '"+engine.URL+"', model: m}]\n")
 		resp, b := post(t, p.url+tc.path, tc.body)
 		out := string(b)
 		if resp.StatusCode != 200 || !strings.Contains(out, `"code":"backend_failed"`) || !strings.HasSuffix(out, "data: [DONE]\n\n") {
-			t.Fatalf("%s: %d\n%s", tc.path, resp.StatusCode, out)
-		}
-		if !ejected(p, "e0") {
-			t.Fatalf("%s: an engine that cut its answer short is not ejected", tc.path)
+			t.Errorf("%s %s: %d\n%s", tc.path, tc.body, resp.StatusCode, out)
+		} else if !ejected(p, "e0") {
+			t.Errorf("%s %s: an engine that cut its answer short is not ejected", tc.path, tc.body)
 		}
 		p.waitIdle(t)
 	}
+}
+
+// A body that ends with its connection (no length, not chunked) ends the
+// same way when the engine crashes: it is not taken for a whole answer.
+func TestCloseDelimitedStreamWithoutDoneFails(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				var req fasthttp.Request
+				if req.Read(bufio.NewReader(c)) != nil || string(req.Header.Method()) != "POST" {
+					return
+				}
+				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"+
+					`data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}`+"\n\n")
+			}()
+		}
+	}()
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://"+ln.Addr().String()+"', model: m}]\n")
+	resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+	if out := string(b); resp.StatusCode != 200 || !strings.Contains(out, `"code":"backend_failed"`) {
+		t.Fatalf("%d\n%s", resp.StatusCode, out)
+	}
+	p.waitIdle(t)
 }

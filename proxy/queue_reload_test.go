@@ -197,7 +197,7 @@ func TestQueuedRequestsOfARebuiltModel(t *testing.T) {
 	// operator trial: its lines read as a backend gone).
 	waitRetired(t, p, "busy", true)
 	if logs := p.logs.String(); !strings.Contains(logs, `"backends_replaced":["busy"]`) ||
-		!strings.Contains(logs, `"backend":"busy","message":"backend draining (replaced by reload: new requests go to its successor)"`) ||
+		!strings.Contains(logs, `"backend":"busy","message":"backend draining (replaced by reload: a backend of its id takes the new requests)"`) ||
 		strings.Contains(logs, "removed by reload") {
 		t.Fatalf("the reload's lines: %s", logs)
 	}

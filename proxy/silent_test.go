@@ -119,3 +119,34 @@ func TestStallAfterDoneEndsTheStream(t *testing.T) {
 		t.Fatalf("access log: %s", l)
 	}
 }
+
+// The engine's 2 s after [DONE] are a budget of its own time, not 2 s per
+// read: an engine that trickles a comment every 500 ms after [DONE] held the
+// client for as long as it went on (the review: 8 s for 8 pings).
+func TestTrickleAfterDoneEndsTheStream(t *testing.T) {
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost {
+			return
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, `data: {"id":"c1","object":"text_completion","choices":[{"index":0,"text":"hi","finish_reason":"stop"}]}`+"\n\ndata: [DONE]\n\n")
+		w.(http.Flusher).Flush()
+		for i := 0; i < 16; i++ {
+			select {
+			case <-r.Context().Done():
+				return
+			case <-time.After(500 * time.Millisecond):
+			}
+			io.WriteString(w, ": ping\n\n")
+			w.(http.Flusher).Flush()
+		}
+	}))
+	defer engine.Close()
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: '"+engine.URL+"', model: m}]\nlimits: {stream_idle_timeout: 30s}\n")
+	start := time.Now()
+	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x","stream":true}`)
+	if took := time.Since(start); resp.StatusCode != 200 || strings.Contains(string(b), "error") || took > endGrace+2*time.Second {
+		t.Fatalf("%d after %v, want the end about endGrace (%v) after [DONE]:\n%s", resp.StatusCode, took, endGrace, b)
+	}
+	p.waitIdle(t)
+}

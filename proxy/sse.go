@@ -37,10 +37,12 @@ type relay struct {
 	// finished: the last chunk with choices gave a finish_reason, so an
 	// engine that ends its body there without [DONE] answered in full.
 	finished bool
-	relayed  int // a Responses stream's events: its next sequence_number
-	blocks   int
-	ended    bool // the engine's stream is over (or failed): nothing more to send
-	closed   bool
+	// afterDone: the time spent waiting for the engine since [DONE]
+	afterDone time.Duration
+	relayed   int // a Responses stream's events: its next sequence_number
+	blocks    int
+	ended     bool // the engine's stream is over (or failed): nothing more to send
+	closed    bool
 	// A stream continued on another engine (migrate): resumed until that
 	// engine's first token (the events before it, which restate the role,
 	// are dropped), restarted until its first event (its prefill);
@@ -135,13 +137,21 @@ func (r *relay) nextBatch() []byte {
 			err = errEventTooLarge
 			break
 		}
-		if r.sawDone {
-			// Counted from this read: the time a slow client took to
-			// take the last events is not the engine's.
-			r.body.EndBy(endGrace)
+		ending := r.sawDone
+		var t0 time.Time
+		if ending {
+			// What is left of endGrace, counted in the engine's time
+			// only: the time a slow client took to take the last events
+			// between two reads is not the engine's, and an engine that
+			// trickles bytes after [DONE] does not get 2 s per read.
+			t0 = time.Now()
+			r.body.EndBy(endGrace - r.afterDone)
 		}
 		var n int
 		n, err = r.body.Read(f.free())
+		if ending {
+			r.afterDone += time.Since(t0)
+		}
 		if n > 0 {
 			r.x.heard.Store(coarseNow())
 		}
@@ -205,12 +215,17 @@ func (r *relay) end(out []byte, err error) []byte {
 		if rest := r.f.pending(); len(rest) > 0 { // bytes after [DONE] without a blank line
 			out = append(append(out, rest...), "\n\n"...)
 		}
-	case err == io.EOF && r.finished && (x.api == apiChat || x.api == apiCompletions) && len(bytes.TrimSpace(r.f.pending())) == 0:
-		// The body ended cleanly after the answer's finish_reason, with
-		// no [DONE]: engines that leave it out (llama.cpp before late
-		// 2024, TGI before mid-2024, ik_llama.cpp without --send-done)
-		// answered in full. The client gets the [DONE] OpenAI sends, and
-		// the engine is not taken for one that died mid-answer.
+	case err == io.EOF && r.finished && x.oneAnswer && r.resp != nil && (!x.wantsUsage || x.usage.prompt >= 0) &&
+		(x.api == apiChat || x.api == apiCompletions) && len(bytes.TrimSpace(r.f.pending())) == 0 &&
+		r.resp.Header.ContentLength() != -2:
+		// The body ended cleanly after the answer's finish_reason (and its
+		// usage, when asked for), with no [DONE]: engines that leave it
+		// out (llama.cpp before late 2024, TGI before mid-2024,
+		// ik_llama.cpp without --send-done) answered in full. The client
+		// gets the [DONE] OpenAI sends, and the engine is not taken for
+		// one that died mid-answer. Not for several choices (one
+		// finishing says nothing of the others), nor for a body that ends
+		// with its connection, where a crash reads as its end.
 		x.b.succeed()
 		if x.b.noDoneSaid.CompareAndSwap(false, true) {
 			x.b.log.Info().Str("backend", x.b.cfg.ID).
@@ -438,7 +453,7 @@ func firstMember(data []byte) (key, val []byte, ok bool) {
 
 func (r *relay) onData(data []byte) {
 	if v, ok := finishValue(data); ok { // none in a usage chunk (no choices)
-		r.finished = len(v) > 0 && v[0] == '"'
+		r.finished = len(v) > 1 && v[0] == '"' && v[1] != '"' // SGLang 0.4.3 sent "" mid-answer
 	}
 	k, v := outputOf(data)
 	if m := r.x.mig; m != nil {

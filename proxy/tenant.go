@@ -184,13 +184,17 @@ func reuseBucket(old *tenant, requests bool, rate, burst float64) *bucket {
 		if b != nil {
 			// New limits, not a new allowance: the tenant keeps what it
 			// has spent, or a reload would refill the bucket of a tenant
-			// being throttled; a raised limit gives it the difference at
-			// once (it kept what it had left, no more than before).
+			// being throttled. A raised limit gives it the difference at
+			// once (it kept what it had left, no more than before); a
+			// lowered one leaves it what it had left, up to the new
+			// burst, not a debt of what it spent above it (minutes of
+			// refusals for what the old limit allowed).
 			nb := newBucket(rate, burst, headers)
 			b.mu.Lock()
-			spent := b.burst - math.Min(b.burst, b.level+nb.last.Sub(b.last).Seconds()*b.rate)
+			left := math.Min(b.burst, b.level+nb.last.Sub(b.last).Seconds()*b.rate)
+			spent := b.burst - left
 			b.mu.Unlock()
-			nb.level = burst - spent
+			nb.level = math.Max(burst-spent, math.Min(burst, left))
 			return nb
 		}
 	}
