@@ -56,10 +56,8 @@ type exchange struct {
 	// relayed as it comes, unread.
 	pass bool
 	// oneAnswer: the request asks for one choice (n 1, no batch of
-	// prompts); wantsUsage: its stream ends with a usage chunk
-	// (stream_options.include_usage). What a stream without [DONE] must
-	// have had to be whole.
-	oneAnswer, wantsUsage bool
+	// prompts), whose finish_reason ends a stream without [DONE].
+	oneAnswer bool
 
 	status       int
 	refused      int    // the status of the last refusal that made it retry
@@ -485,7 +483,6 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	x := s.newExchange(rid, engineID, path, req.stream, start, p, req.model)
 	x.tenant, x.promptTokens, x.slot, x.resp, x.api, x.budget = t.name, counted, in.slot, ids, kind, t.tokens
 	x.oneAnswer = req.oneChoice && len(req.batchTexts)+len(req.batchTokens) == 0
-	x.wantsUsage = req.wantsUsage
 	prio := t.queuePriority(req.priority, req.priorityGiven && !req.priorityOdd)
 	x.priority, req.dropPriority, req.priorityTo = prio, t.capped, prio
 	x.migrations = lim.MigrationLimit

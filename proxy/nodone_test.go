@@ -79,6 +79,11 @@ func TestEngineWithoutDoneAnswersInFull(t *testing.T) {
 		if out := string(b); resp.StatusCode != 200 || strings.Contains(out, "error") || !strings.HasSuffix(out, `"text":"lo"}],"object":"text_completion"}`+"\n\ndata: [DONE]\n\n") {
 			t.Fatalf("completion stream %d: %d\n%s", i, resp.StatusCode, out)
 		}
+		// An engine that ignores include_usage (TGI): the answer is whole.
+		resp, b = post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"no usage"}]}`)
+		if out := string(b); resp.StatusCode != 200 || strings.Contains(out, "error") || !strings.HasSuffix(out, `"finish_reason": "stop","stop_reason":null}]}`+"\n\ndata: [DONE]\n\n") {
+			t.Fatalf("chat stream %d without its usage chunk: %d\n%s", i, resp.StatusCode, out)
+		}
 		if ejected(p, "e0") {
 			t.Fatalf("after stream %d the engine is ejected: %s", i, p.logs.String())
 		}
@@ -90,12 +95,11 @@ func TestEngineWithoutDoneAnswersInFull(t *testing.T) {
 	}
 }
 
-// Without all of the answer's end, a body that ends is an answer cut
-// short: the client is told so with an error event, and the engine is
-// taken out. Its end is a finish_reason (not "", which SGLang 0.4.3 sent
-// mid-answer) for the one choice asked for (one choice of two finishing
-// says nothing of the other), and the usage chunk when one was asked for
-// (the review).
+// Without the answer's end, a body that ends is an answer cut short: the
+// client is told so with an error event, and the engine is taken out. Its
+// end is a finish_reason (not "", which SGLang 0.4.3 sent mid-answer) for
+// the one choice asked for (one choice of two finishing says nothing of
+// the other; the review).
 func TestEngineEndingBeforeTheFinishFailsTheStream(t *testing.T) {
 	chat := func(content, more string) string {
 		return `{"model":"m","stream":true` + more + `,"messages":[{"role":"user","content":"` + content + `"}]}`
@@ -105,7 +109,6 @@ func TestEngineEndingBeforeTheFinishFailsTheStream(t *testing.T) {
 		{"/v1/completions", `{"model":"m","stream":true,"prompt":"cut"}`},
 		{"/v1/chat/completions", chat("empty", "")},
 		{"/v1/chat/completions", chat("two", `,"n":2`)},
-		{"/v1/chat/completions", chat("no usage", `,"stream_options":{"include_usage":true}`)},
 	} {
 		engine := noDoneEngine(t)
 		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: '"+engine.URL+"', model: m}]\n")

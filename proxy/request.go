@@ -97,8 +97,6 @@ type apiRequest struct {
 	// oneChoice: the request asks for one sequence (n absent, null or 1;
 	// 2.0 and "2" are two to vLLM)
 	oneChoice bool
-	// wantsUsage: stream_options.include_usage is true
-	wantsUsage bool
 	// prefillStage makes forwardBody the body of a disaggregated prefill
 	// (one token, not streamed, kv_transfer_params asking for the KV to be
 	// kept for a decode engine); kvParams, when set, are the
@@ -217,9 +215,6 @@ func (r *apiRequest) readCommon() *paramError {
 		}
 	}
 	r.oneChoice = f.N == nil || isNull(f.N) || string(f.N) == "1"
-	if v := valueAfter(f.StreamOptions, includeUsageKey); len(v) > 0 && v[0] == 't' {
-		r.wantsUsage = true
-	}
 	if raw := f.Priority; raw != nil {
 		r.priorityGiven = true
 		r.priority, r.priorityOdd = jsonInt(raw)
@@ -721,11 +716,8 @@ type wireFields struct {
 	MaxCompletionTokens json.RawMessage `json:"max_completion_tokens"`
 	MaxOutputTokens     json.RawMessage `json:"max_output_tokens"`
 	N                   json.RawMessage `json:"n"`
-	StreamOptions       json.RawMessage `json:"stream_options"`
 	Priority            json.RawMessage `json:"priority"` // vLLM's: lower is handled earlier
 }
-
-var includeUsageKey = []byte(`"include_usage":`)
 
 // slot is the field a member named key fills; nil for the others.
 func (f *wireFields) slot(key []byte) *json.RawMessage {
@@ -756,8 +748,6 @@ func (f *wireFields) slot(key []byte) *json.RawMessage {
 		return &f.Priority
 	case keyIs(key, "n"):
 		return &f.N
-	case keyIs(key, "stream_options"):
-		return &f.StreamOptions
 	}
 	return nil
 }

@@ -215,17 +215,19 @@ func (r *relay) end(out []byte, err error) []byte {
 		if rest := r.f.pending(); len(rest) > 0 { // bytes after [DONE] without a blank line
 			out = append(append(out, rest...), "\n\n"...)
 		}
-	case err == io.EOF && r.finished && x.oneAnswer && r.resp != nil && (!x.wantsUsage || x.usage.prompt >= 0) &&
+	case err == io.EOF && r.finished && x.oneAnswer && r.resp != nil &&
 		(x.api == apiChat || x.api == apiCompletions) && len(bytes.TrimSpace(r.f.pending())) == 0 &&
 		r.resp.Header.ContentLength() != -2:
-		// The body ended cleanly after the answer's finish_reason (and its
-		// usage, when asked for), with no [DONE]: engines that leave it
-		// out (llama.cpp before late 2024, TGI before mid-2024,
-		// ik_llama.cpp without --send-done) answered in full. The client
-		// gets the [DONE] OpenAI sends, and the engine is not taken for
-		// one that died mid-answer. Not for several choices (one
-		// finishing says nothing of the others), nor for a body that ends
-		// with its connection, where a crash reads as its end.
+		// The body ended cleanly after the answer's finish_reason, with
+		// no [DONE]: engines that leave it out (llama.cpp before late
+		// 2024, TGI before mid-2024, ik_llama.cpp without --send-done)
+		// answered in full. The client gets the [DONE] OpenAI sends, and
+		// the engine is not taken for one that died mid-answer. Not for
+		// several choices (one finishing says nothing of the others), nor
+		// for a body that ends with its connection, where a crash reads
+		// as its end. A usage chunk asked for and missing is not waited
+		// for: such engines may not send one (TGI ignores include_usage),
+		// and kvproxy then meters by its own count.
 		x.b.succeed()
 		if x.b.noDoneSaid.CompareAndSwap(false, true) {
 			x.b.log.Info().Str("backend", x.b.cfg.ID).
