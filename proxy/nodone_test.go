@@ -9,8 +9,6 @@ import (
 	"net/http/httptest"
 	"strings"
 	"testing"
-
-	"github.com/valyala/fasthttp"
 )
 
 // noDoneEngine streams answers as engines that leave out data: [DONE] do
@@ -126,29 +124,11 @@ func TestEngineEndingBeforeTheFinishFailsTheStream(t *testing.T) {
 // A body that ends with its connection (no length, not chunked) ends the
 // same way when the engine crashes: it is not taken for a whole answer.
 func TestCloseDelimitedStreamWithoutDoneFails(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				var req fasthttp.Request
-				if req.Read(bufio.NewReader(c)) != nil || string(req.Header.Method()) != "POST" {
-					return
-				}
-				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"+
-					`data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}`+"\n\n")
-			}()
-		}
-	}()
-	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://"+ln.Addr().String()+"', model: m}]\n")
+	e := rawEngine(t, func(c net.Conn, _ *bufio.Reader) {
+		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"+
+			`data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}`+"\n\n")
+	})
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://"+e.addr+"', model: m}]\n")
 	resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
 	if out := string(b); resp.StatusCode != 200 || !strings.Contains(out, `"code":"backend_failed"`) {
 		t.Fatalf("%d\n%s", resp.StatusCode, out)
