@@ -502,8 +502,9 @@ func (r *relay) firstEvent() {
 
 // finishValue finds a chunk's "finish_reason" and returns what follows its
 // colon, spaces skipped. The search is for "_reason": (measured: from the
-// name's opening quote, which starts every member, it cost half the relay's
-// time per event; from '_', rare in a chunk, nothing measurable).
+// name's opening quote, which starts every member, it made the relay's time
+// per event half as long again; from '_', rare in a chunk, nothing
+// measurable).
 func finishValue(data []byte) ([]byte, bool) {
 	for off := 0; ; {
 		i := bytes.Index(data[off:], reasonSuffix)
