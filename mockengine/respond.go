@@ -49,8 +49,8 @@ func mix64(x uint64) uint64 {
 }
 
 // newRequest decides the answer: its length (exactly maxTokens with
-// ignoreEOS, otherwise a pseudo-random length in [1, maxTokens] seeded by
-// the prompt and the engine's seed) and its words.
+// ignoreEOS, otherwise a pseudo-random length in [max(1, minTokens),
+// maxTokens] seeded by the prompt and the engine's seed) and its words.
 func (e *Engine) newRequest(prompt []uint32, minTokens, maxTokens int, ignoreEOS bool, salt string) *request {
 	seed := mix64(uint64(e.cfg.Seed) ^ kv.LocalHash(prompt))
 	n := maxTokens

@@ -45,9 +45,9 @@ func (s *Server) unavailable(ctx *fasthttp.RequestCtx, why unavailableReason, ms
 	ctx.Response.Header.Set("Retry-After", "1")
 	code := "no_backend_available"
 	switch why {
-	case whyQueueFull, whyQueueTimeout: // saturation, which a client backs off from, not an outage
-		code = string(why)
-	case whyRemoved: // a reload in progress: a retry is served at once
+	case whyQueueFull, whyQueueTimeout, whyRemoved:
+		// Saturation, which a client backs off from, or a reload, past
+		// which a retry is served at once: not an outage.
 		code = string(why)
 	}
 	writeError(ctx, fasthttp.StatusServiceUnavailable, msg, "service_unavailable", "", code)

@@ -449,7 +449,7 @@ func (s *Server) activate(st, prev *state) {
 		rebuilt := replaced && reflect.DeepEqual(nb.cfg, old.cfg)
 		old.retiring.Store(true) // before retire reads its inflight: see route
 		s.retiring.Store(old, struct{}{})
-		go s.retire(old, replaced, rebuilt, nb != nil, st.cfg.Limits.DrainTimeout)
+		go s.retire(old, replaced, rebuilt, st.cfg.Limits.DrainTimeout)
 	}
 }
 
@@ -505,7 +505,7 @@ func upstreamLimitsChanged(a, b config.Limits) []string {
 // replaced by a new configuration of the same id keeps its worker and index;
 // rebuilt: with the same settings (upstreamLimitsChanged), which the
 // reload's line reports, so its retirement is logged at debug only.
-func (s *Server) retire(b *backend, replaced, rebuilt, succeeded bool, timeout time.Duration) {
+func (s *Server) retire(b *backend, replaced, rebuilt bool, timeout time.Duration) {
 	deadline := time.Now().Add(timeout)
 	for time.Now().Before(deadline) && b.inflight.Load() > 0 {
 		time.Sleep(50 * time.Millisecond)
@@ -534,7 +534,10 @@ func (s *Server) retire(b *backend, replaced, rebuilt, succeeded bool, timeout t
 		// Logged before AwaitRetired can return: whoever stops the engine
 		// then finds the line in the log.
 		// "replaced" as the reload's backends_replaced: a backend of its
-		// id took over (in its pool, or in its model's rebuilt one).
+		// id took over (in its pool, or in another: drain said which).
+		b.mu.Lock()
+		succeeded := replaced || b.succeeded
+		b.mu.Unlock()
 		ev.Str("backend", b.cfg.ID).Bool("replaced", succeeded).Msg("backend retired")
 		s.retiring.Delete(b)
 		s.signalRetired()
