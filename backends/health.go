@@ -101,6 +101,10 @@ type ProbeURL struct {
 	APIKey string
 	// Insecure: an https engine whose certificate is not checked.
 	Insecure bool
+	// Slow is how long the engine itself takes to answer a healthy probe,
+	// added to the probe's timeout: SGLang's /health waits a second before
+	// it looks whether its engine produced anything.
+	Slow time.Duration
 }
 
 // Add registers an engine, or replaces the registration of id; onChange is
@@ -194,7 +198,7 @@ func (p *Prober) probe(t *probeTarget) {
 	if t.Insecure {
 		c = p.insecure
 	}
-	err := c.DoTimeout(req, resp, p.cfg.Timeout)
+	err := c.DoTimeout(req, resp, p.cfg.Timeout+t.Slow)
 	ok := err == nil && resp.StatusCode() == fasthttp.StatusOK
 	why := ""
 	switch {

@@ -143,18 +143,32 @@ func (b *backend) isAvailable() bool {
 	return b.available
 }
 
-// setProbe records an active health probe result (why: what failed).
 // probeURL is what b's health probe asks: GET /health, as vLLM and SGLang
 // serve it; for kind: openai, GET /v1/models with its api_key, which every
 // OpenAI-compatible server has and many have no /health.
+//
+// SGLang's /health runs a one-token generation (unless started with
+// SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false) and looks once a second
+// whether its engine has produced anything, from a second after the probe
+// came: a healthy engine answers after one second, or two when one of its
+// steps (a long prefill chunk) outlasts the first. Its probe gets those two
+// on top of health.timeout: with vLLM's 1 s every SGLang engine was down.
 func (b *backend) probeURL() backends.ProbeURL {
 	u := backends.ProbeURL{URL: b.base + "/health", Insecure: b.cfg.InsecureSkipVerify}
-	if b.cfg.Kind == config.KindOpenAI {
+	switch b.cfg.Kind {
+	case config.KindOpenAI:
 		u.URL, u.APIKey = b.base+"/v1/models", b.cfg.APIKey
+	case config.KindSGLang:
+		u.Slow = sglangHealthWait
 	}
 	return u
 }
 
+// sglangHealthWait is how long SGLang's /health may take when its engine
+// is well (see probeURL).
+const sglangHealthWait = 2 * time.Second
+
+// setProbe records an active health probe result (why: what failed).
 // It reports whether the probe started failing with this result.
 func (b *backend) setProbe(ok bool, why string) (failing bool) {
 	b.mu.Lock()

@@ -25,8 +25,24 @@ func normalizeEngineError(status int, body []byte) []byte {
 		Param   *string         `json:"param"`
 		Code    json.RawMessage `json:"code"`
 		Detail  json.RawMessage `json:"detail"`
+		// TGI's error names its kind here, its message being "error".
+		ErrorType string `json:"error_type"`
 	}
 	if json.Unmarshal(body, &probe) == nil {
+		if len(probe.Error) > 0 && probe.Error[0] == '"' {
+			// TGI's shape: {"error": "...", "error_type": "validation"}.
+			// A validation error in a stream's frame (passed as a 500) is
+			// the request's fault, as TGI's 422 says it unstreamed.
+			var msg string
+			json.Unmarshal(probe.Error, &msg)
+			if probe.ErrorType == "validation" && status >= 500 {
+				status = 400
+			}
+			if msg == "" {
+				msg = "the engine answered with status " + strconv.Itoa(status)
+			}
+			return engineErrorJSON(status, msg, "", "", nil)
+		}
 		if len(probe.Error) > 0 && probe.Error[0] == '{' {
 			// OpenAI's shape. Passed on as it is when complete; filled in
 			// when a member is missing, and a numeric code (vLLM sends the
@@ -120,9 +136,12 @@ func openAIType(typ string) bool {
 // exceedsContext reports whether an engine's message says the prompt (with
 // max_tokens) does not fit the model's context: vLLM's "This model's maximum
 // context length is N tokens…" and "…is longer than the maximum model
-// length…", SGLang's "…exceeds the maximum allowed length…".
+// length…", SGLang's "…exceeds the maximum allowed length…", TGI's
+// "`inputs` tokens + `max_new_tokens` must be <= N" and "`inputs` must have
+// less than N tokens".
 func exceedsContext(msg string) bool {
-	for _, s := range [...]string{"maximum context length", "longer than the maximum model length", "exceeds the maximum allowed length"} {
+	for _, s := range [...]string{"maximum context length", "longer than the maximum model length", "exceeds the maximum allowed length",
+		"`inputs` tokens + `max_new_tokens` must be <=", "`inputs` must have less than"} {
 		if strings.Contains(msg, s) {
 			return true
 		}

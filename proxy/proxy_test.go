@@ -865,6 +865,10 @@ func TestNormalizeEngineError(t *testing.T) {
 		`{"error":{"type":"t","param":"p","code":null}}`:                                       `{"error":{"message":"the engine answered with status 500","type":"t","param":"p","code":null}}`,
 		`Internal Server Error`:                                                                `{"error":{"message":"Internal Server Error","type":"server_error","param":null,"code":null}}`,
 		`{"detail":"Not Found"}`:                                                               `{"error":{"message":"engine error: \"Not Found\"","type":"server_error","param":null,"code":null}}`,
+		// TGI's: the message in "error", its kind in "error_type"; a
+		// validation error is the request's fault even in a stream's frame.
+		`{"error":"Request failed during generation: CUDA OOM","error_type":"generation"}`: `{"error":{"message":"Request failed during generation: CUDA OOM","type":"server_error","param":null,"code":null}}`,
+		`{"error":"Input validation error: bad","error_type":"validation"}`:                `{"error":{"message":"Input validation error: bad","type":"invalid_request_error","param":null,"code":null}}`,
 	}
 	for in, want := range cases {
 		if got := string(normalizeEngineError(500, []byte(in))); got != want {
@@ -877,6 +881,7 @@ func TestNormalizeEngineError(t *testing.T) {
 		`{"object":"error","message":"This model's maximum context length is 4096 tokens. However, your request has 5000 input tokens. Please reduce the length of the input messages.","type":"BadRequestError","param":null,"code":400}`:                                   `"param":null,"code":"context_length_exceeded"}}`,
 		`{"error":{"message":"The decoder prompt (length 9000) is longer than the maximum model length of 8192.","type":"BadRequestError","param":null,"code":400}}`:                                                                                                         `"code":"context_length_exceeded"}}`,
 		`{"error":{"message":"This model's maximum context length is 4096 tokens.","type":"invalid_request_error","param":null,"code":"prompt_too_long"}}`:                                                                                                                   `"code":"prompt_too_long"}}`,
+		"{\"error\":\"Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096. Given: 4000 `inputs` tokens and 200 `max_new_tokens`\",\"error_type\":\"validation\"}":                                                                                     `"code":"context_length_exceeded"}}`,
 	}
 	for in, want := range tooLong {
 		if got := string(normalizeEngineError(400, []byte(in))); !strings.HasSuffix(got, want) {

@@ -37,6 +37,9 @@ type relay struct {
 	// finished: the last chunk with choices gave a finish_reason, so an
 	// engine that ends its body there without [DONE] answered in full.
 	finished bool
+	// sawError: the engine sent an error frame (it answered, with an
+	// error: a body that ends after it is not an engine failing).
+	sawError bool
 	// afterDone: the time spent waiting for the engine since [DONE]
 	afterDone time.Duration
 	relayed   int // a Responses stream's events: its next sequence_number
@@ -160,6 +163,12 @@ func (r *relay) nextBatch() []byte {
 			f.atEOF()
 		}
 		out = r.events(out)
+		if errors.Is(err, io.EOF) && lastEventWhole(f.pending()) {
+			// The body ended cleanly on an event without its blank
+			// line: the OpenAI SDKs take it, and so does kvproxy.
+			f.endEvent()
+			out = r.events(out)
+		}
 		// What the engine has already sent goes out in the same chunk: one
 		// client write per burst, not per engine chunk, as a pipe would.
 		if err != nil || len(out) >= maxBatch || r.body.Buffered() == 0 {
@@ -203,14 +212,13 @@ func (r *relay) end(out []byte, err error) []byte {
 	x := r.x
 	r.ended = true
 	switch {
-	case r.sawDone && (errors.Is(err, io.EOF) || errors.Is(err, backends.ErrTruncated) ||
-		errors.Is(err, backends.ErrAborted) || x.ab.Aborted() || backends.IsTimeout(err)):
-		// Complete: a connection dropped after [DONE], or one aborted
-		// (a cut, or a client that hung up once it had [DONE], as SDKs
-		// do, before the engine closed its stream), or an engine that did
-		// not end its body within endGrace of [DONE], adds nothing. A
-		// [DONE] not yet written goes in out, and a client gone since
-		// fails that write: a 499 still.
+	case r.sawDone && !errors.Is(err, errEventTooLarge):
+		// Complete, whatever ends the body after [DONE]: a connection
+		// dropped or reset, one aborted (a cut, or a client that hung up
+		// once it had [DONE], as SDKs do, before the engine closed its
+		// stream), or an engine that did not end its body within endGrace
+		// of [DONE], adds nothing. A [DONE] not yet written goes in out,
+		// and a client gone since fails that write: a 499 still.
 		x.b.succeed()
 		if rest := r.f.pending(); len(rest) > 0 { // bytes after [DONE] without a blank line
 			out = append(append(out, rest...), "\n\n"...)
@@ -233,6 +241,13 @@ func (r *relay) end(out []byte, err error) []byte {
 			x.b.log.Info().Str("backend", x.b.cfg.ID).
 				Msg("the engine ends its streams without data: [DONE] (after the finish_reason): kvproxy adds it for the clients")
 		}
+		out = append(out, doneEvent...)
+	case err == io.EOF && r.sawError:
+		// The engine answered with an error frame and ended its body
+		// without [DONE] (TGI before mid-2024): the client has the error,
+		// and gets the [DONE] vLLM sends after one. The engine is not
+		// taken for one that failed, nor is the request moved.
+		x.b.succeed()
 		out = append(out, doneEvent...)
 	case (errors.Is(err, backends.ErrAborted) || x.ab.Aborted()) && x.s.live.isCut():
 		x.errMsg = errCutMsg
@@ -371,13 +386,15 @@ func (r *relay) onEvent(ev []byte) []byte {
 			}
 		}
 		if isErrorFrame(data) {
+			r.sawError = true
 			if r.x.mig != nil {
 				r.x.mig.off = true // the client was told
 			}
 			// The engine failed mid-stream (vLLM: {"error": {...}}, older
-			// versions {"object": "error", "message": ...}, compact or
-			// spaced): logged, and passed on in OpenAI's shape, with the
-			// string code clients expect.
+			// versions {"object": "error", "message": ...}, TGI {"error":
+			// "...", "error_type": ...}, compact or spaced): logged, and
+			// passed on in OpenAI's shape, with the string code clients
+			// expect.
 			r.x.errMsg = "engine error frame"
 			if norm := normalizeEngineError(500, data); !bytes.Equal(norm, data) {
 				fixed = append(append(append(fixed, "data: "...), norm...), "\n\n"...)
@@ -406,8 +423,8 @@ func (r *relay) failEvent(out []byte, msg, typ, code string) []byte {
 }
 
 // isErrorFrame reports whether data, an event's JSON, is an engine's error:
-// an object whose first member is "error" holding an object, or "object"
-// holding "error". A chunk's first member is "id", so this costs a few
+// an object whose first member is "error" holding an object or a string
+// (TGI's), or "object" holding "error". A chunk's first member is "id", so this costs a few
 // byte comparisons per event.
 func isErrorFrame(data []byte) bool {
 	// At once for a chunk: its first member's name starts with neither
@@ -421,7 +438,7 @@ func isErrorFrame(data []byte) bool {
 	}
 	switch string(key) {
 	case "error":
-		return len(val) > 0 && val[0] == '{'
+		return len(val) > 0 && (val[0] == '{' || val[0] == '"')
 	case "object":
 		return bytes.HasPrefix(val, quotedError)
 	}
@@ -454,8 +471,10 @@ func firstMember(data []byte) (key, val []byte, ok bool) {
 }
 
 func (r *relay) onData(data []byte) {
+	last := false
 	if v, ok := finishValue(data); ok { // none in a usage chunk (no choices)
 		r.finished = len(v) > 1 && v[0] == '"' && v[1] != '"' // SGLang 0.4.3 sent "" mid-answer
+		last = r.finished
 	}
 	k, v := outputOf(data)
 	if m := r.x.mig; m != nil {
@@ -463,6 +482,10 @@ func (r *relay) onData(data []byte) {
 	}
 	if k >= 0 {
 		r.onToken()
+		if last {
+			// TGI sends the usage with the last token, not after it.
+			r.x.usage.read(data)
+		}
 		return
 	}
 	if !r.sawFirst {

@@ -66,6 +66,37 @@ func (f *sseFramer) atEOF() {
 	}
 }
 
+// endEvent ends the event being read (the stream is over): its blank line
+// is added, and next returns it.
+func (f *sseFramer) endEvent() {
+	p := f.pending()
+	if len(p) == 0 {
+		return
+	}
+	end := "\n\n"
+	if p[len(p)-1] == '\n' {
+		end = "\n"
+	}
+	for i := range len(end) {
+		f.free()[0] = end[i]
+		f.commit(1)
+	}
+}
+
+// lastEventWhole reports whether p, what a stream that ended cleanly left
+// after its last blank line, is an event that lacks only that blank line:
+// its last line ended, or a data: [DONE] line without its end.
+func lastEventWhole(p []byte) bool {
+	if len(bytes.TrimSpace(p)) == 0 {
+		return false
+	}
+	if p[len(p)-1] == '\n' {
+		return true
+	}
+	line := p[bytes.LastIndexByte(p, '\n')+1:]
+	return bytes.HasPrefix(line, dataPrefix) && bytes.Equal(bytes.TrimLeft(line[len(dataPrefix):], " "), doneData)
+}
+
 // pending is the start of an event not yet complete.
 func (f *sseFramer) pending() []byte { return f.buf[f.start:f.end] }
 

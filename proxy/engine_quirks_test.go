@@ -1,0 +1,127 @@
+package proxy
+
+import (
+	"bufio"
+	"fmt"
+	"net"
+	"strings"
+	"testing"
+)
+
+// quirkEngine answers every request with a chunked 200 stream holding
+// events (written as they are, framing included), then ends the body
+// cleanly, or resets the connection when reset is set.
+func quirkEngine(t *testing.T, events string, reset bool) *fakeEngine {
+	return rawEngine(t, func(c net.Conn, rd *bufio.Reader) {
+		fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n", len(events), events)
+		if reset {
+			c.(*net.TCPConn).SetLinger(0) // the close sends RST
+			return
+		}
+		c.Write([]byte("0\r\n\r\n"))
+	})
+}
+
+const (
+	quirkRole  = `{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}`
+	quirkToken = `{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}`
+	quirkLast  = `{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" end"},"finish_reason":"stop"}]}`
+)
+
+// Answers the OpenAI SDKs take as complete, from engines that end them in
+// ways of their own: each reaches the client whole, ends with one [DONE] and
+// no error event, and leaves the engine in (each was a "failed mid-stream",
+// an error event after the answer and the engine ejected; the quirks trial).
+func TestEngineStreamEndingsTheSDKsAccept(t *testing.T) {
+	for _, tc := range []struct {
+		name, events string
+		reset        bool
+	}{
+		// The connection reset right after [DONE], before the chunked end.
+		{"reset after [DONE]", "data: " + quirkRole + "\n\ndata: " + quirkLast + "\n\ndata: [DONE]\n\n", true},
+		// [DONE] without its blank line, and the body ends.
+		{"[DONE] unterminated", "data: " + quirkRole + "\n\ndata: " + quirkLast + "\n\ndata: [DONE]", false},
+		{"[DONE] with one line end", "data: " + quirkRole + "\n\ndata: " + quirkLast + "\n\ndata: [DONE]\n", false},
+		// The last chunk (with its finish_reason) ends in one \n, no [DONE].
+		{"last chunk with one line end", "data: " + quirkRole + "\n\ndata: " + quirkToken + "\n\ndata: " + quirkLast + "\n", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := quirkEngine(t, tc.events, tc.reset)
+			p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
+			resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+			out := string(b)
+			if resp.StatusCode != 200 || strings.Contains(out, "error") || !strings.Contains(out, `" end"`) ||
+				!strings.HasSuffix(out, "}\n\ndata: [DONE]\n\n") || strings.Count(out, "[DONE]") != 1 {
+				t.Fatalf("%d\n%q", resp.StatusCode, out)
+			}
+			if ejected(p, "e0") {
+				t.Fatalf("the engine is ejected: %s", p.logs.String())
+			}
+			p.waitIdle(t)
+			if logs := p.logs.String(); strings.Contains(logs, "failed mid-stream") {
+				t.Fatalf("logged as a failure: %s", logs)
+			}
+		})
+	}
+}
+
+// A body cut inside its last event is still a failure: only an event whose
+// lines all ended is taken as whole.
+func TestStreamCutInsideAnEventStillFails(t *testing.T) {
+	e := quirkEngine(t, "data: "+quirkRole+"\n\ndata: "+quirkLast[:40], false)
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
+	resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+	if out := string(b); resp.StatusCode != 200 || !strings.Contains(out, `"code":"backend_failed"`) || strings.Count(out, `data: {"id"`) != 1 {
+		t.Fatalf("%d\n%q", resp.StatusCode, out)
+	}
+	if !ejected(p, "e0") {
+		t.Fatal("an engine that cut its answer short is not ejected")
+	}
+	p.waitIdle(t)
+}
+
+// TGI's error frame ({"error": "...", "error_type": ...}), and a body that
+// ends after it without [DONE] (TGI before mid-2024): the client gets the
+// error in OpenAI's shape and a [DONE]; the engine answered, so it is
+// neither ejected nor the request moved to another one (a client's bad
+// request took out every engine it was moved to).
+func TestTGIErrorFrameEndsTheStream(t *testing.T) {
+	frame := "{\"error\":\"Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096. Given: 4000 `inputs` tokens and 200 `max_new_tokens`\",\"error_type\":\"validation\"}"
+	e0 := quirkEngine(t, "data: "+frame+"\n\n", false)
+	e1 := quirkEngine(t, "data: "+frame+"\n\n", false)
+	e1.id = "e1"
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}, {id: e1, url: 'http://{{e1}}', model: m}]\n"+
+		"router: {policy: round_robin}\nlimits: {migration_limit: 1}\n", e0, e1)
+	for i := 0; i < 2; i++ {
+		resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+		out := string(b)
+		want := "data: {\"error\":{\"message\":\"Input validation error: `inputs` tokens + `max_new_tokens` must be \\u003c= 4096. Given: 4000 `inputs` tokens and 200 `max_new_tokens`\"," +
+			"\"type\":\"invalid_request_error\",\"param\":null,\"code\":\"context_length_exceeded\"}}\n\ndata: [DONE]\n\n"
+		if resp.StatusCode != 200 || out != want {
+			t.Fatalf("request %d: %d\n%q\nwant\n%q", i, resp.StatusCode, out, want)
+		}
+	}
+	if ejected(p, "e0") || ejected(p, "e1") {
+		t.Fatalf("an engine that answered with an error is ejected: %s", p.logs.String())
+	}
+	p.waitIdle(t)
+	if logs := p.logs.String(); strings.Contains(logs, "failed mid-stream") || strings.Contains(logs, "migrat") {
+		t.Fatalf("logged as a failure, or moved: %s", logs)
+	}
+}
+
+// TGI sends a stream's usage in the chunk of its last token, not after it:
+// kvproxy meters the engine's count, not its own estimate.
+func TestUsageWithTheLastToken(t *testing.T) {
+	last := `{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":" end"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1234,"completion_tokens":11,"total_tokens":1245}}`
+	e := quirkEngine(t, "data: "+quirkToken+"\n\ndata: "+last+"\n\ndata: [DONE]\n\n", false)
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
+	if resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+	m := p.metrics(t)
+	if !strings.Contains(m, `kvproxy_tokens_total{model="m",tenant="",type="prompt"} 1234`+"\n") || !strings.Contains(m, `kvproxy_tokens_total{model="m",tenant="",type="completion"} 11`+"\n") {
+		t.Fatalf("want the engine's usage (1234 prompt, 11 completion tokens):\n%s", grepLines(m, "kvproxy_tokens_total{"))
+	}
+}
