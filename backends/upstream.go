@@ -388,7 +388,10 @@ func (u *Upstream) get(dial bool) (*upConn, bool, error) {
 }
 
 func (u *Upstream) release(uc *upConn, reuse bool) {
-	if !reuse {
+	if !reuse || uc.br.Buffered() > 0 {
+		// Bytes past the answer's end (an engine, or a box before it,
+		// that sent more than it framed) would be read as the next
+		// request's answer, perhaps another tenant's: the connection goes.
 		uc.c.Close()
 		return
 	}

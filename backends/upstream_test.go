@@ -71,6 +71,31 @@ func TestKeepAliveConnectionIsReused(t *testing.T) {
 	}
 }
 
+// An engine that sends more than its answer (here a second, unasked one
+// in the same write) loses its connection: pooled, the extra bytes were
+// read as the next request's answer, which may be another tenant's (the
+// security review).
+func TestBytesPastTheAnswerAreNotReadByTheNext(t *testing.T) {
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		for readRequest(br) == nil {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nsmuggled")
+		}
+	})
+	u := &Upstream{Addr: addr}
+	for i := 0; i < 3; i++ {
+		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+		if _, err := u.Do(req, resp, false, nil); err != nil {
+			t.Fatal(err)
+		}
+		if string(resp.Body()) != "ok" {
+			t.Fatalf("request %d read %q", i, resp.Body())
+		}
+	}
+	if d := u.Dials.Load(); d != 3 {
+		t.Fatalf("%d dials for 3 requests, want one each", d)
+	}
+}
+
 // A stream whose engine goes silent ends with a timeout after about
 // ReadTimeout (plus the deadline's slack), not never.
 func TestSilentStreamTimesOut(t *testing.T) {

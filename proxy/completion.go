@@ -307,9 +307,15 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	case p.engineTok != nil:
 		ids, err := p.engineTok.tokens(p, req, chat, lim.MaxPromptTokens, ns)
 		if err != nil && kind == apiCountTokens {
-			// A count must be the engine's, not kvproxy's guess.
-			writeError(ctx, fasthttp.StatusServiceUnavailable, "could not count the tokens: "+err.Error(), "service_unavailable", "", "tokenizer_unavailable")
-			s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusServiceUnavailable, start, "engine tokenization failed")
+			// A count must be the engine's, not kvproxy's guess. The
+			// client hears the engine's words on its request, never how
+			// an engine failed (a connection error names its address).
+			msg := "could not count the tokens: no engine's /tokenize answered"
+			if errors.As(err, new(requestRefused)) {
+				msg = "could not count the tokens: " + err.Error()
+			}
+			writeError(ctx, fasthttp.StatusServiceUnavailable, msg, "service_unavailable", "", "tokenizer_unavailable")
+			s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusServiceUnavailable, start, "engine tokenization failed: "+err.Error())
 			return
 		}
 		if err != nil {

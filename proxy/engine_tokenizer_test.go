@@ -275,3 +275,20 @@ func TestEngineTokenCacheIsPerTenant(t *testing.T) {
 		}
 	}
 }
+
+// count_tokens with tokenizer: engine and no engine reachable is a 503 that
+// says so without the engine's address (it quoted the dial error, which
+// names it; the security review). The log keeps the detail.
+func TestCountTokensFailureKeepsEngineAddressesOut(t *testing.T) {
+	addr := deadAddr(t)
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: engine, block_size: 16}]\nbackends: [{id: e0, url: 'http://"+addr+"', model: m}]\n")
+	resp, b := post(t, p.url+"/v1/messages/count_tokens", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)
+	host, _, _ := strings.Cut(addr, ":")
+	if resp.StatusCode != 503 || strings.Contains(string(b), host) || !strings.Contains(string(b), "no engine's /tokenize answered") {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+	if !strings.Contains(p.logs.String(), addr) {
+		t.Fatalf("the log lost why: %s", p.logs.String())
+	}
+}

@@ -942,6 +942,10 @@ func (s *Server) routes() map[string]route {
 // (after counting the request), other endpoints here.
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	defer s.finishBody(ctx)
+	if refuseAmbiguousFraming(ctx) {
+		s.logUnrouted(ctx, "both Content-Length and Transfer-Encoding")
+		return
+	}
 	if cl := ctx.Request.Header.ContentLength(); cl > min(strangerBodyLimit, s.st.Load().cfg.Limits.MaxRequestBodyBytes) && s.refuseDeclaredBody(ctx) {
 		return
 	}

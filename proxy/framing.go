@@ -1,0 +1,67 @@
+package proxy
+
+import (
+	"bytes"
+
+	"github.com/valyala/fasthttp"
+)
+
+// refuseAmbiguousFraming closes the connection after this request when
+// the client asked for it in any case or list ("Connection: Close",
+// "keep-alive, close": RFC 9110 §7.6.1; fasthttp hears only a bare
+// lowercase close), and refuses a request that declares both
+// Content-Length and Transfer-Encoding with a 400 and a closed connection,
+// as nginx does: RFC 9112 §6.1 has the server close the connection after
+// one, since a front proxy that reads the other header would take the
+// bytes after the chunked body for a request of its own (request
+// smuggling). fasthttp reads such a body as chunked and kept the
+// connection open.
+func refuseAmbiguousFraming(ctx *fasthttp.RequestCtx) bool {
+	h := &ctx.Request.Header
+	if !h.ConnectionClose() {
+		if v := h.Peek(fasthttp.HeaderConnection); len(v) > 0 && hasToken(v, "close") {
+			ctx.SetConnectionClose()
+		}
+	}
+	if h.ContentLength() != -1 || !hasHeaderLine(h.RawHeaders(), "content-length") { // -1: chunked
+		return false
+	}
+	ctx.SetConnectionClose()
+	writeError(ctx, fasthttp.StatusBadRequest, "the request declares both Content-Length and Transfer-Encoding: send one of them",
+		"invalid_request_error", "", "ambiguous_framing")
+	return true
+}
+
+// hasToken reports whether a comma-separated header value lists token, in
+// any case.
+func hasToken(v []byte, token string) bool {
+	for len(v) > 0 {
+		item := v
+		if i := bytes.IndexByte(v, ','); i >= 0 {
+			item, v = v[:i], v[i+1:]
+		} else {
+			v = nil
+		}
+		if bytes.EqualFold(bytes.TrimSpace(item), []byte(token)) {
+			return true
+		}
+	}
+	return false
+}
+
+// hasHeaderLine reports whether raw header lines (as received) hold a
+// header of this lowercase name, in any case.
+func hasHeaderLine(raw []byte, name string) bool {
+	for len(raw) > 0 {
+		line := raw
+		if i := bytes.IndexByte(raw, '\n'); i >= 0 {
+			line, raw = raw[:i], raw[i+1:]
+		} else {
+			raw = nil
+		}
+		if len(line) > len(name) && line[len(name)] == ':' && bytes.EqualFold(line[:len(name)], []byte(name)) {
+			return true
+		}
+	}
+	return false
+}

@@ -1,0 +1,70 @@
+package proxy
+
+import (
+	"bufio"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+// rawExchange writes req on a new connection to the proxy and returns all it
+// answers until it closes the connection (or 3 s pass: closed is false).
+func rawExchange(t *testing.T, p *testProxy, req string) (answer string, closed bool) {
+	t.Helper()
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(3 * time.Second))
+	io.WriteString(c, req)
+	b, err := io.ReadAll(c)
+	return string(b), err == nil
+}
+
+// A request with both Content-Length and Transfer-Encoding is refused and
+// its connection closed: the bytes after its chunked body, a request to a
+// front proxy that reads Content-Length, are never served (they were, as a
+// second request on a connection kept open; the security review).
+func TestBothContentLengthAndChunkedRefused(t *testing.T) {
+	p := startProxy(t, "kv", startFake(t, "e0", nil))
+	body := `{"model":"m","prompt":"hi"}`
+	chunked := "1b\r\n" + body + "\r\n0\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+	for _, head := range []string{
+		"Content-Length: 64\r\nTransfer-Encoding: chunked\r\n",
+		"Transfer-Encoding: chunked\r\ncontent-LENGTH: 64\r\n",
+	} {
+		answer, closed := rawExchange(t, p, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"+head+"\r\n"+chunked)
+		resp, err := http.ReadResponse(bufio.NewReader(strings.NewReader(answer)), nil)
+		if err != nil || resp.StatusCode != 400 || !resp.Close || !strings.Contains(answer, `"code":"ambiguous_framing"`) {
+			t.Fatalf("%q: %v\n%s", head, err, answer)
+		}
+		if !closed || strings.Count(answer, "HTTP/1.1 ") != 1 {
+			t.Fatalf("%q: the connection went on (closed %v):\n%s", head, closed, answer)
+		}
+	}
+	// Chunked alone is served.
+	answer, _ := rawExchange(t, p, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n1b\r\n"+body+"\r\n0\r\n\r\n")
+	if !strings.HasPrefix(answer, "HTTP/1.1 200 ") {
+		t.Fatalf("a chunked request: %s", answer)
+	}
+	p.waitIdle(t)
+}
+
+// Connection: close is heard in any case and in a list (RFC 9110 §7.6.1):
+// the connection closes after the answer. fasthttp heard only "close".
+func TestConnectionCloseInAnyCase(t *testing.T) {
+	p := startProxy(t, "kv", startFake(t, "e0", nil))
+	for _, v := range []string{"close", "Close", "CLOSE", "keep-alive, close", "close, x-foo"} {
+		answer, closed := rawExchange(t, p, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: "+v+"\r\n\r\n")
+		if !closed || !strings.HasPrefix(answer, "HTTP/1.1 200 ") {
+			t.Errorf("Connection: %s: closed %v\n%s", v, closed, answer)
+		}
+	}
+	if hasToken([]byte("keep-alive, closed"), "close") || hasToken([]byte("xclose"), "close") {
+		t.Error("a token that is not close")
+	}
+}
