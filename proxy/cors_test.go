@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"io"
 	"net/http"
 	"slices"
 	"strings"
@@ -60,7 +61,11 @@ func TestCORS(t *testing.T) {
 	// The operator's endpoints are not for web pages, even open ones.
 	open := startProxyYAML(t, "models: [{name: m, block_size: 16}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
 	for _, path := range []string{"/admin/backends", "/metrics", "/health"} {
-		if resp := do(open, "GET", path, "https://evil.example.com", "", ""); resp.StatusCode != 200 || resp.Header.Get("Access-Control-Allow-Origin") != "" {
+		want := 200
+		if path == "/admin/backends" {
+			want = 403 // TestOperatorEndpointsRefuseBrowsers
+		}
+		if resp := do(open, "GET", path, "https://evil.example.com", "", ""); resp.StatusCode != want || resp.Header.Get("Access-Control-Allow-Origin") != "" {
 			t.Fatalf("GET %s from a page: %d %v", path, resp.StatusCode, resp.Header)
 		}
 		if resp := do(open, "OPTIONS", path, "https://evil.example.com", "", ""); resp.Header.Get("Access-Control-Allow-Origin") != "" {
@@ -108,4 +113,30 @@ func TestCORSPreflightAllowsDelete(t *testing.T) {
 	if resp.StatusCode != 204 || !slices.Contains(methods, "DELETE") || !slices.Contains(methods, "POST") {
 		t.Fatalf("preflight of a DELETE: %d, methods %q", resp.StatusCode, methods)
 	}
+}
+
+// A web page may not drive the operator's endpoints through its visitors'
+// browsers: with no keys configured, a form's POST (no preflight) reloaded
+// the config and fed the KV index (the security review). Any request there
+// with an Origin header is refused; the same request without one is served.
+func TestOperatorEndpointsRefuseBrowsers(t *testing.T) {
+	p := startProxy(t, "kv", startFake(t, "e0", nil))
+	for _, path := range []string{"/admin/reload", "/v1/kv_events", "/admin/index/lookup"} {
+		req, _ := http.NewRequest("POST", p.url+path, strings.NewReader(`{"engine_id":"e0","events":[{"type":"all_blocks_cleared"}]}`))
+		req.Header.Set("Content-Type", "text/plain")
+		req.Header.Set("Origin", "https://evil.example")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 403 || !strings.Contains(string(b), `"code":"browser_request_refused"`) {
+			t.Fatalf("POST %s from a web page: %d %s", path, resp.StatusCode, b)
+		}
+	}
+	if resp, b := post(t, p.url+"/admin/reload", ``); resp.StatusCode == 403 {
+		t.Fatalf("a reload without an Origin header: %d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
 }

@@ -973,6 +973,14 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		s.logUnrouted(ctx, "unknown path")
 		return
 	}
+	if r.access == admin && len(ctx.Request.Header.PeekBytes(hdrOrigin)) > 0 {
+		// A browser's: any web page can make one (a form's POST needs no
+		// preflight), and with no keys configured it would reload the
+		// config or feed the KV index. Operators' tools send no Origin.
+		writeError(ctx, fasthttp.StatusForbidden, "operator endpoints take no requests from web pages (the request has an Origin header)", "invalid_request_error", "", "browser_request_refused")
+		s.logUnrouted(ctx, "browser request to an operator endpoint")
+		return
+	}
 	st := s.st.Load()
 	if r.access == admin && len(st.auth.admin) == 0 && st.auth.anonymous == nil {
 		writeError(ctx, fasthttp.StatusForbidden, "admin endpoints are closed: client keys are configured and auth.admin_keys is not (add an admin key; SIGHUP still reloads)", "invalid_request_error", "", "admin_disabled")
