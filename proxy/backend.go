@@ -78,6 +78,9 @@ type backend struct {
 	// noDoneSaid: the engine was found to end its streams without
 	// [DONE], and the log said so (once).
 	noDoneSaid atomic.Bool
+	// keptSaid is when the log last said the backend was kept in despite
+	// its error answers (answeredError), Unix ns: once a minute at most.
+	keptSaid atomic.Int64
 	// wake tells the requests queued for a full backend that this one
 	// became available (its cooling or ejection ended, its probe passed).
 	wake    func()
@@ -306,9 +309,61 @@ const silentWholeLimit = 3
 const errorAnswerLimit = 3
 
 // answeredError records an error answer that is the engine's fault or the
-// request's, as errorAnswerLimit describes.
+// request's, as errorAnswerLimit describes. Such ejections take out at
+// most half of a model's backends (none of a model's only one): a client
+// whose requests make engines fail could otherwise take every engine of a
+// model out for everyone (the security review: three requests a second
+// kept a model at 503), and engines that all fail tell the clients more
+// with their own answers than kvproxy's 503 would.
 func (b *backend) answeredError(reason string) {
-	b.strike(&b.errorAnswers, errorAnswerLimit, ejectErrorAnswers, reason+", "+strconv.Itoa(errorAnswerLimit)+" answers in a row")
+	b.mu.Lock()
+	b.errorAnswers++
+	streak := b.errorAnswers >= errorAnswerLimit
+	if streak {
+		b.errorAnswers = 0
+	}
+	b.mu.Unlock()
+	if !streak {
+		return
+	}
+	reason += ", " + strconv.Itoa(errorAnswerLimit) + " answers in a row"
+	p := b.pool
+	p.coolMu.Lock() // one backend at a time, as coolDown
+	defer p.coolMu.Unlock()
+	if total, down := p.health(b); 2*(down+1) > total {
+		if now := time.Now().UnixNano(); now-b.keptSaid.Load() > int64(time.Minute) {
+			b.keptSaid.Store(now)
+			b.log.Warn().Str("backend", b.cfg.ID).Str("reason", reason).Int("backends", total).Int("down", down).
+				Msg("backend answers with errors, and is kept in: ejecting it would take out more than half of the model's backends")
+		}
+		return
+	}
+	b.fail(ejectErrorAnswers, reason)
+}
+
+// health counts the pool's backends, and those down (ejected, or failing
+// their probes), leaving out b.
+func (p *modelPool) health(b *backend) (total, down int) {
+	seen := map[*backend]bool{}
+	for _, w := range *p.workers.Load() {
+		if w == nil || seen[w] {
+			continue // a data-parallel engine's ranks are one backend
+		}
+		seen[w] = true
+		if w.isDraining() {
+			continue
+		}
+		total++
+		if w == b {
+			continue
+		}
+		w.mu.Lock()
+		if !w.healthyLocked() {
+			down++
+		}
+		w.mu.Unlock()
+	}
+	return total, down
 }
 
 // wholeTimedOut records a non-streamed request the engine sent nothing for

@@ -15,18 +15,19 @@ import (
 // the count again. A 4xx does not: vLLM's frontend answers those without
 // its engine core, which may be the part that is broken.
 func TestErrorAnswersEjectOnlyInARow(t *testing.T) {
-	e := startFake(t, "e0", nil)
+	e, other := startFake(t, "e0", nil), startFake(t, "e1", nil)
 	p := startProxyYAML(t, `
 models: [{name: m, aliases: [alias-m]}]
-backends: [{id: e0, url: 'http://{{e0}}'}]
+backends: [{id: e0, url: 'http://{{e0}}'}, {id: e1, url: 'http://{{e1}}'}]
 health: {eject_base: 1m, eject_max: 1m}
-`, e)
+`, e, other)
+	pinned := strings.Replace(chatBody, `"nvext":{`, `"nvext":{"backend_instance_id":"e0",`, 1)
 	answer := func(status int) int {
 		t.Helper()
 		e.mu.Lock()
 		e.status, e.errBody = status, `{"error":{"message":"engine says `+itoa(status)+`","type":"x","param":null,"code":null}}`
 		e.mu.Unlock()
-		resp, _ := post(t, p.url+"/v1/chat/completions", chatBody)
+		resp, _ := post(t, p.url+"/v1/chat/completions", pinned)
 		return resp.StatusCode
 	}
 	for i, st := range []int{500, 500, 200, 500, 400, 500} {
@@ -37,8 +38,43 @@ health: {eject_base: 1m, eject_max: 1m}
 	if got := answer(500); got != 500 {
 		t.Fatalf("third 500 since the good answer: %d", got)
 	}
-	if got := answer(200); got != 503 {
+	if got := answer(200); got != 503 || !ejected(p, "e0") {
 		t.Fatalf("after three 500s with only a 400 between: %d, want 503 (ejected)", got)
+	}
+}
+
+// Error answers eject at most half of a model's backends, and never a
+// model's only one: a client whose requests make engines answer 500 took
+// every engine of the model out for every tenant (the security review).
+// The engines' own answers reach the clients instead.
+func TestErrorAnswersLeaveHalfTheBackendsIn(t *testing.T) {
+	failing := func(f *fakeEngine) { f.status, f.errBody = 500, `{"error":{"message":"boom","type":"x","param":null,"code":null}}` }
+	for _, n := range []int{1, 2, 4} {
+		var es []*fakeEngine
+		yaml := "models: [{name: m, aliases: [alias-m]}]\nhealth: {eject_base: 1m, eject_max: 1m}\nrouter: {policy: round_robin}\nbackends:\n"
+		for i := range n {
+			es = append(es, startFake(t, "e"+itoa(i), failing))
+			yaml += "  - {id: e" + itoa(i) + ", url: 'http://{{e" + itoa(i) + "}}'}\n"
+		}
+		p := startProxyYAML(t, yaml, es...)
+		for i := 0; i < 4*n*errorAnswerLimit; i++ {
+			if resp, b := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 500 {
+				t.Fatalf("%d backends, request %d: %d %s, want the engine's 500", n, i, resp.StatusCode, b)
+			}
+		}
+		out := 0
+		for i := range n {
+			if ejected(p, "e"+itoa(i)) {
+				out++
+			}
+		}
+		if out != n/2 {
+			t.Fatalf("%d backends: %d ejected, want %d", n, out, n/2)
+		}
+		if !strings.Contains(p.logs.String(), "is kept in: ejecting it would take out more than half of the model's backends") {
+			t.Fatalf("%d backends: the log does not say why the rest stay in", n)
+		}
+		p.waitIdle(t)
 	}
 }
 
@@ -114,8 +150,10 @@ health: {eject_base: 1m, eject_max: 1m}
 			t.Fatalf("request %d: %d %s", i, resp.StatusCode, b)
 		}
 	}
-	if resp, b := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 503 {
-		t.Fatalf("after %d refusals: %d %s, want 503 (ejected)", errorAnswerLimit, resp.StatusCode, b)
+	// The model's only backend stays in (TestErrorAnswersLeaveHalfTheBackendsIn):
+	// its refusal says more than a 503.
+	if resp, b := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 502 || ejected(p, "e0") {
+		t.Fatalf("after %d refusals: %d %s, want the 502 again", errorAnswerLimit, resp.StatusCode, b)
 	}
 	p.waitIdle(t)
 }

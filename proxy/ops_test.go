@@ -60,11 +60,11 @@ func TestEjectReasons(t *testing.T) {
 	}
 	p := startProxyYAML(t, yaml, es...)
 	bs := p.s.st.Load().backends
-	bs["e0"].failConn("connect: dial tcp: connection refused")
-	bs["e1"].fail(ejectStatus, "status 502")
-	for range errorAnswerLimit {
+	for range errorAnswerLimit { // first: half the backends may go for their answers
 		bs["e2"].answeredError("status 500")
 	}
+	bs["e0"].failConn("connect: dial tcp: connection refused")
+	bs["e1"].fail(ejectStatus, "status 502")
 	for range silentWholeLimit {
 		bs["e3"].wholeTimedOut("backend e3 sent nothing for 30s")
 	}
