@@ -48,7 +48,9 @@ health: {eject_base: 1m, eject_max: 1m}
 // every engine of the model out for every tenant (the security review).
 // The engines' own answers reach the clients instead.
 func TestErrorAnswersLeaveHalfTheBackendsIn(t *testing.T) {
-	failing := func(f *fakeEngine) { f.status, f.errBody = 500, `{"error":{"message":"boom","type":"x","param":null,"code":null}}` }
+	failing := func(f *fakeEngine) {
+		f.status, f.errBody = 500, `{"error":{"message":"boom","type":"x","param":null,"code":null}}`
+	}
 	for _, n := range []int{1, 2, 4} {
 		var es []*fakeEngine
 		yaml := "models: [{name: m, aliases: [alias-m]}]\nhealth: {eject_base: 1m, eject_max: 1m}\nrouter: {policy: round_robin}\nbackends:\n"
