@@ -96,6 +96,37 @@ func TestBytesPastTheAnswerAreNotReadByTheNext(t *testing.T) {
 	}
 }
 
+// A chunked stream read to its end leaves nothing buffered: its connection
+// is reused (the check for bytes past an answer must not close every
+// stream's connection), with or without trailers.
+func TestStreamedConnectionIsReused(t *testing.T) {
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		for i := 0; readRequest(br) == nil; i++ {
+			trailer := ""
+			if i%2 == 1 {
+				trailer = "X-Trailer: 1\r\n"
+			}
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"+
+				"f\r\ndata: {\"a\":1}\n\n\r\n0\r\n"+trailer+"\r\n")
+		}
+	})
+	u := &Upstream{Addr: addr}
+	for i := 0; i < 4; i++ {
+		req, resp := newRequest(addr, `{"stream":true}`), fasthttp.AcquireResponse()
+		body, err := u.Do(req, resp, true, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got, err := io.ReadAll(body); err != nil || string(got) != "data: {\"a\":1}\n\n" {
+			t.Fatalf("stream %d: %q %v", i, got, err)
+		}
+		body.Close()
+	}
+	if d := u.Dials.Load(); d != 1 {
+		t.Fatalf("%d dials for 4 sequential streams, want 1", d)
+	}
+}
+
 // A stream whose engine goes silent ends with a timeout after about
 // ReadTimeout (plus the deadline's slack), not never.
 func TestSilentStreamTimesOut(t *testing.T) {
