@@ -11,17 +11,24 @@ import (
 )
 
 // capListener caps the client connections open at once
-// (limits.max_connections, read at each accept: a reload changes it). One
-// over the cap is answered a 503 and closed at once, before fasthttp gives
-// it a goroutine and buffers: without a cap, idle connections took every
-// file descriptor the process had, and then the engine connections,
-// probes and event feeds had none either (found by the security review).
+// (limits.max_connections, read at each accept: a reload changes it). A
+// connection over the cap takes the place of the client connection idle
+// the longest, as nginx reuses its keep-alive connections when it runs
+// out: one answered and now waiting for its next request for at least
+// idleEvictAfter. Without one, it is answered a 503 and closed at once,
+// before fasthttp gives it a goroutine and buffers: without a cap, idle
+// connections took every file descriptor the process had, and then the
+// engine connections, probes and event feeds had none either (found by
+// the security review); without the eviction, anyone could hold every
+// connection with one request each and idle_timeout (the next review).
 type capListener struct {
 	net.Listener
 	max     func() int
 	open    *atomic.Int64
 	refusal []byte // written to a connection over the cap; nil under TLS
 	refused func()
+	evicted func()
+	conns   connSet
 }
 
 func (l *capListener) Accept() (net.Conn, error) {
@@ -30,10 +37,16 @@ func (l *capListener) Accept() (net.Conn, error) {
 		if err != nil {
 			return nil, err
 		}
-		if l.open.Add(1) <= int64(l.max()) {
-			return &countedConn{Conn: c, open: l.open}, nil
+		ok := l.take()
+		if !ok && l.conns.closeIdlest(idleEvictAfter) {
+			l.evicted()
+			ok = l.take()
 		}
-		l.open.Add(-1)
+		if ok {
+			cc := &countedConn{Conn: c, open: l.open, set: &l.conns}
+			l.conns.add(cc)
+			return cc, nil
+		}
 		if l.refusal != nil {
 			// A new socket's send buffer is empty: this never waits, but
 			// the accept loop must not, whatever the kernel does.
@@ -45,16 +58,91 @@ func (l *capListener) Accept() (net.Conn, error) {
 	}
 }
 
+// take counts a connection open if the cap has room for it.
+func (l *capListener) take() bool {
+	if l.open.Add(1) <= int64(l.max()) {
+		return true
+	}
+	l.open.Add(-1)
+	return false
+}
+
+// idleEvictAfter is how long a client connection must have waited for its
+// next request before a new connection over the cap may take its place.
+var idleEvictAfter = time.Second
+
+// connSet is the open client connections.
+type connSet struct {
+	mu sync.Mutex
+	m  map[*countedConn]struct{}
+}
+
+func (s *connSet) add(c *countedConn) {
+	s.mu.Lock()
+	if s.m == nil {
+		s.m = map[*countedConn]struct{}{}
+	}
+	s.m[c] = struct{}{}
+	s.mu.Unlock()
+}
+
+func (s *connSet) remove(c *countedConn) {
+	s.mu.Lock()
+	delete(s.m, c)
+	s.mu.Unlock()
+}
+
+// closeIdlest closes the connection that has waited longest for its next
+// request, at least min, and reports whether there was one. A connection
+// not yet answered is never one: it is reading its first request, which
+// header_timeout and body_timeout bound.
+func (s *connSet) closeIdlest(min time.Duration) bool {
+	s.mu.Lock()
+	var idlest *countedConn
+	oldest := coarseNow() - int64(min)
+	for c := range s.m {
+		if since := c.waiting.Load(); since != 0 && since <= oldest && c.answered.Load() {
+			idlest, oldest = c, since
+		}
+	}
+	s.mu.Unlock()
+	if idlest == nil {
+		return false
+	}
+	idlest.Close() // its reader ends, and fasthttp with it
+	return true
+}
+
 // countedConn is a client connection counted open until its first Close.
 type countedConn struct {
 	net.Conn
 	open   *atomic.Int64
+	set    *connSet
 	closed atomic.Bool
+	// answered: kvproxy has written to it. waiting: since when a read
+	// has been waiting (coarseNow), 0 while none is.
+	answered atomic.Bool
+	waiting  atomic.Int64
+}
+
+func (c *countedConn) Read(p []byte) (int, error) {
+	c.waiting.Store(coarseNow())
+	n, err := c.Conn.Read(p)
+	c.waiting.Store(0)
+	return n, err
+}
+
+func (c *countedConn) Write(p []byte) (int, error) {
+	if !c.answered.Load() {
+		c.answered.Store(true)
+	}
+	return c.Conn.Write(p)
 }
 
 func (c *countedConn) Close() error {
 	if c.closed.CompareAndSwap(false, true) {
 		c.open.Add(-1)
+		c.set.remove(c)
 	}
 	return c.Conn.Close()
 }

@@ -68,9 +68,9 @@ func gauge(metrics, name string) string {
 // and logged; a connection that closes makes room again, and a reload
 // changes the cap. Without one, idle connections took every descriptor.
 func TestConnectionCap(t *testing.T) {
-	every := refuseLogEvery
-	refuseLogEvery = 300 * time.Millisecond
-	t.Cleanup(func() { refuseLogEvery = every }) // after the server's end
+	every, evictAfter := refuseLogEvery, idleEvictAfter
+	refuseLogEvery, idleEvictAfter = 300*time.Millisecond, time.Hour // the metrics connection stays
+	t.Cleanup(func() { refuseLogEvery, idleEvictAfter = every, evictAfter }) // after the server's end
 	e := startFake(t, "e0", nil)
 	yaml := "models: [{name: m, tokenizer: cl100k_base, template: chatml}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {max_connections: %d}\n"
 	p := startProxyYAML(t, fmt.Sprintf(yaml, 3), e)
@@ -206,5 +206,75 @@ func TestIdleTimeoutClosesKeepAlive(t *testing.T) {
 	}
 	if got := fmt.Sprint(p.s.st.Load().restartNeeded); got != "[limits.idle_timeout]" {
 		t.Errorf("restart_needed %s, want [limits.idle_timeout]", got)
+	}
+}
+
+// At the cap, a new connection takes the place of the one idle the longest
+// (answered, and waiting for its next request for idleEvictAfter), as
+// nginx reuses keep-alive connections: one request each on max_connections
+// connections then held idle shut every other client out for idle_timeout
+// (the security review). Connections still reading their first request
+// are not taken: the header and body timeouts bound those.
+func TestIdleConnectionsMakeRoom(t *testing.T) {
+	evictAfter := idleEvictAfter
+	idleEvictAfter = 300 * time.Millisecond
+	t.Cleanup(func() { idleEvictAfter = evictAfter })
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {max_connections: 3}\n", startFake(t, "e0", nil))
+	addr := strings.TrimPrefix(p.url, "http://")
+	dial := func() (net.Conn, *bufio.Reader) {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c, bufio.NewReader(c)
+	}
+	// Three connections still sending their first request hold the cap.
+	var silent []net.Conn
+	for range 3 {
+		c, _ := dial()
+		io.WriteString(c, "GET /health HTTP/1.1\r\n")
+		silent = append(silent, c)
+	}
+	time.Sleep(500 * time.Millisecond)
+	refusedAtOnce(t, addr)
+	for _, c := range silent {
+		c.Close()
+	}
+	// Three answered, then idle: the oldest makes room.
+	var held []net.Conn
+	var readers []*bufio.Reader
+	for deadline := time.Now().Add(3 * time.Second); len(held) < 3; {
+		c, br := dial()
+		c.SetDeadline(time.Now().Add(time.Second))
+		if _, err := fmt.Fprintf(c, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n"); err == nil {
+			if resp, err := http.ReadResponse(br, nil); err == nil && resp.StatusCode == 200 {
+				io.ReadAll(resp.Body)
+				c.SetDeadline(time.Time{})
+				held, readers = append(held, c), append(readers, br)
+				time.Sleep(150 * time.Millisecond) // the first is the idlest
+				continue
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the silent connections' places never came free")
+		}
+		c.Close()
+		time.Sleep(20 * time.Millisecond)
+	}
+	time.Sleep(500 * time.Millisecond)
+	c, br := dial()
+	if status, _ := rawGet(t, c, br, "/health"); status != 200 {
+		t.Fatalf("a new connection over the cap of idle ones: %d", status)
+	}
+	held[0].SetDeadline(time.Now().Add(2 * time.Second))
+	if _, err := readers[0].ReadByte(); err == nil {
+		t.Fatal("the idlest connection is still open")
+	}
+	if status, _ := rawGet(t, held[2], readers[2], "/health"); status != 200 {
+		t.Fatalf("a younger idle connection: %d", status)
+	}
+	if _, m := rawGet(t, c, br, "/metrics"); gauge(m, "kvproxy_client_connections_evicted_total") != "1" || gauge(m, "kvproxy_client_connections") != "3" {
+		t.Fatalf("evicted %q open %q, want 1 and 3", gauge(m, "kvproxy_client_connections_evicted_total"), gauge(m, "kvproxy_client_connections"))
 	}
 }

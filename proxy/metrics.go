@@ -37,8 +37,9 @@ type metrics struct {
 	unavailable *prometheus.CounterVec // reason (unavailableReason)
 	// acceptErrors counts accept errors kvproxy served on through.
 	acceptErrors prometheus.Counter
-	// connsRefused counts client connections refused over the cap.
-	connsRefused prometheus.Counter
+	// connsRefused counts client connections refused over the cap;
+	// connsEvicted the idle ones closed to make room under it.
+	connsRefused, connsEvicted prometheus.Counter
 	handler      fasthttp.RequestHandler
 }
 
@@ -102,7 +103,10 @@ func newMetrics() *metrics {
 		Name: "kvproxy_accept_errors_total", Help: "Client connections the listener failed to accept (out of file descriptors, EMFILE/ENFILE, or kernel memory): kvproxy retries, 5 ms doubling to 1 s, and serves on; the connections wait in the kernel's backlog meanwhile.",
 	})
 	m.connsRefused = prometheus.NewCounter(prometheus.CounterOpts{
-		Name: "kvproxy_client_connections_refused_total", Help: "Client connections answered 503 and closed at once because limits.max_connections were open (kvproxy_client_connections).",
+		Name: "kvproxy_client_connections_refused_total", Help: "Client connections answered 503 and closed at once because limits.max_connections were open (kvproxy_client_connections) and none was idle.",
+	})
+	m.connsEvicted = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvproxy_client_connections_evicted_total", Help: "Idle keep-alive client connections closed to make room for a new one when limits.max_connections were open.",
 	})
 	m.unavailable = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvproxy_unavailable_total", Help: "503s kvproxy answered itself, by reason: queue_full, queue_timeout (saturation: every backend at max_concurrency), no_healthy_backend (an outage), pinned_backend_unavailable, response_backend_unavailable, backend_removed, shutting_down.",
@@ -117,7 +121,7 @@ func newMetrics() *metrics {
 // scrape time; s must be complete (its state and replicas set).
 func (m *metrics) register(reg *prometheus.Registry, s *Server) {
 	build := buildinfo.Read()
-	reg.MustRegister(m.requests, m.ttft, m.duration, m.tpot, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.migrations, m.reloads, m.reloadOK, m.limited, m.panics, m.unavailable, m.acceptErrors, m.connsRefused,
+	reg.MustRegister(m.requests, m.ttft, m.duration, m.tpot, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.migrations, m.reloads, m.reloadOK, m.limited, m.panics, m.unavailable, m.acceptErrors, m.connsRefused, m.connsEvicted,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvproxy_client_connections", Help: "Client connections open (limits.max_connections caps them).",
 		}, func() float64 { return float64(s.openConns.Load()) }),

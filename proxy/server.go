@@ -770,7 +770,7 @@ func (s *Server) Serve(ln net.Listener) error {
 		return nil
 	}
 	ln = newRetryListener(ln, s.acceptFailed, s.acceptRecovered)
-	capped := &capListener{Listener: ln, max: s.maxConns, open: &s.openConns, refused: s.connRefused}
+	capped := &capListener{Listener: ln, max: s.maxConns, open: &s.openConns, refused: s.connRefused, evicted: s.metrics.connsEvicted.Inc}
 	if s.cert.Load() == nil {
 		capped.refusal = tooManyConnsAnswer // under TLS, plain text is no answer: closed only
 	}
