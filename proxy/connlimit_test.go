@@ -69,7 +69,7 @@ func gauge(metrics, name string) string {
 // changes the cap. Without one, idle connections took every descriptor.
 func TestConnectionCap(t *testing.T) {
 	every, evictAfter := refuseLogEvery, idleEvictAfter
-	refuseLogEvery, idleEvictAfter = 300*time.Millisecond, time.Hour // the metrics connection stays
+	refuseLogEvery, idleEvictAfter = 300*time.Millisecond, time.Hour         // the metrics connection stays
 	t.Cleanup(func() { refuseLogEvery, idleEvictAfter = every, evictAfter }) // after the server's end
 	e := startFake(t, "e0", nil)
 	yaml := "models: [{name: m, tokenizer: cl100k_base, template: chatml}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {max_connections: %d}\n"

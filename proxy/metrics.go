@@ -40,7 +40,7 @@ type metrics struct {
 	// connsRefused counts client connections refused over the cap;
 	// connsEvicted the idle ones closed to make room under it.
 	connsRefused, connsEvicted prometheus.Counter
-	handler      fasthttp.RequestHandler
+	handler                    fasthttp.RequestHandler
 }
 
 // newMetrics makes the metrics the request path and the backends count,
