@@ -310,7 +310,8 @@ const errorAnswerLimit = 3
 
 // answeredError records an error answer that is the engine's fault or the
 // request's, as errorAnswerLimit describes. Such ejections take out at
-// most half of a model's backends (none of a model's only one): a client
+// most half of a model's backends that answer clients (none of a model's
+// only one; prefill engines are not counted, nor held back): a client
 // whose requests make engines fail could otherwise take every engine of a
 // model out for everyone (the security review: three requests a second
 // kept a model at 503), and engines that all fail tell the clients more
@@ -327,6 +328,12 @@ func (b *backend) answeredError(reason string) {
 		return
 	}
 	reason += ", " + strconv.Itoa(errorAnswerLimit) + " answers in a row"
+	if b.prefillOnly() {
+		// Without it the decode engines compute the prompts: its
+		// ejection costs no client an answer.
+		b.fail(ejectErrorAnswers, reason)
+		return
+	}
 	p := b.pool
 	p.coolMu.Lock() // one backend at a time, as coolDown
 	defer p.coolMu.Unlock()
@@ -341,8 +348,8 @@ func (b *backend) answeredError(reason string) {
 	b.fail(ejectErrorAnswers, reason)
 }
 
-// health counts the pool's backends, and those down (ejected, or failing
-// their probes), leaving out b.
+// health counts the pool's backends that answer clients (prefill engines
+// do not), and those down (ejected, or failing their probes), leaving out b.
 func (p *modelPool) health(b *backend) (total, down int) {
 	seen := map[*backend]bool{}
 	for _, w := range *p.workers.Load() {
@@ -350,8 +357,8 @@ func (p *modelPool) health(b *backend) (total, down int) {
 			continue // a data-parallel engine's ranks are one backend
 		}
 		seen[w] = true
-		if w.isDraining() {
-			continue
+		if w.isDraining() || w.prefillOnly() {
+			continue // a prefill engine answers no client
 		}
 		total++
 		if w == b {

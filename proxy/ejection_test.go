@@ -321,3 +321,20 @@ func TestEngineRedirectIsAConfigurationFault(t *testing.T) {
 		t.Fatalf("the log does not say where the engine redirects:\n%s", p.logs.String())
 	}
 }
+
+// The cap counts the backends of the failing one's role: a model's only
+// decode engine beside a prefill engine stays in (it was ejected, the
+// prefill engine counted as the half left; the re-review).
+func TestErrorAnswersKeepTheOnlyDecodeEngine(t *testing.T) {
+	_, dec, p := startPD(t, nil, "[{name: m}]", "health: {eject_base: 1m, eject_max: 1m}\n")
+	dec.mu.Lock()
+	dec.status, dec.errBody = 500, `{"error":{"message":"boom","type":"x","param":null,"code":null}}`
+	dec.mu.Unlock()
+	for i := 0; i < 3*errorAnswerLimit; i++ {
+		resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)
+		if resp.StatusCode != 500 || ejected(p, "dec") {
+			t.Fatalf("request %d: %d %s; the model's only decode engine ejected: %v", i, resp.StatusCode, b, ejected(p, "dec"))
+		}
+	}
+	p.waitIdle(t)
+}

@@ -29,13 +29,16 @@ func normalizeEngineError(status int, body []byte) []byte {
 		ErrorType string `json:"error_type"`
 	}
 	if json.Unmarshal(body, &probe) == nil {
-		if len(probe.Error) > 0 && probe.Error[0] == '"' {
-			// TGI's shape: {"error": "...", "error_type": "validation"}.
-			// A validation error in a stream's frame (passed as a 500) is
-			// the request's fault, as TGI's 422 says it unstreamed.
+		if len(probe.Error) > 0 && probe.Error[0] == '"' && probe.Message == "" {
+			// TGI's shape: {"error": "...", "error_type": "validation"}
+			// (Ollama's too, without the type). Gateways that put the
+			// reason phrase in "error" give the words in "message": read
+			// below. A validation error is the request's fault, streamed
+			// (its frame is passed as a 500) or not (TGI's 422): typed as
+			// a 400, and a prompt too long as context_length_exceeded.
 			var msg string
 			json.Unmarshal(probe.Error, &msg)
-			if probe.ErrorType == "validation" && status >= 500 {
+			if probe.ErrorType == "validation" {
 				status = 400
 			}
 			if msg == "" {

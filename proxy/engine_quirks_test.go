@@ -92,7 +92,7 @@ func TestTGIErrorFrameEndsTheStream(t *testing.T) {
 	e1.id = "e1"
 	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}, {id: e1, url: 'http://{{e1}}', model: m}]\n"+
 		"router: {policy: round_robin}\nlimits: {migration_limit: 1}\n", e0, e1)
-	for i := 0; i < 2; i++ {
+	for i := 0; i < 2*errorAnswerLimit; i++ {
 		resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
 		out := string(b)
 		want := "data: {\"error\":{\"message\":\"Input validation error: `inputs` tokens + `max_new_tokens` must be \\u003c= 4096. Given: 4000 `inputs` tokens and 200 `max_new_tokens`\"," +
@@ -124,4 +124,29 @@ func TestUsageWithTheLastToken(t *testing.T) {
 	if !strings.Contains(m, `kvproxy_tokens_total{model="m",tenant="",type="prompt"} 1234`+"\n") || !strings.Contains(m, `kvproxy_tokens_total{model="m",tenant="",type="completion"} 11`+"\n") {
 		t.Fatalf("want the engine's usage (1234 prompt, 11 completion tokens):\n%s", grepLines(m, "kvproxy_tokens_total{"))
 	}
+}
+
+// An error frame of the engine's own making (TGI's generation error: CUDA
+// out of memory) counts against it as a 500 answer does: an engine that
+// fails every stream so is ejected after errorAnswerLimit in a row (the
+// first version took any error frame for a success; the re-review). One
+// of the request's making (TestTGIErrorFrameEndsTheStream) does not.
+func TestEngineErrorFramesCountAgainstTheEngine(t *testing.T) {
+	frame := `{"error":"Request failed during generation: Server error: CUDA out of memory","error_type":"generation"}`
+	e0 := quirkEngine(t, "data: "+quirkRole+"\n\ndata: "+quirkToken+"\n\ndata: "+frame+"\n\n", false)
+	e1 := startFake(t, "e1", nil)
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}, {id: e1, url: 'http://{{e1}}', model: m}]\n"+
+		"health: {eject_base: 1m, eject_max: 1m}\n", e0, e1)
+	body := `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}],"nvext":{"backend_instance_id":"e0"}}`
+	for i := 0; i < errorAnswerLimit; i++ {
+		resp, b := post(t, p.url+"/v1/chat/completions", body)
+		if out := string(b); resp.StatusCode != 200 || !strings.Contains(out, `"message":"Request failed during generation: Server error: CUDA out of memory","type":"server_error"`) ||
+			!strings.HasSuffix(out, "data: [DONE]\n\n") {
+			t.Fatalf("stream %d: %d %s", i, resp.StatusCode, out)
+		}
+	}
+	if !ejected(p, "e0") {
+		t.Fatalf("%d streams in a row ended by the engine's own error, and it is still in", errorAnswerLimit)
+	}
+	p.waitIdle(t)
 }

@@ -869,6 +869,9 @@ func TestNormalizeEngineError(t *testing.T) {
 		// validation error is the request's fault even in a stream's frame.
 		`{"error":"Request failed during generation: CUDA OOM","error_type":"generation"}`: `{"error":{"message":"Request failed during generation: CUDA OOM","type":"server_error","param":null,"code":null}}`,
 		`{"error":"Input validation error: bad","error_type":"validation"}`:                `{"error":{"message":"Input validation error: bad","type":"invalid_request_error","param":null,"code":null}}`,
+		// Gateways (Spring Boot, Fastify, NestJS) put the reason phrase in
+		// "error" and their words in "message" (the re-review).
+		`{"statusCode":429,"error":"Too Many Requests","message":"Rate limit exceeded, retry in 1 minute"}`: `{"error":{"message":"Rate limit exceeded, retry in 1 minute","type":"server_error","param":null,"code":null}}`,
 	}
 	for in, want := range cases {
 		if got := string(normalizeEngineError(500, []byte(in))); got != want {
@@ -882,11 +885,17 @@ func TestNormalizeEngineError(t *testing.T) {
 		`{"error":{"message":"The decoder prompt (length 9000) is longer than the maximum model length of 8192.","type":"BadRequestError","param":null,"code":400}}`:                                                                                                         `"code":"context_length_exceeded"}}`,
 		`{"error":{"message":"This model's maximum context length is 4096 tokens.","type":"invalid_request_error","param":null,"code":"prompt_too_long"}}`:                                                                                                                   `"code":"prompt_too_long"}}`,
 		"{\"error\":\"Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096. Given: 4000 `inputs` tokens and 200 `max_new_tokens`\",\"error_type\":\"validation\"}":                                                                                     `"code":"context_length_exceeded"}}`,
+		`{"timestamp":"2024-01-01T00:00:00.000+00:00","status":400,"error":"Bad Request","message":"This model's maximum context length is 4096 tokens","path":"/v1/chat/completions"}`:                                                                                      `"code":"context_length_exceeded"}}`,
 	}
 	for in, want := range tooLong {
 		if got := string(normalizeEngineError(400, []byte(in))); !strings.HasSuffix(got, want) {
 			t.Errorf("%s\n got %s\nwant …%s", in, got, want)
 		}
+	}
+	// TGI answers a prompt too long 422 unstreamed: the same code.
+	tgi := "{\"error\":\"Input validation error: `inputs` must have less than 4096 tokens. Given: 5000\",\"error_type\":\"validation\"}"
+	if got := string(normalizeEngineError(422, []byte(tgi))); !strings.HasSuffix(got, `"type":"invalid_request_error","param":null,"code":"context_length_exceeded"}}`) {
+		t.Errorf("TGI's 422: %s", got)
 	}
 	// The same words with another status are not that.
 	if got := string(normalizeEngineError(500, []byte(`{"error":{"message":"maximum context length","type":"x","param":null,"code":500}}`))); !strings.HasSuffix(got, `"code":null}}`) {

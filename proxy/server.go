@@ -1386,7 +1386,11 @@ func (s *Server) putScratch(sc *scratch) {
 // engine still sends to are left alone: it is alive to them.
 func (s *Server) cutUnresponsive(b *backend, why string) {
 	h := b.healthCfg()
-	failingFor := time.Duration(max(h.Fall-1, 0))*h.Interval + h.Timeout
+	// Since the first failing probe began: each took up to its timeout
+	// (SGLang's with its wait), and the next began an interval after it,
+	// or at once when it took longer.
+	probe := h.Timeout + b.probeURL().Slow
+	failingFor := time.Duration(max(h.Fall-1, 0))*max(h.Interval, probe) + probe
 	since := time.Now().Add(-failingFor)
 	msg := "backend " + b.cfg.ID + " sent nothing for this request while its health probe failed (" + why + ")"
 	if n := s.live.cutSilent(b.cfg.ID, since.UnixNano(), msg); n > 0 {

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/goccy/go-json"
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvproxy/kvproxy/backends"
@@ -38,8 +39,10 @@ type relay struct {
 	// engine that ends its body there without [DONE] answered in full.
 	finished bool
 	// sawError: the engine sent an error frame (it answered, with an
-	// error: a body that ends after it is not an engine failing).
-	sawError bool
+	// error: a body that ends after it is not an engine failing);
+	// engineFault: one not of the request's doing (not a 4xx's type),
+	// which counts against the engine as a 500 answer does.
+	sawError, engineFault bool
 	// afterDone: the time spent waiting for the engine since [DONE]
 	afterDone time.Duration
 	relayed   int // a Responses stream's events: its next sequence_number
@@ -219,7 +222,7 @@ func (r *relay) end(out []byte, err error) []byte {
 		// stream), or an engine that did not end its body within endGrace
 		// of [DONE], adds nothing. A [DONE] not yet written goes in out,
 		// and a client gone since fails that write: a 499 still.
-		x.b.succeed()
+		r.answered()
 		if rest := r.f.pending(); len(rest) > 0 { // bytes after [DONE] without a blank line
 			out = append(append(out, rest...), "\n\n"...)
 		}
@@ -242,12 +245,14 @@ func (r *relay) end(out []byte, err error) []byte {
 				Msg("the engine ends its streams without data: [DONE] (after the finish_reason): kvproxy adds it for the clients")
 		}
 		out = append(out, doneEvent...)
-	case err == io.EOF && r.sawError:
+	case err == io.EOF && r.sawError && r.resp != nil && r.resp.Header.ContentLength() != -2:
 		// The engine answered with an error frame and ended its body
 		// without [DONE] (TGI before mid-2024): the client has the error,
 		// and gets the [DONE] vLLM sends after one. The engine is not
-		// taken for one that failed, nor is the request moved.
-		x.b.succeed()
+		// taken for one that died, nor is the request moved. Not for a
+		// body that ends with its connection, where a crash reads as its
+		// end.
+		r.answered()
 		out = append(out, doneEvent...)
 	case (errors.Is(err, backends.ErrAborted) || x.ab.Aborted()) && x.s.live.isCut():
 		x.errMsg = errCutMsg
@@ -396,7 +401,9 @@ func (r *relay) onEvent(ev []byte) []byte {
 			// passed on in OpenAI's shape, with the string code clients
 			// expect.
 			r.x.errMsg = "engine error frame"
-			if norm := normalizeEngineError(500, data); !bytes.Equal(norm, data) {
+			norm := normalizeEngineError(500, data)
+			r.engineFault = r.engineFault || !requestsFault(norm)
+			if !bytes.Equal(norm, data) {
 				fixed = append(append(append(fixed, "data: "...), norm...), "\n\n"...)
 				continue
 			}
@@ -404,6 +411,29 @@ func (r *relay) onEvent(ev []byte) []byte {
 		r.onData(data)
 	}
 	return fixed
+}
+
+// answered records a stream the engine ended as it should: a success, or
+// with an error frame an error answer (one of its own making counts
+// towards ejection as a 500 does; one of the request's, neither way).
+func (r *relay) answered() {
+	switch {
+	case !r.sawError:
+		r.x.b.succeed()
+	case r.engineFault:
+		r.x.b.answeredError("an error event in its stream")
+	}
+}
+
+// requestsFault reports whether an error in OpenAI's shape is the
+// request's doing: its type is invalid_request_error.
+func requestsFault(errJSON []byte) bool {
+	var e struct {
+		Error struct {
+			Type string `json:"type"`
+		} `json:"error"`
+	}
+	return json.Unmarshal(errJSON, &e) == nil && e.Error.Type == "invalid_request_error"
 }
 
 // failEvent appends the event that ends a stream the engine or kvproxy
