@@ -454,8 +454,8 @@ func (r *relay) failEvent(out []byte, msg, typ, code string) []byte {
 
 // isErrorFrame reports whether data, an event's JSON, is an engine's error:
 // an object whose first member is "error" holding an object or a string
-// (TGI's), or "object" holding "error". A chunk's first member is "id", so this costs a few
-// byte comparisons per event.
+// (TGI's), or "object" holding "error". A chunk's first member is "id", so
+// this costs a few byte comparisons per event.
 func isErrorFrame(data []byte) bool {
 	// At once for a chunk: its first member's name starts with neither
 	// letter (measured: the full look cost 10% of the relay's time).
