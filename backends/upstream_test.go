@@ -56,19 +56,26 @@ func TestKeepAliveConnectionIsReused(t *testing.T) {
 			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
 		}
 	})
+	if d := dialsFor(t, addr, 3); d != 1 {
+		t.Fatalf("%d dials for 3 sequential requests, want 1", d)
+	}
+}
+
+// dialsFor sends n requests one after another, each to be answered "ok",
+// and returns how many connections they took.
+func dialsFor(t *testing.T, addr string, n int) int64 {
+	t.Helper()
 	u := &Upstream{Addr: addr}
-	for i := 0; i < 3; i++ {
+	for i := 0; i < n; i++ {
 		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
 		if _, err := u.Do(req, resp, false, nil); err != nil {
 			t.Fatal(err)
 		}
 		if string(resp.Body()) != "ok" {
-			t.Fatalf("body %q", resp.Body())
+			t.Fatalf("request %d read %q", i, resp.Body())
 		}
 	}
-	if d := u.Dials.Load(); d != 1 {
-		t.Fatalf("%d dials for 3 sequential requests, want 1", d)
-	}
+	return u.Dials.Load()
 }
 
 // An engine that sends more than its answer (here a second, unasked one
@@ -81,17 +88,7 @@ func TestBytesPastTheAnswerAreNotReadByTheNext(t *testing.T) {
 			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nsmuggled")
 		}
 	})
-	u := &Upstream{Addr: addr}
-	for i := 0; i < 3; i++ {
-		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
-		if _, err := u.Do(req, resp, false, nil); err != nil {
-			t.Fatal(err)
-		}
-		if string(resp.Body()) != "ok" {
-			t.Fatalf("request %d read %q", i, resp.Body())
-		}
-	}
-	if d := u.Dials.Load(); d != 3 {
+	if d := dialsFor(t, addr, 3); d != 3 {
 		t.Fatalf("%d dials for 3 requests, want one each", d)
 	}
 }

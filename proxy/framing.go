@@ -35,13 +35,7 @@ func refuseAmbiguousFraming(ctx *fasthttp.RequestCtx) bool {
 // hasToken reports whether a comma-separated header value lists token, in
 // any case.
 func hasToken(v []byte, token string) bool {
-	for len(v) > 0 {
-		item := v
-		if i := bytes.IndexByte(v, ','); i >= 0 {
-			item, v = v[:i], v[i+1:]
-		} else {
-			v = nil
-		}
+	for item := range bytes.SplitSeq(v, comma) {
 		if bytes.EqualFold(bytes.TrimSpace(item), []byte(token)) {
 			return true
 		}
@@ -49,16 +43,12 @@ func hasToken(v []byte, token string) bool {
 	return false
 }
 
+var comma = []byte(",")
+
 // hasHeaderLine reports whether raw header lines (as received) hold a
 // header of this lowercase name, in any case.
 func hasHeaderLine(raw []byte, name string) bool {
-	for len(raw) > 0 {
-		line := raw
-		if i := bytes.IndexByte(raw, '\n'); i >= 0 {
-			line, raw = raw[:i], raw[i+1:]
-		} else {
-			raw = nil
-		}
+	for line := range bytes.Lines(raw) {
 		if len(line) > len(name) && line[len(name)] == ':' && bytes.EqualFold(line[:len(name)], []byte(name)) {
 			return true
 		}
