@@ -98,12 +98,16 @@ func TestConnectionCap(t *testing.T) {
 			t.Fatalf("kvproxy_client_connections %q, want 3", gauge(m, "kvproxy_client_connections"))
 		}
 	}
+	start := time.Now()
 	refusedAtOnce(t, addr)
 	refusedAtOnce(t, addr)
 	if _, m := rawGet(t, a, ar, "/metrics"); gauge(m, "kvproxy_client_connections_refused_total") != "2" || gauge(m, "kvproxy_client_connections") != "3" {
 		t.Fatalf("refused %q open %q, want 2 and 3", gauge(m, "kvproxy_client_connections_refused_total"), gauge(m, "kvproxy_client_connections"))
 	}
-	if n := strings.Count(p.logs.String(), "client connections refused"); n != 1 {
+	// Within refuseLogEvery of the first refusal (a test starved of CPU
+	// may take longer, and then rightly sees the second line: the flaky
+	// hunt), the second is not logged yet.
+	if n := strings.Count(p.logs.String(), "client connections refused"); n != 1 && time.Since(start) < refuseLogEvery {
 		t.Errorf("%d lines for 2 refusals in a moment, want 1:\n%s", n, p.logs.String())
 	}
 	// The second is logged when its line is due, not at the next refusal
