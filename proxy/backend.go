@@ -309,13 +309,8 @@ const silentWholeLimit = 3
 const errorAnswerLimit = 3
 
 // answeredError records an error answer that is the engine's fault or the
-// request's, as errorAnswerLimit describes. Such ejections take out at
-// most half of a model's backends that answer clients (none of a model's
-// only one; prefill engines are not counted, nor held back): a client
-// whose requests make engines fail could otherwise take every engine of a
-// model out for everyone (the security review: three requests a second
-// kept a model at 503), and engines that all fail tell the clients more
-// with their own answers than kvproxy's 503 would.
+// request's, as errorAnswerLimit describes; the streak's last ejects the
+// engine as ejectForAnswer does.
 func (b *backend) answeredError(reason string) {
 	b.mu.Lock()
 	b.errorAnswers++
@@ -324,14 +319,26 @@ func (b *backend) answeredError(reason string) {
 		b.errorAnswers = 0
 	}
 	b.mu.Unlock()
-	if !streak {
-		return
+	if streak {
+		b.ejectForAnswer(ejectErrorAnswers, reason+", "+strconv.Itoa(errorAnswerLimit)+" answers in a row")
 	}
-	reason += ", " + strconv.Itoa(errorAnswerLimit) + " answers in a row"
+}
+
+// ejectForAnswer ejects the backend for an answer it gave (a 500 streak, a
+// 502, 503 or 504), unless that would take out more than half of the
+// model's backends that answer clients (any of a model's only one;
+// prefill engines are not counted, nor held back): a client whose requests
+// make engines fail, or outlast a gateway's timeout in front of them,
+// could otherwise take every engine of a model out for everyone (the
+// security review: three requests a second kept a model at 503), and
+// engines that all fail tell the clients more with their own answers than
+// kvproxy's 503 would. An engine that is down fails its health probe too,
+// which takes it out whatever the others do.
+func (b *backend) ejectForAnswer(kind, reason string) {
 	if b.prefillOnly() {
 		// Without it the decode engines compute the prompts: its
 		// ejection costs no client an answer.
-		b.fail(ejectErrorAnswers, reason)
+		b.fail(kind, reason)
 		return
 	}
 	p := b.pool
@@ -345,7 +352,7 @@ func (b *backend) answeredError(reason string) {
 		}
 		return
 	}
-	b.fail(ejectErrorAnswers, reason)
+	b.fail(kind, reason)
 }
 
 // health counts the pool's backends that answer clients (prefill engines

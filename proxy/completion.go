@@ -1018,7 +1018,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			x.refusalCode, x.refusalBy = code, b.cfg.ID
 			x.refusalRetry = string(resp.Header.Peek("Retry-After"))
 			if code == fasthttp.StatusServiceUnavailable {
-				b.fail(ejectStatus, x.errMsg)
+				b.ejectForAnswer(ejectStatus, x.errMsg)
 			} else {
 				b.coolDown(coolingFor(resp.Header.Peek("Retry-After")))
 			}
@@ -1096,7 +1096,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		case code == fasthttp.StatusInternalServerError:
 			b.answeredError("status 500")
 		case code >= 500:
-			b.fail(ejectStatus, "status "+strconv.Itoa(code))
+			b.ejectForAnswer(ejectStatus, "status "+strconv.Itoa(code))
 		case code == fasthttp.StatusOK:
 			b.succeed()
 		}

@@ -322,6 +322,26 @@ func TestEngineRedirectIsAConfigurationFault(t *testing.T) {
 	}
 }
 
+// 502, 503 and 504 answers eject under the same cap: requests that outlast
+// a gateway's timeout in front of the engines would otherwise take them all
+// out (the re-review). With two backends answering 502, one goes, and the
+// other's 502s reach the clients.
+func TestStatusEjectionsLeaveHalfTheBackendsIn(t *testing.T) {
+	gateway := func(f *fakeEngine) { f.status, f.errBody = 502, `<html>502 Bad Gateway</html>` }
+	e0, e1 := startFake(t, "e0", gateway), startFake(t, "e1", gateway)
+	p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nhealth: {eject_base: 1m, eject_max: 1m}\nrouter: {policy: round_robin}\n"+
+		"backends: [{id: e0, url: 'http://{{e0}}'}, {id: e1, url: 'http://{{e1}}'}]\n", e0, e1)
+	for i := 0; i < 6; i++ {
+		if resp, b := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 502 {
+			t.Fatalf("request %d: %d %s, want the engine's 502", i, resp.StatusCode, b)
+		}
+	}
+	if ejected(p, "e0") == ejected(p, "e1") {
+		t.Fatalf("ejected: e0 %v, e1 %v; want one of the two", ejected(p, "e0"), ejected(p, "e1"))
+	}
+	p.waitIdle(t)
+}
+
 // The cap counts the backends of the failing one's role: a model's only
 // decode engine beside a prefill engine stays in (it was ejected, the
 // prefill engine counted as the half left; the re-review).

@@ -411,7 +411,7 @@ func (r *relay) sendContinuation(emitted int) (*backends.Body, *fasthttp.Respons
 		case code == fasthttp.StatusInternalServerError:
 			b.answeredError("status 500")
 		case code >= 500:
-			b.fail(ejectStatus, "status "+strconv.Itoa(code))
+			b.ejectForAnswer(ejectStatus, "status "+strconv.Itoa(code))
 		}
 		err = errors.New("it answered " + strconv.Itoa(code))
 		if code == fasthttp.StatusOK {
