@@ -283,7 +283,7 @@ func (u *Upstream) Do(req *fasthttp.Request, resp *fasthttp.Response, stream boo
 			uc.c.Close()
 			return nil, ErrAborted
 		}
-		sent := uc.rd.n
+		sent, start := uc.rd.n, time.Now()
 		body, err := u.exchange(uc, req, resp, stream, ab)
 		if err == nil {
 			return body, nil
@@ -295,15 +295,23 @@ func (u *Upstream) Do(req *fasthttp.Request, resp *fasthttp.Response, stream boo
 		if ab != nil && ab.Aborted() {
 			return nil, ErrAborted
 		}
-		// A pooled connection the engine closed while idle fails before any
-		// response byte: the engine never saw the request, so try a fresh one.
-		// Once a byte of an answer arrived, the engine took the request.
-		if reused && attempt == 0 && uc.rd.n == sent && isStaleConn(err) {
+		// A pooled connection the engine closed while idle fails at once,
+		// before any response byte: the engine never saw the request, so
+		// try a fresh one. Once a byte of an answer arrived, or the engine
+		// held the request a while before it closed (it took it, and died
+		// or dropped it: a second delivery would run it twice, a request
+		// that crashes engines twice), the failure is the answer.
+		if reused && attempt == 0 && uc.rd.n == sent && isStaleConn(err) && time.Since(start) < staleWithin {
 			continue
 		}
 		return nil, err
 	}
 }
+
+// staleWithin is how soon after its request a pooled connection must fail
+// to be taken for one the engine had closed while idle: its close (or the
+// reset a write to it draws) comes within a round trip.
+const staleWithin = 250 * time.Millisecond
 
 // IsTimeout reports whether err is a deadline expiring: a net.Error or
 // fasthttp's ErrTimeout (which has Timeout but not the rest of net.Error).

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -121,6 +122,62 @@ func TestStreamedConnectionIsReused(t *testing.T) {
 	}
 	if d := u.Dials.Load(); d != 1 {
 		t.Fatalf("%d dials for 4 sequential streams, want 1", d)
+	}
+}
+
+// A pooled connection the engine closed while idle (uvicorn closes them
+// after 5 s) fails at once: the request goes again on a fresh one, and the
+// engine sees it once.
+func TestIdleClosedConnectionIsResent(t *testing.T) {
+	var seen atomic.Int32
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		if readRequest(br) == nil {
+			seen.Add(1)
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+			time.Sleep(20 * time.Millisecond) // then closes it, idle
+		}
+	})
+	u := &Upstream{Addr: addr}
+	for i := 0; i < 2; i++ {
+		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+		if i == 1 {
+			time.Sleep(100 * time.Millisecond)
+		}
+		if _, err := u.Do(req, resp, false, nil); err != nil || string(resp.Body()) != "ok" {
+			t.Fatalf("request %d: %v %q", i, err, resp.Body())
+		}
+	}
+	if n, d := seen.Load(), u.Dials.Load(); n != 2 || d != 2 {
+		t.Fatalf("the engine saw %d requests over %d connections, want 2 and 2", n, d)
+	}
+}
+
+// An engine that held a request a while and then dropped its connection
+// took it: the request is not sent again (it was, silently, on a pooled
+// connection whatever the engine had done with it: the AI SDK trial).
+func TestRequestHeldThenDroppedIsNotResent(t *testing.T) {
+	var seen atomic.Int32
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		for i := 0; readRequest(br) == nil; i++ {
+			seen.Add(1)
+			if i == 1 {
+				time.Sleep(2 * staleWithin) // works on it, then dies
+				return
+			}
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		}
+	})
+	u := &Upstream{Addr: addr}
+	req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+	if _, err := u.Do(req, resp, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	req, resp = newRequest(addr, `{}`), fasthttp.AcquireResponse()
+	if _, err := u.Do(req, resp, false, nil); err == nil {
+		t.Fatalf("a dropped request answered %q", resp.Body())
+	}
+	if n, d := seen.Load(), u.Dials.Load(); n != 2 || d != 1 {
+		t.Fatalf("the engine saw %d requests over %d connections, want 2 over 1", n, d)
 	}
 }
 
