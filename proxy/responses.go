@@ -641,13 +641,22 @@ func typeOf(data []byte) []byte {
 }
 
 // responsesErrorJSON is the Responses API's error event, numbered seq
-// (the engine numbers its events from 0: seq is how many it sent).
-func responsesErrorJSON(msg, code string, seq int) []byte {
+// (the engine numbers its events from 0: seq is how many it sent). Its
+// "error" member, an OpenAI error object beside the event's own fields,
+// is what makes the OpenAI SDKs raise on it (they raise on an event whose
+// data has one): without it, a client that passes over event types it
+// does not know (LangChain's) took a stream its engine cut short for a
+// finished one (the AI SDK trial), where talking to the engine directly
+// it would have seen the connection fail.
+func responsesErrorJSON(msg, typ, code string, seq int) []byte {
 	b := append([]byte(`{"type":"error","code":`), strconv.Quote(code)...)
 	b = append(b, `,"message":`...)
 	b = appendJSONQuoted(b, msg)
 	b = append(b, `,"param":null,"sequence_number":`...)
 	b = strconv.AppendInt(b, int64(seq), 10)
+	b = append(b, `,"error":`...)
+	e := errorJSON(msg, typ, "", code)
+	b = append(b, e[len(`{"error":`):len(e)-1]...) // the object inside
 	return append(b, '}')
 }
 

@@ -507,6 +507,16 @@ func TestResponsesStreamEngineFailure(t *testing.T) {
 	if len(last) != 2 || last[0] != "event: error" || !strings.Contains(last[1], `"type":"error","code":"backend_failed"`) {
 		t.Fatalf("last event %q of %q", last, events)
 	}
+	// With an OpenAI error object as "error", on which the SDKs raise: a
+	// client that skips unknown events (LangChain) took the cut stream for
+	// a finished one (the AI SDK trial).
+	var ev struct {
+		Error *struct{ Message, Type, Code string } `json:"error"`
+	}
+	if json.Unmarshal([]byte(strings.TrimPrefix(last[1], "data: ")), &ev); ev.Error == nil || ev.Error.Code != "backend_failed" ||
+		ev.Error.Type != "upstream_error" || ev.Error.Message != "the backend serving this request failed mid-stream" {
+		t.Fatalf("the error event's error member: %+v in %s", ev.Error, last[1])
+	}
 	// Numbered after the engine's events, as OpenAI's SDKs expect of an
 	// error event (found by the eleventh session's SDK trial).
 	var prev, failed struct {

@@ -443,7 +443,7 @@ func (r *relay) failEvent(out []byte, msg, typ, code string) []byte {
 	switch r.x.api {
 	case apiResponses:
 		out = append(out, "event: error\ndata: "...)
-		return append(append(out, responsesErrorJSON(msg, code, r.relayed)...), "\n\n"...)
+		return append(append(out, responsesErrorJSON(msg, typ, code, r.relayed)...), "\n\n"...)
 	case apiMessages:
 		return anthropicFailEvent(out, r.x.status, msg)
 	}
