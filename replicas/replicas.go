@@ -202,6 +202,13 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 		nc.Close()
 		return nil, fmt.Errorf("replicas: subscribe %s: %w", cfg.Subject, err)
 	}
+	if nc.IsConnected() {
+		// The server has the subscription once it answers the flush:
+		// from then on every report reaches this replica. Without it,
+		// reports sent just after Start could go unheard (a test's,
+		// on a busy machine: CI).
+		nc.FlushTimeout(time.Second)
+	}
 	go s.loop()
 	return s, nil
 }
