@@ -1010,7 +1010,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		}
 		if (code == fasthttp.StatusTooManyRequests || code == fasthttp.StatusServiceUnavailable) && mayRetry {
 			// The engine refused before starting: another may take it. An
-			// overloaded engine (503) also gets a short break.
+			// overloaded engine (503) also gets a short break, unless the
+			// model's other backends are out too (ejectForAnswer).
 			x.errMsg = "backend " + b.cfg.ID + " answered " + strconv.Itoa(code)
 			x.refused = code
 			plain, _ := plainBody(resp)

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"crypto/tls"
 	"errors"
 	"net"
 	"strconv"
@@ -14,13 +15,14 @@ import (
 // (limits.max_connections, read at each accept: a reload changes it). A
 // connection over the cap takes the place of the client connection idle
 // the longest, as nginx reuses its keep-alive connections when it runs
-// out: one answered and now waiting for its next request for at least
-// idleEvictAfter. Without one, it is answered a 503 and closed at once,
-// before fasthttp gives it a goroutine and buffers: without a cap, idle
-// connections took every file descriptor the process had, and then the
-// engine connections, probes and event feeds had none either (found by
-// the security review); without the eviction, anyone could hold every
-// connection with one request each and idle_timeout (the next review).
+// out: one that has had its answer and has waited at least idleEvictAfter
+// for its next request, with no byte of one come. Without one, it is
+// answered a 503 and closed at once, before fasthttp gives it a goroutine
+// and buffers: without a cap, idle connections took every file descriptor
+// the process had, and then the engine connections, probes and event
+// feeds had none either (found by the security review); without the
+// eviction, anyone could hold every connection with one request each for
+// idle_timeout (the next one).
 type capListener struct {
 	net.Listener
 	max     func() int
@@ -71,10 +73,11 @@ func (l *capListener) take() bool {
 // next request before a new connection over the cap may take its place.
 var idleEvictAfter = time.Second
 
-// connSet is the open client connections.
+// connSet is the open client connections, and how many of them are idle.
 type connSet struct {
-	mu sync.Mutex
-	m  map[*countedConn]struct{}
+	mu   sync.Mutex
+	m    map[*countedConn]struct{}
+	idle atomic.Int64
 }
 
 func (s *connSet) add(c *countedConn) {
@@ -92,23 +95,28 @@ func (s *connSet) remove(c *countedConn) {
 	s.mu.Unlock()
 }
 
-// closeIdlest closes the connection that has waited longest for its next
-// request, at least min, and reports whether there was one. A connection
-// not yet answered is never one: it is reading its first request, which
-// header_timeout and body_timeout bound.
+// closeIdlest closes the connection idle the longest, at least min, and
+// reports whether there was one. With none idle it looks at none: a flood
+// of connections at the cap costs no scan each.
 func (s *connSet) closeIdlest(min time.Duration) bool {
+	if s.idle.Load() == 0 {
+		return false
+	}
 	s.mu.Lock()
 	var idlest *countedConn
 	oldest := coarseNow() - int64(min)
 	for c := range s.m {
-		if since := c.waiting.Load(); since != 0 && since <= oldest && c.answered.Load() {
+		if since := c.idleSince.Load(); since > 0 && since <= oldest {
 			idlest, oldest = c, since
 		}
 	}
 	s.mu.Unlock()
-	if idlest == nil {
+	// Claimed only if it is still idle since then: a request that began
+	// meanwhile keeps it.
+	if idlest == nil || !idlest.idleSince.CompareAndSwap(oldest, evicting) {
 		return false
 	}
+	s.idle.Add(-1)
 	idlest.Close() // its reader ends, and fasthttp with it
 	return true
 }
@@ -119,29 +127,43 @@ type countedConn struct {
 	open   *atomic.Int64
 	set    *connSet
 	closed atomic.Bool
-	// answered: kvproxy has written to it. waiting: since when a read
-	// has been waiting (coarseNow), 0 while none is.
-	answered atomic.Bool
-	waiting  atomic.Int64
+	// idleSince is when the connection went idle (its answer written,
+	// waiting for its next request; coarseNow), 0 while it is not, and
+	// evicting once closeIdlest has claimed it.
+	idleSince atomic.Int64
+}
+
+const evicting = -1
+
+// idle marks the connection idle (fasthttp's StateIdle).
+func (c *countedConn) idle() {
+	if c.idleSince.CompareAndSwap(0, coarseNow()) {
+		c.set.idle.Add(1)
+	}
+}
+
+// busy marks it not idle: a request's bytes came, or fasthttp took it
+// (StateActive, StateHijacked).
+func (c *countedConn) busy() {
+	if v := c.idleSince.Load(); v > 0 && c.idleSince.CompareAndSwap(v, 0) {
+		c.set.idle.Add(-1)
+	}
 }
 
 func (c *countedConn) Read(p []byte) (int, error) {
-	c.waiting.Store(coarseNow())
 	n, err := c.Conn.Read(p)
-	c.waiting.Store(0)
-	return n, err
-}
-
-func (c *countedConn) Write(p []byte) (int, error) {
-	if !c.answered.Load() {
-		c.answered.Store(true)
+	if n > 0 && c.idleSince.Load() > 0 {
+		c.busy()
 	}
-	return c.Conn.Write(p)
+	return n, err
 }
 
 func (c *countedConn) Close() error {
 	if c.closed.CompareAndSwap(false, true) {
 		c.open.Add(-1)
+		if c.idleSince.Swap(evicting) > 0 {
+			c.set.idle.Add(-1)
+		}
 		c.set.remove(c)
 	}
 	return c.Conn.Close()
@@ -153,6 +175,25 @@ func (c *countedConn) SyscallConn() (syscall.RawConn, error) {
 		return sc.SyscallConn()
 	}
 	return nil, errors.ErrUnsupported
+}
+
+// countedOf is the countedConn under c, a connection as fasthttp has it
+// (under the write deadline's wrapper, and TLS), or nil.
+func countedOf(c net.Conn) *countedConn {
+	for {
+		switch v := c.(type) {
+		case *countedConn:
+			return v
+		case *writeIdleConn:
+			c = v.Conn
+		case *guardedConn:
+			c = v.Conn
+		case *tls.Conn:
+			c = v.NetConn()
+		default:
+			return nil
+		}
+	}
 }
 
 var tooManyConnsAnswer = func() []byte {

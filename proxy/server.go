@@ -267,6 +267,18 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 		ErrorHandler:                 s.transportError,
 		ExpectHandler:                s.expectContinue,
 		ConnState: func(c net.Conn, cs fasthttp.ConnState) {
+			// Idle connections may make room for new ones at the cap
+			// (capListener); busy ones never.
+			switch cs {
+			case fasthttp.StateIdle:
+				if cc := countedOf(c); cc != nil {
+					cc.idle()
+				}
+			case fasthttp.StateActive, fasthttp.StateHijacked:
+				if cc := countedOf(c); cc != nil {
+					cc.busy()
+				}
+			}
 			// A hijacked connection (an HTTP/1.0 stream) is still watched
 			// for hang-ups while its relay runs: relayUntilClose forgets it.
 			if cs == fasthttp.StateClosed {
