@@ -51,15 +51,20 @@ func TestBusyConnectionsAreNotEvicted(t *testing.T) {
 		}
 	}
 
-	t.Run("second request's body", func(t *testing.T) {
+	// plain starts a proxy and opens a connection to it.
+	plain := func(t *testing.T) (addr string, c net.Conn, br *bufio.Reader) {
 		p := startProxyYAML(t, yaml, startFake(t, "e0", nil))
-		addr := strings.TrimPrefix(p.url, "http://")
+		addr = strings.TrimPrefix(p.url, "http://")
 		c, err := net.Dial("tcp", addr)
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer c.Close()
-		br := bufio.NewReader(c)
+		t.Cleanup(func() { c.Close() })
+		return addr, c, bufio.NewReader(c)
+	}
+
+	t.Run("second request's body", func(t *testing.T) {
+		addr, c, br := plain(t)
 		if st, _ := rawGet(t, c, br, "/health"); st != 200 {
 			t.Fatal(st)
 		}
@@ -87,14 +92,7 @@ func TestBusyConnectionsAreNotEvicted(t *testing.T) {
 	})
 
 	t.Run("first request's body after 100 Continue", func(t *testing.T) {
-		p := startProxyYAML(t, yaml, startFake(t, "e0", nil))
-		addr := strings.TrimPrefix(p.url, "http://")
-		c, err := net.Dial("tcp", addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		br := bufio.NewReader(c)
+		addr, c, br := plain(t)
 		fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n", len(body))
 		c.SetDeadline(time.Now().Add(3 * time.Second))
 		if line, _ := br.ReadString('\n'); !strings.HasPrefix(line, "HTTP/1.1 100") {
