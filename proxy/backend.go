@@ -312,14 +312,7 @@ const errorAnswerLimit = 3
 // request's, as errorAnswerLimit describes; the streak's last ejects the
 // engine as ejectForAnswer does.
 func (b *backend) answeredError(reason string) {
-	b.mu.Lock()
-	b.errorAnswers++
-	streak := b.errorAnswers >= errorAnswerLimit
-	if streak {
-		b.errorAnswers = 0
-	}
-	b.mu.Unlock()
-	if streak {
+	if b.strike(&b.errorAnswers, errorAnswerLimit) {
 		b.ejectForAnswer(ejectErrorAnswers, reason+", "+strconv.Itoa(errorAnswerLimit)+" answers in a row")
 	}
 }
@@ -386,22 +379,23 @@ func (p *modelPool) health(b *backend) (total, down int) {
 // between, is an engine that takes requests and never finishes them (its
 // health probe may still pass), and ejects it.
 func (b *backend) wholeTimedOut(reason string) {
-	b.strike(&b.silentWhole, silentWholeLimit, ejectTimeout, reason+", "+strconv.Itoa(silentWholeLimit)+" non-streamed requests in a row")
+	if b.strike(&b.silentWhole, silentWholeLimit) {
+		b.fail(ejectTimeout, reason+", "+strconv.Itoa(silentWholeLimit)+" non-streamed requests in a row")
+	}
 }
 
 // strike counts one failure of a streak (a field of b, guarded by b.mu)
-// and ejects the backend when it reaches limit; succeed ends streaks.
-func (b *backend) strike(streak *int, limit int, kind, reason string) {
+// and reports whether it reached limit, starting it again; succeed ends
+// streaks.
+func (b *backend) strike(streak *int, limit int) bool {
 	b.mu.Lock()
+	defer b.mu.Unlock()
 	*streak++
-	eject := *streak >= limit
-	if eject {
-		*streak = 0
+	if *streak < limit {
+		return false
 	}
-	b.mu.Unlock()
-	if eject {
-		b.fail(kind, reason)
-	}
+	*streak = 0
+	return true
 }
 
 // drain stops new requests to the backend (it is being removed).

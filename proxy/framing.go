@@ -6,10 +6,20 @@ import (
 	"github.com/valyala/fasthttp"
 )
 
-// refuseAmbiguousFraming closes the connection after this request when
-// the client asked for it in any case or list ("Connection: Close",
-// "keep-alive, close": RFC 9110 §7.6.1; fasthttp hears only a bare
-// lowercase close), and refuses a request that declares both
+// honourConnectionClose closes the connection after this request when the
+// client asked for it in any case or list ("Connection: Close",
+// "keep-alive, close": RFC 9110 §7.6.1); fasthttp hears only a bare
+// lowercase close.
+func honourConnectionClose(ctx *fasthttp.RequestCtx) {
+	h := &ctx.Request.Header
+	if !h.ConnectionClose() {
+		if v := h.Peek(fasthttp.HeaderConnection); len(v) > 0 && hasToken(v, "close") {
+			ctx.SetConnectionClose()
+		}
+	}
+}
+
+// refuseAmbiguousFraming refuses a request that declares both
 // Content-Length and Transfer-Encoding with a 400 and a closed connection,
 // as nginx does: RFC 9112 §6.1 has the server close the connection after
 // one, since a front proxy that reads the other header would take the
@@ -18,11 +28,6 @@ import (
 // connection open.
 func refuseAmbiguousFraming(ctx *fasthttp.RequestCtx) bool {
 	h := &ctx.Request.Header
-	if !h.ConnectionClose() {
-		if v := h.Peek(fasthttp.HeaderConnection); len(v) > 0 && hasToken(v, "close") {
-			ctx.SetConnectionClose()
-		}
-	}
 	if h.ContentLength() != -1 || !hasHeaderLine(h.RawHeaders(), "content-length") { // -1: chunked
 		return false
 	}

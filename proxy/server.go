@@ -954,6 +954,7 @@ func (s *Server) routes() map[string]route {
 // (after counting the request), other endpoints here.
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	defer s.finishBody(ctx)
+	honourConnectionClose(ctx)
 	if refuseAmbiguousFraming(ctx) {
 		s.logUnrouted(ctx, "both Content-Length and Transfer-Encoding")
 		return
