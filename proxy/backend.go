@@ -78,6 +78,9 @@ type backend struct {
 	// noDoneSaid: the engine was found to end its streams without
 	// [DONE], and the log said so (once).
 	noDoneSaid atomic.Bool
+	// wholeAnswerSaid: the engine answered a streaming request with
+	// JSON, and the log said so (once).
+	wholeAnswerSaid atomic.Bool
 	// keptSaid is when the log last said the backend was kept in despite
 	// its error answers (answeredError), Unix ns: once a minute at most.
 	keptSaid atomic.Int64

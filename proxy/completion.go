@@ -99,6 +99,9 @@ type exchange struct {
 	// the next is sent it whole (a disaggregated prefill's KV, which that
 	// engine may have pulled and freed, not included).
 	resend bool
+	// wholeAnswer: the engine answered the stream with its whole answer
+	// as JSON, so its first token says nothing of its prefill time.
+	wholeAnswer bool
 	// cutB is the backend whose failing probe cuts the exchange (its
 	// engine's), set under the live set's lock (liveExchanges.move).
 	cutB *backend
@@ -977,36 +980,12 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	x.heard.Store(coarseNow()) // its answer began: the engine is alive to this request
 	code := resp.StatusCode()
 	if stream == nil || code != fasthttp.StatusOK {
-		if stream != nil {
-			// An engine's error answer to a streaming request: read it whole.
-			// A 204 or 304 has no body, and no body stream to read.
-			var eb bytes.Buffer
-			var rerr error
-			if resp.BodyStream() != nil {
-				_, rerr = eb.ReadFrom(io.LimitReader(stream, 1<<20))
-			}
-			stream.Close()
-			if rerr != nil {
-				aborted := errors.Is(rerr, backends.ErrAborted) || x.ab.Aborted()
-				switch {
-				case aborted && s.live.isCut():
-					x.status, x.errMsg = fasthttp.StatusServiceUnavailable, errCutMsg
-					s.shuttingDown(ctx, errCutMsg)
-				case aborted && x.unresponsive.Load() != nil:
-					x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, *x.unresponsive.Load())
-				case aborted: // the client hung up: the engine is not at fault
-					x.status = 499
-				default:
-					b.failConn(rerr.Error())
-					x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" "+upstreamFault(rerr))
-					x.errMsg += ": " + rerr.Error()
-				}
-				fasthttp.ReleaseResponse(resp)
-				x.finish()
-				return done
-			}
-			resp.SetBodyRaw(eb.Bytes())
-			resp.StreamBody = false
+		// An engine's error answer to a streaming request: read it whole.
+		// A 204 or 304 has no body, and no body stream to read.
+		if stream != nil && !x.readWhole(ctx, stream, resp, nil, nil, 1<<20) {
+			fasthttp.ReleaseResponse(resp)
+			x.finish()
+			return done
 		}
 		if (code == fasthttp.StatusTooManyRequests || code == fasthttp.StatusServiceUnavailable) && mayRetry {
 			// The engine refused before starting: another may take it. An
@@ -1107,6 +1086,14 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		x.finish()
 		return done
 	}
+	var src streamBody = stream
+	if !x.pass && isJSONType(resp.Header.ContentType()) {
+		if src = x.streamOfWhole(ctx, stream, resp, body); src == nil {
+			fasthttp.ReleaseResponse(resp)
+			x.finish()
+			return done
+		}
+	}
 	ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 	ctx.SetStatusCode(fasthttp.StatusOK)
 	x.status = fasthttp.StatusOK
@@ -1134,7 +1121,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	ctx.Response.Header.SetContentType("text/event-stream")
 	ctx.Response.Header.Set("Cache-Control", "no-cache")
 	ctx.Response.Header.Set("X-Accel-Buffering", "no")
-	rl := newRelay(x, stream, resp)
+	rl := newRelay(x, src, resp)
 	if !ctx.Request.Header.IsHTTP11() {
 		s.relayUntilClose(ctx, rl)
 		return done
@@ -1237,6 +1224,43 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 		ctx.Response.Header.SetContentEncodingBytes(enc)
 	}
 	ctx.SetBody(body)
+}
+
+// readWhole reads an engine's streamed answer whole into resp's body (pre,
+// the bytes already read of it, first; preErr, what that read ended with),
+// at most limit bytes, and releases the stream. When the read fails it
+// answers the client as the failure says and returns false.
+func (x *exchange) readWhole(ctx *fasthttp.RequestCtx, stream *backends.Body, resp *fasthttp.Response, pre []byte, preErr error, limit int64) bool {
+	var eb bytes.Buffer
+	eb.Write(pre)
+	rerr := preErr
+	if rerr == nil && resp.BodyStream() != nil {
+		_, rerr = eb.ReadFrom(io.LimitReader(stream, limit-int64(len(pre))))
+	}
+	if rerr == io.EOF {
+		rerr = nil
+	}
+	stream.Close()
+	if rerr != nil {
+		aborted := errors.Is(rerr, backends.ErrAborted) || x.ab.Aborted()
+		switch {
+		case aborted && x.s.live.isCut():
+			x.status, x.errMsg = fasthttp.StatusServiceUnavailable, errCutMsg
+			x.s.shuttingDown(ctx, errCutMsg)
+		case aborted && x.unresponsive.Load() != nil:
+			x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, *x.unresponsive.Load())
+		case aborted: // the client hung up: the engine is not at fault
+			x.status = 499
+		default:
+			x.b.failConn(rerr.Error())
+			x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+x.b.cfg.ID+" "+upstreamFault(rerr))
+			x.errMsg += ": " + rerr.Error()
+		}
+		return false
+	}
+	resp.SetBodyRaw(eb.Bytes())
+	resp.StreamBody = false
+	return true
 }
 
 // answerRefusal answers with the last engine refusal that made the request

@@ -149,6 +149,13 @@ func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 		f.aborted.Add(1)
 		return
 	}
+	if stream, _ := body["stream"].(bool); stream && strings.HasSuffix(r.URL.Path, "/messages") {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for _, ev := range []string{"message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta", "message_stop"} {
+			fmt.Fprintf(w, "event: %s\ndata: {\"type\":%q}\n\n", ev, ev)
+		}
+		return
+	}
 	if !strings.HasSuffix(r.URL.Path, "completions") {
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintf(w, `{"object":"list","path":%q,"model":%q,"served_by":%q}`, r.URL.Path, body["model"], f.id)

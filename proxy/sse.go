@@ -549,7 +549,9 @@ func (r *relay) firstEvent() {
 	// The engine's part only: time in kvproxy's queue, on /tokenize
 	// or on refused attempts is not the engine being slow (calibration
 	// took it for that; found by the eighth session's review).
-	x.active.ObserveTTFT(now.Sub(x.sent))
+	if !x.wholeAnswer {
+		x.active.ObserveTTFT(now.Sub(x.sent))
+	}
 	x.s.metrics.observeTTFT(x.b.cfg.ID, x.ttft.Seconds())
 }
 

@@ -1,0 +1,193 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"compress/gzip"
+	"encoding/json"
+	"fmt"
+	"net"
+	"strings"
+	"testing"
+)
+
+// jsonEngine answers every request with a 200 of the given Content-Type
+// and body (sized), whatever the request asked; coding, when set, is the
+// body's Content-Encoding, the body given already coded.
+func jsonEngine(t *testing.T, ctype, coding, body string) *fakeEngine {
+	return rawEngine(t, func(c net.Conn, rd *bufio.Reader) {
+		ce := ""
+		if coding != "" {
+			ce = "Content-Encoding: " + coding + "\r\n"
+		}
+		fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: %s\r\n%sContent-Length: %d\r\n\r\n%s", ctype, ce, len(body), body)
+	})
+}
+
+const wholeChat = `{"id":"chatcmpl-1","object":"chat.completion","created":7,"model":"m","choices":[` +
+	`{"index":0,"message":{"role":"assistant","content":"hello there","tool_calls":[` +
+	`{"id":"call_a","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Oslo\"}"}},` +
+	`{"id":"call_b","type":"function","function":{"name":"get_time","arguments":"{}"}}]},"logprobs":null,"finish_reason":"tool_calls","stop_reason":null},` +
+	`{"index":1,"message":{"role":"assistant","content":"second"},"logprobs":null,"finish_reason":"stop"}],` +
+	`"usage":{"prompt_tokens":11,"completion_tokens":9,"total_tokens":20,"prompt_tokens_details":{"cached_tokens":3}}}`
+
+// sseData is the data of each event of an SSE body.
+func sseData(t *testing.T, body []byte) []string {
+	t.Helper()
+	var out []string
+	for _, ev := range strings.Split(strings.TrimSuffix(string(body), "\n\n"), "\n\n") {
+		if !strings.HasPrefix(ev, "data: ") || strings.Contains(ev, "\n") {
+			t.Fatalf("not one data line: %q in\n%s", ev, body)
+		}
+		out = append(out, strings.TrimPrefix(ev, "data: "))
+	}
+	return out
+}
+
+// An engine that answers a streaming chat request with its whole answer as
+// JSON (servers without streaming do): the client gets the stream the
+// engine would have sent, one chunk per choice with the message as its
+// delta and the tool calls indexed, the usage chunk it asked for, [DONE];
+// the engine stays in, its usage is metered, and the log says it once.
+// Before, the client got "failed mid-stream" and the engine was ejected.
+func TestWholeJSONAnswerToStreamIsStreamed(t *testing.T) {
+	e := jsonEngine(t, "application/json", "", wholeChat)
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
+	for i := range 2 {
+		resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"n":2,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}`)
+		if resp.StatusCode != 200 || resp.Header.Get("Content-Type") != "text/event-stream" {
+			t.Fatalf("%d %v\n%s", resp.StatusCode, resp.Header, b)
+		}
+		data := sseData(t, b)
+		want := []string{
+			`{"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":"hello there","tool_calls":[` +
+				`{"index":0,"id":"call_a","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Oslo\"}"}},` +
+				`{"index":1,"id":"call_b","type":"function","function":{"name":"get_time","arguments":"{}"}}]},"logprobs":null,"finish_reason":"tool_calls","stop_reason":null}]}`,
+			`{"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":1,"delta":{"role":"assistant","content":"second"},"logprobs":null,"finish_reason":"stop"}]}`,
+			`{"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[],"usage":{"prompt_tokens":11,"completion_tokens":9,"total_tokens":20,"prompt_tokens_details":{"cached_tokens":3}}}`,
+			`[DONE]`,
+		}
+		if strings.Join(data, "\n") != strings.Join(want, "\n") {
+			t.Fatalf("request %d: got\n%s\nwant\n%s", i, strings.Join(data, "\n"), strings.Join(want, "\n"))
+		}
+	}
+	if ejected(p, "e0") {
+		t.Fatalf("the engine is ejected: %s", p.logs.String())
+	}
+	p.waitIdle(t)
+	logs := p.logs.String()
+	if n := strings.Count(logs, "whole answer as JSON"); n != 1 {
+		t.Fatalf("said %d times:\n%s", n, logs)
+	}
+	if !strings.Contains(logs, `"status":200`) || !strings.Contains(logs, `"prompt_tokens":11`) || strings.Contains(logs, "failed") {
+		t.Fatalf("not logged as the engine's answer, with its usage:\n%s", logs)
+	}
+	if m := p.metrics(t); !strings.Contains(m, `kvproxy_tokens_total{model="m",tenant="",type="cached"} 6`+"\n") ||
+		!strings.Contains(m, `kvproxy_tokens_total{model="m",tenant="",type="completion"} 18`+"\n") {
+		t.Fatalf("want the engine's usage, twice:\n%s", grepLines(m, "kvproxy_tokens_total{"))
+	}
+}
+
+// Without include_usage there is no usage chunk; a completions answer's
+// choices go as they are, typed as a stream's.
+func TestWholeJSONCompletionToStream(t *testing.T) {
+	body := `{"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":" world","logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3}}`
+	e := jsonEngine(t, "application/json; charset=utf-8", "", body)
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
+	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","stream":true,"prompt":"hello"}`)
+	data := sseData(t, b)
+	want := `{"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":" world","logprobs":null,"finish_reason":"length"}]}` + "\n[DONE]"
+	if resp.StatusCode != 200 || strings.Join(data, "\n") != want {
+		t.Fatalf("%d\n%s", resp.StatusCode, b)
+	}
+}
+
+// A whole answer compressed by the engine (or a gateway before it) is
+// decoded first; one pretty-printed makes events of one line each.
+func TestWholeJSONAnswerCompressed(t *testing.T) {
+	var z bytes.Buffer
+	w := gzip.NewWriter(&z)
+	var pretty bytes.Buffer
+	json.Indent(&pretty, []byte(wholeChat), "", "  ") // as Python's json.dumps(indent=2) writes it
+	w.Write(pretty.Bytes())
+	w.Close()
+	e := jsonEngine(t, "application/json", "gzip", z.String())
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
+	resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+	if data := sseData(t, b); resp.StatusCode != 200 || len(data) != 3 || !strings.Contains(data[1], `"content":"second"`) || data[2] != "[DONE]" {
+		t.Fatalf("%d\n%s", resp.StatusCode, b)
+	}
+}
+
+// A stream typed as JSON (some servers send their SSE with the wrong
+// Content-Type) is relayed as the stream it is.
+func TestStreamTypedAsJSONIsRelayed(t *testing.T) {
+	events := "\n data: " + quirkRole + "\n\ndata: " + quirkLast + "\n\ndata: [DONE]\n\n"
+	e := jsonEngine(t, "application/json", "", events)
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
+	resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+	if out := string(b); resp.StatusCode != 200 || strings.Contains(out, "error") || !strings.Contains(out, `" end"`) || !strings.HasSuffix(out, "data: [DONE]\n\n") {
+		t.Fatalf("%d\n%q", resp.StatusCode, out)
+	}
+	if ejected(p, "e0") {
+		t.Fatal("ejected")
+	}
+}
+
+// An error object answered with a 200 reaches the client as an engine's
+// error event does (in OpenAI's shape, then [DONE]); a client's mistake
+// does not count against the engine. JSON that is no answer is a 502 that
+// says what came, and does not eject the engine either: it answers other
+// requests.
+func TestWholeJSONErrorsAndNonAnswers(t *testing.T) {
+	t.Run("error object", func(t *testing.T) {
+		e := jsonEngine(t, "application/json", "", `{"object":"error","message":"top_p must be in (0, 1]","type":"BadRequestError","param":null,"code":400}`)
+		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
+		e2 := jsonEngine(t, "application/json", "", `{"error":{"message":"bad top_p","type":"invalid_request_error","param":"top_p","code":null}}`)
+		p2 := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e2)
+		for _, px := range []*testProxy{p, p2} {
+			resp, b := post(t, px.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+			data := sseData(t, b)
+			if resp.StatusCode != 200 || len(data) != 2 || !strings.HasPrefix(data[0], `{"error":{"message":`) ||
+				!strings.Contains(data[0], `"type":"invalid_request_error"`) || data[1] != "[DONE]" {
+				t.Fatalf("%d\n%s", resp.StatusCode, b)
+			}
+			if ejected(px, "e0") {
+				t.Fatal("ejected for the client's mistake")
+			}
+		}
+	})
+	t.Run("not an answer", func(t *testing.T) {
+		e := jsonEngine(t, "application/json", "", `{"status":"ok"}`)
+		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
+		for _, path := range []string{"/v1/chat/completions", "/v1/responses"} {
+			body := `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`
+			if path == "/v1/responses" {
+				body = `{"model":"m","stream":true,"input":"hi"}`
+			}
+			resp, b := post(t, p.url+path, body)
+			if resp.StatusCode != 502 || !strings.Contains(string(b), "answered a streaming request with a JSON body that is not a streamable answer") ||
+				strings.Contains(string(b), "127.0.0.1") {
+				t.Fatalf("%s: %d\n%s", path, resp.StatusCode, b)
+			}
+		}
+		if ejected(p, "e0") {
+			t.Fatal("ejected")
+		}
+		p.waitIdle(t)
+	})
+}
+
+func TestWholeAnswerEventsRefusesNonAnswers(t *testing.T) {
+	for _, body := range []string{
+		`[]`, `{"choices":[]}`, `{"choices":[{"index":0}]}`, `{"choices":[{"index":0,"message":"x"}]}`,
+		`{"choices":[{"index":0,"message":{"tool_calls":{}}}]}`, `{"choices":{}}`, `{"id":1`,
+	} {
+		if ev, ok := wholeAnswerEvents(apiChat, []byte(body), true); ok {
+			t.Errorf("%s: made %q", body, ev)
+		}
+	}
+	if ev, ok := wholeAnswerEvents(apiCompletions, []byte(`{"choices":[{"index":0,"message":{}}]}`), true); ok {
+		t.Errorf("a chat answer made a completions stream: %q", ev)
+	}
+}
