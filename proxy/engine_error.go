@@ -113,7 +113,7 @@ func engineErrorJSON(status int, msg, typ, param string, raw json.RawMessage) []
 		}
 		code = ""
 	}
-	if status == 400 && code == "" && exceedsContext(msg) {
+	if status == 400 && code == "" && exceedsContext(msg) && !asksMoreThanContext(msg) {
 		code = "context_length_exceeded"
 	}
 	if !openAIType(typ) {
@@ -150,6 +150,42 @@ func exceedsContext(msg string) bool {
 		}
 	}
 	return false
+}
+
+// asksMoreThanContext reports whether an engine's context error is about
+// max_tokens alone: more output asked for than the whole context holds,
+// which no shorter prompt mends, so it is no context_length_exceeded (an
+// agent would compact its conversation on that code and fail again).
+// vLLM's "'max_tokens' or 'max_completion_tokens' is too large: N. This
+// model's maximum context length is M tokens …", TGI's "`inputs` tokens +
+// `max_new_tokens` must be <= M. Given: X `inputs` tokens and N
+// `max_new_tokens`".
+func asksMoreThanContext(msg string) bool {
+	asked, limit := -1, -1
+	if _, rest, ok := strings.Cut(msg, "is too large: "); ok {
+		asked = leadingInt(rest)
+		if _, rest, ok = strings.Cut(rest, "maximum context length is "); ok {
+			limit = leadingInt(rest)
+		}
+	} else if _, rest, ok := strings.Cut(msg, "`max_new_tokens` must be <= "); ok {
+		limit = leadingInt(rest)
+		if _, rest, ok = strings.Cut(rest, "`inputs` tokens and "); ok {
+			asked = leadingInt(rest)
+		}
+	}
+	return asked >= 0 && limit >= 0 && asked >= limit
+}
+
+// leadingInt is the decimal number s starts with; -1 when none.
+func leadingInt(s string) int {
+	n, i := 0, 0
+	for ; i < len(s) && i < 12 && s[i] >= '0' && s[i] <= '9'; i++ {
+		n = n*10 + int(s[i]-'0')
+	}
+	if i == 0 {
+		return -1
+	}
+	return n
 }
 
 func codeString(raw json.RawMessage) string {

@@ -899,6 +899,18 @@ func TestNormalizeEngineError(t *testing.T) {
 			t.Errorf("%s\n got %s\nwant …%s", in, got, want)
 		}
 	}
+	// More output asked for than the whole context holds: no shorter
+	// prompt mends it, so it is not that code (an agent would compact its
+	// conversation and fail again; the differential trial).
+	for _, in := range []string{
+		`{"error":{"message":"'max_tokens' or 'max_completion_tokens' is too large: 1000000000. This model's maximum context length is 4096 tokens and your request has 27 input tokens (1000000000 > 4096 - 27).","type":"BadRequestError","param":null,"code":400}}`,
+		`{"error":{"message":"'max_tokens' or 'max_completion_tokens' is too large: 4096. This model's maximum context length is 4096 tokens and your request has 1 input tokens (4096 > 4096 - 1).","type":"BadRequestError","param":null,"code":400}}`,
+		"{\"error\":\"Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096. Given: 10 `inputs` tokens and 5000 `max_new_tokens`\",\"error_type\":\"validation\"}",
+	} {
+		if got := string(normalizeEngineError(400, []byte(in))); !strings.HasSuffix(got, `"type":"invalid_request_error","param":null,"code":null}}`) {
+			t.Errorf("%s\n got %s", in, got)
+		}
+	}
 	// TGI answers a prompt too long 422 unstreamed: the same code.
 	tgi := "{\"error\":\"Input validation error: `inputs` must have less than 4096 tokens. Given: 5000\",\"error_type\":\"validation\"}"
 	if got := string(normalizeEngineError(422, []byte(tgi))); !strings.HasSuffix(got, `"type":"invalid_request_error","param":null,"code":"context_length_exceeded"}}`) {
