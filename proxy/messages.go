@@ -44,6 +44,9 @@ func (r *apiRequest) parseAnthropic(body []byte, counting bool) *paramError {
 	if pe := r.readCommon(); pe != nil {
 		return pe
 	}
+	if !counting && (f.MaxTokens == nil || isNull(f.MaxTokens)) {
+		return perr("max_tokens", "max_tokens: Field required") // Anthropic's words
+	}
 	if !counting && !positiveInt(f.MaxTokens) {
 		return perr("max_tokens", "max_tokens must be a positive integer")
 	}

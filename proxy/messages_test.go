@@ -82,6 +82,13 @@ func TestParseAnthropic(t *testing.T) {
 			t.Errorf("%s: %v, want an error on %s", body, pe, param)
 		}
 	}
+	// A missing max_tokens in Anthropic's words (its SDK users know them).
+	for _, body := range []string{`{"messages":[{"role":"user","content":"x"}]}`, `{"max_tokens":null,"messages":[{"role":"user","content":"x"}]}`} {
+		req := &apiRequest{}
+		if pe := req.parseAnthropic([]byte(body), false); pe == nil || pe.msg != "max_tokens: Field required" {
+			t.Errorf("%s: %v", body, pe)
+		}
+	}
 	// As vLLM: an empty system list is none, an image without a source is
 	// skipped, an empty thinking block keeps its message.
 	for body, want := range map[string]string{

@@ -2,6 +2,8 @@ package proxy
 
 import (
 	"bytes"
+	stdjson "encoding/json"
+	"errors"
 	"fmt"
 	"strconv"
 	"unicode/utf8"
@@ -456,6 +458,9 @@ func (r *apiRequest) flattenContent(raw []byte, list string, i int) (string, *pa
 			text = e.value // a plain string is a text part
 		} else {
 			t, isText, ok := contentPart(e.value)
+			if !ok && isText {
+				return "", perr(fmt.Sprintf("%s[%d].content[%d]", list, i, j), "a text part's text must be a string (refusal and thinking parts': their refusal and thinking)")
+			}
 			if !ok {
 				return "", perr(fmt.Sprintf("%s[%d].content[%d]", list, i, j), "content part must be an object with a type, or a string")
 			}
@@ -556,8 +561,8 @@ var partMembers = [...]string{"type", "text", "refusal", "thinking"}
 
 // contentPart reads a content part, an object with a non-empty string
 // type. For a text part (textParts) text is its text, nil when null or
-// absent (vLLM skips the part), and must be a string. ok is false for
-// anything else.
+// absent (vLLM skips the part), and must be a string (isText and not ok
+// when it is not). ok is false for anything else.
 func contentPart(v []byte) (text []byte, isText, ok bool) {
 	if v[0] != '{' {
 		return nil, false, false
@@ -758,11 +763,25 @@ func (r *apiRequest) setBody(body []byte) *paramError {
 	if len(trimmed) == 0 {
 		return perr("", "the request body is empty; expected a JSON object")
 	}
-	if trimmed[0] != '{' || !json.Valid(trimmed) {
+	if trimmed[0] != '{' {
 		return perr("", "the request body is not a valid JSON object")
+	}
+	if !json.Valid(trimmed) {
+		return perr("", "the request body is not a valid JSON object: %s", jsonSyntaxError(trimmed))
 	}
 	r.body = trimmed
 	return nil
+}
+
+// jsonSyntaxError says where and how b, which json.Valid refused, breaks
+// (encoding/json's words: goccy's quote the text around it, the client's
+// own, which a log line of the answer would then carry).
+func jsonSyntaxError(b []byte) string {
+	var se *stdjson.SyntaxError
+	if err := stdjson.Unmarshal(b, new(stdjson.RawMessage)); errors.As(err, &se) {
+		return se.Error() + " (at byte " + strconv.FormatInt(se.Offset, 10) + ")"
+	}
+	return "it does not parse"
 }
 
 // forwardBody appends to dst the body sent to the engine: the client's body

@@ -48,8 +48,11 @@ func refParseRequest(body []byte, chat bool) (*refRequest, *paramError) {
 		return nil, perr("", "the request body is empty; expected a JSON object")
 	}
 	trimmed := bytes.TrimSpace(body)
-	if trimmed[0] != '{' || !json.Valid(trimmed) {
+	if trimmed[0] != '{' {
 		return nil, perr("", "the request body is not a valid JSON object")
+	}
+	if !json.Valid(trimmed) {
+		return nil, perr("", "the request body is not a valid JSON object: %s", jsonSyntaxError(trimmed))
 	}
 	top, err := refObject(trimmed)
 	if err != nil {
@@ -310,6 +313,9 @@ func refFlattenContent(raw json.RawMessage, i int) (string, *paramError) {
 				var text string
 				err = json.Unmarshal(p, &text)
 				cp = refContentPart{Type: "text", Text: text, HasText: true}
+			}
+			if err != nil && cp.Type == "text" {
+				return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "a text part's text must be a string (refusal and thinking parts': their refusal and thinking)")
 			}
 			if err != nil || cp.Type == "" {
 				return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type, or a string")

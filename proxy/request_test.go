@@ -112,8 +112,8 @@ func TestParseRequestErrors(t *testing.T) {
 	}{
 		{" ", true, "", "the request body is empty; expected a JSON object"},
 		{`[1]`, true, "", "the request body is not a valid JSON object"},
-		{`{"model":"m",}`, true, "", "the request body is not a valid JSON object"},
-		{"{\"model\":\"m\x01\"}", true, "", "the request body is not a valid JSON object"},
+		{`{"model":"m",}`, true, "", "the request body is not a valid JSON object: invalid character '}' looking for beginning of object key string (at byte 14)"},
+		{"{\"model\":\"m\x01\"}", true, "", "the request body is not a valid JSON object: invalid character '\\x01' in string literal (at byte 12)"},
 		{`{"messages":[]}`, true, "messages", "messages must contain at least one message"}, // no model: the caller's to decide
 		{`{"Model":"m","messages":[]}`, true, "messages", "messages must contain at least one message"},
 		{`{"model":"m","model":null}`, true, "messages", "you must provide a messages parameter"}, // null is no model, as in vLLM
@@ -143,7 +143,7 @@ func TestParseRequestErrors(t *testing.T) {
 		{`{"model":"m","messages":[{"role":"user","content":[{"type":"text"},{"text":"x"}]}]}`, true, "messages[0].content[1]", "content part must be an object with a type, or a string"},
 		{`{"model":"m","messages":[{"role":"user","content":[{"type":""}]}]}`, true, "messages[0].content[0]", "content part must be an object with a type, or a string"},
 		{`{"model":"m","messages":[{"role":"user","content":[null]}]}`, true, "messages[0].content[0]", "content part must be an object with a type, or a string"},
-		{`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":1}]}]}`, true, "messages[0].content[0]", "content part must be an object with a type, or a string"},
+		{`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":1}]}]}`, true, "messages[0].content[0]", "a text part's text must be a string (refusal and thinking parts': their refusal and thinking)"},
 		{`{"model":"m","prompt":null}`, false, "prompt", "you must provide a prompt parameter"},
 		{`{"model":"m","prompt":[]}`, false, "prompt", "prompt must not be empty"},
 		{`{"model":"m","prompt":{}}`, false, "prompt", "prompt must be a string, an array of strings, or an array of token ids (integers 0..4294967295)"},
