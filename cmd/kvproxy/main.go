@@ -64,6 +64,11 @@ func (c *command) run(args []string) (code int) {
 	listen := fs.String("listen", "", "listen address, overrides the config's listen")
 	drainFlag := fs.Duration("drain-timeout", 0, "how long SIGTERM waits for in-flight requests (default: limits.drain_timeout)")
 	version := fs.Bool("version", false, "print the version and commit, and exit")
+	fs.Usage = func() {
+		fmt.Fprintln(fs.Output(), "Usage: kvproxy [flags]            serve (README.md: Configuration reference)")
+		fmt.Fprintln(fs.Output(), "       kvproxy tokenize [flags]   print a text's token ids as kvproxy routes on them (kvproxy tokenize -h)")
+		fs.PrintDefaults()
+	}
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}

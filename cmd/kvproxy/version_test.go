@@ -51,3 +51,16 @@ func TestVersionAndBuildInfo(t *testing.T) {
 		t.Fatalf("no kvproxy_build_info:\n%s", b)
 	}
 }
+
+// -h names the tokenize subcommand beside the flags (the README audit:
+// nothing said it was there).
+func TestHelpNamesTheTokenizeCommand(t *testing.T) {
+	var errOut bytes.Buffer
+	c := &command{stdout: io.Discard, stderr: &errOut}
+	if code := c.run([]string{"-h"}); code != 2 {
+		t.Fatalf("-h exited %d", code)
+	}
+	if h := errOut.String(); !strings.Contains(h, "kvproxy tokenize") || !strings.Contains(h, "-config") {
+		t.Fatalf("-h printed %q", h)
+	}
+}
