@@ -28,9 +28,11 @@ func isJSONType(ct []byte) bool {
 	if i := bytes.IndexByte(ct, ';'); i >= 0 {
 		ct = ct[:i]
 	}
-	ct = bytes.ToLower(bytes.TrimSpace(ct))
-	return bytes.Equal(ct, []byte("application/json")) || bytes.HasSuffix(ct, []byte("+json"))
+	ct = bytes.TrimSpace(ct)
+	return bytes.EqualFold(ct, appJSON) || len(ct) > len(plusJSON) && bytes.EqualFold(ct[len(ct)-len(plusJSON):], plusJSON)
 }
+
+var appJSON, plusJSON = []byte("application/json"), []byte("+json")
 
 // wholeAnswerEvents is the SSE stream of a whole chat or completions
 // answer: one chunk per choice, holding all of its output (a chat choice's

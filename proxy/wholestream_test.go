@@ -191,3 +191,17 @@ func TestWholeAnswerEventsRefusesNonAnswers(t *testing.T) {
 		t.Errorf("a chat answer made a completions stream: %q", ev)
 	}
 }
+
+func TestIsJSONType(t *testing.T) {
+	for ct, want := range map[string]bool{
+		"application/json": true, "Application/JSON; charset=utf-8": true, " application/problem+json ": true, "application/vnd.x+JSON;q=1": true,
+		"text/event-stream": false, "text/event-stream; charset=utf-8": false, "": false, "+json": false, "application/jsonl": false, "text/plain": false,
+	} {
+		if got := isJSONType([]byte(ct)); got != want {
+			t.Errorf("%q: %v", ct, got)
+		}
+	}
+	if n := testing.AllocsPerRun(100, func() { isJSONType([]byte("text/event-stream; charset=utf-8")) }); n != 0 {
+		t.Errorf("%v allocations", n)
+	}
+}
