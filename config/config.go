@@ -137,6 +137,10 @@ type Tenant struct {
 	// urgent a request of it may ask for; unset, a request's own priority
 	// (default 0) is taken as it is.
 	Priority *int `yaml:"priority"`
+	// Models, when set, are the only models (names or aliases of
+	// models[]) the tenant may use, with their aliases and adapters; the
+	// others do not exist for it. Unset: all.
+	Models []string `yaml:"models"`
 }
 
 // Health configures active probes and passive ejection.
@@ -870,6 +874,14 @@ func (c *Config) Validate() error {
 		}
 		if t.MaxConcurrency < 0 {
 			add(f+".max_concurrency", "must not be negative (0: no cap)")
+		}
+		if t.Models != nil && len(t.Models) == 0 {
+			add(f+".models", "lists no model: leave it out to allow every model")
+		}
+		for j, name := range t.Models {
+			if _, ok := c.ModelByName(name); !ok {
+				add(fmt.Sprintf("%s.models[%d]", f, j), "%q is not the name or alias of a configured model", name)
+			}
 		}
 	}
 	keys := map[string]bool{}

@@ -42,6 +42,8 @@ func TestValidationRejects(t *testing.T) {
 	cases := map[string]struct{ yaml, want string }{
 		"negative connect timeout": {minimal + "limits: {upstream_connect_timeout: -1s}\n", "limits.upstream_connect_timeout"},
 		"negative conns":           {minimal + "limits: {max_conns_per_backend: -1}\n", "limits.max_conns_per_backend"},
+		"tenant model unknown":     {minimal + "tenants: [{name: a, models: [m, nope]}]\n", "tenants[0].models[1]: \"nope\" is not the name or alias"},
+		"tenant models empty":      {minimal + "tenants: [{name: a, models: []}]\n", "tenants[0].models: lists no model"},
 		"negative client conns":    {minimal + "limits: {max_connections: -1}\n", "limits.max_connections"},
 		"negative idle timeout":    {minimal + "limits: {idle_timeout: -1s}\n", "limits.idle_timeout"},
 		"negative overlap weight":  {minimal + "router: {overlap_weight: -1}\n", "router.overlap_weight"},

@@ -48,16 +48,37 @@ func modelCards(data []modelJSON, m *config.Model, st *state) []modelJSON {
 
 var startTime = time.Now().Unix()
 
+// handleModels lists the models the client's tenant may use.
 func (s *Server) handleModels(ctx *fasthttp.RequestCtx, st *state) {
 	s.requestIDs(ctx)
+	t := st.auth.client(ctx)
 	var data []modelJSON
 	for i := range st.cfg.Models {
-		data = modelCards(data, &st.cfg.Models[i], st)
+		if t.mayUse(st.models[st.cfg.Models[i].Name]) {
+			data = modelCards(data, &st.cfg.Models[i], st)
+		}
 	}
 	for _, p := range st.pools {
-		data = p.listedAdapters(data, st.cfg.Limits.MaxPromptTokens)
+		if t.mayUse(p) {
+			data = p.listedAdapters(data, st.cfg.Limits.MaxPromptTokens)
+		}
 	}
 	writeJSON(ctx, map[string]any{"object": "list", "data": data})
+}
+
+// modelNotFound answers a request for a model that does not exist, or
+// that the client's tenant may not use: the same words, so a key tells
+// nothing of the models it may not use.
+func modelNotFound(ctx *fasthttp.RequestCtx, model string) {
+	writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", model), "invalid_request_error", "model", "model_not_found")
+}
+
+// unknownModel is the log's reason for a modelNotFound of pool p.
+func unknownModel(p *modelPool) string {
+	if p != nil {
+		return "model not allowed for the tenant (tenants[].models)"
+	}
+	return "unknown model"
 }
 
 var modelPathPrefix = []byte("/v1/models/")
@@ -65,8 +86,12 @@ var modelPathPrefix = []byte("/v1/models/")
 // handleModel answers GET /v1/models/{id}: one model (ids may contain "/").
 func (s *Server) handleModel(ctx *fasthttp.RequestCtx, st *state) {
 	s.requestIDs(ctx)
+	t := st.auth.client(ctx)
 	id := string(ctx.Path()[len(modelPathPrefix):])
 	for i := range st.cfg.Models {
+		if !t.mayUse(st.models[st.cfg.Models[i].Name]) {
+			continue
+		}
 		for _, card := range modelCards(nil, &st.cfg.Models[i], st) {
 			if card.ID == id {
 				writeJSON(ctx, card)
@@ -74,11 +99,11 @@ func (s *Server) handleModel(ctx *fasthttp.RequestCtx, st *state) {
 			}
 		}
 	}
-	if p := s.awaitPoolOfAdapter(st, id); p != nil {
+	if p := s.awaitPoolOfAdapter(st, id); t.mayUse(p) {
 		writeJSON(ctx, modelJSON{ID: id, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: p.cfg.Name, MaxModelLen: p.maxModelLen(st.cfg.Limits.MaxPromptTokens)})
 		return
 	}
-	writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", id), "invalid_request_error", "model", "model_not_found")
+	modelNotFound(ctx, id)
 }
 
 func (s *Server) handleHealth(ctx *fasthttp.RequestCtx, st *state) {

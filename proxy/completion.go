@@ -260,9 +260,10 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		p = st.pools[0]
 		req.model = p.cfg.Name
 	}
-	if p == nil {
-		writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", req.model), "invalid_request_error", "model", "model_not_found")
-		s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusNotFound, start, "unknown model")
+	if !t.mayUse(p) {
+		// A model the tenant may not use does not exist for it.
+		modelNotFound(ctx, req.model)
+		s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusNotFound, start, unknownModel(p))
 		return
 	}
 	lora := p.adapter(req.model) // the LoRA adapter the request names

@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"errors"
-	"fmt"
 	"io"
 
 	"github.com/valyala/fasthttp"
@@ -63,9 +62,9 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 		p = st.pools[0]
 		req.model = p.cfg.Name
 	}
-	if p == nil {
-		writeError(ctx, fasthttp.StatusNotFound, fmt.Sprintf("the model %q does not exist", req.model), "invalid_request_error", "model", "model_not_found")
-		s.logRejected(ctx, in.rid, in.t.name, req.model, fasthttp.StatusNotFound, in.start, "unknown model")
+	if !in.t.mayUse(p) {
+		modelNotFound(ctx, req.model)
+		s.logRejected(ctx, in.rid, in.t.name, req.model, fasthttp.StatusNotFound, in.start, unknownModel(p))
 		return
 	}
 	tokens := int(float64(len(req.body)) * passthroughPaths[path])

@@ -37,6 +37,14 @@ type tenant struct {
 	// priority may be (lower: more urgent), and its default.
 	priority int
 	capped   bool
+	// models are the models (by name) the tenant may use; nil: all.
+	models map[string]bool
+}
+
+// mayUse reports whether the tenant may use the model of pool p (nil: no
+// model, which the caller answers as unknown).
+func (t *tenant) mayUse(p *modelPool) bool {
+	return p != nil && (t.models == nil || t.models[p.cfg.Name])
 }
 
 // queuePriority is the priority a request of t that asked for asked (has:
@@ -143,6 +151,14 @@ func newAuthTable(cfg *config.Config, prev *authTable) *authTable {
 		}
 		if ts.Priority != nil {
 			t.priority, t.capped = *ts.Priority, true
+		}
+		if ts.Models != nil {
+			t.models = map[string]bool{}
+			for _, name := range ts.Models {
+				if m, ok := cfg.ModelByName(name); ok {
+					t.models[m.Name] = true
+				}
+			}
 		}
 		if ts.MaxConcurrency > 0 {
 			t.maxInflight = int64(ts.MaxConcurrency)
