@@ -103,6 +103,24 @@ func toolFleet(t *testing.T) string {
 
 var travelSystem = "You are a travel agent. " + strings.Repeat("Check the weather before you answer. ", 20)
 
+// streamChat streams a chat completion through the SDK's accumulator,
+// failing on any chunk it refuses and on the stream's error.
+func streamChat(t *testing.T, c openai.Client, params openai.ChatCompletionNewParams) (openai.ChatCompletionAccumulator, *http.Response) {
+	t.Helper()
+	var httpResp *http.Response
+	stream := c.Chat.Completions.NewStreaming(context.Background(), params, option.WithResponseInto(&httpResp))
+	var acc openai.ChatCompletionAccumulator
+	for stream.Next() {
+		if !acc.AddChunk(stream.Current()) {
+			t.Fatalf("the accumulator refused chunk %s", stream.Current().RawJSON())
+		}
+	}
+	if err := stream.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return acc, httpResp
+}
+
 // Chat, streamed through the SDK's accumulator and not: the call arrives
 // whole (name, JSON arguments of the schema, the same both ways for the
 // same prompt), finish_reason tool_calls, and the turn that answers the
@@ -123,17 +141,7 @@ func TestToolCallChatThroughTheSDK(t *testing.T) {
 	}
 
 	before := completionTokens(t, url)
-	var httpResp *http.Response
-	stream := c.Chat.Completions.NewStreaming(ctx, params, option.WithResponseInto(&httpResp))
-	var acc openai.ChatCompletionAccumulator
-	for stream.Next() {
-		if !acc.AddChunk(stream.Current()) {
-			t.Fatalf("the accumulator refused chunk %s", stream.Current().RawJSON())
-		}
-	}
-	if err := stream.Err(); err != nil {
-		t.Fatal(err)
-	}
+	acc, httpResp := streamChat(t, c, params)
 	worker := httpResp.Header.Get("x-kvproxy-worker")
 	if len(acc.Choices) != 1 || len(acc.Choices[0].Message.ToolCalls) != 1 {
 		t.Fatalf("streamed answer %+v", acc.ChatCompletion)

@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"io"
 	"net"
@@ -14,7 +13,6 @@ import (
 	"testing"
 
 	"github.com/openai/openai-go"
-	"github.com/openai/openai-go/option"
 	"github.com/openai/openai-go/shared"
 )
 
@@ -73,7 +71,6 @@ func TestEngineWithoutStreamingThroughTheSDK(t *testing.T) {
 	gw, unstreamed := unstreamingGateway(t, engines[0])
 	url, _, _ := startProxyConfig(t, "log_level: info\n"+backendsYAML(map[string]string{"gw": gw}, ""))
 	c := client(url)
-	ctx := context.Background()
 	params := openai.ChatCompletionNewParams{
 		Model:         "default",
 		Messages:      []openai.ChatCompletionMessageParamUnion{openai.SystemMessage(travelSystem), openai.UserMessage("Is it warm in Lisbon?")},
@@ -83,17 +80,7 @@ func TestEngineWithoutStreamingThroughTheSDK(t *testing.T) {
 	}
 	for round := range 2 {
 		before := completionTokens(t, url)
-		var httpResp *http.Response
-		stream := c.Chat.Completions.NewStreaming(ctx, params, option.WithResponseInto(&httpResp))
-		var acc openai.ChatCompletionAccumulator
-		for stream.Next() {
-			if !acc.AddChunk(stream.Current()) {
-				t.Fatalf("the accumulator refused chunk %s", stream.Current().RawJSON())
-			}
-		}
-		if err := stream.Err(); err != nil {
-			t.Fatal(err)
-		}
+		acc, httpResp := streamChat(t, c, params)
 		if len(acc.Choices) != 1 || len(acc.Choices[0].Message.ToolCalls) != 1 || httpResp.Header.Get("Content-Type") != "text/event-stream" {
 			t.Fatalf("round %d: streamed answer %+v", round, acc.ChatCompletion)
 		}

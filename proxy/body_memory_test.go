@@ -240,14 +240,7 @@ func TestUnreadBodiesAreNotTakenForRequests(t *testing.T) {
 		t.Helper()
 		req, _ := http.NewRequest("POST", p.url+"/v1/completions", io.MultiReader(strings.NewReader(body)))
 		req.ContentLength = -1 // chunked
-		req.Header.Set("Authorization", "Bearer "+key)
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
+		return doAuth(t, req, key)
 	}
 	if status, b := chunked(`{"model":"m","prompt":"hello there"}`, "key-free-45678"); status != 200 {
 		t.Fatalf("a small chunked body: %d %s", status, b)

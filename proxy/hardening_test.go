@@ -59,6 +59,19 @@ func serveYAML(t *testing.T, yaml string, noHealthChecks bool) *testProxy {
 	return &testProxy{s: s, url: "http://" + ln.Addr().String(), logs: logs}
 }
 
+// doAuth sends req with the API key: the answer's status and body.
+func doAuth(t *testing.T, req *http.Request, key string) (int, string) {
+	t.Helper()
+	req.Header.Set("Authorization", "Bearer "+key)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
 func postAuth(t *testing.T, url, key, body string) (*http.Response, string) {
 	t.Helper()
 	req, _ := http.NewRequest("POST", url, strings.NewReader(body))

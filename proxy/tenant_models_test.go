@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -31,14 +30,7 @@ tenants:
 `, e, e1)
 	get := func(key, path string) (int, string) {
 		req, _ := http.NewRequest("GET", p.url+path, nil)
-		req.Header.Set("Authorization", "Bearer "+key)
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
+		return doAuth(t, req, key)
 	}
 	chat := func(model string) string {
 		return `{"model":"` + model + `","max_tokens":1,"messages":[{"role":"user","content":"hi"}]}`
