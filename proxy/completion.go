@@ -7,6 +7,7 @@ import (
 	"io"
 	"math"
 	"net"
+	"net/url"
 	"runtime/debug"
 	"slices"
 	"strconv"
@@ -315,8 +316,8 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 			// client hears the engine's words on its request, never how
 			// an engine failed (a connection error names its address).
 			msg := "could not count the tokens: no engine's /tokenize answered"
-			if errors.As(err, new(requestRefused)) {
-				msg = "could not count the tokens: " + err.Error()
+			if rr := new(requestRefused); errors.As(err, rr) {
+				msg = "could not count the tokens: " + rr.said
 			}
 			writeError(ctx, fasthttp.StatusServiceUnavailable, msg, "service_unavailable", "", "tokenizer_unavailable")
 			s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusServiceUnavailable, start, "engine tokenization failed: "+err.Error())
@@ -1045,7 +1046,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				// behind https, a path with a missing slash), and which
 				// only the operator may see.
 				what, hint = "answered with a redirect", "check its url"
-				b.log.Warn().Str("backend", b.cfg.ID).Int("status", code).Str("location", string(resp.Header.Peek("Location"))).
+				b.log.Warn().Str("backend", b.cfg.ID).Int("status", code).Str("location", redirectTarget(resp.Header.Peek("Location"))).
 					Msg("the engine answered with a redirect: check the backend's url")
 				plain = nil
 			}
@@ -1055,9 +1056,12 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				// worse an engine for chat: not a strike against it.
 				what, hint = "does not serve "+x.path, "its engine may not have this API"
 			}
+			// Its type, code and param, never its message: an engine may
+			// quote the request in it, the prompt or kvproxy's key with it
+			// (the SRE trial's engine echoed its Authorization header).
 			detail := strconv.Itoa(code)
-			if plain != nil {
-				detail += " " + engineMessage(code, plain)
+			if w := errorKindWords(plain); w != "" {
+				detail += ": " + w
 			}
 			msg := "backend " + b.cfg.ID + " " + what + " (" + detail + "); " + hint
 			if !optional {
@@ -1225,6 +1229,21 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 		ctx.Response.Header.SetContentEncodingBytes(enc)
 	}
 	ctx.SetBody(body)
+}
+
+// redirectTarget is a redirect's Location for the log, without what may be
+// a secret in it: user info and the query (a login page's token).
+func redirectTarget(loc []byte) string {
+	u, err := url.Parse(string(loc))
+	if err != nil {
+		return "(not a URL)"
+	}
+	u.User = nil
+	if u.RawQuery != "" || u.ForceQuery {
+		u.RawQuery, u.ForceQuery = "…", false
+	}
+	u.Fragment, u.RawFragment = "", ""
+	return u.String()
 }
 
 // readWhole reads an engine's streamed answer whole into resp's body (pre,

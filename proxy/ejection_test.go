@@ -1,6 +1,8 @@
 package proxy
 
 import (
+	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -148,7 +150,7 @@ health: {eject_base: 1m, eject_max: 1m}
 `, e)
 	for i := 0; i < errorAnswerLimit; i++ {
 		resp, b := post(t, p.url+"/v1/chat/completions", chatBody)
-		if resp.StatusCode != 502 || !strings.Contains(string(b), `refused kvproxy's credentials (401 Unauthorized); check its api_key`) || !strings.Contains(string(b), `"type":"upstream_error"`) {
+		if resp.StatusCode != 502 || !strings.Contains(string(b), `refused kvproxy's credentials (401: type invalid_request_error, code invalid_api_key); check its api_key`) || !strings.Contains(string(b), `"type":"upstream_error"`) {
 			t.Fatalf("request %d: %d %s", i, resp.StatusCode, b)
 		}
 	}
@@ -186,7 +188,7 @@ func TestEngineNotServingTheModelIsAConfigurationFault(t *testing.T) {
 	alone := startFake(t, "alone", notFound)
 	q := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: alone, url: 'http://{{e0}}'}]\n", alone)
 	resp, b := post(t, q.url+"/v1/chat/completions", chatBody)
-	if resp.StatusCode != 502 || !strings.Contains(string(b), "backend alone does not serve the model or path (404 The model `m` does not exist.); check its url and served_model") ||
+	if resp.StatusCode != 502 || !strings.Contains(string(b), "backend alone does not serve the model or path (404: type NotFoundError, code 404, param model); check its url and served_model") ||
 		!strings.Contains(string(b), `"code":"backend_failed"`) {
 		t.Fatalf("the only backend answering 404: %d %s, want 502 naming the backend", resp.StatusCode, b)
 	}
@@ -301,7 +303,7 @@ func TestOpenAIKindIsProbedOnModels(t *testing.T) {
 // chaos trial), and is never told that address (the review); the log is.
 func TestEngineRedirectIsAConfigurationFault(t *testing.T) {
 	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		http.Redirect(w, r, "https://engine.internal"+r.URL.Path, http.StatusFound)
+		http.Redirect(w, r, "https://admin:pw-SECRET@engine.internal"+r.URL.Path+"?token=TOKEN-SECRET#frag", http.StatusFound)
 	}))
 	defer engine.Close()
 	p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: e0, url: '"+engine.URL+"'}]\n")
@@ -317,8 +319,38 @@ func TestEngineRedirectIsAConfigurationFault(t *testing.T) {
 		}
 	}
 	p.waitIdle(t)
-	if !strings.Contains(p.logs.String(), `"location":"https://engine.internal/v1/`) {
-		t.Fatalf("the log does not say where the engine redirects:\n%s", p.logs.String())
+	logs := p.logs.String()
+	if !strings.Contains(logs, `"location":"https://engine.internal/v1/`) {
+		t.Fatalf("the log does not say where the engine redirects:\n%s", logs)
+	}
+	// Not the user info or the query a login page's address may carry
+	// (the SRE trial).
+	if strings.Contains(logs, "SECRET") || !strings.Contains(logs, `?…"`) {
+		t.Fatalf("the log holds the redirect's secrets:\n%s", logs)
+	}
+}
+
+// An engine's refusal of kvproxy's configuration (401, 403, a 404 for the
+// model) reaches the client and the log by its status, type, code and
+// param, never its message: an engine may echo the request in it, with
+// the key kvproxy sent and another tenant's prompt (the SRE trial).
+func TestEngineRefusalMessageIsNotQuoted(t *testing.T) {
+	for _, code := range []int{401, 403, 404} {
+		engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			body, _ := io.ReadAll(r.Body)
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(code)
+			msg, _ := json.Marshal("bad key: " + r.Header.Get("Authorization") + " prompt: " + string(body))
+			fmt.Fprintf(w, `{"error":{"message":%s,"type":"invalid_request_error","param":null,"code":"refused"}}`, msg)
+		}))
+		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: '"+engine.URL+"', api_key: ENGINE-KEY-SECRET}]\n")
+		resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"PROMPT-SECRET"}]}`)
+		p.waitIdle(t)
+		engine.Close()
+		out := string(b) + p.logs.String()
+		if resp.StatusCode != 502 || strings.Contains(out, "SECRET") || !strings.Contains(string(b), fmt.Sprintf("(%d: type invalid_request_error, code refused)", code)) {
+			t.Fatalf("%d: %d %s\n%s", code, resp.StatusCode, b, p.logs.String())
+		}
 	}
 }
 

@@ -232,6 +232,15 @@ func engineMessage(status int, body []byte) string {
 // the request (VLLMValidationError appends "value=…", FastAPI's validation
 // errors the input), and the log must not carry prompts.
 func engineErrorKind(body []byte) string {
+	if w := errorKindWords(body); w != "" {
+		return " (" + w + ")"
+	}
+	return ""
+}
+
+// errorKindWords is engineErrorKind without its parentheses: "type …,
+// code …, param …", or "".
+func errorKindWords(body []byte) string {
 	type kind struct {
 		Type  string          `json:"type"`
 		Code  json.RawMessage `json:"code"`
@@ -257,10 +266,7 @@ func engineErrorKind(body []byte) string {
 	if k.Param != nil {
 		add("param", *k.Param)
 	}
-	if len(parts) == 0 {
-		return ""
-	}
-	return " (" + strings.Join(parts, ", ") + ")"
+	return strings.Join(parts, ", ")
 }
 
 func cut(s string, n int) string {

@@ -166,11 +166,13 @@ func (et *engineTokenizer) ask(b *backend, body *engineTokenizeBody) ([]uint32, 
 		return nil, fmt.Errorf("backend %s /tokenize: %w", b.cfg.ID, err)
 	}
 	if code := resp.StatusCode(); code != fasthttp.StatusOK {
-		err := fmt.Errorf("backend %s /tokenize answered %d: %s", b.cfg.ID, code, engineMessage(code, resp.Body()))
+		// Logged by its type, code and param: the message may quote the
+		// messages, or the key kvproxy sent.
+		err := fmt.Errorf("backend %s /tokenize answered %d%s", b.cfg.ID, code, engineErrorKind(resp.Body()))
 		// What the request asked for, not the engine (a 404 is an engine
 		// without /tokenize, a 401 a wrong api_key: try the next).
 		if code == fasthttp.StatusBadRequest || code == fasthttp.StatusRequestEntityTooLarge || code == fasthttp.StatusUnprocessableEntity {
-			return nil, requestRefused{err}
+			return nil, requestRefused{err, fmt.Sprintf("backend %s /tokenize answered %d: %s", b.cfg.ID, code, engineMessage(code, resp.Body()))}
 		}
 		return nil, err
 	}
@@ -184,7 +186,11 @@ func (et *engineTokenizer) ask(b *backend, body *engineTokenizeBody) ([]uint32, 
 }
 
 // requestRefused is an engine's 4xx to a request: not the engine's fault.
-type requestRefused struct{ error }
+// said is the engine's words, for the client whose request it is.
+type requestRefused struct {
+	error
+	said string
+}
 
 func (e requestRefused) Unwrap() error { return e.error }
 
