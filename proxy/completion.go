@@ -984,7 +984,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	if stream == nil || code != fasthttp.StatusOK {
 		// An engine's error answer to a streaming request: read it whole.
 		// A 204 or 304 has no body, and no body stream to read.
-		if stream != nil && !x.readWhole(ctx, stream, resp, nil, nil, 1<<20) {
+		if stream != nil && !x.readWhole(ctx, stream, resp, 1<<20) {
 			fasthttp.ReleaseResponse(resp)
 			x.finish()
 			return done
@@ -1093,7 +1093,13 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	}
 	var src streamBody = stream
 	if !x.pass && isJSONType(resp.Header.ContentType()) {
-		if src = x.streamOfWhole(ctx, stream, resp, body); src == nil {
+		var err error
+		if src, err = x.wholeStream(stream, resp, body); err != nil {
+			if ns := notStreamable(""); errors.As(err, &ns) {
+				x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" "+string(ns))
+			} else {
+				x.failRead(ctx, err)
+			}
 			fasthttp.ReleaseResponse(resp)
 			x.finish()
 			return done
@@ -1184,7 +1190,7 @@ func plainBody(resp *fasthttp.Response) (body, enc []byte) {
 	if len(coding) == 0 || string(coding) == "identity" {
 		return resp.Body(), nil
 	}
-	b, err := decoded(coding, resp.Body(), 64<<20)
+	b, err := decoded(coding, resp.Body(), maxWholeAnswer)
 	if err != nil {
 		return resp.Body(), coding
 	}
@@ -1246,41 +1252,61 @@ func redirectTarget(loc []byte) string {
 	return u.String()
 }
 
-// readWhole reads an engine's streamed answer whole into resp's body (pre,
-// the bytes already read of it, first; preErr, what that read ended with),
-// at most limit bytes, and releases the stream. When the read fails it
+// readWhole reads an engine's streamed answer whole into resp's body, at
+// most limit bytes, and releases the stream. When the read fails it
 // answers the client as the failure says and returns false.
-func (x *exchange) readWhole(ctx *fasthttp.RequestCtx, stream *backends.Body, resp *fasthttp.Response, pre []byte, preErr error, limit int64) bool {
-	var eb bytes.Buffer
-	eb.Write(pre)
-	rerr := preErr
-	if rerr == nil && resp.BodyStream() != nil {
-		_, rerr = eb.ReadFrom(io.LimitReader(stream, limit-int64(len(pre))))
-	}
-	if rerr == io.EOF {
-		rerr = nil
-	}
-	stream.Close()
-	if rerr != nil {
-		aborted := errors.Is(rerr, backends.ErrAborted) || x.ab.Aborted()
-		switch {
-		case aborted && x.s.live.isCut():
-			x.status, x.errMsg = fasthttp.StatusServiceUnavailable, errCutMsg
-			x.s.shuttingDown(ctx, errCutMsg)
-		case aborted && x.unresponsive.Load() != nil:
-			x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, *x.unresponsive.Load())
-		case aborted: // the client hung up: the engine is not at fault
-			x.status = 499
-		default:
-			x.b.failConn(rerr.Error())
-			x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+x.b.cfg.ID+" "+upstreamFault(rerr))
-			x.errMsg += ": " + rerr.Error()
-		}
+func (x *exchange) readWhole(ctx *fasthttp.RequestCtx, stream *backends.Body, resp *fasthttp.Response, limit int64) bool {
+	raw, err := readRest(stream, resp, nil, nil, limit)
+	if err != nil {
+		x.failRead(ctx, err)
 		return false
 	}
-	resp.SetBodyRaw(eb.Bytes())
+	resp.SetBodyRaw(raw)
 	resp.StreamBody = false
 	return true
+}
+
+// readRest reads the rest of a streamed answer after pre, the bytes
+// already read of it (preErr: what that read ended with), up to limit
+// bytes in all, and releases the stream.
+func readRest(stream *backends.Body, resp *fasthttp.Response, pre []byte, preErr error, limit int64) ([]byte, error) {
+	var buf bytes.Buffer
+	if n := resp.Header.ContentLength(); n > 0 && int64(n) < limit {
+		buf.Grow(n) // one buffer, not a doubling series
+	}
+	buf.Write(pre)
+	err := preErr
+	if err == nil && resp.BodyStream() != nil {
+		_, err = buf.ReadFrom(io.LimitReader(stream, limit-int64(len(pre))))
+	}
+	stream.Close()
+	if err == io.EOF {
+		err = nil
+	}
+	return buf.Bytes(), err
+}
+
+// failRead answers the client for an engine answer whose body could not
+// be read (err), as the cause says.
+func (x *exchange) failRead(ctx *fasthttp.RequestCtx, err error) {
+	aborted := errors.Is(err, backends.ErrAborted) || x.ab.Aborted()
+	switch {
+	case aborted && x.s.live.isCut():
+		x.status, x.errMsg = fasthttp.StatusServiceUnavailable, errCutMsg
+		x.s.shuttingDown(ctx, errCutMsg)
+	case aborted && x.unresponsive.Load() != nil:
+		x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, *x.unresponsive.Load())
+	case aborted: // the client hung up: the engine is not at fault
+		x.status = 499
+	case backends.IsTimeout(err):
+		msg := "backend " + x.b.cfg.ID + " sent nothing for " + x.b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
+		x.b.fail(ejectTimeout, msg+" mid-answer")
+		x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, msg)
+	default:
+		x.b.failConn(err.Error())
+		x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+x.b.cfg.ID+" "+upstreamFault(err))
+		x.errMsg += ": " + err.Error()
+	}
 }
 
 // answerRefusal answers with the last engine refusal that made the request
@@ -1397,7 +1423,7 @@ func (x *exchange) logLine() {
 	s.metrics.countRequest(x.b.cfg.ID, x.status)
 	s.metrics.observeDuration(x.b.cfg.ID, dur.Seconds())
 	prompt, completion, cached := x.tokens()
-	if x.stream && x.status == fasthttp.StatusOK && x.ttft > 0 && completion > 1 {
+	if x.stream && x.status == fasthttp.StatusOK && x.ttft > 0 && completion > 1 && !x.wholeAnswer {
 		// The mean gap between output tokens after the first (inter-token
 		// latency), once a stream: per token would cost the relay.
 		s.metrics.observeTPOT(x.b.cfg.ID, (dur-x.ttft).Seconds()/float64(completion-1))

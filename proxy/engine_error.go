@@ -157,23 +157,52 @@ func exceedsContext(msg string) bool {
 // which no shorter prompt mends, so it is no context_length_exceeded (an
 // agent would compact its conversation on that code and fail again).
 // vLLM's "'max_tokens' or 'max_completion_tokens' is too large: N. This
-// model's maximum context length is M tokens …", TGI's "`inputs` tokens +
-// `max_new_tokens` must be <= M. Given: X `inputs` tokens and N
-// `max_new_tokens`".
+// model's maximum context length is M tokens …" (before mid-2025: "This
+// model's maximum context length is M tokens. However, you requested T
+// tokens (P in the messages, N in the completion)"), SGLang's "…maximum
+// context length of M tokens. You requested a total of T tokens: P tokens
+// from the input messages and N tokens for the completion", TGI's
+// "`inputs` tokens + `max_new_tokens` must be <= M. Given: P `inputs`
+// tokens and N `max_new_tokens`".
 func asksMoreThanContext(msg string) bool {
-	asked, limit := -1, -1
-	if _, rest, ok := strings.Cut(msg, "is too large: "); ok {
-		asked = leadingInt(rest)
-		if _, rest, ok = strings.Cut(rest, "maximum context length is "); ok {
-			limit = leadingInt(rest)
-		}
-	} else if _, rest, ok := strings.Cut(msg, "`max_new_tokens` must be <= "); ok {
-		limit = leadingInt(rest)
-		if _, rest, ok = strings.Cut(rest, "`inputs` tokens and "); ok {
-			asked = leadingInt(rest)
+	limit := intAfterText(msg, "maximum context length is ")
+	if limit < 0 {
+		limit = intAfterText(msg, "maximum context length of ")
+	}
+	if limit < 0 {
+		limit = intAfterText(msg, "`max_new_tokens` must be <= ")
+	}
+	asked := intAfterText(msg, "is too large: ")
+	for _, end := range [...]string{" in the completion)", " tokens for the completion", " `max_new_tokens`"} {
+		if asked < 0 {
+			asked = intBeforeText(msg, end)
 		}
 	}
 	return asked >= 0 && limit >= 0 && asked >= limit
+}
+
+// intAfterText is the number right after the first text in msg; -1 when
+// there is none.
+func intAfterText(msg, text string) int {
+	if _, rest, ok := strings.Cut(msg, text); ok {
+		return leadingInt(rest)
+	}
+	return -1
+}
+
+// intBeforeText is the number right before the last text in msg; -1 when
+// there is none.
+func intBeforeText(msg, text string) int {
+	at := strings.LastIndex(msg, text)
+	if at < 0 {
+		return -1
+	}
+	before := msg[:at]
+	i := len(before)
+	for i > 0 && i > len(before)-12 && before[i-1] >= '0' && before[i-1] <= '9' {
+		i--
+	}
+	return leadingInt(before[i:])
 }
 
 // leadingInt is the decimal number s starts with; -1 when none.

@@ -363,7 +363,7 @@ var errNotStreamed = errors.New("answered without a stream")
 
 // sendContinuation sends the continued request to the engine x was just
 // routed to, and returns its stream once it answered 200.
-func (r *relay) sendContinuation(emitted int) (*backends.Body, *fasthttp.Response, error) {
+func (r *relay) sendContinuation(emitted int) (streamBody, *fasthttp.Response, error) {
 	x, m, b := r.x, r.x.mig, r.x.b
 	var req apiRequest
 	if pe := req.parse(m.continuation(emitted), m.chat); pe != nil {
@@ -398,8 +398,21 @@ func (r *relay) sendContinuation(emitted int) (*backends.Body, *fasthttp.Respons
 	switch {
 	case err == nil && resp.StatusCode() == fasthttp.StatusOK && stream != nil:
 		x.heard.Store(coarseNow())
-		b.succeed()
-		return stream, resp, nil
+		if !isJSONType(resp.Header.ContentType()) {
+			b.succeed()
+			return stream, resp, nil
+		}
+		// A whole answer, streamed as the first attempt's would be.
+		src, werr := x.wholeStream(stream, resp, body)
+		if werr == nil {
+			b.succeed()
+			return src, resp, nil
+		}
+		x.stopWatch()
+		err = werr
+		if ns := notStreamable(""); !errors.As(werr, &ns) && !errors.Is(werr, backends.ErrAborted) && !x.ab.Aborted() {
+			b.failConn(werr.Error())
+		}
 	case err == nil:
 		code := resp.StatusCode()
 		if stream != nil {
@@ -457,7 +470,9 @@ func (r *relay) continued(data []byte) (fixed []byte, drop bool) {
 		r.restarted = false
 		if r.sawFirst {
 			x.active.PrefillDone()
-			x.active.ObserveTTFT(time.Since(x.sent))
+			if !x.wholeAnswer {
+				x.active.ObserveTTFT(time.Since(x.sent))
+			}
 		}
 	}
 	if r.resumed {

@@ -894,6 +894,9 @@ func TestNormalizeEngineError(t *testing.T) {
 		"{\"error\":\"Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096. Given: 4000 `inputs` tokens and 200 `max_new_tokens`\",\"error_type\":\"validation\"}":                                                                                     `"code":"context_length_exceeded"}}`,
 		`{"timestamp":"2024-01-01T00:00:00.000+00:00","status":400,"error":"Bad Request","message":"This model's maximum context length is 4096 tokens","path":"/v1/chat/completions"}`:                                                                                      `"code":"context_length_exceeded"}}`,
 	}
+	// The same wordings when the prompt is what overflows.
+	tooLong[`{"object":"error","message":"Requested token count exceeds the model's maximum context length of 4096 tokens. You requested a total of 5010 tokens: 4810 tokens from the input messages and 200 tokens for the completion.","type":"BadRequestError","param":null,"code":400}`] = `"code":"context_length_exceeded"}}`
+	tooLong[`{"object":"error","message":"This model's maximum context length is 4096 tokens. However, you requested 5010 tokens (4810 in the messages, 200 in the completion).","type":"BadRequestError","param":null,"code":400}`] = `"code":"context_length_exceeded"}}`
 	for in, want := range tooLong {
 		if got := string(normalizeEngineError(400, []byte(in))); !strings.HasSuffix(got, want) {
 			t.Errorf("%s\n got %s\nwant …%s", in, got, want)
@@ -906,6 +909,8 @@ func TestNormalizeEngineError(t *testing.T) {
 		`{"error":{"message":"'max_tokens' or 'max_completion_tokens' is too large: 1000000000. This model's maximum context length is 4096 tokens and your request has 27 input tokens (1000000000 > 4096 - 27).","type":"BadRequestError","param":null,"code":400}}`,
 		`{"error":{"message":"'max_tokens' or 'max_completion_tokens' is too large: 4096. This model's maximum context length is 4096 tokens and your request has 1 input tokens (4096 > 4096 - 1).","type":"BadRequestError","param":null,"code":400}}`,
 		"{\"error\":\"Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096. Given: 10 `inputs` tokens and 5000 `max_new_tokens`\",\"error_type\":\"validation\"}",
+		`{"object":"error","message":"Requested token count exceeds the model's maximum context length of 4096 tokens. You requested a total of 5010 tokens: 10 tokens from the input messages and 5000 tokens for the completion. Please reduce the number of tokens in the input messages or the completion to fit within the limit.","type":"BadRequestError","param":null,"code":400}`,
+		`{"object":"error","message":"This model's maximum context length is 4096 tokens. However, you requested 5010 tokens (10 in the messages, 5000 in the completion). Please reduce the length of the messages or completion.","type":"BadRequestError","param":null,"code":400}`,
 	} {
 		if got := string(normalizeEngineError(400, []byte(in))); !strings.HasSuffix(got, `"type":"invalid_request_error","param":null,"code":null}}`) {
 			t.Errorf("%s\n got %s", in, got)

@@ -457,9 +457,10 @@ func (r *apiRequest) flattenContent(raw []byte, list string, i int) (string, *pa
 		if e.value[0] == '"' {
 			text = e.value // a plain string is a text part
 		} else {
-			t, isText, ok := contentPart(e.value)
+			t, key, ok := contentPart(e.value)
+			isText := key != ""
 			if !ok && isText {
-				return "", perr(fmt.Sprintf("%s[%d].content[%d]", list, i, j), "a text part's text must be a string (refusal and thinking parts': their refusal and thinking)")
+				return "", perr(fmt.Sprintf("%s[%d].content[%d]", list, i, j), "a content part's %s must be a string", key)
 			}
 			if !ok {
 				return "", perr(fmt.Sprintf("%s[%d].content[%d]", list, i, j), "content part must be an object with a type, or a string")
@@ -560,22 +561,22 @@ var textParts = map[string]string{"text": "text", "input_text": "text", "output_
 var partMembers = [...]string{"type", "text", "refusal", "thinking"}
 
 // contentPart reads a content part, an object with a non-empty string
-// type. For a text part (textParts) text is its text, nil when null or
-// absent (vLLM skips the part), and must be a string (isText and not ok
-// when it is not). ok is false for anything else.
-func contentPart(v []byte) (text []byte, isText, ok bool) {
+// type. For a text part (textParts) key names the member holding its text,
+// and text is that text, nil when null or absent (vLLM skips the part); it
+// must be a string (not ok when it is not). ok is false for anything else.
+func contentPart(v []byte) (text []byte, key string, ok bool) {
 	if v[0] != '{' {
-		return nil, false, false
+		return nil, "", false
 	}
 	var vals [len(partMembers)][]byte
 	membersNamed(v, partMembers[:], vals[:])
 	typ := vals[0]
 	if typ == nil || typ[0] != '"' || len(typ) == 2 {
-		return nil, false, false
+		return nil, "", false
 	}
 	key, isText := textParts[shortString(typ)]
 	if !isText {
-		return nil, false, true
+		return nil, "", true
 	}
 	for i, k := range partMembers {
 		if i > 0 && k == key {
@@ -584,11 +585,11 @@ func contentPart(v []byte) (text []byte, isText, ok bool) {
 	}
 	switch {
 	case text == nil || isNull(text):
-		return nil, true, true
+		return nil, key, true
 	case text[0] != '"':
-		return nil, true, false
+		return nil, key, false
 	}
-	return text, true, true
+	return text, key, true
 }
 
 // shortString is the JSON string tok decoded if it is short (a type

@@ -223,7 +223,8 @@ func refMessage(raw json.RawMessage, i int) (w refWireMessage, err error, pe *pa
 type refContentPart struct {
 	Type    string
 	Text    string
-	HasText bool // text is there, not null
+	HasText bool   // text is there, not null
+	key     string // the member holding the text
 }
 
 func refPart(raw json.RawMessage) (refContentPart, error) {
@@ -243,7 +244,7 @@ func refPart(raw json.RawMessage) (refContentPart, error) {
 		cp.Type = "media"
 		return cp, nil
 	}
-	cp.Type = "text"
+	cp.Type, cp.key = "text", key
 	cp.Text, err = refString(m[key])
 	cp.HasText = m[key] != nil && string(m[key]) != "null"
 	return cp, err
@@ -315,7 +316,7 @@ func refFlattenContent(raw json.RawMessage, i int) (string, *paramError) {
 				cp = refContentPart{Type: "text", Text: text, HasText: true}
 			}
 			if err != nil && cp.Type == "text" {
-				return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "a text part's text must be a string (refusal and thinking parts': their refusal and thinking)")
+				return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "a content part's %s must be a string", cp.key)
 			}
 			if err != nil || cp.Type == "" {
 				return "", perr(fmt.Sprintf("messages[%d].content[%d]", i, j), "content part must be an object with a type, or a string")

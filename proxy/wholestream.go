@@ -13,11 +13,12 @@ import (
 
 // Some OpenAI-compatible servers answer a streaming request with the whole
 // answer as one JSON object (servers without streaming, or without it for
-// some requests, and gateways in front of them). Relayed as a stream it was
-// no answer at all: the client got an error event and the engine was
-// ejected, though it had answered in full. kvproxy streams such an answer
-// to the client as the engine would have: its choices as chunks, the usage
-// chunk when the client asked for one, and [DONE].
+// some requests, and gateways in front of them). Relayed as a stream it
+// would be no answer at all: an error event for the client and an ejection
+// for an engine that answered in full. kvproxy streams such an answer to
+// the client as the engine would have (forward, and a migrated stream's
+// continuation): its choices as chunks, the usage chunk when the client
+// asked for one, and [DONE].
 
 // maxWholeAnswer bounds an answer read whole, as for non-streamed requests.
 const maxWholeAnswer = 64 << 20
@@ -35,28 +36,32 @@ func isJSONType(ct []byte) bool {
 var appJSON, plusJSON = []byte("application/json"), []byte("+json")
 
 // wholeAnswerEvents is the SSE stream of a whole chat or completions
-// answer: one chunk per choice, holding all of its output (a chat choice's
-// message becomes its delta, its tool calls indexed as in a stream), then
-// the usage chunk if includeUsage, then [DONE]. Members keep the engine's
-// order. An error object (as isErrorFrame knows one) becomes an error
-// event, which the relay reads as it reads an engine's own. ok is false for
-// anything else.
+// answer: for each choice, a chat's role-only first chunk (as engines send
+// it: the OpenAI SDKs' stream helpers start a choice from its first chunk,
+// and counted logprobs twice from one that carried them), then one chunk
+// with all of its output (a chat message as the delta, tool calls indexed
+// as in a stream, the choice's index added if missing), then the usage
+// chunk if includeUsage, then [DONE]. Members keep the engine's order. An
+// error object (as isErrorFrame knows one) becomes an error event, which
+// the relay reads as it reads an engine's own. ok is false for anything
+// else.
 func wholeAnswerEvents(a api, body []byte, includeUsage bool) (events []byte, ok bool) {
-	// One line per event: an engine's JSON may be pretty-printed.
+	// One line per event: an engine's JSON may be pretty-printed. Compact
+	// also checks the syntax, once for what is read below.
 	var compact bytes.Buffer
 	if json.Compact(&compact, body) != nil {
 		return nil, false
 	}
 	body = compact.Bytes()
-	top, err := membersOf(body)
-	if err != nil {
+	top, ok := membersOf(body)
+	if !ok {
 		return nil, false
 	}
 	if isErrorFrame(body) {
-		return append(append(append([]byte("data: "), body...), "\n\n"...), doneEvent...), true
+		return append(appendEvent(nil, body), doneEvent...), true
 	}
-	var choices []json.RawMessage
-	if json.Unmarshal(top.get("choices"), &choices) != nil || len(choices) == 0 {
+	choices := top.get("choices")
+	if len(choices) < 3 || choices[0] != '[' { // none, or []
 		return nil, false
 	}
 	object := `"text_completion"`
@@ -67,16 +72,25 @@ func wholeAnswerEvents(a api, body []byte, includeUsage bool) (events []byte, ok
 	top = top.without("usage")
 	top.set("object", json.RawMessage(object))
 	var out []byte
-	for _, raw := range choices {
-		c, err := membersOf(raw)
-		if err != nil {
+	i := 0
+	for e := (elements{b: choices}); e.next(); i++ {
+		c, ok := membersOf(e.value)
+		if !ok {
 			return nil, false
 		}
+		index := c.get("index")
+		if index == nil {
+			index = json.RawMessage(strconv.Itoa(i))
+			c = append(jsonObject{{"index", index}}, c...)
+		}
 		if a == apiChat {
-			delta, err := chunkDelta(c.get("message"))
-			if err != nil {
+			delta, ok := chunkDelta(c.get("message"))
+			if !ok {
 				return nil, false
 			}
+			first := `[{"index":` + string(index) + `,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]`
+			top.set("choices", json.RawMessage(first))
+			out = appendEvent(out, top.marshal())
 			c.rename("message", "delta", delta)
 		} else if c.get("text") == nil {
 			return nil, false
@@ -92,23 +106,25 @@ func wholeAnswerEvents(a api, body []byte, includeUsage bool) (events []byte, ok
 	return append(out, doneEvent...), true
 }
 
-// chunkDelta is a chat message as a stream's delta: its tool calls get the
-// index a stream gives each (the SDKs gather a call's parts by it).
-func chunkDelta(msg json.RawMessage) (json.RawMessage, error) {
-	m, err := membersOf(msg)
-	if err != nil {
-		return nil, err
+// chunkDelta is a chat message as a stream's content delta: no role (the
+// first chunk gave it), its tool calls with the index a stream gives each
+// (the SDKs gather a call's parts by it).
+func chunkDelta(msg json.RawMessage) (json.RawMessage, bool) {
+	m, ok := membersOf(msg)
+	if !ok {
+		return nil, false
 	}
-	if tc := bytes.TrimSpace(m.get("tool_calls")); len(tc) > 0 && !bytes.Equal(tc, []byte("null")) {
-		var calls []json.RawMessage
-		if err := json.Unmarshal(tc, &calls); err != nil {
-			return nil, err
+	m = m.without("role")
+	if tc := m.get("tool_calls"); len(tc) > 0 && !bytes.Equal(tc, []byte("null")) {
+		if tc[0] != '[' {
+			return nil, false
 		}
 		indexed := []byte{'['}
-		for i, raw := range calls {
-			c, err := membersOf(raw)
-			if err != nil {
-				return nil, err
+		i := 0
+		for e := (elements{b: tc}); e.next(); i++ {
+			c, ok := membersOf(e.value)
+			if !ok {
+				return nil, false
 			}
 			if c.get("index") == nil {
 				c = append(jsonObject{{"index", json.RawMessage(strconv.Itoa(i))}}, c...)
@@ -120,7 +136,7 @@ func chunkDelta(msg json.RawMessage) (json.RawMessage, error) {
 		}
 		m.set("tool_calls", append(indexed, ']'))
 	}
-	return m.marshal(), nil
+	return m.marshal(), true
 }
 
 func appendEvent(out, chunk []byte) []byte {
@@ -135,18 +151,16 @@ type member struct {
 	value json.RawMessage
 }
 
-// membersOf splits a JSON object into its members (names as they are
-// written, escapes kept), with jsonscan's members.
-func membersOf(b []byte) (jsonObject, error) {
-	if !json.Valid(b) {
-		return nil, errNotObject
-	}
+// membersOf splits a JSON object, of JSON already checked, into its
+// members (names as they are written, escapes kept), with jsonscan's
+// members; ok is false when it is not an object.
+func membersOf(b []byte) (jsonObject, bool) {
 	var o jsonObject
 	m := members{b: b}
 	for m.next() {
 		o = append(o, member{string(m.key), m.value})
 	}
-	return o, m.err
+	return o, m.err == nil
 }
 
 func (m jsonObject) get(name string) json.RawMessage {
@@ -201,12 +215,9 @@ func (m jsonObject) marshal() []byte {
 // wantsUsage reports whether a request body asks for the usage chunk
 // (stream_options.include_usage), names read exactly.
 func wantsUsage(body []byte) bool {
-	top, err := membersOf(body)
-	if err != nil {
-		return false
-	}
-	opts, err := membersOf(top.get("stream_options"))
-	return err == nil && bytes.Equal(bytes.TrimSpace(opts.get("include_usage")), []byte("true"))
+	top, _ := membersOf(body) // the request's, which its parse checked
+	opts, ok := membersOf(top.get("stream_options"))
+	return ok && bytes.Equal(opts.get("include_usage"), []byte("true"))
 }
 
 // eventsBody serves a stream kvproxy made of a whole answer to the relay.
@@ -245,13 +256,12 @@ func (b *prefixedBody) Read(p []byte) (int, error) {
 
 func (b *prefixedBody) Buffered() int { return len(b.pre) + b.streamBody.Buffered() }
 
-// streamOfWhole looks at the start of a JSON-typed answer to a streaming
+// wholeStream looks at the start of a JSON-typed answer to a streaming
 // chat or completions request. A stream (some servers type theirs as JSON)
 // is returned as it is, with the bytes read ahead; a whole answer is read
-// and returned as the events of its stream. nil when the client has been
-// answered otherwise (the read failed, or the answer is not one kvproxy can
-// stream).
-func (x *exchange) streamOfWhole(ctx *fasthttp.RequestCtx, stream *backends.Body, resp *fasthttp.Response, reqBody []byte) streamBody {
+// and returned as the events of its stream. Otherwise the error is the
+// read's, or a notStreamable.
+func (x *exchange) wholeStream(stream *backends.Body, resp *fasthttp.Response, reqBody []byte) (streamBody, error) {
 	b := x.b
 	coding := bytes.TrimSpace(resp.Header.ContentEncoding())
 	coded := len(coding) > 0 && !bytes.EqualFold(coding, []byte("identity"))
@@ -260,20 +270,24 @@ func (x *exchange) streamOfWhole(ctx *fasthttp.RequestCtx, stream *backends.Body
 	if !coded {
 		pre, preErr = readStart(stream)
 		if i := skipSpace(pre, 0); i >= len(pre) || pre[i] != '{' {
-			return &prefixedBody{pre: pre, err: preErr, streamBody: stream}
+			return &prefixedBody{pre: pre, err: preErr, streamBody: stream}, nil
 		}
 	}
-	if !x.readWhole(ctx, stream, resp, pre, preErr, maxWholeAnswer+1) {
-		return nil
+	raw, err := readRest(stream, resp, pre, preErr, maxWholeAnswer+1)
+	if err != nil {
+		return nil, err
 	}
+	resp.SetBodyRaw(raw)
+	resp.StreamBody = false
 	body, enc := plainBody(resp)
 	if len(body) > maxWholeAnswer || enc != nil {
-		x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" sent an answer kvproxy could not read")
-		x.errMsg += ": a JSON answer to a streaming request, larger than 64 MiB or not decodable"
-		return nil
+		return nil, notStreamable("sent a JSON answer to a streaming request larger than 64 MiB, or not decodable")
 	}
+	// Whole before the client has a byte of it, and no time to a first
+	// token: kept out of calibration and time per token.
+	x.wholeAnswer = true
 	if i := skipSpace(body, 0); coded && (i >= len(body) || body[i] != '{') {
-		return newEventsBody(body) // a stream, compressed
+		return newEventsBody(body), nil // a stream, compressed
 	}
 	var events []byte
 	ok := false
@@ -281,18 +295,22 @@ func (x *exchange) streamOfWhole(ctx *fasthttp.RequestCtx, stream *backends.Body
 		events, ok = wholeAnswerEvents(x.api, body, wantsUsage(reqBody))
 	}
 	if !ok {
-		msg := "backend " + b.cfg.ID + " answered a streaming request with a JSON body that is not a streamable answer; send the request unstreamed"
-		x.failUpstream(ctx, fasthttp.StatusBadGateway, msg)
-		return nil
+		return nil, notStreamable("answered a streaming request with a JSON body that is not a streamable answer; send the request unstreamed")
 	}
-	x.wholeAnswer = true
 	x.usage.read(body)
 	if b.wholeAnswerSaid.CompareAndSwap(false, true) {
 		b.log.Warn().Str("backend", b.cfg.ID).
 			Msg("the engine answered a streaming request with its whole answer as JSON: kvproxy streams it to the client in one piece")
 	}
-	return newEventsBody(events)
+	return newEventsBody(events), nil
 }
+
+// notStreamable is a JSON answer to a streaming request that kvproxy
+// cannot stream: no fault of the engine's health (it may serve unstreamed
+// requests).
+type notStreamable string
+
+func (e notStreamable) Error() string { return string(e) }
 
 // readStart reads an answer until its first byte that is not a space, or
 // 512 bytes, or the end.

@@ -9,6 +9,7 @@ import (
 	"net"
 	"strings"
 	"testing"
+	"time"
 )
 
 // jsonEngine answers every request with a 200 of the given Content-Type
@@ -60,10 +61,12 @@ func TestWholeJSONAnswerToStreamIsStreamed(t *testing.T) {
 		}
 		data := sseData(t, b)
 		want := []string{
-			`{"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":"hello there","tool_calls":[` +
+			`{"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}`,
+			`{"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"content":"hello there","tool_calls":[` +
 				`{"index":0,"id":"call_a","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Oslo\"}"}},` +
 				`{"index":1,"id":"call_b","type":"function","function":{"name":"get_time","arguments":"{}"}}]},"logprobs":null,"finish_reason":"tool_calls","stop_reason":null}]}`,
-			`{"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":1,"delta":{"role":"assistant","content":"second"},"logprobs":null,"finish_reason":"stop"}]}`,
+			`{"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":1,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}`,
+			`{"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":1,"delta":{"content":"second"},"logprobs":null,"finish_reason":"stop"}]}`,
 			`{"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[],"usage":{"prompt_tokens":11,"completion_tokens":9,"total_tokens":20,"prompt_tokens_details":{"cached_tokens":3}}}`,
 			`[DONE]`,
 		}
@@ -89,9 +92,10 @@ func TestWholeJSONAnswerToStreamIsStreamed(t *testing.T) {
 }
 
 // Without include_usage there is no usage chunk; a completions answer's
-// choices go as they are, typed as a stream's.
+// choices go as they are, typed as a stream's, with the index the SDKs
+// gather a choice by when the engine left it out.
 func TestWholeJSONCompletionToStream(t *testing.T) {
-	body := `{"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":" world","logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3}}`
+	body := `{"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":[{"text":" world","logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3}}`
 	e := jsonEngine(t, "application/json; charset=utf-8", "", body)
 	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
 	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","stream":true,"prompt":"hello"}`)
@@ -114,7 +118,7 @@ func TestWholeJSONAnswerCompressed(t *testing.T) {
 	e := jsonEngine(t, "application/json", "gzip", z.String())
 	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
 	resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
-	if data := sseData(t, b); resp.StatusCode != 200 || len(data) != 3 || !strings.Contains(data[1], `"content":"second"`) || data[2] != "[DONE]" {
+	if data := sseData(t, b); resp.StatusCode != 200 || len(data) != 5 || !strings.Contains(data[3], `"content":"second"`) || data[4] != "[DONE]" {
 		t.Fatalf("%d\n%s", resp.StatusCode, b)
 	}
 }
@@ -203,5 +207,46 @@ func TestIsJSONType(t *testing.T) {
 	}
 	if n := testing.AllocsPerRun(100, func() { isJSONType([]byte("text/event-stream; charset=utf-8")) }); n != 0 {
 		t.Errorf("%v allocations", n)
+	}
+}
+
+// A stream moving (limits.migration_limit) to an engine that answers the
+// continuation with its whole answer as JSON goes on with that answer,
+// streamed: the client gets every token once, one role and no error, and
+// the engine stays in (the review: its raw JSON reached the client, and it
+// was ejected).
+func TestStreamMovesToAnEngineAnsweringWhole(t *testing.T) {
+	dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 3 })
+	next := jsonEngine(t, "application/json", "", `{"id":"c2","object":"chat.completion","created":9,"model":"engine-m","choices":[`+
+		`{"index":0,"message":{"role":"assistant","content":"t3 t4"},"finish_reason":"stop"}],"usage":{"prompt_tokens":13,"completion_tokens":2,"total_tokens":15}}`)
+	p := startProxyYAML(t, fmt.Sprintf(migrateYAML, "vllm", 1), dies, next)
+	resp, body := post(t, p.url+"/v1/chat/completions", migrateBody)
+	got := string(body)
+	if resp.StatusCode != 200 || strings.Contains(got, "error") || !strings.HasSuffix(got, "data: [DONE]\n\n") ||
+		!strings.Contains(got, `"content":"t3 t4"`) || strings.Count(got, `"role"`) != 1 || strings.Contains(got, `"object":"chat.completion"`) {
+		t.Fatalf("status %d, stream:\n%s", resp.StatusCode, got)
+	}
+	if ejected(p, "next") {
+		t.Fatalf("the engine that continued the stream is ejected:\n%s", p.logs.String())
+	}
+	p.waitIdle(t)
+}
+
+// A whole answer that stops coming mid-body is the engine gone silent: a
+// 504 and an ejection for a timeout, as for a stream (the review: a 502
+// and an ejection as a connection failure).
+func TestWholeAnswerStallingIsATimeout(t *testing.T) {
+	e := rawEngine(t, func(c net.Conn, rd *bufio.Reader) {
+		fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(wholeChat), wholeChat[:40])
+		time.Sleep(3 * time.Second) // past the timeout and its slack (backends.deadlineSlack)
+	})
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {stream_idle_timeout: 300ms}\n", e)
+	resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+	if resp.StatusCode != 504 || !strings.Contains(string(b), "sent nothing for 300ms (limits.stream_idle_timeout)") {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+	if logs := p.logs.String(); !strings.Contains(logs, `"ejected_by":"timeout"`) {
+		t.Fatalf("not ejected for a timeout:\n%s", logs)
 	}
 }
