@@ -1463,7 +1463,13 @@ func (x *exchange) logLine() {
 			ev = ev.Int("cached_tokens", cached)
 		}
 	}
-	if x.errMsg != "" {
+	switch {
+	case x.errMsg == "":
+	case x.status < 400:
+		// Answered after all (another engine took it): not an error for
+		// alerts on the field to fire on.
+		ev = ev.Str("retried_after", x.errMsg)
+	default:
 		ev = ev.Str("error", x.errMsg)
 	}
 	ev.Msg("request")

@@ -134,6 +134,17 @@ func TestWrongKeyBackendIsRetriedElsewhere(t *testing.T) {
 	if !strings.Contains(p.logs.String(), "refused kvproxy's credentials") {
 		t.Fatal("the refusal is not logged")
 	}
+	// The answered request's line says what it was retried after, not as
+	// an error (alerts on the field fired on successes: the SRE trial).
+	p.waitIdle(t)
+	for _, l := range strings.Split(p.logs.String(), "\n") {
+		if strings.Contains(l, `"message":"request"`) && strings.Contains(l, `"status":200`) && strings.Contains(l, `"error"`) {
+			t.Fatalf("a success logged with an error: %s", l)
+		}
+	}
+	if !strings.Contains(p.logs.String(), `"retried_after":"backend bad refused kvproxy's credentials`) {
+		t.Fatalf("the retry is not in the request's line:\n%s", p.logs.String())
+	}
 }
 
 // The engine gets kvproxy's key, never the client's: an engine refusing it
