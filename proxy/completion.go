@@ -1095,12 +1095,24 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	if !x.pass && isJSONType(resp.Header.ContentType()) {
 		var err error
 		if src, err = x.wholeStream(stream, resp, body); err != nil {
-			if ns := notStreamable(""); errors.As(err, &ns) {
+			fasthttp.ReleaseResponse(resp)
+			ns := notStreamable("")
+			switch {
+			case errors.As(err, &ns):
 				x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" "+string(ns))
-			} else {
+			case mayRetry && x.migrations > 0 && !x.ab.Aborted() && !errors.Is(err, backends.ErrAborted) && !backends.IsTimeout(err):
+				// Cut before the client had a byte of it: the next engine
+				// computes it all, as for an engine that took the request
+				// and dropped it (limits.migration_limit).
+				b.failConn(err.Error())
+				x.migrations--
+				x.resend = true
+				x.errMsg = "backend " + b.cfg.ID + " " + upstreamFault(err)
+				x.refused = fasthttp.StatusBadGateway
+				return x.endAttempt()
+			default:
 				x.failRead(ctx, err)
 			}
-			fasthttp.ReleaseResponse(resp)
 			x.finish()
 			return done
 		}

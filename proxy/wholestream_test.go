@@ -250,3 +250,23 @@ func TestWholeAnswerStallingIsATimeout(t *testing.T) {
 		t.Fatalf("not ejected for a timeout:\n%s", logs)
 	}
 }
+
+// A whole answer cut before its end has reached the client in no part: a
+// request that may move (limits.migration_limit) goes whole to another
+// engine, as one whose engine dropped it before answering does.
+func TestWholeAnswerCutMovesWhole(t *testing.T) {
+	cut := rawEngine(t, func(c net.Conn, rd *bufio.Reader) {
+		fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(wholeChat), wholeChat[:40])
+	})
+	next := startFake(t, "next", func(f *fakeEngine) { f.tokens = 4 })
+	p := startProxyYAML(t, strings.Replace(fmt.Sprintf(migrateYAML, "vllm", 1), "id: dies", "id: cut", 1), cut, next)
+	resp, body := post(t, p.url+"/v1/chat/completions", migrateBody)
+	if got := string(body); resp.StatusCode != 200 || strings.Contains(got, "error") || resp.Header.Get(WorkerHeader) != "next" ||
+		strings.Count(got, `"content":"t`) != 4 || !strings.HasSuffix(got, "data: [DONE]\n\n") {
+		t.Fatalf("%d from %q:\n%s", resp.StatusCode, resp.Header.Get(WorkerHeader), got)
+	}
+	p.waitIdle(t)
+	if logs := p.logs.String(); !strings.Contains(logs, `"retried_after":"backend cut closed the connection before its answer was complete"`) {
+		t.Fatalf("the engine that cut its answer was not tried first:\n%s", logs)
+	}
+}
