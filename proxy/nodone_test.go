@@ -47,6 +47,11 @@ func noDoneEngine(t *testing.T) *httptest.Server {
 			chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}`)
 			chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":1,"delta":{"content":"yo"},"finish_reason":"stop"}]}`)
 			return
+		case "both": // n 2: both finish, side by side
+			chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":1,"delta":{"content":"yo"},"finish_reason":null}]}`)
+			chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"length"}]}`)
+			chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":1,"delta":{"content":"!"},"finish_reason":"stop"}]}`)
+			return
 		}
 		chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"logprobs":null,"finish_reason":null,"stop_reason":null}]}`)
 		chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" there"},"logprobs":null,"finish_reason": "stop","stop_reason":null}]}`)
@@ -82,6 +87,14 @@ func TestEngineWithoutDoneAnswersInFull(t *testing.T) {
 		if out := string(b); resp.StatusCode != 200 || strings.Contains(out, "error") || !strings.HasSuffix(out, `"finish_reason": "stop","stop_reason":null}]}`+"\n\ndata: [DONE]\n\n") {
 			t.Fatalf("chat stream %d without its usage chunk: %d\n%s", i, resp.StatusCode, out)
 		}
+		// Several choices, each finished (and an engine that ignores n,
+		// llama.cpp's, with its one choice finished).
+		for _, content := range []string{"both", "hi"} {
+			resp, b = post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"n":2,"messages":[{"role":"user","content":"`+content+`"}]}`)
+			if out := string(b); resp.StatusCode != 200 || strings.Contains(out, "error") || !strings.HasSuffix(out, "}\n\ndata: [DONE]\n\n") {
+				t.Fatalf("n 2, %q, stream %d: %d\n%s", content, i, resp.StatusCode, out)
+			}
+		}
 		if ejected(p, "e0") {
 			t.Fatalf("after stream %d the engine is ejected: %s", i, p.logs.String())
 		}
@@ -96,8 +109,8 @@ func TestEngineWithoutDoneAnswersInFull(t *testing.T) {
 // Without the answer's end, a body that ends is an answer cut short: the
 // client is told so with an error event, and the engine is taken out. Its
 // end is a finish_reason (not "", which SGLang 0.4.3 sent mid-answer) for
-// the one choice asked for (one choice of two finishing says nothing of
-// the other; the review).
+// the one choice asked for, or for every choice that came (one choice of
+// two finishing says nothing of the other; the review).
 func TestEngineEndingBeforeTheFinishFailsTheStream(t *testing.T) {
 	chat := func(content, more string) string {
 		return `{"model":"m","stream":true` + more + `,"messages":[{"role":"user","content":"` + content + `"}]}`

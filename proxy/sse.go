@@ -38,6 +38,11 @@ type relay struct {
 	// finished: the last chunk with choices gave a finish_reason, so an
 	// engine that ends its body there without [DONE] answered in full.
 	finished bool
+	// choices: with several choices asked for (not oneAnswer), whether
+	// each one seen so far, by index, has finished; nil before the first.
+	// untracked: one came past maxTrackedChoices.
+	choices   []bool
+	untracked bool
 	// sawError: the engine sent an error frame (it answered, with an
 	// error: a body that ends after it is not an engine failing);
 	// engineFault: one not of the request's doing (not a 4xx's type),
@@ -226,7 +231,7 @@ func (r *relay) end(out []byte, err error) []byte {
 		if rest := r.f.pending(); len(rest) > 0 { // bytes after [DONE] without a blank line
 			out = append(append(out, rest...), "\n\n"...)
 		}
-	case err == io.EOF && r.finished && x.oneAnswer && r.resp != nil &&
+	case err == io.EOF && (x.oneAnswer && r.finished || !x.oneAnswer && r.allFinished()) && r.resp != nil &&
 		(x.api == apiChat || x.api == apiCompletions) && len(bytes.TrimSpace(r.f.pending())) == 0 &&
 		r.resp.Header.ContentLength() != -2:
 		// The body ended cleanly after the answer's finish_reason, with
@@ -238,7 +243,9 @@ func (r *relay) end(out []byte, err error) []byte {
 		// for a body that ends with its connection, where a crash reads
 		// as its end. A usage chunk asked for and missing is not waited
 		// for: such engines may not send one (TGI ignores include_usage),
-		// and kvproxy then meters by its own count.
+		// and kvproxy then meters by its own count. With several choices
+		// asked for, every one that came must have finished (an engine
+		// generates them side by side; one that ignores n sends one).
 		x.b.succeed()
 		if x.b.noDoneSaid.CompareAndSwap(false, true) {
 			x.b.log.Info().Str("backend", x.b.cfg.ID).
@@ -506,6 +513,9 @@ func (r *relay) onData(data []byte) {
 		r.finished = len(v) > 1 && v[0] == '"' && v[1] != '"' // SGLang 0.4.3 sent "" mid-answer
 		last = r.finished
 	}
+	if !r.x.oneAnswer {
+		r.noteChoice(data, last)
+	}
 	k, v := outputOf(data)
 	if m := r.x.mig; m != nil {
 		m.note(data, k, v)
@@ -523,6 +533,44 @@ func (r *relay) onData(data []byte) {
 	}
 	// Usage arrives in a chunk of its own (stream_options.include_usage).
 	r.x.usage.read(data)
+}
+
+// noteChoice records, for a request of several choices, the choice a
+// chunk is of (its first "index", which comes before its delta's) and
+// whether it finished.
+func (r *relay) noteChoice(data []byte, finished bool) {
+	i := intAfter(data, indexKey)
+	if i < 0 {
+		return
+	}
+	if i >= maxTrackedChoices {
+		r.untracked = true
+		return
+	}
+	for len(r.choices) <= i {
+		r.choices = append(r.choices, false)
+	}
+	r.choices[i] = r.choices[i] || finished
+}
+
+// maxTrackedChoices bounds the choices noteChoice tracks (vLLM allows n up
+// to 128 and a batch's prompts multiply it); a stream with one past it
+// never counts as finished.
+const maxTrackedChoices = 4096
+
+var indexKey = []byte(`"index":`)
+
+// allFinished reports whether every choice seen has finished.
+func (r *relay) allFinished() bool {
+	if len(r.choices) == 0 || r.untracked {
+		return false
+	}
+	for _, done := range r.choices {
+		if !done {
+			return false
+		}
+	}
+	return true
 }
 
 // onToken counts an event that carried output, the first of them ending
