@@ -282,12 +282,20 @@ func TestBadRequestsGetOpenAIErrors(t *testing.T) {
 	if resp.StatusCode != 400 || !strings.Contains(body, `"type":"invalid_request_error"`) {
 		t.Fatalf("malformed JSON: %d %s", resp.StatusCode, body)
 	}
-	// The engine's refusal of a prompt too long for the model (vLLM's
-	// words, its status as the code) reaches the client with OpenAI's code,
-	// as kvproxy's own limit gives it.
-	_, err = c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{Model: "default", MaxTokens: openai.Int(1 << 30),
+	// The engine's refusal of a prompt too long for the model with its
+	// max_tokens (vLLM's words, its status as the code) reaches the client
+	// with OpenAI's code, as kvproxy's own limit gives it; a max_tokens
+	// that alone passes the context, which no shorter prompt mends, with
+	// none.
+	_, err = c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{Model: "default", MaxTokens: openai.Int(480000 - 10),
 		Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage("hi")}})
 	if !asAPIError(err, &apiErr) || apiErr.StatusCode != 400 || apiErr.Code != "context_length_exceeded" || apiErr.Param != "max_tokens" ||
+		!strings.Contains(apiErr.Message, "maximum context length is") {
+		t.Fatalf("max_tokens and the prompt beyond the context: %v", err)
+	}
+	_, err = c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{Model: "default", MaxTokens: openai.Int(1 << 30),
+		Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage("hi")}})
+	if !asAPIError(err, &apiErr) || apiErr.StatusCode != 400 || apiErr.Code != "" || apiErr.Param != "max_tokens" ||
 		!strings.Contains(apiErr.Message, "maximum context length is") {
 		t.Fatalf("max_tokens beyond the context: %v", err)
 	}

@@ -103,6 +103,10 @@ type exchange struct {
 	// wholeAnswer: the engine answered the stream with its whole answer
 	// as JSON, so its first token says nothing of its prefill time.
 	wholeAnswer bool
+	// retriedAfter is what the attempts before the one an engine answered
+	// failed with (their errMsg): logged apart, not as the request's error
+	// (alerts on that fired on successes).
+	retriedAfter string
 	// cutB is the backend whose failing probe cuts the exchange (its
 	// engine's), set under the live set's lock (liveExchanges.move).
 	cutB *backend
@@ -1120,7 +1124,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 	ctx.SetStatusCode(fasthttp.StatusOK)
 	x.status = fasthttp.StatusOK
-	x.accepted = true
+	x.engineTook()
 	x.slot.hand() // every way on from here streams the answer, and finish releases it
 	if x.pass {
 		x.active.PrefillDone() // the engine has done its work: the answer is here
@@ -1209,6 +1213,15 @@ func plainBody(resp *fasthttp.Response) (body, enc []byte) {
 	return b, nil
 }
 
+// engineTook marks the exchange taken by its engine (it answered 200): what
+// earlier attempts failed with is what it was retried after.
+func (x *exchange) engineTook() {
+	x.accepted = true
+	if x.errMsg != "" {
+		x.retriedAfter, x.errMsg = x.errMsg, ""
+	}
+}
+
 // relayWhole passes a complete engine answer to the client.
 func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response) {
 	code := resp.StatusCode()
@@ -1216,7 +1229,7 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 	body, enc := plainBody(resp)
 	if code == fasthttp.StatusOK {
 		x.active.PrefillDone()
-		x.accepted = true
+		x.engineTook()
 		x.usage.read(body)
 	} else {
 		x.errMsg = "engine answered " + strconv.Itoa(code) + engineErrorKind(body) // in the engine's words
@@ -1475,13 +1488,10 @@ func (x *exchange) logLine() {
 			ev = ev.Int("cached_tokens", cached)
 		}
 	}
-	switch {
-	case x.errMsg == "":
-	case x.status < 400:
-		// Answered after all (another engine took it): not an error for
-		// alerts on the field to fire on.
-		ev = ev.Str("retried_after", x.errMsg)
-	default:
+	if x.retriedAfter != "" {
+		ev = ev.Str("retried_after", x.retriedAfter)
+	}
+	if x.errMsg != "" {
 		ev = ev.Str("error", x.errMsg)
 	}
 	ev.Msg("request")
