@@ -930,6 +930,10 @@ func (c *Config) Warnings() []string {
 	if len(c.Tenants) == 0 {
 		return out
 	}
+	if len(c.Auth.Keys) == 0 {
+		// Without keys no request has a tenant: every limit listed is idle.
+		return append(out, "tenants are listed but auth.keys is empty: requests have no tenant, so no tenant's limits or models apply")
+	}
 	listed := map[string]bool{}
 	for _, t := range c.Tenants {
 		listed[t.Name] = true

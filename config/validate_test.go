@@ -149,3 +149,15 @@ func TestMissingOrShortSecretIsWarnedOf(t *testing.T) {
 		t.Fatalf("no keys, no secret: warnings %q", w)
 	}
 }
+
+// Tenants listed without any key are warned of: no request has a tenant,
+// so none of their limits or models apply (the review).
+func TestTenantsWithoutKeysAreWarnedOf(t *testing.T) {
+	c, err := Parse([]byte(minimal + "tenants: [{name: team-a, models: [m]}]\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := c.Warnings(); len(w) != 1 || !strings.Contains(w[0], "tenants are listed but auth.keys is empty") {
+		t.Fatalf("warnings %q", w)
+	}
+}

@@ -158,8 +158,8 @@ const listsReadWait = 2 * time.Second
 // listsReadWait): an adapter only the engines list was a 404 for the first
 // moment after kvproxy started, while a client sees it listed a moment
 // later.
-func (s *Server) awaitPoolOfAdapter(st *state, name string) *modelPool {
-	if p := st.poolOfAdapter(name); p != nil {
+func (s *Server) awaitPoolOfAdapter(st *state, name string, t *tenant) *modelPool {
+	if p := st.poolOfAdapter(name, t); p != nil {
 		return p
 	}
 	select {
@@ -167,20 +167,21 @@ func (s *Server) awaitPoolOfAdapter(st *state, name string) *modelPool {
 		return nil
 	default:
 	}
-	t := time.NewTimer(listsReadWait)
-	defer t.Stop()
+	wait := time.NewTimer(listsReadWait)
+	defer wait.Stop()
 	select {
 	case <-s.listsRead:
-	case <-t.C:
+	case <-wait.C:
 	}
-	return st.poolOfAdapter(name)
+	return st.poolOfAdapter(name, t)
 }
 
 // poolOfAdapter is the pool one of whose engines lists the adapter name,
-// for a model name the configuration does not know.
-func (st *state) poolOfAdapter(name string) *modelPool {
+// for a model name the configuration does not know: one tenant t may use,
+// when t is not nil (engines of two models may list one name).
+func (st *state) poolOfAdapter(name string, t *tenant) *modelPool {
 	for _, p := range st.pools {
-		if p.adapter(name) != "" {
+		if p.adapter(name) != "" && (t == nil || t.mayUse(p)) {
 			return p
 		}
 	}

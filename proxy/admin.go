@@ -3,6 +3,7 @@ package proxy
 import (
 	"fmt"
 	"math"
+	"slices"
 	"sort"
 	"strconv"
 	"time"
@@ -63,8 +64,49 @@ func (s *Server) handleModels(ctx *fasthttp.RequestCtx, st *state) {
 			data = p.listedAdapters(data, st.cfg.Limits.MaxPromptTokens)
 		}
 	}
+	// Engines of two models may list one adapter name: once, as the
+	// first model's, which a request of that name goes to (poolOfAdapter).
+	seen := make(map[string]bool, len(data))
+	data = slices.DeleteFunc(data, func(m modelJSON) bool {
+		dup := seen[m.ID]
+		seen[m.ID] = true
+		return dup
+	})
 	writeJSON(ctx, map[string]any{"object": "list", "data": data})
 }
+
+// poolFor is the model pool of the model a request names (named: a name,
+// alias or adapter), or when it names none, the one model tenant t may
+// use. nil when there is none: why is the log's reason, and noModel when
+// the request must name one.
+func (s *Server) poolFor(st *state, t *tenant, model string, named bool) (p *modelPool, why string) {
+	if !named {
+		for _, q := range st.pools {
+			if t.mayUse(q) {
+				if p != nil {
+					return nil, noModel // several: as vLLM, only one served may go unnamed
+				}
+				p = q
+			}
+		}
+		if p == nil {
+			return nil, noModel
+		}
+		return p, ""
+	}
+	p = st.models[model]
+	if p != nil && t.mayUse(p) {
+		return p, ""
+	}
+	if q := s.awaitPoolOfAdapter(st, model, t); q != nil {
+		return q, ""
+	}
+	// A model the tenant may not use took the time an unknown one takes
+	// (the first read of the engines' adapter lists, after a start).
+	return nil, unknownModel(p)
+}
+
+const noModel = "no model"
 
 // modelNotFound answers a request for a model that does not exist, or
 // that the client's tenant may not use: the same words, so a key tells
@@ -99,7 +141,7 @@ func (s *Server) handleModel(ctx *fasthttp.RequestCtx, st *state) {
 			}
 		}
 	}
-	if p := s.awaitPoolOfAdapter(st, id); t.mayUse(p) {
+	if p := s.awaitPoolOfAdapter(st, id, t); p != nil {
 		writeJSON(ctx, modelJSON{ID: id, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: p.cfg.Name, MaxModelLen: p.maxModelLen(st.cfg.Limits.MaxPromptTokens)})
 		return
 	}
@@ -298,7 +340,7 @@ func (s *Server) handleIndexLookup(ctx *fasthttp.RequestCtx, st *state) {
 	case p == nil && len(st.pools) == 1 && q.Model == "":
 		p = st.pools[0]
 	case p == nil && q.Model != "":
-		p = s.awaitPoolOfAdapter(st, q.Model) // an adapter's hashes are its model's index's
+		p = s.awaitPoolOfAdapter(st, q.Model, nil) // an adapter's hashes are its model's index's
 	}
 	if p == nil {
 		writeError(ctx, fasthttp.StatusNotFound, "unknown model "+strconv.Quote(q.Model), "invalid_request_error", "model", "model_not_found")

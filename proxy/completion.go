@@ -251,25 +251,20 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		s.logRejected(ctx, rid, t.name, "", fasthttp.StatusBadRequest, start, pe.msg)
 		return
 	}
-	p := st.models[req.model]
-	if p == nil && req.model != "" {
-		p = s.awaitPoolOfAdapter(st, req.model)
-	}
-	if req.fields.Model == nil {
-		// As vLLM allows: no model means the one served.
-		if len(st.pools) != 1 {
-			badRequest(ctx, "model", "you must provide a model parameter (kvproxy serves several models)")
-			s.logRejected(ctx, rid, t.name, "", fasthttp.StatusBadRequest, start, "no model")
-			return
-		}
-		p = st.pools[0]
-		req.model = p.cfg.Name
-	}
-	if !t.mayUse(p) {
+	// As vLLM allows: no model means the one served (to the tenant).
+	p, why := s.poolFor(st, t, req.model, req.fields.Model != nil)
+	switch {
+	case why == noModel:
+		badRequest(ctx, "model", "you must provide a model parameter (several models are served)")
+		s.logRejected(ctx, rid, t.name, "", fasthttp.StatusBadRequest, start, why)
+		return
+	case p == nil:
 		// A model the tenant may not use does not exist for it.
 		modelNotFound(ctx, req.model)
-		s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusNotFound, start, unknownModel(p))
+		s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusNotFound, start, why)
 		return
+	case req.fields.Model == nil:
+		req.model = p.cfg.Name
 	}
 	lora := p.adapter(req.model) // the LoRA adapter the request names
 	lim := st.cfg.Limits
@@ -1060,14 +1055,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				// worse an engine for chat: not a strike against it.
 				what, hint = "does not serve "+x.path, "its engine may not have this API"
 			}
-			// Its type, code and param, never its message: an engine may
-			// quote the request in it, the prompt or kvproxy's key with it
-			// (the SRE trial's engine echoed its Authorization header).
-			detail := strconv.Itoa(code)
-			if w := errorKindWords(plain); w != "" {
-				detail += ": " + w
-			}
-			msg := "backend " + b.cfg.ID + " " + what + " (" + detail + "); " + hint
+			msg := "backend " + b.cfg.ID + " " + what + " (" + refusalDetail(code, plain) + "); " + hint
 			if !optional {
 				b.answeredError(msg)
 			}
@@ -1297,7 +1285,10 @@ func (x *exchange) readWhole(ctx *fasthttp.RequestCtx, stream *backends.Body, re
 func readRest(stream *backends.Body, resp *fasthttp.Response, pre []byte, preErr error, limit int64) ([]byte, error) {
 	var buf bytes.Buffer
 	if n := resp.Header.ContentLength(); n > 0 && int64(n) < limit {
-		buf.Grow(n) // one buffer, not a doubling series
+		// One buffer, not a doubling series; the declared length only up
+		// to a few MiB before the bytes come (an engine may declare more
+		// and stall).
+		buf.Grow(min(n, 4<<20))
 	}
 	buf.Write(pre)
 	err := preErr

@@ -240,6 +240,35 @@ func defaultErrorType(status int) string {
 	return "upstream_error"
 }
 
+// refusesConfig reports whether an engine's status refuses kvproxy's own
+// configuration (its key: 401, 403; its url: a redirect), not the client's
+// request.
+func refusesConfig(status int) bool {
+	return status == 401 || status == 403 || status >= 300 && status < 400
+}
+
+// configRefusal is what the client of a 502 and the log are told of an
+// engine's refusesConfig answer (body, as it came) from backend id.
+func configRefusal(id string, status int, body []byte) string {
+	what, hint := "refused kvproxy's credentials", "check its api_key"
+	if status < 400 {
+		what, hint, body = "answered with a redirect", "check its url", nil
+	}
+	return "backend " + id + " " + what + " (" + refusalDetail(status, body) + "); " + hint
+}
+
+// refusalDetail tells an engine's refusal by its status, type, code and
+// param, never its message: an engine may quote the request in it, the
+// prompt or kvproxy's key with it (the SRE trial's engine echoed its
+// Authorization header).
+func refusalDetail(status int, body []byte) string {
+	detail := strconv.Itoa(status)
+	if w := errorKindWords(body); w != "" {
+		detail += ": " + w
+	}
+	return detail
+}
+
 // engineMessage is the message of an engine's error answer, cut to 200 bytes.
 func engineMessage(status int, body []byte) string {
 	var e struct {

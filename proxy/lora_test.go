@@ -246,7 +246,7 @@ func TestLoRAAdapterNotServedIsNoEngineFault(t *testing.T) {
 			}
 		}
 	}
-	waitFor("the adapter lists", func() bool { return p.s.st.Load().poolOfAdapter("sql-lora") != nil })
+	waitFor("the adapter lists", func() bool { return p.s.st.Load().poolOfAdapter("sql-lora", nil) != nil })
 	for i := range 6 {
 		resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"sql-lora","messages":[{"role":"user","content":"hi"}]}`)
 		if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "e1" {
@@ -427,7 +427,7 @@ func TestLoRAAdapterAvoidsFullBatches(t *testing.T) {
 	waitScraped := func(want map[string]bool) {
 		t.Helper()
 		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-			ok := p.s.st.Load().poolOfAdapter("sql-lora") != nil
+			ok := p.s.st.Load().poolOfAdapter("sql-lora", nil) != nil
 			for id, w := range want {
 				ok = ok && full(id) == w
 			}

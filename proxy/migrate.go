@@ -410,7 +410,11 @@ func (r *relay) sendContinuation(emitted int) (streamBody, *fasthttp.Response, e
 		}
 		x.stopWatch()
 		err = werr
-		if ns := notStreamable(""); !errors.As(werr, &ns) && !errors.Is(werr, backends.ErrAborted) && !x.ab.Aborted() {
+		switch ns := notStreamable(""); {
+		case errors.As(werr, &ns) || errors.Is(werr, backends.ErrAborted) || x.ab.Aborted():
+		case backends.IsTimeout(werr):
+			b.fail(ejectTimeout, "went silent in a continued stream's answer")
+		default:
 			b.failConn(werr.Error())
 		}
 	case err == nil:

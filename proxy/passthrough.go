@@ -47,25 +47,20 @@ func (s *Server) handlePassthrough(ctx *fasthttp.RequestCtx, st *state, path str
 		s.logRejected(ctx, in.rid, in.t.name, "", fasthttp.StatusBadRequest, in.start, pe.msg)
 		return
 	}
-	p := st.models[req.model]
-	if p == nil && req.model != "" {
-		p = s.awaitPoolOfAdapter(st, req.model)
-	}
-	if req.fields.Model == nil {
-		// vLLM's pooling and tokenizing requests may leave the model out:
-		// it means the one the engine serves.
-		if len(st.pools) != 1 {
-			badRequest(ctx, "model", "you must provide a model parameter (kvproxy serves several models)")
-			s.logRejected(ctx, in.rid, in.t.name, "", fasthttp.StatusBadRequest, in.start, "no model")
-			return
-		}
-		p = st.pools[0]
-		req.model = p.cfg.Name
-	}
-	if !in.t.mayUse(p) {
-		modelNotFound(ctx, req.model)
-		s.logRejected(ctx, in.rid, in.t.name, req.model, fasthttp.StatusNotFound, in.start, unknownModel(p))
+	// vLLM's pooling and tokenizing requests may leave the model out: it
+	// means the one the engine serves (to the tenant).
+	p, why := s.poolFor(st, in.t, req.model, req.fields.Model != nil)
+	switch {
+	case why == noModel:
+		badRequest(ctx, "model", "you must provide a model parameter (several models are served)")
+		s.logRejected(ctx, in.rid, in.t.name, "", fasthttp.StatusBadRequest, in.start, why)
 		return
+	case p == nil:
+		modelNotFound(ctx, req.model)
+		s.logRejected(ctx, in.rid, in.t.name, req.model, fasthttp.StatusNotFound, in.start, why)
+		return
+	case req.fields.Model == nil:
+		req.model = p.cfg.Name
 	}
 	tokens := int(float64(len(req.body)) * passthroughPaths[path])
 	if ok, wait := in.t.tokens.take(float64(tokens), &ctx.Response.Header); !ok {

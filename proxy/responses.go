@@ -788,6 +788,9 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 	if ok {
 		b, named = st.ownerOf(tag, orig, in.t.name, nil)
 	}
+	if b != nil && !in.t.mayUse(b.pool) {
+		b = nil // a model the tenant may not use: no response of it exists for it
+	}
 	if b == nil {
 		why := "kvproxy made no response of this id" + st.idScopeHint()
 		if ok && !named {
@@ -825,34 +828,20 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 	} else {
 		status = resp.StatusCode()
 		body, enc := plainBody(resp)
-		if status != fasthttp.StatusOK {
-			errMsg = "engine answered " + strconv.Itoa(status) + engineErrorKind(body) // in the engine's words
-			body = normalizeEngineError(status, body)
-		}
-		switch {
-		case enc != nil:
-			ctx.Response.Header.SetContentEncodingBytes(enc)
-		case status != fasthttp.StatusOK:
-			// The engine's error quotes the id in its message.
-			body = (&respIDs{prevOrig: orig, prevTagged: id}).rewriteError(body)
-		default:
-			ids := respIDs{signer: respSigner{macs: st.respMACs, backend: b.cfg.ID, tenant: in.t.name}}
-			ids.orig = strconv.AppendQuote(nil, orig)
-			ids.tagged = strconv.AppendQuote(nil, id)
-			// The response it continued is the same engine's, and the
-			// same tenant's: only its ids reach it.
-			if prev := previousIn(body); prev != "" {
-				ids.prevOrig, ids.prevTagged = prev, string(appendTaggedID(nil, ids.signer.tag([]byte(prev)), []byte(prev)))
+		if refusesConfig(status) {
+			// kvproxy's key or the backend's url is at fault, not the
+			// client's: a 502 that says so, never the engine's message
+			// (it may echo the key kvproxy sent).
+			status, errMsg = fasthttp.StatusBadGateway, configRefusal(b.cfg.ID, status, body)
+			writeError(ctx, status, errMsg, "upstream_error", "", "backend_failed")
+			b.answeredError(errMsg)
+		} else {
+			if status != fasthttp.StatusOK {
+				errMsg = "engine answered " + strconv.Itoa(status) + engineErrorKind(body) // in the engine's words
+				body = normalizeEngineError(status, body)
 			}
-			body = ids.rewrite(body)
+			s.relayByID(ctx, st, in.t.name, b, id, orig, status, body, enc, resp.Header.ContentType())
 		}
-		ctx.SetStatusCode(status)
-		ct := resp.Header.ContentType()
-		if len(ct) == 0 || status != fasthttp.StatusOK {
-			ct = []byte("application/json")
-		}
-		ctx.Response.Header.SetContentTypeBytes(ct)
-		ctx.SetBody(body)
 	}
 	ev := s.log.Info()
 	if status >= 500 {
@@ -865,6 +854,35 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 	}
 	ev.Msg("request")
 	s.metrics.countRequest(b.cfg.ID, status)
+}
+
+// relayByID passes an engine's answer about a response (its status, body
+// decoded unless enc names its coding, Content-Type ct) to the client of
+// tenant, with the response ids as the client knows them.
+func (s *Server) relayByID(ctx *fasthttp.RequestCtx, st *state, tenant string, b *backend, id, orig string, status int, body, enc, ct []byte) {
+	switch {
+	case enc != nil:
+		ctx.Response.Header.SetContentEncodingBytes(enc)
+	case status != fasthttp.StatusOK:
+		// The engine's error quotes the id in its message.
+		body = (&respIDs{prevOrig: orig, prevTagged: id}).rewriteError(body)
+	default:
+		ids := respIDs{signer: respSigner{macs: st.respMACs, backend: b.cfg.ID, tenant: tenant}}
+		ids.orig = strconv.AppendQuote(nil, orig)
+		ids.tagged = strconv.AppendQuote(nil, id)
+		// The response it continued is the same engine's, and the
+		// same tenant's: only its ids reach it.
+		if prev := previousIn(body); prev != "" {
+			ids.prevOrig, ids.prevTagged = prev, string(appendTaggedID(nil, ids.signer.tag([]byte(prev)), []byte(prev)))
+		}
+		body = ids.rewrite(body)
+	}
+	ctx.SetStatusCode(status)
+	if len(ct) == 0 || status != fasthttp.StatusOK {
+		ct = []byte("application/json")
+	}
+	ctx.Response.Header.SetContentTypeBytes(ct)
+	ctx.SetBody(body)
 }
 
 // askOwner sends a request for a stored response to the backend that holds

@@ -175,3 +175,28 @@ func TestResponseByIDOnARetiringBackend(t *testing.T) {
 		t.Fatalf("backend count %d after the refusal", n)
 	}
 }
+
+// An engine refusing kvproxy's key on a request about a stored response is
+// kvproxy's configuration at fault, as on every other path: a 502 naming
+// the backend by the refusal's status and kind, never the engine's message
+// (it may echo the key kvproxy sent; the review), and not a 401 the
+// client's SDK takes for its own key refused.
+func TestResponseByIDEngineRefusalIs502(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) {
+		f.status, f.errBody = 401, `{"error":{"message":"bad key: Bearer ENGINE-KEY-SECRET","type":"invalid_request_error","param":null,"code":"invalid_api_key"}}`
+	})
+	p := startProxyYAML(t, byIDYAML, e)
+	id := string(appendTaggedID(nil, testTag(p, "e0", "capped", "resp_1"), []byte("resp_1")))
+	for _, method := range []string{"GET", "DELETE"} {
+		req, _ := http.NewRequest(method, p.url+"/v1/responses/"+id, nil)
+		code, b := doAuth(t, req, "key-capped-123")
+		if code != 502 || strings.Contains(b, "SECRET") ||
+			!strings.Contains(b, "backend e0 refused kvproxy's credentials (401: type invalid_request_error, code invalid_api_key); check its api_key") {
+			t.Fatalf("%s: %d %s", method, code, b)
+		}
+	}
+	p.waitIdle(t)
+	if strings.Contains(p.logs.String(), "SECRET") {
+		t.Fatalf("the log holds the engine's message:\n%s", p.logs.String())
+	}
+}

@@ -86,6 +86,27 @@ tenants:
 	if resp, b := postAuth(t, p.url+"/v1/chat/completions", "key-open-12345", chat("big")); resp.StatusCode != 200 {
 		t.Fatalf("open tenant: %d %s", resp.StatusCode, b)
 	}
+	// Leaving the model out means the one model the tenant may use; with
+	// several, the request must name one.
+	if resp, b := postAuth(t, p.url+"/v1/chat/completions", "key-limited-1", `{"messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != 200 ||
+		resp.Header.Get(WorkerHeader) != "e0" {
+		t.Fatalf("limited tenant, no model: %d %s", resp.StatusCode, b)
+	}
+	if resp, b := postAuth(t, p.url+"/v1/embeddings", "key-open-12345", `{"input":"hi"}`); resp.StatusCode != 400 || !strings.Contains(b, "you must provide a model parameter") {
+		t.Fatalf("open tenant, no model: %d %s", resp.StatusCode, b)
+	}
+	// A stored response of a model the tenant may not use is none of its.
+	id := string(appendTaggedID(nil, testTag(p, "e1", "limited", "resp_1"), []byte("resp_1")))
+	sentBefore = sent()
+	for _, method := range []string{"GET", "DELETE"} {
+		req, _ := http.NewRequest(method, p.url+"/v1/responses/"+id, nil)
+		if code, b := doAuth(t, req, "key-limited-1"); code != 404 || !strings.Contains(b, "response_not_found") {
+			t.Fatalf("%s of a response of the other model: %d %s", method, code, b)
+		}
+	}
+	if n := sent(); n != sentBefore {
+		t.Fatalf("the other model's engine got %d requests about its responses", n-sentBefore)
+	}
 	p.waitIdle(t)
 	if logs := p.logs.String(); !strings.Contains(logs, "model not allowed for the tenant (tenants[].models)") {
 		t.Fatalf("the log does not say why:\n%s", logs)

@@ -283,10 +283,8 @@ func (x *exchange) wholeStream(stream *backends.Body, resp *fasthttp.Response, r
 	if len(body) > maxWholeAnswer || enc != nil {
 		return nil, notStreamable("sent a JSON answer to a streaming request larger than 64 MiB, or not decodable")
 	}
-	// Whole before the client has a byte of it, and no time to a first
-	// token: kept out of calibration and time per token.
-	x.wholeAnswer = true
 	if i := skipSpace(body, 0); coded && (i >= len(body) || body[i] != '{') {
+		x.wholeAnswer = true            // read whole too
 		return newEventsBody(body), nil // a stream, compressed
 	}
 	var events []byte
@@ -297,6 +295,9 @@ func (x *exchange) wholeStream(stream *backends.Body, resp *fasthttp.Response, r
 	if !ok {
 		return nil, notStreamable("answered a streaming request with a JSON body that is not a streamable answer; send the request unstreamed")
 	}
+	// Whole before the client has a byte of it, and no time to a first
+	// token: kept out of calibration and time per token.
+	x.wholeAnswer = true
 	x.usage.read(body)
 	if b.wholeAnswerSaid.CompareAndSwap(false, true) {
 		b.log.Warn().Str("backend", b.cfg.ID).
