@@ -726,9 +726,10 @@ func (x *exchange) route(conn net.Conn, st *state, rr *router.Request) error {
 		if !rr.Pinned && errors.Is(err, router.ErrNoWorker) && p.endCooling() {
 			continue // the backends cooling down after a 429 were the last ones
 		}
-		if errors.Is(err, router.ErrNoWorker) && s.st.Load().models[p.cfg.Name] != p {
+		if (errors.Is(err, router.ErrNoWorker) || errors.Is(err, router.ErrWorkerUnavailable)) && s.st.Load().models[p.cfg.Name] != p {
 			// The pool it waits on was rebuilt: its engines serve the new
-			// one now. A retry is routed there; this is no outage.
+			// one now. A retry is routed there, pinned or not; this is no
+			// outage.
 			return errModelReloaded
 		}
 		lim := st.cfg.Limits

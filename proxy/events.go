@@ -39,7 +39,17 @@ func (b *backend) startEvents() {
 		b.log.Error().Err(err).Str("backend", b.cfg.ID).Msg("kv events not started")
 		return
 	}
+	b.setFeed(f)
+}
+
+// setFeed sets b's event feed under its lock: a request its predecessor
+// took may be releasing a slot now that b owns the count (shareSlots runs
+// first), and reads the feed for b's workers (the reload chaos trial's race
+// detector).
+func (b *backend) setFeed(f *backends.KVFeed) {
+	b.mu.Lock()
 	b.feed = f
+	b.mu.Unlock()
 }
 
 // feedLog writes what an operator needs of an event feed's health: its
@@ -138,7 +148,9 @@ func (b *backend) adoptRanks(prev *backend) {
 			b.pool.rt.RemoveWorker(w.ID)
 			continue
 		}
+		b.mu.Lock() // read by a release's markFull, as the feed is (setFeed)
 		b.ranks = append(b.ranks, w.ID)
+		b.mu.Unlock()
 		b.pool.rt.SetAvailable(w.ID, true) // as rank 0 (newBackend); b's state applies from now on
 	}
 }

@@ -150,7 +150,19 @@ func postAsync(url, body string) (status int, worker string) {
 // queued on the old pool no engine: they get a 503 that says to retry,
 // counted as backend_removed, not as an outage (no_healthy_backend, the one
 // to alert on), and a retry is served (the chaos trial).
+//
+// A request pinned to the backend (nvext.backend_instance_id, or a
+// follow-up to its stored response) is answered the same: the backend is
+// not down (the reload chaos trial: pinned_backend_unavailable, counted as
+// an outage of a healthy engine).
 func TestQueuedRequestsOfARebuiltModel(t *testing.T) {
+	t.Run("routed", func(t *testing.T) { testQueuedRequestOfARebuiltModel(t, chatBody) })
+	t.Run("pinned", func(t *testing.T) {
+		testQueuedRequestOfARebuiltModel(t, strings.Replace(chatBody, `"nvext":{"annotations":[]}`, `"nvext":{"backend_instance_id":"busy"}`, 1))
+	})
+}
+
+func testQueuedRequestOfARebuiltModel(t *testing.T, queuedBody string) {
 	busy := startFake(t, "busy", func(f *fakeEngine) { f.prefillDelay = time.Second })
 	base := "models: [{name: m, aliases: [alias-m], template: chatml}]\nlimits: {max_queue: 8, queue_timeout: 5s}\nbackends:\n  - {id: busy, url: 'http://{{e0}}', max_concurrency: 1}\n"
 	p := startProxyYAML(t, base, busy)
@@ -162,7 +174,7 @@ func TestQueuedRequestsOfARebuiltModel(t *testing.T) {
 	}
 	queued := make(chan answer, 1)
 	go func() {
-		resp, err := http.Post(p.url+"/v1/chat/completions", "application/json", strings.NewReader(chatBody))
+		resp, err := http.Post(p.url+"/v1/chat/completions", "application/json", strings.NewReader(queuedBody))
 		if err != nil {
 			queued <- answer{}
 			return
@@ -184,7 +196,8 @@ func TestQueuedRequestsOfARebuiltModel(t *testing.T) {
 		t.Fatalf("the queued request: %d %s", a.code, a.body)
 	}
 	m := p.metrics(t)
-	for _, want := range []string{`kvproxy_unavailable_total{reason="backend_removed"} 1`, `kvproxy_unavailable_total{reason="no_healthy_backend"} 0`} {
+	for _, want := range []string{`kvproxy_unavailable_total{reason="backend_removed"} 1`, `kvproxy_unavailable_total{reason="no_healthy_backend"} 0`,
+		`kvproxy_unavailable_total{reason="pinned_backend_unavailable"} 0`} {
 		if !strings.Contains(m, want) {
 			t.Errorf("want %s:\n%s", want, grepLines(m, "unavailable_total"))
 		}

@@ -391,7 +391,7 @@ func (s *Server) activate(st, prev *state) {
 					// the index empty, and vLLM does not announce again
 					// the blocks it still holds (a reload that changed
 					// only health settings emptied every index).
-					nb.feed = old.feed
+					nb.setFeed(old.feed)
 					nb.eventsPushed.Store(old.eventsPushed.Load())
 				} else {
 					old.stopEvents()

@@ -113,6 +113,10 @@ type Sync struct {
 	sent       map[Key]router.Load // the load last published, where above zero
 	sentAt     time.Time           // when
 	watching   atomic.Bool         // the loop watches for ended load (tests)
+	// up: connected to NATS, as its handlers said. Read by /metrics:
+	// nats.go's IsConnected waits for its lock, which a reconnection to a
+	// hung server holds for its 2 s dial (the replicas trial's scrapes).
+	up atomic.Bool
 
 	stop chan struct{}
 	done chan struct{}
@@ -145,7 +149,7 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 	s := &Sync{cfg: cfg, instance: hex.EncodeToString(nonce[:]), local: local, apply: apply, log: log, peers: map[string]*peer{},
 		mine: workersOf(local()), mineAt: time.Now(), mismatched: map[string]bool{},
 		stop: make(chan struct{}), done: make(chan struct{}), closed: make(chan struct{})}
-	var up atomic.Bool // each transition is logged once
+	up := &s.up // each transition is logged once
 	connected := func(c *nats.Conn) {
 		if !up.Swap(true) {
 			log.Info().Str("server", c.ConnectedUrlRedacted()).Str("subject", cfg.Subject).Str("id", cfg.ID).Msg("replicas: connected to NATS")
@@ -173,6 +177,7 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 		nats.ConnectHandler(connected), // a first connection made while retrying
 		nats.ReconnectHandler(connected),
 		nats.ClosedHandler(func(c *nats.Conn) {
+			up.Store(false)
 			if !s.closing.Load() { // nats.go gave up (the server refused this client)
 				log.Error().Err(c.LastError()).Str("nats", redactURLs(cfg.URL)).Msg("replicas: NATS closed the connection for good; this replica routes on its own load until restarted")
 			}
@@ -541,7 +546,7 @@ func (s *Sync) Peers() int {
 }
 
 // Connected reports whether the NATS connection is up.
-func (s *Sync) Connected() bool { return s.nc.IsConnected() }
+func (s *Sync) Connected() bool { return s.up.Load() }
 
 // Close stops reporting and leaves NATS; the others drop this replica's
 // load after their expiry.

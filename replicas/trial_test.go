@@ -147,6 +147,20 @@ func TestFrozenNATSIsNoticedWithinSeconds(t *testing.T) {
 		time.Sleep(50 * time.Millisecond)
 	}
 	t.Logf("lost NATS %v after it froze", time.Since(frozen).Round(100*time.Millisecond))
+	// While nats.go tries the frozen server again (each dial waits 2 s for
+	// its greeting, under the connection's lock), Connected answers at
+	// once: /metrics reads it, and stalled for up to 2 s (the replicas
+	// trial). The bound is loose: blocking takes the dial's whole 2 s.
+	slowest := time.Duration(0)
+	for range 15 {
+		t0 := time.Now()
+		a.Connected()
+		slowest = max(slowest, time.Since(t0))
+		time.Sleep(100 * time.Millisecond)
+	}
+	if slowest > time.Second {
+		t.Fatalf("Connected took %v while NATS was being dialled", slowest)
+	}
 }
 
 // The warning that NATS cannot be reached says why: a URL pointing at a
