@@ -453,6 +453,9 @@ func (s *ZMQSubscriber) catchUp(ctx context.Context, start uint64) {
 			s.replayed.Add(1)
 		}
 	})
+	if err != nil && ctx.Err() != nil {
+		return // the feed was stopped (a reload replaced its backend): no problem to report
+	}
 	if err != nil && s.have && s.applied+1 == start {
 		// Nothing of the gap arrived: the state is stale.
 		s.clear(fmt.Sprintf("replay from %d: %v", start, err))

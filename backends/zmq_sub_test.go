@@ -3,6 +3,8 @@ package backends
 import (
 	"context"
 	"encoding/binary"
+	"net"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -568,4 +570,51 @@ func BenchmarkZMQFeed(b *testing.B) {
 	b.ReportMetric(float64(b.N)*32/b.Elapsed().Seconds(), "blockevents/s")
 	// CPU of publisher and subscriber together, both in this process.
 	b.ReportMetric(float64(b.N)*32/(cpuTime()-cpu0).Seconds(), "blockevents/cpu-s")
+}
+
+// A feed stopped while it replays (a reload replacing its backend) reports
+// no problem: the replay ended because it was asked to (the reload chaos
+// trial's "replay from 0: context canceled" warning).
+func TestZMQSubscriberStoppedDuringReplayReportsNothing(t *testing.T) {
+	eng := newTestEngine(t, 100)
+	silent, err := net.Listen("tcp", "127.0.0.1:0") // accepts, never greets
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
+	go func() {
+		for {
+			c, err := silent.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+		}
+	}()
+	var mu sync.Mutex
+	var reports []string
+	cfg := ZMQConfig{Endpoint: eng.pubAddr, ReplayEndpoint: "tcp://" + silent.Addr().String(), ReplayTimeout: time.Minute,
+		BackoffMin: 5 * time.Millisecond, BackoffMax: 50 * time.Millisecond,
+		OnChange: func(p string) { mu.Lock(); reports = append(reports, p); mu.Unlock() }}
+	sub := NewZMQSubscriber(cfg, &recordSink{})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { sub.Run(ctx); close(done) }()
+	deadline := time.Now().Add(10 * time.Second)
+	for sub.Stats().Replays == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("no replay began")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	time.Sleep(50 * time.Millisecond) // in the replay's exchange
+	cancel()
+	<-done
+	mu.Lock()
+	defer mu.Unlock()
+	for _, r := range reports {
+		if strings.Contains(r, "replay") {
+			t.Fatalf("reported %q", reports)
+		}
+	}
 }
