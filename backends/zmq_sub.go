@@ -274,7 +274,9 @@ func (s *ZMQSubscriber) Run(ctx context.Context) error {
 		case s.cfg.ReplayEndpoint != "":
 			s.catchUp(ctx, 0)
 		}
-		s.report("")
+		if ctx.Err() == nil { // stopped during the replay: not "connected"
+			s.report("")
+		}
 		err = s.readLoop(ctx, sub)
 		sub.shut()
 		s.connected.Store(false)
@@ -499,6 +501,9 @@ func (s *ZMQSubscriber) resume(ctx context.Context) {
 		}
 	})
 	switch {
+	case err != nil && ctx.Err() != nil:
+		// The feed was stopped (a reload replaced its backend): nothing to
+		// report, and its state goes with it.
 	case err != nil:
 		s.clear(fmt.Sprintf("replay after reconnecting: %v", err))
 	case state != verified:

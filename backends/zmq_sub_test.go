@@ -6,6 +6,7 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -616,5 +617,100 @@ func TestZMQSubscriberStoppedDuringReplayReportsNothing(t *testing.T) {
 		if strings.Contains(r, "replay") {
 			t.Fatalf("reported %q", reports)
 		}
+	}
+}
+
+// stallRelay passes TCP to target until stalled, then holds what comes.
+type stallRelay struct {
+	ln      net.Listener
+	stalled atomic.Bool
+}
+
+func newStallRelay(t *testing.T, target string) *stallRelay {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &stallRelay{ln: ln}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			u, err := net.Dial("tcp", target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			t.Cleanup(func() { c.Close(); u.Close() })
+			go r.pipe(c, u)
+			go r.pipe(u, c)
+		}
+	}()
+	return r
+}
+
+func (r *stallRelay) pipe(from, to net.Conn) {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := from.Read(buf)
+		if err != nil {
+			return
+		}
+		if !r.stalled.Load() {
+			to.Write(buf[:n])
+		}
+	}
+}
+
+// The same for the replay after a reconnection: a feed stopped in it
+// reports nothing and clears nothing, nor says it is connected (the last
+// review).
+func TestZMQSubscriberStoppedDuringResumeReportsNothing(t *testing.T) {
+	eng := newTestEngine(t, 100)
+	relay := newStallRelay(t, eng.router.Addr().String())
+	var mu sync.Mutex
+	var reports []string
+	rs := &recordSink{}
+	cfg := ZMQConfig{Endpoint: eng.pubAddr, ReplayEndpoint: "tcp://" + relay.ln.Addr().String(), ReplayTimeout: time.Minute,
+		BackoffMin: 5 * time.Millisecond, BackoffMax: 50 * time.Millisecond,
+		OnChange: func(p string) { mu.Lock(); reports = append(reports, p); mu.Unlock() }}
+	sub := NewZMQSubscriber(cfg, rs)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { sub.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	f := &subFixture{t: t, eng: eng, sink: rs, sub: sub}
+	f.warmUp()
+	addr := eng.pubAddr
+	eng.pub.Close()
+	f.wait("disconnect", func(s ZMQStats) bool { return !s.Connected })
+	relay.stalled.Store(true)
+	replays := sub.Stats().Replays
+	eng.listenPub(addr)
+	deadline := time.Now().Add(10 * time.Second)
+	for sub.Stats().Reconnects == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("no reconnection")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	time.Sleep(100 * time.Millisecond) // in the resume's replay, which the relay holds
+	mu.Lock()
+	seen := len(reports)
+	mu.Unlock()
+	cancel()
+	<-done
+	mu.Lock()
+	defer mu.Unlock()
+	for _, r := range reports[seen:] {
+		if r != "" {
+			t.Fatalf("reported %q after the stop (all: %q)", r, reports)
+		}
+	}
+	if st := sub.Stats(); st.Clears != 0 || st.Replays != replays+1 { // the resume's replay began, and was stopped
+		t.Fatalf("stats %+v (replays before %d)", st, replays)
 	}
 }

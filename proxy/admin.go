@@ -103,6 +103,9 @@ func (s *Server) poolFor(st *state, t *tenant, model string, named bool) (p *mod
 	}
 	// A model the tenant may not use took the time an unknown one takes
 	// (the first read of the engines' adapter lists, after a start).
+	if p == nil {
+		p = st.poolOfAdapter(model, nil) // for the log: an adapter of another model
+	}
 	return nil, unknownModel(p)
 }
 

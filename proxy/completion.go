@@ -59,6 +59,7 @@ type exchange struct {
 	// oneAnswer: the request asks for one choice (n 1, no batch of
 	// prompts), whose finish_reason ends a stream without [DONE].
 	oneAnswer bool
+	choices   int // the choices asked for: n times the prompts (0: n not a plain number)
 
 	status       int
 	refused      int    // the status of the last refusal that made it retry
@@ -438,6 +439,12 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 			w, found = p.rt.WorkerByInstance(inst)
 		}
 		if b := p.backend(w); !found || b == nil || b.isDraining() {
+			if s.st.Load().models[p.cfg.Name] != p {
+				// A reload rebuilt the model since the request came: its
+				// backends are the new pool's now. Not the client's fault.
+				s.routeFailed(ctx, rid, t.name, req.model, start, errModelReloaded)
+				return
+			}
 			badRequest(ctx, "nvext.backend_instance_id", fmt.Sprintf("no backend %s serves model %q", string(req.nv.BackendInstanceID), req.model))
 			s.logRejected(ctx, rid, t.name, req.model, fasthttp.StatusBadRequest, start, "unknown pinned backend")
 			return
@@ -493,6 +500,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	x := s.newExchange(rid, engineID, path, req.stream, start, p, req.model)
 	x.tenant, x.promptTokens, x.slot, x.resp, x.api, x.budget = t.name, counted, in.slot, ids, kind, t.tokens
 	x.oneAnswer = req.oneChoice && len(req.batchTexts)+len(req.batchTokens) == 0
+	x.choices = req.choices()
 	prio := t.queuePriority(req.priority, req.priorityGiven && !req.priorityOdd)
 	x.priority, req.dropPriority, req.priorityTo = prio, t.capped, prio
 	x.migrations = lim.MigrationLimit
@@ -1036,27 +1044,19 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			// not take for its own mistake. The engine never took the
 			// request: another may.
 			plain, _ := plainBody(resp)
-			what, hint := "refused kvproxy's credentials", "check its api_key"
-			switch {
-			case code == fasthttp.StatusNotFound:
-				what, hint = "does not serve the model or path", "check its url and served_model"
-			case code < 400:
-				// An engine's redirect names an address of its own, which
-				// is no answer for the client (an http URL for an engine
-				// behind https, a path with a missing slash), and which
-				// only the operator may see.
-				what, hint = "answered with a redirect", "check its url"
-				b.log.Warn().Str("backend", b.cfg.ID).Int("status", code).Str("location", redirectTarget(resp.Header.Peek("Location"))).
-					Msg("the engine answered with a redirect: check the backend's url")
-				plain = nil
-			}
+			// An engine without this API (vLLM before it had it) is no
+			// worse an engine for chat: not a strike against it.
 			optional := code == fasthttp.StatusNotFound && (x.api == apiResponses || x.api == apiMessages)
-			if optional {
-				// An engine without this API (vLLM before it had it) is no
-				// worse an engine for chat: not a strike against it.
-				what, hint = "does not serve "+x.path, "its engine may not have this API"
+			var msg string
+			switch {
+			case optional:
+				msg = "backend " + b.cfg.ID + " does not serve " + x.path + " (" + refusalDetail(code, plain) + "); its engine may not have this API"
+			case code == fasthttp.StatusNotFound:
+				msg = "backend " + b.cfg.ID + " does not serve the model or path (" + refusalDetail(code, plain) + "); check its url and served_model"
+			default:
+				b.logRedirect(code, resp)
+				msg = configRefusal(b.cfg.ID, code, plain)
 			}
-			msg := "backend " + b.cfg.ID + " " + what + " (" + refusalDetail(code, plain) + "); " + hint
 			if !optional {
 				b.answeredError(msg)
 			}
@@ -1221,6 +1221,9 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 		x.engineTook()
 		x.usage.read(body)
 	} else {
+		if x.errMsg != "" && x.retriedAfter == "" { // what earlier attempts failed with
+			x.retriedAfter = x.errMsg
+		}
 		x.errMsg = "engine answered " + strconv.Itoa(code) + engineErrorKind(body) // in the engine's words
 		body = normalizeEngineError(code, body)
 	}
@@ -1249,6 +1252,17 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 		ctx.Response.Header.SetContentEncodingBytes(enc)
 	}
 	ctx.SetBody(body)
+}
+
+// logRedirect warns, for an engine's redirect (a 3xx code), where it
+// redirects to. An engine's redirect names an address of its own, which is
+// no answer for the client (an http URL for an engine behind https, a path
+// with a missing slash), and which only the operator may see.
+func (b *backend) logRedirect(code int, resp *fasthttp.Response) {
+	if code >= 300 && code < 400 {
+		b.log.Warn().Str("backend", b.cfg.ID).Int("status", code).Str("location", redirectTarget(resp.Header.Peek("Location"))).
+			Msg("the engine answered with a redirect: check the backend's url")
+	}
 }
 
 // redirectTarget is a redirect's Location for the log, without what may be

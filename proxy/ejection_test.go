@@ -401,3 +401,20 @@ func TestErrorAnswersKeepTheOnlyDecodeEngine(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// A request retried after a refusal whose next engine answers with an
+// error logs both: what it was retried after, and the error (the last
+// review: the error took the refusal's place).
+func TestRetriedRequestAnsweredWithAnErrorLogsBoth(t *testing.T) {
+	bad := startFake(t, "bad", func(f *fakeEngine) { f.status, f.errBody = 401, `{"error":{"message":"Unauthorized"}}` })
+	broken := startFake(t, "broken", func(f *fakeEngine) { f.status, f.errBody = 500, `{"error":{"message":"boom","type":"InternalServerError"}}` })
+	p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: bad, url: 'http://{{e0}}', api_key: wrong}, {id: broken, url: 'http://{{e1}}'}]\nrouter: {policy: round_robin}\n", bad, broken)
+	if resp, b := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 500 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+	logs := p.logs.String()
+	if !strings.Contains(logs, `"retried_after":"backend bad refused kvproxy's credentials`) || !strings.Contains(logs, `"error":"engine answered 500`) {
+		t.Fatalf("want both in the request's line:\n%s", logs)
+	}
+}

@@ -47,6 +47,13 @@ func noDoneEngine(t *testing.T) *httptest.Server {
 			chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}`)
 			chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":1,"delta":{"content":"yo"},"finish_reason":"stop"}]}`)
 			return
+		case "three": // n 3: choices 0 and 1 finish, choice 2 never comes
+			chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}`)
+			chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":1,"delta":{"content":"yo"},"finish_reason":"stop"}]}`)
+			return
+		case "together": // n 2 in one chunk: choice 0 finishes, choice 1 does not
+			chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"},{"index":1,"delta":{"content":"yo"},"finish_reason":null}]}`)
+			return
 		case "both": // n 2: both finish, side by side
 			chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":1,"delta":{"content":"yo"},"finish_reason":null}]}`)
 			chunk(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"length"}]}`)
@@ -109,8 +116,8 @@ func TestEngineWithoutDoneAnswersInFull(t *testing.T) {
 // Without the answer's end, a body that ends is an answer cut short: the
 // client is told so with an error event, and the engine is taken out. Its
 // end is a finish_reason (not "", which SGLang 0.4.3 sent mid-answer) for
-// the one choice asked for, or for every choice that came (one choice of
-// two finishing says nothing of the other; the review).
+// the one choice asked for, or for every choice asked for (one choice of
+// two finishing says nothing of the other, nor two of three: the reviews).
 func TestEngineEndingBeforeTheFinishFailsTheStream(t *testing.T) {
 	chat := func(content, more string) string {
 		return `{"model":"m","stream":true` + more + `,"messages":[{"role":"user","content":"` + content + `"}]}`
@@ -120,6 +127,8 @@ func TestEngineEndingBeforeTheFinishFailsTheStream(t *testing.T) {
 		{"/v1/completions", `{"model":"m","stream":true,"prompt":"cut"}`},
 		{"/v1/chat/completions", chat("empty", "")},
 		{"/v1/chat/completions", chat("two", `,"n":2`)},
+		{"/v1/chat/completions", chat("three", `,"n":3`)},
+		{"/v1/chat/completions", chat("together", `,"n":2`)},
 	} {
 		engine := noDoneEngine(t)
 		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: '"+engine.URL+"', model: m}]\n")

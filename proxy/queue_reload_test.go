@@ -2,10 +2,13 @@ package proxy
 
 import (
 	"io"
+	"net"
 	"net/http"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/valyala/fasthttp"
 
 	"github.com/kvproxy/kvproxy/config"
 )
@@ -213,5 +216,34 @@ func testQueuedRequestOfARebuiltModel(t *testing.T, queuedBody string) {
 		!strings.Contains(logs, `"backend":"busy","message":"backend draining (replaced by reload: a backend of its id takes the new requests)"`) ||
 		strings.Contains(logs, "removed by reload") {
 		t.Fatalf("the reload's lines: %s", logs)
+	}
+}
+
+// A pinned request admitted on the state before a reload that rebuilt its
+// model resolves its pin on the old pool, whose backends are draining: a
+// 503 to retry, as for a queued one, not a 400 that blames the client and
+// that SDKs never retry (the last review's reload chaos).
+func TestPinnedRequestAcrossAModelRebuildIsRetried(t *testing.T) {
+	e := startFake(t, "busy", nil)
+	base := "models: [{name: m, aliases: [alias-m], template: chatml}]\nbackends:\n  - {id: busy, url: 'http://{{e0}}'}\n"
+	p := startProxyYAML(t, base, e)
+	before := p.s.st.Load()
+	cfg, err := config.Parse([]byte(strings.ReplaceAll(strings.Replace(base, "chatml", "raw", 1), "{{e0}}", e.addr)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	var req fasthttp.Request
+	req.Header.SetMethod("POST")
+	req.SetRequestURI("/v1/chat/completions")
+	req.Header.SetContentType("application/json")
+	req.SetBodyString(strings.Replace(chatBody, `"nvext":{"annotations":[]}`, `"nvext":{"backend_instance_id":"busy"}`, 1))
+	var ctx fasthttp.RequestCtx
+	ctx.Init(&req, &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 5000}, nil)
+	p.s.handleCompletion(&ctx, before, apiChat) // as admitted just before the reload
+	if code, b := ctx.Response.StatusCode(), string(ctx.Response.Body()); code != 503 || !strings.Contains(b, `"code":"backend_removed"`) {
+		t.Fatalf("%d %s", code, b)
 	}
 }

@@ -758,6 +758,18 @@ func (f *wireFields) slot(key []byte) *json.RawMessage {
 	return nil
 }
 
+// choices is how many choices the request asks for: n (1 when absent or
+// null) for each of its prompts; 0 when n is not a plain positive number.
+func (r *apiRequest) choices() int {
+	n := 1
+	if f := r.fields.N; f != nil && !isNull(f) {
+		if n, _ = strconv.Atoi(string(f)); n <= 0 {
+			return 0
+		}
+	}
+	return n * max(1, len(r.batchTexts)+len(r.batchTokens))
+}
+
 // setBody checks that body is one valid JSON object and keeps it.
 func (r *apiRequest) setBody(body []byte) *paramError {
 	trimmed := bytes.TrimSpace(body)

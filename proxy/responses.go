@@ -832,6 +832,7 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 			// kvproxy's key or the backend's url is at fault, not the
 			// client's: a 502 that says so, never the engine's message
 			// (it may echo the key kvproxy sent).
+			b.logRedirect(status, resp)
 			status, errMsg = fasthttp.StatusBadGateway, configRefusal(b.cfg.ID, status, body)
 			writeError(ctx, status, errMsg, "upstream_error", "", "backend_failed")
 			b.answeredError(errMsg)

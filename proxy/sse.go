@@ -244,8 +244,8 @@ func (r *relay) end(out []byte, err error) []byte {
 		// as its end. A usage chunk asked for and missing is not waited
 		// for: such engines may not send one (TGI ignores include_usage),
 		// and kvproxy then meters by its own count. With several choices
-		// asked for, every one that came must have finished (an engine
-		// generates them side by side; one that ignores n sends one).
+		// asked for, every one must have come and finished (or the one
+		// choice of an engine that ignores n, as llama.cpp does).
 		x.b.succeed()
 		if x.b.noDoneSaid.CompareAndSwap(false, true) {
 			x.b.log.Info().Str("backend", x.b.cfg.ID).
@@ -536,9 +536,15 @@ func (r *relay) onData(data []byte) {
 }
 
 // noteChoice records, for a request of several choices, the choice a
-// chunk is of (its first "index", which comes before its delta's) and
-// whether it finished.
+// chunk is of (its first "index": engines write the choice's before its
+// delta's tool calls', JSON of sorted keys does not, and such a stream
+// never counts as finished) and whether it finished. A chunk of several
+// choices is not followed.
 func (r *relay) noteChoice(data []byte, finished bool) {
+	if bytes.Count(data, finishKey) > 1 {
+		r.untracked = true // several choices in one chunk: not followed
+		return
+	}
 	i := intAfter(data, indexKey)
 	if i < 0 {
 		return
@@ -560,9 +566,10 @@ const maxTrackedChoices = 4096
 
 var indexKey = []byte(`"index":`)
 
-// allFinished reports whether every choice seen has finished.
+// allFinished reports whether every choice asked for has come and
+// finished, or the one choice of an engine that ignores n has.
 func (r *relay) allFinished() bool {
-	if len(r.choices) == 0 || r.untracked {
+	if seen := len(r.choices); seen == 0 || r.untracked || seen != 1 && seen != r.x.choices {
 		return false
 	}
 	for _, done := range r.choices {
