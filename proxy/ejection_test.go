@@ -407,7 +407,9 @@ func TestErrorAnswersKeepTheOnlyDecodeEngine(t *testing.T) {
 // review: the error took the refusal's place).
 func TestRetriedRequestAnsweredWithAnErrorLogsBoth(t *testing.T) {
 	bad := startFake(t, "bad", func(f *fakeEngine) { f.status, f.errBody = 401, `{"error":{"message":"Unauthorized"}}` })
-	broken := startFake(t, "broken", func(f *fakeEngine) { f.status, f.errBody = 500, `{"error":{"message":"boom","type":"InternalServerError"}}` })
+	broken := startFake(t, "broken", func(f *fakeEngine) {
+		f.status, f.errBody = 500, `{"error":{"message":"boom","type":"InternalServerError"}}`
+	})
 	p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: bad, url: 'http://{{e0}}', api_key: wrong}, {id: broken, url: 'http://{{e1}}'}]\nrouter: {policy: round_robin}\n", bad, broken)
 	if resp, b := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 500 {
 		t.Fatalf("%d %s", resp.StatusCode, b)
