@@ -6,12 +6,12 @@ import (
 	"net"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/go-zeromq/zmq4"
 
+	"github.com/kvproxy/kvproxy/internal/testutil"
 	"github.com/kvproxy/kvproxy/kv"
 )
 
@@ -620,61 +620,16 @@ func TestZMQSubscriberStoppedDuringReplayReportsNothing(t *testing.T) {
 	}
 }
 
-// stallRelay passes TCP to target until stalled, then holds what comes.
-type stallRelay struct {
-	ln      net.Listener
-	stalled atomic.Bool
-}
-
-func newStallRelay(t *testing.T, target string) *stallRelay {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := &stallRelay{ln: ln}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			u, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			t.Cleanup(func() { c.Close(); u.Close() })
-			go r.pipe(c, u)
-			go r.pipe(u, c)
-		}
-	}()
-	return r
-}
-
-func (r *stallRelay) pipe(from, to net.Conn) {
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := from.Read(buf)
-		if err != nil {
-			return
-		}
-		if !r.stalled.Load() {
-			to.Write(buf[:n])
-		}
-	}
-}
-
 // The same for the replay after a reconnection: a feed stopped in it
 // reports nothing and clears nothing, nor says it is connected (the last
 // review).
 func TestZMQSubscriberStoppedDuringResumeReportsNothing(t *testing.T) {
 	eng := newTestEngine(t, 100)
-	relay := newStallRelay(t, eng.router.Addr().String())
+	relay := testutil.NewRelay(t, eng.router.Addr().String())
 	var mu sync.Mutex
 	var reports []string
 	rs := &recordSink{}
-	cfg := ZMQConfig{Endpoint: eng.pubAddr, ReplayEndpoint: "tcp://" + relay.ln.Addr().String(), ReplayTimeout: time.Minute,
+	cfg := ZMQConfig{Endpoint: eng.pubAddr, ReplayEndpoint: "tcp://" + relay.Addr(), ReplayTimeout: time.Minute,
 		BackoffMin: 5 * time.Millisecond, BackoffMax: 50 * time.Millisecond,
 		OnChange: func(p string) { mu.Lock(); reports = append(reports, p); mu.Unlock() }}
 	sub := NewZMQSubscriber(cfg, rs)
@@ -687,7 +642,7 @@ func TestZMQSubscriberStoppedDuringResumeReportsNothing(t *testing.T) {
 	addr := eng.pubAddr
 	eng.pub.Close()
 	f.wait("disconnect", func(s ZMQStats) bool { return !s.Connected })
-	relay.stalled.Store(true)
+	relay.Freeze()
 	replays := sub.Stats().Replays
 	eng.listenPub(addr)
 	deadline := time.Now().Add(10 * time.Second)

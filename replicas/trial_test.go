@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/rs/zerolog"
 
+	"github.com/kvproxy/kvproxy/internal/testutil"
 	"github.com/kvproxy/kvproxy/router"
 )
 
@@ -55,84 +56,18 @@ func TestLeftLogNamesTheReplicaAsJoinedDoes(t *testing.T) {
 	}
 }
 
-// freezer relays TCP to a NATS server until frozen, then passes nothing
-// either way and keeps every connection open: a server stopped with
-// kill -STOP.
-type freezer struct {
-	ln     net.Listener
-	frozen chan struct{}
-}
-
-func newFreezer(t *testing.T, target string) *freezer {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	f := &freezer{ln: ln, frozen: make(chan struct{})}
-	var conns []net.Conn
-	var mu sync.Mutex
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range conns {
-			c.Close()
-		}
-	})
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			u, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			mu.Lock()
-			conns = append(conns, c, u)
-			mu.Unlock()
-			go f.pipe(c, u)
-			go f.pipe(u, c)
-		}
-	}()
-	return f
-}
-
-func (f *freezer) pipe(from, to net.Conn) {
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := from.Read(buf)
-		select {
-		case <-f.frozen:
-			return // read but never passed on
-		default:
-		}
-		if n > 0 {
-			if _, werr := to.Write(buf[:n]); werr != nil {
-				return
-			}
-		}
-		if err != nil {
-			return
-		}
-	}
-}
-
 // A NATS server that hangs without closing the connection (kill -STOP)
 // is noticed within seconds: kvproxy_replicas_connected stayed 1, and the
 // log silent, for about 6 minutes (nats.go's default pings, 2 min × 2;
 // found by the replicas user trial).
 func TestFrozenNATSIsNoticedWithinSeconds(t *testing.T) {
-	f := newFreezer(t, startNATS(t).Addr().String())
-	a, logs := startLogged(t, Config{URL: "nats://" + f.ln.Addr().String(), ID: "a", Interval: 20 * time.Millisecond},
+	f := testutil.NewRelay(t, startNATS(t).Addr().String()) // frozen: a server stopped with kill -STOP
+	a, logs := startLogged(t, Config{URL: "nats://" + f.Addr(), ID: "a", Interval: 20 * time.Millisecond},
 		func() []Entry { return nil }, func(map[Key]router.Load) {})
 	if !a.Connected() {
 		t.Fatal("not connected through the relay")
 	}
-	close(f.frozen)
+	f.Freeze()
 	frozen := time.Now()
 	for a.Connected() {
 		if time.Since(frozen) > 8*time.Second {
