@@ -131,6 +131,44 @@ type countedConn struct {
 	// waiting for its next request; coarseNow), 0 while it is not, and
 	// evicting once closeIdlest has claimed it.
 	idleSince atomic.Int64
+	// linger: the client may still be sending a body kvproxy did not read
+	// (finishBody): the first Close lingers (lingerClose).
+	linger atomic.Bool
+}
+
+// How long a lingering close waits for the client to end its body: in
+// all, and for each next byte.
+const (
+	lingerTime  = 10 * time.Second
+	lingerQuiet = 2 * time.Second
+)
+
+// lingerClose closes a connection whose client may still be sending a body
+// kvproxy did not read, as nginx's lingering close does: the answer is out,
+// so it sends its FIN, then reads and drops what still comes until the
+// client ends or closes, goes quiet for lingerQuiet, or lingerTime has
+// passed. Closed at once on unread bytes, the kernel resets the connection
+// and drops the answer the client has not read yet: a client that sends
+// its whole body before it reads (Go's net/http, Python's urllib) got
+// "connection reset by peer" for a body over the limit.
+func (c *countedConn) lingerClose(tc *net.TCPConn) {
+	defer c.Close()
+	if tc.CloseWrite() != nil {
+		return
+	}
+	buf := drainBufs.Get().(*[16 << 10]byte)
+	defer drainBufs.Put(buf)
+	end := time.Now().Add(lingerTime)
+	for {
+		by := time.Now().Add(lingerQuiet)
+		if by.After(end) {
+			by = end
+		}
+		tc.SetReadDeadline(by)
+		if _, err := tc.Read(buf[:]); err != nil {
+			return
+		}
+	}
 }
 
 const evicting = -1
@@ -159,6 +197,12 @@ func (c *countedConn) Read(p []byte) (int, error) {
 }
 
 func (c *countedConn) Close() error {
+	if c.linger.CompareAndSwap(true, false) {
+		if tc, ok := c.Conn.(*net.TCPConn); ok {
+			go c.lingerClose(tc) // counted open until it has closed
+			return nil
+		}
+	}
 	if c.closed.CompareAndSwap(false, true) {
 		c.open.Add(-1)
 		if c.idleSince.Swap(evicting) > 0 {
@@ -175,6 +219,24 @@ func (c *countedConn) SyscallConn() (syscall.RawConn, error) {
 		return sc.SyscallConn()
 	}
 	return nil, errors.ErrUnsupported
+}
+
+// plainCountedOf is the countedConn under c when no TLS is between them
+// (a lingering close would cut TLS short of its closing alert); nil
+// otherwise.
+func plainCountedOf(c net.Conn) *countedConn {
+	for {
+		switch v := c.(type) {
+		case *countedConn:
+			return v
+		case *writeIdleConn:
+			c = v.Conn
+		case *guardedConn:
+			c = v.Conn
+		default:
+			return nil
+		}
+	}
 }
 
 // countedOf is the countedConn under c, a connection as fasthttp has it

@@ -1277,8 +1277,8 @@ var drainBufs = sync.Pool{New: func() any { return new([16 << 10]byte) }}
 // body gets the answer rather than "connection reset" from a socket closed
 // on unread data. A body that goes on past maxDrain, or stalls (250 ms
 // without a byte, 2 s in all), is not waited for: the connection closes
-// after the answer. Memory is one pooled buffer, whatever the declared
-// length.
+// after the answer, lingering (countedConn.lingerClose) for the rest to
+// come. Memory is one pooled buffer, whatever the declared length.
 func (s *Server) finishBody(ctx *fasthttp.RequestCtx) {
 	if !ctx.Request.IsBodyStream() {
 		return // read (rawBody), or none
@@ -1289,7 +1289,7 @@ func (s *Server) finishBody(ctx *fasthttp.RequestCtx) {
 	end := time.Now().Add(2 * time.Second)
 	for left := maxDrain; ; {
 		if left <= 0 {
-			ctx.SetConnectionClose()
+			s.closeLingering(ctx)
 			break
 		}
 		// A client that stops sending is not waited for: one that
@@ -1307,11 +1307,20 @@ func (s *Server) finishBody(ctx *fasthttp.RequestCtx) {
 			break
 		}
 		if err != nil {
-			ctx.SetConnectionClose()
+			s.closeLingering(ctx)
 			break
 		}
 	}
 	ctx.Request.CloseBodyStream()
+}
+
+// closeLingering closes the connection after the answer, lingering for
+// what the client still sends when the connection is plain TCP.
+func (s *Server) closeLingering(ctx *fasthttp.RequestCtx) {
+	ctx.SetConnectionClose()
+	if cc := plainCountedOf(ctx.Conn()); cc != nil {
+		cc.linger.Store(true)
+	}
 }
 
 // clientRequestID is the client's X-Request-Id when it is one a log can
