@@ -301,7 +301,7 @@ func LoadMooncake(r io.Reader) (*Workload, error) {
 			return nil, fmt.Errorf("mooncake line %d: %w", line, badLength("output_length", *m.OutputLength))
 		}
 		if !(*m.Timestamp >= 0 && *m.Timestamp <= maxTraceMs) { // NaN too
-			return nil, fmt.Errorf("mooncake line %d: timestamp %v ms is negative or beyond 292 years", line, *m.Timestamp)
+			return nil, fmt.Errorf("mooncake line %d: timestamp %v ms is negative or beyond 292 years (timestamps are in milliseconds)", line, *m.Timestamp)
 		}
 		if m.HashIDs == nil && in > 0 {
 			if noIDs++; firstNoIDs == 0 {
@@ -354,7 +354,13 @@ func LoadMooncake(r io.Reader) (*Workload, error) {
 // in the trace's terms rather than Go's.
 func jsonFieldError(err error) error {
 	var te *json.UnmarshalTypeError
-	if !errors.As(err, &te) {
+	var se *json.SyntaxError
+	switch {
+	case errors.As(err, &te) && te.Field == "":
+		return fmt.Errorf("got %s, want one JSON object per line (JSON Lines), such as {\"timestamp\": 0, \"input_length\": 512, \"output_length\": 64, \"hash_ids\": [0]}", te.Value)
+	case errors.As(err, &se) || errors.Is(err, io.ErrUnexpectedEOF) || err.Error() == "unexpected end of JSON input":
+		return fmt.Errorf("%v: want one JSON object per line (JSON Lines), not JSON spread over lines", err)
+	case !errors.As(err, &te):
 		return err
 	}
 	want := "a number"

@@ -240,6 +240,18 @@ func TestTraceLoaderErrors(t *testing.T) {
 	if err == nil || err.Error() != "mooncake line 1: input_length: got string, want a number" {
 		t.Errorf("a string length: %v", err)
 	}
+	// A line that is no object, and a file of pretty-printed JSON, say what
+	// the format is (the benchmark trial: "got array, want a number" named
+	// no field).
+	for _, in := range []string{"[1,2,3]\n", "[\n  {\"timestamp\": 0}\n]\n", "{\n  \"timestamp\": 0,\n"} {
+		if _, err := LoadMooncake(strings.NewReader(in)); err == nil || !strings.Contains(err.Error(), "mooncake line 1: ") ||
+			!strings.Contains(err.Error(), "want one JSON object per line (JSON Lines)") {
+			t.Errorf("%q: %v", in, err)
+		}
+	}
+	if _, err := LoadMooncake(strings.NewReader(`{"timestamp":1e15,"input_length":10,"output_length":1}`)); err == nil || !strings.Contains(err.Error(), "timestamps are in milliseconds") {
+		t.Errorf("a timestamp in µs: %v", err)
+	}
 	_, err = LoadMooncake(strings.NewReader(`{"timestamp":0,"input_length":10,"output_length":1,"hash_ids":[-1]}`))
 	if err == nil || !strings.Contains(err.Error(), "hash_ids") || strings.Contains(err.Error(), "Go ") {
 		t.Errorf("a negative hash id: %v", err)
