@@ -358,8 +358,10 @@ func jsonFieldError(err error) error {
 	switch {
 	case errors.As(err, &te) && te.Field == "":
 		return fmt.Errorf("got %s, want one JSON object per line (JSON Lines), such as {\"timestamp\": 0, \"input_length\": 512, \"output_length\": 64, \"hash_ids\": [0]}", te.Value)
-	case errors.As(err, &se) || errors.Is(err, io.ErrUnexpectedEOF) || err.Error() == "unexpected end of JSON input":
+	case errors.Is(err, io.ErrUnexpectedEOF) || err.Error() == "unexpected end of JSON input":
 		return fmt.Errorf("%v: want one JSON object per line (JSON Lines), not JSON spread over lines", err)
+	case errors.As(err, &se):
+		return fmt.Errorf("%v: want one JSON object per line (JSON Lines), and nothing else on it", err)
 	case !errors.As(err, &te):
 		return err
 	}

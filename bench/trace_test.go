@@ -243,7 +243,7 @@ func TestTraceLoaderErrors(t *testing.T) {
 	// A line that is no object, and a file of pretty-printed JSON, say what
 	// the format is (the benchmark trial: "got array, want a number" named
 	// no field).
-	for _, in := range []string{"[1,2,3]\n", "[\n  {\"timestamp\": 0}\n]\n", "{\n  \"timestamp\": 0,\n"} {
+	for _, in := range []string{"[1,2,3]\n", "[\n  {\"timestamp\": 0}\n]\n", "{\n  \"timestamp\": 0,\n", "{\"timestamp\": 0} trailing\n"} {
 		if _, err := LoadMooncake(strings.NewReader(in)); err == nil || !strings.Contains(err.Error(), "mooncake line 1: ") ||
 			!strings.Contains(err.Error(), "want one JSON object per line (JSON Lines)") {
 			t.Errorf("%q: %v", in, err)

@@ -131,13 +131,14 @@ type countedConn struct {
 	// waiting for its next request; coarseNow), 0 while it is not, and
 	// evicting once closeIdlest has claimed it.
 	idleSince atomic.Int64
-	// linger: the client may still be sending a body kvproxy did not read
-	// (finishBody): the first Close lingers (lingerClose).
-	linger atomic.Bool
+	// linger is how long the first Close lingers (lingerClose), in ns: the
+	// client may still be sending a body kvproxy did not read (finishBody);
+	// 0 for none.
+	linger atomic.Int64
 }
 
-// How long a lingering close waits for the client to end its body: in
-// all, and for each next byte.
+// How long a lingering close waits for the client to end its body: in all
+// (limits.body_timeout when shorter), and for each next byte.
 const (
 	lingerTime  = 10 * time.Second
 	lingerQuiet = 2 * time.Second
@@ -146,19 +147,19 @@ const (
 // lingerClose closes a connection whose client may still be sending a body
 // kvproxy did not read, as nginx's lingering close does: the answer is out,
 // so it sends its FIN, then reads and drops what still comes until the
-// client ends or closes, goes quiet for lingerQuiet, or lingerTime has
-// passed. Closed at once on unread bytes, the kernel resets the connection
-// and drops the answer the client has not read yet: a client that sends
-// its whole body before it reads (Go's net/http, Python's urllib) got
+// client ends or closes, goes quiet for lingerQuiet, or d has passed.
+// Closed at once on unread bytes, the kernel resets the connection and
+// drops the answer the client has not read yet: a client that sends its
+// whole body before it reads (Go's net/http, Python's urllib) got
 // "connection reset by peer" for a body over the limit.
-func (c *countedConn) lingerClose(tc *net.TCPConn) {
+func (c *countedConn) lingerClose(tc *net.TCPConn, d time.Duration) {
 	defer c.Close()
 	if tc.CloseWrite() != nil {
 		return
 	}
 	buf := drainBufs.Get().(*[16 << 10]byte)
 	defer drainBufs.Put(buf)
-	end := time.Now().Add(lingerTime)
+	end := time.Now().Add(d)
 	for {
 		by := time.Now().Add(lingerQuiet)
 		if by.After(end) {
@@ -197,9 +198,9 @@ func (c *countedConn) Read(p []byte) (int, error) {
 }
 
 func (c *countedConn) Close() error {
-	if c.linger.CompareAndSwap(true, false) {
+	if d := c.linger.Swap(0); d > 0 {
 		if tc, ok := c.Conn.(*net.TCPConn); ok {
-			go c.lingerClose(tc) // counted open until it has closed
+			go c.lingerClose(tc, time.Duration(d)) // counted open until it has closed
 			return nil
 		}
 	}

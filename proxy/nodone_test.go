@@ -3,6 +3,7 @@ package proxy
 import (
 	"bufio"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -21,16 +22,25 @@ func noDoneEngine(t *testing.T) *httptest.Server {
 			return // the probe and the scrape
 		}
 		var req struct {
-			Prompt   string
+			Prompt   json.RawMessage
 			Messages []struct{ Content string }
 		}
 		json.NewDecoder(r.Body).Decode(&req)
 		w.Header().Set("Content-Type", "text/event-stream")
 		chunk := func(s string) { io.WriteString(w, "data: "+s+"\n\n") }
+		var prompts []string
+		if json.Unmarshal(req.Prompt, &prompts) == nil { // a batch: a choice each, numbered as vLLM does
+			for i, p := range prompts {
+				if p != "cut" {
+					chunk(fmt.Sprintf(`{"choices":[{"finish_reason":"length","index":%d,"text":"lo"}],"object":"text_completion"}`, i))
+				}
+			}
+			return
+		}
 		if r.URL.Path == "/v1/completions" {
 			// llama.cpp's member order: finish_reason before the text.
 			chunk(`{"choices":[{"finish_reason":null,"index":0,"text":"hel"}],"object":"text_completion"}`)
-			if req.Prompt != "cut" {
+			if string(req.Prompt) != `"cut"` {
 				chunk(`{"choices":[{"finish_reason":"length","index":0,"text":"lo"}],"object":"text_completion"}`)
 			}
 			return
@@ -94,6 +104,11 @@ func TestEngineWithoutDoneAnswersInFull(t *testing.T) {
 		if out := string(b); resp.StatusCode != 200 || strings.Contains(out, "error") || !strings.HasSuffix(out, `"finish_reason": "stop","stop_reason":null}]}`+"\n\ndata: [DONE]\n\n") {
 			t.Fatalf("chat stream %d without its usage chunk: %d\n%s", i, resp.StatusCode, out)
 		}
+		// A batch of prompts, each answered.
+		resp, b = post(t, p.url+"/v1/completions", `{"model":"m","stream":true,"prompt":["a","b","c"]}`)
+		if out := string(b); resp.StatusCode != 200 || strings.Contains(out, "error") || strings.Count(out, `"finish_reason":"length"`) != 3 {
+			t.Fatalf("a batch of 3, stream %d: %d\n%s", i, resp.StatusCode, out)
+		}
 		// Several choices, each finished (and an engine that ignores n,
 		// llama.cpp's, with its one choice finished).
 		for _, content := range []string{"both", "hi"} {
@@ -129,6 +144,7 @@ func TestEngineEndingBeforeTheFinishFailsTheStream(t *testing.T) {
 		{"/v1/chat/completions", chat("two", `,"n":2`)},
 		{"/v1/chat/completions", chat("three", `,"n":3`)},
 		{"/v1/chat/completions", chat("together", `,"n":2`)},
+		{"/v1/completions", `{"model":"m","stream":true,"prompt":["a","b","cut"]}`}, // the third choice never comes
 	} {
 		engine := noDoneEngine(t)
 		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: '"+engine.URL+"', model: m}]\n")

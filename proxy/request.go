@@ -759,7 +759,8 @@ func (f *wireFields) slot(key []byte) *json.RawMessage {
 }
 
 // choices is how many choices the request asks for: n (1 when absent or
-// null) for each of its prompts; 0 when n is not a plain positive number.
+// null) for each of its prompts (the first, and a batch's others in
+// batchTexts or batchTokens); 0 when n is not a plain positive number.
 func (r *apiRequest) choices() int {
 	n := 1
 	if f := r.fields.N; f != nil && !isNull(f) {
@@ -767,7 +768,7 @@ func (r *apiRequest) choices() int {
 			return 0
 		}
 	}
-	return n * max(1, len(r.batchTexts)+len(r.batchTokens))
+	return n * (1 + len(r.batchTexts) + len(r.batchTokens))
 }
 
 // setBody checks that body is one valid JSON object and keeps it.

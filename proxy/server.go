@@ -1319,7 +1319,9 @@ func (s *Server) finishBody(ctx *fasthttp.RequestCtx) {
 func (s *Server) closeLingering(ctx *fasthttp.RequestCtx) {
 	ctx.SetConnectionClose()
 	if cc := plainCountedOf(ctx.Conn()); cc != nil {
-		cc.linger.Store(true)
+		// No longer than a body may take to come: an operator's shorter
+		// body_timeout bounds what a client holds (the last review).
+		cc.linger.Store(int64(min(lingerTime, s.st.Load().cfg.Limits.BodyTimeout)))
 	}
 }
 
