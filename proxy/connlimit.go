@@ -222,27 +222,16 @@ func (c *countedConn) SyscallConn() (syscall.RawConn, error) {
 	return nil, errors.ErrUnsupported
 }
 
+// countedOf is the countedConn under c, a connection as fasthttp has it
+// (under the write deadline's wrapper, and TLS), or nil.
+func countedOf(c net.Conn) *countedConn { return countedUnder(c, true) }
+
 // plainCountedOf is the countedConn under c when no TLS is between them
 // (a lingering close would cut TLS short of its closing alert); nil
 // otherwise.
-func plainCountedOf(c net.Conn) *countedConn {
-	for {
-		switch v := c.(type) {
-		case *countedConn:
-			return v
-		case *writeIdleConn:
-			c = v.Conn
-		case *guardedConn:
-			c = v.Conn
-		default:
-			return nil
-		}
-	}
-}
+func plainCountedOf(c net.Conn) *countedConn { return countedUnder(c, false) }
 
-// countedOf is the countedConn under c, a connection as fasthttp has it
-// (under the write deadline's wrapper, and TLS), or nil.
-func countedOf(c net.Conn) *countedConn {
+func countedUnder(c net.Conn, throughTLS bool) *countedConn {
 	for {
 		switch v := c.(type) {
 		case *countedConn:
@@ -252,6 +241,9 @@ func countedOf(c net.Conn) *countedConn {
 		case *guardedConn:
 			c = v.Conn
 		case *tls.Conn:
+			if !throughTLS {
+				return nil
+			}
 			c = v.NetConn()
 		default:
 			return nil
