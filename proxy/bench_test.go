@@ -80,7 +80,7 @@ func benchRelay(b *testing.B, raw []byte, events int, setup func(*exchange), che
 		_, active, _ := p.rt.Route(&req)
 		// One choice, as most requests ask (a stream of several choices
 		// follows each chunk's choice: noteChoice).
-		x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, usage: tokenUsage{-1, -1, -1}, oneAnswer: true, choices: 1}
+		x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, usage: tokenUsage{-1, -1, -1}, choices: 1}
 		setup(x)
 		s.live.add(x)
 		rl := newRelay(x, &memBody{bytes.NewReader(raw)}, fasthttp.AcquireResponse())

@@ -56,10 +56,10 @@ type exchange struct {
 	// pass: a pass-through request (passthroughPaths): its answer is
 	// relayed as it comes, unread.
 	pass bool
-	// oneAnswer: the request asks for one choice (n 1, no batch of
-	// prompts), whose finish_reason ends a stream without [DONE].
-	oneAnswer bool
-	choices   int // the choices asked for: n times the prompts (0: n not a plain number)
+	// choices is how many the request asks for: n times its prompts (0: n
+	// not a plain number). A stream of one ends at its finish_reason when
+	// the engine sends no [DONE]; one of several, once each has finished.
+	choices int
 
 	status       int
 	refused      int    // the status of the last refusal that made it retry
@@ -499,7 +499,6 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	}
 	x := s.newExchange(rid, engineID, path, req.stream, start, p, req.model)
 	x.tenant, x.promptTokens, x.slot, x.resp, x.api, x.budget = t.name, counted, in.slot, ids, kind, t.tokens
-	x.oneAnswer = req.oneChoice && len(req.batchTexts)+len(req.batchTokens) == 0
 	x.choices = req.choices()
 	prio := t.queuePriority(req.priority, req.priorityGiven && !req.priorityOdd)
 	x.priority, req.dropPriority, req.priorityTo = prio, t.capped, prio
@@ -955,7 +954,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			ctx.Response.Header.Set("Retry-After", "1")
 			x.failUpstream(ctx, fasthttp.StatusBadGateway, x.errMsg)
 		case backends.IsTimeout(err):
-			msg := "backend " + b.cfg.ID + " sent nothing for " + b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
+			msg := b.silent()
 			if x.stream {
 				// Engines send a stream's headers at once: this one is stuck.
 				b.fail(ejectTimeout, msg)
@@ -972,13 +971,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			b.failConn(err.Error())
 			if mayRetry && x.migrations > 0 {
 				// The engine took the request and failed before its first
-				// byte: nothing reached the client, so the next engine
-				// may compute it all (limits.migration_limit).
-				x.migrations--
-				x.resend = true
-				x.errMsg = "backend " + b.cfg.ID + " " + upstreamFault(err)
-				x.refused = fasthttp.StatusBadGateway
-				return x.endAttempt()
+				// byte: nothing reached the client.
+				return x.resendWhole(err)
 			}
 			x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" "+upstreamFault(err))
 			x.errMsg += ": " + err.Error()
@@ -1094,15 +1088,10 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			case errors.As(err, &ns):
 				x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" "+string(ns))
 			case mayRetry && x.migrations > 0 && !x.ab.Aborted() && !errors.Is(err, backends.ErrAborted) && !backends.IsTimeout(err):
-				// Cut before the client had a byte of it: the next engine
-				// computes it all, as for an engine that took the request
-				// and dropped it (limits.migration_limit).
+				// Cut before the client had a byte of it, as for an
+				// engine that took the request and dropped it.
 				b.failConn(err.Error())
-				x.migrations--
-				x.resend = true
-				x.errMsg = "backend " + b.cfg.ID + " " + upstreamFault(err)
-				x.refused = fasthttp.StatusBadGateway
-				return x.endAttempt()
+				return x.resendWhole(err)
 			default:
 				x.failRead(ctx, err)
 			}
@@ -1200,6 +1189,22 @@ func plainBody(resp *fasthttp.Response) (body, enc []byte) {
 		return resp.Body(), coding
 	}
 	return b, nil
+}
+
+// silent says that b's engine went silent past limits.stream_idle_timeout.
+func (b *backend) silent() string {
+	return "backend " + b.cfg.ID + " sent nothing for " + b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
+}
+
+// resendWhole ends an attempt whose engine took the request and failed
+// (err) before the client had a byte of the answer: the next engine is
+// sent it whole and computes it all (limits.migration_limit).
+func (x *exchange) resendWhole(err error) outcome {
+	x.migrations--
+	x.resend = true
+	x.errMsg = "backend " + x.b.cfg.ID + " " + upstreamFault(err)
+	x.refused = fasthttp.StatusBadGateway
+	return x.endAttempt()
 }
 
 // engineTook marks the exchange taken by its engine (it answered 200): what
@@ -1330,7 +1335,7 @@ func (x *exchange) failRead(ctx *fasthttp.RequestCtx, err error) {
 	case aborted: // the client hung up: the engine is not at fault
 		x.status = 499
 	case backends.IsTimeout(err):
-		msg := "backend " + x.b.cfg.ID + " sent nothing for " + x.b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
+		msg := x.b.silent()
 		x.b.fail(ejectTimeout, msg+" mid-answer")
 		x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, msg)
 	default:

@@ -946,7 +946,7 @@ func (s *Server) byIDFailed(ctx *fasthttp.RequestCtx, b *backend, err error) (in
 		writeError(ctx, fasthttp.StatusBadGateway, msg, "upstream_error", "", "backend_failed")
 		return fasthttp.StatusBadGateway, msg + ": " + ce.Err.Error()
 	case backends.IsTimeout(err):
-		msg := "backend " + b.cfg.ID + " sent nothing for " + b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
+		msg := b.silent()
 		b.wholeTimedOut(msg)
 		writeError(ctx, fasthttp.StatusGatewayTimeout, msg, "timeout_error", "", "backend_timeout")
 		return fasthttp.StatusGatewayTimeout, msg

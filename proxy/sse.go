@@ -38,7 +38,7 @@ type relay struct {
 	// finished: the last chunk with choices gave a finish_reason, so an
 	// engine that ends its body there without [DONE] answered in full.
 	finished bool
-	// choices: with several choices asked for (not oneAnswer), whether
+	// choices: with several choices asked for (x.choices), whether
 	// each one seen so far, by index, has finished; nil before the first.
 	// untracked: one came past maxTrackedChoices.
 	choices   []bool
@@ -231,7 +231,7 @@ func (r *relay) end(out []byte, err error) []byte {
 		if rest := r.f.pending(); len(rest) > 0 { // bytes after [DONE] without a blank line
 			out = append(append(out, rest...), "\n\n"...)
 		}
-	case err == io.EOF && (x.oneAnswer && r.finished || !x.oneAnswer && r.allFinished()) && r.resp != nil &&
+	case err == io.EOF && (x.choices == 1 && r.finished || x.choices != 1 && r.allFinished()) && r.resp != nil &&
 		(x.api == apiChat || x.api == apiCompletions) && len(bytes.TrimSpace(r.f.pending())) == 0 &&
 		r.resp.Header.ContentLength() != -2:
 		// The body ended cleanly after the answer's finish_reason, with
@@ -278,7 +278,7 @@ func (r *relay) end(out []byte, err error) []byte {
 		x.status = fasthttp.StatusBadGateway
 		out = r.failEvent(out, "the answer holds "+err.Error()+", more than kvproxy relays", "upstream_error", "event_too_large")
 	case backends.IsTimeout(err):
-		msg := "backend " + x.b.cfg.ID + " sent nothing for " + x.b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
+		msg := x.b.silent()
 		x.b.fail(ejectTimeout, "silent mid-stream")
 		return r.engineFailed(out, "silent for "+x.b.up.ReadTimeout.String(), msg+" mid-stream", fasthttp.StatusGatewayTimeout,
 			"the backend serving this request went silent mid-stream: "+msg, "timeout_error", "backend_timeout")
@@ -513,7 +513,7 @@ func (r *relay) onData(data []byte) {
 		r.finished = len(v) > 1 && v[0] == '"' && v[1] != '"' // SGLang 0.4.3 sent "" mid-answer
 		last = r.finished
 	}
-	if !r.x.oneAnswer {
+	if r.x.choices != 1 {
 		r.noteChoice(data, last)
 	}
 	k, v := outputOf(data)
