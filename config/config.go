@@ -177,7 +177,15 @@ type Model struct {
 	BlockSize int    `yaml:"block_size"`
 	// BytesPerBlock is the KV size of one block, for tier fetch costs.
 	BytesPerBlock int64 `yaml:"bytes_per_block"`
+	// TokenizerCacheMB bounds the tokens kept of rendered messages, so that
+	// a conversation's earlier turns are not tokenized again (ids and the
+	// text they are compared by). The heap it takes can reach about twice
+	// this between garbage collections. Default DefaultTokenizerCacheMB.
+	TokenizerCacheMB int `yaml:"tokenizer_cache_mb"`
 }
+
+// DefaultTokenizerCacheMB is models[].tokenizer_cache_mb when not set.
+const DefaultTokenizerCacheMB = 128
 
 // Backend kinds.
 const (
@@ -508,6 +516,9 @@ func (c *Config) applyDefaults() {
 			// Llama-3.1-8B: 32 layers × 8 KV heads × 128 dims × 2 (K,V) × 2 bytes = 128 KiB/token.
 			m.BytesPerBlock = int64(m.BlockSize) * 128 << 10
 		}
+		if m.TokenizerCacheMB == 0 {
+			m.TokenizerCacheMB = DefaultTokenizerCacheMB
+		}
 	}
 	for i := range c.Backends {
 		b := &c.Backends[i]
@@ -638,6 +649,9 @@ func (c *Config) Validate() error {
 		}
 		if m.BytesPerBlock < 0 {
 			add(f+".bytes_per_block", "must not be negative")
+		}
+		if m.TokenizerCacheMB < 1 || m.TokenizerCacheMB > 1<<16 {
+			add(f+".tokenizer_cache_mb", "must be between 1 and 65536, got %d", m.TokenizerCacheMB)
 		}
 	}
 	if len(c.Backends) == 0 {

@@ -79,6 +79,10 @@ func TestValidationRejects(t *testing.T) {
 		"the engine's bind address": {backend(`, kv_events: {mode: zmq, endpoint: "tcp://*:5557"}`), "backends[0].kv_events.endpoint"},
 		"ranks' publisher and replay ports overlap": {backend(`, kv_events: {mode: zmq, endpoint: "tcp://10.0.0.1:5557", replay: "tcp://10.0.0.1:5558", dp_size: 2}`),
 			"backends[0].kv_events.replay"},
+		"negative tokenizer cache": {"models: [{name: m, tokenizer_cache_mb: -1}]\nbackends: [{id: a, url: \"http://127.0.0.1:9000\"}]\n",
+			"models[0].tokenizer_cache_mb"},
+		"tokenizer cache past 64 GiB": {"models: [{name: m, tokenizer_cache_mb: 65537}]\nbackends: [{id: a, url: \"http://127.0.0.1:9000\"}]\n",
+			"models[0].tokenizer_cache_mb"},
 		"probes in a tight loop": {minimal + "health: {interval: 1ns}\n", "health.interval"},
 	}
 	for name, tc := range cases {

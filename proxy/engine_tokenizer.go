@@ -208,6 +208,13 @@ const (
 	tokenCacheIDs     = 8 << 20 // 32 MiB of ids
 )
 
+// bytes is what the cache holds, in bytes of token ids.
+func (c *tokenCache) bytes() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return 4 * c.ids
+}
+
 func (c *tokenCache) get(k uint64) ([]uint32, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()

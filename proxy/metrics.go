@@ -249,6 +249,7 @@ var (
 	tenantDesc   = prometheus.NewDesc("kvproxy_tenant_inflight_requests", "Requests in flight per tenant with a max_concurrency.", []string{"tenant"}, nil)
 	modelUpDesc  = prometheus.NewDesc("kvproxy_model_healthy_backends", "Healthy backends per configured model (0: the model's requests are answered 503).", []string{"model"}, nil)
 	queuedDesc   = prometheus.NewDesc("kvproxy_queue_waiting", "Requests waiting for a backend slot (limits.max_queue), per configured model.", []string{"model"}, nil)
+	tokCacheDesc = prometheus.NewDesc("kvproxy_tokenizer_cache_bytes", "Bytes of token ids and message text the model's tokenizer cache holds (models[].tokenizer_cache_mb bounds it).", []string{"model"}, nil)
 	feedDesc     = prometheus.NewDesc("kvproxy_kv_events_connected", "1 while the backend's ZMQ KV event feed is connected (every data-parallel rank's); only backends with kv_events mode zmq.", []string{"backend"}, nil)
 )
 
@@ -264,6 +265,7 @@ func (c *loadCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- tenantDesc
 	ch <- modelUpDesc
 	ch <- queuedDesc
+	ch <- tokCacheDesc
 	ch <- feedDesc
 }
 
@@ -336,6 +338,7 @@ func (c *loadCollector) collectModels(ch chan<- prometheus.Metric, st *state, ro
 	for _, p := range st.pools {
 		ch <- prometheus.MustNewConstMetric(modelUpDesc, prometheus.GaugeValue, float64(healthy[p.cfg.Name]), p.cfg.Name)
 		ch <- prometheus.MustNewConstMetric(queuedDesc, prometheus.GaugeValue, float64(p.waiting.Load()), p.cfg.Name)
+		ch <- prometheus.MustNewConstMetric(tokCacheDesc, prometheus.GaugeValue, float64(p.tokenizerCacheBytes()), p.cfg.Name)
 	}
 }
 

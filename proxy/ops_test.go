@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/http"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -446,4 +447,54 @@ func TestSpentRetryBudgetAnswersTheRefusalAtOnce(t *testing.T) {
 		t.Fatalf("%d in %v: %s; want a's refusal at once", resp.StatusCode, took, body)
 	}
 	p.waitIdle(t)
+}
+
+// models[].tokenizer_cache_mb bounds the tokens kept of earlier messages,
+// and kvproxy_tokenizer_cache_bytes shows what the cache holds: about 2 MB
+// of distinct 1 KB messages fill the default cache past 1 MiB and a cache
+// of 1 MiB to at most that (its 128 entries of 8 KiB bound it first). A reload that changes the size keeps the
+// model's index and says a restart is needed.
+func TestTokenizerCacheSize(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	yaml := "models: [{name: m, tokenizer: cl100k_base, template: chatml%s}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n"
+	def := startProxyYAML(t, fmt.Sprintf(yaml, ""), e)
+	small := startProxyYAML(t, fmt.Sprintf(yaml, ", tokenizer_cache_mb: 1"), e)
+	words := strings.Fields("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa")
+	for i := range 1000 {
+		var msg strings.Builder
+		fmt.Fprintf(&msg, "message %d:", i)
+		for j := 0; msg.Len() < 1000; j++ {
+			msg.WriteString(" " + words[(i*7+j*j)%len(words)])
+		}
+		body := `{"model":"m","messages":[{"role":"user","content":"` + msg.String() + `"}],"nvext":{"annotations":["query_instance_id"]}}`
+		for _, p := range []*testProxy{def, small} {
+			if resp, b := post(t, p.url+"/v1/chat/completions", body); resp.StatusCode != 200 {
+				t.Fatalf("%d %s", resp.StatusCode, b)
+			}
+		}
+	}
+	held := func(p *testProxy) float64 {
+		v, err := strconv.ParseFloat(gauge(p.metrics(t), `kvproxy_tokenizer_cache_bytes{model="m"}`), 64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	if got := held(def); got <= 1<<20 {
+		t.Errorf("the default cache holds %.0f bytes of 1,000 distinct 1 KB messages, want more than 1 MiB", got)
+	}
+	if got := held(small); got > 1<<20 || got < 1<<17 {
+		t.Errorf("a 1 MiB cache holds %.0f bytes, want between 128 KiB and 1 MiB", got)
+	}
+	cfg, err := config.Parse([]byte(strings.ReplaceAll(fmt.Sprintf(yaml, ", tokenizer_cache_mb: 2"), "{{e0}}", e.addr)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := small.s.st.Load().models["m"]
+	if err := small.s.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if st := small.s.st.Load(); st.models["m"] != before || !slices.Contains(st.restartNeeded, "tokenizer_cache_mb (model m)") {
+		t.Errorf("a reload changing only tokenizer_cache_mb rebuilt the model or said nothing: restart_needed %q", st.restartNeeded)
+	}
 }

@@ -153,10 +153,20 @@ type modelNames struct {
 	aliases, adapters []string
 }
 
-// unnamed is m without its other names: what a pool is built from.
+// unnamed is m without its other names and its tokenizer cache's size:
+// what a pool is built from, and changing it loses the index.
 func unnamed(m config.Model) config.Model {
-	m.Aliases, m.Adapters = nil, nil
+	m.Aliases, m.Adapters, m.TokenizerCacheMB = nil, nil, 0
 	return m
+}
+
+// tokenizerCacheBytes is what the model's tokenizer cache holds.
+func (p *modelPool) tokenizerCacheBytes() int {
+	if p.enc != nil {
+		held, _ := p.enc.CacheBytes()
+		return held
+	}
+	return p.engineTok.cache.bytes()
 }
 
 func (p *modelPool) backend(w router.WorkerID) *backend {
@@ -321,6 +331,10 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 					s.log.Warn().Str("model", mc.Name).Msg("reload: router settings changed; they apply after a restart (the index is kept)")
 					st.restartNeeded = append(st.restartNeeded, "router (model "+mc.Name+")")
 				}
+				if old.cfg.TokenizerCacheMB != mc.TokenizerCacheMB {
+					s.log.Warn().Str("model", mc.Name).Msg("reload: tokenizer_cache_mb changed; it applies after a restart")
+					st.restartNeeded = append(st.restartNeeded, "tokenizer_cache_mb (model "+mc.Name+")")
+				}
 			}
 		}
 		if p == nil {
@@ -341,7 +355,7 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 				if err != nil {
 					return nil, fmt.Errorf("model %s: %w", mc.Name, err)
 				}
-				p.enc = tokenize.NewEncoder(tok, tmpl, 0)
+				p.enc = tokenize.NewEncoder(tok, tmpl, mc.TokenizerCacheMB<<20/tokenize.CacheBytesPerEntry)
 			}
 			p.workers.Store(&[]*backend{})
 		}

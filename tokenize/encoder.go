@@ -77,6 +77,19 @@ func NewEncoder(tok Tokenizer, tmpl Template, cacheEntries int) *Encoder {
 	return e
 }
 
+// CacheBytes reports what the message cache holds and may hold, in bytes as
+// its budget counts them (token ids and the text they are compared by).
+func (e *Encoder) CacheBytes() (held, budget int) {
+	for i := range e.shards {
+		s := &e.shards[i]
+		s.mu.RLock()
+		held += s.bytes
+		budget += s.budget
+		s.mu.RUnlock()
+	}
+	return held, budget
+}
+
 // Tokenizer returns the Encoder's tokenizer.
 func (e *Encoder) Tokenizer() Tokenizer { return e.tok }
 
