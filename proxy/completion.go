@@ -1009,6 +1009,28 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			fasthttp.ReleaseResponse(resp)
 			return x.endAttempt()
 		}
+		if (code == fasthttp.StatusInternalServerError || code == fasthttp.StatusBadGateway || code == fasthttp.StatusGatewayTimeout) && mayRetry {
+			// The engine failed the request before any answer (a CUDA
+			// error, a gateway before it timing out): another may serve
+			// it. The client's own retry would not help: routed on the
+			// same cache, it would come back here.
+			plain, _ := plainBody(resp)
+			if x.errMsg != "" && x.retriedAfter == "" { // an earlier refusal
+				x.retriedAfter = x.errMsg
+			}
+			x.errMsg = "backend " + b.cfg.ID + " answered " + strconv.Itoa(code) + engineErrorKind(plain)
+			if code == fasthttp.StatusInternalServerError {
+				b.answeredError("status 500")
+			} else {
+				b.ejectForAnswer(ejectStatus, "status "+strconv.Itoa(code))
+			}
+			x.refused = code
+			x.refusal = append(x.refusal[:0], normalizeEngineError(code, plain)...)
+			x.refusalCode, x.refusalBy, x.refusalRetry = code, b.cfg.ID, ""
+			x.resend = true // it may have pulled a disaggregated prefill's KV
+			fasthttp.ReleaseResponse(resp)
+			return x.endAttempt()
+		}
 		if code == fasthttp.StatusNotFound && x.lora != "" && !x.pass && x.adapterUnknown(resp) {
 			// The engine does not serve the adapter (unloaded since its
 			// list was read, or never listed): no fault of the engine's.

@@ -416,7 +416,7 @@ func TestRetriedRequestAnsweredWithAnErrorLogsBoth(t *testing.T) {
 	}
 	p.waitIdle(t)
 	logs := p.logs.String()
-	if !strings.Contains(logs, `"retried_after":"backend bad refused kvproxy's credentials`) || !strings.Contains(logs, `"error":"engine answered 500`) {
+	if !strings.Contains(logs, `"retried_after":"backend bad refused kvproxy's credentials`) || !strings.Contains(logs, `"error":"backend broken answered 500 (type InternalServerError)`) {
 		t.Fatalf("want both in the request's line:\n%s", logs)
 	}
 }

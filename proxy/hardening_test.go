@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -319,6 +320,53 @@ router: {policy: round_robin}
 	p.waitIdle(t)
 }
 
+// An engine's 500, 502 or 504 before any answer is retried on another
+// engine, streamed or not: a client's own retry would be routed back to
+// the same cache. When every engine fails it, the client gets the last
+// engine's error in OpenAI's shape.
+func TestEngine5xxIsRetriedElsewhere(t *testing.T) {
+	for _, code := range []int{500, 502, 504} {
+		t.Run(strconv.Itoa(code), func(t *testing.T) {
+			bad := startFake(t, "bad", func(f *fakeEngine) {
+				f.status, f.errBody = code, `{"error":{"message":"CUDA error: an illegal memory access","type":"InternalServerError"}}`
+			})
+			good := startFake(t, "good", nil)
+			p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: bad, url: 'http://{{e0}}'}, {id: good, url: 'http://{{e1}}'}]\n"+
+				"router: {policy: round_robin}\nhealth: {eject_base: 1m, eject_max: 1m}\n", bad, good)
+			for i, body := range []string{chatBody, `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`} {
+				resp, b := post(t, p.url+"/v1/chat/completions", body)
+				if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "good" {
+					t.Fatalf("request %d: %d via %s: %s", i, resp.StatusCode, resp.Header.Get(WorkerHeader), b)
+				}
+			}
+			if bad.requests.Load() == 0 {
+				t.Fatal("round robin never tried the failing engine")
+			}
+			p.waitIdle(t)
+			if want := `"retried_after":"backend bad answered ` + strconv.Itoa(code) + ` (type InternalServerError)"`; !strings.Contains(p.logs.String(), want) {
+				t.Fatalf("the log does not say what the request was retried after (%s):\n%s", want, p.logs.String())
+			}
+		})
+	}
+	t.Run("every engine", func(t *testing.T) {
+		var es []*fakeEngine
+		for _, id := range []string{"a", "b"} {
+			es = append(es, startFake(t, id, func(f *fakeEngine) {
+				f.status, f.errBody = 500, `{"error":{"message":"boom","type":"InternalServerError"}}`
+			}))
+		}
+		p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: a, url: 'http://{{e0}}'}, {id: b, url: 'http://{{e1}}'}]\n", es...)
+		resp, b := post(t, p.url+"/v1/chat/completions", chatBody)
+		if resp.StatusCode != 500 || !strings.Contains(string(b), `{"error":{"message":"boom"`) {
+			t.Fatalf("every engine failing: %d %s", resp.StatusCode, b)
+		}
+		if es[0].requests.Load() != 1 || es[1].requests.Load() != 1 {
+			t.Fatalf("each engine should have been asked once: %d, %d", es[0].requests.Load(), es[1].requests.Load())
+		}
+		p.waitIdle(t)
+	})
+}
+
 func TestFailingBackendIsEjectedAndReturns(t *testing.T) {
 	bad := startFake(t, "bad", func(f *fakeEngine) { f.status = 500; f.errBody = "boom" })
 	good := startFake(t, "good", nil)
@@ -330,13 +378,11 @@ health: {eject_base: 300ms, eject_max: 1s}
 `, bad, good)
 	codes := map[int]int{}
 	for i := 0; i < 8; i++ {
-		resp, b := post(t, p.url+"/v1/chat/completions", chatBody)
+		resp, _ := post(t, p.url+"/v1/chat/completions", chatBody)
 		codes[resp.StatusCode]++
-		if resp.StatusCode == 500 && !strings.Contains(string(b), `"error":{"message":"boom"`) {
-			t.Fatalf("engine 500 not normalized: %s", b)
-		}
 	}
-	if codes[500] != errorAnswerLimit || bad.requests.Load() != errorAnswerLimit {
+	// Each of its 500s was retried on good.
+	if codes[200] != 8 || bad.requests.Load() != errorAnswerLimit {
 		t.Fatalf("after %d 500s in a row the backend must be ejected: codes %v, bad saw %d", errorAnswerLimit, codes, bad.requests.Load())
 	}
 	// /admin/backends says why (the operator trial had to guess it from
