@@ -834,6 +834,7 @@ func (s *Server) routeFailed(ctx *fasthttp.RequestCtx, rid, tenant, model string
 		ctx.Response.Header.Set("X-Kvproxy-Overloaded", "1")
 		s.logRejected(ctx, rid, tenant, model, fasthttp.StatusServiceUnavailable, start, err.Error())
 	case errors.Is(err, errClientGone):
+		s.answerNothing(ctx)
 		s.logRejected(ctx, rid, tenant, model, 499, start, err.Error())
 	case errors.Is(err, errCutQueued):
 		s.shuttingDown(ctx, errCutMsg)
@@ -937,6 +938,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, *x.unresponsive.Load())
 		case errors.Is(err, backends.ErrAborted):
 			x.status = 499 // client closed the request
+			s.answerNothing(ctx)
 		case errors.As(err, &ce):
 			b.failConn("connect: " + ce.Err.Error())
 			x.errMsg = "backend " + b.cfg.ID + " refused the connection"
@@ -1157,6 +1159,16 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	return done
 }
 
+// answerNothing closes the connection of a client that hung up (or shut
+// its side down) before its answer began, with no answer: fasthttp would
+// write its default, an empty 200, which a client that only half-closed
+// would take for a success. nginx also closes without one (its 499).
+func (s *Server) answerNothing(ctx *fasthttp.RequestCtx) {
+	conn := ctx.Conn()
+	ctx.HijackSetNoResponse(true)
+	ctx.Hijack(func(net.Conn) { s.watcher.Closed(conn) }) // fasthttp reports no close of a hijacked connection
+}
+
 // relayUntilClose streams to an HTTP/1.0 client, which knows no chunked
 // encoding (fasthttp would send it): the body ends when the connection
 // closes.
@@ -1356,6 +1368,7 @@ func (x *exchange) failRead(ctx *fasthttp.RequestCtx, err error) {
 		x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, *x.unresponsive.Load())
 	case aborted: // the client hung up: the engine is not at fault
 		x.status = 499
+		x.s.answerNothing(ctx)
 	case backends.IsTimeout(err):
 		msg := x.b.silent()
 		x.b.fail(ejectTimeout, msg+" mid-answer")

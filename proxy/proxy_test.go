@@ -1076,3 +1076,58 @@ func rawPost(t *testing.T, p *testProxy, proto, path, body string) net.Conn {
 	fmt.Fprintf(c, "POST %s %s\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", path, proto, host, len(body), body)
 	return c
 }
+
+// A client that shuts its side down (or hangs up) before its answer began
+// gets no answer and a closed connection, as from nginx, while its engine
+// is asked to stop: fasthttp's default, an empty 200, read as a success (the
+// HTTP trial). Both while the engine computes and while the request waits
+// in the queue for a slot.
+func TestHalfClosedClientGetsNoAnswer(t *testing.T) {
+	readAll := func(t *testing.T, c net.Conn) string {
+		t.Helper()
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		b, err := io.ReadAll(c)
+		if ne, ok := err.(net.Error); ok && ne.Timeout() {
+			t.Fatalf("the connection stayed open after the client's half-close (read %q)", b)
+		}
+		return string(b)
+	}
+	for _, stream := range []bool{true, false} {
+		t.Run(fmt.Sprint("stream=", stream), func(t *testing.T) {
+			e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 10 * time.Second })
+			p := startProxy(t, "kv", e)
+			c := rawCompletion(t, p, fmt.Sprintf(`{"model":"m","prompt":"slow","stream":%v}`, stream))
+			deadline := time.Now().Add(3 * time.Second)
+			for e.requests.Load() == 0 && time.Now().Before(deadline) {
+				time.Sleep(time.Millisecond)
+			}
+			c.(*net.TCPConn).CloseWrite()
+			if got := readAll(t, c); got != "" {
+				t.Fatalf("a client that half-closed got %q", got)
+			}
+			p.waitIdle(t)
+			if e.aborted.Load() == 0 {
+				t.Fatal("the engine was not told to stop")
+			}
+		})
+	}
+	t.Run("queued", func(t *testing.T) {
+		e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 10 * time.Second })
+		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', max_concurrency: 1}]\nlimits: {max_queue: 4, queue_timeout: 20s}\n", e)
+		first := rawCompletion(t, p, `{"model":"m","prompt":"slow"}`)
+		deadline := time.Now().Add(3 * time.Second)
+		for e.requests.Load() == 0 && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		c := rawCompletion(t, p, `{"model":"m","prompt":"waits"}`)
+		for p.s.st.Load().models["m"].waiting.Load() == 0 && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		c.(*net.TCPConn).CloseWrite()
+		if got := readAll(t, c); got != "" {
+			t.Fatalf("a queued client that half-closed got %q", got)
+		}
+		first.Close()
+		p.waitIdle(t)
+	})
+}

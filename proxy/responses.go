@@ -938,6 +938,7 @@ func (s *Server) byIDFailed(ctx *fasthttp.RequestCtx, b *backend, err error) (in
 		s.shuttingDown(ctx, errCutMsg)
 		return fasthttp.StatusServiceUnavailable, errCutMsg
 	case errors.Is(err, backends.ErrAborted):
+		s.answerNothing(ctx)
 		return 499, "" // client closed the request: nothing to answer
 	case errors.As(err, &ce):
 		b.failConn("connect: " + ce.Err.Error())
