@@ -26,9 +26,24 @@ func honourConnectionClose(ctx *fasthttp.RequestCtx) {
 // bytes after the chunked body for a request of its own (request
 // smuggling). fasthttp reads such a body as chunked and kept the
 // connection open.
+//
+// A Transfer-Encoding fasthttp did not read as chunked (identity, which it
+// ignores) is refused with a 501 and a closed connection, as nginx and Go
+// refuse it: RFC 9112 §6.3 has a request whose last coding is not chunked
+// refused, and the body, of no length fasthttp heeds, was read as the
+// next request.
 func refuseAmbiguousFraming(ctx *fasthttp.RequestCtx) bool {
 	h := &ctx.Request.Header
-	if h.ContentLength() != -1 || !hasHeaderLine(h.RawHeaders(), "content-length") { // -1: chunked
+	if h.ContentLength() != -1 { // -1: chunked
+		if !hasHeaderLine(h.RawHeaders(), "transfer-encoding") {
+			return false
+		}
+		ctx.SetConnectionClose()
+		writeError(ctx, fasthttp.StatusNotImplemented, "the request's Transfer-Encoding is not chunked: send its body with Content-Length or chunked",
+			"invalid_request_error", "", "unsupported_transfer_encoding")
+		return true
+	}
+	if !hasHeaderLine(h.RawHeaders(), "content-length") {
 		return false
 	}
 	ctx.SetConnectionClose()

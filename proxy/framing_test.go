@@ -46,8 +46,27 @@ func TestBothContentLengthAndChunkedRefused(t *testing.T) {
 			t.Fatalf("%q: the connection went on (closed %v):\n%s", head, closed, answer)
 		}
 	}
+	// A coding other than chunked is refused, 501 as by nginx and Go, and
+	// the connection closed: fasthttp ignored identity, and read the body
+	// as the next request (the HTTP trial reached /admin/backends so).
+	for _, head := range []string{"Transfer-Encoding: identity\r\n", "transfer-encoding: IDENTITY\r\nContent-Length: 27\r\n"} {
+		smuggled := "GET /admin/backends HTTP/1.1\r\nHost: x\r\n\r\n"
+		if strings.Contains(head, "Length") {
+			smuggled = body + smuggled
+		}
+		answer, closed := rawExchange(t, p, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"+head+"\r\n"+smuggled)
+		if !strings.HasPrefix(answer, "HTTP/1.1 501 ") || !strings.Contains(answer, `"code":"unsupported_transfer_encoding"`) ||
+			!closed || strings.Count(answer, "HTTP/1.1 ") != 1 {
+			t.Fatalf("%q: closed %v:\n%s", head, closed, answer)
+		}
+	}
+	// On /v1/messages, in Anthropic's shape, as every error there is.
+	answer, _ := rawExchange(t, p, "POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+	if !strings.HasPrefix(answer, "HTTP/1.1 400 ") || !strings.Contains(answer, `{"type":"error","error":{"type":"invalid_request_error"`) {
+		t.Fatalf("ambiguous framing on /v1/messages:\n%s", answer)
+	}
 	// Chunked alone is served.
-	answer, _ := rawExchange(t, p, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n1b\r\n"+body+"\r\n0\r\n\r\n")
+	answer, _ = rawExchange(t, p, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n1b\r\n"+body+"\r\n0\r\n\r\n")
 	if !strings.HasPrefix(answer, "HTTP/1.1 200 ") {
 		t.Fatalf("a chunked request: %s", answer)
 	}

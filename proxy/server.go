@@ -968,19 +968,19 @@ func (s *Server) routes() map[string]route {
 // (after counting the request), other endpoints here.
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	defer s.finishBody(ctx)
-	honourConnectionClose(ctx)
-	if refuseAmbiguousFraming(ctx) {
-		s.logUnrouted(ctx, "both Content-Length and Transfer-Encoding")
-		return
-	}
-	if cl := ctx.Request.Header.ContentLength(); cl > min(strangerBodyLimit, s.st.Load().cfg.Limits.MaxRequestBodyBytes) && s.refuseDeclaredBody(ctx) {
-		return
-	}
 	if bytes.HasPrefix(ctx.Path(), messagesPath) {
 		// Anthropic's clients read Anthropic's errors, whoever answers,
 		// and its SDKs show the request's id from request-id.
 		defer toAnthropicError(ctx)
 		defer func() { ctx.Response.Header.SetBytesV("Request-Id", ctx.Response.Header.PeekBytes(hdrRequestID)) }()
+	}
+	honourConnectionClose(ctx)
+	if refuseAmbiguousFraming(ctx) {
+		s.logUnrouted(ctx, "Transfer-Encoding not chunked, or beside Content-Length")
+		return
+	}
+	if cl := ctx.Request.Header.ContentLength(); cl > min(strangerBodyLimit, s.st.Load().cfg.Limits.MaxRequestBodyBytes) && s.refuseDeclaredBody(ctx) {
+		return
 	}
 	defer s.recoverPanic(ctx) // before those above: they shape its answer
 	if s.cors(ctx, s.st.Load()) {
