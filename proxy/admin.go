@@ -151,22 +151,44 @@ func (s *Server) handleModel(ctx *fasthttp.RequestCtx, st *state) {
 	modelNotFound(ctx, id)
 }
 
+// handleHealth is readiness: 200 while a backend is healthy (with
+// ?model=NAME, one of that model's, by name or alias), else 503, with the
+// healthy backends of each model.
 func (s *Server) handleHealth(ctx *fasthttp.RequestCtx, st *state) {
 	// Healthy, not available: a backend at max_concurrency or cooling down
 	// after a 429 is busy, and a proxy whose backends are all busy is not
 	// one to take out of service.
-	healthy := 0
+	healthy, models := 0, make(map[string]int, len(st.pools))
+	for _, p := range st.pools {
+		models[p.cfg.Name] = 0
+	}
 	for _, b := range st.backends {
 		if b.healthy() {
 			healthy++
+			models[b.pool.cfg.Name]++
 		}
 	}
+	if name := ctx.QueryArgs().Peek("model"); name != nil {
+		p := st.models[string(name)]
+		if p == nil {
+			modelNotFound(ctx, string(name))
+			return
+		}
+		healthy = models[p.cfg.Name]
+	}
+	status := "ok"
 	if healthy == 0 {
 		ctx.SetStatusCode(fasthttp.StatusServiceUnavailable)
-		writeJSON(ctx, map[string]any{"status": "unavailable", "healthy_backends": 0})
-		return
+		status = "unavailable"
 	}
-	writeJSON(ctx, map[string]any{"status": "ok", "healthy_backends": healthy})
+	writeJSON(ctx, map[string]any{"status": status, "healthy_backends": healthy, "models": models})
+}
+
+// handleLive is liveness: 200 while kvproxy serves, whatever its engines'
+// health, so that a probe does not restart it (and lose its index) during
+// an engine outage, which /health reports.
+func (s *Server) handleLive(ctx *fasthttp.RequestCtx, _ *state) {
+	writeJSON(ctx, map[string]any{"status": "live"})
 }
 
 // backendJSON is one row of /admin/backends. Load figures are advisory

@@ -71,7 +71,7 @@ func (s *Server) cors(ctx *fasthttp.RequestCtx, st *state) bool {
 // URLs from /admin/backends through its visitors' browsers).
 func operatorPath(path []byte) bool {
 	switch string(path) {
-	case "/metrics", "/health", "/healthz", "/v1/kv_events":
+	case "/metrics", "/health", "/healthz", "/live", "/livez", "/v1/kv_events":
 		return true
 	}
 	return bytes.HasPrefix(path, adminPrefix)

@@ -1131,3 +1131,45 @@ func TestHalfClosedClientGetsNoAnswer(t *testing.T) {
 		p.waitIdle(t)
 	})
 }
+
+// /health is readiness, for the whole proxy or one model (?model=, by name
+// or alias), and names each model's healthy backends; /live is liveness,
+// 200 whatever the engines' health, so that a probe on it does not restart
+// kvproxy (and lose its index) during an engine outage (the migrating-
+// operator trial).
+func TestHealthPerModelAndLiveness(t *testing.T) {
+	big, small := startFake(t, "big-0", nil), startFake(t, "small-0", nil)
+	p := startProxyYAML(t, "models: [{name: big, aliases: [b]}, {name: small}]\n"+
+		"backends: [{id: big-0, url: 'http://{{e0}}', model: big}, {id: small-0, url: 'http://{{e1}}', model: small}]\n", big, small)
+	get := func(path string) (int, string) {
+		t.Helper()
+		resp, err := http.Get(p.url + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	p.s.st.Load().backends["big-0"].setProbe(false, "")
+	for path, want := range map[string]string{
+		"/health":             `200 {"healthy_backends":1,"models":{"big":0,"small":1},"status":"ok"}`,
+		"/health?model=small": `200 {"healthy_backends":1,"models":{"big":0,"small":1},"status":"ok"}`,
+		"/health?model=b":     `503 {"healthy_backends":0,"models":{"big":0,"small":1},"status":"unavailable"}`,
+		"/live":               `200 {"status":"live"}`,
+	} {
+		if code, body := get(path); fmt.Sprint(code, " ", body) != want {
+			t.Errorf("%s: %d %s, want %s", path, code, body, want)
+		}
+	}
+	if code, body := get("/health?model=nope"); code != 404 || !strings.Contains(body, "model_not_found") {
+		t.Errorf("/health of an unknown model: %d %s", code, body)
+	}
+	p.s.st.Load().backends["small-0"].setProbe(false, "")
+	if code, _ := get("/health"); code != 503 {
+		t.Errorf("/health with every engine down: %d", code)
+	}
+	if code, _ := get("/livez"); code != 200 {
+		t.Errorf("/livez with every engine down: %d", code)
+	}
+}

@@ -952,6 +952,8 @@ func (s *Server) routes() map[string]route {
 		"/v1/models":                {fasthttp.MethodGet, client, s.handleModels},
 		"/health":                   {fasthttp.MethodGet, public, s.handleHealth},
 		"/healthz":                  {fasthttp.MethodGet, public, s.handleHealth},
+		"/live":                     {fasthttp.MethodGet, public, s.handleLive},
+		"/livez":                    {fasthttp.MethodGet, public, s.handleLive},
 		"/metrics":                  {fasthttp.MethodGet, public, func(ctx *fasthttp.RequestCtx, _ *state) { s.metrics.serve(ctx) }},
 		"/admin/backends":           {fasthttp.MethodGet, admin, s.handleAdminBackends},
 		"/admin/index/lookup":       {fasthttp.MethodPost, admin, s.handleIndexLookup},
