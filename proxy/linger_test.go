@@ -75,3 +75,27 @@ func TestLingerIsBoundedByBodyTimeout(t *testing.T) {
 		t.Fatalf("the connection was held %v after its answer with body_timeout 1s", held)
 	}
 }
+
+// A request refused before the handler (headers too large, malformed
+// headers) is answered to a client still sending its body, as a body over
+// the limit is: the connection closed on unread data reset the client,
+// which lost the 431 (Python's urllib, Go's net/http; the HTTP trial; nginx
+// answers it).
+func TestHeaderRefusalIsAnsweredToAClientStillSending(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
+	req, err := http.NewRequest("POST", p.url+"/v1/completions", bytes.NewReader(bytes.Repeat([]byte("x"), 10<<20)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Cookie", strings.Repeat("c", 17000))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("a client still sending its body lost the answer: %v", err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 431 || !strings.Contains(string(b), "headers_too_large") {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+}

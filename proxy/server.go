@@ -1168,6 +1168,7 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 		return
 	case errors.As(err, &small) || errors.Is(err, fasthttp.ErrSmallReadBuffer):
 		writeError(ctx, fasthttp.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers exceed the limit of %d bytes", s.limits.MaxHeaderBytes), "invalid_request_error", "", "headers_too_large")
+		s.closeLingering(ctx) // a client still sending gets the answer, not a reset
 		reason = "headers too large"
 	case errors.As(err, &ne) && ne.Timeout() && s.declaredOverLimit(ctx):
 		return
@@ -1182,6 +1183,7 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 		reason = "client closed before its request was whole"
 	default:
 		writeError(ctx, fasthttp.StatusBadRequest, "malformed HTTP request", "invalid_request_error", "", "bad_request")
+		s.closeLingering(ctx)
 	}
 	limitKey := reason
 	if tc, ok := ctx.Conn().(*tls.Conn); ok && !tc.ConnectionState().HandshakeComplete {
