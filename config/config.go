@@ -23,6 +23,10 @@ import (
 
 // Config is the whole file.
 type Config struct {
+	// discovering: expanded from discovery templates (Expand), which may
+	// stand for no backend at all for a while.
+	discovering bool
+
 	Listen   string    `yaml:"listen"`
 	TLS      TLS       `yaml:"tls"`
 	LogLevel string    `yaml:"log_level"`
@@ -229,7 +233,16 @@ type Backend struct {
 	KVEvents KVEvents `yaml:"kv_events"`
 	// Mock configures the simulated engine kvproxy starts for kind: mock.
 	Mock MockEngine `yaml:"mock"`
+	// Discover DiscoverDNS makes this entry a template (see Expand): one
+	// backend per address its url's host resolves to, resolved again
+	// every DiscoverInterval.
+	Discover         string        `yaml:"discover"`
+	DiscoverInterval time.Duration `yaml:"discover_interval"`
 }
+
+// DiscoverDNS is backends[].discover for a url whose host names the
+// engines' addresses (a Kubernetes headless service).
+const DiscoverDNS = "dns"
 
 // KV event modes.
 const (
@@ -586,6 +599,9 @@ func (c *Config) applyDefaults() {
 		if c.Backends[i].KVEvents.Mode == "" {
 			c.Backends[i].KVEvents.Mode = EventsNone
 		}
+		if c.Backends[i].Discover != "" {
+			def(&c.Backends[i].DiscoverInterval, 10*time.Second)
+		}
 	}
 }
 
@@ -654,7 +670,7 @@ func (c *Config) Validate() error {
 			add(f+".tokenizer_cache_mb", "must be between 1 and 65536, got %d", m.TokenizerCacheMB)
 		}
 	}
-	if len(c.Backends) == 0 {
+	if len(c.Backends) == 0 && !c.discovering {
 		add("backends", "at least one backend is required")
 	}
 	ids := map[string]int{}
@@ -743,6 +759,19 @@ func (c *Config) Validate() error {
 			}
 		default:
 			add(f+".role", "want both or prefill, got %q", b.Role)
+		}
+		switch {
+		case b.Discover == "" && b.DiscoverInterval != 0:
+			add(f+".discover_interval", "only applies with discover: dns")
+		case b.Discover == "":
+		case b.Discover != DiscoverDNS:
+			add(f+".discover", "want dns, got %q", b.Discover)
+		case b.Kind == KindMock:
+			add(f+".discover", "a mock backend is started by kvproxy at its url: there is nothing to discover")
+		case err == nil && u.Scheme == "https":
+			add(f+".discover", "needs an http url: an https engine's certificate names its host, not the addresses it resolves to")
+		case b.DiscoverInterval < time.Second:
+			add(f+".discover_interval", "must be at least 1s, got %s", b.DiscoverInterval)
 		}
 		if m := b.Mock; !finiteNonNegative(m.Speedup) || m.CacheBlocks < 0 || m.HostCacheBlocks < 0 || m.MaxNumSeqs < 0 || m.MaxNumBatchedTokens < 0 || m.MaxLoRAs < 0 {
 			add(f+".mock", "values must be numbers, not negative")

@@ -187,6 +187,9 @@ func (p *modelPool) setBackend(b *backend) {
 
 // New builds the pools and backends of cfg; Serve starts answering.
 func New(cfg *config.Config, opts Options) (*Server, error) {
+	if len(cfg.Templates()) > 0 {
+		return nil, errTemplates
+	}
 	s := &Server{log: opts.Logger, opts: opts, watcher: newHangupWatcher(), limits: cfg.Limits, started: cfg,
 		retries: newRetryBudget(cfg.Limits.RetryBudget), rejectLog: newLogLimiter(opts.Logger),
 		listsRead: make(chan struct{})}
@@ -665,6 +668,9 @@ func (s *Server) Reload(cfg *config.Config) (err error) {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
+	if len(cfg.Templates()) > 0 {
+		return errTemplates
+	}
 	s.logWarnings(cfg)
 	prev := s.st.Load()
 	listenChanged := cfg.Listen != prev.cfg.Listen
@@ -747,6 +753,9 @@ func (s *Server) Reload(cfg *config.Config) (err error) {
 
 // ReloadFailed counts a reload that failed before Reload was called (the
 // configuration file did not load): the reload metrics count every try.
+// errTemplates: the caller resolves backends[].discover (config.Expand).
+var errTemplates = errors.New("backends with discover are templates: expand them (config.Expand) before serving")
+
 func (s *Server) ReloadFailed() { s.metrics.countReload(errReloadFailed) }
 
 var errReloadFailed = errors.New("reload failed")

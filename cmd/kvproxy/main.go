@@ -9,9 +9,11 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"os"
 	"os/signal"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -55,6 +57,16 @@ type command struct {
 	mocks *mockFleet
 	// listen, when set, opens the mocks' listeners (tests).
 	listen func(network, addr string) (net.Listener, error)
+	// lookup, when set, resolves discovery templates' hosts (tests).
+	lookup func(ctx context.Context, host string) ([]string, error)
+}
+
+func (c *command) discoverer(log zerolog.Logger) *discoverer {
+	d := newDiscoverer(log)
+	if c.lookup != nil {
+		d.lookup = c.lookup
+	}
+	return d
 }
 
 func (c *command) run(args []string) (code int) {
@@ -78,16 +90,16 @@ func (c *command) run(args []string) (code int) {
 		return 0
 	}
 
-	cfg, err := config.Load(*cfgPath)
+	tmpl, err := config.Load(*cfgPath)
 	if err != nil {
 		fmt.Fprintln(c.stderr, "kvproxy:", err)
 		return 2
 	}
 	if *listen != "" {
-		cfg.Listen = *listen
+		tmpl.Listen = *listen
 	}
 	level := &logLevel{}
-	level.set(cfg.LogLevel)
+	level.set(tmpl.LogLevel)
 	log := zerolog.New(c.stderr).Sample(level).With().Timestamp().Logger()
 	log.Info().Str("config", *cfgPath).Str("version", build.Version).Str("revision", build.Revision).Int("pid", os.Getpid()).Msg("kvproxy starting")
 	defer func() {
@@ -97,6 +109,13 @@ func (c *command) run(args []string) (code int) {
 		}
 		ev.Int("code", code).Msg("kvproxy exited")
 	}()
+	disc := c.discoverer(log)
+	disc.resolve(tmpl.Templates())
+	cfg, err := tmpl.Expand(disc.snapshot())
+	if err != nil {
+		fmt.Fprintln(c.stderr, "kvproxy:", err)
+		return 2
+	}
 
 	c.mocks = newMockFleet(log)
 	if c.listen != nil {
@@ -129,18 +148,18 @@ func (c *command) run(args []string) (code int) {
 	// applied whole under reloadMu: load, start the mocks it adds, swap the
 	// proxy's configuration, retire the mocks it drops. Whatever fails
 	// leaves the configuration in force and its mocks as they were.
+	//
+	// A change in what a discovery template stands for applies the same
+	// way, to the configuration in force (the file is read only at a
+	// reload).
 	var reloadMu sync.Mutex
-	current := cfg
-	reload := func() error {
-		reloadMu.Lock()
-		defer reloadMu.Unlock()
-		next, err := config.Load(*cfgPath)
+	current, currentTmpl, applied := cfg, tmpl, disc.snapshot()
+	apply := func(nextTmpl *config.Config) error {
+		found := disc.snapshot()
+		next, err := nextTmpl.Expand(found)
 		if err != nil {
 			srv.ReloadFailed()
 			return err
-		}
-		if *listen != "" {
-			next.Listen = current.Listen // the flag, not the file, says where to listen
 		}
 		started, err := c.mocks.start(next)
 		if err != nil {
@@ -169,10 +188,40 @@ func (c *command) run(args []string) (code int) {
 		if levelChanged != nil {
 			levelChanged.Str("log_level", next.LogLevel).Str("was", current.LogLevel).Msg("log level changed")
 		}
-		current = next
+		current, currentTmpl, applied = next, nextTmpl, found
 		return nil
 	}
+	reload := func() error {
+		reloadMu.Lock()
+		defer reloadMu.Unlock()
+		nextTmpl, err := config.Load(*cfgPath)
+		if err != nil {
+			srv.ReloadFailed()
+			return err
+		}
+		if *listen != "" {
+			nextTmpl.Listen = current.Listen // the flag, not the file, says where to listen
+		}
+		disc.resolve(nextTmpl.Templates())
+		return apply(nextTmpl)
+	}
 	srv.SetReloader(reload)
+	watchCtx, stopWatch := context.WithCancel(context.Background())
+	defer stopWatch()
+	go disc.watch(watchCtx, func() []config.Backend {
+		reloadMu.Lock()
+		defer reloadMu.Unlock()
+		return currentTmpl.Templates()
+	}, func() {
+		reloadMu.Lock()
+		defer reloadMu.Unlock()
+		if maps.EqualFunc(applied, disc.snapshot(), slices.Equal) {
+			return
+		}
+		if err := apply(currentTmpl); err != nil {
+			log.Error().Err(err).Msg("discovery: the backends found could not be applied; the current ones keep serving")
+		}
+	})
 
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()

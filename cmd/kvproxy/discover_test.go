@@ -1,0 +1,140 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvproxy/kvproxy/mockengine"
+)
+
+// fakeDNS answers lookups of one name from a set the test changes.
+type fakeDNS struct {
+	mu    sync.Mutex
+	addrs []string
+	err   error
+}
+
+func (f *fakeDNS) set(err error, addrs ...string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.addrs, f.err = addrs, err
+}
+
+func (f *fakeDNS) lookup(_ context.Context, host string) ([]string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if host != "engines.test" {
+		return nil, &net.DNSError{Err: "no such host", Name: host, IsNotFound: true}
+	}
+	return slices.Clone(f.addrs), f.err
+}
+
+// backends discovered by DNS (backends[].discover: dns): kvproxy serves
+// the engines at the addresses the name resolves to, takes the ones that
+// appear and drops the ones that go, keeps them through a lookup that
+// fails, and serves none (503) while the name does not exist.
+func TestDiscoveredBackendsFollowTheirName(t *testing.T) {
+	// Two engines on one port at two loopback addresses, as two pods of a
+	// headless service.
+	var engines []*mockengine.Engine
+	port := 0
+	for _, ip := range []string{"127.0.0.1", "127.0.0.2"} {
+		mc := mockengine.DefaultConfig()
+		mc.ID, mc.Model, mc.Speedup = "e-"+ip, "m", 1000
+		e, err := mockengine.New(mc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		addr, err := e.Start(fmt.Sprintf("%s:%d", ip, port))
+		if err != nil {
+			t.Skipf("cannot listen on %s:%d: %v", ip, port, err)
+		}
+		t.Cleanup(func() { e.Close() })
+		_, p, _ := net.SplitHostPort(addr)
+		fmt.Sscan(p, &port)
+		engines = append(engines, e)
+	}
+	dns := &fakeDNS{}
+	dns.set(nil, "127.0.0.1")
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(cfg, fmt.Appendf(nil, "listen: 127.0.0.1:0\nlog_level: info\nmodels: [{name: m}]\nrouter: {policy: round_robin}\n"+
+		"backends: [{id: pool, url: 'http://engines.test:%d', discover: dns, discover_interval: 1s}]\n", port), 0o644)
+	p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
+	ids := func() []string {
+		resp, err := http.Get("http://" + p.addr + "/admin/backends")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var rows []struct {
+			ID       string `json:"id"`
+			URL      string `json:"url"`
+			Draining bool   `json:"draining"`
+		}
+		json.NewDecoder(resp.Body).Decode(&rows)
+		var out []string
+		for _, r := range rows {
+			if !r.Draining {
+				out = append(out, r.ID+" "+r.URL)
+			}
+		}
+		slices.Sort(out)
+		return out
+	}
+	await := func(want ...string) {
+		t.Helper()
+		deadline := time.Now().Add(5 * time.Second)
+		for !slices.Equal(ids(), want) {
+			if time.Now().After(deadline) {
+				t.Fatalf("backends %q, want %q", ids(), want)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	one := fmt.Sprintf("pool@127.0.0.1 http://127.0.0.1:%d", port)
+	two := fmt.Sprintf("pool@127.0.0.2 http://127.0.0.2:%d", port)
+	await(one)
+	if code, body := p.complete(t, false, 4); code != 200 {
+		t.Fatalf("%d %s", code, body)
+	}
+
+	dns.set(nil, "127.0.0.2", "127.0.0.1")
+	await(one, two)
+	for range 4 {
+		if code, body := p.complete(t, false, 4); code != 200 {
+			t.Fatalf("%d %s", code, body)
+		}
+	}
+	for _, e := range engines {
+		if e.Stats().Requests == 0 {
+			t.Fatalf("engine %s got no request", e.Config().ID)
+		}
+	}
+
+	dns.set(&net.DNSError{Err: "i/o timeout", Name: "engines.test", IsTimeout: true})
+	time.Sleep(2500 * time.Millisecond) // two lookups fail
+	if got := ids(); !slices.Equal(got, []string{one, two}) {
+		t.Fatalf("a failed lookup changed the backends: %q", got)
+	}
+
+	dns.set(nil, "127.0.0.2")
+	await(two)
+	dns.set(&net.DNSError{Err: "no such host", Name: "engines.test", IsNotFound: true})
+	await()
+	if code, body := p.complete(t, false, 4); code != 503 {
+		t.Fatalf("no engine: %d %s", code, body)
+	}
+	if !strings.Contains(p.logs.String(), `"message":"discovery: addresses changed"`) {
+		t.Errorf("the log does not tell of the changes:\n%s", p.logs.String())
+	}
+}
