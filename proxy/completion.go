@@ -925,6 +925,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	x.sent = time.Now()
 	x.heard.Store(0) // nothing from this attempt's engine yet
 	resp := fasthttp.AcquireResponse()
+	resp.Header.SetNoDefaultContentType(true) // an answer without one is told apart
 	stream, err := b.up.Do(fr, resp, x.stream || x.pass, x.ab)
 	if err != nil {
 		fasthttp.ReleaseResponse(resp)
@@ -1132,6 +1133,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		x.active.PrefillDone() // the engine has done its work: the answer is here
 		if ct := resp.Header.ContentType(); len(ct) > 0 {
 			ctx.Response.Header.SetContentTypeBytes(ct)
+		} else {
+			ctx.Response.Header.SetNoDefaultContentType(true) // none, as the engine sent
 		}
 		// The bytes go as they came: so does their coding (an engine, or
 		// a gateway in front of it, may compress unasked).

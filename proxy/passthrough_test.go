@@ -314,3 +314,31 @@ func TestCompletionsWithoutModel(t *testing.T) {
 		t.Fatalf("two models, none named: %d %s", resp.StatusCode, b)
 	}
 }
+
+// An engine answer without a Content-Type is not given fasthttp's default
+// (text/plain): a chat answer is JSON, and a pass-through answer goes
+// without one, as it came (the HTTP trial).
+func TestAnswerWithoutContentType(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header()["Content-Type"] = nil // no sniffing: none sent
+		if r.URL.Path == "/health" {
+			return
+		}
+		io.Copy(io.Discard, r.Body)
+		w.Write([]byte(`{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}`))
+	})}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	e := &fakeEngine{id: "e0", addr: ln.Addr().String()}
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
+	for path, want := range map[string]string{"/v1/chat/completions": "application/json", "/v1/embeddings": ""} {
+		resp, b := post(t, p.url+path, `{"model":"m","messages":[{"role":"user","content":"hi"}],"input":"hi"}`)
+		if resp.StatusCode != 200 || resp.Header.Get("Content-Type") != want {
+			t.Errorf("%s: %d, Content-Type %q, want %q: %s", path, resp.StatusCode, resp.Header.Get("Content-Type"), want, b)
+		}
+	}
+}
