@@ -1173,3 +1173,18 @@ func TestHealthPerModelAndLiveness(t *testing.T) {
 		t.Errorf("/livez with every engine down: %d", code)
 	}
 }
+
+// A body starting with a UTF-8 byte order mark (a file saved by a Windows
+// tool, sent with curl -d @file) is served, as vLLM serves it; the engine
+// gets it without (the HTTP trial).
+func TestBodyWithByteOrderMark(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxy(t, "kv", e)
+	resp, b := post(t, p.url+"/v1/chat/completions", "\xef\xbb\xbf"+chatBody)
+	if resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	if got := e.lastBody(); got == nil || got["messages"] == nil {
+		t.Fatalf("the engine got %v", got)
+	}
+}

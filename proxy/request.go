@@ -771,9 +771,11 @@ func (r *apiRequest) choices() int {
 	return n * (1 + len(r.batchTexts) + len(r.batchTokens))
 }
 
-// setBody checks that body is one valid JSON object and keeps it.
+// setBody checks that body is one valid JSON object and keeps it. A
+// leading UTF-8 byte order mark is dropped, as RFC 8259 §8.1 allows and
+// vLLM's parser does (files saved by Windows tools carry one).
 func (r *apiRequest) setBody(body []byte) *paramError {
-	trimmed := bytes.TrimSpace(body)
+	trimmed := bytes.TrimSpace(bytes.TrimPrefix(body, utf8BOM))
 	if len(trimmed) == 0 {
 		return perr("", "the request body is empty; expected a JSON object")
 	}
@@ -786,6 +788,8 @@ func (r *apiRequest) setBody(body []byte) *paramError {
 	r.body = trimmed
 	return nil
 }
+
+var utf8BOM = []byte("\xef\xbb\xbf")
 
 // jsonSyntaxError says where and how b, which json.Valid refused, breaks
 // (encoding/json's words: goccy's quote the text around it, the client's
