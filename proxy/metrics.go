@@ -10,6 +10,7 @@ import (
 	"github.com/valyala/fasthttp"
 	"github.com/valyala/fasthttp/fasthttpadaptor"
 
+	"github.com/kvproxy/kvproxy/config"
 	"github.com/kvproxy/kvproxy/internal/buildinfo"
 )
 
@@ -250,6 +251,7 @@ var (
 	modelUpDesc  = prometheus.NewDesc("kvproxy_model_healthy_backends", "Healthy backends per configured model (0: the model's requests are answered 503).", []string{"model"}, nil)
 	queuedDesc   = prometheus.NewDesc("kvproxy_queue_waiting", "Requests waiting for a backend slot (limits.max_queue), per configured model.", []string{"model"}, nil)
 	tokCacheDesc = prometheus.NewDesc("kvproxy_tokenizer_cache_bytes", "Bytes of token ids and message text the model's tokenizer cache holds (models[].tokenizer_cache_mb bounds it).", []string{"model"}, nil)
+	infoDesc     = prometheus.NewDesc("kvproxy_backend_info", "1 for each configured backend, with its model, kind and role: join on backend to break the per-backend series down by model.", []string{"backend", "model", "kind", "role"}, nil)
 	feedDesc     = prometheus.NewDesc("kvproxy_kv_events_connected", "1 while the backend's ZMQ KV event feed is connected (every data-parallel rank's); only backends with kv_events mode zmq.", []string{"backend"}, nil)
 )
 
@@ -266,6 +268,7 @@ func (c *loadCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- modelUpDesc
 	ch <- queuedDesc
 	ch <- tokCacheDesc
+	ch <- infoDesc
 	ch <- feedDesc
 }
 
@@ -301,6 +304,11 @@ func (c *loadCollector) Collect(ch chan<- prometheus.Metric) {
 			h = 1
 		}
 		ch <- prometheus.MustNewConstMetric(healthyDesc, prometheus.GaugeValue, h, r.ID)
+		role := r.Role
+		if role == "" {
+			role = config.RoleBoth
+		}
+		ch <- prometheus.MustNewConstMetric(infoDesc, prometheus.GaugeValue, 1, r.ID, r.Model, r.Kind, role)
 		if ev := r.KVEvents; ev != nil && ev.Connected != nil {
 			ch <- prometheus.MustNewConstMetric(feedDesc, prometheus.GaugeValue, boolGauge(*ev.Connected), r.ID)
 		}

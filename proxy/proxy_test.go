@@ -1172,6 +1172,10 @@ func TestHealthPerModelAndLiveness(t *testing.T) {
 	if code, _ := get("/livez"); code != 200 {
 		t.Errorf("/livez with every engine down: %d", code)
 	}
+	// The per-backend series break down by model through the info series.
+	wantMetrics(t, p.metrics(t),
+		`kvproxy_backend_info{backend="big-0",kind="vllm",model="big",role="both"} 1`,
+		`kvproxy_backend_info{backend="small-0",kind="vllm",model="small",role="both"} 1`)
 }
 
 // A body starting with a UTF-8 byte order mark (a file saved by a Windows
