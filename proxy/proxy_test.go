@@ -1192,3 +1192,39 @@ func TestBodyWithByteOrderMark(t *testing.T) {
 		t.Fatalf("the engine got %v", got)
 	}
 }
+
+// The engines' own model name (served_model) names their model too: a
+// client that used the engines directly keeps its model name (the
+// migrating-operator trial: the answers named a model kvproxy refused).
+// Not when the engines of two models answer to it, nor over a configured
+// name.
+func TestServedModelNamesItsModel(t *testing.T) {
+	a, b, c := startFake(t, "a", nil), startFake(t, "b", nil), startFake(t, "c", nil)
+	p := startProxyYAML(t, "models: [{name: m}, {name: n}, {name: o}]\nbackends:\n"+
+		"  - {id: a, url: 'http://{{e0}}', model: m, served_model: org/Model-M}\n"+
+		"  - {id: b, url: 'http://{{e1}}', model: n, served_model: shared}\n"+
+		"  - {id: c, url: 'http://{{e2}}', model: o, served_model: shared}\n", a, b, c)
+	body := func(model string) string {
+		return `{"model":"` + model + `","messages":[{"role":"user","content":"hi"}]}`
+	}
+	resp, out := post(t, p.url+"/v1/chat/completions", body("org/Model-M"))
+	if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "a" || a.lastBody()["model"] != "org/Model-M" {
+		t.Fatalf("by the engine's name: %d via %s: %s", resp.StatusCode, resp.Header.Get(WorkerHeader), out)
+	}
+	if resp, out := post(t, p.url+"/v1/chat/completions", body("shared")); resp.StatusCode != 404 {
+		t.Fatalf("a name the engines of two models answer to: %d %s", resp.StatusCode, out)
+	}
+	if resp, out := post(t, p.url+"/v1/chat/completions", body("m")); resp.StatusCode != 200 {
+		t.Fatalf("by the configured name: %d %s", resp.StatusCode, out)
+	}
+	r, err := http.Get(p.url + "/v1/models")
+	if err != nil {
+		t.Fatal(err)
+	}
+	list, _ := io.ReadAll(r.Body)
+	r.Body.Close()
+	if strings.Contains(string(list), "org/Model-M") {
+		t.Fatalf("/v1/models lists the engine's name: %s", list)
+	}
+	p.waitIdle(t)
+}

@@ -386,7 +386,31 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 		b.probed = s.health != nil
 		st.backends[bc.ID] = b
 	}
+	st.nameServedModels()
 	return st, nil
+}
+
+// nameServedModels lets the engines' own model name (served_model) name
+// their model too, as clients that used the engines directly name it
+// (vLLM's is the Hugging Face id): unless it is a configured name, alias
+// or adapter, or the engines of two models answer to it.
+func (st *state) nameServedModels() {
+	served := map[string]*modelPool{}
+	for _, bc := range st.cfg.Backends {
+		if bc.ServedModel == "" || st.models[bc.ServedModel] != nil {
+			continue
+		}
+		p := st.models[bc.Model]
+		if q, ok := served[bc.ServedModel]; ok && q != p {
+			p = nil // ambiguous
+		}
+		served[bc.ServedModel] = p
+	}
+	for name, p := range served {
+		if p != nil {
+			st.models[name] = p
+		}
+	}
 }
 
 // activate makes st current: backends start getting traffic and probes;
