@@ -21,6 +21,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvproxy/kvproxy/backends"
+	"github.com/kvproxy/kvproxy/config"
 	"github.com/kvproxy/kvproxy/kv"
 	"github.com/kvproxy/kvproxy/router"
 	"github.com/kvproxy/kvproxy/tokenize"
@@ -617,6 +618,7 @@ func (s *Server) attempt(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *ex
 			x.prefillErr = "the decode engine given its KV dropped the request; the next computes the prompt"
 		}
 		req.sendPriority = req.dropPriority && x.b.cfg.PriorityScheduling
+		req.engineSampling = x.b.cfg.Kind != config.KindOpenAI
 		engineSalt := ""
 		if x.b.salted {
 			engineSalt = salt

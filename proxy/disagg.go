@@ -108,6 +108,7 @@ func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchang
 	}
 	req.prefillStage = true
 	req.sendPriority = req.dropPriority && b.cfg.PriorityScheduling
+	req.engineSampling = b.cfg.Kind != config.KindOpenAI
 	body, err := req.forwardBody(sc.body[:0], served, engineSalt)
 	req.prefillStage = false
 	if err != nil {

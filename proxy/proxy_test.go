@@ -1228,3 +1228,41 @@ func TestServedModelNamesItsModel(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// Dynamo's sampling members of nvext reach the engine: greed_sampling as
+// temperature 0 (over the client's), and ignore_eos, top_k,
+// repetition_penalty and min_p as the request's own where it has none, to
+// engines that take them (not kind openai). They were dropped with nvext:
+// a greedy request was sampled at the client's temperature (the
+// migrating-operator trial).
+func TestNvextSamplingReachesTheEngine(t *testing.T) {
+	v, o := startFake(t, "v", nil), startFake(t, "o", nil)
+	p := startProxyYAML(t, "models: [{name: m}, {name: n}]\nbackends:\n"+
+		"  - {id: v, url: 'http://{{e0}}', model: m}\n  - {id: o, url: 'http://{{e1}}', model: n, kind: openai}\n", v, o)
+	nv := `"nvext":{"greed_sampling":true,"ignore_eos":true,"top_k":5,"repetition_penalty":1.1,"min_p":null,"agent_hints":{"osl":10}}`
+	for _, tc := range []struct {
+		model, extra string
+		engine       *fakeEngine
+		want         map[string]any
+	}{
+		{"m", "", v, map[string]any{"temperature": 0.0, "ignore_eos": true, "top_k": 5.0, "repetition_penalty": 1.1}},
+		{"m", `"top_k":3,`, v, map[string]any{"temperature": 0.0, "ignore_eos": true, "top_k": 3.0, "repetition_penalty": 1.1}},
+		{"n", "", o, map[string]any{"temperature": 0.0}},
+	} {
+		body := `{"model":"` + tc.model + `","temperature":0.9,` + tc.extra + `"messages":[{"role":"user","content":"hi"}],` + nv + `}`
+		if resp, b := post(t, p.url+"/v1/chat/completions", body); resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+		got := tc.engine.lastBody()
+		for _, k := range []string{"temperature", "ignore_eos", "top_k", "repetition_penalty", "min_p", "nvext"} {
+			if w, ok := tc.want[k]; got[k] != w || ok != (got[k] != nil) {
+				t.Errorf("%s%s: the engine got %s = %v, want %v", tc.model, tc.extra, k, got[k], w)
+			}
+		}
+	}
+	resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}],"nvext":{"greed_sampling":"yes"}}`)
+	if resp.StatusCode != 400 || !strings.Contains(string(b), "greed_sampling (a boolean)") {
+		t.Fatalf("greed_sampling not a boolean: %d %s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+}

@@ -20,7 +20,17 @@ type nvext struct {
 	TokenData         []uint32        `json:"token_data"`
 	BackendInstanceID json.RawMessage `json:"backend_instance_id"`
 	Annotations       []string        `json:"annotations"`
+	// Dynamo's sampling members: greed_sampling forces greedy decoding
+	// (temperature 0); ignore_eos, top_k, repetition_penalty and min_p,
+	// which Dynamo took in nvext, go to engines as the request's own
+	// (members of the body, in nvextSampling's order; nil: not given).
+	greedy   bool
+	sampling [len(nvextSampling)][]byte
 }
+
+// nvextSampling are the sampling parameters Dynamo takes in nvext that
+// vLLM and SGLang take at the top level.
+var nvextSampling = [...]string{"ignore_eos", "top_k", "repetition_penalty", "min_p"}
 
 // parse reads nvext from raw, a JSON object, with member names matched as
 // apiRequest.parse matches them.
@@ -28,7 +38,7 @@ func (n *nvext) parse(raw []byte) bool {
 	if raw[0] != '{' {
 		return false
 	}
-	var tokens, instance, annotations []byte
+	var tokens, instance, annotations, greedy []byte
 	for m := (members{b: raw}); m.next(); {
 		switch {
 		case keyIs(m.key, "token_data"):
@@ -37,6 +47,25 @@ func (n *nvext) parse(raw []byte) bool {
 			instance = m.value
 		case keyIs(m.key, "annotations"):
 			annotations = m.value
+		case keyIs(m.key, "greed_sampling"):
+			greedy = m.value
+		default:
+			for i, k := range nvextSampling {
+				if keyIs(m.key, k) {
+					n.sampling[i] = m.value
+				}
+			}
+		}
+	}
+	if greedy != nil && !isNull(greedy) {
+		var ok bool
+		if n.greedy, ok = jsonBool(greedy); !ok {
+			return false
+		}
+	}
+	for i, v := range n.sampling {
+		if v != nil && isNull(v) {
+			n.sampling[i] = nil
 		}
 	}
 	if tokens != nil && json.Unmarshal(tokens, &n.TokenData) != nil {
@@ -96,6 +125,9 @@ type apiRequest struct {
 	priorityGiven, priorityOdd bool
 	dropPriority, sendPriority bool
 	priorityTo                 int
+	// engineSampling: the engine takes vLLM's sampling parameters (not
+	// kind openai), which nvext's go to (set per engine).
+	engineSampling bool
 	// oneChoice: the request asks for one sequence (n absent, null or 1;
 	// 2.0 and "2" are two to vLLM)
 	oneChoice bool
@@ -213,7 +245,7 @@ func (r *apiRequest) readCommon() *paramError {
 	}
 	if raw := f.Nvext; raw != nil && !isNull(raw) {
 		if !r.nv.parse(raw) {
-			return perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)")
+			return perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id, annotations (strings) and greed_sampling (a boolean)")
 		}
 	}
 	r.oneChoice = f.N == nil || isNull(f.N) || string(f.N) == "1"
@@ -816,7 +848,16 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 	out := append(dst, '{')
 	n := 0
 	m := members{b: r.body}
+	var given [len(nvextSampling)]bool // at the top level, which nvext's do not override
 	for m.next() {
+		if r.nv.greedy && keyIs(m.key, "temperature") {
+			continue
+		}
+		for i, k := range nvextSampling {
+			if r.nv.sampling[i] != nil && keyIs(m.key, k) {
+				given[i] = true
+			}
+		}
 		if keyIs(m.key, "nvext") || keyIs(m.key, "cache_salt") || keyIs(m.key, "model") || keyIs(m.key, "stream") ||
 			r.prevEngine != "" && keyIs(m.key, "previous_response_id") ||
 			r.responses && keyIs(m.key, "request_id") || // vLLM makes it the response's id: the engine picks its own
@@ -864,6 +905,17 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 	if r.sendPriority {
 		out = append(out, `,"priority":`...)
 		out = strconv.AppendInt(out, int64(r.priorityTo), 10)
+	}
+	if r.nv.greedy {
+		out = append(out, `,"temperature":0`...)
+	}
+	for i, v := range r.nv.sampling {
+		if v != nil && !given[i] && r.engineSampling {
+			out = append(out, `,"`...)
+			out = append(out, nvextSampling[i]...)
+			out = append(out, `":`...)
+			out = append(out, v...)
+		}
 	}
 	return append(out, '}'), nil
 }

@@ -76,7 +76,7 @@ func refParseRequest(body []byte, chat bool) (*refRequest, *paramError) {
 	}
 	if raw := r.refFields.Nvext; raw != nil && string(raw) != "null" {
 		if err := refNvext(raw, &r.nv); err != nil {
-			return nil, perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)")
+			return nil, perr("nvext", "nvext must be an object with token_data (token ids), backend_instance_id, annotations (strings) and greed_sampling (a boolean)")
 		}
 	}
 	if raw := top["cache_salt"]; raw != nil && string(raw) != "null" {
@@ -164,6 +164,16 @@ func refNvext(raw []byte, n *nvext) error {
 	if raw := m["annotations"]; raw != nil {
 		if err := json.Unmarshal(raw, &n.Annotations); err != nil {
 			return err
+		}
+	}
+	if raw := m["greed_sampling"]; raw != nil && string(raw) != "null" {
+		if err := json.Unmarshal(raw, &n.greedy); err != nil {
+			return err
+		}
+	}
+	for i, k := range nvextSampling {
+		if raw := m[k]; raw != nil && string(raw) != "null" {
+			n.sampling[i] = raw
 		}
 	}
 	n.BackendInstanceID = m["backend_instance_id"]

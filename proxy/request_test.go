@@ -117,14 +117,14 @@ func TestParseRequestErrors(t *testing.T) {
 		{`{"messages":[]}`, true, "messages", "messages must contain at least one message"}, // no model: the caller's to decide
 		{`{"Model":"m","messages":[]}`, true, "messages", "messages must contain at least one message"},
 		{`{"model":"m","model":null}`, true, "messages", "you must provide a messages parameter"}, // null is no model, as in vLLM
-		{`{"model":"m","nvext":{"token_data":"x"}}`, true, "nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)"},
+		{`{"model":"m","nvext":{"token_data":"x"}}`, true, "nvext", "nvext must be an object with token_data (token ids), backend_instance_id, annotations (strings) and greed_sampling (a boolean)"},
 		{`{"model":"m","Messages":[{"role":"user"}]}`, true, "messages", "you must provide a messages parameter"},
 		{`{"model":"m","messages":[{"role":"user","role":null}]}`, true, "messages[0].role", "every message needs a role: a non-empty string such as system, user, assistant or tool"},
 		{`{"model":[]}`, true, "model", "model must be a string"},
 		{`{"model":""}`, true, "messages", "you must provide a messages parameter"}, // "" is no model, as in vLLM
 		{`{"model":7}`, true, "model", "model must be a string"},
 		{`{"model":"m","stream":"true"}`, true, "stream", "stream must be a boolean"},
-		{`{"model":"m","nvext":[]}`, true, "nvext", "nvext must be an object with token_data (token ids), backend_instance_id and annotations (strings)"},
+		{`{"model":"m","nvext":[]}`, true, "nvext", "nvext must be an object with token_data (token ids), backend_instance_id, annotations (strings) and greed_sampling (a boolean)"},
 		{`{"model":"m","add_generation_prompt":1,"messages":[]}`, true, "add_generation_prompt", "add_generation_prompt must be a boolean"},
 		{`{"model":"m"}`, true, "messages", "you must provide a messages parameter"},
 		{`{"model":"m","messages":null}`, true, "messages", "messages must contain at least one message"},
