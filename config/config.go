@@ -772,6 +772,10 @@ func (c *Config) Validate() error {
 			add(f+".discover", "needs an http url: an https engine's certificate names its host, not the addresses it resolves to")
 		case b.DiscoverInterval < time.Second:
 			add(f+".discover_interval", "must be at least 1s, got %s", b.DiscoverInterval)
+		case err == nil && u.User != nil:
+			add(f+".url", "with discover, no user info in the url")
+		case b.KVEvents.Mode == EventsZMQ && (!namesHost(b.KVEvents.Endpoint, u.Hostname()) || b.KVEvents.Replay != "" && !namesHost(b.KVEvents.Replay, u.Hostname())):
+			add(f+".kv_events", "with discover, the endpoints must name the url's host %q: each engine publishes its own events at its address", u.Hostname())
 		}
 		if m := b.Mock; !finiteNonNegative(m.Speedup) || m.CacheBlocks < 0 || m.HostCacheBlocks < 0 || m.MaxNumSeqs < 0 || m.MaxNumBatchedTokens < 0 || m.MaxLoRAs < 0 {
 			add(f+".mock", "values must be numbers, not negative")

@@ -1,6 +1,7 @@
 package config
 
 import (
+	"fmt"
 	"net"
 	"net/url"
 	"slices"
@@ -31,19 +32,28 @@ func (b *Backend) DiscoverHost() string {
 // Expand returns the configuration with each discovery template replaced
 // by one backend per address in addrs[template id], in the order given:
 // its id followed by "@address", the address standing for the url's host
-// in the url and in the kv_events endpoints that name it. A template with
-// no address stands for no backend. The result is validated; c is not
-// changed. A configuration without templates is returned as it is.
-func (c *Config) Expand(addrs map[string][]string) (*Config, error) {
+// in the url and in the kv_events endpoints. A template with no address
+// stands for no backend. An address whose backend would take the id of
+// another, or serve its model from the same engine, is left out and
+// named in skipped (one bad address must not hold up the others). The
+// result is validated; c is not changed. A configuration without
+// templates is returned as it is.
+func (c *Config) Expand(addrs map[string][]string) (out *Config, skipped []string, err error) {
 	if len(c.Templates()) == 0 {
-		return c, nil
+		return c, nil, nil
 	}
-	out := *c
-	out.discovering = true
-	out.Backends = nil
+	x := *c
+	x.discovering = true
+	x.Backends = nil
+	ids, engines := map[string]bool{}, map[string]bool{}
 	for _, b := range c.Backends {
 		if b.Discover == "" {
-			out.Backends = append(out.Backends, b)
+			x.Backends = append(x.Backends, b)
+			ids[b.ID], engines[engineKey(b)] = true, true
+		}
+	}
+	for _, b := range c.Backends {
+		if b.Discover == "" {
 			continue
 		}
 		host := b.DiscoverHost()
@@ -51,44 +61,80 @@ func (c *Config) Expand(addrs map[string][]string) (*Config, error) {
 			nb := b
 			nb.Discover, nb.DiscoverInterval = "", 0
 			nb.ID = b.ID + "@" + a
-			nb.URL = withHost(b.URL, host, a)
+			u, _ := url.Parse(b.URL) // valid: c is
+			u.Host = net.JoinHostPort(a, u.Port())
+			if u.Port() == "" {
+				u.Host = bracketed(a)
+			}
+			nb.URL = u.String()
 			nb.KVEvents.Endpoint = withHost(b.KVEvents.Endpoint, host, a)
 			nb.KVEvents.Replay = withHost(b.KVEvents.Replay, host, a)
-			out.Backends = append(out.Backends, nb)
+			if ids[nb.ID] || engines[engineKey(nb)] {
+				skipped = append(skipped, fmt.Sprintf("%s (%s): another backend has its id or serves its model from that engine", nb.ID, nb.URL))
+				continue
+			}
+			ids[nb.ID], engines[engineKey(nb)] = true, true
+			x.Backends = append(x.Backends, nb)
 		}
 	}
-	out.Backends = slices.Clip(out.Backends)
-	if err := out.Validate(); err != nil {
-		return nil, err
+	x.Backends = slices.Clip(x.Backends)
+	if err := x.Validate(); err != nil {
+		return nil, skipped, err
 	}
-	return &out, nil
+	return &x, skipped, nil
 }
 
-// withHost replaces host in an endpoint's "//host:" or "//host/" or a
-// trailing "//host" with addr (bracketed when IPv6).
-func withHost(endpoint, host, addr string) string {
-	if strings.Contains(addr, ":") {
-		addr = "[" + addr + "]"
+// engineKey is what makes two backends one engine serving one model (see
+// Validate).
+func engineKey(b Backend) string {
+	u, err := url.Parse(b.URL)
+	if err != nil {
+		return b.URL
 	}
-	i := strings.Index(endpoint, "//"+host)
-	if i < 0 {
+	return b.Model + "\x00" + u.Scheme + "://" + strings.ToLower(u.Host) + "\x00" + b.APIKey
+}
+
+func bracketed(addr string) string {
+	if strings.Contains(addr, ":") {
+		return "[" + addr + "]"
+	}
+	return addr
+}
+
+// withHost replaces host (in any case) in an endpoint's "//host:",
+// "//host/" or trailing "//host" with addr.
+func withHost(endpoint, host, addr string) string {
+	i := strings.Index(strings.ToLower(endpoint), "//"+strings.ToLower(host))
+	if i < 0 || host == "" {
 		return endpoint
 	}
 	rest := endpoint[i+2+len(host):]
 	if rest != "" && rest[0] != ':' && rest[0] != '/' {
 		return endpoint // another name that starts with host
 	}
-	return endpoint[:i+2] + addr + rest
+	return endpoint[:i+2] + bracketed(addr) + rest
 }
 
-// ResolvedAddrs sorts and de-duplicates what a lookup returned.
+// namesHost reports whether a ZMQ endpoint is on host (in any case).
+func namesHost(endpoint, host string) bool {
+	return withHost(endpoint, host, "x") != endpoint
+}
+
+// ResolvedAddrs sorts and de-duplicates what a lookup returned, keeping
+// only the IPv4 addresses when there are any: a dual-stack name has an A
+// and an AAAA record for each engine, which would be two backends.
 func ResolvedAddrs(addrs []string) []string {
 	out := make([]string, 0, len(addrs))
+	v4 := false
 	for _, a := range addrs {
 		if ip := net.ParseIP(a); ip != nil {
 			a = ip.String()
+			v4 = v4 || ip.To4() != nil
 		}
 		out = append(out, a)
+	}
+	if v4 {
+		out = slices.DeleteFunc(out, func(a string) bool { ip := net.ParseIP(a); return ip != nil && ip.To4() == nil })
 	}
 	slices.Sort(out)
 	return slices.Compact(out)

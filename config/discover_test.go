@@ -25,9 +25,13 @@ func TestExpandDiscoveryTemplates(t *testing.T) {
 	if ts := c.Templates(); len(ts) != 1 || ts[0].DiscoverInterval.String() != "10s" || ts[0].DiscoverHost() != "vllm.default.svc.cluster.local" {
 		t.Fatalf("templates %+v", ts)
 	}
-	x, err := c.Expand(map[string][]string{"pool": {"10.0.0.5", "fd00::7"}})
+	x, skipped, err := c.Expand(map[string][]string{"pool": {"10.0.0.5", "fd00::7", "10.0.0.9"}})
 	if err != nil {
 		t.Fatal(err)
+	}
+	// 10.0.0.9:8000 is the static backend's engine: left out, said why.
+	if len(skipped) != 1 || !strings.HasPrefix(skipped[0], "pool@10.0.0.9 (http://10.0.0.9:8000)") {
+		t.Errorf("skipped %q", skipped)
 	}
 	var got []string
 	for _, b := range x.Backends {
@@ -48,14 +52,22 @@ func TestExpandDiscoveryTemplates(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if x, err := only.Expand(nil); err != nil || len(x.Backends) != 0 || len(x.Templates()) != 0 {
+	if x, _, err := only.Expand(nil); err != nil || len(x.Backends) != 0 || len(x.Templates()) != 0 {
 		t.Fatalf("no address: %v, %+v", err, x)
 	}
 	if withHost("tcp://vllmx:5557", "vllm", "10.0.0.1") != "tcp://vllmx:5557" {
 		t.Error("a longer name that starts with the host was rewritten")
 	}
-	if got := ResolvedAddrs([]string{"10.0.0.2", "10.0.0.1", "10.0.0.2", "FD00:0::7"}); strings.Join(got, ",") != "10.0.0.1,10.0.0.2,fd00::7" {
+	// A dual-stack name: the IPv4 addresses, one per engine; IPv6 only
+	// when that is all.
+	if got := ResolvedAddrs([]string{"10.0.0.2", "10.0.0.1", "10.0.0.2", "FD00:0::7"}); strings.Join(got, ",") != "10.0.0.1,10.0.0.2" {
 		t.Errorf("resolved %v", got)
+	}
+	if got := ResolvedAddrs([]string{"FD00:0::7", "fd00::6"}); strings.Join(got, ",") != "fd00::6,fd00::7" {
+		t.Errorf("resolved %v", got)
+	}
+	if withHost("tcp://VLLM.default:5557", "vllm.DEFAULT", "10.0.0.1") != "tcp://10.0.0.1:5557" {
+		t.Error("the host is a name: in any case")
 	}
 }
 
@@ -66,6 +78,9 @@ func TestDiscoveryValidation(t *testing.T) {
 		"https":                 {`{id: a, url: "https://engines", discover: dns}`, "backends[0].discover: needs an http url"},
 		"interval too short":    {`{id: a, url: "http://engines:8000", discover: dns, discover_interval: 100ms}`, "backends[0].discover_interval: must be at least 1s"},
 		"interval, no discover": {`{id: a, url: "http://engines:8000", discover_interval: 5s}`, "backends[0].discover_interval: only applies with discover"},
+		"user info":             {`{id: a, url: "http://u:p@engines:8000", discover: dns}`, "backends[0].url: with discover, no user info"},
+		"events elsewhere": {`{id: a, url: "http://engines:8000", discover: dns, kv_events: {mode: zmq, endpoint: "tcp://events:5557"}}`,
+			"backends[0].kv_events: with discover, the endpoints must name the url's host"},
 	} {
 		_, err := Parse([]byte("models: [{name: m}]\nbackends:\n  - " + tc.line + "\n"))
 		if err == nil || !strings.Contains(err.Error(), tc.want) {

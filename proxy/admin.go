@@ -151,37 +151,53 @@ func (s *Server) handleModel(ctx *fasthttp.RequestCtx, st *state) {
 	modelNotFound(ctx, id)
 }
 
-// handleHealth is readiness: 200 while a backend is healthy (with
-// ?model=NAME, one of that model's, by name or alias), else 503, with the
-// healthy backends of each model.
+// handleHealth is readiness: 200 while a backend that serves requests
+// (not a prefill engine alone) is healthy, with ?model=NAME one of that
+// model's (by name or alias), else 503. The healthy backends of each model
+// are named to whom /v1/models names the models: its tenant's to a client,
+// all to an admin, all when no keys are configured.
 func (s *Server) handleHealth(ctx *fasthttp.RequestCtx, st *state) {
 	// Healthy, not available: a backend at max_concurrency or cooling down
 	// after a 429 is busy, and a proxy whose backends are all busy is not
 	// one to take out of service.
-	healthy, models := 0, make(map[string]int, len(st.pools))
-	for _, p := range st.pools {
-		models[p.cfg.Name] = 0
-	}
+	healthy, byModel := 0, make(map[string]int, len(st.pools))
 	for _, b := range st.backends {
-		if b.healthy() {
+		if b.healthy() && !b.prefillOnly() {
 			healthy++
-			models[b.pool.cfg.Name]++
+			byModel[b.pool.cfg.Name]++
+		}
+	}
+	t, admin := st.auth.client(ctx), st.auth.isAdmin(ctx)
+	var shown map[string]int
+	if t != nil || admin {
+		shown = make(map[string]int, len(st.pools))
+		for _, p := range st.pools {
+			if admin || t.mayUse(p) {
+				shown[p.cfg.Name] = byModel[p.cfg.Name]
+			}
 		}
 	}
 	if name := ctx.QueryArgs().Peek("model"); name != nil {
 		p := st.models[string(name)]
-		if p == nil {
+		switch {
+		case t == nil && !admin:
+			unauthorized(ctx)
+			return
+		case !admin && !t.mayUse(p) || p == nil:
 			modelNotFound(ctx, string(name))
 			return
 		}
-		healthy = models[p.cfg.Name]
+		healthy = byModel[p.cfg.Name]
 	}
-	status := "ok"
+	body := map[string]any{"status": "ok", "healthy_backends": healthy}
+	if shown != nil {
+		body["models"] = shown
+	}
 	if healthy == 0 {
 		ctx.SetStatusCode(fasthttp.StatusServiceUnavailable)
-		status = "unavailable"
+		body["status"] = "unavailable"
 	}
-	writeJSON(ctx, map[string]any{"status": status, "healthy_backends": healthy, "models": models})
+	writeJSON(ctx, body)
 }
 
 // handleLive is liveness: 200 while kvproxy serves, whatever its engines'

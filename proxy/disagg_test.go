@@ -1,6 +1,8 @@
 package proxy
 
 import (
+	"io"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -201,4 +203,22 @@ func TestDisaggregatedPrefillCarriesTheTenantsPriority(t *testing.T) {
 		t.Fatalf("priorities sent: prefill %v, decode %v; want the tenant's 10 to both", got, got2)
 	}
 	p.waitIdle(t)
+}
+
+// A prefill engine serves no request alone: with only it healthy, /health
+// and kvproxy_model_healthy_backends say the model is down, as its
+// requests get 503 (the review).
+func TestHealthDoesNotCountPrefillEngines(t *testing.T) {
+	_, _, p := startPD(t, nil, "[{name: m}]", "")
+	p.s.st.Load().backends["dec"].setProbe(false, "")
+	resp, err := http.Get(p.url + "/health?model=m")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 503 || !strings.Contains(string(b), `"healthy_backends":0`) {
+		t.Fatalf("/health with only the prefill engine up: %d %s", resp.StatusCode, b)
+	}
+	wantMetrics(t, p.metrics(t), `kvproxy_model_healthy_backends{model="m"} 0`)
 }

@@ -28,10 +28,9 @@ func honourConnectionClose(ctx *fasthttp.RequestCtx) {
 // connection open.
 //
 // A Transfer-Encoding fasthttp did not read as chunked (identity, which it
-// ignores) is refused with a 501 and a closed connection, as nginx and Go
-// refuse it: RFC 9112 §6.3 has a request whose last coding is not chunked
-// refused, and the body, of no length fasthttp heeds, was read as the
-// next request.
+// ignores) is refused with a 400 and a closed connection, as RFC 9112 §6.3
+// has a request whose last coding is not chunked refused: its body, of no
+// length fasthttp heeds, was read as the next request.
 func refuseAmbiguousFraming(ctx *fasthttp.RequestCtx) bool {
 	h := &ctx.Request.Header
 	if h.ContentLength() != -1 { // -1: chunked
@@ -39,7 +38,7 @@ func refuseAmbiguousFraming(ctx *fasthttp.RequestCtx) bool {
 			return false
 		}
 		ctx.SetConnectionClose()
-		writeError(ctx, fasthttp.StatusNotImplemented, "the request's Transfer-Encoding is not chunked: send its body with Content-Length or chunked",
+		writeError(ctx, fasthttp.StatusBadRequest, "the request's Transfer-Encoding is not chunked: send its body with Content-Length or chunked",
 			"invalid_request_error", "", "unsupported_transfer_encoding")
 		return true
 	}

@@ -46,7 +46,7 @@ func TestBothContentLengthAndChunkedRefused(t *testing.T) {
 			t.Fatalf("%q: the connection went on (closed %v):\n%s", head, closed, answer)
 		}
 	}
-	// A coding other than chunked is refused, 501 as by nginx and Go, and
+	// A coding other than chunked is refused, 400 as RFC 9112 §6.3 has it, and
 	// the connection closed: fasthttp ignored identity, and read the body
 	// as the next request (the HTTP trial reached /admin/backends so).
 	for _, head := range []string{"Transfer-Encoding: identity\r\n", "transfer-encoding: IDENTITY\r\nContent-Length: 27\r\n"} {
@@ -55,7 +55,7 @@ func TestBothContentLengthAndChunkedRefused(t *testing.T) {
 			smuggled = body + smuggled
 		}
 		answer, closed := rawExchange(t, p, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"+head+"\r\n"+smuggled)
-		if !strings.HasPrefix(answer, "HTTP/1.1 501 ") || !strings.Contains(answer, `"code":"unsupported_transfer_encoding"`) ||
+		if !strings.HasPrefix(answer, "HTTP/1.1 400 ") || !strings.Contains(answer, `"code":"unsupported_transfer_encoding"`) ||
 			!closed || strings.Count(answer, "HTTP/1.1 ") != 1 {
 			t.Fatalf("%q: closed %v:\n%s", head, closed, answer)
 		}

@@ -250,7 +250,7 @@ var (
 	tenantDesc   = prometheus.NewDesc("kvproxy_tenant_inflight_requests", "Requests in flight per tenant with a max_concurrency.", []string{"tenant"}, nil)
 	modelUpDesc  = prometheus.NewDesc("kvproxy_model_healthy_backends", "Healthy backends per configured model (0: the model's requests are answered 503).", []string{"model"}, nil)
 	queuedDesc   = prometheus.NewDesc("kvproxy_queue_waiting", "Requests waiting for a backend slot (limits.max_queue), per configured model.", []string{"model"}, nil)
-	tokCacheDesc = prometheus.NewDesc("kvproxy_tokenizer_cache_bytes", "Bytes of token ids and message text the model's tokenizer cache holds (models[].tokenizer_cache_mb bounds it).", []string{"model"}, nil)
+	tokCacheDesc = prometheus.NewDesc("kvproxy_tokenizer_cache_bytes", "Bytes of token ids and message text the model's tokenizer cache holds (models[].tokenizer_cache_mb bounds it; with tokenizer: engine, the engine's answers, up to 32 MiB).", []string{"model"}, nil)
 	infoDesc     = prometheus.NewDesc("kvproxy_backend_info", "1 for each configured backend, with its model, kind and role: join on backend to break the per-backend series down by model.", []string{"backend", "model", "kind", "role"}, nil)
 	feedDesc     = prometheus.NewDesc("kvproxy_kv_events_connected", "1 while the backend's ZMQ KV event feed is connected (every data-parallel rank's); only backends with kv_events mode zmq.", []string{"backend"}, nil)
 )
@@ -339,7 +339,7 @@ func (s *Server) inflightByID(st *state) map[string]int64 {
 func (c *loadCollector) collectModels(ch chan<- prometheus.Metric, st *state, rows []backendJSON) {
 	healthy := map[string]int{}
 	for _, r := range rows {
-		if !r.Draining && r.Healthy {
+		if !r.Draining && r.Healthy && r.Role != config.RolePrefill { // a prefill engine serves no request alone
 			healthy[r.Model]++
 		}
 	}

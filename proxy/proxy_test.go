@@ -1172,6 +1172,40 @@ func TestHealthPerModelAndLiveness(t *testing.T) {
 	if code, _ := get("/livez"); code != 200 {
 		t.Errorf("/livez with every engine down: %d", code)
 	}
+	// With keys, the models are named to whom /v1/models names them.
+	keyed := startProxyYAML(t, "models: [{name: big}, {name: small}]\n"+
+		"backends: [{id: big-0, url: 'http://{{e0}}', model: big}, {id: small-0, url: 'http://{{e1}}', model: small}]\n"+
+		"tenants: [{name: t, models: [small]}]\nauth: {keys: [{key: client-key-1, tenant: t}], admin_keys: [admin-key-1]}\n", big, small)
+	for _, tc := range []struct{ path, key, want string }{
+		{"/health", "", `200 {"healthy_backends":2,"status":"ok"}`},
+		{"/health", "client-key-1", `200 {"healthy_backends":2,"models":{"small":1},"status":"ok"}`},
+		{"/health", "admin-key-1", `200 {"healthy_backends":2,"models":{"big":1,"small":1},"status":"ok"}`},
+		{"/health?model=small", "client-key-1", `200 {"healthy_backends":1,"models":{"small":1},"status":"ok"}`},
+		{"/health?model=big", "admin-key-1", `200 {"healthy_backends":1,"models":{"big":1,"small":1},"status":"ok"}`},
+	} {
+		req, _ := http.NewRequest("GET", keyed.url+tc.path, nil)
+		if tc.key != "" {
+			req.Header.Set("Authorization", "Bearer "+tc.key)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if got := fmt.Sprint(resp.StatusCode, " ", string(b)); got != tc.want {
+			t.Errorf("%s with %q: %s, want %s", tc.path, tc.key, got, tc.want)
+		}
+	}
+	for key, want := range map[string]int{"": 401, "client-key-1": 404} { // big is not the tenant's
+		req, _ := http.NewRequest("GET", keyed.url+"/health?model=big", nil)
+		if key != "" {
+			req.Header.Set("Authorization", "Bearer "+key)
+		}
+		if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != want {
+			t.Errorf("/health?model=big with %q: %v %v, want %d", key, resp.StatusCode, err, want)
+		}
+	}
 	// The per-backend series break down by model through the info series.
 	wantMetrics(t, p.metrics(t),
 		`kvproxy_backend_info{backend="big-0",kind="vllm",model="big",role="both"} 1`,

@@ -30,17 +30,17 @@ func newDiscoverer(log zerolog.Logger) *discoverer {
 // discoverTimeout bounds one lookup.
 const discoverTimeout = 5 * time.Second
 
-// resolve looks up every template. A failed lookup keeps the addresses its template had (a DNS
+// resolve looks up every template (its caller holds the lock that orders
+// resolutions and reloads: a slow lookup's older answer must not undo a
+// reload's). A failed lookup keeps the addresses its template had (a DNS
 // server's hiccup must not take every engine out), except a name that
 // does not exist, as a headless service with no engine ready: it stands
 // for none.
-func (d *discoverer) resolve(templates []config.Backend) {
-	seen := make(map[string]bool, len(templates))
+func (d *discoverer) resolve(ctx context.Context, templates []config.Backend) {
 	for _, t := range templates {
-		seen[t.ID] = true
 		host := t.DiscoverHost()
-		ctx, cancel := context.WithTimeout(context.Background(), discoverTimeout)
-		got, err := d.lookup(ctx, host)
+		lctx, cancel := context.WithTimeout(ctx, discoverTimeout)
+		got, err := d.lookup(lctx, host)
 		cancel()
 		var de *net.DNSError
 		switch {
@@ -48,6 +48,8 @@ func (d *discoverer) resolve(templates []config.Backend) {
 			got = config.ResolvedAddrs(got)
 		case errors.As(err, &de) && de.IsNotFound:
 			got = nil
+		case ctx.Err() != nil:
+			return // shutting down
 		default:
 			d.log.Warn().Str("backend", t.ID).Str("host", host).Err(err).Msg("discovery: lookup failed; keeping the addresses it had")
 			continue
@@ -59,22 +61,19 @@ func (d *discoverer) resolve(templates []config.Backend) {
 		}
 		d.mu.Unlock()
 	}
-	d.mu.Lock()
-	for id := range d.addrs {
-		if !seen[id] {
-			delete(d.addrs, id)
-		}
-	}
-	d.mu.Unlock()
 }
 
-// snapshot is what each template stands for now.
-func (d *discoverer) snapshot() map[string][]string {
+// found is what each of the templates stands for now (a template of an
+// earlier configuration keeps its entry: a reload that fails, or one
+// that puts it back, finds it there).
+func (d *discoverer) found(templates []config.Backend) map[string][]string {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	out := make(map[string][]string, len(d.addrs))
-	for id, a := range d.addrs {
-		out[id] = slices.Clone(a)
+	out := make(map[string][]string, len(templates))
+	for _, t := range templates {
+		if a, ok := d.addrs[t.ID]; ok {
+			out[t.ID] = slices.Clone(a)
+		}
 	}
 	return out
 }
@@ -91,12 +90,12 @@ func every(templates []config.Backend) time.Duration {
 	return d
 }
 
-// watch resolves the templates current() returns again every interval,
-// and then calls sync (which applies what changed since it last applied,
-// or failed to), until ctx ends.
-func (d *discoverer) watch(ctx context.Context, current func() []config.Backend, sync func()) {
+// watch calls tick (which resolves the templates in force and applies
+// what changed) every interval, the shortest discover_interval of the
+// templates interval returns, until ctx ends.
+func (d *discoverer) watch(ctx context.Context, interval func() time.Duration, tick func()) {
 	for {
-		wait := every(current())
+		wait := interval()
 		if wait == 0 {
 			wait = 10 * time.Second // none now; a reload may add some
 		}
@@ -105,9 +104,6 @@ func (d *discoverer) watch(ctx context.Context, current func() []config.Backend,
 			return
 		case <-time.After(wait):
 		}
-		if ts := current(); len(ts) > 0 {
-			d.resolve(ts)
-			sync()
-		}
+		tick()
 	}
 }

@@ -138,3 +138,87 @@ func TestDiscoveredBackendsFollowTheirName(t *testing.T) {
 		t.Errorf("the log does not tell of the changes:\n%s", p.logs.String())
 	}
 }
+
+// gatedDNS answers from a table, and holds lookups of one host while its
+// gate is set (a slow DNS server).
+type gatedDNS struct {
+	mu      sync.Mutex
+	table   map[string][]string
+	gate    chan struct{}
+	blocked chan struct{}
+}
+
+func (g *gatedDNS) lookup(ctx context.Context, host string) ([]string, error) {
+	g.mu.Lock()
+	gate := g.gate
+	addrs, ok := g.table[host]
+	g.mu.Unlock()
+	if gate != nil && host == "a.test" {
+		select {
+		case g.blocked <- struct{}{}:
+		default:
+		}
+		select {
+		case <-gate:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	if !ok {
+		return nil, &net.DNSError{Err: "no such host", Name: host, IsNotFound: true}
+	}
+	return addrs, nil
+}
+
+// A reload that adds a template while the watcher looks the old ones up
+// keeps what it added: the watcher's older answer undid it (the review:
+// resolve forgot the new template, and the sync removed its backends).
+func TestReloadDuringADiscoveryLookup(t *testing.T) {
+	dns := &gatedDNS{table: map[string][]string{"a.test": {"127.0.0.1"}, "b.test": {"127.0.0.2"}}, blocked: make(chan struct{}, 1)}
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	head := "listen: 127.0.0.1:0\nlog_level: info\nmodels: [{name: m}]\nhealth: {interval: 1h}\nbackends:\n"
+	tA := "  - {id: a, url: 'http://a.test:29999', model: m, discover: dns, discover_interval: 1s}\n"
+	tB := "  - {id: b, url: 'http://b.test:29999', model: m, discover: dns, discover_interval: 1s}\n"
+	os.WriteFile(cfg, []byte(head+tA), 0o644)
+	p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
+	release := make(chan struct{})
+	dns.mu.Lock()
+	dns.gate = release
+	dns.mu.Unlock()
+	<-dns.blocked // the watcher's lookup of a.test waits
+	os.WriteFile(cfg, []byte(head+tA+tB), 0o644)
+	reloaded := make(chan struct{})
+	go func() { defer close(reloaded); p.reload(t) }()
+	time.Sleep(200 * time.Millisecond)
+	close(release)
+	<-reloaded
+	ids := func() []string {
+		resp, err := http.Get("http://" + p.addr + "/admin/backends")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var rows []struct {
+			ID       string `json:"id"`
+			Draining bool   `json:"draining"`
+		}
+		json.NewDecoder(resp.Body).Decode(&rows)
+		var out []string
+		for _, r := range rows {
+			if !r.Draining {
+				out = append(out, r.ID)
+			}
+		}
+		slices.Sort(out)
+		return out
+	}
+	for range 3 { // through two more ticks
+		if got := ids(); !slices.Equal(got, []string{"a@127.0.0.1", "b@127.0.0.2"}) {
+			t.Fatalf("backends %q after a reload that added b", got)
+		}
+		time.Sleep(600 * time.Millisecond)
+	}
+	if strings.Contains(p.logs.String(), `"backends_removed"`) {
+		t.Fatalf("a backend was removed:\n%s", p.logs.String())
+	}
+}

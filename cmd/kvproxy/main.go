@@ -61,6 +61,13 @@ type command struct {
 	lookup func(ctx context.Context, host string) ([]string, error)
 }
 
+// logSkipped warns of the discovered addresses Expand left out.
+func logSkipped(log zerolog.Logger, skipped []string) {
+	for _, sk := range skipped {
+		log.Warn().Str("backend", sk).Msg("discovery: address left out")
+	}
+}
+
 func (c *command) discoverer(log zerolog.Logger) *discoverer {
 	d := newDiscoverer(log)
 	if c.lookup != nil {
@@ -110,12 +117,13 @@ func (c *command) run(args []string) (code int) {
 		ev.Int("code", code).Msg("kvproxy exited")
 	}()
 	disc := c.discoverer(log)
-	disc.resolve(tmpl.Templates())
-	cfg, err := tmpl.Expand(disc.snapshot())
+	disc.resolve(context.Background(), tmpl.Templates())
+	cfg, skipped, err := tmpl.Expand(disc.found(tmpl.Templates()))
 	if err != nil {
 		fmt.Fprintln(c.stderr, "kvproxy:", err)
 		return 2
 	}
+	logSkipped(log, skipped)
 
 	c.mocks = newMockFleet(log)
 	if c.listen != nil {
@@ -153,14 +161,15 @@ func (c *command) run(args []string) (code int) {
 	// way, to the configuration in force (the file is read only at a
 	// reload).
 	var reloadMu sync.Mutex
-	current, currentTmpl, applied := cfg, tmpl, disc.snapshot()
+	current, currentTmpl, applied := cfg, tmpl, disc.found(tmpl.Templates())
 	apply := func(nextTmpl *config.Config) error {
-		found := disc.snapshot()
-		next, err := nextTmpl.Expand(found)
+		found := disc.found(nextTmpl.Templates())
+		next, skipped, err := nextTmpl.Expand(found)
 		if err != nil {
 			srv.ReloadFailed()
 			return err
 		}
+		logSkipped(log, skipped)
 		started, err := c.mocks.start(next)
 		if err != nil {
 			srv.ReloadFailed()
@@ -202,21 +211,28 @@ func (c *command) run(args []string) (code int) {
 		if *listen != "" {
 			nextTmpl.Listen = current.Listen // the flag, not the file, says where to listen
 		}
-		disc.resolve(nextTmpl.Templates())
+		disc.resolve(context.Background(), nextTmpl.Templates())
 		return apply(nextTmpl)
 	}
 	srv.SetReloader(reload)
 	watchCtx, stopWatch := context.WithCancel(context.Background())
 	defer stopWatch()
-	go disc.watch(watchCtx, func() []config.Backend {
+	go disc.watch(watchCtx, func() time.Duration {
 		reloadMu.Lock()
 		defer reloadMu.Unlock()
-		return currentTmpl.Templates()
+		return every(currentTmpl.Templates())
 	}, func() {
+		// Under the reload's lock, lookups included: a reload while a
+		// lookup ran would otherwise be undone by its older answer.
 		reloadMu.Lock()
 		defer reloadMu.Unlock()
-		if maps.EqualFunc(applied, disc.snapshot(), slices.Equal) {
+		ts := currentTmpl.Templates()
+		if len(ts) == 0 || watchCtx.Err() != nil {
 			return
+		}
+		disc.resolve(watchCtx, ts)
+		if watchCtx.Err() != nil || maps.EqualFunc(applied, disc.found(ts), slices.Equal) {
+			return // draining, or nothing changed since the last apply
 		}
 		if err := apply(currentTmpl); err != nil {
 			log.Error().Err(err).Msg("discovery: the backends found could not be applied; the current ones keep serving")
@@ -240,6 +256,7 @@ wait:
 			}
 		case sig := <-c.term:
 			log.Info().Str("signal", sig.String()).Msg("shutting down; a second signal exits at once")
+			stopWatch() // no engine comes or goes while draining, as no reload does
 			break wait
 		}
 	}
