@@ -39,6 +39,35 @@ func (f *fakeDNS) lookup(_ context.Context, host string) ([]string, error) {
 	return slices.Clone(f.addrs), f.err
 }
 
+// liveBackends lists the backends /admin/backends shows that are not
+// draining, sorted: their ids, and with urls their urls.
+func liveBackends(t *testing.T, p *proxyRun, urls bool) []string {
+	t.Helper()
+	resp, err := http.Get("http://" + p.addr + "/admin/backends")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var rows []struct {
+		ID       string `json:"id"`
+		URL      string `json:"url"`
+		Draining bool   `json:"draining"`
+	}
+	json.NewDecoder(resp.Body).Decode(&rows)
+	var out []string
+	for _, r := range rows {
+		if !r.Draining {
+			if urls {
+				out = append(out, r.ID+" "+r.URL)
+			} else {
+				out = append(out, r.ID)
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
 // backends discovered by DNS (backends[].discover: dns): kvproxy serves
 // the engines at the addresses the name resolves to, takes the ones that
 // appear and drops the ones that go, keeps them through a lookup that
@@ -70,27 +99,7 @@ func TestDiscoveredBackendsFollowTheirName(t *testing.T) {
 	os.WriteFile(cfg, fmt.Appendf(nil, "listen: 127.0.0.1:0\nlog_level: info\nmodels: [{name: m}]\nrouter: {policy: round_robin}\n"+
 		"backends: [{id: pool, url: 'http://engines.test:%d', discover: dns, discover_interval: 1s}]\n", port), 0o644)
 	p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
-	ids := func() []string {
-		resp, err := http.Get("http://" + p.addr + "/admin/backends")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		var rows []struct {
-			ID       string `json:"id"`
-			URL      string `json:"url"`
-			Draining bool   `json:"draining"`
-		}
-		json.NewDecoder(resp.Body).Decode(&rows)
-		var out []string
-		for _, r := range rows {
-			if !r.Draining {
-				out = append(out, r.ID+" "+r.URL)
-			}
-		}
-		slices.Sort(out)
-		return out
-	}
+	ids := func() []string { return liveBackends(t, p, true) }
 	await := func(want ...string) {
 		t.Helper()
 		deadline := time.Now().Add(5 * time.Second)
@@ -192,26 +201,7 @@ func TestReloadDuringADiscoveryLookup(t *testing.T) {
 	time.Sleep(200 * time.Millisecond)
 	close(release)
 	<-reloaded
-	ids := func() []string {
-		resp, err := http.Get("http://" + p.addr + "/admin/backends")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		var rows []struct {
-			ID       string `json:"id"`
-			Draining bool   `json:"draining"`
-		}
-		json.NewDecoder(resp.Body).Decode(&rows)
-		var out []string
-		for _, r := range rows {
-			if !r.Draining {
-				out = append(out, r.ID)
-			}
-		}
-		slices.Sort(out)
-		return out
-	}
+	ids := func() []string { return liveBackends(t, p, false) }
 	for range 3 { // through two more ticks
 		if got := ids(); !slices.Equal(got, []string{"a@127.0.0.1", "b@127.0.0.2"}) {
 			t.Fatalf("backends %q after a reload that added b", got)
