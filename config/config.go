@@ -800,7 +800,9 @@ func (c *Config) Validate() error {
 	// A prefill engine's work is decoded elsewhere: its model needs an
 	// engine that serves whole requests.
 	for i, b := range c.Backends {
-		if b.Role == RolePrefill && !slices.ContainsFunc(c.Backends, func(o Backend) bool { return o.Model == b.Model && o.Role != RolePrefill }) {
+		// Not of discovered engines: those that decode may come and go
+		// (the templates were checked so when the file was read).
+		if b.Role == RolePrefill && !c.discovering && !slices.ContainsFunc(c.Backends, func(o Backend) bool { return o.Model == b.Model && o.Role != RolePrefill }) {
 			add(fmt.Sprintf("backends[%d].role", i), "model %q has no backend that decodes (role both) for its prefill engines", b.Model)
 		}
 	}

@@ -104,15 +104,21 @@ func bracketed(addr string) string {
 // withHost replaces host (in any case) in an endpoint's "//host:",
 // "//host/" or trailing "//host" with addr.
 func withHost(endpoint, host, addr string) string {
-	i := strings.Index(strings.ToLower(endpoint), "//"+strings.ToLower(host))
-	if i < 0 || host == "" {
+	if host == "" {
 		return endpoint
 	}
-	rest := endpoint[i+2+len(host):]
-	if rest != "" && rest[0] != ':' && rest[0] != '/' {
-		return endpoint // another name that starts with host
+	for i := 0; ; {
+		j := strings.Index(endpoint[i:], "//")
+		if j < 0 {
+			return endpoint
+		}
+		at := i + j + 2
+		if end := at + len(host); end <= len(endpoint) && strings.EqualFold(endpoint[at:end], host) &&
+			(end == len(endpoint) || endpoint[end] == ':' || endpoint[end] == '/') {
+			return endpoint[:at] + bracketed(addr) + endpoint[end:]
+		}
+		i = at
 	}
-	return endpoint[:i+2] + bracketed(addr) + rest
 }
 
 // namesHost reports whether a ZMQ endpoint is on host (in any case).

@@ -69,6 +69,20 @@ func TestExpandDiscoveryTemplates(t *testing.T) {
 	if withHost("tcp://VLLM.default:5557", "vllm.DEFAULT", "10.0.0.1") != "tcp://10.0.0.1:5557" {
 		t.Error("the host is a name: in any case")
 	}
+	// Letters whose lower case is longer moved the index (the second
+	// review: a panic while reading the file).
+	if got := withHost("tcp://ȺȺȺȺȺȺ//h", "h", "10.0.0.1"); got != "tcp://ȺȺȺȺȺȺ//10.0.0.1" {
+		t.Errorf("withHost: %q", got)
+	}
+	// A prefill engine beside a decoding template that stands for none
+	// is a model that waits for its engines, not a mistake.
+	pd, err := Parse([]byte("models: [{name: m}]\nbackends:\n  - {id: pre, url: 'http://10.0.0.9:8000', role: prefill}\n  - {id: dec, url: 'http://dec:8000', discover: dns}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := pd.Expand(nil); err != nil {
+		t.Errorf("prefill engine and a template of none: %v", err)
+	}
 }
 
 func TestDiscoveryValidation(t *testing.T) {

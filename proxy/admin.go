@@ -101,6 +101,9 @@ func (s *Server) poolFor(st *state, t *tenant, model string, named bool) (p *mod
 	if q := s.awaitPoolOfAdapter(st, model, t); q != nil {
 		return q, ""
 	}
+	if q := st.served[model]; q != nil && t.mayUse(q) {
+		return q, ""
+	}
 	// A model the tenant may not use took the time an unknown one takes
 	// (the first read of the engines' adapter lists, after a start).
 	if p == nil {
@@ -179,6 +182,9 @@ func (s *Server) handleHealth(ctx *fasthttp.RequestCtx, st *state) {
 	}
 	if name := ctx.QueryArgs().Peek("model"); name != nil {
 		p := st.models[string(name)]
+		if p == nil {
+			p = st.served[string(name)]
+		}
 		switch {
 		case t == nil && !admin:
 			unauthorized(ctx)

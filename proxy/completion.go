@@ -1398,10 +1398,10 @@ func (x *exchange) answerRefusal(ctx *fasthttp.RequestCtx) {
 		ctx.Response.Header.SetContentType("application/json")
 		ctx.SetBody(x.refusal)
 	}
-	// An engine's failure (500, 504) gets no Retry-After of kvproxy's own:
-	// the request, tried elsewhere, may be the cause.
-	if ra := x.refusalRetry; ra != "" || x.refusalCode != fasthttp.StatusNotFound &&
-		x.refusalCode != fasthttp.StatusInternalServerError && x.refusalCode != fasthttp.StatusGatewayTimeout {
+	// An engine's failure (500, 502, 504) gets no Retry-After of kvproxy's
+	// own: the request, tried elsewhere, may be the cause.
+	if ra := x.refusalRetry; ra != "" || x.refusalCode != fasthttp.StatusNotFound && x.refusalCode != fasthttp.StatusInternalServerError &&
+		x.refusalCode != fasthttp.StatusBadGateway && x.refusalCode != fasthttp.StatusGatewayTimeout {
 		if ra == "" {
 			ra = "1"
 		}

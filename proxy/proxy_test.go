@@ -1261,6 +1261,20 @@ func TestServedModelNamesItsModel(t *testing.T) {
 		t.Fatalf("/v1/models lists the engine's name: %s", list)
 	}
 	p.waitIdle(t)
+
+	// An adapter another model's engines list goes first (the second
+	// review: the served name took its requests).
+	x := startFake(t, "x", nil)
+	y := startFake(t, "y", func(f *fakeEngine) {
+		f.modelList = `{"object":"list","data":[{"id":"engine-n","object":"model","root":"engine-n","parent":null},{"id":"base-x","object":"model","root":"/adapters/x","parent":"engine-n"}]}`
+	})
+	q := startProxyYAML(t, "models: [{name: m}, {name: n}]\nbackends:\n"+
+		"  - {id: x, url: 'http://{{e0}}', model: m, served_model: base-x}\n"+
+		"  - {id: y, url: 'http://{{e1}}', model: n, served_model: engine-n}\n", x, y)
+	if resp, out := post(t, q.url+"/v1/chat/completions", body("base-x")); resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "y" {
+		t.Fatalf("an adapter of n's engines that m's engines are named: %d via %s: %s", resp.StatusCode, resp.Header.Get(WorkerHeader), out)
+	}
+	q.waitIdle(t)
 }
 
 // Dynamo's sampling members of nvext reach the engine: greed_sampling as

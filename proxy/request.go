@@ -853,12 +853,14 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 		if r.nv.greedy && keyIs(m.key, "temperature") {
 			continue
 		}
+		skip := false
 		for i, k := range nvextSampling {
 			if r.nv.sampling[i] != nil && keyIs(m.key, k) {
-				given[i] = true
+				// A null of the request's own is none: nvext's goes.
+				skip, given[i] = isNull(m.value), !isNull(m.value)
 			}
 		}
-		if keyIs(m.key, "nvext") || keyIs(m.key, "cache_salt") || keyIs(m.key, "model") || keyIs(m.key, "stream") ||
+		if skip || keyIs(m.key, "nvext") || keyIs(m.key, "cache_salt") || keyIs(m.key, "model") || keyIs(m.key, "stream") ||
 			r.prevEngine != "" && keyIs(m.key, "previous_response_id") ||
 			r.responses && keyIs(m.key, "request_id") || // vLLM makes it the response's id: the engine picks its own
 			r.dropPriority && keyIs(m.key, "priority") ||

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/goccy/go-json"
 
@@ -393,13 +394,26 @@ func (r *refRequest) refParsePrompt() *paramError {
 // forwardBody is the body sent to the engine: the client's body with nvext
 // and any cache_salt removed, model renamed, and the tenant's cache_salt
 // added (salt "" adds none). Every other member is copied byte for byte.
-func (r *refRequest) refForwardBody(servedModel, salt string) ([]byte, error) {
+//
+// nvext's greed_sampling replaces any temperature with 0, and its other
+// sampling members are added where the request has none of its own (a
+// null is none) when the engine takes them (engineSampling).
+func (r *refRequest) refForwardBody(servedModel, salt string, engineSampling bool) ([]byte, error) {
 	out := make([]byte, 0, len(r.body)+len(servedModel)+len(salt)+40)
 	out = append(out, '{')
 	n := 0
+	var given [len(nvextSampling)]bool
 	err := refTopLevelMembers(r.body, func(key string, member []byte) {
-		if key == "nvext" || key == "cache_salt" || key == "model" || key == "stream" {
+		if key == "nvext" || key == "cache_salt" || key == "model" || key == "stream" || r.nv.greedy && key == "temperature" {
 			return
+		}
+		if i := slices.Index(nvextSampling[:], key); i >= 0 && r.nv.sampling[i] != nil {
+			var v map[string]json.RawMessage
+			json.Unmarshal([]byte("{"+string(member)+"}"), &v)
+			if string(v[key]) == "null" {
+				return
+			}
+			given[i] = true
 		}
 		if n > 0 {
 			out = append(out, ',')
@@ -424,6 +438,14 @@ func (r *refRequest) refForwardBody(servedModel, salt string) ([]byte, error) {
 		out = append(out, `,"cache_salt":`...)
 		sj, _ := json.Marshal(salt)
 		out = append(out, sj...)
+	}
+	if r.nv.greedy {
+		out = append(out, `,"temperature":0`...)
+	}
+	for i, v := range r.nv.sampling {
+		if v != nil && !given[i] && engineSampling {
+			out = fmt.Appendf(out, `,%q:%s`, nvextSampling[i], v)
+		}
 	}
 	return append(out, '}'), nil
 }

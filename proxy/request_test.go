@@ -196,6 +196,8 @@ func FuzzParseRequestMatchesDecoder(f *testing.F) {
 		`{"model":"m","ſtream":true,"mesſages":[{"ROLE":"\u0075ser","Content":"\t"}],"model":"n"}`,
 		`{"\u006dodel":"m\"","prompt":"p\n","nvext":{"token_data":[1,2],"backend_instance_id":"b"}}`,
 		`{"model":"m","prompt":[[1],[2]]}`,
+		`{"model":"m","prompt":"p","temperature":0.7,"top_k":null,"min_p":0.1,"nvext":{"greed_sampling":true,"top_k" : 5,"min_p":0.2,"ignore_eos":null,"greed_sampling":null,"repetition_\u0070enalty":1.1}}`,
+		`{"model":"m","prompt":"p","nvext":{"greed_sampling":"x","greed_sampling":false}}`,
 		"{\"model\":\"m\xff\",\"messages\":[{\"role\":\"user\",\"content\":\"\xe2\x82\"}]}",
 		`{"model":"m","messages":[{"role":"user","content":[{"type":"t\u0065xt","text":"a","text":null},{"type":null,"type":"x"}]}]}`,
 		`{"model":"m","tools":[{"type":"function","function":{"name":"f"}}],"messages":[{"role":"assistant","tool_calls":[{"id":"a","function":{"name":"f","arguments":"{}"}}]},{"role":"tool","tool_call_id":"a","name":"f","name":null,"content":"r"}]}`,
@@ -243,10 +245,13 @@ func FuzzParseRequestMatchesDecoder(f *testing.F) {
 			}
 		}
 		for _, salt := range []string{"", "s<alt>"} {
-			out, err := got.forwardBody(nil, "served\n", salt)
-			rout, rerr := ref.refForwardBody("served\n", salt)
-			if (err == nil) != (rerr == nil) || !bytes.Equal(out, rout) {
-				t.Fatalf("engine body %s (%v), reference %s (%v)", out, err, rout, rerr)
+			for _, es := range []bool{false, true} {
+				got.engineSampling = es
+				out, err := got.forwardBody(nil, "served\n", salt)
+				rout, rerr := ref.refForwardBody("served\n", salt, es)
+				if (err == nil) != (rerr == nil) || !bytes.Equal(out, rout) {
+					t.Fatalf("engine body %s (%v), reference %s (%v)", out, err, rout, rerr)
+				}
 			}
 		}
 	})

@@ -124,6 +124,7 @@ type Server struct {
 type state struct {
 	cfg      *config.Config
 	models   map[string]*modelPool // by name and alias
+	served   map[string]*modelPool // by an engine's own name for it (nameServedModels)
 	pools    []*modelPool
 	backends map[string]*backend // by id
 	auth     *authTable
@@ -310,7 +311,7 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 // router settings are unchanged and every backend whose settings are unchanged,
 // so their index, load and connections carry over.
 func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
-	st := &state{cfg: cfg, models: map[string]*modelPool{}, backends: map[string]*backend{}}
+	st := &state{cfg: cfg, models: map[string]*modelPool{}, served: map[string]*modelPool{}, backends: map[string]*backend{}}
 	var prevAuth *authTable
 	if prev != nil {
 		prevAuth = prev.auth
@@ -393,7 +394,8 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 // nameServedModels lets the engines' own model name (served_model) name
 // their model too, as clients that used the engines directly name it
 // (vLLM's is the Hugging Face id): unless it is a configured name, alias
-// or adapter, or the engines of two models answer to it.
+// or adapter, or the engines of two models answer to it. An adapter the
+// engines list goes first (poolFor).
 func (st *state) nameServedModels() {
 	served := map[string]*modelPool{}
 	for _, bc := range st.cfg.Backends {
@@ -408,7 +410,7 @@ func (st *state) nameServedModels() {
 	}
 	for name, p := range served {
 		if p != nil {
-			st.models[name] = p
+			st.served[name] = p
 		}
 	}
 }

@@ -20,7 +20,7 @@ type discoverer struct {
 	log    zerolog.Logger
 
 	mu    sync.Mutex
-	addrs map[string][]string // by template id
+	addrs map[string][]string // by host: a template whose host changed has none until it is resolved
 }
 
 func newDiscoverer(log zerolog.Logger) *discoverer {
@@ -30,15 +30,30 @@ func newDiscoverer(log zerolog.Logger) *discoverer {
 // discoverTimeout bounds one lookup.
 const discoverTimeout = 5 * time.Second
 
-// resolve looks up every template (its caller holds the lock that orders
-// resolutions and reloads: a slow lookup's older answer must not undo a
-// reload's). A failed lookup keeps the addresses its template had (a DNS
-// server's hiccup must not take every engine out), except a name that
-// does not exist, as a headless service with no engine ready: it stands
-// for none.
-func (d *discoverer) resolve(ctx context.Context, templates []config.Backend) {
+// hosts are the names the templates resolve through, each once.
+func hosts(templates []config.Backend) []string {
+	var hs []string
 	for _, t := range templates {
-		host := t.DiscoverHost()
+		if h := t.DiscoverHost(); !slices.Contains(hs, h) {
+			hs = append(hs, h)
+		}
+	}
+	return hs
+}
+
+// unknown are the hosts never resolved.
+func (d *discoverer) unknown(hs []string) []string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return slices.DeleteFunc(slices.Clone(hs), func(h string) bool { _, ok := d.addrs[h]; return ok })
+}
+
+// resolve looks the hosts up. A failed lookup keeps the addresses a host
+// had (a DNS server's hiccup must not take every engine out), except a
+// name that does not exist, as a headless service with no engine ready:
+// it stands for none.
+func (d *discoverer) resolve(ctx context.Context, hs []string) {
+	for _, host := range hs {
 		lctx, cancel := context.WithTimeout(ctx, discoverTimeout)
 		got, err := d.lookup(lctx, host)
 		cancel()
@@ -51,27 +66,26 @@ func (d *discoverer) resolve(ctx context.Context, templates []config.Backend) {
 		case ctx.Err() != nil:
 			return // shutting down
 		default:
-			d.log.Warn().Str("backend", t.ID).Str("host", host).Err(err).Msg("discovery: lookup failed; keeping the addresses it had")
+			d.log.Warn().Str("host", host).Err(err).Msg("discovery: lookup failed; keeping the addresses it had")
 			continue
 		}
 		d.mu.Lock()
-		if prev, ok := d.addrs[t.ID]; !ok || !slices.Equal(prev, got) {
-			d.addrs[t.ID] = got
-			d.log.Info().Str("backend", t.ID).Str("host", host).Strs("addresses", got).Strs("was", prev).Msg("discovery: addresses changed")
+		if prev, ok := d.addrs[host]; !ok || !slices.Equal(prev, got) {
+			d.addrs[host] = got
+			d.log.Info().Str("host", host).Strs("addresses", got).Strs("was", prev).Msg("discovery: addresses changed")
 		}
 		d.mu.Unlock()
 	}
 }
 
-// found is what each of the templates stands for now (a template of an
-// earlier configuration keeps its entry: a reload that fails, or one
-// that puts it back, finds it there).
+// found is what each of the templates stands for now, by template id
+// (none while its host has not been resolved).
 func (d *discoverer) found(templates []config.Backend) map[string][]string {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	out := make(map[string][]string, len(templates))
 	for _, t := range templates {
-		if a, ok := d.addrs[t.ID]; ok {
+		if a, ok := d.addrs[t.DiscoverHost()]; ok {
 			out[t.ID] = slices.Clone(a)
 		}
 	}

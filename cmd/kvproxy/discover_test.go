@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -210,5 +211,123 @@ func TestReloadDuringADiscoveryLookup(t *testing.T) {
 	}
 	if strings.Contains(p.logs.String(), `"backends_removed"`) {
 		t.Fatalf("a backend was removed:\n%s", p.logs.String())
+	}
+}
+
+// slowDNS: lookups of hosts in slow wait until their context ends (a DNS
+// server that does not answer), of hosts in fail get a temporary error,
+// of others an answer from the table or "no such host".
+type slowDNS struct {
+	mu      sync.Mutex
+	slow    map[string]bool
+	fail    map[string]bool
+	table   map[string][]string
+	blocked chan string
+}
+
+func (d *slowDNS) set(f func()) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	f()
+}
+
+func (d *slowDNS) lookup(ctx context.Context, host string) ([]string, error) {
+	d.mu.Lock()
+	slow, fail, addrs, ok := d.slow[host], d.fail[host], d.table[host], d.table[host] != nil
+	d.mu.Unlock()
+	switch {
+	case slow:
+		select {
+		case d.blocked <- host:
+		default:
+		}
+		<-ctx.Done()
+		return nil, &net.DNSError{Err: "i/o timeout", Name: host, IsTimeout: true}
+	case fail:
+		return nil, &net.DNSError{Err: "server misbehaving", Name: host, IsTemporary: true}
+	case !ok:
+		return nil, &net.DNSError{Err: "no such host", Name: host, IsNotFound: true}
+	}
+	return slices.Clone(addrs), nil
+}
+
+func newSlowDNS(table map[string][]string) *slowDNS {
+	return &slowDNS{slow: map[string]bool{}, fail: map[string]bool{}, table: table, blocked: make(chan string, 8)}
+}
+
+// While the DNS server does not answer, a SIGHUP and a SIGTERM are not
+// held up by the watcher's lookups (the second review: both waited on
+// them, 20 s with two templates).
+func TestSignalsDoNotWaitForDiscoveryLookups(t *testing.T) {
+	dns := newSlowDNS(map[string][]string{"a.test": {"127.0.0.1"}, "b.test": {"127.0.0.2"}})
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(cfg, []byte("listen: 127.0.0.1:0\nlog_level: info\nmodels: [{name: m}]\nhealth: {interval: 1h}\nbackends:\n"+
+		"  - {id: a, url: 'http://a.test:29999', model: m, discover: dns, discover_interval: 1s}\n"+
+		"  - {id: b, url: 'http://b.test:29998', model: m, discover: dns, discover_interval: 1s}\n"), 0o644)
+	p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
+	dns.set(func() { dns.slow["a.test"], dns.slow["b.test"] = true, true })
+	<-dns.blocked // the watcher waits on a lookup
+	start := time.Now()
+	p.reload(t)
+	if d := time.Since(start); d > time.Second {
+		t.Errorf("a reload waited %v for the watcher's lookups", d)
+	}
+	p.hup <- syscall.SIGHUP
+	time.Sleep(100 * time.Millisecond)
+	start = time.Now()
+	p.term <- syscall.SIGTERM
+	select {
+	case <-p.code:
+		if d := time.Since(start); d > 2*time.Second {
+			t.Errorf("SIGTERM took %v", d)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("no exit 15 s after SIGTERM")
+	}
+	go func() { p.code <- 0 }() // for the cleanup, which waits for an exit
+}
+
+// A template whose host changed stands for nothing until the new name
+// resolves, whatever its id had stood for (the second review: a reused
+// id brought back the old name's addresses, for another model).
+func TestTemplateOfANewHostStartsEmpty(t *testing.T) {
+	dns := newSlowDNS(map[string][]string{"old.test": {"127.0.0.1"}})
+	dns.fail["new.test"] = true
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	head := "listen: 127.0.0.1:0\nlog_level: info\nmodels: [{name: m}, {name: other}]\nhealth: {interval: 1h}\nbackends:\n  - {id: s, url: 'http://127.0.0.9:29999', model: m}\n"
+	os.WriteFile(cfg, []byte(head+"  - {id: pool, url: 'http://old.test:29999', model: m, discover: dns, discover_interval: 1h}\n"), 0o644)
+	p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
+	if got := liveBackends(t, p, false); !slices.Equal(got, []string{"pool@127.0.0.1", "s"}) {
+		t.Fatalf("at start: %q", got)
+	}
+	os.WriteFile(cfg, []byte(head), 0o644)
+	p.reload(t)
+	os.WriteFile(cfg, []byte(head+"  - {id: pool, url: 'http://new.test:28888', model: other, discover: dns, discover_interval: 1h}\n"), 0o644)
+	p.reload(t)
+	if got := liveBackends(t, p, false); !slices.Equal(got, []string{"s"}) {
+		t.Fatalf("a template of an unresolved new name stands for %q", got)
+	}
+}
+
+// A prefill engine beside a decoding template whose name went: the model
+// waits for engines (503), the configuration applies, and the reload
+// counter does not fail every tick (the second review: the expansion
+// was refused, at start and then every tick).
+func TestDecodingTemplateOfNoneBesideAPrefillEngine(t *testing.T) {
+	dns := newSlowDNS(map[string][]string{})
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(cfg, []byte("listen: 127.0.0.1:0\nlog_level: info\nmodels: [{name: m}]\nhealth: {interval: 1h}\nbackends:\n"+
+		"  - {id: pre, url: 'http://127.0.0.9:29997', model: m, role: prefill}\n"+
+		"  - {id: dec, url: 'http://dec.test:29999', model: m, discover: dns, discover_interval: 1s}\n"), 0o644)
+	p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
+	if got := liveBackends(t, p, false); !slices.Equal(got, []string{"pre"}) {
+		t.Fatalf("backends %q", got)
+	}
+	time.Sleep(1500 * time.Millisecond)
+	if code, _ := p.complete(t, false, 2); code != 503 {
+		t.Fatalf("no decoding engine: %d", code)
+	}
+	if strings.Contains(p.logs.String(), "could not be applied") {
+		t.Fatalf("discovery failed to apply:\n%s", p.logs.String())
 	}
 }

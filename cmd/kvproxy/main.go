@@ -117,7 +117,7 @@ func (c *command) run(args []string) (code int) {
 		ev.Int("code", code).Msg("kvproxy exited")
 	}()
 	disc := c.discoverer(log)
-	disc.resolve(context.Background(), tmpl.Templates())
+	disc.resolve(context.Background(), hosts(tmpl.Templates()))
 	cfg, skipped, err := tmpl.Expand(disc.found(tmpl.Templates()))
 	if err != nil {
 		fmt.Fprintln(c.stderr, "kvproxy:", err)
@@ -211,7 +211,9 @@ func (c *command) run(args []string) (code int) {
 		if *listen != "" {
 			nextTmpl.Listen = current.Listen // the flag, not the file, says where to listen
 		}
-		disc.resolve(context.Background(), nextTmpl.Templates())
+		// Only names not resolved yet: the watcher keeps the others
+		// current, and a reload must not wait on their lookups.
+		disc.resolve(context.Background(), disc.unknown(hosts(nextTmpl.Templates())))
 		return apply(nextTmpl)
 	}
 	srv.SetReloader(reload)
@@ -222,16 +224,16 @@ func (c *command) run(args []string) (code int) {
 		defer reloadMu.Unlock()
 		return every(currentTmpl.Templates())
 	}, func() {
-		// Under the reload's lock, lookups included: a reload while a
-		// lookup ran would otherwise be undone by its older answer.
+		// The lookups run outside the reload's lock (a SIGTERM or a
+		// reload does not wait for them); what they found is applied to
+		// the templates in force then, a reload's since included.
+		reloadMu.Lock()
+		hs := hosts(currentTmpl.Templates())
+		reloadMu.Unlock()
+		disc.resolve(watchCtx, hs)
 		reloadMu.Lock()
 		defer reloadMu.Unlock()
-		ts := currentTmpl.Templates()
-		if len(ts) == 0 || watchCtx.Err() != nil {
-			return
-		}
-		disc.resolve(watchCtx, ts)
-		if watchCtx.Err() != nil || maps.EqualFunc(applied, disc.found(ts), slices.Equal) {
+		if watchCtx.Err() != nil || maps.EqualFunc(applied, disc.found(currentTmpl.Templates()), slices.Equal) {
 			return // draining, or nothing changed since the last apply
 		}
 		if err := apply(currentTmpl); err != nil {
