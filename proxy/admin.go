@@ -151,6 +151,10 @@ func (s *Server) handleModel(ctx *fasthttp.RequestCtx, st *state) {
 		writeJSON(ctx, modelJSON{ID: id, Object: "model", Created: startTime, OwnedBy: "kvproxy", Parent: p.cfg.Name, MaxModelLen: p.maxModelLen(st.cfg.Limits.MaxPromptTokens)})
 		return
 	}
+	if p := st.served[id]; p != nil && t.mayUse(p) { // an engine's name for the model, as an alias
+		writeJSON(ctx, modelJSON{ID: id, Object: "model", Created: startTime, OwnedBy: "kvproxy", Root: p.cfg.Name, MaxModelLen: p.maxModelLen(st.cfg.Limits.MaxPromptTokens)})
+		return
+	}
 	modelNotFound(ctx, id)
 }
 
@@ -182,6 +186,9 @@ func (s *Server) handleHealth(ctx *fasthttp.RequestCtx, st *state) {
 	}
 	if name := ctx.QueryArgs().Peek("model"); name != nil {
 		p := st.models[string(name)]
+		if p == nil {
+			p = st.poolOfAdapter(string(name), nil)
+		}
 		if p == nil {
 			p = st.served[string(name)]
 		}
@@ -388,6 +395,9 @@ func (s *Server) handleIndexLookup(ctx *fasthttp.RequestCtx, st *state) {
 		p = st.pools[0]
 	case p == nil && q.Model != "":
 		p = s.awaitPoolOfAdapter(st, q.Model, nil) // an adapter's hashes are its model's index's
+		if p == nil {
+			p = st.served[q.Model]
+		}
 	}
 	if p == nil {
 		writeError(ctx, fasthttp.StatusNotFound, "unknown model "+strconv.Quote(q.Model), "invalid_request_error", "model", "model_not_found")

@@ -1263,6 +1263,21 @@ func TestServedModelNamesItsModel(t *testing.T) {
 	if strings.Contains(string(list), "org/Model-M") {
 		t.Fatalf("/v1/models lists the engine's name: %s", list)
 	}
+	// Retrieved, and looked up in the index, as the name requests take
+	// (the third review).
+	for path, want := range map[string]string{"GET /v1/models/org/Model-M": `"id":"org/Model-M"`, "POST /admin/index/lookup": `{"held":`} {
+		method, url, _ := strings.Cut(path, " ")
+		req, _ := http.NewRequest(method, p.url+url, strings.NewReader(`{"model":"org/Model-M","hashes":["1"]}`))
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || !strings.Contains(string(b), want) {
+			t.Errorf("%s: %d %s", path, resp.StatusCode, b)
+		}
+	}
 	p.waitIdle(t)
 
 	// An adapter another model's engines list goes first (the second
@@ -1276,6 +1291,10 @@ func TestServedModelNamesItsModel(t *testing.T) {
 		"  - {id: y, url: 'http://{{e1}}', model: n, served_model: engine-n}\n", x, y)
 	if resp, out := post(t, q.url+"/v1/chat/completions", body("base-x")); resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "y" {
 		t.Fatalf("an adapter of n's engines that m's engines are named: %d via %s: %s", resp.StatusCode, resp.Header.Get(WorkerHeader), out)
+	}
+	q.s.st.Load().backends["y"].setProbe(false, "") // /health?model= takes it for n's too
+	if r, err := http.Get(q.url + "/health?model=base-x"); err != nil || r.StatusCode != 503 {
+		t.Fatalf("/health of an adapter whose model is down: %v %v", r.StatusCode, err)
 	}
 	q.waitIdle(t)
 }

@@ -857,7 +857,7 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 		for i, k := range nvextSampling {
 			if r.nv.sampling[i] != nil && keyIs(m.key, k) {
 				// A null of the request's own is none: nvext's goes.
-				skip, given[i] = isNull(m.value), !isNull(m.value)
+				skip, given[i] = isNull(m.value), given[i] || !isNull(m.value)
 			}
 		}
 		if skip || keyIs(m.key, "nvext") || keyIs(m.key, "cache_salt") || keyIs(m.key, "model") || keyIs(m.key, "stream") ||

@@ -198,6 +198,7 @@ func FuzzParseRequestMatchesDecoder(f *testing.F) {
 		`{"model":"m","prompt":[[1],[2]]}`,
 		`{"model":"m","prompt":"p","temperature":0.7,"top_k":null,"min_p":0.1,"nvext":{"greed_sampling":true,"top_k" : 5,"min_p":0.2,"ignore_eos":null,"greed_sampling":null,"repetition_\u0070enalty":1.1}}`,
 		`{"model":"m","prompt":"p","nvext":{"greed_sampling":"x","greed_sampling":false}}`,
+		`{"model":"m","prompt":"p","top_k":5,"top_k":null,"nvext":{"top_k":3}}`,
 		"{\"model\":\"m\xff\",\"messages\":[{\"role\":\"user\",\"content\":\"\xe2\x82\"}]}",
 		`{"model":"m","messages":[{"role":"user","content":[{"type":"t\u0065xt","text":"a","text":null},{"type":null,"type":"x"}]}]}`,
 		`{"model":"m","tools":[{"type":"function","function":{"name":"f"}}],"messages":[{"role":"assistant","tool_calls":[{"id":"a","function":{"name":"f","arguments":"{}"}}]},{"role":"tool","tool_call_id":"a","name":"f","name":null,"content":"r"}]}`,

@@ -41,11 +41,16 @@ func hosts(templates []config.Backend) []string {
 	return hs
 }
 
-// unknown are the hosts never resolved.
-func (d *discoverer) unknown(hs []string) []string {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return slices.DeleteFunc(slices.Clone(hs), func(h string) bool { _, ok := d.addrs[h]; return ok })
+// reloadLookups bounds the lookups a reload makes, all together: a
+// SIGTERM behind a reload waits for them. A name not resolved in time
+// stands for none until the watcher's next tick.
+const reloadLookups = 2 * time.Second
+
+// stale are the hosts of hs not in inForce: the watcher does not keep
+// them current (never resolved, or resolved while an earlier
+// configuration had them).
+func stale(hs, inForce []string) []string {
+	return slices.DeleteFunc(slices.Clone(hs), func(h string) bool { return slices.Contains(inForce, h) })
 }
 
 // resolve looks the hosts up. A failed lookup keeps the addresses a host
@@ -106,18 +111,19 @@ func every(templates []config.Backend) time.Duration {
 
 // watch calls tick (which resolves the templates in force and applies
 // what changed) every interval, the shortest discover_interval of the
-// templates interval returns, until ctx ends.
+// templates in force (interval, asked every second: a reload may change
+// it), until ctx ends.
 func (d *discoverer) watch(ctx context.Context, interval func() time.Duration, tick func()) {
+	last := time.Now()
 	for {
-		wait := interval()
-		if wait == 0 {
-			wait = 10 * time.Second // none now; a reload may add some
-		}
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(wait):
+		case <-time.After(time.Second):
 		}
-		tick()
+		if iv := interval(); iv > 0 && time.Since(last) >= iv {
+			last = time.Now()
+			tick()
+		}
 	}
 }

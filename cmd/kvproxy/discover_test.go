@@ -331,3 +331,79 @@ func TestDecodingTemplateOfNoneBesideAPrefillEngine(t *testing.T) {
 		t.Fatalf("discovery failed to apply:\n%s", p.logs.String())
 	}
 }
+
+// A template that leaves the file and comes back is resolved again: the
+// watcher did not keep its name current meanwhile (the third review: it
+// came back with the addresses it left with, or with none).
+func TestReaddedTemplateIsResolvedAgain(t *testing.T) {
+	for name, before := range map[string][]string{"moved": {"127.0.0.1"}, "did not exist": nil} {
+		t.Run(name, func(t *testing.T) {
+			dns := newSlowDNS(map[string][]string{"pool.test": before})
+			cfg := filepath.Join(t.TempDir(), "c.yaml")
+			head := "listen: 127.0.0.1:0\nlog_level: info\nmodels: [{name: m}]\nhealth: {interval: 1h}\nbackends:\n  - {id: s, url: 'http://127.0.0.9:29999', model: m}\n"
+			tmpl := "  - {id: pool, url: 'http://pool.test:29999', model: m, discover: dns, discover_interval: 1h}\n"
+			os.WriteFile(cfg, []byte(head+tmpl), 0o644)
+			p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
+			os.WriteFile(cfg, []byte(head), 0o644)
+			p.reload(t)
+			dns.set(func() { dns.table["pool.test"] = []string{"127.0.0.2"} })
+			os.WriteFile(cfg, []byte(head+tmpl), 0o644)
+			p.reload(t)
+			if got := liveBackends(t, p, false); !slices.Equal(got, []string{"pool@127.0.0.2", "s"}) {
+				t.Errorf("the template back stands for %q; its name resolves to 127.0.0.2", got)
+			}
+		})
+	}
+}
+
+// A SIGHUP adding templates of names the DNS server does not answer, then
+// a SIGTERM: the reload's lookups are bounded all together, and the
+// SIGTERM waits no longer (the third review: 5 s a name, under the lock).
+func TestSigtermAfterAReloadOfUnansweredNames(t *testing.T) {
+	dns := newSlowDNS(map[string][]string{})
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	head := "listen: 127.0.0.1:0\nlog_level: info\nmodels: [{name: m}]\nhealth: {interval: 1h}\nbackends:\n  - {id: s, url: 'http://127.0.0.9:29999', model: m}\n"
+	os.WriteFile(cfg, []byte(head), 0o644)
+	p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
+	dns.set(func() { dns.slow["a.test"], dns.slow["b.test"] = true, true })
+	os.WriteFile(cfg, []byte(head+
+		"  - {id: a, url: 'http://a.test:29999', model: m, discover: dns, discover_interval: 1h}\n"+
+		"  - {id: b, url: 'http://b.test:29999', model: m, discover: dns, discover_interval: 1h}\n"), 0o644)
+	p.hup <- syscall.SIGHUP
+	<-dns.blocked
+	start := time.Now()
+	p.term <- syscall.SIGTERM
+	select {
+	case <-p.code:
+		if d := time.Since(start); d > reloadLookups+time.Second {
+			t.Errorf("SIGTERM took %v", d)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("no exit 15 s after SIGTERM")
+	}
+	go func() { p.code <- 0 }() // for the cleanup, which waits for an exit
+}
+
+// A reload's shorter discover_interval applies at once: a name whose
+// lookup failed at the reload is resolved a second later, not after the
+// interval of the configuration before (the third review: an hour).
+func TestReloadedIntervalAppliesAtOnce(t *testing.T) {
+	dns := newSlowDNS(map[string][]string{"a.test": {"127.0.0.1"}, "new.test": {"127.0.0.3"}})
+	dns.fail["new.test"] = true
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	head := "listen: 127.0.0.1:0\nlog_level: info\nmodels: [{name: m}]\nhealth: {interval: 1h}\nbackends:\n  - {id: a, url: 'http://a.test:29999', model: m, discover: dns, discover_interval: 1h}\n"
+	os.WriteFile(cfg, []byte(head), 0o644)
+	p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
+	os.WriteFile(cfg, []byte(head+"  - {id: pool, url: 'http://new.test:29999', model: m, discover: dns, discover_interval: 1s}\n"), 0o644)
+	p.reload(t)
+	if got := liveBackends(t, p, false); !slices.Equal(got, []string{"a@127.0.0.1"}) {
+		t.Fatalf("after a failed lookup: %q", got)
+	}
+	dns.set(func() { dns.fail["new.test"] = false })
+	for end := time.Now().Add(5 * time.Second); !slices.Contains(liveBackends(t, p, false), "pool@127.0.0.3"); {
+		if time.Now().After(end) {
+			t.Fatalf("5 s after its name resolves (discover_interval 1s): %q", liveBackends(t, p, false))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}

@@ -201,6 +201,16 @@ func (c *command) run(args []string) (code int) {
 		return nil
 	}
 	reload := func() error {
+		// The names the watcher does not keep current are looked up
+		// first, outside the lock, within reloadLookups.
+		if peek, err := config.Load(*cfgPath); err == nil {
+			reloadMu.Lock()
+			inForce := hosts(currentTmpl.Templates())
+			reloadMu.Unlock()
+			ctx, cancel := context.WithTimeout(context.Background(), reloadLookups)
+			disc.resolve(ctx, stale(hosts(peek.Templates()), inForce))
+			cancel()
+		}
 		reloadMu.Lock()
 		defer reloadMu.Unlock()
 		nextTmpl, err := config.Load(*cfgPath)
@@ -211,9 +221,6 @@ func (c *command) run(args []string) (code int) {
 		if *listen != "" {
 			nextTmpl.Listen = current.Listen // the flag, not the file, says where to listen
 		}
-		// Only names not resolved yet: the watcher keeps the others
-		// current, and a reload must not wait on their lookups.
-		disc.resolve(context.Background(), disc.unknown(hosts(nextTmpl.Templates())))
 		return apply(nextTmpl)
 	}
 	srv.SetReloader(reload)
