@@ -621,18 +621,26 @@ func TestPinnedBackend(t *testing.T) {
 	p.waitIdle(t)
 }
 
+// slowPrefill starts an engine that takes 10 s to prefill, a proxy before
+// it, and a completion on a raw connection, and returns once the engine
+// has the request.
+func slowPrefill(t *testing.T, stream bool) (*fakeEngine, *testProxy, net.Conn) {
+	t.Helper()
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 10 * time.Second })
+	p := startProxy(t, "kv", e)
+	c := rawCompletion(t, p, fmt.Sprintf(`{"model":"m","prompt":"slow","stream":%v}`, stream))
+	for deadline := time.Now().Add(3 * time.Second); e.requests.Load() == 0 && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+	}
+	return e, p, c
+}
+
 // A client that leaves during a silent prefill: the engine sees the abort
 // and the slot is freed long before the prefill would have ended.
 func TestClientDisconnectDuringPrefillAbortsUpstream(t *testing.T) {
 	for _, stream := range []bool{true, false} {
 		t.Run(fmt.Sprint("stream=", stream), func(t *testing.T) {
-			e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 10 * time.Second })
-			p := startProxy(t, "kv", e)
-			c := rawCompletion(t, p, fmt.Sprintf(`{"model":"m","prompt":"slow","stream":%v}`, stream))
-			deadline := time.Now().Add(3 * time.Second)
-			for e.requests.Load() == 0 && time.Now().Before(deadline) {
-				time.Sleep(time.Millisecond)
-			}
+			e, p, c := slowPrefill(t, stream)
 			if p.s.Idle() {
 				t.Fatal("request should hold a slot during prefill")
 			}
@@ -1094,13 +1102,7 @@ func TestHalfClosedClientGetsNoAnswer(t *testing.T) {
 	}
 	for _, stream := range []bool{true, false} {
 		t.Run(fmt.Sprint("stream=", stream), func(t *testing.T) {
-			e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 10 * time.Second })
-			p := startProxy(t, "kv", e)
-			c := rawCompletion(t, p, fmt.Sprintf(`{"model":"m","prompt":"slow","stream":%v}`, stream))
-			deadline := time.Now().Add(3 * time.Second)
-			for e.requests.Load() == 0 && time.Now().Before(deadline) {
-				time.Sleep(time.Millisecond)
-			}
+			e, p, c := slowPrefill(t, stream)
 			c.(*net.TCPConn).CloseWrite()
 			if got := readAll(t, c); got != "" {
 				t.Fatalf("a client that half-closed got %q", got)
