@@ -777,11 +777,11 @@ func (s *Server) Reload(cfg *config.Config) (err error) {
 	return nil
 }
 
-// ReloadFailed counts a reload that failed before Reload was called (the
-// configuration file did not load): the reload metrics count every try.
 // errTemplates: the caller resolves backends[].discover (config.Expand).
 var errTemplates = errors.New("backends with discover are templates: expand them (config.Expand) before serving")
 
+// ReloadFailed counts a reload that failed before Reload was called (the
+// configuration file did not load): the reload metrics count every try.
 func (s *Server) ReloadFailed() { s.metrics.countReload(errReloadFailed) }
 
 var errReloadFailed = errors.New("reload failed")
