@@ -185,18 +185,21 @@ func (s *Server) handleHealth(ctx *fasthttp.RequestCtx, st *state) {
 		}
 	}
 	if name := ctx.QueryArgs().Peek("model"); name != nil {
-		p := st.models[string(name)]
-		if p == nil {
+		if t == nil && !admin {
+			unauthorized(ctx)
+			return
+		}
+		// As a request would find it (poolFor; an admin as a client
+		// that may use every model).
+		who := t
+		if admin && who == nil {
+			who = &tenant{}
+		}
+		p, _ := s.poolFor(st, who, string(name), true)
+		if admin && p == nil {
 			p = st.poolOfAdapter(string(name), nil)
 		}
 		if p == nil {
-			p = st.served[string(name)]
-		}
-		switch {
-		case t == nil && !admin:
-			unauthorized(ctx)
-			return
-		case !admin && !t.mayUse(p) || p == nil:
 			modelNotFound(ctx, string(name))
 			return
 		}

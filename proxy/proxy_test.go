@@ -1338,3 +1338,26 @@ func TestNvextSamplingReachesTheEngine(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// /health?model= finds an adapter the engines list as the tenant's
+// request would: that of the model the tenant may use (the fourth review:
+// the first listing model's, which the tenant may not use, made it 404).
+func TestHealthOfAnAdapterForARestrictedTenant(t *testing.T) {
+	list := `{"object":"list","data":[{"id":"engine-m","object":"model","root":"engine-m","parent":null},{"id":"lora-a","object":"model","root":"/a","parent":"engine-m"}]}`
+	x := startFake(t, "x", func(f *fakeEngine) { f.modelList = list })
+	y := startFake(t, "y", func(f *fakeEngine) { f.modelList = list })
+	p := startProxyYAML(t, "models: [{name: m}, {name: n}]\nbackends:\n"+
+		"  - {id: x, url: 'http://{{e0}}', model: m, served_model: engine-m}\n  - {id: y, url: 'http://{{e1}}', model: n, served_model: engine-m}\n"+
+		"tenants: [{name: t, models: [n]}]\nauth: {keys: [{key: client-key-1, tenant: t}]}\n", x, y)
+	req, _ := http.NewRequest("GET", p.url+"/health?model=lora-a", nil)
+	req.Header.Set("Authorization", "Bearer client-key-1")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || !strings.Contains(string(b), `"healthy_backends":1`) {
+		t.Fatalf("/health?model=lora-a for a tenant of n: %d %s", resp.StatusCode, b)
+	}
+}

@@ -5,6 +5,7 @@ import (
 	stdjson "encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"unicode/utf8"
 	"unsafe"
@@ -848,17 +849,26 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 	out := append(dst, '{')
 	n := 0
 	m := members{b: r.body}
-	var given [len(nvextSampling)]bool // at the top level, which nvext's do not override
+	// given: the request has a sampling member of its own, which nvext's
+	// does not override; its last occurrence counts, as engines read it
+	// (a null is none: each of its occurrences goes, and nvext's with it).
+	var given [len(nvextSampling)]bool
+	if slices.ContainsFunc(r.nv.sampling[:], func(v []byte) bool { return v != nil }) {
+		for pre := (members{b: r.body}); pre.next(); {
+			for i, k := range nvextSampling {
+				if keyIs(pre.key, k) {
+					given[i] = !isNull(pre.value)
+				}
+			}
+		}
+	}
 	for m.next() {
 		if r.nv.greedy && keyIs(m.key, "temperature") {
 			continue
 		}
 		skip := false
 		for i, k := range nvextSampling {
-			if r.nv.sampling[i] != nil && keyIs(m.key, k) {
-				// A null of the request's own is none: nvext's goes.
-				skip, given[i] = isNull(m.value), given[i] || !isNull(m.value)
-			}
+			skip = skip || r.nv.sampling[i] != nil && !given[i] && keyIs(m.key, k)
 		}
 		if skip || keyIs(m.key, "nvext") || keyIs(m.key, "cache_salt") || keyIs(m.key, "model") || keyIs(m.key, "stream") ||
 			r.prevEngine != "" && keyIs(m.key, "previous_response_id") ||

@@ -396,24 +396,24 @@ func (r *refRequest) refParsePrompt() *paramError {
 // added (salt "" adds none). Every other member is copied byte for byte.
 //
 // nvext's greed_sampling replaces any temperature with 0, and its other
-// sampling members are added where the request has none of its own (a
-// null is none) when the engine takes them (engineSampling).
+// sampling members are added where the request has none of its own (its
+// last occurrence counts; a null is none, and every occurrence goes) when
+// the engine takes them (engineSampling).
 func (r *refRequest) refForwardBody(servedModel, salt string, engineSampling bool) ([]byte, error) {
 	out := make([]byte, 0, len(r.body)+len(servedModel)+len(salt)+40)
 	out = append(out, '{')
 	n := 0
-	var given [len(nvextSampling)]bool
+	var given [len(nvextSampling)]bool // the request's own, last occurrence not null
+	top, _ := refObject(r.body)
+	for i, k := range nvextSampling {
+		given[i] = top[k] != nil && string(top[k]) != "null"
+	}
 	err := refTopLevelMembers(r.body, func(key string, member []byte) {
 		if key == "nvext" || key == "cache_salt" || key == "model" || key == "stream" || r.nv.greedy && key == "temperature" {
 			return
 		}
-		if i := slices.Index(nvextSampling[:], key); i >= 0 && r.nv.sampling[i] != nil {
-			var v map[string]json.RawMessage
-			json.Unmarshal([]byte("{"+string(member)+"}"), &v)
-			if string(v[key]) == "null" {
-				return
-			}
-			given[i] = true
+		if i := slices.Index(nvextSampling[:], key); i >= 0 && r.nv.sampling[i] != nil && !given[i] {
+			return
 		}
 		if n > 0 {
 			out = append(out, ',')

@@ -286,3 +286,24 @@ func TestNvextNamesMatchExactly(t *testing.T) {
 		t.Fatalf("nvext %+v", req.nv)
 	}
 }
+
+// nvext's sampling member goes where the request's own is absent or, as
+// engines read duplicates (the last), null: then every occurrence of the
+// request's goes (the fourth review: an earlier value stayed and the
+// engine, or a null after it, won over nvext's).
+func TestNvextSamplingAgainstDuplicates(t *testing.T) {
+	for body, want := range map[string]string{
+		`{"prompt":"p","top_k":5,"top_k":null,"nvext":{"top_k":3}}`: `{"prompt":"p","model":"e","top_k":3}`,
+		`{"prompt":"p","top_k":null,"top_k":5,"nvext":{"top_k":3}}`: `{"prompt":"p","top_k":null,"top_k":5,"model":"e"}`,
+		`{"prompt":"p","nvext":{"top_k":3,"min_p":null}}`:           `{"prompt":"p","model":"e","top_k":3}`,
+	} {
+		var r apiRequest
+		if pe := r.parse([]byte(body), false); pe != nil {
+			t.Fatal(pe)
+		}
+		r.engineSampling = true
+		if out, err := r.forwardBody(nil, "e", ""); err != nil || string(out) != want {
+			t.Errorf("%s: %s (%v), want %s", body, out, err, want)
+		}
+	}
+}

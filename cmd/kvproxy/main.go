@@ -117,7 +117,7 @@ func (c *command) run(args []string) (code int) {
 		ev.Int("code", code).Msg("kvproxy exited")
 	}()
 	disc := c.discoverer(log)
-	disc.resolve(context.Background(), hosts(tmpl.Templates()))
+	disc.resolve(context.Background(), hosts(tmpl.Templates()), nil)
 	cfg, skipped, err := tmpl.Expand(disc.found(tmpl.Templates()))
 	if err != nil {
 		fmt.Fprintln(c.stderr, "kvproxy:", err)
@@ -198,19 +198,12 @@ func (c *command) run(args []string) (code int) {
 			levelChanged.Str("log_level", next.LogLevel).Str("was", current.LogLevel).Msg("log level changed")
 		}
 		current, currentTmpl, applied = next, nextTmpl, found
+		if disc.keep(hosts(nextTmpl.Templates())) {
+			disc.woken() // a name added: the watcher resolves it now
+		}
 		return nil
 	}
 	reload := func() error {
-		// The names the watcher does not keep current are looked up
-		// first, outside the lock, within reloadLookups.
-		if peek, err := config.Load(*cfgPath); err == nil {
-			reloadMu.Lock()
-			inForce := hosts(currentTmpl.Templates())
-			reloadMu.Unlock()
-			ctx, cancel := context.WithTimeout(context.Background(), reloadLookups)
-			disc.resolve(ctx, stale(hosts(peek.Templates()), inForce))
-			cancel()
-		}
 		reloadMu.Lock()
 		defer reloadMu.Unlock()
 		nextTmpl, err := config.Load(*cfgPath)
@@ -237,15 +230,17 @@ func (c *command) run(args []string) (code int) {
 		reloadMu.Lock()
 		hs := hosts(currentTmpl.Templates())
 		reloadMu.Unlock()
-		disc.resolve(watchCtx, hs)
-		reloadMu.Lock()
-		defer reloadMu.Unlock()
-		if watchCtx.Err() != nil || maps.EqualFunc(applied, disc.found(currentTmpl.Templates()), slices.Equal) {
-			return // draining, or nothing changed since the last apply
-		}
-		if err := apply(currentTmpl); err != nil {
-			log.Error().Err(err).Msg("discovery: the backends found could not be applied; the current ones keep serving")
-		}
+		disc.resolve(watchCtx, hs, func() { // after each lookup
+			reloadMu.Lock()
+			defer reloadMu.Unlock()
+			disc.keep(hosts(currentTmpl.Templates())) // not a name a reload took out meanwhile
+			if watchCtx.Err() != nil || maps.EqualFunc(applied, disc.found(currentTmpl.Templates()), slices.Equal) {
+				return // draining, or nothing changed since the last apply
+			}
+			if err := apply(currentTmpl); err != nil {
+				log.Error().Err(err).Msg("discovery: the backends found could not be applied; the current ones keep serving")
+			}
+		})
 	})
 
 	errc := make(chan error, 1)
