@@ -189,15 +189,20 @@ func (s *Server) handleHealth(ctx *fasthttp.RequestCtx, st *state) {
 			unauthorized(ctx)
 			return
 		}
-		// As a request would find it (poolFor; an admin as a client
-		// that may use every model).
-		who := t
-		if admin && who == nil {
-			who = &tenant{}
+		if admin {
+			t = &tenant{} // one that may use every model
 		}
-		p, _ := s.poolFor(st, who, string(name), true)
-		if admin && p == nil {
-			p = st.poolOfAdapter(string(name), nil)
+		// As a request would find it (poolFor), without waiting for the
+		// engines' model lists: a probe must answer at once.
+		p := st.models[string(name)]
+		if !t.mayUse(p) {
+			p = nil
+		}
+		if p == nil {
+			p = st.poolOfAdapter(string(name), t)
+		}
+		if q := st.served[string(name)]; p == nil && t.mayUse(q) {
+			p = q
 		}
 		if p == nil {
 			modelNotFound(ctx, string(name))

@@ -1349,15 +1349,26 @@ func TestHealthOfAnAdapterForARestrictedTenant(t *testing.T) {
 	p := startProxyYAML(t, "models: [{name: m}, {name: n}]\nbackends:\n"+
 		"  - {id: x, url: 'http://{{e0}}', model: m, served_model: engine-m}\n  - {id: y, url: 'http://{{e1}}', model: n, served_model: engine-m}\n"+
 		"tenants: [{name: t, models: [n]}]\nauth: {keys: [{key: client-key-1, tenant: t}]}\n", x, y)
-	req, _ := http.NewRequest("GET", p.url+"/health?model=lora-a", nil)
-	req.Header.Set("Authorization", "Bearer client-key-1")
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	if resp.StatusCode != 200 || !strings.Contains(string(b), `"healthy_backends":1`) {
-		t.Fatalf("/health?model=lora-a for a tenant of n: %d %s", resp.StatusCode, b)
+	// It answers at once, before the engines' lists are read (a probe
+	// must): a 404 until then.
+	for end := time.Now().Add(3 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		req, _ := http.NewRequest("GET", p.url+"/health?model=lora-a", nil)
+		req.Header.Set("Authorization", "Bearer client-key-1")
+		start := time.Now()
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if took := time.Since(start); took > 500*time.Millisecond {
+			t.Fatalf("/health?model= took %v", took)
+		}
+		if resp.StatusCode == 200 && strings.Contains(string(b), `"healthy_backends":1`) {
+			break
+		}
+		if time.Now().After(end) {
+			t.Fatalf("/health?model=lora-a for a tenant of n: %d %s", resp.StatusCode, b)
+		}
 	}
 }

@@ -16,26 +16,33 @@ import (
 // discoverer resolves the hosts of the configuration's discovery templates
 // (backends[].discover: dns) and keeps the addresses each stands for.
 //
-// A reload never waits on a lookup: it applies the addresses known, and a
-// name it adds stands for none until the watcher, woken by it, has
-// resolved it (a moment, with a DNS server that answers). Addresses are
-// kept only for the names in force: a name that comes back is resolved
-// anew.
+// A reload looks up the names it adds itself (side by side, reloadLookups
+// in all), so that a template renamed keeps serving; the watcher keeps the
+// names in force current, and retries every second those not resolved
+// yet. Addresses are kept only for the names in force: a name that comes
+// back is resolved anew.
 type discoverer struct {
 	lookup func(ctx context.Context, host string) ([]string, error)
 	log    zerolog.Logger
-	wake   chan struct{} // a reload added a name: resolve now
 
-	mu    sync.Mutex
-	addrs map[string][]string // by host
+	mu      sync.Mutex
+	addrs   map[string][]string // by host
+	inForce []string            // the hosts of the configuration in force
 }
 
 func newDiscoverer(log zerolog.Logger) *discoverer {
-	return &discoverer{lookup: net.DefaultResolver.LookupHost, log: log, wake: make(chan struct{}, 1), addrs: map[string][]string{}}
+	return &discoverer{lookup: net.DefaultResolver.LookupHost, log: log, addrs: map[string][]string{}}
 }
 
-// discoverTimeout bounds one lookup.
-const discoverTimeout = 5 * time.Second
+const (
+	// discoverTimeout bounds one lookup.
+	discoverTimeout = 5 * time.Second
+	// reloadLookups bounds the lookups of a reload, all together: a
+	// SIGTERM behind a reload waits for them. A name not resolved by then
+	// stands for none until the watcher resolves it (within a second
+	// once its DNS server answers).
+	reloadLookups = 2 * time.Second
+)
 
 // hosts are the names the templates resolve through, each once.
 func hosts(templates []config.Backend) []string {
@@ -48,64 +55,75 @@ func hosts(templates []config.Backend) []string {
 	return hs
 }
 
-// resolve looks the hosts up, all at once, and calls done (if not nil)
-// after each lookup, so that a name that does not answer holds up no
-// other. A failed lookup keeps the addresses a host had (a DNS server's
-// hiccup must not take every engine out), except a name that does not
-// exist, as a headless service with no engine ready: it stands for none.
-func (d *discoverer) resolve(ctx context.Context, hs []string, done func()) {
+// lookupAll looks the hosts up side by side and returns what each stands
+// for: its addresses, or none for a name that does not exist (a headless
+// service with no engine ready). A failed lookup is left out: the
+// addresses a host had are kept (a DNS server's hiccup must not take every
+// engine out).
+func (d *discoverer) lookupAll(ctx context.Context, hs []string) map[string][]string {
+	var mu sync.Mutex
+	out := map[string][]string{}
 	var wg sync.WaitGroup
 	for _, host := range hs {
 		wg.Go(func() {
-			d.resolveOne(ctx, host)
-			if done != nil {
-				done()
+			lctx, cancel := context.WithTimeout(ctx, discoverTimeout)
+			got, err := d.lookup(lctx, host)
+			cancel()
+			var de *net.DNSError
+			switch {
+			case err == nil:
+				got = config.ResolvedAddrs(got)
+			case errors.As(err, &de) && de.IsNotFound:
+				got = nil
+			case ctx.Err() != nil && !errors.Is(ctx.Err(), context.DeadlineExceeded):
+				return // shutting down
+			default:
+				d.log.Warn().Str("host", host).Err(err).Msg("discovery: lookup failed; keeping the addresses it had, if any")
+				return
 			}
+			mu.Lock()
+			out[host] = got
+			mu.Unlock()
 		})
 	}
 	wg.Wait()
+	return out
 }
 
-func (d *discoverer) resolveOne(ctx context.Context, host string) {
-	lctx, cancel := context.WithTimeout(ctx, discoverTimeout)
-	got, err := d.lookup(lctx, host)
-	cancel()
-	var de *net.DNSError
-	switch {
-	case err == nil:
-		got = config.ResolvedAddrs(got)
-	case errors.As(err, &de) && de.IsNotFound:
-		got = nil
-	case ctx.Err() != nil:
-		return // shutting down
-	default:
-		d.log.Warn().Str("host", host).Err(err).Msg("discovery: lookup failed; keeping the addresses it had")
-		return
-	}
+// record keeps what lookupAll found. With onlyInForce (the watcher's
+// lookups), a name a reload took out meanwhile is not kept.
+func (d *discoverer) record(found map[string][]string, onlyInForce bool) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if prev, ok := d.addrs[host]; !ok || !slices.Equal(prev, got) {
-		d.addrs[host] = got
-		d.log.Info().Str("host", host).Strs("addresses", got).Strs("was", prev).Msg("discovery: addresses changed")
+	for host, got := range found {
+		if onlyInForce && !slices.Contains(d.inForce, host) {
+			continue
+		}
+		if prev, ok := d.addrs[host]; !ok || !slices.Equal(prev, got) {
+			d.addrs[host] = got
+			d.log.Info().Str("host", host).Strs("addresses", got).Strs("was", prev).Msg("discovery: addresses changed")
+		}
 	}
 }
 
-// keep forgets the addresses of the hosts not in hs (those no longer in
-// force), and reports whether any host of hs has none yet.
-func (d *discoverer) keep(hs []string) (unresolved bool) {
+// keep makes hs the hosts in force, and forgets the addresses of the
+// others.
+func (d *discoverer) keep(hs []string) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	d.inForce = hs
 	for h := range d.addrs {
 		if !slices.Contains(hs, h) {
 			delete(d.addrs, h)
 		}
 	}
-	for _, h := range hs {
-		if _, ok := d.addrs[h]; !ok {
-			unresolved = true
-		}
-	}
-	return unresolved
+}
+
+// unresolved are the hosts in force with no addresses yet.
+func (d *discoverer) unresolved() []string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return slices.DeleteFunc(slices.Clone(d.inForce), func(h string) bool { _, ok := d.addrs[h]; return ok })
 }
 
 // found is what each of the templates stands for now, by template id
@@ -134,31 +152,26 @@ func every(templates []config.Backend) time.Duration {
 	return d
 }
 
-// watch calls tick (which resolves the names in force and applies what
-// changed) every interval, the shortest discover_interval of the templates
-// in force (asked every second: a reload may change it), and at once when
-// woken, until ctx ends.
-func (d *discoverer) watch(ctx context.Context, interval func() time.Duration, tick func()) {
+// watch calls tick with the hosts to look up, until ctx ends: every host
+// in force each interval (the shortest discover_interval of the templates
+// in force, asked every second: a reload may change it), and every second
+// the hosts in force not resolved yet.
+func (d *discoverer) watch(ctx context.Context, interval func() time.Duration, tick func(hs []string)) {
 	last := time.Now()
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-d.wake:
 		case <-time.After(time.Second):
-			if iv := interval(); iv == 0 || time.Since(last) < iv {
-				continue
-			}
 		}
-		last = time.Now()
-		tick()
-	}
-}
-
-// woken asks the watcher for a tick now.
-func (d *discoverer) woken() {
-	select {
-	case d.wake <- struct{}{}:
-	default:
+		d.mu.Lock()
+		all := slices.Clone(d.inForce)
+		d.mu.Unlock()
+		if iv := interval(); iv > 0 && time.Since(last) >= iv {
+			last = time.Now()
+			tick(all)
+		} else if hs := d.unresolved(); len(hs) > 0 {
+			tick(hs)
+		}
 	}
 }

@@ -409,8 +409,8 @@ func TestReaddedTemplateIsResolvedAgain(t *testing.T) {
 }
 
 // A SIGHUP adding templates of names the DNS server does not answer, then
-// a SIGTERM: a reload looks nothing up itself, and the SIGTERM waits for
-// no lookup (the third review: 5 s a name, under the lock).
+// a SIGTERM: the reload's lookups are bounded all together, and the
+// SIGTERM waits no longer (the third review: 5 s a name, under the lock).
 func TestSigtermAfterAReloadOfUnansweredNames(t *testing.T) {
 	dns := newSlowDNS(map[string][]string{})
 	cfg := filepath.Join(t.TempDir(), "c.yaml")
@@ -427,7 +427,7 @@ func TestSigtermAfterAReloadOfUnansweredNames(t *testing.T) {
 	p.term <- syscall.SIGTERM
 	select {
 	case <-p.code:
-		if d := time.Since(start); d > time.Second {
+		if d := time.Since(start); d > reloadLookups+time.Second {
 			t.Errorf("SIGTERM took %v", d)
 		}
 	case <-time.After(15 * time.Second):
@@ -457,5 +457,83 @@ func TestReloadedIntervalAppliesAtOnce(t *testing.T) {
 			t.Fatalf("5 s after its name resolves (discover_interval 1s): %q", liveBackends(t, p, false))
 		}
 		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// A reload renaming a template's host keeps its engines serving: the
+// reload resolves the new name before it applies (the fifth review: its
+// backends went and came back, and requests got 503 between).
+func TestRenamedHostKeepsServing(t *testing.T) {
+	mc := mockengine.DefaultConfig()
+	mc.ID, mc.Model, mc.Speedup = "e", "m", 1000
+	e, err := mockengine.New(mc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr, err := e.Start("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	_, port, _ := net.SplitHostPort(addr)
+	dns := newSlowDNS(map[string][]string{"old.test": {"127.0.0.1"}, "new.test": {"127.0.0.1"}})
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	write := func(host string) {
+		os.WriteFile(cfg, []byte("listen: 127.0.0.1:0\nlog_level: info\nmodels: [{name: m}]\nbackends:\n"+
+			"  - {id: pool, url: 'http://"+host+":"+port+"', model: m, discover: dns, discover_interval: 1h}\n"), 0o644)
+	}
+	write("old.test")
+	p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
+	for i := range 10 {
+		write([]string{"new.test", "old.test"}[i%2])
+		p.reload(t)
+		if code, body := p.complete(t, false, 2); code != 200 {
+			t.Fatalf("after renaming %d times: %d %s", i+1, code, body)
+		}
+	}
+	if strings.Contains(p.logs.String(), `"backends_removed"`) {
+		t.Fatalf("the engine was taken out and put back:\n%s", p.logs.String())
+	}
+}
+
+// One tick that finds several names changed applies them in one reload of
+// the proxy (the fifth review: one per name).
+func TestOneApplyPerTick(t *testing.T) {
+	dns := newSlowDNS(map[string][]string{"a.test": {"127.0.0.1"}, "b.test": {"127.0.0.2"}, "c.test": {"127.0.0.3"}})
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	body := "listen: 127.0.0.1:0\nlog_level: info\nmodels: [{name: m}]\nhealth: {interval: 1h}\nbackends:\n"
+	for _, n := range []string{"a", "b", "c"} {
+		body += "  - {id: " + n + ", url: 'http://" + n + ".test:29999', model: m, discover: dns, discover_interval: 1s}\n"
+	}
+	os.WriteFile(cfg, []byte(body), 0o644)
+	p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
+	dns.set(func() {
+		dns.table["a.test"], dns.table["b.test"], dns.table["c.test"] = []string{"127.0.0.4"}, []string{"127.0.0.5"}, []string{"127.0.0.6"}
+	})
+	want := []string{"a@127.0.0.4", "b@127.0.0.5", "c@127.0.0.6"}
+	for end := time.Now().Add(3 * time.Second); !slices.Equal(liveBackends(t, p, false), want); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(end) {
+			t.Fatalf("backends %q", liveBackends(t, p, false))
+		}
+	}
+	if n := strings.Count(p.logs.String(), `"message":"configuration reloaded"`); n != 1 {
+		t.Fatalf("%d reloads for one tick's changes", n)
+	}
+}
+
+// A name whose lookup failed at start is tried again every second, not
+// after its discover_interval (the fifth review: an hour).
+func TestNameUnresolvedAtStartIsRetried(t *testing.T) {
+	dns := newSlowDNS(map[string][]string{"pool.test": {"127.0.0.1"}})
+	dns.fail["pool.test"] = true
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(cfg, []byte("listen: 127.0.0.1:0\nlog_level: info\nmodels: [{name: m}]\nhealth: {interval: 1h}\nbackends:\n"+
+		"  - {id: pool, url: 'http://pool.test:29999', model: m, discover: dns, discover_interval: 1h}\n"), 0o644)
+	p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
+	dns.set(func() { dns.fail["pool.test"] = false })
+	for end := time.Now().Add(3 * time.Second); !slices.Equal(liveBackends(t, p, false), []string{"pool@127.0.0.1"}); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(end) {
+			t.Fatalf("backends %q", liveBackends(t, p, false))
+		}
 	}
 }

@@ -6,6 +6,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -117,7 +118,8 @@ func (c *command) run(args []string) (code int) {
 		ev.Int("code", code).Msg("kvproxy exited")
 	}()
 	disc := c.discoverer(log)
-	disc.resolve(context.Background(), hosts(tmpl.Templates()), nil)
+	disc.record(disc.lookupAll(context.Background(), hosts(tmpl.Templates())), false)
+	disc.keep(hosts(tmpl.Templates()))
 	cfg, skipped, err := tmpl.Expand(disc.found(tmpl.Templates()))
 	if err != nil {
 		fmt.Fprintln(c.stderr, "kvproxy:", err)
@@ -198,14 +200,28 @@ func (c *command) run(args []string) (code int) {
 			levelChanged.Str("log_level", next.LogLevel).Str("was", current.LogLevel).Msg("log level changed")
 		}
 		current, currentTmpl, applied = next, nextTmpl, found
-		if disc.keep(hosts(nextTmpl.Templates())) {
-			disc.woken() // a name added: the watcher resolves it now
-		}
+		disc.keep(hosts(nextTmpl.Templates()))
 		return nil
 	}
+	draining := false // under reloadMu: no reload applies once the drain began
 	reload := func() error {
+		// The names the reload adds are looked up first, outside the
+		// lock, within reloadLookups: a template renamed goes on serving.
+		// (One the file gains meanwhile is resolved by the watcher.)
+		if peek, err := config.Load(*cfgPath); err == nil {
+			reloadMu.Lock()
+			inForce := hosts(currentTmpl.Templates())
+			reloadMu.Unlock()
+			added := slices.DeleteFunc(hosts(peek.Templates()), func(h string) bool { return slices.Contains(inForce, h) })
+			ctx, cancel := context.WithTimeout(context.Background(), reloadLookups)
+			disc.record(disc.lookupAll(ctx, added), false)
+			cancel()
+		}
 		reloadMu.Lock()
 		defer reloadMu.Unlock()
+		if draining {
+			return errors.New("shutting down: the configuration is not reloaded")
+		}
 		nextTmpl, err := config.Load(*cfgPath)
 		if err != nil {
 			srv.ReloadFailed()
@@ -223,24 +239,20 @@ func (c *command) run(args []string) (code int) {
 		reloadMu.Lock()
 		defer reloadMu.Unlock()
 		return every(currentTmpl.Templates())
-	}, func() {
+	}, func(hs []string) {
 		// The lookups run outside the reload's lock (a SIGTERM or a
-		// reload does not wait for them); what they found is applied to
-		// the templates in force then, a reload's since included.
+		// reload does not wait for them); what they found is applied,
+		// once, to the templates in force then, a reload's since
+		// included.
+		disc.record(disc.lookupAll(watchCtx, hs), true)
 		reloadMu.Lock()
-		hs := hosts(currentTmpl.Templates())
-		reloadMu.Unlock()
-		disc.resolve(watchCtx, hs, func() { // after each lookup
-			reloadMu.Lock()
-			defer reloadMu.Unlock()
-			disc.keep(hosts(currentTmpl.Templates())) // not a name a reload took out meanwhile
-			if watchCtx.Err() != nil || maps.EqualFunc(applied, disc.found(currentTmpl.Templates()), slices.Equal) {
-				return // draining, or nothing changed since the last apply
-			}
-			if err := apply(currentTmpl); err != nil {
-				log.Error().Err(err).Msg("discovery: the backends found could not be applied; the current ones keep serving")
-			}
-		})
+		defer reloadMu.Unlock()
+		if draining || watchCtx.Err() != nil || maps.EqualFunc(applied, disc.found(currentTmpl.Templates()), slices.Equal) {
+			return // draining, or nothing changed since the last apply
+		}
+		if err := apply(currentTmpl); err != nil {
+			log.Error().Err(err).Msg("discovery: the backends found could not be applied; the current ones keep serving")
+		}
 	})
 
 	errc := make(chan error, 1)
@@ -265,6 +277,7 @@ wait:
 		}
 	}
 	reloadMu.Lock()
+	draining = true
 	drain := current.Limits.DrainTimeout
 	reloadMu.Unlock()
 	if *drainFlag > 0 {
