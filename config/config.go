@@ -617,6 +617,9 @@ func (c *Config) Validate() error {
 	if c.TLS.Enabled() {
 		if c.TLS.CertFile == "" || c.TLS.KeyFile == "" {
 			add("tls", "cert_file and key_file go together")
+		} else if c.discovering {
+			// An expansion's files were read with its templates: a change
+			// of the engines found must not depend on them.
 		} else if _, err := c.TLS.Load(); err != nil {
 			add("tls", "%s", strings.TrimPrefix(err.Error(), "tls: "))
 		}

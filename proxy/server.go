@@ -687,7 +687,14 @@ func replicasWithoutNATS(rc config.Replicas) bool {
 
 // Reload applies a new configuration without dropping in-flight requests.
 // An invalid configuration is rejected and the current one keeps serving.
-func (s *Server) Reload(cfg *config.Config) (err error) {
+func (s *Server) Reload(cfg *config.Config) (err error) { return s.reload(cfg, true) }
+
+// ReloadBackends is Reload for a change of the engines discovered: the
+// listener's certificate is not read again (a discovery must not depend on
+// the certificate files, nor rotate the certificate unasked).
+func (s *Server) ReloadBackends(cfg *config.Config) error { return s.reload(cfg, false) }
+
+func (s *Server) reload(cfg *config.Config, readCert bool) (err error) {
 	s.reloadMu.Lock()
 	defer s.reloadMu.Unlock()
 	defer func() { s.metrics.countReload(err) }()
@@ -710,7 +717,7 @@ func (s *Server) Reload(cfg *config.Config) (err error) {
 	tlsChanged := cfg.TLS.Enabled() != s.started.TLS.Enabled()
 	if tlsChanged {
 		s.log.Warn().Msg("reload: turning tls on or off needs a restart; the listener keeps serving as it does")
-	} else if cfg.TLS.Enabled() {
+	} else if cfg.TLS.Enabled() && readCert {
 		c, err := cfg.TLS.Load()
 		if err != nil {
 			return fmt.Errorf("tls: %w", err)

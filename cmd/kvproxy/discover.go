@@ -16,32 +16,38 @@ import (
 // discoverer resolves the hosts of the configuration's discovery templates
 // (backends[].discover: dns) and keeps the addresses each stands for.
 //
-// A reload looks up the names it adds itself (side by side, reloadLookups
-// in all), so that a template renamed keeps serving; the watcher keeps the
-// names in force current, and retries every second those not resolved
-// yet. Addresses are kept only for the names in force: a name that comes
-// back is resolved anew.
+// A reload looks up the names it adds itself (side by side, lookupsTime
+// in all), so that a template renamed keeps serving, and keeps what it
+// found only if it applies; the watcher keeps the names in force current,
+// and retries those not resolved yet, after 1 s, 2 s, 4 s ... up to a
+// minute. Addresses are kept only for the names in force: a name that
+// comes back is resolved anew.
 type discoverer struct {
 	lookup func(ctx context.Context, host string) ([]string, error)
 	log    zerolog.Logger
 
 	mu      sync.Mutex
-	addrs   map[string][]string // by host
-	inForce []string            // the hosts of the configuration in force
+	addrs   map[string][]string  // by host
+	inForce []string             // the hosts of the configuration in force
+	failed  map[string]int       // lookups failed in a row, by host
+	retry   map[string]time.Time // when to try an unresolved host again
 }
 
 func newDiscoverer(log zerolog.Logger) *discoverer {
-	return &discoverer{lookup: net.DefaultResolver.LookupHost, log: log, addrs: map[string][]string{}}
+	return &discoverer{lookup: net.DefaultResolver.LookupHost, log: log, addrs: map[string][]string{},
+		failed: map[string]int{}, retry: map[string]time.Time{}}
 }
 
 const (
 	// discoverTimeout bounds one lookup.
 	discoverTimeout = 5 * time.Second
-	// reloadLookups bounds the lookups of a reload, all together: a
-	// SIGTERM behind a reload waits for them. A name not resolved by then
-	// stands for none until the watcher resolves it (within a second
-	// once its DNS server answers).
-	reloadLookups = 2 * time.Second
+	// lookupsTime bounds the lookups of a start, a reload or a tick, all
+	// together: a SIGTERM behind a reload waits for them, and a name that
+	// does not answer holds up the others' changes no longer. A name not
+	// resolved by then keeps what it stood for (none, if new).
+	lookupsTime = 2 * time.Second
+	// retryMax bounds the wait before an unresolved name is tried again.
+	retryMax = time.Minute
 )
 
 // hosts are the names the templates resolve through, each once.
@@ -78,9 +84,16 @@ func (d *discoverer) lookupAll(ctx context.Context, hs []string) map[string][]st
 			case ctx.Err() != nil && !errors.Is(ctx.Err(), context.DeadlineExceeded):
 				return // shutting down
 			default:
-				d.log.Warn().Str("host", host).Err(err).Msg("discovery: lookup failed; keeping the addresses it had, if any")
+				d.lookupFailed(host, err)
 				return
 			}
+			d.mu.Lock()
+			if d.failed[host] > 0 {
+				d.log.Info().Str("host", host).Msg("discovery: lookups answered again")
+			}
+			delete(d.failed, host)
+			delete(d.retry, host)
+			d.mu.Unlock()
 			mu.Lock()
 			out[host] = got
 			mu.Unlock()
@@ -88,6 +101,21 @@ func (d *discoverer) lookupAll(ctx context.Context, hs []string) map[string][]st
 	}
 	wg.Wait()
 	return out
+}
+
+// lookupFailed warns of the first of a host's failed lookups in a row
+// (the others are at debug level), and sets when to try it again.
+func (d *discoverer) lookupFailed(host string, err error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	n := d.failed[host] + 1
+	d.failed[host] = n
+	ev := d.log.Debug()
+	if n == 1 {
+		ev = d.log.Warn()
+	}
+	ev.Str("host", host).Err(err).Int("in_a_row", n).Msg("discovery: lookup failed; keeping the addresses it had, if any")
+	d.retry[host] = time.Now().Add(min(time.Second<<min(n-1, 6), retryMax))
 }
 
 // record keeps what lookupAll found. With onlyInForce (the watcher's
@@ -119,21 +147,31 @@ func (d *discoverer) keep(hs []string) {
 	}
 }
 
-// unresolved are the hosts in force with no addresses yet.
+// unresolved are the hosts in force with no addresses yet, due to be
+// tried again.
 func (d *discoverer) unresolved() []string {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return slices.DeleteFunc(slices.Clone(d.inForce), func(h string) bool { _, ok := d.addrs[h]; return ok })
+	now := time.Now()
+	return slices.DeleteFunc(slices.Clone(d.inForce), func(h string) bool {
+		_, ok := d.addrs[h]
+		return ok || now.Before(d.retry[h])
+	})
 }
 
 // found is what each of the templates stands for now, by template id
-// (none while its host has not been resolved).
-func (d *discoverer) found(templates []config.Backend) map[string][]string {
+// (none while its host has not been resolved): what staged holds for its
+// host (a reload's own lookups), else what is kept.
+func (d *discoverer) found(templates []config.Backend, staged map[string][]string) map[string][]string {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	out := make(map[string][]string, len(templates))
 	for _, t := range templates {
-		if a, ok := d.addrs[t.DiscoverHost()]; ok {
+		a, ok := staged[t.DiscoverHost()]
+		if !ok {
+			a, ok = d.addrs[t.DiscoverHost()]
+		}
+		if ok {
 			out[t.ID] = slices.Clone(a)
 		}
 	}

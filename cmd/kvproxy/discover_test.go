@@ -11,10 +11,12 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/kvproxy/kvproxy/internal/testutil"
 	"github.com/kvproxy/kvproxy/mockengine"
 )
 
@@ -427,7 +429,7 @@ func TestSigtermAfterAReloadOfUnansweredNames(t *testing.T) {
 	p.term <- syscall.SIGTERM
 	select {
 	case <-p.code:
-		if d := time.Since(start); d > reloadLookups+time.Second {
+		if d := time.Since(start); d > lookupsTime+time.Second {
 			t.Errorf("SIGTERM took %v", d)
 		}
 	case <-time.After(15 * time.Second):
@@ -535,5 +537,113 @@ func TestNameUnresolvedAtStartIsRetried(t *testing.T) {
 		if time.Now().After(end) {
 			t.Fatalf("backends %q", liveBackends(t, p, false))
 		}
+	}
+}
+
+// countingDNS is slowDNS counting the lookups of each host.
+type countingDNS struct {
+	*slowDNS
+	n sync.Map // host → *atomic.Int32
+}
+
+func (c *countingDNS) lookup(ctx context.Context, host string) ([]string, error) {
+	v, _ := c.n.LoadOrStore(host, new(atomic.Int32))
+	v.(*atomic.Int32).Add(1)
+	return c.slowDNS.lookup(ctx, host)
+}
+
+func (c *countingDNS) count(host string) int32 {
+	v, _ := c.n.LoadOrStore(host, new(atomic.Int32))
+	return v.(*atomic.Int32).Load()
+}
+
+// What a reload that failed looked up is not kept: a later reload adding
+// the same name resolves it anew (the sixth review: the failed reload's
+// answer served until the next interval).
+func TestFailedReloadKeepsNoLookup(t *testing.T) {
+	dns := newSlowDNS(map[string][]string{"pool.test": {"127.0.0.1"}})
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	head := "listen: 127.0.0.1:0\nlog_level: info\nmodels: [{name: m}]\nhealth: {interval: 1h}\nbackends:\n  - {id: s, url: 'http://127.0.0.9:29999', model: m}\n"
+	tmpl := "  - {id: pool, url: 'http://pool.test:29999', model: m, discover: dns, discover_interval: 1h}\n"
+	os.WriteFile(cfg, []byte(head), 0o644)
+	p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
+	os.WriteFile(cfg, []byte(head+tmpl+"  - {id: mk, url: 'http://"+taken.Addr().String()+"', model: m, kind: mock}\n"), 0o644)
+	p.reloadRejected(t) // the mock's port is taken
+	dns.set(func() { dns.table["pool.test"], dns.fail["pool.test"] = []string{"127.0.0.2"}, true })
+	os.WriteFile(cfg, []byte(head+tmpl), 0o644)
+	p.reload(t)
+	if got := liveBackends(t, p, false); !slices.Equal(got, []string{"s"}) {
+		t.Fatalf("the failed reload's lookup served: %q", got)
+	}
+	dns.set(func() { dns.fail["pool.test"] = false })
+	for end := time.Now().Add(4 * time.Second); !slices.Equal(liveBackends(t, p, false), []string{"pool@127.0.0.2", "s"}); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(end) {
+			t.Fatalf("backends %q", liveBackends(t, p, false))
+		}
+	}
+}
+
+// A name whose lookups keep failing is tried again after 1 s, 2 s, 4 s ...
+// and warned of once (the sixth review: every second, with a warning
+// each time, whatever its discover_interval).
+func TestUnresolvedNameBacksOff(t *testing.T) {
+	dns := &countingDNS{slowDNS: newSlowDNS(map[string][]string{})}
+	dns.fail["pool.test"] = true
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(cfg, []byte("listen: 127.0.0.1:0\nlog_level: info\nmodels: [{name: m}]\nhealth: {interval: 1h}\nbackends:\n"+
+		"  - {id: pool, url: 'http://pool.test:29999', model: m, discover: dns, discover_interval: 1h}\n"), 0o644)
+	p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
+	time.Sleep(6500 * time.Millisecond)
+	if n := dns.count("pool.test"); n < 3 || n > 4 { // at 0, 1, 3 (and 7) s
+		t.Errorf("%d lookups in 6.5 s", n)
+	}
+	if n := strings.Count(p.logs.String(), `"message":"discovery: lookup failed`); n != 1 {
+		t.Errorf("%d warnings of the failed lookups", n)
+	}
+}
+
+// A name that does not answer holds up another's change in the watcher by
+// the tick's bound at most, not each lookup's 5 s (the sixth review).
+func TestSlowNameHoldsUpTheWatcherLittle(t *testing.T) {
+	dns := newSlowDNS(map[string][]string{"a.test": {"127.0.0.1"}, "b.test": {"127.0.0.2"}})
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(cfg, []byte("listen: 127.0.0.1:0\nlog_level: info\nmodels: [{name: m}]\nhealth: {interval: 1h}\nbackends:\n"+
+		"  - {id: a, url: 'http://a.test:29999', model: m, discover: dns, discover_interval: 1s}\n"+
+		"  - {id: b, url: 'http://b.test:29999', model: m, discover: dns, discover_interval: 1s}\n"), 0o644)
+	p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
+	dns.set(func() { dns.slow["a.test"], dns.table["b.test"] = true, []string{"127.0.0.5"} })
+	start := time.Now()
+	for !slices.Contains(liveBackends(t, p, false), "b@127.0.0.5") {
+		if time.Since(start) > lookupsTime+2*time.Second {
+			t.Fatalf("b's change not applied %v after it: %q", time.Since(start), liveBackends(t, p, false))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if got := liveBackends(t, p, false); !slices.Contains(got, "a@127.0.0.1") {
+		t.Fatalf("a name that stopped answering lost its engines: %q", got)
+	}
+}
+
+// A change of the engines found does not read the listener's certificate
+// again: with its files gone, discovery still applies (the sixth review:
+// every apply failed on the missing file).
+func TestDiscoveryNeedsNoCertificateFiles(t *testing.T) {
+	dir := t.TempDir()
+	testutil.SelfSignedCert(t, dir, 1)
+	dns := newSlowDNS(map[string][]string{"a.test": {"127.0.0.1"}})
+	cfg := filepath.Join(dir, "c.yaml")
+	os.WriteFile(cfg, []byte("listen: 127.0.0.1:0\nlog_level: info\ntls: {cert_file: "+filepath.Join(dir, "cert.pem")+", key_file: "+filepath.Join(dir, "key.pem")+"}\n"+
+		"models: [{name: m}]\nhealth: {interval: 1h}\nbackends:\n  - {id: a, url: 'http://a.test:29999', model: m, discover: dns, discover_interval: 1s}\n"), 0o644)
+	p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
+	os.Remove(filepath.Join(dir, "cert.pem"))
+	dns.set(func() { dns.table["a.test"] = []string{"127.0.0.2"} })
+	time.Sleep(2500 * time.Millisecond)
+	if strings.Contains(p.logs.String(), "could not be applied") {
+		t.Fatalf("discovery read the certificate:\n%s", p.logs.String())
 	}
 }

@@ -62,6 +62,9 @@ type command struct {
 	lookup func(ctx context.Context, host string) ([]string, error)
 }
 
+// errShuttingDown refuses a reload once the drain began.
+var errShuttingDown = errors.New("shutting down: the configuration is not reloaded")
+
 // logSkipped warns of the discovered addresses Expand left out.
 func logSkipped(log zerolog.Logger, skipped []string) {
 	for _, sk := range skipped {
@@ -118,9 +121,11 @@ func (c *command) run(args []string) (code int) {
 		ev.Int("code", code).Msg("kvproxy exited")
 	}()
 	disc := c.discoverer(log)
-	disc.record(disc.lookupAll(context.Background(), hosts(tmpl.Templates())), false)
+	startLookups, cancelStart := context.WithTimeout(context.Background(), lookupsTime)
+	disc.record(disc.lookupAll(startLookups, hosts(tmpl.Templates())), false)
+	cancelStart()
 	disc.keep(hosts(tmpl.Templates()))
-	cfg, skipped, err := tmpl.Expand(disc.found(tmpl.Templates()))
+	cfg, skipped, err := tmpl.Expand(disc.found(tmpl.Templates(), nil))
 	if err != nil {
 		fmt.Fprintln(c.stderr, "kvproxy:", err)
 		return 2
@@ -163,9 +168,12 @@ func (c *command) run(args []string) (code int) {
 	// way, to the configuration in force (the file is read only at a
 	// reload).
 	var reloadMu sync.Mutex
-	current, currentTmpl, applied := cfg, tmpl, disc.found(tmpl.Templates())
-	apply := func(nextTmpl *config.Config) error {
-		found := disc.found(nextTmpl.Templates())
+	current, currentTmpl, applied := cfg, tmpl, disc.found(tmpl.Templates(), nil)
+	// apply applies nextTmpl with what its templates stand for (staged:
+	// a reload's own lookups, kept only if it applies); discovered: only
+	// the engines found changed.
+	apply := func(nextTmpl *config.Config, staged map[string][]string, discovered bool) error {
+		found := disc.found(nextTmpl.Templates(), staged)
 		next, skipped, err := nextTmpl.Expand(found)
 		if err != nil {
 			srv.ReloadFailed()
@@ -189,7 +197,11 @@ func (c *command) run(args []string) (code int) {
 				levelChanged = log.Info()
 			}
 		}
-		if err := srv.Reload(next); err != nil {
+		reloadSrv := srv.Reload
+		if discovered {
+			reloadSrv = srv.ReloadBackends
+		}
+		if err := reloadSrv(next); err != nil {
 			level.set(current.LogLevel)
 			levelChanged.Discard()
 			c.mocks.abort(started)
@@ -200,27 +212,32 @@ func (c *command) run(args []string) (code int) {
 			levelChanged.Str("log_level", next.LogLevel).Str("was", current.LogLevel).Msg("log level changed")
 		}
 		current, currentTmpl, applied = next, nextTmpl, found
+		disc.record(staged, false)
 		disc.keep(hosts(nextTmpl.Templates()))
 		return nil
 	}
 	draining := false // under reloadMu: no reload applies once the drain began
 	reload := func() error {
 		// The names the reload adds are looked up first, outside the
-		// lock, within reloadLookups: a template renamed goes on serving.
+		// lock, within lookupsTime: a template renamed goes on serving.
 		// (One the file gains meanwhile is resolved by the watcher.)
+		var staged map[string][]string
 		if peek, err := config.Load(*cfgPath); err == nil {
 			reloadMu.Lock()
-			inForce := hosts(currentTmpl.Templates())
+			inForce, shutting := hosts(currentTmpl.Templates()), draining
 			reloadMu.Unlock()
+			if shutting {
+				return errShuttingDown
+			}
 			added := slices.DeleteFunc(hosts(peek.Templates()), func(h string) bool { return slices.Contains(inForce, h) })
-			ctx, cancel := context.WithTimeout(context.Background(), reloadLookups)
-			disc.record(disc.lookupAll(ctx, added), false)
+			ctx, cancel := context.WithTimeout(context.Background(), lookupsTime)
+			staged = disc.lookupAll(ctx, added)
 			cancel()
 		}
 		reloadMu.Lock()
 		defer reloadMu.Unlock()
 		if draining {
-			return errors.New("shutting down: the configuration is not reloaded")
+			return errShuttingDown
 		}
 		nextTmpl, err := config.Load(*cfgPath)
 		if err != nil {
@@ -230,7 +247,7 @@ func (c *command) run(args []string) (code int) {
 		if *listen != "" {
 			nextTmpl.Listen = current.Listen // the flag, not the file, says where to listen
 		}
-		return apply(nextTmpl)
+		return apply(nextTmpl, staged, false)
 	}
 	srv.SetReloader(reload)
 	watchCtx, stopWatch := context.WithCancel(context.Background())
@@ -244,13 +261,15 @@ func (c *command) run(args []string) (code int) {
 		// reload does not wait for them); what they found is applied,
 		// once, to the templates in force then, a reload's since
 		// included.
-		disc.record(disc.lookupAll(watchCtx, hs), true)
+		ctx, cancel := context.WithTimeout(watchCtx, lookupsTime)
+		disc.record(disc.lookupAll(ctx, hs), true)
+		cancel()
 		reloadMu.Lock()
 		defer reloadMu.Unlock()
-		if draining || watchCtx.Err() != nil || maps.EqualFunc(applied, disc.found(currentTmpl.Templates()), slices.Equal) {
+		if draining || watchCtx.Err() != nil || maps.EqualFunc(applied, disc.found(currentTmpl.Templates(), nil), slices.Equal) {
 			return // draining, or nothing changed since the last apply
 		}
-		if err := apply(currentTmpl); err != nil {
+		if err := apply(currentTmpl, nil, true); err != nil {
 			log.Error().Err(err).Msg("discovery: the backends found could not be applied; the current ones keep serving")
 		}
 	})
