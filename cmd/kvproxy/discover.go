@@ -134,8 +134,8 @@ func (d *discoverer) record(found map[string][]string, onlyInForce bool) {
 	}
 }
 
-// keep makes hs the hosts in force, and forgets the addresses of the
-// others.
+// keep makes hs the hosts in force, and forgets the addresses and failed
+// lookups of the others.
 func (d *discoverer) keep(hs []string) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -143,6 +143,12 @@ func (d *discoverer) keep(hs []string) {
 	for h := range d.addrs {
 		if !slices.Contains(hs, h) {
 			delete(d.addrs, h)
+		}
+	}
+	for h := range d.failed { // a name back starts a streak of its own
+		if !slices.Contains(hs, h) {
+			delete(d.failed, h)
+			delete(d.retry, h)
 		}
 	}
 }

@@ -629,3 +629,28 @@ func TestDiscoveryNeedsNoCertificateFiles(t *testing.T) {
 		t.Fatalf("discovery read the certificate:\n%s", p.logs.String())
 	}
 }
+
+// A name that leaves the file ends its streak of failed lookups: back, it
+// is tried again after a second, and warned of anew (the seventh review:
+// it inherited the old streak's backoff and silence).
+func TestReaddedNameStartsAFreshStreak(t *testing.T) {
+	dns := &countingDNS{slowDNS: newSlowDNS(map[string][]string{"a.test": {"127.0.0.1"}, "b.test": {"127.0.0.2"}})}
+	dns.fail["b.test"] = true
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(cfg, []byte(templatesYAML("1h", "a", "b")), 0o644)
+	p := startProxyWith(t, cfg, func(c *command) { c.lookup = dns.lookup })
+	time.Sleep(3500 * time.Millisecond) // b fails at 0, 1, 3 s: its next try at 7 s
+	os.WriteFile(cfg, []byte(templatesYAML("1h", "a")), 0o644)
+	p.reload(t)
+	os.WriteFile(cfg, []byte(templatesYAML("1h", "a", "b")), 0o644)
+	p.reload(t) // its lookup fails: a new streak
+	dns.set(func() { dns.fail["b.test"] = false })
+	for end := time.Now().Add(2500 * time.Millisecond); !slices.Contains(liveBackends(t, p, false), "b@127.0.0.2"); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(end) {
+			t.Fatalf("the name back was not tried again within a second or two: %q", liveBackends(t, p, false))
+		}
+	}
+	if n := strings.Count(p.logs.String(), `"host":"b.test","error"`); n != 2 {
+		t.Errorf("%d warnings for b.test's two streaks of failures", n)
+	}
+}
