@@ -239,6 +239,35 @@ func TestSimKVKeepsConversationsUnderOverload(t *testing.T) {
 	}
 }
 
+// TestSimKVSpreadsAPopularSystemPrompt: at light load, conversations that
+// all begin with one system prompt. Each new conversation saves the
+// prompt's prefill on an engine that holds it, so kv pricing TTFT alone kept
+// them on the first engines to hold it while the rest idled, and lost to
+// kv_dynamo, which spreads; priced as under-replicated, the prompt is copied
+// to every engine once and kv leads.
+func TestSimKVSpreadsAPopularSystemPrompt(t *testing.T) {
+	c := DefaultMultiTurn()
+	c.Seed = 3
+	c.Conversations = 1000
+	c.SystemPrompts = 1
+	c.Rate = 0.5
+	c.Think = 10 * time.Second
+	engines := map[string]map[string]int{"kv": {}, "kv_dynamo": {}}
+	var mu sync.Mutex
+	cfg := SimConfig{Engines: 8, CacheBlocks: 30000, BlockSize: 16, Seed: 3,
+		OnRequest: func(p string, r RequestRecord) { mu.Lock(); engines[p][r.Worker]++; mu.Unlock() }}
+	res, err := SimulateAll(GenerateMultiTurn(c), cfg, []string{"kv", "kv_dynamo"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kv, dyn := res[0], res[1]
+	t.Logf("kv p50 %.1f ms, hit %.3f, engines %v; kv_dynamo p50 %.1f ms, hit %.3f", kv.TTFTP50, kv.HitRate, engines["kv"], dyn.TTFTP50, dyn.HitRate)
+	if len(engines["kv"]) < 8 || kv.TTFTP50 > dyn.TTFTP50 || kv.HitRate < dyn.HitRate {
+		t.Fatalf("kv ran on %d of 8 engines, p50 %.1f ms, hit %.3f; kv_dynamo p50 %.1f ms, hit %.3f: kv should spread the one system prompt and lead",
+			len(engines["kv"]), kv.TTFTP50, kv.HitRate, dyn.TTFTP50, dyn.HitRate)
+	}
+}
+
 // TestSimReplicasShareLoad: two replicas taking requests in turn, each
 // with a router of its own. Exchanging their load (ShareLoad) they spread
 // a paced run of long requests over every engine as one router would;

@@ -121,6 +121,42 @@ func BenchmarkSelect8k64Workers(b *testing.B) {
 	}
 }
 
+// BenchmarkSelectPopularPrefix: the most the replica pricing costs a
+// Select. An 8k-token prompt held by 8 of 64 workers; "popular": every
+// counted request began with it, so every sampled depth is looked up and
+// every other worker is credited a copy; "unknown": nothing was counted.
+func BenchmarkSelectPopularPrefix(b *testing.B) {
+	for _, popular := range []bool{false, true} {
+		b.Run(map[bool]string{false: "unknown", true: "popular"}[popular], func(b *testing.B) {
+			r, _ := New(DefaultConfig())
+			for i := 0; i < benchWorkers; i++ {
+				r.AddWorker(fmt.Sprintf("worker-%d", i))
+			}
+			h := seq(benchPrompt, 7)
+			for w := WorkerID(0); w < 8; w++ {
+				r.Index().Store(w, h, kv.TierDevice, 0)
+			}
+			if popular {
+				for range 100 {
+					r.pop.record(h)
+				}
+			}
+			q := &Request{Hashes: h, PromptTokens: benchPrompt * 16, CandidateBuf: make([]Candidate, 0, benchWorkers)}
+			if d, _ := r.Select(q); (d.Candidates[20].ReplicaMs > 0) != popular {
+				b.Fatalf("popular %v, credited %+v", popular, d.Candidates[20])
+			}
+			b.ReportAllocs()
+			t := startCPU(b)
+			for i := 0; i < b.N; i++ {
+				if _, err := r.Select(q); err != nil {
+					b.Fatal(err)
+				}
+			}
+			t.stop()
+		})
+	}
+}
+
 func BenchmarkCommitFree(b *testing.B) {
 	r, _ := New(DefaultConfig())
 	for i := 0; i < benchWorkers; i++ {

@@ -10,7 +10,7 @@ func newKVPolicy(cfg *Config) (Policy, error) { return kvPolicy{cfg.Temperature}
 
 func (p kvPolicy) Pick(s *Snapshot) int {
 	for i := range s.Cands {
-		s.Cands[i].Score = s.Cands[i].CostMs + s.Cands[i].ExternalMs
+		s.Cands[i].Score = s.Cands[i].CostMs + s.Cands[i].ExternalMs - s.Cands[i].ReplicaMs
 	}
 	return pickLowest(s, p.temperature)
 }

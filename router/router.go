@@ -121,6 +121,10 @@ type Candidate struct {
 	// requests after it (see CostConfig.externality); kv adds it to CostMs
 	// to score the worker.
 	ExternalMs float64
+	// ReplicaMs is the prefill time of the popular prefix blocks the worker
+	// lacks while too few workers hold them (see Router.priceReplicas); kv
+	// subtracts it from the score: the copy it makes serves later requests.
+	ReplicaMs float64
 }
 
 // Decision is the outcome of Select.
@@ -180,6 +184,7 @@ type Router struct {
 	cfg    Config
 	policy Policy
 	index  *MemIndex
+	pop    *popularity
 
 	mu      sync.Mutex                // serialises Commit (and Route's Select+Commit)
 	dec     Decision                  // under mu: the copy policy.Commit sees, so callers' Decisions stay on the stack
@@ -228,6 +233,7 @@ func New(cfg Config) (*Router, error) {
 	if r.now == nil {
 		r.now = time.Now
 	}
+	r.pop = newPopularity()
 	r.index = NewMemIndex(MemIndexConfig{MaxEntries: cfg.MaxIndexBlocks, Now: cfg.Now})
 	p, err := mk(&r.cfg)
 	if err != nil {
@@ -497,6 +503,9 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 	if len(cands) == 0 {
 		return Decision{}, ErrNoWorker
 	}
+	if !req.Pinned {
+		r.priceReplicas(req, cands, ws, bs)
+	}
 	var k int
 	if req.Pinned {
 		if k = candIndex(cands, req.Pin); k < 0 {
@@ -513,6 +522,91 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 		Overlap: c.Overlap, Total: len(req.Hashes), PredictedTTFTms: c.CostMs,
 		Candidates: cands,
 	}, nil
+}
+
+// priceReplicas sets each candidate's ReplicaMs. A prefix that a share s
+// of recent requests began with, held by k of the n candidates, is
+// under-replicated while s·n > k: its traffic cannot spread over the workers
+// that hold it, so their batches grow while the others idle. A candidate
+// lacking such a prefix (down to the deepest under-replicated sampled
+// depth) would compute it once, X ms of prefill, and hold it for the F
+// requests expected to begin with it there: as many as began with it in
+// the counted window, shared by the k+1 holders. kv takes X·F/(1+F) off
+// its score: the miss amortised over the copy's uses, which a per-request
+// TTFT does not see. A system prompt every conversation begins with is
+// copied to a worker less busy than its holders; a conversation's history,
+// begun by a few turns at most, moves only for a clearly better worker, and
+// a prefix held by every candidate, or begun by at most 1/n of the
+// requests, not at all.
+func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs int) {
+	minO, maxO := cands[0].Overlap, cands[0].Overlap
+	for i := range cands {
+		minO, maxO = min(minO, cands[i].Overlap), max(maxO, cands[i].Overlap)
+	}
+	if minO == maxO {
+		return
+	}
+	type sample struct {
+		depth int
+		uses  float64 // F; 0: not under-replicated
+	}
+	var samples [64]sample // sampled depths in (minO, maxO] until a prefix is not popular
+	m, n := 0, float64(len(cands))
+	held := func(d int) (k int) {
+		for j := range cands {
+			if cands[j].Overlap >= d {
+				k++
+			}
+		}
+		return k
+	}
+	under := func(d int, count, total float64) sample {
+		k := float64(held(d))
+		if count*n <= k*total {
+			return sample{depth: d}
+		}
+		return sample{depth: d, uses: count}
+	}
+	r.pop.mu.Lock()
+	total := float64(r.pop.n + r.pop.prevN)
+	d, count := 1, 0.0
+	for ; d <= maxO && m < len(samples)-1; d = nextDepth(d) {
+		if d <= minO {
+			continue
+		}
+		if count = float64(r.pop.countLocked(req.Hashes[d-1])); count*n <= total {
+			break // nor is any deeper prefix: k ≥ 1 up to maxO
+		}
+		samples[m] = under(d, count, total)
+		m++
+	}
+	r.pop.mu.Unlock()
+	// The samples ran out before maxO with the prefix still popular: the
+	// blocks up to maxO, less than a quarter of it, count as part of it.
+	if d > maxO && m > 0 && samples[m-1].depth < maxO && samples[m-1].uses > 0 {
+		samples[m] = under(maxO, count, total)
+		m++
+	}
+	for i := range cands {
+		c := &cands[i]
+		deep, uses := c.Overlap, 0.0
+		for _, x := range samples[:m] {
+			if x.depth <= c.Overlap {
+				continue
+			}
+			if x.uses == 0 {
+				break
+			}
+			deep, uses = x.depth, x.uses
+		}
+		if deep > c.Overlap {
+			w := ws[c.Worker]
+			copied := *c
+			copied.Overlap = deep
+			x := c.CostMs - r.cfg.Cost.predict(w.cal.factor(), &copied, req.PromptTokens, bs, w.engineQueue(bs))
+			c.ReplicaMs = x * uses / (1 + uses)
+		}
+	}
 }
 
 // meanPending is the mean number of requests awaiting their first token per
@@ -581,6 +675,9 @@ func (r *Router) commit(req *Request, d *Decision, now int64) *Active {
 		}
 	} else if n := min(d.Overlap, len(req.Hashes)); n > 0 {
 		r.index.Touch(w.id, req.Hashes[:n]) // event mode: the hit keeps them hot
+	}
+	if len(req.Hashes) > 0 {
+		r.pop.record(req.Hashes)
 	}
 	r.dec = *d
 	r.policy.Commit(req, &r.dec)
