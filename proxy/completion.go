@@ -689,6 +689,7 @@ func (x *exchange) route(conn net.Conn, st *state, rr *router.Request) error {
 		d, active, err := p.rt.Route(rr)
 		s.metrics.route.Observe(time.Since(t0).Seconds())
 		if err == nil {
+			rr.Repeat = true // counted once, whatever routes it again
 			b, rank := p.backend(d.Worker), 0
 			if b == nil {
 				// A data-parallel rank of a backend: same endpoint, rank

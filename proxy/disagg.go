@@ -74,7 +74,7 @@ func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchang
 	if !ok {
 		return nil // before pr, which escapes: a model without prefill engines allocates nothing here
 	}
-	pr := router.Request{Hashes: rr.Hashes, PromptTokens: rr.PromptTokens, Unstreamed: true, Avoid: avoid}
+	pr := router.Request{Hashes: rr.Hashes, PromptTokens: rr.PromptTokens, Unstreamed: true, Avoid: avoid, Repeat: true}
 	d, active, err := p.rt.Route(&pr)
 	if err != nil {
 		x.prefillErr = "no prefill engine is available" // the decode engine computes it

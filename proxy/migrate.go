@@ -297,7 +297,7 @@ func (r *relay) migrate(why string) (res moveResult, detail string) {
 			}
 			x.p = p
 		}
-		rr := router.Request{Hashes: m.hashes, PromptTokens: m.promptTokens + emitted, Avoid: m.avoid(x.p, x.lora)}
+		rr := router.Request{Hashes: m.hashes, PromptTokens: m.promptTokens + emitted, Avoid: m.avoid(x.p, x.lora), Repeat: true}
 		x.released = false
 		if err := x.route(m.conn, st, &rr); err != nil {
 			x.released = true // nothing held

@@ -11,7 +11,7 @@ import (
 // (1 … 8 blocks, then a quarter deeper each time: about 30 for a 1,000-block
 // prompt). A chain hash names its whole prefix, so a prefix is never more
 // popular than a shorter one of the same chain. Two windows of popWindow
-// requests are kept, the current one and the last, so shares are over the
+// requests are kept, the current one and the last, so counts are over the
 // last popWindow to 2·popWindow requests.
 type popularity struct {
 	mu        sync.Mutex

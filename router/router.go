@@ -92,6 +92,11 @@ type Request struct {
 	// lifetime, which prices the wait for KV memory). A client tokenizing
 	// before every chat request would otherwise halve both.
 	Auxiliary bool
+	// Repeat marks a request routed before (a retry on the next engine, a
+	// moved stream, a prefill stage of a request routed to its decode
+	// engine): the prefixes' popularity (see priceReplicas) counts each
+	// request once, and auxiliary ones not at all.
+	Repeat bool
 	// CandidateBuf, if its capacity is at least the number of workers, is
 	// reused for Decision.Candidates instead of allocating.
 	CandidateBuf []Candidate
@@ -503,7 +508,7 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 	if len(cands) == 0 {
 		return Decision{}, ErrNoWorker
 	}
-	if !req.Pinned {
+	if !req.Pinned && r.cfg.Policy == "kv" { // the only policy that reads ReplicaMs
 		r.priceReplicas(req, cands, ws, bs)
 	}
 	var k int
@@ -530,14 +535,15 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 // that hold it, so their batches grow while the others idle. A candidate
 // lacking such a prefix (down to the deepest under-replicated sampled
 // depth) would compute it once, X ms of prefill, and hold it for the F
-// requests expected to begin with it there: as many as began with it in
-// the counted window, shared by the k+1 holders. kv takes X·F/(1+F) off
-// its score: the miss amortised over the copy's uses, which a per-request
-// TTFT does not see. A system prompt every conversation begins with is
-// copied to a worker less busy than its holders; a conversation's history,
-// begun by a few turns at most, moves only for a clearly better worker, and
-// a prefix held by every candidate, or begun by at most 1/n of the
-// requests, not at all.
+// requests expected to begin with it: as many as did in the counted
+// window. kv takes X·F/(1+F) off its score: the miss amortised over the
+// copy's uses, which a per-request TTFT does not see. A system prompt every
+// conversation begins with is copied to a worker less busy than its
+// holders. A conversation's history is credited only while the
+// conversation is more than 1/n of the traffic (few users, or many
+// workers), and then by the few turns that reached its depth; a prefix held
+// by every candidate, or begun by at most 1/n of the requests, is not
+// credited.
 func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs int) {
 	minO, maxO := cands[0].Overlap, cands[0].Overlap
 	for i := range cands {
@@ -547,8 +553,9 @@ func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs
 		return
 	}
 	type sample struct {
-		depth int
-		uses  float64 // F; 0: not under-replicated
+		depth, held int
+		under       bool
+		uses        float64 // F
 	}
 	var samples [64]sample // sampled depths in (minO, maxO] until a prefix is not popular
 	m, n := 0, float64(len(cands))
@@ -561,11 +568,8 @@ func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs
 		return k
 	}
 	under := func(d int, count, total float64) sample {
-		k := float64(held(d))
-		if count*n <= k*total {
-			return sample{depth: d}
-		}
-		return sample{depth: d, uses: count}
+		k := held(d)
+		return sample{depth: d, held: k, under: count*n > float64(k)*total, uses: count}
 	}
 	r.pop.mu.Lock()
 	total := float64(r.pop.n + r.pop.prevN)
@@ -581,10 +585,13 @@ func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs
 		m++
 	}
 	r.pop.mu.Unlock()
-	// The samples ran out before maxO with the prefix still popular: the
-	// blocks up to maxO, less than a quarter of it, count as part of it.
-	if d > maxO && m > 0 && samples[m-1].depth < maxO && samples[m-1].uses > 0 {
-		samples[m] = under(maxO, count, total)
+	// The samples ran out before maxO with the prefix still popular, and
+	// every worker holding it holds the blocks up to maxO, less than a
+	// quarter of it, too: they count as part of it. (If some hold only the
+	// prefix, the blocks past it are another request's own.)
+	if d > maxO && m > 0 && samples[m-1].depth < maxO && samples[m-1].under && held(maxO) == samples[m-1].held {
+		samples[m] = samples[m-1]
+		samples[m].depth = maxO
 		m++
 	}
 	for i := range cands {
@@ -594,7 +601,7 @@ func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs
 			if x.depth <= c.Overlap {
 				continue
 			}
-			if x.uses == 0 {
+			if !x.under {
 				break
 			}
 			deep, uses = x.depth, x.uses
@@ -676,7 +683,7 @@ func (r *Router) commit(req *Request, d *Decision, now int64) *Active {
 	} else if n := min(d.Overlap, len(req.Hashes)); n > 0 {
 		r.index.Touch(w.id, req.Hashes[:n]) // event mode: the hit keeps them hot
 	}
-	if len(req.Hashes) > 0 {
+	if len(req.Hashes) > 0 && !req.Repeat && !req.Auxiliary {
 		r.pop.record(req.Hashes)
 	}
 	r.dec = *d
