@@ -123,8 +123,9 @@ func BenchmarkSelect8k64Workers(b *testing.B) {
 
 // BenchmarkSelectPopularPrefix: the most the replica pricing costs a
 // Select. An 8k-token prompt held by 8 of 64 workers; "popular": every
-// counted request began with it, so every sampled depth is looked up and
-// every other worker is credited a copy; "unknown": nothing was counted.
+// counted and every live request began with it, so every sampled depth is
+// looked up, with its live requests on each worker, and every other worker
+// is credited a copy; "unknown": nothing was counted.
 func BenchmarkSelectPopularPrefix(b *testing.B) {
 	for _, popular := range []bool{false, true} {
 		b.Run(map[bool]string{false: "unknown", true: "popular"}[popular], func(b *testing.B) {
@@ -137,6 +138,10 @@ func BenchmarkSelectPopularPrefix(b *testing.B) {
 				r.Index().Store(w, h, kv.TierDevice, 0)
 			}
 			if popular {
+				for w := WorkerID(0); w < 8; w++ { // live on every holder
+					_, a, _ := r.Route(&Request{Hashes: h, PromptTokens: benchPrompt * 16, Pinned: true, Pin: w})
+					a.PrefillDone()
+				}
 				for range 100 {
 					r.pop.record(h)
 				}

@@ -139,6 +139,15 @@ func (w *worker) observeLifetime(ms float64) {
 }
 
 // add registers a on w; false if w was removed.
+// liveRequests is how many of the worker's live requests hold the block h
+// in their prompt.
+func (w *worker) liveRequests(h kv.BlockHash) int32 {
+	w.mu.Lock()
+	n := w.refs[h]
+	w.mu.Unlock()
+	return n
+}
+
 func (w *worker) add(a *Active) bool {
 	w.mu.Lock()
 	defer w.mu.Unlock()

@@ -530,26 +530,26 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 }
 
 // priceReplicas sets each candidate's ReplicaMs. A prefix that a share s
-// of recent requests began with, held by k of the n candidates, is
+// of the live requests began with, held by k of the n candidates, is
 // under-replicated while s·n > k: its traffic cannot spread over the workers
 // that hold it, so their batches grow while the others idle. A candidate
 // lacking such a prefix (down to the deepest under-replicated sampled
 // depth) would compute it once, X ms of prefill, and hold it for the F
-// requests expected to begin with it: as many as did in the counted
-// window. kv takes X·F/(1+F) off its score: the miss amortised over the
-// copy's uses, which a per-request TTFT does not see. A system prompt every
-// conversation begins with is copied to a worker less busy than its
-// holders. A conversation's history is credited only while the
-// conversation is more than 1/n of the traffic (few users, or many
-// workers), and then by the few turns that reached its depth; a prefix held
-// by every candidate, or begun by at most 1/n of the requests, is not
-// credited.
+// requests expected to begin with it: as many as did among the last
+// requests counted (popularity). kv takes X·F/(1+F) off its score: the
+// miss amortised over the copy's uses, which a per-request TTFT does not
+// see. A system prompt the live conversations share is copied to a worker
+// less busy than its holders. A conversation's history is not: no other
+// live request holds it while its next turn is routed. Nor is a prefix held
+// by every candidate, or begun by at most 1/n of the requests counted.
 func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs int) {
 	minO, maxO := cands[0].Overlap, cands[0].Overlap
+	liveTotal := int64(0)
 	for i := range cands {
 		minO, maxO = min(minO, cands[i].Overlap), max(maxO, cands[i].Overlap)
+		liveTotal += ws[cands[i].Worker].inflight.Load()
 	}
-	if minO == maxO {
+	if minO == maxO || liveTotal == 0 {
 		return
 	}
 	type sample struct {
@@ -567,24 +567,58 @@ func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs
 		}
 		return k
 	}
-	under := func(d int, count, total float64) sample {
-		k := held(d)
-		return sample{depth: d, held: k, under: count*n > float64(k)*total, uses: count}
+	// live counts the live requests holding h, deeper at each call: a
+	// worker with none holding a prefix has none holding a longer one, so
+	// after the first call only the workers that had some are asked.
+	var with [64]int32 // indices in cands
+	nWith := -1        // -1: ask every candidate
+	live := func(h kv.BlockHash) (l int64) {
+		k := 0
+		ask := func(j int) {
+			if w := ws[cands[j].Worker]; w.inflight.Load() == 0 {
+				return // an idle worker: no lock taken
+			}
+			if v := ws[cands[j].Worker].liveRequests(h); v > 0 {
+				l += int64(v)
+				if k < len(with) {
+					with[k] = int32(j)
+				}
+				k++
+			}
+		}
+		if nWith < 0 {
+			for j := range cands {
+				ask(j)
+			}
+		} else {
+			for _, j := range with[:nWith] {
+				ask(int(j))
+			}
+		}
+		if nWith = k; k > len(with) {
+			nWith = -1
+		}
+		return l
 	}
 	r.pop.mu.Lock()
 	total := float64(r.pop.n + r.pop.prevN)
 	d, count := 1, 0.0
 	for ; d <= maxO && m < len(samples)-1; d = nextDepth(d) {
-		if d <= minO {
-			continue
+		if d > minO {
+			// nor is any deeper prefix popular: k ≥ 1 up to maxO
+			if count = float64(r.pop.countLocked(req.Hashes[d-1])); count*n <= total {
+				break
+			}
+			samples[m] = sample{depth: d, uses: count}
+			m++
 		}
-		if count = float64(r.pop.countLocked(req.Hashes[d-1])); count*n <= total {
-			break // nor is any deeper prefix: k ≥ 1 up to maxO
-		}
-		samples[m] = under(d, count, total)
-		m++
 	}
 	r.pop.mu.Unlock()
+	for j := range samples[:m] {
+		x := &samples[j]
+		x.held = held(x.depth)
+		x.under = float64(live(req.Hashes[x.depth-1]))*n > float64(x.held)*float64(liveTotal)
+	}
 	// The samples ran out before maxO with the prefix still popular, and
 	// every worker holding it holds the blocks up to maxO, less than a
 	// quarter of it, too: they count as part of it. (If some hold only the
