@@ -24,14 +24,20 @@ import (
 // A fit that makes a worker look slow takes its traffic away, and with it
 // the samples that could correct the fit: a burst at start-up (a cold
 // engine, one slow request) could leave a worker at 8× for good. So a
-// worker without samples for longer than calIdleGrace drifts back to the
-// configured coefficients (s = 1), with half-life calIdleHalfLife, until
-// it gets traffic and is measured again.
+// worker without samples for longer than calIdleGrace drifts back to a
+// prior, with half-life calIdleHalfLife, until it gets traffic and is
+// measured again. The prior is the mean factor of the workers measured
+// lately (the configured coefficients, s = 1, when none is): a worker added
+// to a fleet that runs faster than configured, or one left idle, is taken
+// for as fast as the others, not as slow as configured, and gets the
+// traffic that measures it.
 type calibrator struct {
 	enabled atomic.Bool
 	scale   atomic.Uint64 // float64 bits
 	samples atomic.Int64
-	relaxed atomic.Int64 // Unix ns of the last relax check
+	relaxed atomic.Int64  // Unix ns of the last relax check
+	prior   atomic.Uint64 // float64 bits: the factor an idle fit drifts to
+	lastAt  atomic.Int64  // Unix ns of the last sample, 0 before any
 
 	mu       sync.Mutex
 	num, den float64 // Σ λ^k y·p, Σ λ^k p²
@@ -53,6 +59,14 @@ const (
 func (c *calibrator) init() {
 	c.num, c.den = calPrior, calPrior
 	c.scale.Store(math.Float64bits(1))
+	c.prior.Store(math.Float64bits(1))
+}
+
+// measured reports whether the worker had a sample within calIdleGrace of
+// now (Unix ns).
+func (c *calibrator) measured(now int64) bool {
+	last := c.lastAt.Load()
+	return last != 0 && now-last <= calIdleGrace
 }
 
 func (c *calibrator) factor() float64 { return math.Float64frombits(c.scale.Load()) }
@@ -68,16 +82,18 @@ func (c *calibrator) idleWeight(now int64) float64 {
 	return math.Exp2(-float64(idle) / float64(calIdleHalfLife))
 }
 
-// relax recomputes s at now for the time without samples (at most once
-// per calRelaxEvery); the fit itself changes only when a sample comes.
-func (c *calibrator) relax(now int64) {
+// relax recomputes s at now for the time without samples, towards prior
+// (at most once per calRelaxEvery); the fit itself changes only when a
+// sample comes.
+func (c *calibrator) relax(now int64, prior float64) {
 	if now-c.relaxed.Load() < calRelaxEvery || !c.enabled.Load() {
 		return
 	}
 	c.relaxed.Store(now)
+	c.prior.Store(math.Float64bits(prior))
 	c.mu.Lock()
 	d := c.idleWeight(now)
-	s := calFit(d*c.num+(1-d)*calPrior, d*c.den+(1-d)*calPrior)
+	s := calFit(d*c.num+(1-d)*calPrior*prior, d*c.den+(1-d)*calPrior)
 	c.mu.Unlock()
 	c.scale.Store(math.Float64bits(s))
 }
@@ -99,10 +115,11 @@ func (c *calibrator) observe(y, p float64, now int64) {
 	y = math.Max(p/(2*calClamp), math.Min(2*calClamp*p, y))
 	c.mu.Lock()
 	if d := c.idleWeight(now); d < 1 {
-		c.num = d*c.num + (1-d)*calPrior
+		c.num = d*c.num + (1-d)*calPrior*math.Float64frombits(c.prior.Load())
 		c.den = d*c.den + (1-d)*calPrior
 	}
 	c.last = now
+	c.lastAt.Store(now)
 	c.num = calLambda*c.num + y*p
 	c.den = calLambda*c.den + p*p
 	s := calFit(c.num, c.den)

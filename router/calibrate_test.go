@@ -129,3 +129,51 @@ func TestCalibrationRelaxesOnAnIdleWorker(t *testing.T) {
 		t.Fatalf("slowdown %.3f once the worker is measured again at 1x", s)
 	}
 }
+
+// TestAddedWorkerTakesTheFleetsFit: a fleet measured at a third of the
+// configured times (the coefficients were left at their defaults for faster
+// engines). A worker added then, never measured, is taken for as fast as
+// the others, not as slow as configured, so it gets the traffic that
+// measures it; one left idle drifts to the same.
+func TestAddedWorkerTakesTheFleetsFit(t *testing.T) {
+	clock := newFakeClock()
+	r := newTestRouter(t, "kv", 2, func(c *Config) { c.Now = clock.Now })
+	cc := r.Config().Cost
+	observe := func(w WorkerID, times float64) {
+		q := &Request{Pinned: true, Pin: w, PromptTokens: 2000}
+		d, a := mustRoute(t, r, q)
+		c := d.Candidates[w]
+		a.ObserveTTFT(time.Duration(times * cc.compute(&c, q.PromptTokens, c.PrefillTokens) * float64(time.Millisecond)))
+		a.PrefillDone()
+		a.Free()
+	}
+	for i := 0; i < 1000; i++ {
+		observe(WorkerID(i%2), 1.0/3)
+	}
+	fleet := r.Workers()[0].Slowdown
+	if math.Abs(fleet-1.0/3) > 0.03 {
+		t.Fatalf("fleet fitted at %.3f, want 1/3", fleet)
+	}
+	c := r.AddWorker("w-new")
+	// Both measured workers have a queued prompt; the new one is idle.
+	for w := WorkerID(0); w < 2; w++ {
+		a := r.Commit(&Request{PromptTokens: 2000}, Decision{Worker: w})
+		defer a.Free()
+	}
+	d, err := r.Select(&Request{PromptTokens: 2000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := r.Workers()[c].Slowdown; math.Abs(s-fleet) > 0.01 || d.Worker != c {
+		t.Fatalf("the added worker: slowdown %.3f (fleet %.3f), request routed to %s", s, fleet, d.Name)
+	}
+	// Worker 1 idle for 10 minutes while worker 0 keeps its fit: 1 drifts
+	// to the fleet's, not to 1.
+	for i := 0; i < 600; i++ {
+		clock.Advance(time.Second)
+		observe(0, 1.0/3)
+	}
+	if s := r.Workers()[1].Slowdown; math.Abs(s-fleet) > 0.03 {
+		t.Fatalf("idle worker drifted to %.3f, want the fleet's %.3f", s, fleet)
+	}
+}

@@ -374,9 +374,10 @@ func (r *Router) Workers() []WorkerStatus {
 	ws := *r.workers.Load()
 	out := make([]WorkerStatus, len(ws))
 	now := r.now().UnixNano()
+	prior := fittedPrior(ws, now)
 	for i, w := range ws {
 		w.endDuePrefills(now)
-		w.cal.relax(now)
+		w.cal.relax(now, prior)
 		sc := w.cal.factor()
 		out[i] = WorkerStatus{
 			Name: w.name, ID: w.id, InstanceID: w.instance,
@@ -473,6 +474,7 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 	}
 	bs := r.cfg.BlockSize
 	waiters := meanPending(ws)
+	prior := fittedPrior(ws, now)
 	partial := false
 	for _, w := range ws {
 		if !w.available.Load() {
@@ -483,7 +485,7 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 			continue
 		}
 		w.endDuePrefills(now)
-		w.cal.relax(now)
+		w.cal.relax(now, prior)
 		c := Candidate{
 			Worker: w.id, Name: w.name,
 			Inflight: w.inflight.Load() + w.remInflight.Load(), Pending: w.pending.Load() + w.remPending.Load(),
@@ -648,6 +650,23 @@ func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs
 			c.ReplicaMs = x * uses / (1 + uses)
 		}
 	}
+}
+
+// fittedPrior is the factor an idle worker's fit drifts to: the mean
+// factor of the available workers measured lately, 1 (as configured) when
+// none is.
+func fittedPrior(ws []*worker, now int64) float64 {
+	n, sum := 0, 0.0
+	for _, w := range ws {
+		if w.available.Load() && w.cal.measured(now) {
+			n++
+			sum += w.cal.factor()
+		}
+	}
+	if n == 0 {
+		return 1
+	}
+	return sum / float64(n)
 }
 
 // meanPending is the mean number of requests awaiting their first token per
