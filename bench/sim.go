@@ -360,7 +360,7 @@ func (s *sim) arrive(i int, r *Request) {
 	if disaggregated {
 		// The decode engine's slot is held (as kvproxy holds it); the
 		// prompt goes to a prefill engine first.
-		pre := router.Request{Hashes: s.hashes, PromptTokens: len(tok), Unstreamed: true, Avoid: s.prefillAvoid, CandidateBuf: s.cands}
+		pre := router.Request{Hashes: s.hashes, PromptTokens: len(tok), Unstreamed: true, Avoid: s.prefillAvoid, CandidateBuf: s.cands, Repeat: true}
 		if pd, pact, err := rt.Route(&pre); err == nil {
 			sr.pre = &mockengine.Seq{ID: uint64(i), Prompt: tok, MaxTokens: 1}
 			sr.preAct, sr.dec, sr.seq.RemoteKV = pact, en, true

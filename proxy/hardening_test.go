@@ -356,12 +356,17 @@ func TestEngine5xxIsRetriedElsewhere(t *testing.T) {
 			}))
 		}
 		p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: a, url: 'http://{{e0}}'}, {id: b, url: 'http://{{e1}}'}]\n", es...)
-		resp, b := post(t, p.url+"/v1/chat/completions", chatBody)
+		long := `{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("tell me more about caches ", 20) + `"}]}`
+		resp, b := post(t, p.url+"/v1/chat/completions", long)
 		if resp.StatusCode != 500 || !strings.Contains(string(b), `{"error":{"message":"boom"`) || resp.Header.Get("Retry-After") != "" {
 			t.Fatalf("every engine failing: %d %v %s", resp.StatusCode, resp.Header, b)
 		}
 		if es[0].requests.Load() != 1 || es[1].requests.Load() != 1 {
 			t.Fatalf("each engine should have been asked once: %d, %d", es[0].requests.Load(), es[1].requests.Load())
+		}
+		// Routed twice, counted once among the prefixes' requests.
+		if n := p.s.st.Load().models["m"].rt.CountedRequests(); n != 1 {
+			t.Fatalf("the request tried on both engines was counted %d times", n)
 		}
 		p.waitIdle(t)
 	})

@@ -122,13 +122,18 @@ func BenchmarkSelect8k64Workers(b *testing.B) {
 }
 
 // BenchmarkSelectPopularPrefix: the most the replica pricing costs a
-// Select. An 8k-token prompt held by 8 of 64 workers; "popular": every
-// counted and every live request began with it, so every sampled depth is
-// looked up, with its live requests on each worker, and every other worker
-// is credited a copy; "unknown": nothing was counted.
+// Select. An 8k-token prompt held by 8 of 64 workers. "unknown": no request
+// was counted; "popular": every counted and every live request began with
+// it, so every sampled depth is looked up, with its live requests on each
+// holder, and every other worker is credited a copy; "busy": the same, and
+// 24 other workers run a request of their own each (the prompt is then a
+// quarter of the live requests, on an eighth of the workers).
 func BenchmarkSelectPopularPrefix(b *testing.B) {
-	for _, popular := range []bool{false, true} {
-		b.Run(map[bool]string{false: "unknown", true: "popular"}[popular], func(b *testing.B) {
+	for _, bc := range []struct {
+		name            string
+		popular, others bool
+	}{{"unknown", false, false}, {"popular", true, false}, {"busy", true, true}} {
+		b.Run(bc.name, func(b *testing.B) {
 			r, _ := New(DefaultConfig())
 			for i := 0; i < benchWorkers; i++ {
 				r.AddWorker(fmt.Sprintf("worker-%d", i))
@@ -137,7 +142,7 @@ func BenchmarkSelectPopularPrefix(b *testing.B) {
 			for w := WorkerID(0); w < 8; w++ {
 				r.Index().Store(w, h, kv.TierDevice, 0)
 			}
-			if popular {
+			if bc.popular {
 				for w := WorkerID(0); w < 8; w++ { // live on every holder
 					_, a, _ := r.Route(&Request{Hashes: h, PromptTokens: benchPrompt * 16, Pinned: true, Pin: w})
 					a.PrefillDone()
@@ -146,9 +151,15 @@ func BenchmarkSelectPopularPrefix(b *testing.B) {
 					r.pop.record(h)
 				}
 			}
+			if bc.others {
+				for w := WorkerID(8); w < 32; w++ {
+					_, a, _ := r.Route(&Request{Hashes: seq(64, uint64(w)), PromptTokens: 1024, Pinned: true, Pin: w})
+					a.PrefillDone()
+				}
+			}
 			q := &Request{Hashes: h, PromptTokens: benchPrompt * 16, CandidateBuf: make([]Candidate, 0, benchWorkers)}
-			if d, _ := r.Select(q); (d.Candidates[20].ReplicaMs > 0) != popular {
-				b.Fatalf("popular %v, credited %+v", popular, d.Candidates[20])
+			if d, _ := r.Select(q); (d.Candidates[20].ReplicaMs > 0) != bc.popular {
+				b.Fatalf("%s: credited %+v", bc.name, d.Candidates[20])
 			}
 			b.ReportAllocs()
 			t := startCPU(b)

@@ -138,7 +138,6 @@ func (w *worker) observeLifetime(ms float64) {
 	w.lifeMs.Store(math.Float64bits(ms))
 }
 
-// add registers a on w; false if w was removed.
 // liveRequests is how many of the worker's live requests hold the block h
 // in their prompt.
 func (w *worker) liveRequests(h kv.BlockHash) int32 {
@@ -148,6 +147,7 @@ func (w *worker) liveRequests(h kv.BlockHash) int32 {
 	return n
 }
 
+// add registers a on w; false if w was removed.
 func (w *worker) add(a *Active) bool {
 	w.mu.Lock()
 	defer w.mu.Unlock()

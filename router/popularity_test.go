@@ -1,6 +1,7 @@
 package router
 
 import (
+	"fmt"
 	"slices"
 	"testing"
 
@@ -186,12 +187,12 @@ func TestWholePopularPromptIsCredited(t *testing.T) {
 	for i := range 200 {
 		r.pop.record(append(slices.Clone(system), seq(4, uint64(1000+i))...))
 	}
-	defer freeAll(live(t, r, 0, append(slices.Clone(system), seq(4, 5)...)))
+	defer freeAll(live(t, r, 0, append(slices.Clone(system), seq(4, 5)...), append(slices.Clone(system), seq(4, 6)...)))
 	d, _ := r.Select(&Request{Hashes: append(slices.Clone(system), seq(4, 78)...), PromptTokens: 68 * 16})
 	a, b := d.Candidates[0], d.Candidates[1]
 	x := b.CostMs - (a.CostMs - 0.002*float64(a.ActiveBlocks)) // b's miss: a's cost less its decode pressure
 	if b.ReplicaMs < x*0.99 || b.ReplicaMs > x {
-		t.Fatalf("b, lacking the prompt (%.2f ms of it), credited %.2f ms, want %.2f", x, b.ReplicaMs, x*201/202)
+		t.Fatalf("b, lacking the prompt (%.2f ms of it), credited %.2f ms, want %.2f", x, b.ReplicaMs, x*202/203)
 	}
 }
 
@@ -227,6 +228,62 @@ func TestOneConversationStaysWithItsHistory(t *testing.T) {
 				t.Fatalf("%d tokens queued: %s credited %.1f ms for the history", queued, c.Name, c.ReplicaMs)
 			}
 		}
+	}
+}
+
+// The same conversation with an earlier request of its own still running
+// on the holder (a parallel tool call, say): one live request holds the
+// history, which makes it no shared prefix, and the next turn stays.
+func TestConversationWithARequestInFlightStaysWithItsHistory(t *testing.T) {
+	r := eightWorkers()
+	var history []kv.BlockHash
+	var holder WorkerID
+	for turn := range 10 {
+		history = append(history, seq(50, uint64(500+turn))...)
+		d, a, err := r.Route(&Request{Hashes: slices.Clone(history), PromptTokens: len(history) * 16})
+		if err != nil {
+			t.Fatal(err)
+		}
+		a.PrefillDone()
+		a.Free()
+		holder = d.Worker
+	}
+	defer freeAll(live(t, r, holder, append(slices.Clone(history), seq(10, 800)...)))
+	_, a, _ := r.Route(&Request{Hashes: seq(4400/16, 9), PromptTokens: 4400, Pinned: true, Pin: holder})
+	defer a.Free()
+	next := append(slices.Clone(history), seq(10, 600)...)
+	d, _ := r.Select(&Request{Hashes: next, PromptTokens: len(next) * 16})
+	if d.Worker != holder {
+		t.Fatalf("the turn left its history for %s (%.1f ms predicted against %.1f)", d.Name, d.PredictedTTFTms, d.Candidates[candIndex(d.Candidates, holder)].CostMs)
+	}
+	for _, c := range d.Candidates {
+		if c.ReplicaMs != 0 {
+			t.Fatalf("%s credited %.1f ms for the history", c.Name, c.ReplicaMs)
+		}
+	}
+}
+
+// More busy holders than the list of workers with live requests holds
+// (64): the count falls back to asking every holder, deeper too.
+func TestLiveRequestsCountedOnManyHolders(t *testing.T) {
+	r, _ := New(DefaultConfig())
+	for i := 0; i < 128; i++ {
+		r.AddWorker(fmt.Sprintf("w%d", i))
+	}
+	system := seq(300, 1)
+	var as []*Active
+	for w := WorkerID(0); w < 100; w++ {
+		as = append(as, live(t, r, w, append(slices.Clone(system), seq(4, uint64(w)+100)...))...)
+	}
+	defer freeAll(as)
+	for i := range 300 {
+		r.pop.record(append(slices.Clone(system), seq(4, uint64(1000+i))...))
+	}
+	d, _ := r.Select(conversation(system, 5))
+	holder := d.Candidates[0]
+	x := d.Candidates[120].CostMs - (holder.CostMs - 0.002*float64(holder.ActiveBlocks))
+	if c := d.Candidates[120]; c.ReplicaMs < 0.9*x {
+		t.Fatalf("a worker lacking the prompt that 100 of 128 hold and all live requests share credited %.2f of %.2f ms", c.ReplicaMs, x)
 	}
 }
 

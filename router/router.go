@@ -569,18 +569,21 @@ func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs
 		}
 		return k
 	}
-	// live counts the live requests holding h, deeper at each call: a
-	// worker with none holding a prefix has none holding a longer one, so
-	// after the first call only the workers that had some are asked.
+	// live counts the live requests holding the prefix at depth d, on the
+	// workers that hold it (the live requests that began with a prefix run
+	// where it is cached, or being cached), deeper at each call: a worker
+	// with none holding a prefix has none holding a longer one, so after the
+	// first call only the workers that had some are asked.
 	var with [64]int32 // indices in cands
-	nWith := -1        // -1: ask every candidate
-	live := func(h kv.BlockHash) (l int64) {
-		k := 0
+	nWith := -1        // -1: ask every holder
+	live := func(d int) (l int64) {
+		h, k := req.Hashes[d-1], 0
 		ask := func(j int) {
-			if w := ws[cands[j].Worker]; w.inflight.Load() == 0 {
+			w := ws[cands[j].Worker]
+			if cands[j].Overlap < d || w.inflight.Load() == 0 {
 				return // an idle worker: no lock taken
 			}
-			if v := ws[cands[j].Worker].liveRequests(h); v > 0 {
+			if v := w.liveRequests(h); v > 0 {
 				l += int64(v)
 				if k < len(with) {
 					with[k] = int32(j)
@@ -602,6 +605,16 @@ func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs
 		}
 		return l
 	}
+	// busyHolders bounds live(d) from above: the live requests on the
+	// workers holding the prefix.
+	busyHolders := func(d int) (l int64) {
+		for j := range cands {
+			if cands[j].Overlap >= d {
+				l += ws[cands[j].Worker].inflight.Load()
+			}
+		}
+		return l
+	}
 	r.pop.mu.Lock()
 	total := float64(r.pop.n + r.pop.prevN)
 	d, count := 1, 0.0
@@ -619,7 +632,14 @@ func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs
 	for j := range samples[:m] {
 		x := &samples[j]
 		x.held = held(x.depth)
-		x.under = float64(live(req.Hashes[x.depth-1]))*n > float64(x.held)*float64(liveTotal)
+		bar := float64(x.held) * float64(liveTotal)
+		if float64(busyHolders(x.depth))*n > bar {
+			// One live request holding it is one conversation's (an
+			// earlier request of its own still running): a copy is for a
+			// prefix that several share.
+			l := live(x.depth)
+			x.under = l >= 2 && float64(l)*n > bar
+		}
 	}
 	// The samples ran out before maxO with the prefix still popular, and
 	// every worker holding it holds the blocks up to maxO, less than a
@@ -650,6 +670,15 @@ func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs
 			c.ReplicaMs = x * uses / (1 + uses)
 		}
 	}
+}
+
+// CountedRequests is how many routed requests the prefixes' popularity
+// counts at the moment (the last popWindow to 2·popWindow, advisory): each
+// once, whatever routes it again (Request.Repeat).
+func (r *Router) CountedRequests() int {
+	r.pop.mu.Lock()
+	defer r.pop.mu.Unlock()
+	return r.pop.n + r.pop.prevN
 }
 
 // fittedPrior is the factor an idle worker's fit drifts to: the mean
