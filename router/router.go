@@ -541,9 +541,11 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 // requests counted (popularity). kv takes X·F/(1+F) off its score: the
 // miss amortised over the copy's uses, which a per-request TTFT does not
 // see. A system prompt the live conversations share is copied to a worker
-// less busy than its holders. A conversation's history is not: no other
-// live request holds it while its next turn is routed. Nor is a prefix held
-// by every candidate, or begun by at most 1/n of the requests counted.
+// less busy than its holders. A conversation's history is not: while its
+// next turn is routed no other live request holds it, or one of its own
+// does, and a prefix is shared only if two live requests hold it at least.
+// Nor is a prefix held by every candidate, or begun by at most 1/n of the
+// requests counted.
 func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs int) {
 	minO, maxO := cands[0].Overlap, cands[0].Overlap
 	liveTotal := int64(0)
