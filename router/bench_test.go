@@ -89,6 +89,18 @@ func TestIndexMemoryPerEntry(t *testing.T) {
 	runtime.KeepAlive(x)
 }
 
+// benchSelect measures r.Select(q), CPU time included.
+func benchSelect(b *testing.B, r *Router, q *Request) {
+	b.ReportAllocs()
+	t := startCPU(b)
+	for i := 0; i < b.N; i++ {
+		if _, err := r.Select(q); err != nil {
+			b.Fatal(err)
+		}
+	}
+	t.stop()
+}
+
 func BenchmarkSelect8k64Workers(b *testing.B) {
 	for _, p := range []string{"kv", "kv_dynamo", "round_robin", "least_load", "prefix_hash", "cache_aware"} {
 		b.Run(p, func(b *testing.B) {
@@ -109,14 +121,7 @@ func BenchmarkSelect8k64Workers(b *testing.B) {
 					a.PrefillDone()
 				}
 			}
-			b.ReportAllocs()
-			t := startCPU(b)
-			for i := 0; i < b.N; i++ {
-				if _, err := r.Select(q); err != nil {
-					b.Fatal(err)
-				}
-			}
-			t.stop()
+			benchSelect(b, r, q)
 		})
 	}
 }
@@ -161,14 +166,7 @@ func BenchmarkSelectPopularPrefix(b *testing.B) {
 			if d, _ := r.Select(q); (d.Candidates[20].ReplicaMs > 0) != bc.popular {
 				b.Fatalf("%s: credited %+v", bc.name, d.Candidates[20])
 			}
-			b.ReportAllocs()
-			t := startCPU(b)
-			for i := 0; i < b.N; i++ {
-				if _, err := r.Select(q); err != nil {
-					b.Fatal(err)
-				}
-			}
-			t.stop()
+			benchSelect(b, r, q)
 		})
 	}
 }

@@ -66,6 +66,20 @@ func TestCalibrationOffKeepsConfig(t *testing.T) {
 	}
 }
 
+// observer routes a 2,000-token prompt to worker w and observes its TTFT
+// as times what the configured coefficients predict.
+func observer(t *testing.T, r *Router) func(w WorkerID, times float64) {
+	cc := r.Config().Cost
+	return func(w WorkerID, times float64) {
+		q := &Request{Pinned: true, Pin: w, PromptTokens: 2000}
+		d, a := mustRoute(t, r, q)
+		c := d.Candidates[w]
+		a.ObserveTTFT(time.Duration(times * cc.compute(&c, q.PromptTokens, c.PrefillTokens) * float64(time.Millisecond)))
+		a.PrefillDone()
+		a.Free()
+	}
+}
+
 // TestCalibrationRelaxesOnAnIdleWorker: a burst makes worker 1 look 8× slow,
 // so kv sends it nothing and no sample can correct the fit. Without samples
 // its factor drifts back to 1 (after calIdleGrace, half-life
@@ -74,15 +88,7 @@ func TestCalibrationOffKeepsConfig(t *testing.T) {
 func TestCalibrationRelaxesOnAnIdleWorker(t *testing.T) {
 	clock := newFakeClock()
 	r := newTestRouter(t, "kv", 2, func(c *Config) { c.Now = clock.Now })
-	cc := r.Config().Cost
-	observe := func(w WorkerID, times float64) {
-		q := &Request{Pinned: true, Pin: w, PromptTokens: 2000}
-		d, a := mustRoute(t, r, q)
-		c := d.Candidates[w]
-		a.ObserveTTFT(time.Duration(times * cc.compute(&c, q.PromptTokens, c.PrefillTokens) * float64(time.Millisecond)))
-		a.PrefillDone()
-		a.Free()
-	}
+	observe := observer(t, r)
 	for i := 0; i < 200; i++ {
 		observe(1, 20) // a cold start: far slower than configured
 		observe(0, 1)
@@ -138,15 +144,7 @@ func TestCalibrationRelaxesOnAnIdleWorker(t *testing.T) {
 func TestAddedWorkerTakesTheFleetsFit(t *testing.T) {
 	clock := newFakeClock()
 	r := newTestRouter(t, "kv", 2, func(c *Config) { c.Now = clock.Now })
-	cc := r.Config().Cost
-	observe := func(w WorkerID, times float64) {
-		q := &Request{Pinned: true, Pin: w, PromptTokens: 2000}
-		d, a := mustRoute(t, r, q)
-		c := d.Candidates[w]
-		a.ObserveTTFT(time.Duration(times * cc.compute(&c, q.PromptTokens, c.PrefillTokens) * float64(time.Millisecond)))
-		a.PrefillDone()
-		a.Free()
-	}
+	observe := observer(t, r)
 	for i := 0; i < 1000; i++ {
 		observe(WorkerID(i%2), 1.0/3)
 	}

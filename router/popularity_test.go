@@ -196,6 +196,22 @@ func TestWholePopularPromptIsCredited(t *testing.T) {
 	}
 }
 
+// tenTurns runs ten turns of one conversation, 800 tokens more each, on r,
+// one after the other: its history and the worker that holds it.
+func tenTurns(t *testing.T, r *Router) (history []kv.BlockHash, holder WorkerID) {
+	for turn := range 10 {
+		history = append(history, seq(50, uint64(500+turn))...)
+		d, a, err := r.Route(&Request{Hashes: slices.Clone(history), PromptTokens: len(history) * 16})
+		if err != nil {
+			t.Fatal(err)
+		}
+		a.PrefillDone()
+		a.Free()
+		holder = d.Worker
+	}
+	return history, holder
+}
+
 // One user's conversation on an idle fleet: it is all the traffic, but no
 // other live request holds its history when its next turn is routed, so
 // nothing is credited. The turn stays with its history while the holder's
@@ -203,18 +219,7 @@ func TestWholePopularPromptIsCredited(t *testing.T) {
 func TestOneConversationStaysWithItsHistory(t *testing.T) {
 	for _, queued := range []int{400, 4400} {
 		r := eightWorkers()
-		var history []kv.BlockHash
-		var holder WorkerID
-		for turn := range 10 {
-			history = append(history, seq(50, uint64(500+turn))...) // 800 tokens a turn
-			d, a, err := r.Route(&Request{Hashes: slices.Clone(history), PromptTokens: len(history) * 16})
-			if err != nil {
-				t.Fatal(err)
-			}
-			a.PrefillDone()
-			a.Free()
-			holder = d.Worker
-		}
+		history, holder := tenTurns(t, r)
 		_, a, _ := r.Route(&Request{Hashes: seq(queued/16, 9), PromptTokens: queued, Pinned: true, Pin: holder})
 		next := append(slices.Clone(history), seq(50, 600)...)
 		d, _ := r.Select(&Request{Hashes: next, PromptTokens: len(next) * 16})
@@ -236,18 +241,7 @@ func TestOneConversationStaysWithItsHistory(t *testing.T) {
 // history, which makes it no shared prefix, and the next turn stays.
 func TestConversationWithARequestInFlightStaysWithItsHistory(t *testing.T) {
 	r := eightWorkers()
-	var history []kv.BlockHash
-	var holder WorkerID
-	for turn := range 10 {
-		history = append(history, seq(50, uint64(500+turn))...)
-		d, a, err := r.Route(&Request{Hashes: slices.Clone(history), PromptTokens: len(history) * 16})
-		if err != nil {
-			t.Fatal(err)
-		}
-		a.PrefillDone()
-		a.Free()
-		holder = d.Worker
-	}
+	history, holder := tenTurns(t, r)
 	defer freeAll(live(t, r, holder, append(slices.Clone(history), seq(10, 800)...)))
 	_, a, _ := r.Route(&Request{Hashes: seq(4400/16, 9), PromptTokens: 4400, Pinned: true, Pin: holder})
 	defer a.Free()
