@@ -374,7 +374,7 @@ func (r *Router) Workers() []WorkerStatus {
 	ws := *r.workers.Load()
 	out := make([]WorkerStatus, len(ws))
 	now := r.now().UnixNano()
-	prior := fittedPrior(ws, now)
+	prior := fittedPrior(ws, now, nil)
 	for i, w := range ws {
 		w.endDuePrefills(now)
 		w.cal.relax(now, prior)
@@ -474,7 +474,7 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 	}
 	bs := r.cfg.BlockSize
 	waiters := meanPending(ws)
-	prior := fittedPrior(ws, now)
+	prior := fittedPrior(ws, now, req.Avoid) // the candidates' peers: a prefill stage's, or a decode's
 	partial := false
 	for _, w := range ws {
 		if !w.available.Load() {
@@ -684,12 +684,12 @@ func (r *Router) CountedRequests() int {
 }
 
 // fittedPrior is the factor an idle worker's fit drifts to: the mean
-// factor of the available workers measured lately, 1 (as configured) when
-// none is.
-func fittedPrior(ws []*worker, now int64) float64 {
+// factor of the available workers measured lately, those in avoid aside,
+// 1 (as configured) when none is.
+func fittedPrior(ws []*worker, now int64, avoid []WorkerID) float64 {
 	n, sum := 0, 0.0
 	for _, w := range ws {
-		if w.available.Load() && w.cal.measured(now) {
+		if w.available.Load() && w.cal.measured(now) && !slices.Contains(avoid, w.id) {
 			n++
 			sum += w.cal.factor()
 		}
