@@ -175,3 +175,25 @@ func TestAddedWorkerTakesTheFleetsFit(t *testing.T) {
 		t.Fatalf("idle worker drifted to %.3f, want the fleet's %.3f", s, fleet)
 	}
 }
+
+// TestPriorIsTheCandidatesPeers: prefill engines measured at 4× and decode
+// engines at 1/3 of the configured times (their TTFTs are of other work).
+// A decode engine added then drifts to the decode engines' fit when a
+// decode stage, which avoids the prefill engines, is routed.
+func TestPriorIsTheCandidatesPeers(t *testing.T) {
+	clock := newFakeClock()
+	r := newTestRouter(t, "kv", 4, func(c *Config) { c.Now = clock.Now })
+	observe := observer(t, r)
+	for i := 0; i < 1000; i++ {
+		w := WorkerID(i % 4)
+		observe(w, map[bool]float64{true: 4, false: 1.0 / 3}[w < 2]) // 0 and 1: prefill
+	}
+	added := r.AddWorker("decode-new")
+	if _, err := r.Select(&Request{PromptTokens: 2000, Avoid: []WorkerID{0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	st := r.Workers()
+	if want := (st[2].Slowdown + st[3].Slowdown) / 2; math.Abs(st[added].Slowdown-want) > 0.01 {
+		t.Fatalf("the added decode engine at %.3f, want its peers' %.3f (prefill engines at %.2f)", st[added].Slowdown, want, st[0].Slowdown)
+	}
+}
