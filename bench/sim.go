@@ -235,6 +235,9 @@ func newSim(cfg SimConfig, policy string) (*sim, error) {
 		for _, rt := range s.rts { // the same ids in every replica
 			id = rt.AddWorker(name)
 			rt.SetApproximate(id, cfg.Approximate)
+			if i < cfg.PrefillEngines {
+				rt.SetPeerGroup(id, 1)
+			}
 		}
 		e := &simEngine{
 			id:   id,

@@ -138,8 +138,19 @@ func newBackend(bc config.Backend, cfg *config.Config, p *modelPool, log zerolog
 	b.slots.limit.Store(int64(bc.MaxConcurrency))
 	b.slots.owner.Store(b)
 	b.worker = p.rt.AddWorker(bc.ID)
+	p.rt.SetPeerGroup(b.worker, peerGroup(bc.Role))
 	p.rt.SetAvailable(b.worker, true)
 	return b
+}
+
+// peerGroup is the router's peer group of an engine of the role: prefill
+// engines' fitted speeds are compared with each other's, the others' with
+// each other's.
+func peerGroup(role string) int {
+	if role == config.RolePrefill {
+		return 1
+	}
+	return 0
 }
 
 // isAvailable reports whether the backend takes new requests.

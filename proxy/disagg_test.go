@@ -63,6 +63,12 @@ func TestDisaggregatedPrefill(t *testing.T) {
 	if _, b := fetch(t, p.url+"/admin/backends"); !strings.Contains(string(b), `"id":"pre","url"`) || !strings.Contains(string(b), `"role":"prefill"`) {
 		t.Fatalf("/admin/backends does not show the role: %s", b)
 	}
+	// Each stage's engines have their fitted speeds compared with their own.
+	for _, w := range p.s.st.Load().models["m"].rt.Workers() {
+		if want := map[string]int{"pre": 1, "dec": 0}[w.Name]; w.PeerGroup != want {
+			t.Fatalf("worker %s in peer group %d, want %d", w.Name, w.PeerGroup, want)
+		}
+	}
 	p.waitIdle(t)
 }
 

@@ -34,12 +34,25 @@ func (b *backend) startEvents() {
 		Backend: b.cfg.ID, Mode: mode, BlockSize: b.pool.cfg.BlockSize, DPSize: b.cfg.KVEvents.DPSize,
 		ZMQ: backends.ZMQConfig{Endpoint: b.cfg.KVEvents.Endpoint, ReplayEndpoint: b.cfg.KVEvents.Replay, Topic: b.cfg.KVEvents.Topic,
 			OnChange: (&feedLog{log: b.log, backend: b.cfg.ID}).change},
-	}, b.pool.rt)
+	}, rankWorkers{b.pool.rt, peerGroup(b.cfg.Role)})
 	if err != nil { // config validation makes this unreachable
 		b.log.Error().Err(err).Str("backend", b.cfg.ID).Msg("kv events not started")
 		return
 	}
 	b.setFeed(f)
+}
+
+// rankWorkers is the router as a feed sees it: the data-parallel ranks it
+// adds join their backend's peer group.
+type rankWorkers struct {
+	*router.Router
+	group int
+}
+
+func (w rankWorkers) AddWorker(name string) router.WorkerID {
+	id := w.Router.AddWorker(name)
+	w.SetPeerGroup(id, w.group)
+	return id
 }
 
 // setFeed sets b's event feed under its lock: a request its predecessor

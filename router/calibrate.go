@@ -26,8 +26,9 @@ import (
 // engine, one slow request) could leave a worker at 8× for good. So a
 // worker without samples for longer than calIdleGrace drifts back to a
 // prior, with half-life calIdleHalfLife, until it gets traffic and is
-// measured again. The prior is the mean factor of the workers measured
-// lately (the configured coefficients, s = 1, when none is): a worker added
+// measured again. The prior is the mean factor of the workers of its peer
+// group (Router.SetPeerGroup) measured lately (the configured
+// coefficients, s = 1, when none is): a worker added
 // to a fleet that runs faster than configured, or one left idle, is taken
 // for as fast as the others, not as slow as configured, and gets the
 // traffic that measures it.

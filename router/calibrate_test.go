@@ -176,24 +176,42 @@ func TestAddedWorkerTakesTheFleetsFit(t *testing.T) {
 	}
 }
 
-// TestPriorIsTheCandidatesPeers: prefill engines measured at 4× and decode
-// engines at 1/3 of the configured times (their TTFTs are of other work).
-// A decode engine added then drifts to the decode engines' fit when a
-// decode stage, which avoids the prefill engines, is routed.
-func TestPriorIsTheCandidatesPeers(t *testing.T) {
+// TestPriorIsThePeerGroups: prefill engines (peer group 1) measured at 4×
+// and decode engines at 1/3 of the configured times (their TTFTs are of
+// other work). A decode engine added then drifts to the decode engines'
+// fit and an idle prefill engine to the prefill engines', whoever reads
+// them first: the status, a pinned request, or a retry that avoids the one
+// decode engine measured lately.
+func TestPriorIsThePeerGroups(t *testing.T) {
 	clock := newFakeClock()
-	r := newTestRouter(t, "kv", 4, func(c *Config) { c.Now = clock.Now })
+	r := newTestRouter(t, "kv", 5, func(c *Config) { c.Now = clock.Now })
 	observe := observer(t, r)
+	for w := WorkerID(0); w < 2; w++ {
+		r.SetPeerGroup(w, 1)
+	}
 	for i := 0; i < 1000; i++ {
 		w := WorkerID(i % 4)
-		observe(w, map[bool]float64{true: 4, false: 1.0 / 3}[w < 2]) // 0 and 1: prefill
+		observe(w, map[bool]float64{true: 4, false: 1.0 / 3}[w < 2])
+	}
+	// Worker 4 (decode) and worker 1 (prefill) idle for two minutes while
+	// 0 and 2 keep being measured.
+	for i := 0; i < 120; i++ {
+		clock.Advance(time.Second)
+		observe(0, 4)
+		observe(2, 1.0/3)
+		r.Workers() // the status, read as often as anything routes
 	}
 	added := r.AddWorker("decode-new")
-	if _, err := r.Select(&Request{PromptTokens: 2000, Avoid: []WorkerID{0, 1}}); err != nil {
+	r.Workers()
+	_, a := mustRoute(t, r, &Request{PromptTokens: 2000, Pinned: true, Pin: 2})
+	a.Free()
+	if _, err := r.Select(&Request{PromptTokens: 2000, Avoid: []WorkerID{0, 1, 2}}); err != nil {
 		t.Fatal(err)
 	}
 	st := r.Workers()
-	if want := (st[2].Slowdown + st[3].Slowdown) / 2; math.Abs(st[added].Slowdown-want) > 0.01 {
-		t.Fatalf("the added decode engine at %.3f, want its peers' %.3f (prefill engines at %.2f)", st[added].Slowdown, want, st[0].Slowdown)
+	near := func(got, want float64) bool { return math.Abs(got-want) <= 0.03*want }
+	if !near(st[4].Slowdown, st[2].Slowdown) || !near(st[added].Slowdown, st[2].Slowdown) || !near(st[1].Slowdown, st[0].Slowdown) {
+		t.Fatalf("idle decode %.3f, added decode %.3f (decode peer %.3f); idle prefill %.3f (prefill peer %.3f)",
+			st[4].Slowdown, st[added].Slowdown, st[2].Slowdown, st[1].Slowdown, st[0].Slowdown)
 	}
 }

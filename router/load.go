@@ -38,7 +38,8 @@ type worker struct {
 	due     []dueAt
 	nextDue atomic.Int64
 
-	cal calibrator
+	cal   calibrator
+	group atomic.Uint32 // peer group (SetPeerGroup), < peerGroups
 
 	// Engine-reported load (SetEngineLoad).
 	engWaiting, engRunning atomic.Int64

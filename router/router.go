@@ -161,6 +161,7 @@ type WorkerStatus struct {
 	PrefillMsPerToken float64
 	QueueMsPerToken   float64
 	TTFTSamples       int64
+	PeerGroup         int // SetPeerGroup
 	// Engine-reported load (SetEngineLoad); EngineKVUsage < 0 when never set.
 	EngineWaiting, EngineRunning int64
 	EngineKVUsage                float64
@@ -374,10 +375,10 @@ func (r *Router) Workers() []WorkerStatus {
 	ws := *r.workers.Load()
 	out := make([]WorkerStatus, len(ws))
 	now := r.now().UnixNano()
-	prior := fittedPrior(ws, now, nil)
+	priors := fittedPriors(ws, now)
 	for i, w := range ws {
 		w.endDuePrefills(now)
-		w.cal.relax(now, prior)
+		w.cal.relax(now, priors[w.group.Load()])
 		sc := w.cal.factor()
 		out[i] = WorkerStatus{
 			Name: w.name, ID: w.id, InstanceID: w.instance,
@@ -386,7 +387,7 @@ func (r *Router) Workers() []WorkerStatus {
 			IndexedBlocks:     r.index.WorkerBlocks(w.id),
 			Slowdown:          sc,
 			PrefillMsPerToken: sc * r.cfg.Cost.PrefillMsPerToken, QueueMsPerToken: sc * r.cfg.Cost.QueueMsPerToken,
-			TTFTSamples:   w.cal.samples.Load(),
+			TTFTSamples: w.cal.samples.Load(), PeerGroup: int(w.group.Load()),
 			EngineWaiting: w.engWaiting.Load(), EngineRunning: w.engRunning.Load(),
 			EngineKVUsage: w.engUsage(),
 			Pending:       w.pending.Load(),
@@ -474,7 +475,7 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 	}
 	bs := r.cfg.BlockSize
 	waiters := meanPending(ws)
-	prior := fittedPrior(ws, now, req.Avoid) // the candidates' peers: a prefill stage's, or a decode's
+	priors := fittedPriors(ws, now)
 	partial := false
 	for _, w := range ws {
 		if !w.available.Load() {
@@ -485,7 +486,7 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 			continue
 		}
 		w.endDuePrefills(now)
-		w.cal.relax(now, prior)
+		w.cal.relax(now, priors[w.group.Load()])
 		c := Candidate{
 			Worker: w.id, Name: w.name,
 			Inflight: w.inflight.Load() + w.remInflight.Load(), Pending: w.pending.Load() + w.remPending.Load(),
@@ -683,21 +684,39 @@ func (r *Router) CountedRequests() int {
 	return r.pop.n + r.pop.prevN
 }
 
-// fittedPrior is the factor an idle worker's fit drifts to: the mean
-// factor of the available workers measured lately, those in avoid aside,
-// 1 (as configured) when none is.
-func fittedPrior(ws []*worker, now int64, avoid []WorkerID) float64 {
-	n, sum := 0, 0.0
+// peerGroups bounds SetPeerGroup's groups.
+const peerGroups = 4
+
+// SetPeerGroup puts a worker among the peers its fitted speed is compared
+// with: an idle worker's fit drifts to the mean fit of its group's workers
+// measured lately (see calibrator). A disaggregated fleet's prefill engines
+// are one group and its decode engines another: their TTFTs measure other
+// work. Workers start in group 0; group is taken modulo peerGroups.
+func (r *Router) SetPeerGroup(id WorkerID, group int) {
+	if w := r.worker(id); w != nil {
+		w.group.Store(uint32(group % peerGroups))
+	}
+}
+
+// fittedPriors are the factors an idle worker's fit drifts to, by peer
+// group: the mean factor of the group's available workers measured lately,
+// 1 (as configured) where none is.
+func fittedPriors(ws []*worker, now int64) (priors [peerGroups]float64) {
+	var n [peerGroups]int
 	for _, w := range ws {
-		if w.available.Load() && w.cal.measured(now) && !slices.Contains(avoid, w.id) {
-			n++
-			sum += w.cal.factor()
+		if g := w.group.Load(); w.available.Load() && w.cal.measured(now) {
+			n[g]++
+			priors[g] += w.cal.factor()
 		}
 	}
-	if n == 0 {
-		return 1
+	for g := range priors {
+		if n[g] == 0 {
+			priors[g] = 1
+		} else {
+			priors[g] /= float64(n[g])
+		}
 	}
-	return sum / float64(n)
+	return priors
 }
 
 // meanPending is the mean number of requests awaiting their first token per
