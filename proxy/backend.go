@@ -94,6 +94,7 @@ type backend struct {
 	// set before it takes requests; its feed adds those it sees (workerIDs).
 	ranks        []router.WorkerID
 	feed         *backends.KVFeed // nil in approximate mode
+	rankGroup    *atomic.Int32    // the peer group of the ranks feed adds, handed over with it
 	eventsPushed atomic.Uint64
 	scrape       atomic.Pointer[scrapeStatus]
 	// adapters: the LoRA adapters the engine lists (kind vllm or mock,
@@ -139,6 +140,8 @@ func newBackend(bc config.Backend, cfg *config.Config, p *modelPool, log zerolog
 	b.slots.owner.Store(b)
 	b.worker = p.rt.AddWorker(bc.ID)
 	p.rt.SetPeerGroup(b.worker, peerGroup(bc.Role))
+	b.rankGroup = new(atomic.Int32)
+	b.rankGroup.Store(int32(peerGroup(bc.Role)))
 	p.rt.SetAvailable(b.worker, true)
 	return b
 }

@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -34,7 +35,7 @@ func (b *backend) startEvents() {
 		Backend: b.cfg.ID, Mode: mode, BlockSize: b.pool.cfg.BlockSize, DPSize: b.cfg.KVEvents.DPSize,
 		ZMQ: backends.ZMQConfig{Endpoint: b.cfg.KVEvents.Endpoint, ReplayEndpoint: b.cfg.KVEvents.Replay, Topic: b.cfg.KVEvents.Topic,
 			OnChange: (&feedLog{log: b.log, backend: b.cfg.ID}).change},
-	}, rankWorkers{b.pool.rt, peerGroup(b.cfg.Role)})
+	}, rankWorkers{b.pool.rt, b.rankGroup})
 	if err != nil { // config validation makes this unreachable
 		b.log.Error().Err(err).Str("backend", b.cfg.ID).Msg("kv events not started")
 		return
@@ -43,15 +44,16 @@ func (b *backend) startEvents() {
 }
 
 // rankWorkers is the router as a feed sees it: the data-parallel ranks it
-// adds join their backend's peer group.
+// adds join the peer group of the backend that has the feed now (a reload
+// that keeps the feed may change the role: rankGroup is handed over with it).
 type rankWorkers struct {
 	*router.Router
-	group int
+	group *atomic.Int32
 }
 
 func (w rankWorkers) AddWorker(name string) router.WorkerID {
 	id := w.Router.AddWorker(name)
-	w.SetPeerGroup(id, w.group)
+	w.SetPeerGroup(id, int(w.group.Load()))
 	return id
 }
 
@@ -165,6 +167,7 @@ func (b *backend) adoptRanks(prev *backend) {
 		b.ranks = append(b.ranks, w.ID)
 		b.mu.Unlock()
 		b.pool.rt.SetAvailable(w.ID, true) // as rank 0 (newBackend); b's state applies from now on
+		b.pool.rt.SetPeerGroup(w.ID, peerGroup(b.cfg.Role))
 	}
 }
 

@@ -436,6 +436,8 @@ func (s *Server) activate(st, prev *state) {
 					// only health settings emptied every index).
 					nb.setFeed(old.feed)
 					nb.eventsPushed.Store(old.eventsPushed.Load())
+					nb.rankGroup = old.rankGroup // the feed's: its next ranks join nb's group
+					nb.rankGroup.Store(int32(peerGroup(nb.cfg.Role)))
 				} else {
 					old.stopEvents()
 				}

@@ -72,6 +72,18 @@ func (c *calibrator) measured(now int64) bool {
 
 func (c *calibrator) factor() float64 { return math.Float64frombits(c.scale.Load()) }
 
+// forget drops the fit: the worker is measured anew, and until then takes
+// its peers' prior at the next relax (a worker revived, or moved to other
+// peers, whose fit was of other work).
+func (c *calibrator) forget() {
+	c.mu.Lock()
+	c.num, c.den, c.last = calPrior, calPrior, 0
+	c.mu.Unlock()
+	c.lastAt.Store(0)
+	c.relaxed.Store(0)
+	c.scale.Store(c.prior.Load())
+}
+
 // idleWeight is the weight left to the fit at now (Unix ns): 1 within
 // calIdleGrace of the last sample, then halving every calIdleHalfLife.
 // c.mu is held.

@@ -215,3 +215,41 @@ func TestPriorIsThePeerGroups(t *testing.T) {
 			st[4].Slowdown, st[added].Slowdown, st[2].Slowdown, st[1].Slowdown, st[0].Slowdown)
 	}
 }
+
+// A worker moved to another peer group forgets the fit it learned on the
+// other group's work and takes its new peers' at once; a removed worker
+// added again starts in group 0, its fit forgotten; any int is a group.
+func TestPeerGroupChangesForgetTheFit(t *testing.T) {
+	clock := newFakeClock()
+	r := newTestRouter(t, "kv", 3, func(c *Config) { c.Now = clock.Now })
+	observe := observer(t, r)
+	r.SetPeerGroup(0, 1)
+	for i := 0; i < 600; i++ {
+		w := WorkerID(i % 3)
+		observe(w, map[bool]float64{true: 4, false: 1.0 / 3}[w == 0])
+	}
+	r.SetPeerGroup(0, 0) // a prefill engine reloaded as a decode one
+	if _, err := r.Select(&Request{PromptTokens: 2000}); err != nil {
+		t.Fatal(err)
+	}
+	st := r.Workers()
+	if math.Abs(st[0].Slowdown-st[1].Slowdown) > 0.03*st[1].Slowdown {
+		t.Fatalf("regrouped worker at %.3f, its new peers at %.3f", st[0].Slowdown, st[1].Slowdown)
+	}
+	r.SetPeerGroup(2, 1)
+	r.RemoveWorker(2)
+	r.AddWorker("w2")
+	r.Select(&Request{PromptTokens: 2000})
+	if st = r.Workers(); st[2].PeerGroup != 0 || math.Abs(st[2].Slowdown-st[1].Slowdown) > 0.03*st[1].Slowdown {
+		t.Fatalf("re-added worker in group %d at %.3f, group 0 at %.3f", st[2].PeerGroup, st[2].Slowdown, st[1].Slowdown)
+	}
+	for _, g := range []int{-1, -5, 7} {
+		r.SetPeerGroup(1, g)
+		if _, err := r.Select(&Request{PromptTokens: 2000}); err != nil {
+			t.Fatal(err)
+		}
+		if pg := r.Workers()[1].PeerGroup; pg < 0 || pg >= peerGroups {
+			t.Fatalf("group %d stored as %d", g, pg)
+		}
+	}
+}

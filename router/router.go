@@ -274,6 +274,8 @@ func (r *Router) AddWorker(name string) WorkerID {
 			r.wmu.Lock()
 			if w.removed.Load() { // not revived meanwhile (and maybe set to event mode since)
 				w.approx.Store(true) // as a new worker: an event feed sets it again
+				w.group.Store(0)     // and in group 0, its fit forgotten: the engine may be another
+				w.cal.forget()
 				w.removed.Store(false)
 				w.available.Store(true)
 				r.version.Add(1)
@@ -691,10 +693,17 @@ const peerGroups = 4
 // with: an idle worker's fit drifts to the mean fit of its group's workers
 // measured lately (see calibrator). A disaggregated fleet's prefill engines
 // are one group and its decode engines another: their TTFTs measure other
-// work. Workers start in group 0; group is taken modulo peerGroups.
+// work. Workers start in group 0 (a removed one added again too); group is
+// taken modulo peerGroups. A worker moved to another group forgets its fit,
+// which was of the other group's work.
 func (r *Router) SetPeerGroup(id WorkerID, group int) {
-	if w := r.worker(id); w != nil {
-		w.group.Store(uint32(group % peerGroups))
+	w := r.worker(id)
+	if w == nil {
+		return
+	}
+	g := uint32((group%peerGroups + peerGroups) % peerGroups)
+	if w.group.Swap(g) != g {
+		w.cal.forget()
 	}
 }
 
