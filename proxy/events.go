@@ -53,8 +53,13 @@ type rankWorkers struct {
 
 func (w rankWorkers) AddWorker(name string) router.WorkerID {
 	id := w.Router.AddWorker(name)
-	w.SetPeerGroup(id, int(w.group.Load()))
-	return id
+	for { // a reload may change the group meanwhile (then adoptRanks sets it too)
+		g := w.group.Load()
+		w.SetPeerGroup(id, int(g))
+		if w.group.Load() == g {
+			return id
+		}
+	}
 }
 
 // setFeed sets b's event feed under its lock: a request its predecessor

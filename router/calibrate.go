@@ -78,10 +78,11 @@ func (c *calibrator) factor() float64 { return math.Float64frombits(c.scale.Load
 func (c *calibrator) forget() {
 	c.mu.Lock()
 	c.num, c.den, c.last = calPrior, calPrior, 0
-	c.mu.Unlock()
 	c.lastAt.Store(0)
 	c.relaxed.Store(0)
+	c.samples.Store(0)
 	c.scale.Store(c.prior.Load())
+	c.mu.Unlock()
 }
 
 // idleWeight is the weight left to the fit at now (Unix ns): 1 within
@@ -107,8 +108,8 @@ func (c *calibrator) relax(now int64, prior float64) {
 	c.mu.Lock()
 	d := c.idleWeight(now)
 	s := calFit(d*c.num+(1-d)*calPrior*prior, d*c.den+(1-d)*calPrior)
+	c.scale.Store(math.Float64bits(s)) // under mu: a forget in between must win
 	c.mu.Unlock()
-	c.scale.Store(math.Float64bits(s))
 }
 
 func calFit(num, den float64) float64 {
@@ -135,8 +136,7 @@ func (c *calibrator) observe(y, p float64, now int64) {
 	c.lastAt.Store(now)
 	c.num = calLambda*c.num + y*p
 	c.den = calLambda*c.den + p*p
-	s := calFit(c.num, c.den)
-	c.mu.Unlock()
-	c.scale.Store(math.Float64bits(s))
+	c.scale.Store(math.Float64bits(calFit(c.num, c.den)))
 	c.samples.Add(1)
+	c.mu.Unlock()
 }
