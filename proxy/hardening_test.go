@@ -286,6 +286,15 @@ limits: {max_messages: 3, max_prompt_tokens: 100, max_header_bytes: 2048, header
 	}
 }
 
+// answeredBy posts a chat body and wants a 200 from the backend named.
+func answeredBy(t *testing.T, p *testProxy, body, backend string) {
+	t.Helper()
+	resp, b := post(t, p.url+"/v1/chat/completions", body)
+	if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != backend {
+		t.Fatalf("%d via %s, want 200 via %s: %s", resp.StatusCode, resp.Header.Get(WorkerHeader), backend, b)
+	}
+}
+
 func TestEngine503IsRetriedElsewhere(t *testing.T) {
 	busy := startFake(t, "busy", func(f *fakeEngine) {
 		f.status = 503
@@ -297,11 +306,8 @@ models: [{name: m, aliases: [alias-m]}]
 backends: [{id: busy, url: 'http://{{e0}}'}, {id: good, url: 'http://{{e1}}'}]
 router: {policy: round_robin}
 `, busy, good)
-	for i := 0; i < 6; i++ {
-		resp, b := post(t, p.url+"/v1/chat/completions", chatBody)
-		if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "good" {
-			t.Fatalf("request %d: %d via %s: %s", i, resp.StatusCode, resp.Header.Get(WorkerHeader), b)
-		}
+	for range 6 {
+		answeredBy(t, p, chatBody, "good")
 	}
 	if busy.requests.Load() == 0 {
 		t.Fatal("round robin should have tried the busy engine")
@@ -333,11 +339,8 @@ func TestEngine5xxIsRetriedElsewhere(t *testing.T) {
 			good := startFake(t, "good", nil)
 			p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: bad, url: 'http://{{e0}}'}, {id: good, url: 'http://{{e1}}'}]\n"+
 				"router: {policy: round_robin}\nhealth: {eject_base: 1m, eject_max: 1m}\n", bad, good)
-			for i, body := range []string{chatBody, `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`} {
-				resp, b := post(t, p.url+"/v1/chat/completions", body)
-				if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "good" {
-					t.Fatalf("request %d: %d via %s: %s", i, resp.StatusCode, resp.Header.Get(WorkerHeader), b)
-				}
+			for _, body := range []string{chatBody, `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`} {
+				answeredBy(t, p, body, "good")
 			}
 			if bad.requests.Load() == 0 {
 				t.Fatal("round robin never tried the failing engine")

@@ -566,13 +566,16 @@ func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs
 	}
 	var samples [64]sample // sampled depths in (minO, maxO] until a prefix is not popular
 	m, n := 0, float64(len(cands))
-	held := func(d int) (k int) {
+	// holders counts the candidates holding the prefix at depth d, and the
+	// live requests on them, which bound live(d) from above.
+	holders := func(d int) (k int, busy int64) {
 		for j := range cands {
 			if cands[j].Overlap >= d {
 				k++
+				busy += ws[cands[j].Worker].inflight.Load()
 			}
 		}
-		return k
+		return k, busy
 	}
 	// live counts the live requests holding the prefix at depth d, on the
 	// workers that hold it (the live requests that began with a prefix run
@@ -610,16 +613,6 @@ func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs
 		}
 		return l
 	}
-	// busyHolders bounds live(d) from above: the live requests on the
-	// workers holding the prefix.
-	busyHolders := func(d int) (l int64) {
-		for j := range cands {
-			if cands[j].Overlap >= d {
-				l += ws[cands[j].Worker].inflight.Load()
-			}
-		}
-		return l
-	}
 	r.pop.mu.Lock()
 	total := float64(r.pop.n + r.pop.prevN)
 	d, count := 1, 0.0
@@ -636,9 +629,10 @@ func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs
 	r.pop.mu.Unlock()
 	for j := range samples[:m] {
 		x := &samples[j]
-		x.held = held(x.depth)
+		var busy int64
+		x.held, busy = holders(x.depth)
 		bar := float64(x.held) * float64(liveTotal)
-		if float64(busyHolders(x.depth))*n > bar {
+		if float64(busy)*n > bar {
 			// One live request holding it is one conversation's (an
 			// earlier request of its own still running): a copy is for a
 			// prefix that several share.
@@ -650,10 +644,12 @@ func (r *Router) priceReplicas(req *Request, cands []Candidate, ws []*worker, bs
 	// every worker holding it holds the blocks up to maxO, less than a
 	// quarter of it, too: they count as part of it. (If some hold only the
 	// prefix, the blocks past it are another request's own.)
-	if d > maxO && m > 0 && samples[m-1].depth < maxO && samples[m-1].under && held(maxO) == samples[m-1].held {
-		samples[m] = samples[m-1]
-		samples[m].depth = maxO
-		m++
+	if d > maxO && m > 0 && samples[m-1].depth < maxO && samples[m-1].under {
+		if k, _ := holders(maxO); k == samples[m-1].held {
+			samples[m] = samples[m-1]
+			samples[m].depth = maxO
+			m++
+		}
 	}
 	for i := range cands {
 		c := &cands[i]
