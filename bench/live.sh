@@ -12,6 +12,11 @@
 # With DUMP=PREFIX set, per-request CSVs go to PREFIX-live.csv and
 # PREFIX-sim.csv (kvbench -dump) and the proxy's log to PREFIX-kvproxy.log.
 # With SPREAD=SEED both spread each timestamp's requests (-spread-ties).
+# The simulation models the hop from kvproxy's decision to the engine's
+# queue (kvbench sim -hop-per-token, -hop-jitter) as measured on a 2-core
+# machine running this script: 100 ns a prompt token and an exponential
+# extra of mean 3.3 ms; HOP_PER_TOKEN_NS and HOP_JITTER_US (real time)
+# override them.
 set -eu
 traces=${1:-../shared/traces}
 k=${2:-1}
@@ -55,5 +60,9 @@ echo "live ($policy, engines at ${k}x, engine time):"
 	-duration "$dur" -speedup "$speedup" -time-scale "$k" -label "live-$policy" \
 	${dump:+-dump "$dump-live.csv"} ${SPREAD:+-spread-ties "$SPREAD"}
 echo "sim ($policy):"
+# The hop in engine time: engines k times faster see it k times longer.
+hop_token=$(echo "${HOP_PER_TOKEN_NS:-100} * $k" | bc -l)
+hop_jitter=$(echo "${HOP_JITTER_US:-3300} * $k" | bc -l)
 "$tmp/kvbench" sim -trace "$trace" -duration "$dur" -speedup "$base" -policies "$policy" \
+	-hop-per-token "${hop_token}ns" -hop-jitter "${hop_jitter}us" \
 	${dump:+-dump "$dump-sim.csv"} ${SPREAD:+-spread-ties "$SPREAD"} "$@"

@@ -1,8 +1,10 @@
 package bench
 
 import (
+	"container/heap"
 	"errors"
 	"fmt"
+	"math"
 	"runtime"
 	"slices"
 	"strings"
@@ -47,6 +49,14 @@ type SimConfig struct {
 	// (or a live mock engine) spends outside the fitted step time, such as
 	// scheduling and waking up. 0 models the fit alone.
 	StepOverhead time.Duration
+	// HopPerToken and HopJitter model the hop from the router's decision to
+	// the engine's queue: the proxy writing the request, the engine reading
+	// and parsing it. Each request reaches its engine HopPerToken × its
+	// prompt tokens plus an exponentially distributed extra of mean
+	// HopJitter (seeded) after it was routed, so requests routed together
+	// can reach an engine in another order, as they do live. Its TTFT
+	// counts the hop. Zero: the engine has it at once.
+	HopPerToken, HopJitter time.Duration
 	// Done, if set, is called at the end of each policy's run with the
 	// router's final view of its workers (fitted coefficients, index sizes).
 	// Runs of different policies call it concurrently.
@@ -172,6 +182,8 @@ type sim struct {
 	tokPool [][]uint32
 	hashes  []kv.BlockHash
 	cands   []router.Candidate
+	hops    hopQueue // requests routed, not yet at their engine
+	hopRand *rand
 	// with PrefillEngines: the workers each stage leaves out
 	decodeAvoid, prefillAvoid []router.WorkerID
 }
@@ -221,6 +233,7 @@ func newSim(cfg SimConfig, policy string) (*sim, error) {
 		rc.IndexTTL = cfg.IndexTTL
 	}
 	s := &sim{cfg: cfg, policy: policy, syn: Synth{Seed: cfg.Seed}}
+	s.hopRand = newRand(cfg.Seed ^ 0x686f70) // "hop"
 	rc.Now = func() time.Time { return simEpoch.Add(s.now) }
 	for range max(cfg.Replicas, 1) {
 		rt, err := router.New(rc)
@@ -287,7 +300,12 @@ func (s *sim) run(w *Workload) {
 				e = i
 			}
 		}
-		if share > 0 && (next < len(w.Requests) || e >= 0) &&
+		hopAt := time.Duration(math.MaxInt64)
+		if len(s.hops) > 0 {
+			hopAt = s.hops[0].at
+		}
+		working := next < len(w.Requests) || e >= 0 || len(s.hops) > 0
+		if share > 0 && working && nextShare <= hopAt &&
 			(next >= len(w.Requests) || nextShare <= w.Requests[next].Arrival) &&
 			(e < 0 || nextShare <= s.engines[e].end) {
 			s.now = max(s.now, nextShare)
@@ -295,7 +313,7 @@ func (s *sim) run(w *Workload) {
 			nextShare += share
 			continue
 		}
-		if s.cfg.Scrape > 0 && (next < len(w.Requests) || e >= 0) &&
+		if s.cfg.Scrape > 0 && working && nextScrape <= hopAt &&
 			(next >= len(w.Requests) || nextScrape <= w.Requests[next].Arrival) &&
 			(e < 0 || nextScrape <= s.engines[e].end) {
 			s.now = max(s.now, nextScrape)
@@ -307,6 +325,13 @@ func (s *sim) run(w *Workload) {
 				}
 			}
 			nextScrape += s.cfg.Scrape
+			continue
+		}
+		if len(s.hops) > 0 && (next >= len(w.Requests) || hopAt <= w.Requests[next].Arrival) &&
+			(e < 0 || hopAt < s.engines[e].end) {
+			h := heap.Pop(&s.hops).(hop)
+			s.now = max(s.now, h.at)
+			s.deliver(h.i, h.r, h.en)
 			continue
 		}
 		if next < len(w.Requests) && (e < 0 || w.Requests[next].Arrival < s.engines[e].end) {
@@ -370,23 +395,61 @@ func (s *sim) arrive(i int, r *Request) {
 			en = s.engineOf(pd.Worker)
 		}
 	}
+	s.reqs[i] = sr
+	if s.cfg.HopPerToken > 0 || s.cfg.HopJitter > 0 {
+		d := time.Duration(float64(len(tok))*float64(s.cfg.HopPerToken) - math.Log(1-s.hopRand.float())*float64(s.cfg.HopJitter))
+		heap.Push(&s.hops, hop{at: s.now + d, i: i, r: r, en: en})
+		return
+	}
+	s.deliver(i, r, en)
+}
+
+// deliver puts routed request i into its engine's queue (the prefill
+// engine's, when it has a prefill stage).
+func (s *sim) deliver(i int, r *Request, en *simEngine) {
+	sr := s.reqs[i]
 	seq := &sr.seq
 	if sr.pre != nil {
 		seq = sr.pre
 	}
 	if err := en.model.Add(seq); err != nil {
-		act.Free()
+		sr.act.Free()
 		if sr.preAct != nil {
 			sr.preAct.Free()
 		}
-		s.tokPool = append(s.tokPool, tok)
+		s.tokPool = append(s.tokPool, sr.seq.Prompt)
+		s.reqs[i] = nil
 		s.fail(i, r, en.name, err.Error())
 		return
 	}
-	s.reqs[i] = sr
 	if !en.busy {
 		s.startStep(en)
 	}
+}
+
+// hop is a routed request on its way to its engine (SimConfig.HopPerToken).
+type hop struct {
+	at time.Duration
+	i  int
+	r  *Request
+	en *simEngine
+}
+
+// hopQueue is a min-heap of hops by arrival at the engine, then routing
+// order.
+type hopQueue []hop
+
+func (q hopQueue) Len() int { return len(q) }
+func (q hopQueue) Less(a, b int) bool {
+	return q[a].at < q[b].at || q[a].at == q[b].at && q[a].i < q[b].i
+}
+func (q hopQueue) Swap(a, b int) { q[a], q[b] = q[b], q[a] }
+func (q *hopQueue) Push(x any)   { *q = append(*q, x.(hop)) }
+func (q *hopQueue) Pop() any {
+	old := *q
+	h := old[len(old)-1]
+	*q = old[:len(old)-1]
+	return h
 }
 
 // unservable says why no engine could take r ("" when one could): an

@@ -349,3 +349,60 @@ func TestSimDisaggregatedPrefill(t *testing.T) {
 		t.Fatalf("hit rate %.3f: want the prefill engines' prefix hits, not the pulled prompts", res.HitRate)
 	}
 }
+
+// The hop from the router to the engine (SimConfig.HopPerToken and
+// HopJitter): each request reaches its engine that long after it was
+// routed, its TTFT counts it, and requests routed together can reach an
+// engine in another order than they were routed, as they do live.
+func TestSimHopDelaysAndReordersRequests(t *testing.T) {
+	w := &Workload{Name: "pair", Requests: []Request{
+		{InputLen: 8000, OutputLen: 2, Segments: []Segment{{Key: keyUnique, Len: 8000}}, Session: -1},
+		{InputLen: 100, OutputLen: 2, Segments: []Segment{{Key: keyUnique | 1, Len: 100}}, Session: -1},
+	}}
+	run := func(perToken, jitter time.Duration, seed uint64) (big, small time.Duration) {
+		t.Helper()
+		cfg := smallFleet()
+		cfg.Pin = []int{0, 0} // both on one engine, routed in file order
+		cfg.HopPerToken, cfg.HopJitter, cfg.Seed = perToken, jitter, seed
+		ttft := map[int]time.Duration{}
+		cfg.OnRequest = func(_ string, r RequestRecord) {
+			if r.Err != "" {
+				t.Fatalf("request %d failed: %s", r.Index, r.Err)
+			}
+			ttft[r.Index] = r.TTFT
+		}
+		if _, err := Simulate(w, cfg, "round_robin"); err != nil {
+			t.Fatal(err)
+		}
+		return ttft[0], ttft[1]
+	}
+	big0, small0 := run(0, 0, 3)
+	if small0 <= big0/2 {
+		t.Fatalf("no hop: the small request (TTFT %v) should wait behind the big one routed before it (%v)", small0, big0)
+	}
+	// 1 µs a token: the small request is at the engine after 0.1 ms, the
+	// big one after 8 ms, so the small one goes first and the big one's
+	// TTFT counts its 8 ms on the way.
+	big1, small1 := run(time.Microsecond, 0, 3)
+	if small1 >= small0/2 {
+		t.Fatalf("with the hop the small request should overtake the big one: TTFT %v, %v without the hop", small1, small0)
+	}
+	if big1 < big0+8*time.Millisecond-time.Microsecond {
+		t.Fatalf("the big request's TTFT %v does not count its 8 ms hop (%v without)", big1, big0)
+	}
+	// A jitter far above the per-token part: over seeds, either request
+	// reaches the engine first; the same seed gives the same run.
+	overtaken := 0
+	for seed := uint64(1); seed <= 20; seed++ {
+		b, s := run(time.Nanosecond, 50*time.Millisecond, seed)
+		if b2, s2 := run(time.Nanosecond, 50*time.Millisecond, seed); b2 != b || s2 != s {
+			t.Fatalf("seed %d: two runs differ: %v %v, then %v %v", seed, b, s, b2, s2)
+		}
+		if s < b/2 {
+			overtaken++
+		}
+	}
+	if overtaken == 0 || overtaken == 20 {
+		t.Fatalf("the small request went first in %d of 20 seeds: the jitter should reorder them in some", overtaken)
+	}
+}

@@ -237,6 +237,8 @@ func runSim(args []string, stdout io.Writer) error {
 	approx := fs.Bool("approximate", false, "route without engine KV events (the router indexes its own decisions)")
 	indexTTL := fs.Duration("index-ttl", 0, "with -approximate, how long the router trusts its own decisions (router.index_ttl; 0: its default, 120s)")
 	stepOverhead := fs.Duration("step-overhead", 0, "time added to every engine step (scheduling and wake-up of a real engine)")
+	hopPerToken := fs.Duration("hop-per-token", 0, "the hop from the router's decision to the engine's queue (the proxy writing the request, the engine parsing it): this much per prompt token (bench/live.sh measures this machine's)")
+	hopJitter := fs.Duration("hop-jitter", 0, "the hop's random extra, exponentially distributed with this mean (seeded): requests routed together reach an engine in another order, as they do live")
 	hostBlocks := fs.Int("host-blocks", 0, "host (CPU) KV tier per engine in blocks (0: none)")
 	scrape := fs.Duration("scrape", time.Second, "feed engine load (waiting, running, KV usage) to the router at this interval, as kvproxy's /metrics scrape does (0: off)")
 	replicas := fs.Int("replicas", 1, "kvproxy replicas, each with its own router, taking the requests in turn")
@@ -256,8 +258,8 @@ func runSim(args []string, stdout io.Writer) error {
 	if *engines <= 0 || *cacheBlocks <= 0 || *blockSize <= 0 || *replicas <= 0 {
 		return fmt.Errorf("-engines, -cache-blocks, -block-size and -replicas must be positive")
 	}
-	if *hostBlocks < 0 || *scrape < 0 || *shareLoad < 0 || *stepOverhead < 0 || *indexTTL < 0 {
-		return fmt.Errorf("-host-blocks, -scrape, -share-load, -step-overhead and -index-ttl must not be negative")
+	if *hostBlocks < 0 || *scrape < 0 || *shareLoad < 0 || *stepOverhead < 0 || *indexTTL < 0 || *hopPerToken < 0 || *hopJitter < 0 {
+		return fmt.Errorf("-host-blocks, -scrape, -share-load, -step-overhead, -hop-per-token, -hop-jitter and -index-ttl must not be negative")
 	}
 	if *prefillEngines < 0 || *prefillEngines >= *engines {
 		return fmt.Errorf("-prefill-engines must be at least 0 and below -engines")
@@ -300,6 +302,7 @@ func runSim(args []string, stdout io.Writer) error {
 		Engines: *engines, CacheBlocks: *cacheBlocks, BlockSize: *blockSize,
 		Approximate: *approx, IndexTTL: *indexTTL, NoCalibrate: !*calibrate, Seed: wf.seed, Scrape: *scrape,
 		HostCacheBlocks: *hostBlocks, StepOverhead: *stepOverhead,
+		HopPerToken: *hopPerToken, HopJitter: *hopJitter,
 		Replicas: *replicas, ShareLoad: *shareLoad, Temperature: *temperature, PrefillEngines: *prefillEngines,
 	}
 	if *verbose {
