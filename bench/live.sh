@@ -15,8 +15,8 @@
 # The simulation models the hop from kvproxy's decision to the engine's
 # queue (kvbench sim -hop-per-token, -hop-jitter) as measured on a 2-core
 # machine running this script: 100 ns a prompt token and an exponential
-# extra of mean 3.3 ms; HOP_PER_TOKEN_NS and HOP_JITTER_US (real time)
-# override them.
+# extra of mean 4.2 ms; HOP_PER_TOKEN_NS and HOP_JITTER_US (real time,
+# plain decimal numbers) override them.
 set -eu
 traces=${1:-../shared/traces}
 k=${2:-1}
@@ -25,6 +25,17 @@ dur=${4:-10m}
 base=${5:-3.5} # arrival speedup in engine time, as kvbench sim -speedup
 shift $(($# < 5 ? $# : 5))
 trace="$traces/mooncake/conversation_trace.jsonl"
+for v in "${HOP_PER_TOKEN_NS:-100}" "${HOP_JITTER_US:-4200}"; do
+	case $v in
+	'' | *[!0-9.]* | *.*.* | .)
+		echo "live.sh: HOP_PER_TOKEN_NS and HOP_JITTER_US take plain decimal numbers, not '$v'" >&2
+		exit 2
+		;;
+	esac
+done
+# The hop in engine time: engines k times faster see it k times longer.
+hop_token=$(echo "${HOP_PER_TOKEN_NS:-100} * $k" | bc -l)
+hop_jitter=$(echo "${HOP_JITTER_US:-4200} * $k" | bc -l)
 tmp=$(mktemp -d)
 go build -o "$tmp/kvproxy" ./cmd/kvproxy
 go build -o "$tmp/kvbench" ./cmd/kvbench
@@ -60,9 +71,6 @@ echo "live ($policy, engines at ${k}x, engine time):"
 	-duration "$dur" -speedup "$speedup" -time-scale "$k" -label "live-$policy" \
 	${dump:+-dump "$dump-live.csv"} ${SPREAD:+-spread-ties "$SPREAD"}
 echo "sim ($policy):"
-# The hop in engine time: engines k times faster see it k times longer.
-hop_token=$(echo "${HOP_PER_TOKEN_NS:-100} * $k" | bc -l)
-hop_jitter=$(echo "${HOP_JITTER_US:-3300} * $k" | bc -l)
 "$tmp/kvbench" sim -trace "$trace" -duration "$dur" -speedup "$base" -policies "$policy" \
 	-hop-per-token "${hop_token}ns" -hop-jitter "${hop_jitter}us" \
 	${dump:+-dump "$dump-sim.csv"} ${SPREAD:+-spread-ties "$SPREAD"} "$@"

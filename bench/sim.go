@@ -55,7 +55,9 @@ type SimConfig struct {
 	// prompt tokens plus an exponentially distributed extra of mean
 	// HopJitter (seeded) after it was routed, so requests routed together
 	// can reach an engine in another order, as they do live. Its TTFT
-	// counts the hop. Zero: the engine has it at once.
+	// counts the hop. With PrefillEngines a request makes the hop twice, as
+	// kvproxy sends it to the decode engine once the prefill is done. Zero:
+	// the engine has it at once.
 	HopPerToken, HopJitter time.Duration
 	// Done, if set, is called at the end of each policy's run with the
 	// router's final view of its workers (fitted coefficients, index sizes).
@@ -201,6 +203,7 @@ type simEngine struct {
 }
 
 type simReq struct {
+	r       *Request
 	seq     mockengine.Seq
 	act     *router.Active
 	arrival time.Duration
@@ -282,8 +285,10 @@ func newSim(cfg SimConfig, policy string) (*sim, error) {
 	return s, nil
 }
 
-// run is the event loop: request arrivals and engine step ends, in time
-// order; at equal times step ends come first, engines in index order.
+// run is the event loop: request arrivals, their hops to the engines and
+// engine step ends, in time order, with the load scrapes and shares. At
+// equal times load shares and scrapes come first, then step ends (engines
+// in index order), then hops (in routing order), then arrivals.
 func (s *sim) run(w *Workload) {
 	s.reqs = make([]*simReq, len(w.Requests))
 	next := 0
@@ -331,7 +336,7 @@ func (s *sim) run(w *Workload) {
 			(e < 0 || hopAt < s.engines[e].end) {
 			h := heap.Pop(&s.hops).(hop)
 			s.now = max(s.now, h.at)
-			s.deliver(h.i, h.r, h.en)
+			s.deliver(h.i, h.en)
 			continue
 		}
 		if next < len(w.Requests) && (e < 0 || w.Requests[next].Arrival < s.engines[e].end) {
@@ -382,7 +387,7 @@ func (s *sim) arrive(i int, r *Request) {
 		best = max(best, c.Overlap)
 	}
 	s.rec.Forgone((best - d.Overlap) * s.cfg.BlockSize)
-	sr := &simReq{act: act, arrival: s.now, cached: -1}
+	sr := &simReq{r: r, act: act, arrival: s.now, cached: -1}
 	sr.seq = mockengine.Seq{ID: uint64(i), Prompt: tok, MaxTokens: max(r.OutputLen, 1)}
 	en := s.engineOf(d.Worker)
 	if disaggregated {
@@ -396,17 +401,23 @@ func (s *sim) arrive(i int, r *Request) {
 		}
 	}
 	s.reqs[i] = sr
-	if s.cfg.HopPerToken > 0 || s.cfg.HopJitter > 0 {
-		d := time.Duration(float64(len(tok))*float64(s.cfg.HopPerToken) - math.Log(1-s.hopRand.float())*float64(s.cfg.HopJitter))
-		heap.Push(&s.hops, hop{at: s.now + d, i: i, r: r, en: en})
-		return
-	}
-	s.deliver(i, r, en)
+	s.send(i, en)
 }
 
-// deliver puts routed request i into its engine's queue (the prefill
-// engine's, when it has a prefill stage).
-func (s *sim) deliver(i int, r *Request, en *simEngine) {
+// send puts request i into en's queue after the hop (SimConfig.HopPerToken),
+// at once when there is none.
+func (s *sim) send(i int, en *simEngine) {
+	if s.cfg.HopPerToken <= 0 && s.cfg.HopJitter <= 0 {
+		s.deliver(i, en)
+		return
+	}
+	d := float64(len(s.reqs[i].seq.Prompt))*float64(s.cfg.HopPerToken) - math.Log(1-s.hopRand.float())*float64(s.cfg.HopJitter)
+	heap.Push(&s.hops, hop{at: s.now + time.Duration(d), i: i, en: en})
+}
+
+// deliver puts routed request i into its engine's queue: its prefill
+// engine's while it has a prefill stage to run.
+func (s *sim) deliver(i int, en *simEngine) {
 	sr := s.reqs[i]
 	seq := &sr.seq
 	if sr.pre != nil {
@@ -419,7 +430,7 @@ func (s *sim) deliver(i int, r *Request, en *simEngine) {
 		}
 		s.tokPool = append(s.tokPool, sr.seq.Prompt)
 		s.reqs[i] = nil
-		s.fail(i, r, en.name, err.Error())
+		s.fail(i, sr.r, en.name, err.Error())
 		return
 	}
 	if !en.busy {
@@ -431,7 +442,6 @@ func (s *sim) deliver(i int, r *Request, en *simEngine) {
 type hop struct {
 	at time.Duration
 	i  int
-	r  *Request
 	en *simEngine
 }
 
@@ -473,7 +483,7 @@ func (s *sim) unservable(r *Request) string {
 func (s *sim) fail(i int, r *Request, worker, reason string) {
 	s.rec.Error(r.Arrival, s.now, reason)
 	if s.cfg.OnRequest != nil {
-		s.cfg.OnRequest(s.policy, RequestRecord{Index: i, Arrival: s.now, Sent: s.now, Worker: worker,
+		s.cfg.OnRequest(s.policy, RequestRecord{Index: i, Arrival: r.Arrival, Sent: r.Arrival, Worker: worker,
 			Prompt: r.InputLen, Err: reason})
 	}
 }
@@ -515,12 +525,7 @@ func (s *sim) finishStep(e *simEngine) {
 			sr.preAct.PrefillDone()
 			sr.preAct.Free()
 			sr.pre, sr.preAct, sr.cached = nil, nil, res.CachedTokens
-			if err := sr.dec.model.Add(&sr.seq); err != nil {
-				panic("sim: a decode engine refused what its prefill engine took: " + err.Error())
-			}
-			if !sr.dec.busy {
-				s.startStep(sr.dec)
-			}
+			s.send(id, sr.dec)
 			continue
 		}
 		if res.Generated == 1 {

@@ -108,6 +108,8 @@ func TestSimRejectsBadFlags(t *testing.T) {
 		{},
 		{"-format", "multiturn", "stray", "-policies", "kv"}, // the flags after it were dropped
 		{"-format", "multiturn", "-prefill-engines", "8"},
+		{"-format", "multiturn", "-hop-per-token", "-1ns"},
+		{"-format", "multiturn", "-hop-jitter", "-2ms"},
 	} {
 		if err := runSim(args, &bytes.Buffer{}); err == nil {
 			t.Errorf("kvbench sim %v succeeded", args)
