@@ -32,6 +32,9 @@ func requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
 	if string(lower) == "identity" {
 		return raw, true
 	}
+	if string(lower) == "x-gzip" { // RFC 9110 section 8.4.1.3: the same as gzip
+		lower = []byte("gzip")
+	}
 	body, err = decoded(lower, raw, max)
 	if err != nil && string(lower) == "deflate" && !errors.Is(err, fasthttp.ErrBodyTooLarge) {
 		// "deflate" is zlib-wrapped by the standard; some clients send the

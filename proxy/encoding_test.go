@@ -48,6 +48,7 @@ func TestCompressedRequestBodies(t *testing.T) {
 	}{
 		{"gzip", fasthttp.AppendGzipBytes(nil, plain)},
 		{"GZIP", fasthttp.AppendGzipBytes(nil, plain)},
+		{"x-gzip", fasthttp.AppendGzipBytes(nil, plain)},
 		{"deflate", fasthttp.AppendDeflateBytes(nil, plain)},
 		{"br", fasthttp.AppendBrotliBytes(nil, plain)},
 		{"zstd", fasthttp.AppendZstdBytes(nil, plain)},
