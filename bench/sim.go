@@ -185,7 +185,6 @@ type sim struct {
 	hashes  []kv.BlockHash
 	cands   []router.Candidate
 	hops    hopQueue // requests routed, not yet at their engine
-	hopRand *rand
 	// with PrefillEngines: the workers each stage leaves out
 	decodeAvoid, prefillAvoid []router.WorkerID
 }
@@ -236,7 +235,6 @@ func newSim(cfg SimConfig, policy string) (*sim, error) {
 		rc.IndexTTL = cfg.IndexTTL
 	}
 	s := &sim{cfg: cfg, policy: policy, syn: Synth{Seed: cfg.Seed}}
-	s.hopRand = newRand(cfg.Seed ^ 0x686f70) // "hop"
 	rc.Now = func() time.Time { return simEpoch.Add(s.now) }
 	for range max(cfg.Replicas, 1) {
 		rt, err := router.New(rc)
@@ -401,17 +399,20 @@ func (s *sim) arrive(i int, r *Request) {
 		}
 	}
 	s.reqs[i] = sr
-	s.send(i, en)
+	s.send(i, 0, en)
 }
 
 // send puts request i into en's queue after the hop (SimConfig.HopPerToken),
-// at once when there is none.
-func (s *sim) send(i int, en *simEngine) {
+// at once when there is none. The jitter is drawn from the seed, the request
+// and its stage (0, or 1 for a prefill stage's decode engine) alone, so every
+// policy sees the same hops.
+func (s *sim) send(i, stage int, en *simEngine) {
 	if s.cfg.HopPerToken <= 0 && s.cfg.HopJitter <= 0 {
 		s.deliver(i, en)
 		return
 	}
-	d := float64(len(s.reqs[i].seq.Prompt))*float64(s.cfg.HopPerToken) - math.Log(1-s.hopRand.float())*float64(s.cfg.HopJitter)
+	u := float64(mix64(s.cfg.Seed^0x686f70<<32^uint64(i)<<1^uint64(stage))>>11) / (1 << 53) // "hop"; uniform in [0, 1)
+	d := float64(len(s.reqs[i].seq.Prompt))*float64(s.cfg.HopPerToken) - math.Log(1-u)*float64(s.cfg.HopJitter)
 	heap.Push(&s.hops, hop{at: s.now + time.Duration(d), i: i, en: en})
 }
 
@@ -525,7 +526,7 @@ func (s *sim) finishStep(e *simEngine) {
 			sr.preAct.PrefillDone()
 			sr.preAct.Free()
 			sr.pre, sr.preAct, sr.cached = nil, nil, res.CachedTokens
-			s.send(id, sr.dec)
+			s.send(id, 1, sr.dec)
 			continue
 		}
 		if res.Generated == 1 {

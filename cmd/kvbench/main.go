@@ -237,7 +237,7 @@ func runSim(args []string, stdout io.Writer) error {
 	approx := fs.Bool("approximate", false, "route without engine KV events (the router indexes its own decisions)")
 	indexTTL := fs.Duration("index-ttl", 0, "with -approximate, how long the router trusts its own decisions (router.index_ttl; 0: its default, 120s)")
 	stepOverhead := fs.Duration("step-overhead", 0, "time added to every engine step (scheduling and wake-up of a real engine)")
-	hopPerToken := fs.Duration("hop-per-token", 0, "the hop from the router's decision to the engine's queue (the proxy writing the request, the engine parsing it): this much per prompt token (bench/live.sh measures this machine's)")
+	hopPerToken := fs.Duration("hop-per-token", 0, "the hop from the router's decision to the engine's queue (the proxy writing the request, the engine parsing it): this much per prompt token (bench/live.sh passes 100ns, with -hop-jitter 4.2ms, as measured on a 2-core machine running the fleet, kvproxy and the client)")
 	hopJitter := fs.Duration("hop-jitter", 0, "the hop's random extra, exponentially distributed with this mean (seeded): requests routed together reach an engine in another order, as they do live")
 	hostBlocks := fs.Int("host-blocks", 0, "host (CPU) KV tier per engine in blocks (0: none)")
 	scrape := fs.Duration("scrape", time.Second, "feed engine load (waiting, running, KV usage) to the router at this interval, as kvproxy's /metrics scrape does (0: off)")
