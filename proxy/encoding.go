@@ -32,9 +32,6 @@ func requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
 	if string(lower) == "identity" {
 		return raw, true
 	}
-	if string(lower) == "x-gzip" { // RFC 9110 section 8.4.1.3: the same as gzip
-		lower = []byte("gzip")
-	}
 	body, err = decoded(lower, raw, max)
 	if err != nil && string(lower) == "deflate" && !errors.Is(err, fasthttp.ErrBodyTooLarge) {
 		// "deflate" is zlib-wrapped by the standard; some clients send the
@@ -228,7 +225,7 @@ func decoded(coding, body []byte, max int) ([]byte, error) {
 	w := newCappedBuffer(len(body), max)
 	var err error
 	switch string(coding) {
-	case "gzip":
+	case "gzip", "x-gzip": // RFC 9110 section 8.4.1.3: x-gzip is gzip
 		_, err = fasthttp.WriteGunzip(w, body)
 	case "deflate":
 		_, err = fasthttp.WriteInflate(w, body)

@@ -87,6 +87,9 @@ func TestWholeAnswerCodings(t *testing.T) {
 		case "caps":
 			w.Header().Set("Content-Encoding", "GZIP")
 			w.Write(zipped.Bytes())
+		case "alias":
+			w.Header().Set("Content-Encoding", "x-gzip")
+			w.Write(zipped.Bytes())
 		case "custom":
 			w.Header().Set("Content-Encoding", "x-custom")
 			w.Write([]byte("opaque"))
@@ -99,6 +102,7 @@ func TestWholeAnswerCodings(t *testing.T) {
 		"backends: [{id: e0, url: 'http://"+addr+"', model: m}]\n")
 	for _, c := range []struct{ prompt, body, coding string }{
 		{"caps", answer, ""},
+		{"alias", answer, ""},
 		{"custom", "opaque", "x-custom"},
 		{"bomb", bomb.String(), "gzip"},
 	} {
