@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvproxy/kvproxy/backends"
 	"github.com/kvproxy/kvproxy/kv"
 	"github.com/kvproxy/kvproxy/mockengine"
 	"github.com/kvproxy/kvproxy/router"
@@ -45,6 +46,9 @@ type SimConfig struct {
 	// HostCacheBlocks gives each engine a host (CPU) tier of this many
 	// blocks (0: none).
 	HostCacheBlocks int
+	// DuplicateBlocks has the engines keep and report every copy of a
+	// block, as vLLM does (mockengine.ModelConfig.DuplicateBlocks).
+	DuplicateBlocks bool
 	// StepOverhead is added to every engine step: the time a real engine
 	// (or a live mock engine) spends outside the fitted step time, such as
 	// scheduling and waking up. 0 models the fit alone.
@@ -198,7 +202,9 @@ type simEngine struct {
 	end    time.Duration // when the running step ends
 	out    []mockengine.StepResult
 	events []kv.Event
-	mapper eventMapper
+	// feeds apply its cache events to each replica's index, as kvproxy's
+	// event feed does (nil in approximate mode).
+	feeds []*backends.KVApplier
 }
 
 type simReq struct {
@@ -263,9 +269,14 @@ func newSim(cfg SimConfig, policy string) (*sim, error) {
 				MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
 				HostCacheBlocks:     cfg.HostCacheBlocks,
 				RecordEvents:        !cfg.Approximate,
+				DuplicateBlocks:     cfg.DuplicateBlocks,
 			}),
-			slow:   1,
-			mapper: eventMapper{m: make(map[uint64]mappedBlock)},
+			slow: 1,
+		}
+		if !cfg.Approximate {
+			for _, rt := range s.rts {
+				e.feeds = append(e.feeds, backends.NewKVApplier(backends.KVApplierConfig{Backend: name, BlockSize: cfg.BlockSize}, rt))
+			}
 		}
 		if i < len(cfg.Speed) && cfg.Speed[i] > 0 {
 			e.slow = 1 / cfg.Speed[i]
@@ -556,8 +567,8 @@ func (s *sim) finishStep(e *simEngine) {
 		}
 	}
 	e.out = nil
-	for i := range e.events {
-		e.mapper.apply(s.rts, e.id, &e.events[i])
+	for _, f := range e.feeds {
+		f.ApplyEvents(0, e.events)
 	}
 	clear(e.events)
 	e.events = e.events[:0]
@@ -584,69 +595,6 @@ func (s *sim) shareLoad() {
 			}
 			rt.SetRemoteLoad(w.ID, l)
 		}
-	}
-}
-
-// eventMapper turns one engine's cache events into router index updates,
-// re-hashing stored blocks from their tokens and remembering engine hash →
-// router hash (and the tiers holding the block) for removals, as the
-// backends' event feed does.
-type eventMapper struct {
-	m   map[uint64]mappedBlock
-	buf []kv.BlockHash
-}
-
-type mappedBlock struct {
-	hash  kv.BlockHash
-	tiers uint8 // bit t: held in tier t
-}
-
-// apply updates every replica's index with the event.
-func (em *eventMapper) apply(rts []*router.Router, w router.WorkerID, ev *kv.Event) {
-	switch ev.Kind {
-	case kv.BlockStored:
-		var parent kv.BlockHash
-		if ev.HasParent {
-			p, ok := em.m[ev.EngineParent]
-			if !ok {
-				return // parent unknown: the chain cannot be re-hashed
-			}
-			parent = p.hash
-		}
-		em.buf = kv.ContinueHashes(em.buf[:0], parent, !ev.HasParent, ev.Tokens, ev.BlockSize, 0)
-		for i, h := range em.buf {
-			if i < len(ev.EngineHashes) {
-				b := em.m[ev.EngineHashes[i]]
-				b.hash = h
-				b.tiers |= 1 << ev.Tier
-				em.m[ev.EngineHashes[i]] = b
-			}
-		}
-		for _, rt := range rts {
-			rt.Index().Store(w, em.buf, ev.Tier, 0)
-		}
-	case kv.BlockRemoved:
-		em.buf = em.buf[:0]
-		for _, eh := range ev.EngineHashes {
-			b, ok := em.m[eh]
-			if !ok {
-				continue
-			}
-			em.buf = append(em.buf, b.hash)
-			if b.tiers &^= 1 << ev.Tier; b.tiers == 0 {
-				delete(em.m, eh)
-			} else {
-				em.m[eh] = b
-			}
-		}
-		for _, rt := range rts {
-			rt.Index().Remove(w, em.buf, ev.Tier)
-		}
-	case kv.AllBlocksCleared:
-		for _, rt := range rts {
-			rt.Index().ClearWorker(w)
-		}
-		clear(em.m)
 	}
 }
 

@@ -272,6 +272,8 @@ type MockEngine struct {
 	Speedup             float64 `yaml:"speedup"`
 	Seed                int64   `yaml:"seed"`
 	MaxLoRAs            int     `yaml:"max_loras"` // adapters a batch may hold (vLLM --max-loras; default 1)
+	// DuplicateBlocks keeps and reports every copy of a block, as vLLM does.
+	DuplicateBlocks bool `yaml:"duplicate_blocks"`
 }
 
 // Router settings.

@@ -12,7 +12,11 @@ type block struct {
 	ref    int32        // running sequences holding this block
 	prev   int32        // LRU links, valid while ref == 0 and cached
 	next   int32
-	// cached: registered in the index under hash, so a later prompt can hit it.
+	// copy: with copies kept, the next cached block of the same hash
+	// after this one (noBlock: none); set while cached.
+	copy int32
+	// cached: findable by hash (in the index, or as a copy of the block
+	// there), so a later prompt can hit it.
 	cached    bool
 	hasParent bool
 }
@@ -28,10 +32,15 @@ type blockCache struct {
 	head, tail int32 // LRU: head is evicted first
 	nLRU       int
 	used       int // blocks with ref > 0
+	// copies: a full block whose hash another block already holds is
+	// cached too (ModelConfig.DuplicateBlocks); the index holds one of
+	// them, the rest hang off it by their copy links.
+	copies bool
 }
 
-func newBlockCache(n int) *blockCache {
+func newBlockCache(n int, copies bool) *blockCache {
 	c := &blockCache{
+		copies: copies,
 		blocks: make([]block, n),
 		free:   make([]int32, n),
 		index:  newBlockIndex(n),
@@ -85,9 +94,8 @@ func (c *blockCache) alloc() (b int32, evicted bool) {
 	} else {
 		b = c.head
 		c.unlink(b)
-		bl := &c.blocks[b]
-		c.index.remove(bl.hash)
-		bl.cached = false
+		c.forget(b)
+		c.blocks[b].cached = false
 		evicted = true
 	}
 	c.blocks[b].ref = 1
@@ -121,14 +129,42 @@ func (c *blockCache) release(b int32) {
 	}
 }
 
-// register makes a full block findable by hash, unless another block already
-// holds the same prefix (then this one stays anonymous and is freed on
-// release). It reports whether the block was registered.
-func (c *blockCache) register(b int32) bool {
+// register makes a full block findable by hash. If another block already
+// holds the same prefix, this one is kept as a copy of it when the cache
+// keeps copies, and otherwise stays anonymous and is freed on release. It
+// reports whether the block was cached, and whether as a copy.
+func (c *blockCache) register(b int32) (cached, copy bool) {
 	bl := &c.blocks[b]
+	bl.copy = noBlock
 	if !c.index.insert(bl.hash, b) {
-		return false
+		if !c.copies {
+			return false, false
+		}
+		first, _ := c.index.get(bl.hash)
+		bl.copy = c.blocks[first].copy
+		c.blocks[first].copy = b
+		copy = true
 	}
 	bl.cached = true
-	return true
+	return true, copy
+}
+
+// forget makes cached block b unfindable: the index entry goes, or passes
+// to its next copy, or b leaves its copy chain.
+func (c *blockCache) forget(b int32) {
+	bl := &c.blocks[b]
+	first, _ := c.index.get(bl.hash)
+	switch {
+	case first == b && bl.copy == noBlock:
+		c.index.remove(bl.hash)
+	case first == b:
+		c.index.replace(bl.hash, bl.copy)
+	default:
+		for p := first; p != noBlock; p = c.blocks[p].copy {
+			if c.blocks[p].copy == b {
+				c.blocks[p].copy = bl.copy
+				break
+			}
+		}
+	}
 }

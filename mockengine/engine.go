@@ -48,6 +48,9 @@ type Config struct {
 
 	// HostCacheBlocks sizes the host (CPU) tier in blocks; 0 turns it off.
 	HostCacheBlocks int
+	// DuplicateBlocks keeps and reports every copy of a block, as vLLM
+	// does (ModelConfig.DuplicateBlocks).
+	DuplicateBlocks bool
 	// OnEvents, if set, receives each step's cache events (stored, removed,
 	// with medium, parent and token ids) in order, on the scheduler
 	// goroutine, so it must not block for long. The slice is reused after
@@ -106,6 +109,7 @@ func (c Config) modelConfig() ModelConfig {
 		HostCacheBlocks:     c.HostCacheBlocks,
 		RecordEvents:        c.OnEvents != nil,
 		MaxLoRAs:            c.maxLoRAs(),
+		DuplicateBlocks:     c.DuplicateBlocks,
 	}
 }
 

@@ -76,6 +76,17 @@ func (ix *blockIndex) insert(h kv.BlockHash, v int32) bool {
 	}
 }
 
+// replace points h, which must be present, at v.
+func (ix *blockIndex) replace(h kv.BlockHash, v int32) {
+	mask := len(ix.slots) - 1
+	for i := ix.home(h); ix.slots[i].val != noBlock; i = (i + 1) & mask {
+		if ix.slots[i].key == h {
+			ix.slots[i].val = v
+			return
+		}
+	}
+}
+
 // remove deletes h if present, shifting later entries of its probe run back
 // so no tombstone is left.
 func (ix *blockIndex) remove(h kv.BlockHash) {

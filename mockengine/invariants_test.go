@@ -1,6 +1,7 @@
 package mockengine
 
 import (
+	"maps"
 	"math/rand/v2"
 	"testing"
 
@@ -41,12 +42,18 @@ func checkInvariants(t *testing.T, m *Model) {
 	if n != c.nLRU {
 		t.Fatalf("LRU walk %d, count %d", n, c.nLRU)
 	}
+	findable := 0
 	c.index.each(func(h kv.BlockHash, b int32) {
-		if c.blocks[b].hash != h || !c.blocks[b].cached {
-			t.Fatalf("index %x → block %d holding %x", h, b, c.blocks[b].hash)
-		}
 		if got, ok := c.index.get(h); !ok || got != b {
 			t.Fatalf("index entry %x not found by get", h)
+		}
+		for ; b != noBlock; b = c.blocks[b].copy {
+			if c.blocks[b].hash != h || !c.blocks[b].cached {
+				t.Fatalf("index %x → block %d holding %x (cached %v)", h, b, c.blocks[b].hash, c.blocks[b].cached)
+			}
+			if findable++; findable > len(c.blocks) {
+				t.Fatalf("index %x: a cycle in its copies", h)
+			}
 		}
 	})
 	cached := 0
@@ -55,8 +62,8 @@ func checkInvariants(t *testing.T, m *Model) {
 			cached++
 		}
 	}
-	if cached != c.index.len() {
-		t.Fatalf("%d cached blocks, %d indexed", cached, c.index.len())
+	if cached != findable || (!c.copies && cached != c.index.len()) {
+		t.Fatalf("%d cached blocks, %d findable, %d indexed (copies kept: %v)", cached, findable, c.index.len(), c.copies)
 	}
 	refs := make(map[int32]int32)
 	for _, s := range m.running {
@@ -89,14 +96,20 @@ func checkInvariants(t *testing.T, m *Model) {
 
 // A random workload with shared prefixes, aborts, preemption and both tiers
 // keeps the books straight after every step, leaks nothing at the end, and
-// its events describe the cache exactly.
+// its events describe the cache exactly: each block once, or, with copies
+// kept (vLLM), each copy.
 func TestInvariantsUnderChurn(t *testing.T) {
-	for _, host := range []int{0, 24} {
-		m := NewModel(ModelConfig{BlockSize: 8, CacheBlocks: 64, HostCacheBlocks: host, MaxNumSeqs: 6, MaxNumBatchedTokens: 96, RecordEvents: true})
+	for _, tc := range []struct {
+		host   int
+		copies bool
+	}{{0, false}, {24, false}, {0, true}, {24, true}} {
+		host := tc.host
+		m := NewModel(ModelConfig{BlockSize: 8, CacheBlocks: 64, HostCacheBlocks: host, MaxNumSeqs: 6, MaxNumBatchedTokens: 96, RecordEvents: true, DuplicateBlocks: tc.copies})
 		r := rand.New(rand.NewPCG(7, uint64(host)))
 		prefixes := [][]uint32{toks(40, 1), toks(64, 2), toks(24, 3)}
 		var live []*Seq
-		mirror := map[kv.Tier]map[uint64]bool{kv.TierDevice: {}, kv.TierHost: {}}
+		mirror := map[kv.Tier]map[uint64]int{kv.TierDevice: {}, kv.TierHost: {}}
+		copiesSeen := 0
 		for step := 0; step < 5000; step++ {
 			if r.IntN(2) == 0 {
 				p := append([]uint32(nil), prefixes[r.IntN(len(prefixes))]...)
@@ -118,44 +131,50 @@ func TestInvariantsUnderChurn(t *testing.T) {
 				for _, h := range e.EngineHashes {
 					switch e.Kind {
 					case kv.BlockStored:
-						if seen[h] {
+						if seen[h] > 0 && (!tc.copies || e.Tier != kv.TierDevice) {
 							t.Fatalf("step %d: %v block %x stored twice", step, e.Tier, h)
 						}
-						seen[h] = true
+						if seen[h] > 0 {
+							copiesSeen++
+						}
+						seen[h]++
 					case kv.BlockRemoved:
-						if !seen[h] {
+						if seen[h] == 0 {
 							t.Fatalf("step %d: %v block %x removed but never stored", step, e.Tier, h)
 						}
-						delete(seen, h)
+						if seen[h]--; seen[h] == 0 {
+							delete(seen, h)
+						}
 					}
 				}
 			}
 			checkInvariants(t, m)
 		}
-		// The event stream alone rebuilds exactly what the engine holds.
+		// The event stream alone rebuilds exactly what the engine holds,
+		// copy for copy.
 		res := m.AppendResident(nil)
-		n := 0
+		held := map[kv.Tier]map[uint64]int{kv.TierDevice: {}, kv.TierHost: {}}
 		for _, b := range res {
-			if !mirror[b.Tier][uint64(b.EngineHash)] {
-				t.Fatalf("host %d: resident %v block %x never announced", host, b.Tier, b.EngineHash)
+			held[b.Tier][uint64(b.EngineHash)]++
+		}
+		for tier, set := range mirror {
+			if !maps.Equal(set, held[tier]) {
+				t.Fatalf("%+v: the events announce %d %v blocks, %d resident, or other copies", tc, len(set), tier, len(held[tier]))
 			}
 		}
-		for _, set := range mirror {
-			n += len(set)
-		}
-		if n != len(res) {
-			t.Fatalf("host %d: events announce %d blocks, %d resident", host, n, len(res))
+		if cs := m.Counters().Copies; tc.copies != (copiesSeen > 0) || cs != uint64(copiesSeen) {
+			t.Fatalf("%+v: %d copies announced, %d counted", tc, copiesSeen, cs)
 		}
 		for _, s := range live {
 			m.Abort(s)
 		}
 		checkInvariants(t, m)
 		if m.Usage() != 0 || !m.Idle() {
-			t.Fatalf("host %d: leaked: usage %v idle %v", host, m.Usage(), m.Idle())
+			t.Fatalf("%+v: leaked: usage %v idle %v", tc, m.Usage(), m.Idle())
 		}
 		c := m.Counters()
 		if c.Preemptions == 0 || c.PrefixHits == 0 || (host > 0 && c.HostHits == 0) {
-			t.Fatalf("host %d: the workload must exercise preemption and hits: %+v", host, c)
+			t.Fatalf("%+v: the workload must exercise preemption and hits: %+v", tc, c)
 		}
 	}
 }

@@ -27,6 +27,14 @@ type ModelConfig struct {
 	// --max-loras): a waiting sequence of another adapter is passed over
 	// until one leaves. 0: no limit.
 	MaxLoRAs int
+	// DuplicateBlocks keeps every copy of a block, as vLLM's block pool
+	// does: a full block whose prefix another block already holds (two
+	// sequences that computed it at once, or the last block of a prompt
+	// cached whole, which is computed again for its logits) is cached and
+	// reported stored too, and each copy is evicted, and reported removed,
+	// on its own. Off, such a copy stays anonymous and is freed when its
+	// sequence ends (SGLang's radix cache keeps one copy too).
+	DuplicateBlocks bool
 }
 
 // DefaultHostLoadPerBlock is the host→device copy time of one block of 16
@@ -141,6 +149,7 @@ type Counters struct {
 	PrefixHits    uint64 // found on the device
 	HostHits      uint64 // found in the host tier and loaded
 	Preemptions   uint64
+	Copies        uint64 // blocks cached while another held their prefix (DuplicateBlocks)
 }
 
 // Model is the deterministic engine core: prefix cache, continuous-batching
@@ -170,7 +179,7 @@ func NewModel(cfg ModelConfig) *Model {
 	cfg = cfg.withDefaults()
 	m := &Model{
 		cfg:     cfg,
-		cache:   newBlockCache(cfg.CacheBlocks),
+		cache:   newBlockCache(cfg.CacheBlocks, cfg.DuplicateBlocks),
 		scratch: make([]uint32, cfg.BlockSize),
 		hbuf:    make([]kv.BlockHash, 0, 1),
 		events:  eventLog{on: cfg.RecordEvents},
@@ -507,7 +516,7 @@ func (m *Model) loadFromHost(s *Seq, from, to int) int {
 		bl.hash, bl.rhash, bl.parent, bl.hasParent = e.hash, e.rhash, e.parent, e.hasParent
 		toks := m.host.blockTokens(hi)
 		copy(m.devBlockTokens(b), toks)
-		if m.cache.register(b) {
+		if m.cached(b) {
 			m.events.stored(bl.parent, bl.hasParent, bl.hash, toks, kv.TierDevice, "", "")
 		}
 		m.hostLoads++
@@ -606,13 +615,23 @@ func (m *Model) fillBlock(s *Seq, i int) {
 	}
 	m.hbuf = kv.ContinueHashes(m.hbuf[:0], rparent, i == 0, toks, m.cfg.BlockSize, 0)
 	bl.rhash = m.hbuf[0]
-	if m.cache.register(b) {
+	if m.cached(b) {
 		salt := ""
 		if i == 0 {
 			salt = s.Salt
 		}
 		m.events.stored(parent, i > 0, bl.hash, toks, kv.TierDevice, salt, s.LoRA)
 	}
+}
+
+// cached registers full block b in the cache (blockCache.register),
+// counting the copies, and reports whether it was cached.
+func (m *Model) cached(b int32) bool {
+	ok, copy := m.cache.register(b)
+	if copy {
+		m.counters.Copies++
+	}
+	return ok
 }
 
 // SetRecordEvents switches event recording (ModelConfig.RecordEvents) on or
@@ -626,7 +645,7 @@ func (m *Model) ResetPrefixCache() bool {
 	if m.cache.used > 0 {
 		return false
 	}
-	m.cache = newBlockCache(m.cfg.CacheBlocks)
+	m.cache = newBlockCache(m.cfg.CacheBlocks, m.cfg.DuplicateBlocks)
 	if m.host != nil {
 		m.host = newHostCache(m.cfg.HostCacheBlocks, m.cfg.BlockSize)
 	}

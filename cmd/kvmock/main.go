@@ -56,6 +56,7 @@ func run(ctx context.Context, args []string, ready func([]endpoints)) error {
 	maxLoras := fs.Int("max-loras", 1, "LoRA adapters a batch may hold (vLLM's --max-loras); a request of another waits for a place")
 	cacheBlocks := fs.Int("cache-blocks", d.CacheBlocks, "KV cache capacity per engine, in blocks")
 	hostBlocks := fs.Int("host-cache-blocks", 0, "host (CPU) tier capacity per engine, in blocks (0: off)")
+	dupBlocks := fs.Bool("duplicate-blocks", false, "keep and report every copy of a block, as vLLM does (two requests that computed one prefix at once leave two)")
 	blockSize := fs.Int("block-size", d.BlockSize, "tokens per KV block")
 	speedup := fs.Float64("speedup", d.Speedup, "time compression: a step of d takes d/speedup")
 	speeds := fs.String("speeds", "", "comma-separated relative speed per engine, e.g. 1,1,0.5,0.5 for a heterogeneous fleet (default all 1)")
@@ -108,7 +109,7 @@ func run(ctx context.Context, args []string, ready func([]endpoints)) error {
 	for i := 0; i < *n; i++ {
 		cfg := mockengine.Config{
 			ID: "mock-" + strconv.Itoa(i), Model: *model,
-			BlockSize: *blockSize, CacheBlocks: *cacheBlocks, HostCacheBlocks: *hostBlocks,
+			BlockSize: *blockSize, CacheBlocks: *cacheBlocks, HostCacheBlocks: *hostBlocks, DuplicateBlocks: *dupBlocks,
 			MaxNumSeqs: *maxSeqs, MaxNumBatchedTokens: *maxBatched,
 			Speedup: *speedup * speed[i], Seed: *seed,
 			Tokenizer: *tokenizer, Template: *template,
@@ -156,8 +157,12 @@ func run(ctx context.Context, args []string, ready func([]endpoints)) error {
 		}
 		addrs = append(addrs, ep)
 		c := e.Config()
-		log.Printf("kvmock: engine %s model %s listening on http://%s (cache %d blocks of %d tokens, host tier %d blocks, max_num_seqs %d, speedup %g%s)",
-			c.ID, c.Model, addr, c.CacheBlocks, c.BlockSize, c.HostCacheBlocks, c.MaxNumSeqs, c.Speedup, evInfo)
+		copies := ""
+		if c.DuplicateBlocks {
+			copies = ", every copy of a block kept"
+		}
+		log.Printf("kvmock: engine %s model %s listening on http://%s (cache %d blocks of %d tokens%s, host tier %d blocks, max_num_seqs %d, speedup %g%s)",
+			c.ID, c.Model, addr, c.CacheBlocks, c.BlockSize, copies, c.HostCacheBlocks, c.MaxNumSeqs, c.Speedup, evInfo)
 	}
 	if ready != nil {
 		ready(addrs)

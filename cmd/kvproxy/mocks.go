@@ -138,6 +138,7 @@ func (f *mockFleet) startOne(cfg *config.Config, b config.Backend, key mockKey) 
 		mc.Seed = b.Mock.Seed
 	}
 	mc.MaxLoRAs = b.Mock.MaxLoRAs
+	mc.DuplicateBlocks = b.Mock.DuplicateBlocks
 	e, err := mockengine.New(mc)
 	if err != nil {
 		return nil, fmt.Errorf("mock backend %s: %w", b.ID, err)
