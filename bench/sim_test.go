@@ -7,9 +7,13 @@ import (
 	"path/filepath"
 	"reflect"
 	"runtime"
+	"slices"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvproxy/kvproxy/kv"
+	"github.com/kvproxy/kvproxy/router"
 )
 
 // smallChat is a multi-turn workload small enough for unit tests but with
@@ -456,4 +460,50 @@ func TestSimHopUnderLoadWithScrapes(t *testing.T) {
 	if served != len(w.Requests) {
 		t.Fatalf("%d of %d requests served", served, len(w.Requests))
 	}
+}
+
+// Engines that keep and report every copy of a block (vLLM's block pool):
+// identical prompts arriving together are computed side by side, and a
+// prompt of whole blocks sent again computes its last block again. At the
+// end of a run that evicted most of it, each replica's index holds exactly
+// the prefixes the engines hold, and no stored block was orphaned (a child
+// named a parent whose one evicted copy had dropped it).
+func TestSimIndexFollowsEnginesThatKeepCopies(t *testing.T) {
+	w := &Workload{Name: "copies"}
+	for i := 0; i < 400; i++ {
+		key := uint64(i / 4 % 40) // four at once of each prompt, each prompt again later
+		w.Requests = append(w.Requests, Request{Arrival: time.Duration(i/4) * 150 * time.Millisecond,
+			Segments: []Segment{{Key: key, Len: 512}}, InputLen: 512, OutputLen: 20 + i%30, Session: -1})
+	}
+	cfg := SimConfig{Engines: 3, CacheBlocks: 300, BlockSize: 16, Seed: 5, Replicas: 2, DuplicateBlocks: true}
+	s, err := newSim(cfg.withDefaults(), "kv")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.run(w)
+	var copies uint64
+	for _, e := range s.engines {
+		copies += e.model.Counters().Copies
+		held := map[kv.BlockHash]bool{}
+		for _, b := range e.model.AppendResident(nil) {
+			held[b.Hash] = true
+		}
+		for r, rt := range s.rts {
+			if st := e.feeds[r].Stats(); st.OrphanBlocks != 0 || st.UnknownRemovals != 0 {
+				t.Fatalf("%s, replica %d: %d orphan blocks, %d unknown removals", e.name, r, st.OrphanBlocks, st.UnknownRemovals)
+			}
+			if n := rt.Index().WorkerBlocks(e.id); n != len(held) {
+				t.Fatalf("%s, replica %d: the index holds %d blocks, the engine %d", e.name, r, n, len(held))
+			}
+			for h := range held {
+				if !slices.ContainsFunc(rt.Index().Match([]kv.BlockHash{h}, nil), func(o router.Overlap) bool { return o.Worker == e.id }) {
+					t.Fatalf("%s, replica %d: block %x held but not indexed", e.name, r, h)
+				}
+			}
+		}
+	}
+	if copies == 0 {
+		t.Fatal("the engines made no copies: the workload does not test them")
+	}
+	t.Logf("%d copies made", copies)
 }
