@@ -1107,6 +1107,27 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		return done
 	}
 	var src streamBody = stream
+	if ct := resp.Header.ContentType(); !x.pass && !isJSONType(ct) && !mayBeEventStream(ct) {
+		// An answer that cannot be a stream (a gateway's HTML page, Ollama's
+		// native NDJSON at a /v1 path): the engine answered, wrongly. No
+		// byte of it reaches the client, who gets kvproxy's 502 (relayed,
+		// it read as a stream broken off, and the engine was taken for a
+		// dead one, even a model's only one).
+		msg := "backend " + b.cfg.ID + " answered a stream request with Content-Type " + quotedType(ct) + ", not an event stream"
+		stream.Close()
+		fasthttp.ReleaseResponse(resp)
+		b.answeredError(msg)
+		if mayRetry {
+			x.errMsg = msg
+			if x.refusal == nil {
+				x.refused = fasthttp.StatusBadGateway
+			}
+			return x.endAttempt()
+		}
+		x.failUpstream(ctx, fasthttp.StatusBadGateway, msg)
+		x.finish()
+		return done
+	}
 	if !x.pass && isJSONType(resp.Header.ContentType()) {
 		var err error
 		if src, err = x.wholeStream(stream, resp, body); err != nil {
@@ -1153,10 +1174,26 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		ctx.SetBodyStream(rr, max(size, -1))
 		return done
 	}
+	rl := newRelay(x, src, resp)
+	if !rl.prime() {
+		// Over before its first event, with nothing of the engine's to
+		// relay: the client gets the failure as an HTTP status, which its
+		// SDK may retry, not a 200 whose stream holds an error.
+		if x.status == 499 {
+			s.answerNothing(ctx)
+		} else {
+			msg, typ, code := rl.failMsg, rl.failTyp, rl.failCode
+			if msg == "" {
+				msg, typ, code = "the backend serving this request ended its stream before its first event", "upstream_error", "backend_failed"
+			}
+			writeError(ctx, x.status, msg, typ, "", code)
+		}
+		rl.Close()
+		return done
+	}
 	ctx.Response.Header.SetContentType("text/event-stream")
 	ctx.Response.Header.Set("Cache-Control", "no-cache")
 	ctx.Response.Header.Set("X-Accel-Buffering", "no")
-	rl := newRelay(x, src, resp)
 	if !ctx.Request.Header.IsHTTP11() {
 		s.relayUntilClose(ctx, rl)
 		return done

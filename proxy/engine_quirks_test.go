@@ -150,3 +150,54 @@ func TestEngineErrorFramesCountAgainstTheEngine(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// An answer to a stream request that cannot be an event stream (an HTML
+// page of a gateway in front of the engine, Ollama's NDJSON) is no stream:
+// the client gets kvproxy's 502 in OpenAI's shape, not a 200 with the
+// page's bytes and an error event, and the engine is not taken for a dead
+// one (a model's only one was ejected, and its next requests got 503s). A
+// request that may go elsewhere goes to the next engine. Streams typed as
+// text/plain, or not typed, are relayed as they were.
+func TestStreamThatIsNoEventStream(t *testing.T) {
+	typed := func(ct string) *fakeEngine {
+		return rawEngine(t, func(c net.Conn, _ *bufio.Reader) {
+			body := "<html><body>Bad gateway</body></html>"
+			if ct == "text/plain" || ct == "" {
+				body = "data: " + quirkLast + "\n\ndata: [DONE]\n\n"
+			}
+			header := ""
+			if ct != "" {
+				header = "Content-Type: " + ct + "\r\n"
+			}
+			fmt.Fprintf(c, "HTTP/1.1 200 OK\r\n%sContent-Length: %d\r\n\r\n%s", header, len(body), body)
+		})
+	}
+	const req = `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`
+	for _, ct := range []string{"text/html; charset=utf-8", "application/x-ndjson"} {
+		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", typed(ct))
+		for range 4 { // past the error answers' streak of 3
+			resp, b := post(t, p.url+"/v1/chat/completions", req)
+			if out := string(b); resp.StatusCode != 502 || !strings.Contains(out, `"code":"backend_failed"`) || strings.Contains(out, "<html>") ||
+				!strings.Contains(out, "not an event stream") || strings.HasPrefix(out, "data:") {
+				t.Fatalf("%s: %d\n%s", ct, resp.StatusCode, out)
+			}
+		}
+		if ejected(p, "e0") {
+			t.Fatalf("%s: a model's only engine is ejected: %s", ct, p.logs.String())
+		}
+		p.waitIdle(t)
+	}
+	p := startProxyYAML(t, "models: [{name: m}]\nrouter: {policy: round_robin}\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}, {id: e1, url: 'http://{{e1}}', model: m}]\n",
+		typed("text/html"), typed("text/plain"))
+	for range 4 {
+		if resp, b := post(t, p.url+"/v1/chat/completions", req); resp.StatusCode != 200 || !strings.Contains(string(b), `" end"`) {
+			t.Fatalf("with another engine: %d\n%s", resp.StatusCode, b)
+		}
+	}
+	p.waitIdle(t)
+	p = startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", typed(""))
+	if resp, b := post(t, p.url+"/v1/chat/completions", req); resp.StatusCode != 200 || !strings.Contains(string(b), `" end"`) {
+		t.Fatalf("untyped: %d\n%s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+}

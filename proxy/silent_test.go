@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -149,4 +150,63 @@ func TestTrickleAfterDoneEndsTheStream(t *testing.T) {
 		t.Fatalf("%d after %v, want the end about endGrace (%v) after [DONE]:\n%s", resp.StatusCode, took, endGrace, b)
 	}
 	p.waitIdle(t)
+}
+
+// A stream that ends before the engine's first event, with nothing of the
+// engine's to relay, is answered with an HTTP status in the API's error
+// shape, which the SDKs retry (a 502 or 504), not a 200 whose stream holds
+// an error event: the engine silent past stream_idle_timeout (504,
+// ejected), its stream ended with no event (502), on chat and on the
+// Messages API. A stream whose engine sent anything first (a keep-alive
+// comment) is the engine's answer begun: it stays a 200 that ends with the
+// error event.
+func TestStreamOverBeforeItsFirstEventIsAnHTTPError(t *testing.T) {
+	engine := func(first string, hold bool) *httptest.Server {
+		release := make(chan struct{})
+		e := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "text/event-stream")
+			w.WriteHeader(200)
+			io.WriteString(w, first)
+			w.(http.Flusher).Flush()
+			if hold {
+				select {
+				case <-r.Context().Done():
+				case <-release:
+				}
+			}
+		}))
+		t.Cleanup(func() { close(release); e.Close() })
+		return e
+	}
+	for _, tc := range []struct {
+		name, first, path, body string
+		hold                    bool
+		status                  int
+		want                    string
+	}{
+		{"silent", "", "/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`, true, 504,
+			`{"error":{"message":"the backend serving this request went silent before its first event: backend e0 sent nothing for 200ms (limits.stream_idle_timeout)","type":"timeout_error","param":null,"code":"backend_timeout"}}`},
+		{"no event", "", "/v1/completions", `{"model":"m","stream":true,"prompt":"x"}`, false, 502,
+			`{"error":{"message":"the backend serving this request failed before its first event","type":"upstream_error","param":null,"code":"backend_failed"}}`},
+		{"messages, silent", "", "/v1/messages", `{"model":"m","stream":true,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, true, 504,
+			`{"type":"error","error":{"type":"timeout_error","message":"the backend serving this request went silent before its first event: backend e0 sent nothing for 200ms (limits.stream_idle_timeout)"}`},
+		{"a comment, then silent", ": ping\n\n", "/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`, true, 200,
+			": ping\n\ndata: {\"error\":{\"message\":\"the backend serving this request went silent mid-stream: backend e0 sent nothing for 200ms (limits.stream_idle_timeout)\",\"type\":\"timeout_error\",\"param\":null,\"code\":\"backend_timeout\"}}\n\ndata: [DONE]\n\n"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := engine(tc.first, tc.hold)
+			p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: '"+e.URL+"', model: m}]\nlimits: {stream_idle_timeout: 200ms}\n")
+			resp, b := post(t, p.url+tc.path, tc.body)
+			if resp.StatusCode != tc.status || !strings.HasPrefix(string(b), tc.want) {
+				t.Fatalf("%d %q\nwant %d %q", resp.StatusCode, b, tc.status, tc.want)
+			}
+			if ct := resp.Header.Get("Content-Type"); (tc.status == 200) != strings.HasPrefix(ct, "text/event-stream") {
+				t.Fatalf("status %d with Content-Type %q", resp.StatusCode, ct)
+			}
+			p.waitIdle(t)
+			if want := fmt.Sprintf(`"status":%d`, map[int]int{200: 504}[tc.status]+tc.status*map[bool]int{true: 0, false: 1}[tc.status == 200]); !strings.Contains(p.logs.String(), want) {
+				t.Fatalf("access log without %s: %s", want, p.logs.String())
+			}
+		})
+	}
 }

@@ -51,9 +51,14 @@ type relay struct {
 	// afterDone: the time spent waiting for the engine since [DONE]
 	afterDone time.Duration
 	relayed   int // a Responses stream's events: its next sequence_number
-	blocks    int
-	ended     bool // the engine's stream is over (or failed): nothing more to send
-	closed    bool
+	// engineEvents counts the engine's events relayed (or held in pend);
+	// failMsg, failTyp and failCode are kvproxy's error event's, once one
+	// ends the stream.
+	engineEvents               int
+	failMsg, failTyp, failCode string
+	blocks                     int
+	ended                      bool // the engine's stream is over (or failed): nothing more to send
+	closed                     bool
 	// A stream continued on another engine (migrate): resumed until that
 	// engine's first token (the events before it, which restate the role,
 	// are dropped), restarted until its first event (its prefill);
@@ -108,8 +113,12 @@ func (r *relay) WriteTo(w io.Writer) (int64, error) {
 		}
 	}()
 	var total int64
-	for !r.ended {
-		out := r.nextBatch()
+	for !r.ended || len(r.pend) > 0 {
+		out := r.pend // prime's
+		r.pend = nil
+		if len(out) == 0 {
+			out = r.nextBatch()
+		}
 		if len(out) == 0 {
 			continue
 		}
@@ -121,6 +130,19 @@ func (r *relay) WriteTo(w io.Writer) (int64, error) {
 		}
 	}
 	return total, nil
+}
+
+// prime reads the stream up to its first events, before the answer's
+// status goes out (fasthttp writes it with the first chunk anyway), and
+// keeps them for WriteTo or Read. It reports false when the stream ended
+// before any event of the engine's: the engine failed or went silent
+// (failMsg says how), the client left (status 499), or kvproxy is shutting
+// down.
+func (r *relay) prime() bool {
+	for !r.ended && len(r.pend) == 0 {
+		r.pend = r.nextBatch()
+	}
+	return r.engineEvents > 0 || !r.ended
 }
 
 // Read serves the same bytes as WriteTo to a caller that reads.
@@ -198,6 +220,7 @@ func (r *relay) events(out []byte) []byte {
 		if !ok {
 			return out
 		}
+		r.engineEvents++
 		switch r.x.api {
 		case apiResponses:
 			raw = r.onResponsesEvent(raw, content)
@@ -278,10 +301,10 @@ func (r *relay) end(out []byte, err error) []byte {
 		x.status = fasthttp.StatusBadGateway
 		out = r.failEvent(out, "the answer holds "+err.Error()+", more than kvproxy relays", "upstream_error", "event_too_large")
 	case backends.IsTimeout(err):
-		msg := x.b.silent()
-		x.b.fail(ejectTimeout, "silent mid-stream")
-		return r.engineFailed(out, "silent for "+x.b.up.ReadTimeout.String(), msg+" mid-stream", fasthttp.StatusGatewayTimeout,
-			"the backend serving this request went silent mid-stream: "+msg, "timeout_error", "backend_timeout")
+		msg, when := x.b.silent(), r.when()
+		x.b.fail(ejectTimeout, "silent "+when)
+		return r.engineFailed(out, "silent for "+x.b.up.ReadTimeout.String(), msg+" "+when, fasthttp.StatusGatewayTimeout,
+			"the backend serving this request went silent "+when+": "+msg, "timeout_error", "backend_timeout")
 	default:
 		// The engine failed mid-stream (an error, or the connection ended
 		// before [DONE]: a dropped chunked stream reads as a plain EOF): tell
@@ -295,11 +318,20 @@ func (r *relay) end(out []byte, err error) []byte {
 				err = errors.New("stream ended before message_stop")
 			}
 		}
-		x.b.failConn("mid-stream: " + err.Error())
-		return r.engineFailed(out, err.Error(), "backend "+x.b.cfg.ID+" failed mid-stream: "+err.Error(), fasthttp.StatusBadGateway,
-			"the backend serving this request failed mid-stream", "upstream_error", "backend_failed")
+		when := r.when()
+		x.b.failConn(when + ": " + err.Error())
+		return r.engineFailed(out, err.Error(), "backend "+x.b.cfg.ID+" failed "+when+": "+err.Error(), fasthttp.StatusBadGateway,
+			"the backend serving this request failed "+when, "upstream_error", "backend_failed")
 	}
 	return out
+}
+
+// when says where in the stream the engine failed, for the messages.
+func (r *relay) when() string {
+	if r.engineEvents == 0 {
+		return "before its first event"
+	}
+	return "mid-stream"
 }
 
 // engineFailed ends a stream whose engine failed mid-answer (why), unless
@@ -447,6 +479,7 @@ func requestsFault(errJSON []byte) bool {
 // failed: an OpenAI error and [DONE], or for a response the Responses
 // API's error event (its streams have no [DONE]).
 func (r *relay) failEvent(out []byte, msg, typ, code string) []byte {
+	r.failMsg, r.failTyp, r.failCode = msg, typ, code
 	switch r.x.api {
 	case apiResponses:
 		out = append(out, "event: error\ndata: "...)
@@ -528,7 +561,7 @@ func (r *relay) onData(data []byte) {
 		}
 		return
 	}
-	if !r.sawFirst {
+	if !r.sawFirst && !noChoices(data) {
 		r.firstEvent()
 	}
 	// Usage arrives in a chunk of its own (stream_options.include_usage).
@@ -609,6 +642,25 @@ func (r *relay) firstEvent() {
 	}
 	x.s.metrics.observeTTFT(x.b.cfg.ID, x.ttft.Seconds())
 }
+
+// noChoices reports whether a chunk's choices are an empty array: Azure
+// OpenAI's first chunk, which carries only its prompt_filter_results as soon
+// as the request is taken, long before the prefill ends (as a usage chunk
+// does after the answer).
+func noChoices(data []byte) bool {
+	i := bytes.Index(data, choicesKey)
+	if i < 0 {
+		return false
+	}
+	i = skipSpace(data, i+len(choicesKey))
+	if i >= len(data) || data[i] != '[' {
+		return false
+	}
+	i = skipSpace(data, i+1)
+	return i < len(data) && data[i] == ']'
+}
+
+var choicesKey = []byte(`"choices":`)
 
 // finishValue finds a chunk's "finish_reason" and returns what follows its
 // colon, spaces skipped. The search is for "_reason": (measured: from the

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"io"
 	"testing"
+	"time"
 
 	"github.com/valyala/fasthttp"
 
@@ -60,5 +61,58 @@ func TestToolCallStreamsCountAsOutput(t *testing.T) {
 		if x.outputTokens != 3 || x.ttft == 0 || x.errMsg != "" || x.usage.prompt != 9 || x.usage.completion != 3 {
 			t.Errorf("%s: %d output events, ttft %v, error %q, usage %+v", name, x.outputTokens, x.ttft, x.errMsg, x.usage)
 		}
+	}
+}
+
+// pacedBody is an engine's stream read one piece at a time, each piece
+// after its delay.
+type pacedBody struct {
+	pieces []string
+	delays []time.Duration
+}
+
+func (p *pacedBody) Read(b []byte) (int, error) {
+	if len(p.pieces) == 0 {
+		return 0, io.EOF
+	}
+	time.Sleep(p.delays[0])
+	n := copy(b, p.pieces[0])
+	p.pieces[0] = p.pieces[0][n:]
+	if p.pieces[0] == "" {
+		p.pieces, p.delays = p.pieces[1:], p.delays[1:]
+	}
+	return n, nil
+}
+func (p *pacedBody) Close()              {}
+func (p *pacedBody) Buffered() int       { return 0 }
+func (p *pacedBody) EndBy(time.Duration) {}
+
+// Azure OpenAI's first chunk carries only the prompt's filter results,
+// with no choices, as soon as the request is taken: the prefill ends with
+// the first chunk that has a choice, not with it (it ended it, and the TTFT
+// read tens of milliseconds for a prefill of seconds).
+func TestChunkWithoutChoicesDoesNotEndThePrefill(t *testing.T) {
+	s, p, be := relayFixture(t)
+	_, active, _ := p.rt.Route(&router.Request{PromptTokens: 10})
+	x := &exchange{s: s, p: p, b: be, active: active, ab: &backends.Abort{}, stream: true, usage: tokenUsage{-1, -1, -1}, api: apiChat, choices: 1,
+		start: time.Now(), sent: time.Now()}
+	s.live.add(x)
+	const prefill = 150 * time.Millisecond
+	body := &pacedBody{
+		pieces: []string{
+			`data: {"choices":[],"created":0,"id":"","model":"","object":"","prompt_filter_results":[{"prompt_index":0,"content_filter_results":{}}]}` + "\n\n",
+			`data: {"choices":[{"delta":{"role":"assistant","content":"Hi"},"finish_reason":null,"index":0}],"id":"c","object":"chat.completion.chunk"}` + "\n\n" +
+				`data: {"choices":[{"delta":{},"finish_reason":"stop","index":0}],"id":"c","object":"chat.completion.chunk"}` + "\n\n" +
+				`data: {"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":1,"total_tokens":11}}` + "\n\ndata: [DONE]\n\n",
+		},
+		delays: []time.Duration{0, prefill},
+	}
+	rl := newRelay(x, body, fasthttp.AcquireResponse())
+	if _, err := rl.WriteTo(bufio.NewWriter(io.Discard)); err != nil {
+		t.Fatal(err)
+	}
+	rl.Close()
+	if x.ttft < prefill || x.outputTokens != 1 || x.errMsg != "" || x.usage.completion != 1 {
+		t.Fatalf("ttft %v (the first choice came after %v), %d output events, error %q, usage %+v", x.ttft, prefill, x.outputTokens, x.errMsg, x.usage)
 	}
 }

@@ -35,6 +35,25 @@ func isJSONType(ct []byte) bool {
 
 var appJSON, plusJSON = []byte("application/json"), []byte("+json")
 
+// mayBeEventStream reports whether an answer of Content-Type ct may be an
+// SSE stream: text/event-stream, or none, or text/plain (the default type
+// of some servers, which may leave their streams typed so).
+func mayBeEventStream(ct []byte) bool {
+	if i := bytes.IndexByte(ct, ';'); i >= 0 {
+		ct = ct[:i]
+	}
+	ct = bytes.TrimSpace(ct)
+	return len(ct) == 0 || bytes.EqualFold(ct, eventStreamType) || bytes.EqualFold(ct, textPlainType)
+}
+
+var eventStreamType, textPlainType = []byte("text/event-stream"), []byte("text/plain")
+
+// quotedType is an engine's Content-Type for a message: quoted, and cut at
+// 64 bytes.
+func quotedType(ct []byte) string {
+	return strconv.Quote(string(ct[:min(len(ct), 64)]))
+}
+
 // wholeAnswerEvents is the SSE stream of a whole chat or completions
 // answer: for each choice, a chat's role-only first chunk (as engines send
 // it: the OpenAI SDKs' stream helpers start a choice from its first chunk,
