@@ -52,10 +52,7 @@ const MaxDPRank = 1023
 type KVApplyStats struct {
 	Workers int
 	// Blocks is the number of router blocks currently indexed, per tier.
-	Blocks [kv.NumTiers]int64
-	// DeviceCopies is the engine blocks held now in device memory beyond
-	// the first of their hash (vLLM's copies; see KVApplier).
-	DeviceCopies      int64
+	Blocks            [kv.NumTiers]int64
 	StoredBlocks      uint64 // engine blocks of applied BlockStored events
 	RemovedBlocks     uint64 // engine blocks of applied BlockRemoved events
 	OrphanBlocks      uint64 // stored blocks dropped: their parent block was unknown
@@ -82,15 +79,6 @@ type KVApplyStats struct {
 // Two engine blocks that differ only in what the router does not hash (e.g.
 // multimodal keys in vLLM's extra_keys) share one own hash; removing either
 // removes the index entry. That under-reports, never over-reports.
-//
-// vLLM keeps, and announces, every copy of a block in the device tier: two
-// requests that computed the same prefix at once, or the last block of a
-// prompt cached whole (computed again for its logits), leave it two blocks
-// of one hash, each stored and later removed on its own. The applier counts
-// those copies, so removing one keeps the block indexed while another is
-// held: the engine still serves the prefix from it. (The proxy keeps
-// vLLM's kv_cache_report_mode from engines: its re-announcements of reused
-// blocks would pass for copies.)
 //
 // Safe for concurrent use (the ZMQ feed and HTTP pushes may both deliver).
 type KVApplier struct {
@@ -127,7 +115,6 @@ type rankKV struct {
 	// than the router's, e.g. SGLang with page size 1).
 	partial map[uint64]partialBlock
 	perT    [kv.NumTiers]int64 // router blocks indexed, per tier
-	copies  int64              // the blocks' device copies (ownBlock.copies)
 }
 
 // ownBlock is what the applier knows of one engine block.
@@ -139,14 +126,7 @@ type ownBlock struct {
 	fill  uint32 // tokens of its router block up to and including this engine block
 	tiers uint8  // bit t: held in tier t
 	flags uint8
-	// copies counts the device-tier copies beyond the first (vLLM keeps
-	// every copy of a block; see KVApplier), up to maxCopies.
-	copies uint8
 }
-
-// maxCopies bounds the copies counted of one block: past it, a stored copy
-// is not counted, and the block leaves the index a removal early.
-const maxCopies = 255
 
 // noBase marks a partial engine block of a sequence's first router block.
 const noBase = 1
@@ -226,7 +206,6 @@ func (a *KVApplier) Stats() KVApplyStats {
 		for t := range s.Blocks {
 			s.Blocks[t] += r.perT[t]
 		}
-		s.DeviceCopies += r.copies
 	}
 	return s
 }
@@ -373,7 +352,6 @@ func (a *KVApplier) clearRank(r *rankKV) {
 	clear(r.blocks)
 	clear(r.partial)
 	r.perT = [kv.NumTiers]int64{}
-	r.copies = 0
 	a.stats.Clears++
 }
 
@@ -577,18 +555,12 @@ func (a *KVApplier) put(r *rankKV, eh uint64, rec ownBlock, t kv.Tier, pb *parti
 				}
 			}
 		}
-		r.copies -= int64(old.copies)
-		old.tiers, old.copies = 0, 0
+		old.tiers = 0
 	}
 	if rec.fill == bs {
 		if old.tiers&bit == 0 {
 			r.perT[t]++
 		}
-	}
-	rec.copies = old.copies
-	if old.tiers&bit != 0 && t == kv.TierDevice && rec.copies < maxCopies {
-		rec.copies++ // another copy of a block the device holds
-		r.copies++
 	}
 	rec.tiers = old.tiers | bit
 	r.blocks[eh] = rec
@@ -618,13 +590,6 @@ func (a *KVApplier) removed(r *rankKV, ev *kv.Event) {
 			a.stats.UnknownRemovals++
 			continue
 		}
-		a.stats.RemovedBlocks++
-		if t == kv.TierDevice && b.copies > 0 {
-			b.copies-- // another copy still serves the prefix
-			r.copies--
-			r.blocks[eh] = b
-			continue
-		}
 		b.tiers &^= bit
 		if b.fill == bs {
 			r.perT[t]--
@@ -638,6 +603,7 @@ func (a *KVApplier) removed(r *rankKV, ev *kv.Event) {
 		} else {
 			r.blocks[eh] = b
 		}
+		a.stats.RemovedBlocks++
 	}
 	if len(a.own) > 0 {
 		a.idx.Remove(r.id, a.own, t)

@@ -271,8 +271,6 @@ type backendRow struct {
 		Events  uint64           `json:"events_received"`
 		Clears  uint64           `json:"clears"`
 		PerTier map[string]int64 `json:"blocks_per_tier"`
-		Orphans uint64           `json:"orphan_blocks"`
-		Copies  int64            `json:"device_copies"`
 	} `json:"kv_events"`
 	Healthy       bool  `json:"healthy"`
 	Inflight      int64 `json:"inflight"`

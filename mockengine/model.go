@@ -28,9 +28,10 @@ type ModelConfig struct {
 	// until one leaves. 0: no limit.
 	MaxLoRAs int
 	// DuplicateBlocks keeps every copy of a block, as vLLM's block pool
-	// does: a full block whose prefix another block already holds (two
-	// sequences that computed it at once, or the last block of a prompt
-	// cached whole, which is computed again for its logits) is cached and
+	// does: a full block whose prefix another block already holds (the
+	// last block of a prompt cached whole, which is computed again for its
+	// logits; here also two sequences admitted in one step, which vLLM,
+	// registering a block when it schedules it, would share) is cached and
 	// reported stored too, and each copy is evicted, and reported removed,
 	// on its own. Off, such a copy stays anonymous and is freed when its
 	// sequence ends (SGLang's radix cache keeps one copy too).

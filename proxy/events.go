@@ -339,7 +339,6 @@ type eventCounters struct {
 	OrphanBlocks  uint64           `json:"orphan_blocks"`
 	SizeMismatch  uint64           `json:"block_size_mismatch"`
 	UnknownCopies uint64           `json:"unknown_copies"`             // offloaded copies of blocks not indexed
-	DeviceCopies  int64            `json:"device_copies"`              // blocks the engine holds more than once (vLLM)
 	Malformed     uint64           `json:"malformed_events,omitempty"` // zmq: events skipped in applied batches
 	DecodeErrors  uint64           `json:"decode_errors,omitempty"`    // zmq: whole batches unreadable (each clears)
 	BlocksPerTier map[string]int64 `json:"blocks_per_tier"`
@@ -356,7 +355,7 @@ func (b *backend) eventCounters() *eventCounters {
 	fs := b.feed.Stats()
 	as := fs.Apply
 	c := &eventCounters{Mode: b.cfg.KVEvents.Mode, Clears: as.Clears, OrphanBlocks: as.OrphanBlocks, SizeMismatch: as.BlockSizeMismatch,
-		UnknownCopies: as.UnknownCopies, DeviceCopies: as.DeviceCopies, BlocksPerTier: map[string]int64{}, Events: b.eventsPushed.Load()}
+		UnknownCopies: as.UnknownCopies, BlocksPerTier: map[string]int64{}, Events: b.eventsPushed.Load()}
 	for t := kv.Tier(0); t < kv.NumTiers; t++ {
 		c.BlocksPerTier[t.String()] = as.Blocks[t]
 	}

@@ -883,11 +883,7 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 		if n > 0 {
 			out = append(out, ',')
 		}
-		if keyIs(m.key, "vllm_xargs") && hasMember(m.value, reportModeKey) {
-			out = appendMemberWithout(out, m.key, m.value, reportModeKey)
-		} else {
-			out = append(out, m.member...)
-		}
+		out = append(out, m.member...)
 		n++
 	}
 	if m.err != nil {
@@ -934,42 +930,6 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 		}
 	}
 	return append(out, '}'), nil
-}
-
-// reportModeKey is the vllm_xargs member that has vLLM announce again every
-// block a request reuses from its cache (kv_cache_report_mode "full"). The
-// engine's KV events would then tell a reused block from a new copy by
-// nothing, and kvproxy counts copies (backends.KVApplier): kvproxy keeps it
-// from engines, as it does a client's own kv_transfer_params.
-const reportModeKey = "kv_cache_report_mode"
-
-// hasMember reports whether obj, if a JSON object, has a member named key.
-func hasMember(obj []byte, key string) bool {
-	for m := (members{b: obj}); m.next(); {
-		if keyIs(m.key, key) {
-			return true
-		}
-	}
-	return false
-}
-
-// appendMemberWithout appends to dst the member named by rawKey (as it came,
-// escapes kept) whose value is obj, a JSON object, without obj's members
-// named drop.
-func appendMemberWithout(dst, rawKey, obj []byte, drop string) []byte {
-	dst = append(append(append(dst, '"'), rawKey...), `":{`...)
-	n := 0
-	for m := (members{b: obj}); m.next(); {
-		if keyIs(m.key, drop) {
-			continue
-		}
-		if n > 0 {
-			dst = append(dst, ',')
-		}
-		dst = append(dst, m.member...)
-		n++
-	}
-	return append(dst, '}')
 }
 
 // appendJSONQuoted appends s as a JSON string, exactly as json.Marshal

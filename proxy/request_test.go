@@ -307,28 +307,3 @@ func TestNvextSamplingAgainstDuplicates(t *testing.T) {
 		}
 	}
 }
-
-// vLLM's kv_cache_report_mode (in vllm_xargs) never reaches an engine: its
-// re-announcements of reused blocks would pass for copies in the engine's
-// KV events. The rest of vllm_xargs, and everything else, goes as it came.
-func TestReportModeKeptFromEngines(t *testing.T) {
-	for body, want := range map[string]string{
-		`{"prompt":"p","vllm_xargs":{"kv_cache_report_mode":"full","x":1}}`:                            `{"prompt":"p","vllm_xargs":{"x":1},"model":"e"}`,
-		`{"prompt":"p","vllm_xargs":{"a":"b", "\u006bv_cache_report_mode":"full"}}`:                    `{"prompt":"p","vllm_xargs":{"a":"b"},"model":"e"}`,
-		`{"prompt":"p","vllm_xargs" : {"kv_cache_report_mode":1,"kv_cache_report_mode":"full"},"n":2}`: `{"prompt":"p","vllm_xargs":{},"n":2,"model":"e"}`,
-		`{"prompt":"p","vllm_\u0078args":{"kv_cache_report_mode":"full"}}`:                             `{"prompt":"p","vllm_\u0078args":{},"model":"e"}`,
-		// Untouched: other members, other names, values that are no object.
-		`{"prompt":"p","vllm_xargs": {"x": 1}}`:                                     `{"prompt":"p","vllm_xargs": {"x": 1},"model":"e"}`,
-		`{"prompt":"p","vllm_xargs":null}`:                                          `{"prompt":"p","vllm_xargs":null,"model":"e"}`,
-		`{"prompt":"p","VLLM_XARGS":{"kv_cache_report_mode":"full"}}`:               `{"prompt":"p","VLLM_XARGS":{"kv_cache_report_mode":"full"},"model":"e"}`,
-		`{"prompt":"kv_cache_report_mode","extra":{"kv_cache_report_mode":"full"}}`: `{"prompt":"kv_cache_report_mode","extra":{"kv_cache_report_mode":"full"},"model":"e"}`,
-	} {
-		var r apiRequest
-		if pe := r.parse([]byte(body), false); pe != nil {
-			t.Fatal(pe)
-		}
-		if out, err := r.forwardBody(nil, "e", ""); err != nil || string(out) != want {
-			t.Errorf("%s: %s (%v), want %s", body, out, err, want)
-		}
-	}
-}

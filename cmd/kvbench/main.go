@@ -240,7 +240,7 @@ func runSim(args []string, stdout io.Writer) error {
 	hopPerToken := fs.Duration("hop-per-token", 0, "the hop from the router's decision to the engine's queue (the proxy writing the request, the engine parsing it): this much per prompt token (bench/live.sh passes 100ns, with -hop-jitter 4.2ms, as measured on a 2-core machine running the fleet, kvproxy and the client)")
 	hopJitter := fs.Duration("hop-jitter", 0, "the hop's random extra, exponentially distributed with this mean (seeded): requests routed together reach an engine in another order, as they do live")
 	hostBlocks := fs.Int("host-blocks", 0, "host (CPU) KV tier per engine in blocks (0: none)")
-	dupBlocks := fs.Bool("duplicate-blocks", false, "engines keep and report every copy of a block, as vLLM does (two requests that computed one prefix at once leave two)")
+	dupBlocks := fs.Bool("duplicate-blocks", false, "engines keep and report every copy of a block, as vLLM does (a prompt cached whole computes its last block again)")
 	scrape := fs.Duration("scrape", time.Second, "feed engine load (waiting, running, KV usage) to the router at this interval, as kvproxy's /metrics scrape does (0: off)")
 	replicas := fs.Int("replicas", 1, "kvproxy replicas, each with its own router, taking the requests in turn")
 	temperature := fs.Float64("temperature", 0, "the router's temperature: above 0, sample among near-best workers")

@@ -56,7 +56,7 @@ func run(ctx context.Context, args []string, ready func([]endpoints)) error {
 	maxLoras := fs.Int("max-loras", 1, "LoRA adapters a batch may hold (vLLM's --max-loras); a request of another waits for a place")
 	cacheBlocks := fs.Int("cache-blocks", d.CacheBlocks, "KV cache capacity per engine, in blocks")
 	hostBlocks := fs.Int("host-cache-blocks", 0, "host (CPU) tier capacity per engine, in blocks (0: off)")
-	dupBlocks := fs.Bool("duplicate-blocks", false, "keep and report every copy of a block, as vLLM does (two requests that computed one prefix at once leave two)")
+	dupBlocks := fs.Bool("duplicate-blocks", false, "keep and report every copy of a block, as vLLM does (a prompt cached whole computes its last block again)")
 	blockSize := fs.Int("block-size", d.BlockSize, "tokens per KV block")
 	speedup := fs.Float64("speedup", d.Speedup, "time compression: a step of d takes d/speedup")
 	speeds := fs.String("speeds", "", "comma-separated relative speed per engine, e.g. 1,1,0.5,0.5 for a heterogeneous fleet (default all 1)")
