@@ -254,3 +254,26 @@ func BenchmarkCommitFreeEventMode(b *testing.B) {
 	}
 	t.stop()
 }
+
+// BenchmarkSelectAfterChurn: a Select among 8 workers after "retired" ones
+// were added and removed (backends a discovery or reloads took away: their
+// ids stay for good). A decision walks the workers still there, so its
+// cost does not grow with those that left.
+func BenchmarkSelectAfterChurn(b *testing.B) {
+	for _, retired := range []int{0, 10_000} {
+		b.Run(fmt.Sprintf("retired=%d", retired), func(b *testing.B) {
+			r, err := New(DefaultConfig())
+			if err != nil {
+				b.Fatal(err)
+			}
+			for i := 0; i < retired; i++ {
+				r.RemoveWorker(r.AddWorker(fmt.Sprintf("gone-%d", i)))
+			}
+			for i := 0; i < 8; i++ {
+				r.AddWorker(fmt.Sprintf("worker-%d", i))
+			}
+			q := &Request{Hashes: seq(64, 1), PromptTokens: 64 * 16, CandidateBuf: make([]Candidate, 0, 8)}
+			benchSelect(b, r, q)
+		})
+	}
+}

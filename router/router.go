@@ -196,10 +196,16 @@ type Router struct {
 	dec     Decision                  // under mu: the copy policy.Commit sees, so callers' Decisions stay on the stack
 	wmu     sync.Mutex                // membership changes
 	workers atomic.Pointer[[]*worker] // copy-on-write, indexed by WorkerID
-	byName  sync.Map                  // string → WorkerID
-	byInst  sync.Map                  // uint64 → WorkerID
-	commits atomic.Uint64             // advanced by Commit only: tie-break epoch
-	version atomic.Uint64             // membership / availability changes
+	// live are the workers not removed, in id order: what a decision
+	// walks. A removed worker keeps its id (and its place in workers) for
+	// good, and backends that come and go (discovery, reloads) would
+	// otherwise cost every decision a little more for the life of the
+	// process.
+	live    atomic.Pointer[[]*worker]
+	byName  sync.Map      // string → WorkerID
+	byInst  sync.Map      // uint64 → WorkerID
+	commits atomic.Uint64 // advanced by Commit only: tie-break epoch
+	version atomic.Uint64 // membership / availability changes
 	seed    uint64
 	now     func() time.Time
 }
@@ -246,8 +252,9 @@ func New(cfg Config) (*Router, error) {
 		return nil, fmt.Errorf("router: policy %s: %w", cfg.Policy, err)
 	}
 	r.policy = p
-	empty := []*worker{}
+	empty, none := []*worker{}, []*worker{}
 	r.workers.Store(&empty)
+	r.live.Store(&none)
 	return r, nil
 }
 
@@ -278,6 +285,7 @@ func (r *Router) AddWorker(name string) WorkerID {
 				w.cal.forget()
 				w.removed.Store(false)
 				w.available.Store(true)
+				r.updateLive()
 				r.version.Add(1)
 			}
 			r.wmu.Unlock()
@@ -296,10 +304,22 @@ func (r *Router) AddWorker(name string) WorkerID {
 	copy(ws, old)
 	ws[w.id] = w
 	r.workers.Store(&ws)
+	r.updateLive()
 	r.byName.Store(name, w.id)
 	r.byInst.Store(w.instance, w.id)
 	r.version.Add(1)
 	return w.id
+}
+
+// updateLive lists the workers not removed; the caller holds wmu.
+func (r *Router) updateLive() {
+	var live []*worker
+	for _, w := range *r.workers.Load() {
+		if !w.removed.Load() {
+			live = append(live, w)
+		}
+	}
+	r.live.Store(&live)
 }
 
 // RemoveWorker makes a worker unselectable, drops its index entries (and
@@ -314,6 +334,7 @@ func (r *Router) RemoveWorker(id WorkerID) {
 	r.mu.Lock() // no Commit in between: it would store the worker's blocks again
 	w.removed.Store(true)
 	w.available.Store(false)
+	r.updateLive()
 	w.reset()
 	r.index.ClearWorker(id)
 	if f, ok := r.policy.(workerForgetter); ok {
@@ -450,6 +471,7 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 	// the version under it, or a worker made available meanwhile would be
 	// left out of the cached ring until the next change.
 	version := r.version.Load()
+	live := *r.live.Load() // before ws: every worker it lists has its id in ws
 	ws := *r.workers.Load()
 	if req.Pinned {
 		if int(req.Pin) >= len(ws) || !ws[req.Pin].available.Load() {
@@ -472,14 +494,14 @@ func (r *Router) selectWorker(req *Request, now int64) (Decision, error) {
 		}
 	}
 	cands := req.CandidateBuf[:0]
-	if cap(cands) < len(ws) {
-		cands = make([]Candidate, 0, len(ws))
+	if cap(cands) < len(live) {
+		cands = make([]Candidate, 0, len(live))
 	}
 	bs := r.cfg.BlockSize
-	waiters := meanPending(ws)
-	priors := fittedPriors(ws, now)
+	waiters := meanPending(live)
+	priors := fittedPriors(live, now)
 	partial := false
-	for _, w := range ws {
+	for _, w := range live {
 		if !w.available.Load() {
 			continue
 		}

@@ -579,3 +579,33 @@ func TestPrefixHashRingNotCachedFromAPartialSnapshot(t *testing.T) {
 		a.Free()
 	}
 }
+
+// Workers removed (backends a discovery or reloads took away) are never
+// candidates, however many there were, and one added again by its name is
+// one again.
+func TestRemovedWorkersLeaveTheDecisions(t *testing.T) {
+	r, err := New(DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 500; i++ {
+		r.RemoveWorker(r.AddWorker(fmt.Sprintf("gone-%d", i)))
+	}
+	a, b := r.AddWorker("a"), r.AddWorker("b")
+	back := r.AddWorker("gone-7") // added again
+	r.RemoveWorker(a)
+	d, err := r.Select(&Request{PromptTokens: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, c := range d.Candidates {
+		names = append(names, c.Name)
+	}
+	if len(d.Candidates) != 2 || d.Candidates[0].Worker != back || d.Candidates[1].Worker != b {
+		t.Fatalf("candidates %v, want gone-7 and b", names)
+	}
+	if n := len(*r.live.Load()); n != 2 {
+		t.Fatalf("%d workers walked, want 2", n)
+	}
+}
