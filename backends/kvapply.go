@@ -38,11 +38,21 @@ type KVApplierConfig struct {
 	// cache salt; it must agree with how the proxy hashes requests. nil means
 	// kv.RequestNamespace(salt, lora).
 	Namespace func(lora, salt string) kv.Namespace
+	// MaxBlocks bounds the engine blocks tracked per data-parallel rank:
+	// a BlockStored that would pass it is dropped (OverCapacity), so that
+	// an HTTP pusher that never removes what it stores cannot grow kvproxy
+	// without end. 0: DefaultMaxBlocks.
+	MaxBlocks int
 	// OnProblem, when set, hears of the first block size mismatch (the
-	// engine's block size against BlockSize), once per applier, outside
-	// its lock.
+	// engine's block size against BlockSize) and of the first event over
+	// MaxBlocks, once each per applier, outside its lock.
 	OnProblem func(problem string)
 }
+
+// DefaultMaxBlocks is KVApplierConfig.MaxBlocks' default: the router
+// index's default bound (router.DefaultConfig().MaxIndexBlocks), past which
+// the index could not hold the blocks anyway.
+const DefaultMaxBlocks = 4_000_000
 
 // MaxDPRank bounds the data-parallel ranks of one backend; batches from a
 // higher rank are dropped (counted in BadRank).
@@ -59,6 +69,7 @@ type KVApplyStats struct {
 	UnknownRemovals   uint64 // removed blocks that were not indexed (in that tier)
 	BlockSizeMismatch uint64 // stored blocks dropped: larger than the router's blocks, or off their grid
 	UnknownCopies     uint64 // copied blocks (a BlockStored without tokens) that were not indexed: skipped
+	OverCapacity      uint64 // stored blocks dropped: the rank tracked MaxBlocks already
 	BadRank           uint64 // batches dropped: rank above MaxDPRank
 	Clears            uint64 // rank clears (AllBlocksCleared, feed resets, Clear)
 }
@@ -100,10 +111,11 @@ type KVApplier struct {
 	salt   string
 	nsSet  bool
 	loraNS kv.Namespace
-	// sizeWarned: OnProblem has heard of a block size mismatch;
-	// sizeWarning is that report while a.mu is held.
-	sizeWarned  bool
-	sizeWarning string
+	// sizeWarned, capWarned: OnProblem has heard of a block size
+	// mismatch, of an event over MaxBlocks; problem is such a report
+	// while a.mu is held.
+	sizeWarned, capWarned bool
+	problem               string
 }
 
 type rankKV struct {
@@ -147,6 +159,9 @@ var _ SaltedSink = (*KVApplier)(nil)
 func NewKVApplier(cfg KVApplierConfig, workers Workers) *KVApplier {
 	if cfg.BlockSize <= 0 {
 		cfg.BlockSize = kv.DefaultBlockSize
+	}
+	if cfg.MaxBlocks <= 0 {
+		cfg.MaxBlocks = DefaultMaxBlocks
 	}
 	if cfg.Namespace == nil {
 		cfg.Namespace = func(lora, salt string) kv.Namespace { return kv.RequestNamespace(salt, lora) }
@@ -239,8 +254,8 @@ func (a *KVApplier) ApplyEvents(dpRank int, events []kv.Event) {
 func (a *KVApplier) ApplySalted(dpRank int, events []kv.Event, salt func(i int) string) {
 	a.mu.Lock()
 	a.apply(dpRank, events, salt)
-	warning := a.sizeWarning
-	a.sizeWarning = ""
+	warning := a.problem
+	a.problem = ""
 	a.mu.Unlock()
 	if warning != "" && a.cfg.OnProblem != nil {
 		a.cfg.OnProblem(warning)
@@ -387,6 +402,14 @@ func (a *KVApplier) stored(r *rankKV, ev *kv.Event, salt string) {
 		a.sizeMismatch(n, ev.BlockSize)
 		return
 	}
+	if len(r.blocks)+n > a.cfg.MaxBlocks {
+		a.stats.OverCapacity += uint64(n)
+		if !a.capWarned {
+			a.capWarned = true
+			a.problem = fmt.Sprintf("over capacity: the engine's events hold more than %d blocks (router.max_index_blocks; or they store blocks and never remove them): the blocks they store past that are not indexed (counted in over_capacity_blocks)", a.cfg.MaxBlocks)
+		}
+		return
+	}
 	var prev ownBlock
 	if ev.HasParent {
 		p, ok := r.blocks[ev.EngineParent]
@@ -509,7 +532,7 @@ func (a *KVApplier) sizeMismatch(n, engineBS int) {
 	if engineBS <= bs {
 		why = fmt.Sprintf("the engine's KV blocks of %d tokens do not divide the configured block_size %d", engineBS, bs)
 	}
-	a.sizeWarning = "block size mismatch: " + why + " (models[].block_size): the blocks the engine stores are not indexed (counted in block_size_mismatch)"
+	a.problem = "block size mismatch: " + why + " (models[].block_size): the blocks the engine stores are not indexed (counted in block_size_mismatch)"
 }
 
 // gatherBlock assembles the router block ended by an engine block with

@@ -30,6 +30,8 @@ type KVFeedConfig struct {
 	DPSize int
 	// Namespace is KVApplierConfig.Namespace (nil: its default).
 	Namespace func(lora, salt string) kv.Namespace
+	// MaxBlocks is KVApplierConfig.MaxBlocks (0: its default).
+	MaxBlocks int
 }
 
 // KVFeed is one backend's KV event feed: its applier and, in zmq mode, the
@@ -86,7 +88,7 @@ func StartKVFeed(cfg KVFeedConfig, workers Workers) (*KVFeed, error) {
 		}
 	}
 	f.applier = NewKVApplier(KVApplierConfig{Backend: cfg.Backend, BlockSize: cfg.BlockSize, Shared: cfg.Shared, Namespace: cfg.Namespace,
-		OnProblem: cfg.ZMQ.OnChange}, workers)
+		MaxBlocks: cfg.MaxBlocks, OnProblem: cfg.ZMQ.OnChange}, workers)
 	// The ranks it has are routed from the start (requests for rank 0
 	// name it, so the others would get none before their events).
 	f.applier.AddRanks(max(len(zcfgs), cfg.DPSize))

@@ -32,7 +32,7 @@ func (b *backend) startEvents() {
 		return
 	}
 	f, err := backends.StartKVFeed(backends.KVFeedConfig{
-		Backend: b.cfg.ID, Mode: mode, BlockSize: b.pool.cfg.BlockSize, DPSize: b.cfg.KVEvents.DPSize,
+		Backend: b.cfg.ID, Mode: mode, BlockSize: b.pool.cfg.BlockSize, DPSize: b.cfg.KVEvents.DPSize, MaxBlocks: b.pool.rt.IndexCapacity(),
 		ZMQ: backends.ZMQConfig{Endpoint: b.cfg.KVEvents.Endpoint, ReplayEndpoint: b.cfg.KVEvents.Replay, Topic: b.cfg.KVEvents.Topic,
 			OnChange: (&feedLog{log: b.log, backend: b.cfg.ID}).change},
 	}, rankWorkers{b.pool.rt, b.rankGroup})
@@ -339,6 +339,7 @@ type eventCounters struct {
 	OrphanBlocks  uint64           `json:"orphan_blocks"`
 	SizeMismatch  uint64           `json:"block_size_mismatch"`
 	UnknownCopies uint64           `json:"unknown_copies"`             // offloaded copies of blocks not indexed
+	OverCapacity  uint64           `json:"over_capacity_blocks"`       // stored blocks past what the feed tracks
 	Malformed     uint64           `json:"malformed_events,omitempty"` // zmq: events skipped in applied batches
 	DecodeErrors  uint64           `json:"decode_errors,omitempty"`    // zmq: whole batches unreadable (each clears)
 	BlocksPerTier map[string]int64 `json:"blocks_per_tier"`
@@ -355,7 +356,7 @@ func (b *backend) eventCounters() *eventCounters {
 	fs := b.feed.Stats()
 	as := fs.Apply
 	c := &eventCounters{Mode: b.cfg.KVEvents.Mode, Clears: as.Clears, OrphanBlocks: as.OrphanBlocks, SizeMismatch: as.BlockSizeMismatch,
-		UnknownCopies: as.UnknownCopies, BlocksPerTier: map[string]int64{}, Events: b.eventsPushed.Load()}
+		UnknownCopies: as.UnknownCopies, OverCapacity: as.OverCapacity, BlocksPerTier: map[string]int64{}, Events: b.eventsPushed.Load()}
 	for t := kv.Tier(0); t < kv.NumTiers; t++ {
 		c.BlocksPerTier[t.String()] = as.Blocks[t]
 	}

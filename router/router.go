@@ -322,6 +322,10 @@ func (r *Router) updateLive() {
 	r.live.Store(&live)
 }
 
+// IndexCapacity is the bound on the index's (block, worker) entries
+// (Config.MaxIndexBlocks).
+func (r *Router) IndexCapacity() int { return r.cfg.MaxIndexBlocks }
+
 // RemoveWorker makes a worker unselectable, drops its index entries (and
 // any routing history its policy keeps) and zeroes its load; Actives still
 // open on it become no-ops.
