@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -28,6 +29,11 @@ type Upstream struct {
 	// handshake is part of the dial: DialTimeout bounds both together.
 	TLS     *tls.Config
 	MaxIdle int // idle connections kept, default 512
+	// MaxIdleTime closes a connection idle for that long (default
+	// DefaultMaxIdleTime): after a burst the pool would otherwise keep
+	// every connection it made, with its file descriptor and 32 KiB of
+	// buffers, for good, and engines close theirs anyway.
+	MaxIdleTime time.Duration
 	// ReadTimeout bounds each wait for upstream bytes (headers or the next
 	// stream chunk): an idle timer, not a whole-response limit.
 	ReadTimeout time.Duration // default 5m
@@ -36,8 +42,9 @@ type Upstream struct {
 	MaxBodySize int
 
 	mu     sync.Mutex
-	idle   []*upConn
-	closed bool // Close was called: released connections are closed, not pooled
+	idle   []*upConn   // the most recently released last
+	sweep  *time.Timer // closes the connections idle too long, while any is pooled
+	closed bool        // Close was called: released connections are closed, not pooled
 
 	Dials atomic.Int64 // connections opened, for tests and metrics
 }
@@ -53,6 +60,11 @@ type TLSError struct {
 func (e *TLSError) Error() string { return "tls handshake with " + e.Addr + ": " + e.Err.Error() }
 func (e *TLSError) Unwrap() error { return e.Err }
 
+// DefaultMaxIdleTime is Upstream.MaxIdleTime's default: under the 5 s
+// after which uvicorn (vLLM, SGLang) closes an idle keep-alive connection,
+// so a pooled connection is seldom one the engine is closing.
+const DefaultMaxIdleTime = 4 * time.Second
+
 type upConn struct {
 	c  net.Conn
 	rd peerReader // what br reads through
@@ -62,6 +74,7 @@ type upConn struct {
 	// ReadTimeout away; moving it costs a timer update, so it is moved only
 	// when it is closer than that (by more than deadlineSlack).
 	readBy time.Time
+	idleAt int64 // when it was pooled (coarse Unix ns)
 }
 
 // peerReader reads the engine's connection for br, counting the bytes that
@@ -359,10 +372,21 @@ func (u *Upstream) get(dial bool) (*upConn, bool, error) {
 		uc := u.idle[n-1]
 		u.idle[n-1] = nil
 		u.idle = u.idle[:n-1]
+		if time.Duration(nowNano()-uc.idleAt) < u.maxIdleTime() {
+			u.mu.Unlock()
+			return uc, true, nil
+		}
+		// Idle too long, and so is every connection pooled before it.
+		old := u.idle
+		u.idle = nil
 		u.mu.Unlock()
-		return uc, true, nil
+		uc.c.Close()
+		for _, o := range old {
+			o.c.Close()
+		}
+	} else {
+		u.mu.Unlock()
 	}
-	u.mu.Unlock()
 	d := u.DialTimeout
 	if d <= 0 {
 		d = 3 * time.Second
@@ -409,13 +433,49 @@ func (u *Upstream) release(uc *upConn, reuse bool) {
 	}
 	u.mu.Lock()
 	if len(u.idle) < max && !u.closed {
+		uc.idleAt = nowNano()
 		u.idle = append(u.idle, uc)
+		if u.sweep == nil {
+			u.sweep = time.AfterFunc(u.maxIdleTime(), u.closeIdleTooLong)
+		}
 		u.mu.Unlock()
 		return
 	}
 	u.mu.Unlock()
 	uc.c.Close()
 }
+
+func (u *Upstream) maxIdleTime() time.Duration {
+	if u.MaxIdleTime > 0 {
+		return u.MaxIdleTime
+	}
+	return DefaultMaxIdleTime
+}
+
+// closeIdleTooLong closes the pooled connections idle for MaxIdleTime, and
+// comes back when the oldest left will be, while any is pooled.
+func (u *Upstream) closeIdleTooLong() {
+	limit := u.maxIdleTime()
+	u.mu.Lock()
+	now := nowNano()
+	k := 0 // the pool is oldest first: the first k are idle too long
+	for k < len(u.idle) && time.Duration(now-u.idle[k].idleAt) >= limit {
+		k++
+	}
+	old := slices.Clone(u.idle[:k])
+	u.idle = slices.Delete(u.idle, 0, k)
+	if len(u.idle) > 0 && !u.closed {
+		u.sweep.Reset(limit - time.Duration(now-u.idle[0].idleAt))
+	} else {
+		u.sweep = nil
+	}
+	u.mu.Unlock()
+	for _, uc := range old {
+		uc.c.Close()
+	}
+}
+
+func nowNano() int64 { return time.Now().UnixNano() }
 
 // Close retires the upstream: it closes every pooled connection, and each
 // connection still in an exchange is closed when released instead of
@@ -426,6 +486,10 @@ func (u *Upstream) Close() {
 	idle := u.idle
 	u.idle = nil
 	u.closed = true
+	if u.sweep != nil {
+		u.sweep.Stop()
+		u.sweep = nil
+	}
 	u.mu.Unlock()
 	for _, uc := range idle {
 		uc.c.Close()

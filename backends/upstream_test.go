@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -365,5 +366,70 @@ func TestEndByCountsFromTheNextRead(t *testing.T) {
 	}
 	if d := u.Dials.Load(); d != 1 {
 		t.Fatalf("%d dials for 2 sequential streams, want 1: the first stream's connection was not reused", d)
+	}
+}
+
+// A pooled connection idle for MaxIdleTime is closed, with no request to
+// come (after a burst the pool kept every connection it had made, for
+// good: the memory audit found 527 of them, and their file descriptors,
+// minutes later), and one found idle too long is not used.
+func TestIdleConnectionsAreClosed(t *testing.T) {
+	var open atomic.Int64
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		open.Add(1)
+		defer open.Add(-1)
+		for readRequest(br) == nil {
+			time.Sleep(20 * time.Millisecond) // so that the burst needs several connections
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		}
+	})
+	u := &Upstream{Addr: addr, MaxIdleTime: 150 * time.Millisecond}
+	defer u.Close()
+	do := func() {
+		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+		defer fasthttp.ReleaseRequest(req)
+		defer fasthttp.ReleaseResponse(resp)
+		if _, err := u.Do(req, resp, false, nil); err != nil || string(resp.Body()) != "ok" {
+			t.Errorf("%v %q", err, resp.Body())
+		}
+	}
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() { defer wg.Done(); do() }()
+	}
+	wg.Wait()
+	u.mu.Lock()
+	pooled := len(u.idle)
+	u.mu.Unlock()
+	if pooled < 2 || open.Load() != int64(pooled) {
+		t.Fatalf("after the burst: %d pooled, %d open at the engine", pooled, open.Load())
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for open.Load() > 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	u.mu.Lock()
+	pooled = len(u.idle)
+	u.mu.Unlock()
+	if open.Load() != 0 || pooled != 0 {
+		t.Fatalf("idle past MaxIdleTime: %d still open at the engine, %d pooled", open.Load(), pooled)
+	}
+	dials := u.Dials.Load()
+	do()
+	do() // on the connection the one before pooled
+	if got := u.Dials.Load() - dials; got != 1 {
+		t.Fatalf("%d dials for two requests after the pool emptied, want 1", got)
+	}
+	// One pooled, then idle too long before a request takes it (the sweep
+	// held back): a new connection.
+	u.mu.Lock()
+	u.sweep.Stop()
+	u.mu.Unlock()
+	time.Sleep(200 * time.Millisecond)
+	dials = u.Dials.Load()
+	do()
+	if got := u.Dials.Load() - dials; got != 1 {
+		t.Fatalf("a connection idle past MaxIdleTime was used (%d dials)", got)
 	}
 }
