@@ -249,3 +249,28 @@ func TestJSONCacheMemoryStaysNearTheBound(t *testing.T) {
 		t.Fatalf("heap grew %d MB holding %d entries, more than twice the %d MB bound", grew>>20, len(c.m), jsonCacheBytes>>20)
 	}
 }
+
+// Deeply nested tools (a schema of objects in objects) take far more memory
+// per byte of text than flat ones: the bound counts their containers too
+// (the memory audit: 500 levels deep, the heap held 2.8 times the bound).
+func TestJSONCacheMemoryStaysNearTheBoundNested(t *testing.T) {
+	var c jsonCache
+	runtime.GC()
+	var m0, m1 runtime.MemStats
+	runtime.ReadMemStats(&m0)
+	const depth = 200
+	for i := range 3_000 {
+		text := `[{"type":"function","function":{"name":"f` + strconv.Itoa(i) + `","parameters":` +
+			strings.Repeat(`{"a":`, depth) + "1" + strings.Repeat("}", depth) + `}}]`
+		if _, err := c.get(text, jinjaTools); err != nil {
+			t.Fatal(err)
+		}
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&m1)
+	grew := int64(m1.HeapAlloc) - int64(m0.HeapAlloc)
+	t.Logf("%d entries, heap grew %d MB (bound %d MB)", len(c.m), grew>>20, jsonCacheBytes>>20)
+	if grew > 2*jsonCacheBytes {
+		t.Fatalf("heap grew %d MB holding %d entries, more than twice the %d MB bound", grew>>20, len(c.m), jsonCacheBytes>>20)
+	}
+}
