@@ -299,7 +299,6 @@ func (s *ZMQSubscriber) checkStale(downSince time.Time) {
 	if s.stale.Load() || time.Since(downSince) < s.cfg.StaleAfter {
 		return
 	}
-	s.stale.Store(true)
 	if ss, ok := s.sink.(StaleSink); ok {
 		ss.FeedDown(s.cfg.DPRank)
 	} else {
@@ -307,6 +306,7 @@ func (s *ZMQSubscriber) checkStale(downSince time.Time) {
 	}
 	s.have, s.subHave = false, false
 	s.clears.Add(1)
+	s.stale.Store(true) // after the entries went: Stats says stale once it is so
 	s.report(fmt.Sprintf("stale: down for more than %v, the index entries of rank %d dropped; it is routed on kvproxy's own records until the feed is back", s.cfg.StaleAfter, s.cfg.DPRank))
 }
 
