@@ -74,7 +74,7 @@ type upConn struct {
 	// ReadTimeout away; moving it costs a timer update, so it is moved only
 	// when it is closer than that (by more than deadlineSlack).
 	readBy time.Time
-	idleAt int64 // when it was pooled (coarse Unix ns)
+	idleAt time.Time // when it was pooled
 }
 
 // peerReader reads the engine's connection for br, counting the bytes that
@@ -372,7 +372,7 @@ func (u *Upstream) get(dial bool) (*upConn, bool, error) {
 		uc := u.idle[n-1]
 		u.idle[n-1] = nil
 		u.idle = u.idle[:n-1]
-		if time.Duration(nowNano()-uc.idleAt) < u.maxIdleTime() {
+		if time.Since(uc.idleAt) < u.maxIdleTime() {
 			u.mu.Unlock()
 			return uc, true, nil
 		}
@@ -433,7 +433,7 @@ func (u *Upstream) release(uc *upConn, reuse bool) {
 	}
 	u.mu.Lock()
 	if len(u.idle) < max && !u.closed {
-		uc.idleAt = nowNano()
+		uc.idleAt = time.Now()
 		u.idle = append(u.idle, uc)
 		if u.sweep == nil {
 			u.sweep = time.AfterFunc(u.maxIdleTime(), u.closeIdleTooLong)
@@ -457,15 +457,15 @@ func (u *Upstream) maxIdleTime() time.Duration {
 func (u *Upstream) closeIdleTooLong() {
 	limit := u.maxIdleTime()
 	u.mu.Lock()
-	now := nowNano()
+	now := time.Now()
 	k := 0 // the pool is oldest first: the first k are idle too long
-	for k < len(u.idle) && time.Duration(now-u.idle[k].idleAt) >= limit {
+	for k < len(u.idle) && now.Sub(u.idle[k].idleAt) >= limit {
 		k++
 	}
 	old := slices.Clone(u.idle[:k])
 	u.idle = slices.Delete(u.idle, 0, k)
 	if len(u.idle) > 0 && !u.closed {
-		u.sweep.Reset(limit - time.Duration(now-u.idle[0].idleAt))
+		u.sweep.Reset(limit - now.Sub(u.idle[0].idleAt))
 	} else {
 		u.sweep = nil
 	}
@@ -474,8 +474,6 @@ func (u *Upstream) closeIdleTooLong() {
 		uc.c.Close()
 	}
 }
-
-func nowNano() int64 { return time.Now().UnixNano() }
 
 // Close retires the upstream: it closes every pooled connection, and each
 // connection still in an exchange is closed when released instead of

@@ -33,6 +33,9 @@ const maxAttempts = 3
 
 // exchange is one proxied request from routing to the end of its answer.
 type exchange struct {
+	// sc is the request's scratch (handleCompletion's), until a stream
+	// sheds it before waiting for its first event (shedScratch).
+	sc       *scratch
 	s        *Server
 	id       string // the request's id, to the client and in the log
 	engineID string // the id sent to the engine
@@ -499,6 +502,7 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		path = "/v1/messages"
 	}
 	x := s.newExchange(rid, engineID, path, req.stream, start, p, req.model)
+	x.sc = sc
 	x.tenant, x.promptTokens, x.slot, x.resp, x.api, x.budget = t.name, counted, in.slot, ids, kind, t.tokens
 	x.choices = req.choices()
 	prio := t.queuePriority(req.priority, req.priorityGiven && !req.priorityOdd)
@@ -1107,26 +1111,29 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		return done
 	}
 	var src streamBody = stream
-	if ct := resp.Header.ContentType(); !x.pass && !isJSONType(ct) && !mayBeEventStream(ct) {
-		// An answer that cannot be a stream (a gateway's HTML page, Ollama's
-		// native NDJSON at a /v1 path): the engine answered, wrongly. No
-		// byte of it reaches the client, who gets kvproxy's 502 (relayed,
-		// it read as a stream broken off, and the engine was taken for a
-		// dead one, even a model's only one).
-		msg := "backend " + b.cfg.ID + " answered a stream request with Content-Type " + quotedType(ct) + ", not an event stream"
-		stream.Close()
-		fasthttp.ReleaseResponse(resp)
-		b.answeredError(msg)
-		if mayRetry {
-			x.errMsg = msg
-			if x.refusal == nil {
-				x.refused = fasthttp.StatusBadGateway
+	if !x.pass {
+		var refused bool
+		if src, refused = sniffStream(stream, resp.Header.ContentType()); refused {
+			// An answer that is no stream (a gateway's HTML page, Ollama's
+			// native NDJSON at a /v1 path): the engine answered, wrongly. No
+			// byte of it reaches the client, who gets kvproxy's 502 (relayed,
+			// it read as a stream broken off, and the engine was taken for a
+			// dead one, even a model's only one).
+			msg := "backend " + b.cfg.ID + " answered a stream request with Content-Type " + quotedType(resp.Header.ContentType()) + " and no event stream"
+			stream.Close()
+			fasthttp.ReleaseResponse(resp)
+			b.answeredError(msg)
+			if mayRetry {
+				x.errMsg = msg
+				if x.refusal == nil {
+					x.refused = fasthttp.StatusBadGateway
+				}
+				return x.endAttempt()
 			}
-			return x.endAttempt()
+			x.failUpstream(ctx, fasthttp.StatusBadGateway, msg)
+			x.finish()
+			return done
 		}
-		x.failUpstream(ctx, fasthttp.StatusBadGateway, msg)
-		x.finish()
-		return done
 	}
 	if !x.pass && isJSONType(resp.Header.ContentType()) {
 		var err error
@@ -1175,13 +1182,20 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		return done
 	}
 	rl := newRelay(x, src, resp)
-	if !rl.prime() {
+	fr.SetBodyRaw(nil) // sent: its body (the scratch's) goes with shedScratch
+	x.shedScratch()
+	ok := rl.prime()
+	ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(x.b.cfg.ID)) // the stream may have moved
+	if !ok {
 		// Over before its first event, with nothing of the engine's to
 		// relay: the client gets the failure as an HTTP status, which its
 		// SDK may retry, not a 200 whose stream holds an error.
-		if x.status == 499 {
+		switch {
+		case x.status == 499:
 			s.answerNothing(ctx)
-		} else {
+		case rl.failCode == "shutting_down":
+			s.shuttingDown(ctx, rl.failMsg)
+		default:
 			msg, typ, code := rl.failMsg, rl.failTyp, rl.failCode
 			if msg == "" {
 				msg, typ, code = "the backend serving this request ended its stream before its first event", "upstream_error", "backend_failed"
@@ -1200,6 +1214,20 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	}
 	ctx.SetBodyStream(rl, -1)
 	return done
+}
+
+// shedScratch lets go of the request's parsed text, tokens and engine body
+// before its stream waits for the engine's first event, which may take the
+// whole prefill: nothing needs them past the sending (a migration keeps
+// copies of its own), and held by the waiting handler they cost about a
+// megabyte a stream of 400 KB prompts (the review). Buffers of small
+// requests stay for the next.
+func (x *exchange) shedScratch() {
+	if sc := x.sc; sc != nil {
+		x.sc = nil
+		sc.req.reset()
+		sc.trim(64 << 10)
+	}
 }
 
 // answerNothing closes the connection of a client that hung up (or shut

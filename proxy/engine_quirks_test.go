@@ -151,20 +151,19 @@ func TestEngineErrorFramesCountAgainstTheEngine(t *testing.T) {
 	p.waitIdle(t)
 }
 
-// An answer to a stream request that cannot be an event stream (an HTML
-// page of a gateway in front of the engine, Ollama's NDJSON) is no stream:
-// the client gets kvproxy's 502 in OpenAI's shape, not a 200 with the
-// page's bytes and an error event, and the engine is not taken for a dead
-// one (a model's only one was ejected, and its next requests got 503s). A
-// request that may go elsewhere goes to the next engine. Streams typed as
-// text/plain, or not typed, are relayed as they were.
+// An answer to a stream request that is no event stream (an HTML page of a
+// gateway in front of the engine, Ollama's NDJSON) is no stream: the client
+// gets kvproxy's 502 in OpenAI's shape, not a 200 with the page's bytes and
+// an error event, and the engine is not taken for a dead one (a model's
+// only one was ejected, and its next requests got 503s). A request that may
+// go elsewhere goes to the next engine. A stream typed as no stream (Flask's
+// default text/html, an octet-stream, text/plain) or not typed is an event
+// stream all the same when its bytes are: it is relayed, as before (the
+// second quirks trial: typed so, they were refused).
 func TestStreamThatIsNoEventStream(t *testing.T) {
-	typed := func(ct string) *fakeEngine {
+	const sse = "data: " + quirkLast + "\n\ndata: [DONE]\n\n"
+	typed := func(ct, body string) *fakeEngine {
 		return rawEngine(t, func(c net.Conn, _ *bufio.Reader) {
-			body := "<html><body>Bad gateway</body></html>"
-			if ct == "text/plain" || ct == "" {
-				body = "data: " + quirkLast + "\n\ndata: [DONE]\n\n"
-			}
 			header := ""
 			if ct != "" {
 				header = "Content-Type: " + ct + "\r\n"
@@ -172,13 +171,14 @@ func TestStreamThatIsNoEventStream(t *testing.T) {
 			fmt.Fprintf(c, "HTTP/1.1 200 OK\r\n%sContent-Length: %d\r\n\r\n%s", header, len(body), body)
 		})
 	}
+	const page = "\n <html><body>Bad gateway</body></html>"
 	const req = `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`
-	for _, ct := range []string{"text/html; charset=utf-8", "application/x-ndjson"} {
-		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", typed(ct))
+	for ct, body := range map[string]string{"text/html; charset=utf-8": page, "application/x-ndjson": `{"message":{"content":"hi"},"done":false}` + "\n"} {
+		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", typed(ct, body))
 		for range 4 { // past the error answers' streak of 3
 			resp, b := post(t, p.url+"/v1/chat/completions", req)
 			if out := string(b); resp.StatusCode != 502 || !strings.Contains(out, `"code":"backend_failed"`) || strings.Contains(out, "<html>") ||
-				!strings.Contains(out, "not an event stream") || strings.HasPrefix(out, "data:") {
+				!strings.Contains(out, "no event stream") || strings.HasPrefix(out, "data:") {
 				t.Fatalf("%s: %d\n%s", ct, resp.StatusCode, out)
 			}
 		}
@@ -188,16 +188,18 @@ func TestStreamThatIsNoEventStream(t *testing.T) {
 		p.waitIdle(t)
 	}
 	p := startProxyYAML(t, "models: [{name: m}]\nrouter: {policy: round_robin}\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}, {id: e1, url: 'http://{{e1}}', model: m}]\n",
-		typed("text/html"), typed("text/plain"))
+		typed("text/html", page), typed("text/plain", sse))
 	for range 4 {
 		if resp, b := post(t, p.url+"/v1/chat/completions", req); resp.StatusCode != 200 || !strings.Contains(string(b), `" end"`) {
 			t.Fatalf("with another engine: %d\n%s", resp.StatusCode, b)
 		}
 	}
 	p.waitIdle(t)
-	p = startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", typed(""))
-	if resp, b := post(t, p.url+"/v1/chat/completions", req); resp.StatusCode != 200 || !strings.Contains(string(b), `" end"`) {
-		t.Fatalf("untyped: %d\n%s", resp.StatusCode, b)
+	for _, ct := range []string{"", "text/html", "application/octet-stream"} {
+		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", typed(ct, sse))
+		if resp, b := post(t, p.url+"/v1/chat/completions", req); resp.StatusCode != 200 || string(b) != sse {
+			t.Fatalf("an event stream typed %q: %d\n%q", ct, resp.StatusCode, b)
+		}
+		p.waitIdle(t)
 	}
-	p.waitIdle(t)
 }

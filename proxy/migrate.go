@@ -318,7 +318,9 @@ func (r *relay) migrate(why string) (res moveResult, detail string) {
 			m.carried = emitted
 			r.body, r.resp = stream, resp
 			r.f = *newSSEFramer(r.f.buf)
-			r.moved, r.resumed, r.restarted, r.blockBase, r.blocks = true, true, true, x.outputTokens, 0
+			// Resumed only if the client has had the answer's first chunk
+			// (its role): otherwise the new engine's is the stream's first.
+			r.moved, r.resumed, r.restarted, r.blockBase, r.blocks = true, r.sawFirst, true, x.outputTokens, 0
 			s.log.Warn().Str("request_id", x.id).Str("backend", failed.cfg.ID).Str("to", x.b.cfg.ID).
 				Int("output_tokens", emitted).Str("reason", why).Msg("stream migrated")
 			return moved, ""
@@ -399,9 +401,19 @@ func (r *relay) sendContinuation(emitted int) (streamBody, *fasthttp.Response, e
 	switch {
 	case err == nil && resp.StatusCode() == fasthttp.StatusOK && stream != nil:
 		x.heard.Store(coarseNow())
+		src, refused := sniffStream(stream, resp.Header.ContentType())
+		if refused {
+			// No stream (forward refuses it the same way): the engine
+			// answered wrongly.
+			x.stopWatch()
+			stream.Close()
+			err = errors.New("it answered with Content-Type " + quotedType(resp.Header.ContentType()) + " and no event stream")
+			b.answeredError("backend " + b.cfg.ID + " " + err.Error())
+			break
+		}
 		if !isJSONType(resp.Header.ContentType()) {
 			b.succeed()
-			return stream, resp, nil
+			return src, resp, nil
 		}
 		// A whole answer, streamed as the first attempt's would be.
 		src, werr := x.wholeStream(stream, resp, body)

@@ -1438,6 +1438,26 @@ func (s *Server) getScratch() *scratch {
 	return &scratch{}
 }
 
+// trim drops the buffers that grew past limit bytes: the tokens and
+// hashes, the body sent to the engine, the request's text.
+func (sc *scratch) trim(limit int) {
+	if cap(sc.tokens)*4 > limit {
+		sc.tokens = nil
+	}
+	if cap(sc.batch)*4 > limit {
+		sc.batch = nil
+	}
+	if cap(sc.hashes)*8 > limit {
+		sc.hashes = nil
+	}
+	if cap(sc.body) > limit {
+		sc.body = nil
+	}
+	if cap(sc.req.text) > limit {
+		sc.req.text = nil
+	}
+}
+
 // keepCandidates keeps the candidate buffer a router grew for the next
 // request.
 func (sc *scratch) keepCandidates(c []router.Candidate) {
@@ -1447,16 +1467,7 @@ func (sc *scratch) keepCandidates(c []router.Candidate) {
 }
 
 func (s *Server) putScratch(sc *scratch) {
-	// Don't pin the memory of one huge request.
-	if cap(sc.tokens) > 1<<20 {
-		sc.tokens = nil
-	}
-	if cap(sc.body) > 1<<20 {
-		sc.body = nil
-	}
-	if cap(sc.req.text) > 1<<20 {
-		sc.req.text = nil
-	}
+	sc.trim(1 << 20) // don't pin the memory of one huge request
 	sc.req.reset()
 	sc.route = router.Request{}
 	sc.tokens, sc.hashes = sc.tokens[:0], sc.hashes[:0]

@@ -156,8 +156,8 @@ func TestTrickleAfterDoneEndsTheStream(t *testing.T) {
 // engine's to relay, is answered with an HTTP status in the API's error
 // shape, which the SDKs retry (a 502 or 504), not a 200 whose stream holds
 // an error event: the engine silent past stream_idle_timeout (504,
-// ejected), its stream ended with no event (502), on chat and on the
-// Messages API. A stream whose engine sent anything first (a keep-alive
+// ejected), its stream ended with no event (502, not ejected), on chat and
+// on the Messages API. A stream whose engine sent anything first (a keep-alive
 // comment) is the engine's answer begun: it stays a 200 that ends with the
 // error event.
 func TestStreamOverBeforeItsFirstEventIsAnHTTPError(t *testing.T) {
@@ -180,17 +180,17 @@ func TestStreamOverBeforeItsFirstEventIsAnHTTPError(t *testing.T) {
 	}
 	for _, tc := range []struct {
 		name, first, path, body string
-		hold                    bool
+		hold, ejects            bool
 		status                  int
 		want                    string
 	}{
-		{"silent", "", "/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`, true, 504,
+		{"silent", "", "/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`, true, true, 504,
 			`{"error":{"message":"the backend serving this request went silent before its first event: backend e0 sent nothing for 200ms (limits.stream_idle_timeout)","type":"timeout_error","param":null,"code":"backend_timeout"}}`},
-		{"no event", "", "/v1/completions", `{"model":"m","stream":true,"prompt":"x"}`, false, 502,
+		{"no event", "", "/v1/completions", `{"model":"m","stream":true,"prompt":"x"}`, false, false, 502,
 			`{"error":{"message":"the backend serving this request failed before its first event","type":"upstream_error","param":null,"code":"backend_failed"}}`},
-		{"messages, silent", "", "/v1/messages", `{"model":"m","stream":true,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, true, 504,
+		{"messages, silent", "", "/v1/messages", `{"model":"m","stream":true,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, true, true, 504,
 			`{"type":"error","error":{"type":"timeout_error","message":"the backend serving this request went silent before its first event: backend e0 sent nothing for 200ms (limits.stream_idle_timeout)"}`},
-		{"a comment, then silent", ": ping\n\n", "/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`, true, 200,
+		{"a comment, then silent", ": ping\n\n", "/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`, true, true, 200,
 			": ping\n\ndata: {\"error\":{\"message\":\"the backend serving this request went silent mid-stream: backend e0 sent nothing for 200ms (limits.stream_idle_timeout)\",\"type\":\"timeout_error\",\"param\":null,\"code\":\"backend_timeout\"}}\n\ndata: [DONE]\n\n"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -202,6 +202,13 @@ func TestStreamOverBeforeItsFirstEventIsAnHTTPError(t *testing.T) {
 			}
 			if ct := resp.Header.Get("Content-Type"); (tc.status == 200) != strings.HasPrefix(ct, "text/event-stream") {
 				t.Fatalf("status %d with Content-Type %q", resp.StatusCode, ct)
+			}
+			// A silent engine is ejected; one that ended its stream cleanly
+			// answered, wrongly, and is counted as for its 500s: a model's
+			// only engine stays in (it was ejected, and the SDK's retry got
+			// a 503: the second quirks trial).
+			if ejected(p, "e0") != tc.ejects {
+				t.Fatalf("ejected %v, want %v", !tc.ejects, tc.ejects)
 			}
 			p.waitIdle(t)
 			if want := fmt.Sprintf(`"status":%d`, map[int]int{200: 504}[tc.status]+tc.status*map[bool]int{true: 0, false: 1}[tc.status == 200]); !strings.Contains(p.logs.String(), want) {

@@ -51,7 +51,8 @@ type relay struct {
 	// afterDone: the time spent waiting for the engine since [DONE]
 	afterDone time.Duration
 	relayed   int // a Responses stream's events: its next sequence_number
-	// engineEvents counts the engine's events relayed (or held in pend);
+	// engineEvents counts the engine's events relayed (or held in pend),
+	// not those a moved stream drops;
 	// failMsg, failTyp and failCode are kvproxy's error event's, once one
 	// ends the stream.
 	engineEvents               int
@@ -220,7 +221,6 @@ func (r *relay) events(out []byte) []byte {
 		if !ok {
 			return out
 		}
-		r.engineEvents++
 		switch r.x.api {
 		case apiResponses:
 			raw = r.onResponsesEvent(raw, content)
@@ -231,6 +231,9 @@ func (r *relay) events(out []byte) []byte {
 			if fixed := r.onEvent(content); fixed != nil {
 				raw = fixed
 			}
+		}
+		if len(raw) > 0 { // not one a moved stream drops
+			r.engineEvents++
 		}
 		out = append(out, raw...)
 	}
@@ -309,6 +312,9 @@ func (r *relay) end(out []byte, err error) []byte {
 		// The engine failed mid-stream (an error, or the connection ended
 		// before [DONE]: a dropped chunked stream reads as a plain EOF): tell
 		// the client in OpenAI's shape and end the stream properly.
+		// A body that ended on its own framing (not with its connection,
+		// where a crash reads the same).
+		clean := errors.Is(err, io.EOF) && r.resp != nil && r.resp.Header.ContentLength() != -2
 		if errors.Is(err, io.EOF) || errors.Is(err, backends.ErrTruncated) {
 			err = errors.New("stream ended without [DONE]")
 			switch x.api {
@@ -319,7 +325,15 @@ func (r *relay) end(out []byte, err error) []byte {
 			}
 		}
 		when := r.when()
-		x.b.failConn(when + ": " + err.Error())
+		if clean && r.engineEvents == 0 {
+			// A body that ended cleanly with no event: the engine answered,
+			// wrongly, over a connection that works. Counted as its other
+			// error answers are (which never eject a model's only engine),
+			// not as one that died.
+			x.b.answeredError("a stream " + when + ": " + err.Error())
+		} else {
+			x.b.failConn(when + ": " + err.Error())
+		}
 		return r.engineFailed(out, err.Error(), "backend "+x.b.cfg.ID+" failed "+when+": "+err.Error(), fasthttp.StatusBadGateway,
 			"the backend serving this request failed "+when, "upstream_error", "backend_failed")
 	}

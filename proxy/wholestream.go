@@ -35,6 +35,57 @@ func isJSONType(ct []byte) bool {
 
 var appJSON, plusJSON = []byte("application/json"), []byte("+json")
 
+// sniffStream looks at the first bytes of an engine's 200 to a stream
+// request typed as neither an event stream nor JSON (ct): some servers
+// leave their streams so (Flask's text/html, aiohttp's octet-stream), so
+// the type alone does not refuse one. It reports whether the bytes show no
+// stream (a page's '<', JSON's '{' or '['), and returns the stream to
+// relay, those bytes first. A read that fails is left to the relay.
+func sniffStream(stream *backends.Body, ct []byte) (streamBody, bool) {
+	if isJSONType(ct) || mayBeEventStream(ct) {
+		return stream, false
+	}
+	head := make([]byte, 0, 512)
+	var err error
+	for len(head) < cap(head) {
+		var n int
+		n, err = stream.Read(head[len(head):cap(head)])
+		head = head[:len(head)+n]
+		if t := bytes.TrimLeft(bytes.TrimPrefix(head, utf8BOM), " \t\r\n"); len(t) > 0 {
+			if t[0] == '<' || t[0] == '{' || t[0] == '[' {
+				return stream, true
+			}
+			break
+		}
+		if err != nil {
+			break
+		}
+	}
+	return &sniffedBody{Body: stream, head: head, err: err}, false
+}
+
+// sniffedBody is an engine's stream whose first bytes (head) sniffStream
+// read, and the error that read ended with, if any.
+type sniffedBody struct {
+	*backends.Body
+	head []byte
+	err  error
+}
+
+func (b *sniffedBody) Read(p []byte) (int, error) {
+	if len(b.head) > 0 {
+		n := copy(p, b.head)
+		b.head = b.head[n:]
+		return n, nil
+	}
+	if b.err != nil {
+		return 0, b.err
+	}
+	return b.Body.Read(p)
+}
+
+func (b *sniffedBody) Buffered() int { return len(b.head) + b.Body.Buffered() }
+
 // mayBeEventStream reports whether an answer of Content-Type ct may be an
 // SSE stream: text/event-stream, or none, or text/plain (the default type
 // of some servers, which may leave their streams typed so).

@@ -608,4 +608,9 @@ func TestRemovedWorkersLeaveTheDecisions(t *testing.T) {
 	if n := len(*r.live.Load()); n != 2 {
 		t.Fatalf("%d workers walked, want 2", n)
 	}
+	r.RemoveWorker(b)
+	r.AddWorker("b") // back, with nothing removed after it
+	if d, err := r.Select(&Request{PromptTokens: 16}); err != nil || len(d.Candidates) != 2 {
+		t.Fatalf("after b came back: %d candidates (%v)", len(d.Candidates), err)
+	}
 }
