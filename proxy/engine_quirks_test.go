@@ -173,7 +173,8 @@ func TestStreamThatIsNoEventStream(t *testing.T) {
 	}
 	const page = "\n <html><body>Bad gateway</body></html>"
 	const req = `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`
-	for ct, body := range map[string]string{"text/html; charset=utf-8": page, "application/x-ndjson": `{"message":{"content":"hi"},"done":false}` + "\n"} {
+	for ct, body := range map[string]string{"text/html; charset=utf-8": page, "application/x-ndjson": `{"message":{"content":"hi"},"done":false}` + "\n",
+		"application/octet-stream": `[{"a":1}]`, "text/html": "\xef\xbb\xbf" + page} {
 		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", typed(ct, body))
 		for range 4 { // past the error answers' streak of 3
 			resp, b := post(t, p.url+"/v1/chat/completions", req)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net"
 	"strconv"
+	"strings"
 	"time"
 	"unsafe"
 
@@ -98,7 +99,7 @@ const completionsDefaultMax = 16
 // the request needs (its prompt and the output it asks for).
 func newMigration(ctx *fasthttp.RequestCtx, req *apiRequest, kind api, rr *router.Request, salt string, need int) *migration {
 	m := &migration{
-		chat: kind == apiChat, body: bytes.Clone(req.body), salt: salt, conn: ctx.Conn(), partial: make([]byte, 0, 1024),
+		chat: kind == apiChat, body: bytes.Clone(req.body), salt: strings.Clone(salt), conn: ctx.Conn(), partial: make([]byte, 0, 1024),
 		hashes: append([]kv.BlockHash(nil), rr.Hashes...), promptTokens: rr.PromptTokens, need: need,
 		maxTokens: req.maxTokens, dropPriority: req.dropPriority, priorityTo: req.priorityTo,
 	}

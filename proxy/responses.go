@@ -711,14 +711,17 @@ func (ids *respIDs) lostPrevious(body []byte) bool {
 // for it. It reports nil when it answered the request: that backend is no
 // longer one of the model's.
 func (s *Server) previousResponse(ctx *fasthttp.RequestCtx, st *state, p *modelPool, req *apiRequest, rr *router.Request, rid, tenant string, start time.Time) *respIDs {
-	ids := &respIDs{prevOrig: req.prevResponse, prevTagged: req.prevResponse}
+	// The ids outlive the request's scratch, whose text may hold them
+	// (an id written with escapes is decoded there): copies.
+	prev := strings.Clone(req.prevResponse)
+	ids := &respIDs{prevOrig: prev, prevTagged: prev}
 	notFound := func(why, reason string) *respIDs {
 		msg := fmt.Sprintf("Previous response with id '%s' not found%s", req.prevResponse, why)
 		writeError(ctx, fasthttp.StatusNotFound, msg, "invalid_request_error", "previous_response_id", "previous_response_not_found")
 		s.logRejected(ctx, rid, tenant, req.model, fasthttp.StatusNotFound, start, reason)
 		return nil
 	}
-	tag, orig, ok := splitTaggedID(req.prevResponse)
+	tag, orig, ok := splitTaggedID(prev)
 	if !ok {
 		if req.prevResponse != "" && len(st.cfg.Auth.Keys) > 0 {
 			// Any tenant could name an engine's own id.

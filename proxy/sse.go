@@ -232,7 +232,7 @@ func (r *relay) events(out []byte) []byte {
 				raw = fixed
 			}
 		}
-		if len(raw) > 0 { // not one a moved stream drops
+		if len(raw) > 0 && len(content) > 0 { // not a blank line (no event), nor one a moved stream drops
 			r.engineEvents++
 		}
 		out = append(out, raw...)
