@@ -61,30 +61,8 @@ func sniffStream(stream *backends.Body, ct []byte) (streamBody, bool) {
 			break
 		}
 	}
-	return &sniffedBody{Body: stream, head: head, err: err}, false
+	return &prefixedBody{pre: head, err: err, streamBody: stream}, false
 }
-
-// sniffedBody is an engine's stream whose first bytes (head) sniffStream
-// read, and the error that read ended with, if any.
-type sniffedBody struct {
-	*backends.Body
-	head []byte
-	err  error
-}
-
-func (b *sniffedBody) Read(p []byte) (int, error) {
-	if len(b.head) > 0 {
-		n := copy(p, b.head)
-		b.head = b.head[n:]
-		return n, nil
-	}
-	if b.err != nil {
-		return 0, b.err
-	}
-	return b.Body.Read(p)
-}
-
-func (b *sniffedBody) Buffered() int { return len(b.head) + b.Body.Buffered() }
 
 // mayBeEventStream reports whether an answer of Content-Type ct may be an
 // SSE stream: text/event-stream, or none, or text/plain (the default type
@@ -305,7 +283,8 @@ func (b *eventsBody) Close()                     {}
 func (b *eventsBody) EndBy(time.Duration)        {}
 
 // prefixedBody is an engine's stream with the bytes read ahead of it (to
-// see whether it began a JSON object) served first.
+// see whether it began a JSON object, or what a stream typed as none
+// begins with: sniffStream) served first.
 type prefixedBody struct {
 	pre []byte
 	err error // what the read ahead ended with, if it did
