@@ -3,23 +3,48 @@ package proxy
 import (
 	"bufio"
 	"fmt"
+	"io"
 	"net"
 	"strings"
 	"testing"
 )
 
-// quirkEngine answers every request with a chunked 200 stream holding
-// events (written as they are, framing included), then ends the body
-// cleanly, or resets the connection when reset is set.
-func quirkEngine(t *testing.T, events string, reset bool) *fakeEngine {
+// streamEnd is how chunkedEngine's stream ends.
+type streamEnd int
+
+const (
+	endClean streamEnd = iota // the chunked terminator
+	endReset                  // the connection reset
+	endCut                    // the connection closed, no terminator
+	endHold                   // open until kvproxy closes it
+)
+
+// chunkedEngine answers every request with a chunked 200 event stream
+// holding events (as one chunk, framing included, if any), ended as end
+// says.
+func chunkedEngine(t *testing.T, events string, end streamEnd) *fakeEngine {
 	return rawEngine(t, func(c net.Conn, rd *bufio.Reader) {
-		fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n", len(events), events)
-		if reset {
-			c.(*net.TCPConn).SetLinger(0) // the close sends RST
-			return
+		fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+		if events != "" {
+			fmt.Fprintf(c, "%x\r\n%s\r\n", len(events), events)
 		}
-		c.Write([]byte("0\r\n\r\n"))
+		switch end {
+		case endClean:
+			c.Write([]byte("0\r\n\r\n"))
+		case endReset:
+			c.(*net.TCPConn).SetLinger(0) // the close sends RST
+		case endHold:
+			io.Copy(io.Discard, rd)
+		}
 	})
+}
+
+// quirkEngine is chunkedEngine ending cleanly, or with a reset.
+func quirkEngine(t *testing.T, events string, reset bool) *fakeEngine {
+	if reset {
+		return chunkedEngine(t, events, endReset)
+	}
+	return chunkedEngine(t, events, endClean)
 }
 
 const (

@@ -19,19 +19,13 @@ import (
 	"github.com/kvproxy/kvproxy/router"
 )
 
-// headersThen is an engine that answers 200 text/event-stream (chunked),
-// writes first (as a chunk, if any), then holds its stream open until
-// kvproxy closes it (hold) or ends its connection.
+// headersThen is chunkedEngine holding its stream open (hold) or closing
+// its connection with no terminator.
 func headersThen(t *testing.T, first string, hold bool) *fakeEngine {
-	return rawEngine(t, func(c net.Conn, rd *bufio.Reader) {
-		fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-		if first != "" {
-			fmt.Fprintf(c, "%x\r\n%s\r\n", len(first), first)
-		}
-		if hold {
-			io.Copy(io.Discard, rd)
-		}
-	})
+	if hold {
+		return chunkedEngine(t, first, endHold)
+	}
+	return chunkedEngine(t, first, endCut)
 }
 
 // A stream moved to another engine before its first event (the first
