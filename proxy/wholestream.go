@@ -26,10 +26,7 @@ const maxWholeAnswer = 64 << 20
 // isJSONType reports whether a Content-Type names JSON (application/json,
 // or a +json type), in any case.
 func isJSONType(ct []byte) bool {
-	if i := bytes.IndexByte(ct, ';'); i >= 0 {
-		ct = ct[:i]
-	}
-	ct = bytes.TrimSpace(ct)
+	ct = mediaType(ct)
 	return bytes.EqualFold(ct, appJSON) || len(ct) > len(plusJSON) && bytes.EqualFold(ct[len(ct)-len(plusJSON):], plusJSON)
 }
 
@@ -45,21 +42,10 @@ func sniffStream(stream *backends.Body, ct []byte) (streamBody, bool) {
 	if isJSONType(ct) || mayBeEventStream(ct) {
 		return stream, false
 	}
-	head := make([]byte, 0, 512)
-	var err error
-	for len(head) < cap(head) {
-		var n int
-		n, err = stream.Read(head[len(head):cap(head)])
-		head = head[:len(head)+n]
-		if t := bytes.TrimLeft(bytes.TrimPrefix(head, utf8BOM), " \t\r\n"); len(t) > 0 {
-			if t[0] == '<' || t[0] == '{' || t[0] == '[' {
-				return stream, true
-			}
-			break
-		}
-		if err != nil {
-			break
-		}
+	head, err := readStart(stream)
+	t := bytes.TrimPrefix(head, utf8BOM)
+	if i := skipSpace(t, 0); i < len(t) && (t[i] == '<' || t[i] == '{' || t[i] == '[') {
+		return stream, true
 	}
 	return &prefixedBody{pre: head, err: err, streamBody: stream}, false
 }
@@ -68,11 +54,16 @@ func sniffStream(stream *backends.Body, ct []byte) (streamBody, bool) {
 // SSE stream: text/event-stream, or none, or text/plain (the default type
 // of some servers, which may leave their streams typed so).
 func mayBeEventStream(ct []byte) bool {
+	ct = mediaType(ct)
+	return len(ct) == 0 || bytes.EqualFold(ct, eventStreamType) || bytes.EqualFold(ct, textPlainType)
+}
+
+// mediaType is a Content-Type without its parameters.
+func mediaType(ct []byte) []byte {
 	if i := bytes.IndexByte(ct, ';'); i >= 0 {
 		ct = ct[:i]
 	}
-	ct = bytes.TrimSpace(ct)
-	return len(ct) == 0 || bytes.EqualFold(ct, eventStreamType) || bytes.EqualFold(ct, textPlainType)
+	return bytes.TrimSpace(ct)
 }
 
 var eventStreamType, textPlainType = []byte("text/event-stream"), []byte("text/plain")
