@@ -188,9 +188,6 @@ func (p *modelPool) setBackend(b *backend) {
 
 // New builds the pools and backends of cfg; Serve starts answering.
 func New(cfg *config.Config, opts Options) (*Server, error) {
-	if len(cfg.Templates()) > 0 {
-		return nil, errTemplates
-	}
 	s := &Server{log: opts.Logger, opts: opts, watcher: newHangupWatcher(), limits: cfg.Limits, started: cfg,
 		retries: newRetryBudget(cfg.Limits.RetryBudget), rejectLog: newLogLimiter(opts.Logger),
 		listsRead: make(chan struct{})}
@@ -198,26 +195,16 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 	rand.Read(rb[:])
 	s.reqPrefix = hex.EncodeToString(rb[:])
 	rand.Read(s.respRandom[:])
-	s.fdLimit = openFilesLimit()
-	s.autoConns = autoMaxConns(s.fdLimit)
-	s.logWarnings(cfg)
-	if cfg.TLS.Enabled() {
-		c, err := cfg.TLS.Load()
-		if err != nil {
-			return nil, fmt.Errorf("tls: %w", err)
-		}
-		s.cert.Store(c)
-	}
 	if !opts.DisableHealthChecks {
 		s.health = backends.NewProber(backends.ProbeConfig{
 			Interval: cfg.Health.Interval, Timeout: cfg.Health.Timeout, Rise: cfg.Health.Rise, Fall: cfg.Health.Fall,
 		})
 	}
-	s.metrics = newMetrics()
-	st, err := s.build(cfg, nil)
+	st, err := s.prepare(cfg)
 	if err != nil {
 		return nil, err
 	}
+	s.autoConns = autoMaxConns(s.fdLimit)
 	s.activate(st, nil)
 	s.routeTable = s.routes()
 	if rc := cfg.Replicas; rc.NATS != "" {
@@ -664,6 +651,35 @@ func (s *Server) signalRetired() {
 		s.retiredCh = nil
 	}
 	s.retiredMu.Unlock()
+}
+
+// Check builds what cfg describes (the listener's certificate, each model's
+// tokenizer, chat template and router, each backend) as New does, and starts
+// nothing: no listener, probe, event feed or NATS connection. It logs the
+// warnings New would. kvproxy -check runs it, so that a configuration can be
+// tried before it is deployed or reloaded.
+func Check(cfg *config.Config, opts Options) error {
+	_, err := (&Server{log: opts.Logger}).prepare(cfg)
+	return err
+}
+
+// prepare warns of what in cfg is likely a mistake, loads the listener's
+// certificate and builds the state cfg describes.
+func (s *Server) prepare(cfg *config.Config) (*state, error) {
+	if len(cfg.Templates()) > 0 {
+		return nil, errTemplates
+	}
+	s.fdLimit = openFilesLimit()
+	s.logWarnings(cfg)
+	if cfg.TLS.Enabled() {
+		c, err := cfg.TLS.Load()
+		if err != nil {
+			return nil, fmt.Errorf("tls: %w", err)
+		}
+		s.cert.Store(c)
+	}
+	s.metrics = newMetrics()
+	return s.build(cfg, nil)
 }
 
 // logWarnings logs what in cfg is likely a mistake.

@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/signal"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -24,6 +25,7 @@ import (
 
 	"github.com/kvproxy/kvproxy/config"
 	"github.com/kvproxy/kvproxy/internal/buildinfo"
+	"github.com/kvproxy/kvproxy/mockengine"
 	"github.com/kvproxy/kvproxy/proxy"
 )
 
@@ -87,6 +89,7 @@ func (c *command) run(args []string) (code int) {
 	listen := fs.String("listen", "", "listen address, overrides the config's listen")
 	drainFlag := fs.Duration("drain-timeout", 0, "how long SIGTERM waits for in-flight requests (default: limits.drain_timeout)")
 	version := fs.Bool("version", false, "print the version and commit, and exit")
+	check := fs.Bool("check", false, "check the config as a start would (tokenizers, templates, certificates, discovery), start nothing, and exit: 0 if valid")
 	fs.Usage = func() {
 		fmt.Fprintln(fs.Output(), "Usage: kvproxy [flags]            serve (README.md: Configuration reference)")
 		fmt.Fprintln(fs.Output(), "       kvproxy tokenize [flags]   print a text's token ids as kvproxy routes on them (kvproxy tokenize -h)")
@@ -112,6 +115,9 @@ func (c *command) run(args []string) (code int) {
 	level := &logLevel{}
 	level.set(tmpl.LogLevel)
 	log := zerolog.New(c.stderr).Sample(level).With().Timestamp().Logger()
+	if *check {
+		return c.check(log, tmpl, *cfgPath)
+	}
 	log.Info().Str("config", *cfgPath).Str("version", build.Version).Str("revision", build.Revision).Int("pid", os.Getpid()).Msg("kvproxy starting")
 	defer func() {
 		ev := log.Info()
@@ -121,16 +127,11 @@ func (c *command) run(args []string) (code int) {
 		ev.Int("code", code).Msg("kvproxy exited")
 	}()
 	disc := c.discoverer(log)
-	startLookups, cancelStart := context.WithTimeout(context.Background(), lookupsTime)
-	disc.record(disc.lookupAll(startLookups, hosts(tmpl.Templates())), false)
-	cancelStart()
-	disc.keep(hosts(tmpl.Templates()))
-	cfg, skipped, err := tmpl.Expand(disc.found(tmpl.Templates(), nil))
+	cfg, err := c.expandAtStart(log, disc, tmpl)
 	if err != nil {
 		fmt.Fprintln(c.stderr, "kvproxy:", err)
 		return 2
 	}
-	logSkipped(log, skipped)
 
 	c.mocks = newMockFleet(log)
 	if c.listen != nil {
@@ -327,6 +328,59 @@ wait:
 		log.Warn().Int("requests", srv.InFlight()).Msg("exiting with requests still unanswered")
 	}
 	return 0
+}
+
+// expandAtStart gives tmpl's templates the engines their names resolve to
+// now (within lookupsTime).
+func (c *command) expandAtStart(log zerolog.Logger, disc *discoverer, tmpl *config.Config) (*config.Config, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), lookupsTime)
+	disc.record(disc.lookupAll(ctx, hosts(tmpl.Templates())), false)
+	cancel()
+	disc.keep(hosts(tmpl.Templates()))
+	cfg, skipped, err := tmpl.Expand(disc.found(tmpl.Templates(), nil))
+	if err != nil {
+		return nil, err
+	}
+	logSkipped(log, skipped)
+	return cfg, nil
+}
+
+// check is kvproxy -check: everything a start does before it serves, short
+// of starting anything (the simulated engines are built, not run; no port
+// is bound, so one in use is not found). It exits with the status a start
+// would: 2 when config.Load or the expansion refuses the file, 1 when a
+// tokenizer or template it names does not build.
+func (c *command) check(log zerolog.Logger, tmpl *config.Config, path string) int {
+	cfg, err := c.expandAtStart(log, c.discoverer(log), tmpl)
+	if err != nil {
+		fmt.Fprintln(c.stderr, "kvproxy:", err)
+		return 2
+	}
+	for _, b := range cfg.Backends {
+		if b.Kind != config.KindMock {
+			continue
+		}
+		e, err := mockengine.New(mockConfig(cfg, b, keyOf(cfg, b)))
+		if err != nil {
+			fmt.Fprintf(c.stderr, "kvproxy: mock backend %s: %v\n", b.ID, err)
+			return 1
+		}
+		e.Close()
+	}
+	if err := proxy.Check(cfg, proxy.Options{Logger: log}); err != nil {
+		fmt.Fprintln(c.stderr, "kvproxy:", err)
+		return 1
+	}
+	fmt.Fprintf(c.stdout, "kvproxy: %s is valid (%s, %s)\n", path, count(len(cfg.Models), "model"), count(len(cfg.Backends), "backend"))
+	return 0
+}
+
+// count is "1 thing" or "n things".
+func count(n int, thing string) string {
+	if n == 1 {
+		return "1 " + thing
+	}
+	return strconv.Itoa(n) + " " + thing + "s"
 }
 
 // How a wait of the drain ended.

@@ -110,6 +110,38 @@ func (f *mockFleet) start(cfg *config.Config) ([]*mockRun, error) {
 }
 
 func (f *mockFleet) startOne(cfg *config.Config, b config.Backend, key mockKey) (*mockRun, error) {
+	e, err := mockengine.New(mockConfig(cfg, b, key))
+	if err != nil {
+		return nil, fmt.Errorf("mock backend %s: %w", b.ID, err)
+	}
+	u, _ := url.Parse(b.URL)
+	ln, err := f.listen("tcp", u.Host)
+	if err != nil {
+		e.Close()
+		return nil, fmt.Errorf("mock backend %s: %w", b.ID, err)
+	}
+	addr := ln.Addr().String()
+	r := &mockRun{id: b.ID, key: key, e: e, ln: newConnListener(ln)}
+	go e.Serve(r.ln)
+	if b.KVEvents.Mode == config.EventsZMQ {
+		pub, err := mockengine.NewPublisher(mockengine.PublisherConfig{
+			Endpoint: b.KVEvents.Endpoint, ReplayEndpoint: b.KVEvents.Replay, Topic: b.KVEvents.Topic,
+		})
+		if err != nil {
+			e.Close()
+			r.ln.Close()
+			return nil, fmt.Errorf("mock backend %s: event publisher: %w", b.ID, err)
+		}
+		r.pub = pub
+		r.feed = e.PublishEvents(pub)
+		f.log.Info().Str("backend", b.ID).Str("publisher", pub.Endpoint()).Msg("simulated engine publishes KV events")
+	}
+	f.log.Info().Str("backend", b.ID).Str("addr", addr).Msg("simulated engine started")
+	return r, nil
+}
+
+// mockConfig is the simulated engine of backend b, as key describes it.
+func mockConfig(cfg *config.Config, b config.Backend, key mockKey) mockengine.Config {
 	mc := mockengine.DefaultConfig()
 	mc.ID = b.ID
 	mc.Model = b.ServedModel
@@ -139,34 +171,7 @@ func (f *mockFleet) startOne(cfg *config.Config, b config.Backend, key mockKey) 
 	}
 	mc.MaxLoRAs = b.Mock.MaxLoRAs
 	mc.DuplicateBlocks = b.Mock.DuplicateBlocks
-	e, err := mockengine.New(mc)
-	if err != nil {
-		return nil, fmt.Errorf("mock backend %s: %w", b.ID, err)
-	}
-	u, _ := url.Parse(b.URL)
-	ln, err := f.listen("tcp", u.Host)
-	if err != nil {
-		e.Close()
-		return nil, fmt.Errorf("mock backend %s: %w", b.ID, err)
-	}
-	addr := ln.Addr().String()
-	r := &mockRun{id: b.ID, key: key, e: e, ln: newConnListener(ln)}
-	go e.Serve(r.ln)
-	if b.KVEvents.Mode == config.EventsZMQ {
-		pub, err := mockengine.NewPublisher(mockengine.PublisherConfig{
-			Endpoint: b.KVEvents.Endpoint, ReplayEndpoint: b.KVEvents.Replay, Topic: b.KVEvents.Topic,
-		})
-		if err != nil {
-			e.Close()
-			r.ln.Close()
-			return nil, fmt.Errorf("mock backend %s: event publisher: %w", b.ID, err)
-		}
-		r.pub = pub
-		r.feed = e.PublishEvents(pub)
-		f.log.Info().Str("backend", b.ID).Str("publisher", pub.Endpoint()).Msg("simulated engine publishes KV events")
-	}
-	f.log.Info().Str("backend", b.ID).Str("addr", addr).Msg("simulated engine started")
-	return r, nil
+	return mc
 }
 
 // retirements tells when the proxy is done with a backend's engine
