@@ -72,10 +72,11 @@ type exchange struct {
 	refusalRetry string // its Retry-After
 	refusalBy    string // its backend
 	ttft         time.Duration
-	tenant       string // the client's tenant ("" without keys)
-	promptTokens int    // as kvproxy counted them for routing
-	outputTokens int    // streams: the chunks that carried output
-	accepted     bool   // the engine took the request (answered 200)
+	queued       time.Duration // waited for a backend slot (route), all attempts
+	tenant       string        // the client's tenant ("" without keys)
+	promptTokens int           // as kvproxy counted them for routing
+	outputTokens int           // streams: the chunks that carried output
+	accepted     bool          // the engine took the request (answered 200)
 	slot         *tenantSlot
 	usage        tokenUsage
 	errMsg       string
@@ -668,6 +669,7 @@ var (
 func (x *exchange) route(conn net.Conn, st *state, rr *router.Request) error {
 	s, p := x.s, x.p
 	var w *waiter // in p.queue while the request waits
+	var queuedAt time.Time
 	var routed, rechecked bool
 	var timer *time.Timer
 	var gone clientGone
@@ -675,7 +677,12 @@ func (x *exchange) route(conn net.Conn, st *state, rr *router.Request) error {
 	var watch *connWatch
 	counted := !x.live // a moving stream is counted in flight already
 	defer func() {
-		if w != nil {
+		if w == nil {
+			p.queueWait.Observe(0)
+		} else {
+			waited := time.Since(queuedAt)
+			x.queued += waited
+			p.queueWait.Observe(waited.Seconds())
 			p.queue.leave(w, routed && p.anyAvailable())
 			s.queued.Add(-1)
 			p.waiting.Add(-1)
@@ -763,7 +770,7 @@ func (x *exchange) route(conn net.Conn, st *state, rr *router.Request) error {
 					return errQueueFull
 				}
 			}
-			w = p.queue.join(x.priority)
+			w, queuedAt = p.queue.join(x.priority), time.Now()
 			p.waiting.Add(1)
 			if counted {
 				s.queuedFirst.Add(1)
@@ -1592,6 +1599,9 @@ func (x *exchange) logLine() {
 		Dur("duration", dur)
 	if x.ttft > 0 {
 		ev = ev.Dur("ttft", x.ttft)
+	}
+	if x.queued > 0 {
+		ev = ev.Dur("queued", x.queued)
 	}
 	if x.prefillBy != "" {
 		ev = ev.Str("prefill_backend", x.prefillBy).Dur("prefill", x.prefillTime)

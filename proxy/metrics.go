@@ -28,10 +28,11 @@ type metrics struct {
 	tokensOf    map[[2]string]*[3]prometheus.Counter // model, tenant → prompt, completion, cached
 	hitRatio    prometheus.Histogram
 	route       prometheus.Histogram
-	ejections   *prometheus.CounterVec // backend, reason (the eject* constants)
-	reroutes    *prometheus.CounterVec // backend that refused
-	migrations  *prometheus.CounterVec // backend that failed mid-stream, result
-	reloads     *prometheus.CounterVec // result: ok, rejected
+	queueWait   *prometheus.HistogramVec // model
+	ejections   *prometheus.CounterVec   // backend, reason (the eject* constants)
+	reroutes    *prometheus.CounterVec   // backend that refused
+	migrations  *prometheus.CounterVec   // backend that failed mid-stream, result
+	reloads     *prometheus.CounterVec   // result: ok, rejected
 	reloadOK    prometheus.Gauge
 	limited     *prometheus.CounterVec // tenant, limit: requests, tokens, concurrency
 	panics      prometheus.Counter
@@ -76,6 +77,10 @@ func newMetrics() *metrics {
 			Buckets: prometheus.ExponentialBuckets(1e-6, 2, 16),
 		}),
 	}
+	m.queueWait = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "kvproxy_queue_wait_seconds", Help: "Time a request waited in kvproxy's queue for a backend slot (every backend of its model at max_concurrency), by model, once each time it was routed: 0 when a slot was free; waits that ended unserved (queue_timeout, displaced, the client gone) included.",
+		Buckets: prometheus.ExponentialBuckets(0.001, 2, 15), // 1 ms to 16 s: queue_timeout is 10 s by default
+	}, []string{"model"})
 	m.ejections = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvproxy_backend_ejections_total", Help: "Backends taken out of selection after failures, by backend and reason: connect (refused, reset, cut off, TLS), status (5xx, 503), timeout (silent), error_answers (500s or credential refusals in a row), probe (health probe failing).",
 	}, []string{"backend", "reason"})
@@ -122,7 +127,7 @@ func newMetrics() *metrics {
 // scrape time; s must be complete (its state and replicas set).
 func (m *metrics) register(reg *prometheus.Registry, s *Server) {
 	build := buildinfo.Read()
-	reg.MustRegister(m.requests, m.ttft, m.duration, m.tpot, m.tokens, m.hitRatio, m.route, m.ejections, m.reroutes, m.migrations, m.reloads, m.reloadOK, m.limited, m.panics, m.unavailable, m.acceptErrors, m.connsRefused, m.connsEvicted,
+	reg.MustRegister(m.requests, m.ttft, m.duration, m.tpot, m.tokens, m.hitRatio, m.route, m.queueWait, m.ejections, m.reroutes, m.migrations, m.reloads, m.reloadOK, m.limited, m.panics, m.unavailable, m.acceptErrors, m.connsRefused, m.connsEvicted,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvproxy_client_connections", Help: "Client connections open (limits.max_connections caps them).",
 		}, func() float64 { return float64(s.openConns.Load()) }),

@@ -146,6 +146,7 @@ type modelPool struct {
 	coolMu    sync.Mutex                 // one backend cools down at a time: never the last
 	waiting   atomic.Int64               // requests queued for a slot (route)
 	queue     waitQueue                  // ... in order
+	queueWait prometheus.Observer        // kvproxy_queue_wait_seconds of the model
 }
 
 // modelNames are a model's other names, which a reload changes without
@@ -333,7 +334,7 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 			if err != nil {
 				return nil, fmt.Errorf("model %s: %w", mc.Name, err)
 			}
-			p = &modelPool{cfg: mc, routerCfg: cfg.Router, rt: rt}
+			p = &modelPool{cfg: mc, routerCfg: cfg.Router, rt: rt, queueWait: s.metrics.queueWait.WithLabelValues(mc.Name)}
 			p.names.Store(&modelNames{aliases: mc.Aliases, adapters: mc.Adapters})
 			if mc.Tokenizer == config.TokenizerEngine {
 				p.engineTok = &engineTokenizer{}

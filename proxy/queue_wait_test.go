@@ -1,0 +1,74 @@
+package proxy
+
+import (
+	"net/http"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// The time a request waits for a backend slot is measured: every routing
+// is observed in kvproxy_queue_wait_seconds (0 without a wait), and the
+// access log line of a request that waited says for how long ("queued").
+func TestQueueWaitIsMeasured(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 600 * time.Millisecond })
+	p := startProxyYAML(t, `
+models: [{name: m, aliases: [alias-m]}]
+backends: [{id: e0, url: 'http://{{e0}}', max_concurrency: 1}]
+limits: {queue_timeout: 10s}
+`, e)
+	post := func(id string, done chan<- int) {
+		req, _ := http.NewRequest("POST", p.url+"/v1/chat/completions", strings.NewReader(chatBody))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("X-Request-Id", id)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			done <- 0
+			return
+		}
+		resp.Body.Close()
+		done <- resp.StatusCode
+	}
+	first, second := make(chan int, 1), make(chan int, 1)
+	go post("first", first)
+	for deadline := time.Now().Add(10 * time.Second); e.current.Load() != 1; { // the first request loads the tokenizer
+		if time.Now().After(deadline) {
+			t.Fatalf("the first request never reached the engine:\n%s", p.logs.String())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	start := time.Now()
+	go post("second", second)
+	waitFor(t, "the second request queued", func() bool { return p.s.st.Load().models["m"].waiting.Load() == 1 })
+	if a, b := <-first, <-second; a != 200 || b != 200 {
+		t.Fatalf("statuses %d and %d", a, b)
+	}
+	longest := time.Since(start)
+	p.waitIdle(t)
+
+	m := p.metrics(t)
+	if !strings.Contains(m, `kvproxy_queue_wait_seconds_count{model="m"} 2`) || !strings.Contains(m, `kvproxy_queue_wait_seconds_bucket{model="m",le="0.001"} 1`) {
+		t.Fatalf("two routings, one of them without a wait, expected:\n%s", grepLines(m, "queue_wait"))
+	}
+	sum := regexp.MustCompile(`kvproxy_queue_wait_seconds_sum\{model="m"\} (\S+)`).FindStringSubmatch(m)
+	if sum == nil {
+		t.Fatalf("no sum:\n%s", grepLines(m, "queue_wait"))
+	}
+	if s, _ := strconv.ParseFloat(sum[1], 64); s < 0.1 || s > longest.Seconds() {
+		t.Fatalf("waited %gs in all, want 0.1s to %v (the first request's prefill is 600 ms)", s, longest)
+	}
+
+	logs := p.logs.String()
+	queued := regexp.MustCompile(`"request_id":"second[^\n]*"queued":([0-9.]+)`).FindStringSubmatch(logs)
+	if queued == nil {
+		t.Fatalf("the second request's log line says nothing of its wait:\n%s", logs)
+	}
+	if ms, _ := strconv.ParseFloat(queued[1], 64); ms < 100 {
+		t.Fatalf("queued %s ms, want at least 100", queued[1])
+	}
+	if regexp.MustCompile(`"request_id":"first[^\n]*"queued"`).MatchString(logs) {
+		t.Fatalf("the first request did not wait, and its line says it did:\n%s", logs)
+	}
+}
