@@ -584,8 +584,14 @@ func (s *Server) attempt(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *ex
 			if attempt > 1 {
 				s.retries.refund()
 			}
-			if x.refused != 0 && errors.Is(err, router.ErrNoWorker) {
-				// Every engine left has refused it too, or is down.
+			if x.refused != 0 && (errors.Is(err, router.ErrNoWorker) || queueRefused(err)) {
+				// Every engine left has refused it too, or is down, or
+				// none had a slot for it in time: the client gets the
+				// refusal, and the engine's failure is told and counted
+				// (kvproxy's own 503 told of saturation only).
+				if queueRefused(err) {
+					x.errMsg += "; its retry: " + err.Error()
+				}
 				x.answerRefusal(ctx)
 				return
 			}
@@ -662,6 +668,12 @@ var (
 	errRemoved        = errors.New("the chosen backend was just removed")
 	errModelReloaded  = errors.New("a reload changed or removed the model's configuration while the request waited")
 )
+
+// queueRefused says that err is route's for a request no backend had a
+// slot for: the queue was full, it was displaced, or it waited too long.
+func queueRefused(err error) bool {
+	return errors.Is(err, errQueueFull) || errors.Is(err, errQueueTimeout) || errors.Is(err, errQueueDisplaced)
+}
 
 // route picks a worker, registers the request and takes a slot on its
 // backend. When every healthy backend is at its max_concurrency, it waits
@@ -839,7 +851,7 @@ func (x *exchange) release() {
 
 func (s *Server) routeFailed(ctx *fasthttp.RequestCtx, rid, tenant, model string, start time.Time, err error) {
 	switch {
-	case errors.Is(err, errQueueFull), errors.Is(err, errQueueTimeout), errors.Is(err, errQueueDisplaced):
+	case queueRefused(err):
 		why := whyQueueFull
 		if errors.Is(err, errQueueTimeout) {
 			why = whyQueueTimeout

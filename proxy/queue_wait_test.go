@@ -72,3 +72,47 @@ limits: {queue_timeout: 10s}
 		t.Fatalf("the first request did not wait, and its line says it did:\n%s", logs)
 	}
 }
+
+// An engine's failure whose retry finds no backend with a slot in time is
+// answered with the engine's failure, counted under that engine: kvproxy's
+// own 503 queue_timeout told of saturation only, and the engine's 500 was
+// counted nowhere (the metrics trial).
+func TestRefusalWhoseRetryFindsNoSlotIsAnswered(t *testing.T) {
+	good := startFake(t, "good", func(f *fakeEngine) { f.prefillDelay = 2 * time.Second })
+	bad := startFake(t, "bad", func(f *fakeEngine) {
+		f.status = 500
+		f.errBody = `{"error":{"message":"CUDA error: an illegal memory access","type":"InternalServerError","param":null,"code":500}}`
+	})
+	p := startProxyYAML(t, `
+models: [{name: m, aliases: [alias-m]}]
+backends: [{id: good, url: 'http://{{e0}}', max_concurrency: 1}, {id: bad, url: 'http://{{e1}}'}]
+limits: {queue_timeout: 300ms}
+`, good, bad)
+	held := make(chan struct{})
+	go func() {
+		defer close(held)
+		body := strings.Replace(chatBody, `"model":"alias-m"`, `"model":"alias-m","nvext":{"backend_instance_id":"good"}`, 1)
+		if resp, err := http.Post(p.url+"/v1/chat/completions", "application/json", strings.NewReader(body)); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	for deadline := time.Now().Add(10 * time.Second); good.current.Load() != 1; { // the first request loads the tokenizer
+		if time.Now().After(deadline) {
+			t.Fatalf("the first request never reached its engine:\n%s", p.logs.String())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	resp, body := post(t, p.url+"/v1/chat/completions", chatBody)
+	if resp.StatusCode != 500 || resp.Header.Get("X-Kvproxy-Worker") != "bad" || !strings.Contains(string(body), "CUDA error") {
+		t.Fatalf("%d from %q: %s", resp.StatusCode, resp.Header.Get("X-Kvproxy-Worker"), body)
+	}
+	<-held
+	p.waitIdle(t)
+	m := p.metrics(t)
+	if !strings.Contains(m, `kvproxy_requests_total{backend="bad",code="500"} 1`) || !strings.Contains(m, `kvproxy_unavailable_total{reason="queue_timeout"} 0`) {
+		t.Fatalf("metrics:\n%s", grepLines(m, "requests_total")+grepLines(m, "unavailable_total"))
+	}
+	if !regexp.MustCompile(`"backend":"bad"[^\n]*"status":500[^\n]*"error":"[^"]*its retry: no backend had capacity within the queue timeout"`).MatchString(p.logs.String()) {
+		t.Fatalf("the log line says nothing of the retry:\n%s", p.logs.String())
+	}
+}
