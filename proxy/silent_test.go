@@ -190,6 +190,8 @@ func TestStreamOverBeforeItsFirstEventIsAnHTTPError(t *testing.T) {
 			`{"error":{"message":"the backend serving this request failed before its first event","type":"upstream_error","param":null,"code":"backend_failed"}}`},
 		{"blank lines, then the end", "\n\n\r\n\n", "/v1/completions", `{"model":"m","stream":true,"prompt":"x"}`, false, false, 502,
 			`{"error":{"message":"the backend serving this request failed before its first event","type":"upstream_error","param":null,"code":"backend_failed"}}`},
+		{"blank lines, then silent", "\n\n", "/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`, true, true, 504,
+			`{"error":{"message":"the backend serving this request went silent before its first event: backend e0 sent nothing for 200ms (limits.stream_idle_timeout)","type":"timeout_error","param":null,"code":"backend_timeout"}}`},
 		{"messages, silent", "", "/v1/messages", `{"model":"m","stream":true,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, true, true, 504,
 			`{"type":"error","error":{"type":"timeout_error","message":"the backend serving this request went silent before its first event: backend e0 sent nothing for 200ms (limits.stream_idle_timeout)"}`},
 		{"a comment, then silent", ": ping\n\n", "/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`, true, true, 200,

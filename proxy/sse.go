@@ -140,10 +140,13 @@ func (r *relay) WriteTo(w io.Writer) (int64, error) {
 // (failMsg says how), the client left (status 499), or kvproxy is shutting
 // down.
 func (r *relay) prime() bool {
-	for !r.ended && len(r.pend) == 0 {
+	// A batch of blank lines only is no event: the next read decides (a
+	// batch is the relay's buffer, overwritten by the next, and blank
+	// lines before the first event tell the client nothing).
+	for !r.ended && (len(r.pend) == 0 || r.engineEvents == 0) {
 		r.pend = r.nextBatch()
 	}
-	return r.engineEvents > 0 || !r.ended
+	return r.engineEvents > 0
 }
 
 // Read serves the same bytes as WriteTo to a caller that reads.
