@@ -109,6 +109,9 @@ type exchange struct {
 	// wholeAnswer: the engine answered the stream with its whole answer
 	// as JSON, so its first token says nothing of its prefill time.
 	wholeAnswer bool
+	// addedUsage: the engine was asked for the usage chunk the client did
+	// not ask for (usageFor), which the relay meters and keeps from it.
+	addedUsage bool
 	// retriedAfter is what the attempts before the one an engine answered
 	// failed with (their errMsg): logged apart, not as the request's error
 	// (alerts on that fired on successes).
@@ -630,6 +633,8 @@ func (s *Server) attempt(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *ex
 		}
 		req.sendPriority = req.dropPriority && x.b.cfg.PriorityScheduling
 		req.engineSampling = x.b.cfg.Kind != config.KindOpenAI
+		req.addUsage = x.usageFor(req, x.b)
+		x.addedUsage = req.addUsage
 		engineSalt := ""
 		if x.b.salted {
 			engineSalt = salt
@@ -668,6 +673,15 @@ var (
 	errRemoved        = errors.New("the chosen backend was just removed")
 	errModelReloaded  = errors.New("a reload changed or removed the model's configuration while the request waited")
 )
+
+// usageFor says whether b is asked for the usage of a stream whose client
+// did not ask for it (no stream_options): kvproxy meters the engine's own
+// count, not its estimate, the relay keeping the chunk from the client.
+// Only of engines known to take stream_options (vLLM, SGLang, the mock):
+// a server of kind openai may refuse a member it does not know.
+func (x *exchange) usageFor(req *apiRequest, b *backend) bool {
+	return x.stream && (x.api == apiChat || x.api == apiCompletions) && b.salted && req.fields.StreamOptions == nil
+}
 
 // queueRefused says that err is route's for a request no backend had a
 // slot for: the queue was full, it was displaced, or it waited too long.

@@ -375,6 +375,7 @@ func (r *relay) sendContinuation(emitted int) (streamBody, *fasthttp.Response, e
 	req.dropPriority, req.priorityTo = m.dropPriority, m.priorityTo
 	req.sendPriority = req.dropPriority && b.cfg.PriorityScheduling
 	req.engineSampling = b.cfg.Kind != config.KindOpenAI
+	req.addUsage = x.addedUsage && x.usageFor(&req, b)
 	salt, served := "", b.cfg.ServedModel
 	if b.salted {
 		salt = m.salt

@@ -129,6 +129,9 @@ type apiRequest struct {
 	// engineSampling: the engine takes vLLM's sampling parameters (not
 	// kind openai), which nvext's go to (set per engine).
 	engineSampling bool
+	// addUsage: the engine is asked for the stream's usage chunk, which
+	// the client did not ask for (set per engine: usageFor).
+	addUsage bool
 	// oneChoice: the request asks for one sequence (n absent, null or 1;
 	// 2.0 and "2" are two to vLLM)
 	oneChoice bool
@@ -743,6 +746,7 @@ func (n *nvext) pinned() (name string, instance uint64, isNum, ok bool) {
 type wireFields struct {
 	Model               json.RawMessage `json:"model"`
 	Stream              json.RawMessage `json:"stream"`
+	StreamOptions       json.RawMessage `json:"stream_options"`
 	Nvext               json.RawMessage `json:"nvext"`
 	AddGenerationPrompt json.RawMessage `json:"add_generation_prompt"`
 	Messages            json.RawMessage `json:"messages"`
@@ -765,6 +769,8 @@ func (f *wireFields) slot(key []byte) *json.RawMessage {
 		return &f.Model
 	case keyIs(key, "stream"):
 		return &f.Stream
+	case keyIs(key, "stream_options"):
+		return &f.StreamOptions
 	case keyIs(key, "nvext"):
 		return &f.Nvext
 	case keyIs(key, "add_generation_prompt"):
@@ -901,6 +907,9 @@ func (r *apiRequest) forwardBody(dst []byte, servedModel, salt string) ([]byte, 
 	case r.fields.Stream != nil:
 		out = append(out, `,"stream":`...)
 		out = append(out, r.fields.Stream...)
+		if r.addUsage {
+			out = append(out, `,"stream_options":{"include_usage":true}`...)
+		}
 	}
 	if r.kvParams != nil && !r.prefillStage {
 		out = append(out, `,"kv_transfer_params":`...)

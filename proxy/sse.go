@@ -441,8 +441,11 @@ func (r *relay) onEvent(ev []byte) []byte {
 			if d, drop := r.continued(data); drop {
 				return dropped
 			} else if d != nil {
-				fixed = append(append(append(fixed, "data: "...), d...), "\n\n"...)
 				r.onData(d)
+				if r.unasked(d) {
+					return dropped
+				}
+				fixed = append(append(append(fixed, "data: "...), d...), "\n\n"...)
 				continue
 			}
 		}
@@ -465,8 +468,17 @@ func (r *relay) onEvent(ev []byte) []byte {
 			}
 		}
 		r.onData(data)
+		if r.unasked(data) {
+			return dropped
+		}
 	}
 	return fixed
+}
+
+// unasked reports whether data is the usage chunk kvproxy asked the engine
+// for and the client did not (exchange.addedUsage): metered, not relayed.
+func (r *relay) unasked(data []byte) bool {
+	return r.x.addedUsage && noChoices(data) && hasUsage(data)
 }
 
 // answered records a stream the engine ended as it should: a success, or

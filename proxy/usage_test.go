@@ -33,9 +33,9 @@ func TestTokensCountedPerTenant(t *testing.T) {
 	if err := json.Unmarshal([]byte(send("key-beta-4567", "/v1/chat/completions", chat(`,"nvext":{"annotations":["query_instance_id"]}`))), &dry); err != nil || len(dry.TokenIDs) == 0 {
 		t.Fatalf("dry run: %v %v", err, dry)
 	}
-	send("key-alpha-123", "/v1/chat/completions", chat(""))                                                       // usage 10 / 1 / 3
-	send("key-alpha-123", "/v1/chat/completions", chat(`,"stream":true,"stream_options":{"include_usage":true}`)) // usage 10 / 10 / 3 in 5 chunks
-	send("key-beta-4567", "/v1/chat/completions", chat(`,"stream":true`))                                         // no usage: counted
+	send("key-alpha-123", "/v1/chat/completions", chat(""))                                                        // usage 10 / 1 / 3
+	send("key-alpha-123", "/v1/chat/completions", chat(`,"stream":true,"stream_options":{"include_usage":true}`))  // usage 10 / 10 / 3 in 5 chunks
+	send("key-beta-4567", "/v1/chat/completions", chat(`,"stream":true,"stream_options":{"include_usage":false}`)) // no usage: counted
 	send("key-alpha-123", "/v1/embeddings", `{"model":"m","input":"not a completion"}`)
 	p.waitIdle(t)
 
