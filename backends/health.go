@@ -199,6 +199,9 @@ func (p *Prober) probe(t *probeTarget) {
 		c = p.insecure
 	}
 	err := c.DoTimeout(req, resp, p.cfg.Timeout+t.Slow)
+	if OutOfFiles(err) {
+		return // kvproxy's own want of descriptors: no word on the engine
+	}
 	ok := err == nil && resp.StatusCode() == fasthttp.StatusOK
 	why := ""
 	switch {

@@ -183,6 +183,13 @@ var ErrAborted = errors.New("upstream exchange aborted")
 // safe to retry elsewhere.
 type ConnectError struct{ Err error }
 
+// OutOfFiles reports whether err is kvproxy's own want of file
+// descriptors (EMFILE: the open files limit; ENFILE: the system's), which
+// says nothing of the engine it tried to reach.
+func OutOfFiles(err error) bool {
+	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE)
+}
+
 func (e *ConnectError) Error() string { return "connect: " + e.Err.Error() }
 func (e *ConnectError) Unwrap() error { return e.Err }
 

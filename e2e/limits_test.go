@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"bufio"
 	"net"
 	"net/http"
 	"os"
@@ -97,7 +98,7 @@ func TestSurvivesDescriptorExhaustion(t *testing.T) {
 }
 
 // Under the default limits.max_connections (what the open files limit has
-// room for: 24 of 64 here) idle connections never exhaust the descriptors:
+// room for: 22 of 64 here, beside one backend) idle connections never exhaust the descriptors:
 // those over the cap are answered 503 and closed, no accept fails, the
 // engine connections and probes keep theirs, and a request is served at
 // once when some close.
@@ -138,5 +139,67 @@ func TestDefaultConnectionCapKeepsDescriptors(t *testing.T) {
 	if !strings.Contains(m, "kvproxy_client_connections_refused_total ") || strings.Contains(m, "kvproxy_client_connections_refused_total 0\n") ||
 		strings.Contains(p.String(), "backend unavailable") {
 		t.Errorf("refusals not counted, or the engine taken out:\n%s\n%s", m, tail(p.String(), 3000))
+	}
+}
+
+// Running out of descriptors is kvproxy's want, not the engine's: a
+// request that cannot open an engine connection for it gets a 503 saying
+// so, and the engine is not taken out (every engine of a 256-backend fleet
+// was, and every request after got "no healthy backend": the scale trial).
+func TestOutOfDescriptorsEjectsNoEngine(t *testing.T) {
+	engines := fleet(t, 1)
+	listen := freePort(t)
+	path := filepath.Join(t.TempDir(), "kvproxy.yaml")
+	body := "listen: " + listen + "\nlog_level: info\n" +
+		backendsYAML(map[string]string{"e0": engines[0]}, "limits: {max_connections: 1000}\n")
+	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p := startLimited(t, 64, "kvproxy", "-config", path)
+	url := "http://" + listen
+	waitHealthy(t, url, p)
+
+	// A long stream holds the engine connection kvproxy has; the next
+	// request needs one of its own.
+	resp, err := http.Post(url+"/v1/chat/completions", "application/json",
+		strings.NewReader(`{"model":"default","stream":true,"max_tokens":4000,"messages":[{"role":"user","content":"hi"}]}`))
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("the long stream: %v %v", resp, err)
+	}
+	defer resp.Body.Close()
+	first := make([]byte, 1)
+	if _, err := resp.Body.Read(first); err != nil {
+		t.Fatal(err)
+	}
+	client, err := net.DialTimeout("tcp", listen, 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+
+	conns := holdConns(t, listen, 100)
+	waitFor(t, 5*time.Second, "the accept error's warning", func() bool {
+		return strings.Contains(p.String(), "accepting a connection failed")
+	})
+	req, _ := http.NewRequest("POST", url+"/v1/chat/completions", strings.NewReader(`{"model":"default","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`))
+	req.Header.Set("Content-Type", "application/json")
+	client.SetDeadline(time.Now().Add(5 * time.Second))
+	if err := req.Write(client); err != nil {
+		t.Fatal(err)
+	}
+	answer, err := http.ReadResponse(bufio.NewReader(client), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := readAll(answer.Body)
+	if answer.StatusCode != 503 || !strings.Contains(got, `"code":"out_of_file_descriptors"`) {
+		t.Fatalf("%d %s\n%s", answer.StatusCode, got, tail(p.String(), 3000))
+	}
+	for _, c := range conns {
+		c.Close()
+	}
+	waitFor(t, 10*time.Second, "a request served after the connections closed", func() bool { return chatOK(url) })
+	if out := p.String(); strings.Contains(out, "backend ejected") || strings.Contains(out, "backend unavailable") {
+		t.Fatalf("the engine was taken out for kvproxy's want of descriptors:\n%s", tail(out, 3000))
 	}
 }

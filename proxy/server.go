@@ -78,10 +78,8 @@ type Server struct {
 	acceptLog acceptLog   // the accept errors' log lines
 	refuseLog refuseLog   // the lines of connections refused over the cap
 	// openConns counts the client connections open (limits.max_connections);
-	// autoConns is the cap when the configuration sets none, derived from
-	// fdLimit, the open files limit at start (0: unknown).
+	// fdLimit is the open files limit at start (0: unknown).
 	openConns atomic.Int64
-	autoConns int
 	fdLimit   uint64
 
 	routeTable map[string]route
@@ -130,6 +128,10 @@ type state struct {
 	auth     *authTable
 	respMACs *respMACs    // of the response ids, keyed by respKey
 	trusted  []*net.IPNet // trusted_proxies
+	// autoConns is the cap on client connections when the configuration
+	// sets none: what the open files limit has room for beside its
+	// backends (autoMaxConns).
+	autoConns int
 	// restartNeeded names the settings this configuration changed that
 	// apply only after a restart (the running ones are kept).
 	restartNeeded []string
@@ -205,7 +207,6 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s.autoConns = autoMaxConns(s.fdLimit)
 	s.activate(st, nil)
 	s.routeTable = s.routes()
 	if rc := cfg.Replicas; rc.NATS != "" {
@@ -307,6 +308,7 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 	st.auth = newAuthTable(cfg, prevAuth)
 	st.respMACs = newRespMACs(respKey(cfg.Auth, s.respRandom[:]))
 	st.trusted = cfg.TrustedNets()
+	st.autoConns = autoMaxConns(s.fdLimit, len(cfg.Backends))
 	for _, mc := range cfg.Models {
 		var p *modelPool
 		if prev != nil {
@@ -691,9 +693,14 @@ func (s *Server) logWarnings(cfg *config.Config) {
 	if replicasWithoutNATS(cfg.Replicas) {
 		s.log.Warn().Str("setting", "replicas.nats").Msg("config: replicas sets subject, id or interval but no nats (an unset variable?): this replica shares no load and routes on its own")
 	}
-	if n := cfg.Limits.MaxConnections; n > 0 && s.fdLimit > 0 && uint64(n) > connsFor(s.fdLimit) {
+	room := connsFor(s.fdLimit, len(cfg.Backends))
+	if s.fdLimit > 0 && room < 64 {
+		s.log.Warn().Uint64("open_files_limit", s.fdLimit).Int("backends", len(cfg.Backends)).Uint64("room_for", room).
+			Msg("config: the open files limit has little room for client connections beside the backends' own (about 4 descriptors each: probe, scrapes, event feed, replay): raise it (ulimit -n, LimitNOFILE)")
+	}
+	if n := cfg.Limits.MaxConnections; n > 0 && s.fdLimit > 0 && uint64(n) > room {
 		s.log.Warn().Str("setting", "limits.max_connections").Int("max_connections", n).Uint64("open_files_limit", s.fdLimit).
-			Uint64("room_for", connsFor(s.fdLimit)).
+			Uint64("room_for", room).
 			Msg("config: the open files limit has no room for this many client connections and their engine connections: accepts will fail for want of descriptors (kvproxy retries them) before the cap refuses any")
 	}
 }
