@@ -60,7 +60,7 @@ type ZMQConfig struct {
 	DialTimeout    time.Duration // one connection attempt, default 2s
 	BackoffMin     time.Duration // first retry delay after a failed dial or a lost connection, default 100ms
 	BackoffMax     time.Duration // retry delay cap, default 5s
-	ReplayTimeout  time.Duration // a whole replay exchange, default 3s
+	ReplayTimeout  time.Duration // the wait for each reply of a replay, default 3s
 	// StaleAfter is how long the feed may be down before its rank's index
 	// entries are dropped and the rank is routed approximately (StaleSink),
 	// default 30s: longer than an engine restart takes to reconnect.
@@ -513,6 +513,9 @@ func (s *ZMQSubscriber) resume(ctx context.Context) {
 	}
 }
 
+// replayTurns bounds the replays of every feed of the process at once.
+var replayTurns = make(chan struct{}, 8)
+
 // endSeq marks the end of a replay (-1 as a signed 64-bit integer).
 const endSeq = ^uint64(0)
 
@@ -521,13 +524,28 @@ const endSeq = ^uint64(0)
 // seq == -1. (vLLM's ROUTER expects the empty delimiter a REQ socket would
 // send; replies are accepted with or without it.)
 func (s *ZMQSubscriber) replay(ctx context.Context, start uint64, fn func(seq uint64, payload []byte)) error {
-	rctx, cancel := context.WithTimeout(ctx, s.cfg.ReplayTimeout)
-	defer cancel()
+	// A fleet's feeds all replay at once at a start or a reload: 256 of
+	// them together ran every one out of its time, and under traffic the
+	// index was cleared more than rebuilt (the scale trial). The wait for
+	// a turn is not the replay's.
+	select {
+	case replayTurns <- struct{}{}:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	defer func() { <-replayTurns }()
+	// ReplayTimeout bounds the wait for each reply, not the exchange: an
+	// engine with a deep buffer may take longer to send it all.
+	rctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	silent := fmt.Errorf("no replay reply within %v", s.cfg.ReplayTimeout)
+	idle := time.AfterFunc(s.cfg.ReplayTimeout, func() { cancel(silent) })
+	defer idle.Stop()
 	dealer := newSocket(rctx, s.cfg.ReplayEndpoint, zmq4.NewDealer, zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(s.cfg.DialTimeout))
 	defer dealer.shut()
 	if err := dealer.Dial(s.cfg.ReplayEndpoint); err != nil {
 		if rctx.Err() != nil {
-			return rctx.Err()
+			return context.Cause(rctx)
 		}
 		return err
 	}
@@ -539,11 +557,12 @@ func (s *ZMQSubscriber) replay(ctx context.Context, start uint64, fn func(seq ui
 	for {
 		msg, err := dealer.Recv()
 		if rctx.Err() != nil {
-			return rctx.Err()
+			return context.Cause(rctx)
 		}
 		if err != nil {
 			return err
 		}
+		idle.Reset(s.cfg.ReplayTimeout)
 		frames := msg.Frames
 		if len(frames) > 0 && len(frames[0]) == 0 {
 			frames = frames[1:]

@@ -31,6 +31,23 @@ type testEngine struct {
 	topic    string
 	dropLive bool   // buffer but do not publish (a lost message)
 	stop     func() // closes its sockets: the engine is gone
+	// replayGap is the time between the replies of a replay; replaying,
+	// when set, counts the replays it serves at once (with other engines).
+	replayGap time.Duration
+	replaying *concurrency
+}
+
+// concurrency counts what runs at once, and the most that did.
+type concurrency struct {
+	mu        sync.Mutex
+	now, most int
+}
+
+func (c *concurrency) add(d int) {
+	c.mu.Lock()
+	c.now += d
+	c.most = max(c.most, c.now)
+	c.mu.Unlock()
 }
 
 func newTestEngine(t testing.TB, bufMax int) *testEngine {
@@ -83,11 +100,20 @@ func (e *testEngine) serveReplay(done chan struct{}) {
 		id, start := msg.Frames[0], binary.BigEndian.Uint64(msg.Frames[2])
 		e.mu.Lock()
 		items := append([][2][]byte(nil), e.buf...)
+		gap, count := e.replayGap, e.replaying
 		e.mu.Unlock()
+		if count != nil {
+			count.add(1)
+		}
 		for _, it := range items {
 			if binary.BigEndian.Uint64(it[0]) >= start {
+				time.Sleep(gap)
 				e.router.Send(zmq4.NewMsgFrom(id, []byte{}, it[0], it[1]))
 			}
+		}
+		time.Sleep(gap)
+		if count != nil {
+			count.add(-1)
 		}
 		e.router.Send(zmq4.NewMsgFrom(id, []byte{}, binary.BigEndian.AppendUint64(nil, endSeq), []byte{}))
 	}
@@ -667,5 +693,70 @@ func TestZMQSubscriberStoppedDuringResumeReportsNothing(t *testing.T) {
 	}
 	if st := sub.Stats(); st.Clears != 0 || st.Replays != replays+1 { // the resume's replay began, and was stopped
 		t.Fatalf("stats %+v (replays before %d)", st, replays)
+	}
+}
+
+// ReplayTimeout bounds the wait for each reply, not the whole replay: an
+// engine whose buffer takes longer than that to send, a reply at a time,
+// is replayed whole (the scale trial: every replay of a busy fleet ran out
+// of a fixed 3 s and cleared its index).
+func TestZMQReplayTimeoutIsPerReply(t *testing.T) {
+	eng := newTestEngine(t, 100)
+	for i := range 12 {
+		eng.dropLive = true
+		eng.publish(0, removed(uint64(i)))
+	}
+	eng.dropLive = false
+	eng.mu.Lock()
+	eng.replayGap = 50 * time.Millisecond // 13 replies: 650 ms in all
+	eng.mu.Unlock()
+	rs := &recordSink{}
+	sub := NewZMQSubscriber(ZMQConfig{Endpoint: eng.pubAddr, ReplayEndpoint: eng.replayAddr(), ReplayTimeout: 300 * time.Millisecond}, rs)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { sub.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	f := &subFixture{t: t, eng: eng, sink: rs, sub: sub}
+	f.wait("the replay", func(s ZMQStats) bool { return s.Replayed >= 12 })
+	if st := sub.Stats(); st.Clears != 0 || st.LastError != "" {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+// At most 8 feeds replay at once, whatever the fleet: each still replays
+// whole.
+func TestZMQReplaysTakeTurns(t *testing.T) {
+	count := &concurrency{}
+	var subs []*ZMQSubscriber
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	defer func() { cancel(); wg.Wait() }()
+	for range 12 {
+		eng := newTestEngine(t, 100)
+		for i := range 3 {
+			eng.dropLive = true
+			eng.publish(0, removed(uint64(i)))
+		}
+		eng.dropLive = false
+		eng.mu.Lock()
+		eng.replayGap, eng.replaying = 40*time.Millisecond, count
+		eng.mu.Unlock()
+		sub := NewZMQSubscriber(ZMQConfig{Endpoint: eng.pubAddr, ReplayEndpoint: eng.replayAddr()}, &recordSink{})
+		subs = append(subs, sub)
+		wg.Add(1)
+		go func() { defer wg.Done(); sub.Run(ctx) }()
+	}
+	for i, sub := range subs {
+		wctx, wcancel := context.WithTimeout(context.Background(), 10*time.Second)
+		err := sub.Wait(wctx, func(s ZMQStats) bool { return s.Replayed >= 3 })
+		wcancel()
+		if err != nil {
+			t.Fatalf("feed %d: %v (stats %+v)", i, err, sub.Stats())
+		}
+	}
+	count.mu.Lock()
+	defer count.mu.Unlock()
+	if count.most > 8 || count.most < 2 {
+		t.Fatalf("%d replays at once, want 2 to 8", count.most)
 	}
 }
