@@ -142,7 +142,13 @@ func newBackend(bc config.Backend, cfg *config.Config, p *modelPool, log zerolog
 	p.rt.SetPeerGroup(b.worker, peerGroup(bc.Role))
 	b.rankGroup = new(atomic.Int32)
 	b.rankGroup.Store(int32(peerGroup(bc.Role)))
-	p.rt.SetAvailable(b.worker, true)
+	if p.backend(b.worker) == nil {
+		// A new worker of a running pool (a reload's) takes no request
+		// before activate sets its backend in the pool: one routed to it
+		// meanwhile found none, and got 503 backend_removed (the scale
+		// trial). A backend it replaces keeps its own until handOver.
+		p.rt.SetAvailable(b.worker, false)
+	}
 	return b
 }
 

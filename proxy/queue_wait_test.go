@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvproxy/kvproxy/config"
 )
 
 // The time a request waits for a backend slot is measured: every routing
@@ -114,5 +116,38 @@ limits: {queue_timeout: 300ms}
 	}
 	if !regexp.MustCompile(`"backend":"bad"[^\n]*"status":500[^\n]*"error":"[^"]*its retry: no backend had capacity within the queue timeout"`).MatchString(p.logs.String()) {
 		t.Fatalf("the log line says nothing of the retry:\n%s", p.logs.String())
+	}
+}
+
+// A backend a reload adds takes no request before it is in its pool: one
+// routed to it while the reload was still building found none, and got
+// 503 backend_removed with the other engines healthy (the scale trial).
+func TestBackendBeingAddedTakesNoRequestYet(t *testing.T) {
+	e0, e1 := startFake(t, "e0", nil), startFake(t, "e1", nil)
+	yaml := "models: [{name: m, aliases: [alias-m]}]\nrouter: {policy: round_robin}\nbackends:\n  - {id: e0, url: 'http://{{e0}}'}\n"
+	p := startProxyYAML(t, yaml, e0, e1)
+	next, err := config.Parse([]byte(strings.ReplaceAll(strings.ReplaceAll(yaml+"  - {id: e1, url: 'http://{{e1}}'}\n", "{{e0}}", e0.addr), "{{e1}}", e1.addr)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	prev := p.s.st.Load()
+	st, err := p.s.build(next, prev) // as a reload does, before it activates st
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 6 {
+		if resp, b := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 200 {
+			t.Fatalf("%d while the reload builds: %s", resp.StatusCode, b)
+		}
+	}
+	if e1.requests.Load() != 0 {
+		t.Fatalf("the backend being added took %d requests", e1.requests.Load())
+	}
+	p.s.activate(st, prev)
+	for range 4 {
+		post(t, p.url+"/v1/chat/completions", chatBody)
+	}
+	if e1.requests.Load() == 0 {
+		t.Fatal("the added backend took no request once active")
 	}
 }

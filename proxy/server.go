@@ -458,6 +458,11 @@ func (s *Server) activate(st, prev *state) {
 		// and read its feed for its data-parallel ranks.
 		b.startEvents()
 		b.pool.setBackend(b)
+		b.mu.Lock()
+		for _, w := range b.workerIDs() {
+			b.pool.rt.SetAvailable(w, b.available)
+		}
+		b.mu.Unlock()
 		if s.health != nil {
 			// Replaces the probe of a backend of its id: the same engine
 			// keeps its probe state (a rebuilt backend of a dead engine
