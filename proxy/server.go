@@ -485,19 +485,28 @@ func (s *Server) activate(st, prev *state) {
 			p.queue.wakeAll()
 		}
 	}()
+	// The event feeds of the backends removed stop side by side: each
+	// stop waits for its feed's goroutine, and 128 in a row held the
+	// reload 5 s (the scale trial). All have stopped before any retires.
+	var stopping sync.WaitGroup
+	for id, old := range prev.backends {
+		nb := st.backends[id]
+		if nb == old || nb != nil && nb.pool == old.pool {
+			continue // kept, or replaced (above)
+		}
+		if s.health != nil && nb == nil {
+			s.health.Remove(id)
+		}
+		old.drain(nb != nil)
+		stopping.Go(old.stopEvents)
+	}
+	stopping.Wait()
 	for id, old := range prev.backends {
 		if st.backends[id] == old {
 			continue
 		}
 		nb := st.backends[id]
 		replaced := nb != nil && nb.pool == old.pool
-		if !replaced {
-			if s.health != nil && nb == nil {
-				s.health.Remove(id)
-			}
-			old.drain(nb != nil)
-			old.stopEvents()
-		}
 		rebuilt := replaced && reflect.DeepEqual(nb.cfg, old.cfg)
 		old.retiring.Store(true) // before retire reads its inflight: see route
 		s.retiring.Store(old, struct{}{})
