@@ -308,19 +308,7 @@ func (s *Server) backendRows(st *state) []backendJSON {
 			row := &rows[len(rows)-1]
 			row.Down = b.whyDown()
 			if b.feed != nil { // load and index over all data-parallel ranks
-				row.IndexedBlocks, row.PrefillTokens, row.ActiveBlocks, row.Pending = 0, 0, 0, 0
-				row.Remote = router.Load{}
-				for _, id := range b.workerIDs() {
-					ws := status[id]
-					row.Remote.Inflight += ws.Remote.Inflight
-					row.Remote.Pending += ws.Remote.Pending
-					row.Remote.PrefillTokens += ws.Remote.PrefillTokens
-					row.Remote.ActiveBlocks += ws.Remote.ActiveBlocks
-					row.IndexedBlocks += int64(ws.IndexedBlocks)
-					row.Pending += ws.Pending
-					row.PrefillTokens += ws.PrefillTokens
-					row.ActiveBlocks += ws.ActiveBlocks
-				}
+				row.sumLoad(b, status)
 			}
 			row.Adapters = b.adapters.Load()
 			if ss := b.scrape.Load(); ss != nil {
@@ -334,12 +322,43 @@ func (s *Server) backendRows(st *state) []backendJSON {
 		if st.backends[b.cfg.ID] == b { // st predates the reload: listed above
 			return true
 		}
-		rows = append(rows, backendJSON{ID: b.cfg.ID, URL: b.cfg.URL, Model: b.cfg.Model, Kind: b.cfg.Kind, Role: b.cfg.Role,
-			Draining: true, Inflight: b.inflight.Load()})
+		// Its engine's health apart from the draining (which makes a
+		// backend unhealthy to the router: a reload looked like an
+		// outage here), and the router load it holds, or shares with its
+		// successor (the replicas trial: zeros).
+		row := backendJSON{ID: b.cfg.ID, URL: b.cfg.URL, Model: b.cfg.Model, Kind: b.cfg.Kind, Role: b.cfg.Role,
+			Draining: true, Inflight: b.inflight.Load(), Healthy: b.engineHealthy()}
+		if !row.Healthy {
+			row.Down = b.whyDown()
+		}
+		status := map[router.WorkerID]router.WorkerStatus{}
+		for _, w := range b.pool.rt.Workers() {
+			status[w.ID] = w
+		}
+		row.sumLoad(b, status)
+		rows = append(rows, row)
 		return true
 	})
 	sort.SliceStable(rows, func(i, j int) bool { return rows[i].ID < rows[j].ID })
 	return rows
+}
+
+// sumLoad sets the row's router load and index to the sums over the
+// backend's workers (its data-parallel ranks).
+func (row *backendJSON) sumLoad(b *backend, status map[router.WorkerID]router.WorkerStatus) {
+	row.IndexedBlocks, row.PrefillTokens, row.ActiveBlocks, row.Pending = 0, 0, 0, 0
+	row.Remote = router.Load{}
+	for _, id := range b.workerIDs() {
+		ws := status[id]
+		row.Remote.Inflight += ws.Remote.Inflight
+		row.Remote.Pending += ws.Remote.Pending
+		row.Remote.PrefillTokens += ws.Remote.PrefillTokens
+		row.Remote.ActiveBlocks += ws.Remote.ActiveBlocks
+		row.IndexedBlocks += int64(ws.IndexedBlocks)
+		row.Pending += ws.Pending
+		row.PrefillTokens += ws.PrefillTokens
+		row.ActiveBlocks += ws.ActiveBlocks
+	}
 }
 
 func (s *Server) handleAdminBackends(ctx *fasthttp.RequestCtx, st *state) {

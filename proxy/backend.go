@@ -610,6 +610,13 @@ func coolingFor(retryAfter []byte) time.Duration {
 
 func (b *backend) healthyLocked() bool { return b.probeOK && !b.ejected && !b.draining }
 
+// engineHealthy reports whether b's engine is healthy, b draining or not.
+func (b *backend) engineHealthy() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.probeOK && !b.ejected
+}
+
 // applyLocked brings the router workers' availability in line with the
 // backend's state, and logs and times (forget_after) the backend's going
 // down and coming back. Health is followed on its own: a backend may go

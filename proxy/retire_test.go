@@ -130,6 +130,12 @@ func TestDrainingBackendShowsInAdmin(t *testing.T) {
 	if draining == nil || draining.ID != "e0" || draining.Inflight != 1 || draining.URL != "http://"+e.addr {
 		t.Fatalf("no draining e0 with its request in %+v", rows())
 	}
+	// Its engine is healthy, and the router load of its request shows
+	// (shared with its successor): a reload looked like an outage of an
+	// idle engine (the replicas trial).
+	if !draining.Healthy || draining.Down != nil || draining.ActiveBlocks == 0 {
+		t.Fatalf("the draining e0: %+v", *draining)
+	}
 	if resp, b := get(p.url + "/metrics"); resp.StatusCode != 200 || strings.Count(string(b), `kvproxy_inflight_requests{backend="e0"}`) != 1 ||
 		!strings.Contains(string(b), `kvproxy_inflight_requests{backend="e0"} 1`) {
 		t.Fatalf("/metrics: %d, e0 series %d (want one, of 1 request):\n%s", resp.StatusCode, strings.Count(string(b), `kvproxy_inflight_requests{backend="e0"}`), b)
