@@ -18,6 +18,7 @@ import (
 	"unicode/utf8"
 	"unsafe"
 
+	"github.com/rs/zerolog"
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvproxy/kvproxy/backends"
@@ -615,7 +616,7 @@ func (s *Server) attempt(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *ex
 			s.metrics.reroutes.WithLabelValues(refusedBy.cfg.ID).Inc()
 			// Bounded as rejections are: an engine down under load is
 			// thousands of reroutes a second (kvproxy_reroutes_total counts them).
-			if s.rejectLog.allow(x.tenant, "rerouting from backend "+refusedBy.cfg.ID) {
+			if s.rejectLog.allow(x.tenant, "rerouting from backend "+refusedBy.cfg.ID, true) {
 				s.log.Warn().Str("request_id", rid).Str("backend", refusedBy.cfg.ID).Str("to", x.b.cfg.ID).Str("reason", x.errMsg).Msg("rerouting")
 			}
 		}
@@ -1689,15 +1690,25 @@ func logClip(b []byte) string {
 	return string(b[:i]) + "…"
 }
 
+// rejectEvent is the log event of a request kvproxy answered itself: a
+// failure's (5xx: saturation, an outage) a warning, as an engine's is, so
+// that a log at warn keeps it.
+func (s *Server) rejectEvent(status int) *zerolog.Event {
+	if status >= 500 {
+		return s.log.Warn()
+	}
+	return s.log.Info()
+}
+
 // logRejected counts and logs a request kvproxy answered itself. The log
 // lines are bounded per tenant and reason (logLimiter); the metrics count
 // every one.
 func (s *Server) logRejected(ctx *fasthttp.RequestCtx, rid, tenant, model string, status int, start time.Time, reason string) {
 	s.metrics.countRequest("", status)
-	if !s.rejectLog.allow(tenant, reason) {
+	if !s.rejectLog.allow(tenant, reason, status >= 500) {
 		return
 	}
-	s.log.Info().Str("request_id", rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("path", logClip(ctx.Path())).
+	s.rejectEvent(status).Str("request_id", rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("path", logClip(ctx.Path())).
 		Str("model", logClip(stringBytes(model))).Str("tenant", tenant).Int("status", status).
 		Dur("duration", time.Since(start)).Str("error", reason).Msg("request")
 }

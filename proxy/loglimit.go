@@ -17,7 +17,12 @@ const rejectLinesPerSec = 10
 // the reasons are kvproxy's own words, but a parse error's may vary.
 const maxLimitedKeys = 256
 
-type limitKey struct{ tenant, reason string }
+// limitKey is a kind of line; warn: its lines are warnings (failures), and
+// so is its summary.
+type limitKey struct {
+	tenant, reason string
+	warn           bool
+}
 
 // logLimiter bounds the rate of similar log lines. A window opens at the
 // first line after a quiet one and lasts window; its end writes a summary
@@ -35,9 +40,10 @@ func newLogLimiter(log zerolog.Logger) *logLimiter {
 	return &logLimiter{log: log, perKey: rejectLinesPerSec, window: time.Second}
 }
 
-// allow reports whether a line of tenant and reason may be written now.
-func (l *logLimiter) allow(tenant, reason string) bool {
-	k := limitKey{tenant, reason}
+// allow reports whether a line of tenant and reason (a warning or not)
+// may be written now.
+func (l *logLimiter) allow(tenant, reason string, warn bool) bool {
+	k := limitKey{tenant, reason, warn}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.lines == nil {
@@ -46,7 +52,7 @@ func (l *logLimiter) allow(tenant, reason string) bool {
 	}
 	n, seen := l.lines[k]
 	if !seen && len(l.lines) >= maxLimitedKeys {
-		k = limitKey{reason: "(other reasons)"}
+		k = limitKey{reason: "(other reasons)", warn: warn}
 		n = l.lines[k]
 	}
 	l.lines[k] = n + 1
@@ -61,7 +67,11 @@ func (l *logLimiter) endWindow() {
 	l.mu.Unlock()
 	for k, n := range lines {
 		if n > l.perKey {
-			l.log.Info().Str("tenant", k.tenant).Str("error", k.reason).Int("suppressed", n-l.perKey).
+			ev := l.log.Info()
+			if k.warn {
+				ev = l.log.Warn()
+			}
+			ev.Str("tenant", k.tenant).Str("error", k.reason).Int("suppressed", n-l.perKey).
 				Dur("window", l.window).Msgf("suppressed %d similar lines", n-l.perKey)
 		}
 	}

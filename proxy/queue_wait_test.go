@@ -151,3 +151,50 @@ func TestBackendBeingAddedTakesNoRequestYet(t *testing.T) {
 		t.Fatal("the added backend took no request once active")
 	}
 }
+
+// kvproxy's own failures (503s of saturation, an outage) log as warnings,
+// as an engine's do, their summaries too: at log_level warn they were
+// gone (the replicas trial). Its refusals of the client's doing stay info.
+func TestOwnFailuresLogAsWarnings(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.prefillDelay = 2 * time.Second })
+	p := startProxyYAML(t, `
+models: [{name: m, aliases: [alias-m]}]
+backends: [{id: e0, url: 'http://{{e0}}', max_concurrency: 1}]
+limits: {max_queue: 0}
+`, e)
+	held := make(chan struct{})
+	go func() {
+		defer close(held)
+		if resp, err := http.Post(p.url+"/v1/chat/completions", "application/json", strings.NewReader(chatBody)); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	for deadline := time.Now().Add(10 * time.Second); e.current.Load() != 1; { // the first request loads the tokenizer
+		if time.Now().After(deadline) {
+			t.Fatalf("the first request never reached the engine:\n%s", p.logs.String())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	for range rejectLinesPerSec + 5 {
+		if resp, b := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 503 {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+	}
+	post(t, p.url+"/v1/chat/completions", strings.Replace(chatBody, "alias-m", "no-such-model", 1))
+	<-held
+	waitFor(t, "the summary of the suppressed lines", func() bool { return strings.Contains(p.logs.String(), "similar lines") })
+	logs := p.logs.String()
+	for _, want := range []string{
+		`{"level":"warn","request_id":`, `"status":503`, `{"level":"warn","tenant":"","error":"every backend is at its concurrency limit and the wait queue is full","suppressed":5`,
+	} {
+		if !strings.Contains(logs, want) {
+			t.Fatalf("no %s in:\n%s", want, logs)
+		}
+	}
+	if !regexp.MustCompile(`\{"level":"info","request_id":"[^"]*"[^\n]*"status":404`).MatchString(logs) {
+		t.Fatalf("the unknown model's 404 is not an info line:\n%s", logs)
+	}
+	if regexp.MustCompile(`\{"level":"info"[^\n]*"status":503`).MatchString(logs) {
+		t.Fatalf("a 503 of kvproxy's logged at info:\n%s", logs)
+	}
+}

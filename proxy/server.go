@@ -1191,10 +1191,10 @@ func unauthorized(ctx *fasthttp.RequestCtx) {
 func (s *Server) logUnrouted(ctx *fasthttp.RequestCtx, reason string) {
 	rid, _ := s.requestIDs(ctx)
 	s.metrics.countRequest("", ctx.Response.StatusCode())
-	if !s.rejectLog.allow("", reason) {
+	if !s.rejectLog.allow("", reason, ctx.Response.StatusCode() >= 500) {
 		return
 	}
-	s.log.Info().Str("request_id", rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("method", logClip(ctx.Method())).Str("path", logClip(ctx.Path())).
+	s.rejectEvent(ctx.Response.StatusCode()).Str("request_id", rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("method", logClip(ctx.Method())).Str("path", logClip(ctx.Path())).
 		Int("status", ctx.Response.StatusCode()).Dur("duration", time.Since(ctx.Time())).Str("error", reason).Msg("request")
 }
 
@@ -1287,10 +1287,10 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 func (s *Server) logTransport(ctx *fasthttp.RequestCtx, reason, limitKey string) {
 	rid, _ := s.requestIDs(ctx)
 	s.metrics.countRequest("", ctx.Response.StatusCode())
-	if !s.rejectLog.allow("", limitKey) {
+	if !s.rejectLog.allow("", limitKey, ctx.Response.StatusCode() >= 500) {
 		return
 	}
-	s.log.Info().Str("request_id", rid).Str("remote", s.st.Load().clientIP(ctx).String()).Int("status", ctx.Response.StatusCode()).
+	s.rejectEvent(ctx.Response.StatusCode()).Str("request_id", rid).Str("remote", s.st.Load().clientIP(ctx).String()).Int("status", ctx.Response.StatusCode()).
 		Str("error", reason).Msg("request")
 }
 
