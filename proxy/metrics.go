@@ -50,14 +50,14 @@ type metrics struct {
 func newMetrics() *metrics {
 	m := &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvproxy_requests_total", Help: "Proxied requests by backend and HTTP status (backend empty: answered by kvproxy).",
+			Name: "kvproxy_requests_total", Help: "Proxied requests by backend and status: the HTTP status, 499 for a client that left, or for a stream that failed after its 200 the 502 or 504 its error event stands for (backend empty: answered by kvproxy; dry runs, /v1/models and /health are not counted).",
 		}, []string{"backend", "code"}),
 		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "kvproxy_ttft_seconds", Help: "Time from request arrival to the first streamed token, by backend.",
 			Buckets: prometheus.ExponentialBuckets(0.005, 2, 16), // 5 ms to 164 s: a prefill queued behind a loaded engine's can take a minute
 		}, []string{"backend"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "kvproxy_request_duration_seconds", Help: "Time from request arrival to the end of its answer, by backend (every status, streams included).",
+			Name: "kvproxy_request_duration_seconds", Help: "Time from request arrival to the end of its answer, by backend (every status, streams included; requests kvproxy answers itself are not observed).",
 			Buckets: prometheus.ExponentialBuckets(0.005, 2, 18), // 5 ms to 11 min: long generations
 		}, []string{"backend"}),
 		tpot: prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -88,7 +88,7 @@ func newMetrics() *metrics {
 		Name: "kvproxy_stream_migrations_total", Help: "Streams whose backend failed mid-answer, by that backend and result: continued on another backend (ok), or ended with an error event because none could continue it (failed).",
 	}, []string{"backend", "result"})
 	m.reroutes = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kvproxy_reroutes_total", Help: "Requests sent on to another backend after this one refused them before starting (connection refused, 429, 503, credentials, 404), by the backend that refused.",
+		Name: "kvproxy_reroutes_total", Help: "Requests sent on to another backend after this one refused them (connection refused, 429, 503, credentials, 404) or failed them before any answer (500, 502, 504), by that backend.",
 	}, []string{"backend"})
 	m.reloads = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvproxy_config_reloads_total", Help: "Configuration reloads (SIGHUP, POST /admin/reload) by result: ok or rejected.",
@@ -251,8 +251,8 @@ var (
 	inflightDesc = prometheus.NewDesc("kvproxy_inflight_requests", "Requests in flight per backend.", []string{"backend"}, nil)
 	blocksDesc   = prometheus.NewDesc("kvproxy_active_blocks", "Active KV blocks per backend, as tracked by the router.", []string{"backend"}, nil)
 	indexDesc    = prometheus.NewDesc("kvproxy_indexed_blocks", "Blocks in the prefix index per backend.", []string{"backend"}, nil)
-	healthyDesc  = prometheus.NewDesc("kvproxy_backend_healthy", "1 when the backend receives traffic.", []string{"backend"}, nil)
-	tenantDesc   = prometheus.NewDesc("kvproxy_tenant_inflight_requests", "Requests in flight per tenant with a max_concurrency.", []string{"tenant"}, nil)
+	healthyDesc  = prometheus.NewDesc("kvproxy_backend_healthy", "1 while the backend is healthy (its probe passes and it is not ejected; it may still be full or cooling down: /admin/backends available).", []string{"backend"}, nil)
+	tenantDesc   = prometheus.NewDesc("kvproxy_tenant_inflight_requests", "Requests in flight per tenant with a max_concurrency, those queued for a backend slot included.", []string{"tenant"}, nil)
 	modelUpDesc  = prometheus.NewDesc("kvproxy_model_healthy_backends", "Healthy backends per configured model (0: the model's requests are answered 503).", []string{"model"}, nil)
 	queuedDesc   = prometheus.NewDesc("kvproxy_queue_waiting", "Requests waiting for a backend slot (limits.max_queue), per configured model.", []string{"model"}, nil)
 	tokCacheDesc = prometheus.NewDesc("kvproxy_tokenizer_cache_bytes", "Bytes of token ids and message text the model's tokenizer cache holds (models[].tokenizer_cache_mb bounds it; with tokenizer: engine, the engine's answers, up to 32 MiB).", []string{"model"}, nil)
