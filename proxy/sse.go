@@ -441,8 +441,7 @@ func (r *relay) onEvent(ev []byte) []byte {
 			if d, drop := r.continued(data); drop {
 				return dropped
 			} else if d != nil {
-				r.onData(d)
-				if r.unasked(d) {
+				if r.onData(d) {
 					return dropped
 				}
 				fixed = append(append(append(fixed, "data: "...), d...), "\n\n"...)
@@ -467,18 +466,11 @@ func (r *relay) onEvent(ev []byte) []byte {
 				continue
 			}
 		}
-		r.onData(data)
-		if r.unasked(data) {
+		if r.onData(data) {
 			return dropped
 		}
 	}
 	return fixed
-}
-
-// unasked reports whether data is the usage chunk kvproxy asked the engine
-// for and the client did not (exchange.addedUsage): metered, not relayed.
-func (r *relay) unasked(data []byte) bool {
-	return r.x.addedUsage && noChoices(data) && hasUsage(data)
 }
 
 // answered records a stream the engine ended as it should: a success, or
@@ -569,7 +561,9 @@ func firstMember(data []byte) (key, val []byte, ok bool) {
 	return key, data[skipSpace(data, i+1):], true
 }
 
-func (r *relay) onData(data []byte) {
+// onData follows a chunk of the answer (its finish, output, choice and
+// usage) and reports whether it is the usage the client did not ask for.
+func (r *relay) onData(data []byte) (unasked bool) {
 	last := false
 	if v, ok := finishValue(data); ok { // none in a usage chunk (no choices)
 		r.finished = len(v) > 1 && v[0] == '"' && v[1] != '"' // SGLang 0.4.3 sent "" mid-answer
@@ -588,13 +582,16 @@ func (r *relay) onData(data []byte) {
 			// TGI sends the usage with the last token, not after it.
 			r.x.usage.read(data)
 		}
-		return
+		return false
 	}
 	if !r.sawFirst && !noChoices(data) {
 		r.firstEvent()
 	}
-	// Usage arrives in a chunk of its own (stream_options.include_usage).
+	// Usage arrives in a chunk of its own (stream_options.include_usage):
+	// one kvproxy asked the engine for and the client did not
+	// (exchange.addedUsage) is metered, not relayed.
 	r.x.usage.read(data)
+	return r.x.addedUsage && noChoices(data) && hasUsage(data)
 }
 
 // noteChoice records, for a request of several choices, the choice a
