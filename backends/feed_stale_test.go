@@ -40,7 +40,9 @@ func TestZMQFeedReplaysTheBufferWhenItConnects(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(feed.Close)
-	waitFeed(t, feed, "the engine's buffer", func(s ZMQStats) bool { return s.LastSeq == int64(last) })
+	// Replayed is counted just after the batch is applied (and LastSeq
+	// set): waited for too.
+	waitFeed(t, feed, "the engine's buffer", func(s ZMQStats) bool { return s.LastSeq == int64(last) && s.Replayed == 1 })
 	if st := feed.Stats(); st.Apply.Blocks[kv.TierDevice] != 3 || st.ZMQ.Replayed != 1 {
 		t.Fatalf("apply %+v, zmq %+v", st.Apply, *st.ZMQ)
 	}

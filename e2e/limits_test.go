@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bufio"
+	"fmt"
 	"net"
 	"net/http"
 	"os"
@@ -145,61 +146,69 @@ func TestDefaultConnectionCapKeepsDescriptors(t *testing.T) {
 // Running out of descriptors is kvproxy's want, not the engine's: a
 // request that cannot open an engine connection for it gets a 503 saying
 // so, and the engine is not taken out (every engine of a 256-backend fleet
-// was, and every request after got "no healthy backend": the scale trial).
+// was, and every request after got "no healthy backend": the scale trial),
+// nor is a prefill engine, dialed first (the review).
 func TestOutOfDescriptorsEjectsNoEngine(t *testing.T) {
-	engines := fleet(t, 1)
-	listen := freePort(t)
-	path := filepath.Join(t.TempDir(), "kvproxy.yaml")
-	body := "listen: " + listen + "\nlog_level: info\n" +
-		backendsYAML(map[string]string{"e0": engines[0]}, "limits: {max_connections: 1000}\n")
-	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	p := startLimited(t, 64, "kvproxy", "-config", path)
-	url := "http://" + listen
-	waitHealthy(t, url, p)
+	for _, disaggregated := range []bool{false, true} {
+		t.Run(fmt.Sprint("disaggregated=", disaggregated), func(t *testing.T) {
+			engines := fleet(t, 2)
+			listen := freePort(t)
+			path := filepath.Join(t.TempDir(), "kvproxy.yaml")
+			addrs := map[string]string{"e0": engines[0]}
+			extra := "limits: {max_connections: 1000}\n"
+			if disaggregated {
+				extra = "  - {id: p0, url: 'http://" + engines[1] + "', model: mock-model, kind: vllm, role: prefill}\n" + extra
+			}
+			if err := os.WriteFile(path, []byte("listen: "+listen+"\nlog_level: info\n"+backendsYAML(addrs, extra)), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			p := startLimited(t, 64, "kvproxy", "-config", path)
+			url := "http://" + listen
+			waitHealthy(t, url, p)
+			if !disaggregated {
+				// A long stream holds the engine connection kvproxy has;
+				// the next request needs one of its own.
+				resp, err := http.Post(url+"/v1/chat/completions", "application/json",
+					strings.NewReader(`{"model":"default","stream":true,"max_tokens":4000,"messages":[{"role":"user","content":"hi"}]}`))
+				if err != nil || resp.StatusCode != 200 {
+					t.Fatalf("the long stream: %v %v", resp, err)
+				}
+				defer resp.Body.Close()
+				if _, err := resp.Body.Read(make([]byte, 1)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			client, err := net.DialTimeout("tcp", listen, 2*time.Second)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer client.Close()
 
-	// A long stream holds the engine connection kvproxy has; the next
-	// request needs one of its own.
-	resp, err := http.Post(url+"/v1/chat/completions", "application/json",
-		strings.NewReader(`{"model":"default","stream":true,"max_tokens":4000,"messages":[{"role":"user","content":"hi"}]}`))
-	if err != nil || resp.StatusCode != 200 {
-		t.Fatalf("the long stream: %v %v", resp, err)
-	}
-	defer resp.Body.Close()
-	first := make([]byte, 1)
-	if _, err := resp.Body.Read(first); err != nil {
-		t.Fatal(err)
-	}
-	client, err := net.DialTimeout("tcp", listen, 2*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
-
-	conns := holdConns(t, listen, 100)
-	waitFor(t, 5*time.Second, "the accept error's warning", func() bool {
-		return strings.Contains(p.String(), "accepting a connection failed")
-	})
-	req, _ := http.NewRequest("POST", url+"/v1/chat/completions", strings.NewReader(`{"model":"default","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`))
-	req.Header.Set("Content-Type", "application/json")
-	client.SetDeadline(time.Now().Add(5 * time.Second))
-	if err := req.Write(client); err != nil {
-		t.Fatal(err)
-	}
-	answer, err := http.ReadResponse(bufio.NewReader(client), req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	got := readAll(answer.Body)
-	if answer.StatusCode != 503 || !strings.Contains(got, `"code":"out_of_file_descriptors"`) {
-		t.Fatalf("%d %s\n%s", answer.StatusCode, got, tail(p.String(), 3000))
-	}
-	for _, c := range conns {
-		c.Close()
-	}
-	waitFor(t, 10*time.Second, "a request served after the connections closed", func() bool { return chatOK(url) })
-	if out := p.String(); strings.Contains(out, "backend ejected") || strings.Contains(out, "backend unavailable") {
-		t.Fatalf("the engine was taken out for kvproxy's want of descriptors:\n%s", tail(out, 3000))
+			conns := holdConns(t, listen, 100)
+			waitFor(t, 5*time.Second, "the accept error's warning", func() bool {
+				return strings.Contains(p.String(), "accepting a connection failed")
+			})
+			req, _ := http.NewRequest("POST", url+"/v1/chat/completions", strings.NewReader(`{"model":"default","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`))
+			req.Header.Set("Content-Type", "application/json")
+			client.SetDeadline(time.Now().Add(5 * time.Second))
+			if err := req.Write(client); err != nil {
+				t.Fatal(err)
+			}
+			answer, err := http.ReadResponse(bufio.NewReader(client), req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := readAll(answer.Body)
+			if answer.StatusCode != 503 || !strings.Contains(got, `"code":"out_of_file_descriptors"`) {
+				t.Fatalf("%d %s\n%s", answer.StatusCode, got, tail(p.String(), 3000))
+			}
+			for _, c := range conns {
+				c.Close()
+			}
+			waitFor(t, 10*time.Second, "a request served after the connections closed", func() bool { return chatOK(url) })
+			if out := p.String(); strings.Contains(out, "backend ejected") || strings.Contains(out, "backend unavailable") {
+				t.Fatalf("an engine was taken out for kvproxy's want of descriptors:\n%s", tail(out, 3000))
+			}
+		})
 	}
 }

@@ -142,11 +142,14 @@ func newBackend(bc config.Backend, cfg *config.Config, p *modelPool, log zerolog
 	p.rt.SetPeerGroup(b.worker, peerGroup(bc.Role))
 	b.rankGroup = new(atomic.Int32)
 	b.rankGroup.Store(int32(peerGroup(bc.Role)))
-	if p.backend(b.worker) == nil {
-		// A new worker of a running pool (a reload's) takes no request
-		// before activate sets its backend in the pool: one routed to it
+	if old := p.backend(b.worker); old == nil || old.retiring.Load() {
+		// A new worker of a running pool (a reload's), or one AddWorker
+		// revived for an id a reload removed, takes no request before
+		// activate sets its backend in the pool: one routed to it
 		// meanwhile found none, and got 503 backend_removed (the scale
-		// trial). A backend it replaces keeps its own until handOver.
+		// trial), or found the retired one and routed again, a core spun
+		// on it (the review). A backend it replaces keeps its own until
+		// handOver.
 		p.rt.SetAvailable(b.worker, false)
 	}
 	return b
@@ -272,6 +275,16 @@ const (
 // back-off to double to eject_max, which would keep it out that long after
 // it is up.
 func (b *backend) failConn(reason string) { b.eject(ejectConnect, reason, true) }
+
+// failDial is failConn for a connection that could not be opened, unless
+// kvproxy itself was out of file descriptors (backends.OutOfFiles), which
+// is no fault of the engine's: ejecting engines for it took a whole fleet
+// out (the scale trial).
+func (b *backend) failDial(ce *backends.ConnectError) {
+	if !backends.OutOfFiles(ce) {
+		b.failConn("connect: " + ce.Err.Error())
+	}
+}
 
 func (b *backend) eject(kind, reason string, conn bool) {
 	b.mu.Lock()

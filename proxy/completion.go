@@ -982,9 +982,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			x.status = 499 // client closed the request
 			s.answerNothing(ctx)
 		case backends.OutOfFiles(err):
-			// kvproxy's own want of file descriptors, not the engine's
-			// fault: counted against engines, it took a whole fleet out
-			// for a moment's exhaustion (the scale trial).
+			// kvproxy's own want of file descriptors: no fault of the
+			// engine's (failDial).
 			x.status, x.errMsg = fasthttp.StatusServiceUnavailable, "no engine connection: "+err.Error()
 			ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 			s.unavailable(ctx, whyNoFiles, "kvproxy has run out of file descriptors (its open files limit); retry")

@@ -266,12 +266,12 @@ const defaultMaxConns = 10000
 // connsFor is how many client connections an open files limit has room
 // for beside a fleet of backends: each may hold an engine connection too
 // (its request in flight, then kept idle in the pool); a reserve stays for
-// the listener, the tokenizers' files and logs, and 4 for each backend (its
-// probe, scrapes and model lists, its event feed and a replay: 256 backends
-// held 779 descriptors at rest, and the fixed reserve alone let 150 clients
-// run a limit of 1,024 out: the scale trial).
+// the listener, the tokenizers' files, logs and the replays of event feeds
+// (8 at a time), and 3 for each backend (its probe and scrape connections
+// and its event feed: 256 backends held 779 descriptors at rest, the scale
+// trial).
 func connsFor(nofile uint64, backends int) uint64 {
-	reserve := min(nofile/4, 256) + 4*uint64(backends)
+	reserve := min(nofile/4, 64) + 3*uint64(backends)
 	if reserve >= nofile {
 		return 0
 	}
@@ -279,13 +279,16 @@ func connsFor(nofile uint64, backends int) uint64 {
 }
 
 // autoMaxConns is the cap when limits.max_connections is 0: what the open
-// files limit has room for, at least 1 and at most defaultMaxConns (nofile
-// 0: unknown).
+// files limit has room for, at most defaultMaxConns (nofile 0: unknown) and
+// at least a quarter of the limit up to 64: a fleet too large for the limit
+// is warned of (logWarnings), and running out of descriptors costs a 503
+// each, where a cap of 1 refused every client but one.
 func autoMaxConns(nofile uint64, backends int) int {
 	if nofile == 0 {
 		return defaultMaxConns
 	}
-	return int(max(1, min(defaultMaxConns, connsFor(nofile, backends))))
+	least := max(1, min(64, nofile/4))
+	return int(max(least, min(defaultMaxConns, connsFor(nofile, backends))))
 }
 
 // MaxConnections is the cap on client connections in force

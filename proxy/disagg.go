@@ -152,7 +152,7 @@ func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchang
 		}
 		return nil // the client left (the decode stage finds out), or the engine stopped answering
 	case errors.As(err, &ce):
-		b.failConn("connect: " + ce.Err.Error())
+		b.failDial(ce)
 		x.prefillErr = "connect: " + ce.Err.Error()
 		return nil
 	case err != nil:

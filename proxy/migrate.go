@@ -451,7 +451,7 @@ func (r *relay) sendContinuation(emitted int) (streamBody, *fasthttp.Response, e
 		}
 	case errors.Is(err, backends.ErrAborted):
 	case errors.As(err, &ce):
-		b.failConn("connect: " + ce.Err.Error())
+		b.failDial(ce)
 	case backends.IsTimeout(err):
 		b.fail(ejectTimeout, "sent nothing for a continued stream")
 	default:

@@ -1,10 +1,14 @@
 package proxy
 
 import (
+	"context"
+	"fmt"
+	"io"
 	"net/http"
 	"regexp"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -121,34 +125,67 @@ limits: {queue_timeout: 300ms}
 
 // A backend a reload adds takes no request before it is in its pool: one
 // routed to it while the reload was still building found none, and got
-// 503 backend_removed with the other engines healthy (the scale trial).
+// 503 backend_removed with the other engines healthy (the scale trial);
+// one added again after its old self retired had requests spin on the
+// retired one until the reload was done (the review).
 func TestBackendBeingAddedTakesNoRequestYet(t *testing.T) {
-	e0, e1 := startFake(t, "e0", nil), startFake(t, "e1", nil)
-	yaml := "models: [{name: m, aliases: [alias-m]}]\nrouter: {policy: round_robin}\nbackends:\n  - {id: e0, url: 'http://{{e0}}'}\n"
-	p := startProxyYAML(t, yaml, e0, e1)
-	next, err := config.Parse([]byte(strings.ReplaceAll(strings.ReplaceAll(yaml+"  - {id: e1, url: 'http://{{e1}}'}\n", "{{e0}}", e0.addr), "{{e1}}", e1.addr)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	prev := p.s.st.Load()
-	st, err := p.s.build(next, prev) // as a reload does, before it activates st
-	if err != nil {
-		t.Fatal(err)
-	}
-	for range 6 {
-		if resp, b := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 200 {
-			t.Fatalf("%d while the reload builds: %s", resp.StatusCode, b)
-		}
-	}
-	if e1.requests.Load() != 0 {
-		t.Fatalf("the backend being added took %d requests", e1.requests.Load())
-	}
-	p.s.activate(st, prev)
-	for range 4 {
-		post(t, p.url+"/v1/chat/completions", chatBody)
-	}
-	if e1.requests.Load() == 0 {
-		t.Fatal("the added backend took no request once active")
+	for _, readded := range []bool{false, true} {
+		t.Run(fmt.Sprint("added again=", readded), func(t *testing.T) {
+			e0, e1 := startFake(t, "e0", nil), startFake(t, "e1", nil)
+			base := "models: [{name: m, aliases: [alias-m]}]\nrouter: {policy: round_robin}\nbackends:\n  - {id: e0, url: 'http://{{e0}}'}\n"
+			both := base + "  - {id: e1, url: 'http://{{e1}}'}\n"
+			fill := func(y string) string {
+				return strings.ReplaceAll(strings.ReplaceAll(y, "{{e0}}", e0.addr), "{{e1}}", e1.addr)
+			}
+			p := startProxyYAML(t, base, e0, e1)
+			if readded {
+				p.reloadYAML(t, fill(both))
+				p.reloadYAML(t, fill(base))
+				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+				defer cancel()
+				if err := p.s.AwaitRetired(ctx, "e1", "http://"+e1.addr); err != nil {
+					t.Fatal(err)
+				}
+			}
+			next, err := config.Parse([]byte(fill(both)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			prev := p.s.st.Load()
+			st, err := p.s.build(next, prev) // as a reload does, before it activates st
+			if err != nil {
+				t.Fatal(err)
+			}
+			var toE1 atomic.Int64
+			hook := func(b *backend) {
+				if b.cfg.ID == "e1" {
+					toE1.Add(1)
+				}
+			}
+			p.s.testRouted.Store(&hook)
+			client := &http.Client{Timeout: 2 * time.Second}
+			for range 6 {
+				resp, err := client.Post(p.url+"/v1/chat/completions", "application/json", strings.NewReader(chatBody))
+				if err != nil {
+					t.Fatalf("while the reload builds: %v (routed to e1 %d times)", err, toE1.Load())
+				}
+				b, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode != 200 {
+					t.Fatalf("%d while the reload builds: %s", resp.StatusCode, b)
+				}
+			}
+			if n := toE1.Load(); n != 0 || e1.requests.Load() != 0 {
+				t.Fatalf("the backend being added was routed %d times, took %d requests", n, e1.requests.Load())
+			}
+			p.s.activate(st, prev)
+			for range 4 {
+				post(t, p.url+"/v1/chat/completions", chatBody)
+			}
+			if e1.requests.Load() == 0 {
+				t.Fatal("the added backend took no request once active")
+			}
+		})
 	}
 }
 

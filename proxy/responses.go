@@ -943,6 +943,9 @@ func (s *Server) byIDFailed(ctx *fasthttp.RequestCtx, b *backend, err error) (in
 	case errors.Is(err, backends.ErrAborted):
 		s.answerNothing(ctx)
 		return 499, "" // client closed the request: nothing to answer
+	case backends.OutOfFiles(err): // no fault of the engine's (failDial)
+		s.unavailable(ctx, whyNoFiles, "kvproxy has run out of file descriptors (its open files limit); retry")
+		return fasthttp.StatusServiceUnavailable, "no engine connection: " + err.Error()
 	case errors.As(err, &ce):
 		b.failConn("connect: " + ce.Err.Error())
 		ctx.Response.Header.Set("Retry-After", "1")
