@@ -37,6 +37,20 @@ type testEngine struct {
 	replaying *concurrency
 }
 
+// slowReplay buffers n batches the engine does not publish (only a replay
+// brings them), and makes its replays reply every gap, counted in count
+// (nil: not counted).
+func (e *testEngine) slowReplay(n int, gap time.Duration, count *concurrency) {
+	e.dropLive = true
+	for i := range n {
+		e.publish(0, removed(uint64(i)))
+	}
+	e.dropLive = false
+	e.mu.Lock()
+	e.replayGap, e.replaying = gap, count
+	e.mu.Unlock()
+}
+
 // concurrency counts what runs at once, and the most that did.
 type concurrency struct {
 	mu        sync.Mutex
@@ -702,14 +716,7 @@ func TestZMQSubscriberStoppedDuringResumeReportsNothing(t *testing.T) {
 // of a fixed 3 s and cleared its index).
 func TestZMQReplayTimeoutIsPerReply(t *testing.T) {
 	eng := newTestEngine(t, 100)
-	for i := range 12 {
-		eng.dropLive = true
-		eng.publish(0, removed(uint64(i)))
-	}
-	eng.dropLive = false
-	eng.mu.Lock()
-	eng.replayGap = 50 * time.Millisecond // 13 replies: 650 ms in all
-	eng.mu.Unlock()
+	eng.slowReplay(12, 50*time.Millisecond, nil) // 13 replies: 650 ms in all
 	rs := &recordSink{}
 	sub := NewZMQSubscriber(ZMQConfig{Endpoint: eng.pubAddr, ReplayEndpoint: eng.replayAddr(), ReplayTimeout: 300 * time.Millisecond}, rs)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -733,14 +740,7 @@ func TestZMQReplaysTakeTurns(t *testing.T) {
 	defer func() { cancel(); wg.Wait() }()
 	for range 12 {
 		eng := newTestEngine(t, 100)
-		for i := range 3 {
-			eng.dropLive = true
-			eng.publish(0, removed(uint64(i)))
-		}
-		eng.dropLive = false
-		eng.mu.Lock()
-		eng.replayGap, eng.replaying = 40*time.Millisecond, count
-		eng.mu.Unlock()
+		eng.slowReplay(3, 40*time.Millisecond, count)
 		sub := NewZMQSubscriber(ZMQConfig{Endpoint: eng.pubAddr, ReplayEndpoint: eng.replayAddr()}, &recordSink{})
 		subs = append(subs, sub)
 		wg.Add(1)

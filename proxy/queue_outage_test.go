@@ -19,19 +19,7 @@ models: [{name: m, aliases: [alias-m]}]
 backends: [{id: e0, url: 'http://{{e0}}', max_concurrency: 1}]
 limits: {queue_timeout: 10s}
 `, e)
-	held := make(chan struct{})
-	go func() {
-		defer close(held)
-		if resp, err := http.Post(p.url+"/v1/chat/completions", "application/json", strings.NewReader(chatBody)); err == nil {
-			resp.Body.Close()
-		}
-	}()
-	for deadline := time.Now().Add(10 * time.Second); e.current.Load() != 1; { // the first request loads the tokenizer
-		if time.Now().After(deadline) {
-			t.Fatal("the first request never reached the engine")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	held := holdSlot(t, p, e, chatBody, "")
 	type answer struct {
 		code int
 		body string

@@ -25,28 +25,12 @@ models: [{name: m, aliases: [alias-m]}]
 backends: [{id: e0, url: 'http://{{e0}}', max_concurrency: 1}]
 limits: {queue_timeout: 10s}
 `, e)
-	post := func(id string, done chan<- int) {
-		req, _ := http.NewRequest("POST", p.url+"/v1/chat/completions", strings.NewReader(chatBody))
-		req.Header.Set("Content-Type", "application/json")
-		req.Header.Set("X-Request-Id", id)
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			done <- 0
-			return
-		}
-		resp.Body.Close()
-		done <- resp.StatusCode
-	}
-	first, second := make(chan int, 1), make(chan int, 1)
-	go post("first", first)
-	for deadline := time.Now().Add(10 * time.Second); e.current.Load() != 1; { // the first request loads the tokenizer
-		if time.Now().After(deadline) {
-			t.Fatalf("the first request never reached the engine:\n%s", p.logs.String())
-		}
-		time.Sleep(time.Millisecond)
-	}
+	first := holdSlot(t, p, e, chatBody, "first")
 	start := time.Now()
-	go post("second", second)
+	second := make(chan int, 1)
+	go func() {
+		second <- postID(p.url+"/v1/chat/completions", chatBody, "second")
+	}()
 	waitFor(t, "the second request queued", func() bool { return p.s.st.Load().models["m"].waiting.Load() == 1 })
 	if a, b := <-first, <-second; a != 200 || b != 200 {
 		t.Fatalf("statuses %d and %d", a, b)
@@ -94,20 +78,8 @@ models: [{name: m, aliases: [alias-m]}]
 backends: [{id: good, url: 'http://{{e0}}', max_concurrency: 1}, {id: bad, url: 'http://{{e1}}'}]
 limits: {queue_timeout: 300ms}
 `, good, bad)
-	held := make(chan struct{})
-	go func() {
-		defer close(held)
-		body := strings.Replace(chatBody, `"model":"alias-m"`, `"model":"alias-m","nvext":{"backend_instance_id":"good"}`, 1)
-		if resp, err := http.Post(p.url+"/v1/chat/completions", "application/json", strings.NewReader(body)); err == nil {
-			resp.Body.Close()
-		}
-	}()
-	for deadline := time.Now().Add(10 * time.Second); good.current.Load() != 1; { // the first request loads the tokenizer
-		if time.Now().After(deadline) {
-			t.Fatalf("the first request never reached its engine:\n%s", p.logs.String())
-		}
-		time.Sleep(time.Millisecond)
-	}
+	pinned := strings.Replace(chatBody, `"model":"alias-m"`, `"model":"alias-m","nvext":{"backend_instance_id":"good"}`, 1)
+	held := holdSlot(t, p, good, pinned, "")
 	resp, body := post(t, p.url+"/v1/chat/completions", chatBody)
 	if resp.StatusCode != 500 || resp.Header.Get("X-Kvproxy-Worker") != "bad" || !strings.Contains(string(body), "CUDA error") {
 		t.Fatalf("%d from %q: %s", resp.StatusCode, resp.Header.Get("X-Kvproxy-Worker"), body)
@@ -199,19 +171,7 @@ models: [{name: m, aliases: [alias-m]}]
 backends: [{id: e0, url: 'http://{{e0}}', max_concurrency: 1}]
 limits: {max_queue: 0}
 `, e)
-	held := make(chan struct{})
-	go func() {
-		defer close(held)
-		if resp, err := http.Post(p.url+"/v1/chat/completions", "application/json", strings.NewReader(chatBody)); err == nil {
-			resp.Body.Close()
-		}
-	}()
-	for deadline := time.Now().Add(10 * time.Second); e.current.Load() != 1; { // the first request loads the tokenizer
-		if time.Now().After(deadline) {
-			t.Fatalf("the first request never reached the engine:\n%s", p.logs.String())
-		}
-		time.Sleep(time.Millisecond)
-	}
+	held := holdSlot(t, p, e, chatBody, "")
 	for range rejectLinesPerSec + 5 {
 		if resp, b := post(t, p.url+"/v1/chat/completions", chatBody); resp.StatusCode != 503 {
 			t.Fatalf("%d %s", resp.StatusCode, b)
@@ -234,4 +194,37 @@ limits: {max_queue: 0}
 	if regexp.MustCompile(`\{"level":"info"[^\n]*"status":503`).MatchString(logs) {
 		t.Fatalf("a 503 of kvproxy's logged at info:\n%s", logs)
 	}
+}
+
+// postID posts body with the request id id ("": none) and returns the
+// answer's status (0: no answer).
+func postID(url, body, id string) int {
+	req, _ := http.NewRequest("POST", url, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	if id != "" {
+		req.Header.Set("X-Request-Id", id)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// holdSlot posts body (request id id) in the background and returns once
+// e has it, which takes up to 10 s when it is the first (it loads the
+// tokenizer); the answer's status comes on the channel.
+func holdSlot(t *testing.T, p *testProxy, e *fakeEngine, body, id string) <-chan int {
+	t.Helper()
+	status := make(chan int, 1)
+	go func() { status <- postID(p.url+"/v1/chat/completions", body, id) }()
+	for deadline := time.Now().Add(10 * time.Second); e.current.Load() != 1; {
+		if time.Now().After(deadline) {
+			t.Fatalf("the first request never reached the engine:\n%s", p.logs.String())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return status
 }
