@@ -229,6 +229,11 @@ type Backend struct {
 	// priority (vLLM --scheduling-policy priority). The requests of a
 	// tenant with a priority are sent it; others' go as they came.
 	PriorityScheduling bool `yaml:"priority_scheduling"`
+	// ForceIncludeUsage: the engine sends every stream's usage chunk
+	// unasked (vLLM --enable-force-include-usage, SGLang
+	// --stream-response-default-include-usage). Its clients get the chunk
+	// as it comes; kvproxy asks such an engine for nothing.
+	ForceIncludeUsage bool `yaml:"force_include_usage"`
 	// KVEvents says how kvproxy learns what the engine caches.
 	KVEvents KVEvents `yaml:"kv_events"`
 	// Mock configures the simulated engine kvproxy starts for kind: mock.

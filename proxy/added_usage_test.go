@@ -77,3 +77,22 @@ func TestUnaskedUsageOfAWholeAnswer(t *testing.T) {
 		t.Fatalf("not metered by the engine's usage:\n%s", logs)
 	}
 }
+
+// An engine that sends the usage unasked (force_include_usage) is asked
+// nothing, and its clients get the chunk as it sends it: kept from them,
+// it was lost to those who relied on the engine's flag (the SDK trial).
+func TestForcedUsageReachesTheClient(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.tokens, f.forceUsage = 4, true })
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', force_include_usage: true}]\n", e)
+	resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+	if resp.StatusCode != 200 || !strings.Contains(string(b), `"usage":{"prompt_tokens":10`) {
+		t.Fatalf("%d, want the engine's usage chunk:\n%s", resp.StatusCode, b)
+	}
+	if o := e.lastBody()["stream_options"]; o != nil {
+		t.Fatalf("the engine was sent stream_options %v", o)
+	}
+	p.waitIdle(t)
+	if logs := p.logs.String(); !strings.Contains(logs, `"prompt_tokens":10,"output_tokens":8,"cached_tokens":3`) {
+		t.Fatalf("not metered by the engine's usage:\n%s", logs)
+	}
+}

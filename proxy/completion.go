@@ -679,9 +679,11 @@ var (
 // did not ask for it (no stream_options): kvproxy meters the engine's own
 // count, not its estimate, the relay keeping the chunk from the client.
 // Only of engines known to take stream_options (vLLM, SGLang, the mock):
-// a server of kind openai may refuse a member it does not know.
+// a server of kind openai may refuse a member it does not know; nor of one
+// that sends the usage unasked (force_include_usage), whose clients had it
+// (kept from them, the SDK trial).
 func (x *exchange) usageFor(req *apiRequest, b *backend) bool {
-	return x.stream && (x.api == apiChat || x.api == apiCompletions) && b.salted && req.fields.StreamOptions == nil
+	return x.stream && (x.api == apiChat || x.api == apiCompletions) && b.salted && !b.cfg.ForceIncludeUsage && req.fields.StreamOptions == nil
 }
 
 // queueRefused says that err is route's for a request no backend had a

@@ -50,6 +50,7 @@ type fakeEngine struct {
 	modelsDelay  time.Duration // before answering GET /v1/models
 	notServed    string        // a model it answers vLLM's 404 for (under mu)
 	tokenEvery   time.Duration // stream: between tokens
+	forceUsage   bool          // stream: the usage chunk unasked (vLLM --enable-force-include-usage)
 	unhealthy    atomic.Bool   // GET /health answers 503
 	probes       atomic.Int64  // GET /health asked
 	metricsPage  string        // GET /metrics (under mu; "": 404); not recorded
@@ -205,7 +206,7 @@ func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 		fl.Flush()
 		time.Sleep(f.tokenEvery)
 	}
-	if so, _ := body["stream_options"].(map[string]any); so["include_usage"] == true {
+	if so, _ := body["stream_options"].(map[string]any); so["include_usage"] == true || f.forceUsage {
 		// Two tokens a chunk, as vLLM's --stream-interval 2 sends them.
 		fmt.Fprintf(w, "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10,\"completion_tokens\":%d,\"total_tokens\":%d,\"prompt_tokens_details\":{\"cached_tokens\":3}}}\n\n", 2*f.tokens, 10+2*f.tokens)
 	}
