@@ -265,13 +265,15 @@ const defaultMaxConns = 10000
 
 // connsFor is how many client connections an open files limit has room
 // for beside a fleet of backends: each may hold an engine connection too
-// (its request in flight, then kept idle in the pool); a reserve stays for
-// the listener, the tokenizers' files, logs and the replays of event feeds
-// (8 at a time), and 3 for each backend (its probe and scrape connections
-// and its event feed: 256 backends held 779 descriptors at rest, the scale
-// trial).
+// (its request in flight); a reserve stays for the listener, the
+// tokenizers' files, logs and the replays of event feeds (8 at a time),
+// and 4 for each backend: its probe and scrape connections and its event
+// feed (256 backends held 779 descriptors at rest, the scale trial), and an
+// engine connection kept idle in its pool for a while after its requests
+// (requests spread over more backends than clients held one a backend:
+// the review).
 func connsFor(nofile uint64, backends int) uint64 {
-	reserve := min(nofile/4, 64) + 3*uint64(backends)
+	reserve := min(nofile/4, 64) + 4*uint64(backends)
 	if reserve >= nofile {
 		return 0
 	}

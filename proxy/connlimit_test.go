@@ -163,15 +163,15 @@ func TestConnectionCap(t *testing.T) {
 }
 
 // The cap's default: what the open files limit has room for (a client
-// connection and its engine connection each, a reserve besides, 3 for each
+// connection and its engine connection each, a reserve besides, 4 for each
 // backend), at most 10,000 and at least a quarter of the limit up to 64.
 func TestAutoMaxConns(t *testing.T) {
 	for _, c := range []struct {
 		nofile   uint64
 		backends int
 		want     int
-	}{{0, 256, 10000}, {64, 0, 24}, {64, 4, 18}, {64, 40, 16}, {1024, 0, 480}, {1024, 8, 468}, {1024, 256, 96}, {1024, 300, 64},
-		{20000, 0, 9968}, {20000, 256, 9584}, {1 << 20, 256, 10000}, {1<<64 - 1, 1 << 20, 10000}, {2, 0, 1}} {
+	}{{0, 256, 10000}, {64, 0, 24}, {64, 4, 16}, {64, 40, 16}, {1024, 0, 480}, {1024, 8, 464}, {1024, 200, 80}, {1024, 256, 64},
+		{20000, 0, 9968}, {20000, 256, 9456}, {1 << 20, 256, 10000}, {1<<64 - 1, 1 << 20, 10000}, {2, 0, 1}} {
 		if got := autoMaxConns(c.nofile, c.backends); got != c.want {
 			t.Errorf("autoMaxConns(%d, %d backends) = %d, want %d", c.nofile, c.backends, got, c.want)
 		}

@@ -139,6 +139,8 @@ func (s *Server) remotePrefill(ctx *fasthttp.RequestCtx, sc *scratch, x *exchang
 		status = fasthttp.StatusGatewayTimeout
 	case errors.Is(err, backends.ErrAborted):
 		status = 499
+	case backends.OutOfFiles(err):
+		status = fasthttp.StatusServiceUnavailable // as forward counts it: kvproxy's want, not the engine's failure
 	case err != nil:
 		status = fasthttp.StatusBadGateway
 	}

@@ -710,7 +710,7 @@ func (s *Server) logWarnings(cfg *config.Config) {
 	room := connsFor(s.fdLimit, len(cfg.Backends))
 	if s.fdLimit > 0 && room < 64 {
 		s.log.Warn().Uint64("open_files_limit", s.fdLimit).Int("backends", len(cfg.Backends)).Uint64("room_for", room).
-			Msg("config: the open files limit has little room for client connections beside the backends' own (about 3 descriptors each: probe, scrapes, event feed): raise it (ulimit -n, LimitNOFILE)")
+			Msg("config: the open files limit has little room for client connections beside the backends' own (about 4 descriptors each: probe, scrapes, event feed, a pooled engine connection): raise it (ulimit -n, LimitNOFILE)")
 	}
 	if n := cfg.Limits.MaxConnections; n > 0 && s.fdLimit > 0 && uint64(n) > room {
 		s.log.Warn().Str("setting", "limits.max_connections").Int("max_connections", n).Uint64("open_files_limit", s.fdLimit).
