@@ -986,6 +986,7 @@ func (c *Config) Warnings() []string {
 	case len(s) < MinSecretLen:
 		out = append(out, fmt.Sprintf("auth.cache_salt_secret has %d characters: it keys the tenants' cache salts and response ids, and a short one can be guessed offline; use a random one of at least %d", len(s), MinSecretLen))
 	}
+	out = append(out, c.forcedUsageWarnings()...)
 	if len(c.Tenants) == 0 {
 		return out
 	}
@@ -1001,6 +1002,34 @@ func (c *Config) Warnings() []string {
 		if !listed[k.Tenant] {
 			out = append(out, fmt.Sprintf("auth.keys[%d].tenant: %q is not in tenants, so it has no limits", i, k.Tenant))
 			listed[k.Tenant] = true // once per tenant
+		}
+	}
+	return out
+}
+
+// forcedUsageWarnings names the backends whose force_include_usage cannot
+// hold (the simulated engine never forces the usage: its clients would get
+// none; kvproxy asks an engine of kind openai for nothing anyway), and the
+// models whose engines disagree on it: a client would get a stream's usage
+// chunk or not by where it was routed, or moved.
+func (c *Config) forcedUsageWarnings() []string {
+	var out []string
+	forced := map[string]map[bool]bool{} // model → the values its engines have
+	for _, b := range c.Backends {
+		if b.ForceIncludeUsage && (b.Kind == KindMock || b.Kind == KindOpenAI) {
+			out = append(out, fmt.Sprintf("backend %s: force_include_usage is for engines of kind vllm or sglang started so; a %s engine is not", b.ID, b.Kind))
+		}
+		if b.Role == RolePrefill {
+			continue // it streams nothing to clients
+		}
+		if forced[b.Model] == nil {
+			forced[b.Model] = map[bool]bool{}
+		}
+		forced[b.Model][b.ForceIncludeUsage] = true
+	}
+	for _, m := range c.Models {
+		if len(forced[m.Name]) == 2 {
+			out = append(out, fmt.Sprintf("model %s: some of its backends set force_include_usage and some do not: a stream's client gets the usage chunk unasked or not by where it is routed", m.Name))
 		}
 	}
 	return out

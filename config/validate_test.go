@@ -165,3 +165,23 @@ func TestTenantsWithoutKeysAreWarnedOf(t *testing.T) {
 		t.Fatalf("warnings %q", w)
 	}
 }
+
+// force_include_usage where it cannot hold (a simulated engine, kind
+// openai), or on some of a model's engines only, is warned of.
+func TestForcedUsageIsWarnedOf(t *testing.T) {
+	for yaml, want := range map[string]string{
+		"  - {id: a, url: 'http://10.0.0.1:8000', force_include_usage: true}\n  - {id: b, url: 'http://10.0.0.2:8000', force_include_usage: true}\n": "",
+		"  - {id: a, url: 'http://10.0.0.1:8000', force_include_usage: true}\n  - {id: b, url: 'http://10.0.0.2:8000'}\n":                            "model m: some of its backends set force_include_usage",
+		"  - {id: a, url: 'http://10.0.0.1:8000', force_include_usage: true}\n  - {id: p, url: 'http://10.0.0.2:8000', role: prefill}\n":             "",
+		"  - {id: a, url: 'http://127.0.0.1:8000', kind: mock, force_include_usage: true}\n":                                                         "backend a: force_include_usage is for engines of kind vllm or sglang",
+	} {
+		c, err := Parse([]byte("models: [{name: m}]\nbackends:\n" + yaml))
+		if err != nil {
+			t.Fatal(err)
+		}
+		w := c.Warnings()
+		if want == "" && len(w) != 0 || want != "" && (len(w) != 1 || !strings.Contains(w[0], want)) {
+			t.Errorf("%s: warnings %q, want %q", yaml, w, want)
+		}
+	}
+}

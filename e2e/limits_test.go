@@ -209,6 +209,19 @@ func TestOutOfDescriptorsEjectsNoEngine(t *testing.T) {
 			if out := p.String(); strings.Contains(out, "backend ejected") || strings.Contains(out, "backend unavailable") {
 				t.Fatalf("an engine was taken out for kvproxy's want of descriptors:\n%s", tail(out, 3000))
 			}
+			if disaggregated {
+				// The prefill engine's attempt counts as the client's answer
+				// does, not as the engine's failure (502).
+				resp, err := http.Get(url + "/metrics")
+				if err != nil {
+					t.Fatal(err)
+				}
+				m := readAll(resp.Body)
+				resp.Body.Close()
+				if !strings.Contains(m, `kvproxy_requests_total{backend="p0",code="503"} 1`) || strings.Contains(m, `kvproxy_requests_total{backend="p0",code="502"}`) {
+					t.Fatalf("the prefill engine's count:\n%s", m)
+				}
+			}
 		})
 	}
 }
