@@ -265,13 +265,13 @@ const defaultMaxConns = 10000
 
 // connsFor is how many client connections an open files limit has room
 // for beside a fleet of backends: each may hold an engine connection too
-// (its request in flight); a reserve stays for the listener, the
-// tokenizers' files, logs and the replays of event feeds (8 at a time),
-// and 4 for each backend: its probe and scrape connections and its event
-// feed (256 backends held 779 descriptors at rest, the scale trial), and an
-// engine connection kept idle in its pool for a while after its requests
-// (requests spread over more backends than clients held one a backend:
-// the review).
+// (its request in flight). A reserve stays for the listener, the
+// tokenizers' files, logs and the event feeds' replays (8 at a time), and
+// 4 descriptors for each backend: its probe and scrape connections, its
+// event feed (256 backends held 779 descriptors at rest: the scale trial)
+// and the engine connection its pool keeps idle after its requests
+// (requests spread over more backends than clients held one each: the
+// review).
 func connsFor(nofile uint64, backends int) uint64 {
 	reserve := min(nofile/4, 64) + 4*uint64(backends)
 	if reserve >= nofile {
@@ -299,10 +299,11 @@ func (s *Server) MaxConnections() int { return s.maxConns() }
 
 // maxConns is the cap on client connections in force.
 func (s *Server) maxConns() int {
-	if n := s.st.Load().cfg.Limits.MaxConnections; n > 0 {
+	st := s.st.Load()
+	if n := st.cfg.Limits.MaxConnections; n > 0 {
 		return n
 	}
-	return s.st.Load().autoConns
+	return st.autoConns
 }
 
 // refuseLog says how many connections the cap refused, in a line every
