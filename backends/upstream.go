@@ -399,7 +399,14 @@ func (u *Upstream) get(dial bool) (*upConn, bool, error) {
 		d = 3 * time.Second
 	}
 	deadline := time.Now().Add(d) // the connection and its TLS handshake together
-	c, err := net.DialTimeout("tcp", u.Addr, d)
+	c, err := dialTCP("tcp", u.Addr, d)
+	if err != nil && OutOfFiles(err) && ShedIdle() > 0 {
+		// Out of descriptors: the connections the pools keep idle go
+		// first (traffic moving from one engine to another left the
+		// first's idle for seconds, and the second's dials failed within
+		// the connection cap: the review).
+		c, err = dialTCP("tcp", u.Addr, d)
+	}
 	if err != nil {
 		return nil, false, err
 	}
@@ -444,6 +451,7 @@ func (u *Upstream) release(uc *upConn, reuse bool) {
 		u.idle = append(u.idle, uc)
 		if u.sweep == nil {
 			u.sweep = time.AfterFunc(u.maxIdleTime(), u.closeIdleTooLong)
+			pooled.Store(u, struct{}{})
 		}
 		u.mu.Unlock()
 		return
@@ -475,6 +483,7 @@ func (u *Upstream) closeIdleTooLong() {
 		u.sweep.Reset(limit - now.Sub(u.idle[0].idleAt))
 	} else {
 		u.sweep = nil
+		pooled.Delete(u)
 	}
 	u.mu.Unlock()
 	for _, uc := range old {
@@ -495,10 +504,38 @@ func (u *Upstream) Close() {
 		u.sweep.Stop()
 		u.sweep = nil
 	}
+	pooled.Delete(u)
 	u.mu.Unlock()
 	for _, uc := range idle {
 		uc.c.Close()
 	}
+}
+
+// dialTCP opens engine connections (tests replace it).
+var dialTCP = net.DialTimeout
+
+// pooled holds the upstreams that may have connections pooled (their sweep
+// is armed), which ShedIdle closes.
+var pooled sync.Map // *Upstream → struct{}
+
+// ShedIdle closes the connections every upstream keeps idle, and reports
+// how many it closed: what kvproxy gives up first when it runs out of file
+// descriptors.
+func ShedIdle() int {
+	n := 0
+	pooled.Range(func(k, _ any) bool {
+		u := k.(*Upstream)
+		u.mu.Lock()
+		idle := u.idle
+		u.idle = nil
+		u.mu.Unlock()
+		for _, uc := range idle {
+			uc.c.Close()
+		}
+		n += len(idle)
+		return true
+	})
+	return n
 }
 
 // CloseIdle is Close: its one use is retiring a backend.

@@ -433,3 +433,50 @@ func TestIdleConnectionsAreClosed(t *testing.T) {
 		t.Fatalf("a connection idle past MaxIdleTime was used (%d dials)", got)
 	}
 }
+
+// ShedIdle closes every pool's idle connections (kvproxy out of file
+// descriptors), and an upstream leaves its list once it has none pooled
+// or is closed: a fleet's churn would otherwise keep every upstream.
+func TestShedIdle(t *testing.T) {
+	var open atomic.Int64
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		open.Add(1)
+		defer open.Add(-1)
+		for readRequest(br) == nil {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		}
+	})
+	listed := func(u *Upstream) bool { _, ok := pooled.Load(u); return ok }
+	var us [2]*Upstream
+	for i := range us {
+		us[i] = &Upstream{Addr: addr, MaxIdleTime: 200 * time.Millisecond}
+		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+		if _, err := us[i].Do(req, resp, false, nil); err != nil {
+			t.Fatal(err)
+		}
+		if !listed(us[i]) {
+			t.Fatalf("upstream %d pools a connection and is not listed", i)
+		}
+	}
+	if n := ShedIdle(); n < 2 {
+		t.Fatalf("shed %d connections, want the 2 pooled", n)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for open.Load() != 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	idle := func(u *Upstream) int { u.mu.Lock(); defer u.mu.Unlock(); return len(u.idle) }
+	if open.Load() != 0 || idle(us[0]) != 0 || idle(us[1]) != 0 {
+		t.Fatalf("after the shed: %d open at the engine", open.Load())
+	}
+	us[0].Close()
+	if listed(us[0]) {
+		t.Fatal("a closed upstream is still listed")
+	}
+	for listed(us[1]) && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if listed(us[1]) {
+		t.Fatal("an upstream with nothing pooled stays listed past its sweep")
+	}
+}

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -223,5 +224,58 @@ func TestOutOfDescriptorsEjectsNoEngine(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// The engine connections one engine's pool keeps idle give way when
+// another engine needs connections and the descriptors have run out:
+// clients within the cap, moving from one engine to the other at once,
+// got 503 out_of_file_descriptors (3 to 5 of 20: the review).
+func TestIdleEngineConnectionsGiveWay(t *testing.T) {
+	engines := fleet(t, 2)
+	listen := freePort(t)
+	path := filepath.Join(t.TempDir(), "kvproxy.yaml")
+	body := "listen: " + listen + "\nlog_level: info\n" + backendsYAML(map[string]string{"e0": engines[0], "e1": engines[1]}, "")
+	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p := startLimited(t, 64, "kvproxy", "-config", path)
+	url := "http://" + listen
+	waitHealthy(t, url, p)
+	// Within the automatic cap, (64 - 16 - 2×4) / 2 = 20: the connections
+	// of the health check and of the first burst may not be seen closed
+	// yet when the next comes.
+	const clients = 18
+	burst := func(pin string) map[string]int {
+		codes := map[string]int{}
+		var mu sync.Mutex
+		var wg sync.WaitGroup
+		for range clients {
+			wg.Go(func() {
+				c := &http.Client{Timeout: 20 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+				code := "no answer"
+				resp, err := c.Post(url+"/v1/chat/completions", "application/json", strings.NewReader(
+					`{"model":"default","max_tokens":64,"min_tokens":64,"messages":[{"role":"user","content":"hi"}],"nvext":{"backend_instance_id":"`+pin+`"}}`))
+				if err == nil {
+					b := readAll(resp.Body)
+					resp.Body.Close()
+					code = fmt.Sprint(resp.StatusCode)
+					if resp.StatusCode != 200 {
+						code += " " + b
+					}
+				}
+				mu.Lock()
+				codes[code]++
+				mu.Unlock()
+			})
+		}
+		wg.Wait()
+		return codes
+	}
+	if codes := burst("e0"); codes["200"] != clients {
+		t.Fatalf("to e0: %v\n%s", codes, tail(p.String(), 3000))
+	}
+	if codes := burst("e1"); codes["200"] != clients {
+		t.Fatalf("to e1 at once, e0's connections still pooled: %v\n%s", codes, tail(p.String(), 3000))
 	}
 }

@@ -6,6 +6,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/kvproxy/kvproxy/backends"
 )
 
 // retryListener keeps serving through accept errors that pass: out of file
@@ -97,6 +99,9 @@ type acceptLog struct {
 // acceptFailed counts an accept error that passes and logs it, with those
 // since the last line.
 func (s *Server) acceptFailed(err error, retryIn time.Duration) {
+	if backends.OutOfFiles(err) {
+		backends.ShedIdle() // idle engine connections give way to clients
+	}
 	s.metrics.acceptErrors.Inc()
 	l := &s.acceptLog
 	l.mu.Lock()
