@@ -400,11 +400,14 @@ func (u *Upstream) get(dial bool) (*upConn, bool, error) {
 	}
 	deadline := time.Now().Add(d) // the connection and its TLS handshake together
 	c, err := dialTCP("tcp", u.Addr, d)
-	if err != nil && OutOfFiles(err) && ShedIdle() > 0 {
+	if err != nil && OutOfFiles(err) {
 		// Out of descriptors: the connections the pools keep idle go
 		// first (traffic moving from one engine to another left the
 		// first's idle for seconds, and the second's dials failed within
-		// the connection cap: the review).
+		// the connection cap: the review). Dialled again even when this
+		// shed found none: another dial's, at the same moment, may have
+		// freed them.
+		ShedIdle()
 		c, err = dialTCP("tcp", u.Addr, d)
 	}
 	if err != nil {
@@ -511,8 +514,27 @@ func (u *Upstream) Close() {
 	}
 }
 
-// dialTCP opens engine connections (tests replace it).
-var dialTCP = net.DialTimeout
+// dialTCP opens engine connections: net.DialTimeout, or a test's
+// (SetDialForTests).
+func dialTCP(network, addr string, timeout time.Duration) (net.Conn, error) {
+	if f := testDial.Load(); f != nil {
+		return (*f)(network, addr, timeout)
+	}
+	return net.DialTimeout(network, addr, timeout)
+}
+
+// DialFunc opens a connection, as net.DialTimeout does.
+type DialFunc func(network, addr string, timeout time.Duration) (net.Conn, error)
+
+var testDial atomic.Pointer[DialFunc]
+
+// SetDialForTests makes f open every engine connection until restore is
+// called: other packages' tests make dials fail as they would (a process
+// out of file descriptors) without exhausting their own.
+func SetDialForTests(f DialFunc) (restore func()) {
+	testDial.Store(&f)
+	return func() { testDial.Store(nil) }
+}
 
 // pooled holds the upstreams that may have connections pooled (their sweep
 // is armed), which ShedIdle closes.
@@ -530,7 +552,11 @@ func ShedIdle() int {
 		u.idle = nil
 		u.mu.Unlock()
 		for _, uc := range idle {
-			uc.c.Close()
+			if tc, ok := uc.c.(*tls.Conn); ok {
+				tc.NetConn().Close() // no close_notify, which may wait 5 s on a stuck engine
+			} else {
+				uc.c.Close()
+			}
 		}
 		n += len(idle)
 		return true

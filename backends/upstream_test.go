@@ -5,9 +5,11 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -478,5 +480,47 @@ func TestShedIdle(t *testing.T) {
 	}
 	if listed(us[1]) {
 		t.Fatal("an upstream with nothing pooled stays listed past its sweep")
+	}
+}
+
+// Dials that run out of descriptors at the same moment all dial again
+// after a shed: only the first found idle connections to close, and the
+// others, finding none, gave up though it had freed descriptors for them
+// (the review).
+func TestDialsOutOfDescriptorsAllRetry(t *testing.T) {
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		for readRequest(br) == nil {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		}
+	})
+	const k = 5
+	var failed atomic.Int64
+	all := make(chan struct{}) // every one of the k first dials has failed
+	defer SetDialForTests(func(network, a string, d time.Duration) (net.Conn, error) {
+		if n := failed.Add(1); n <= k {
+			if n == k {
+				close(all)
+			}
+			<-all
+			return nil, &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("socket", syscall.EMFILE)}
+		}
+		return net.DialTimeout(network, a, d)
+	})()
+	u := &Upstream{Addr: addr}
+	defer u.Close()
+	var wg sync.WaitGroup
+	var fails atomic.Int64
+	for range k {
+		wg.Go(func() {
+			req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+			if _, err := u.Do(req, resp, false, nil); err != nil {
+				fails.Add(1)
+				t.Log(err)
+			}
+		})
+	}
+	wg.Wait()
+	if fails.Load() != 0 {
+		t.Fatalf("%d of %d requests failed", fails.Load(), k)
 	}
 }

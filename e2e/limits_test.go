@@ -199,8 +199,11 @@ func TestOutOfDescriptorsEjectsNoEngine(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			// A dial that fails is tried again once the pools' idle
+			// connections are closed, and a descriptor may have come free
+			// meanwhile: then it is served.
 			got := readAll(answer.Body)
-			if answer.StatusCode != 503 || !strings.Contains(got, `"code":"out_of_file_descriptors"`) {
+			if answer.StatusCode != 200 && (answer.StatusCode != 503 || !strings.Contains(got, `"code":"out_of_file_descriptors"`)) {
 				t.Fatalf("%d %s\n%s", answer.StatusCode, got, tail(p.String(), 3000))
 			}
 			for _, c := range conns {
@@ -212,15 +215,17 @@ func TestOutOfDescriptorsEjectsNoEngine(t *testing.T) {
 			}
 			if disaggregated {
 				// The prefill engine's attempt counts as the client's answer
-				// does, not as the engine's failure (502).
+				// does (503), or as a success, not as the engine's failure
+				// (502).
 				resp, err := http.Get(url + "/metrics")
 				if err != nil {
 					t.Fatal(err)
 				}
 				m := readAll(resp.Body)
 				resp.Body.Close()
-				if !strings.Contains(m, `kvproxy_requests_total{backend="p0",code="503"} 1`) || strings.Contains(m, `kvproxy_requests_total{backend="p0",code="502"}`) {
-					t.Fatalf("the prefill engine's count:\n%s", m)
+				if strings.Contains(m, `kvproxy_requests_total{backend="p0",code="502"}`) ||
+					answer.StatusCode == 503 && !strings.Contains(m, `kvproxy_requests_total{backend="p0",code="503"} 1`) {
+					t.Fatalf("the prefill engine's count (the client's %d):\n%s", answer.StatusCode, m)
 				}
 			}
 		})

@@ -56,6 +56,12 @@ func (l *retryListener) Accept() (net.Conn, error) {
 			since = time.Now()
 		}
 		failures++
+		if backends.OutOfFiles(err) && backends.ShedIdle() > 0 {
+			// The engine connections the pools kept idle gave their
+			// descriptors back: accept again at once.
+			l.failed(err, 0)
+			continue
+		}
 		delay = min(max(2*delay, acceptRetryFirst), acceptRetryMax)
 		l.failed(err, delay)
 		t := time.NewTimer(delay)
@@ -99,9 +105,6 @@ type acceptLog struct {
 // acceptFailed counts an accept error that passes and logs it, with those
 // since the last line.
 func (s *Server) acceptFailed(err error, retryIn time.Duration) {
-	if backends.OutOfFiles(err) {
-		backends.ShedIdle() // idle engine connections give way to clients
-	}
 	s.metrics.acceptErrors.Inc()
 	l := &s.acceptLog
 	l.mu.Lock()
