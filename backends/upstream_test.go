@@ -39,6 +39,19 @@ func rawEngine(t *testing.T, serve func(c net.Conn, br *bufio.Reader)) string {
 	return ln.Addr().String()
 }
 
+// countedEngine answers "ok" to every request, after wait, and counts its
+// open connections in open.
+func countedEngine(t *testing.T, open *atomic.Int64, wait time.Duration) string {
+	return rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		open.Add(1)
+		defer open.Add(-1)
+		for readRequest(br) == nil {
+			time.Sleep(wait)
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		}
+	})
+}
+
 // readRequest consumes one request (headers and Content-Length body).
 func readRequest(br *bufio.Reader) error {
 	var req fasthttp.Request
@@ -377,14 +390,7 @@ func TestEndByCountsFromTheNextRead(t *testing.T) {
 // minutes later), and one found idle too long is not used.
 func TestIdleConnectionsAreClosed(t *testing.T) {
 	var open atomic.Int64
-	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
-		open.Add(1)
-		defer open.Add(-1)
-		for readRequest(br) == nil {
-			time.Sleep(20 * time.Millisecond) // so that the burst needs several connections
-			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-		}
-	})
+	addr := countedEngine(t, &open, 20*time.Millisecond) // so that the burst needs several connections
 	u := &Upstream{Addr: addr, MaxIdleTime: 150 * time.Millisecond}
 	defer u.Close()
 	do := func() {
@@ -441,13 +447,7 @@ func TestIdleConnectionsAreClosed(t *testing.T) {
 // or is closed: a fleet's churn would otherwise keep every upstream.
 func TestShedIdle(t *testing.T) {
 	var open atomic.Int64
-	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
-		open.Add(1)
-		defer open.Add(-1)
-		for readRequest(br) == nil {
-			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-		}
-	})
+	addr := countedEngine(t, &open, 0)
 	listed := func(u *Upstream) bool { _, ok := pooled.Load(u); return ok }
 	var us [2]*Upstream
 	for i := range us {
