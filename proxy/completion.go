@@ -74,6 +74,7 @@ type exchange struct {
 	refusalBy    string // its backend
 	ttft         time.Duration
 	queued       time.Duration // waited for a backend slot (route), all attempts
+	firstSent    time.Duration // from arrival to the first engine request: kvproxy's own time
 	tenant       string        // the client's tenant ("" without keys)
 	promptTokens int           // as kvproxy counted them for routing
 	outputTokens int           // streams: the chunks that carried output
@@ -966,6 +967,9 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		x.resp.signer = respSigner{macs: x.s.st.Load().respMACs, backend: b.cfg.ID, tenant: x.tenant}
 	}
 	x.sent = time.Now()
+	if x.firstSent == 0 {
+		x.firstSent = x.sent.Sub(x.start)
+	}
 	x.heard.Store(0) // nothing from this attempt's engine yet
 	resp := fasthttp.AcquireResponse()
 	resp.Header.SetNoDefaultContentType(true) // an answer without one is told apart
@@ -1634,6 +1638,9 @@ func (x *exchange) logLine() {
 		Dur("duration", dur)
 	if x.ttft > 0 {
 		ev = ev.Dur("ttft", x.ttft)
+	}
+	if x.firstSent > 0 {
+		ev = ev.Dur("sent", x.firstSent)
 	}
 	if x.queued > 0 {
 		ev = ev.Dur("queued", x.queued)

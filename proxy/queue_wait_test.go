@@ -50,13 +50,19 @@ limits: {queue_timeout: 10s}
 		t.Fatalf("waited %gs in all, want 0.1s to %v (the first request's prefill is 600 ms)", s, longest)
 	}
 
+	// Its line also says when it went to the engine ("sent"), after its
+	// wait: kvproxy's own time.
 	logs := p.logs.String()
-	queued := regexp.MustCompile(`"request_id":"second[^\n]*"queued":([0-9.]+)`).FindStringSubmatch(logs)
+	queued := regexp.MustCompile(`"request_id":"second[^\n]*"sent":([0-9.]+),"queued":([0-9.]+)`).FindStringSubmatch(logs)
 	if queued == nil {
 		t.Fatalf("the second request's log line says nothing of its wait:\n%s", logs)
 	}
-	if ms, _ := strconv.ParseFloat(queued[1], 64); ms < 100 {
-		t.Fatalf("queued %s ms, want at least 100", queued[1])
+	sent, _ := strconv.ParseFloat(queued[1], 64)
+	if ms, _ := strconv.ParseFloat(queued[2], 64); ms < 100 || sent < ms {
+		t.Fatalf("queued %s ms and sent at %s ms, want at least 100, and sent after", queued[2], queued[1])
+	}
+	if !regexp.MustCompile(`"request_id":"first[^\n]*"sent":`).MatchString(logs) {
+		t.Fatalf("the first request's line does not say when it was sent:\n%s", logs)
 	}
 	if regexp.MustCompile(`"request_id":"first[^\n]*"queued"`).MatchString(logs) {
 		t.Fatalf("the first request did not wait, and its line says it did:\n%s", logs)
