@@ -700,7 +700,7 @@ func (x *exchange) route(conn net.Conn, st *state, rr *router.Request) error {
 	s, p := x.s, x.p
 	var w *waiter // in p.queue while the request waits
 	var queuedAt time.Time
-	var routed, rechecked bool
+	var routed, rechecked, waitedReload bool
 	var timer *time.Timer
 	var gone clientGone
 	var cut <-chan struct{}
@@ -740,6 +740,16 @@ func (x *exchange) route(conn net.Conn, st *state, rr *router.Request) error {
 				if b != nil && b.pool != p {
 					b = nil
 				}
+			}
+			if b == nil && !waitedReload {
+				// A rank of a backend a running reload adds: its feed
+				// made the rank's worker before activate made the new
+				// configuration current. Route again once it has.
+				active.Free()
+				waitedReload = true
+				s.reloadMu.Lock()
+				s.reloadMu.Unlock()
+				continue
 			}
 			if b == nil {
 				active.Free()

@@ -3,6 +3,7 @@ package proxy
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -425,5 +426,59 @@ func TestPushedEventsCountAcrossAKeptFeed(t *testing.T) {
 	t.Logf("before reload: events %d blocks %v; after: events %d blocks %v", before.Events, before.BlocksPerTier, after.Events, after.BlocksPerTier)
 	if after.Events != before.Events {
 		t.Errorf("kv_events.events went from %d to %d while the feed (and its blocks) carried over", before.Events, after.Events)
+	}
+}
+
+// A reload that adds a data-parallel backend makes its rank workers when its
+// feed starts, before the new configuration is current: a request routed to
+// one then found no backend of its name and got 503 backend_removed (the
+// twenty-fifth session's note). It waits for the reload to finish instead.
+func TestRankOfABackendAReloadAddsIsServedDuringTheReload(t *testing.T) {
+	e0, e1 := startFake(t, "e0", nil), startFake(t, "e1", nil)
+	head := fmt.Sprintf(dpHead, "round_robin") + "  - {id: e1, url: 'http://" + e1.addr + "', model: m}\n"
+	p := startProxyYAML(t, head)
+	if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"hello"}`); resp.StatusCode != 200 {
+		t.Fatalf("warm-up: %d %s", resp.StatusCode, b) // loads the tokenizer
+	}
+	const n = 6
+	statuses := make(chan string, n)
+	hook := func() {
+		for range n {
+			go func() {
+				resp, err := http.Post(p.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"hello"}`))
+				if err != nil {
+					statuses <- err.Error()
+					return
+				}
+				b, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				statuses <- fmt.Sprintf("%d %s", resp.StatusCode, b)
+			}()
+		}
+		// Long enough for every request to be routed; those for e0#1 now
+		// wait for the reload, which this hook holds.
+		time.Sleep(time.Second)
+	}
+	p.s.testActivating.Store(&hook)
+	reloadYAML(t, p, head+"  - {id: e0, url: 'http://"+e0.addr+"', model: m, kv_events: {mode: zmq, endpoint: 'tcp://127.0.0.1:23512', dp_size: 2}}\n")
+	p.s.testActivating.Store(nil)
+	for range n {
+		select {
+		case s := <-statuses:
+			if !strings.HasPrefix(s, "200 ") {
+				t.Errorf("a request during the reload: %s", s)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("a request during the reload was never answered")
+		}
+	}
+	e0.mu.Lock()
+	defer e0.mu.Unlock()
+	var ranks []string
+	for _, h := range e0.headers {
+		ranks = append(ranks, h.Get("X-Data-Parallel-Rank"))
+	}
+	if !slices.Contains(ranks, "1") {
+		t.Fatalf("e0's requests named ranks %q: none was routed to rank 1", ranks)
 	}
 }

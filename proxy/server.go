@@ -105,6 +105,9 @@ type Server struct {
 	// testRouted, set by tests, runs between a route's choice of a backend
 	// and its taking a slot there.
 	testRouted atomic.Pointer[func(*backend)]
+	// testActivating, set by tests, runs in a reload's activate once the
+	// new backends are in their pools, before the state is current.
+	testActivating atomic.Pointer[func()]
 	// hijacks holds the relay of each HTTP/1.0 stream (net.Conn →
 	// io.Closer) until its hijack handler starts: fasthttp closes the
 	// connection without calling the handler when it cannot flush what it
@@ -473,6 +476,9 @@ func (s *Server) activate(st, prev *state) {
 				}
 			})
 		}
+	}
+	if hook := s.testActivating.Load(); hook != nil {
+		(*hook)()
 	}
 	s.st.Store(st)
 	if prev == nil {
