@@ -410,7 +410,7 @@ func TestConnectionReleasedAfterCloseIsClosed(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	u.CloseIdle() // the backend is retired while the stream runs
+	u.Close() // the backend is retired while the stream runs
 	if _, err := io.ReadAll(body); err != nil {
 		t.Fatal(err)
 	}

@@ -563,8 +563,3 @@ func ShedIdle() int {
 	})
 	return n
 }
-
-// CloseIdle is Close: its one use is retiring a backend.
-//
-// Deprecated: use Close.
-func (u *Upstream) CloseIdle() { u.Close() }

@@ -158,7 +158,7 @@ func TestSoak(t *testing.T) {
 	victimProc.cmd.Wait()
 	t.Logf("%v: killed engine victim", dur/4)
 	time.Sleep(dur / 4)
-	_, victimProc = fleetProc(t, 1, victimArgs...)
+	fleetProc(t, 1, victimArgs...) // stopped by the test's cleanup
 	t.Logf("%v: restarted engine victim", dur/2)
 	time.Sleep(dur / 8)
 	rewriteConfig(t, p, path, backendsYAML(backends, health+"router: {policy: kv, temperature: 0.05}\n"))

@@ -50,13 +50,12 @@ type Publisher struct {
 	router zmq4.Socket
 	done   chan struct{}
 
-	mu      sync.Mutex // guards everything below, and sends on pub
-	next    uint64
-	ring    []pubBatch // bounded replay buffer, oldest at head
-	head    int
-	payload []byte
-	closed  bool
-	errors  atomic.Uint64
+	mu     sync.Mutex // guards everything below, and sends on pub
+	next   uint64
+	ring   []pubBatch // bounded replay buffer, oldest at head
+	head   int
+	closed bool
+	errors atomic.Uint64
 }
 
 type pubBatch struct {

@@ -743,7 +743,7 @@ func (b *backend) stop() {
 		b.forgetTimer.Stop()
 	}
 	b.mu.Unlock()
-	b.up.CloseIdle()
+	b.up.Close()
 }
 
 // slotCount counts the requests an engine runs against the backend's

@@ -748,6 +748,7 @@ func (x *exchange) route(conn net.Conn, st *state, rr *router.Request) error {
 				active.Free()
 				waitedReload = true
 				s.reloadMu.Lock()
+				//lint:ignore SA2001 it waits for the reload
 				s.reloadMu.Unlock()
 				continue
 			}

@@ -142,21 +142,38 @@ func TestKeysTenantsAndCacheSalt(t *testing.T) {
 		}
 	}
 
-	// The index never routes one tenant on another's prefix: beta's dry run
-	// sees no overlap with the prompt alpha just sent.
-	dry := strings.Replace(body, `"model":"m"`, `"model":"m","nvext":{"annotations":["query_instance_id"]}`, 1)
-	_, b := postAuth(t, p.url+"/v1/chat/completions", "key-alpha-123", dry)
-	var d decisionJSON
-	json.Unmarshal([]byte(b), &d)
-	if d.OverlapBlocks == 0 {
-		t.Fatalf("alpha should find its own prefix: %s", b)
+	// The index never routes one tenant on another's prefix: a prompt only
+	// alpha has sent is cached for alpha and for no one else; tenants that
+	// share the cache namespace share its prefixes.
+	overlap := func(key, prompt string) decisionJSON {
+		t.Helper()
+		dry := strings.Replace(prompt, `"model":"m"`, `"model":"m","nvext":{"annotations":["query_instance_id"]}`, 1)
+		resp, b := postAuth(t, p.url+"/v1/chat/completions", key, dry)
+		if resp.StatusCode != 200 {
+			t.Fatalf("%s: dry run %d %s", key, resp.StatusCode, b)
+		}
+		var d decisionJSON
+		json.Unmarshal([]byte(b), &d)
+		return d
 	}
-	_, b = postAuth(t, p.url+"/v1/chat/completions", "wrong", dry)
-	_, b = postAuth(t, p.url+"/v1/chat/completions", "key-beta-4567", strings.Replace(dry, "shared words", "shared words", 1))
-	json.Unmarshal([]byte(b), &d)
-	if d.OverlapBlocks != d.TotalBlocks {
-		// beta sent the same prompt once above, so it overlaps with itself only
-		t.Logf("beta overlap %d/%d", d.OverlapBlocks, d.TotalBlocks)
+	for sender, others := range map[string]map[string]bool{
+		"key-alpha-123": {"key-alpha-123": true, "key-beta-4567": false, "key-gamma-890": false},
+		"key-gamma-890": {"key-delta-890": true, "key-alpha-123": false},
+	} {
+		// Without a cache_salt of the client's, which would set its own
+		// namespace: the tenant's alone keeps the prompt apart.
+		prompt := strings.ReplaceAll(strings.Replace(body, `"cache_salt":"client-chosen",`, "", 1), "shared words", sender+" words")
+		if resp, b := postAuth(t, p.url+"/v1/chat/completions", sender, prompt); resp.StatusCode != 200 {
+			t.Fatalf("%s: %d %s", sender, resp.StatusCode, b)
+		}
+		for key, cached := range others {
+			if d := overlap(key, prompt); d.TotalBlocks == 0 || (d.OverlapBlocks > 0) != cached {
+				t.Errorf("%s's prompt, dry run of %s: %d of %d blocks cached, want cached %v", sender, key, d.OverlapBlocks, d.TotalBlocks, cached)
+			}
+		}
+	}
+	if resp, b := postAuth(t, p.url+"/v1/chat/completions", "wrong", strings.Replace(body, `"model":"m"`, `"model":"m","nvext":{"annotations":["query_instance_id"]}`, 1)); resp.StatusCode != 401 {
+		t.Fatalf("a dry run with a wrong key: %d %s", resp.StatusCode, b)
 	}
 
 	// Admin endpoints take the admin key, not a tenant key: no key or an

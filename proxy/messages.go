@@ -318,7 +318,6 @@ type block struct {
 var (
 	typeMember      = []string{"type"}
 	emptyJSONObject = []byte("{}")
-	sourceMembers   = []string{"data"}
 	roleMembers     = []string{"role", "content"}
 )
 

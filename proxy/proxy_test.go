@@ -600,6 +600,9 @@ func TestDryRunMatchesRealDecision(t *testing.T) {
 
 	// Streaming dry-run: Dynamo's annotated events, then [DONE].
 	resp, body = post(t, p.url+"/v1/chat/completions", next+`,"stream":true,"nvext":{"annotations":["query_instance_id"]}}`)
+	if resp.StatusCode != 200 || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+		t.Fatalf("streaming dry-run: %d %q", resp.StatusCode, resp.Header.Get("Content-Type"))
+	}
 	want := fmt.Sprintf("event: worker_instance_id\n: \"%d\"\n\nevent: token_data\n: [", d.InstanceID)
 	if !strings.HasPrefix(string(body), want) || !strings.HasSuffix(string(body), "]\n\ndata: [DONE]\n\n") {
 		t.Fatalf("streaming dry-run format:\n%s", body)

@@ -609,6 +609,9 @@ func TestResponsesBelongToTheirTenant(t *testing.T) {
 	// deleted the other tenant's response).
 	_, orig, _ := splitTaggedID(id)
 	resp, body = postHeaders(t, p.url+"/v1/responses", `{"model":"m","input":"Hi"}`, b...)
+	if resp.StatusCode != 200 {
+		t.Fatalf("the other tenant's own response: %d %s", resp.StatusCode, body)
+	}
 	ownTag, _, _ := splitTaggedID(decodeJSON(t, body)["id"].(string))
 	forged := string(appendTaggedID(nil, ownTag, []byte(orig)))
 	for _, prev := range []string{orig, forged} {
