@@ -7,7 +7,8 @@ import (
 
 // retryBudget limits retries to a share of traffic (Finagle's design): every
 // request deposits ratio, every retry withdraws 1, and a small reserve per
-// second lets a quiet proxy still retry.
+// second lets a quiet proxy still retry. A ratio of 0 allows no retries,
+// reserve included.
 type retryBudget struct {
 	mu      sync.Mutex
 	ratio   float64
@@ -22,11 +23,15 @@ const (
 )
 
 func newRetryBudget(ratio float64) *retryBudget {
-	return &retryBudget{ratio: ratio, balance: retryInitial, last: time.Now()}
+	b := &retryBudget{ratio: ratio, last: time.Now()}
+	if ratio > 0 {
+		b.balance = retryInitial
+	}
+	return b
 }
 
 func (b *retryBudget) refill(now time.Time) {
-	if !now.After(b.last) {
+	if !now.After(b.last) || b.ratio == 0 {
 		return // requests deposit with their arrival times, which interleave
 	}
 	b.balance += now.Sub(b.last).Seconds() * retryReservePerSec

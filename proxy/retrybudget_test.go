@@ -33,3 +33,13 @@ func TestRetryBudget(t *testing.T) {
 		t.Fatalf("balance %v above the cap", b.balance)
 	}
 }
+
+// retry_budget 0 allows no retry at all: README says so, and the reserve
+// let a quiet proxy retry anyway (the twenty-sixth session's docs review).
+func TestRetryBudgetZeroAllowsNone(t *testing.T) {
+	b := newRetryBudget(0)
+	b.deposit(time.Now().Add(time.Minute))
+	if b.withdraw() {
+		t.Fatalf("a retry allowed with a budget of 0 (balance %v)", b.balance)
+	}
+}
