@@ -12,6 +12,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"log"
@@ -31,6 +32,9 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if err := run(ctx, os.Args[1:], nil); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return
+		}
 		log.Print("kvmock: ", err)
 		stop()
 		os.Exit(1)
@@ -71,6 +75,9 @@ func run(ctx context.Context, args []string, ready func([]endpoints)) error {
 	eventsEnc := fs.String("kv-events-encoding", "array", "event encoding: array (msgspec array_like, older vLLM) or map (newer vLLM)")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
 	if *n < 1 {
 		return fmt.Errorf("-n must be at least 1")

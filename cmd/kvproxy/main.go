@@ -96,6 +96,16 @@ func (c *command) run(args []string) (code int) {
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	if fs.NArg() > 0 {
+		// "kvproxy prod.yaml" started the example configuration, and
+		// "kvproxy -check prod.yaml" checked it (the docs review).
+		fmt.Fprintf(c.stderr, "kvproxy: unexpected argument %q: name the configuration with -config FILE\n", fs.Arg(0))
+		fs.Usage()
 		return 2
 	}
 	build := buildinfo.Read()

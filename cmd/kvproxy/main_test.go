@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -459,5 +460,44 @@ func TestMockServesTheModelsAdapters(t *testing.T) {
 	// Both engines are named: the reload named the first only.
 	if msg := p.reloadRejected(t); !strings.Contains(msg, "cannot change on reload") || !strings.Contains(msg, "backends m0, m1:") {
 		t.Fatalf("changing a mock's adapters: %s", msg)
+	}
+}
+
+// A simulated engine of a model with tokenizer "engine" tokenizes with its
+// default tokenizer, which kvproxy then asks for through /tokenize: it was
+// refused at start as an unknown tokenizer (the twenty-sixth session's docs
+// review). A repeated prompt is cached, so both sides hash the same ids.
+func TestMockOfAnEngineTokenizedModel(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	body := fmt.Sprintf("listen: 127.0.0.1:0\nlog_level: warn\nmodels: [{name: m, tokenizer: engine, block_size: 16}]\n"+
+		"backends:\n  - {id: m0, url: \"http://127.0.0.1:%d\", model: m, kind: mock, mock: {speedup: 1000}}\n", freePort(t))
+	if err := os.WriteFile(cfg, []byte(body), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	p := startProxy(t, cfg)
+	req := `{"model":"m","max_tokens":2,"messages":[{"role":"user","content":"` + strings.Repeat("tokenized by the engine ", 20) + `"}]}`
+	var cached float64
+	for range 2 {
+		resp, err := http.Post("http://"+p.addr+"/v1/chat/completions", "application/json", strings.NewReader(req))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+		var out struct {
+			Usage struct {
+				Details struct {
+					Cached float64 `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			} `json:"usage"`
+		}
+		json.Unmarshal(b, &out)
+		cached = out.Usage.Details.Cached
+	}
+	if cached < 96 {
+		t.Fatalf("the repeated prompt had %v cached tokens", cached)
 	}
 }

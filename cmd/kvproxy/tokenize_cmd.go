@@ -24,6 +24,9 @@ func tokenizeCmd(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	tmplSpec := fs.String("template", "chatml", "chatml, llama3, raw, or the path of a tokenizer_config.json (its chat_template)")
 	chat := fs.Bool("chat", false, "stdin is a JSON array of chat messages, rendered with add_generation_prompt")
 	if err := fs.Parse(args); err != nil {
+		if err == flag.ErrHelp {
+			return 0
+		}
 		return 2
 	}
 	fail := func(code int, err error) int {

@@ -53,14 +53,27 @@ func TestVersionAndBuildInfo(t *testing.T) {
 }
 
 // -h names the tokenize subcommand beside the flags (the README audit:
-// nothing said it was there).
+// nothing said it was there), and exits 0 as flag.ExitOnError's help does.
 func TestHelpNamesTheTokenizeCommand(t *testing.T) {
 	var errOut bytes.Buffer
 	c := &command{stdout: io.Discard, stderr: &errOut}
-	if code := c.run([]string{"-h"}); code != 2 {
+	if code := c.run([]string{"-h"}); code != 0 {
 		t.Fatalf("-h exited %d", code)
 	}
 	if h := errOut.String(); !strings.Contains(h, "kvproxy tokenize") || !strings.Contains(h, "-config") {
 		t.Fatalf("-h printed %q", h)
+	}
+}
+
+// A configuration named without -config is refused: "kvproxy -check
+// prod.yaml" checked the example configuration and said it was valid, and
+// "kvproxy prod.yaml" served it (the twenty-sixth session's docs review).
+func TestConfigWithoutTheFlagIsRefused(t *testing.T) {
+	for _, args := range [][]string{{"prod.yaml"}, {"-check", "prod.yaml"}} {
+		var out, errOut bytes.Buffer
+		c := &command{stdout: &out, stderr: &errOut}
+		if code := c.run(args); code != 2 || !strings.Contains(errOut.String(), `unexpected argument "prod.yaml"`) || out.Len() > 0 {
+			t.Fatalf("%q: exit %d, stdout %q, stderr:\n%s", args, code, out.String(), errOut.String())
+		}
 	}
 }
