@@ -728,7 +728,14 @@ func (c *Config) Validate() error {
 			add(f+".kind", "want vllm, sglang, openai or mock, got %q", b.Kind)
 		}
 		if _, ok := names[b.Model]; b.Model == "" || !ok || !c.isModelName(b.Model) {
-			add(f+".model", "must name one of models[].name, got %q", b.Model)
+			switch m, isAlias := c.ModelByName(b.Model); {
+			case b.Model == "":
+				add(f+".model", "required with more than one model: one of models[].name")
+			case isAlias:
+				add(f+".model", "%q is an alias of model %q: a backend names its model by models[].name", b.Model, m.Name)
+			default:
+				add(f+".model", "must name one of models[].name, got %q", b.Model)
+			}
 		}
 		switch b.KVEvents.Mode {
 		case EventsNone, EventsHTTP:
@@ -928,8 +935,11 @@ func (c *Config) Validate() error {
 			add(f+".name", "%q listed twice", t.Name)
 		}
 		tenants[t.Name] = true
-		if !finiteNonNegative(t.RequestsPerSecond, t.TokensPerMinute) {
-			add(f, "rate limits must be numbers, not negative")
+		if !finiteNonNegative(t.RequestsPerSecond) {
+			add(f+".requests_per_second", "must be a number, not negative (0: no limit), got %g", t.RequestsPerSecond)
+		}
+		if !finiteNonNegative(t.TokensPerMinute) {
+			add(f+".tokens_per_minute", "must be a number, not negative (0: no limit), got %g", t.TokensPerMinute)
 		}
 		if t.MaxConcurrency < 0 {
 			add(f+".max_concurrency", "must not be negative (0: no cap)")
@@ -987,6 +997,11 @@ func (c *Config) Warnings() []string {
 		out = append(out, fmt.Sprintf("auth.cache_salt_secret has %d characters: it keys the tenants' cache salts and response ids, and a short one can be guessed offline; use a random one of at least %d", len(s), MinSecretLen))
 	}
 	out = append(out, c.forcedUsageWarnings()...)
+	for _, b := range c.Backends {
+		if b.Kind != KindMock && b.Mock != (MockEngine{}) {
+			out = append(out, fmt.Sprintf("backend %s: mock settings are for kind mock; a %s engine ignores them", b.ID, b.Kind))
+		}
+	}
 	if len(c.Tenants) == 0 {
 		return out
 	}

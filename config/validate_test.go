@@ -44,6 +44,11 @@ func TestValidationRejects(t *testing.T) {
 		"negative conns":           {minimal + "limits: {max_conns_per_backend: -1}\n", "limits.max_conns_per_backend"},
 		"tenant model unknown":     {minimal + "tenants: [{name: a, models: [m, nope]}]\n", "tenants[0].models[1]: \"nope\" is not the name or alias"},
 		"tenant models empty":      {minimal + "tenants: [{name: a, models: []}]\n", "tenants[0].models: lists no model"},
+		"negative tenant rate":     {minimal + "tenants: [{name: a, tokens_per_minute: -1}]\n", "tenants[0].tokens_per_minute: must be a number, not negative"},
+		"backend naming an alias": {"models: [{name: m, aliases: [mm]}]\nbackends: [{id: a, url: 'http://127.0.0.1:9000', model: mm}]\n",
+			`backends[0].model: "mm" is an alias of model "m"`},
+		"backend of two models naming none": {"models: [{name: m}, {name: n}]\nbackends: [{id: a, url: 'http://127.0.0.1:9000'}]\n",
+			"backends[0].model: required with more than one model"},
 		"negative client conns":    {minimal + "limits: {max_connections: -1}\n", "limits.max_connections"},
 		"negative idle timeout":    {minimal + "limits: {idle_timeout: -1s}\n", "limits.idle_timeout"},
 		"negative overlap weight":  {minimal + "router: {overlap_weight: -1}\n", "router.overlap_weight"},
@@ -174,6 +179,9 @@ func TestForcedUsageIsWarnedOf(t *testing.T) {
 		"  - {id: a, url: 'http://10.0.0.1:8000', force_include_usage: true}\n  - {id: b, url: 'http://10.0.0.2:8000'}\n":                            "model m: some of its backends set force_include_usage",
 		"  - {id: a, url: 'http://10.0.0.1:8000', force_include_usage: true}\n  - {id: p, url: 'http://10.0.0.2:8000', role: prefill}\n":             "",
 		"  - {id: a, url: 'http://127.0.0.1:8000', kind: mock, force_include_usage: true}\n":                                                         "backend a: force_include_usage is for engines of kind vllm or sglang",
+		// Not force_include_usage, but the same kind of mistake: settings
+		// a real engine ignores (the twenty-sixth session's docs review).
+		"  - {id: a, url: 'http://10.0.0.1:8000', kind: vllm, mock: {speedup: 10}}\n": "backend a: mock settings are for kind mock; a vllm engine ignores them",
 	} {
 		c, err := Parse([]byte("models: [{name: m}]\nbackends:\n" + yaml))
 		if err != nil {

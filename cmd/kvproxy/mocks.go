@@ -149,7 +149,13 @@ func mockConfig(cfg *config.Config, b config.Backend, key mockKey) mockengine.Co
 		mc.LoRAModules = m.Adapters // the adapters it is configured to serve
 	}
 	mc.BlockSize = key.blockSize
-	mc.Tokenizer = key.tokenizer
+	if key.tokenizer != config.TokenizerEngine {
+		// With tokenizer "engine", kvproxy asks the engine's /tokenize:
+		// the simulated one answers with its default tokenizer's ids,
+		// which its cache keys on too. It was refused as an unknown
+		// tokenizer (the twenty-sixth session's docs review).
+		mc.Tokenizer = key.tokenizer
+	}
 	mc.Template = key.template
 	if b.Mock.CacheBlocks > 0 {
 		mc.CacheBlocks = b.Mock.CacheBlocks
