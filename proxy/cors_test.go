@@ -51,7 +51,8 @@ func TestCORS(t *testing.T) {
 	}{{"key-web-12345", 200}, {"", 401}} {
 		resp := do(p, "POST", "/v1/chat/completions", "https://app.example.com", c.key, chat)
 		if resp.StatusCode != c.status || resp.Header.Get("Access-Control-Allow-Origin") != "*" ||
-			!strings.Contains(resp.Header.Get("Access-Control-Expose-Headers"), "X-Request-Id") {
+			!strings.Contains(resp.Header.Get("Access-Control-Expose-Headers"), "X-Request-Id") ||
+			!strings.Contains(resp.Header.Get("Access-Control-Expose-Headers"), "X-Kvproxy-Overloaded") {
 			t.Fatalf("key %q: %d %v", c.key, resp.StatusCode, resp.Header)
 		}
 	}

@@ -115,7 +115,7 @@ func newMetrics() *metrics {
 		Name: "kvproxy_client_connections_evicted_total", Help: "Idle keep-alive client connections closed to make room for a new one when limits.max_connections were open.",
 	})
 	m.unavailable = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kvproxy_unavailable_total", Help: "503s kvproxy answered itself, by reason: queue_full, queue_timeout (saturation: every backend at max_concurrency), no_healthy_backend (an outage), pinned_backend_unavailable, response_backend_unavailable, backend_removed, shutting_down.",
+		Name: "kvproxy_unavailable_total", Help: "503s kvproxy answered itself, by reason: queue_full, queue_timeout (saturation: every backend at max_concurrency), no_healthy_backend (an outage), pinned_backend_unavailable, response_backend_unavailable, backend_removed, shutting_down, out_of_file_descriptors (kvproxy's open files limit).",
 	}, []string{"reason"})
 	for _, why := range unavailableReasons {
 		m.unavailable.WithLabelValues(string(why))
