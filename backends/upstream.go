@@ -47,6 +47,9 @@ type Upstream struct {
 	closed bool        // Close was called: released connections are closed, not pooled
 
 	Dials atomic.Int64 // connections opened, for tests and metrics
+	// Unsolicited counts the pooled connections dropped because the engine
+	// sent bytes on them while they were idle (idlePeek).
+	Unsolicited atomic.Int64
 }
 
 // TLSError is a failed TLS handshake with an https engine: a certificate
@@ -75,6 +78,7 @@ type upConn struct {
 	// when it is closer than that (by more than deadlineSlack).
 	readBy time.Time
 	idleAt time.Time // when it was pooled
+	peek   *idlePeek // what the engine sent while it was pooled
 }
 
 // peerReader reads the engine's connection for br, counting the bytes that
@@ -374,25 +378,36 @@ func (u *Upstream) exchange(uc *upConn, req *fasthttp.Request, resp *fasthttp.Re
 }
 
 func (u *Upstream) get(dial bool) (*upConn, bool, error) {
-	u.mu.Lock()
-	if n := len(u.idle); n > 0 && !dial {
+	for !dial {
+		u.mu.Lock()
+		n := len(u.idle)
+		if n == 0 {
+			u.mu.Unlock()
+			break
+		}
 		uc := u.idle[n-1]
 		u.idle[n-1] = nil
 		u.idle = u.idle[:n-1]
-		if time.Since(uc.idleAt) < u.maxIdleTime() {
+		if time.Since(uc.idleAt) >= u.maxIdleTime() {
+			// Idle too long, and so is every connection pooled before it.
+			old := u.idle
+			u.idle = nil
 			u.mu.Unlock()
-			return uc, true, nil
+			uc.c.Close()
+			for _, o := range old {
+				o.c.Close()
+			}
+			break
 		}
-		// Idle too long, and so is every connection pooled before it.
-		old := u.idle
-		u.idle = nil
 		u.mu.Unlock()
-		uc.c.Close()
-		for _, o := range old {
-			o.c.Close()
+		if sent, closed := uc.peek.check(); sent || closed {
+			if sent {
+				u.Unsolicited.Add(1)
+			}
+			uc.c.Close()
+			continue
 		}
-	} else {
-		u.mu.Unlock()
+		return uc, true, nil
 	}
 	d := u.DialTimeout
 	if d <= 0 {
@@ -431,7 +446,7 @@ func (u *Upstream) get(dial bool) (*upConn, bool, error) {
 		c = tc
 	}
 	u.Dials.Add(1)
-	uc := &upConn{c: c, rd: peerReader{c: c}, bw: bufio.NewWriterSize(c, 16<<10)}
+	uc := &upConn{c: c, rd: peerReader{c: c}, bw: bufio.NewWriterSize(c, 16<<10), peek: newIdlePeek(c)}
 	uc.br = bufio.NewReaderSize(&uc.rd, 16<<10)
 	return uc, false, nil
 }

@@ -110,6 +110,36 @@ func TestBytesPastTheAnswerAreNotReadByTheNext(t *testing.T) {
 	}
 }
 
+// An answer no request asked for, sent while the connection is pooled,
+// loses the engine that connection: the next request was sent on it and
+// read that answer as its own, and the one after got the next request's
+// (the twenty-sixth session's security review: tenants read each other's
+// answers through an engine that answered twice). A connection the engine
+// closed while pooled is dropped before a request goes on it.
+func TestAnswerSentWhilePooledIsNotReadByTheNext(t *testing.T) {
+	var answered atomic.Int32
+	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		for readRequest(br) == nil {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+			if answered.Add(1) == 1 {
+				time.Sleep(20 * time.Millisecond)
+				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nsmuggled")
+			}
+		}
+	})
+	u := &Upstream{Addr: addr}
+	for i := range 3 {
+		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+		if _, err := u.Do(req, resp, false, nil); err != nil || string(resp.Body()) != "ok" {
+			t.Fatalf("request %d: %v %q", i, err, resp.Body())
+		}
+		time.Sleep(50 * time.Millisecond) // the unasked answer came meanwhile
+	}
+	if d, n := u.Dials.Load(), u.Unsolicited.Load(); d != 2 || n != 1 {
+		t.Fatalf("%d dials and %d connections dropped for unasked bytes, want 2 and 1", d, n)
+	}
+}
+
 // A chunked stream read to its end leaves nothing buffered: its connection
 // is reused (the check for bytes past an answer must not close every
 // stream's connection), with or without trailers.
