@@ -1255,3 +1255,29 @@ func TestHTTP10StreamEndsWhenItsHijackNeverStarts(t *testing.T) {
 	}
 	s.Shutdown()
 }
+
+// A request fasthttp cannot parse is logged without its bytes: they hold
+// the client's key (the twenty-sixth session's security review found keys
+// in the debug log, which README says they never are).
+func TestUnparsableRequestLogsNoKey(t *testing.T) {
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://127.0.0.1:1'}]\n")
+	c, err := net.Dial("tcp", p.url[len("http://"):])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	io.WriteString(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-secret-0123456789\r\nContent-Length: 12x\r\n\r\n")
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	answer, _ := io.ReadAll(c)
+	if !strings.HasPrefix(string(answer), "HTTP/1.1 400") {
+		t.Fatalf("answer %q", answer)
+	}
+	for deadline := time.Now().Add(5 * time.Second); !strings.Contains(p.logs.String(), "error when reading request headers"); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the parse error was not logged:\n%s", p.logs.String())
+		}
+	}
+	if logs := p.logs.String(); strings.Contains(logs, "sk-secret") {
+		t.Fatalf("the key is in the log:\n%s", logs)
+	}
+}

@@ -231,6 +231,10 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 		Handler:               s.handle,
 		Name:                  "kvproxy",
 		NoDefaultServerHeader: true,
+		// fasthttp's errors quote the request they could not parse, its
+		// Authorization header with it (the security review: keys in the
+		// debug log, which README says they never are).
+		SecureErrorLogMessage: true,
 		MaxRequestBodySize:    cfg.Limits.MaxRequestBodyBytes,
 		ReadBufferSize:        cfg.Limits.MaxHeaderBytes, // also the largest header accepted
 		// Bodies are read by the handler once it has checked the request
