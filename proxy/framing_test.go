@@ -87,3 +87,32 @@ func TestConnectionCloseInAnyCase(t *testing.T) {
 		t.Error("a token that is not close")
 	}
 }
+
+// Paths fasthttp would resolve to another endpoint are refused, whatever
+// their encoding; ordinary paths, queries with dots and model ids with
+// dots or an encoded slash are not.
+func TestDotSegments(t *testing.T) {
+	for target, want := range map[string]bool{
+		"/v1/chat/completions":                  false,
+		"/v1/models/meta-llama%2FLlama-3.1-8B":  false,
+		"/v1/models/Qwen2.5-7B...x":             false,
+		"/metrics?x=/../admin":                  false,
+		"/v1/responses/resp_1.2":                false,
+		"/%6detrics":                            false, // the same resource, RFC 3986 6.2.2.2
+		"/v1/../metrics":                        true,
+		"/v1/%2e%2e/metrics":                    true,
+		"/v1/%2E./metrics":                      true,
+		"/v1/..%2fmetrics":                      true,
+		"/live%2f..%2fmetrics":                  true,
+		"/v1/./chat/completions":                true,
+		"/v1/%2e/chat/completions":              true,
+		"/v1/models/..":                         true,
+		"/v1/..%5cadmin/backends":               true,
+		"http://h/v1/%2e%2e/admin/backends?a=b": true,
+		"/v1/models/%2":                         false,
+	} {
+		if got := dotSegments([]byte(target)); got != want {
+			t.Errorf("dotSegments(%q) = %v, want %v", target, got, want)
+		}
+	}
+}

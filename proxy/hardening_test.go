@@ -1281,3 +1281,22 @@ func TestUnparsableRequestLogsNoKey(t *testing.T) {
 		t.Fatalf("the key is in the log:\n%s", logs)
 	}
 }
+
+// /v1/%2e%2e/metrics was served as /metrics, past a proxy in front that
+// lets only /v1/ through (the security review): it is a 400 now.
+func TestDotSegmentPathIsRefused(t *testing.T) {
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://127.0.0.1:1'}]\n")
+	for _, target := range []string{"/v1/%2e%2e/metrics", "/v1/..%2fmetrics", "/v1/../metrics"} {
+		c, err := net.Dial("tcp", p.url[len("http://"):])
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.WriteString(c, "GET "+target+" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		answer, _ := io.ReadAll(c)
+		c.Close()
+		if !strings.HasPrefix(string(answer), "HTTP/1.1 400") || !strings.Contains(string(answer), `"code":"invalid_path"`) {
+			t.Errorf("GET %s: %q", target, answer)
+		}
+	}
+}

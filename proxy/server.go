@@ -1073,6 +1073,11 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		s.logUnrouted(ctx, "Transfer-Encoding not chunked, or beside Content-Length")
 		return
 	}
+	if dotSegments(ctx.Request.Header.RequestURI()) {
+		writeError(ctx, fasthttp.StatusBadRequest, "the path has a . or .. segment (percent-encoded or not): name the endpoint itself", "invalid_request_error", "", "invalid_path")
+		s.logUnrouted(ctx, "dot segment in the path")
+		return
+	}
 	if cl := ctx.Request.Header.ContentLength(); cl > min(strangerBodyLimit, s.st.Load().cfg.Limits.MaxRequestBodyBytes) && s.refuseDeclaredBody(ctx) {
 		return
 	}
