@@ -1642,7 +1642,14 @@ func (x *exchange) logLine() {
 	if x.status >= 500 {
 		ev = s.log.Warn()
 	}
-	ev = ev.Str("request_id", x.id).IPAddr("remote", x.remote).Str("path", x.path).
+	ev = ev.Str("request_id", x.id)
+	if x.engineID != x.id {
+		// The client named the request: any client can send any id, so
+		// the line also has the one kvproxy made unique, which the engine
+		// logs too (the security review).
+		ev = ev.Str("engine_request_id", x.engineID)
+	}
+	ev = ev.IPAddr("remote", x.remote).Str("path", x.path).
 		Str("model", x.model).Str("tenant", x.tenant).Str("backend", x.b.cfg.ID)
 	ev = ev.Int("overlap_blocks", x.d.Overlap).Int("total_blocks", x.d.Total).
 		Bool("stream", x.stream).Int("status", x.status).

@@ -851,7 +851,11 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 	if status >= 500 {
 		ev = s.log.Warn()
 	}
-	ev = ev.Str("request_id", in.rid).IPAddr("remote", s.st.Load().clientIP(ctx)).Str("method", method).Str("path", "/v1/responses/{id}"+sub).
+	ev = ev.Str("request_id", in.rid)
+	if in.engineID != in.rid {
+		ev = ev.Str("engine_request_id", in.engineID) // as the access log's (exchange.logLine)
+	}
+	ev = ev.IPAddr("remote", s.st.Load().clientIP(ctx)).Str("method", method).Str("path", "/v1/responses/{id}"+sub).
 		Str("tenant", in.t.name).Str("backend", b.cfg.ID).Int("status", status).Dur("duration", time.Since(in.start))
 	if errMsg != "" {
 		ev = ev.Str("error", errMsg)

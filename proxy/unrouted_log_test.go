@@ -85,3 +85,26 @@ func TestUnroutedRequestsAreLogged(t *testing.T) {
 		}
 	}
 }
+
+// A request the client named has both ids in its access log line: the
+// client's, which any client can send, and kvproxy's unique one, the id
+// the engine got (the security review).
+func TestClientNamedRequestLogsKvproxysID(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}'}]\n", e)
+	if resp, b := postHeaders(t, p.url+"/v1/completions", `{"model":"m","prompt":"hi"}`, "X-Request-Id", "mine-7"); resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	e.mu.Lock()
+	engineID := e.headers[len(e.headers)-1].Get("X-Request-Id")
+	e.mu.Unlock()
+	if !strings.HasPrefix(engineID, "req-") || !strings.HasSuffix(engineID, ".mine-7") {
+		t.Fatalf("the engine got X-Request-Id %q", engineID)
+	}
+	want := `"request_id":"mine-7","engine_request_id":"` + engineID + `"`
+	for deadline := time.Now().Add(5 * time.Second); !strings.Contains(p.logs.String(), want); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no line with %s:\n%s", want, p.logs.String())
+		}
+	}
+}
