@@ -199,18 +199,12 @@ func TestDeclaredBodiesCostWhatArrives(t *testing.T) {
 }
 
 // Bodies are read by the handlers (streamed): one left unread (a 404, a
-// 401, a 429) is read and dropped before the next request on the
-// connection, never taken for it, and chunked bodies, small and large, and
-// bodies that stop coming get their answers.
+// 429) is read and dropped before the next request on the connection,
+// never taken for it; a stranger's (401) is not read, and its connection
+// closes after the answer. Chunked bodies, small and large, and bodies
+// that stop coming get their answers.
 func TestUnreadBodiesAreNotTakenForRequests(t *testing.T) {
 	p := startProxyYAML(t, bodyLimitYAML, startFake(t, "e0", nil))
-	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(10 * time.Second))
-	br := bufio.NewReader(c)
 	inner := "GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 	for _, tc := range []struct {
 		path, key string
@@ -222,9 +216,22 @@ func TestUnreadBodiesAreNotTakenForRequests(t *testing.T) {
 		{"/v1/completions", "wrong-key-000", inner + strings.Repeat(" ", 20<<10), 401}, // past what comes with the headers
 		{"/v1/models", "key-free-45678", inner, 405},
 	} {
+		c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		br := bufio.NewReader(c)
 		fmt.Fprintf(c, "POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s", tc.path, tc.key, len(tc.body), tc.body)
 		fmt.Fprintf(c, "GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-free-45678\r\n\r\n")
 		for _, want := range []int{tc.want, 200} {
+			if want == 200 && tc.want == 401 {
+				if next, err := br.Peek(1); err != io.EOF {
+					t.Fatalf("%s: after the 401, %q %v, want the connection closed", tc.path, next, err)
+				}
+				break
+			}
 			resp, err := http.ReadResponse(br, nil)
 			if err != nil {
 				t.Fatalf("%s: %v", tc.path, err)
@@ -456,5 +463,43 @@ func TestClientLeavingMidBodyIs499(t *testing.T) {
 	})
 	if m := p.metrics(t); strings.Contains(m, `code="400"`) {
 		t.Fatalf("hang-ups counted as 400s:\n%s", grepLines(m, "requests_total"))
+	}
+}
+
+// A request without a key kvproxy knows gets its 401 before its body is
+// read, whatever the body's size: one that declared a small body and sent
+// none held its connection until body_timeout and got a 408 (the
+// twenty-sixth session's security review), as did a chunked one.
+func TestStrangerWithABodyIsRefusedAtOnce(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	p := startProxyYAML(t, strings.Replace(bodyLimitYAML, "limits: {", "limits: {body_timeout: 20s, ", 1), e)
+	for _, framing := range []string{"Content-Length: 1000", "Transfer-Encoding: chunked"} {
+		conn, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong-key-000000\r\nContent-Type: application/json\r\n%s\r\n\r\n", framing)
+		conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			t.Fatalf("%s: no answer: %v", framing, err)
+		}
+		resp.Body.Close()
+		conn.Close()
+		if resp.StatusCode != 401 || time.Since(start) > 3*time.Second {
+			t.Fatalf("%s, no body sent: %d after %v, want 401 at once", framing, resp.StatusCode, time.Since(start))
+		}
+	}
+	// A known key's small body is read as before, and a stranger's body
+	// sent whole gets the 401 too.
+	if resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != 401 {
+		t.Fatalf("a stranger's whole body: %d %s", resp.StatusCode, b)
+	}
+	if resp, b := postAuth(t, p.url+"/v1/chat/completions", "key-free-45678", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != 200 {
+		t.Fatalf("a known key: %d %s", resp.StatusCode, b)
+	}
+	if n := p.s.overLimit.len(); n != 0 {
+		t.Fatalf("%d notes left", n)
 	}
 }

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -29,6 +30,7 @@ type overLimitNotes struct {
 	mu    sync.Mutex
 	notes map[uintptr]overLimitBody
 	swept time.Time
+	held  atomic.Int32 // len(notes), read without the lock (pending)
 }
 
 // maxOverLimitNotes bounds the notes kept at once: beyond it a request
@@ -58,6 +60,19 @@ func (n *overLimitNotes) add(h *fasthttp.RequestHeader, note overLimitBody) {
 	if len(n.notes) < maxOverLimitNotes {
 		n.notes[headerKey(h)] = note
 	}
+	n.held.Store(int32(len(n.notes)))
+}
+
+// pending reports whether h has a note: every request's question, answered
+// without the lock while there is none.
+func (n *overLimitNotes) pending(h *fasthttp.RequestHeader) bool {
+	if n.held.Load() == 0 {
+		return false
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	_, ok := n.notes[headerKey(h)]
+	return ok
 }
 
 // take removes h's note and returns it, if there is one of use.
@@ -67,6 +82,7 @@ func (n *overLimitNotes) take(h *fasthttp.RequestHeader) (overLimitBody, bool) {
 	note, ok := n.notes[headerKey(h)]
 	if ok {
 		delete(n.notes, headerKey(h))
+		n.held.Store(int32(len(n.notes)))
 	}
 	return note, ok && time.Since(note.at) <= noteTTL
 }
@@ -75,6 +91,7 @@ func (n *overLimitNotes) take(h *fasthttp.RequestHeader) (overLimitBody, bool) {
 func (n *overLimitNotes) drop(h *fasthttp.RequestHeader) {
 	n.mu.Lock()
 	delete(n.notes, headerKey(h))
+	n.held.Store(int32(len(n.notes)))
 	n.mu.Unlock()
 }
 

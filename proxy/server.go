@@ -250,16 +250,21 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 			// With bodies streamed, fasthttp reads up to the smallest of
 			// this, the declared length and 8 KiB before calling the
 			// handler (prefetchedBody); the handler refuses a body declared
-			// over its limit (refuseDeclaredBody), and gets one byte of it.
+			// over its limit, or any body of a request without a key
+			// kvproxy knows (refuseDeclaredBody), and gets one byte of it:
+			// a stranger that declared a body and sent none held its
+			// connection for body_timeout, and got a 408 (the security
+			// review).
 			st := s.st.Load()
-			max, wait := st.bodyLimit(h), st.cfg.Limits.BodyTimeout
-			if h.ContentLength() > max {
+			known := st.auth.knows(h)
+			max, wait := st.cfg.Limits.MaxRequestBodyBytes, st.cfg.Limits.BodyTimeout
+			if cl := h.ContentLength(); cl > max || !known && (cl > 0 || cl == -1) { // -1: chunked; -2: none
 				// A client that waits for an answer before it sends the
 				// body gets its 413 (or 401) when that byte is not there
 				// at once (transportError, which gets the request with its
 				// headers reset: they are noted here), not a 408 after
 				// body_timeout.
-				note := overLimitBody{at: time.Now(), known: st.auth.knows(h), header: new(fasthttp.RequestHeader)}
+				note := overLimitBody{at: time.Now(), known: known, header: new(fasthttp.RequestHeader)}
 				h.CopyTo(note.header)
 				s.overLimit.add(h, note)
 				max, wait = 1, min(wait, declaredBodyWait)
@@ -1078,7 +1083,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		s.logUnrouted(ctx, "dot segment in the path")
 		return
 	}
-	if cl := ctx.Request.Header.ContentLength(); cl > min(strangerBodyLimit, s.st.Load().cfg.Limits.MaxRequestBodyBytes) && s.refuseDeclaredBody(ctx) {
+	if cl := ctx.Request.Header.ContentLength(); (cl > 0 || cl == -1) && (cl > s.st.Load().cfg.Limits.MaxRequestBodyBytes || s.overLimit.pending(&ctx.Request.Header)) && s.refuseDeclaredBody(ctx) {
 		return
 	}
 	defer s.recoverPanic(ctx) // before those above: they shape its answer
@@ -1326,33 +1331,18 @@ func (s *Server) declaredOverLimit(ctx *fasthttp.RequestCtx) bool {
 // first byte before it is refused for its size.
 const declaredBodyWait = 250 * time.Millisecond
 
-// strangerBodyLimit is the body limit of a request without a key kvproxy
-// knows, when keys are configured: enough for any request that needs none
-// (a preflight, a probe), and for the 401 to need no more.
-const strangerBodyLimit = 64 << 10
-
-// bodyLimit is the body limit of a request with headers h: a request
-// without a key kvproxy knows has strangerBodyLimit when keys are
-// configured.
-func (st *state) bodyLimit(h *fasthttp.RequestHeader) int {
-	max := st.cfg.Limits.MaxRequestBodyBytes
-	if !st.auth.knows(h) {
-		max = min(max, strangerBodyLimit)
-	}
-	return max
-}
-
-// refuseDeclaredBody answers a request whose declared body is over its
-// limit, before any of the body is read, as fasthttp's limit did: a
-// request without a known key gets the 401 (its key is the answer), others
-// the 413. It reports false when the body is within the limit.
+// refuseDeclaredBody answers a request with a body (declared, or chunked),
+// before any of it is read, when it is over its limit or the request has
+// no key kvproxy knows: the 401 for the latter (its key is the answer),
+// the 413 for the former. It reports false when the body is to be read.
 func (s *Server) refuseDeclaredBody(ctx *fasthttp.RequestCtx) bool {
-	st := s.st.Load()
-	if ctx.Request.Header.ContentLength() <= st.bodyLimit(&ctx.Request.Header) {
+	st, h := s.st.Load(), &ctx.Request.Header
+	s.overLimit.drop(h)
+	known := st.auth.knows(h)
+	if known && h.ContentLength() <= st.cfg.Limits.MaxRequestBodyBytes {
 		return false
 	}
-	s.overLimit.drop(&ctx.Request.Header)
-	s.refuseLargeBody(ctx, st, st.auth.knows(&ctx.Request.Header))
+	s.refuseLargeBody(ctx, st, known)
 	return true
 }
 
