@@ -252,6 +252,10 @@ type backendJSON struct {
 	PrefillTokens int64 `json:"prefill_tokens"`
 	ActiveBlocks  int64 `json:"active_blocks"`
 	IndexedBlocks int64 `json:"indexed_blocks"`
+	// UnsolicitedAnswers counts the pooled connections closed because the
+	// engine sent bytes on them while they were idle: an engine, or a box
+	// before it, that answers what no request asked.
+	UnsolicitedAnswers int64 `json:"unsolicited_answers,omitempty"`
 
 	KVEvents *eventCounters `json:"kv_events"`
 	// Adapters: the LoRA adapters the engine lists (absent while unknown).
@@ -300,8 +304,9 @@ func (s *Server) backendRows(st *state) []backendJSON {
 				InstanceID: w.InstanceID, Healthy: b.healthy(), Available: w.Available, CoolingMs: b.coolingLeft().Milliseconds(),
 				Inflight: b.inflight.Load(), PrefillTokens: int64(w.PrefillTokens),
 				ActiveBlocks: int64(w.ActiveBlocks), IndexedBlocks: int64(w.IndexedBlocks),
-				KVEvents:          b.eventCounters(),
-				PrefillMsPerToken: w.PrefillMsPerToken, QueueMsPerToken: w.QueueMsPerToken, TTFTSamples: w.TTFTSamples,
+				UnsolicitedAnswers: b.up.Unsolicited.Load(),
+				KVEvents:           b.eventCounters(),
+				PrefillMsPerToken:  w.PrefillMsPerToken, QueueMsPerToken: w.QueueMsPerToken, TTFTSamples: w.TTFTSamples,
 				Pending: w.Pending, CacheBlocksEst: math.Round(w.CacheBlocks), MeanLifetimeMs: math.Round(w.LifetimeMs),
 				Remote: w.Remote,
 			})
