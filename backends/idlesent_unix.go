@@ -3,6 +3,7 @@
 package backends
 
 import (
+	"crypto/tls"
 	"net"
 	"syscall"
 )
@@ -17,10 +18,15 @@ type idlePeek struct {
 	fn  func(fd uintptr) // bound once: Control's closure would be allocated per call
 }
 
-// newIdlePeek prepares c's peek. TLS connections are not looked at: a record
-// waiting there may be the server's session ticket.
+// newIdlePeek prepares c's peek. A TLS connection's socket is looked at:
+// any record arriving while it is idle is unasked (a server sends its
+// session tickets as the handshake ends, before the first answer; the
+// review found https engines left out).
 func newIdlePeek(c net.Conn) *idlePeek {
 	p := &idlePeek{}
+	if tc, ok := c.(*tls.Conn); ok {
+		c = tc.NetConn()
+	}
 	if sc, ok := c.(syscall.Conn); ok {
 		if rc, err := sc.SyscallConn(); err == nil {
 			p.rc = rc
@@ -44,8 +50,14 @@ func (p *idlePeek) check() (sent, closed bool) {
 	if p.rc == nil {
 		return false, false
 	}
-	if p.rc.Control(p.fn) != nil || p.err != nil { // EAGAIN: nothing came
+	if p.rc.Control(p.fn) != nil {
 		return false, false
 	}
-	return p.n > 0, p.n == 0
+	switch {
+	case p.err == nil:
+		return p.n > 0, p.n == 0
+	case p.err == syscall.EAGAIN || p.err == syscall.EWOULDBLOCK: // nothing came
+		return false, false
+	}
+	return false, true // reset by the engine, or otherwise broken
 }

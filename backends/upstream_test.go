@@ -2,9 +2,11 @@ package backends
 
 import (
 	"bufio"
+	"crypto/tls"
 	"errors"
 	"io"
 	"net"
+	"net/http/httptest"
 	"os"
 	"strings"
 	"sync"
@@ -18,10 +20,21 @@ import (
 
 // rawEngine accepts connections on loopback and hands each to serve.
 func rawEngine(t *testing.T, serve func(c net.Conn, br *bufio.Reader)) string {
+	return rawEngineTLS(t, false, serve)
+}
+
+// rawEngineTLS is rawEngine, over TLS with a test certificate when https.
+func rawEngineTLS(t *testing.T, https bool, serve func(c net.Conn, br *bufio.Reader)) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
+	}
+	if https {
+		srv := httptest.NewUnstartedServer(nil)
+		srv.StartTLS() // for its certificate
+		ln = tls.NewListener(ln, &tls.Config{Certificates: srv.TLS.Certificates})
+		srv.Close()
 	}
 	t.Cleanup(func() { ln.Close() })
 	go func() {
@@ -114,11 +127,17 @@ func TestBytesPastTheAnswerAreNotReadByTheNext(t *testing.T) {
 // loses the engine that connection: the next request was sent on it and
 // read that answer as its own, and the one after got the next request's
 // (the twenty-sixth session's security review: tenants read each other's
-// answers through an engine that answered twice). A connection the engine
-// closed while pooled is dropped before a request goes on it.
+// answers through an engine that answered twice). Over TLS too (its
+// review). A connection the engine closed while pooled is dropped before a
+// request goes on it.
 func TestAnswerSentWhilePooledIsNotReadByTheNext(t *testing.T) {
+	t.Run("http", func(t *testing.T) { answerSentWhilePooled(t, false) })
+	t.Run("https", func(t *testing.T) { answerSentWhilePooled(t, true) })
+}
+
+func answerSentWhilePooled(t *testing.T, https bool) {
 	var answered atomic.Int32
-	addr := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+	addr := rawEngineTLS(t, https, func(c net.Conn, br *bufio.Reader) {
 		for readRequest(br) == nil {
 			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
 			if answered.Add(1) == 1 {
@@ -128,6 +147,9 @@ func TestAnswerSentWhilePooledIsNotReadByTheNext(t *testing.T) {
 		}
 	})
 	u := &Upstream{Addr: addr}
+	if https {
+		u.TLS = &tls.Config{InsecureSkipVerify: true}
+	}
 	for i := range 3 {
 		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
 		if _, err := u.Do(req, resp, false, nil); err != nil || string(resp.Body()) != "ok" {
@@ -552,5 +574,37 @@ func TestDialsOutOfDescriptorsAllRetry(t *testing.T) {
 	wg.Wait()
 	if fails.Load() != 0 {
 		t.Fatalf("%d of %d requests failed", fails.Load(), k)
+	}
+}
+
+// A pooled connection the engine reset is dropped before a request goes on
+// it, as one it closed is: the peek's ECONNRESET read as "nothing came"
+// (the review), and the write then failed and was retried.
+func TestResetWhilePooledIsDropped(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		c, err := ln.Accept()
+		if err == nil {
+			time.Sleep(30 * time.Millisecond)
+			c.(*net.TCPConn).SetLinger(0) // closing sends a reset
+			c.Close()
+		}
+	}()
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	p := newIdlePeek(c)
+	if sent, closed := p.check(); sent || closed {
+		t.Fatalf("before the reset: sent %v closed %v", sent, closed)
+	}
+	time.Sleep(100 * time.Millisecond)
+	if sent, closed := p.check(); sent || !closed {
+		t.Fatalf("after the reset: sent %v closed %v (%v)", sent, closed, p.err)
 	}
 }
