@@ -503,3 +503,74 @@ func TestStrangerWithABodyIsRefusedAtOnce(t *testing.T) {
 		t.Fatalf("%d notes left", n)
 	}
 }
+
+// sendRaw writes req on conn and reads the answer.
+func sendRaw(t *testing.T, conn net.Conn, br *bufio.Reader, req string) (*http.Response, string) {
+	t.Helper()
+	io.WriteString(conn, req)
+	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatalf("no answer: %v", err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	return resp, string(b)
+}
+
+// A stranger's request with a body refused before its note was looked at
+// (a dot segment, here) leaves no note: the next request of that pooled
+// header, a known key's whose body stalls, got the stranger's 401 with the
+// stranger's X-Request-Id instead of a 408, and while a note is kept
+// every request with a body takes the notes' lock (the review).
+func TestNoteOfAnEarlyRefusalIsDropped(t *testing.T) {
+	p := startProxyYAML(t, strings.Replace(bodyLimitYAML, "limits: {", "limits: {body_timeout: 500ms, ", 1), startFake(t, "e0", nil))
+	conn, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	br := bufio.NewReader(conn)
+	body := `{"model":"m"}`
+	if resp, b := sendRaw(t, conn, br, fmt.Sprintf("POST /v1/%%2e%%2e/x HTTP/1.1\r\nHost: x\r\nX-Request-Id: strangers-id\r\nContent-Length: %d\r\n\r\n%s", len(body), body)); resp.StatusCode != 400 {
+		t.Fatalf("the dotted path: %d %s", resp.StatusCode, b)
+	}
+	if n := p.s.overLimit.len(); n != 0 {
+		t.Errorf("%d notes left after the answer", n)
+	}
+	resp, b := sendRaw(t, conn, br, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-free-45678\r\nX-Request-Id: clients-id\r\nContent-Length: 1000\r\n\r\n{\"model\":")
+	if resp.StatusCode != 408 || resp.Header.Get("X-Request-Id") == "strangers-id" {
+		t.Fatalf("a known key's stalled body: %d (id %q) %s, want 408, not the stranger's answer", resp.StatusCode, resp.Header.Get("X-Request-Id"), b)
+	}
+}
+
+// A request is judged by its headers as they came: one whose key a reload
+// adds before its body comes gets the 401 at once, as the key was unknown,
+// not a 408 for a body it was then asked for with the stranger's 250 ms
+// wait (the review).
+func TestRequestIsJudgedAsItsHeadersCame(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	yaml := strings.ReplaceAll(bodyLimitYAML, "{{e0}}", e.addr)
+	p := startProxyYAML(t, yaml)
+	conn, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	body := `{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("x", 20000) + `"}]}`
+	fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer new-key-0000001\r\nContent-Length: %d\r\n\r\n", len(body))
+	time.Sleep(50 * time.Millisecond)
+	reloadYAML(t, p, strings.Replace(yaml, "keys: [", "keys: [{key: new-key-0000001, tenant: free}, ", 1))
+	conn.Write([]byte(body[:10]))
+	time.Sleep(400 * time.Millisecond)
+	conn.Write([]byte(body[10:]))
+	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != 401 {
+		t.Fatalf("a key a reload added after the headers: %d %s, want the 401", resp.StatusCode, b)
+	}
+}

@@ -87,6 +87,13 @@ func (n *overLimitNotes) take(h *fasthttp.RequestHeader) (overLimitBody, bool) {
 	return note, ok && time.Since(note.at) <= noteTTL
 }
 
+// clear drops h's note, if any, with one atomic load when there is none.
+func (n *overLimitNotes) clear(h *fasthttp.RequestHeader) {
+	if n.held.Load() > 0 {
+		n.drop(h)
+	}
+}
+
 // drop removes h's note: its request was answered otherwise.
 func (n *overLimitNotes) drop(h *fasthttp.RequestHeader) {
 	n.mu.Lock()

@@ -268,6 +268,8 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 				h.CopyTo(note.header)
 				s.overLimit.add(h, note)
 				max, wait = 1, min(wait, declaredBodyWait)
+			} else {
+				s.overLimit.clear(h) // one a previous request of this pooled header left
 			}
 			return fasthttp.RequestConfig{ReadTimeout: wait, MaxRequestBodySize: max}
 		},
@@ -1067,6 +1069,12 @@ func (s *Server) routes() map[string]route {
 // (after counting the request), other endpoints here.
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	defer s.finishBody(ctx)
+	noted := s.overLimit.pending(&ctx.Request.Header)
+	if noted {
+		// Left, a note would answer a later request of this header
+		// (fasthttp pools them) with this one's refusal (the review).
+		defer s.overLimit.clear(&ctx.Request.Header)
+	}
 	if bytes.HasPrefix(ctx.Path(), messagesPath) {
 		// Anthropic's clients read Anthropic's errors, whoever answers,
 		// and its SDKs show the request's id from request-id.
@@ -1083,7 +1091,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		s.logUnrouted(ctx, "dot segment in the path")
 		return
 	}
-	if cl := ctx.Request.Header.ContentLength(); (cl > 0 || cl == -1) && (cl > s.st.Load().cfg.Limits.MaxRequestBodyBytes || s.overLimit.pending(&ctx.Request.Header)) && s.refuseDeclaredBody(ctx) {
+	if cl := ctx.Request.Header.ContentLength(); (cl > 0 || cl == -1) && (noted || cl > s.st.Load().cfg.Limits.MaxRequestBodyBytes) && s.refuseDeclaredBody(ctx) {
 		return
 	}
 	defer s.recoverPanic(ctx) // before those above: they shape its answer
@@ -1256,6 +1264,7 @@ func (s *Server) refuseStranger(ctx *fasthttp.RequestCtx) {
 // transportError answers requests fasthttp rejects before the handler:
 // oversized bodies or headers, malformed HTTP, slow clients.
 func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
+	defer s.overLimit.clear(&ctx.Request.Header) // of use to the timeout's answer only (declaredOverLimit)
 	var small *fasthttp.ErrSmallBuffer
 	var ne net.Error
 	// The log gets a fixed reason: fasthttp's errors may quote the
@@ -1337,10 +1346,17 @@ const declaredBodyWait = 250 * time.Millisecond
 // the 413 for the former. It reports false when the body is to be read.
 func (s *Server) refuseDeclaredBody(ctx *fasthttp.RequestCtx) bool {
 	st, h := s.st.Load(), &ctx.Request.Header
-	s.overLimit.drop(h)
-	known := st.auth.knows(h)
-	if known && h.ContentLength() <= st.cfg.Limits.MaxRequestBodyBytes {
-		return false
+	// A noted request is refused as its headers were judged: fasthttp
+	// reads its body with the noted limits (one byte, declaredBodyWait),
+	// whatever a reload changed since (the review: a key added meanwhile
+	// let it read its body, which then timed out at 250 ms).
+	note, noted := s.overLimit.take(h)
+	known := note.known
+	if !noted {
+		known = st.auth.knows(h)
+		if known && h.ContentLength() <= st.cfg.Limits.MaxRequestBodyBytes {
+			return false
+		}
 	}
 	s.refuseLargeBody(ctx, st, known)
 	return true
