@@ -729,6 +729,7 @@ func (c *Config) Validate() error {
 		}
 		if _, ok := names[b.Model]; b.Model == "" || !ok || !c.isModelName(b.Model) {
 			switch m, isAlias := c.ModelByName(b.Model); {
+			case b.Model == "" && len(c.Models) == 0: // models says so
 			case b.Model == "":
 				add(f+".model", "required with more than one model: one of models[].name")
 			case isAlias:

@@ -33,6 +33,10 @@ func tokenizeCmd(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "kvproxy tokenize:", err)
 		return code
 	}
+	if fs.NArg() > 0 {
+		// "kvproxy tokenize hello" read stdin and ignored its word.
+		return fail(2, fmt.Errorf("unexpected argument %q: the text comes on stdin", fs.Arg(0)))
+	}
 	in, err := io.ReadAll(stdin)
 	if err != nil {
 		return fail(1, err)

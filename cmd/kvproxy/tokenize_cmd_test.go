@@ -29,4 +29,8 @@ func TestTokenizeCmd(t *testing.T) {
 	if _, code := run("not json", "-chat"); code != 2 {
 		t.Fatalf("bad chat input: %d", code)
 	}
+	// The text goes on stdin: a word given as an argument was ignored.
+	if out, code := run("", "hello"); code != 2 || !strings.Contains(out, `unexpected argument "hello"`) {
+		t.Fatalf("a positional argument: %q %d", out, code)
+	}
 }
