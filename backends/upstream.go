@@ -377,6 +377,39 @@ func (u *Upstream) exchange(uc *upConn, req *fasthttp.Request, resp *fasthttp.Re
 	return &Body{u: u, uc: uc, resp: resp, r: resp.BodyStream(), ab: ab}, nil
 }
 
+// tlsHolds reports whether a TLS connection holds bytes past the answer
+// that br has not seen: crypto/tls reads whatever the socket has and
+// returns one record a read, so a second answer sent at once stays in it,
+// not in br or on the socket (the review: over https the next client still
+// read it). A read with the deadline passed looks without waiting; a
+// timeout leaves crypto/tls as it was. The next exchange arms the deadline
+// again.
+func (uc *upConn) tlsHolds() bool {
+	tc, ok := uc.c.(*tls.Conn)
+	if !ok {
+		return false
+	}
+	tc.SetReadDeadline(time.Unix(1, 0))
+	uc.readBy = time.Time{}
+	var b [1]byte
+	n, err := tc.Read(b[:])
+	return n > 0 || !IsTimeout(err)
+}
+
+// unasked reports whether the bytes a pooled connection received while
+// idle (idlePeek) are data: over TLS they may be the engine's close_notify
+// as it closes an idle connection, which is no answer.
+func (uc *upConn) unasked() bool {
+	tc, ok := uc.c.(*tls.Conn)
+	if !ok {
+		return true
+	}
+	tc.SetReadDeadline(time.Now().Add(5 * time.Millisecond)) // the record is there, or nearly
+	var b [1]byte
+	n, _ := tc.Read(b[:])
+	return n > 0
+}
+
 func (u *Upstream) get(dial bool) (*upConn, bool, error) {
 	for !dial {
 		u.mu.Lock()
@@ -401,7 +434,7 @@ func (u *Upstream) get(dial bool) (*upConn, bool, error) {
 		}
 		u.mu.Unlock()
 		if sent, closed := uc.peek.check(); sent || closed {
-			if sent {
+			if sent && uc.unasked() {
 				u.Unsolicited.Add(1)
 			}
 			uc.c.Close()
@@ -452,10 +485,15 @@ func (u *Upstream) get(dial bool) (*upConn, bool, error) {
 }
 
 func (u *Upstream) release(uc *upConn, reuse bool) {
-	if !reuse || uc.br.Buffered() > 0 {
+	if !reuse {
+		uc.c.Close()
+		return
+	}
+	if uc.br.Buffered() > 0 || uc.tlsHolds() {
 		// Bytes past the answer's end (an engine, or a box before it,
 		// that sent more than it framed) would be read as the next
 		// request's answer, perhaps another tenant's: the connection goes.
+		u.Unsolicited.Add(1)
 		uc.c.Close()
 		return
 	}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"net/http"
 	"net/http/httptest"
 	"os"
 	"strings"
@@ -606,5 +607,106 @@ func TestResetWhilePooledIsDropped(t *testing.T) {
 	time.Sleep(100 * time.Millisecond)
 	if sent, closed := p.check(); sent || !closed {
 		t.Fatalf("after the reset: sent %v closed %v (%v)", sent, closed, p.err)
+	}
+}
+
+// onceConn sends what TLS writes for the engine's first answer in one
+// write, as one TCP segment would bring two records.
+type onceConn struct {
+	net.Conn
+	mu   sync.Mutex
+	held []byte
+	hold bool
+}
+
+func (c *onceConn) Write(p []byte) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.hold {
+		c.held = append(c.held, p...)
+		return len(p), nil
+	}
+	return c.Conn.Write(p)
+}
+
+// An https engine answering twice at once: crypto/tls reads both records
+// from the socket and returns one, so the second was in neither br nor the
+// socket, and the next request read it (the second review). Counted.
+func TestAnswersSentTogetherOverTLS(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	srv := httptest.NewUnstartedServer(nil)
+	srv.StartTLS() // for its certificate
+	certs := srv.TLS.Certificates
+	srv.Close()
+	var answered atomic.Int32
+	go func() {
+		for {
+			raw, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer raw.Close()
+				oc := &onceConn{Conn: raw}
+				c := tls.Server(oc, &tls.Config{Certificates: certs})
+				br := bufio.NewReader(c)
+				for readRequest(br) == nil {
+					if answered.Add(1) > 1 {
+						io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+						continue
+					}
+					oc.mu.Lock()
+					oc.hold = true
+					oc.mu.Unlock()
+					io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+					io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nsmuggled")
+					oc.mu.Lock()
+					raw.Write(oc.held)
+					oc.held, oc.hold = nil, false
+					oc.mu.Unlock()
+				}
+			}()
+		}
+	}()
+	addr := ln.Addr().String()
+	u := &Upstream{Addr: addr, TLS: &tls.Config{InsecureSkipVerify: true}}
+	defer u.Close()
+	for i := range 3 {
+		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+		if _, err := u.Do(req, resp, false, nil); err != nil || string(resp.Body()) != "ok" {
+			t.Fatalf("request %d: %v %q", i, err, resp.Body())
+		}
+	}
+	if n := u.Unsolicited.Load(); n != 1 {
+		t.Fatalf("%d connections dropped for unasked answers, want 1", n)
+	}
+}
+
+// An https engine closing an idle connection sends close_notify: no
+// unasked answer, though bytes came (the second review: every idle close
+// was counted), and the request after it is served on a new connection.
+func TestIdleCloseOverTLSIsNoAnswer(t *testing.T) {
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, "ok")
+	}))
+	srv.Config.IdleTimeout = 100 * time.Millisecond
+	srv.StartTLS()
+	defer srv.Close()
+	addr := strings.TrimPrefix(srv.URL, "https://")
+	u := &Upstream{Addr: addr, TLS: &tls.Config{InsecureSkipVerify: true}}
+	defer u.Close()
+	for i := range 3 {
+		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+		if _, err := u.Do(req, resp, false, nil); err != nil || string(resp.Body()) != "ok" {
+			t.Fatalf("request %d: %v %q", i, err, resp.Body())
+		}
+		time.Sleep(300 * time.Millisecond) // the engine closes it meanwhile
+	}
+	if d, n := u.Dials.Load(), u.Unsolicited.Load(); d != 3 || n != 0 {
+		t.Fatalf("%d dials, %d unasked answers; want 3 and 0", d, n)
 	}
 }
