@@ -1231,13 +1231,20 @@ func (s *Server) logUnrouted(ctx *fasthttp.RequestCtx, reason string) {
 // the client sends its body (fasthttp asked for it, then refused it).
 func (s *Server) expectContinue(ctx *fasthttp.RequestCtx) int {
 	st := s.st.Load()
-	s.overLimit.drop(&ctx.Request.Header) // answered here, or its body is asked for
+	// Answered here, or its body is asked for. A noted request is judged
+	// as its headers were (refuseDeclaredBody): its body would be read
+	// with the noted limits.
+	note, noted := s.overLimit.take(&ctx.Request.Header)
+	known := note.known
+	if !noted {
+		known = st.auth.knows(&ctx.Request.Header)
+	}
 	reason := "body too large"
 	switch {
-	case !st.auth.knows(&ctx.Request.Header):
+	case !known:
 		s.refuseStranger(ctx)
 		reason = "invalid api key"
-	case ctx.Request.Header.ContentLength() > st.cfg.Limits.MaxRequestBodyBytes:
+	case noted || ctx.Request.Header.ContentLength() > st.cfg.Limits.MaxRequestBodyBytes:
 		s.cors(ctx, st)
 		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", st.cfg.Limits.MaxRequestBodyBytes), "invalid_request_error", "", "request_too_large")
 		if bytes.HasPrefix(ctx.Path(), messagesPath) {
