@@ -47,8 +47,9 @@ type Upstream struct {
 	closed bool        // Close was called: released connections are closed, not pooled
 
 	Dials atomic.Int64 // connections opened, for tests and metrics
-	// Unsolicited counts the pooled connections dropped because the engine
-	// sent bytes on them while they were idle (idlePeek).
+	// Unsolicited counts the connections dropped because the engine sent
+	// bytes no request asked for: past an answer (release), or while the
+	// connection was pooled (idlePeek).
 	Unsolicited atomic.Int64
 }
 

@@ -252,9 +252,9 @@ type backendJSON struct {
 	PrefillTokens int64 `json:"prefill_tokens"`
 	ActiveBlocks  int64 `json:"active_blocks"`
 	IndexedBlocks int64 `json:"indexed_blocks"`
-	// UnsolicitedAnswers counts the pooled connections closed because the
-	// engine sent bytes on them while they were idle: an engine, or a box
-	// before it, that answers what no request asked.
+	// UnsolicitedAnswers counts the engine connections closed because the
+	// engine sent bytes no request asked for, past an answer or while the
+	// connection was pooled: an engine, or a box before it, answering twice.
 	UnsolicitedAnswers int64 `json:"unsolicited_answers,omitempty"`
 
 	KVEvents *eventCounters `json:"kv_events"`
