@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"net"
 	"strconv"
 	"strings"
@@ -19,29 +20,42 @@ import (
 // or more read syscalls per frame, which dominated the subscriber's CPU.
 // Subscribers therefore dial through "kvtcp", a tcp transport whose
 // connections read through a 64 KiB buffer. The wire is plain ZMTP over TCP:
-// any publisher (vLLM's pyzmq, zmq4) is unaware of it.
-const bufferedTCP = "kvtcp"
+// any publisher (vLLM's pyzmq, zmq4) is unaware of it. "kvipc" is the same
+// over a unix socket (ipc://): its frames are bounded as tcp's are (the
+// fuzzing trial: a frame announcing 2^50 bytes over ipc ended the process).
+const (
+	bufferedTCP = "kvtcp"
+	bufferedIPC = "kvipc"
+)
 
 func init() {
 	// An error means the name is taken (a second registration in the same
-	// binary); dialEndpoint then keeps plain tcp.
-	if zmq4.RegisterTransport(bufferedTCP, bufTransport{}) != nil {
-		registeredBufTCP = false
-	}
+	// binary); dialEndpoint then keeps zmq4's own transport.
+	registeredBuf = zmq4.RegisterTransport(bufferedTCP, bufTransport{network: "tcp"}) == nil &&
+		zmq4.RegisterTransport(bufferedIPC, bufTransport{network: "unix"}) == nil
 }
 
-var registeredBufTCP = true
+var registeredBuf bool
 
-// dialEndpoint is the endpoint a subscriber dials for ep: tcp goes through
-// the buffered transport, other transports are unchanged.
+// dialEndpoint is the endpoint a subscriber dials for ep: tcp and ipc go
+// through the buffered transports, others are unchanged.
 func dialEndpoint(ep string) string {
-	if registeredBufTCP && strings.HasPrefix(ep, "tcp://") {
+	switch {
+	case registeredBuf && strings.HasPrefix(ep, "tcp://"):
 		return bufferedTCP + "://" + ep[len("tcp://"):]
+	case registeredBuf && strings.HasPrefix(ep, "ipc://"):
+		return bufferedIPC + "://" + ep[len("ipc://"):]
 	}
 	return ep
 }
 
-type bufTransport struct{}
+// buffered reports whether a dialled endpoint goes through a buffered
+// transport (and its connections are tracked).
+func buffered(dialed string) bool {
+	return strings.HasPrefix(dialed, bufferedTCP+"://") || strings.HasPrefix(dialed, bufferedIPC+"://")
+}
+
+type bufTransport struct{ network string }
 
 // handshakeTimeout bounds the ZMTP handshake (greeting and READY) after a
 // connection is made: zmq4 reads them with no deadline, and a peer that
@@ -49,9 +63,9 @@ type bufTransport struct{}
 // (no redial, and Close waiting on it forever).
 var handshakeTimeout = 5 * time.Second
 
-func (bufTransport) Dial(ctx context.Context, d transport.Dialer, addr string) (net.Conn, error) {
+func (b bufTransport) Dial(ctx context.Context, d transport.Dialer, addr string) (net.Conn, error) {
 	tr, _ := ctx.Value(connTrackerKey{}).(*connTracker)
-	c, err := tr.dial(ctx, d, addr)
+	c, err := tr.dial(ctx, d, b.network, addr)
 	if err != nil {
 		return nil, err
 	}
@@ -87,7 +101,7 @@ type socket struct {
 }
 
 func newSocket(ctx context.Context, endpoint string, open func(context.Context, ...zmq4.Option) zmq4.Socket, opts ...zmq4.Option) *socket {
-	if !strings.HasPrefix(dialEndpoint(endpoint), bufferedTCP+"://") {
+	if !buffered(dialEndpoint(endpoint)) {
 		return &socket{Socket: open(ctx, opts...), unwatch: func() bool { return false }}
 	}
 	tr := &connTracker{owner: ctx}
@@ -95,8 +109,18 @@ func newSocket(ctx context.Context, endpoint string, open func(context.Context, 
 	return &socket{Socket: open(sctx, opts...), conns: tr, unwatch: context.AfterFunc(ctx, tr.closeAll)}
 }
 
-func (s *socket) Dial(endpoint string) error {
-	err := s.Socket.Dial(dialEndpoint(endpoint))
+func (s *socket) Dial(endpoint string) (err error) {
+	defer func() {
+		// zmq4 panics on some handshakes it cannot read, in this goroutine
+		// (a READY whose metadata is cut short, a socket type it does not
+		// know: the fuzzing trial ended the process with a peer at the
+		// events endpoint): the peer costs the connection (the caller
+		// shuts the socket), not the process.
+		if p := recover(); p != nil {
+			err, s.reading = fmt.Errorf("zmq4: malformed ZMTP handshake: %v", p), false
+		}
+	}()
+	err = s.Socket.Dial(dialEndpoint(endpoint))
 	s.reading = err == nil
 	return err
 }
@@ -132,14 +156,14 @@ type connTracker struct {
 	closed bool
 }
 
-func (t *connTracker) dial(ctx context.Context, d transport.Dialer, addr string) (net.Conn, error) {
+func (t *connTracker) dial(ctx context.Context, d transport.Dialer, network, addr string) (net.Conn, error) {
 	if t != nil {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithCancel(ctx)
 		defer cancel()
 		defer context.AfterFunc(t.owner, cancel)()
 	}
-	return d.DialContext(ctx, "tcp", addr)
+	return d.DialContext(ctx, network, addr)
 }
 
 // add tracks c; false means the connections are closed already.
@@ -166,13 +190,13 @@ func (t *connTracker) closeAll() {
 	t.conns = nil
 }
 
-func (bufTransport) Listen(ctx context.Context, addr string) (net.Listener, error) {
+func (b bufTransport) Listen(ctx context.Context, addr string) (net.Listener, error) {
 	var lc net.ListenConfig
-	return lc.Listen(ctx, "tcp", addr)
+	return lc.Listen(ctx, b.network, addr)
 }
 
-func (bufTransport) Addr(ep string) (string, error) {
-	return transport.New("tcp").Addr(ep)
+func (b bufTransport) Addr(ep string) (string, error) {
+	return transport.New(b.network).Addr(ep)
 }
 
 // MaxZMQFrame bounds one ZMTP frame a subscriber accepts. zmq4 allocates a
