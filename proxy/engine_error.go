@@ -57,7 +57,9 @@ func normalizeEngineError(status int, body []byte) []byte {
 				Code    json.RawMessage `json:"code"`
 			}
 			if json.Unmarshal(probe.Error, &e) != nil {
-				return body
+				// A member of another type (a message that is a list):
+				// no OpenAI client reads it (the fuzzing trial).
+				return engineErrorJSON(status, "the engine answered with status "+strconv.Itoa(status), "", "", nil)
 			}
 			if e.Message != nil && e.Type != nil && openAIType(*e.Type) && len(e.Param) > 0 && len(e.Code) > 0 && (e.Code[0] == '"' || string(e.Code) == "null") {
 				return body

@@ -186,8 +186,13 @@ func appendUnquoted(dst, s []byte) []byte {
 	return dst
 }
 
-// hex4 is the value of the four hex digits at the start of s.
+// hex4 is the value of the four hex digits at the start of s; U+FFFD when
+// s is shorter (an engine's text is not validated: the fuzzing trial read
+// past the slice).
 func hex4(s []byte) rune {
+	if len(s) < 4 {
+		return utf8.RuneError
+	}
 	var r rune
 	for _, c := range s[:4] {
 		switch {

@@ -166,10 +166,19 @@ func (m *migration) continuation(emitted int) []byte {
 		case !m.chat && keyIs(k, "prompt"):
 			sep()
 			out = append(out, `"prompt":`...)
+			text := v
 			if v[0] == '[' { // a batch of one
-				v = bytes.TrimSpace(v[1 : len(v)-1])
+				text = bytes.TrimSpace(v[1 : len(v)-1])
 			}
-			out = append(append(append(out, v[:len(v)-1]...), m.partial...), '"')
+			if len(text) < 2 || text[0] != '"' {
+				// Not the prompt the request was read with, an earlier
+				// member of its name ("prompt":[] then "prompt":"x"): the
+				// engine reads the last one too (the fuzzing trial: it
+				// panicked here).
+				out = append(out, v...)
+				continue
+			}
+			out = append(append(append(out, text[:len(text)-1]...), m.partial...), '"')
 			continue
 		case keyIs(k, "max_tokens") || keyIs(k, "max_completion_tokens") || keyIs(k, "min_tokens"):
 			n := tokenCount(v)
