@@ -386,6 +386,10 @@ func rebase(rs []Request) {
 	}
 }
 
+// maxAzureSpan bounds how far apart a trace's timestamps may be: a year,
+// far beyond any trace, and far from time.Duration's limits.
+const maxAzureSpan = 366 * 24 * time.Hour
+
 // azureTimeLayouts are the timestamp formats of the Azure LLM inference
 // traces: 2023's, and 2024's with a UTC offset (+00:00).
 var azureTimeLayouts = []string{"2006-01-02 15:04:05.999999999", "2006-01-02 15:04:05.999999999Z07:00"}
@@ -449,6 +453,11 @@ func LoadAzure(r io.Reader) (*Workload, error) {
 		}
 		if len(w.Requests) == 0 {
 			t0 = ts // arrivals are kept from the first row, and rebased once sorted
+		}
+		if d := ts.Sub(t0); d <= -maxAzureSpan || d >= maxAzureSpan {
+			// Sub saturates, and rebasing then overflowed into negative
+			// arrivals (the fuzzing trial: years 0000 and 2027 together).
+			return nil, fmt.Errorf("azure line %d: TIMESTAMP %s is more than %v from the first row's", line, rec[ti], maxAzureSpan)
 		}
 		w.Requests = append(w.Requests, Request{
 			Arrival:   ts.Sub(t0),

@@ -385,3 +385,13 @@ func TestSpreadTies(t *testing.T) {
 		t.Fatal("the original workload changed")
 	}
 }
+
+// Timestamps too far apart for a time.Duration are refused: Sub saturated
+// and the rebase overflowed into an arrival of -2562047 h (the fuzzing
+// trial).
+func TestAzureTimestampsTooFarApart(t *testing.T) {
+	csv := "TIMESTAMP,ContextTokens,GeneratedTokens\n2027-01-01 0:00:00,1,1\n0000-01-01 0:00:00,1,1\n"
+	if _, err := LoadAzure(strings.NewReader(csv)); err == nil || !strings.Contains(err.Error(), "azure line 3: TIMESTAMP") {
+		t.Fatalf("err %v, want line 3 refused", err)
+	}
+}

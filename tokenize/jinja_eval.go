@@ -223,6 +223,15 @@ func (r *jrender) execFor(n *jFor) error {
 
 // errBreak and errContinue carry {% break %} and {% continue %} to the
 // enclosing loop.
+// Bounds of what a chat template may build: a configured template is
+// trusted, but a hostile one hung the renderer or took 400 MB (the fuzzing
+// trial). maxRange is Jinja2's sandbox's MAX_RANGE, which transformers
+// renders templates in; maxRepeat is far past any prompt.
+const (
+	maxRange  = 100_000
+	maxRepeat = 16 << 20
+)
+
 var (
 	errBreak    = errors.New("chat template: {% break %} outside a loop")
 	errContinue = errors.New("chat template: {% continue %} outside a loop")
@@ -663,7 +672,16 @@ func jCallFunc(name string, args []any, kwargs map[string]any) (any, error) {
 		}
 		var out []any
 		for i := a; step > 0 && i < b || step < 0 && i > b; i += step {
+			if len(out) == maxRange {
+				// Jinja2's sandbox (transformers renders in it) refuses
+				// the same; an overflowing step looped for good here (the
+				// fuzzing trial).
+				return nil, fmt.Errorf("chat template: range() of more than %d items", maxRange)
+			}
 			out = append(out, i)
+			if step > 0 && i > math.MaxInt64-step || step < 0 && i < math.MinInt64-step {
+				break // the next would wrap around
+			}
 		}
 		return out, nil
 	case "strftime_now":
@@ -1562,6 +1580,9 @@ func jArith(op string, a, b any) (any, error) {
 	if op == "*" {
 		if s, ok := a.(string); ok {
 			if n, ok := b.(int64); ok {
+				if n > 0 && n > maxRepeat/max(int64(len(s)), 1) {
+					return nil, fmt.Errorf("chat template: a string repeated to more than %d bytes", maxRepeat)
+				}
 				return strings.Repeat(s, int(max(n, 0))), nil
 			}
 		}

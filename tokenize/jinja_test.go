@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 )
 
 func renderJinja(t *testing.T, src string, msgs []Message, vars map[string]string) string {
@@ -223,4 +224,46 @@ func FuzzJinjaMessages(f *testing.F) {
 			}
 		}
 	})
+}
+
+// A hostile template is refused, not run for good or into memory: a range
+// whose step overflows looped for good (it now ends as Python's does), and
+// a string repeated 200 million times took 400 MB (the fuzzing trial).
+func TestHostileTemplateIsBounded(t *testing.T) {
+	for src, want := range map[string]string{
+		"{% for i in range(9223372036854775800, 9223372036854775807, 100) %}{{ i }}{% endfor %}": "9223372036854775800",
+		"{% for i in range(1000000) %}{% endfor %}x":                                             "",
+		"{{ 'ab' * 200000000 }}":           "",
+		"{{ 'ab' * 4611686018427387904 }}": "",
+	} {
+		tmpl, err := NewJinjaTemplate("hostile", src, nil)
+		if err != nil {
+			continue // refused when parsed: as good
+		}
+		type result struct {
+			out string
+			err error
+		}
+		done := make(chan result, 1)
+		go func() {
+			out, err := RenderTools(tmpl, []Message{{Role: "user", Content: "hi"}}, "", true)
+			done <- result{out, err}
+		}()
+		select {
+		case r := <-done:
+			if want == "" && r.err == nil || want != "" && r.out != want {
+				t.Errorf("%s: %.40q %v, want %q", src, r.out, r.err, want)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%s still renders after 5 s", src)
+		}
+	}
+	// Within the bounds, as before.
+	tmpl, err := NewJinjaTemplate("ok", "{% for i in range(3, 0, -1) %}{{ i }}{% endfor %}{{ 'ab' * 2 }}", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out, err := RenderTools(tmpl, nil, "", false); err != nil || out != "321abab" {
+		t.Fatalf("%q %v", out, err)
+	}
 }
