@@ -151,13 +151,7 @@ func answerSentWhilePooled(t *testing.T, https bool) {
 	if https {
 		u.TLS = &tls.Config{InsecureSkipVerify: true}
 	}
-	for i := range 3 {
-		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
-		if _, err := u.Do(req, resp, false, nil); err != nil || string(resp.Body()) != "ok" {
-			t.Fatalf("request %d: %v %q", i, err, resp.Body())
-		}
-		time.Sleep(50 * time.Millisecond) // the unasked answer came meanwhile
-	}
+	okInTurn(t, u, 3, 50*time.Millisecond) // the unasked answer comes in a pause
 	if d, n := u.Dials.Load(), u.Unsolicited.Load(); d != 2 || n != 1 {
 		t.Fatalf("%d dials and %d connections dropped for unasked bytes, want 2 and 1", d, n)
 	}
@@ -578,6 +572,19 @@ func TestDialsOutOfDescriptorsAllRetry(t *testing.T) {
 	}
 }
 
+// okInTurn sends n requests through u one after another, pause apart, each
+// to be answered "ok".
+func okInTurn(t *testing.T, u *Upstream, n int, pause time.Duration) {
+	t.Helper()
+	for i := range n {
+		req, resp := newRequest(u.Addr, `{}`), fasthttp.AcquireResponse()
+		if _, err := u.Do(req, resp, false, nil); err != nil || string(resp.Body()) != "ok" {
+			t.Fatalf("request %d: %v %q", i, err, resp.Body())
+		}
+		time.Sleep(pause)
+	}
+}
+
 // A pooled connection the engine reset is dropped before a request goes on
 // it, as one it closed is: the peek's ECONNRESET read as "nothing came"
 // (the review), and the write then failed and was retried.
@@ -675,12 +682,7 @@ func TestAnswersSentTogetherOverTLS(t *testing.T) {
 	addr := ln.Addr().String()
 	u := &Upstream{Addr: addr, TLS: &tls.Config{InsecureSkipVerify: true}}
 	defer u.Close()
-	for i := range 3 {
-		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
-		if _, err := u.Do(req, resp, false, nil); err != nil || string(resp.Body()) != "ok" {
-			t.Fatalf("request %d: %v %q", i, err, resp.Body())
-		}
-	}
+	okInTurn(t, u, 3, 0)
 	if n := u.Unsolicited.Load(); n != 1 {
 		t.Fatalf("%d connections dropped for unasked answers, want 1", n)
 	}
@@ -699,13 +701,7 @@ func TestIdleCloseOverTLSIsNoAnswer(t *testing.T) {
 	addr := strings.TrimPrefix(srv.URL, "https://")
 	u := &Upstream{Addr: addr, TLS: &tls.Config{InsecureSkipVerify: true}}
 	defer u.Close()
-	for i := range 3 {
-		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
-		if _, err := u.Do(req, resp, false, nil); err != nil || string(resp.Body()) != "ok" {
-			t.Fatalf("request %d: %v %q", i, err, resp.Body())
-		}
-		time.Sleep(300 * time.Millisecond) // the engine closes it meanwhile
-	}
+	okInTurn(t, u, 3, 300*time.Millisecond) // the engine closes it in a pause
 	if d, n := u.Dials.Load(), u.Unsolicited.Load(); d != 3 || n != 0 {
 		t.Fatalf("%d dials, %d unasked answers; want 3 and 0", d, n)
 	}

@@ -54,6 +54,22 @@ func fakePeer(t *testing.T, ln net.Listener, what []byte) {
 	}()
 }
 
+// subscribeUntil runs a subscriber of ep until its stats meet cond (10 s at
+// most), and stops it.
+func subscribeUntil(t *testing.T, ep string, cond func(ZMQStats) bool) {
+	t.Helper()
+	sub := NewZMQSubscriber(ZMQConfig{Endpoint: ep, BackoffMin: 5 * time.Millisecond, BackoffMax: 20 * time.Millisecond}, &recordSink{})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { sub.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	wctx, wcancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer wcancel()
+	if err := sub.Wait(wctx, cond); err != nil {
+		t.Fatalf("%v: %+v", err, sub.Stats())
+	}
+}
+
 // A peer at the events endpoint whose handshake zmq4 cannot read (a READY
 // whose metadata is cut short, a socket type zmq4 does not know) costs the
 // feed its connection, not the process: zmq4 panicked in the subscriber's
@@ -80,16 +96,7 @@ func TestMalformedZMTPHandshakeCostsTheConnection(t *testing.T) {
 				if network == "unix" {
 					ep = "ipc://" + addr
 				}
-				sub := NewZMQSubscriber(ZMQConfig{Endpoint: ep, BackoffMin: 5 * time.Millisecond, BackoffMax: 20 * time.Millisecond}, &recordSink{})
-				ctx, cancel := context.WithCancel(context.Background())
-				done := make(chan struct{})
-				go func() { sub.Run(ctx); close(done) }()
-				defer func() { cancel(); <-done }()
-				wctx, wcancel := context.WithTimeout(context.Background(), 10*time.Second)
-				defer wcancel()
-				if err := sub.Wait(wctx, func(s ZMQStats) bool { return strings.Contains(s.LastError, "malformed ZMTP handshake") }); err != nil {
-					t.Fatalf("%v: %+v", err, sub.Stats())
-				}
+				subscribeUntil(t, ep, func(s ZMQStats) bool { return strings.Contains(s.LastError, "malformed ZMTP handshake") })
 			})
 		}
 	}
@@ -108,14 +115,5 @@ func TestHugeZMQFrameOverIPC(t *testing.T) {
 	huge[0] = 0x02
 	binary.BigEndian.PutUint64(huge[1:], 1<<50)
 	fakePeer(t, ln, append(zmtpReady(0, "Socket-Type", "PUB"), huge[:]...))
-	sub := NewZMQSubscriber(ZMQConfig{Endpoint: "ipc://" + path, BackoffMin: 5 * time.Millisecond, BackoffMax: 20 * time.Millisecond}, &recordSink{})
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { sub.Run(ctx); close(done) }()
-	defer func() { cancel(); <-done }()
-	wctx, wcancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer wcancel()
-	if err := sub.Wait(wctx, func(s ZMQStats) bool { return s.Reconnects >= 2 }); err != nil {
-		t.Fatalf("%v: %+v", err, sub.Stats())
-	}
+	subscribeUntil(t, "ipc://"+path, func(s ZMQStats) bool { return s.Reconnects >= 2 })
 }
