@@ -84,18 +84,18 @@ func (b bufTransport) Dial(ctx context.Context, d transport.Dialer, addr string)
 // reader goroutine behind. zmq4 reads each connection in a goroutine that
 // hands every message to a queue of 10 and watches the socket's context
 // only between messages: closed (or cancelled) while that queue is full and
-// no longer read, it blocks on the queue for good. So over kvtcp the socket
-// lives on a context of its own, and when its owner's context ends (or it
-// is shut) its TCP connections are closed instead: the reader then reports
-// the read error through the queue and exits, and Recv returns that error
-// after what was queued before it.
+// no longer read, it blocks on the queue for good. So over kvtcp and kvipc
+// the socket lives on a context of its own, and when its owner's context
+// ends (or it is shut) its connections are closed instead: the reader then
+// reports the read error through the queue and exits, and Recv returns that
+// error after what was queued before it.
 //
-// Other transports (ipc, inproc) keep zmq4's way: the socket is closed
-// with its owner's context, and a reader stopped while its queue is full
-// stays blocked.
+// Other transports (inproc) keep zmq4's way: the socket is closed with its
+// owner's context, and a reader stopped while its queue is full stays
+// blocked.
 type socket struct {
 	zmq4.Socket
-	conns   *connTracker // nil: not over kvtcp
+	conns   *connTracker // nil: not over kvtcp or kvipc
 	unwatch func() bool  // stops closing the connections when the owner's context ends
 	reading bool         // a reader goroutine is running: Dial succeeded and Recv has not failed
 }
@@ -147,7 +147,7 @@ func (s *socket) shut() {
 
 type connTrackerKey struct{}
 
-// connTracker holds the TCP connections of one socket over kvtcp, so they
+// connTracker holds the connections of one socket over kvtcp or kvipc, so they
 // can be closed without closing the socket.
 type connTracker struct {
 	owner  context.Context // a dial in progress gives up when it ends

@@ -454,7 +454,7 @@ func LoadAzure(r io.Reader) (*Workload, error) {
 		if len(w.Requests) == 0 {
 			t0 = ts // arrivals are kept from the first row, and rebased once sorted
 		}
-		if d := ts.Sub(t0); d <= -maxAzureSpan || d >= maxAzureSpan {
+		if d := ts.Sub(t0); d < -maxAzureSpan || d > maxAzureSpan {
 			// Sub saturates, and rebasing then overflowed into negative
 			// arrivals (the fuzzing trial: years 0000 and 2027 together).
 			return nil, fmt.Errorf("azure line %d: TIMESTAMP %s is more than %v from the first row's", line, rec[ti], maxAzureSpan)

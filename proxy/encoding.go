@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strings"
 	"sync"
 
 	"github.com/klauspost/compress/zstd"
@@ -49,6 +50,12 @@ func requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
 		writeError(ctx, fasthttp.StatusRequestEntityTooLarge,
 			fmt.Sprintf("the request body is larger than %d bytes once decompressed", max),
 			"invalid_request_error", "", "request_too_large")
+	case string(lower) == "zstd" && strings.Contains(err.Error(), "exceed"):
+		// klauspost's words for a frame whose window is over the bound
+		// ("window size exceeded", or "decompressed size exceeds
+		// configured limit" for a single-segment frame), which read as
+		// the body's size (the review).
+		badRequest(ctx, "", fmt.Sprintf("the zstd body needs a window over %d MiB (RFC 9659's limit): compress it without --long or --ultra", zstdMaxWindow>>20))
 	default:
 		badRequest(ctx, "", fmt.Sprintf("the request body is not valid %s data: %v", lower, err))
 	}

@@ -56,12 +56,12 @@ func normalizeEngineError(status int, body []byte) []byte {
 				Param   json.RawMessage `json:"param"`
 				Code    json.RawMessage `json:"code"`
 			}
-			if json.Unmarshal(probe.Error, &e) != nil {
-				// A member of another type (a message that is a list):
-				// no OpenAI client reads it (the fuzzing trial).
-				return engineErrorJSON(status, "the engine answered with status "+strconv.Itoa(status), "", "", nil)
-			}
-			if e.Message != nil && e.Type != nil && openAIType(*e.Type) && len(e.Param) > 0 && len(e.Code) > 0 && (e.Code[0] == '"' || string(e.Code) == "null") {
+			// A member of another type (a message that is a list, a
+			// numeric type) fails the decoding, the members before it
+			// read: rebuilt from those, as no OpenAI client reads it as
+			// it is (the fuzzing trial).
+			mistyped := json.Unmarshal(probe.Error, &e) != nil
+			if !mistyped && e.Message != nil && e.Type != nil && openAIType(*e.Type) && len(e.Param) > 0 && len(e.Code) > 0 && (e.Code[0] == '"' || string(e.Code) == "null") {
 				return body
 			}
 			msg, typ, param := "", "", ""

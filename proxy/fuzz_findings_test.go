@@ -1,8 +1,11 @@
 package proxy
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
+	"io"
+	"net/http"
 	"runtime"
 	"testing"
 )
@@ -67,5 +70,22 @@ func TestMistypedEngineErrorIsNormalized(t *testing.T) {
 	}
 	if err := json.Unmarshal(out, &e); err != nil || e.Error.Message == "" || e.Error.Type == "" {
 		t.Fatalf("%s (%v)", out, errors.Unwrap(err))
+	}
+}
+
+// A zstd body needing a window over 8 MiB is told so, not that it is too
+// large or corrupt (the review).
+func TestZstdWindowIsNamed(t *testing.T) {
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}'}]\n", startFake(t, "e0", nil))
+	req, _ := http.NewRequest("POST", p.url+"/v1/completions", bytes.NewReader([]byte{0x28, 0xb5, 0x2f, 0xfd, 0x00, 0x80, 0x43, 0x1f, 0x00, 0x61}))
+	req.Header.Set("Content-Encoding", "zstd")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 400 || !bytes.Contains(b, []byte("window over 8 MiB")) {
+		t.Fatalf("%d %s", resp.StatusCode, b)
 	}
 }

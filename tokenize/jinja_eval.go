@@ -221,17 +221,18 @@ func (r *jrender) execFor(n *jFor) error {
 	return nil
 }
 
-// errBreak and errContinue carry {% break %} and {% continue %} to the
-// enclosing loop.
 // Bounds of what a chat template may build: a configured template is
 // trusted, but a hostile one hung the renderer or took 400 MB (the fuzzing
 // trial). maxRange is Jinja2's sandbox's MAX_RANGE, which transformers
-// renders templates in; maxRepeat is far past any prompt.
+// renders templates in; maxRepeat is far past any prompt (a template that
+// doubles a string in a loop still gets past it).
 const (
 	maxRange  = 100_000
 	maxRepeat = 16 << 20
 )
 
+// errBreak and errContinue carry {% break %} and {% continue %} to the
+// enclosing loop.
 var (
 	errBreak    = errors.New("chat template: {% break %} outside a loop")
 	errContinue = errors.New("chat template: {% continue %} outside a loop")
@@ -1580,7 +1581,7 @@ func jArith(op string, a, b any) (any, error) {
 	if op == "*" {
 		if s, ok := a.(string); ok {
 			if n, ok := b.(int64); ok {
-				if n > 0 && n > maxRepeat/max(int64(len(s)), 1) {
+				if len(s) > 0 && n > maxRepeat/int64(len(s)) {
 					return nil, fmt.Errorf("chat template: a string repeated to more than %d bytes", maxRepeat)
 				}
 				return strings.Repeat(s, int(max(n, 0))), nil

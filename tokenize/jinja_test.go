@@ -267,3 +267,15 @@ func TestHostileTemplateIsBounded(t *testing.T) {
 		t.Fatalf("%q %v", out, err)
 	}
 }
+
+// An empty string repeated any number of times is empty, as in Python (the
+// repeat bound refused it).
+func TestEmptyStringRepeated(t *testing.T) {
+	tmpl, err := NewJinjaTemplate("empty", "{{ ('' * 20000000) | length }}", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out, err := RenderTools(tmpl, nil, "", false); err != nil || out != "0" {
+		t.Fatalf("%q %v", out, err)
+	}
+}
