@@ -37,6 +37,13 @@ func rawEngineTLS(t *testing.T, https bool, serve func(c net.Conn, br *bufio.Rea
 		ln = tls.NewListener(ln, &tls.Config{Certificates: srv.TLS.Certificates})
 		srv.Close()
 	}
+	acceptEach(t, ln, func(c net.Conn) { serve(c, bufio.NewReader(c)) })
+	return ln.Addr().String()
+}
+
+// acceptEach serves each connection of ln with serve, which closes it when
+// done, until the test ends.
+func acceptEach(t *testing.T, ln net.Listener, serve func(c net.Conn)) {
 	t.Cleanup(func() { ln.Close() })
 	go func() {
 		for {
@@ -46,11 +53,10 @@ func rawEngineTLS(t *testing.T, https bool, serve func(c net.Conn, br *bufio.Rea
 			}
 			go func() {
 				defer c.Close()
-				serve(c, bufio.NewReader(c))
+				serve(c)
 			}()
 		}
 	}()
-	return ln.Addr().String()
 }
 
 // countedEngine answers "ok" to every request, after wait, and counts its

@@ -37,21 +37,11 @@ func zmtpReady(cut int, props ...string) []byte {
 
 // fakePeer serves every connection of ln with greeting, then what.
 func fakePeer(t *testing.T, ln net.Listener, what []byte) {
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				c.Write(zmtpNullGreeting())
-				c.Write(what)
-				io.Copy(io.Discard, c)
-			}()
-		}
-	}()
+	acceptEach(t, ln, func(c net.Conn) {
+		c.Write(zmtpNullGreeting())
+		c.Write(what)
+		io.Copy(io.Discard, c)
+	})
 }
 
 // subscribeUntil runs a subscriber of ep until its stats meet cond (10 s at
