@@ -390,11 +390,16 @@ func (uc *upConn) tlsHolds() bool {
 	if !ok {
 		return false
 	}
-	tc.SetReadDeadline(time.Unix(1, 0))
 	uc.readBy = time.Time{}
-	var b [1]byte
-	n, err := tc.Read(b[:])
+	n, err := readOne(tc, time.Unix(1, 0))
 	return n > 0 || !IsTimeout(err)
+}
+
+// readOne reads a byte of tc by deadline.
+func readOne(tc *tls.Conn, deadline time.Time) (int, error) {
+	tc.SetReadDeadline(deadline)
+	var b [1]byte
+	return tc.Read(b[:])
 }
 
 // unasked reports whether the bytes a pooled connection received while
@@ -405,9 +410,7 @@ func (uc *upConn) unasked() bool {
 	if !ok {
 		return true
 	}
-	tc.SetReadDeadline(time.Now().Add(5 * time.Millisecond)) // the record is there, or nearly
-	var b [1]byte
-	n, _ := tc.Read(b[:])
+	n, _ := readOne(tc, time.Now().Add(5*time.Millisecond)) // the record is there, or nearly
 	return n > 0
 }
 

@@ -1231,14 +1231,8 @@ func (s *Server) logUnrouted(ctx *fasthttp.RequestCtx, reason string) {
 // the client sends its body (fasthttp asked for it, then refused it).
 func (s *Server) expectContinue(ctx *fasthttp.RequestCtx) int {
 	st := s.st.Load()
-	// Answered here, or its body is asked for. A noted request is judged
-	// as its headers were (refuseDeclaredBody): its body would be read
-	// with the noted limits.
-	note, noted := s.overLimit.take(&ctx.Request.Header)
-	known := note.known
-	if !noted {
-		known = st.auth.knows(&ctx.Request.Header)
-	}
+	// Answered here, or its body is asked for.
+	known, noted := s.judged(st, &ctx.Request.Header)
 	reason := "body too large"
 	switch {
 	case !known:
@@ -1347,23 +1341,28 @@ func (s *Server) declaredOverLimit(ctx *fasthttp.RequestCtx) bool {
 // first byte before it is refused for its size.
 const declaredBodyWait = 250 * time.Millisecond
 
+// judged takes h's note, if any, and reports whether its key is known: as
+// the note says when there is one, since fasthttp reads a noted request's
+// body with the noted limits (one byte, declaredBodyWait), whatever a
+// reload changed since (the review: a key added meanwhile let it read its
+// body, which then timed out at 250 ms); else by the current keys.
+func (s *Server) judged(st *state, h *fasthttp.RequestHeader) (known, noted bool) {
+	note, noted := s.overLimit.take(h)
+	if noted {
+		return note.known, true
+	}
+	return st.auth.knows(h), false
+}
+
 // refuseDeclaredBody answers a request with a body (declared, or chunked),
 // before any of it is read, when it is over its limit or the request has
 // no key kvproxy knows: the 401 for the latter (its key is the answer),
 // the 413 for the former. It reports false when the body is to be read.
 func (s *Server) refuseDeclaredBody(ctx *fasthttp.RequestCtx) bool {
 	st, h := s.st.Load(), &ctx.Request.Header
-	// A noted request is refused as its headers were judged: fasthttp
-	// reads its body with the noted limits (one byte, declaredBodyWait),
-	// whatever a reload changed since (the review: a key added meanwhile
-	// let it read its body, which then timed out at 250 ms).
-	note, noted := s.overLimit.take(h)
-	known := note.known
-	if !noted {
-		known = st.auth.knows(h)
-		if known && h.ContentLength() <= st.cfg.Limits.MaxRequestBodyBytes {
-			return false
-		}
+	known, noted := s.judged(st, h)
+	if !noted && known && h.ContentLength() <= st.cfg.Limits.MaxRequestBodyBytes {
+		return false
 	}
 	s.refuseLargeBody(ctx, st, known)
 	return true
