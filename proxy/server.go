@@ -258,7 +258,7 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 			st := s.st.Load()
 			known := st.auth.knows(h)
 			max, wait := st.cfg.Limits.MaxRequestBodyBytes, st.cfg.Limits.BodyTimeout
-			if cl := h.ContentLength(); cl > max || !known && (cl > 0 || cl == -1) { // -1: chunked; -2: none
+			if cl := h.ContentLength(); cl > max || !known && hasBody(cl) {
 				// A client that waits for an answer before it sends the
 				// body gets its 413 (or 401) when that byte is not there
 				// at once (transportError, which gets the request with its
@@ -1091,7 +1091,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		s.logUnrouted(ctx, "dot segment in the path")
 		return
 	}
-	if cl := ctx.Request.Header.ContentLength(); (cl > 0 || cl == -1) && (noted || cl > s.st.Load().cfg.Limits.MaxRequestBodyBytes) && s.refuseDeclaredBody(ctx) {
+	if cl := ctx.Request.Header.ContentLength(); hasBody(cl) && (noted || cl > s.st.Load().cfg.Limits.MaxRequestBodyBytes) && s.refuseDeclaredBody(ctx) {
 		return
 	}
 	defer s.recoverPanic(ctx) // before those above: they shape its answer
@@ -1340,6 +1340,10 @@ func (s *Server) declaredOverLimit(ctx *fasthttp.RequestCtx) bool {
 // declaredBodyWait is how long a body declared over its limit has for its
 // first byte before it is refused for its size.
 const declaredBodyWait = 250 * time.Millisecond
+
+// hasBody reports whether a request of Content-Length cl (fasthttp's: -1
+// chunked, -2 none) has a body.
+func hasBody(cl int) bool { return cl > 0 || cl == -1 }
 
 // judged takes h's note, if any, and reports whether its key is known: as
 // the note says when there is one, since fasthttp reads a noted request's
