@@ -26,6 +26,9 @@ type Config struct {
 	// discovering: expanded from discovery templates (Expand), which may
 	// stand for no backend at all for a while.
 	discovering bool
+	// file is the tree of the file parsed, with its line numbers, for
+	// Validate to name the line of each problem (nil if built in code).
+	file *yaml.Node
 
 	Listen   string    `yaml:"listen"`
 	TLS      TLS       `yaml:"tls"`
@@ -116,6 +119,9 @@ type Auth struct {
 	// AdminKeys guard /admin/* and /v1/kv_events. With none, those endpoints
 	// are open only when Keys is empty too.
 	AdminKeys []string `yaml:"admin_keys"`
+	// MetricsKeys, when set, guard /metrics: it then takes one of them or
+	// an admin key. With none, /metrics is open.
+	MetricsKeys []string `yaml:"metrics_keys"`
 	// CacheSaltSecret keys the HMAC that derives each tenant's cache_salt.
 	CacheSaltSecret string `yaml:"cache_salt_secret"`
 }
@@ -341,7 +347,14 @@ type Limits struct {
 	MaxConnections int `yaml:"max_connections"`
 	// IdleTimeout closes a client's keep-alive connection idle this long.
 	IdleTimeout time.Duration `yaml:"idle_timeout"`
+	// BodyMemoryMB bounds the memory held at once in bodies over 1 MiB:
+	// request bodies, and engine answers read whole.
+	BodyMemoryMB int `yaml:"body_memory_mb"`
 }
+
+// DefaultBodyMemoryMB is limits.body_memory_mb's default: 16 answers of
+// the largest kvproxy reads whole.
+const DefaultBodyMemoryMB = 1024
 
 // Policies the router knows; validated here so a typo fails at start.
 var Policies = []string{"kv", "kv_dynamo", "round_robin", "least_load", "prefix_hash", "cache_aware"}
@@ -367,7 +380,7 @@ func Load(path string) (*Config, error) {
 
 // Parse is Load without the file.
 func Parse(b []byte) (*Config, error) {
-	expanded, err := expandScalars(b)
+	expanded, file, err := expandScalars(b)
 	if err != nil {
 		return nil, err
 	}
@@ -383,11 +396,12 @@ func Parse(b []byte) (*Config, error) {
 		if errors.Is(err, io.EOF) {
 			return nil, errors.New("empty config")
 		}
-		return nil, nameFields(expanded, err)
+		return nil, nameFields(expanded, file, err)
 	}
-	if err := wholeNumbers(expanded); err != nil {
+	if err := wholeNumbers(file); err != nil {
 		return nil, err
 	}
+	c.file = file
 	c.applyDefaults()
 	if err := c.Validate(); err != nil {
 		return nil, err
@@ -396,18 +410,27 @@ func Parse(b []byte) (*Config, error) {
 }
 
 // expandScalars expands ${ENV} references in YAML values only (never in
-// comments or keys) and returns the document re-encoded.
-func expandScalars(b []byte) ([]byte, error) {
+// comments or keys) and returns the document re-encoded, and its tree. The
+// tree has the lines of b: the re-encoded document's differ (blank lines
+// dropped, a value expanded to several lines).
+func expandScalars(b []byte) ([]byte, *yaml.Node, error) {
 	var root yaml.Node
 	if err := yaml.Unmarshal(b, &root); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if len(root.Content) == 0 {
-		return nil, errors.New("empty config")
+		return nil, nil, errors.New("empty config")
 	}
 	var firstErr error
 	var walk func(n *yaml.Node)
 	walk = func(n *yaml.Node) {
+		if n.Kind == yaml.MappingNode || n.Kind == yaml.SequenceNode {
+			// Block style: each key of the re-encoded document on a line of
+			// its own, which is how nameFields tells one field from the
+			// next (`{idle_timeout: abc, body_memory_mb: 3}` was one line,
+			// and its error named the last field).
+			n.Style &^= yaml.FlowStyle
+		}
 		if n.Kind == yaml.ScalarNode && strings.Contains(n.Value, "${") {
 			v, err := ExpandEnv([]byte(n.Value), os.LookupEnv)
 			if err != nil && firstErr == nil {
@@ -427,9 +450,10 @@ func expandScalars(b []byte) ([]byte, error) {
 	}
 	walk(&root)
 	if firstErr != nil {
-		return nil, firstErr
+		return nil, nil, firstErr
 	}
-	return yaml.Marshal(&root)
+	out, err := yaml.Marshal(&root)
+	return out, &root, err
 }
 
 var (
@@ -437,9 +461,11 @@ var (
 	goType  = regexp.MustCompile(`field (\S+) not found in type \S+`)
 )
 
-// nameFields rewrites yaml's "line N: ..." messages to name the field at that
-// line, so a bad value reads "router.index_ttl (line 7): cannot unmarshal ...".
-func nameFields(src []byte, err error) error {
+// nameFields rewrites yaml's "line N: ..." messages about src (the
+// re-encoded document) to name the field at that line, and its line in the
+// file (whose tree is file), so a bad value reads "router.index_ttl (line
+// 7): cannot unmarshal ...".
+func nameFields(src []byte, file *yaml.Node, err error) error {
 	msg := strings.ReplaceAll(err.Error(), "yaml: unmarshal errors:\n  ", "")
 	msg = goType.ReplaceAllString(msg, "unknown field $1")
 	msg = strings.ReplaceAll(msg, "time.Duration", "a duration (like 30s)")
@@ -480,11 +506,59 @@ func nameFields(src []byte, err error) error {
 		var line int
 		fmt.Sscanf(m, "line %d: ", &line)
 		if p, ok := paths[line]; ok {
-			return fmt.Sprintf("%s (line %d): ", p, line)
+			if l, _ := fieldAt(file, p); l > 0 {
+				return fmt.Sprintf("%s (line %d): ", p, l)
+			}
+			return p + ": "
 		}
-		return m
+		return "" // a line of src, not of the file
 	})
 	return errors.New(msg)
+}
+
+// fieldAt follows field, a path as Validate names it (backends[3].role),
+// in the file whose tree is n, as far as the file has it. line is that of
+// the last step found: the field's key, or if the file leaves it out, the
+// nearest entry that encloses it (0: none; no file, or a top-level field
+// left out). node is the field's value if the file has it.
+func fieldAt(n *yaml.Node, field string) (line int, node *yaml.Node) {
+	for _, step := range strings.FieldsFunc(field, func(r rune) bool { return r == '.' || r == '[' || r == ']' }) {
+		n = resolved(n)
+		var at *yaml.Node // the step's key, or its item
+		switch {
+		case n == nil:
+		case n.Kind == yaml.MappingNode:
+			for i := 0; i+1 < len(n.Content); i += 2 {
+				if n.Content[i].Value == step {
+					at, n = n.Content[i], n.Content[i+1]
+					break
+				}
+			}
+		case n.Kind == yaml.SequenceNode:
+			if i, err := strconv.Atoi(step); err == nil && i >= 0 && i < len(n.Content) {
+				at, n = n.Content[i], n.Content[i]
+			}
+		}
+		if at == nil {
+			return line, nil
+		}
+		line = at.Line
+	}
+	return line, n
+}
+
+// resolved is the node a document or an alias stands for.
+func resolved(n *yaml.Node) *yaml.Node {
+	for n != nil && (n.Kind == yaml.DocumentNode || n.Kind == yaml.AliasNode) {
+		if n.Kind == yaml.AliasNode {
+			n = n.Alias
+		} else if len(n.Content) > 0 {
+			n = n.Content[0]
+		} else {
+			n = nil
+		}
+	}
+	return n
 }
 
 var envRef = regexp.MustCompile(`\$\{([A-Za-z_][A-Za-z0-9_]*)(:-([^}]*))?\}`)
@@ -590,6 +664,7 @@ func (c *Config) applyDefaults() {
 		}
 	}
 	defInt(&c.Limits.MaxHeaderBytes, 16<<10)
+	defInt(&c.Limits.BodyMemoryMB, DefaultBodyMemoryMB)
 	def(&c.Limits.HeaderTimeout, 10*time.Second)
 	def(&c.Limits.BodyTimeout, 60*time.Second)
 	defInt(&c.Limits.MaxMessages, 4096)
@@ -616,7 +691,11 @@ func (c *Config) applyDefaults() {
 func (c *Config) Validate() error {
 	var errs []string
 	add := func(field, format string, a ...any) {
-		errs = append(errs, field+": "+fmt.Sprintf(format, a...))
+		msg := field + ": " + fmt.Sprintf(format, a...)
+		if line, _ := fieldAt(c.file, field); line > 0 {
+			msg += fmt.Sprintf(" (line %d)", line)
+		}
+		errs = append(errs, msg)
 	}
 	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
 		add("listen", "want host:port, got %q", c.Listen)
@@ -857,6 +936,9 @@ func (c *Config) Validate() error {
 	if c.Limits.MaxConnections < 0 {
 		add("limits.max_connections", "must not be negative")
 	}
+	if c.Limits.BodyMemoryMB < 0 {
+		add("limits.body_memory_mb", "must not be negative")
+	}
 	if c.Limits.MaxMessages < 1 {
 		add("limits.max_messages", "must be positive")
 	}
@@ -974,6 +1056,13 @@ func (c *Config) Validate() error {
 			add(fmt.Sprintf("auth.admin_keys[%d]", i), "is also a client key in auth.keys: that client would get the admin endpoints")
 		}
 	}
+	for i, k := range c.Auth.MetricsKeys {
+		if len(k) < 8 {
+			add(fmt.Sprintf("auth.metrics_keys[%d]", i), "must be at least 8 characters")
+		} else if keys[k] {
+			add(fmt.Sprintf("auth.metrics_keys[%d]", i), "is also a client key in auth.keys: that client would read every tenant's metrics")
+		}
+	}
 	if len(errs) > 0 {
 		return errors.New(strings.Join(errs, "; "))
 	}
@@ -998,6 +1087,9 @@ func (c *Config) Warnings() []string {
 		out = append(out, fmt.Sprintf("auth.cache_salt_secret has %d characters: it keys the tenants' cache salts and response ids, and a short one can be guessed offline; use a random one of at least %d", len(s), MinSecretLen))
 	}
 	out = append(out, c.forcedUsageWarnings()...)
+	if need := (c.Limits.MaxRequestBodyBytes+(1<<20)-1)>>20 + 64; c.Limits.BodyMemoryMB > 0 && c.Limits.BodyMemoryMB < need {
+		out = append(out, fmt.Sprintf("limits.body_memory_mb (%d) is under what one request may hold at once, its body (limits.max_request_body_bytes) and an answer read whole (up to 64 MiB): %d; such a request gets 413 or 502", c.Limits.BodyMemoryMB, need))
+	}
 	for _, b := range c.Backends {
 		if b.Kind != KindMock && b.Mock != (MockEngine{}) {
 			out = append(out, fmt.Sprintf("backend %s: mock settings are for kind mock; a %s engine ignores them", b.ID, b.Kind))

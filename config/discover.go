@@ -6,6 +6,8 @@ import (
 	"net/url"
 	"slices"
 	"strings"
+
+	"gopkg.in/yaml.v3"
 )
 
 // Templates returns the backends with discover set: each stands for the
@@ -45,14 +47,22 @@ func (c *Config) Expand(addrs map[string][]string) (out *Config, skipped []strin
 	x := *c
 	x.discovering = true
 	x.Backends = nil
+	var entries []*yaml.Node // the file's entry of each of x's backends
+	entry := func(i int) *yaml.Node {
+		if _, n := fieldAt(c.file, fmt.Sprintf("backends[%d]", i)); n != nil {
+			return n
+		}
+		return &yaml.Node{} // no line
+	}
 	ids, engines := map[string]bool{}, map[string]bool{}
-	for _, b := range c.Backends {
+	for i, b := range c.Backends {
 		if b.Discover == "" {
 			x.Backends = append(x.Backends, b)
+			entries = append(entries, entry(i))
 			ids[b.ID], engines[engineKey(b)] = true, true
 		}
 	}
-	for _, b := range c.Backends {
+	for i, b := range c.Backends {
 		if b.Discover == "" {
 			continue
 		}
@@ -75,9 +85,18 @@ func (c *Config) Expand(addrs map[string][]string) (out *Config, skipped []strin
 			}
 			ids[nb.ID], engines[engineKey(nb)] = true, true
 			x.Backends = append(x.Backends, nb)
+			entries = append(entries, entry(i)) // the template's
 		}
 	}
 	x.Backends = slices.Clip(x.Backends)
+	// Validate names the lines of x's backends only: its other fields
+	// are c's, valid, unless changed in code since (kvproxy -listen),
+	// where the file's line would be the wrong one.
+	x.file = nil
+	if c.file != nil {
+		x.file = &yaml.Node{Kind: yaml.MappingNode, Content: []*yaml.Node{
+			{Kind: yaml.ScalarNode, Value: "backends"}, {Kind: yaml.SequenceNode, Content: entries}}}
+	}
 	if err := x.Validate(); err != nil {
 		return nil, skipped, err
 	}

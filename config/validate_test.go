@@ -81,6 +81,10 @@ func TestValidationRejects(t *testing.T) {
 			"  - {id: a, url: \"http://10.0.0.1:8000\"}\n  - {id: b, url: \"http://10.0.0.1:8000/\"}\n", "backends[1].url"},
 		"an admin key that is a client key": {minimal + "auth: {keys: [{key: secret-key-1, tenant: t}], admin_keys: [secret-key-1]}\n",
 			"auth.admin_keys[0]"},
+		"a metrics key that is a client key": {minimal + "auth: {keys: [{key: secret-key-1, tenant: t}], metrics_keys: [secret-key-1]}\n",
+			"auth.metrics_keys[0]"},
+		"a short metrics key":       {minimal + "auth: {metrics_keys: [short]}\n", "auth.metrics_keys[0]"},
+		"negative body memory":      {minimal + "limits: {body_memory_mb: -1}\n", "limits.body_memory_mb"},
 		"the engine's bind address": {backend(`, kv_events: {mode: zmq, endpoint: "tcp://*:5557"}`), "backends[0].kv_events.endpoint"},
 		"ranks' publisher and replay ports overlap": {backend(`, kv_events: {mode: zmq, endpoint: "tcp://10.0.0.1:5557", replay: "tcp://10.0.0.1:5558", dp_size: 2}`),
 			"backends[0].kv_events.replay"},
@@ -190,6 +194,22 @@ func TestForcedUsageIsWarnedOf(t *testing.T) {
 		w := c.Warnings()
 		if want == "" && len(w) != 0 || want != "" && (len(w) != 1 || !strings.Contains(w[0], want)) {
 			t.Errorf("%s: warnings %q, want %q", yaml, w, want)
+		}
+	}
+}
+
+// A body memory budget under what one request may hold (its body and an
+// answer read whole) is warned of; the default is not.
+func TestBodyMemoryUnderOneRequestIsWarned(t *testing.T) {
+	for mb, warned := range map[string]bool{"": false, "limits: {body_memory_mb: 96}\n": false, "limits: {body_memory_mb: 95}\n": true,
+		"limits: {body_memory_mb: 70, max_request_body_bytes: 6291456}\n": false} {
+		c, err := Parse([]byte(minimal + mb))
+		if err != nil {
+			t.Fatal(err)
+		}
+		w := strings.Join(c.Warnings(), "; ")
+		if strings.Contains(w, "limits.body_memory_mb") != warned {
+			t.Errorf("%q: warnings %q, want one on body_memory_mb: %v", mb, w, warned)
 		}
 	}
 }

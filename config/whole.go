@@ -11,13 +11,10 @@ import (
 )
 
 // wholeNumbers rejects a fractional number given for a whole-number field:
-// yaml.v3 decodes `fall: 1.5` into an int as 1, silently.
-func wholeNumbers(src []byte) error {
-	var root yaml.Node
-	if err := yaml.Unmarshal(src, &root); err != nil {
-		return nil // the decoder reports it
-	}
-	return checkWhole(&root, reflect.TypeOf(Config{}), "")
+// yaml.v3 decodes `fall: 1.5` into an int as 1, silently. root is the
+// file's tree, its values expanded (expandScalars).
+func wholeNumbers(root *yaml.Node) error {
+	return checkWhole(root, reflect.TypeOf(Config{}), "")
 }
 
 func checkWhole(n *yaml.Node, t reflect.Type, path string) error {
