@@ -31,8 +31,9 @@ type MemIndexConfig struct {
 // its TTL by less than a second. Expired entries stop matching at once and
 // are swept incrementally by Store (or at once by Sweep).
 //
-// Memory: 24 bytes per slot at a load factor kept between 3/8 and 3/4, so
-// 32 to 64 bytes per resident entry.
+// Memory: 24 bytes per slot at a load factor kept between 1/8 and 3/4 (the
+// table halves once deletions leave it under 1/8 full), so 32 to 192 bytes
+// per resident entry.
 type MemIndex struct {
 	mu      sync.RWMutex
 	max     int
@@ -87,6 +88,21 @@ func (x *MemIndex) resize(n int) {
 			}
 			x.slots[j] = *s
 		}
+	}
+}
+
+// shrink halves the table while it is under 1/8 full: after an engine's
+// entries are cleared, or approximate entries expire, a table sized for the
+// peak would otherwise stay so for good.
+func (x *MemIndex) shrink() {
+	n := len(x.slots)
+	for n > minSlots && x.n*8 < n {
+		n /= 2
+	}
+	if n < len(x.slots) {
+		x.resize(n)
+		x.hand &= x.mask
+		x.sweepAt &= x.mask
 	}
 }
 
@@ -175,6 +191,7 @@ func (x *MemIndex) Store(w WorkerID, hashes []kv.BlockHash, tier kv.Tier, ttl ti
 	for x.max > 0 && x.n > x.max {
 		x.evictOne(now)
 	}
+	x.shrink()
 	x.mu.Unlock()
 }
 
@@ -212,6 +229,7 @@ func (x *MemIndex) Remove(w WorkerID, hashes []kv.BlockHash, tier kv.Tier) {
 			}
 		}
 	}
+	x.shrink()
 	x.mu.Unlock()
 }
 
@@ -221,6 +239,7 @@ func (x *MemIndex) ClearWorker(w WorkerID) {
 	x.mu.Lock()
 	if int(w) < len(x.perW) && x.perW[w] > 0 {
 		x.deleteWhere(func(s *slot) bool { return s.worker == w })
+		x.shrink()
 	}
 	x.mu.Unlock()
 }
@@ -231,6 +250,7 @@ func (x *MemIndex) Sweep() int {
 	before := x.n
 	now := x.tick()
 	x.deleteWhere(func(s *slot) bool { return s.dead(now) })
+	x.shrink()
 	n := before - x.n
 	x.mu.Unlock()
 	return n
