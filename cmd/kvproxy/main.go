@@ -14,6 +14,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"sync"
@@ -45,6 +46,13 @@ func main() {
 	signal.Notify(hup, syscall.SIGHUP)
 	signal.Notify(term, syscall.SIGTERM, syscall.SIGINT)
 	c := &command{hup: hup, term: term, stdout: os.Stdout, stderr: os.Stderr}
+	// A container's memory limit becomes the garbage collector's soft
+	// limit, unless GOMEMLIMIT sets one: near it the collector works
+	// harder, where the kernel would kill the process.
+	if limit, ok := cgroupMemoryLimit("/proc/self/cgroup", "/sys/fs/cgroup"); ok && os.Getenv("GOMEMLIMIT") == "" {
+		c.memoryLimit = int64(float64(limit) * memoryLimitShare)
+		debug.SetMemoryLimit(c.memoryLimit)
+	}
 	os.Exit(c.run(os.Args[1:]))
 }
 
@@ -56,6 +64,10 @@ type command struct {
 	stdout io.Writer
 	stderr io.Writer
 	ready  func(addr string)
+
+	// memoryLimit is the soft memory limit main set from the cgroup's (0:
+	// none), for the log.
+	memoryLimit int64
 
 	mocks *mockFleet
 	// listen, when set, opens the mocks' listeners (tests).
@@ -128,7 +140,11 @@ func (c *command) run(args []string) (code int) {
 	if *check {
 		return c.check(log, tmpl, *cfgPath)
 	}
-	log.Info().Str("config", *cfgPath).Str("version", build.Version).Str("revision", build.Revision).Int("pid", os.Getpid()).Msg("kvproxy starting")
+	start := log.Info().Str("config", *cfgPath).Str("version", build.Version).Str("revision", build.Revision).Int("pid", os.Getpid())
+	if c.memoryLimit > 0 {
+		start = start.Int64("go_memory_limit_mb", c.memoryLimit>>20) // 90% of the cgroup's
+	}
+	start.Msg("kvproxy starting")
 	defer func() {
 		ev := log.Info()
 		if code != 0 {
