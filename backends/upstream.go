@@ -40,6 +40,9 @@ type Upstream struct {
 	// MaxBodySize bounds an answer read whole (not streamed); a larger one
 	// is an error. Default 64 MiB.
 	MaxBodySize int
+	// Budget, when set, bounds the memory of the answers DoWhole reads,
+	// with those of every Upstream sharing it.
+	Budget *Budget
 
 	mu     sync.Mutex
 	idle   []*upConn   // the most recently released last
@@ -297,6 +300,25 @@ func (u *Upstream) readTimeout() time.Duration {
 // returned as a Body to read and Close; otherwise it is read into resp and
 // the returned Body is nil. ab (optional) aborts the exchange from elsewhere.
 func (u *Upstream) Do(req *fasthttp.Request, resp *fasthttp.Response, stream bool, ab *Abort) (*Body, error) {
+	return u.do(req, resp, stream, ab, nil)
+}
+
+// DoWhole is Do for an answer read whole within u.Budget: ErrOverBudget
+// when others hold the room, ErrBeyondBudget when it and own (what the
+// caller's request holds already, its body) are more than the whole
+// budget. held is what its body took of the budget, which the caller
+// gives back (Budget.Give) once it lets the body go.
+func (u *Upstream) DoWhole(req *fasthttp.Request, resp *fasthttp.Response, ab *Abort, own int64) (held int64, err error) {
+	w := &whole{own: own}
+	_, err = u.do(req, resp, false, ab, w)
+	return w.held, err
+}
+
+// whole is a DoWhole's share of the budget: what its request held before
+// it, and what its answer took.
+type whole struct{ own, held int64 }
+
+func (u *Upstream) do(req *fasthttp.Request, resp *fasthttp.Response, stream bool, ab *Abort, w *whole) (*Body, error) {
 	for attempt := 0; ; attempt++ {
 		// A retry after a stale pooled connection dials: after an engine
 		// restart every pooled connection is as dead as the first one was.
@@ -309,7 +331,7 @@ func (u *Upstream) Do(req *fasthttp.Request, resp *fasthttp.Response, stream boo
 			return nil, ErrAborted
 		}
 		sent, start := uc.rd.n, time.Now()
-		body, err := u.exchange(uc, req, resp, stream, ab)
+		body, err := u.exchange(uc, req, resp, stream, ab, w)
 		if err == nil {
 			return body, nil
 		}
@@ -349,7 +371,7 @@ func isStaleConn(err error) bool {
 	return errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) || errors.Is(err, io.ErrUnexpectedEOF)
 }
 
-func (u *Upstream) exchange(uc *upConn, req *fasthttp.Request, resp *fasthttp.Response, stream bool, ab *Abort) (*Body, error) {
+func (u *Upstream) exchange(uc *upConn, req *fasthttp.Request, resp *fasthttp.Response, stream bool, ab *Abort, w *whole) (*Body, error) {
 	// A request fits the socket buffer of a live engine: the write waits
 	// only on a dead peer, which the read deadline then catches. Large
 	// bodies get a write deadline of their own.
@@ -365,6 +387,9 @@ func (u *Upstream) exchange(uc *upConn, req *fasthttp.Request, resp *fasthttp.Re
 		return nil, err
 	}
 	uc.armRead(time.Now(), u.readTimeout())
+	if w != nil {
+		return nil, u.readWhole(uc, resp, ab, w)
+	}
 	resp.StreamBody = stream
 	// The bound matters beyond memory: fasthttp allocates a Content-Length
 	// body up front, and an absurd length would panic the process.
@@ -377,6 +402,86 @@ func (u *Upstream) exchange(uc *upConn, req *fasthttp.Request, resp *fasthttp.Re
 	}
 	return &Body{u: u, uc: uc, resp: resp, r: resp.BodyStream(), ab: ab}, nil
 }
+
+// readWhole reads an answer whole, as fasthttp's ReadLimitBody does, in
+// its steps: the body's size is known before the body is read, so a large
+// one takes its room in u.Budget first, and one of no declared length
+// (chunked, or ending with the connection) takes it as it grows. On error
+// what it took is given back.
+func (u *Upstream) readWhole(uc *upConn, resp *fasthttp.Response, ab *Abort, w *whole) (err error) {
+	defer func() {
+		if err != nil {
+			u.Budget.Give(w.held)
+			w.held = 0
+		}
+	}()
+	resp.ResetBody()
+	resp.StreamBody = false
+	if err := resp.Header.Read(uc.br); err != nil {
+		return err
+	}
+	for n := 0; interim(resp.StatusCode()); n++ {
+		if n == maxInterim {
+			return errTooManyInterim
+		}
+		if err := resp.Header.Read(uc.br); err != nil {
+			return err
+		}
+	}
+	limit := u.maxBodySize()
+	switch size := resp.Header.ContentLength(); {
+	case bodiless(resp.StatusCode()):
+	case size > limit:
+		return fasthttp.ErrBodyTooLarge
+	case size >= 0:
+		if size > Untracked {
+			if err := u.Budget.Reserve(int64(size), w.own+int64(size)); err != nil {
+				return err
+			}
+			w.held = int64(size)
+		}
+		if err := resp.ReadBody(uc.br, limit); err != nil {
+			return err
+		}
+	default:
+		resp.StreamBody = true
+		if err := resp.ReadBody(uc.br, limit); err != nil {
+			return err
+		}
+		body := &Body{u: u, uc: uc, resp: resp, r: resp.BodyStream(), ab: ab}
+		buf, err := u.Budget.ReadGrowing(body, nil, limit, w.own, &w.held)
+		if err != nil {
+			resp.CloseBodyStream()
+			return err
+		}
+		body.Close() // the connection goes back, or is closed, as for a stream
+		resp.StreamBody = false
+		resp.SetBodyRaw(buf)
+		if size == -2 {
+			resp.Header.SetContentLength(len(buf)) // as ReadLimitBody leaves it
+		}
+		return nil
+	}
+	u.done(uc, !resp.ConnectionClose(), ab)
+	return nil
+}
+
+// interim is an informational status (1xx) whose answer follows, as
+// fasthttp reads them: 101 switches protocols and is the answer.
+func interim(code int) bool {
+	return code >= 100 && code < 200 && code != fasthttp.StatusSwitchingProtocols
+}
+
+// bodiless is a status whose answer has no body (RFC 9110, 6.4.1).
+func bodiless(code int) bool {
+	return code >= 100 && code < 200 || code == fasthttp.StatusNoContent || code == fasthttp.StatusNotModified
+}
+
+// maxInterim bounds the informational answers before the answer, as
+// fasthttp does.
+const maxInterim = 100
+
+var errTooManyInterim = errors.New("too many informational answers (1xx) before the answer")
 
 // tlsHolds reports whether a TLS connection holds bytes past the answer
 // that br has not seen: crypto/tls reads whatever the socket has and
