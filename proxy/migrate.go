@@ -290,6 +290,7 @@ func (r *relay) migrate(why string) (res moveResult, detail string) {
 			s.metrics.migrations.WithLabelValues(failed.cfg.ID, "failed").Inc()
 		}
 	}()
+	retried := false // the last continuation refused a connection, and a retry was spent on the next
 	for x.migrations > 0 {
 		x.migrations--
 		// A fresh abort: the failed engine's may be aborted (a probe's
@@ -311,6 +312,9 @@ func (r *relay) migrate(why string) (res moveResult, detail string) {
 		x.released = false
 		if err := x.route(m.conn, st, &rr); err != nil {
 			x.released = true // nothing held
+			if retried {
+				s.retries.refund() // no engine took it: the retry was not made
+			}
 			switch {
 			case errors.Is(err, errClientGone):
 				return clientLeft, ""
@@ -344,6 +348,14 @@ func (r *relay) migrate(why string) (res moveResult, detail string) {
 		}
 		m.tried = append(m.tried, x.b.cfg.ID)
 		detail += "; backend " + x.b.cfg.ID + " could not continue it: " + err.Error()
+		retried = false
+		if ce := (*backends.ConnectError)(nil); errors.As(err, &ce) && s.retries.withdraw() {
+			// It never got the continuation: a retry, as for a request
+			// refused a connection, and no migration spent (the trial:
+			// an engine down took the only one, with four others well).
+			x.migrations++
+			retried = true
+		}
 	}
 	return notMoved, detail
 }

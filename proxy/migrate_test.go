@@ -420,3 +420,34 @@ func TestResentRequestDropsThePrefillsKV(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// A continuation whose engine refuses the connection spends a retry, not
+// the migration: the stream moves on to the next engine (the README
+// trial: an engine down took migration_limit 1, with four others well).
+func TestMigrationPastAnEngineThatIsDown(t *testing.T) {
+	dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 3 })
+	next := startFake(t, "next", nil)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	down := &fakeEngine{id: "down", addr: ln.Addr().String()}
+	ln.Close() // refuses connections
+	p := startProxyYAML(t, `models: [{name: m}]
+backends:
+  - {id: dies, url: 'http://{{e0}}', model: m, served_model: engine-m}
+  - {id: down, url: 'http://{{e1}}', model: m, served_model: engine-m, kind: vllm}
+  - {id: next, url: 'http://{{e2}}', model: m, served_model: engine-m, kind: vllm}
+router: {policy: round_robin}
+limits: {migration_limit: 1}
+`, dies, down, next)
+	_, body := post(t, p.url+"/v1/chat/completions", migrateBody)
+	got := string(body)
+	if strings.Contains(got, `"error"`) || strings.Count(got, `"content":"t`) <= 3 || !strings.HasSuffix(got, "data: [DONE]\n\n") {
+		t.Fatalf("stream:\n%s", got)
+	}
+	p.waitIdle(t)
+	if logs := p.logs.String(); !strings.Contains(logs, `"to":"next"`) || !strings.Contains(logs, `"backend":"down","reason":"connect:`) {
+		t.Fatalf("the log does not show the move past the engine that is down:\n%s", p.logs.String())
+	}
+}
