@@ -408,7 +408,7 @@ func (h *blockHash) UnmarshalJSON(b []byte) error {
 // backend holds in the index (POST /admin/index/lookup). It lets operators
 // and tests compare the router's picture with an engine's real cache.
 func (s *Server) handleIndexLookup(ctx *fasthttp.RequestCtx, st *state) {
-	body, ok := requestBody(ctx, st.cfg.Limits.MaxRequestBodyBytes)
+	body, ok := s.requestBody(ctx, st.cfg.Limits.MaxRequestBodyBytes)
 	if !ok {
 		return
 	}

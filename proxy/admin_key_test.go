@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"net/http"
+	"strings"
 	"testing"
 )
 
@@ -22,5 +23,38 @@ func TestAdminKeyWithoutClientKeys(t *testing.T) {
 		if resp.StatusCode != want {
 			t.Fatalf("key %s: %d, want %d", key, resp.StatusCode, want)
 		}
+	}
+}
+
+// With auth.metrics_keys, /metrics takes one of them or an admin key: a
+// client's key gets a 403, none or a wrong one a 401; a reload without
+// them opens it again. Prometheus sends the key as a bearer token.
+func TestMetricsKeys(t *testing.T) {
+	e := startFake(t, "e0", nil)
+	guarded := strings.Replace(tenantsYAML, "  admin_keys: [admin-key-xyz]\n", "  admin_keys: [admin-key-xyz]\n  metrics_keys: [scraper-key-1]\n", 1)
+	p := startProxyYAML(t, guarded, e)
+	scrape := func(key string) (int, string) {
+		t.Helper()
+		req, _ := http.NewRequest("GET", p.url+"/metrics", nil)
+		return doAuth(t, req, key)
+	}
+	for _, c := range []struct {
+		key, code string
+		status    int
+	}{
+		{"scraper-key-1", "", 200},
+		{"admin-key-xyz", "", 200},
+		{"key-alpha-123", "metrics_key_required", 403},
+		{"wrong-key-123", "invalid_api_key", 401},
+		{"", "invalid_api_key", 401},
+	} {
+		status, body := scrape(c.key)
+		if status != c.status || (c.code != "" && !strings.Contains(body, `"code":"`+c.code+`"`)) || (status == 200 && !strings.Contains(body, "kvproxy_client_connections")) {
+			t.Fatalf("key %q: %d %.200s, want %d %s", c.key, status, body, c.status, c.code)
+		}
+	}
+	p.reloadYAML(t, strings.ReplaceAll(tenantsYAML, "{{e0}}", e.addr))
+	if status, _ := scrape(""); status != 200 || !strings.Contains(p.logs.String(), `"metrics_keys_changed":true`) {
+		t.Fatalf("after a reload without metrics keys: %d, want 200, and the reload logged:\n%s", status, p.logs.String())
 	}
 }

@@ -36,25 +36,28 @@ const maxAttempts = 3
 type exchange struct {
 	// sc is the request's scratch (handleCompletion's), until a stream
 	// sheds it before waiting for its first event (shedScratch).
-	sc       *scratch
-	s        *Server
-	id       string // the request's id, to the client and in the log
-	engineID string // the id sent to the engine
-	model    string
-	lora     string // the LoRA adapter the request names, "" for the base model
-	path     string // the engine's endpoint
-	stream   bool
-	start    time.Time // the request's arrival
-	sent     time.Time // the current attempt's, to the engine
-	p        *modelPool
-	b        *backend
-	d        router.Decision
-	active   *router.Active
-	ab       *backends.Abort // &abort: one for every attempt, as a client leaves once
-	abort    backends.Abort
-	first    attempt    // the first attempt's hang-up handler
-	watch    *connWatch // the current attempt's hang-up watch
-	rank     int        // data-parallel rank of the chosen worker
+	sc *scratch
+	s  *Server
+	// answerHeld is the budget share of the attempt's answer read whole,
+	// until it is relayed (then the request holds it) or let go.
+	answerHeld int64
+	id         string // the request's id, to the client and in the log
+	engineID   string // the id sent to the engine
+	model      string
+	lora       string // the LoRA adapter the request names, "" for the base model
+	path       string // the engine's endpoint
+	stream     bool
+	start      time.Time // the request's arrival
+	sent       time.Time // the current attempt's, to the engine
+	p          *modelPool
+	b          *backend
+	d          router.Decision
+	active     *router.Active
+	ab         *backends.Abort // &abort: one for every attempt, as a client leaves once
+	abort      backends.Abort
+	first      attempt    // the first attempt's hang-up handler
+	watch      *connWatch // the current attempt's hang-up watch
+	rank       int        // data-parallel rank of the chosen worker
 	// released: the backend slot was returned
 	released bool
 	live     bool // counted in s.live (add, until done)
@@ -195,7 +198,7 @@ func (s *Server) admit(ctx *fasthttp.RequestCtx, st *state) (admitted, bool) {
 		s.logRejected(ctx, rid, t.name, "", fasthttp.StatusTooManyRequests, start, "tenant max_concurrency")
 		return admitted{}, false
 	}
-	body, ok := requestBody(ctx, st.cfg.Limits.MaxRequestBodyBytes)
+	body, ok := s.requestBody(ctx, st.cfg.Limits.MaxRequestBodyBytes)
 	if !ok {
 		slot.release()
 		s.logRejected(ctx, rid, t.name, "", ctx.Response.StatusCode(), start, "undecodable body")
@@ -559,6 +562,7 @@ func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *e
 // watch, slots, engine connection and place in the drain. Each is freed at
 // most once, whatever the exchange had already given back.
 func (x *exchange) abandon() {
+	x.letGoAnswer()
 	x.stopWatch()
 	x.release()
 	x.slot.release()
@@ -984,11 +988,23 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	x.heard.Store(0) // nothing from this attempt's engine yet
 	resp := fasthttp.AcquireResponse()
 	resp.Header.SetNoDefaultContentType(true) // an answer without one is told apart
-	stream, err := b.up.Do(fr, resp, x.stream || x.pass, x.ab)
+	var stream *backends.Body
+	var err error
+	if x.stream || x.pass {
+		stream, err = b.up.Do(fr, resp, true, x.ab)
+	} else {
+		x.answerHeld, err = b.up.DoWhole(fr, resp, x.ab, heldBy(ctx))
+	}
 	if err != nil {
 		fasthttp.ReleaseResponse(resp)
 		var ce *backends.ConnectError
 		switch {
+		case errors.Is(err, backends.ErrOverBudget):
+			// The engine did its work; kvproxy has no room to read it. No
+			// fault of the engine's, and another would do the work again.
+			x.status, x.errMsg = fasthttp.StatusServiceUnavailable, "no room for the answer of backend "+b.cfg.ID+" in limits.body_memory_mb"
+			ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
+			s.overBudget(ctx, "the engine's answer, larger than 1 MiB")
 		case errors.Is(err, backends.ErrAborted) && s.live.isCut():
 			x.status, x.errMsg = fasthttp.StatusServiceUnavailable, errCutMsg
 			ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
@@ -1029,6 +1045,9 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				b.wholeTimedOut(msg)
 			}
 			x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, msg)
+		case errors.Is(err, backends.ErrBeyondBudget):
+			// As for an answer over 64 MiB: a retry would meet the same.
+			x.failUpstream(ctx, fasthttp.StatusBadGateway, fmt.Sprintf("the answer of backend %s is larger than kvproxy holds at once (limits.body_memory_mb: %d MiB); ask for less at once, or stream it", b.cfg.ID, s.bodyMem.Limit()>>20))
 		case errors.Is(err, fasthttp.ErrBodyTooLarge):
 			// The request asked for more than kvproxy reads whole (many
 			// choices with logprobs, unstreamed): the engine did its work,
@@ -1162,6 +1181,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			b.succeed()
 		}
 		ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
+		s.hold(ctx, x.answerHeld) // its copy goes out with the answer
+		x.answerHeld = 0
 		x.relayWhole(ctx, resp)
 		fasthttp.ReleaseResponse(resp)
 		x.finish()
@@ -1292,6 +1313,7 @@ func (x *exchange) shedScratch() {
 // write its default, an empty 200, which a client that only half-closed
 // would take for a success. nginx also closes without one (its 499).
 func (s *Server) answerNothing(ctx *fasthttp.RequestCtx) {
+	letGoBodies(ctx)
 	conn := ctx.Conn()
 	ctx.HijackSetNoResponse(true)
 	ctx.Hijack(func(net.Conn) { s.watcher.Closed(conn) }) // fasthttp reports no close of a hijacked connection
@@ -1316,6 +1338,7 @@ func (s *Server) relayUntilClose(ctx *fasthttp.RequestCtx, rl interface {
 	}
 	head := append([]byte(nil), ctx.Response.Header.Header()...)
 	conn := ctx.Conn()
+	letGoBodies(ctx)
 	s.hijacks.Store(conn, rl)
 	ctx.HijackSetNoResponse(true)
 	ctx.Hijack(func(c net.Conn) {
@@ -1593,10 +1616,19 @@ func (x *exchange) engineRequest(trace *traceValues, b *backend, rank int, body 
 // endAttempt ends an attempt the engine never took: its watch and slots
 // go, and the next attempt takes new ones.
 func (x *exchange) endAttempt() outcome {
+	x.letGoAnswer()
 	x.stopWatch()
 	x.release()
 	x.released = false
 	return retryable
+}
+
+// letGoAnswer gives back the budget share of an attempt's answer that was
+// not relayed (an engine's refusal, retried or failed): its response is
+// released.
+func (x *exchange) letGoAnswer() {
+	x.s.bodyMem.Give(x.answerHeld)
+	x.answerHeld = 0
 }
 
 func (x *exchange) stopWatch() {
@@ -1607,6 +1639,7 @@ func (x *exchange) stopWatch() {
 // finish ends the exchange: stops watching the client, frees the slot
 // (idempotent), records metrics and writes the access log line.
 func (x *exchange) finish() {
+	x.letGoAnswer()
 	x.stopWatch()
 	x.release()
 	x.slot.release()

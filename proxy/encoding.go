@@ -12,16 +12,18 @@ import (
 
 	"github.com/klauspost/compress/zstd"
 	"github.com/valyala/fasthttp"
+
+	"github.com/kvproxy/kvproxy/backends"
 )
 
 // requestBody is the request's body, decompressed when the client sent it
 // with a Content-Encoding (gzip, deflate, br or zstd: what the SDKs and
 // HTTP clients send), and no larger than max once decompressed. When it
 // fails it has written the error and returns ok false.
-func requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
-	raw, err := rawBody(ctx, max)
+func (s *Server) requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
+	raw, err := rawBody(ctx, max, s.bodyMem)
 	if err != nil {
-		unreadBody(ctx, err, max)
+		s.unreadBody(ctx, err, max)
 		return nil, false
 	}
 	enc := ctx.Request.Header.ContentEncoding()
@@ -40,6 +42,15 @@ func requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
 		body, err = inflateRaw(raw, max)
 	}
 	switch {
+	case err == nil && len(body) > backends.Untracked:
+		// Decompressed, it holds memory of its own: counted once it is
+		// (the decoder stops at max).
+		if err := s.bodyMem.Reserve(int64(len(body)), heldBy(ctx)+int64(len(body))); err != nil { // with its compressed copy
+			s.unreadBody(ctx, err, max)
+			return nil, false
+		}
+		s.hold(ctx, int64(len(body)))
+		return body, true
 	case err == nil:
 		return body, true
 	case errors.Is(err, fasthttp.ErrContentEncodingUnsupported):
@@ -63,9 +74,15 @@ func requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
 }
 
 // unreadBody answers a request whose body rawBody could not read.
-func unreadBody(ctx *fasthttp.RequestCtx, err error, max int) {
+func (s *Server) unreadBody(ctx *fasthttp.RequestCtx, err error, max int) {
 	var ne net.Error
 	switch {
+	case errors.Is(err, backends.ErrOverBudget):
+		ctx.SetConnectionClose() // the rest of the body is not read
+		s.overBudget(ctx, "the request body")
+	case errors.Is(err, backends.ErrBeyondBudget):
+		ctx.SetConnectionClose()
+		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body larger than kvproxy holds at once (limits.body_memory_mb: %d MiB)", s.bodyMem.Limit()>>20), "invalid_request_error", "", "request_too_large")
 	case errors.Is(err, fasthttp.ErrBodyTooLarge):
 		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", max), "invalid_request_error", "", "request_too_large")
 	case errors.As(err, &ne) && ne.Timeout():
@@ -89,8 +106,9 @@ const prefetchedBody = 8 << 10
 // declaring the limit and sending a byte a second, held 32 MB each. Here
 // the buffer grows as bytes arrive, to the declared length at most, and
 // the handler reads the body once its checks have passed (admit: the key,
-// the tenant's rate and max_concurrency).
-func rawBody(ctx *fasthttp.RequestCtx, max int) ([]byte, error) {
+// the tenant's rate and max_concurrency). A buffer over backends.Untracked
+// takes its size from mem as it grows (ErrOverBudget when it cannot).
+func rawBody(ctx *fasthttp.RequestCtx, max int, mem *backends.Budget) ([]byte, error) {
 	req := &ctx.Request
 	cl := req.Header.ContentLength()
 	if cl > max {
@@ -111,13 +129,25 @@ func rawBody(ctx *fasthttp.RequestCtx, max int) ([]byte, error) {
 	bb := bodyBuffers.Get().(*bodyBuffer)
 	ctx.SetUserValue(bodyBufferKey{}, bb) // back to the pool when the request is reset
 	b := bb.b[:0]
+	if cap(b) > backends.Untracked && (end <= backends.Untracked || bb.take(mem, cap(b)) != nil) {
+		// A pooled buffer of a large body: not for a small one, which
+		// would be charged its size (the review), nor for one it has no
+		// room for.
+		b = nil
+	}
 	if cap(b) == 0 {
 		b = make([]byte, 0, min(end, 2*prefetchedBody))
 	}
 	r := req.BodyStream()
 	for len(b) < end {
 		if len(b) == cap(b) {
-			nb := make([]byte, len(b), min(end, 2*cap(b)))
+			size := mem.Grown(len(b), min(end, 2*cap(b)), 0)
+			if size > backends.Untracked {
+				if err := bb.take(mem, size); err != nil {
+					return nil, err
+				}
+			}
+			nb := make([]byte, len(b), size)
 			copy(nb, b)
 			b = nb
 		}
@@ -146,7 +176,29 @@ func rawBody(ctx *fasthttp.RequestCtx, max int) ([]byte, error) {
 // fasthttp's own buffer is reused. fasthttp closes a request's io.Closer
 // user values when it resets the request, as it releases its own body:
 // the body lives exactly as long as before.
-type bodyBuffer struct{ b []byte }
+type bodyBuffer struct {
+	b []byte
+	// mem and held: what the buffer took of the server's budget for large
+	// bodies, given back with it.
+	mem  *backends.Budget
+	held int64
+}
+
+// take makes the buffer's share of mem size bytes (mem.Reserve's errors).
+func (bb *bodyBuffer) take(mem *backends.Budget, size int) error {
+	if err := mem.Reserve(int64(size)-bb.held, int64(size)); err != nil {
+		return err
+	}
+	bb.mem, bb.held = mem, int64(size)
+	return nil
+}
+
+// giveBack returns the buffer's share of the budget; the buffer itself
+// goes back to its pool when the request is reset (Close).
+func (bb *bodyBuffer) giveBack() {
+	bb.mem.Give(bb.held)
+	bb.mem, bb.held = nil, 0
+}
 
 type bodyBufferKey struct{}
 
@@ -157,6 +209,7 @@ var bodyBuffers = sync.Pool{New: func() any { return new(bodyBuffer) }}
 const maxPooledBody = 4 << 20
 
 func (bb *bodyBuffer) Close() error {
+	bb.giveBack()
 	if cap(bb.b) <= maxPooledBody {
 		bb.b = bb.b[:0]
 		bodyBuffers.Put(bb)

@@ -45,7 +45,7 @@ func (s *Server) unavailable(ctx *fasthttp.RequestCtx, why unavailableReason, ms
 	ctx.Response.Header.Set("Retry-After", "1")
 	code := "no_backend_available"
 	switch why {
-	case whyQueueFull, whyQueueTimeout, whyRemoved, whyNoFiles:
+	case whyQueueFull, whyQueueTimeout, whyRemoved, whyNoFiles, whyBodyMemory:
 		// Saturation, which a client backs off from, or a reload, past
 		// which a retry is served at once: not an outage.
 		code = string(why)
@@ -67,10 +67,11 @@ const (
 	whyRemoved      unavailableReason = "backend_removed"              // a reload removed the chosen one
 	whyShuttingDown unavailableReason = "shutting_down"                // draining, or cut at the drain deadline
 	whyNoFiles      unavailableReason = "out_of_file_descriptors"      // an engine connection could not be opened: kvproxy's open files limit
+	whyBodyMemory   unavailableReason = "body_memory_full"             // a large body found limits.body_memory_mb held by others
 )
 
 // unavailableReasons are all of them, for the metric to start at zero.
-var unavailableReasons = []unavailableReason{whyQueueFull, whyQueueTimeout, whyNoBackend, whyPinned, whyOwner, whyRemoved, whyShuttingDown, whyNoFiles}
+var unavailableReasons = []unavailableReason{whyQueueFull, whyQueueTimeout, whyNoBackend, whyPinned, whyOwner, whyRemoved, whyShuttingDown, whyNoFiles, whyBodyMemory}
 
 // shuttingDown answers a request kvproxy will not serve because it is
 // shutting down (draining, or cut at the drain deadline), in the shape of a

@@ -215,7 +215,7 @@ func dpRank(name string) int {
 // handleKVEvents takes a pushed JSON batch (POST /v1/kv_events) for a
 // backend in http event mode. A malformed batch changes nothing.
 func (s *Server) handleKVEvents(ctx *fasthttp.RequestCtx, st *state) {
-	body, ok := requestBody(ctx, st.cfg.Limits.MaxRequestBodyBytes)
+	body, ok := s.requestBody(ctx, st.cfg.Limits.MaxRequestBodyBytes)
 	if !ok {
 		return
 	}

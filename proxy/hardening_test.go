@@ -635,10 +635,10 @@ limits: {max_queue: 4, queue_timeout: 10s}
 	p.waitIdle(t)
 }
 
-// waitFor polls cond for up to a second.
+// waitFor polls cond for up to 5 s.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(time.Second)
+	deadline := time.Now().Add(5 * time.Second)
 	for !cond() {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out waiting for %s", what)

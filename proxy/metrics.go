@@ -115,7 +115,7 @@ func newMetrics() *metrics {
 		Name: "kvproxy_client_connections_evicted_total", Help: "Idle keep-alive client connections closed to make room for a new one when limits.max_connections were open.",
 	})
 	m.unavailable = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kvproxy_unavailable_total", Help: "503s kvproxy answered itself, by reason: queue_full, queue_timeout (saturation: every backend at max_concurrency), no_healthy_backend (an outage), pinned_backend_unavailable, response_backend_unavailable, backend_removed, shutting_down, out_of_file_descriptors (kvproxy's open files limit).",
+		Name: "kvproxy_unavailable_total", Help: "503s kvproxy answered itself, by reason: queue_full, queue_timeout (saturation: every backend at max_concurrency), no_healthy_backend (an outage), pinned_backend_unavailable, response_backend_unavailable, backend_removed, shutting_down, out_of_file_descriptors (kvproxy's open files limit), body_memory_full (limits.body_memory_mb held by other large bodies).",
 	}, []string{"reason"})
 	for _, why := range unavailableReasons {
 		m.unavailable.WithLabelValues(string(why))
@@ -131,6 +131,9 @@ func (m *metrics) register(reg *prometheus.Registry, s *Server) {
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvproxy_client_connections", Help: "Client connections open (limits.max_connections caps them).",
 		}, func() float64 { return float64(s.openConns.Load()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "kvproxy_body_memory_bytes", Help: "Memory held by bodies over 1 MiB: request bodies and engine answers read whole (limits.body_memory_mb bounds it).",
+		}, func() float64 { return float64(s.bodyMem.Used()) }),
 		&loadCollector{s: s}, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvproxy_build_info", Help: "1, labelled with the running build: its version, commit (revision) and Go version.",
 			ConstLabels: prometheus.Labels{"version": build.Version, "revision": build.Revision, "goversion": build.GoVersion},

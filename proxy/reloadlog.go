@@ -13,11 +13,11 @@ import (
 // reloadChanges is what a reload changed, for its log line: ids and
 // names, sorted, never keys.
 type reloadChanges struct {
-	backendsAdded, backendsRemoved, backendsReplaced []string
-	modelsAdded, modelsRemoved, modelsChanged        []string // changed: aliases, adapters or settings
-	tenantsChanged                                   []string // settings or keys added, removed or changed
-	adminKeysChanged, logLevelChanged                bool
-	restartNeeded                                    []string
+	backendsAdded, backendsRemoved, backendsReplaced      []string
+	modelsAdded, modelsRemoved, modelsChanged             []string // changed: aliases, adapters or settings
+	tenantsChanged                                        []string // settings or keys added, removed or changed
+	adminKeysChanged, metricsKeysChanged, logLevelChanged bool
+	restartNeeded                                         []string
 }
 
 func diffReload(prev, next *state) reloadChanges {
@@ -54,6 +54,7 @@ func diffReload(prev, next *state) reloadChanges {
 	}
 	c.tenantsChanged = tenantsChanged(prev.cfg, next.cfg)
 	c.adminKeysChanged = !slices.Equal(prev.cfg.Auth.AdminKeys, next.cfg.Auth.AdminKeys)
+	c.metricsKeysChanged = !slices.Equal(prev.cfg.Auth.MetricsKeys, next.cfg.Auth.MetricsKeys)
 	c.logLevelChanged = prev.cfg.LogLevel != next.cfg.LogLevel
 	c.restartNeeded = next.restartNeeded
 	for _, l := range [][]string{c.backendsAdded, c.backendsRemoved, c.backendsReplaced, c.modelsAdded, c.modelsRemoved, c.modelsChanged} {
@@ -129,6 +130,9 @@ func (c reloadChanges) log(ev *zerolog.Event, backends, models int) {
 	list("tenants_changed", c.tenantsChanged)
 	if c.adminKeysChanged {
 		ev = ev.Bool("admin_keys_changed", true)
+	}
+	if c.metricsKeysChanged {
+		ev = ev.Bool("metrics_keys_changed", true)
 	}
 	if c.logLevelChanged {
 		ev = ev.Bool("log_level_changed", true)

@@ -917,7 +917,8 @@ func (s *Server) askOwner(ctx *fasthttp.RequestCtx, b *backend, fr *fasthttp.Req
 	defer s.live.done(x)
 	x.watch = s.watcher.Watch(ctx.Conn(), abortOnHangUp{x.ab})
 	defer x.stopWatch()
-	_, err := b.up.Do(fr, resp, false, x.ab)
+	held, err := b.up.DoWhole(fr, resp, x.ab, heldBy(ctx))
+	s.hold(ctx, held)
 	return err
 }
 
@@ -950,6 +951,13 @@ func (s *Server) byIDFailed(ctx *fasthttp.RequestCtx, b *backend, err error) (in
 	case backends.OutOfFiles(err): // no fault of the engine's (failDial)
 		s.unavailable(ctx, whyNoFiles, "kvproxy has run out of file descriptors (its open files limit); retry")
 		return fasthttp.StatusServiceUnavailable, "no engine connection: " + err.Error()
+	case errors.Is(err, backends.ErrOverBudget):
+		s.overBudget(ctx, "the stored response, larger than 1 MiB")
+		return fasthttp.StatusServiceUnavailable, "no room for the stored response in limits.body_memory_mb"
+	case errors.Is(err, backends.ErrBeyondBudget):
+		msg := fmt.Sprintf("the stored response is larger than kvproxy holds at once (limits.body_memory_mb: %d MiB)", s.bodyMem.Limit()>>20)
+		writeError(ctx, fasthttp.StatusBadGateway, msg, "upstream_error", "", "backend_failed")
+		return fasthttp.StatusBadGateway, msg
 	case errors.As(err, &ce):
 		b.failConn("connect: " + ce.Err.Error())
 		ctx.Response.Header.Set("Retry-After", "1")

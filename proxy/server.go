@@ -60,6 +60,9 @@ type Server struct {
 	// queuedFirst: those of them not in live yet (not moving streams).
 	queuedFirst atomic.Int64
 	limits      config.Limits // fixed at start: the header limits shape the HTTP server
+	// bodyMem bounds the memory of large bodies: request bodies and engine
+	// answers read whole (limits.body_memory_mb).
+	bodyMem *backends.Budget
 	// respRandom keys response ids where no secret does (respKey).
 	respRandom [32]byte
 	// cert is the listener's certificate (tls in the config), replaced by
@@ -196,7 +199,7 @@ func (p *modelPool) setBackend(b *backend) {
 func New(cfg *config.Config, opts Options) (*Server, error) {
 	s := &Server{log: opts.Logger, opts: opts, watcher: newHangupWatcher(), limits: cfg.Limits, started: cfg,
 		retries: newRetryBudget(cfg.Limits.RetryBudget), rejectLog: newLogLimiter(opts.Logger),
-		listsRead: make(chan struct{})}
+		listsRead: make(chan struct{}), bodyMem: backends.NewBudget(0)}
 	var rb [6]byte
 	rand.Read(rb[:])
 	s.reqPrefix = hex.EncodeToString(rb[:])
@@ -384,6 +387,7 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 			}
 		}
 		b := newBackend(bc, cfg, p, s.log)
+		b.up.Budget = s.bodyMem
 		b.wake, b.metrics = p.queue.signal, s.metrics
 		if b.prefillOnly() {
 			b.wake = nil // no waiter can use its slots
@@ -422,6 +426,11 @@ func (st *state) nameServedModels() {
 // activate makes st current: backends start getting traffic and probes;
 // backends of prev that st lacks drain and then disappear.
 func (s *Server) activate(st, prev *state) {
+	mb := st.cfg.Limits.BodyMemoryMB
+	if mb == 0 { // a configuration built in code, without the defaults
+		mb = config.DefaultBodyMemoryMB
+	}
+	s.bodyMem.SetLimit(int64(mb) << 20)
 	for _, mc := range st.cfg.Models {
 		st.models[mc.Name].names.Store(&modelNames{aliases: mc.Aliases, adapters: mc.Adapters})
 	}
@@ -1030,9 +1039,10 @@ func (s *Server) Idle() bool {
 type access uint8
 
 const (
-	public access = iota // health, metrics
-	client               // an API key, when keys are configured
-	admin                // an admin key
+	public        access = iota // health
+	client                      // an API key, when keys are configured
+	admin                       // an admin key
+	metricsReader               // a metrics key, when auth.metrics_keys are set, or an admin key
 )
 
 type route struct {
@@ -1053,7 +1063,7 @@ func (s *Server) routes() map[string]route {
 		"/healthz":                  {fasthttp.MethodGet, public, s.handleHealth},
 		"/live":                     {fasthttp.MethodGet, public, s.handleLive},
 		"/livez":                    {fasthttp.MethodGet, public, s.handleLive},
-		"/metrics":                  {fasthttp.MethodGet, public, func(ctx *fasthttp.RequestCtx, _ *state) { s.metrics.serve(ctx) }},
+		"/metrics":                  {fasthttp.MethodGet, metricsReader, func(ctx *fasthttp.RequestCtx, _ *state) { s.metrics.serve(ctx) }},
 		"/admin/backends":           {fasthttp.MethodGet, admin, s.handleAdminBackends},
 		"/admin/index/lookup":       {fasthttp.MethodPost, admin, s.handleIndexLookup},
 		"/admin/reload":             {fasthttp.MethodPost, admin, func(ctx *fasthttp.RequestCtx, _ *state) { s.handleAdminReload(ctx) }},
@@ -1124,6 +1134,17 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	if r.access == admin && len(st.auth.admin) == 0 && st.auth.anonymous == nil {
 		writeError(ctx, fasthttp.StatusForbidden, "admin endpoints are closed: client keys are configured and auth.admin_keys is not (add an admin key; SIGHUP still reloads)", "invalid_request_error", "", "admin_disabled")
 		s.logUnrouted(ctx, "admin endpoints closed")
+		return
+	}
+	if r.access == metricsReader && !st.auth.readsMetrics(ctx) {
+		if st.auth.anonymous == nil && st.auth.client(ctx) != nil {
+			writeError(ctx, fasthttp.StatusForbidden, "this API key is a client key; /metrics takes one of auth.metrics_keys or auth.admin_keys", "invalid_request_error", "", "metrics_key_required")
+			s.logUnrouted(ctx, "client key on /metrics")
+			return
+		}
+		ctx.Response.Header.Set("WWW-Authenticate", `Bearer realm="kvproxy"`)
+		writeError(ctx, fasthttp.StatusUnauthorized, "missing or invalid metrics key (send Authorization: Bearer <one of auth.metrics_keys or auth.admin_keys>)", "invalid_request_error", "", "invalid_api_key")
+		s.logUnrouted(ctx, "invalid metrics key")
 		return
 	}
 	if (r.access == client && st.auth.client(ctx) == nil) || (r.access == admin && !st.auth.isAdmin(ctx)) {
@@ -1206,7 +1227,7 @@ func methodNotAllowed(ctx *fasthttp.RequestCtx, allow string) {
 func unauthorized(ctx *fasthttp.RequestCtx) {
 	ctx.Response.Header.Set("WWW-Authenticate", `Bearer realm="kvproxy"`)
 	msg := "missing or invalid API key (send Authorization: Bearer <key>, or x-api-key: <key>)"
-	if operatorPath(ctx.Path()) { // they take admin keys, as bearer tokens only
+	if path := ctx.Path(); operatorPath(path) && !bytes.HasPrefix(path, []byte("/health")) { // they take admin keys, as bearer tokens only; /health a client's too
 		msg = "missing or invalid admin key (send Authorization: Bearer <admin key>)"
 	}
 	writeError(ctx, fasthttp.StatusUnauthorized, msg, "invalid_request_error", "", "invalid_api_key")
@@ -1278,6 +1299,12 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 		st := s.st.Load()
 		s.refuseLargeBody(ctx, st, st.auth.knows(&ctx.Request.Header))
 		return
+	case errors.Is(err, fasthttp.ErrUnsupportedTransferEncoding):
+		// A coding other than chunked (gzip, or gzip then chunked):
+		// answered as refuseAmbiguousFraming answers identity.
+		writeError(ctx, fasthttp.StatusBadRequest, "the request's Transfer-Encoding is not chunked: send its body with Content-Length or chunked", "invalid_request_error", "", "unsupported_transfer_encoding")
+		s.closeLingering(ctx)
+		reason = "unsupported transfer-encoding"
 	case errors.As(err, &small) || errors.Is(err, fasthttp.ErrSmallReadBuffer):
 		writeError(ctx, fasthttp.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers exceed the limit of %d bytes", s.limits.MaxHeaderBytes), "invalid_request_error", "", "headers_too_large")
 		s.closeLingering(ctx) // a client still sending gets the answer, not a reset

@@ -109,7 +109,8 @@ func (s *tenantSlot) handlerDone() {
 type authTable struct {
 	byKey     map[[32]byte]*tenant
 	admin     map[[32]byte]bool
-	anonymous *tenant // set when no keys are configured
+	metrics   map[[32]byte]bool // auth.metrics_keys: with any, /metrics takes one (or an admin key)
+	anonymous *tenant           // set when no keys are configured
 	tenants   map[string]*tenant
 }
 
@@ -117,7 +118,7 @@ type authTable struct {
 const sharedNamespace = "\x00shared"
 
 func newAuthTable(cfg *config.Config, prev *authTable) *authTable {
-	a := &authTable{byKey: map[[32]byte]*tenant{}, admin: map[[32]byte]bool{}, tenants: map[string]*tenant{}}
+	a := &authTable{byKey: map[[32]byte]*tenant{}, admin: map[[32]byte]bool{}, metrics: map[[32]byte]bool{}, tenants: map[string]*tenant{}}
 	settings := map[string]config.Tenant{}
 	for _, t := range cfg.Tenants {
 		settings[t.Name] = t
@@ -174,6 +175,9 @@ func newAuthTable(cfg *config.Config, prev *authTable) *authTable {
 	}
 	for _, k := range cfg.Auth.AdminKeys {
 		a.admin[sha256.Sum256([]byte(k))] = true
+	}
+	for _, k := range cfg.Auth.MetricsKeys {
+		a.metrics[sha256.Sum256([]byte(k))] = true
 	}
 	if len(cfg.Auth.Keys) == 0 {
 		a.anonymous = get("")
@@ -249,14 +253,14 @@ func bearerOf(h *fasthttp.RequestHeader) string {
 }
 
 // knows reports whether a request's headers carry a key kvproxy knows (a
-// client's or an admin's), or no keys are configured: whether its body is
-// worth reading in full before the key is checked.
+// client's, an admin's or a metrics reader's), or no keys are configured:
+// whether its body is worth reading in full before the key is checked.
 func (a *authTable) knows(h *fasthttp.RequestHeader) bool {
 	if a.anonymous != nil {
 		return true
 	}
 	key := sha256.Sum256([]byte(bearerOf(h)))
-	if a.byKey[key] != nil || a.admin[key] {
+	if a.byKey[key] != nil || a.admin[key] || a.metrics[key] {
 		return true
 	}
 	if k := h.Peek("X-Api-Key"); len(k) > 0 {
@@ -289,6 +293,16 @@ func (a *authTable) isAdmin(ctx *fasthttp.RequestCtx) bool {
 	}
 	key := bearer(ctx)
 	return key != "" && a.admin[sha256.Sum256([]byte(key))]
+}
+
+// readsMetrics checks the key of a request for /metrics: open without
+// metrics keys; with them, one of them or an admin key.
+func (a *authTable) readsMetrics(ctx *fasthttp.RequestCtx) bool {
+	if len(a.metrics) == 0 {
+		return true
+	}
+	key := sha256.Sum256([]byte(bearer(ctx)))
+	return a.metrics[key] || a.admin[key]
 }
 
 // bucket is a token bucket: rate per second, holding at most burst.

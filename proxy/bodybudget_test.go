@@ -1,0 +1,273 @@
+package proxy
+
+import (
+	"bytes"
+	"compress/gzip"
+	"crypto/rand"
+	"encoding/base64"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+)
+
+// bigCompletion is an engine's completion answer of about size bytes.
+func bigCompletion(size int) string {
+	return `{"id":"c","object":"text_completion","model":"m","choices":[{"index":0,"text":"` + strings.Repeat("x", size) +
+		`","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}`
+}
+
+// Large bodies share limits.body_memory_mb: an engine's answer read whole
+// takes its size once its headers declare it, and while it is held, a
+// second large answer, or a large request body (of a declared length, or
+// chunked), gets a 503 body_memory_full; small ones pass. The room comes
+// back once the answer went out, and when a client leaves mid-answer.
+func TestLargeBodiesShareTheBodyMemory(t *testing.T) {
+	answer := bigCompletion(2 << 20)
+	release := make(chan struct{})
+	var n atomic.Int64
+	addr := startRawEngine(t, func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/completions" {
+			w.WriteHeader(404)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Content-Length", fmt.Sprint(len(answer)))
+		w.WriteHeader(200)
+		if k := n.Add(1); k == 1 || k == 4 { // the body when released
+			w.(http.Flusher).Flush()
+			<-release
+		}
+		io.WriteString(w, answer)
+	})
+	p := startProxyYAML(t, `
+models: [{name: m}]
+backends: [{id: e0, url: 'http://{{e0}}'}]
+limits: {body_memory_mb: 3}
+`, &fakeEngine{id: "e0", addr: addr})
+	mem := p.s.bodyMem
+	var releasing sync.Once
+	free := func() { releasing.Do(func() { close(release) }) }
+	t.Cleanup(free) // before the proxy's shutdown, which waits for the held request
+	const small = `{"model":"m","prompt":"hi","max_tokens":1}`
+	first := make(chan int)
+	go func() {
+		resp, b := post(t, p.url+"/v1/completions", small)
+		if len(b) < 2<<20 {
+			t.Errorf("the first answer came with %d bytes", len(b))
+		}
+		first <- resp.StatusCode
+	}()
+	waitFor(t, "the first answer to take its room", func() bool { return mem.Used() >= 2<<20 })
+
+	refused := func(what string, resp *http.Response, b []byte) {
+		t.Helper()
+		if resp.StatusCode != 503 || !strings.Contains(string(b), `"code":"body_memory_full"`) || resp.Header.Get("Retry-After") != "1" {
+			t.Fatalf("%s: %d %.300s (Retry-After %q), want 503 body_memory_full", what, resp.StatusCode, b, resp.Header.Get("Retry-After"))
+		}
+	}
+	resp, b := post(t, p.url+"/v1/completions", small)
+	refused("a second large answer", resp, b)
+	if resp.Header.Get(WorkerHeader) != "e0" {
+		t.Errorf("the refusal names worker %q, want e0", resp.Header.Get(WorkerHeader))
+	}
+	large := `{"model":"m","max_tokens":1,"prompt":"` + strings.Repeat("y ", 1<<20) + `"}`
+	resp, b = post(t, p.url+"/v1/completions", large)
+	refused("a large request body", resp, b)
+	resp, err := http.Post(p.url+"/v1/completions", "application/json", io.MultiReader(strings.NewReader(large))) // chunked
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	refused("a large chunked request body", resp, b)
+
+	free()
+	if code := <-first; code != 200 {
+		t.Fatalf("the first request got %d", code)
+	}
+	waitFor(t, "the first answer's room to come back", func() bool { return mem.Used() == 0 })
+	// A large request body read whole gives its room back with its request.
+	if resp, b := post(t, p.url+"/v1/completions", strings.Replace(large, `"m"`, `"other"`, 1)); resp.StatusCode != 404 {
+		t.Fatalf("a large body for an unknown model: %d %.300s", resp.StatusCode, b)
+	}
+	waitFor(t, "the large request body's room to come back", func() bool { return mem.Used() == 0 })
+	if resp, b := post(t, p.url+"/v1/completions", small); resp.StatusCode != 200 || len(b) < 2<<20 {
+		t.Fatalf("after the first: %d, %d bytes", resp.StatusCode, len(b))
+	}
+
+	// A client that leaves while its answer's body is awaited gives the
+	// room back (the engine's 4th connection sends headers, then waits).
+	release, releasing = make(chan struct{}), sync.Once{}
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(small), small)
+	waitFor(t, "the abandoned answer to take its room", func() bool { return mem.Used() >= 2<<20 })
+	c.Close()
+	waitFor(t, "the abandoned answer's room to come back", func() bool { return mem.Used() == 0 })
+	p.waitIdle(t)
+
+	m := p.metrics(t)
+	for _, want := range []string{`kvproxy_unavailable_total{reason="body_memory_full"} 3`, "kvproxy_body_memory_bytes 0"} {
+		if !strings.Contains(m, want+"\n") {
+			t.Errorf("metrics lack %s", want)
+		}
+	}
+}
+
+// budgetEngine answers completions as their prompt says: "big" a 2 MiB
+// answer, "huge" 3 MiB, "fail" a 500 of 2 MiB, "hold" a small one once
+// release is closed; anything else a small one. hits counts completions.
+func budgetEngine(t *testing.T, hits *atomic.Int64, release chan struct{}) *fakeEngine {
+	big, huge, small := bigCompletion(2<<20), bigCompletion(3<<20), bigCompletion(10)
+	addr := startRawEngine(t, func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/completions" {
+			w.WriteHeader(404)
+			return
+		}
+		hits.Add(1)
+		b, _ := io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		switch {
+		case bytes.Contains(b, []byte(`"prompt":"big`)):
+			io.WriteString(w, big)
+		case bytes.Contains(b, []byte(`"prompt":"huge`)):
+			io.WriteString(w, huge)
+		case bytes.Contains(b, []byte(`"prompt":"fail`)):
+			w.WriteHeader(500)
+			io.WriteString(w, `{"error":{"message":"`+strings.Repeat("e", 2<<20)+`","type":"InternalServerError","code":500}}`)
+		case bytes.Contains(b, []byte(`"prompt":"hold`)):
+			<-release
+			io.WriteString(w, small)
+		default:
+			io.WriteString(w, small)
+		}
+	})
+	return &fakeEngine{id: "e0", addr: addr}
+}
+
+// A request or an answer larger than the whole budget is refused for good
+// (413, 502), not told to retry: it would never fit, and each retry would
+// run the engine again. A body decompressed counts at its decompressed
+// size. An attempt's answer that is not relayed (an engine's 500, retried
+// on another) gives its room back at once: the client gets the engine's
+// error, not a 503 for the memory its own first attempt held.
+func TestBodiesBeyondTheBudget(t *testing.T) {
+	var hits, hits2 atomic.Int64
+	e, e2 := budgetEngine(t, &hits, nil), budgetEngine(t, &hits2, nil)
+	e2.id = "e1"
+	p := startProxyYAML(t, `
+models: [{name: m}]
+backends: [{id: e0, url: 'http://{{e0}}'}, {id: e1, url: 'http://{{e1}}'}]
+limits: {body_memory_mb: 3, max_prompt_tokens: 4000000}
+`, e, e2)
+	resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"huge","max_tokens":1}`)
+	if resp.StatusCode != 502 || !strings.Contains(string(b), "limits.body_memory_mb") || hits.Load()+hits2.Load() != 1 {
+		t.Fatalf("an answer over the budget: %d %.300s, %d engine hits; want one 502", resp.StatusCode, b, hits.Load()+hits2.Load())
+	}
+	withBody := `{"model":"m","max_tokens":1,"prompt":"big ` + strings.Repeat("y ", 3<<18) + `"}` // 1.5 MiB
+	if resp, b := post(t, p.url+"/v1/completions", withBody); resp.StatusCode != 502 || !strings.Contains(string(b), "limits.body_memory_mb") || hits.Load()+hits2.Load() != 2 {
+		t.Fatalf("an answer over what its request's body leaves of the budget: %d %.300s, %d engine hits; want one 502", resp.StatusCode, b, hits.Load()+hits2.Load())
+	}
+	large := `{"model":"m","max_tokens":1,"prompt":"` + strings.Repeat("y ", 2<<20) + `"}`
+	if resp, b := post(t, p.url+"/v1/completions", large); resp.StatusCode != 413 || !strings.Contains(string(b), "limits.body_memory_mb") {
+		t.Fatalf("a request body over the budget: %d %.300s, want 413", resp.StatusCode, b)
+	}
+	var zb bytes.Buffer
+	zw := gzip.NewWriter(&zb)
+	zw.Write([]byte(large))
+	zw.Close()
+	req, _ := http.NewRequest("POST", p.url+"/v1/completions", &zb)
+	req.Header.Set("Content-Encoding", "gzip")
+	if status, body := doAuth(t, req, ""); status != 413 || !strings.Contains(body, "limits.body_memory_mb") {
+		t.Fatalf("a request body over the budget once decompressed (%d bytes sent): %d %.300s, want 413", zb.Len(), status, body)
+	}
+	if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"fail","max_tokens":1}`); resp.StatusCode != 500 || hits.Load()+hits2.Load() != 4 {
+		t.Fatalf("two engines' 500s of 2 MiB: %d %.300s, %d engine hits; want the 500 after a retry", resp.StatusCode, b, hits.Load()+hits2.Load())
+	}
+	waitFor(t, "the room to come back", func() bool { return p.s.bodyMem.Used() == 0 })
+	p.waitIdle(t)
+}
+
+// A request whose connection is hijacked to close it (its client hung up)
+// gives back its body's room even when the hijack fails: a pipelined
+// request's hang-up with a reset, with the answer before it not yet
+// flushed, left fasthttp's request never reset, and its room taken for
+// good (the review).
+func TestHijackedRequestGivesBackItsRoom(t *testing.T) {
+	var hits atomic.Int64
+	release := make(chan struct{})
+	defer close(release)
+	p := startProxyYAML(t, `
+models: [{name: m}]
+backends: [{id: e0, url: 'http://{{e0}}'}]
+limits: {body_memory_mb: 64, max_prompt_tokens: 4000000}
+`, budgetEngine(t, &hits, release))
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	small := `{"model":"m","prompt":"hi","max_tokens":1}`
+	held := `{"model":"m","max_tokens":1,"prompt":"hold ` + strings.Repeat("y ", 1200<<10) + `"}`
+	var both bytes.Buffer // in one write: the second is there when the first is answered, which is not flushed
+	for _, body := range []string{small, held} {
+		fmt.Fprintf(&both, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	}
+	go c.Write(both.Bytes())
+	waitFor(t, "the held request to reach the engine", func() bool { return hits.Load() == 2 && p.s.bodyMem.Used() >= 2<<20 })
+	c.(*net.TCPConn).SetLinger(0) // a reset: the flush of the first answer fails
+	c.Close()
+	waitFor(t, "the hung-up request's room to come back", func() bool { return p.s.bodyMem.Used() == 0 })
+}
+
+// A small body is not charged the size of a pooled buffer a large one left
+// (the review: a 20 KB request held 3 MiB of the budget, and a 2 MiB
+// answer beside it got a 503). A compressed body whose two copies, as
+// sent and decompressed, could never fit together gets a 413, not a 503
+// to retry for ever.
+func TestBodyBudgetCountsWhatABodyNeeds(t *testing.T) {
+	var hits atomic.Int64
+	release := make(chan struct{})
+	defer close(release)
+	p := startProxyYAML(t, `
+models: [{name: m}]
+backends: [{id: e0, url: 'http://{{e0}}'}]
+limits: {body_memory_mb: 4, max_prompt_tokens: 4000000}
+`, budgetEngine(t, &hits, release))
+	for range 4 { // large bodies, read whole, their buffers pooled
+		if resp, b := post(t, p.url+"/v1/completions", `{"model":"other","prompt":"`+strings.Repeat("y", 3<<20)+`"}`); resp.StatusCode != 404 {
+			t.Fatalf("%d %.300s", resp.StatusCode, b)
+		}
+	}
+	waitFor(t, "the large bodies' room to come back", func() bool { return p.s.bodyMem.Used() == 0 })
+	for range 4 {
+		go func() {
+			if resp, err := http.Post(p.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","max_tokens":1,"prompt":"hold `+strings.Repeat("z", 20<<10)+`"}`)); err == nil {
+				resp.Body.Close()
+			}
+		}()
+	}
+	waitFor(t, "the small requests to reach the engine", func() bool { return hits.Load() == 4 })
+	if used := p.s.bodyMem.Used(); used != 0 {
+		t.Fatalf("4 bodies of 20 KB hold %d bytes of the budget", used)
+	}
+
+	random := make([]byte, 2<<20)
+	rand.Read(random)
+	text := base64.StdEncoding.EncodeToString(random) // 2.7 MiB, about 2 MiB gzipped: each fits alone
+	var zb bytes.Buffer
+	zw := gzip.NewWriter(&zb)
+	zw.Write([]byte(`{"model":"m","max_tokens":1,"prompt":"` + text + `"}`))
+	zw.Close()
+	req, _ := http.NewRequest("POST", p.url+"/v1/completions", &zb)
+	req.Header.Set("Content-Encoding", "gzip")
+	if status, body := doAuth(t, req, ""); status != 413 || !strings.Contains(body, "limits.body_memory_mb") {
+		t.Fatalf("a body whose copies could never fit together: %d %.300s, want 413", status, body)
+	}
+}
