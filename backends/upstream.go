@@ -702,10 +702,19 @@ func SetDialForTests(f DialFunc) (restore func()) {
 // is armed), which ShedIdle closes.
 var pooled sync.Map // *Upstream → struct{}
 
+// shedding is held while ShedIdle closes connections: a second dial out of
+// descriptors waits for the first's shed to have freed them before it dials
+// again. Without it, it found the pools already emptied, the connections
+// not yet closed, and its second dial failed too (a CI run: one of 18
+// requests moving to another engine got 503 out_of_file_descriptors).
+var shedding sync.Mutex
+
 // ShedIdle closes the connections every upstream keeps idle, and reports
 // how many it closed: what kvproxy gives up first when it runs out of file
 // descriptors.
 func ShedIdle() int {
+	shedding.Lock()
+	defer shedding.Unlock()
 	n := 0
 	pooled.Range(func(k, _ any) bool {
 		u := k.(*Upstream)

@@ -578,6 +578,71 @@ func TestDialsOutOfDescriptorsAllRetry(t *testing.T) {
 	}
 }
 
+// A dial out of descriptors while another's shed is still closing the
+// pooled connections waits for those to be closed before it dials again:
+// it found the pools emptied and dialled at once, and failed again (a CI
+// run, 18 requests moving from one engine to another).
+func TestDialWaitsForAShedUnderway(t *testing.T) {
+	var open atomic.Int64
+	addr := countedEngine(t, &open, 0)
+	closing, letClose := make(chan struct{}), make(chan struct{})
+	var pooledOpen atomic.Int64 // the connection pooled, until its Close is done
+	var dials atomic.Int64
+	defer SetDialForTests(func(network, a string, d time.Duration) (net.Conn, error) {
+		if dials.Add(1) == 1 {
+			c, err := net.DialTimeout(network, a, d)
+			if err != nil {
+				return nil, err
+			}
+			pooledOpen.Store(1)
+			return &slowClose{Conn: c, closing: closing, letClose: letClose, open: &pooledOpen}, nil
+		}
+		if pooledOpen.Load() != 0 { // its descriptor is not free yet
+			return nil, &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("socket", syscall.EMFILE)}
+		}
+		return net.DialTimeout(network, a, d)
+	})()
+	pooler, u := &Upstream{Addr: addr}, &Upstream{Addr: addr}
+	defer pooler.Close()
+	defer u.Close()
+	req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+	if _, err := pooler.Do(req, resp, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	go ShedIdle()
+	<-closing // the first shed is closing the pooled connection
+	done := make(chan error, 1)
+	go func() {
+		req, resp := newRequest(addr, `{}`), fasthttp.AcquireResponse()
+		_, err := u.Do(req, resp, false, nil)
+		done <- err
+	}()
+	for dials.Load() < 2 { // its first dial failed
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(50 * time.Millisecond) // time to dial again, were it not to wait
+	close(letClose)
+	if err := <-done; err != nil {
+		t.Fatalf("a dial during another's shed: %v (%d dials)", err, dials.Load())
+	}
+}
+
+// slowClose is a connection whose Close says it began (closing), then
+// waits for letClose.
+type slowClose struct {
+	net.Conn
+	closing, letClose chan struct{}
+	open              *atomic.Int64
+}
+
+func (c *slowClose) Close() error {
+	close(c.closing)
+	<-c.letClose
+	err := c.Conn.Close()
+	c.open.Store(0)
+	return err
+}
+
 // okInTurn sends n requests through u one after another, pause apart, each
 // to be answered "ok".
 func okInTurn(t *testing.T, u *Upstream, n int, pause time.Duration) {
