@@ -75,7 +75,9 @@ func TestDisaggregatedPrefill(t *testing.T) {
 // Without a prefill engine to use, the decode engine computes the prompt,
 // and the log says why (the trial: nothing told P/D had turned off).
 func TestDisaggregatedPrefillWithItsEngineDown(t *testing.T) {
-	pre, _, p := startPD(t, nil, "[{name: m}]", "")
+	// Ejected for a minute: at the default second, the second request on a
+	// loaded machine came after the ejection ended, and was refused again.
+	pre, _, p := startPD(t, nil, "[{name: m}]", "health: {eject_base: 1m}\n")
 	pre.srv.Close()
 	for range 2 {
 		if resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != 200 {
