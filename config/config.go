@@ -352,9 +352,26 @@ type Limits struct {
 	BodyMemoryMB int `yaml:"body_memory_mb"`
 }
 
-// DefaultBodyMemoryMB is limits.body_memory_mb's default: 16 answers of
-// the largest kvproxy reads whole.
+// DefaultBodyMemoryMB is limits.body_memory_mb's default without a memory
+// limit: 16 answers of the largest kvproxy reads whole.
 const DefaultBodyMemoryMB = 1024
+
+// MemoryLimit is the Go memory limit kvproxy runs under, in bytes (0:
+// none): 90% of a container's, or GOMEMLIMIT. main sets it before any
+// configuration is read. limits.body_memory_mb's default is then a quarter
+// of it, up to DefaultBodyMemoryMB: kvproxy's RSS peaks near three times
+// what the budget holds (BENCHMARKS.md), and 1024 in a 2 GiB container
+// left it to the kernel's OOM killer.
+var MemoryLimit int64
+
+// defaultBodyMemoryMB is limits.body_memory_mb's default under
+// MemoryLimit.
+func defaultBodyMemoryMB() int {
+	if MemoryLimit <= 0 {
+		return DefaultBodyMemoryMB
+	}
+	return int(max(16, min(DefaultBodyMemoryMB, MemoryLimit>>20/4)))
+}
 
 // Policies the router knows; validated here so a typo fails at start.
 var Policies = []string{"kv", "kv_dynamo", "round_robin", "least_load", "prefix_hash", "cache_aware"}
@@ -664,7 +681,7 @@ func (c *Config) applyDefaults() {
 		}
 	}
 	defInt(&c.Limits.MaxHeaderBytes, 16<<10)
-	defInt(&c.Limits.BodyMemoryMB, DefaultBodyMemoryMB)
+	defInt(&c.Limits.BodyMemoryMB, defaultBodyMemoryMB())
 	def(&c.Limits.HeaderTimeout, 10*time.Second)
 	def(&c.Limits.BodyTimeout, 60*time.Second)
 	defInt(&c.Limits.MaxMessages, 4096)
@@ -1089,6 +1106,9 @@ func (c *Config) Warnings() []string {
 	out = append(out, c.forcedUsageWarnings()...)
 	if need := (c.Limits.MaxRequestBodyBytes+(1<<20)-1)>>20 + 64; c.Limits.BodyMemoryMB > 0 && c.Limits.BodyMemoryMB < need {
 		out = append(out, fmt.Sprintf("limits.body_memory_mb (%d) is under what one request may hold at once, its body (limits.max_request_body_bytes) and an answer read whole (up to 64 MiB): %d; such a request gets 413 or 502", c.Limits.BodyMemoryMB, need))
+	}
+	if limit := MemoryLimit >> 20; limit > 0 && 3*int64(c.Limits.BodyMemoryMB) > limit {
+		out = append(out, fmt.Sprintf("limits.body_memory_mb (%d) is over a third of kvproxy's memory limit (%d MiB, from its container's or GOMEMLIMIT): its RSS peaks near three times what the budget holds, and could pass the limit with the budget full; its default there is a quarter, %d", c.Limits.BodyMemoryMB, limit, defaultBodyMemoryMB()))
 	}
 	for _, b := range c.Backends {
 		if b.Kind != KindMock && b.Mock != (MockEngine{}) {

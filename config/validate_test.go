@@ -213,3 +213,33 @@ func TestBodyMemoryUnderOneRequestIsWarned(t *testing.T) {
 		}
 	}
 }
+
+// Under a memory limit, the budget's default is a quarter of it, from 16
+// MiB up to 1024; a budget set over a third of it is warned of, the
+// default never.
+func TestBodyMemoryUnderAMemoryLimit(t *testing.T) {
+	defer func(l int64) { MemoryLimit = l }(MemoryLimit)
+	for _, c := range []struct {
+		limit  int64
+		set    string
+		want   int
+		warned bool
+	}{
+		{0, "", 1024, false},
+		{400 << 20, "", 100, false},
+		{40 << 20, "", 16, true}, // under one request's body and answer: that warning
+		{64 << 30, "", 1024, false},
+		{400 << 20, "limits: {body_memory_mb: 133}\n", 133, false},
+		{400 << 20, "limits: {body_memory_mb: 134}\n", 134, true},
+	} {
+		MemoryLimit = c.limit
+		cfg, err := Parse([]byte(minimal + c.set))
+		if err != nil {
+			t.Fatal(err)
+		}
+		w := strings.Join(cfg.Warnings(), "; ")
+		if cfg.Limits.BodyMemoryMB != c.want || strings.Contains(w, "limits.body_memory_mb") != c.warned {
+			t.Errorf("limit %d MiB, %q: body_memory_mb %d, want %d; warnings %q, want one on it: %v", c.limit>>20, c.set, cfg.Limits.BodyMemoryMB, c.want, w, c.warned)
+		}
+	}
+}

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"math"
 	"net"
 	"os"
 	"os/signal"
@@ -52,6 +53,9 @@ func main() {
 	if limit, ok := cgroupMemoryLimit("/proc/self/cgroup", "/sys/fs/cgroup"); ok && os.Getenv("GOMEMLIMIT") == "" {
 		c.memoryLimit = int64(float64(limit) * memoryLimitShare)
 		debug.SetMemoryLimit(c.memoryLimit)
+	}
+	if limit := debug.SetMemoryLimit(-1); limit < math.MaxInt64 { // the cgroup's, or GOMEMLIMIT's
+		config.MemoryLimit = limit // before any configuration is read: limits.body_memory_mb's default follows it
 	}
 	os.Exit(c.run(os.Args[1:]))
 }
@@ -184,7 +188,7 @@ func (c *command) run(args []string) (code int) {
 		return 1
 	}
 	log.Info().Str("listen", ln.Addr().String()).Bool("tls", cfg.TLS.Enabled()).Int("backends", len(cfg.Backends)).
-		Str("policy", cfg.Router.Policy).Int("max_connections", srv.MaxConnections()).Msg("kvproxy serving")
+		Str("policy", cfg.Router.Policy).Int("max_connections", srv.MaxConnections()).Int("body_memory_mb", cfg.Limits.BodyMemoryMB).Msg("kvproxy serving")
 
 	// A reload (SIGHUP or POST /admin/reload, which may come at once) is
 	// applied whole under reloadMu: load, start the mocks it adds, swap the
