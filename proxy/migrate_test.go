@@ -451,3 +451,40 @@ limits: {migration_limit: 1}
 		t.Fatalf("the log does not show the move past the engine that is down:\n%s", p.logs.String())
 	}
 }
+
+// The retry a continuation refused a connection spent is given back when
+// no engine is left to try: none was made.
+func TestMigrationRefundsTheRetryNoEngineTook(t *testing.T) {
+	dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 3 })
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	down := &fakeEngine{id: "down", addr: ln.Addr().String()}
+	ln.Close() // refuses connections
+	p := startProxyYAML(t, `models: [{name: m}]
+backends:
+  - {id: dies, url: 'http://{{e0}}', model: m, served_model: engine-m}
+  - {id: down, url: 'http://{{e1}}', model: m, served_model: engine-m, kind: vllm}
+router: {policy: round_robin}
+limits: {migration_limit: 1, retry_budget: 0.2}
+`, dies, down)
+	// One retry in the budget, and no time to earn more.
+	b := p.s.retries
+	b.mu.Lock()
+	b.balance, b.last = 1, time.Now().Add(time.Hour)
+	b.mu.Unlock()
+	_, body := post(t, p.url+"/v1/chat/completions", migrateBody)
+	if !strings.Contains(string(body), `"error"`) {
+		t.Fatalf("the stream ended well with no engine to continue it:\n%s", body)
+	}
+	p.waitIdle(t)
+	if logs := p.logs.String(); !strings.Contains(logs, `"backend":"down","reason":"connect:`) {
+		t.Fatalf("the continuation did not meet the engine that is down:\n%s", logs)
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.balance < 1 {
+		t.Fatalf("retry budget %.2f after the retry no engine took, want it back (1 and the request's 0.2)", b.balance)
+	}
+}
