@@ -425,14 +425,8 @@ func TestResentRequestDropsThePrefillsKV(t *testing.T) {
 // the migration: the stream moves on to the next engine (the README
 // trial: an engine down took migration_limit 1, with four others well).
 func TestMigrationPastAnEngineThatIsDown(t *testing.T) {
-	dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 3 })
+	dies, down := startMigrationPastDown(t)
 	next := startFake(t, "next", nil)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	down := &fakeEngine{id: "down", addr: ln.Addr().String()}
-	ln.Close() // refuses connections
 	p := startProxyYAML(t, `models: [{name: m}]
 backends:
   - {id: dies, url: 'http://{{e0}}', model: m, served_model: engine-m}
@@ -455,13 +449,7 @@ limits: {migration_limit: 1}
 // The retry a continuation refused a connection spent is given back when
 // no engine is left to try: none was made.
 func TestMigrationRefundsTheRetryNoEngineTook(t *testing.T) {
-	dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 3 })
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	down := &fakeEngine{id: "down", addr: ln.Addr().String()}
-	ln.Close() // refuses connections
+	dies, down := startMigrationPastDown(t)
 	p := startProxyYAML(t, `models: [{name: m}]
 backends:
   - {id: dies, url: 'http://{{e0}}', model: m, served_model: engine-m}
@@ -487,4 +475,18 @@ limits: {migration_limit: 1, retry_budget: 0.2}
 	if b.balance < 1 {
 		t.Fatalf("retry budget %.2f after the retry no engine took, want it back (1 and the request's 0.2)", b.balance)
 	}
+}
+
+// startMigrationPastDown starts an engine whose stream dies after 3 of 10
+// tokens, and gives an engine that refuses connections (its port closed).
+func startMigrationPastDown(t *testing.T) (dies, down *fakeEngine) {
+	t.Helper()
+	dies = startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 3 })
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	down = &fakeEngine{id: "down", addr: ln.Addr().String()}
+	ln.Close() // refuses connections
+	return dies, down
 }
