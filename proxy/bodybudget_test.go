@@ -121,6 +121,17 @@ limits: {body_memory_mb: 3}
 	}
 }
 
+// startBudgetProxy starts a proxy of body_memory_mb mb in front of e, for
+// prompts of millions of tokens.
+func startBudgetProxy(t *testing.T, mb int, e *fakeEngine) *testProxy {
+	t.Helper()
+	return startProxyYAML(t, fmt.Sprintf(`
+models: [{name: m}]
+backends: [{id: e0, url: 'http://{{e0}}'}]
+limits: {body_memory_mb: %d, max_prompt_tokens: 4000000}
+`, mb), e)
+}
+
 // budgetEngine answers completions as their prompt says: "big" a 2 MiB
 // answer, "huge" 3 MiB, "fail" a 500 of 2 MiB, "hold" a small one once
 // release is closed; anything else a small one. hits counts completions.
@@ -204,11 +215,7 @@ func TestHijackedRequestGivesBackItsRoom(t *testing.T) {
 	var hits atomic.Int64
 	release := make(chan struct{})
 	defer close(release)
-	p := startProxyYAML(t, `
-models: [{name: m}]
-backends: [{id: e0, url: 'http://{{e0}}'}]
-limits: {body_memory_mb: 64, max_prompt_tokens: 4000000}
-`, budgetEngine(t, &hits, release))
+	p := startBudgetProxy(t, 64, budgetEngine(t, &hits, release))
 	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
 	if err != nil {
 		t.Fatal(err)
@@ -235,11 +242,7 @@ func TestBodyBudgetCountsWhatABodyNeeds(t *testing.T) {
 	var hits atomic.Int64
 	release := make(chan struct{})
 	defer close(release)
-	p := startProxyYAML(t, `
-models: [{name: m}]
-backends: [{id: e0, url: 'http://{{e0}}'}]
-limits: {body_memory_mb: 4, max_prompt_tokens: 4000000}
-`, budgetEngine(t, &hits, release))
+	p := startBudgetProxy(t, 4, budgetEngine(t, &hits, release))
 	for range 4 { // large bodies, read whole, their buffers pooled
 		if resp, b := post(t, p.url+"/v1/completions", `{"model":"other","prompt":"`+strings.Repeat("y", 3<<20)+`"}`); resp.StatusCode != 404 {
 			t.Fatalf("%d %.300s", resp.StatusCode, b)
