@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bufio"
 	"bytes"
 	"compress/gzip"
 	"crypto/rand"
@@ -13,6 +14,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 // bigCompletion is an engine's completion answer of about size bytes.
@@ -249,16 +251,36 @@ func TestBodyBudgetCountsWhatABodyNeeds(t *testing.T) {
 		}
 	}
 	waitFor(t, "the large bodies' room to come back", func() bool { return p.s.bodyMem.Used() == 0 })
-	for range 4 {
-		go func() {
-			if resp, err := http.Post(p.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","max_tokens":1,"prompt":"hold `+strings.Repeat("z", 20<<10)+`"}`)); err == nil {
-				resp.Body.Close()
-			}
-		}()
+	send := func(body string, chunked bool) {
+		var r io.Reader = strings.NewReader(body)
+		if chunked { // no length declared (the soak: such a body was charged the pooled array whole)
+			pr, pw := io.Pipe()
+			go func() {
+				time.Sleep(50 * time.Millisecond) // after the headers: read from the stream
+				io.WriteString(pw, body)
+				pw.Close()
+			}()
+			r = pr
+		}
+		if resp, err := http.Post(p.url+"/v1/completions", "application/json", r); err == nil {
+			resp.Body.Close()
+		}
+	}
+	small := `{"model":"m","max_tokens":1,"prompt":"hold ` + strings.Repeat("z", 20<<10) + `"}`
+	for i := range 4 {
+		go send(small, i%2 == 1)
 	}
 	waitFor(t, "the small requests to reach the engine", func() bool { return hits.Load() == 4 })
 	if used := p.s.bodyMem.Used(); used != 0 {
-		t.Fatalf("4 bodies of 20 KB hold %d bytes of the budget", used)
+		t.Fatalf("4 bodies of 20 KB, 2 of them chunked, hold %d bytes of the budget", used)
+	}
+	// A body over 1 MiB that takes a pooled array of 3 MiB is charged its
+	// own size (it was charged the array's).
+	mid := `{"model":"m","max_tokens":1,"prompt":"hold ` + strings.Repeat("w", 1536<<10) + `"}`
+	go send(mid, false)
+	waitFor(t, "the 1.5 MiB request to reach the engine", func() bool { return hits.Load() == 5 })
+	if used := p.s.bodyMem.Used(); used != int64(len(mid)) {
+		t.Fatalf("a body of %d bytes holds %d bytes of the budget", len(mid), used)
 	}
 
 	random := make([]byte, 2<<20)
@@ -273,4 +295,41 @@ func TestBodyBudgetCountsWhatABodyNeeds(t *testing.T) {
 	if status, body := doAuth(t, req, ""); status != 413 || !strings.Contains(body, "limits.body_memory_mb") {
 		t.Fatalf("a body whose copies could never fit together: %d %.300s, want 413", status, body)
 	}
+}
+
+// An HTTP/1.0 stream keeps its request body's room in the budget until its
+// relay ends, as an HTTP/1.1 stream does until its request ends (the
+// soak: given back when the connection was hijacked, the bodies of
+// HTTP/1.0 streams stayed in memory uncounted, and took past the budget).
+func TestHTTP10StreamKeepsItsBodysRoom(t *testing.T) {
+	e := startFake(t, "e0", func(f *fakeEngine) { f.tokens, f.tokenEvery = 10, 30*time.Millisecond })
+	p := startProxyYAML(t, `models: [{name: m}]
+backends: [{id: e0, url: 'http://{{e0}}', model: m}]
+limits: {body_memory_mb: 64, max_prompt_tokens: 4000000}
+`, e)
+	body := `{"model":"m","stream":true,"prompt":"` + strings.Repeat("v", 2<<20) + `"}`
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(20 * time.Second))
+	fmt.Fprintf(c, "POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	br := bufio.NewReader(c)
+	for {
+		line, err := br.ReadString('\n')
+		if err != nil {
+			t.Fatalf("the stream ended before its first event: %v", err)
+		}
+		if strings.HasPrefix(line, "data: {") {
+			break
+		}
+	}
+	if used := p.s.bodyMem.Used(); used < int64(len(body)) {
+		t.Fatalf("an HTTP/1.0 stream of a %d-byte body holds %d bytes of the budget while it runs", len(body), used)
+	}
+	if rest, err := io.ReadAll(br); err != nil || !strings.HasSuffix(string(rest), "data: [DONE]\n\n") {
+		t.Fatalf("the stream's end: %v %q", err, rest)
+	}
+	waitFor(t, "the stream's room to come back", func() bool { return p.s.bodyMem.Used() == 0 })
 }

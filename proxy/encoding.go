@@ -128,15 +128,16 @@ func rawBody(ctx *fasthttp.RequestCtx, max int, mem *backends.Budget) ([]byte, e
 	}
 	bb := bodyBuffers.Get().(*bodyBuffer)
 	ctx.SetUserValue(bodyBufferKey{}, bb) // back to the pool when the request is reset
-	b := bb.b[:0]
-	if cap(b) > backends.Untracked && (end <= backends.Untracked || bb.take(mem, cap(b)) != nil) {
-		// A pooled buffer of a large body: not for a small one, which
-		// would be charged its size (the review), nor for one it has no
-		// room for.
-		b = nil
-	}
+	// The array a large body left in the pooled buffer is used as this
+	// body grows into it, and charged only as far as it has grown: a
+	// small body, a chunked one of unknown length among them, was charged
+	// the whole array, up to 4 MiB, for as long as its request ran (the
+	// soak).
+	pooled := bb.b[:0]
+	b := pooled[:0:min(cap(pooled), end, 2*prefetchedBody)]
 	if cap(b) == 0 {
 		b = make([]byte, 0, min(end, 2*prefetchedBody))
+		bb.b = b
 	}
 	r := req.BodyStream()
 	for len(b) < end {
@@ -147,13 +148,17 @@ func rawBody(ctx *fasthttp.RequestCtx, max int, mem *backends.Budget) ([]byte, e
 					return nil, err
 				}
 			}
-			nb := make([]byte, len(b), size)
-			copy(nb, b)
-			b = nb
+			if size <= cap(pooled) {
+				b = pooled[:len(b):size] // the same array: nothing to copy
+			} else {
+				nb := make([]byte, len(b), size)
+				copy(nb, b)
+				b = nb
+				bb.b = b // pooled after the request, in place of the smaller one
+			}
 		}
 		n, err := r.Read(b[len(b):min(cap(b), end)])
 		b = b[:len(b)+n]
-		bb.b = b
 		if err == io.EOF {
 			break
 		}
