@@ -49,13 +49,30 @@ func (s *Server) hold(ctx *fasthttp.RequestCtx, n int64) {
 // the hijack fails (the flush of an answer before it, to a client that
 // reset the connection), fasthttp never resets the request, and its share
 // stayed taken for good (the review). The buffers go with the request.
-func letGoBodies(ctx *fasthttp.RequestCtx) {
-	if bb, ok := ctx.UserValue(bodyBufferKey{}).(*bodyBuffer); ok {
-		bb.giveBack()
+func letGoBodies(ctx *fasthttp.RequestCtx) { bodiesOf(ctx).Close() }
+
+// requestBodies is what a request's bodies hold of the budget, to give
+// back (Close) at a moment of kvproxy's choosing. Giving back twice, here
+// and at the request's reset, gives back once.
+type requestBodies struct {
+	buffer *bodyBuffer
+	held   *heldBodies
+}
+
+func bodiesOf(ctx *fasthttp.RequestCtx) requestBodies {
+	bb, _ := ctx.UserValue(bodyBufferKey{}).(*bodyBuffer)
+	h, _ := ctx.UserValue(heldBodiesKey{}).(*heldBodies)
+	return requestBodies{bb, h}
+}
+
+func (r requestBodies) Close() error {
+	if r.buffer != nil {
+		r.buffer.giveBack()
 	}
-	if h, ok := ctx.UserValue(heldBodiesKey{}).(*heldBodies); ok {
-		h.Close()
+	if r.held != nil {
+		r.held.Close()
 	}
+	return nil
 }
 
 // heldBy is what the request's bodies hold of the budget now.

@@ -1338,8 +1338,14 @@ func (s *Server) relayUntilClose(ctx *fasthttp.RequestCtx, rl interface {
 	}
 	head := append([]byte(nil), ctx.Response.Header.Header()...)
 	conn := ctx.Conn()
-	letGoBodies(ctx)
-	s.hijacks.Store(conn, rl)
+	// The request's bodies keep their room in the budget until the relay
+	// ends, as a stream's do until its request's reset: given back before
+	// the hijack, they stayed in memory uncounted, and streams over
+	// HTTP/1.0 took more than the budget (the soak). Whether the hijack
+	// handler runs or fasthttp closes the connection without it, the
+	// relay's Close gives the room back.
+	end := relayEnd{relay: rl, bodies: bodiesOf(ctx)}
+	s.hijacks.Store(conn, end)
 	ctx.HijackSetNoResponse(true)
 	ctx.Hijack(func(c net.Conn) {
 		s.hijacks.Delete(conn)
@@ -1350,12 +1356,25 @@ func (s *Server) relayUntilClose(ctx *fasthttp.RequestCtx, rl interface {
 				s.log.Error().Interface("panic", p).Str("stack", string(debug.Stack())).Msg("HTTP/1.0 stream relay panicked")
 			}
 		}()
-		defer s.watcher.Closed(conn) // after rl.Close; fasthttp closes c after this returns
-		defer rl.Close()
+		defer s.watcher.Closed(conn) // after end.Close; fasthttp closes c after this returns
+		defer end.Close()
 		if _, err := c.Write(head); err == nil {
 			rl.WriteTo(c)
 		}
 	})
+}
+
+// relayEnd ends an HTTP/1.0 stream's relay, then gives back its request
+// bodies' room.
+type relayEnd struct {
+	relay  io.Closer
+	bodies requestBodies
+}
+
+func (e relayEnd) Close() error {
+	err := e.relay.Close()
+	e.bodies.Close()
+	return err
 }
 
 // plainBody is a whole engine answer's body, decompressed if the engine

@@ -1236,8 +1236,9 @@ func TestHTTP10StreamEndsWhenItsHijackNeverStarts(t *testing.T) {
 	}
 	defer c.Close()
 	// A request whose answer fasthttp holds back while the next one is
-	// already read, then the stream.
-	body := `{"model":"m","prompt":"hello","stream":true}`
+	// already read, then the stream, of a body over 1 MiB: its room in
+	// the budget goes too.
+	body := `{"model":"m","prompt":"hello","stream":true,"user":"` + strings.Repeat("u", 3<<19) + `"}`
 	fmt.Fprintf(c, "GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\nPOST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
 	deadline := time.Now().Add(5 * time.Second)
 	for e.requests.Load() == 0 {
@@ -1251,6 +1252,11 @@ func TestHTTP10StreamEndsWhenItsHijackNeverStarts(t *testing.T) {
 		if time.Now().After(deadline) {
 			// Not shut down: it would wait for the leaked request for ever.
 			t.Fatalf("the stream's slots leaked: %+v", s.backendRows(s.st.Load()))
+		}
+	}
+	for deadline := time.Now().Add(5 * time.Second); s.bodyMem.Used() != 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the stream's body holds %d bytes of the budget for good", s.bodyMem.Used())
 		}
 	}
 	s.Shutdown()
