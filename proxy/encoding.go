@@ -127,14 +127,19 @@ func rawBody(ctx *fasthttp.RequestCtx, max int, mem *backends.Budget) ([]byte, e
 		end = cl // the stream stops there
 	}
 	bb := bodyBuffers.Get().(*bodyBuffer)
+	if c := cap(bb.b); c > backends.Untracked && (cl <= backends.Untracked || c > 2*cl || bb.take(mem, c) != nil) {
+		// A large array a body left in the pool is pinned by the request
+		// that takes it for as long as that request runs: only a body of a
+		// declared length that fills half of it or more takes it, charged
+		// whole. A small body, or one of unknown length, pinned it
+		// uncharged (the review); charged whole, a small chunked body held
+		// up to 4 MiB of the budget (the soak). The array stays pooled for
+		// the next large body.
+		bodyBuffers.Put(bb)
+		bb = new(bodyBuffer)
+	}
 	ctx.SetUserValue(bodyBufferKey{}, bb) // back to the pool when the request is reset
-	// The array a large body left in the pooled buffer is used as this
-	// body grows into it, and charged only as far as it has grown: a
-	// small body, a chunked one of unknown length among them, was charged
-	// the whole array, up to 4 MiB, for as long as its request ran (the
-	// soak).
-	pooled := bb.b[:0]
-	b := pooled[:0:min(cap(pooled), end, 2*prefetchedBody)]
+	b := bb.b[:0]
 	if cap(b) == 0 {
 		b = make([]byte, 0, min(end, 2*prefetchedBody))
 		bb.b = b
@@ -148,14 +153,10 @@ func rawBody(ctx *fasthttp.RequestCtx, max int, mem *backends.Budget) ([]byte, e
 					return nil, err
 				}
 			}
-			if size <= cap(pooled) {
-				b = pooled[:len(b):size] // the same array: nothing to copy
-			} else {
-				nb := make([]byte, len(b), size)
-				copy(nb, b)
-				b = nb
-				bb.b = b // pooled after the request, in place of the smaller one
-			}
+			nb := make([]byte, len(b), size)
+			copy(nb, b)
+			b = nb
+			bb.b = b // pooled after the request, in place of the smaller one
 		}
 		n, err := r.Read(b[len(b):min(cap(b), end)])
 		b = b[:len(b)+n]
