@@ -1104,10 +1104,16 @@ func (c *Config) Warnings() []string {
 		out = append(out, fmt.Sprintf("auth.cache_salt_secret has %d characters: it keys the tenants' cache salts and response ids, and a short one can be guessed offline; use a random one of at least %d", len(s), MinSecretLen))
 	}
 	out = append(out, c.forcedUsageWarnings()...)
+	limit := MemoryLimit >> 20
+	defaulted := limit > 0 && c.Limits.BodyMemoryMB == defaultBodyMemoryMB() // left out, under a memory limit
 	if need := (c.Limits.MaxRequestBodyBytes+(1<<20)-1)>>20 + 64; c.Limits.BodyMemoryMB > 0 && c.Limits.BodyMemoryMB < need {
-		out = append(out, fmt.Sprintf("limits.body_memory_mb (%d) is under what one request may hold at once, its body (limits.max_request_body_bytes) and an answer read whole (up to 64 MiB): %d; such a request gets 413 or 502", c.Limits.BodyMemoryMB, need))
+		setting := fmt.Sprint(c.Limits.BodyMemoryMB)
+		if defaulted {
+			setting += fmt.Sprintf(", its default under kvproxy's memory limit of %d MiB", limit)
+		}
+		out = append(out, fmt.Sprintf("limits.body_memory_mb (%s) is under what one request may hold at once, its body (limits.max_request_body_bytes) and an answer read whole (up to 64 MiB): %d; such a request gets 413 or 502", setting, need))
 	}
-	if limit := MemoryLimit >> 20; limit > 0 && 3*int64(c.Limits.BodyMemoryMB) > limit {
+	if limit > 0 && 3*int64(c.Limits.BodyMemoryMB) > limit && !defaulted {
 		out = append(out, fmt.Sprintf("limits.body_memory_mb (%d) is over a third of kvproxy's memory limit (%d MiB, from its container's or GOMEMLIMIT): its RSS peaks near three times what the budget holds, and could pass the limit with the budget full; its default there is a quarter, %d", c.Limits.BodyMemoryMB, limit, defaultBodyMemoryMB()))
 	}
 	for _, b := range c.Backends {

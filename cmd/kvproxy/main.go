@@ -50,12 +50,17 @@ func main() {
 	// A container's memory limit becomes the garbage collector's soft
 	// limit, unless GOMEMLIMIT sets one: near it the collector works
 	// harder, where the kernel would kill the process.
-	if limit, ok := cgroupMemoryLimit("/proc/self/cgroup", "/sys/fs/cgroup"); ok && os.Getenv("GOMEMLIMIT") == "" {
-		c.memoryLimit = int64(float64(limit) * memoryLimitShare)
-		debug.SetMemoryLimit(c.memoryLimit)
+	memLimit := debug.SetMemoryLimit(-1) // GOMEMLIMIT's, else none (MaxInt64)
+	if limit, ok := cgroupMemoryLimit("/proc/self/cgroup", "/sys/fs/cgroup"); ok {
+		share := int64(float64(limit) * memoryLimitShare)
+		if os.Getenv("GOMEMLIMIT") == "" {
+			c.memoryLimit = share
+			debug.SetMemoryLimit(share)
+		}
+		memLimit = min(memLimit, share) // GOMEMLIMIT=off, or over the container's, does not lift the container's
 	}
-	if limit := debug.SetMemoryLimit(-1); limit < math.MaxInt64 { // the cgroup's, or GOMEMLIMIT's
-		config.MemoryLimit = limit // before any configuration is read: limits.body_memory_mb's default follows it
+	if memLimit < math.MaxInt64 {
+		config.MemoryLimit = memLimit // before any configuration is read: limits.body_memory_mb's default follows it
 	}
 	os.Exit(c.run(os.Args[1:]))
 }
