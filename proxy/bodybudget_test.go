@@ -275,9 +275,8 @@ func TestBodyBudgetCountsWhatABodyNeeds(t *testing.T) {
 	if used := p.s.bodyMem.Used(); used != 0 {
 		t.Fatalf("4 bodies of 20 KB, 2 of them chunked, hold %d bytes of the budget", used)
 	}
-	// A body over 1 MiB that would fill under half of a pooled array of
-	// 3 MiB is charged its own size, in an array of its own (the soak: it
-	// was charged the array's).
+	// A body over 1 MiB after bodies of 3 MiB is charged its own size (the
+	// soak: it was charged a pooled array's).
 	mid := `{"model":"m","max_tokens":1,"prompt":"hold ` + strings.Repeat("w", 1200<<10) + `"}`
 	go send(mid, false)
 	waitFor(t, "the 1.2 MiB request to reach the engine", func() bool { return hits.Load() == 5 })
@@ -336,11 +335,10 @@ limits: {body_memory_mb: 64, max_prompt_tokens: 4000000}
 	waitFor(t, "the stream's room to come back", func() bool { return p.s.bodyMem.Used() == 0 })
 }
 
-// A large array a body left in the pool is not pinned, uncharged, by the
-// small requests that come after it: each large body, charged and given
-// back, left its array to a small one, whose request held it while the
-// budget showed nothing (the review: 65 MiB of live heap under a 4 MiB
-// budget after 24 rounds).
+// A large array is not pooled for small requests to pin, uncharged: each
+// large body, charged and given back, left its array to a small one, whose
+// request held it while the budget showed nothing (the review: 35-65 MiB
+// of live heap under a 4 MiB budget after 40 rounds).
 func TestSmallRequestsPinNoLargeArray(t *testing.T) {
 	var hits atomic.Int64
 	release := make(chan struct{})
@@ -369,5 +367,34 @@ func TestSmallRequestsPinNoLargeArray(t *testing.T) {
 	}
 	if grown := heap() - base; grown > 20<<20 {
 		t.Fatalf("%d small requests in flight grew the live heap %d MiB, the 4 MiB budget showing %d bytes used", rounds, grown>>20, p.s.bodyMem.Used())
+	}
+}
+
+// A request's body is charged its own size, whatever large bodies came
+// before it: with pooled arrays charged whole, the same request, 2.1 MiB
+// with a 4.5 MiB answer under 8 MiB, got 200, a 503 or a 502 "larger than
+// kvproxy holds at once" as the pool had a 4 MiB array or not (the
+// review).
+func TestPooledArrayDoesNotMakeARequestNeverFit(t *testing.T) {
+	answer := bigCompletion(4<<20 + 512<<10)
+	addr := startRawEngine(t, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Content-Length", fmt.Sprint(len(answer)))
+		io.WriteString(w, answer)
+	})
+	p := startBudgetProxy(t, 8, &fakeEngine{id: "e0", addr: addr})
+	body := `{"model":"m","max_tokens":1,"prompt":"` + strings.Repeat("w", 2150<<10) + `"}`
+	filler := `{"model":"other","prompt":"` + strings.Repeat("y", 4<<20-40) + `"}`
+	for round := range 3 {
+		if resp, b := post(t, p.url+"/v1/completions", body); resp.StatusCode != 200 {
+			t.Fatalf("round %d: %d %.300s", round, resp.StatusCode, b)
+		}
+		for range 4 { // 4 MiB arrays to the pool
+			if resp, b := post(t, p.url+"/v1/completions", filler); resp.StatusCode != 404 {
+				t.Fatalf("%d %.300s", resp.StatusCode, b)
+			}
+		}
+		waitFor(t, "the fillers' room to come back", func() bool { return p.s.bodyMem.Used() == 0 })
 	}
 }

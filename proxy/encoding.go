@@ -127,18 +127,8 @@ func rawBody(ctx *fasthttp.RequestCtx, max int, mem *backends.Budget) ([]byte, e
 		end = cl // the stream stops there
 	}
 	bb := bodyBuffers.Get().(*bodyBuffer)
-	if c := cap(bb.b); c > backends.Untracked && (cl <= backends.Untracked || c > 2*cl || bb.take(mem, c) != nil) {
-		// A large array a body left in the pool is pinned by the request
-		// that takes it for as long as that request runs: only a body of a
-		// declared length that fills half of it or more takes it, charged
-		// whole. A small body, or one of unknown length, pinned it
-		// uncharged (the review); charged whole, a small chunked body held
-		// up to 4 MiB of the budget (the soak). The array stays pooled for
-		// the next large body.
-		bodyBuffers.Put(bb)
-		bb = new(bodyBuffer)
-	}
 	ctx.SetUserValue(bodyBufferKey{}, bb) // back to the pool when the request is reset
+	// At most backends.Untracked (maxPooledBody): not charged.
 	b := bb.b[:0]
 	if cap(b) == 0 {
 		b = make([]byte, 0, min(end, 2*prefetchedBody))
@@ -210,9 +200,15 @@ type bodyBufferKey struct{}
 
 var bodyBuffers = sync.Pool{New: func() any { return new(bodyBuffer) }}
 
-// maxPooledBody: larger buffers go to the garbage collector rather than
-// stay pinned by the pool.
-const maxPooledBody = 4 << 20
+// maxPooledBody: larger buffers go to the garbage collector. A pooled
+// array over backends.Untracked, the size the budget starts counting at,
+// went wrong whichever body took it: charged whole, it made a body of half
+// its size hold twice its room (503s, and 502s for requests that fit
+// alone); charged as the body grew into it, a small body pinned it
+// uncharged for its whole request (the soak and two reviews). Bodies that
+// large are rare, and their prompts cost far more to tokenize than to
+// allocate.
+const maxPooledBody = backends.Untracked
 
 func (bb *bodyBuffer) Close() error {
 	bb.giveBack()
