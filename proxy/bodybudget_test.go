@@ -398,3 +398,25 @@ func TestPooledArrayDoesNotMakeARequestNeverFit(t *testing.T) {
 		waitFor(t, "the fillers' room to come back", func() bool { return p.s.bodyMem.Used() == 0 })
 	}
 }
+
+// A decompressed body holds an array of about its own size: the first
+// chunk, sized at four times the compressed input, stayed whole behind
+// a body that filled a quarter of it, while the budget charged the body's
+// length (the review: 3 MiB of incompressible data held 12 MiB).
+func TestDecodedBodyHoldsItsOwnSize(t *testing.T) {
+	for _, size := range []int{3 << 20, 1<<20 - 4096, 100 << 10} {
+		random := make([]byte, size)
+		rand.Read(random)
+		var zb bytes.Buffer
+		zw := gzip.NewWriter(&zb)
+		zw.Write(random)
+		zw.Close()
+		out, err := decoded([]byte("gzip"), zb.Bytes(), 64<<20)
+		if err != nil || !bytes.Equal(out, random) {
+			t.Fatalf("%d bytes: %v", size, err)
+		}
+		if cap(out) > len(out)+len(out)/8+64<<10 {
+			t.Errorf("%d bytes decompressed hold an array of %d", len(out), cap(out))
+		}
+	}
+}

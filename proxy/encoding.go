@@ -268,9 +268,15 @@ func (c *cappedBuffer) Write(p []byte) (int, error) {
 	return written, nil
 }
 
-// bytes is what was written, in one slice.
+// bytes is what was written, in one slice no larger than it needs: the
+// first chunk, sized before the output was known, may be four times what
+// filled it, and the budget charges a body its length (the review: 3 MiB
+// of incompressible data held a 12 MiB array, charged 3).
 func (c *cappedBuffer) bytes() []byte {
 	if c.n == 0 {
+		if spare := cap(c.cur) - len(c.cur); spare > 64<<10 && spare > len(c.cur)/8 {
+			return bytes.Clone(c.cur)
+		}
 		return c.cur
 	}
 	b := make([]byte, 0, c.n+len(c.cur))
