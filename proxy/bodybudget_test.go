@@ -202,6 +202,30 @@ limits: {body_memory_mb: 3, max_prompt_tokens: 4000000}
 	if status, body := doAuth(t, req, ""); status != 413 || !strings.Contains(body, "limits.body_memory_mb") {
 		t.Fatalf("a request body over the budget once decompressed (%d bytes sent): %d %.300s, want 413", zb.Len(), status, body)
 	}
+	// A body declared beyond the budget is refused before it is read (it
+	// was read up to the whole budget first, taking it from every other
+	// body), and one that waits with Expect: 100-continue is refused
+	// before it is sent.
+	for _, expect := range []string{"", "Expect: 100-continue\r\n"} {
+		c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\n\r\n", expect, 4<<20)
+		if expect == "" {
+			c.Write(bytes.Repeat([]byte(" "), 16<<10)) // past what fasthttp reads before the handler
+		}
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+		if err != nil || resp.StatusCode != 413 {
+			t.Fatalf("a body declared beyond the budget, %q: %v %v", expect, resp, err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		c.Close()
+		if !strings.Contains(string(b), "limits.body_memory_mb") {
+			t.Fatalf("a body declared beyond the budget, %q: %s", expect, b)
+		}
+	}
 	if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"fail","max_tokens":1}`); resp.StatusCode != 500 || hits.Load()+hits2.Load() != 4 {
 		t.Fatalf("two engines' 500s of 2 MiB: %d %.300s, %d engine hits; want the 500 after a retry", resp.StatusCode, b, hits.Load()+hits2.Load())
 	}

@@ -122,6 +122,11 @@ func rawBody(ctx *fasthttp.RequestCtx, max int, mem *backends.Budget) ([]byte, e
 		}
 		return nil, fasthttp.ErrBodyTooLarge
 	}
+	if beyondBudget(cl, mem) {
+		// Refused before any of it is read: read, it would have taken the
+		// whole budget from every other body first.
+		return nil, backends.ErrBeyondBudget
+	}
 	end := max + 1 // chunked: one byte past the limit says it is over
 	if cl >= 0 {
 		end = cl // the stream stops there
@@ -165,6 +170,12 @@ func rawBody(ctx *fasthttp.RequestCtx, max int, mem *backends.Budget) ([]byte, e
 	}
 	req.SetBodyRaw(b) // closes the stream: the body was read whole
 	return b, nil
+}
+
+// beyondBudget reports whether a body declared cl bytes long (fasthttp's
+// Content-Length: negative when chunked or none) could never fit in mem.
+func beyondBudget(cl int, mem *backends.Budget) bool {
+	return cl > backends.Untracked && int64(cl) > mem.Limit()
 }
 
 // bodyBuffer holds a body rawBody read. It is pooled: a body over the

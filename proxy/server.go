@@ -1259,9 +1259,15 @@ func (s *Server) expectContinue(ctx *fasthttp.RequestCtx) int {
 	case !known:
 		s.refuseStranger(ctx)
 		reason = "invalid api key"
-	case noted || ctx.Request.Header.ContentLength() > st.cfg.Limits.MaxRequestBodyBytes:
+	case noted || ctx.Request.Header.ContentLength() > st.cfg.Limits.MaxRequestBodyBytes || beyondBudget(ctx.Request.Header.ContentLength(), s.bodyMem):
+		msg := fmt.Sprintf("request body exceeds the limit of %d bytes", st.cfg.Limits.MaxRequestBodyBytes)
+		if !noted && ctx.Request.Header.ContentLength() <= st.cfg.Limits.MaxRequestBodyBytes {
+			// Within max_request_body_bytes, over a budget set smaller
+			// (warned of): the client is told before it uploads.
+			msg = fmt.Sprintf("request body larger than kvproxy holds at once (limits.body_memory_mb: %d MiB)", s.bodyMem.Limit()>>20)
+		}
 		s.cors(ctx, st)
-		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", st.cfg.Limits.MaxRequestBodyBytes), "invalid_request_error", "", "request_too_large")
+		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, msg, "invalid_request_error", "", "request_too_large")
 		if bytes.HasPrefix(ctx.Path(), messagesPath) {
 			toAnthropicError(ctx)
 		}
