@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/bits"
 	"net"
 	"strings"
 	"sync"
@@ -131,27 +132,27 @@ func rawBody(ctx *fasthttp.RequestCtx, max int, mem *backends.Budget) ([]byte, e
 	if cl >= 0 {
 		end = cl // the stream stops there
 	}
-	bb := bodyBuffers.Get().(*bodyBuffer)
-	ctx.SetUserValue(bodyBufferKey{}, bb) // back to the pool when the request is reset
-	// At most backends.Untracked (maxPooledBody): not charged.
-	b := bb.b[:0]
-	if cap(b) == 0 {
-		b = make([]byte, 0, min(end, 2*prefetchedBody))
-		bb.b = b
-	}
+	bb := newBodyBuffer(0)
+	ctx.SetUserValue(bodyBufferKey{}, bb) // back to its pool when the request is reset
+	b := bb.b
 	r := req.BodyStream()
 	for len(b) < end {
 		if len(b) == cap(b) {
 			size := mem.Grown(len(b), min(end, 2*cap(b)), 0)
-			if size > backends.Untracked {
+			if size <= maxPooledBody { // not charged
+				b = bb.regrown(b, size)
+			} else {
 				if err := bb.take(mem, size); err != nil {
 					return nil, err
 				}
+				nb := make([]byte, len(b), size)
+				copy(nb, b)
+				if cap(bb.b) <= maxPooledBody { // the pooled array goes back
+					(&bodyBuffer{b: bb.b}).Close()
+				}
+				b = nb
+				bb.b = b
 			}
-			nb := make([]byte, len(b), size)
-			copy(nb, b)
-			b = nb
-			bb.b = b // pooled after the request, in place of the smaller one
 		}
 		n, err := r.Read(b[len(b):min(cap(b), end)])
 		b = b[:len(b)+n]
@@ -178,8 +179,8 @@ func beyondBudget(cl int, mem *backends.Budget) bool {
 	return cl > backends.Untracked && int64(cl) > mem.Limit()
 }
 
-// bodyBuffer holds a body rawBody read. It is pooled: a body over the
-// prefetch took about twice its size in new memory per request, where
+// bodyBuffer holds a body rawBody read. Its array is pooled: a body over
+// the prefetch took about twice its size in new memory per request, where
 // fasthttp's own buffer is reused. fasthttp closes a request's io.Closer
 // user values when it resets the request, as it releases its own body:
 // the body lives exactly as long as before.
@@ -209,23 +210,66 @@ func (bb *bodyBuffer) giveBack() {
 
 type bodyBufferKey struct{}
 
-var bodyBuffers = sync.Pool{New: func() any { return new(bodyBuffer) }}
-
-// maxPooledBody: larger buffers go to the garbage collector. A pooled
-// array over backends.Untracked, the size the budget starts counting at,
-// went wrong whichever body took it: charged whole, it made a body of half
-// its size hold twice its room (503s, and 502s for requests that fit
-// alone); charged as the body grew into it, a small body pinned it
-// uncharged for its whole request (the soak and two reviews). Bodies that
+// Body arrays are pooled by size class, powers of two from minPooledBody
+// to maxPooledBody, each class a pool of buffers holding an empty array of
+// its size, so a body holds an array at most twice its length (or
+// minPooledBody), whatever bodies came before it. With one pool, small
+// bodies took the arrays large ones left, and held up to 1 MiB each,
+// uncharged, for their whole request.
+//
+// Arrays over maxPooledBody, where the budget starts counting, go to the
+// garbage collector. Pooled, they went wrong whichever body took them:
+// charged whole, a body of half their size held twice its room (503s, and
+// 502s for requests that fit alone); charged as the body grew into them, a
+// small body pinned them uncharged (the soak and two reviews). Bodies that
 // large are rare, and their prompts cost far more to tokenize than to
 // allocate.
-const maxPooledBody = backends.Untracked
+const (
+	minPooledBody = 2 * prefetchedBody
+	maxPooledBody = backends.Untracked
+	bodyClasses   = 7 // minPooledBody<<(bodyClasses-1) == maxPooledBody
+)
+
+var bodyBuffers [bodyClasses]sync.Pool
+
+func init() {
+	if minPooledBody<<(bodyClasses-1) != maxPooledBody {
+		panic("proxy: bodyClasses does not reach maxPooledBody")
+	}
+	for c := range bodyBuffers {
+		bodyBuffers[c].New = func() any { return &bodyBuffer{b: make([]byte, 0, minPooledBody<<c)} }
+	}
+}
+
+// bodyClass is the class of the smallest pooled array of at least n
+// bytes (n ≤ maxPooledBody).
+func bodyClass(n int) int {
+	if n <= minPooledBody {
+		return 0
+	}
+	return bits.Len(uint(n-1) / minPooledBody)
+}
+
+// newBodyBuffer is a pooled buffer with an empty array of at least n
+// bytes (n ≤ maxPooledBody).
+func newBodyBuffer(n int) *bodyBuffer {
+	return bodyBuffers[bodyClass(n)].Get().(*bodyBuffer)
+}
+
+// regrown is b moved into a pooled array of at least size bytes
+// (size ≤ maxPooledBody); the buffer's old array goes back to its pool.
+func (bb *bodyBuffer) regrown(b []byte, size int) []byte {
+	nb := newBodyBuffer(size)
+	bb.b, nb.b = append(nb.b, b...), bb.b
+	nb.Close()
+	return bb.b
+}
 
 func (bb *bodyBuffer) Close() error {
 	bb.giveBack()
-	if cap(bb.b) <= maxPooledBody {
+	if c := cap(bb.b); c <= maxPooledBody && c == minPooledBody<<bodyClass(c) {
 		bb.b = bb.b[:0]
-		bodyBuffers.Put(bb)
+		bodyBuffers[bodyClass(c)].Put(bb)
 	}
 	return nil
 }

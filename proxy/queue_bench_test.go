@@ -49,7 +49,7 @@ func BenchmarkOverloadedQueue(b *testing.B) {
 				b.Error(err)
 				return
 			}
-			if _, err := readHTTPMessage(br); err != nil {
+			if _, err := readHTTPMessage(br, nil); err != nil {
 				b.Error(err)
 				return
 			}
