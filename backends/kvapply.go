@@ -439,15 +439,22 @@ func (a *KVApplier) stored(r *rankKV, ev *kv.Event, salt string) {
 	}
 	a.stats.StoredBlocks += uint64(applied)
 	if len(a.stale) > 0 {
-		// Keep an old own hash that a block of this event now ends.
-		a.stale = slices.DeleteFunc(a.stale, func(h kv.BlockHash) bool {
-			for _, eh := range ev.EngineHashes {
-				if b := r.blocks[eh]; int(b.fill) == bs && b.own == h {
-					return true
+		// Keep an old own hash that a block of this event now ends. One
+		// pass over the event: an event naming one engine hash n times
+		// queued n stale hashes, and a scan of the event for each held
+		// the lock for n² lookups (16k blocks: 0.8 s; the review).
+		kept := make(map[kv.BlockHash]bool, len(a.stale))
+		for _, h := range a.stale {
+			kept[h] = false
+		}
+		for _, eh := range ev.EngineHashes {
+			if b := r.blocks[eh]; int(b.fill) == bs {
+				if _, ok := kept[b.own]; ok {
+					kept[b.own] = true
 				}
 			}
-			return false
-		})
+		}
+		a.stale = slices.DeleteFunc(a.stale, func(h kv.BlockHash) bool { return kept[h] })
 		a.idx.Remove(r.id, a.stale, router.AllTiers)
 		a.stale = a.stale[:0]
 	}

@@ -5,6 +5,7 @@ import (
 	"runtime"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvproxy/kvproxy/kv"
 	"github.com/kvproxy/kvproxy/router"
@@ -596,5 +597,38 @@ func TestKVApplyMaxBlocks(t *testing.T) {
 	}
 	if d, _ := depth(t, r, "b", tokens(32, 77), 0); d != 2 {
 		t.Fatalf("the blocks stored after removals: depth %d", d)
+	}
+}
+
+// An event that names one engine hash for several of its blocks leaves the
+// hash to the last of them, the others out of the index, and takes time
+// linear in its length: it took n² lookups under the applier's lock (the
+// twenty-ninth session's review: 16k blocks held it 0.8 s, so 65k about 13 s
+// and a million about 50 minutes; linear, 65k take milliseconds).
+func TestKVApplyEventRepeatingAHash(t *testing.T) {
+	r := newRouter(t)
+	a := NewKVApplier(KVApplierConfig{Backend: "b"}, r)
+	toks := tokens(48, 1)
+	a.ApplyEvents(0, []kv.Event{stored([]uint64{5, 6, 5}, nil, toks, kv.TierDevice)})
+	if s := a.Stats(); s.Blocks[kv.TierDevice] != 2 || r.Index().Len() != 2 {
+		t.Fatalf("stats %+v, index %d: want blocks 1 and 2 indexed", s, r.Index().Len())
+	}
+	if d, _ := depth(t, r, "b", toks, 0); d != 0 {
+		t.Fatalf("depth %d: block 0, its hash taken by block 2, should be gone", d)
+	}
+
+	const n = 1 << 16
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		a.ApplyEvents(0, []kv.Event{stored(make([]uint64, n), nil, tokens(n*16, 3), kv.TierDevice)})
+	}()
+	select {
+	case <-done:
+	case <-time.After(60 * time.Second):
+		t.Fatalf("an event of %d blocks under one hash still holds the applier after a minute", n)
+	}
+	if s := a.Stats(); s.Blocks[kv.TierDevice] != 3 || r.Index().Len() != 3 {
+		t.Fatalf("stats %+v, index %d: want the two blocks before and the event's last", s, r.Index().Len())
 	}
 }
