@@ -61,8 +61,9 @@ import (
 // event of a type this decoder does not know is skipped as such events
 // are, and any other (a BlockRemoved, an AllBlocksCleared, an event whose
 // type cannot be read) becomes AllBlocksCleared: what it removed is
-// unknown, so nothing of that rank can be vouched for any more. Such events
-// are counted in VLLMDecoder.Malformed and described by Skipped.
+// unknown, so nothing of that rank can be vouched for any more, and the
+// batch's events before it are dropped. Such events are counted in
+// VLLMDecoder.Malformed and described by Skipped.
 
 // EngineHashFromBytes folds a byte-string engine block hash to 64 bits.
 func EngineHashFromBytes(b []byte) uint64 { return xxh3.Hash(b) }
@@ -82,6 +83,9 @@ type VLLMDecoder struct {
 	tokens  []uint32
 	names   map[string]string
 	salts   []string // cache salt per event ("" if none)
+	// kindRd and kindDec read a malformed event's type.
+	kindRd  bytes.Reader
+	kindDec *msgpack.Decoder
 
 	// UnknownMedia counts events whose medium was not recognised; they
 	// were given TierDisk.
@@ -139,9 +143,27 @@ func DecodeVLLM(payload []byte) (ts float64, events []Event, dpRank int, err err
 	return d.Decode(payload)
 }
 
+// Arenas grown past these capacities by a batch far larger than usual go to
+// the garbage collector at the next Decode rather than staying for good.
+const (
+	keptEvents = 1 << 12
+	keptHashes = 1 << 16
+	keptTokens = 1 << 20
+)
+
 // Decode decodes one msgpack payload of a vLLM KVEventBatch.
 func (d *VLLMDecoder) Decode(payload []byte) (ts float64, events []Event, dpRank int, err error) {
+	if cap(d.events) > keptEvents {
+		d.events, d.salts, d.spans = nil, nil, nil
+	}
+	if cap(d.hashes) > keptHashes {
+		d.hashes = nil
+	}
+	if cap(d.tokens) > keptTokens {
+		d.tokens = nil
+	}
 	d.payload = payload
+	defer func() { d.payload = nil }()
 	d.rd.Reset(payload)
 	if d.dec == nil {
 		d.dec = msgpack.NewDecoder(&d.rd)
@@ -171,7 +193,6 @@ func (d *VLLMDecoder) Decode(payload []byte) (ts float64, events []Event, dpRank
 			d.events[i].Tokens = d.tokens[s.t0:s.t1:s.t1]
 		}
 	}
-	d.payload = nil
 	return ts, d.events, dpRank, nil
 }
 
@@ -273,10 +294,10 @@ func (d *VLLMDecoder) eventList() error {
 	for i := 0; i < n; i++ {
 		start, h0, t0 := len(d.payload)-d.rd.Len(), len(d.hashes), len(d.tokens)
 		if err := d.event(); err != nil {
+			d.hashes, d.tokens = d.hashes[:h0], d.tokens[:t0]
 			if serr := d.skipEvent(i, start, err); serr != nil {
 				return fmt.Errorf("events[%d]: %w", i, serr)
 			}
-			d.hashes, d.tokens = d.hashes[:h0], d.tokens[:t0]
 		}
 	}
 	return nil
@@ -295,17 +316,23 @@ func (d *VLLMDecoder) skipEvent(i, start int, err error) error {
 	if _, serr := d.rd.Seek(int64(start+size), io.SeekStart); serr != nil {
 		return err
 	}
-	kind, known := kindAt(raw[:size])
-	me := &MalformedEventError{Index: i, Kind: kind, Err: err}
-	if !known || (kind != BlockStored && kind != 0) {
-		me.Cleared = true
-		d.events = append(d.events, Event{Kind: AllBlocksCleared})
-		d.salts = append(d.salts, "")
-		d.spans = append(d.spans, span{h0: len(d.hashes), h1: len(d.hashes), t0: len(d.tokens), t1: len(d.tokens)})
+	kind, known := d.kindAt(raw[:size])
+	cleared := !known || (kind != BlockStored && kind != 0)
+	if cleared {
+		// What the batch's events before it did is undone: they are
+		// dropped. A batch of one-byte malformed events (nil), each
+		// standing for an AllBlocksCleared, decoded to 168 bytes of events
+		// per byte of payload (the twenty-ninth session's review: 4 MiB
+		// held 500 MiB); now no more than its valid events. A count of
+		// events may not cut a batch short: SGLang publishes one per page,
+		// of a single token by default.
+		d.events, d.salts, d.spans = d.events[:0], d.salts[:0], d.spans[:0]
+		d.hashes, d.tokens = d.hashes[:0], d.tokens[:0]
+		d.add(Event{Kind: AllBlocksCleared}, "", span{})
 	}
 	d.Malformed++
 	if d.skipped == nil {
-		d.skipped = me
+		d.skipped = &MalformedEventError{Index: i, Kind: kind, Cleared: cleared, Err: err}
 	}
 	return nil
 }
@@ -313,8 +340,14 @@ func (d *VLLMDecoder) skipEvent(i, start int, err error) error {
 // kindAt reads the type of the event encoded in raw (a tagged array, or a
 // map with a "type" key). known is false if the type cannot be read; an
 // unrecognised type gives kind 0, known true.
-func kindAt(raw []byte) (kind EventKind, known bool) {
-	dec := msgpack.NewDecoder(bytes.NewReader(raw))
+func (d *VLLMDecoder) kindAt(raw []byte) (kind EventKind, known bool) {
+	d.kindRd.Reset(raw)
+	if d.kindDec == nil {
+		d.kindDec = msgpack.NewDecoder(&d.kindRd)
+	} else {
+		d.kindDec.ResetReader(&d.kindRd)
+	}
+	dec := d.kindDec
 	c, err := dec.PeekCode()
 	if err != nil {
 		return 0, false
@@ -619,10 +652,19 @@ func (d *VLLMDecoder) finish(p *pending) error {
 	}
 	d.hashes = d.hashes[:sp.h1]
 	d.tokens = d.tokens[:sp.t1]
+	d.add(ev, salt, sp)
+	return nil
+}
+
+// add appends a decoded event. An AllBlocksCleared right after another
+// adds nothing and is left out.
+func (d *VLLMDecoder) add(ev Event, salt string, sp span) {
+	if ev.Kind == AllBlocksCleared && len(d.events) > 0 && d.events[len(d.events)-1].Kind == AllBlocksCleared {
+		return
+	}
 	d.events = append(d.events, ev)
 	d.salts = append(d.salts, salt)
 	d.spans = append(d.spans, sp)
-	return nil
 }
 
 // extraKeys reads extra_keys (one entry per block, each nil or a tuple) and

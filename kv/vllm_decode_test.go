@@ -200,7 +200,8 @@ func TestDecodeVLLMRejectsGarbage(t *testing.T) {
 
 // One event that cannot be read in a sound payload does not fail its batch:
 // a BlockStored is left out, anything that may have removed blocks becomes
-// AllBlocksCleared, an unknown type is skipped; the others are decoded.
+// AllBlocksCleared (and the events before it go), an unknown type is
+// skipped; the others are decoded.
 func TestDecodeVLLMSkipsMalformedEvents(t *testing.T) {
 	good := func(f *fixture) *fixture { // a BlockStored of hash 7
 		return f.arr(8).str("BlockStored").ints(7).nil_().ints(toks(2, 0)...).i(2).nil_().str("GPU").nil_()
@@ -241,17 +242,17 @@ func TestDecodeVLLMSkipsMalformedEvents(t *testing.T) {
 			t.Errorf("%s: %v", c.name, err)
 			continue
 		}
-		want := []EventKind{BlockStored}
+		// An AllBlocksCleared standing in drops the events before it.
+		want := []EventKind{BlockStored, BlockRemoved}
 		if c.kind != 0 {
-			want = append(want, c.kind)
+			want = []EventKind{c.kind, BlockRemoved}
 		}
-		want = append(want, BlockRemoved)
 		var got []EventKind
 		for _, ev := range evs {
 			got = append(got, ev.Kind)
 		}
-		if rank != 2 || !reflect.DeepEqual(got, want) || !reflect.DeepEqual(evs[0].EngineHashes, []uint64{7}) ||
-			!reflect.DeepEqual(evs[0].Tokens, []uint32{0, 1}) || !reflect.DeepEqual(evs[len(evs)-1].EngineHashes, []uint64{7}) {
+		if rank != 2 || !reflect.DeepEqual(got, want) || !reflect.DeepEqual(evs[len(evs)-1].EngineHashes, []uint64{7}) ||
+			c.kind == 0 && (!reflect.DeepEqual(evs[0].EngineHashes, []uint64{7}) || !reflect.DeepEqual(evs[0].Tokens, []uint32{0, 1})) {
 			t.Errorf("%s: rank %d events %+v, want kinds %v", c.name, rank, evs, want)
 		}
 		sk := d.Skipped()
@@ -551,5 +552,65 @@ func TestCacheSaltRoundTrip(t *testing.T) {
 		if d.CacheSalt(0) != "tenant-salt" || d.CacheSalt(1) != "" {
 			t.Fatalf("encoding %d: salts %q %q", enc, d.CacheSalt(0), d.CacheSalt(1))
 		}
+	}
+}
+
+// A batch's size bounds what decoding it holds (the twenty-ninth session's
+// review): malformed events stand as one AllBlocksCleared, which drops the
+// events before it, not as one 168-byte event per byte of payload (4 MiB of
+// one-byte nils took 500 MiB); arenas a large batch grew are let go at the
+// next, and no payload is kept after its Decode, read or failed.
+func TestDecodeVLLMBoundsWhatABatchHolds(t *testing.T) {
+	stored := func(f *fixture, h int64) *fixture {
+		return f.arr(5).str("BlockStored").ints(h).nil_().ints(toks(2, 0)...).i(2)
+	}
+	f := newFixture(t).arr(3).fl(1).arr(1003)
+	stored(f, 7)
+	for range 1000 {
+		f.nil_()
+	}
+	f.arr(1).str("AllBlocksCleared")
+	stored(f, 8).i(0)
+	var d VLLMDecoder
+	_, evs, _, err := d.Decode(f.bytes())
+	var kinds []EventKind
+	for _, ev := range evs {
+		kinds = append(kinds, ev.Kind)
+	}
+	if want := []EventKind{AllBlocksCleared, BlockStored}; err != nil || !reflect.DeepEqual(kinds, want) || d.Malformed != 1000 {
+		t.Fatalf("%v: %d events, kinds %v (want %v), malformed %d", err, len(kinds), kinds[:min(len(kinds), 5)], want, d.Malformed)
+	}
+	if sk := d.Skipped(); sk == nil || sk.Index != 1 || !sk.Cleared {
+		t.Fatalf("skipped %+v", sk)
+	}
+
+	if evs[1].EngineHashes[0] != 8 || d.payload != nil {
+		t.Fatalf("events %+v; payload held after Decode: %v", evs, d.payload != nil)
+	}
+	if _, _, _, err := d.Decode([]byte{0x93, 0xcb}); err == nil || d.payload != nil {
+		t.Fatalf("a truncated batch: %v; payload held after Decode: %v", err, d.payload != nil)
+	}
+
+	n := keptHashes + 1
+	f = newFixture(t).arr(3).fl(1).arr(2)
+	f.arr(5).str("BlockStored").arr(n)
+	for i := range n {
+		f.i(int64(i))
+	}
+	f.nil_().arr(n)
+	for i := range n {
+		f.i(int64(i % 100))
+	}
+	f.i(1)
+	f.arr(5).str("BlockStored").ints(1).nil_().ints(toks(keptEvents, 0)...).i(keptEvents)
+	if _, evs, _, err := d.Decode(f.i(0).bytes()); err != nil || len(evs) != 2 || len(evs[0].EngineHashes) != n {
+		t.Fatalf("a large batch: %v, %d events", err, len(evs))
+	}
+	if _, _, _, err := d.Decode(newFixture(t).arr(2).fl(1).arr(0).bytes()); err != nil {
+		t.Fatal(err)
+	}
+	if cap(d.hashes) > keptHashes || cap(d.tokens) > keptTokens || cap(d.events) > keptEvents || d.payload != nil {
+		t.Fatalf("after a small batch the decoder holds %d hashes, %d tokens, %d events of arenas, payload %v",
+			cap(d.hashes), cap(d.tokens), cap(d.events), d.payload != nil)
 	}
 }
