@@ -56,3 +56,42 @@ func TestMemIndexShrinksAfterDeletions(t *testing.T) {
 		})
 	}
 }
+
+// A Store or Remove of a large event lets lookups in between its parts: an
+// engine event of 2M blocks held the write lock 287 ms in one go, and
+// every routing decision with it (the twenty-ninth session's review). A
+// reader blocked meanwhile gets the lock at the next part, so it sees the
+// event part stored (or part removed).
+func TestLargeStoreLetsLookupsIn(t *testing.T) {
+	const n = 1 << 20
+	x := NewMemIndex(MemIndexConfig{})
+	hs := make([]kv.BlockHash, n)
+	for i := range hs {
+		hs[i] = kv.BlockHash(uint64(i)*0x9e3779b97f4a7c15 + 1)
+	}
+	for _, op := range []struct {
+		name string
+		run  func()
+		want int
+	}{
+		{"Store", func() { x.Store(1, hs, kv.TierDevice, 0) }, n},
+		{"Remove", func() { x.Remove(1, hs, kv.TierDevice) }, 0},
+	} {
+		done := make(chan struct{})
+		go func() { defer close(done); op.run() }()
+		partial := false
+		for running := true; running; {
+			select {
+			case <-done:
+				running = false
+			default:
+			}
+			if l := x.Len(); l > 0 && l < n {
+				partial = true
+			}
+		}
+		if l := x.Len(); l != op.want || !partial {
+			t.Fatalf("%s: %d entries after it, want %d; a lookup saw it in part: %v", op.name, l, op.want, partial)
+		}
+	}
+}
