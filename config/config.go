@@ -438,6 +438,9 @@ func expandScalars(b []byte) ([]byte, *yaml.Node, error) {
 	if len(root.Content) == 0 {
 		return nil, nil, errors.New("empty config")
 	}
+	if err := duplicateKey(&root, ""); err != nil {
+		return nil, nil, err
+	}
 	var firstErr error
 	var walk func(n *yaml.Node)
 	walk = func(n *yaml.Node) {
@@ -471,6 +474,45 @@ func expandScalars(b []byte) ([]byte, *yaml.Node, error) {
 	}
 	out, err := yaml.Marshal(&root)
 	return out, &root, err
+}
+
+// duplicateKey names a key a mapping of the file's tree n has twice, with
+// both its lines. Found by the decoder instead, it was named at the first
+// and its lines were those of the re-encoded document (the twenty-ninth
+// session's trial: "limits (line 71): mapping key "limits" already
+// defined at line 89", in a file of 76 lines).
+func duplicateKey(n *yaml.Node, path string) error {
+	switch n.Kind {
+	case yaml.DocumentNode:
+		for _, c := range n.Content {
+			if err := duplicateKey(c, path); err != nil {
+				return err
+			}
+		}
+	case yaml.MappingNode:
+		seen := map[string]*yaml.Node{}
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			k := n.Content[i]
+			p := k.Value
+			if path != "" {
+				p = path + "." + p
+			}
+			if first, ok := seen[k.Value]; ok && k.Value != "<<" {
+				return fmt.Errorf("%s (line %d): defined again, first at line %d", p, k.Line, first.Line)
+			}
+			seen[k.Value] = k
+			if err := duplicateKey(n.Content[i+1], p); err != nil {
+				return err
+			}
+		}
+	case yaml.SequenceNode:
+		for i, c := range n.Content {
+			if err := duplicateKey(c, fmt.Sprintf("%s[%d]", path, i)); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 var (

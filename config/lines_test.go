@@ -104,6 +104,12 @@ func TestParseErrorsNameFileLines(t *testing.T) {
 		// Flow style: the field at fault, not the last of its line.
 		{"limits: {idle_timeout: abc, body_memory_mb: 3}\n", "idle_timeout", "limits.idle_timeout (line %d): cannot unmarshal"},
 		{"limits: {\n  idle_timeout: abc,\n  body_memory_mb: 3}\n", "idle_timeout", "limits.idle_timeout (line %d): cannot unmarshal"},
+		// A key given twice: named where it comes again, with the first's
+		// line. yaml named the first, with lines of the re-encoded
+		// document, past the end of the file (the twenty-ninth session's
+		// trial).
+		{"limits:\n  max_queue: 1\nlimits: # again\n  max_queue: 2\n", "limits: # again", fmt.Sprintf("limits (line %%d): defined again, first at line %d", strings.Count(head, "\n")+1)},
+		{"router:\n  policy: kv\n  policy: least_load\n", "policy: least_load", "router.policy (line %d): defined again, first at line"},
 	} {
 		doc := head + c.tail
 		_, err := Parse([]byte(doc))
