@@ -223,12 +223,14 @@ func (p *Prober) probe(t *probeTarget) {
 func (t *probeTarget) record(ok bool, why string, cfg ProbeConfig) (notify, healthy bool) {
 	first := !t.probed
 	t.probed = true
+	changed := false
 	if ok {
 		t.successes++
 		t.failures = 0
 	} else {
 		t.failures++
 		t.successes = 0
+		changed = why != t.why
 		t.why = why
 	}
 	switch {
@@ -245,6 +247,11 @@ func (t *probeTarget) record(ok bool, why string, cfg ProbeConfig) (notify, heal
 		// A worker taken out by a failed request (not by probes) comes back
 		// on the next good probe. One taken out by probes waits for Rise.
 		return true, true
+	case !t.healthy && changed:
+		// Still down, for another reason: the listing's probe_error said
+		// "connection refused" for good once the engine came back hung
+		// (the twenty-ninth session's trial).
+		return true, false
 	}
 	return false, t.healthy
 }
