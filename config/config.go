@@ -937,10 +937,23 @@ func (c *Config) Validate() error {
 			add(f+".mock", "values must be numbers, not negative")
 		}
 		if b.Kind == KindMock && err == nil && u.Host != "" {
-			if j, ok := mockAddrs[u.Host]; ok {
-				add(f+".url", "mock backends[%d] already listens on %s", j, u.Host)
+			// What a mock binds: its url, and its event publisher's
+			// endpoints (two sharing one passed -check and failed at
+			// start: the trial).
+			binds := [][2]string{{".url", u.Host}}
+			if b.KVEvents.Mode == EventsZMQ {
+				for _, ep := range [][2]string{{".kv_events.endpoint", b.KVEvents.Endpoint}, {".kv_events.replay", b.KVEvents.Replay}} {
+					if addr, ok := strings.CutPrefix(ep[1], "tcp://"); ok {
+						binds = append(binds, [2]string{ep[0], addr})
+					}
+				}
 			}
-			mockAddrs[u.Host] = i
+			for _, bind := range binds {
+				if j, ok := mockAddrs[bind[1]]; ok {
+					add(f+bind[0], "mock backends[%d] already listens on %s", j, bind[1])
+				}
+				mockAddrs[bind[1]] = i
+			}
 		}
 		// One engine listed twice for a model would count twice in its
 		// load and health. (One server may serve several models, and a

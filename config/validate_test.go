@@ -75,6 +75,10 @@ func TestValidationRejects(t *testing.T) {
 		"two mocks on one address": {"models:\n  - name: m\nbackends:\n" +
 			"  - {id: a, url: \"http://127.0.0.1:9000\", kind: mock}\n  - {id: b, url: \"http://127.0.0.1:9000\", kind: mock}\n",
 			"backends[1].url"},
+		"two mocks publishing on one address": {"models:\n  - name: m\nbackends:\n" +
+			"  - {id: a, url: \"http://127.0.0.1:9000\", kind: mock, kv_events: {mode: zmq, endpoint: \"tcp://127.0.0.1:5000\"}}\n" +
+			"  - {id: b, url: \"http://127.0.0.1:9001\", kind: mock, kv_events: {mode: zmq, endpoint: \"tcp://127.0.0.1:5001\", replay: \"tcp://127.0.0.1:5000\"}}\n",
+			"backends[1].kv_events.replay: mock backends[0] already listens on 127.0.0.1:5000"},
 		// The ninth session's trial and review: mistakes that loaded and
 		// misbehaved later.
 		"one engine twice for a model": {"models:\n  - name: m\nbackends:\n" +

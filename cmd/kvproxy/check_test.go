@@ -74,3 +74,24 @@ func TestCheckBuildsTemplates(t *testing.T) {
 		t.Errorf("a file that does not parse: exit %d, stderr:\n%s", code, errOut)
 	}
 }
+
+// -listen is checked as the file's listen is: -check passed "localhost",
+// which a start refused with "missing port in address" (the twenty-ninth
+// session's trial).
+func TestCheckListenFlag(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "kvproxy.yaml")
+	if err := os.WriteFile(path, []byte("models: [{name: m}]\nbackends: [{id: a, url: 'http://127.0.0.1:1', model: m}]\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, start := range []bool{true, false} {
+		var out, errOut bytes.Buffer
+		c := &command{stdout: &out, stderr: &errOut}
+		args := []string{"-config", path, "-listen", "localhost"}
+		if !start {
+			args = append(args, "-check")
+		}
+		if code := c.run(args); code != 2 || !strings.Contains(errOut.String(), `kvproxy: -listen: want host:port, got "localhost"`) {
+			t.Fatalf("%v: exit %d, stderr:\n%s", args, code, errOut.String())
+		}
+	}
+}

@@ -141,6 +141,12 @@ func (c *command) run(args []string) (code int) {
 		return 2
 	}
 	if *listen != "" {
+		if _, _, err := net.SplitHostPort(*listen); err != nil {
+			// The file's listen is checked with the file; the flag's was
+			// not, and -check passed what a start refused (the trial).
+			fmt.Fprintf(c.stderr, "kvproxy: -listen: want host:port, got %q\n", *listen)
+			return 2
+		}
 		tmpl.Listen = *listen
 	}
 	level := &logLevel{}
