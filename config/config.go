@@ -575,6 +575,16 @@ func nameFields(src []byte, file *yaml.Node, err error) error {
 	return errors.New(msg)
 }
 
+// Where is field, a path as Validate names it (models[0].tokenizer),
+// with its line in the file when the config came from one: for errors
+// found past Validate, as a tokenizer file that does not parse.
+func (c *Config) Where(field string) string {
+	if line, _ := fieldAt(c.file, field); line > 0 {
+		return fmt.Sprintf("%s (line %d)", field, line)
+	}
+	return field
+}
+
 // fieldAt follows field, a path as Validate names it (backends[3].role),
 // in the file whose tree is n, as far as the file has it. line is that of
 // the last step found: the field's key, or if the file leaves it out, the
@@ -803,10 +813,18 @@ func (c *Config) Validate() error {
 			names[n] = field
 		}
 		if !contains(Tokenizers, m.Tokenizer) && m.Tokenizer != TokenizerEngine && !fileExists(m.Tokenizer) {
-			add(f+".tokenizer", "unknown tokenizer %q (want %s, engine, or the path of a tokenizer.json)", m.Tokenizer, strings.Join(Tokenizers, ", "))
+			if why := missingFile(m.Tokenizer); why != "" {
+				add(f+".tokenizer", "%s", why)
+			} else {
+				add(f+".tokenizer", "unknown tokenizer %q (want %s, engine, or the path of a tokenizer.json)", m.Tokenizer, strings.Join(Tokenizers, ", "))
+			}
 		}
 		if !contains(Templates, m.Template) && !fileExists(m.Template) {
-			add(f+".template", "unknown template %q (want %s, or the path of a tokenizer_config.json)", m.Template, strings.Join(Templates, ", "))
+			if why := missingFile(m.Template); why != "" {
+				add(f+".template", "%s", why)
+			} else {
+				add(f+".template", "unknown template %q (want %s, or the path of a tokenizer_config.json)", m.Template, strings.Join(Templates, ", "))
+			}
 		}
 		if m.BlockSize < 1 || m.BlockSize > 4096 {
 			add(f+".block_size", "must be between 1 and 4096, got %d", m.BlockSize)
@@ -1308,6 +1326,19 @@ func isASCII(s string) bool {
 		}
 	}
 	return true
+}
+
+// missingFile says why p, written as a path (with a slash, or a .json
+// name), names no file it can read: "unknown tokenizer" told of a path
+// that was a path, and did not say the file was missing (the trial).
+func missingFile(p string) string {
+	if !strings.ContainsRune(p, '/') && !strings.HasSuffix(p, ".json") {
+		return ""
+	}
+	if _, err := os.Stat(p); err != nil {
+		return err.Error()
+	}
+	return ""
 }
 
 func fileExists(p string) bool {

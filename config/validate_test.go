@@ -97,6 +97,12 @@ func TestValidationRejects(t *testing.T) {
 		"tokenizer cache past 64 GiB": {"models: [{name: m, tokenizer_cache_mb: 65537}]\nbackends: [{id: a, url: \"http://127.0.0.1:9000\"}]\n",
 			"models[0].tokenizer_cache_mb"},
 		"probes in a tight loop": {minimal + "health: {interval: 1ns}\n", "health.interval"},
+		// A path that names no file is told so, not "unknown tokenizer"
+		// (the twenty-ninth session's trial).
+		"a tokenizer file that is not there": {"models: [{name: m, tokenizer: /nonexistent/tokenizer.json}]\nbackends: [{id: a, url: \"http://127.0.0.1:9000\"}]\n",
+			"models[0].tokenizer: stat /nonexistent/tokenizer.json: no such file or directory"},
+		"a template file that is not there": {"models: [{name: m, template: tokenizer_config.json}]\nbackends: [{id: a, url: \"http://127.0.0.1:9000\"}]\n",
+			"models[0].template: stat tokenizer_config.json: no such file or directory"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {

@@ -326,7 +326,7 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 	st.respMACs = newRespMACs(respKey(cfg.Auth, s.respRandom[:]))
 	st.trusted = cfg.TrustedNets()
 	st.autoConns = autoMaxConns(s.fdLimit, len(cfg.Backends))
-	for _, mc := range cfg.Models {
+	for mi, mc := range cfg.Models {
 		var p *modelPool
 		if prev != nil {
 			if old := prev.models[mc.Name]; old != nil && old.cfg.Name == mc.Name && reflect.DeepEqual(unnamed(old.cfg), unnamed(mc)) {
@@ -360,11 +360,11 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 			} else {
 				tok, err := tokenize.Load(mc.Tokenizer)
 				if err != nil {
-					return nil, fmt.Errorf("model %s: %w", mc.Name, err)
+					return nil, fmt.Errorf("model %s: %s: %w", mc.Name, cfg.Where(fmt.Sprintf("models[%d].tokenizer", mi)), err)
 				}
 				tmpl, err := tokenize.LoadTemplate(mc.Template)
 				if err != nil {
-					return nil, fmt.Errorf("model %s: %w", mc.Name, err)
+					return nil, fmt.Errorf("model %s: %s: %w", mc.Name, cfg.Where(fmt.Sprintf("models[%d].template", mi)), err)
 				}
 				p.enc = tokenize.NewEncoder(tok, tmpl, mc.TokenizerCacheMB<<20/tokenize.CacheBytesPerEntry)
 			}

@@ -62,8 +62,10 @@ func TestCheckBuildsTemplates(t *testing.T) {
 	}
 	models := "models: [{name: m, tokenizer: cl100k_base, template: " + strconv.Quote(tc) + "}]\nbackends:\n"
 	for backend, says := range map[string]string{
-		"  - {id: sim, url: 'http://127.0.0.1:1', model: m, kind: mock}\n": "mock backend sim: ",
-		"  - {id: real, url: 'http://127.0.0.1:1', model: m}\n":            "model m: ",
+		// Named by the model's field and line, a simulated engine's too
+		// (it named only the engine: the twenty-ninth session's trial).
+		"  - {id: sim, url: 'http://127.0.0.1:1', model: m, kind: mock}\n": "model m: models[0].template (line 1): ",
+		"  - {id: real, url: 'http://127.0.0.1:1', model: m}\n":            "model m: models[0].template (line 1): ",
 	} {
 		code, out, errOut := runCheck(t, models+backend)
 		if code != 1 || out != "" || !strings.Contains(errOut, says) || !strings.Contains(errOut, "chat template") {

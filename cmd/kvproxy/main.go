@@ -397,6 +397,13 @@ func (c *command) check(log zerolog.Logger, tmpl *config.Config, path string) in
 		fmt.Fprintln(c.stderr, "kvproxy:", err)
 		return 2
 	}
+	// The proxy's models first: a tokenizer or template that does not
+	// build is named by its field and line, where a simulated engine
+	// built from it named only itself (the trial).
+	if err := proxy.Check(cfg, proxy.Options{Logger: log}); err != nil {
+		fmt.Fprintln(c.stderr, "kvproxy:", err)
+		return 1
+	}
 	for _, b := range cfg.Backends {
 		if b.Kind != config.KindMock {
 			continue
@@ -407,10 +414,6 @@ func (c *command) check(log zerolog.Logger, tmpl *config.Config, path string) in
 			return 1
 		}
 		e.Close()
-	}
-	if err := proxy.Check(cfg, proxy.Options{Logger: log}); err != nil {
-		fmt.Fprintln(c.stderr, "kvproxy:", err)
-		return 1
 	}
 	fmt.Fprintf(c.stdout, "kvproxy: %s is valid (%s, %s)\n", path, count(len(cfg.Models), "model"), count(len(cfg.Backends), "backend"))
 	return 0
