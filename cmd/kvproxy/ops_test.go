@@ -178,3 +178,33 @@ func TestUnloadableReloadIsCounted(t *testing.T) {
 		}
 	}
 }
+
+// The signal that began the shutdown, come again at once, is taken as
+// sent twice (coreutils' timeout signals kvproxy and its process group),
+// not as a second: kvproxy dropped its requests in flight on two SIGTERMs
+// a millisecond apart (the twenty-ninth session's trial). Later, it is a
+// second signal.
+func TestSignalSentTwiceDrains(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	opsConfig(t, cfg, "info", "limits: {drain_timeout: 60s}\n", mockSpec{id: "m0", port: freePort(t), speedup: 0.02})
+	p := startProxy(t, cfg)
+	p.c.repeatWindow = time.Second // wide: a loaded machine may take long between the two reads
+	startStream(t, p, 4000)
+	p.term <- syscall.SIGTERM
+	p.term <- syscall.SIGTERM // read once the first is: within the window
+	for deadline := time.Now().Add(5 * time.Second); !strings.Contains(p.logs.String(), `"message":"the same signal again at once: taken as the first, sent twice"`); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no word of the repeated signal:\n%s", p.logs.String())
+		}
+	}
+	select {
+	case code := <-p.code:
+		p.code <- code
+		t.Fatalf("exited (%d) on the signal sent twice:\n%s", code, p.logs.String())
+	case <-time.After(1200 * time.Millisecond):
+	}
+	p.term <- syscall.SIGTERM
+	if code := exitCode(t, p, 10*time.Second); code != 1 || !strings.Contains(p.logs.String(), `"message":"second signal: exiting without waiting for the requests in flight"`) {
+		t.Fatalf("exit code %d:\n%s", code, p.logs.String())
+	}
+}
