@@ -518,6 +518,10 @@ func duplicateKey(n *yaml.Node, path string) error {
 var (
 	lineRef = regexp.MustCompile(`line (\d+): `)
 	goType  = regexp.MustCompile(`field (\S+) not found in type \S+`)
+	// Go's names of the config's types, in yaml's messages: "into
+	// []config.Model" (models written as a mapping: the trial).
+	goList   = regexp.MustCompile(`into \[\]\*?config\.\w+`)
+	goStruct = regexp.MustCompile(`into \*?config\.\w+`)
 )
 
 // nameFields rewrites yaml's "line N: ..." messages about src (the
@@ -527,6 +531,8 @@ var (
 func nameFields(src []byte, file *yaml.Node, err error) error {
 	msg := strings.ReplaceAll(err.Error(), "yaml: unmarshal errors:\n  ", "")
 	msg = goType.ReplaceAllString(msg, "unknown field $1")
+	msg = goList.ReplaceAllString(msg, "into a list")
+	msg = goStruct.ReplaceAllString(msg, "into a mapping")
 	msg = strings.ReplaceAll(msg, "time.Duration", "a duration (like 30s)")
 	msg = strings.ReplaceAll(msg, "\n  ", "; ")
 	var root yaml.Node
@@ -675,7 +681,7 @@ func (c *Config) applyDefaults() {
 		if m.BlockSize == 0 {
 			m.BlockSize = kv.DefaultBlockSize
 		}
-		if m.BytesPerBlock == 0 {
+		if m.BytesPerBlock == 0 && m.BlockSize > 0 { // a bad block_size is its own error, not this field's too
 			// Llama-3.1-8B: 32 layers × 8 KV heads × 128 dims × 2 (K,V) × 2 bytes = 128 KiB/token.
 			m.BytesPerBlock = int64(m.BlockSize) * 128 << 10
 		}
@@ -885,7 +891,7 @@ func (c *Config) Validate() error {
 		}
 		if _, ok := names[b.Model]; b.Model == "" || !ok || !c.isModelName(b.Model) {
 			switch m, isAlias := c.ModelByName(b.Model); {
-			case b.Model == "" && len(c.Models) == 0: // models says so
+			case b.Model == "" && len(c.Models) <= 1: // models says so (none, or one without a name)
 			case b.Model == "":
 				add(f+".model", "required with more than one model: one of models[].name")
 			case isAlias:

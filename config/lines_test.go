@@ -110,6 +110,9 @@ func TestParseErrorsNameFileLines(t *testing.T) {
 		// trial).
 		{"limits:\n  max_queue: 1\nlimits: # again\n  max_queue: 2\n", "limits: # again", fmt.Sprintf("limits (line %%d): defined again, first at line %d", strings.Count(head, "\n")+1)},
 		{"router:\n  policy: kv\n  policy: least_load\n", "policy: least_load", "router.policy (line %d): defined again, first at line"},
+		// No Go type names (the same trial).
+		{"health: fast\n", "health: fast", "health (line %d): cannot unmarshal !!str `fast` into a mapping"},
+		{"tenants:\n  name: t\n", "name: t", "tenants.name (line %d): cannot unmarshal !!map into a list"},
 	} {
 		doc := head + c.tail
 		_, err := Parse([]byte(doc))

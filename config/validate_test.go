@@ -254,3 +254,15 @@ func TestBodyMemoryUnderAMemoryLimit(t *testing.T) {
 		}
 	}
 }
+
+// A mistake is named once, by its own field: a model without a name also
+// made its backend's model "required with more than one model", and a
+// negative block_size a negative bytes_per_block the file did not set (the
+// twenty-ninth session's trial).
+func TestValidationNamesOnlyTheCause(t *testing.T) {
+	_, err := Parse([]byte("models:\n  - tokenizer: cl100k_base\n    block_size: -16\nbackends: [{id: a, url: \"http://127.0.0.1:9000\"}]\n"))
+	want := "models[0].name: required (line 2); models[0].block_size: must be between 1 and 4096, got -16 (line 3)"
+	if err == nil || err.Error() != want {
+		t.Fatalf("%v\nwant %s", err, want)
+	}
+}
