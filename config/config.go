@@ -1195,9 +1195,18 @@ func (c *Config) Warnings() []string {
 	if limit > 0 && 3*int64(c.Limits.BodyMemoryMB) > limit && !defaulted {
 		out = append(out, fmt.Sprintf("limits.body_memory_mb (%d) is over a third of kvproxy's memory limit (%d MiB, from its container's or GOMEMLIMIT): its RSS peaks near three times what the budget holds, and could pass the limit with the budget full; its default there is a quarter, %d", c.Limits.BodyMemoryMB, limit, defaultBodyMemoryMB()))
 	}
+	served := map[string]bool{}
 	for _, b := range c.Backends {
 		if b.Kind != KindMock && b.Mock != (MockEngine{}) {
 			out = append(out, fmt.Sprintf("backend %s: mock settings are for kind mock; a %s engine ignores them", b.ID, b.Kind))
+		}
+		served[b.Model] = true
+	}
+	for i, m := range c.Models {
+		if !served[m.Name] {
+			// Accepted without a word, its requests got 503 for ever (the
+			// twenty-ninth session's trial).
+			out = append(out, fmt.Sprintf("models[%d] (%s): no backend serves it (backends[].model): its requests get 503", i, m.Name))
 		}
 	}
 	if len(c.Tenants) == 0 {

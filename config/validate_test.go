@@ -266,3 +266,15 @@ func TestValidationNamesOnlyTheCause(t *testing.T) {
 		t.Fatalf("%v\nwant %s", err, want)
 	}
 }
+
+// A model no backend serves is warned of: its requests get 503 (it was
+// accepted without a word: the twenty-ninth session's trial).
+func TestModelWithoutBackendsIsWarnedOf(t *testing.T) {
+	c, err := Parse([]byte("models: [{name: a, aliases: [aa]}, {name: b}, {name: c}]\nbackends:\n  - {id: x, url: \"http://127.0.0.1:1\", model: a}\n  - {id: y, url: \"http://127.0.0.1:2\", model: c}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := c.Warnings(); len(w) != 1 || w[0] != "models[1] (b): no backend serves it (backends[].model): its requests get 503" {
+		t.Fatalf("warnings %q", w)
+	}
+}
