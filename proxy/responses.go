@@ -736,7 +736,9 @@ func (s *Server) previousResponse(ctx *fasthttp.RequestCtx, st *state, p *modelP
 	case b == nil && named:
 		return notFound(st.idScopeHint()+".", "previous response id not the tenant's")
 	case b == nil || b.isDraining():
-		return notFound(fmt.Sprintf(": the backend that made it no longer serves the model %q", req.model), "previous response's backend gone")
+		// A removed backend's id and a forged one read the same: the
+		// message said the backend was gone to both (the trial).
+		return notFound(fmt.Sprintf(": no backend serving the model %q made it (or the one that did serves it no longer)", req.model), "previous response's backend gone")
 	}
 	ids.prevOrig, req.prevEngine, ids.owner = orig, orig, b.cfg.ID
 	// The engine puts the stored conversation, which kvproxy never saw,
