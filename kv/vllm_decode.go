@@ -22,7 +22,7 @@ import (
 // type name, or a map with a "type" key:
 //
 //	["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-//	  lora_id, medium, lora_name, extra_keys, group_idx, ...]
+//	  lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind, ...]
 //	["BlockRemoved", block_hashes, medium, group_idx, ...]
 //	["AllBlocksCleared"]
 //
@@ -39,9 +39,17 @@ import (
 //
 // A BlockStored with only the deprecated lora_id (no lora_name) gets the
 // LoRAName "lora_id:<n>", so its blocks never mix with the base model's.
-// Hybrid models (several KV cache groups) tag events with group_idx; only
-// group 0 (or no group_idx) is decoded, other groups' events are skipped, so
-// one group's cache picture is followed rather than a mix of several.
+// Hybrid models (several KV cache groups) tag events with group_idx; one
+// group's events are decoded, the others' skipped, so one group's cache
+// picture is followed rather than a mix of several. It is group 0 (or no
+// group_idx) until a BlockStored names its group's kind
+// (kv_cache_spec_kind): then the lowest group of full attention, the one
+// that holds a prompt's whole prefix, or if none has been seen the lowest
+// group of any kind. A sliding window's group (group 0 of gpt-oss and
+// Gemma 3, whose first layer is local) frees blocks as the window passes
+// them, so its picture of a long prefix is short. On a change of group an
+// AllBlocksCleared is put before the event, as the group followed until
+// then may have been indexed.
 //
 // medium maps to a Tier (TierFromMedium; absent or nil is the device); an
 // unknown medium gives TierDisk and is counted in VLLMDecoder.UnknownMedia
@@ -90,6 +98,13 @@ type VLLMDecoder struct {
 	// UnknownMedia counts events whose medium was not recognised; they
 	// were given TierDisk.
 	UnknownMedia uint64
+	// group is the KV cache group followed (group 0 until groupSet: a
+	// BlockStored named its kind); groupFull says whether its kind is a
+	// full attention's.
+	group     int64
+	groupSet  bool
+	groupFull bool
+
 	// Malformed counts events that could not be read in a sound payload:
 	// left out, or turned into AllBlocksCleared (see Skipped).
 	Malformed uint64
@@ -401,6 +416,7 @@ type pending struct {
 	sawHashes  bool
 	sawBlockSz bool
 	groupIdx   int64
+	specKind   string    // kv_cache_spec_kind ("" when absent)
 	extra      [4]string // string elements of extra_keys[0]
 	nExtra     int
 }
@@ -421,12 +437,45 @@ func (d *VLLMDecoder) event() error {
 	if err != nil {
 		return err
 	}
-	if p.unknown || p.groupIdx != 0 {
+	if p.unknown || !d.follows(&p) {
 		d.hashes = d.hashes[:p.sp.h0]
 		d.tokens = d.tokens[:p.sp.t0]
 		return nil
 	}
 	return d.finish(&p)
+}
+
+// follows reports whether p is of the KV cache group followed, changing
+// group first if p's BlockStored names a better one (see the package
+// comment).
+func (d *VLLMDecoder) follows(p *pending) bool {
+	if p.kind == AllBlocksCleared {
+		return true
+	}
+	if p.kind == BlockStored && p.specKind != "" {
+		full := fullAttention(p.specKind)
+		if !d.groupSet || full && !d.groupFull || full == d.groupFull && p.groupIdx < d.group {
+			if p.groupIdx != d.group {
+				// What was followed until now (group 0 by default) may be
+				// indexed: it goes.
+				d.add(Event{Kind: AllBlocksCleared}, "", span{h0: p.sp.h0, h1: p.sp.h0, t0: p.sp.t0, t1: p.sp.t0})
+			}
+			d.group, d.groupFull, d.groupSet = p.groupIdx, full, true
+		}
+	}
+	return p.groupIdx == d.group
+}
+
+// fullAttention reports whether a KV cache group of this kind keeps every
+// block of a prefix while it is cached: not a sliding window's, a chunked
+// local attention's, Mamba's (one state), an encoder's or cross
+// attention's. Kinds newer than this list count as full.
+func fullAttention(kind string) bool {
+	switch kind {
+	case "sliding_window", "sliding_window_mla", "chunked_local_attention", "mamba", "encoder_only_attention", "cross_attention":
+		return false
+	}
+	return true
 }
 
 func (d *VLLMDecoder) arrayEvent(p *pending) error {
@@ -478,13 +527,14 @@ const (
 	fLoraName
 	fGroupIdx
 	fExtraKeys
+	fSpecKind
 )
 
-var fieldNames = [...]string{"unknown field", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "group_idx", "extra_keys"}
+var fieldNames = [...]string{"unknown field", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "group_idx", "extra_keys", "kv_cache_spec_kind"}
 
 // Positional field order of the array encoding, after the tag.
 var (
-	storedOrder  = [...]fieldID{fBlockHashes, fParent, fTokenIDs, fBlockSize, fLoraID, fMedium, fLoraName, fExtraKeys, fGroupIdx}
+	storedOrder  = [...]fieldID{fBlockHashes, fParent, fTokenIDs, fBlockSize, fLoraID, fMedium, fLoraName, fExtraKeys, fGroupIdx, fSpecKind}
 	removedOrder = [...]fieldID{fBlockHashes, fMedium, fGroupIdx}
 )
 
@@ -508,6 +558,8 @@ func fieldOf(key []byte) fieldID {
 		return fGroupIdx
 	case "extra_keys":
 		return fExtraKeys
+	case "kv_cache_spec_kind":
+		return fSpecKind
 	}
 	return fUnknown
 }
@@ -591,6 +643,8 @@ func (d *VLLMDecoder) field(p *pending, f fieldID) error {
 		p.groupIdx, err = d.dec.DecodeInt64() // nil decodes as 0
 	case fLoraName:
 		p.loraName, err = d.optStr()
+	case fSpecKind:
+		p.specKind, err = d.optStr()
 	default:
 		err = d.skip()
 	}

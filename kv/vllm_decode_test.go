@@ -614,3 +614,88 @@ func TestDecodeVLLMBoundsWhatABatchHolds(t *testing.T) {
 			cap(d.hashes), cap(d.tokens), cap(d.events), d.payload != nil)
 	}
 }
+
+// A hybrid model's events are followed for the lowest group of full
+// attention once a BlockStored names its kind; until then, and for a model
+// whose groups all have windows, the lowest group named. gpt-oss's and
+// Gemma 3's group 0 is a sliding window's, which frees blocks as the
+// window passes: it was the one followed (the twenty-ninth session's
+// review). The group followed until a change may be indexed: an
+// AllBlocksCleared comes first.
+func TestDecodeVLLMFollowsTheFullAttentionGroup(t *testing.T) {
+	stored := func(f *fixture, h int64, group int64, kind string) *fixture {
+		f.arr(11).str("BlockStored").ints(h).nil_().ints(toks(2, 0)...).i(2).nil_().str("GPU").nil_().nil_().i(group)
+		if kind == "" {
+			return f.nil_()
+		}
+		return f.str(kind)
+	}
+	removed := func(f *fixture, h int64, group int64) *fixture {
+		return f.arr(4).str("BlockRemoved").ints(h).str("GPU").i(group)
+	}
+	type ev struct {
+		kind EventKind
+		hash uint64
+	}
+	decode := func(d *VLLMDecoder, build func(f *fixture)) []ev {
+		f := newFixture(t).arr(3).fl(1)
+		build(f)
+		_, evs, _, err := d.Decode(f.i(0).bytes())
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out []ev
+		for _, e := range evs {
+			var h uint64
+			if len(e.EngineHashes) > 0 {
+				h = e.EngineHashes[0]
+			}
+			out = append(out, ev{e.Kind, h})
+		}
+		return out
+	}
+
+	var d VLLMDecoder // gpt-oss: group 0 sliding window, group 1 full
+	got := decode(&d, func(f *fixture) {
+		f.arr(5)
+		stored(f, 1, 0, "sliding_window")
+		stored(f, 2, 1, "full_attention")
+		stored(f, 3, 0, "sliding_window")
+		removed(f, 1, 0)
+		removed(f, 2, 1)
+	})
+	want := []ev{{BlockStored, 1}, {AllBlocksCleared, 0}, {BlockStored, 2}, {BlockRemoved, 2}}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("gpt-oss: %v, want %v", got, want)
+	}
+	got = decode(&d, func(f *fixture) { // the choice holds in later batches
+		f.arr(3)
+		stored(f, 4, 0, "sliding_window")
+		stored(f, 5, 1, "full_attention")
+		removed(f, 4, 0)
+	})
+	if want := []ev{{BlockStored, 5}}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("the next batch: %v, want %v", got, want)
+	}
+
+	var one VLLMDecoder // one group, of a sliding window (Mistral 7B v0.1): followed
+	got = decode(&one, func(f *fixture) {
+		f.arr(2)
+		stored(f, 6, 0, "sliding_window")
+		removed(f, 6, 0)
+	})
+	if want := []ev{{BlockStored, 6}, {BlockRemoved, 6}}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("one windowed group: %v, want %v", got, want)
+	}
+
+	var old VLLMDecoder // no kinds (older vLLM): group 0, as before
+	got = decode(&old, func(f *fixture) {
+		f.arr(3)
+		stored(f, 7, 1, "")
+		stored(f, 8, 0, "")
+		removed(f, 7, 1)
+	})
+	if want := []ev{{BlockStored, 8}}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("no kinds: %v, want %v", got, want)
+	}
+}
