@@ -435,6 +435,7 @@ func (s *ZMQSubscriber) clear(reason string) {
 		s.sink.ClearRanks(s.ranks)
 	}
 	s.have = false
+	s.dec.ForgetGroup() // nothing indexed: the events that come choose it
 	s.clears.Add(1)
 	s.report("cleared: " + reason)
 }

@@ -819,18 +819,10 @@ func (c *Config) Validate() error {
 			names[n] = field
 		}
 		if !contains(Tokenizers, m.Tokenizer) && m.Tokenizer != TokenizerEngine && !fileExists(m.Tokenizer) {
-			if why := missingFile(m.Tokenizer); why != "" {
-				add(f+".tokenizer", "%s", why)
-			} else {
-				add(f+".tokenizer", "unknown tokenizer %q (want %s, engine, or the path of a tokenizer.json)", m.Tokenizer, strings.Join(Tokenizers, ", "))
-			}
+			add(f+".tokenizer", "%s (want %s, engine, or the path of a tokenizer.json)", unknownOrMissing("tokenizer", m.Tokenizer), strings.Join(Tokenizers, ", "))
 		}
 		if !contains(Templates, m.Template) && !fileExists(m.Template) {
-			if why := missingFile(m.Template); why != "" {
-				add(f+".template", "%s", why)
-			} else {
-				add(f+".template", "unknown template %q (want %s, or the path of a tokenizer_config.json)", m.Template, strings.Join(Templates, ", "))
-			}
+			add(f+".template", "%s (want %s, or the path of a tokenizer_config.json)", unknownOrMissing("template", m.Template), strings.Join(Templates, ", "))
 		}
 		if m.BlockSize < 1 || m.BlockSize > 4096 {
 			add(f+".block_size", "must be between 1 and 4096, got %d", m.BlockSize)
@@ -1343,17 +1335,18 @@ func isASCII(s string) bool {
 	return true
 }
 
-// missingFile says why p, written as a path (with a slash, or a .json
-// name), names no file it can read: "unknown tokenizer" told of a path
-// that was a path, and did not say the file was missing (the trial).
-func missingFile(p string) string {
-	if !strings.ContainsRune(p, '/') && !strings.HasSuffix(p, ".json") {
-		return ""
+// unknownOrMissing says why p, a value of a field (what) that takes a
+// name or a path, names neither: "unknown tokenizer" told of a path that
+// was a path, and did not say the file was missing (the trial). A value
+// written as a path (with a slash, or a .json name) gets the reason it
+// cannot be read; a Hugging Face repo id reads as one.
+func unknownOrMissing(what, p string) string {
+	if strings.ContainsRune(p, '/') || strings.HasSuffix(p, ".json") {
+		if _, err := os.Stat(p); err != nil {
+			return err.Error()
+		}
 	}
-	if _, err := os.Stat(p); err != nil {
-		return err.Error()
-	}
-	return ""
+	return fmt.Sprintf("unknown %s %q", what, p)
 }
 
 func fileExists(p string) bool {

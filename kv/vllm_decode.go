@@ -45,11 +45,13 @@ import (
 // group_idx) until a BlockStored names its group's kind
 // (kv_cache_spec_kind): then the lowest group of full attention, the one
 // that holds a prompt's whole prefix, or if none has been seen the lowest
-// group of any kind. A sliding window's group (group 0 of gpt-oss and
-// Gemma 3, whose first layer is local) frees blocks as the window passes
-// them, so its picture of a long prefix is short. On a change of group an
-// AllBlocksCleared is put before the event, as the group followed until
-// then may have been indexed.
+// group of any kind ("unknown" before a window's). A sliding window's
+// group (group 0 of gpt-oss and Gemma 3, whose first layer is local) frees
+// blocks as the window passes them, so its picture of a long prefix is
+// short. On a change of group an AllBlocksCleared is put before the event,
+// as the group followed until then may have been indexed; the group
+// followed changing kind (the engine restarted with another layout) makes
+// the choice anew.
 //
 // medium maps to a Tier (TierFromMedium; absent or nil is the device); an
 // unknown medium gives TierDisk and is counted in VLLMDecoder.UnknownMedia
@@ -99,11 +101,10 @@ type VLLMDecoder struct {
 	// were given TierDisk.
 	UnknownMedia uint64
 	// group is the KV cache group followed (group 0 until groupSet: a
-	// BlockStored named its kind); groupFull says whether its kind is a
-	// full attention's.
+	// BlockStored named its kind); groupRank is its kind's (groupRank).
 	group     int64
 	groupSet  bool
-	groupFull bool
+	groupRank int
 
 	// Malformed counts events that could not be read in a sound payload:
 	// left out, or turned into AllBlocksCleared (see Skipped).
@@ -160,9 +161,12 @@ func DecodeVLLM(payload []byte) (ts float64, events []Event, dpRank int, err err
 
 // Arenas grown past these capacities by a batch far larger than usual go to
 // the garbage collector at the next Decode rather than staying for good.
+// SGLang publishes an event per page, of one token by default, so a long
+// prefill's batch holds tens of thousands of events: they stay (about 5 MiB
+// of events at most).
 const (
-	keptEvents = 1 << 12
-	keptHashes = 1 << 16
+	keptEvents = 1 << 15
+	keptHashes = 1 << 18
 	keptTokens = 1 << 20
 )
 
@@ -178,7 +182,13 @@ func (d *VLLMDecoder) Decode(payload []byte) (ts float64, events []Event, dpRank
 		d.tokens = nil
 	}
 	d.payload = payload
-	defer func() { d.payload = nil }()
+	defer func() {
+		// Nothing holds the payload once Decode returns: a large batch
+		// stayed until the next one, which an idle engine may never send.
+		d.payload = nil
+		d.rd.Reset(nil)
+		d.kindRd.Reset(nil)
+	}()
 	d.rd.Reset(payload)
 	if d.dec == nil {
 		d.dec = msgpack.NewDecoder(&d.rd)
@@ -453,29 +463,43 @@ func (d *VLLMDecoder) follows(p *pending) bool {
 		return true
 	}
 	if p.kind == BlockStored && p.specKind != "" {
-		full := fullAttention(p.specKind)
-		if !d.groupSet || full && !d.groupFull || full == d.groupFull && p.groupIdx < d.group {
+		rank := groupRank(p.specKind)
+		if d.groupSet && p.groupIdx == d.group && rank != d.groupRank {
+			// The group followed changed kind: the engine restarted with
+			// another layout (hybrid allocation turned on or off, another
+			// model). The choice is made again (the review).
+			d.groupSet = false
+		}
+		if !d.groupSet || rank > d.groupRank || rank == d.groupRank && p.groupIdx < d.group {
 			if p.groupIdx != d.group {
 				// What was followed until now (group 0 by default) may be
 				// indexed: it goes.
 				d.add(Event{Kind: AllBlocksCleared}, "", span{h0: p.sp.h0, h1: p.sp.h0, t0: p.sp.t0, t1: p.sp.t0})
 			}
-			d.group, d.groupFull, d.groupSet = p.groupIdx, full, true
+			d.group, d.groupRank, d.groupSet = p.groupIdx, rank, true
 		}
 	}
 	return p.groupIdx == d.group
 }
 
-// fullAttention reports whether a KV cache group of this kind keeps every
-// block of a prefix while it is cached: not a sliding window's, a chunked
-// local attention's, Mamba's (one state), an encoder's or cross
-// attention's. Kinds newer than this list count as full.
-func fullAttention(kind string) bool {
+// ForgetGroup makes the decoder choose its KV cache group again from the
+// events that come (group 0 until one names its kind), without a clear:
+// for a feed whose ranks were just cleared.
+func (d *VLLMDecoder) ForgetGroup() { d.group, d.groupRank, d.groupSet = 0, 0, false }
+
+// groupRank ranks a KV cache group's kind: 2 for full attention, which keeps
+// every block of a prefix while it is cached; 0 for a sliding window's, a
+// chunked local attention's, Mamba's (one state), an encoder's or cross
+// attention's; 1 for "unknown" (vLLM's name for a group of mixed kinds) and
+// kinds newer than these lists.
+func groupRank(kind string) int {
 	switch kind {
+	case "full_attention", "mla_attention", "sink_full_attention":
+		return 2
 	case "sliding_window", "sliding_window_mla", "chunked_local_attention", "mamba", "encoder_only_attention", "cross_attention":
-		return false
+		return 0
 	}
-	return true
+	return 1
 }
 
 func (d *VLLMDecoder) arrayEvent(p *pending) error {

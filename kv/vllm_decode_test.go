@@ -584,8 +584,8 @@ func TestDecodeVLLMBoundsWhatABatchHolds(t *testing.T) {
 		t.Fatalf("skipped %+v", sk)
 	}
 
-	if evs[1].EngineHashes[0] != 8 || d.payload != nil {
-		t.Fatalf("events %+v; payload held after Decode: %v", evs, d.payload != nil)
+	if evs[1].EngineHashes[0] != 8 || d.payload != nil || d.rd.Size() != 0 || d.kindRd.Size() != 0 {
+		t.Fatalf("events %+v; payload held after Decode: %v %d %d", evs, d.payload != nil, d.rd.Size(), d.kindRd.Size())
 	}
 	if _, _, _, err := d.Decode([]byte{0x93, 0xcb}); err == nil || d.payload != nil {
 		t.Fatalf("a truncated batch: %v; payload held after Decode: %v", err, d.payload != nil)
@@ -676,6 +676,41 @@ func TestDecodeVLLMFollowsTheFullAttentionGroup(t *testing.T) {
 	})
 	if want := []ev{{BlockStored, 5}}; !reflect.DeepEqual(got, want) {
 		t.Fatalf("the next batch: %v, want %v", got, want)
+	}
+
+	// The engine restarts behind the feed with another layout (hybrid
+	// allocation turned on): the group followed changes kind, and the
+	// choice is made anew (the review).
+	var restarted VLLMDecoder
+	decode(&restarted, func(f *fixture) { f.arr(1); stored(f, 9, 0, "full_attention") })
+	got = decode(&restarted, func(f *fixture) {
+		f.arr(3)
+		stored(f, 10, 0, "sliding_window")
+		stored(f, 11, 1, "full_attention")
+		removed(f, 10, 0)
+	})
+	if want := []ev{{BlockStored, 10}, {AllBlocksCleared, 0}, {BlockStored, 11}}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("after a restart with another layout: %v, want %v", got, want)
+	}
+
+	// vLLM's "unknown" (a group of mixed kinds) ranks under full attention.
+	var unknown VLLMDecoder
+	got = decode(&unknown, func(f *fixture) {
+		f.arr(2)
+		stored(f, 12, 0, "unknown")
+		stored(f, 13, 1, "mla_attention")
+	})
+	if want := []ev{{BlockStored, 12}, {AllBlocksCleared, 0}, {BlockStored, 13}}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("unknown then full: %v, want %v", got, want)
+	}
+	unknown.ForgetGroup() // its feed cleared: chosen again, with no clear
+	got = decode(&unknown, func(f *fixture) {
+		f.arr(2)
+		stored(f, 14, 0, "")
+		stored(f, 15, 1, "")
+	})
+	if want := []ev{{BlockStored, 14}}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("after ForgetGroup: %v, want %v", got, want)
 	}
 
 	var one VLLMDecoder // one group, of a sliding window (Mistral 7B v0.1): followed
