@@ -9,6 +9,8 @@ import (
 	"time"
 
 	natsserver "github.com/nats-io/nats-server/v2/server"
+
+	"github.com/kvproxy/kvproxy/router"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 
@@ -103,20 +105,12 @@ func TestReplicasWithoutNATSWarns(t *testing.T) {
 // carries a hash of the backend's URL (found by the replicas user trial;
 // the load was applied silently).
 func TestReplicasWithSwappedBackendURLsWarn(t *testing.T) {
-	ns, err := natsserver.NewServer(&natsserver.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	if !ns.ReadyForConnections(5 * time.Second) {
-		t.Fatal("NATS did not start")
-	}
-	defer ns.Shutdown()
+	nats := startNATS(t)
 	start := func(id, e0, e1 string) (*Server, *syncBuffer) {
 		t.Helper()
 		s, logs := newTestServer(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n"+
 			"backends:\n  - {id: e0, url: '"+e0+"', model: m}\n  - {id: e1, url: '"+e1+"', model: m}\n"+
-			"replicas: {nats: '"+ns.ClientURL()+"', id: "+id+", interval: 20ms}\n", true)
+			"replicas: {nats: '"+nats+"', id: "+id+", interval: 20ms}\n", true)
 		t.Cleanup(func() { s.Shutdown() })
 		return s, logs
 	}
@@ -139,4 +133,56 @@ func TestReplicasWithSwappedBackendURLsWarn(t *testing.T) {
 			t.Fatalf("want warnings of proxy-b's e0 and e1 only: %s", l.String())
 		}
 	}
+}
+
+// startNATS runs an embedded NATS server on a free loopback port for the
+// test and returns its URL.
+func startNATS(t *testing.T) string {
+	t.Helper()
+	ns, err := natsserver.NewServer(&natsserver.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go ns.Start()
+	if !ns.ReadyForConnections(5 * time.Second) {
+		t.Fatal("NATS did not start")
+	}
+	t.Cleanup(ns.Shutdown)
+	return ns.ClientURL()
+}
+
+// The load a replica puts on a data-parallel rank above 0 ("e0#1") reaches
+// the others: it was not published, as the rank's worker has no backend of
+// its own in the pool's list, so every replica saw the ranks above 0 idle
+// and sent its requests there (the twenty-ninth session's review).
+func TestReplicasShareDataParallelRanksLoad(t *testing.T) {
+	nats := startNATS(t)
+	eng := deadAddr(t) // no engine: the load is the router's
+	yaml := func(id string) string {
+		return "models: [{name: m, tokenizer: cl100k_base, template: chatml, block_size: 16}]\n" +
+			"backends:\n  - {id: e0, url: 'http://" + eng + "', model: m, kv_events: {mode: http}}\n" +
+			"replicas: {nats: '" + nats + "', id: " + id + ", interval: 50ms}\n"
+	}
+	a := serveYAML(t, yaml("a"), true)
+	b := serveYAML(t, yaml("b"), true)
+	for _, p := range []*testProxy{a, b} {
+		pushRank(t, p, "e0", 1, promptIDs(100))
+	}
+	rank1, ok := workerStatus(a, "m", "e0#1")
+	if !ok {
+		t.Fatal("no worker for rank 1")
+	}
+	rt := a.s.st.Load().models["m"].rt
+	for _, id := range []router.WorkerID{rank1.ID, 0} {
+		for range 4 {
+			if _, _, err := rt.Route(&router.Request{PromptTokens: 100, Pinned: true, Pin: id}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	waitFor(t, "replica a's load on both ranks to reach b", func() bool {
+		r0, _ := workerStatus(b, "m", "e0")
+		r1, _ := workerStatus(b, "m", "e0#1")
+		return r0.Remote.Inflight == 4 && r1.Remote.Inflight == 4
+	})
 }

@@ -976,11 +976,24 @@ func (s *Server) Shutdown() error {
 // localLoad is the load this replica puts on each worker, for the others.
 func (s *Server) localLoad() []replicas.Entry {
 	var out []replicas.Entry
-	for _, p := range s.st.Load().pools {
+	st := s.st.Load()
+	for _, p := range st.pools {
 		backends := *p.workers.Load()
 		for _, w := range p.rt.Workers() {
-			if !w.Removed && int(w.ID) < len(backends) && backends[w.ID] != nil {
-				out = append(out, replicas.Entry{Model: p.cfg.Name, Worker: w.Name, URLHash: backends[w.ID].urlHash,
+			if w.Removed {
+				continue
+			}
+			var b *backend
+			if int(w.ID) < len(backends) {
+				b = backends[w.ID]
+			}
+			if b == nil { // a data-parallel rank's worker ("id#r")
+				if rb, _ := st.rankBackend(w.Name); rb != nil && rb.pool == p {
+					b = rb
+				}
+			}
+			if b != nil {
+				out = append(out, replicas.Entry{Model: p.cfg.Name, Worker: w.Name, URLHash: b.urlHash,
 					Load: router.Load{Inflight: w.Inflight, Pending: w.Pending, PrefillTokens: w.PrefillTokens, ActiveBlocks: w.ActiveBlocks}})
 			}
 		}
