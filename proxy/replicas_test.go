@@ -9,12 +9,11 @@ import (
 	"time"
 
 	natsserver "github.com/nats-io/nats-server/v2/server"
-
-	"github.com/kvproxy/kvproxy/router"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 
 	"github.com/kvproxy/kvproxy/config"
+	"github.com/kvproxy/kvproxy/router"
 )
 
 // feedGoroutines counts the goroutines running a ZMQ subscriber.
