@@ -265,11 +265,19 @@ const (
 // When it tried and could not, detail says why, for the log.
 func (r *relay) migrate(why string) (res moveResult, detail string) {
 	x, m := r.x, r.x.mig
-	if m == nil || x.migrations == 0 || m.off || m.finished || r.sawDone || x.ab.Aborted() && x.unresponsive.Load() == nil {
+	if m == nil || m.off || m.finished || r.sawDone || x.ab.Aborted() && x.unresponsive.Load() == nil {
 		return notMoved, ""
+	}
+	// A stream that could move and does not is a failed migration for
+	// the metric: counted apart, one moved before and failing again went
+	// unseen (the review).
+	if x.migrations == 0 {
+		x.s.metrics.migrations.WithLabelValues(x.b.cfg.ID, "failed").Inc()
+		return notMoved, "; not moved: its moves (limits.migration_limit) are spent"
 	}
 	emitted := m.emitted(x)
 	if m.maxTokens > 0 && emitted >= m.maxTokens {
+		x.s.metrics.migrations.WithLabelValues(x.b.cfg.ID, "failed").Inc()
 		return notMoved, "; not moved: the output relayed has the tokens asked for"
 	}
 	s, failed, failedD := x.s, x.b, x.d
@@ -358,6 +366,14 @@ func (r *relay) migrate(why string) (res moveResult, detail string) {
 		}
 	}
 	return notMoved, detail
+}
+
+// mayMove reports whether the stream may still move to another engine
+// should its engine fail: it can, has moves left, the client has had no
+// error or [DONE], and its answer has not finished.
+func (r *relay) mayMove() bool {
+	m := r.x.mig
+	return m != nil && r.x.migrations > 0 && !m.off && !m.finished && !r.sawDone
 }
 
 // moveOrEnd tries to move the stream after its engine failed (why); it

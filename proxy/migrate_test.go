@@ -173,6 +173,12 @@ func TestStreamMovesToAnotherEngineMidAnswer(t *testing.T) {
 	}{
 		{"drops its connection", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 3 }},
 		{"goes silent", func(f *fakeEngine) { f.tokens, f.pauseAfter, f.pause = 10, 3, 20*time.Second }},
+		// In its own words, as vLLM says its engine core died: the frame
+		// ended the stream (the twenty-ninth session's review).
+		{"says it failed", func(f *fakeEngine) {
+			f.tokens, f.errorAfter = 10, 3
+			f.errorFrame = `{"error":{"message":"EngineCore encountered an issue. See stack trace (above) for the root cause.","type":"InternalServerError","param":null,"code":500}}`
+		}},
 	} {
 		t.Run(c.name, func(t *testing.T) { testStreamMoves(t, c.fails) })
 	}
@@ -489,4 +495,55 @@ func startMigrationPastDown(t *testing.T) (dies, down *fakeEngine) {
 	down = &fakeEngine{id: "down", addr: ln.Addr().String()}
 	ln.Close() // refuses connections
 	return dies, down
+}
+
+// An engine's error frame ends its stream as before when the stream cannot
+// move: the client gets the frame and one [DONE]; and a frame that blames
+// the request (vLLM's BadRequestError) is passed on, not moved.
+func TestErrorFrameOfAStreamThatDoesNotMove(t *testing.T) {
+	const died = `{"error":{"message":"EngineCore encountered an issue.","type":"InternalServerError","param":null,"code":500}}`
+	const refused = `{"error":{"message":"guided decoding failed","type":"BadRequestError","param":null,"code":400}}`
+	for _, c := range []struct {
+		name, kind, frame, says string
+		moves                   int64
+	}{
+		{"no engine can continue it", "openai", died, "EngineCore encountered an issue.", 0},
+		{"the request's fault", "vllm", refused, "guided decoding failed", 0},
+	} {
+		dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.errorAfter, f.errorFrame = 10, 3, c.frame })
+		next := startFake(t, "next", nil)
+		p := startProxyYAML(t, fmt.Sprintf(migrateYAML, c.kind, 1), dies, next)
+		_, body := post(t, p.url+"/v1/chat/completions", migrateBody)
+		got := string(body)
+		if !strings.Contains(got, c.says) || strings.Count(got, "data: [DONE]") != 1 || !strings.HasSuffix(got, "data: [DONE]\n\n") ||
+			strings.Count(got, `"content":"t`) != 3 || next.requests.Load() != c.moves {
+			t.Fatalf("%s: %d requests moved, stream:\n%s", c.name, next.requests.Load(), got)
+		}
+		p.waitIdle(t)
+	}
+}
+
+// A stream that fails again once its moves are spent counts as a failed
+// migration: only its move was counted, as ok (the review).
+func TestStreamFailingPastItsMovesIsCounted(t *testing.T) {
+	dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 3 })
+	dies2 := startFake(t, "dies2", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 2 })
+	p := startProxyYAML(t, `models: [{name: m}]
+backends:
+  - {id: dies, url: 'http://{{e0}}', model: m, served_model: engine-m}
+  - {id: dies2, url: 'http://{{e1}}', model: m, served_model: engine-m, kind: vllm}
+router: {policy: round_robin}
+limits: {migration_limit: 1}
+`, dies, dies2)
+	_, body := post(t, p.url+"/v1/chat/completions", strings.Replace(migrateBody, `"max_tokens":10`, `"max_tokens":100`, 1))
+	if !strings.Contains(string(body), `"code":"backend_failed"`) {
+		t.Fatalf("stream:\n%s", body)
+	}
+	p.waitIdle(t)
+	m := p.metrics(t)
+	for _, want := range []string{`kvproxy_stream_migrations_total{backend="dies",result="ok"} 1`, `kvproxy_stream_migrations_total{backend="dies2",result="failed"} 1`} {
+		if !strings.Contains(m, want) {
+			t.Fatalf("no %s in:\n%s", want, grepLines(m, "kvproxy_stream_migrations_total{"))
+		}
+	}
 }

@@ -48,6 +48,9 @@ type relay struct {
 	// engineFault: one not of the request's doing (not a 4xx's type),
 	// which counts against the engine as a 500 answer does.
 	sawError, engineFault bool
+	// failedFrame: an error frame of the engine's own making, held back
+	// while the stream may move to another engine (errEngineErrorFrame).
+	failedFrame []byte
 	// afterDone: the time spent waiting for the engine since [DONE]
 	afterDone time.Duration
 	relayed   int // a Responses stream's events: its next sequence_number
@@ -197,6 +200,10 @@ func (r *relay) nextBatch() []byte {
 			f.atEOF()
 		}
 		out = r.events(out)
+		if r.failedFrame != nil {
+			err = errEngineErrorFrame
+			break
+		}
 		if errors.Is(err, io.EOF) && lastEventWhole(f.pending()) {
 			// The body ended cleanly on an event without its blank
 			// line: the OpenAI SDKs take it, and so does kvproxy.
@@ -239,6 +246,9 @@ func (r *relay) events(out []byte) []byte {
 			r.engineEvents++
 		}
 		out = append(out, raw...)
+		if r.failedFrame != nil {
+			return out // the engine's stream ends there (nextBatch)
+		}
 	}
 }
 
@@ -300,6 +310,24 @@ func (r *relay) end(out []byte, err error) []byte {
 			"the backend serving this request stopped answering: "+msg, "timeout_error", "backend_timeout")
 	case errors.Is(err, backends.ErrAborted) || x.ab.Aborted():
 		x.status = 499
+	case errors.Is(err, errEngineErrorFrame):
+		// Counted as the engine's error answers are, before it moves.
+		x.b.answeredError("an error event in its stream")
+		frame := r.failedFrame
+		r.failedFrame = nil
+		out, handled, detail := r.moveOrEnd("sent an error event"+engineErrorKind(frame), out)
+		if handled {
+			return out
+		}
+		// Not moved: the client gets the engine's frame and [DONE], as
+		// it would have.
+		r.sawError, r.engineFault = true, true
+		if x.mig != nil {
+			x.mig.off = true
+		}
+		x.errMsg = "engine error frame" + detail
+		out = append(append(append(out, "data: "...), frame...), "\n\n"...)
+		return append(out, doneEvent...)
 	case errors.Is(err, errEventTooLarge):
 		// This request's answer, not the engine, is at fault (a first chunk
 		// with prompt logprobs of a huge prompt): the engine stays in.
@@ -393,6 +421,10 @@ var (
 	cr        = []byte("\r")
 )
 
+// errEngineErrorFrame ends an engine's stream at an error frame of its own
+// making, for the stream to move (relay.failedFrame).
+var errEngineErrorFrame = errors.New("an error event of the engine's making")
+
 var errEventTooLarge = fmt.Errorf("an SSE event larger than %d MiB", maxSSEEvent>>20)
 
 func (r *relay) clientGone() {
@@ -449,6 +481,15 @@ func (r *relay) onEvent(ev []byte) []byte {
 			}
 		}
 		if isErrorFrame(data) {
+			if norm := normalizeEngineError(500, data); !requestsFault(norm) && r.mayMove() {
+				// The engine failed in its own words (vLLM's
+				// InternalServerError frame when its engine core dies):
+				// the stream moves as one whose engine dropped it, and
+				// the client gets the frame only if it cannot (the
+				// twenty-ninth session's review: it ended the stream).
+				r.failedFrame = append(r.failedFrame[:0], norm...)
+				return dropped
+			}
 			r.sawError = true
 			if r.x.mig != nil {
 				r.x.mig.off = true // the client was told
