@@ -192,3 +192,33 @@ func TestSilentPeerDropsOutOnTimeWhateverTheWatchersInterval(t *testing.T) {
 		t.Fatalf("b's load lingered %v after it stopped (3 × 50 ms, at least 1 s)", d)
 	}
 }
+
+// A report's unhashed entries on workers this replica does not have are
+// kept up to maxUnknownKept: a publisher on the subject made every replica
+// keep and sum all it sent (the twenty-ninth session's review: 840,000
+// entries from 50 reports).
+func TestUnknownEntriesKeptAreBounded(t *testing.T) {
+	url := startNATS(t).ClientURL()
+	k := newSink()
+	start(t, url, "a", []Entry{{Model: "m", Worker: "e0"}}, k)
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	var b strings.Builder
+	b.WriteString(`{"replica":"x","instance":"i","interval_ms":20000,"loads":[{"model":"m","worker":"e0","inflight":2}`)
+	for i := range 5000 {
+		fmt.Fprintf(&b, `,{"model":"m","worker":"w%d","inflight":1}`, i)
+	}
+	b.WriteString(`]}`)
+	nc.Publish("kvproxy.load", []byte(b.String()))
+	nc.Flush()
+	k.waitFor(t, "x's report at a", func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}].Inflight == 2 })
+	k.mu.Lock()
+	n := len(k.last)
+	k.mu.Unlock()
+	if n != maxUnknownKept+1 {
+		t.Fatalf("%d workers' load kept, want e0's and %d others", n, maxUnknownKept)
+	}
+}
