@@ -155,7 +155,8 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 			log.Info().Str("server", c.ConnectedUrlRedacted()).Str("subject", cfg.Subject).Str("id", cfg.ID).Msg("replicas: connected to NATS")
 		}
 	}
-	firstErr := make(chan error, 1) // why the first connection failed
+	firstErr := make(chan error, 1)     // why the first connection failed
+	var asyncErr atomic.Pointer[string] // the asynchronous error last logged
 	nc, err := nats.Connect(cfg.URL,
 		nats.Name("kvproxy "+cfg.ID),
 		nats.NoEcho(), // this replica's own reports are not delivered back to it
@@ -190,7 +191,13 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 			}
 		}),
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
-			log.Warn().Err(err).Msg("replicas: NATS error")
+			// Once per kind of error in a row: a publish the server's
+			// permissions deny comes back at every report (the review: 29
+			// lines in 3 s).
+			msg := err.Error()
+			if old := asyncErr.Swap(&msg); old == nil || *old != msg {
+				log.Warn().Err(err).Msg("replicas: NATS error (said once while it repeats)")
+			}
 		}),
 	)
 	if err != nil {

@@ -222,3 +222,25 @@ func TestUnknownEntriesKeptAreBounded(t *testing.T) {
 		t.Fatalf("%d workers' load kept, want e0's and %d others", n, maxUnknownKept)
 	}
 }
+
+// An asynchronous NATS error that repeats is said once: a publish the
+// server's permissions deny came back at every report (the twenty-ninth
+// session's review: 29 lines in 3 s at a 100 ms interval).
+func TestRepeatedNATSErrorSaidOnce(t *testing.T) {
+	ns := startNATSWith(t, &server.Options{Port: -1, Users: []*server.User{{Username: "u", Password: "p",
+		Permissions: &server.Permissions{Publish: &server.SubjectPermission{Deny: []string{"kvproxy.load"}}}}}})
+	url := strings.Replace(ns.ClientURL(), "nats://", "nats://u:p@", 1)
+	_, logs := startLogged(t, Config{URL: url, ID: "a", Interval: 20 * time.Millisecond},
+		func() []Entry { return []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: 1}}} }, func(map[Key]router.Load) {})
+	deadline := time.Now().Add(5 * time.Second)
+	for !strings.Contains(logs.String(), "Permissions Violation") {
+		if time.Now().After(deadline) {
+			t.Fatalf("no word of the denied publish:\n%s", logs.String())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(500 * time.Millisecond) // about 25 reports more, each denied
+	if n := strings.Count(logs.String(), "replicas: NATS error"); n != 1 {
+		t.Fatalf("%d lines of the same error:\n%s", n, logs.String())
+	}
+}
