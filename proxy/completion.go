@@ -1043,6 +1043,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				b.fail(ejectTimeout, msg)
 			} else {
 				b.wholeTimedOut(msg)
+				noRetry(ctx)
 			}
 			x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, msg)
 		case errors.Is(err, backends.ErrBeyondBudget):
@@ -1574,6 +1575,14 @@ func (x *exchange) answerRefusal(ctx *fasthttp.RequestCtx) {
 	}
 	x.logLine()
 }
+
+// noRetry says to the client's SDK not to send the request again
+// (x-should-retry: false, which the OpenAI and Anthropic SDKs obey), for a
+// 504 of a non-streamed answer its engine did not finish within
+// stream_idle_timeout: an SDK sent it twice more, to the same engine (it
+// caches the prompt), for the same wait, and three such in a row ejected
+// the engine (the twenty-ninth session's SDK trial).
+func noRetry(ctx *fasthttp.RequestCtx) { ctx.Response.Header.Set("X-Should-Retry", "false") }
 
 // upstreamFault tells the client how an engine's answer failed. The error
 // itself stays in the log: a dial error names the engine's address, and

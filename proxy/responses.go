@@ -969,6 +969,7 @@ func (s *Server) byIDFailed(ctx *fasthttp.RequestCtx, b *backend, err error) (in
 	case backends.IsTimeout(err):
 		msg := b.silent()
 		b.wholeTimedOut(msg)
+		noRetry(ctx)
 		writeError(ctx, fasthttp.StatusGatewayTimeout, msg, "timeout_error", "", "backend_timeout")
 		return fasthttp.StatusGatewayTimeout, msg
 	default:

@@ -29,8 +29,10 @@ func TestEngineThatNeverAnswersWholeRequestsIsEjected(t *testing.T) {
 		"limits: {stream_idle_timeout: 200ms}\n", hung, ok)
 	pinned := `{"model":"m","prompt":"x","nvext":{"backend_instance_id":"hung"}}`
 	for i := 1; i <= silentWholeLimit; i++ {
-		if resp, b := post(t, p.url+"/v1/completions", pinned); resp.StatusCode != 504 {
-			t.Fatalf("request %d: %d %s", i, resp.StatusCode, b)
+		// x-should-retry: false, or an SDK sends it again to the same
+		// engine, for the same wait (the twenty-ninth session's SDK trial).
+		if resp, b := post(t, p.url+"/v1/completions", pinned); resp.StatusCode != 504 || resp.Header.Get("X-Should-Retry") != "false" {
+			t.Fatalf("request %d: %d %v %s", i, resp.StatusCode, resp.Header, b)
 		}
 		if got, want := ejected(p, "hung"), i == silentWholeLimit; got != want {
 			t.Fatalf("after %d silent requests: ejected %v", i, got)
@@ -43,6 +45,17 @@ func TestEngineThatNeverAnswersWholeRequestsIsEjected(t *testing.T) {
 		if resp, b := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"x"}`); resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "ok" {
 			t.Fatalf("after the ejection: %d from %q: %s", resp.StatusCode, resp.Header.Get(WorkerHeader), b)
 		}
+	}
+	p.waitIdle(t)
+}
+
+// The Responses API's whole answers get x-should-retry: false too.
+func TestSilentResponseIsNotRetried(t *testing.T) {
+	hung := startFake(t, "hung", func(f *fakeEngine) { f.prefillDelay = 10 * time.Second })
+	p := startProxyYAML(t, "models: [{name: m, tokenizer: cl100k_base, template: chatml}]\n"+
+		"backends: [{id: hung, url: 'http://{{e0}}', model: m}]\nlimits: {stream_idle_timeout: 200ms}\n", hung)
+	if resp, b := post(t, p.url+"/v1/responses", `{"model":"m","input":"x"}`); resp.StatusCode != 504 || resp.Header.Get("X-Should-Retry") != "false" {
+		t.Fatalf("%d %v %s", resp.StatusCode, resp.Header, b)
 	}
 	p.waitIdle(t)
 }
