@@ -1102,7 +1102,11 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		// Anthropic's clients read Anthropic's errors, whoever answers,
 		// and its SDKs show the request's id from request-id.
 		defer toAnthropicError(ctx)
-		defer func() { ctx.Response.Header.SetBytesV("Request-Id", ctx.Response.Header.PeekBytes(hdrRequestID)) }()
+		defer func() {
+			if id := ctx.Response.Header.PeekBytes(hdrRequestID); len(id) > 0 { // a preflight has none
+				ctx.Response.Header.SetBytesV("Request-Id", id)
+			}
+		}()
 	}
 	honourConnectionClose(ctx)
 	if refuseAmbiguousFraming(ctx) {
