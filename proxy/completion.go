@@ -1436,6 +1436,9 @@ func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 		}
 		x.errMsg = "engine answered " + strconv.Itoa(code) + engineErrorKind(body) // in the engine's words
 		body = normalizeEngineError(code, body)
+		if code == fasthttp.StatusNotFound && x.resp.lostPrevious(body) {
+			body = previousNotFound(body)
+		}
 	}
 	if x.resp != nil && enc == nil {
 		if code == fasthttp.StatusOK {

@@ -705,6 +705,24 @@ func (ids *respIDs) lostPrevious(body []byte) bool {
 	return bytes.Contains(body, quoted[1:len(quoted)-1])
 }
 
+// previousNotFound is an engine's 404 for a previous response it does not
+// hold (store: false, evicted from its store, or lost in a restart), in
+// OpenAI's error (a normalized one) with the code and param kvproxy's own
+// refusals have: a client that rebuilds the conversation when it reads
+// previous_response_not_found missed the engine's (code null, param
+// response_id: the twenty-ninth session's SDK trial).
+func previousNotFound(errJSON []byte) []byte {
+	var e struct {
+		Error struct {
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	if json.Unmarshal(errJSON, &e) != nil {
+		return errJSON
+	}
+	return errorJSON(e.Error.Message, "invalid_request_error", "previous_response_id", "previous_response_not_found")
+}
+
 // previousResponse makes the ids of a Responses request and sends one that
 // continues a response kvproxy relayed (previous_response_id) to the
 // backend that made it, which alone holds it; the engine gets its own id

@@ -416,10 +416,17 @@ func TestResponsesEngineWithoutThePreviousResponse(t *testing.T) {
 	}
 	// A response kvproxy relayed, which the engine no longer holds (it
 	// restarted): the error names it as the client knows it.
+	// Its code and param are kvproxy's own refusals': clients that
+	// rebuild the conversation on previous_response_not_found missed the
+	// engine's (code null, param response_id: the twenty-ninth session's
+	// SDK trial).
 	gone := string(appendTaggedID(nil, testTag(p, "e0", "", "resp_e0lost"), []byte("resp_e0lost")))
-	resp, b = post(t, p.url+"/v1/responses", fmt.Sprintf(`{"model":"m","input":"x","previous_response_id":%q}`, gone))
-	if resp.StatusCode != 404 || !strings.Contains(string(b), "'"+gone+"'") {
-		t.Fatalf("%d %s", resp.StatusCode, b)
+	for _, stream := range []string{"false", "true"} {
+		resp, b = post(t, p.url+"/v1/responses", fmt.Sprintf(`{"model":"m","input":"x","stream":%s,"previous_response_id":%q}`, stream, gone))
+		if resp.StatusCode != 404 || !strings.Contains(string(b), "'"+gone+"'") ||
+			!strings.Contains(string(b), `"param":"previous_response_id","code":"previous_response_not_found"`) {
+			t.Fatalf("stream %s: %d %s", stream, resp.StatusCode, b)
+		}
 	}
 	if resp, b := post(t, p.url+"/v1/responses", `{"model":"m","input":"x"}`); resp.StatusCode != 200 {
 		t.Fatalf("the engine was taken out for it: %d %s", resp.StatusCode, b)
