@@ -1,6 +1,9 @@
 package proxy
 
 import (
+	"math/rand/v2"
+	"strconv"
+
 	"github.com/goccy/go-json"
 	"github.com/valyala/fasthttp"
 )
@@ -43,6 +46,10 @@ func badRequest(ctx *fasthttp.RequestCtx, param, msg string) {
 func (s *Server) unavailable(ctx *fasthttp.RequestCtx, why unavailableReason, msg string) {
 	s.metrics.unavailable.WithLabelValues(string(why)).Inc()
 	ctx.Response.Header.Set("Retry-After", "1")
+	// The SDKs wait exactly what retry-after-ms says, and clients refused
+	// together came back together, each second (the twenty-ninth session's
+	// SDK trial): 0.5 to 1.5 s spreads them.
+	ctx.Response.Header.Set("Retry-After-Ms", strconv.Itoa(500+rand.IntN(1001)))
 	code := "no_backend_available"
 	switch why {
 	case whyQueueFull, whyQueueTimeout, whyRemoved, whyNoFiles, whyBodyMemory:

@@ -528,6 +528,12 @@ func TestConcurrencyLimitQueuesThenSheds(t *testing.T) {
 				if resp.StatusCode == 503 && (resp.Header.Get("Retry-After") == "" || !strings.Contains(string(b), `"error"`)) {
 					t.Errorf("503 without Retry-After or error object: %s", b)
 				}
+				// Retry-After-Ms from 0.5 to 1.5 s: the SDKs wait exactly
+				// that, and clients refused together came back together
+				// (the twenty-ninth session's SDK trial).
+				if ms, err := strconv.Atoi(resp.Header.Get("Retry-After-Ms")); resp.StatusCode == 503 && (err != nil || ms < 500 || ms > 1500) {
+					t.Errorf("503 with Retry-After-Ms %q", resp.Header.Get("Retry-After-Ms"))
+				}
 				if resp.StatusCode == 503 {
 					var eb struct{ Error struct{ Code string } }
 					json.Unmarshal([]byte(b), &eb)
