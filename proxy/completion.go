@@ -518,7 +518,16 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 	x.priority, req.dropPriority, req.priorityTo = prio, t.capped, prio
 	x.migrations = lim.MigrationLimit
 	if x.migrations > 0 && req.stream && ctx.Request.Header.IsHTTP11() && migratable(req, kind, rr) {
-		x.mig = newMigration(ctx, req, kind, rr, salt, longest+max(req.maxTokens, 1))
+		// The copy of the body a move resends is charged as bodies are:
+		// it doubled what each large stream held, unseen by the budget
+		// (the twenty-ninth session's review). With no room, the stream
+		// cannot move.
+		if n := int64(len(req.body)); n <= backends.Untracked || s.bodyMem.Take(n) {
+			x.mig = newMigration(ctx, req, kind, rr, salt, longest+max(req.maxTokens, 1))
+			if n > backends.Untracked {
+				x.mig.held = n
+			}
+		}
 	}
 	s.dispatch(ctx, st, sc, x, salt)
 }
@@ -563,6 +572,7 @@ func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *e
 // most once, whatever the exchange had already given back.
 func (x *exchange) abandon() {
 	x.letGoAnswer()
+	x.mig.letGo(x.s.bodyMem)
 	x.stopWatch()
 	x.release()
 	x.slot.release()
@@ -1671,6 +1681,7 @@ func (x *exchange) stopWatch() {
 // (idempotent), records metrics and writes the access log line.
 func (x *exchange) finish() {
 	x.letGoAnswer()
+	x.mig.letGo(x.s.bodyMem)
 	x.stopWatch()
 	x.release()
 	x.slot.release()

@@ -32,8 +32,11 @@ import (
 
 // migration is what a stream needs to be continued on another engine.
 type migration struct {
-	chat  bool   // chat completions (else completions)
-	body  []byte // the client's request, decoded
+	chat bool   // chat completions (else completions)
+	body []byte // the client's request, decoded
+	// held: what body holds of the server's body budget (over 1 MiB),
+	// given back when the exchange ends (exchange.finish).
+	held  int64
 	salt  string // the tenant's cache_salt, for engines that take one
 	trace traceValues
 	conn  net.Conn // the client's, watched for a hang-up while moving
@@ -110,6 +113,15 @@ func newMigration(ctx *fasthttp.RequestCtx, req *apiRequest, kind api, rr *route
 		m.trace[i] = bytes.Clone(v)
 	}
 	return m
+}
+
+// letGo gives back what the body kept for a move holds of mem, once; m
+// may be nil.
+func (m *migration) letGo(mem *backends.Budget) {
+	if m != nil {
+		mem.Give(m.held)
+		m.held = 0
+	}
 }
 
 var finishKey = []byte(`"finish_reason":`)
