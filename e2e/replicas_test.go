@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
+
+	"github.com/kvproxy/kvproxy/internal/testutil"
 )
 
 // Two kvproxy replicas in front of the same engines share their in-flight
@@ -18,15 +20,7 @@ import (
 // busy, replica A sends its own requests to e1, and once B is killed its
 // load stops counting at A within a few reporting intervals.
 func TestReplicasShareLoadOverNATS(t *testing.T) {
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	if !ns.ReadyForConnections(5 * time.Second) {
-		t.Fatal("NATS did not start")
-	}
-	defer ns.Shutdown()
+	ns := testutil.StartNATS(t, &server.Options{Port: -1})
 
 	engines := fleet(t, 2, "-speedup", "1")
 	addrs := map[string]string{"e0": engines[0], "e1": engines[1]}

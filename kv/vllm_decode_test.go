@@ -655,82 +655,64 @@ func TestDecodeVLLMFollowsTheFullAttentionGroup(t *testing.T) {
 		return out
 	}
 
-	var d VLLMDecoder // gpt-oss: group 0 sliding window, group 1 full
-	got := decode(&d, func(f *fixture) {
-		f.arr(5)
-		stored(f, 1, 0, "sliding_window")
-		stored(f, 2, 1, "full_attention")
-		stored(f, 3, 0, "sliding_window")
-		removed(f, 1, 0)
-		removed(f, 2, 1)
-	})
-	want := []ev{{BlockStored, 1}, {AllBlocksCleared, 0}, {BlockStored, 2}, {BlockRemoved, 2}}
-	if !reflect.DeepEqual(got, want) {
-		t.Fatalf("gpt-oss: %v, want %v", got, want)
+	// Each case decodes its batches in turn with one decoder; forget calls
+	// ForgetGroup before the last (its feed cleared).
+	type batch struct {
+		events []func(f *fixture) *fixture
+		want   []ev
 	}
-	got = decode(&d, func(f *fixture) { // the choice holds in later batches
-		f.arr(3)
-		stored(f, 4, 0, "sliding_window")
-		stored(f, 5, 1, "full_attention")
-		removed(f, 4, 0)
-	})
-	if want := []ev{{BlockStored, 5}}; !reflect.DeepEqual(got, want) {
-		t.Fatalf("the next batch: %v, want %v", got, want)
+	st := func(h, group int64, kind string) func(f *fixture) *fixture {
+		return func(f *fixture) *fixture { return stored(f, h, group, kind) }
 	}
-
-	// The engine restarts behind the feed with another layout (hybrid
-	// allocation turned on): the group followed changes kind, and the
-	// choice is made anew (the review).
-	var restarted VLLMDecoder
-	decode(&restarted, func(f *fixture) { f.arr(1); stored(f, 9, 0, "full_attention") })
-	got = decode(&restarted, func(f *fixture) {
-		f.arr(3)
-		stored(f, 10, 0, "sliding_window")
-		stored(f, 11, 1, "full_attention")
-		removed(f, 10, 0)
-	})
-	if want := []ev{{BlockStored, 10}, {AllBlocksCleared, 0}, {BlockStored, 11}}; !reflect.DeepEqual(got, want) {
-		t.Fatalf("after a restart with another layout: %v, want %v", got, want)
+	rm := func(h, group int64) func(f *fixture) *fixture {
+		return func(f *fixture) *fixture { return removed(f, h, group) }
 	}
-
-	// vLLM's "unknown" (a group of mixed kinds) ranks under full attention.
-	var unknown VLLMDecoder
-	got = decode(&unknown, func(f *fixture) {
-		f.arr(2)
-		stored(f, 12, 0, "unknown")
-		stored(f, 13, 1, "mla_attention")
-	})
-	if want := []ev{{BlockStored, 12}, {AllBlocksCleared, 0}, {BlockStored, 13}}; !reflect.DeepEqual(got, want) {
-		t.Fatalf("unknown then full: %v, want %v", got, want)
-	}
-	unknown.ForgetGroup() // its feed cleared: chosen again, with no clear
-	got = decode(&unknown, func(f *fixture) {
-		f.arr(2)
-		stored(f, 14, 0, "")
-		stored(f, 15, 1, "")
-	})
-	if want := []ev{{BlockStored, 14}}; !reflect.DeepEqual(got, want) {
-		t.Fatalf("after ForgetGroup: %v, want %v", got, want)
-	}
-
-	var one VLLMDecoder // one group, of a sliding window (Mistral 7B v0.1): followed
-	got = decode(&one, func(f *fixture) {
-		f.arr(2)
-		stored(f, 6, 0, "sliding_window")
-		removed(f, 6, 0)
-	})
-	if want := []ev{{BlockStored, 6}, {BlockRemoved, 6}}; !reflect.DeepEqual(got, want) {
-		t.Fatalf("one windowed group: %v, want %v", got, want)
-	}
-
-	var old VLLMDecoder // no kinds (older vLLM): group 0, as before
-	got = decode(&old, func(f *fixture) {
-		f.arr(3)
-		stored(f, 7, 1, "")
-		stored(f, 8, 0, "")
-		removed(f, 7, 1)
-	})
-	if want := []ev{{BlockStored, 8}}; !reflect.DeepEqual(got, want) {
-		t.Fatalf("no kinds: %v, want %v", got, want)
+	for _, c := range []struct {
+		name    string
+		batches []batch
+		forget  bool
+	}{
+		{"gpt-oss: group 0 a sliding window's, group 1 full; the choice holds", []batch{
+			{[]func(*fixture) *fixture{st(1, 0, "sliding_window"), st(2, 1, "full_attention"), st(3, 0, "sliding_window"), rm(1, 0), rm(2, 1)},
+				[]ev{{BlockStored, 1}, {AllBlocksCleared, 0}, {BlockStored, 2}, {BlockRemoved, 2}}},
+			{[]func(*fixture) *fixture{st(4, 0, "sliding_window"), st(5, 1, "full_attention"), rm(4, 0)}, []ev{{BlockStored, 5}}},
+		}, false},
+		// The engine restarts behind the feed with another layout (hybrid
+		// allocation turned on): the group followed changes kind, and the
+		// choice is made anew (the review).
+		{"a restart with another layout", []batch{
+			{[]func(*fixture) *fixture{st(9, 0, "full_attention")}, []ev{{BlockStored, 9}}},
+			{[]func(*fixture) *fixture{st(10, 0, "sliding_window"), st(11, 1, "full_attention"), rm(10, 0)},
+				[]ev{{BlockStored, 10}, {AllBlocksCleared, 0}, {BlockStored, 11}}},
+		}, false},
+		// vLLM's "unknown" (a group of mixed kinds) ranks under full
+		// attention; once its feed is cleared, the choice is made again,
+		// with no clear.
+		{"unknown, then full; forgotten", []batch{
+			{[]func(*fixture) *fixture{st(12, 0, "unknown"), st(13, 1, "mla_attention")}, []ev{{BlockStored, 12}, {AllBlocksCleared, 0}, {BlockStored, 13}}},
+			{[]func(*fixture) *fixture{st(14, 0, ""), st(15, 1, "")}, []ev{{BlockStored, 14}}},
+		}, true},
+		{"one group, of a sliding window (Mistral 7B v0.1)", []batch{
+			{[]func(*fixture) *fixture{st(6, 0, "sliding_window"), rm(6, 0)}, []ev{{BlockStored, 6}, {BlockRemoved, 6}}},
+		}, false},
+		{"no kinds (older vLLM): group 0, as before", []batch{
+			{[]func(*fixture) *fixture{st(7, 1, ""), st(8, 0, ""), rm(7, 1)}, []ev{{BlockStored, 8}}},
+		}, false},
+	} {
+		var d VLLMDecoder
+		for i, b := range c.batches {
+			if c.forget && i == len(c.batches)-1 {
+				d.ForgetGroup()
+			}
+			got := decode(&d, func(f *fixture) {
+				f.arr(len(b.events))
+				for _, e := range b.events {
+					e(f)
+				}
+			})
+			if !reflect.DeepEqual(got, b.want) {
+				t.Fatalf("%s, batch %d: %v, want %v", c.name, i, got, b.want)
+			}
+		}
 	}
 }

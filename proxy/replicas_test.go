@@ -13,6 +13,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvproxy/kvproxy/config"
+	"github.com/kvproxy/kvproxy/internal/testutil"
 	"github.com/kvproxy/kvproxy/router"
 )
 
@@ -137,17 +138,7 @@ func TestReplicasWithSwappedBackendURLsWarn(t *testing.T) {
 // startNATS runs an embedded NATS server on a free loopback port for the
 // test and returns its URL.
 func startNATS(t *testing.T) string {
-	t.Helper()
-	ns, err := natsserver.NewServer(&natsserver.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	if !ns.ReadyForConnections(5 * time.Second) {
-		t.Fatal("NATS did not start")
-	}
-	t.Cleanup(ns.Shutdown)
-	return ns.ClientURL()
+	return testutil.StartNATS(t, &natsserver.Options{Port: -1}).ClientURL()
 }
 
 // The load a replica puts on a data-parallel rank above 0 ("e0#1") reaches

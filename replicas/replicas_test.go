@@ -27,18 +27,7 @@ func startNATSOn(t *testing.T, port int) *server.Server {
 
 // startNATSWith runs one with opts (on loopback, quiet).
 func startNATSWith(t *testing.T, opts *server.Options) *server.Server {
-	t.Helper()
-	opts.Host, opts.NoLog, opts.NoSigs = "127.0.0.1", true, true
-	ns, err := server.NewServer(opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	if !ns.ReadyForConnections(5 * time.Second) {
-		t.Fatal("NATS did not start")
-	}
-	t.Cleanup(ns.Shutdown)
-	return ns
+	return testutil.StartNATS(t, opts)
 }
 
 // sink keeps the last sum a Sync applied, and lets a test wait for one.
