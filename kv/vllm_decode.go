@@ -161,13 +161,13 @@ func DecodeVLLM(payload []byte) (ts float64, events []Event, dpRank int, err err
 
 // Arenas grown past these capacities by a batch far larger than usual go to
 // the garbage collector at the next Decode rather than staying for good.
-// SGLang publishes an event per page, of one token by default, so a long
-// prefill's batch holds tens of thousands of events: they stay (about 5 MiB
-// of events at most).
+// SGLang publishes an event per page, of one token by default, so a
+// prefill's batch holds thousands of events: they stay. About 5 MiB of
+// arenas at most stay for each feed.
 const (
-	keptEvents = 1 << 15
-	keptHashes = 1 << 18
-	keptTokens = 1 << 20
+	keptEvents = 1 << 14
+	keptHashes = 1 << 17
+	keptTokens = 1 << 19
 )
 
 // Decode decodes one msgpack payload of a vLLM KVEventBatch.

@@ -480,3 +480,18 @@ limits: {body_memory_mb: 16, max_prompt_tokens: 4000000, migration_limit: 1}
 	<-done
 	waitFor(t, "the stream's room to come back", func() bool { return p.s.bodyMem.Used() == 0 })
 }
+
+// The copy is given back when no engine takes the stream (a refusal, a
+// 503 of kvproxy's, an engine down): it stayed charged for good, and the
+// budget shrank by a body each time (the second review).
+func TestMigrationCopyGoesBackWhenNoEngineTakesIt(t *testing.T) {
+	p := serveYAML(t, "models: [{name: m}]\nbackends: [{id: down, url: 'http://"+deadAddr(t)+"', model: m, kind: vllm}]\n"+
+		"limits: {body_memory_mb: 16, max_prompt_tokens: 4000000, migration_limit: 1}\n", true)
+	body := `{"model":"m","stream":true,"max_tokens":1,"prompt":"hold ` + strings.Repeat("z", 2<<20) + `"}`
+	for range 3 {
+		if resp, b := post(t, p.url+"/v1/completions", body); resp.StatusCode < 500 {
+			t.Fatalf("%d %.200s", resp.StatusCode, b)
+		}
+	}
+	waitFor(t, "the copies' room to come back", func() bool { return p.s.bodyMem.Used() == 0 })
+}

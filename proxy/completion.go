@@ -565,6 +565,12 @@ func (s *Server) dispatch(ctx *fasthttp.RequestCtx, st *state, sc *scratch, x *e
 	}()
 	s.attempt(ctx, st, sc, x, salt)
 	returned = true
+	if !ctx.Response.IsBodyStream() {
+		// No relay holds the exchange (refused, not routed, answered
+		// whole): nothing moves it, and its body copy goes back now; it
+		// stayed charged for good (the review).
+		x.mig.letGo(s.bodyMem)
+	}
 }
 
 // abandon frees what an exchange whose handler panicked holds: its hang-up

@@ -335,3 +335,24 @@ func cut(s string, n int) string {
 	}
 	return s
 }
+
+// errorMessage is the message of an error in OpenAI's shape (a
+// normalized one); ok is false when errJSON is not JSON.
+func errorMessage(errJSON []byte) (msg string, ok bool) {
+	var e struct {
+		Error struct {
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	err := json.Unmarshal(errJSON, &e)
+	return e.Error.Message, err == nil
+}
+
+// engineErrorMessage is errorMessage cut to 200 bytes, for the log.
+func engineErrorMessage(errJSON []byte) string {
+	msg, _ := errorMessage(errJSON)
+	if len(msg) > 200 {
+		msg = strings.ToValidUTF8(msg[:200], "") + "…"
+	}
+	return msg
+}

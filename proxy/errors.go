@@ -45,11 +45,7 @@ func badRequest(ctx *fasthttp.RequestCtx, param, msg string) {
 
 func (s *Server) unavailable(ctx *fasthttp.RequestCtx, why unavailableReason, msg string) {
 	s.metrics.unavailable.WithLabelValues(string(why)).Inc()
-	ctx.Response.Header.Set("Retry-After", "1")
-	// The SDKs wait exactly what retry-after-ms says, and clients refused
-	// together came back together, each second (the twenty-ninth session's
-	// SDK trial): 0.5 to 1.5 s spreads them.
-	ctx.Response.Header.Set("Retry-After-Ms", strconv.Itoa(500+rand.IntN(1001)))
+	retryAfterASecond(ctx)
 	code := "no_backend_available"
 	switch why {
 	case whyQueueFull, whyQueueTimeout, whyRemoved, whyNoFiles, whyBodyMemory:
@@ -86,6 +82,15 @@ var unavailableReasons = []unavailableReason{whyQueueFull, whyQueueTimeout, whyN
 func (s *Server) shuttingDown(ctx *fasthttp.RequestCtx, msg string) {
 	s.metrics.unavailable.WithLabelValues(string(whyShuttingDown)).Inc()
 	ctx.Response.Header.Set("Connection", "close")
-	ctx.Response.Header.Set("Retry-After", "1")
+	retryAfterASecond(ctx)
 	writeError(ctx, fasthttp.StatusServiceUnavailable, msg, "service_unavailable", "", "shutting_down")
+}
+
+// retryAfterASecond says when to retry a 503 of kvproxy's own: Retry-After
+// 1, and Retry-After-Ms from 500 to 1,500. The SDKs wait exactly what
+// retry-after-ms says, and clients refused together came back together,
+// each second (the twenty-ninth session's SDK trial).
+func retryAfterASecond(ctx *fasthttp.RequestCtx) {
+	ctx.Response.Header.Set("Retry-After", "1")
+	ctx.Response.Header.Set("Retry-After-Ms", strconv.Itoa(500+rand.IntN(1001)))
 }

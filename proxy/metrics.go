@@ -85,7 +85,7 @@ func newMetrics() *metrics {
 		Name: "kvproxy_backend_ejections_total", Help: "Backends taken out of selection after failures, by backend and reason: connect (refused, reset, cut off, TLS), status (5xx, 503), timeout (silent), error_answers (500s or credential refusals in a row), probe (health probe failing).",
 	}, []string{"backend", "reason"})
 	m.migrations = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kvproxy_stream_migrations_total", Help: "Streams whose backend failed mid-answer, by that backend and result: continued on another backend (ok), or ended with an error event because none could continue it, its moves (limits.migration_limit) were spent or its output was whole (failed).",
+		Name: "kvproxy_stream_migrations_total", Help: "Streams whose backend failed mid-answer, by that backend and result: continued on another backend (ok), or ended with an error event because none could continue it, its moves (limits.migration_limit) were spent or it had the tokens it asked for (failed).",
 	}, []string{"backend", "result"})
 	m.reroutes = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvproxy_reroutes_total", Help: "Requests sent on to another backend after this one refused them (connection refused, 429, 503, credentials, 404) or failed them before any answer (500, 502, 504), by that backend.",

@@ -380,12 +380,13 @@ func (r *relay) migrate(why string) (res moveResult, detail string) {
 	return notMoved, detail
 }
 
-// mayMove reports whether the stream may still move to another engine
-// should its engine fail: it can, has moves left, the client has had no
-// error or [DONE], and its answer has not finished.
+// mayMove reports whether the stream would try to move to another engine
+// should its engine fail: it can, the client has had no error or [DONE],
+// and its answer has not finished. With its moves spent the try counts as
+// a failed migration (migrate).
 func (r *relay) mayMove() bool {
 	m := r.x.mig
-	return m != nil && r.x.migrations > 0 && !m.off && !m.finished && !r.sawDone
+	return m != nil && !m.off && !m.finished && !r.sawDone
 }
 
 // moveOrEnd tries to move the stream after its engine failed (why); it

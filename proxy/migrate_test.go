@@ -3,7 +3,10 @@ package proxy
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"reflect"
 	"strings"
 	"testing"
@@ -177,7 +180,7 @@ func TestStreamMovesToAnotherEngineMidAnswer(t *testing.T) {
 		// ended the stream (the twenty-ninth session's review).
 		{"says it failed", func(f *fakeEngine) {
 			f.tokens, f.errorAfter = 10, 3
-			f.errorFrame = `{"error":{"message":"EngineCore encountered an issue. See stack trace (above) for the root cause.","type":"InternalServerError","param":null,"code":500}}`
+			f.errorFrame = engineCoreDied
 		}},
 	} {
 		t.Run(c.name, func(t *testing.T) { testStreamMoves(t, c.fails) })
@@ -501,13 +504,12 @@ func startMigrationPastDown(t *testing.T) (dies, down *fakeEngine) {
 // move: the client gets the frame and one [DONE]; and a frame that blames
 // the request (vLLM's BadRequestError) is passed on, not moved.
 func TestErrorFrameOfAStreamThatDoesNotMove(t *testing.T) {
-	const died = `{"error":{"message":"EngineCore encountered an issue.","type":"InternalServerError","param":null,"code":500}}`
 	const refused = `{"error":{"message":"guided decoding failed","type":"BadRequestError","param":null,"code":400}}`
 	for _, c := range []struct {
 		name, kind, frame, says string
 		moves                   int64
 	}{
-		{"no engine can continue it", "openai", died, "EngineCore encountered an issue.", 0},
+		{"no engine can continue it", "openai", engineCoreDied, "EngineCore encountered an issue.", 0},
 		{"the request's fault", "vllm", refused, "guided decoding failed", 0},
 	} {
 		dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.errorAfter, f.errorFrame = 10, 3, c.frame })
@@ -524,26 +526,94 @@ func TestErrorFrameOfAStreamThatDoesNotMove(t *testing.T) {
 }
 
 // A stream that fails again once its moves are spent counts as a failed
-// migration: only its move was counted, as ok (the review).
+// migration, whether its engine drops it or says it failed: only its move
+// was counted, as ok (the reviews).
 func TestStreamFailingPastItsMovesIsCounted(t *testing.T) {
-	dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 3 })
-	dies2 := startFake(t, "dies2", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 2 })
-	p := startProxyYAML(t, `models: [{name: m}]
+	for _, c := range []struct {
+		name  string
+		fails func(*fakeEngine)
+	}{
+		{"drops its connection", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 2 }},
+		{"says it failed", func(f *fakeEngine) { f.tokens, f.errorAfter, f.errorFrame = 10, 2, engineCoreDied }},
+	} {
+		dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 3 })
+		dies2 := startFake(t, "dies2", c.fails)
+		p := startProxyYAML(t, `models: [{name: m}]
 backends:
   - {id: dies, url: 'http://{{e0}}', model: m, served_model: engine-m}
   - {id: dies2, url: 'http://{{e1}}', model: m, served_model: engine-m, kind: vllm}
 router: {policy: round_robin}
 limits: {migration_limit: 1}
 `, dies, dies2)
-	_, body := post(t, p.url+"/v1/chat/completions", strings.Replace(migrateBody, `"max_tokens":10`, `"max_tokens":100`, 1))
-	if !strings.Contains(string(body), `"code":"backend_failed"`) {
-		t.Fatalf("stream:\n%s", body)
-	}
-	p.waitIdle(t)
-	m := p.metrics(t)
-	for _, want := range []string{`kvproxy_stream_migrations_total{backend="dies",result="ok"} 1`, `kvproxy_stream_migrations_total{backend="dies2",result="failed"} 1`} {
-		if !strings.Contains(m, want) {
-			t.Fatalf("no %s in:\n%s", want, grepLines(m, "kvproxy_stream_migrations_total{"))
+		_, body := post(t, p.url+"/v1/chat/completions", strings.Replace(migrateBody, `"max_tokens":10`, `"max_tokens":100`, 1))
+		if !strings.Contains(string(body), `"error"`) || strings.Count(string(body), "data: [DONE]") != 1 {
+			t.Fatalf("%s: stream:\n%s", c.name, body)
+		}
+		p.waitIdle(t)
+		m := p.metrics(t)
+		for _, want := range []string{`kvproxy_stream_migrations_total{backend="dies",result="ok"} 1`, `kvproxy_stream_migrations_total{backend="dies2",result="failed"} 1`} {
+			if !strings.Contains(m, want) {
+				t.Fatalf("%s: no %s in:\n%s", c.name, want, grepLines(m, "kvproxy_stream_migrations_total{"))
+			}
 		}
 	}
+}
+
+// engineCoreDied is the error event vLLM sends when its engine core dies.
+const engineCoreDied = `{"error":{"message":"EngineCore encountered an issue.","type":"InternalServerError","param":null,"code":500}}`
+
+// sseEngine is an engine that answers every request with the events of
+// send, flushed as it writes them.
+func sseEngine(t *testing.T, send func(w io.Writer, flush func())) string {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		send(w, w.(http.Flusher).Flush)
+	}))
+	t.Cleanup(srv.Close)
+	return strings.TrimPrefix(srv.URL, "http://")
+}
+
+// An engine's error event as a stream's very first, on a stream that
+// cannot move: the client gets it, as a stream, and one [DONE]. Held for a
+// move, it was answered as a 200 with a JSON error of kvproxy's (the
+// twenty-ninth session's second review).
+func TestErrorFrameFirstOfAStreamThatCannotMove(t *testing.T) {
+	addr := sseEngine(t, func(w io.Writer, flush func()) { fmt.Fprintf(w, "data: %s\n\ndata: [DONE]\n\n", engineCoreDied) })
+	p := serveYAML(t, "models: [{name: m}]\nbackends:\n  - {id: dies, url: 'http://"+addr+"', model: m, served_model: engine-m, kind: vllm}\nlimits: {migration_limit: 1}\n", true)
+	for path, body := range map[string]string{"/v1/chat/completions": migrateBody, "/v1/completions": `{"model":"m","stream":true,"max_tokens":10,"prompt":"hi"}`} {
+		resp, b := post(t, p.url+path, body)
+		if resp.StatusCode != 200 || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") ||
+			!strings.Contains(string(b), "EngineCore encountered an issue.") || strings.Count(string(b), "data: [DONE]") != 1 {
+			t.Fatalf("%s: %d %s %s", path, resp.StatusCode, resp.Header.Get("Content-Type"), b)
+		}
+	}
+	p.waitIdle(t)
+}
+
+// An engine's error event that ends its body, without its blank line:
+// moved as any other (it was taken for a stream ended without [DONE], and
+// the next engine's first read found it still held and moved again), or
+// passed on when it cannot move (the second review).
+func TestErrorFrameEndingTheBody(t *testing.T) {
+	addr := sseEngine(t, func(w io.Writer, flush func()) {
+		for i := range 3 {
+			fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t%d \"}}]}\n\n", i)
+			flush()
+		}
+		time.Sleep(20 * time.Millisecond)
+		fmt.Fprintf(w, "data: %s\n", engineCoreDied) // the body ends there
+	})
+	next := startFake(t, "next", func(f *fakeEngine) { f.tokens = 7 })
+	p := serveYAML(t, "models: [{name: m}]\nbackends:\n  - {id: dies, url: 'http://"+addr+"', model: m, served_model: engine-m}\n"+
+		"  - {id: next, url: 'http://"+next.addr+"', model: m, served_model: engine-m, kind: vllm}\nrouter: {policy: round_robin}\nlimits: {migration_limit: 2}\n", true)
+	if _, body := post(t, p.url+"/v1/chat/completions", migrateBody); strings.Contains(string(body), "error") || next.requests.Load() != 1 {
+		t.Fatalf("%d continuations, stream:\n%s", next.requests.Load(), body)
+	}
+	p.waitIdle(t)
+
+	alone := serveYAML(t, "models: [{name: m}]\nbackends:\n  - {id: dies, url: 'http://"+addr+"', model: m, served_model: engine-m, kind: vllm}\nlimits: {migration_limit: 1}\n", true)
+	if _, body := post(t, alone.url+"/v1/chat/completions", migrateBody); !strings.Contains(string(body), "EngineCore encountered an issue.") {
+		t.Fatalf("not moved, the engine's event is lost:\n%s", body)
+	}
+	alone.waitIdle(t)
 }

@@ -712,15 +712,11 @@ func (ids *respIDs) lostPrevious(body []byte) bool {
 // previous_response_not_found missed the engine's (code null, param
 // response_id: the twenty-ninth session's SDK trial).
 func previousNotFound(errJSON []byte) []byte {
-	var e struct {
-		Error struct {
-			Message string `json:"message"`
-		} `json:"error"`
-	}
-	if json.Unmarshal(errJSON, &e) != nil {
+	msg, ok := errorMessage(errJSON)
+	if !ok {
 		return errJSON
 	}
-	return errorJSON(e.Error.Message, "invalid_request_error", "previous_response_id", "previous_response_not_found")
+	return errorJSON(msg, "invalid_request_error", "previous_response_id", "previous_response_not_found")
 }
 
 // previousResponse makes the ids of a Responses request and sends one that

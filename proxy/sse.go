@@ -200,15 +200,15 @@ func (r *relay) nextBatch() []byte {
 			f.atEOF()
 		}
 		out = r.events(out)
-		if r.failedFrame != nil {
-			err = errEngineErrorFrame
-			break
-		}
-		if errors.Is(err, io.EOF) && lastEventWhole(f.pending()) {
+		if r.failedFrame == nil && errors.Is(err, io.EOF) && lastEventWhole(f.pending()) {
 			// The body ended cleanly on an event without its blank
 			// line: the OpenAI SDKs take it, and so does kvproxy.
 			f.endEvent()
 			out = r.events(out)
+		}
+		if r.failedFrame != nil { // also one that ended the body (the review)
+			err = errEngineErrorFrame
+			break
 		}
 		// What the engine has already sent goes out in the same chunk: one
 		// client write per burst, not per engine chunk, as a pipe would.
@@ -258,6 +258,8 @@ func (r *relay) events(out []byte) []byte {
 func (r *relay) end(out []byte, err error) []byte {
 	x := r.x
 	r.ended = true
+	frame := r.failedFrame // held for a move: never the next engine's
+	r.failedFrame = nil
 	switch {
 	case r.sawDone && !errors.Is(err, errEventTooLarge):
 		// Complete, whatever ends the body after [DONE]: a connection
@@ -313,9 +315,7 @@ func (r *relay) end(out []byte, err error) []byte {
 	case errors.Is(err, errEngineErrorFrame):
 		// Counted as the engine's error answers are, before it moves.
 		x.b.answeredError("an error event in its stream")
-		frame := r.failedFrame
-		r.failedFrame = nil
-		out, handled, detail := r.moveOrEnd("sent an error event"+engineErrorKind(frame), out)
+		out, handled, detail := r.moveOrEnd("sent an error event"+engineErrorKind(frame)+": "+engineErrorMessage(frame), out)
 		if handled {
 			return out
 		}
@@ -326,6 +326,10 @@ func (r *relay) end(out []byte, err error) []byte {
 			x.mig.off = true
 		}
 		x.errMsg = "engine error frame" + detail
+		// The engine's event: one before any other is a stream's first,
+		// which prime relays as a stream (it was answered as a 200 with
+		// a JSON error of kvproxy's: the review).
+		r.engineEvents++
 		out = append(append(append(out, "data: "...), frame...), "\n\n"...)
 		return append(out, doneEvent...)
 	case errors.Is(err, errEventTooLarge):

@@ -155,8 +155,12 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 			log.Info().Str("server", c.ConnectedUrlRedacted()).Str("subject", cfg.Subject).Str("id", cfg.ID).Msg("replicas: connected to NATS")
 		}
 	}
-	firstErr := make(chan error, 1)     // why the first connection failed
-	var asyncErr atomic.Pointer[string] // the asynchronous error last logged
+	firstErr := make(chan error, 1) // why the first connection failed
+	var (                           // the asynchronous error last logged, and when
+		asyncMu  sync.Mutex
+		asyncMsg string
+		asyncAt  time.Time
+	)
 	nc, err := nats.Connect(cfg.URL,
 		nats.Name("kvproxy "+cfg.ID),
 		nats.NoEcho(), // this replica's own reports are not delivered back to it
@@ -191,12 +195,18 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 			}
 		}),
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
-			// Once per kind of error in a row: a publish the server's
-			// permissions deny comes back at every report (the review: 29
-			// lines in 3 s).
-			msg := err.Error()
-			if old := asyncErr.Swap(&msg); old == nil || *old != msg {
-				log.Warn().Err(err).Msg("replicas: NATS error (said once while it repeats)")
+			// Once a minute while the same error repeats: a publish the
+			// server's permissions deny comes back at every report (the
+			// review: 29 lines in 3 s).
+			asyncMu.Lock()
+			now, msg := time.Now(), err.Error()
+			say := msg != asyncMsg || now.Sub(asyncAt) >= time.Minute
+			if say {
+				asyncMsg, asyncAt = msg, now
+			}
+			asyncMu.Unlock()
+			if say {
+				log.Warn().Err(err).Msg("replicas: NATS error (said once a minute while it repeats)")
 			}
 		}),
 	)
