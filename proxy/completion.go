@@ -522,11 +522,11 @@ func (s *Server) handleCompletion(ctx *fasthttp.RequestCtx, st *state, kind api)
 		// it doubled what each large stream held, unseen by the budget
 		// (the twenty-ninth session's review). With no room, the stream
 		// cannot move.
-		if n := int64(len(req.body)); n <= backends.Untracked || s.bodyMem.Take(n) {
-			x.mig = newMigration(ctx, req, kind, rr, salt, longest+max(req.maxTokens, 1))
-			if n > backends.Untracked {
-				x.mig.held = n
-			}
+		m := newMigration(ctx, req, kind, rr, salt, longest+max(req.maxTokens, 1))
+		if n := int64(len(req.body)); n <= backends.Untracked {
+			x.mig = m
+		} else if s.bodyMem.Take(n) {
+			m.held, x.mig = n, m
 		}
 	}
 	s.dispatch(ctx, st, sc, x, salt)

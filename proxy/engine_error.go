@@ -347,12 +347,3 @@ func errorMessage(errJSON []byte) (msg string, ok bool) {
 	err := json.Unmarshal(errJSON, &e)
 	return e.Error.Message, err == nil
 }
-
-// engineErrorMessage is errorMessage cut to 200 bytes, for the log.
-func engineErrorMessage(errJSON []byte) string {
-	msg, _ := errorMessage(errJSON)
-	if len(msg) > 200 {
-		msg = strings.ToValidUTF8(msg[:200], "") + "…"
-	}
-	return msg
-}

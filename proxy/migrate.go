@@ -35,7 +35,8 @@ type migration struct {
 	chat bool   // chat completions (else completions)
 	body []byte // the client's request, decoded
 	// held: what body holds of the server's body budget (over 1 MiB),
-	// given back when the exchange ends (exchange.finish).
+	// given back when the exchange ends (letGo: finish, abandon, or
+	// dispatch when no relay holds the exchange).
 	held  int64
 	salt  string // the tenant's cache_salt, for engines that take one
 	trace traceValues

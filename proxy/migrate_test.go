@@ -617,3 +617,26 @@ func TestErrorFrameEndingTheBody(t *testing.T) {
 	}
 	alone.waitIdle(t)
 }
+
+// A stream moved for its engine's error event logs the event's kind, never
+// its message, which may quote the prompt (the third review: the "stream
+// migrated" line had it).
+func TestMovedErrorEventKeepsItsMessageOutOfTheLog(t *testing.T) {
+	const frame = `{"error":{"message":"EngineCore failed on input (value=MY SECRET PROMPT)","type":"InternalServerError","param":null,"code":500}}`
+	addr := sseEngine(t, func(w io.Writer, flush func()) {
+		fmt.Fprint(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t0 \"}}]}\n\n")
+		flush()
+		fmt.Fprintf(w, "data: %s\n\ndata: [DONE]\n\n", frame)
+	})
+	next := startFake(t, "next", func(f *fakeEngine) { f.tokens = 7 })
+	p := serveYAML(t, "models: [{name: m}]\nbackends:\n  - {id: dies, url: 'http://"+addr+"', model: m, served_model: engine-m}\n"+
+		"  - {id: next, url: 'http://"+next.addr+"', model: m, served_model: engine-m, kind: vllm}\nrouter: {policy: round_robin}\nlimits: {migration_limit: 1}\n", true)
+	_, body := post(t, p.url+"/v1/chat/completions", migrateBody)
+	p.waitIdle(t)
+	if next.requests.Load() != 1 {
+		t.Fatalf("not moved: %s", body)
+	}
+	if logs := p.logs.String(); strings.Contains(logs, "SECRET") || !strings.Contains(logs, `"reason":"sent an error event (type server_error`) {
+		t.Fatalf("the log:\n%s", grepLines(logs, "migrat"))
+	}
+}

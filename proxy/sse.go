@@ -315,7 +315,9 @@ func (r *relay) end(out []byte, err error) []byte {
 	case errors.Is(err, errEngineErrorFrame):
 		// Counted as the engine's error answers are, before it moves.
 		x.b.answeredError("an error event in its stream")
-		out, handled, detail := r.moveOrEnd("sent an error event"+engineErrorKind(frame)+": "+engineErrorMessage(frame), out)
+		// Its kind only: the message may quote the prompt, which the
+		// log never holds (the third review).
+		out, handled, detail := r.moveOrEnd("sent an error event"+engineErrorKind(frame), out)
 		if handled {
 			return out
 		}
@@ -325,7 +327,7 @@ func (r *relay) end(out []byte, err error) []byte {
 		if x.mig != nil {
 			x.mig.off = true
 		}
-		x.errMsg = "engine error frame" + detail
+		x.errMsg = "engine error frame" + engineErrorKind(frame) + detail
 		// The engine's event: one before any other is a stream's first,
 		// which prime relays as a stream (it was answered as a 200 with
 		// a JSON error of kvproxy's: the review).
