@@ -93,6 +93,8 @@ type VLLMDecoder struct {
 	tokens  []uint32
 	names   map[string]string
 	salts   []string // cache salt per event ("" if none)
+	// lastExtra: the last string of a BlockStored's extra keys so far.
+	lastExtra []byte
 	// kindRd and kindDec read a malformed event's type.
 	kindRd  bytes.Reader
 	kindDec *msgpack.Decoder
@@ -426,9 +428,10 @@ type pending struct {
 	sawHashes  bool
 	sawBlockSz bool
 	groupIdx   int64
-	specKind   string    // kv_cache_spec_kind ("" when absent)
-	extra      [4]string // string elements of extra_keys[0]
-	nExtra     int
+	specKind   string // kv_cache_spec_kind ("" when absent)
+	// extra_keys[0]'s string elements: how many, the first and the last
+	nExtra                int
+	firstExtra, lastExtra string
 }
 
 func (d *VLLMDecoder) event() error {
@@ -778,32 +781,41 @@ func (d *VLLMDecoder) extraKeys(p *pending) error {
 			if err != nil {
 				return err
 			}
-			if !msgpcode.IsString(c) || p.nExtra == len(p.extra) {
+			if !msgpcode.IsString(c) {
 				if err := d.skip(); err != nil {
 					return err
 				}
 				continue
 			}
-			if p.extra[p.nExtra], err = d.optStr(); err != nil {
+			b, err := d.str()
+			if err != nil {
 				return err
 			}
+			if p.nExtra == 0 {
+				p.firstExtra = d.intern(b)
+			} else {
+				d.lastExtra = append(d.lastExtra[:0], b...) // not interned: multimodal hashes
+			}
 			p.nExtra++
+		}
+		p.lastExtra = p.firstExtra
+		if p.nExtra > 1 {
+			p.lastExtra = d.intern(d.lastExtra)
 		}
 	}
 	return nil
 }
 
 // cacheSalt picks the cache_salt out of the first block's extra keys: the
-// first string that is not the LoRA name leading the tuple.
+// last string, unless it is the LoRA name leading the tuple. vLLM puts the
+// salt after the LoRA name and the multimodal hashes (plain strings in
+// current versions), and the first string after the name was an image's
+// hash (the twenty-ninth session's review).
 func (p *pending) cacheSalt() string {
-	ks := p.extra[:p.nExtra]
-	if len(ks) > 0 && p.loraName != "" && ks[0] == p.loraName {
-		ks = ks[1:]
-	}
-	if len(ks) == 0 {
+	if p.nExtra == 0 || p.nExtra == 1 && p.loraName != "" && p.firstExtra == p.loraName {
 		return ""
 	}
-	return ks[0]
+	return p.lastExtra
 }
 
 // CacheSalt is the cache_salt vLLM hashed into event i of the last Decode

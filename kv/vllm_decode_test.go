@@ -472,9 +472,10 @@ func TestDecodeVLLMCacheSalt(t *testing.T) {
 	f.arr(3).fl(1).arr(5)
 	// salt only
 	f.arr(9).str("BlockStored").ints(1, 2).nil_().ints(toks(4, 0)...).i(2).nil_().str("GPU").nil_().arr(2).arr(1).str("tenant-salt").nil_()
-	// LoRA, an image, a salt
+	// LoRA, an image (as older vLLM's tuple, and as current vLLM's plain
+	// string, five of them), a salt: the salt comes last
 	f.arr(9).str("BlockStored").ints(3).nil_().ints(toks(2, 0)...).i(2).nil_().str("GPU").str("ad").
-		arr(1).arr(3).str("ad").arr(2).str("img-1").i(0).str("salt-b")
+		arr(1).arr(8).str("ad").arr(2).str("img-1").i(0).str("mm-1").str("mm-2").str("mm-3").str("mm-4").str("mm-5").str("salt-b")
 	// LoRA only
 	f.arr(9).str("BlockStored").ints(4).nil_().ints(toks(2, 0)...).i(2).nil_().str("GPU").str("ad").arr(1).arr(1).str("ad")
 	// not the first block of a sequence: no salt
