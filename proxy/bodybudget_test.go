@@ -495,3 +495,21 @@ func TestMigrationCopyGoesBackWhenNoEngineTakesIt(t *testing.T) {
 	}
 	waitFor(t, "the copies' room to come back", func() bool { return p.s.bodyMem.Used() == 0 })
 }
+
+// A pooled body array is at most a quarter over the body's length: with
+// classes a power of two apart, a 300 KB body held a 512 KiB array for its
+// whole request, and a stream waiting for a long prefill with it
+// (TestStreamsWaitingForTheirFirstEventHoldLittle).
+func TestBodyArraysFitTheirBodies(t *testing.T) {
+	for n := 1; n <= maxPooledBody; n += 997 {
+		bb := newBodyBuffer(n)
+		c := cap(bb.b)
+		if c < n || (n > minPooledBody && 4*c > 5*n) || (n <= minPooledBody && c != minPooledBody) {
+			t.Fatalf("a %d-byte body got a %d-byte array", n, c)
+		}
+		bb.Close()
+	}
+	if c := cap(newBodyBuffer(maxPooledBody).b); c != maxPooledBody {
+		t.Fatalf("the largest pooled body got a %d-byte array", c)
+	}
+}

@@ -6,8 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math/bits"
 	"net"
+	"sort"
 	"strings"
 	"sync"
 
@@ -210,12 +210,14 @@ func (bb *bodyBuffer) giveBack() {
 
 type bodyBufferKey struct{}
 
-// Body arrays are pooled by size class, powers of two from minPooledBody
-// to maxPooledBody, each class a pool of buffers holding an empty array of
-// its size, so a body holds an array at most twice its length (or
+// Body arrays are pooled by size class, from minPooledBody to
+// maxPooledBody in quarter steps of each power of two (16, 20, 24, 28, 32,
+// 40 KiB...), each class a pool of buffers holding an empty array of its
+// size, so a body holds an array at most a quarter over its length (or
 // minPooledBody), whatever bodies came before it. With one pool, small
 // bodies took the arrays large ones left, and held up to 1 MiB each,
-// uncharged, for their whole request.
+// uncharged, for their whole request; with classes a power of two apart,
+// a waiting stream's 300 KB prompt held a 512 KiB array.
 //
 // Arrays over maxPooledBody, where the budget starts counting, go to the
 // garbage collector. Pooled, they went wrong whichever body took them:
@@ -227,27 +229,33 @@ type bodyBufferKey struct{}
 const (
 	minPooledBody = 2 * prefetchedBody
 	maxPooledBody = backends.Untracked
-	bodyClasses   = 7 // minPooledBody<<(bodyClasses-1) == maxPooledBody
 )
 
-var bodyBuffers [bodyClasses]sync.Pool
+var (
+	bodyClassSizes []int // ascending, from minPooledBody to maxPooledBody
+	bodyBuffers    []sync.Pool
+)
 
 func init() {
-	if minPooledBody<<(bodyClasses-1) != maxPooledBody {
-		panic("proxy: bodyClasses does not reach maxPooledBody")
+	for size := minPooledBody; size < maxPooledBody; size *= 2 {
+		for q := 4; q < 8; q++ {
+			bodyClassSizes = append(bodyClassSizes, size/4*q)
+		}
 	}
-	for c := range bodyBuffers {
-		bodyBuffers[c].New = func() any { return &bodyBuffer{b: make([]byte, 0, minPooledBody<<c)} }
+	bodyClassSizes = append(bodyClassSizes, maxPooledBody)
+	if bodyClassSizes[len(bodyClassSizes)-2] >= maxPooledBody {
+		panic("proxy: maxPooledBody is not minPooledBody times a power of two")
+	}
+	bodyBuffers = make([]sync.Pool, len(bodyClassSizes))
+	for c, size := range bodyClassSizes {
+		bodyBuffers[c].New = func() any { return &bodyBuffer{b: make([]byte, 0, size)} }
 	}
 }
 
 // bodyClass is the class of the smallest pooled array of at least n
 // bytes (n ≤ maxPooledBody).
 func bodyClass(n int) int {
-	if n <= minPooledBody {
-		return 0
-	}
-	return bits.Len(uint(n-1) / minPooledBody)
+	return sort.SearchInts(bodyClassSizes, n)
 }
 
 // newBodyBuffer is a pooled buffer with an empty array of at least n
@@ -267,7 +275,7 @@ func (bb *bodyBuffer) regrown(b []byte, size int) []byte {
 
 func (bb *bodyBuffer) Close() error {
 	bb.giveBack()
-	if c := cap(bb.b); c <= maxPooledBody && c == minPooledBody<<bodyClass(c) {
+	if c := cap(bb.b); c <= maxPooledBody && c == bodyClassSizes[bodyClass(c)] {
 		bb.b = bb.b[:0]
 		bodyBuffers[bodyClass(c)].Put(bb)
 	}
