@@ -197,7 +197,7 @@ func (p *modelPool) setBackend(b *backend) {
 
 // New builds the pools and backends of cfg; Serve starts answering.
 func New(cfg *config.Config, opts Options) (*Server, error) {
-	s := &Server{log: opts.Logger, opts: opts, watcher: newHangupWatcher(), limits: cfg.Limits, started: cfg,
+	s := &Server{log: opts.Logger, opts: opts, limits: cfg.Limits, started: cfg,
 		retries: newRetryBudget(cfg.Limits.RetryBudget), rejectLog: newLogLimiter(opts.Logger),
 		listsRead: make(chan struct{}), bodyMem: backends.NewBudget(0)}
 	var rb [6]byte
@@ -225,6 +225,7 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 			return nil, err
 		}
 	}
+	s.watcher = newHangupWatcher() // after the last error: a goroutine and two fds, given back by Shutdown
 	reg := opts.Registry
 	if reg == nil {
 		reg = prometheus.NewRegistry()
@@ -906,7 +907,7 @@ func (s *Server) Serve(ln net.Listener) error {
 	ln = newRetryListener(ln, s.acceptFailed, s.acceptRecovered)
 	capped := &capListener{Listener: ln, max: s.maxConns, open: &s.openConns, refused: s.connRefused, evicted: s.metrics.connsEvicted.Inc}
 	if s.cert.Load() == nil {
-		capped.refusal = tooManyConnsAnswer // under TLS, plain text is no answer: closed only
+		capped.refusal = tooManyConnsAnswers // under TLS, plain text is no answer: closed only
 	}
 	ln = capped
 	ln = writeIdleListener{ln, func() time.Duration { return s.st.Load().cfg.Limits.StreamIdleTimeout }}
@@ -969,6 +970,7 @@ func (s *Server) Shutdown() error {
 		if s.replicas != nil {
 			s.replicas.Close()
 		}
+		s.watcher.Close()
 	})
 	return err
 }

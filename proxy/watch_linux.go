@@ -22,7 +22,9 @@ import (
 // swap the callback, with no system call.
 type hangupWatcher struct {
 	epfd   int
+	wake   int // an eventfd in the set: Close's signal to the loop
 	mu     sync.Mutex
+	closed bool
 	gen    uint32
 	byConn map[net.Conn]*connWatch
 	byFD   map[int32]*connWatch
@@ -43,9 +45,35 @@ func newHangupWatcher() *hangupWatcher {
 	if err != nil {
 		return &hangupWatcher{epfd: -1}
 	}
-	w := &hangupWatcher{epfd: fd, byConn: map[net.Conn]*connWatch{}, byFD: map[int32]*connWatch{}}
+	wake, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err == nil {
+		ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(wake)}
+		if err = unix.EpollCtl(fd, unix.EPOLL_CTL_ADD, wake, &ev); err != nil {
+			unix.Close(wake)
+		}
+	}
+	if err != nil {
+		unix.Close(fd)
+		return &hangupWatcher{epfd: -1}
+	}
+	w := &hangupWatcher{epfd: fd, wake: wake, byConn: map[net.Conn]*connWatch{}, byFD: map[int32]*connWatch{}}
 	go w.loop()
 	return w
+}
+
+// Close stops the watcher: its goroutine, blocked in epoll_wait on a
+// thread of its own, and its two fds. Closing the epoll fd alone would
+// not wake the wait; hence the eventfd. Watch watches nothing after it.
+func (w *hangupWatcher) Close() {
+	if w.epfd < 0 {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.closed {
+		w.closed = true
+		unix.Write(w.wake, []byte{1, 0, 0, 0, 0, 0, 0, 0})
+	}
 }
 
 func (w *hangupWatcher) loop() {
@@ -60,6 +88,15 @@ func (w *hangupWatcher) loop() {
 		}
 		for i := 0; i < n; i++ {
 			fd, gen := events[i].Fd, uint32(events[i].Pad)
+			if fd == int32(w.wake) {
+				// Closed: register, under the lock, adds no fd now, so
+				// the numbers are not closed under one being added.
+				w.mu.Lock()
+				unix.Close(w.epfd)
+				unix.Close(w.wake)
+				w.mu.Unlock()
+				return
+			}
 			w.mu.Lock()
 			cw := w.byFD[fd]
 			var h hangupHandler
@@ -129,6 +166,9 @@ func (w *hangupWatcher) register(c net.Conn) *connWatch {
 	rc.Control(func(f uintptr) {
 		w.mu.Lock()
 		defer w.mu.Unlock()
+		if w.closed {
+			return
+		}
 		w.gen++
 		ev := unix.EpollEvent{Events: unix.EPOLLRDHUP | unix.EPOLLET, Fd: int32(f), Pad: int32(w.gen)}
 		if unix.EpollCtl(w.epfd, unix.EPOLL_CTL_ADD, int(f), &ev) != nil {

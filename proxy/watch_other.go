@@ -20,3 +20,5 @@ func (w *hangupWatcher) Watch(c net.Conn, h hangupHandler) *connWatch { return n
 func (w *hangupWatcher) Unwatch(cw *connWatch) {}
 
 func (w *hangupWatcher) Closed(c net.Conn) {}
+
+func (w *hangupWatcher) Close() {}
