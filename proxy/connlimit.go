@@ -3,6 +3,7 @@ package proxy
 import (
 	"crypto/tls"
 	"errors"
+	"math/rand/v2"
 	"net"
 	"strconv"
 	"sync"
@@ -27,7 +28,7 @@ type capListener struct {
 	net.Listener
 	max     func() int
 	open    *atomic.Int64
-	refusal []byte // written to a connection over the cap; nil under TLS
+	refusal [][]byte // one of them written to a connection over the cap; nil under TLS
 	refused func()
 	evicted func()
 	conns   connSet
@@ -53,7 +54,7 @@ func (l *capListener) Accept() (net.Conn, error) {
 			// A new socket's send buffer is empty: this never waits, but
 			// the accept loop must not, whatever the kernel does.
 			c.SetWriteDeadline(time.Now().Add(10 * time.Millisecond))
-			c.Write(l.refusal)
+			c.Write(l.refusal[rand.IntN(len(l.refusal))])
 		}
 		l.refused() // counted before the client sees the close (a test read the metric at once)
 		c.Close()
@@ -251,10 +252,17 @@ func countedUnder(c net.Conn, throughTLS bool) *countedConn {
 	}
 }
 
-var tooManyConnsAnswer = func() []byte {
+// tooManyConnsAnswers are the answers to a connection over the cap, their
+// Retry-After-Ms spread from 0.5 to 1.5 s as retryAfterASecond's, so the
+// SDKs, which wait exactly that long, do not come back all at once.
+var tooManyConnsAnswers = func() [][]byte {
 	body := errorJSON("kvproxy has as many client connections open as limits.max_connections allows; try again", "service_unavailable", "", "too_many_connections")
-	return []byte("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\nConnection: close\r\nContent-Length: " +
-		strconv.Itoa(len(body)) + "\r\n\r\n" + string(body))
+	var out [][]byte
+	for ms := 500; ms <= 1500; ms += 125 {
+		out = append(out, []byte("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\nRetry-After-Ms: "+
+			strconv.Itoa(ms)+"\r\nConnection: close\r\nContent-Length: "+strconv.Itoa(len(body))+"\r\n\r\n"+string(body)))
+	}
+	return out
 }()
 
 // defaultMaxConns bounds the derived cap: an idle keep-alive connection

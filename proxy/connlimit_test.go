@@ -2,11 +2,13 @@ package proxy
 
 import (
 	"bufio"
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -51,6 +53,17 @@ func refusedAtOnce(t *testing.T, addr string) {
 	}
 	if len(b) > 0 && (!strings.HasPrefix(string(b), "HTTP/1.1 503") || !strings.Contains(string(b), "too_many_connections")) {
 		t.Fatalf("a connection over the cap got %q", b)
+	}
+	if len(b) > 0 {
+		// Retry-After-Ms from 0.5 to 1.5 s, as kvproxy's other 503s: the
+		// SDKs wait exactly that long.
+		resp, err := http.ReadResponse(bufio.NewReader(bytes.NewReader(b)), nil)
+		if err != nil {
+			t.Fatalf("%v: %q", err, b)
+		}
+		if ms, err := strconv.Atoi(resp.Header.Get("Retry-After-Ms")); err != nil || ms < 500 || ms > 1500 || resp.Header.Get("Retry-After") != "1" {
+			t.Fatalf("a connection over the cap got Retry-After %q, Retry-After-Ms %q", resp.Header.Get("Retry-After"), resp.Header.Get("Retry-After-Ms"))
+		}
 	}
 }
 
