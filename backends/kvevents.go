@@ -7,6 +7,7 @@ import (
 	"net"
 	"strconv"
 	"strings"
+	"sync"
 
 	"github.com/kvproxy/kvproxy/kv"
 )
@@ -42,6 +43,11 @@ type KVFeed struct {
 	subs    []*ZMQSubscriber // one per data-parallel rank (zmq mode)
 	cancel  context.CancelFunc
 	done    chan struct{}
+
+	// pushMu orders pushed batches, so that each rank's KV cache group
+	// (pushGroups) is chosen in the order its events are applied.
+	pushMu     sync.Mutex
+	pushGroups map[int]*kv.GroupFollower
 }
 
 // KVFeedStats is what /admin/backends shows of a feed.
@@ -157,18 +163,63 @@ func (f *KVFeed) Subscribers() []*ZMQSubscriber { return f.subs }
 // Push applies a batch pushed over HTTP (already validated by
 // kv.ParseHTTPBatch). A zmq-mode feed accepts pushes too.
 func (f *KVFeed) Push(b kv.HTTPBatch) {
-	f.applier.ApplyEvents(b.DPRank, b.Events)
+	f.PushSalted(b, "")
 }
 
 // PushSalted is Push for a batch whose sequences were cached under a cache
 // salt (the salt the proxy gives b.Tenant): stored sequences are seeded in
 // that tenant's namespace.
 func (f *KVFeed) PushSalted(b kv.HTTPBatch, salt string) {
+	f.pushMu.Lock()
+	defer f.pushMu.Unlock()
+	events := f.followed(b)
 	if salt == "" {
-		f.Push(b)
+		f.applier.ApplyEvents(b.DPRank, events)
 		return
 	}
-	f.applier.ApplySalted(b.DPRank, b.Events, func(int) string { return salt })
+	f.applier.ApplySalted(b.DPRank, events, func(int) string { return salt })
+}
+
+// followed is the batch's events of the KV cache group its rank follows,
+// with a clear where the group followed changes, as the ZMQ decoder does
+// (kv.GroupFollower). Without groups named, and group 0 followed, they are
+// the batch's own.
+func (f *KVFeed) followed(b kv.HTTPBatch) []kv.Event {
+	if b.DPRank < 0 || b.DPRank > MaxDPRank { // the applier drops the batch
+		return b.Events
+	}
+	g := f.pushGroups[b.DPRank]
+	if g == nil {
+		if b.Groups == nil {
+			return b.Events // group 0, followed until an event names a kind
+		}
+		if f.pushGroups == nil {
+			f.pushGroups = map[int]*kv.GroupFollower{}
+		}
+		g = new(kv.GroupFollower)
+		f.pushGroups[b.DPRank] = g
+	}
+	var out []kv.Event // nil while the batch's events pass unchanged
+	for i, ev := range b.Events {
+		var group kv.EventGroup
+		if b.Groups != nil {
+			group = b.Groups[i]
+		}
+		follow, changed := g.Follow(ev.Kind, group.Index, group.Kind)
+		if out == nil && (changed || !follow) {
+			out = append(make([]kv.Event, 0, len(b.Events)+1), b.Events[:i]...)
+		}
+		if changed {
+			out = append(out, kv.Event{Kind: kv.AllBlocksCleared})
+		}
+		if follow && out != nil {
+			out = append(out, ev)
+		}
+	}
+	if out == nil {
+		return b.Events
+	}
+	return out
 }
 
 // Stats snapshots the feed's counters.

@@ -169,3 +169,57 @@ func TestOffsetEndpoint(t *testing.T) {
 		}
 	}
 }
+
+// Pushed events of a hybrid model are followed for one KV cache group, as
+// the ZMQ feed's are: group 0 until a stored block names its kind, then
+// the lowest group of full attention, with what was followed cleared.
+// Pushed events ignored group_idx, and a sliding window's blocks, freed
+// as the window passes them, mixed with the full prefix's.
+func TestKVFeedHTTPPushFollowsOneGroup(t *testing.T) {
+	r := newRouter(t)
+	f, err := StartKVFeed(KVFeedConfig{Backend: "e", Mode: FeedHTTP}, r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	a, c := tokens(32, 0), tokens(32, 1000)
+	ids := func(toks []uint32) string {
+		s := make([]string, len(toks))
+		for i, v := range toks {
+			s[i] = fmt.Sprint(v)
+		}
+		return strings.Join(s, ",")
+	}
+	push := func(events ...string) {
+		t.Helper()
+		b, err := kv.ParseHTTPBatch([]byte(`{"engine_id":"e","events":[` + strings.Join(events, ",") + `]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.Push(b)
+	}
+	stored := func(h1, h2 string, toks []uint32, group string) string {
+		return `{"type":"block_stored","block_hashes":["` + h1 + `","` + h2 + `"],"token_ids":[` + ids(toks) + `],"block_size":16` + group + `}`
+	}
+	removed := func(h, group string) string {
+		return `{"type":"block_removed","block_hashes":["` + h + `"]` + group + `}`
+	}
+	check := func(step string, wantA, wantC int) {
+		t.Helper()
+		if da, _ := depth(t, r, "e", a, 0); da != wantA {
+			t.Fatalf("%s: %d blocks of a, want %d", step, da, wantA)
+		}
+		if dc, _ := depth(t, r, "e", c, 0); dc != wantC {
+			t.Fatalf("%s: %d blocks of c, want %d", step, dc, wantC)
+		}
+	}
+	push(stored("c1", "c2", c, "")) // no groups named: group 0
+	check("no groups", 0, 2)
+	window, full := `,"group_idx":0,"kv_cache_spec_kind":"sliding_window"`, `,"group_idx":1,"kv_cache_spec_kind":"full_attention"`
+	push(stored("w1", "w2", a, window), stored("f1", "f2", a, full), removed("w1", `,"group_idx":0`))
+	check("group 1 of full attention chosen", 2, 0)
+	push(removed("w2", `,"group_idx":0`), stored("c3", "c4", c, window))
+	check("group 0 ignored", 2, 0)
+	push(removed("f2", `,"group_idx":1`))
+	check("group 1 followed", 1, 0)
+}

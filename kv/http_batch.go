@@ -16,12 +16,15 @@ import (
 //	 "data_parallel_rank": 0,
 //	 "events": [
 //	   {"type": "block_stored", "block_hashes": [1, 2], "parent_block_hash": null,
-//	    "token_ids": [...], "block_size": 16, "medium": "GPU", "lora_name": null},
-//	   {"type": "block_removed", "block_hashes": [2], "medium": "GPU"},
+//	    "token_ids": [...], "block_size": 16, "medium": "GPU", "lora_name": null,
+//	    "group_idx": 0, "kv_cache_spec_kind": "full_attention"},
+//	   {"type": "block_removed", "block_hashes": [2], "medium": "GPU", "group_idx": 0},
 //	   {"type": "all_blocks_cleared"}]}
 //
 // Block hashes are JSON integers (signed or unsigned 64-bit; the bits are
-// kept) or strings (folded with EngineHashFromBytes). Unknown fields are
+// kept) or strings (folded with EngineHashFromBytes). group_idx and
+// kv_cache_spec_kind are a hybrid model's KV cache group and its kind, as
+// vLLM's events carry them (see GroupFollower). Unknown fields are
 // ignored.
 type HTTPBatch struct {
 	EngineID      string
@@ -30,6 +33,16 @@ type HTTPBatch struct {
 	BytesPerBlock int64
 	DPRank        int
 	Events        []Event
+	// Groups are the events' KV cache groups, nil when no event names one
+	// (all of group 0).
+	Groups []EventGroup
+}
+
+// EventGroup is a pushed event's KV cache group: its index, and for a
+// BlockStored its kind ("" when not named).
+type EventGroup struct {
+	Index int64
+	Kind  string
 }
 
 // MaxHTTPBatchEvents bounds the events of one pushed batch.
@@ -66,6 +79,8 @@ type httpEventJSON struct {
 	BlockSize   int          `json:"block_size"`
 	Medium      *string      `json:"medium"`
 	LoRAName    *string      `json:"lora_name"`
+	GroupIdx    *int64       `json:"group_idx"`
+	SpecKind    *string      `json:"kv_cache_spec_kind"`
 }
 
 type engineHash uint64
@@ -123,7 +138,7 @@ func ParseHTTPBatch(body []byte) (HTTPBatch, error) {
 		Events: make([]Event, 0, len(raw.Events)),
 	}
 	for i, msg := range raw.Events {
-		ev, err := parseHTTPEvent(msg)
+		ev, group, err := parseHTTPEvent(msg)
 		if err != nil {
 			var be *HTTPBatchError
 			if errors.As(err, &be) {
@@ -133,14 +148,30 @@ func ParseHTTPBatch(body []byte) (HTTPBatch, error) {
 			return HTTPBatch{}, err
 		}
 		out.Events = append(out.Events, ev)
+		if group != (EventGroup{}) && out.Groups == nil {
+			out.Groups = make([]EventGroup, i, len(raw.Events))
+		}
+		if out.Groups != nil {
+			out.Groups = append(out.Groups, group)
+		}
 	}
 	return out, nil
 }
 
-func parseHTTPEvent(msg json.RawMessage) (Event, error) {
+func parseHTTPEvent(msg json.RawMessage) (Event, EventGroup, error) {
 	var e httpEventJSON
 	if err := strictUnmarshal(msg, &e); err != nil {
-		return Event{}, jsonErr("", err)
+		return Event{}, EventGroup{}, jsonErr("", err)
+	}
+	var group EventGroup
+	if e.GroupIdx != nil {
+		if *e.GroupIdx < 0 {
+			return Event{}, group, &HTTPBatchError{"group_idx", "must not be negative"}
+		}
+		group.Index = *e.GroupIdx
+	}
+	if e.SpecKind != nil && e.Type == "block_stored" {
+		group.Kind = *e.SpecKind
 	}
 	var ev Event
 	switch e.Type {
@@ -149,14 +180,14 @@ func parseHTTPEvent(msg json.RawMessage) (Event, error) {
 	case "block_removed":
 		ev.Kind = BlockRemoved
 	case "all_blocks_cleared":
-		return Event{Kind: AllBlocksCleared}, nil
+		return Event{Kind: AllBlocksCleared}, group, nil
 	case "":
-		return Event{}, &HTTPBatchError{"type", "required (block_stored, block_removed or all_blocks_cleared)"}
+		return Event{}, EventGroup{}, &HTTPBatchError{"type", "required (block_stored, block_removed or all_blocks_cleared)"}
 	default:
-		return Event{}, &HTTPBatchError{"type", fmt.Sprintf("unknown event type %q (want block_stored, block_removed or all_blocks_cleared)", e.Type)}
+		return Event{}, EventGroup{}, &HTTPBatchError{"type", fmt.Sprintf("unknown event type %q (want block_stored, block_removed or all_blocks_cleared)", e.Type)}
 	}
 	if len(e.BlockHashes) == 0 {
-		return Event{}, &HTTPBatchError{"block_hashes", "required and non-empty"}
+		return Event{}, EventGroup{}, &HTTPBatchError{"block_hashes", "required and non-empty"}
 	}
 	ev.EngineHashes = make([]uint64, len(e.BlockHashes))
 	for i, h := range e.BlockHashes {
@@ -165,23 +196,23 @@ func parseHTTPEvent(msg json.RawMessage) (Event, error) {
 	if e.Medium != nil {
 		t, err := TierFromMedium(*e.Medium)
 		if err != nil {
-			return Event{}, &HTTPBatchError{"medium", err.Error()}
+			return Event{}, EventGroup{}, &HTTPBatchError{"medium", err.Error()}
 		}
 		ev.Tier = t
 	}
 	if ev.Kind == BlockRemoved {
-		return ev, nil
+		return ev, group, nil
 	}
 	if len(e.TokenIDs) == 0 && e.Parent == nil {
 		// A copy (vLLM's CPU offloading announces one so): blocks stored
 		// before, by these hashes, are now also in this medium.
-		return ev, nil
+		return ev, group, nil
 	}
 	if e.BlockSize <= 0 || e.BlockSize > 1<<20 {
-		return Event{}, &HTTPBatchError{"block_size", fmt.Sprintf("%d out of range (1..1048576)", e.BlockSize)}
+		return Event{}, EventGroup{}, &HTTPBatchError{"block_size", fmt.Sprintf("%d out of range (1..1048576)", e.BlockSize)}
 	}
 	if len(e.TokenIDs) != len(e.BlockHashes)*e.BlockSize {
-		return Event{}, &HTTPBatchError{"token_ids", fmt.Sprintf("%d tokens for %d blocks of %d", len(e.TokenIDs), len(e.BlockHashes), e.BlockSize)}
+		return Event{}, EventGroup{}, &HTTPBatchError{"token_ids", fmt.Sprintf("%d tokens for %d blocks of %d", len(e.TokenIDs), len(e.BlockHashes), e.BlockSize)}
 	}
 	ev.BlockSize = e.BlockSize
 	ev.Tokens = e.TokenIDs
@@ -191,7 +222,7 @@ func parseHTTPEvent(msg json.RawMessage) (Event, error) {
 	if e.LoRAName != nil {
 		ev.LoRAName = *e.LoRAName
 	}
-	return ev, nil
+	return ev, group, nil
 }
 
 // strictUnmarshal decodes one JSON value and rejects trailing data.

@@ -32,6 +32,32 @@ func TestParseHTTPBatch(t *testing.T) {
 	if !reflect.DeepEqual(b.Events, want) {
 		t.Fatalf("got  %+v\nwant %+v", b.Events, want)
 	}
+	if b.Groups != nil {
+		t.Fatalf("groups %v for events that name none", b.Groups)
+	}
+}
+
+// A hybrid model's events name their KV cache group and, for a stored
+// block, its kind, as vLLM's do; a batch of which one names a group has a
+// group for each event.
+func TestParseHTTPBatchGroups(t *testing.T) {
+	body := `{"engine_id":"e","events":[
+	  {"type":"all_blocks_cleared"},
+	  {"type":"block_stored","block_hashes":[1],"token_ids":[1,2],"block_size":2,"group_idx":1,"kv_cache_spec_kind":"full_attention"},
+	  {"type":"block_removed","block_hashes":[1],"group_idx":1,"kv_cache_spec_kind":"ignored: not a stored block's"},
+	  {"type":"block_stored","block_hashes":[2],"token_ids":[1,2],"block_size":2,"group_idx":null}]}`
+	b, err := ParseHTTPBatch([]byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []EventGroup{{}, {1, "full_attention"}, {1, ""}, {}}
+	if !reflect.DeepEqual(b.Groups, want) {
+		t.Fatalf("groups %v, want %v", b.Groups, want)
+	}
+	_, err = ParseHTTPBatch([]byte(`{"engine_id":"e","events":[{"type":"block_removed","block_hashes":[1],"group_idx":-1}]}`))
+	if be := (*HTTPBatchError)(nil); !errors.As(err, &be) || be.Path != "events[0].group_idx" {
+		t.Fatalf("a negative group: %v", err)
+	}
 }
 
 // Every malformed batch is rejected with an error naming where the problem is.

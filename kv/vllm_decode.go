@@ -102,11 +102,8 @@ type VLLMDecoder struct {
 	// UnknownMedia counts events whose medium was not recognised; they
 	// were given TierDisk.
 	UnknownMedia uint64
-	// group is the KV cache group followed (group 0 until groupSet: a
-	// BlockStored named its kind); groupRank is its kind's (groupRank).
-	group     int64
-	groupSet  bool
-	groupRank int
+	// groups chooses the KV cache group followed.
+	groups GroupFollower
 
 	// Malformed counts events that could not be read in a sound payload:
 	// left out, or turned into AllBlocksCleared (see Skipped).
@@ -462,48 +459,19 @@ func (d *VLLMDecoder) event() error {
 // group first if p's BlockStored names a better one (see the package
 // comment).
 func (d *VLLMDecoder) follows(p *pending) bool {
-	if p.kind == AllBlocksCleared {
-		return true
+	follow, changed := d.groups.Follow(p.kind, p.groupIdx, p.specKind)
+	if changed {
+		// What was followed until now (group 0 by default) may be
+		// indexed: it goes.
+		d.add(Event{Kind: AllBlocksCleared}, "", span{h0: p.sp.h0, h1: p.sp.h0, t0: p.sp.t0, t1: p.sp.t0})
 	}
-	if p.kind == BlockStored && p.specKind != "" {
-		rank := groupRank(p.specKind)
-		if d.groupSet && p.groupIdx == d.group && rank != d.groupRank {
-			// The group followed changed kind: the engine restarted with
-			// another layout (hybrid allocation turned on or off, another
-			// model). The choice is made again (the review).
-			d.groupSet = false
-		}
-		if !d.groupSet || rank > d.groupRank || rank == d.groupRank && p.groupIdx < d.group {
-			if p.groupIdx != d.group {
-				// What was followed until now (group 0 by default) may be
-				// indexed: it goes.
-				d.add(Event{Kind: AllBlocksCleared}, "", span{h0: p.sp.h0, h1: p.sp.h0, t0: p.sp.t0, t1: p.sp.t0})
-			}
-			d.group, d.groupRank, d.groupSet = p.groupIdx, rank, true
-		}
-	}
-	return p.groupIdx == d.group
+	return follow
 }
 
 // ForgetGroup makes the decoder choose its KV cache group again from the
 // events that come (group 0 until one names its kind), without a clear:
 // for a feed whose ranks were just cleared.
-func (d *VLLMDecoder) ForgetGroup() { d.group, d.groupRank, d.groupSet = 0, 0, false }
-
-// groupRank ranks a KV cache group's kind: 2 for full attention, which keeps
-// every block of a prefix while it is cached; 0 for a sliding window's, a
-// chunked local attention's, Mamba's (one state), an encoder's or cross
-// attention's; 1 for "unknown" (vLLM's name for a group of mixed kinds) and
-// kinds newer than these lists.
-func groupRank(kind string) int {
-	switch kind {
-	case "full_attention", "mla_attention", "sink_full_attention":
-		return 2
-	case "sliding_window", "sliding_window_mla", "chunked_local_attention", "mamba", "encoder_only_attention", "cross_attention":
-		return 0
-	}
-	return 1
-}
+func (d *VLLMDecoder) ForgetGroup() { d.groups.Forget() }
 
 func (d *VLLMDecoder) arrayEvent(p *pending) error {
 	n, err := d.dec.DecodeArrayLen()
