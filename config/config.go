@@ -3,6 +3,7 @@ package config
 import (
 	"bytes"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
@@ -110,6 +111,54 @@ type Replicas struct {
 	Subject  string        `yaml:"subject"`  // default kvproxy.load; one per fleet
 	ID       string        `yaml:"id"`       // default hostname-pid; unique per replica
 	Interval time.Duration `yaml:"interval"` // how often each replica reports; default 100ms
+	// CredsFile is a NATS user credentials file (its JWT and nkey seed),
+	// for a server that authenticates so (Synadia Cloud, operator mode).
+	// A user and password, or a token, go in the URL.
+	CredsFile string `yaml:"creds_file"`
+	// TLS verifies the NATS server by a private CA and presents a client
+	// certificate to one that asks for it.
+	TLS NATSTLS `yaml:"tls"`
+}
+
+// NATSTLS is the TLS of the connection to NATS. Any of it turns TLS on
+// (tls:// does too, with the system's CAs).
+type NATSTLS struct {
+	CAFile   string `yaml:"ca_file"`   // PEM certificates of the CAs the server's certificate is verified by
+	CertFile string `yaml:"cert_file"` // a client certificate, with key_file
+	KeyFile  string `yaml:"key_file"`
+}
+
+type fieldProblem struct{ field, msg string }
+
+// fileProblems are what is wrong with the files the connection to NATS
+// reads, which nats.go would report only when connecting, as a failure to
+// connect retried forever.
+func (r Replicas) fileProblems() []fieldProblem {
+	var out []fieldProblem
+	if f := r.CredsFile; f != "" {
+		if b, err := os.ReadFile(f); err != nil {
+			out = append(out, fieldProblem{"replicas.creds_file", err.Error()})
+		} else if !bytes.Contains(b, []byte("-----BEGIN NATS USER JWT-----")) || !bytes.Contains(b, []byte("-----BEGIN USER NKEY SEED-----")) {
+			out = append(out, fieldProblem{"replicas.creds_file", f + " is not a NATS user credentials file (a user JWT and its nkey seed, as nsc writes them)"})
+		}
+	}
+	t := r.TLS
+	if f := t.CAFile; f != "" {
+		if b, err := os.ReadFile(f); err != nil {
+			out = append(out, fieldProblem{"replicas.tls.ca_file", err.Error()})
+		} else if !x509.NewCertPool().AppendCertsFromPEM(b) {
+			out = append(out, fieldProblem{"replicas.tls.ca_file", "no PEM certificate in " + f})
+		}
+	}
+	switch {
+	case (t.CertFile == "") != (t.KeyFile == ""):
+		out = append(out, fieldProblem{"replicas.tls", "cert_file and key_file go together"})
+	case t.CertFile != "":
+		if _, err := tls.LoadX509KeyPair(t.CertFile, t.KeyFile); err != nil {
+			out = append(out, fieldProblem{"replicas.tls", strings.TrimPrefix(err.Error(), "tls: ")})
+		}
+	}
+	return out
 }
 
 // Auth maps API keys to tenants. With no keys, every request is accepted as
@@ -1082,6 +1131,11 @@ func (c *Config) Validate() error {
 		// Above 20 s, peers (which cap a replica's interval there) would
 		// drop a live replica's load between its reports.
 		add("replicas.interval", "must be between 10ms and 20s, got %v", iv)
+	}
+	if !c.discovering { // an expansion's files were read with its templates
+		for _, p := range c.Replicas.fileProblems() {
+			add(p.field, "%s", p.msg)
+		}
 	}
 	for i, p := range c.TrustedProxies {
 		if parseNet(p) == nil {

@@ -216,7 +216,8 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 	s.activate(st, nil)
 	s.routeTable = s.routes()
 	if rc := cfg.Replicas; rc.NATS != "" {
-		if s.replicas, err = replicas.Start(replicas.Config{URL: rc.NATS, Subject: rc.Subject, ID: rc.ID, Interval: rc.Interval},
+		if s.replicas, err = replicas.Start(replicas.Config{URL: rc.NATS, Subject: rc.Subject, ID: rc.ID, Interval: rc.Interval,
+			CredsFile: rc.CredsFile, CAFile: rc.TLS.CAFile, CertFile: rc.TLS.CertFile, KeyFile: rc.TLS.KeyFile},
 			s.localLoad, s.applyRemoteLoad, s.log); err != nil {
 			for _, b := range st.backends { // activate started their event feeds
 				b.stopEvents()
@@ -732,7 +733,7 @@ func (s *Server) logWarnings(cfg *config.Config) {
 		s.log.Warn().Msg("config: " + w)
 	}
 	if replicasWithoutNATS(cfg.Replicas) {
-		s.log.Warn().Str("setting", "replicas.nats").Msg("config: replicas sets subject, id or interval but no nats (an unset variable?): this replica shares no load and routes on its own")
+		s.log.Warn().Str("setting", "replicas.nats").Msg("config: replicas sets subject, id, interval, creds_file or tls but no nats (an unset variable?): this replica shares no load and routes on its own")
 	}
 	room := connsFor(s.fdLimit, len(cfg.Backends))
 	if s.fdLimit > 0 && room < 64 {

@@ -26,6 +26,26 @@ type Config struct {
 	Subject  string        // the subject every replica of one fleet shares
 	ID       string        // this replica's name, unique in the fleet
 	Interval time.Duration // how often each replica reports
+	// CredsFile is a NATS user credentials file ("": none).
+	CredsFile string
+	// CAFile verifies the server by a private CA; CertFile and KeyFile are
+	// a client certificate. Any of them turns TLS on.
+	CAFile, CertFile, KeyFile string
+}
+
+// authOptions are the NATS options for cfg's credentials and TLS.
+func (cfg Config) authOptions() []nats.Option {
+	var opts []nats.Option
+	if cfg.CredsFile != "" {
+		opts = append(opts, nats.UserCredentials(cfg.CredsFile))
+	}
+	if cfg.CAFile != "" {
+		opts = append(opts, nats.RootCAs(cfg.CAFile))
+	}
+	if cfg.CertFile != "" {
+		opts = append(opts, nats.ClientCert(cfg.CertFile, cfg.KeyFile))
+	}
+	return opts
 }
 
 // Default is the configuration for a NATS server at url.
@@ -161,7 +181,7 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 		asyncMsg string
 		asyncAt  time.Time
 	)
-	nc, err := nats.Connect(cfg.URL,
+	nc, err := nats.Connect(cfg.URL, append(cfg.authOptions(),
 		nats.Name("kvproxy "+cfg.ID),
 		nats.NoEcho(), // this replica's own reports are not delivered back to it
 		nats.RetryOnFailedConnect(true),
@@ -209,7 +229,7 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 				log.Warn().Err(err).Msg("replicas: NATS error (said once a minute while it repeats)")
 			}
 		}),
-	)
+	)...)
 	if err != nil {
 		return nil, fmt.Errorf("replicas: %w", err)
 	}
