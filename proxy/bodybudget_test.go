@@ -16,6 +16,10 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvproxy/kvproxy/backends"
 )
 
 // bigCompletion is an engine's completion answer of about size bytes.
@@ -511,5 +515,37 @@ func TestBodyArraysFitTheirBodies(t *testing.T) {
 	}
 	if c := cap(newBodyBuffer(maxPooledBody).b); c != maxPooledBody {
 		t.Fatalf("the largest pooled body got a %d-byte array", c)
+	}
+}
+
+// A chunked body, its length unknown until it ends, holds an array of its
+// class (or past 1 MiB, of its length, which is what it is charged): the
+// array doubled as the body came, and once more to read its end, and a
+// chunked 300 KB body held 512 KiB, one of exactly 1 MiB 2 MiB charged
+// (the review).
+func TestChunkedBodiesFitTheirArrays(t *testing.T) {
+	for _, n := range []int{20 << 10, 300_000, 1 << 20, 1200 << 10} {
+		mem := backends.NewBudget(16 << 20)
+		ctx := &fasthttp.RequestCtx{}
+		ctx.Request.SetBodyStream(strings.NewReader(strings.Repeat("x", n)), -1)
+		b, err := rawBody(ctx, 8<<20, mem)
+		if err != nil || len(b) != n {
+			t.Fatalf("%d bytes: %d read, %v", n, len(b), err)
+		}
+		bb := ctx.UserValue(bodyBufferKey{}).(*bodyBuffer)
+		if c := cap(bb.b); c < n || 4*c > 5*n {
+			t.Errorf("a chunked body of %d bytes holds an array of %d", n, c)
+		}
+		want := int64(0)
+		if n > maxPooledBody {
+			want = int64(n)
+		}
+		if used := mem.Used(); used != want {
+			t.Errorf("a chunked body of %d bytes is charged %d, want %d", n, used, want)
+		}
+		ctx.Request.Reset() // closes the buffer, as fasthttp does after a request
+		if used := mem.Used(); used != 0 {
+			t.Errorf("a chunked body of %d bytes left %d charged", n, used)
+		}
 	}
 }

@@ -169,6 +169,12 @@ func rawBody(ctx *fasthttp.RequestCtx, max int, mem *backends.Budget) ([]byte, e
 	if cl >= 0 && len(b) < cl {
 		return nil, io.ErrUnexpectedEOF
 	}
+	if cl < 0 {
+		// Chunked: the array doubled as the body came, and once more to
+		// read its end, up to twice its length (the review: a waiting
+		// stream's chunked 300 KB prompt held a 512 KiB array).
+		b = bb.fit(b)
+	}
 	req.SetBodyRaw(b) // closes the stream: the body was read whole
 	return b, nil
 }
@@ -271,6 +277,27 @@ func (bb *bodyBuffer) regrown(b []byte, size int) []byte {
 	bb.b, nb.b = append(nb.b, b...), bb.b
 	nb.Close()
 	return bb.b
+}
+
+// fit moves b, the buffer's body, into the pooled array of its class, or
+// past maxPooledBody into one of its length, whose room is all the buffer
+// keeps of the budget, if its array is larger.
+func (bb *bodyBuffer) fit(b []byte) []byte {
+	n := len(b)
+	if n > maxPooledBody {
+		if cap(b) > n {
+			b = append(make([]byte, 0, n), b...)
+			bb.b = b
+			bb.mem.Give(bb.held - int64(n))
+			bb.held = int64(n)
+		}
+		return b
+	}
+	if cap(b) <= bodyClassSizes[bodyClass(n)] {
+		return b
+	}
+	bb.giveBack() // an array past maxPooledBody, charged, goes
+	return bb.regrown(b, n)
 }
 
 func (bb *bodyBuffer) Close() error {
