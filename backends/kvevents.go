@@ -161,37 +161,52 @@ func (f *KVFeed) Subscriber() *ZMQSubscriber {
 func (f *KVFeed) Subscribers() []*ZMQSubscriber { return f.subs }
 
 // Push applies a batch pushed over HTTP (already validated by
-// kv.ParseHTTPBatch). A zmq-mode feed accepts pushes too.
-func (f *KVFeed) Push(b kv.HTTPBatch) {
-	f.PushSalted(b, "")
+// kv.ParseHTTPBatch), and says how many of its events were applied: not
+// those of another KV cache group than its rank follows, nor any of a
+// rank past MaxDPRank. A zmq-mode feed accepts pushes too.
+func (f *KVFeed) Push(b kv.HTTPBatch) int {
+	return f.PushSalted(b, "")
 }
 
 // PushSalted is Push for a batch whose sequences were cached under a cache
 // salt (the salt the proxy gives b.Tenant): stored sequences are seeded in
 // that tenant's namespace.
-func (f *KVFeed) PushSalted(b kv.HTTPBatch, salt string) {
+func (f *KVFeed) PushSalted(b kv.HTTPBatch, salt string) int {
+	if b.DPRank < 0 || b.DPRank > MaxDPRank {
+		f.applier.ApplyEvents(b.DPRank, nil) // counted as a bad rank
+		return 0
+	}
 	f.pushMu.Lock()
 	defer f.pushMu.Unlock()
-	events := f.followed(b)
+	events, applied := f.followed(b)
 	if salt == "" {
 		f.applier.ApplyEvents(b.DPRank, events)
-		return
+	} else {
+		f.applier.ApplySalted(b.DPRank, events, func(int) string { return salt })
 	}
-	f.applier.ApplySalted(b.DPRank, events, func(int) string { return salt })
+	return applied
+}
+
+// Clear drops every block of every rank (a backend away too long), and
+// the KV cache groups pushes chose: what comes next chooses again.
+func (f *KVFeed) Clear() {
+	f.pushMu.Lock()
+	clear(f.pushGroups)
+	f.pushMu.Unlock()
+	f.applier.Clear()
 }
 
 // followed is the batch's events of the KV cache group its rank follows,
 // with a clear where the group followed changes, as the ZMQ decoder does
-// (kv.GroupFollower). Without groups named, and group 0 followed, they are
-// the batch's own.
-func (f *KVFeed) followed(b kv.HTTPBatch) []kv.Event {
-	if b.DPRank < 0 || b.DPRank > MaxDPRank { // the applier drops the batch
-		return b.Events
-	}
+// (kv.GroupFollower), and how many of the batch's events they hold.
+// Without groups named, and group 0 followed, they are the batch's own. A
+// pushed all_blocks_cleared makes the choice again (an HTTP feed has no
+// other sign of an engine restarted, perhaps with another layout).
+func (f *KVFeed) followed(b kv.HTTPBatch) ([]kv.Event, int) {
 	g := f.pushGroups[b.DPRank]
 	if g == nil {
 		if b.Groups == nil {
-			return b.Events // group 0, followed until an event names a kind
+			return b.Events, len(b.Events) // group 0, followed until an event names a kind
 		}
 		if f.pushGroups == nil {
 			f.pushGroups = map[int]*kv.GroupFollower{}
@@ -200,6 +215,7 @@ func (f *KVFeed) followed(b kv.HTTPBatch) []kv.Event {
 		f.pushGroups[b.DPRank] = g
 	}
 	var out []kv.Event // nil while the batch's events pass unchanged
+	applied := 0
 	for i, ev := range b.Events {
 		var group kv.EventGroup
 		if b.Groups != nil {
@@ -212,14 +228,20 @@ func (f *KVFeed) followed(b kv.HTTPBatch) []kv.Event {
 		if changed {
 			out = append(out, kv.Event{Kind: kv.AllBlocksCleared})
 		}
-		if follow && out != nil {
-			out = append(out, ev)
+		if follow {
+			applied++
+			if out != nil {
+				out = append(out, ev)
+			}
+		}
+		if ev.Kind == kv.AllBlocksCleared {
+			g.Forget()
 		}
 	}
 	if out == nil {
-		return b.Events
+		return b.Events, applied
 	}
-	return out
+	return out, applied
 }
 
 // Stats snapshots the feed's counters.

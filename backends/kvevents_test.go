@@ -190,13 +190,14 @@ func TestKVFeedHTTPPushFollowsOneGroup(t *testing.T) {
 		}
 		return strings.Join(s, ",")
 	}
+	var applied int
 	push := func(events ...string) {
 		t.Helper()
 		b, err := kv.ParseHTTPBatch([]byte(`{"engine_id":"e","events":[` + strings.Join(events, ",") + `]}`))
 		if err != nil {
 			t.Fatal(err)
 		}
-		f.Push(b)
+		applied = f.Push(b)
 	}
 	stored := func(h1, h2 string, toks []uint32, group string) string {
 		return `{"type":"block_stored","block_hashes":["` + h1 + `","` + h2 + `"],"token_ids":[` + ids(toks) + `],"block_size":16` + group + `}`
@@ -218,8 +219,25 @@ func TestKVFeedHTTPPushFollowsOneGroup(t *testing.T) {
 	window, full := `,"group_idx":0,"kv_cache_spec_kind":"sliding_window"`, `,"group_idx":1,"kv_cache_spec_kind":"full_attention"`
 	push(stored("w1", "w2", a, window), stored("f1", "f2", a, full), removed("w1", `,"group_idx":0`))
 	check("group 1 of full attention chosen", 2, 0)
+	if applied != 2 {
+		t.Fatalf("%d of 3 events applied, want the 2 of group 1", applied)
+	}
 	push(removed("w2", `,"group_idx":0`), stored("c3", "c4", c, window))
 	check("group 0 ignored", 2, 0)
+	if applied != 0 {
+		t.Fatalf("%d events of group 0 applied", applied)
+	}
 	push(removed("f2", `,"group_idx":1`))
 	check("group 1 followed", 1, 0)
+
+	// A pushed all_blocks_cleared makes the choice again: the engine may
+	// have restarted with another layout, one without groups here.
+	push(`{"type":"all_blocks_cleared"}`, stored("c5", "c6", c, ""))
+	check("after a clear, events without groups", 0, 2)
+	// So does a backend away too long (its feed cleared).
+	push(stored("f3", "f4", a, full))
+	check("group 1 chosen again", 2, 0)
+	f.Clear()
+	push(stored("c7", "c8", c, ""))
+	check("after the feed's clear", 0, 2)
 }

@@ -163,16 +163,6 @@ func parseHTTPEvent(msg json.RawMessage) (Event, EventGroup, error) {
 	if err := strictUnmarshal(msg, &e); err != nil {
 		return Event{}, EventGroup{}, jsonErr("", err)
 	}
-	var group EventGroup
-	if e.GroupIdx != nil {
-		if *e.GroupIdx < 0 {
-			return Event{}, group, &HTTPBatchError{"group_idx", "must not be negative"}
-		}
-		group.Index = *e.GroupIdx
-	}
-	if e.SpecKind != nil && e.Type == "block_stored" {
-		group.Kind = *e.SpecKind
-	}
 	var ev Event
 	switch e.Type {
 	case "block_stored":
@@ -180,11 +170,24 @@ func parseHTTPEvent(msg json.RawMessage) (Event, EventGroup, error) {
 	case "block_removed":
 		ev.Kind = BlockRemoved
 	case "all_blocks_cleared":
-		return Event{Kind: AllBlocksCleared}, group, nil
+		ev.Kind = AllBlocksCleared
 	case "":
 		return Event{}, EventGroup{}, &HTTPBatchError{"type", "required (block_stored, block_removed or all_blocks_cleared)"}
 	default:
 		return Event{}, EventGroup{}, &HTTPBatchError{"type", fmt.Sprintf("unknown event type %q (want block_stored, block_removed or all_blocks_cleared)", e.Type)}
+	}
+	var group EventGroup
+	if e.GroupIdx != nil {
+		if *e.GroupIdx < 0 {
+			return Event{}, group, &HTTPBatchError{"group_idx", "must not be negative"}
+		}
+		group.Index = *e.GroupIdx
+	}
+	if e.SpecKind != nil && ev.Kind == BlockStored {
+		group.Kind = *e.SpecKind
+	}
+	if ev.Kind == AllBlocksCleared {
+		return ev, group, nil
 	}
 	if len(e.BlockHashes) == 0 {
 		return Event{}, EventGroup{}, &HTTPBatchError{"block_hashes", "required and non-empty"}

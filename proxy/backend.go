@@ -706,7 +706,7 @@ func (b *backend) applyLocked() {
 			b.forgetTimer = nil
 			if b.down && !b.replaced {
 				if b.feed != nil {
-					b.feed.Applier().Clear() // the index entries and the feed's own record of them
+					b.feed.Clear() // the index entries, the feed's own record of them and its pushes' group choice
 				} else {
 					b.pool.rt.Index().ClearWorker(b.worker)
 				}

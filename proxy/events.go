@@ -241,9 +241,10 @@ func (s *Server) handleKVEvents(ctx *fasthttp.RequestCtx, st *state) {
 		badRequest(ctx, "model", "backend "+strconv.Quote(batch.EngineID)+" serves "+strconv.Quote(b.cfg.Model)+", not "+strconv.Quote(batch.Model))
 		return
 	}
-	b.feed.Push(batch)
+	applied := b.feed.Push(batch)
 	b.eventsPushed.Add(uint64(len(batch.Events)))
-	writeJSON(ctx, map[string]any{"applied": len(batch.Events)})
+	// Not those of a KV cache group other than the one followed.
+	writeJSON(ctx, map[string]any{"applied": applied})
 }
 
 // scrapeStatus is a backend's last /metrics scrape.
