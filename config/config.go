@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/base64"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -17,6 +19,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/nats-io/nkeys"
 	"gopkg.in/yaml.v3"
 
 	"github.com/kvproxy/kvproxy/kv"
@@ -138,8 +141,8 @@ func (r Replicas) fileProblems() []fieldProblem {
 	if f := r.CredsFile; f != "" {
 		if b, err := os.ReadFile(f); err != nil {
 			out = append(out, fieldProblem{"replicas.creds_file", err.Error()})
-		} else if !bytes.Contains(b, []byte("-----BEGIN NATS USER JWT-----")) || !bytes.Contains(b, []byte("-----BEGIN USER NKEY SEED-----")) {
-			out = append(out, fieldProblem{"replicas.creds_file", f + " is not a NATS user credentials file (a user JWT and its nkey seed, as nsc writes them)"})
+		} else if err := checkCreds(b, time.Now()); err != nil {
+			out = append(out, fieldProblem{"replicas.creds_file", f + ": " + err.Error()})
 		}
 	}
 	t := r.TLS
@@ -159,6 +162,36 @@ func (r Replicas) fileProblems() []fieldProblem {
 		}
 	}
 	return out
+}
+
+// checkCreds checks a NATS user credentials file as a server would: a
+// user JWT, unexpired at now, and the nkey seed of its user.
+func checkCreds(b []byte, now time.Time) error {
+	const want = "not a NATS user credentials file (a user JWT and its nkey seed, as nsc writes them)"
+	token, err := nkeys.ParseDecoratedJWT(b)
+	parts := strings.Split(token, ".")
+	if err != nil || len(parts) != 3 {
+		return errors.New(want)
+	}
+	var claims struct {
+		Sub string `json:"sub"`
+		Exp int64  `json:"exp"`
+	}
+	if raw, err := base64.RawURLEncoding.DecodeString(parts[1]); err != nil || json.Unmarshal(raw, &claims) != nil {
+		return errors.New(want + ": its JWT cannot be read")
+	}
+	kp, err := nkeys.ParseDecoratedUserNKey(b)
+	if err != nil {
+		return fmt.Errorf("%s: %v", want, err)
+	}
+	defer kp.Wipe()
+	if pub, err := kp.PublicKey(); err != nil || pub != claims.Sub {
+		return errors.New("its nkey seed is not its JWT's user's")
+	}
+	if claims.Exp != 0 && now.Unix() >= claims.Exp {
+		return fmt.Errorf("its JWT expired at %s", time.Unix(claims.Exp, 0).UTC().Format(time.RFC3339))
+	}
+	return nil
 }
 
 // Auth maps API keys to tenants. With no keys, every request is accepted as
@@ -1132,7 +1165,7 @@ func (c *Config) Validate() error {
 		// drop a live replica's load between its reports.
 		add("replicas.interval", "must be between 10ms and 20s, got %v", iv)
 	}
-	if !c.discovering { // an expansion's files were read with its templates
+	if !c.discovering && c.Replicas.NATS != "" { // an expansion's files were read with its templates; without NATS, warned of
 		for _, p := range c.Replicas.fileProblems() {
 			add(p.field, "%s", p.msg)
 		}

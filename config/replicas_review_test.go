@@ -1,10 +1,15 @@
 package config
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/nats-io/jwt/v2"
+	"github.com/nats-io/nkeys"
 )
 
 // A negative replicas.interval is one error, not also "at least 10ms".
@@ -24,36 +29,76 @@ func TestReplicasIntervalAbove20sRefused(t *testing.T) {
 	}
 }
 
+// creds mints a NATS user credentials file, its JWT expiring at exp (0:
+// never), its seed that of another user if otherSeed.
+func creds(t *testing.T, exp int64, otherSeed bool) []byte {
+	t.Helper()
+	account, err := nkeys.CreateAccount()
+	if err != nil {
+		t.Fatal(err)
+	}
+	user, _ := nkeys.CreateUser()
+	pub, _ := user.PublicKey()
+	uc := jwt.NewUserClaims(pub)
+	uc.Expires = exp
+	token, err := uc.Encode(account)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if otherSeed { // as nsc would never write it (FormatUserConfig refuses)
+		other, _ := nkeys.CreateUser()
+		seed, _ := other.Seed()
+		return fmt.Appendf(nil, "-----BEGIN NATS USER JWT-----\n%s\n------END NATS USER JWT------\n\n-----BEGIN USER NKEY SEED-----\n%s\n------END USER NKEY SEED------\n", token, seed)
+	}
+	seed, _ := user.Seed()
+	b, err := jwt.FormatUserConfig(token, seed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
 // The files of replicas.creds_file and replicas.tls are read when the
 // configuration is: a missing or wrong one is a configuration error
 // naming its field, not a connection nats.go fails to make, and retries,
-// for ever, once kvproxy has started.
+// for ever, once kvproxy has started. Without replicas.nats they are not
+// read (that is warned of).
 func TestReplicasFilesAreChecked(t *testing.T) {
 	dir := t.TempDir()
-	notCreds := filepath.Join(dir, "notes.txt")
-	if err := os.WriteFile(notCreds, []byte("hello"), 0o600); err != nil {
-		t.Fatal(err)
+	write := func(name string, b []byte) string {
+		f := filepath.Join(dir, name)
+		if err := os.WriteFile(f, b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return f
 	}
-	creds := filepath.Join(dir, "kvproxy.creds")
-	if err := os.WriteFile(creds, []byte("-----BEGIN NATS USER JWT-----\neyJ0\n------END NATS USER JWT------\n\n-----BEGIN USER NKEY SEED-----\nSUAM\n------END USER NKEY SEED------\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	notCreds := write("notes.txt", []byte("hello"))
+	good := write("good.creds", creds(t, 0, false))
+	expired := write("expired.creds", creds(t, time.Now().Add(-time.Hour).Unix(), false))
+	mismatched := write("mismatched.creds", creds(t, 0, true))
+	garbled := write("garbled.creds", []byte("-----BEGIN NATS USER JWT-----\neyJ0\n------END NATS USER JWT------\n\n-----BEGIN USER NKEY SEED-----\nSUAM\n------END USER NKEY SEED------\n"))
 	head := "models: [{name: m}]\nbackends: [{id: a, url: 'http://h:1'}]\nreplicas: {nats: 'tls://h:4222', "
-	for name, c := range map[string]struct{ yaml, field string }{
-		"missing creds": {"creds_file: '" + filepath.Join(dir, "none.creds") + "'}", "replicas.creds_file"},
-		"not creds":     {"creds_file: '" + notCreds + "'}", "replicas.creds_file"},
-		"missing ca":    {"tls: {ca_file: '" + filepath.Join(dir, "none.pem") + "'}}", "replicas.tls.ca_file"},
-		"ca not pem":    {"tls: {ca_file: '" + notCreds + "'}}", "replicas.tls.ca_file"},
-		"cert alone":    {"tls: {cert_file: '" + notCreds + "'}}", "replicas.tls"},
-		"bad key pair":  {"tls: {cert_file: '" + notCreds + "', key_file: '" + notCreds + "'}}", "replicas.tls"},
+	for name, c := range map[string]struct{ yaml, field, msg string }{
+		"missing creds": {"creds_file: '" + filepath.Join(dir, "none.creds") + "'}", "replicas.creds_file", "no such file"},
+		"not creds":     {"creds_file: '" + notCreds + "'}", "replicas.creds_file", "not a NATS user credentials file"},
+		"garbled":       {"creds_file: '" + garbled + "'}", "replicas.creds_file", "not a NATS user credentials file"},
+		"expired":       {"creds_file: '" + expired + "'}", "replicas.creds_file", "expired at"},
+		"another seed":  {"creds_file: '" + mismatched + "'}", "replicas.creds_file", "not its JWT's user's"},
+		"missing ca":    {"tls: {ca_file: '" + filepath.Join(dir, "none.pem") + "'}}", "replicas.tls.ca_file", "no such file"},
+		"ca not pem":    {"tls: {ca_file: '" + notCreds + "'}}", "replicas.tls.ca_file", "no PEM certificate"},
+		"cert alone":    {"tls: {cert_file: '" + notCreds + "'}}", "replicas.tls", "go together"},
+		"bad key pair":  {"tls: {cert_file: '" + notCreds + "', key_file: '" + notCreds + "'}}", "replicas.tls", "PEM"},
 	} {
 		_, err := Parse([]byte(head + c.yaml + "\n"))
-		if err == nil || !strings.Contains(err.Error(), c.field+":") {
-			t.Errorf("%s: want an error for %s, got %v", name, c.field, err)
+		if err == nil || !strings.Contains(err.Error(), c.field+":") || !strings.Contains(err.Error(), c.msg) {
+			t.Errorf("%s: want an error for %s saying %q, got %v", name, c.field, c.msg, err)
 		}
 	}
-	cfg, err := Parse([]byte(head + "creds_file: '" + creds + "'}\n"))
-	if err != nil || cfg.Replicas.CredsFile != creds {
+	cfg, err := Parse([]byte(head + "creds_file: '" + good + "'}\n"))
+	if err != nil || cfg.Replicas.CredsFile != good {
 		t.Fatalf("a credentials file: %v", err)
+	}
+	if _, err := Parse([]byte("models: [{name: m}]\nbackends: [{id: a, url: 'http://h:1'}]\nreplicas: {nats: '', creds_file: '" + notCreds + "'}\n")); err != nil {
+		t.Fatalf("without nats: %v", err)
 	}
 }

@@ -63,7 +63,9 @@ func newHangupWatcher() *hangupWatcher {
 
 // Close stops the watcher: its goroutine, blocked in epoll_wait on a
 // thread of its own, and its two fds. Closing the epoll fd alone would
-// not wake the wait; hence the eventfd. Watch watches nothing after it.
+// not wake the wait; hence the eventfd. No hang-up is told after it
+// (Shutdown closes it once no request is left), and no connection is
+// registered.
 func (w *hangupWatcher) Close() {
 	if w.epfd < 0 {
 		return
