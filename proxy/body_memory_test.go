@@ -115,7 +115,7 @@ func liveHeap() int64 {
 func TestDeclaredBodiesCostWhatArrives(t *testing.T) {
 	p := startProxyYAML(t, bodyLimitYAML, startFake(t, "e0", nil))
 	const limit = 8 << 20
-	base := liveHeap()
+	base := settledHeap()
 	var mu sync.Mutex
 	var conns []net.Conn
 	open := func(key string, first int) net.Conn {

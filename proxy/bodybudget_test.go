@@ -384,7 +384,7 @@ func smallRequestsPinNoLargeArray(t *testing.T, size int) {
 	// Two collections: the first moves what the pools hold to their
 	// victim caches, the second frees it, pinned arrays alone stay.
 	heap := func() int64 { runtime.GC(); return liveHeap() }
-	base := heap()
+	base := settledHeap()
 	const rounds = 40
 	var done sync.WaitGroup
 	defer done.Wait()
