@@ -138,20 +138,31 @@ func rawBody(ctx *fasthttp.RequestCtx, max int, mem *backends.Budget) ([]byte, e
 	r := req.BodyStream()
 	for len(b) < end {
 		if len(b) == cap(b) {
-			size := mem.Grown(len(b), min(end, 2*cap(b)), 0)
-			if size <= maxPooledBody { // not charged
-				b = bb.regrown(b, size)
-			} else {
-				if err := bb.take(mem, size); err != nil {
+			if cl < 0 {
+				// Chunked, the array full: a byte more, or the end? Grown
+				// to read the end, the array held, and was charged, up to
+				// twice the body: a body the budget's size was refused
+				// (the review).
+				var probe [1]byte
+				n, err := r.Read(probe[:])
+				if n > 0 {
+					var gerr error
+					if b, gerr = bb.grown(b, end, mem); gerr != nil {
+						return nil, gerr
+					}
+					b = append(b, probe[0])
+				}
+				if err == io.EOF {
+					break
+				}
+				if err != nil {
 					return nil, err
 				}
-				nb := make([]byte, len(b), size)
-				copy(nb, b)
-				if cap(bb.b) <= maxPooledBody { // the pooled array goes back
-					(&bodyBuffer{b: bb.b}).Close()
-				}
-				b = nb
-				bb.b = b
+				continue
+			}
+			var err error
+			if b, err = bb.grown(b, end, mem); err != nil {
+				return nil, err
 			}
 		}
 		n, err := r.Read(b[len(b):min(cap(b), end)])
@@ -277,6 +288,26 @@ func (bb *bodyBuffer) regrown(b []byte, size int) []byte {
 	bb.b, nb.b = append(nb.b, b...), bb.b
 	nb.Close()
 	return bb.b
+}
+
+// grown is b, the buffer's body, in an array about twice its size (up to
+// end bytes, and what mem has room for): pooled up to maxPooledBody, past
+// it charged to mem (its errors).
+func (bb *bodyBuffer) grown(b []byte, end int, mem *backends.Budget) ([]byte, error) {
+	size := mem.Grown(len(b), min(end, 2*cap(b)), 0)
+	if size <= maxPooledBody { // not charged
+		return bb.regrown(b, size), nil
+	}
+	if err := bb.take(mem, size); err != nil {
+		return nil, err
+	}
+	nb := make([]byte, len(b), size)
+	copy(nb, b)
+	if cap(bb.b) <= maxPooledBody { // the pooled array goes back
+		(&bodyBuffer{b: bb.b}).Close()
+	}
+	bb.b = nb
+	return nb, nil
 }
 
 // fit moves b, the buffer's body, into the pooled array of its class, or
