@@ -190,9 +190,9 @@ func (f *KVFeed) PushSalted(b kv.HTTPBatch, salt string) int {
 // Clear drops every block of every rank (a backend away too long), and
 // the KV cache groups pushes chose: what comes next chooses again.
 func (f *KVFeed) Clear() {
-	f.pushMu.Lock()
+	f.pushMu.Lock() // a push between the two would keep a choice whose blocks went
+	defer f.pushMu.Unlock()
 	clear(f.pushGroups)
-	f.pushMu.Unlock()
 	f.applier.Clear()
 }
 

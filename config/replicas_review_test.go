@@ -30,8 +30,9 @@ func TestReplicasIntervalAbove20sRefused(t *testing.T) {
 }
 
 // creds mints a NATS user credentials file, its JWT expiring at exp (0:
-// never), its seed that of another user if otherSeed.
-func creds(t *testing.T, exp int64, otherSeed bool) []byte {
+// never), its seed that of another user if otherSeed, a bearer token if
+// bearer.
+func creds(t *testing.T, exp int64, otherSeed, bearer bool) []byte {
 	t.Helper()
 	account, err := nkeys.CreateAccount()
 	if err != nil {
@@ -41,6 +42,7 @@ func creds(t *testing.T, exp int64, otherSeed bool) []byte {
 	pub, _ := user.PublicKey()
 	uc := jwt.NewUserClaims(pub)
 	uc.Expires = exp
+	uc.BearerToken = bearer
 	token, err := uc.Encode(account)
 	if err != nil {
 		t.Fatal(err)
@@ -73,15 +75,19 @@ func TestReplicasFilesAreChecked(t *testing.T) {
 		return f
 	}
 	notCreds := write("notes.txt", []byte("hello"))
-	good := write("good.creds", creds(t, 0, false))
-	expired := write("expired.creds", creds(t, time.Now().Add(-time.Hour).Unix(), false))
-	mismatched := write("mismatched.creds", creds(t, 0, true))
+	good := write("good.creds", creds(t, 0, false, false))
+	expired := write("expired.creds", creds(t, time.Now().Add(-time.Hour).Unix(), false, false))
+	mismatched := write("mismatched.creds", creds(t, 0, true, false))
+	undecorated := write("undecorated.creds", []byte(strings.Join(strings.Fields(
+		strings.NewReplacer("-----BEGIN NATS USER JWT-----", "", "------END NATS USER JWT------", "",
+			"-----BEGIN USER NKEY SEED-----", "", "------END USER NKEY SEED------", "").Replace(string(creds(t, 0, false, false)))), "\n")))
 	garbled := write("garbled.creds", []byte("-----BEGIN NATS USER JWT-----\neyJ0\n------END NATS USER JWT------\n\n-----BEGIN USER NKEY SEED-----\nSUAM\n------END USER NKEY SEED------\n"))
 	head := "models: [{name: m}]\nbackends: [{id: a, url: 'http://h:1'}]\nreplicas: {nats: 'tls://h:4222', "
 	for name, c := range map[string]struct{ yaml, field, msg string }{
 		"missing creds": {"creds_file: '" + filepath.Join(dir, "none.creds") + "'}", "replicas.creds_file", "no such file"},
 		"not creds":     {"creds_file: '" + notCreds + "'}", "replicas.creds_file", "not a NATS user credentials file"},
 		"garbled":       {"creds_file: '" + garbled + "'}", "replicas.creds_file", "not a NATS user credentials file"},
+		"undecorated":   {"creds_file: '" + undecorated + "'}", "replicas.creds_file", "not a NATS user credentials file"},
 		"expired":       {"creds_file: '" + expired + "'}", "replicas.creds_file", "expired at"},
 		"another seed":  {"creds_file: '" + mismatched + "'}", "replicas.creds_file", "not its JWT's user's"},
 		"missing ca":    {"tls: {ca_file: '" + filepath.Join(dir, "none.pem") + "'}}", "replicas.tls.ca_file", "no such file"},
@@ -97,6 +103,11 @@ func TestReplicasFilesAreChecked(t *testing.T) {
 	cfg, err := Parse([]byte(head + "creds_file: '" + good + "'}\n"))
 	if err != nil || cfg.Replicas.CredsFile != good {
 		t.Fatalf("a credentials file: %v", err)
+	}
+	// A bearer token's seed signs nothing the server checks: any will do.
+	bearer := write("bearer.creds", creds(t, 0, true, true))
+	if _, err := Parse([]byte(head + "creds_file: '" + bearer + "'}\n")); err != nil {
+		t.Fatalf("a bearer token: %v", err)
 	}
 	if _, err := Parse([]byte("models: [{name: m}]\nbackends: [{id: a, url: 'http://h:1'}]\nreplicas: {nats: '', creds_file: '" + notCreds + "'}\n")); err != nil {
 		t.Fatalf("without nats: %v", err)

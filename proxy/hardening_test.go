@@ -913,8 +913,9 @@ func TestForgetClearsThroughTheEventFeed(t *testing.T) {
 	for i := range tokens {
 		tokens[i] = fmt.Sprint(100 + i)
 	}
+	// Of a hybrid model's full attention group: the rank follows group 1.
 	batch := `{"engine_id":"e0","events":[{"type":"block_stored","block_hashes":[11,12],"parent_block_hash":null,"token_ids":[` +
-		strings.Join(tokens, ",") + `],"block_size":16}]}`
+		strings.Join(tokens, ",") + `],"block_size":16,"group_idx":1,"kv_cache_spec_kind":"full_attention"}]}`
 	if resp, b := post(t, p.url+"/v1/kv_events", batch); resp.StatusCode != 200 {
 		t.Fatalf("push: %d %s", resp.StatusCode, b)
 	}
@@ -933,6 +934,12 @@ func TestForgetClearsThroughTheEventFeed(t *testing.T) {
 	}
 	if n := p.s.st.Load().pools[0].rt.Index().WorkerBlocks(b.worker); n != 0 {
 		t.Fatalf("the index still holds %d blocks", n)
+	}
+	// The group choice went with the blocks: an engine back with another
+	// layout, its events naming no group, is followed.
+	plain := strings.Replace(batch, `,"group_idx":1,"kv_cache_spec_kind":"full_attention"`, "", 1)
+	if resp, body := post(t, p.url+"/v1/kv_events", plain); resp.StatusCode != 200 || !strings.Contains(string(body), `"applied":1`) {
+		t.Fatalf("a push after the forget: %d %s", resp.StatusCode, body)
 	}
 	p.waitIdle(t)
 }
