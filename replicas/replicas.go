@@ -94,6 +94,7 @@ type peer struct {
 	instance string
 	loads    []Entry
 	seen     time.Time
+	interval time.Duration // between its reports
 	ttl      time.Duration
 }
 
@@ -454,10 +455,21 @@ func (s *Sync) receive(m *nats.Msg) {
 		s.mu.Unlock()
 		return
 	}
+	now := time.Now()
 	if _, known := s.peers[key]; !known {
 		s.log.Info().Str("replica", r.Replica).Str("instance", r.Instance).Msg("replicas: a replica reports; its load counts")
+		// A replica of this id that has missed two reports is one that
+		// crashed and is back (a container restarted keeps its
+		// hostname-pid): its last load would count twice with the new
+		// one's until it expires. Two live replicas given one id both
+		// report every interval, and both count.
+		for k, p := range s.peers {
+			if p.id == r.Replica && now.Sub(p.seen) > 2*p.interval {
+				delete(s.peers, k)
+			}
+		}
 	}
-	s.peers[key] = &peer{id: r.Replica, instance: r.Instance, loads: r.Loads, seen: time.Now(), ttl: max(3*iv, time.Second)}
+	s.peers[key] = &peer{id: r.Replica, instance: r.Instance, loads: r.Loads, seen: now, interval: iv, ttl: max(3*iv, time.Second)}
 	s.mu.Unlock()
 	s.applySum()
 }

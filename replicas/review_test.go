@@ -140,3 +140,62 @@ func TestPeersAreBounded(t *testing.T) {
 		t.Fatalf("e0 %+v (b's must still count), e1 %+v", m[Key{"m", "e0"}], m[Key{"m", "e1"}])
 	}
 }
+
+// A replica that crashed and is back under the same id (a restarted
+// container keeps its hostname-pid) replaces its former self at once:
+// the dead one's last load counted beside the new one's until it expired
+// (three intervals, at least 1 s).
+func TestReplicaBackUnderItsIDReplacesItsFormerSelf(t *testing.T) {
+	url := startNATS(t).ClientURL()
+	kb := newSink()
+	start(t, url, "b", nil, kb)
+	startA := func(inflight int64) *Sync {
+		a, err := Start(Config{URL: url, Subject: "kvproxy.load", ID: "a", Interval: time.Second},
+			func() []Entry { return []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: inflight}}} },
+			func(map[Key]router.Load) {}, zerolog.Nop())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(a.Close)
+		return a
+	}
+	old := startA(3)
+	waitPublished(t, old, kb, func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}].Inflight == 3 })
+	old.Close()                         // gone without a word, as a crash; b keeps its load 3 s
+	time.Sleep(2100 * time.Millisecond) // two of its reports missed
+	back := startA(5)
+	deadline := time.Now().Add(700 * time.Millisecond) // well before the old load expires
+	for {
+		back.Publish() // again until b has it: the first may beat the connection
+		kb.mu.Lock()
+		n := kb.last[Key{"m", "e0"}].Inflight
+		kb.mu.Unlock()
+		if n == 5 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("b counts %d in flight on e0, want the new a's 5 alone", n)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// waitPublished publishes s's load until k has seen what ok wants (a
+// report sent once may come before the subscriber's subscription).
+func waitPublished(t *testing.T, s *Sync, k *sink, ok func(map[Key]router.Load) bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		s.Publish()
+		k.mu.Lock()
+		done := k.last != nil && ok(k.last)
+		k.mu.Unlock()
+		if done {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the report never arrived")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
