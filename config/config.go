@@ -157,8 +157,10 @@ func (r Replicas) fileProblems() []fieldProblem {
 	case (t.CertFile == "") != (t.KeyFile == ""):
 		out = append(out, fieldProblem{"replicas.tls", "cert_file and key_file go together"})
 	case t.CertFile != "":
-		if _, err := tls.LoadX509KeyPair(t.CertFile, t.KeyFile); err != nil {
+		if pair, err := tls.LoadX509KeyPair(t.CertFile, t.KeyFile); err != nil {
 			out = append(out, fieldProblem{"replicas.tls", strings.TrimPrefix(err.Error(), "tls: ")})
+		} else if leaf := pair.Leaf; leaf != nil && time.Now().After(leaf.NotAfter) {
+			out = append(out, fieldProblem{"replicas.tls.cert_file", t.CertFile + ": expired at " + leaf.NotAfter.UTC().Format(time.RFC3339)})
 		}
 	}
 	return out
@@ -179,6 +181,7 @@ func checkCreds(b []byte, now time.Time) error {
 	var claims struct {
 		Sub  string `json:"sub"`
 		Exp  int64  `json:"exp"`
+		Nbf  int64  `json:"nbf"`
 		NATS struct {
 			Bearer bool `json:"bearer_token"`
 		} `json:"nats"`
@@ -197,6 +200,9 @@ func checkCreds(b []byte, now time.Time) error {
 	}
 	if claims.Exp != 0 && now.Unix() >= claims.Exp {
 		return fmt.Errorf("its JWT expired at %s", time.Unix(claims.Exp, 0).UTC().Format(time.RFC3339))
+	}
+	if claims.Nbf != 0 && now.Unix() < claims.Nbf {
+		return fmt.Errorf("its JWT is not valid until %s", time.Unix(claims.Nbf, 0).UTC().Format(time.RFC3339))
 	}
 	return nil
 }

@@ -1,7 +1,14 @@
 package config
 
 import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
 	"fmt"
+	"math/big"
 	"os"
 	"path/filepath"
 	"strings"
@@ -29,10 +36,9 @@ func TestReplicasIntervalAbove20sRefused(t *testing.T) {
 	}
 }
 
-// creds mints a NATS user credentials file, its JWT expiring at exp (0:
-// never), its seed that of another user if otherSeed, a bearer token if
-// bearer.
-func creds(t *testing.T, exp int64, otherSeed, bearer bool) []byte {
+// creds mints a NATS user credentials file, its JWT's claims set by
+// claims, its seed that of another user if otherSeed.
+func creds(t *testing.T, claims func(*jwt.UserClaims), otherSeed bool) []byte {
 	t.Helper()
 	account, err := nkeys.CreateAccount()
 	if err != nil {
@@ -41,8 +47,9 @@ func creds(t *testing.T, exp int64, otherSeed, bearer bool) []byte {
 	user, _ := nkeys.CreateUser()
 	pub, _ := user.PublicKey()
 	uc := jwt.NewUserClaims(pub)
-	uc.Expires = exp
-	uc.BearerToken = bearer
+	if claims != nil {
+		claims(uc)
+	}
 	token, err := uc.Encode(account)
 	if err != nil {
 		t.Fatal(err)
@@ -75,12 +82,14 @@ func TestReplicasFilesAreChecked(t *testing.T) {
 		return f
 	}
 	notCreds := write("notes.txt", []byte("hello"))
-	good := write("good.creds", creds(t, 0, false, false))
-	expired := write("expired.creds", creds(t, time.Now().Add(-time.Hour).Unix(), false, false))
-	mismatched := write("mismatched.creds", creds(t, 0, true, false))
+	good := write("good.creds", creds(t, nil, false))
+	expired := write("expired.creds", creds(t, func(c *jwt.UserClaims) { c.Expires = time.Now().Add(-time.Hour).Unix() }, false))
+	mismatched := write("mismatched.creds", creds(t, nil, true))
 	undecorated := write("undecorated.creds", []byte(strings.Join(strings.Fields(
 		strings.NewReplacer("-----BEGIN NATS USER JWT-----", "", "------END NATS USER JWT------", "",
-			"-----BEGIN USER NKEY SEED-----", "", "------END USER NKEY SEED------", "").Replace(string(creds(t, 0, false, false)))), "\n")))
+			"-----BEGIN USER NKEY SEED-----", "", "------END USER NKEY SEED------", "").Replace(string(creds(t, nil, false)))), "\n")))
+	early := write("early.creds", creds(t, func(c *jwt.UserClaims) { c.NotBefore = time.Now().Add(time.Hour).Unix() }, false))
+	expiredCert, expiredKey := expiredKeyPair(t, dir)
 	garbled := write("garbled.creds", []byte("-----BEGIN NATS USER JWT-----\neyJ0\n------END NATS USER JWT------\n\n-----BEGIN USER NKEY SEED-----\nSUAM\n------END USER NKEY SEED------\n"))
 	head := "models: [{name: m}]\nbackends: [{id: a, url: 'http://h:1'}]\nreplicas: {nats: 'tls://h:4222', "
 	for name, c := range map[string]struct{ yaml, field, msg string }{
@@ -90,6 +99,8 @@ func TestReplicasFilesAreChecked(t *testing.T) {
 		"undecorated":   {"creds_file: '" + undecorated + "'}", "replicas.creds_file", "not a NATS user credentials file"},
 		"expired":       {"creds_file: '" + expired + "'}", "replicas.creds_file", "expired at"},
 		"another seed":  {"creds_file: '" + mismatched + "'}", "replicas.creds_file", "not its JWT's user's"},
+		"not yet valid": {"creds_file: '" + early + "'}", "replicas.creds_file", "not valid until"},
+		"expired cert":  {"tls: {cert_file: '" + expiredCert + "', key_file: '" + expiredKey + "'}}", "replicas.tls.cert_file", "expired at"},
 		"missing ca":    {"tls: {ca_file: '" + filepath.Join(dir, "none.pem") + "'}}", "replicas.tls.ca_file", "no such file"},
 		"ca not pem":    {"tls: {ca_file: '" + notCreds + "'}}", "replicas.tls.ca_file", "no PEM certificate"},
 		"cert alone":    {"tls: {cert_file: '" + notCreds + "'}}", "replicas.tls", "go together"},
@@ -105,11 +116,40 @@ func TestReplicasFilesAreChecked(t *testing.T) {
 		t.Fatalf("a credentials file: %v", err)
 	}
 	// A bearer token's seed signs nothing the server checks: any will do.
-	bearer := write("bearer.creds", creds(t, 0, true, true))
+	bearer := write("bearer.creds", creds(t, func(c *jwt.UserClaims) { c.BearerToken = true }, true))
 	if _, err := Parse([]byte(head + "creds_file: '" + bearer + "'}\n")); err != nil {
 		t.Fatalf("a bearer token: %v", err)
 	}
 	if _, err := Parse([]byte("models: [{name: m}]\nbackends: [{id: a, url: 'http://h:1'}]\nreplicas: {nats: '', creds_file: '" + notCreds + "'}\n")); err != nil {
 		t.Fatalf("without nats: %v", err)
 	}
+}
+
+// expiredKeyPair writes a client certificate that expired an hour ago,
+// and its key, into dir.
+func expiredKeyPair(t *testing.T, dir string) (cert, key string) {
+	t.Helper()
+	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "kvproxy replica"},
+		NotBefore: time.Now().Add(-48 * time.Hour), NotAfter: time.Now().Add(-time.Hour),
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &k.PublicKey, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kb, err := x509.MarshalECPrivateKey(k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, key = filepath.Join(dir, "expired.pem"), filepath.Join(dir, "expired-key.pem")
+	if err := os.WriteFile(cert, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(key, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return cert, key
 }

@@ -113,6 +113,7 @@ const maxPeers = 256
 // Sync publishes this replica's load and gathers the others'.
 type Sync struct {
 	cfg      Config
+	period   time.Duration // between reports: the interval, rounded to the loop's ticks
 	instance string
 	local    func() []Entry
 	apply    func(map[Key]router.Load)
@@ -167,7 +168,8 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 	}
 	var nonce [8]byte
 	rand.Read(nonce[:])
-	s := &Sync{cfg: cfg, instance: hex.EncodeToString(nonce[:]), local: local, apply: apply, log: log, peers: map[string]*peer{},
+	tick, perReport := reportTicks(cfg.Interval)
+	s := &Sync{cfg: cfg, period: time.Duration(perReport) * tick, instance: hex.EncodeToString(nonce[:]), local: local, apply: apply, log: log, peers: map[string]*peer{},
 		mine: workersOf(local()), mineAt: time.Now(), mismatched: map[string]bool{},
 		stop: make(chan struct{}), done: make(chan struct{}), closed: make(chan struct{})}
 	up := &s.up // each transition is logged once
@@ -177,16 +179,31 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 		}
 	}
 	firstErr := make(chan error, 1) // why the first connection failed
-	var (                           // the asynchronous error last logged, and when
+	var (                           // the error last logged, and when
 		asyncMu  sync.Mutex
 		asyncMsg string
 		asyncAt  time.Time
 	)
+	sayAgain := func(err error) bool { // once a minute while the same error repeats
+		asyncMu.Lock()
+		defer asyncMu.Unlock()
+		now, msg := time.Now(), err.Error()
+		if msg == asyncMsg && now.Sub(asyncAt) < time.Minute {
+			return false
+		}
+		asyncMsg, asyncAt = msg, now
+		return true
+	}
 	nc, err := nats.Connect(cfg.URL, append(cfg.authOptions(),
 		nats.Name("kvproxy "+cfg.ID),
 		nats.NoEcho(), // this replica's own reports are not delivered back to it
 		nats.RetryOnFailedConnect(true),
 		nats.MaxReconnects(-1),
+		// An authorization refused twice (a password changed for a
+		// moment, credentials that expired and are renewed in place)
+		// does not end the retries: nats.go gave up, and sharing stayed
+		// off until a restart (the trial).
+		nats.IgnoreAuthErrorAbort(),
 		nats.ReconnectWait(500*time.Millisecond),
 		// A server that hangs (stopped, its host gone) without closing the
 		// connection is noticed within seconds, not nats.go's 2 minutes × 2.
@@ -204,7 +221,7 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 		nats.ReconnectHandler(connected),
 		nats.ClosedHandler(func(c *nats.Conn) {
 			up.Store(false)
-			if !s.closing.Load() { // nats.go gave up (the server refused this client)
+			if !s.closing.Load() { // nats.go gave up (it retries for ever: should not happen)
 				log.Error().Err(c.LastError()).Str("nats", redactURLs(cfg.URL)).Msg("replicas: NATS closed the connection for good; this replica routes on its own load until restarted")
 			}
 			close(s.closed)
@@ -214,19 +231,16 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 			case firstErr <- err:
 			default:
 			}
+			if refused(err) && sayAgain(err) {
+				log.Error().Err(err).Str("nats", redactURLs(cfg.URL)).
+					Msg("replicas: NATS refuses this replica (its user and password, token or credentials); routing on this replica's load, retrying every 500ms (said once a minute while it lasts)")
+			}
 		}),
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
 			// Once a minute while the same error repeats: a publish the
 			// server's permissions deny comes back at every report (the
 			// review: 29 lines in 3 s).
-			asyncMu.Lock()
-			now, msg := time.Now(), err.Error()
-			say := msg != asyncMsg || now.Sub(asyncAt) >= time.Minute
-			if say {
-				asyncMsg, asyncAt = msg, now
-			}
-			asyncMu.Unlock()
-			if say {
+			if sayAgain(err) {
 				log.Warn().Err(err).Msg("replicas: NATS error (said once a minute while it repeats)")
 			}
 		}),
@@ -236,8 +250,8 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 	}
 	if nc.IsConnected() {
 		connected(nc)
-	} else {
-		log.Warn().Err(connectError(firstErr)).Str("nats", redactURLs(cfg.URL)).Msg("replicas: cannot reach NATS yet; routing on this replica's load, retrying every 500ms")
+	} else if err := connectError(firstErr); err == nil || !refused(err) { // a refusal is said as an error
+		log.Warn().Err(err).Str("nats", redactURLs(cfg.URL)).Msg("replicas: cannot reach NATS yet; routing on this replica's load, retrying every 500ms")
 	}
 	s.nc = nc
 	if s.sub, err = nc.Subscribe(cfg.Subject, s.receive); err != nil {
@@ -288,8 +302,7 @@ const expiryCheck = 250 * time.Millisecond
 
 func (s *Sync) loop() {
 	defer close(s.done)
-	tick := min(s.cfg.Interval, expiryCheck)
-	perReport := max(1, int((s.cfg.Interval+tick/2)/tick)) // ticks between reports
+	tick, perReport := reportTicks(s.cfg.Interval)
 	t := time.NewTicker(tick)
 	defer t.Stop()
 	var w *time.Ticker // the watch for ended load, while the last report showed load
@@ -324,6 +337,14 @@ func (s *Sync) loop() {
 			s.watching.Store(false)
 		}
 	}
+}
+
+// reportTicks is the loop's tick for a report interval, and how many
+// ticks go between reports: the interval rounded to ticks of at most
+// expiryCheck.
+func reportTicks(interval time.Duration) (tick time.Duration, perReport int) {
+	tick = min(interval, expiryCheck)
+	return tick, max(1, int((interval+tick/2)/tick))
 }
 
 // reportedLoad reports whether the last report showed load.
@@ -393,7 +414,7 @@ func (s *Sync) publish(loads []Entry) {
 	s.mu.Lock()
 	s.sent, s.sentAt = sent, time.Now()
 	s.mu.Unlock()
-	b, err := json.Marshal(report{Replica: s.cfg.ID, Instance: s.instance, IntervalMs: s.cfg.Interval.Milliseconds(), Loads: loads})
+	b, err := json.Marshal(report{Replica: s.cfg.ID, Instance: s.instance, IntervalMs: s.period.Milliseconds(), Loads: loads})
 	if err != nil {
 		return
 	}
@@ -447,27 +468,34 @@ func (s *Sync) receive(m *nats.Msg) {
 		s.log.Warn().Str("replica", r.Replica).Msg("replicas: another replica uses this replica's id; give each its own (replicas.id)")
 	}
 	key := r.Replica + "/" + r.Instance
-	if _, known := s.peers[key]; !known && len(s.peers) >= maxPeers {
+	now := time.Now()
+	_, known := s.peers[key]
+	if !known {
+		// A replica of this id that has missed two reports is one that
+		// crashed and is back (a container restarted keeps its
+		// hostname-pid): its last load would count twice with the new
+		// one's until it expires. Two live replicas given one id both
+		// report every interval, and both count. Before the cap: the
+		// new one takes its former self's place.
+		for k, p := range s.peers {
+			if p.id == r.Replica && now.Sub(p.seen) > 2*p.interval {
+				delete(s.peers, k)
+				s.log.Info().Str("replica", p.id).Str("instance", p.instance).Str("by", r.Instance).
+					Msg("replicas: a replica is back under its id; its former instance's load no longer counts")
+			}
+		}
+	}
+	if !known && len(s.peers) >= maxPeers {
 		if !s.warnMax {
 			s.warnMax = true
 			s.log.Warn().Int("max", maxPeers).Msg("replicas: too many replicas report on the subject; the newest are ignored")
 		}
 		s.mu.Unlock()
+		s.applySum() // a former instance may have gone
 		return
 	}
-	now := time.Now()
-	if _, known := s.peers[key]; !known {
+	if !known {
 		s.log.Info().Str("replica", r.Replica).Str("instance", r.Instance).Msg("replicas: a replica reports; its load counts")
-		// A replica of this id that has missed two reports is one that
-		// crashed and is back (a container restarted keeps its
-		// hostname-pid): its last load would count twice with the new
-		// one's until it expires. Two live replicas given one id both
-		// report every interval, and both count.
-		for k, p := range s.peers {
-			if p.id == r.Replica && now.Sub(p.seen) > 2*p.interval {
-				delete(s.peers, k)
-			}
-		}
 	}
 	s.peers[key] = &peer{id: r.Replica, instance: r.Instance, loads: r.Loads, seen: now, interval: iv, ttl: max(3*iv, time.Second)}
 	s.mu.Unlock()
@@ -628,6 +656,14 @@ func (s *Sync) Close() {
 	case <-s.closed:
 	case <-time.After(time.Second):
 	}
+}
+
+// refused reports whether err is a NATS server's refusal of this client's
+// authorization (nats.go passes the server's words on).
+func refused(err error) bool {
+	msg := strings.ToLower(err.Error())
+	return strings.Contains(msg, "authorization violation") || strings.Contains(msg, "authentication expired") ||
+		strings.Contains(msg, "authentication revoked")
 }
 
 // redactURLs is the comma-separated NATS URLs with their passwords (or

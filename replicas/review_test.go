@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"math"
+	"strings"
 	"testing"
 	"time"
 
@@ -197,5 +198,89 @@ func waitPublished(t *testing.T, s *Sync, k *sink, ok func(map[Key]router.Load) 
 			t.Fatal("the report never arrived")
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// feedReport hands s a report of replica id's instance, as NATS would.
+func feedReport(s *Sync, id, instance string, intervalMs, inflight int64) {
+	b, _ := json.Marshal(report{Replica: id, Instance: instance, IntervalMs: intervalMs,
+		Loads: []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: inflight}}}})
+	s.receive(&nats.Msg{Subject: "kvproxy.load", Data: b})
+}
+
+// A replica back under its id takes its former self's place even with as
+// many replicas as are kept (it was refused, and the dead one kept), and
+// the log says the former instance went, as it says a replica's leaving
+// (the trial: joins without leaves).
+func TestReplicaBackUnderItsIDAtTheCap(t *testing.T) {
+	logs := &syncBuffer{}
+	s := &Sync{cfg: Config{ID: "r", Interval: 100 * time.Millisecond}, instance: "me",
+		local: func() []Entry { return nil }, apply: func(map[Key]router.Load) {},
+		log: zerolog.New(logs), peers: map[string]*peer{},
+		mine: map[Key]string{{"m", "e0"}: ""}, mineAt: time.Now(), mismatched: map[string]bool{}}
+	for i := range maxPeers - 1 {
+		feedReport(s, fmt.Sprint("x", i), "i", 20000, 0)
+	}
+	feedReport(s, "a", "old", 100, 3)
+	s.mu.Lock()
+	s.peers["a/old"].seen = time.Now().Add(-300 * time.Millisecond) // two reports missed
+	s.mu.Unlock()
+	feedReport(s, "a", "new", 100, 5)
+	s.mu.Lock()
+	_, hasNew := s.peers["a/new"]
+	_, hasOld := s.peers["a/old"]
+	s.mu.Unlock()
+	if !hasNew || hasOld {
+		t.Fatalf("at the cap: new instance kept %v, old kept %v", hasNew, hasOld)
+	}
+	if l := logs.String(); !strings.Contains(l, `"instance":"old"`) || !strings.Contains(l, "its former instance's load no longer counts") || strings.Contains(l, "too many replicas") {
+		t.Fatalf("log: %s", l)
+	}
+}
+
+// A replica advertises the interval it reports at, its interval rounded to
+// the loop's ticks (at 375ms it reports every 500ms): the others judge
+// its reports missed by it.
+func TestReplicaAdvertisesItsReportPeriod(t *testing.T) {
+	for iv, want := range map[time.Duration]time.Duration{100 * time.Millisecond: 100 * time.Millisecond, 375 * time.Millisecond: 500 * time.Millisecond, time.Second: time.Second} {
+		tick, per := reportTicks(iv)
+		if got := time.Duration(per) * tick; got != want {
+			t.Errorf("interval %v: reports every %v, want %v", iv, got, want)
+		}
+	}
+	url := startNATS(t).ClientURL()
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	got := make(chan report, 1)
+	sub, err := nc.Subscribe("kvproxy.load", func(m *nats.Msg) {
+		var r report
+		if json.Unmarshal(m.Data, &r) == nil {
+			select {
+			case got <- r:
+			default:
+			}
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	nc.Flush()
+	a, err := Start(Config{URL: url, ID: "a", Interval: 375 * time.Millisecond}, func() []Entry { return nil }, func(map[Key]router.Load) {}, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	a.Publish()
+	select {
+	case r := <-got:
+		if r.IntervalMs != 500 {
+			t.Fatalf("a replica reporting every 500ms advertises %d ms", r.IntervalMs)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("no report")
 	}
 }
