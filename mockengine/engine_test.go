@@ -880,7 +880,9 @@ func TestRealTimeDoesNotDrift(t *testing.T) {
 	io.Copy(io.Discard, resp.Body)
 	resp.Body.Close()
 	took := time.Since(start)
-	if took < model || took > 3*model+20*time.Millisecond {
+	// 100 ms of slack for a loaded machine (under two CPU hogs it took
+	// 26-39 ms), still short of what lost latencies would add.
+	if took < model || took > 3*model+100*time.Millisecond {
 		t.Fatalf("took %v for %v of scaled engine time", took, model)
 	}
 	t.Logf("took %v for %v of scaled engine time", took, model)
