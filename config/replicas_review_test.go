@@ -1,14 +1,7 @@
 package config
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"fmt"
-	"math/big"
 	"os"
 	"path/filepath"
 	"strings"
@@ -17,6 +10,8 @@ import (
 
 	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nkeys"
+
+	"github.com/kvproxy/kvproxy/internal/testutil"
 )
 
 // A negative replicas.interval is one error, not also "at least 10ms".
@@ -89,7 +84,9 @@ func TestReplicasFilesAreChecked(t *testing.T) {
 		strings.NewReplacer("-----BEGIN NATS USER JWT-----", "", "------END NATS USER JWT------", "",
 			"-----BEGIN USER NKEY SEED-----", "", "------END USER NKEY SEED------", "").Replace(string(creds(t, nil, false)))), "\n")))
 	early := write("early.creds", creds(t, func(c *jwt.UserClaims) { c.NotBefore = time.Now().Add(time.Hour).Unix() }, false))
-	expiredCert, expiredKey := expiredKeyPair(t, dir)
+	expiredDir := t.TempDir()
+	testutil.SelfSignedCertValid(t, expiredDir, 1, time.Now().Add(-48*time.Hour), time.Now().Add(-time.Hour))
+	expiredCert, expiredKey := filepath.Join(expiredDir, "cert.pem"), filepath.Join(expiredDir, "key.pem")
 	garbled := write("garbled.creds", []byte("-----BEGIN NATS USER JWT-----\neyJ0\n------END NATS USER JWT------\n\n-----BEGIN USER NKEY SEED-----\nSUAM\n------END USER NKEY SEED------\n"))
 	head := "models: [{name: m}]\nbackends: [{id: a, url: 'http://h:1'}]\nreplicas: {nats: 'tls://h:4222', "
 	for name, c := range map[string]struct{ yaml, field, msg string }{
@@ -123,33 +120,4 @@ func TestReplicasFilesAreChecked(t *testing.T) {
 	if _, err := Parse([]byte("models: [{name: m}]\nbackends: [{id: a, url: 'http://h:1'}]\nreplicas: {nats: '', creds_file: '" + notCreds + "'}\n")); err != nil {
 		t.Fatalf("without nats: %v", err)
 	}
-}
-
-// expiredKeyPair writes a client certificate that expired an hour ago,
-// and its key, into dir.
-func expiredKeyPair(t *testing.T, dir string) (cert, key string) {
-	t.Helper()
-	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "kvproxy replica"},
-		NotBefore: time.Now().Add(-48 * time.Hour), NotAfter: time.Now().Add(-time.Hour),
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &k.PublicKey, k)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kb, err := x509.MarshalECPrivateKey(k)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, key = filepath.Join(dir, "expired.pem"), filepath.Join(dir, "expired-key.pem")
-	if err := os.WriteFile(cert, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(key, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	return cert, key
 }

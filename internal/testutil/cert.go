@@ -20,13 +20,19 @@ import (
 // returns the certificate, for a client to trust.
 func SelfSignedCert(t testing.TB, dir string, serial int64) *x509.Certificate {
 	t.Helper()
+	return SelfSignedCertValid(t, dir, serial, time.Now().Add(-time.Hour), time.Now().Add(time.Hour))
+}
+
+// SelfSignedCertValid is SelfSignedCert valid from notBefore to notAfter.
+func SelfSignedCertValid(t testing.TB, dir string, serial int64, notBefore, notAfter time.Time) *x509.Certificate {
+	t.Helper()
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
 		t.Fatal(err)
 	}
 	tmpl := &x509.Certificate{
 		SerialNumber: big.NewInt(serial), Subject: pkix.Name{CommonName: "kvproxy test"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		NotBefore: notBefore, NotAfter: notAfter,
 		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}, KeyUsage: x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}, BasicConstraintsValid: true, IsCA: true,
 	}
