@@ -131,39 +131,35 @@ type NATSTLS struct {
 	KeyFile  string `yaml:"key_file"`
 }
 
-type fieldProblem struct{ field, msg string }
-
-// fileProblems are what is wrong with the files the connection to NATS
+// checkFiles adds what is wrong with the files the connection to NATS
 // reads, which nats.go would report only when connecting, as a failure to
 // connect retried forever.
-func (r Replicas) fileProblems() []fieldProblem {
-	var out []fieldProblem
+func (r Replicas) checkFiles(add func(field, format string, a ...any)) {
 	if f := r.CredsFile; f != "" {
 		if b, err := os.ReadFile(f); err != nil {
-			out = append(out, fieldProblem{"replicas.creds_file", err.Error()})
+			add("replicas.creds_file", "%s", err.Error())
 		} else if err := checkCreds(b, time.Now()); err != nil {
-			out = append(out, fieldProblem{"replicas.creds_file", f + ": " + err.Error()})
+			add("replicas.creds_file", "%s: %v", f, err)
 		}
 	}
 	t := r.TLS
 	if f := t.CAFile; f != "" {
 		if b, err := os.ReadFile(f); err != nil {
-			out = append(out, fieldProblem{"replicas.tls.ca_file", err.Error()})
+			add("replicas.tls.ca_file", "%s", err.Error())
 		} else if !x509.NewCertPool().AppendCertsFromPEM(b) {
-			out = append(out, fieldProblem{"replicas.tls.ca_file", "no PEM certificate in " + f})
+			add("replicas.tls.ca_file", "no PEM certificate in %s", f)
 		}
 	}
 	switch {
 	case (t.CertFile == "") != (t.KeyFile == ""):
-		out = append(out, fieldProblem{"replicas.tls", "cert_file and key_file go together"})
+		add("replicas.tls", "cert_file and key_file go together")
 	case t.CertFile != "":
 		if pair, err := tls.LoadX509KeyPair(t.CertFile, t.KeyFile); err != nil {
-			out = append(out, fieldProblem{"replicas.tls", strings.TrimPrefix(err.Error(), "tls: ")})
+			add("replicas.tls", "%s", strings.TrimPrefix(err.Error(), "tls: "))
 		} else if leaf := pair.Leaf; leaf != nil && time.Now().After(leaf.NotAfter) {
-			out = append(out, fieldProblem{"replicas.tls.cert_file", t.CertFile + ": expired at " + leaf.NotAfter.UTC().Format(time.RFC3339)})
+			add("replicas.tls.cert_file", "%s: expired at %s", t.CertFile, leaf.NotAfter.UTC().Format(time.RFC3339))
 		}
 	}
-	return out
 }
 
 // checkCreds checks a NATS user credentials file as a server would: a
@@ -1179,9 +1175,7 @@ func (c *Config) Validate() error {
 		add("replicas.interval", "must be between 10ms and 20s, got %v", iv)
 	}
 	if !c.discovering && c.Replicas.NATS != "" { // an expansion's files were read with its templates; without NATS, warned of
-		for _, p := range c.Replicas.fileProblems() {
-			add(p.field, "%s", p.msg)
-		}
+		c.Replicas.checkFiles(add)
 	}
 	for i, p := range c.TrustedProxies {
 		if parseNet(p) == nil {

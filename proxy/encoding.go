@@ -333,9 +333,11 @@ func (bb *bodyBuffer) fit(b []byte) []byte {
 
 func (bb *bodyBuffer) Close() error {
 	bb.giveBack()
-	if c := cap(bb.b); c <= maxPooledBody && c == bodyClassSizes[bodyClass(c)] {
-		bb.b = bb.b[:0]
-		bodyBuffers[bodyClass(c)].Put(bb)
+	if c := cap(bb.b); c <= maxPooledBody {
+		if k := bodyClass(c); bodyClassSizes[k] == c { // only an array of its class's size
+			bb.b = bb.b[:0]
+			bodyBuffers[k].Put(bb)
+		}
 	}
 	return nil
 }
