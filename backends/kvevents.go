@@ -234,9 +234,6 @@ func (f *KVFeed) followed(b kv.HTTPBatch) ([]kv.Event, int) {
 				out = append(out, ev)
 			}
 		}
-		if ev.Kind == kv.AllBlocksCleared {
-			g.Forget()
-		}
 	}
 	if out == nil {
 		return b.Events, applied

@@ -4,8 +4,10 @@ package kv
 // followed (see the package comment of VLLMDecoder): group 0 (or events
 // without a group) until a BlockStored names its group's kind, then the
 // lowest group of full attention, or if none has been seen the lowest of
-// the best kind seen. The zero value follows group 0. Not safe for
-// concurrent use.
+// the best kind seen. An AllBlocksCleared makes the choice again: the
+// engine's cache is empty, and what comes may be of another layout (an
+// engine restarted with another model). The zero value follows group 0.
+// Not safe for concurrent use.
 type GroupFollower struct {
 	group int64
 	rank  int // groupRank of the group's kind, once set
@@ -19,6 +21,7 @@ type GroupFollower struct {
 // before this event.
 func (f *GroupFollower) Follow(kind EventKind, group int64, groupKind string) (follow, changed bool) {
 	if kind == AllBlocksCleared {
+		f.Forget()
 		return true, false
 	}
 	if kind == BlockStored && groupKind != "" {

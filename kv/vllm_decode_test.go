@@ -668,6 +668,7 @@ func TestDecodeVLLMFollowsTheFullAttentionGroup(t *testing.T) {
 	rm := func(h, group int64) func(f *fixture) *fixture {
 		return func(f *fixture) *fixture { return removed(f, h, group) }
 	}
+	clr := func(f *fixture) *fixture { return f.arr(1).str("AllBlocksCleared") }
 	for _, c := range []struct {
 		name    string
 		batches []batch
@@ -693,6 +694,14 @@ func TestDecodeVLLMFollowsTheFullAttentionGroup(t *testing.T) {
 			{[]func(*fixture) *fixture{st(12, 0, "unknown"), st(13, 1, "mla_attention")}, []ev{{BlockStored, 12}, {AllBlocksCleared, 0}, {BlockStored, 13}}},
 			{[]func(*fixture) *fixture{st(14, 0, ""), st(15, 1, "")}, []ev{{BlockStored, 14}}},
 		}, true},
+		// The engine's own clear (reset_prefix_cache, or a restart the
+		// feed did not see) makes the choice again: a model whose only
+		// group is a sliding window's is followed after one that had full
+		// attention in group 1.
+		{"the engine clears its cache", []batch{
+			{[]func(*fixture) *fixture{st(30, 1, "full_attention")}, []ev{{AllBlocksCleared, 0}, {BlockStored, 30}}},
+			{[]func(*fixture) *fixture{clr, st(31, 0, "sliding_window"), rm(31, 0)}, []ev{{AllBlocksCleared, 0}, {BlockStored, 31}, {BlockRemoved, 31}}},
+		}, false},
 		{"one group, of a sliding window (Mistral 7B v0.1)", []batch{
 			{[]func(*fixture) *fixture{st(6, 0, "sliding_window"), rm(6, 0)}, []ev{{BlockStored, 6}, {BlockRemoved, 6}}},
 		}, false},
