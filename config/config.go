@@ -13,6 +13,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strconv"
@@ -751,6 +752,17 @@ func ExpandEnv(b []byte, lookup func(string) (string, bool)) ([]byte, error) {
 	return out, nil
 }
 
+// homePath is p with a leading ~/ made the home directory, as a shell
+// would (and nats.go does to a credentials file, which -check reads first).
+func homePath(p string) string {
+	if rest, ok := strings.CutPrefix(p, "~/"); ok {
+		if home, err := os.UserHomeDir(); err == nil {
+			return filepath.Join(home, rest)
+		}
+	}
+	return p
+}
+
 func (c *Config) applyDefaults() {
 	if c.Listen == "" {
 		c.Listen = "127.0.0.1:8080"
@@ -761,8 +773,13 @@ func (c *Config) applyDefaults() {
 	if c.LogLevel == "" {
 		c.LogLevel = "info"
 	}
+	for _, p := range []*string{&c.TLS.CertFile, &c.TLS.KeyFile, &c.Replicas.CredsFile,
+		&c.Replicas.TLS.CAFile, &c.Replicas.TLS.CertFile, &c.Replicas.TLS.KeyFile} {
+		*p = homePath(*p)
+	}
 	for i := range c.Models {
 		m := &c.Models[i]
+		m.Tokenizer, m.Template = homePath(m.Tokenizer), homePath(m.Template)
 		if m.Tokenizer == "" {
 			m.Tokenizer = "cl100k_base"
 		}

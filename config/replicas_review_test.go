@@ -112,6 +112,12 @@ func TestReplicasFilesAreChecked(t *testing.T) {
 	if err != nil || cfg.Replicas.CredsFile != good {
 		t.Fatalf("a credentials file: %v", err)
 	}
+	// A path from the home directory, as a shell and nats.go read it.
+	t.Setenv("HOME", dir)
+	cfg, err = Parse([]byte(head + "creds_file: '~/good.creds', tls: {ca_file: '~/" + filepath.Base(notCreds) + "'}}\n"))
+	if err == nil || !strings.Contains(err.Error(), "no PEM certificate in "+notCreds) || strings.Contains(err.Error(), "creds_file") {
+		t.Fatalf("~/ paths: want only the CA file's error, naming %s: %v", notCreds, err)
+	}
 	// A bearer token's seed signs nothing the server checks: any will do.
 	bearer := write("bearer.creds", creds(t, func(c *jwt.UserClaims) { c.BearerToken = true }, true))
 	if _, err := Parse([]byte(head + "creds_file: '" + bearer + "'}\n")); err != nil {
