@@ -87,6 +87,11 @@ type report struct {
 	Instance   string  `json:"instance,omitempty"`
 	IntervalMs int64   `json:"interval_ms,omitempty"` // the publisher's interval; expiry waits three of them
 	Loads      []Entry `json:"loads"`
+	// Leaving is a replica's last report, sent as it closes: the others
+	// drop it at once rather than at its expiry (a restart under the same
+	// id is then not counted twice). Older versions read it as a report
+	// of no load.
+	Leaving bool `json:"leaving,omitempty"`
 }
 
 type peer struct {
@@ -452,6 +457,10 @@ func (s *Sync) receive(m *nats.Msg) {
 	if r.Instance == s.instance {
 		return // our own (were it echoed)
 	}
+	if r.Leaving {
+		s.leave(r.Replica + "/" + r.Instance)
+		return
+	}
 	for i := range r.Loads { // a buggy or hostile publisher must not cancel the others' load, nor wrap the sum
 		l := &r.Loads[i].Load
 		l.Inflight, l.Pending = clamp(l.Inflight), clamp(l.Pending)
@@ -500,6 +509,18 @@ func (s *Sync) receive(m *nats.Msg) {
 	s.peers[key] = &peer{id: r.Replica, instance: r.Instance, loads: r.Loads, seen: now, interval: iv, ttl: max(3*iv, time.Second)}
 	s.mu.Unlock()
 	s.applySum()
+}
+
+// leave drops the peer of key, which said it is leaving.
+func (s *Sync) leave(key string) {
+	s.mu.Lock()
+	p, known := s.peers[key]
+	delete(s.peers, key)
+	s.mu.Unlock()
+	if known {
+		s.log.Info().Str("replica", p.id).Str("instance", p.instance).Msg("replicas: a replica left; its load no longer counts")
+		s.applySum()
+	}
 }
 
 // workersOf is the workers of loads with their URL hashes.
@@ -637,8 +658,8 @@ func (s *Sync) Peers() int {
 // Connected reports whether the NATS connection is up.
 func (s *Sync) Connected() bool { return s.up.Load() }
 
-// Close stops reporting and leaves NATS; the others drop this replica's
-// load after their expiry.
+// Close stops reporting and leaves NATS, telling the others, who drop
+// this replica's load at once (after their expiry if the word is lost).
 func (s *Sync) Close() {
 	select {
 	case <-s.stop:
@@ -648,6 +669,12 @@ func (s *Sync) Close() {
 	close(s.stop)
 	<-s.done
 	s.closing.Store(true)
+	if s.up.Load() {
+		if b, err := json.Marshal(report{Replica: s.cfg.ID, Instance: s.instance, IntervalMs: s.period.Milliseconds(), Loads: []Entry{}, Leaving: true}); err == nil &&
+			s.nc.Publish(s.cfg.Subject, b) == nil {
+			s.nc.FlushTimeout(leaveFlush)
+		}
+	}
 	s.sub.Unsubscribe()
 	s.nc.Close()
 	// Its handlers run after Close, on nats.go's goroutine: none logs
@@ -657,6 +684,10 @@ func (s *Sync) Close() {
 	case <-time.After(time.Second):
 	}
 }
+
+// leaveFlush bounds how long Close waits for the server to take the
+// leaving report: a shutdown is not held up by a slow NATS.
+const leaveFlush = 500 * time.Millisecond
 
 // refused reports whether err is a NATS server's refusal of this client's
 // authorization (nats.go passes the server's words on).

@@ -233,3 +233,30 @@ func TestRepeatedNATSErrorSaidOnce(t *testing.T) {
 		t.Fatalf("%d lines of the same error:\n%s", n, logs.String())
 	}
 }
+
+// A replica that closes says so, and the others drop its load at once,
+// not at its expiry (three of its intervals: 15 s here).
+func TestClosingReplicaLeavesAtOnce(t *testing.T) {
+	url := startNATS(t).ClientURL()
+	cfg := Config{URL: url, ID: "a", Interval: 5 * time.Second}
+	ka := newSink()
+	a, logs := startLogged(t, cfg, func() []Entry { return nil }, ka.apply)
+	cfg.ID = "c"
+	c, err := Start(cfg, func() []Entry { return []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: 4}}} }, func(map[Key]router.Load) {}, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Close)
+	for deadline := time.Now().Add(5 * time.Second); a.Peers() == 0; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("a never saw c")
+		}
+		c.Publish()
+	}
+	ka.waitFor(t, "c's load at a", func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}].Inflight == 4 })
+	c.Close()
+	ka.waitFor(t, "c's load gone at a", func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}].Inflight == 0 })
+	if a.Peers() != 0 || !strings.Contains(logs.String(), "a replica left") {
+		t.Fatalf("a counts %d peers; log: %s", a.Peers(), logs.String())
+	}
+}

@@ -36,7 +36,8 @@ func TestLeftLogNamesTheReplicaAsJoinedDoes(t *testing.T) {
 	_, logs := startLogged(t, Config{URL: url, ID: "proxy-a", Interval: 20 * time.Millisecond},
 		func() []Entry { return nil }, func(map[Key]router.Load) {})
 	b := start(t, url, "proxy-b", []Entry{{Model: "m", Worker: "e0", Load: router.Load{Inflight: 1}}}, newSink())
-	const joined, left = "replicas: a replica reports; its load counts", "replicas: a replica stopped reporting; its load no longer counts"
+	const joined, left, silent = "replicas: a replica reports; its load counts", "replicas: a replica left; its load no longer counts",
+		"replicas: a replica stopped reporting; its load no longer counts"
 	waitLog := func(msg string) map[string]any {
 		t.Helper()
 		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
@@ -53,6 +54,17 @@ func TestLeftLogNamesTheReplicaAsJoinedDoes(t *testing.T) {
 	l := waitLog(left)
 	if j["replica"] != "proxy-b" || l["replica"] != "proxy-b" || l["instance"] != b.instance || j["instance"] != b.instance {
 		t.Fatalf("joined %v, left %v (instance %s)", j, l, b.instance)
+	}
+	// One that stops reporting without a word (killed) is named alike.
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	nc.Publish("kvproxy.load", []byte(`{"replica":"proxy-c","instance":"c1","interval_ms":20,"loads":[]}`))
+	nc.Flush()
+	if l := waitLog(silent); l["replica"] != "proxy-c" || l["instance"] != "c1" {
+		t.Fatalf("stopped reporting: %v", l)
 	}
 }
 
