@@ -286,6 +286,9 @@ type Model struct {
 	TokenizerCacheMB int `yaml:"tokenizer_cache_mb"`
 }
 
+// MaxRequestBodyLimit bounds limits.max_request_body_bytes.
+const MaxRequestBodyLimit = 1 << 40
+
 // DefaultTokenizerCacheMB is models[].tokenizer_cache_mb when not set.
 const DefaultTokenizerCacheMB = 128
 
@@ -1120,8 +1123,11 @@ func (c *Config) Validate() error {
 	if cc := c.Router.Cost; !finiteNonNegative(cc.PrefillMsPerToken, cc.QueueMsPerToken, cc.DecodeMsPerBlock) {
 		add("router.cost", "coefficients must be numbers, not negative")
 	}
-	if c.Limits.MaxRequestBodyBytes < 1024 {
-		add("limits.max_request_body_bytes", "must be at least 1024")
+	if b := c.Limits.MaxRequestBodyBytes; b < 1024 || b > MaxRequestBodyLimit {
+		// Above, "no limit" written as the largest integer wrapped where a
+		// byte past the limit is read for: every chunked body was empty
+		// (the review).
+		add("limits.max_request_body_bytes", "must be between 1024 and %d (1 TiB), got %d", MaxRequestBodyLimit, b)
 	}
 	if c.Limits.MaxHeaderBytes < 1024 {
 		add("limits.max_header_bytes", "must be at least 1024")

@@ -67,7 +67,7 @@ router:
 		fmt.Sprintf(`models[0].template: unknown template "no-such-template" (want chatml, llama3, raw, or the path of a tokenizer_config.json) (line %d)`, lineWith(t, doc, "template:")),
 		fmt.Sprintf(`backends[0].role: want both or prefill, got "decode" (line %d)`, lineWith(t, doc, "role:")),
 		fmt.Sprintf(`backends[1].id: required (line %d)`, lineWith(t, doc, "9001")), // left out: its entry
-		fmt.Sprintf(`limits.max_request_body_bytes: must be at least 1024 (line %d)`, lineWith(t, doc, "max_request_body_bytes")),
+		fmt.Sprintf(`limits.max_request_body_bytes: must be between 1024 and 1099511627776 (1 TiB), got 10 (line %d)`, lineWith(t, doc, "max_request_body_bytes")),
 		fmt.Sprintf(`router.policy: unknown policy "fastest" (known: %s) (line %d)`, strings.Join(Policies, ", "), lineWith(t, doc, "policy:")),
 		fmt.Sprintf(`auth.keys[0].key: must be at least 8 characters (line %d)`, lineWith(t, doc, "key: short")),
 		fmt.Sprintf(`auth.keys[1].tenant: required (line %d)`, lineWith(t, doc, "long-enough-key")),

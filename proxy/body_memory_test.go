@@ -304,7 +304,7 @@ func TestCappedBuffer(t *testing.T) {
 	}
 	for _, max := range []int{0, 1, 4095, 4096, 1 << 20, 11 << 20, 12 << 20} {
 		for _, piece := range []int{1, 1000, 32 << 10, 5 << 20} {
-			w := newCappedBuffer(100, max)
+			w := newCappedBuffer(100, max, budgetShare{})
 			n, err := 0, error(nil)
 			for n < len(src) && err == nil {
 				var k int
@@ -317,8 +317,11 @@ func TestCappedBuffer(t *testing.T) {
 				}
 				continue
 			}
-			if err != nil || !bytes.Equal(w.bytes(), src) {
-				t.Fatalf("max %d, pieces of %d: %v, %d bytes joined", max, piece, err, len(w.bytes()))
+			if err != nil {
+				t.Fatalf("max %d, pieces of %d: %v", max, piece, err)
+			}
+			if b, _, err := w.joined(); err != nil || !bytes.Equal(b, src[:n]) {
+				t.Fatalf("max %d, pieces of %d: %v, %d bytes joined", max, piece, err, len(b))
 			}
 		}
 	}
@@ -326,7 +329,7 @@ func TestCappedBuffer(t *testing.T) {
 	// (a buffer that doubled to the limit took twice it).
 	const max = 8 << 20
 	a0 := heapAllocs()
-	w := newCappedBuffer(1000, max)
+	w := newCappedBuffer(1000, max, budgetShare{})
 	var err error
 	for err == nil {
 		_, err = w.Write(src[:32<<10])

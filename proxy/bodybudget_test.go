@@ -6,6 +6,7 @@ import (
 	"compress/gzip"
 	"crypto/rand"
 	"encoding/base64"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -447,7 +448,7 @@ func TestDecodedBodyHoldsItsOwnSize(t *testing.T) {
 		zw := gzip.NewWriter(&zb)
 		zw.Write(random)
 		zw.Close()
-		out, err := decoded([]byte("gzip"), zb.Bytes(), 64<<20)
+		out, _, err := decoded([]byte("gzip"), zb.Bytes(), 64<<20, budgetShare{})
 		if err != nil || !bytes.Equal(out, random) {
 			t.Fatalf("%d bytes: %v", size, err)
 		}
@@ -570,4 +571,81 @@ func TestChunkedBodyTheSizeOfTheRoomFits(t *testing.T) {
 		}
 		ctx.Request.Reset()
 	}
+}
+
+// A chunked body one byte over a limit its array fills exactly (the
+// default 32 MiB is one) is refused for its size: its array grew, and was
+// charged, to read that byte, and a budget without the room for it
+// answered 503, retry, which could never succeed (the review).
+func TestChunkedBodyOneOverTheLimitIsTooLarge(t *testing.T) {
+	for _, max := range []int{1 << 20, 4 << 20} {
+		mem := backends.NewBudget(8 << 20)
+		mem.Take(int64(8<<20 - max)) // room for a body at the limit, not a byte more
+		ctx := &fasthttp.RequestCtx{}
+		ctx.Request.SetBodyStream(bytes.NewReader(make([]byte, max+1)), -1)
+		if _, err := rawBody(ctx, max, mem); !errors.Is(err, fasthttp.ErrBodyTooLarge) {
+			t.Errorf("limit %d: %v, want ErrBodyTooLarge", max, err)
+		}
+		ctx.Request.Reset()
+	}
+}
+
+// A compressed body is charged as it decompresses, with its compressed
+// copy: only once whole, a request without a tenant's max_concurrency
+// decompressed up to twice the body limit uncounted (the review). What it
+// took is given back when it fails, or is what the body holds after.
+func TestDecompressionIsCharged(t *testing.T) {
+	plain := bytes.Repeat([]byte("kv cache "), 6<<20/9) // 6 MiB
+	var zb bytes.Buffer
+	zw := gzip.NewWriter(&zb)
+	zw.Write(plain)
+	zw.Close()
+	for _, c := range []struct {
+		budget, other int64
+		want          error
+	}{
+		{4 << 20, 0, backends.ErrBeyondBudget}, // never fits
+		{32 << 20, 28 << 20, backends.ErrOverBudget},
+		{32 << 20, 0, nil},
+	} {
+		mem := backends.NewBudget(c.budget)
+		mem.Take(c.other)
+		out, held, err := decoded([]byte("gzip"), zb.Bytes(), 16<<20, budgetShare{mem, 0})
+		if !errors.Is(err, c.want) && err != c.want {
+			t.Fatalf("budget %d, %d held by others: %v, want %v", c.budget, c.other, err, c.want)
+		}
+		if err != nil {
+			if mem.Used() != c.other {
+				t.Errorf("a refused decompression left %d charged", mem.Used()-c.other)
+			}
+			continue
+		}
+		if !bytes.Equal(out, plain) || held != int64(len(plain)) || mem.Used() != held {
+			t.Errorf("decompressed %d bytes, held %d, %d charged", len(out), held, mem.Used())
+		}
+	}
+	// Charged while it grows, past the first MiB, before it is whole.
+	mem := backends.NewBudget(32 << 20)
+	w := newCappedBuffer(1000, 16<<20, budgetShare{mem, 0})
+	w.Write(plain[:3<<20])
+	if used := mem.Used(); used < 3<<20 || used != int64(w.allocated) {
+		t.Errorf("3 MiB written in chunks of %d bytes in all, %d charged", w.allocated, used)
+	}
+}
+
+// A body refused for its size gives back its room as it is refused, not
+// once the rest of it has been read and dropped (250 ms to 2 s after, for
+// a client that stalls or keeps sending; the review).
+func TestRefusedBodyGivesBackItsRoomAtOnce(t *testing.T) {
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {body_memory_mb: 64}\n",
+		startFake(t, "e0", nil))
+	ctx := &fasthttp.RequestCtx{}
+	ctx.Request.SetBodyStream(bytes.NewReader(make([]byte, 3<<20)), -1)
+	if _, ok := p.s.requestBody(ctx, 2<<20); ok || ctx.Response.StatusCode() != 413 {
+		t.Fatalf("a body over the limit: %d %s", ctx.Response.StatusCode(), ctx.Response.Body())
+	}
+	if used := p.s.bodyMem.Used(); used != 0 {
+		t.Fatalf("%d bytes still charged to a refused body", used)
+	}
+	ctx.Request.Reset()
 }

@@ -1405,7 +1405,7 @@ func plainBody(resp *fasthttp.Response) (body, enc []byte) {
 	if len(coding) == 0 || string(coding) == "identity" {
 		return resp.Body(), nil
 	}
-	b, err := decoded(coding, resp.Body(), maxWholeAnswer)
+	b, _, err := decoded(coding, resp.Body(), maxWholeAnswer, budgetShare{})
 	if err != nil {
 		return resp.Body(), coding
 	}

@@ -24,6 +24,9 @@ import (
 func (s *Server) requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
 	raw, err := rawBody(ctx, max, s.bodyMem)
 	if err != nil {
+		if bb, ok := ctx.UserValue(bodyBufferKey{}).(*bodyBuffer); ok {
+			bb.drop() // refused: what it holds goes now, not after the rest is drained
+		}
 		s.unreadBody(ctx, err, max)
 		return nil, false
 	}
@@ -36,24 +39,24 @@ func (s *Server) requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok
 	if string(lower) == "identity" {
 		return raw, true
 	}
-	body, err = decoded(lower, raw, max)
-	if err != nil && string(lower) == "deflate" && !errors.Is(err, fasthttp.ErrBodyTooLarge) {
+	// Decompressed, it holds memory of its own, counted as it grows, with
+	// its compressed copy (before, only once whole: a request without a
+	// tenant's max_concurrency decompressed up to twice the body limit
+	// uncounted; the review).
+	share := budgetShare{s.bodyMem, heldBy(ctx)}
+	var held int64
+	body, held, err = decoded(lower, raw, max, share)
+	if err != nil && string(lower) == "deflate" && !errors.Is(err, fasthttp.ErrBodyTooLarge) && !overBudget(err) {
 		// "deflate" is zlib-wrapped by the standard; some clients send the
 		// raw stream.
-		body, err = inflateRaw(raw, max)
+		body, held, err = inflateRaw(raw, max, share)
 	}
 	switch {
-	case err == nil && len(body) > backends.Untracked:
-		// Decompressed, it holds memory of its own: counted once it is
-		// (the decoder stops at max).
-		if err := s.bodyMem.Reserve(int64(len(body)), heldBy(ctx)+int64(len(body))); err != nil { // with its compressed copy
-			s.unreadBody(ctx, err, max)
-			return nil, false
-		}
-		s.hold(ctx, int64(len(body)))
-		return body, true
 	case err == nil:
+		s.hold(ctx, held)
 		return body, true
+	case overBudget(err):
+		s.unreadBody(ctx, err, max)
 	case errors.Is(err, fasthttp.ErrContentEncodingUnsupported):
 		writeError(ctx, fasthttp.StatusUnsupportedMediaType,
 			fmt.Sprintf("unsupported Content-Encoding %q: send the body uncompressed or as gzip, deflate, br or zstd", enc),
@@ -145,6 +148,11 @@ func rawBody(ctx *fasthttp.RequestCtx, max int, mem *backends.Budget) ([]byte, e
 				// (the review).
 				var probe [1]byte
 				n, err := r.Read(probe[:])
+				if n > 0 && len(b) == max {
+					// Over the limit: no array grown (and charged) for a
+					// byte past it (the review).
+					return nil, fasthttp.ErrBodyTooLarge
+				}
 				if n > 0 {
 					var gerr error
 					if b, gerr = bb.grown(b, end, mem); gerr != nil {
@@ -223,6 +231,15 @@ func (bb *bodyBuffer) take(mem *backends.Budget, size int) error {
 func (bb *bodyBuffer) giveBack() {
 	bb.mem.Give(bb.held)
 	bb.mem, bb.held = nil, 0
+}
+
+// drop lets go of a refused body's array past maxPooledBody, and its
+// share of the budget.
+func (bb *bodyBuffer) drop() {
+	bb.giveBack()
+	if cap(bb.b) > maxPooledBody {
+		bb.b = nil
+	}
 }
 
 type bodyBufferKey struct{}
@@ -342,15 +359,29 @@ func (bb *bodyBuffer) Close() error {
 	return nil
 }
 
-// inflateRaw decompresses a raw DEFLATE stream of at most max bytes.
-func inflateRaw(b []byte, max int) ([]byte, error) {
+// inflateRaw decompresses a raw DEFLATE stream of at most max bytes, as
+// decoded does.
+func inflateRaw(b []byte, max int, share budgetShare) ([]byte, int64, error) {
 	r := flate.NewReader(bytes.NewReader(b))
 	defer r.Close()
-	w := newCappedBuffer(len(b), max)
+	w := newCappedBuffer(len(b), max, share)
 	if _, err := io.Copy(w, r); err != nil {
-		return nil, err
+		w.giveBack()
+		return nil, 0, err
 	}
-	return w.bytes(), nil
+	return w.joined()
+}
+
+// budgetShare is where a body's memory past backends.Untracked is charged
+// (a nil mem: nowhere), and what its request holds there besides.
+type budgetShare struct {
+	mem *backends.Budget
+	own int64
+}
+
+// overBudget reports whether err is the budget's refusal.
+func overBudget(err error) bool {
+	return errors.Is(err, backends.ErrOverBudget) || errors.Is(err, backends.ErrBeyondBudget)
 }
 
 // cappedBuffer collects what is written to it, up to max bytes: a write
@@ -359,18 +390,51 @@ func inflateRaw(b []byte, max int) ([]byte, error) {
 // the limit and nothing more (fasthttp's pooled buffers and io.ReadAll
 // double past the limit: a body at a 32 MiB limit took 64 MiB, and the
 // buffers before it 64 more), and a whole body twice its size while it is
-// joined.
+// joined. Once its chunks pass backends.Untracked they are charged to its
+// share of the budget as they are made (its errors).
 type cappedBuffer struct {
-	full [][]byte // filled chunks, n bytes
-	n    int
-	cur  []byte
-	max  int
+	full  [][]byte // filled chunks, n bytes
+	n     int
+	cur   []byte
+	max   int
+	first int // the first chunk's size
+
+	share     budgetShare
+	allocated int   // the chunks' sizes
+	held      int64 // what they took of share.mem
 }
 
 // newCappedBuffer is a cappedBuffer for what in bytes of compressed input
 // decompress to: its first chunk is a few times that.
-func newCappedBuffer(in, max int) *cappedBuffer {
-	return &cappedBuffer{cur: make([]byte, 0, min(max, 4*in+512)), max: max}
+func newCappedBuffer(in, max int, share budgetShare) *cappedBuffer {
+	return &cappedBuffer{max: max, first: min(max, 4*in+512), share: share}
+}
+
+// newChunk makes cur an empty chunk of size bytes, charged if need be.
+func (c *cappedBuffer) newChunk(size int) error {
+	if total := c.allocated + size; total > backends.Untracked {
+		if err := c.take(total); err != nil {
+			return err
+		}
+	}
+	c.allocated += size
+	c.cur = make([]byte, 0, size)
+	return nil
+}
+
+// take makes the buffer's share of the budget size bytes.
+func (c *cappedBuffer) take(size int) error {
+	if err := c.share.mem.Reserve(int64(size)-c.held, c.share.own+int64(size)); err != nil {
+		return err
+	}
+	c.held = int64(size)
+	return nil
+}
+
+// giveBack returns what the buffer took of the budget.
+func (c *cappedBuffer) giveBack() {
+	c.share.mem.Give(c.held)
+	c.held = 0
 }
 
 func (c *cappedBuffer) Write(p []byte) (int, error) {
@@ -380,9 +444,15 @@ func (c *cappedBuffer) Write(p []byte) (int, error) {
 	written := len(p)
 	for len(p) > 0 {
 		if len(c.cur) == cap(c.cur) {
-			c.full = append(c.full, c.cur)
-			c.n += len(c.cur)
-			c.cur = make([]byte, 0, min(max(2*cap(c.cur), 4<<10), 4<<20, c.max-c.n))
+			size := c.first
+			if c.allocated > 0 {
+				c.full = append(c.full, c.cur)
+				c.n += len(c.cur)
+				size = min(max(2*cap(c.cur), 4<<10), 4<<20, c.max-c.n)
+			}
+			if err := c.newChunk(size); err != nil {
+				return written - len(p), err
+			}
 		}
 		k := copy(c.cur[len(c.cur):cap(c.cur)], p)
 		c.cur = c.cur[:len(c.cur)+k]
@@ -391,30 +461,48 @@ func (c *cappedBuffer) Write(p []byte) (int, error) {
 	return written, nil
 }
 
-// bytes is what was written, in one slice no larger than it needs: the
+// joined is what was written, in one slice no larger than it needs (the
 // first chunk, sized before the output was known, may be four times what
-// filled it, and the budget charges a body its length (the review: 3 MiB
-// of incompressible data held a 12 MiB array, charged 3).
-func (c *cappedBuffer) bytes() []byte {
-	if c.n == 0 {
-		if spare := cap(c.cur) - len(c.cur); spare > 64<<10 && spare > len(c.cur)/8 {
-			return bytes.Clone(c.cur)
+// filled it: the review, 3 MiB of incompressible data held a 12 MiB
+// array), and what it holds of the budget: its array's size past
+// backends.Untracked, else nothing. The chunks are let go; the join is
+// charged while both are held (ErrOverBudget: nothing is held then).
+func (c *cappedBuffer) joined() ([]byte, int64, error) {
+	n := c.n + len(c.cur)
+	if c.n == 0 && (cap(c.cur)-len(c.cur) <= 64<<10 || cap(c.cur)-len(c.cur) <= len(c.cur)/8) {
+		if c.cur == nil {
+			return []byte{}, 0, nil
 		}
-		return c.cur
+		return c.cur, c.held, nil // the chunk itself
 	}
-	b := make([]byte, 0, c.n+len(c.cur))
+	if n > backends.Untracked {
+		if err := c.take(c.allocated + n); err != nil {
+			c.giveBack()
+			return nil, 0, err
+		}
+	}
+	b := make([]byte, 0, n)
 	for _, f := range c.full {
 		b = append(b, f...)
 	}
-	return append(b, c.cur...)
+	b = append(b, c.cur...)
+	c.full, c.cur = nil, nil
+	if n > backends.Untracked {
+		c.share.mem.Give(c.held - int64(n))
+		return b, int64(n), nil
+	}
+	c.giveBack()
+	return b, 0, nil
 }
 
 // decoded is body decompressed from coding, no larger than max. fasthttp's
 // decoders write into a cappedBuffer (its own ...WithLimit ones collect
 // into a buffer that doubles past the limit); zstd kvproxy decodes itself.
-func decoded(coding, body []byte, max int) ([]byte, error) {
-	w := newCappedBuffer(len(body), max)
-	var err error
+//
+// Its memory is charged to share (as cappedBuffer's): held is what the
+// body holds of it, on success; on failure it holds nothing.
+func decoded(coding, body []byte, max int, share budgetShare) (out []byte, held int64, err error) {
+	w := newCappedBuffer(len(body), max, share)
 	switch string(coding) {
 	case "gzip", "x-gzip": // RFC 9110 section 8.4.1.3: x-gzip is gzip
 		_, err = fasthttp.WriteGunzip(w, body)
@@ -425,12 +513,13 @@ func decoded(coding, body []byte, max int) ([]byte, error) {
 	case "zstd":
 		err = unzstd(w, body)
 	default:
-		return nil, fasthttp.ErrContentEncodingUnsupported
+		return nil, 0, fasthttp.ErrContentEncodingUnsupported
 	}
 	if err != nil {
-		return nil, err
+		w.giveBack()
+		return nil, 0, err
 	}
-	return w.bytes(), nil
+	return w.joined()
 }
 
 // zstdMaxWindow bounds the window a zstd body may need: 8 MiB, RFC 9659's

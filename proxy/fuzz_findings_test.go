@@ -22,7 +22,7 @@ func TestZstdWindowIsBounded(t *testing.T) {
 	var before, after runtime.MemStats
 	runtime.GC()
 	runtime.ReadMemStats(&before)
-	_, err := decoded([]byte("zstd"), body, 1<<20)
+	_, _, err := decoded([]byte("zstd"), body, 1<<20, budgetShare{})
 	runtime.ReadMemStats(&after)
 	if err == nil {
 		t.Fatal("a body needing a 64 MiB window was decoded")

@@ -415,7 +415,7 @@ func FuzzDecodedBody(f *testing.F) {
 				body = zstdOf(data)
 			}
 		}
-		out, err := decoded([]byte(name), body, max)
+		out, _, err := decoded([]byte(name), body, max, budgetShare{})
 		if err == nil && len(out) > max {
 			t.Fatalf("%s: %d bytes decoded past the limit %d", name, len(out), max)
 		}
