@@ -276,6 +276,16 @@ const (
 // it is up.
 func (b *backend) failConn(reason string) { b.eject(ejectConnect, reason, true) }
 
+// cutOff is failConn for a connection that failed after the engine took
+// the request (reset, an answer cut off, a stream ended without its end),
+// within ejectForAnswer's bound: a gateway before the engines that cuts
+// long answers, or requests that make an engine drop them, would
+// otherwise let one client take a model down for everyone (the SDK
+// trial: one stream cut took a model's only engine out for 2 s, its probe
+// passing). An engine that died refuses the next connection, or fails its
+// probe, and goes then.
+func (b *backend) cutOff(reason string) { b.ejectUnlessMost(ejectConnect, reason, true) }
+
 // failDial is failConn for a connection that could not be opened, unless
 // kvproxy itself was out of file descriptors (backends.OutOfFiles), which
 // is no fault of the engine's: ejecting engines for it took a whole fleet
@@ -363,11 +373,14 @@ func (b *backend) answeredError(reason string) {
 // engines that all fail tell the clients more with their own answers than
 // kvproxy's 503 would. An engine that is down fails its health probe too,
 // which takes it out whatever the others do.
-func (b *backend) ejectForAnswer(kind, reason string) {
+func (b *backend) ejectForAnswer(kind, reason string) { b.ejectUnlessMost(kind, reason, false) }
+
+// ejectUnlessMost is ejectForAnswer's bound for eject(kind, reason, conn).
+func (b *backend) ejectUnlessMost(kind, reason string, conn bool) {
 	if b.prefillOnly() {
 		// Without it the decode engines compute the prompts: its
 		// ejection costs no client an answer.
-		b.fail(kind, reason)
+		b.eject(kind, reason, conn)
 		return
 	}
 	p := b.pool
@@ -376,12 +389,15 @@ func (b *backend) ejectForAnswer(kind, reason string) {
 	if total, down := p.health(b); 2*(down+1) > total {
 		if now := time.Now().UnixNano(); now-b.keptSaid.Load() > int64(time.Minute) {
 			b.keptSaid.Store(now)
-			b.log.Warn().Str("backend", b.cfg.ID).Str("reason", reason).Int("backends", total).Int("down", down).
-				Msg("backend answers with errors, and is kept in: ejecting it would take out more than half of the model's backends")
+			msg := "backend answers with errors, and is kept in: ejecting it would take out more than half of the model's backends"
+			if conn {
+				msg = "backend dropped a request it took, and is kept in: ejecting it would take out more than half of the model's backends"
+			}
+			b.log.Warn().Str("backend", b.cfg.ID).Str("reason", reason).Int("backends", total).Int("down", down).Msg(msg)
 		}
 		return
 	}
-	b.fail(kind, reason)
+	b.eject(kind, reason, conn)
 }
 
 // health counts the pool's backends that answer clients (prefill engines

@@ -1071,7 +1071,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			// and is not ejected for it. Pass-through answers are streamed.
 			x.failUpstream(ctx, fasthttp.StatusBadGateway, "the answer of backend "+b.cfg.ID+" is larger than kvproxy reads whole (64 MiB); ask for less at once, or stream it")
 		default:
-			b.failConn(err.Error())
+			b.cutOff(err.Error())
 			if mayRetry && x.migrations > 0 {
 				// The engine took the request and failed before its first
 				// byte: nothing reached the client.
@@ -1241,7 +1241,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			case mayRetry && x.migrations > 0 && !x.ab.Aborted() && !errors.Is(err, backends.ErrAborted) && !backends.IsTimeout(err):
 				// Cut before the client had a byte of it, as for an
 				// engine that took the request and dropped it.
-				b.failConn(err.Error())
+				b.cutOff(err.Error())
 				return x.resendWhole(err)
 			default:
 				x.failRead(ctx, err)
@@ -1564,7 +1564,7 @@ func (x *exchange) failRead(ctx *fasthttp.RequestCtx, err error) {
 		x.b.fail(ejectTimeout, msg+" mid-answer")
 		x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, msg)
 	default:
-		x.b.failConn(err.Error())
+		x.b.cutOff(err.Error())
 		x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+x.b.cfg.ID+" "+upstreamFault(err))
 		x.errMsg += ": " + err.Error()
 	}

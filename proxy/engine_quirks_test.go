@@ -91,18 +91,30 @@ func TestEngineStreamEndingsTheSDKsAccept(t *testing.T) {
 }
 
 // A body cut inside its last event is still a failure: only an event whose
-// lines all ended is taken as whole.
+// lines all ended is taken as whole. The engine is ejected, but not a
+// model's only one (nor more than half), as for its error answers: a
+// gateway cutting long answers took a model out for everyone, the
+// engine's probe passing (the SDK trial).
 func TestStreamCutInsideAnEventStillFails(t *testing.T) {
-	e := quirkEngine(t, "data: "+quirkRole+"\n\ndata: "+quirkLast[:40], false)
-	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
-	resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
-	if out := string(b); resp.StatusCode != 200 || !strings.Contains(out, `"code":"backend_failed"`) || strings.Count(out, `data: {"id"`) != 1 {
-		t.Fatalf("%d\n%q", resp.StatusCode, out)
+	for _, only := range []bool{false, true} {
+		e := quirkEngine(t, "data: "+quirkRole+"\n\ndata: "+quirkLast[:40], false)
+		yaml := "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}, {id: e1, url: 'http://127.0.0.1:1', model: m}]\n"
+		if only {
+			yaml = "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n"
+		}
+		p := startProxyYAML(t, yaml, e)
+		resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}],"nvext":{"backend_instance_id":"e0"}}`)
+		if out := string(b); resp.StatusCode != 200 || !strings.Contains(out, `"code":"backend_failed"`) || strings.Count(out, `data: {"id"`) != 1 {
+			t.Fatalf("%d\n%q", resp.StatusCode, out)
+		}
+		if ejected(p, "e0") == only {
+			t.Fatalf("the model's only engine %v, ejected %v: %s", only, !only, p.logs.String())
+		}
+		if kept := strings.Contains(p.logs.String(), "backend dropped a request it took, and is kept in"); kept != only {
+			t.Fatalf("the model's only engine %v, said kept in %v: %s", only, kept, p.logs.String())
+		}
+		p.waitIdle(t)
 	}
-	if !ejected(p, "e0") {
-		t.Fatal("an engine that cut its answer short is not ejected")
-	}
-	p.waitIdle(t)
 }
 
 // TGI's error frame ({"error": "...", "error_type": ...}), and a body that

@@ -481,7 +481,7 @@ func (r *relay) sendContinuation(emitted int) (streamBody, *fasthttp.Response, e
 		case backends.IsTimeout(werr):
 			b.fail(ejectTimeout, "went silent in a continued stream's answer")
 		default:
-			b.failConn(werr.Error())
+			b.cutOff(werr.Error())
 		}
 	case err == nil:
 		code := resp.StatusCode()
@@ -506,7 +506,7 @@ func (r *relay) sendContinuation(emitted int) (streamBody, *fasthttp.Response, e
 	case backends.IsTimeout(err):
 		b.fail(ejectTimeout, "sent nothing for a continued stream")
 	default:
-		b.failConn(err.Error())
+		b.cutOff(err.Error())
 	}
 	fasthttp.ReleaseResponse(resp)
 	return nil, nil, err

@@ -147,8 +147,9 @@ func TestEngineEndingBeforeTheFinishFailsTheStream(t *testing.T) {
 		{"/v1/completions", `{"model":"m","stream":true,"prompt":["a","b","cut"]}`}, // the third choice never comes
 	} {
 		engine := noDoneEngine(t)
-		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: '"+engine.URL+"', model: m}]\n")
-		resp, b := post(t, p.url+tc.path, tc.body)
+		// A second engine: a model's only one is not ejected.
+		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: '"+engine.URL+"', model: m}, {id: e1, url: 'http://127.0.0.1:1', model: m}]\n")
+		resp, b := post(t, p.url+tc.path, strings.Replace(tc.body, `{"model":"m",`, `{"model":"m","nvext":{"backend_instance_id":"e0"},`, 1))
 		out := string(b)
 		if resp.StatusCode != 200 || !strings.Contains(out, `"code":"backend_failed"`) || !strings.HasSuffix(out, "data: [DONE]\n\n") {
 			t.Errorf("%s %s: %d\n%s", tc.path, tc.body, resp.StatusCode, out)

@@ -196,7 +196,7 @@ func (r *rawRelay) end(err error) {
 		x.status = 499
 	default:
 		x.errMsg = "backend " + x.b.cfg.ID + " failed mid-answer: " + err.Error()
-		x.b.failConn("mid-answer: " + err.Error())
+		x.b.cutOff("mid-answer: " + err.Error())
 		x.status = fasthttp.StatusBadGateway
 	}
 }

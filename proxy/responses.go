@@ -987,7 +987,7 @@ func (s *Server) byIDFailed(ctx *fasthttp.RequestCtx, b *backend, err error) (in
 		writeError(ctx, fasthttp.StatusGatewayTimeout, msg, "timeout_error", "", "backend_timeout")
 		return fasthttp.StatusGatewayTimeout, msg
 	default:
-		b.failConn(err.Error())
+		b.cutOff(err.Error())
 		msg := "backend " + b.cfg.ID + " " + upstreamFault(err)
 		writeError(ctx, fasthttp.StatusBadGateway, msg, "upstream_error", "", "backend_failed")
 		return fasthttp.StatusBadGateway, msg + ": " + err.Error()

@@ -369,7 +369,7 @@ func (r *relay) end(out []byte, err error) []byte {
 			// not as one that died.
 			x.b.answeredError("a stream " + when + ": " + err.Error())
 		} else {
-			x.b.failConn(when + ": " + err.Error())
+			x.b.cutOff(when + ": " + err.Error())
 		}
 		return r.engineFailed(out, err.Error(), "backend "+x.b.cfg.ID+" failed "+when+": "+err.Error(), fasthttp.StatusBadGateway,
 			"the backend serving this request failed "+when, "upstream_error", "backend_failed")
