@@ -10,7 +10,7 @@ import (
 
 var (
 	hdrOrigin        = []byte("Origin")
-	corsExposed      = []byte("X-Request-Id, Request-Id, X-Kvproxy-Worker, X-Kvproxy-Prefill-Worker, X-Kvproxy-Overloaded, Retry-After, Retry-After-Ms, X-Ratelimit-Limit-Requests, X-Ratelimit-Remaining-Requests, X-Ratelimit-Reset-Requests, X-Ratelimit-Limit-Tokens, X-Ratelimit-Remaining-Tokens, X-Ratelimit-Reset-Tokens")
+	corsExposed      = []byte("X-Request-Id, Request-Id, X-Kvproxy-Worker, X-Kvproxy-Prefill-Worker, X-Kvproxy-Overloaded, X-Should-Retry, Retry-After, Retry-After-Ms, X-Ratelimit-Limit-Requests, X-Ratelimit-Remaining-Requests, X-Ratelimit-Reset-Requests, X-Ratelimit-Limit-Tokens, X-Ratelimit-Remaining-Tokens, X-Ratelimit-Reset-Tokens")
 	corsAllowMethods = []byte("GET, POST, DELETE, OPTIONS") // DELETE: /v1/responses/{id}
 	corsAllowHeaders = []byte("Authorization, Content-Type, Content-Encoding, X-Request-Id, Traceparent, Tracestate")
 )
