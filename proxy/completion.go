@@ -1194,6 +1194,28 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			b.answeredError("status 500")
 		case code >= 500:
 			b.ejectForAnswer(ejectStatus, "status "+strconv.Itoa(code))
+		case code == fasthttp.StatusOK && !x.pass:
+			if plain, enc := plainBody(resp); enc == nil && !looksLikeJSONObject(plain) {
+				// A gateway's login page, an engine that closed after its
+				// headers, a body cut off: no answer, though a 200 (it was
+				// relayed as one, and the engine, answering fastest, drew
+				// the traffic: the chaos trial). Handled as a stream that
+				// is no event stream is.
+				msg := "backend " + b.cfg.ID + " answered 200 with Content-Type " + quotedType(resp.Header.ContentType()) + " and no JSON answer"
+				fasthttp.ReleaseResponse(resp)
+				b.answeredError(msg)
+				if mayRetry {
+					x.errMsg = msg
+					if x.refusal == nil {
+						x.refused = fasthttp.StatusBadGateway
+					}
+					return x.endAttempt()
+				}
+				x.failUpstream(ctx, fasthttp.StatusBadGateway, msg)
+				x.finish()
+				return done
+			}
+			b.succeed()
 		case code == fasthttp.StatusOK:
 			b.succeed()
 		}

@@ -241,3 +241,53 @@ func TestStreamThatIsNoEventStream(t *testing.T) {
 		p.waitIdle(t)
 	}
 }
+
+// A 200 to a request not streamed whose body is no JSON answer (a
+// gateway's login page, text, nothing, a body cut off, bytes) is a 502,
+// not relayed as the answer; the request goes to the next engine, and the
+// engine is counted as answering in error (it was relayed as a success,
+// and the engine, fastest to answer, drew the traffic: the chaos trial).
+func TestWholeAnswerThatIsNoJSON(t *testing.T) {
+	answering := func(ct, body string, framed bool) *fakeEngine {
+		return rawEngine(t, func(c net.Conn, _ *bufio.Reader) {
+			if framed {
+				fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s", ct, len(body), body)
+			} else { // ended by closing the connection
+				fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: %s\r\nConnection: close\r\n\r\n%s", ct, body)
+			}
+		})
+	}
+	const req = `{"model":"m","messages":[{"role":"user","content":"hi"}]}`
+	for _, c := range []struct {
+		ct, body string
+		framed   bool
+	}{
+		{"text/html", "<html><body>Sign in</body></html>", true},
+		{"text/plain", "upstream connect error", true},
+		{"application/json", "", true},
+		{"application/json", "", false},
+		{"application/json", `{"id":"x","object":"chat.comp`, false},
+		{"application/octet-stream", "\x00\xff\xfe junk", true},
+	} {
+		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", answering(c.ct, c.body, c.framed))
+		for range 4 { // past the error answers' streak of 3
+			resp, b := post(t, p.url+"/v1/chat/completions", req)
+			if out := string(b); resp.StatusCode != 502 || !strings.Contains(out, `"code":"backend_failed"`) || !strings.Contains(out, "no JSON answer") ||
+				(c.body != "" && strings.Contains(out, c.body)) {
+				t.Fatalf("%q: %d\n%s", c.body, resp.StatusCode, out)
+			}
+		}
+		if !strings.Contains(p.logs.String(), "no JSON answer") {
+			t.Fatalf("%q: not counted against the engine: %s", c.body, p.logs.String())
+		}
+		p.waitIdle(t)
+	}
+	p := startProxyYAML(t, "models: [{name: m}]\nrouter: {policy: round_robin}\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}, {id: e1, url: 'http://{{e1}}', model: m}]\n",
+		answering("text/html", "<html>Sign in</html>", true), startFake(t, "e1", nil))
+	for range 4 {
+		if resp, b := post(t, p.url+"/v1/chat/completions", req); resp.StatusCode != 200 || !strings.Contains(string(b), `"choices"`) {
+			t.Fatalf("with another engine: %d\n%s", resp.StatusCode, b)
+		}
+	}
+	p.waitIdle(t)
+}

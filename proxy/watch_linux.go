@@ -28,6 +28,7 @@ type hangupWatcher struct {
 	gen    uint32
 	byConn map[net.Conn]*connWatch
 	byFD   map[int32]*connWatch
+	done   chan struct{} // closed when the loop has ended
 }
 
 // hangupHandler is told that a watched request's client hung up.
@@ -56,7 +57,7 @@ func newHangupWatcher() *hangupWatcher {
 		unix.Close(fd)
 		return &hangupWatcher{epfd: -1}
 	}
-	w := &hangupWatcher{epfd: fd, wake: wake, byConn: map[net.Conn]*connWatch{}, byFD: map[int32]*connWatch{}}
+	w := &hangupWatcher{epfd: fd, wake: wake, byConn: map[net.Conn]*connWatch{}, byFD: map[int32]*connWatch{}, done: make(chan struct{})}
 	go w.loop()
 	return w
 }
@@ -79,6 +80,7 @@ func (w *hangupWatcher) Close() {
 }
 
 func (w *hangupWatcher) loop() {
+	defer close(w.done)
 	events := make([]unix.EpollEvent, 128)
 	for {
 		n, err := unix.EpollWait(w.epfd, events, -1)

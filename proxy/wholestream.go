@@ -68,6 +68,14 @@ func mediaType(ct []byte) []byte {
 
 var eventStreamType, textPlainType = []byte("text/event-stream"), []byte("text/plain")
 
+// looksLikeJSONObject reports whether b, an engine's whole answer, has the ends of
+// a JSON object (a full parse is left to the client: the check is for
+// what is no answer at all).
+func looksLikeJSONObject(b []byte) bool {
+	b = bytes.TrimSpace(b)
+	return len(b) >= 2 && b[0] == '{' && b[len(b)-1] == '}'
+}
+
 // quotedType is an engine's Content-Type for a message: quoted, and cut at
 // 64 bytes.
 func quotedType(ct []byte) string {
