@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"crypto/tls"
 	"errors"
 	"math/rand/v2"
@@ -24,11 +25,19 @@ import (
 // feeds had none either (found by the security review); without the
 // eviction, anyone could hold every connection with one request each for
 // idle_timeout (the next one).
+//
+// Past the cap, spareConns more are taken for an operator's one request
+// each (probePath: /live, /health, /metrics, /admin/*), which must come
+// within spareReadTime; any other request on one is answered the same
+// 503. Clients holding every connection (slow headers, a flood) made
+// /live answer 503, and a liveness probe then restarted kvproxy, its
+// index lost (the chaos trial).
 type capListener struct {
 	net.Listener
 	max     func() int
 	open    *atomic.Int64
-	refusal [][]byte // one of them written to a connection over the cap; nil under TLS
+	spares  *atomic.Int64 // spare connections open
+	refusal [][]byte      // one of them written to a connection over the cap; nil under TLS
 	refused func()
 	evicted func()
 	conns   connSet
@@ -50,6 +59,13 @@ func (l *capListener) Accept() (net.Conn, error) {
 			l.conns.add(cc)
 			return cc, nil
 		}
+		if l.spares.Add(1) <= spareConns {
+			cc := &countedConn{Conn: c, open: l.spares, set: &l.conns, spareUntil: time.Now().Add(spareReadTime)}
+			cc.Conn.SetReadDeadline(cc.spareUntil)
+			l.conns.add(cc)
+			return cc, nil
+		}
+		l.spares.Add(-1)
 		if l.refusal != nil {
 			// A new socket's send buffer is empty: this never waits, but
 			// the accept loop must not, whatever the kernel does.
@@ -68,6 +84,23 @@ func (l *capListener) take() bool {
 	}
 	l.open.Add(-1)
 	return false
+}
+
+// spareConns is how many connections past the cap are taken for an
+// operator's request, and spareReadTime how long one has to send it.
+const (
+	spareConns    = 8
+	spareReadTime = 2 * time.Second
+)
+
+// probePath reports whether a spare connection may serve a request for
+// path: a probe's, a scrape's, an operator's.
+func probePath(path []byte) bool {
+	switch string(path) {
+	case "/metrics", "/health", "/healthz", "/live", "/livez":
+		return true
+	}
+	return bytes.HasPrefix(path, adminPrefix)
 }
 
 // idleEvictAfter is how long a client connection must have waited for its
@@ -136,6 +169,28 @@ type countedConn struct {
 	// client may still be sending a body kvproxy did not read (finishBody);
 	// 0 for none.
 	linger atomic.Int64
+	// spareUntil is set for a connection taken past the cap (spareConns):
+	// its request must have come by then.
+	spareUntil time.Time
+}
+
+// spare reports whether the connection was taken past the cap.
+func (c *countedConn) spare() bool { return !c.spareUntil.IsZero() }
+
+// SetReadDeadline keeps a spare connection's deadline: fasthttp sets its
+// own for each request.
+func (c *countedConn) SetReadDeadline(t time.Time) error {
+	if c.spare() && (t.IsZero() || t.After(c.spareUntil)) {
+		t = c.spareUntil
+	}
+	return c.Conn.SetReadDeadline(t)
+}
+
+func (c *countedConn) SetDeadline(t time.Time) error {
+	if err := c.Conn.SetWriteDeadline(t); err != nil {
+		return err
+	}
+	return c.SetReadDeadline(t)
 }
 
 // How long a lingering close waits for the client to end its body: in all
@@ -175,9 +230,11 @@ func (c *countedConn) lingerClose(tc *net.TCPConn, d time.Duration) {
 
 const evicting = -1
 
-// idle marks the connection idle (fasthttp's StateIdle).
+// idle marks the connection idle (fasthttp's StateIdle). A spare one is
+// never: it closes after its request, and its eviction would make no room
+// under the cap.
 func (c *countedConn) idle() {
-	if c.idleSince.CompareAndSwap(0, coarseNow()) {
+	if !c.spare() && c.idleSince.CompareAndSwap(0, coarseNow()) {
 		c.set.idle.Add(1)
 	}
 }
@@ -252,11 +309,13 @@ func countedUnder(c net.Conn, throughTLS bool) *countedConn {
 	}
 }
 
+const tooManyConnsMsg = "kvproxy has as many client connections open as limits.max_connections allows; try again"
+
 // tooManyConnsAnswers are the answers to a connection over the cap, their
 // Retry-After-Ms spread from 0.5 to 1.5 s as retryAfterASecond's, so the
 // SDKs, which wait exactly that long, do not come back all at once.
 var tooManyConnsAnswers = func() [][]byte {
-	body := errorJSON("kvproxy has as many client connections open as limits.max_connections allows; try again", "service_unavailable", "", "too_many_connections")
+	body := errorJSON(tooManyConnsMsg, "service_unavailable", "", "too_many_connections")
 	var out [][]byte
 	for ms := 500; ms <= 1500; ms += 125 {
 		out = append(out, []byte("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\nRetry-After-Ms: "+

@@ -34,10 +34,13 @@ func rawGet(t *testing.T, c net.Conn, br *bufio.Reader, path string) (int, strin
 	return resp.StatusCode, string(b)
 }
 
-// refusedAtOnce reports how a connection over the cap ended: answered 503
-// too_many_connections, or closed (a reset may beat the answer); an
-// answer from the handler, or none within 2 s, fails.
-func refusedAtOnce(t *testing.T, addr string) {
+// refusedAtOnce reports how a client's connection over the cap ended:
+// answered 503 too_many_connections, or closed (a reset may beat the
+// answer); another answer, or none within 2 s, fails.
+func refusedAtOnce(t *testing.T, addr string) { refusedAtOnceFor(t, addr, "/v1/models") }
+
+// refusedAtOnceFor is refusedAtOnce for a request for path.
+func refusedAtOnceFor(t *testing.T, addr, path string) {
 	t.Helper()
 	c, err := net.Dial("tcp", addr)
 	if err != nil {
@@ -45,7 +48,7 @@ func refusedAtOnce(t *testing.T, addr string) {
 	}
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(2 * time.Second))
-	fmt.Fprintf(c, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+	fmt.Fprintf(c, "GET %s HTTP/1.1\r\nHost: x\r\n\r\n", path)
 	b, err := io.ReadAll(c)
 	var ne net.Error
 	if errors.As(err, &ne) && ne.Timeout() {
@@ -295,5 +298,67 @@ func TestIdleConnectionsMakeRoom(t *testing.T) {
 	}
 	if _, m := rawGet(t, c, br, "/metrics"); gauge(m, "kvproxy_client_connections_evicted_total") != "1" || gauge(m, "kvproxy_client_connections") != "3" {
 		t.Fatalf("evicted %q open %q, want 1 and 3", gauge(m, "kvproxy_client_connections_evicted_total"), gauge(m, "kvproxy_client_connections"))
+	}
+}
+
+// Past the cap, a few connections more serve an operator's request each
+// (a probe's, a scrape's, /admin), so clients holding every connection do
+// not make /live answer 503, and a liveness probe restart kvproxy (the
+// chaos trial). A client's request on one is refused as over the cap; one
+// that sends nothing is closed within spareReadTime; past the spares, the
+// refusal comes at once, whatever the request.
+func TestProbesGetThroughAFullCap(t *testing.T) {
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {max_connections: 2}\n", startFake(t, "e0", nil))
+	addr := strings.TrimPrefix(p.url, "http://")
+	dial := func() net.Conn {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	for range 2 { // slow headers hold the cap
+		io.WriteString(dial(), "POST /v1/chat/completions HTTP/1.1\r\n")
+	}
+	get := func(path string) (int, string, bool) {
+		c := dial()
+		c.SetDeadline(time.Now().Add(3 * time.Second))
+		fmt.Fprintf(c, "GET %s HTTP/1.1\r\nHost: x\r\n\r\n", path)
+		b, err := io.ReadAll(c) // closed after the one answer
+		resp, rerr := http.ReadResponse(bufio.NewReader(bytes.NewReader(b)), nil)
+		if rerr != nil {
+			t.Fatalf("%s: %v %q", path, err, b)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body), err == nil
+	}
+	waitFor(t, "the cap to be held", func() bool { return p.s.openConns.Load() == 2 })
+	for _, path := range []string{"/live", "/health", "/metrics", "/admin/backends"} {
+		if code, body, closed := get(path); code != 200 || !closed {
+			t.Fatalf("%s over a full cap: %d closed %v %s", path, code, closed, body)
+		}
+	}
+	if code, body, closed := get("/v1/models"); code != 503 || !strings.Contains(body, "too_many_connections") || !closed {
+		t.Fatalf("a client's request on a spare connection: %d closed %v %s", code, closed, body)
+	}
+	var silent []net.Conn
+	for range spareConns {
+		silent = append(silent, dial())
+	}
+	waitFor(t, "the spares to be held", func() bool { return p.s.openConns.Load() == 2 && p.s.spareConns.Load() == spareConns })
+	refusedAtOnceFor(t, addr, "/live")
+	start := time.Now()
+	for _, c := range silent {
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if b, err := io.ReadAll(c); err != nil || len(b) > 0 && !strings.HasPrefix(string(b), "HTTP/1.1 408") {
+			t.Fatalf("a silent spare connection: %v %q", err, b)
+		}
+	}
+	if d := time.Since(start); d > spareReadTime+time.Second {
+		t.Errorf("silent spare connections closed after %v", d)
+	}
+	if code, _, _ := get("/live"); code != 200 {
+		t.Fatalf("/live after the spares closed: %d", code)
 	}
 }

@@ -83,7 +83,9 @@ type Server struct {
 	// openConns counts the client connections open (limits.max_connections);
 	// fdLimit is the open files limit at start (0: unknown).
 	openConns atomic.Int64
-	fdLimit   uint64
+	// spareConns counts those open past the cap, for an operator's request.
+	spareConns atomic.Int64
+	fdLimit    uint64
 
 	routeTable map[string]route
 	reloader   atomic.Pointer[func() error] // SetReloader
@@ -906,7 +908,7 @@ func (s *Server) Serve(ln net.Listener) error {
 		return nil
 	}
 	ln = newRetryListener(ln, s.acceptFailed, s.acceptRecovered)
-	capped := &capListener{Listener: ln, max: s.maxConns, open: &s.openConns, refused: s.connRefused, evicted: s.metrics.connsEvicted.Inc}
+	capped := &capListener{Listener: ln, max: s.maxConns, open: &s.openConns, spares: &s.spareConns, refused: s.connRefused, evicted: s.metrics.connsEvicted.Inc}
 	if s.cert.Load() == nil {
 		capped.refusal = tooManyConnsAnswers // under TLS, plain text is no answer: closed only
 	}
@@ -1112,6 +1114,15 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		}()
 	}
 	honourConnectionClose(ctx)
+	if cc := countedOf(ctx.Conn()); cc != nil && cc.spare() {
+		ctx.SetConnectionClose() // one request each
+		if !probePath(ctx.Path()) {
+			s.connRefused()
+			retryAfterASecond(ctx)
+			writeError(ctx, fasthttp.StatusServiceUnavailable, tooManyConnsMsg, "service_unavailable", "", "too_many_connections")
+			return
+		}
+	}
 	if refuseAmbiguousFraming(ctx) {
 		s.logUnrouted(ctx, "Transfer-Encoding not chunked, or beside Content-Length")
 		return
