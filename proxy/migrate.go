@@ -352,7 +352,7 @@ func (r *relay) migrate(why string) (res moveResult, detail string) {
 			m.from = append(m.from, failed.cfg.ID)
 			m.carried = emitted
 			r.body, r.resp = stream, resp
-			r.f = *newSSEFramer(r.f.buf)
+			r.f.reset()
 			// Resumed only if the client has had the answer's first chunk
 			// (its role): otherwise the new engine's is the stream's first.
 			r.moved, r.resumed, r.restarted, r.blockBase, r.blocks = true, r.sawFirst, true, x.outputTokens, 0

@@ -97,6 +97,7 @@ var relayBufs = sync.Pool{New: func() any { return &relayBuffers{in: make([]byte
 func newRelay(x *exchange, body streamBody, resp *fasthttp.Response) *relay {
 	r := &relay{x: x, body: body, resp: resp, bufs: relayBufs.Get().(*relayBuffers)}
 	r.f = *newSSEFramer(r.bufs.in)
+	r.f.mem = x.s.bodyMem
 	return r
 }
 
@@ -187,8 +188,13 @@ func (r *relay) nextBatch() []byte {
 			t0 = time.Now()
 			r.body.EndBy(endGrace - r.afterDone)
 		}
+		room := f.free()
+		if room == nil {
+			err = errRelayOverBudget
+			break
+		}
 		var n int
-		n, err = r.body.Read(f.free())
+		n, err = r.body.Read(room)
 		if ending {
 			r.afterDone += time.Since(t0)
 		}
@@ -205,6 +211,10 @@ func (r *relay) nextBatch() []byte {
 			// line: the OpenAI SDKs take it, and so does kvproxy.
 			f.endEvent()
 			out = r.events(out)
+		}
+		if f.overBudget { // at the end's last bytes
+			err = errRelayOverBudget
+			break
 		}
 		if r.failedFrame != nil { // also one that ended the body (the review)
 			err = errEngineErrorFrame
@@ -261,7 +271,7 @@ func (r *relay) end(out []byte, err error) []byte {
 	frame := r.failedFrame // held for a move: never the next engine's
 	r.failedFrame = nil
 	switch {
-	case r.sawDone && !errors.Is(err, errEventTooLarge):
+	case r.sawDone && !errors.Is(err, errEventTooLarge) && !errors.Is(err, errRelayOverBudget):
 		// Complete, whatever ends the body after [DONE]: a connection
 		// dropped or reset, one aborted (a cut, or a client that hung up
 		// once it had [DONE], as SDKs do, before the engine closed its
@@ -340,6 +350,13 @@ func (r *relay) end(out []byte, err error) []byte {
 		x.errMsg = "backend " + x.b.cfg.ID + " sent " + err.Error()
 		x.status = fasthttp.StatusBadGateway
 		out = r.failEvent(out, "the answer holds "+err.Error()+", more than kvproxy relays", "upstream_error", "event_too_large")
+	case errors.Is(err, errRelayOverBudget):
+		// Nor is it when other large bodies hold the room its event needs.
+		x.s.metrics.unavailable.WithLabelValues(string(whyBodyMemory)).Inc()
+		x.errMsg = "backend " + x.b.cfg.ID + " sent an event larger than the room left in limits.body_memory_mb"
+		x.status = fasthttp.StatusServiceUnavailable
+		out = r.failEvent(out, fmt.Sprintf("kvproxy holds its limit of memory for bodies over 1 MiB (limits.body_memory_mb: %d MiB) and has no room for an event of this answer; retry", x.s.bodyMem.Limit()>>20),
+			"service_unavailable", string(whyBodyMemory))
 	case backends.IsTimeout(err):
 		msg, when := x.b.silent(), r.when()
 		x.b.fail(ejectTimeout, "silent "+when)
@@ -413,6 +430,7 @@ func (r *relay) Close() error {
 		r.body.Close()
 		fasthttp.ReleaseResponse(r.resp)
 	}
+	r.f.release()
 	if cap(r.f.buf) <= 1<<20 && cap(r.bufs.out) <= 1<<20 {
 		r.bufs.in = r.f.buf
 		relayBufs.Put(r.bufs)
@@ -432,6 +450,9 @@ var (
 var errEngineErrorFrame = errors.New("an error event of the engine's making")
 
 var errEventTooLarge = fmt.Errorf("an SSE event larger than %d MiB", maxSSEEvent>>20)
+
+// errRelayOverBudget: an event outgrew the room limits.body_memory_mb had.
+var errRelayOverBudget = errors.New("no room in limits.body_memory_mb for an event")
 
 func (r *relay) clientGone() {
 	r.ended = true

@@ -1,6 +1,10 @@
 package proxy
 
-import "bytes"
+import (
+	"bytes"
+
+	"github.com/kvproxy/kvproxy/backends"
+)
 
 // sseFramer cuts a byte stream into Server-Sent Events: the bytes up to and
 // including the blank line that ends each event. Lines may end in \n, \r\n or
@@ -13,6 +17,14 @@ type sseFramer struct {
 	buf        []byte
 	start, end int
 	scanned    int // from start: the first line not yet ended (earlier ones hold no blank line)
+	// mem is where a buffer grown past backends.Untracked is charged:
+	// twice its size, for it and the batch's copy of its events (six
+	// streams of one large event each held 550 MB uncounted: the chaos
+	// trial). held is what it took; overBudget says a growth found no
+	// room, and the buffer did not grow.
+	mem        *backends.Budget
+	held       int64
+	overBudget bool
 }
 
 // maxSSEEvent bounds one event, as backends.Upstream bounds a whole answer:
@@ -26,14 +38,28 @@ func (f *sseFramer) tooLarge() bool { return f.end-f.start >= maxSSEEvent }
 
 func newSSEFramer(buf []byte) *sseFramer { return &sseFramer{buf: buf[:cap(buf)]} }
 
-// free returns space to read into, compacting or growing the buffer.
+// reset empties the framer for another stream; its buffer, and what that
+// holds of mem, stay.
+func (f *sseFramer) reset() { *f = sseFramer{buf: f.buf[:cap(f.buf)], mem: f.mem, held: f.held} }
+
+// free returns space to read into, compacting or growing the buffer; nil
+// when its growth found no room in mem (overBudget).
 func (f *sseFramer) free() []byte {
 	if f.start > 0 {
 		f.end = copy(f.buf, f.buf[f.start:f.end])
 		f.start = 0
 	}
 	if f.end == len(f.buf) {
-		nb := make([]byte, 2*len(f.buf)+512) // one event larger than the buffer
+		size := 2*len(f.buf) + 512 // one event larger than the buffer
+		if size > backends.Untracked {
+			need := 2 * int64(size)
+			if !f.mem.Take(need - f.held) {
+				f.overBudget = true
+				return nil
+			}
+			f.held = need
+		}
+		nb := make([]byte, size)
 		copy(nb, f.buf[:f.end])
 		f.buf = nb
 	}
@@ -41,6 +67,12 @@ func (f *sseFramer) free() []byte {
 }
 
 func (f *sseFramer) commit(n int) { f.end += n }
+
+// release gives back what the buffer took of mem.
+func (f *sseFramer) release() {
+	f.mem.Give(f.held)
+	f.held = 0
+}
 
 // next returns the next complete event with its terminating blank line
 // (raw) and without it (content).
@@ -61,8 +93,10 @@ func (f *sseFramer) next() (raw, content []byte, ok bool) {
 // ends its last event with one).
 func (f *sseFramer) atEOF() {
 	if f.end > f.start && f.buf[f.end-1] == '\r' {
-		f.free()[0] = '\n' // \r\n: the same line end
-		f.commit(1)
+		if b := f.free(); b != nil {
+			b[0] = '\n' // \r\n: the same line end
+			f.commit(1)
+		}
 	}
 }
 
@@ -78,7 +112,11 @@ func (f *sseFramer) endEvent() {
 		end = "\n"
 	}
 	for i := range len(end) {
-		f.free()[0] = end[i]
+		b := f.free()
+		if b == nil {
+			return // overBudget: the event stays incomplete
+		}
+		b[0] = end[i]
 		f.commit(1)
 	}
 }

@@ -263,3 +263,37 @@ func TestEndGraceCountsFromEachRead(t *testing.T) {
 		t.Fatalf("reads, grants and writes: %s; want the grant after the client write, before the read", got)
 	}
 }
+
+// A stream's event over 1 MiB is charged to limits.body_memory_mb as the
+// relay's buffer grows for it (twice: the buffer and the batch's copy),
+// and given back when the stream ends; with no room, the stream ends with
+// body_memory_full, the engine kept in. Six streams of one large event
+// each held 550 MB uncounted (the chaos trial).
+func TestLargeEventIsCharged(t *testing.T) {
+	event := append(append([]byte(`data: {"choices":[{"delta":{"content":"`), bytes.Repeat([]byte("x"), 6<<20)...), "\"}}]}\n\ndata: [DONE]\n\n"...)
+	for _, limit := range []int64{64 << 20, 8 << 20} {
+		s, p, be := relayFixture(t)
+		s.bodyMem.SetLimit(limit)
+		body := &burstBody{data: bytes.Clone(event), step: 64 << 10, burst: len(event) + 1}
+		r, x := startRelay(t, s, p, be, body)
+		var out bytes.Buffer
+		if _, err := r.WriteTo(&out); err != nil {
+			t.Fatal(err)
+		}
+		held := s.bodyMem.Used()
+		r.Close()
+		if limit == 64<<20 {
+			if !bytes.Equal(out.Bytes(), event) || held < 2*6<<20 {
+				t.Fatalf("room for it: %d bytes relayed of %d, %d held", out.Len(), len(event), held)
+			}
+		} else if !strings.Contains(out.String(), `"code":"body_memory_full"`) || !strings.HasSuffix(out.String(), "data: [DONE]\n\n") || x.status != 503 {
+			t.Fatalf("no room for it: ending %q, status %d", out.String()[max(0, out.Len()-300):], x.status)
+		}
+		be.mu.Lock()
+		ejected := be.ejected
+		be.mu.Unlock()
+		if used := s.bodyMem.Used(); used != 0 || !p.rt.Idle() || ejected {
+			t.Fatalf("limit %d MiB: %d still charged, router idle %v, engine ejected %v", limit>>20, used, p.rt.Idle(), ejected)
+		}
+	}
+}
