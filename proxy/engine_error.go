@@ -3,6 +3,8 @@ package proxy
 import (
 	"strconv"
 	"strings"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/goccy/go-json"
 )
@@ -90,14 +92,33 @@ func normalizeEngineError(status int, body []byte) []byte {
 			return errorJSON("engine error: "+string(probe.Detail), defaultErrorType(status), "", "")
 		}
 	}
-	msg := string(body)
+	return errorJSON(plainErrorMessage(status, body), defaultErrorType(status), "", "")
+}
+
+// plainErrorMessage is the message of an engine's error answer that is no
+// JSON: its text, up to 512 bytes (cut between characters); not a page (a
+// gateway's HTML, which named its upstream's address to the client: the
+// chaos trial) nor bytes that are no text.
+func plainErrorMessage(status int, body []byte) string {
+	msg := strings.TrimSpace(string(body))
 	if len(msg) > 512 {
-		msg = msg[:512]
+		cut := 512
+		for cut > 0 && !utf8.RuneStart(msg[cut]) {
+			cut--
+		}
+		msg = msg[:cut]
 	}
-	if msg == "" {
-		msg = "the engine answered with status " + strconv.Itoa(status)
+	what := ""
+	switch {
+	case msg == "":
+	case msg[0] == '<':
+		what = " and a page"
+	case !utf8.ValidString(msg) || strings.ContainsFunc(msg, func(r rune) bool { return unicode.IsControl(r) && r != '\n' && r != '\t' && r != '\r' }):
+		what = " and bytes that are no text"
+	default:
+		return msg
 	}
-	return errorJSON(msg, defaultErrorType(status), "", "")
+	return "the engine answered with status " + strconv.Itoa(status) + what
 }
 
 // engineErrorJSON is an engine's error in OpenAI's terms. vLLM and SGLang

@@ -885,7 +885,12 @@ func TestNormalizeEngineError(t *testing.T) {
 		`{"error":{"message":"m","type":"t","code":"c"}}`:                                      `{"error":{"message":"m","type":"t","param":null,"code":"c"}}`,
 		`{"error":{"type":"t","param":"p","code":null}}`:                                       `{"error":{"message":"the engine answered with status 500","type":"t","param":"p","code":null}}`,
 		`Internal Server Error`:                                                                `{"error":{"message":"Internal Server Error","type":"server_error","param":null,"code":null}}`,
-		`{"detail":"Not Found"}`:                                                               `{"error":{"message":"engine error: \"Not Found\"","type":"server_error","param":null,"code":null}}`,
+		// A gateway's page, or bytes, are not quoted: a page named its
+		// upstream's address (the chaos trial).
+		"\n<html><body>nginx upstream at 10.1.2.3:8000 failed</body></html>": `{"error":{"message":"the engine answered with status 500 and a page","type":"server_error","param":null,"code":null}}`,
+		"\x00\xff\xfe junk":            `{"error":{"message":"the engine answered with status 500 and bytes that are no text","type":"server_error","param":null,"code":null}}`,
+		"x" + strings.Repeat("é", 300): `{"error":{"message":"x` + strings.Repeat("é", 255) + `","type":"server_error","param":null,"code":null}}`, // cut between characters
+		`{"detail":"Not Found"}`:       `{"error":{"message":"engine error: \"Not Found\"","type":"server_error","param":null,"code":null}}`,
 		// TGI's: the message in "error", its kind in "error_type"; a
 		// validation error is the request's fault even in a stream's frame.
 		`{"error":"Request failed during generation: CUDA OOM","error_type":"generation"}`: `{"error":{"message":"Request failed during generation: CUDA OOM","type":"server_error","param":null,"code":null}}`,
