@@ -1026,6 +1026,15 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 			s.shuttingDown(ctx, errCutMsg)
 		case errors.Is(err, backends.ErrAborted) && x.unresponsive.Load() != nil:
+			if x.stream && mayRetry && x.migrations > 0 {
+				// Its probe failed while it held the stream's headers
+				// back: nothing reached the client (the chaos trial: a
+				// stopped engine's streams got 504s, those it had begun
+				// moved). The next attempt gets an abort of its own.
+				why := *x.unresponsive.Load()
+				s.live.move(x, nil, new(backends.Abort))
+				return x.resendAfter("backend " + b.cfg.ID + " " + why)
+			}
 			x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, *x.unresponsive.Load())
 		case errors.Is(err, backends.ErrAborted):
 			x.status = 499 // client closed the request
@@ -1057,6 +1066,9 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			if x.stream {
 				// Engines send a stream's headers at once: this one is stuck.
 				b.fail(ejectTimeout, msg)
+				if mayRetry && x.migrations > 0 {
+					return x.resendAfter(msg)
+				}
 			} else {
 				b.wholeTimedOut(msg)
 				noRetry(ctx)
@@ -1443,9 +1455,14 @@ func (b *backend) silent() string {
 // (err) before the client had a byte of the answer: the next engine is
 // sent it whole and computes it all (limits.migration_limit).
 func (x *exchange) resendWhole(err error) outcome {
+	return x.resendAfter("backend " + x.b.cfg.ID + " " + upstreamFault(err))
+}
+
+// resendAfter is resendWhole, the engine's failure said by msg.
+func (x *exchange) resendAfter(msg string) outcome {
 	x.migrations--
 	x.resend = true
-	x.errMsg = "backend " + x.b.cfg.ID + " " + upstreamFault(err)
+	x.errMsg = msg
 	x.refused = fasthttp.StatusBadGateway
 	return x.endAttempt()
 }

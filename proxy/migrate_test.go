@@ -640,3 +640,27 @@ func TestMovedErrorEventKeepsItsMessageOutOfTheLog(t *testing.T) {
 		t.Fatalf("the log:\n%s", grepLines(logs, "migrat"))
 	}
 }
+
+// A stream whose engine takes it and sends nothing, not even its headers,
+// for stream_idle_timeout is sent whole to another engine within
+// migration_limit: nothing reached the client (the chaos trial: a stopped
+// engine's streams got 504s, while those it had begun moved). Without the
+// limit it is a 504, as before.
+func TestStreamStuckBeforeItsHeadersIsResent(t *testing.T) {
+	for _, limit := range []int{1, 0} {
+		stuck := startFake(t, "dies", func(f *fakeEngine) { f.prefillDelay = 10 * time.Second })
+		next := startFake(t, "next", func(f *fakeEngine) { f.tokens = 7 })
+		p := startProxyYAML(t, fmt.Sprintf(migrateYAML, "vllm", limit)+"  stream_idle_timeout: 300ms\n", stuck, next)
+		resp, body := post(t, p.url+"/v1/chat/completions", migrateBody)
+		got := string(body)
+		if limit == 0 {
+			if resp.StatusCode != 504 || stuck.requests.Load() != 1 || next.requests.Load() != 0 {
+				t.Fatalf("without migration: %d, requests %d and %d\n%s", resp.StatusCode, stuck.requests.Load(), next.requests.Load(), got)
+			}
+		} else if resp.StatusCode != 200 || strings.Contains(got, "error") || !strings.HasSuffix(got, "data: [DONE]\n\n") ||
+			strings.Count(got, `"content":"t`) != 7 || stuck.requests.Load() != 1 || next.requests.Load() != 1 || resp.Header.Get("X-Kvproxy-Worker") != "next" {
+			t.Fatalf("%d, requests %d and %d, worker %q\n%s", resp.StatusCode, stuck.requests.Load(), next.requests.Load(), resp.Header.Get("X-Kvproxy-Worker"), got)
+		}
+		p.waitIdle(t)
+	}
+}
