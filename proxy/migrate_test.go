@@ -664,3 +664,25 @@ func TestStreamStuckBeforeItsHeadersIsResent(t *testing.T) {
 		p.waitIdle(t)
 	}
 }
+
+// So is one cut because its engine's health probe failed while it held
+// the stream's headers back: the next engine's attempt is not cut with it.
+func TestStreamCutBeforeItsHeadersByAFailingProbeIsResent(t *testing.T) {
+	stuck := startFake(t, "dies", func(f *fakeEngine) { f.prefillDelay = 30 * time.Second })
+	next := startFake(t, "next", func(f *fakeEngine) { f.tokens = 7 })
+	yaml := strings.NewReplacer("{{e0}}", stuck.addr, "{{e1}}", next.addr).Replace(fmt.Sprintf(migrateYAML, "vllm", 1) +
+		"  stream_idle_timeout: 60s\nhealth: {interval: 200ms, timeout: 100ms, fall: 2}\n")
+	p := serveYAML(t, yaml, false)
+	go func() {
+		waitFor(t, "the stream at the stuck engine", func() bool { return stuck.requests.Load() == 1 })
+		stuck.unhealthy.Store(true)
+	}()
+	start := time.Now()
+	resp, body := post(t, p.url+"/v1/chat/completions", migrateBody)
+	got := string(body)
+	if resp.StatusCode != 200 || strings.Contains(got, "error") || strings.Count(got, `"content":"t`) != 7 || next.requests.Load() != 1 ||
+		time.Since(start) > 10*time.Second {
+		t.Fatalf("after %v: %d, requests %d and %d\n%s", time.Since(start), resp.StatusCode, stuck.requests.Load(), next.requests.Load(), got)
+	}
+	p.waitIdle(t)
+}
