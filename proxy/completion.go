@@ -1215,17 +1215,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				// is no event stream is.
 				msg := "backend " + b.cfg.ID + " answered 200 with Content-Type " + quotedType(resp.Header.ContentType()) + " and no JSON answer"
 				fasthttp.ReleaseResponse(resp)
-				b.answeredError(msg)
-				if mayRetry {
-					x.errMsg = msg
-					if x.refusal == nil {
-						x.refused = fasthttp.StatusBadGateway
-					}
-					return x.endAttempt()
-				}
-				x.failUpstream(ctx, fasthttp.StatusBadGateway, msg)
-				x.finish()
-				return done
+				return x.noAnswer(ctx, msg, mayRetry)
 			}
 			b.succeed()
 		case code == fasthttp.StatusOK:
@@ -1251,17 +1241,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			msg := "backend " + b.cfg.ID + " answered a stream request with Content-Type " + quotedType(resp.Header.ContentType()) + " and no event stream"
 			stream.Close()
 			fasthttp.ReleaseResponse(resp)
-			b.answeredError(msg)
-			if mayRetry {
-				x.errMsg = msg
-				if x.refusal == nil {
-					x.refused = fasthttp.StatusBadGateway
-				}
-				return x.endAttempt()
-			}
-			x.failUpstream(ctx, fasthttp.StatusBadGateway, msg)
-			x.finish()
-			return done
+			return x.noAnswer(ctx, msg, mayRetry)
 		}
 	}
 	if !x.pass && isJSONType(resp.Header.ContentType()) {
@@ -1449,6 +1429,23 @@ func plainBody(resp *fasthttp.Response) (body, enc []byte) {
 // silent says that b's engine went silent past limits.stream_idle_timeout.
 func (b *backend) silent() string {
 	return "backend " + b.cfg.ID + " sent nothing for " + b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
+}
+
+// noAnswer ends an attempt whose engine answered 200 with no answer (msg
+// says what it sent): counted against it as an error answer, the request
+// goes to the next engine, or the client gets a 502.
+func (x *exchange) noAnswer(ctx *fasthttp.RequestCtx, msg string, mayRetry bool) outcome {
+	x.b.answeredError(msg)
+	if mayRetry {
+		x.errMsg = msg
+		if x.refusal == nil { // an engine's 429 or 503 says more
+			x.refused = fasthttp.StatusBadGateway
+		}
+		return x.endAttempt()
+	}
+	x.failUpstream(ctx, fasthttp.StatusBadGateway, msg)
+	x.finish()
+	return done
 }
 
 // resendWhole ends an attempt whose engine took the request and failed
