@@ -649,3 +649,23 @@ func TestRefusedBodyGivesBackItsRoomAtOnce(t *testing.T) {
 	}
 	ctx.Request.Reset()
 }
+
+// A compressed body that fits the budget, with its compressed copy and
+// its join, gets in: the first chunk of its decompression, four times the
+// compressed size and charged whole before a byte was written, refused 7
+// MiB of random bytes under a budget of 32 (the review).
+func TestIncompressibleBodyThatFitsGetsIn(t *testing.T) {
+	random := make([]byte, 7<<20)
+	rand.Read(random)
+	var zb bytes.Buffer
+	zw := gzip.NewWriter(&zb)
+	zw.Write(random)
+	zw.Close()
+	mem := backends.NewBudget(32 << 20)
+	own := int64(zb.Len()) // the compressed copy, as rawBody charged it
+	mem.Take(own)
+	out, held, err := decoded([]byte("gzip"), zb.Bytes(), 32<<20, budgetShare{mem, own})
+	if err != nil || !bytes.Equal(out, random) || held != int64(len(random)) || mem.Used() != own+held {
+		t.Fatalf("%v: %d bytes, held %d, %d charged", err, len(out), held, mem.Used())
+	}
+}

@@ -56,6 +56,9 @@ func (s *Server) requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok
 		s.hold(ctx, held)
 		return body, true
 	case overBudget(err):
+		if bb, ok := ctx.UserValue(bodyBufferKey{}).(*bodyBuffer); ok {
+			bb.drop() // its compressed copy goes now, as for a body refused as it came
+		}
 		s.unreadBody(ctx, err, max)
 	case errors.Is(err, fasthttp.ErrContentEncodingUnsupported):
 		writeError(ctx, fasthttp.StatusUnsupportedMediaType,
@@ -405,9 +408,11 @@ type cappedBuffer struct {
 }
 
 // newCappedBuffer is a cappedBuffer for what in bytes of compressed input
-// decompress to: its first chunk is a few times that.
+// decompress to: its first chunk is a few times that, up to
+// backends.Untracked (a larger one, charged whole before a byte was
+// written, refused a body of random bytes that fit: the review).
 func newCappedBuffer(in, max int, share budgetShare) *cappedBuffer {
-	return &cappedBuffer{max: max, first: min(max, 4*in+512), share: share}
+	return &cappedBuffer{max: max, first: min(max, 4*in+512, backends.Untracked), share: share}
 }
 
 // newChunk makes cur an empty chunk of size bytes, charged if need be.
