@@ -291,3 +291,26 @@ func TestWholeAnswerThatIsNoJSON(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// A stream typed as an event stream whose first bytes hold no event (no
+// data, event, id or retry line, no comment: junk, a page) is a 502, the
+// engine counted as answering in error; the bytes reach no client (the
+// chaos trial: they went out in a 200, NULs and all).
+func TestEventStreamOfNoEvents(t *testing.T) {
+	for in, want := range map[string]bool{"data: x": true, ": ping": true, "event: a\ndata: b": true, "id:1": true, "retry: 5": true,
+		"data": true, "junk\r\ndata: x": true, "junk": false, "\x00\xff\xfe": false, "Data: x": false, "<html>": false} {
+		if hasSSEField([]byte(in)) != want {
+			t.Errorf("hasSSEField(%q) = %v", in, !want)
+		}
+	}
+	const junk = "\x00\xff\xfegarbage\r\n\r\ndata: " + quirkLast + "\n\ndata: [DONE]\n\n"
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", quirkEngine(t, junk, false))
+	resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+	if out := string(b); resp.StatusCode != 502 || !strings.Contains(out, `"code":"backend_failed"`) || strings.Contains(out, "garbage") {
+		t.Fatalf("%d\n%q", resp.StatusCode, out)
+	}
+	if !strings.Contains(p.logs.String(), "bytes that hold no event") {
+		t.Fatalf("not counted against the engine: %s", p.logs.String())
+	}
+	p.waitIdle(t)
+}

@@ -48,6 +48,8 @@ type relay struct {
 	// engineFault: one not of the request's doing (not a 4xx's type),
 	// which counts against the engine as a 500 answer does.
 	sawError, engineFault bool
+	// noStream: the engine's first event holds no SSE field (errNoEvents).
+	noStream bool
 	// failedFrame: an error frame of the engine's own making, held back
 	// while the stream may move to another engine (errEngineErrorFrame).
 	failedFrame []byte
@@ -220,6 +222,10 @@ func (r *relay) nextBatch() []byte {
 			err = errEngineErrorFrame
 			break
 		}
+		if r.noStream {
+			err = errNoEvents
+			break
+		}
 		// What the engine has already sent goes out in the same chunk: one
 		// client write per burst, not per engine chunk, as a pipe would.
 		if err != nil || len(out) >= maxBatch || r.body.Buffered() == 0 {
@@ -251,6 +257,13 @@ func (r *relay) events(out []byte) []byte {
 			if fixed := r.onEvent(content); fixed != nil {
 				raw = fixed
 			}
+		}
+		if r.engineEvents == 0 && len(content) > 0 && !hasSSEField(content) {
+			// Bytes typed as an event stream that hold none (a buffer of
+			// junk, a page): no event, and no answer (the chaos trial:
+			// they went out in a 200).
+			r.noStream = true
+			return out
 		}
 		if len(raw) > 0 && len(content) > 0 { // not a blank line (no event), nor one a moved stream drops
 			r.engineEvents++
@@ -344,6 +357,11 @@ func (r *relay) end(out []byte, err error) []byte {
 		r.engineEvents++
 		out = append(append(append(out, "data: "...), frame...), "\n\n"...)
 		return append(out, doneEvent...)
+	case errors.Is(err, errNoEvents):
+		msg := "backend " + x.b.cfg.ID + " answered a stream request with bytes that hold no event"
+		x.b.answeredError(msg)
+		x.errMsg, x.status = msg, fasthttp.StatusBadGateway
+		out = r.failEvent(out, "the backend serving this request answered with no event stream", "upstream_error", "backend_failed")
 	case errors.Is(err, errEventTooLarge):
 		// This request's answer, not the engine, is at fault (a first chunk
 		// with prompt logprobs of a huge prompt): the engine stays in.
@@ -450,6 +468,9 @@ var (
 var errEngineErrorFrame = errors.New("an error event of the engine's making")
 
 var errEventTooLarge = fmt.Errorf("an SSE event larger than %d MiB", maxSSEEvent>>20)
+
+// errNoEvents: the engine's stream begins with bytes that hold no event.
+var errNoEvents = errors.New("no event stream")
 
 // errRelayOverBudget: an event outgrew the room limits.body_memory_mb had.
 var errRelayOverBudget = errors.New("no room in limits.body_memory_mb for an event")

@@ -121,6 +121,31 @@ func (f *sseFramer) endEvent() {
 	}
 }
 
+// hasSSEField reports whether event holds a line of an SSE field (data,
+// event, id, retry) or a comment.
+func hasSSEField(event []byte) bool {
+	for len(event) > 0 {
+		line := event
+		if i := bytes.IndexAny(event, "\r\n"); i >= 0 {
+			line, event = event[:i], event[i+1:]
+		} else {
+			event = nil
+		}
+		if len(line) > 0 && line[0] == ':' {
+			return true
+		}
+		name := line
+		if i := bytes.IndexByte(line, ':'); i >= 0 {
+			name = line[:i]
+		}
+		switch string(name) {
+		case "data", "event", "id", "retry":
+			return true
+		}
+	}
+	return false
+}
+
 // lastEventWhole reports whether p, what a stream that ended cleanly left
 // after its last blank line, is an event that lacks only that blank line:
 // its last line ended, or a data: [DONE] line without its end.
