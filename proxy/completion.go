@@ -1207,12 +1207,15 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		case code >= 500:
 			b.ejectForAnswer(ejectStatus, "status "+strconv.Itoa(code))
 		case code == fasthttp.StatusOK && !x.pass:
-			if plain, enc := plainBody(resp); enc == nil && !looksLikeJSONObject(plain) {
+			plain, enc, err := plainBodyOr(resp)
+			corrupt := err != nil && !errors.Is(err, fasthttp.ErrContentEncodingUnsupported) && !errors.Is(err, fasthttp.ErrBodyTooLarge)
+			if enc == nil && !looksLikeJSONObject(plain) || corrupt {
 				// A gateway's login page, an engine that closed after its
-				// headers, a body cut off: no answer, though a 200 (it was
-				// relayed as one, and the engine, answering fastest, drew
-				// the traffic: the chaos trial). Handled as a stream that
-				// is no event stream is.
+				// headers, a body cut off (compressed or not: the review):
+				// no answer, though a 200 (it was relayed as one, and the
+				// engine, answering fastest, drew the traffic: the chaos
+				// trial). Handled as a stream that is no event stream is.
+				// A coding kvproxy does not know goes as it came.
 				msg := "backend " + b.cfg.ID + " answered 200 with Content-Type " + quotedType(resp.Header.ContentType()) + " and no JSON answer"
 				fasthttp.ReleaseResponse(resp)
 				return x.noAnswer(ctx, msg, mayRetry)
@@ -1293,7 +1296,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	rl := newRelay(x, src, resp)
 	fr.SetBodyRaw(nil) // sent: its body (the scratch's) goes with shedScratch
 	x.shedScratch()
-	ok := rl.prime()
+	ok := rl.primeInHandler()
 	ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(x.b.cfg.ID)) // the stream may have moved
 	if !ok {
 		// Over before its first event, with nothing of the engine's to
@@ -1415,15 +1418,21 @@ func (e relayEnd) Close() error {
 // whole-answer bound once decompressed) is taken as it is, and enc names
 // its coding for the client.
 func plainBody(resp *fasthttp.Response) (body, enc []byte) {
+	body, enc, _ = plainBodyOr(resp)
+	return body, enc
+}
+
+// plainBodyOr is plainBody, with the decoding's error when there was one.
+func plainBodyOr(resp *fasthttp.Response) (body, enc []byte, err error) {
 	coding := bytes.ToLower(bytes.TrimSpace(resp.Header.ContentEncoding()))
 	if len(coding) == 0 || string(coding) == "identity" {
-		return resp.Body(), nil
+		return resp.Body(), nil, nil
 	}
 	b, _, err := decoded(coding, resp.Body(), maxWholeAnswer, budgetShare{})
 	if err != nil {
-		return resp.Body(), coding
+		return resp.Body(), coding, err
 	}
-	return b, nil
+	return b, nil, nil
 }
 
 // silent says that b's engine went silent past limits.stream_idle_timeout.

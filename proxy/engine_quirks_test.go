@@ -7,6 +7,8 @@ import (
 	"net"
 	"strings"
 	"testing"
+
+	"github.com/valyala/fasthttp"
 )
 
 // streamEnd is how chunkedEngine's stream ends.
@@ -279,6 +281,24 @@ func TestWholeAnswerThatIsNoJSON(t *testing.T) {
 		}
 		if !strings.Contains(p.logs.String(), "no JSON answer") {
 			t.Fatalf("%q: not counted against the engine: %s", c.body, p.logs.String())
+		}
+		p.waitIdle(t)
+	}
+	// Compressed: whole, it is the answer; cut off, it is none (it went
+	// out as a 200 the client could not decompress: the review).
+	zipped := string(fasthttp.AppendGzipBytes(nil, []byte(`{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}]}`)))
+	for _, whole := range []bool{true, false} {
+		body := zipped
+		if !whole {
+			body = zipped[:len(zipped)/2]
+		}
+		e := rawEngine(t, func(c net.Conn, _ *bufio.Reader) {
+			fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+		})
+		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
+		resp, b := post(t, p.url+"/v1/chat/completions", req)
+		if whole && (resp.StatusCode != 200 || !strings.Contains(string(b), `"content":"hi"`)) || !whole && (resp.StatusCode != 502 || !strings.Contains(string(b), "no JSON answer")) {
+			t.Fatalf("gzip, whole %v: %d %q", whole, resp.StatusCode, b)
 		}
 		p.waitIdle(t)
 	}

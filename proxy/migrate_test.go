@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bufio"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -685,4 +686,27 @@ func TestStreamCutBeforeItsHeadersByAFailingProbeIsResent(t *testing.T) {
 		t.Fatalf("after %v: %d, requests %d and %d\n%s", time.Since(start), resp.StatusCode, stuck.requests.Load(), next.requests.Load(), got)
 	}
 	p.waitIdle(t)
+}
+
+// A stream whose first event is over 1 MiB (the relay's buffer grew for
+// it, and was charged) and whose engine then dies moves with that buffer:
+// the charge goes with it, and is given back when the moved stream ends
+// (a framer made anew kept the charge for good: the review).
+func TestLargeEventThenMoveGivesBackItsRoom(t *testing.T) {
+	big := strings.Repeat("x", 3<<20)
+	dies := rawEngine(t, func(c net.Conn, _ *bufio.Reader) {
+		fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"+
+			"data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"model\":\"engine-m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"%s\"},\"finish_reason\":null}]}\n\n", big)
+		time.Sleep(100 * time.Millisecond) // then the connection drops
+	})
+	next := startFake(t, "next", func(f *fakeEngine) { f.tokens = 7 })
+	p := startProxyYAML(t, fmt.Sprintf(migrateYAML, "vllm", 1), dies, next)
+	resp, body := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+	if got := string(body); resp.StatusCode != 200 || strings.Contains(got, "error") || next.requests.Load() != 1 || !strings.Contains(got, big) {
+		t.Fatalf("%d, %d bytes, next %d requests: %.300s", resp.StatusCode, len(body), next.requests.Load(), got[max(0, len(got)-300):])
+	}
+	p.waitIdle(t)
+	if used := p.s.bodyMem.Used(); used != 0 {
+		t.Fatalf("%d bytes still charged after the moved stream ended", used)
+	}
 }

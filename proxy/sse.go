@@ -155,6 +155,19 @@ func (r *relay) prime() bool {
 	return r.engineEvents > 0
 }
 
+// primeInHandler is prime for the handler, whose recovery from a panic
+// abandons the exchange, which knows no relay: what the relay's buffer
+// holds of the budget is given back here (the review).
+func (r *relay) primeInHandler() bool {
+	defer func() {
+		if p := recover(); p != nil {
+			r.f.release()
+			panic(p)
+		}
+	}()
+	return r.prime()
+}
+
 // Read serves the same bytes as WriteTo to a caller that reads.
 func (r *relay) Read(p []byte) (int, error) {
 	for len(r.pend) == 0 {
@@ -192,7 +205,7 @@ func (r *relay) nextBatch() []byte {
 		}
 		room := f.free()
 		if room == nil {
-			err = errRelayOverBudget
+			err = refusedEvent(f.refused)
 			break
 		}
 		var n int
@@ -214,8 +227,8 @@ func (r *relay) nextBatch() []byte {
 			f.endEvent()
 			out = r.events(out)
 		}
-		if f.overBudget { // at the end's last bytes
-			err = errRelayOverBudget
+		if f.refused != nil { // at the end's last bytes
+			err = refusedEvent(f.refused)
 			break
 		}
 		if r.failedFrame != nil { // also one that ended the body (the review)
@@ -284,7 +297,7 @@ func (r *relay) end(out []byte, err error) []byte {
 	frame := r.failedFrame // held for a move: never the next engine's
 	r.failedFrame = nil
 	switch {
-	case r.sawDone && !errors.Is(err, errEventTooLarge) && !errors.Is(err, errRelayOverBudget):
+	case r.sawDone && !errors.Is(err, errEventTooLarge) && !errors.Is(err, errRelayOverBudget) && !errors.Is(err, errEventBeyondBudget):
 		// Complete, whatever ends the body after [DONE]: a connection
 		// dropped or reset, one aborted (a cut, or a client that hung up
 		// once it had [DONE], as SDKs do, before the engine closed its
@@ -362,12 +375,16 @@ func (r *relay) end(out []byte, err error) []byte {
 		x.b.answeredError(msg)
 		x.errMsg, x.status = msg, fasthttp.StatusBadGateway
 		out = r.failEvent(out, "the backend serving this request answered with no event stream", "upstream_error", "backend_failed")
-	case errors.Is(err, errEventTooLarge):
+	case errors.Is(err, errEventTooLarge) || errors.Is(err, errEventBeyondBudget):
 		// This request's answer, not the engine, is at fault (a first chunk
 		// with prompt logprobs of a huge prompt): the engine stays in.
 		x.errMsg = "backend " + x.b.cfg.ID + " sent " + err.Error()
 		x.status = fasthttp.StatusBadGateway
-		out = r.failEvent(out, "the answer holds "+err.Error()+", more than kvproxy relays", "upstream_error", "event_too_large")
+		more := "more than kvproxy relays"
+		if errors.Is(err, errEventBeyondBudget) {
+			more = fmt.Sprintf("more than kvproxy holds at once (limits.body_memory_mb: %d MiB)", x.s.bodyMem.Limit()>>20)
+		}
+		out = r.failEvent(out, "the answer holds "+err.Error()+", "+more, "upstream_error", "event_too_large")
 	case errors.Is(err, errRelayOverBudget):
 		// Nor is it when other large bodies hold the room its event needs.
 		x.s.metrics.unavailable.WithLabelValues(string(whyBodyMemory)).Inc()
@@ -472,8 +489,21 @@ var errEventTooLarge = fmt.Errorf("an SSE event larger than %d MiB", maxSSEEvent
 // errNoEvents: the engine's stream begins with bytes that hold no event.
 var errNoEvents = errors.New("no event stream")
 
-// errRelayOverBudget: an event outgrew the room limits.body_memory_mb had.
-var errRelayOverBudget = errors.New("no room in limits.body_memory_mb for an event")
+// errRelayOverBudget: an event outgrew the room limits.body_memory_mb had;
+// errEventBeyondBudget: the whole of it (which no retry mends).
+var (
+	errRelayOverBudget   = errors.New("no room in limits.body_memory_mb for an event")
+	errEventBeyondBudget = errors.New("an SSE event larger than limits.body_memory_mb")
+)
+
+// refusedEvent is the relay's error for the budget's refusal err of an
+// event's room.
+func refusedEvent(err error) error {
+	if errors.Is(err, backends.ErrBeyondBudget) {
+		return errEventBeyondBudget
+	}
+	return errRelayOverBudget
+}
 
 func (r *relay) clientGone() {
 	r.ended = true

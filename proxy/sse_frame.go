@@ -20,11 +20,11 @@ type sseFramer struct {
 	// mem is where a buffer grown past backends.Untracked is charged:
 	// twice its size, for it and the batch's copy of its events (six
 	// streams of one large event each held 550 MB uncounted: the chaos
-	// trial). held is what it took; overBudget says a growth found no
-	// room, and the buffer did not grow.
-	mem        *backends.Budget
-	held       int64
-	overBudget bool
+	// trial). held is what it took; refused is mem's refusal of a
+	// growth (Budget.Reserve's errors), the buffer left as it was.
+	mem     *backends.Budget
+	held    int64
+	refused error
 }
 
 // maxSSEEvent bounds one event, as backends.Upstream bounds a whole answer:
@@ -43,7 +43,7 @@ func newSSEFramer(buf []byte) *sseFramer { return &sseFramer{buf: buf[:cap(buf)]
 func (f *sseFramer) reset() { *f = sseFramer{buf: f.buf[:cap(f.buf)], mem: f.mem, held: f.held} }
 
 // free returns space to read into, compacting or growing the buffer; nil
-// when its growth found no room in mem (overBudget).
+// when mem refused its growth (refused).
 func (f *sseFramer) free() []byte {
 	if f.start > 0 {
 		f.end = copy(f.buf, f.buf[f.start:f.end])
@@ -53,8 +53,8 @@ func (f *sseFramer) free() []byte {
 		size := 2*len(f.buf) + 512 // one event larger than the buffer
 		if size > backends.Untracked {
 			need := 2 * int64(size)
-			if !f.mem.Take(need - f.held) {
-				f.overBudget = true
+			if err := f.mem.Reserve(need-f.held, need); err != nil {
+				f.refused = err
 				return nil
 			}
 			f.held = need
@@ -114,7 +114,7 @@ func (f *sseFramer) endEvent() {
 	for i := range len(end) {
 		b := f.free()
 		if b == nil {
-			return // overBudget: the event stays incomplete
+			return // refused: the event stays incomplete
 		}
 		b[0] = end[i]
 		f.commit(1)

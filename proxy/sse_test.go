@@ -267,33 +267,73 @@ func TestEndGraceCountsFromEachRead(t *testing.T) {
 // A stream's event over 1 MiB is charged to limits.body_memory_mb as the
 // relay's buffer grows for it (twice: the buffer and the batch's copy),
 // and given back when the stream ends; with no room, the stream ends with
-// body_memory_full, the engine kept in. Six streams of one large event
-// each held 550 MB uncounted (the chaos trial).
+// body_memory_full (retry), and an event the whole budget cannot hold
+// with event_too_large (no retry mends it: the review); either way the
+// engine stays in. Six streams of one large event each held 550 MB
+// uncounted (the chaos trial).
 func TestLargeEventIsCharged(t *testing.T) {
 	event := append(append([]byte(`data: {"choices":[{"delta":{"content":"`), bytes.Repeat([]byte("x"), 6<<20)...), "\"}}]}\n\ndata: [DONE]\n\n"...)
-	for _, limit := range []int64{64 << 20, 8 << 20} {
+	for _, c := range []struct {
+		limit, other int64
+		code         string
+		status       int
+	}{{64 << 20, 0, "", 200}, {64 << 20, 56 << 20, "body_memory_full", 503}, {8 << 20, 0, "event_too_large", 502}} {
 		s, p, be := relayFixture(t)
-		s.bodyMem.SetLimit(limit)
+		s.bodyMem.SetLimit(c.limit)
+		s.bodyMem.Take(c.other)
 		body := &burstBody{data: bytes.Clone(event), step: 64 << 10, burst: len(event) + 1}
 		r, x := startRelay(t, s, p, be, body)
 		var out bytes.Buffer
 		if _, err := r.WriteTo(&out); err != nil {
 			t.Fatal(err)
 		}
-		held := s.bodyMem.Used()
+		held := s.bodyMem.Used() - c.other
 		r.Close()
-		if limit == 64<<20 {
+		if c.code == "" {
 			if !bytes.Equal(out.Bytes(), event) || held < 2*6<<20 {
 				t.Fatalf("room for it: %d bytes relayed of %d, %d held", out.Len(), len(event), held)
 			}
-		} else if !strings.Contains(out.String(), `"code":"body_memory_full"`) || !strings.HasSuffix(out.String(), "data: [DONE]\n\n") || x.status != 503 {
-			t.Fatalf("no room for it: ending %q, status %d", out.String()[max(0, out.Len()-300):], x.status)
+		} else if !strings.Contains(out.String(), `"code":"`+c.code+`"`) || !strings.HasSuffix(out.String(), "data: [DONE]\n\n") || x.status != c.status {
+			t.Fatalf("%d MiB of %d held: ending %q, status %d", c.other>>20, c.limit>>20, out.String()[max(0, out.Len()-300):], x.status)
 		}
 		be.mu.Lock()
 		ejected := be.ejected
 		be.mu.Unlock()
-		if used := s.bodyMem.Used(); used != 0 || !p.rt.Idle() || ejected {
-			t.Fatalf("limit %d MiB: %d still charged, router idle %v, engine ejected %v", limit>>20, used, p.rt.Idle(), ejected)
+		if used := s.bodyMem.Used() - c.other; used != 0 || !p.rt.Idle() || ejected {
+			t.Fatalf("%d MiB of %d held: %d still charged, router idle %v, engine ejected %v", c.other>>20, c.limit>>20, used, p.rt.Idle(), ejected)
 		}
+	}
+}
+
+// bigThenPanic sends the start of an event over 1 MiB, then panics.
+type bigThenPanic struct {
+	burstBody
+	sent int
+}
+
+func (b *bigThenPanic) Read(p []byte) (int, error) {
+	if b.sent >= 3<<20 {
+		panic("engine body exploded")
+	}
+	n := copy(p, bytes.Repeat([]byte("x"), len(p)))
+	if b.sent == 0 {
+		n = copy(p, "data: {\"x\":\"")
+	}
+	b.sent += n
+	return n, nil
+}
+
+// A panic while the handler primes a stream (the recovery abandons the
+// exchange, which knows no relay) still gives back what the relay's
+// buffer held of the budget (the review).
+func TestPanicWhilePrimingGivesBackTheRoom(t *testing.T) {
+	s, p, be := relayFixture(t)
+	r, _ := startRelay(t, s, p, be, &bigThenPanic{})
+	func() {
+		defer func() { recover() }()
+		r.primeInHandler()
+	}()
+	if used := s.bodyMem.Used(); used != 0 {
+		t.Fatalf("%d bytes still charged after a panic while priming", used)
 	}
 }
