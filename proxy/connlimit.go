@@ -29,7 +29,8 @@ import (
 // Past the cap, spareConns more are taken for an operator's one request
 // each (probePath: /live, /health, /metrics, /admin/*), which must come
 // within spareReadTime; any other request on one is answered the same
-// 503. Clients holding every connection (slow headers, a flood) made
+// 503. With every spare taken, one more takes the place of the spare
+// that has waited longest for its request. Clients holding every connection (slow headers, a flood) made
 // /live answer 503, and a liveness probe then restarted kvproxy, its
 // index lost (the chaos trial).
 type capListener struct {
@@ -59,13 +60,22 @@ func (l *capListener) Accept() (net.Conn, error) {
 			l.conns.add(cc)
 			return cc, nil
 		}
-		if l.spares.Add(1) <= spareConns {
+		spare := l.spares.Add(1) <= spareConns
+		if !spare {
+			l.spares.Add(-1)
+			if l.conns.closeWaitingSpare() {
+				spare = l.spares.Add(1) <= spareConns
+				if !spare {
+					l.spares.Add(-1)
+				}
+			}
+		}
+		if spare {
 			cc := &countedConn{Conn: c, open: l.spares, set: &l.conns, spareUntil: time.Now().Add(spareReadTime)}
 			cc.Conn.SetReadDeadline(cc.spareUntil)
 			l.conns.add(cc)
 			return cc, nil
 		}
-		l.spares.Add(-1)
 		if l.refusal != nil {
 			// A new socket's send buffer is empty: this never waits, but
 			// the accept loop must not, whatever the kernel does.
@@ -109,24 +119,50 @@ var idleEvictAfter = time.Second
 
 // connSet is the open client connections, and how many of them are idle.
 type connSet struct {
-	mu   sync.Mutex
-	m    map[*countedConn]struct{}
-	idle atomic.Int64
+	mu     sync.Mutex
+	m      map[*countedConn]struct{}
+	spares map[*countedConn]struct{} // those of m taken past the cap
+	idle   atomic.Int64
 }
 
 func (s *connSet) add(c *countedConn) {
 	s.mu.Lock()
 	if s.m == nil {
-		s.m = map[*countedConn]struct{}{}
+		s.m, s.spares = map[*countedConn]struct{}{}, map[*countedConn]struct{}{}
 	}
 	s.m[c] = struct{}{}
+	if c.spare() {
+		s.spares[c] = struct{}{}
+	}
 	s.mu.Unlock()
 }
 
 func (s *connSet) remove(c *countedConn) {
 	s.mu.Lock()
 	delete(s.m, c)
+	delete(s.spares, c)
 	s.mu.Unlock()
+}
+
+// closeWaitingSpare closes the spare connection that has waited longest
+// for its request, if one has not sent it yet, and reports whether there
+// was one: clients holding the spares with requests they never finish
+// (slow headers, reopened every spareReadTime) shut a probe out again
+// (the review).
+func (s *connSet) closeWaitingSpare() bool {
+	s.mu.Lock()
+	var oldest *countedConn
+	for c := range s.spares {
+		if !c.handled.Load() && (oldest == nil || c.spareUntil.Before(oldest.spareUntil)) {
+			oldest = c
+		}
+	}
+	s.mu.Unlock()
+	if oldest == nil {
+		return false
+	}
+	oldest.Close()
+	return true
 }
 
 // closeIdlest closes the connection idle the longest, at least min, and
@@ -170,8 +206,9 @@ type countedConn struct {
 	// 0 for none.
 	linger atomic.Int64
 	// spareUntil is set for a connection taken past the cap (spareConns):
-	// its request must have come by then.
+	// its request must have come by then. handled: it has.
 	spareUntil time.Time
+	handled    atomic.Bool
 }
 
 // spare reports whether the connection was taken past the cap.

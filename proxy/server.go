@@ -1115,6 +1115,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	}
 	honourConnectionClose(ctx)
 	if cc := countedOf(ctx.Conn()); cc != nil && cc.spare() {
+		cc.handled.Store(true)
 		ctx.SetConnectionClose() // one request each
 		if !probePath(ctx.Path()) {
 			s.connRefused()
