@@ -30,9 +30,9 @@ import (
 // each (probePath: /live, /health, /metrics, /admin/*), which must come
 // within spareReadTime; any other request on one is answered the same
 // 503. With every spare taken, one more takes the place of the spare
-// that has waited longest for its request. Clients holding every connection (slow headers, a flood) made
-// /live answer 503, and a liveness probe then restarted kvproxy, its
-// index lost (the chaos trial).
+// that has waited longest for its request. Clients holding every
+// connection (slow headers, a flood) made /live answer 503, and a
+// liveness probe then restarted kvproxy, its index lost (the chaos trial).
 type capListener struct {
 	net.Listener
 	max     func() int
