@@ -1,8 +1,10 @@
 package replicas
 
 import (
+	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -115,4 +117,40 @@ func TestReplicasWithCredentials(t *testing.T) {
 		t.Fatal("connected without credentials")
 	}
 	shareThrough(t, Config{URL: url, Subject: "kvproxy.load", CredsFile: credsFile})
+}
+
+// A server back with a certificate the replica does not trust (rotated to
+// another CA, expired) is said, once a minute while it lasts: the log
+// ended at "disconnected", the handshakes failing unsaid (the operator
+// trial).
+func TestUntrustedServerAfterADisconnectIsSaid(t *testing.T) {
+	dir, other := t.TempDir(), t.TempDir()
+	testutil.SelfSignedCert(t, dir, 1)
+	testutil.SelfSignedCert(t, other, 2)
+	serve := func(certDir string, port int) *server.Server {
+		tc, err := server.GenTLSConfig(&server.TLSConfigOpts{CertFile: filepath.Join(certDir, "cert.pem"), KeyFile: filepath.Join(certDir, "key.pem")})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return startNATSWith(t, &server.Options{Port: port, TLS: true, TLSConfig: tc, TLSTimeout: 2})
+	}
+	ns := serve(dir, -1)
+	a, logs := startLogged(t, Config{URL: ns.ClientURL(), ID: "a", Interval: 10 * time.Millisecond, CAFile: filepath.Join(dir, "cert.pem")},
+		func() []Entry { return nil }, func(map[Key]router.Load) {})
+	if !a.Connected() {
+		t.Fatalf("not connected: %s", logs.String())
+	}
+	port := ns.Addr().(*net.TCPAddr).Port
+	ns.Shutdown()
+	serve(other, port)
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(logs.String(), "replicas: cannot reconnect to NATS") {
+		if time.Now().After(deadline) {
+			t.Fatalf("the failed handshakes never said: %s", logs.String())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if l := logs.String(); strings.Count(l, "replicas: cannot reconnect to NATS") != 1 || !strings.Contains(l, "certificate") {
+		t.Fatalf("log: %s", l)
+	}
 }

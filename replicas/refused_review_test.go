@@ -64,3 +64,53 @@ func TestNATSCredentialsStayOutOfTheLog(t *testing.T) {
 		t.Fatalf("log: %s", l)
 	}
 }
+
+// A refusal of a replica that was connected (a password changed, a JWT
+// expired) is said as the error a refusal at start is: nats.go tells its
+// reconnect handler only of failed dials, and the refusal went unsaid, or
+// said as a NATS warning (the operator trial).
+func TestRefusalAfterADisconnectIsAnError(t *testing.T) {
+	ns := startNATSWith(t, &server.Options{Port: -1, Username: "kv", Password: "right"})
+	port := ns.ClientURL()[strings.LastIndexByte(ns.ClientURL(), ':')+1:]
+	a, logs := startLogged(t, Config{URL: "nats://kv:right@127.0.0.1:" + port, ID: "a", Interval: 10 * time.Millisecond},
+		func() []Entry { return nil }, func(map[Key]router.Load) {})
+	if !a.Connected() {
+		t.Fatal("not connected")
+	}
+	ns.Shutdown()
+	var p int
+	fmt.Sscan(port, &p)
+	startNATSWith(t, &server.Options{Port: p, Username: "kv", Password: "changed"})
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(logs.String(), "replicas: NATS refuses this replica") {
+		if time.Now().After(deadline) {
+			t.Fatalf("the refusal never said: %s", logs.String())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if l := logs.String(); strings.Count(l, "replicas: NATS refuses this replica") != 1 || strings.Contains(l, "hunter2") {
+		t.Fatalf("log: %s", l)
+	}
+}
+
+// Each dial closes the connection dialled before: nats.go left one whose
+// handshake failed open until the garbage collector found it (a refused
+// replica gained two sockets a second: the operator trial).
+func TestDialerClosesTheConnectionBefore(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	var d closingDialer
+	first, err := d.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.Dial("tcp", ln.Addr().String()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := first.Write([]byte("x")); err == nil {
+		t.Fatal("the connection dialled before is still open")
+	}
+}

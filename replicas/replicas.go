@@ -7,11 +7,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"net/url"
 	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -189,6 +191,10 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 		asyncMsg string
 		asyncAt  time.Time
 	)
+	sayRefused := func(err error) {
+		log.Error().Err(err).Str("nats", redactURLs(cfg.URL)).
+			Msg("replicas: NATS refuses this replica (its user and password, token or credentials); routing on this replica's load, retrying every 500ms (said once a minute while it lasts)")
+	}
 	sayAgain := func(err error) bool { // once a minute while the same error repeats
 		asyncMu.Lock()
 		defer asyncMu.Unlock()
@@ -237,18 +243,26 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 			default:
 			}
 			if refused(err) && sayAgain(err) {
-				log.Error().Err(err).Str("nats", redactURLs(cfg.URL)).
-					Msg("replicas: NATS refuses this replica (its user and password, token or credentials); routing on this replica's load, retrying every 500ms (said once a minute while it lasts)")
+				sayRefused(err)
 			}
 		}),
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
 			// Once a minute while the same error repeats: a publish the
 			// server's permissions deny comes back at every report (the
 			// review: 29 lines in 3 s).
-			if sayAgain(err) {
+			switch {
+			case !sayAgain(err):
+			case refused(err): // a reconnection refused, as nats.go tells of it
+				sayRefused(err)
+			default:
 				log.Warn().Err(err).Msg("replicas: NATS error (said once a minute while it repeats)")
 			}
 		}),
+		// Each dial closes the connection dialled before it: nats.go
+		// leaves one whose handshake or authorization failed open until
+		// the garbage collector finds it (a refused replica gained two
+		// sockets a second: the operator trial).
+		nats.SetCustomDialer(&closingDialer{}),
 	)...)
 	if err != nil {
 		return nil, fmt.Errorf("replicas: %w", err)
@@ -256,6 +270,9 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 	if nc.IsConnected() {
 		connected(nc)
 	} else if err := connectError(firstErr); err == nil || !refused(err) { // a refusal is said as an error
+		if err != nil {
+			sayAgain(err) // not said again by sayWhyDown within the minute
+		}
 		log.Warn().Err(err).Str("nats", redactURLs(cfg.URL)).Msg("replicas: cannot reach NATS yet; routing on this replica's load, retrying every 500ms")
 	}
 	s.nc = nc
@@ -272,7 +289,62 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 		nc.FlushTimeout(time.Second)
 	}
 	go s.loop()
+	go s.sayWhyDown(sayAgain, sayRefused)
 	return s, nil
+}
+
+// sayWhyDown says, while the connection is down, why the reconnections
+// fail, once a minute while the same reason lasts: a refusal as an
+// error, a failed TLS handshake (an expired or untrusted certificate) as a
+// warning. nats.go tells its reconnect handler only of failed dials
+// (the operator trial: a password changed, or a certificate expired,
+// while connected was never said). A server that is down is said once,
+// at the disconnection. It reads nats.go's last error apart from the
+// report loop: the read waits while a dial runs (up to 2 s).
+func (s *Sync) sayWhyDown(sayAgain func(error) bool, sayRefused func(error)) {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.stop:
+			return
+		case <-t.C:
+		}
+		if s.up.Load() {
+			continue
+		}
+		err := s.nc.LastError()
+		switch {
+		case err == nil || errors.Is(err, nats.ErrNoServers) || errors.Is(err, syscall.ECONNREFUSED) || s.closing.Load() || !sayAgain(err):
+		case refused(err):
+			sayRefused(err)
+		default:
+			s.log.Warn().Err(err).Str("nats", redactURLs(s.cfg.URL)).Msg("replicas: cannot reconnect to NATS; routing on this replica's load, retrying every 500ms (said once a minute while it lasts)")
+		}
+	}
+}
+
+// closingDialer dials NATS servers, closing the connection it dialled
+// before (see its use in Start).
+type closingDialer struct {
+	mu   sync.Mutex
+	last net.Conn
+}
+
+func (d *closingDialer) Dial(network, address string) (net.Conn, error) {
+	d.mu.Lock()
+	if d.last != nil {
+		d.last.Close()
+		d.last = nil
+	}
+	d.mu.Unlock()
+	c, err := (&net.Dialer{Timeout: nats.DefaultTimeout}).Dial(network, address)
+	if err == nil {
+		d.mu.Lock()
+		d.last = c
+		d.mu.Unlock()
+	}
+	return c, err
 }
 
 // pingInterval and maxPingsOut: NATS is deemed lost once it has not
