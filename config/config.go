@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/pem"
 	"encoding/base64"
 	"encoding/json"
 	"errors"
@@ -149,6 +150,8 @@ func (r Replicas) checkFiles(add func(field, format string, a ...any)) {
 			add("replicas.tls.ca_file", "%s", err.Error())
 		} else if !x509.NewCertPool().AppendCertsFromPEM(b) {
 			add("replicas.tls.ca_file", "no PEM certificate in %s", f)
+		} else if last, ok := lastExpiry(b); ok && time.Now().After(last) {
+			add("replicas.tls.ca_file", "%s: every certificate in it expired, the last at %s", f, last.UTC().Format(time.RFC3339))
 		}
 	}
 	switch {
@@ -159,6 +162,22 @@ func (r Replicas) checkFiles(add func(field, format string, a ...any)) {
 			add("replicas.tls", "%s", strings.TrimPrefix(err.Error(), "tls: "))
 		} else if leaf := pair.Leaf; leaf != nil && time.Now().After(leaf.NotAfter) {
 			add("replicas.tls.cert_file", "%s: expired at %s", t.CertFile, leaf.NotAfter.UTC().Format(time.RFC3339))
+		}
+	}
+}
+
+// lastExpiry is when the last of the PEM certificates in b expires; ok is
+// false when none parses.
+func lastExpiry(b []byte) (last time.Time, ok bool) {
+	for {
+		var block *pem.Block
+		if block, b = pem.Decode(b); block == nil {
+			return last, ok
+		}
+		if c, err := x509.ParseCertificate(block.Bytes); err == nil && block.Type == "CERTIFICATE" {
+			if !ok || c.NotAfter.After(last) {
+				last, ok = c.NotAfter, true
+			}
 		}
 	}
 }

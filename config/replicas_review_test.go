@@ -100,6 +100,7 @@ func TestReplicasFilesAreChecked(t *testing.T) {
 		"expired cert":  {"tls: {cert_file: '" + expiredCert + "', key_file: '" + expiredKey + "'}}", "replicas.tls.cert_file", "expired at"},
 		"missing ca":    {"tls: {ca_file: '" + filepath.Join(dir, "none.pem") + "'}}", "replicas.tls.ca_file", "no such file"},
 		"ca not pem":    {"tls: {ca_file: '" + notCreds + "'}}", "replicas.tls.ca_file", "no PEM certificate"},
+		"ca expired":    {"tls: {ca_file: '" + expiredCert + "'}}", "replicas.tls.ca_file", "every certificate in it expired"},
 		"cert alone":    {"tls: {cert_file: '" + notCreds + "'}}", "replicas.tls", "go together"},
 		"bad key pair":  {"tls: {cert_file: '" + notCreds + "', key_file: '" + notCreds + "'}}", "replicas.tls", "PEM"},
 	} {
@@ -111,6 +112,11 @@ func TestReplicasFilesAreChecked(t *testing.T) {
 	cfg, err := Parse([]byte(head + "creds_file: '" + good + "'}\n"))
 	if err != nil || cfg.Replicas.CredsFile != good {
 		t.Fatalf("a credentials file: %v", err)
+	}
+	validDir := t.TempDir()
+	testutil.SelfSignedCert(t, validDir, 1)
+	if _, err := Parse([]byte(head + "tls: {ca_file: '" + filepath.Join(validDir, "cert.pem") + "'}}\n")); err != nil {
+		t.Fatalf("a CA in force: %v", err)
 	}
 	// A path from the home directory, as a shell and nats.go read it.
 	t.Setenv("HOME", dir)
