@@ -29,8 +29,10 @@ import (
 // Past the cap, spareConns more are taken for an operator's one request
 // each (probePath: /live, /health, /metrics, /admin/*), which must come
 // within spareReadTime; any other request on one is answered the same
-// 503. With every spare taken, one more takes the place of the spare
-// that has waited longest for its request. Clients holding every
+// 503. An address holds sparesPerIP of them at most, and with every spare
+// taken a new connection takes the place of a spare still waiting for its
+// request after spareMinAge, from the address holding the most, the
+// oldest (closeWaitingSpare). Clients holding every
 // connection (slow headers, a flood) made /live answer 503, and a
 // liveness probe then restarted kvproxy, its index lost (the chaos trial).
 type capListener struct {
@@ -60,20 +62,7 @@ func (l *capListener) Accept() (net.Conn, error) {
 			l.conns.add(cc)
 			return cc, nil
 		}
-		spare := l.spares.Add(1) <= spareConns
-		if !spare {
-			l.spares.Add(-1)
-			if l.conns.closeWaitingSpare() {
-				spare = l.spares.Add(1) <= spareConns
-				if !spare {
-					l.spares.Add(-1)
-				}
-			}
-		}
-		if spare {
-			cc := &countedConn{Conn: c, open: l.spares, set: &l.conns, spareUntil: time.Now().Add(spareReadTime)}
-			cc.Conn.SetReadDeadline(cc.spareUntil)
-			l.conns.add(cc)
+		if cc := l.takeSpare(c); cc != nil {
 			return cc, nil
 		}
 		if l.refusal != nil {
@@ -97,11 +86,46 @@ func (l *capListener) take() bool {
 }
 
 // spareConns is how many connections past the cap are taken for an
-// operator's request, and spareReadTime how long one has to send it.
+// operator's request, sparesPerIP how many of them one address may hold,
+// spareReadTime how long one has to send its request, and spareMinAge how
+// long it is safe from a newer one (its TLS handshake and request come
+// within it).
 const (
 	spareConns    = 8
+	sparesPerIP   = 2
 	spareReadTime = 2 * time.Second
+	spareMinAge   = 250 * time.Millisecond
 )
+
+// takeSpare takes c as a spare connection, if there is room for it (see
+// capListener), or nil. Only the accept loop calls it.
+func (l *capListener) takeSpare(c net.Conn) *countedConn {
+	ip := ipOf(c.RemoteAddr())
+	for try := 0; ; try++ {
+		own := l.conns.sparesOf(ip)
+		if own < sparesPerIP {
+			if l.spares.Add(1) <= spareConns {
+				now := time.Now()
+				cc := &countedConn{Conn: c, open: l.spares, set: &l.conns, spareIP: ip, spareUntil: now.Add(spareReadTime)}
+				cc.Conn.SetReadDeadline(cc.spareUntil)
+				l.conns.add(cc)
+				return cc
+			}
+			l.spares.Add(-1)
+		}
+		if try > 0 || !l.conns.closeWaitingSpare(time.Now(), ip, own >= sparesPerIP) {
+			return nil
+		}
+	}
+}
+
+// ipOf is the IP of a connection's remote address, "" if none.
+func ipOf(a net.Addr) string {
+	if ta, ok := a.(*net.TCPAddr); ok {
+		return ta.IP.String()
+	}
+	return ""
+}
 
 // probePath reports whether a spare connection may serve a request for
 // path: a probe's, a scrape's, an operator's.
@@ -119,20 +143,22 @@ var idleEvictAfter = time.Second
 
 // connSet is the open client connections, and how many of them are idle.
 type connSet struct {
-	mu     sync.Mutex
-	m      map[*countedConn]struct{}
-	spares map[*countedConn]struct{} // those of m taken past the cap
-	idle   atomic.Int64
+	mu       sync.Mutex
+	m        map[*countedConn]struct{}
+	spares   map[*countedConn]struct{} // those of m taken past the cap
+	spareIPs map[string]int            // how many of them each address holds
+	idle     atomic.Int64
 }
 
 func (s *connSet) add(c *countedConn) {
 	s.mu.Lock()
 	if s.m == nil {
-		s.m, s.spares = map[*countedConn]struct{}{}, map[*countedConn]struct{}{}
+		s.m, s.spares, s.spareIPs = map[*countedConn]struct{}{}, map[*countedConn]struct{}{}, map[string]int{}
 	}
 	s.m[c] = struct{}{}
 	if c.spare() {
 		s.spares[c] = struct{}{}
+		s.spareIPs[c.spareIP]++
 	}
 	s.mu.Unlock()
 }
@@ -140,28 +166,51 @@ func (s *connSet) add(c *countedConn) {
 func (s *connSet) remove(c *countedConn) {
 	s.mu.Lock()
 	delete(s.m, c)
-	delete(s.spares, c)
-	s.mu.Unlock()
-}
-
-// closeWaitingSpare closes the spare connection that has waited longest
-// for its request, if one has not sent it yet, and reports whether there
-// was one: clients holding the spares with requests they never finish
-// (slow headers, reopened every spareReadTime) shut a probe out again
-// (the review).
-func (s *connSet) closeWaitingSpare() bool {
-	s.mu.Lock()
-	var oldest *countedConn
-	for c := range s.spares {
-		if !c.handled.Load() && (oldest == nil || c.spareUntil.Before(oldest.spareUntil)) {
-			oldest = c
+	if _, ok := s.spares[c]; ok {
+		delete(s.spares, c)
+		if s.spareIPs[c.spareIP]--; s.spareIPs[c.spareIP] <= 0 {
+			delete(s.spareIPs, c.spareIP)
 		}
 	}
 	s.mu.Unlock()
-	if oldest == nil {
+}
+
+// sparesOf is how many spare connections ip holds.
+func (s *connSet) sparesOf(ip string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.spareIPs[ip]
+}
+
+// closeWaitingSpare closes a spare connection still waiting for its
+// request at least spareMinAge after it came (of ip's own when only its
+// are, for an address at sparesPerIP): of the address holding the most,
+// the oldest. It reports whether there was one. Clients holding the
+// spares with requests they never finish (slow headers, reopened every
+// spareReadTime) shut probes out again (the review); taking the oldest
+// alone, a few connections reopened at once made a probe the oldest
+// within milliseconds, before its TLS handshake or request was through
+// (the verifying trial).
+func (s *connSet) closeWaitingSpare(now time.Time, ip string, onlyIP bool) bool {
+	s.mu.Lock()
+	var victim *countedConn
+	for c := range s.spares {
+		if c.handled.Load() || now.Sub(c.spareUntil.Add(-spareReadTime)) < spareMinAge || onlyIP && c.spareIP != ip {
+			continue
+		}
+		if n, v := s.spareIPs[c.spareIP], 0; victim != nil {
+			v = s.spareIPs[victim.spareIP]
+			if n < v || n == v && !c.spareUntil.Before(victim.spareUntil) {
+				continue
+			}
+		}
+		victim = c
+	}
+	s.mu.Unlock()
+	if victim == nil {
 		return false
 	}
-	oldest.Close()
+	victim.Close()
 	return true
 }
 
@@ -208,6 +257,7 @@ type countedConn struct {
 	// spareUntil is set for a connection taken past the cap (spareConns):
 	// its request must have come by then. handled: it has.
 	spareUntil time.Time
+	spareIP    string
 	handled    atomic.Bool
 }
 

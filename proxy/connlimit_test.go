@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -270,7 +271,9 @@ func TestIdleConnectionsMakeRoom(t *testing.T) {
 		c, br := dial()
 		c.SetDeadline(time.Now().Add(time.Second))
 		if _, err := fmt.Fprintf(c, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n"); err == nil {
-			if resp, err := http.ReadResponse(br, nil); err == nil && resp.StatusCode == 200 {
+			// Not one of the spares past the cap (the silent ones' close
+			// not yet seen), which close after their one answer.
+			if resp, err := http.ReadResponse(br, nil); err == nil && resp.StatusCode == 200 && !resp.Close {
 				io.ReadAll(resp.Body)
 				c.SetDeadline(time.Time{})
 				held, readers = append(held, c), append(readers, br)
@@ -310,8 +313,14 @@ func TestIdleConnectionsMakeRoom(t *testing.T) {
 func TestProbesGetThroughAFullCap(t *testing.T) {
 	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {max_connections: 2}\n", startFake(t, "e0", nil))
 	addr := strings.TrimPrefix(p.url, "http://")
-	dial := func() net.Conn {
-		c, err := net.Dial("tcp", addr)
+	// dialFrom dials from a loopback address of its own (127.0.0.n), as
+	// clients on other hosts would.
+	dialFrom := func(n int) (net.Conn, error) {
+		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, byte(n))}, Timeout: time.Second}
+		return d.Dial("tcp", addr)
+	}
+	dial := func(n int) net.Conn {
+		c, err := dialFrom(n)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -319,11 +328,12 @@ func TestProbesGetThroughAFullCap(t *testing.T) {
 		return c
 	}
 	for range 2 { // slow headers hold the cap
-		io.WriteString(dial(), "POST /v1/chat/completions HTTP/1.1\r\n")
+		io.WriteString(dial(2), "POST /v1/chat/completions HTTP/1.1\r\n")
 	}
-	get := func(path string) (int, string, bool) {
-		c := dial()
+	get := func(path string, wait time.Duration) (int, string, bool) {
+		c := dial(1)
 		c.SetDeadline(time.Now().Add(3 * time.Second))
+		time.Sleep(wait) // a probe sending its request a moment after it connected
 		fmt.Fprintf(c, "GET %s HTTP/1.1\r\nHost: x\r\n\r\n", path)
 		b, err := io.ReadAll(c) // closed after the one answer
 		resp, rerr := http.ReadResponse(bufio.NewReader(bytes.NewReader(b)), nil)
@@ -335,22 +345,32 @@ func TestProbesGetThroughAFullCap(t *testing.T) {
 	}
 	waitFor(t, "the cap to be held", func() bool { return p.s.openConns.Load() == 2 })
 	for _, path := range []string{"/live", "/health", "/metrics", "/admin/backends"} {
-		if code, body, closed := get(path); code != 200 || !closed {
+		if code, body, closed := get(path, 0); code != 200 || !closed {
 			t.Fatalf("%s over a full cap: %d closed %v %s", path, code, closed, body)
 		}
 	}
-	if code, body, closed := get("/v1/models"); code != 503 || !strings.Contains(body, "too_many_connections") || !closed {
+	if code, body, closed := get("/v1/models", 0); code != 503 || !strings.Contains(body, "too_many_connections") || !closed {
 		t.Fatalf("a client's request on a spare connection: %d closed %v %s", code, closed, body)
 	}
+	// One address holds sparesPerIP of them at most.
 	var silent []net.Conn
-	for range spareConns {
-		silent = append(silent, dial())
+	for i := range spareConns {
+		silent = append(silent, dial(3+i/sparesPerIP))
 	}
 	waitFor(t, "the spares to be held", func() bool { return p.s.openConns.Load() == 2 && p.s.spareConns.Load() == spareConns })
+	// Every spare younger than spareMinAge, a new connection is refused
+	// at once; so is a third from one address.
+	refusedAtOnceFor(t, addr, "/live")
+	third := dial(3)
+	third.SetReadDeadline(time.Now().Add(2 * time.Second))
+	if b, err := io.ReadAll(third); err != nil || len(b) > 0 && !strings.HasPrefix(string(b), "HTTP/1.1 503") {
+		t.Fatalf("a third spare from one address: %v %q", err, b)
+	}
 	// With every spare held by a request that does not come, a probe
-	// takes the place of the one waiting longest (the review: 8 more
-	// slow-header connections shut probes out again).
-	if code, body, _ := get("/live"); code != 200 {
+	// takes the place of one of them (the review: 8 more slow-header
+	// connections shut probes out again).
+	time.Sleep(spareMinAge)
+	if code, body, _ := get("/live", 0); code != 200 {
 		t.Fatalf("/live with the spares held: %d %s", code, body)
 	}
 	start := time.Now()
@@ -363,7 +383,38 @@ func TestProbesGetThroughAFullCap(t *testing.T) {
 	if d := time.Since(start); d > spareReadTime+time.Second {
 		t.Errorf("silent spare connections closed after %v", d)
 	}
-	if code, _, _ := get("/live"); code != 200 {
-		t.Fatalf("/live after the spares closed: %d", code)
+
+	// Connections from one address reopened as soon as they are closed
+	// do not shut out a probe that sends its request a few milliseconds
+	// after it connected (they did, each taking the place of the oldest,
+	// the probe's within milliseconds: the verifying trial).
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for range 12 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				c, err := dialFrom(3)
+				if err != nil {
+					continue
+				}
+				c.SetReadDeadline(time.Now().Add(3 * time.Second))
+				io.Copy(io.Discard, c) // until kvproxy closes it
+				c.Close()
+			}
+		}()
+	}
+	defer func() { close(stop); wg.Wait() }()
+	time.Sleep(300 * time.Millisecond)
+	for i := range 5 {
+		if code, body, _ := get("/live", 5*time.Millisecond); code != 200 {
+			t.Fatalf("probe %d among reopened connections: %d %s", i, code, body)
+		}
 	}
 }
