@@ -1165,6 +1165,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			}
 			code = 0 // relayed below as the engine answered it
 		}
+		var answer, answerEnc []byte // decoded, for relayWhole
 		switch {
 		case code == fasthttp.StatusUnauthorized || code == fasthttp.StatusForbidden || code >= 300 && code < 400 ||
 			code == fasthttp.StatusNotFound && !x.pass && !x.resp.lostPrevious(resp.Body()):
@@ -1207,15 +1208,34 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		case code >= 500:
 			b.ejectForAnswer(ejectStatus, "status "+strconv.Itoa(code))
 		case code == fasthttp.StatusOK && !x.pass:
-			plain, enc, err := plainBodyOr(resp)
-			corrupt := err != nil && !errors.Is(err, fasthttp.ErrContentEncodingUnsupported) && !errors.Is(err, fasthttp.ErrBodyTooLarge)
-			if enc == nil && !looksLikeJSONObject(plain) || corrupt {
+			var err error
+			answer, answerEnc, err = s.plainAnswer(ctx, resp)
+			switch {
+			case err == nil || errors.Is(err, fasthttp.ErrContentEncodingUnsupported): // a coding kvproxy does not know goes as it came
+			case errors.Is(err, backends.ErrOverBudget):
+				fasthttp.ReleaseResponse(resp)
+				x.status, x.errMsg = fasthttp.StatusServiceUnavailable, "no room for the answer of backend "+b.cfg.ID+" in limits.body_memory_mb"
+				ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
+				s.overBudget(ctx, "the engine's answer, larger than 1 MiB once decompressed")
+				x.finish()
+				return done
+			case errors.Is(err, backends.ErrBeyondBudget) || errors.Is(err, fasthttp.ErrBodyTooLarge):
+				// A compressed answer too large once decompressed (it went
+				// to the client as it came, a gzip bomb of 1 GB: the
+				// verifying trial).
+				fasthttp.ReleaseResponse(resp)
+				x.failUpstream(ctx, fasthttp.StatusBadGateway, fmt.Sprintf("the answer of backend %s is larger, once decompressed, than kvproxy reads whole (64 MiB, and limits.body_memory_mb: %d MiB); ask for less at once, or stream it", b.cfg.ID, s.bodyMem.Limit()>>20))
+				x.finish()
+				return done
+			default:
+				answerEnc = nil // corrupt: no answer
+			}
+			if answerEnc == nil && !looksLikeJSONObject(answer) {
 				// A gateway's login page, an engine that closed after its
 				// headers, a body cut off (compressed or not: the review):
 				// no answer, though a 200 (it was relayed as one, and the
 				// engine, answering fastest, drew the traffic: the chaos
 				// trial). Handled as a stream that is no event stream is.
-				// A coding kvproxy does not know goes as it came.
 				msg := "backend " + b.cfg.ID + " answered 200 with Content-Type " + quotedType(resp.Header.ContentType()) + " and no JSON answer"
 				fasthttp.ReleaseResponse(resp)
 				return x.noAnswer(ctx, msg, mayRetry)
@@ -1224,10 +1244,13 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		case code == fasthttp.StatusOK:
 			b.succeed()
 		}
+		if answer == nil {
+			answer, answerEnc = plainBody(resp)
+		}
 		ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 		s.hold(ctx, x.answerHeld) // its copy goes out with the answer
 		x.answerHeld = 0
-		x.relayWhole(ctx, resp)
+		x.relayWhole(ctx, resp, answer, answerEnc)
 		fasthttp.ReleaseResponse(resp)
 		x.finish()
 		return done
@@ -1414,25 +1437,35 @@ func (e relayEnd) Close() error {
 // plainBody is a whole engine answer's body, decompressed if the engine
 // (or a gateway before it) sent it with a Content-Encoding kvproxy never
 // asked for: it is read here, and goes to the client plain. A body that
-// does not decompress (an unknown coding, corrupt, or beyond the
-// whole-answer bound once decompressed) is taken as it is, and enc names
-// its coding for the client.
+// does not decompress (an unknown coding, corrupt, or beyond the bound
+// once decompressed) is taken as it is, and enc names its coding for the
+// client. It decodes 1 MiB at most, uncounted: for error answers and
+// lists (a whole answer is plainAnswer's).
 func plainBody(resp *fasthttp.Response) (body, enc []byte) {
-	body, enc, _ = plainBodyOr(resp)
+	body, enc, _, _ = plainBodyUpTo(resp, backends.Untracked, budgetShare{})
 	return body, enc
 }
 
-// plainBodyOr is plainBody, with the decoding's error when there was one.
-func plainBodyOr(resp *fasthttp.Response) (body, enc []byte, err error) {
+// plainAnswer is plainBody for a whole answer: up to maxWholeAnswer, its
+// decoding charged to limits.body_memory_mb, and held with the request
+// (a gzip bomb was decoded uncounted: the verifying trial); err is the
+// decoding's error, if any.
+func (s *Server) plainAnswer(ctx *fasthttp.RequestCtx, resp *fasthttp.Response) (body, enc []byte, err error) {
+	body, enc, held, err := plainBodyUpTo(resp, maxWholeAnswer, budgetShare{s.bodyMem, heldBy(ctx)})
+	s.hold(ctx, held)
+	return body, enc, err
+}
+
+func plainBodyUpTo(resp *fasthttp.Response, max int, share budgetShare) (body, enc []byte, held int64, err error) {
 	coding := bytes.ToLower(bytes.TrimSpace(resp.Header.ContentEncoding()))
 	if len(coding) == 0 || string(coding) == "identity" {
-		return resp.Body(), nil, nil
+		return resp.Body(), nil, 0, nil
 	}
-	b, _, err := decoded(coding, resp.Body(), maxWholeAnswer, budgetShare{})
+	b, held, err := decoded(coding, resp.Body(), max, share)
 	if err != nil {
-		return resp.Body(), coding, err
+		return resp.Body(), coding, 0, err
 	}
-	return b, nil, nil
+	return b, nil, held, nil
 }
 
 // silent says that b's engine went silent past limits.stream_idle_timeout.
@@ -1483,10 +1516,11 @@ func (x *exchange) engineTook() {
 }
 
 // relayWhole passes a complete engine answer to the client.
-func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response) {
+// body is its body decoded (plainBody, plainAnswer), or as it came in
+// coding enc.
+func (x *exchange) relayWhole(ctx *fasthttp.RequestCtx, resp *fasthttp.Response, body, enc []byte) {
 	code := resp.StatusCode()
 	x.status = code
-	body, enc := plainBody(resp)
 	if code == fasthttp.StatusOK {
 		x.active.PrefillDone()
 		x.engineTook()

@@ -846,7 +846,12 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 		status, errMsg = s.byIDFailed(ctx, b, err)
 	} else {
 		status = resp.StatusCode()
-		body, enc := plainBody(resp)
+		var body, enc []byte
+		if status == fasthttp.StatusOK {
+			body, enc, _ = s.plainAnswer(ctx, resp) // a stored response may be larger than an error
+		} else {
+			body, enc = plainBody(resp)
+		}
 		if refusesConfig(status) {
 			// kvproxy's key or the backend's url is at fault, not the
 			// client's: a 502 that says so, never the engine's message

@@ -327,7 +327,7 @@ func (x *exchange) wholeStream(stream *backends.Body, resp *fasthttp.Response, r
 	}
 	resp.SetBodyRaw(raw)
 	resp.StreamBody = false
-	body, enc := plainBody(resp)
+	body, enc, _, _ := plainBodyUpTo(resp, maxWholeAnswer, budgetShare{}) // as the relay's memory, uncounted
 	if len(body) > maxWholeAnswer || enc != nil {
 		return nil, notStreamable("sent a JSON answer to a streaming request larger than 64 MiB, or not decodable")
 	}
