@@ -669,3 +669,17 @@ func TestIncompressibleBodyThatFitsGetsIn(t *testing.T) {
 		t.Fatalf("%v: %d bytes, held %d, %d charged", err, len(out), held, mem.Used())
 	}
 }
+
+// A body refused for its size is logged as such (the log said
+// "undecodable body" of a 413: the verifying trial).
+func TestRefusedBodyLoggedForWhatItWas(t *testing.T) {
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {max_request_body_bytes: 2048}\n", startFake(t, "e0", nil))
+	resp, _ := post(t, p.url+"/v1/completions", `{"model":"m","prompt":"`+strings.Repeat("x", 4096)+`"}`)
+	if resp.StatusCode != 413 {
+		t.Fatalf("%d", resp.StatusCode)
+	}
+	waitFor(t, "the request's line", func() bool { return strings.Contains(p.logs.String(), `"status":413`) })
+	if l := p.logs.String(); !strings.Contains(l, "body too large") || strings.Contains(l, "undecodable") {
+		t.Fatalf("log: %s", l)
+	}
+}

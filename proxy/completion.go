@@ -201,7 +201,7 @@ func (s *Server) admit(ctx *fasthttp.RequestCtx, st *state) (admitted, bool) {
 	body, ok := s.requestBody(ctx, st.cfg.Limits.MaxRequestBodyBytes)
 	if !ok {
 		slot.release()
-		s.logRejected(ctx, rid, t.name, "", ctx.Response.StatusCode(), start, "undecodable body")
+		s.logRejected(ctx, rid, t.name, "", ctx.Response.StatusCode(), start, bodyRefusal(ctx.Response.StatusCode()))
 		return admitted{}, false
 	}
 	return admitted{rid, engineID, start, t, body, slot}, true
@@ -1031,9 +1031,9 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				// back: nothing reached the client (the chaos trial: a
 				// stopped engine's streams got 504s, those it had begun
 				// moved). The next attempt gets an abort of its own.
-				why := *x.unresponsive.Load()
+				why := *x.unresponsive.Load() // names the backend
 				s.live.move(x, nil, new(backends.Abort))
-				return x.resendAfter("backend " + b.cfg.ID + " " + why)
+				return x.resendAfter(why)
 			}
 			x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, *x.unresponsive.Load())
 		case errors.Is(err, backends.ErrAborted):

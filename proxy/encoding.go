@@ -80,6 +80,22 @@ func (s *Server) requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok
 	return nil, false
 }
 
+// bodyRefusal is the log's reason for a request whose body requestBody
+// refused with status (the log said "undecodable body" of a 413).
+func bodyRefusal(status int) string {
+	switch status {
+	case fasthttp.StatusRequestEntityTooLarge:
+		return "body too large"
+	case fasthttp.StatusServiceUnavailable:
+		return "no room for the body in limits.body_memory_mb"
+	case fasthttp.StatusRequestTimeout:
+		return "body not received in time"
+	case fasthttp.StatusUnsupportedMediaType:
+		return "unsupported Content-Encoding"
+	}
+	return "undecodable body"
+}
+
 // unreadBody answers a request whose body rawBody could not read.
 func (s *Server) unreadBody(ctx *fasthttp.RequestCtx, err error, max int) {
 	var ne net.Error

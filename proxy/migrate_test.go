@@ -686,6 +686,9 @@ func TestStreamCutBeforeItsHeadersByAFailingProbeIsResent(t *testing.T) {
 		t.Fatalf("after %v: %d, requests %d and %d\n%s", time.Since(start), resp.StatusCode, stuck.requests.Load(), next.requests.Load(), got)
 	}
 	p.waitIdle(t)
+	if l := p.logs.String(); !strings.Contains(l, `"retried_after":"backend dies sent nothing`) {
+		t.Fatalf("log: %s", l)
+	}
 }
 
 // A stream whose first event is over 1 MiB (the relay's buffer grew for
