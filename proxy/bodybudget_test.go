@@ -683,3 +683,28 @@ func TestRefusedBodyLoggedForWhatItWas(t *testing.T) {
 		t.Fatalf("log: %s", l)
 	}
 }
+
+// A compressed body whose decompression finds no room gives back its
+// compressed copy's room at once, not after the request (the review).
+func TestBodyWhoseDecompressionFoundNoRoomGivesBackItsCopy(t *testing.T) {
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {body_memory_mb: 8}\n", startFake(t, "e0", nil))
+	random := make([]byte, 3<<20)
+	rand.Read(random)
+	var zb bytes.Buffer
+	zw := gzip.NewWriter(&zb)
+	zw.Write(random)
+	zw.Close()
+	const other = 4 << 20 // another body's: room for the copy, not for the decompression beside it
+	p.s.bodyMem.Take(other)
+	defer p.s.bodyMem.Give(other)
+	ctx := &fasthttp.RequestCtx{}
+	ctx.Request.Header.Set("Content-Encoding", "gzip")
+	ctx.Request.SetBodyStream(bytes.NewReader(zb.Bytes()), -1)
+	if _, ok := p.s.requestBody(ctx, 32<<20); ok || ctx.Response.StatusCode() != 503 {
+		t.Fatalf("%d %s", ctx.Response.StatusCode(), ctx.Response.Body())
+	}
+	if used := p.s.bodyMem.Used(); used != other {
+		t.Fatalf("%d still charged to the refused body", used-other)
+	}
+	ctx.Request.Reset()
+}

@@ -1245,7 +1245,10 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			b.succeed()
 		}
 		if answer == nil {
-			answer, answerEnc = plainBody(resp)
+			// An error answer, decoded up to the bound it was read with (a
+			// gateway's compressed 400 quoting a long prompt lost the
+			// engine's words at 1 MiB: the review), charged.
+			answer, answerEnc, _ = s.plainAnswer(ctx, resp)
 		}
 		ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 		s.hold(ctx, x.answerHeld) // its copy goes out with the answer

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -416,5 +417,43 @@ func TestProbesGetThroughAFullCap(t *testing.T) {
 		if code, body, _ := get("/live", 5*time.Millisecond); code != 200 {
 			t.Fatalf("probe %d among reopened connections: %d %s", i, code, body)
 		}
+	}
+}
+
+// Which spare a new connection takes the place of: one still waiting for
+// its request after spareMinAge, of the address holding the most, the
+// oldest; for an address at sparesPerIP, only one of its own.
+func TestWaitingSpareToClose(t *testing.T) {
+	now := time.Now()
+	var set connSet
+	spare := func(ip string, age time.Duration, handled bool) *countedConn {
+		a, b := net.Pipe()
+		t.Cleanup(func() { a.Close(); b.Close() })
+		var open atomic.Int64
+		open.Add(1)
+		c := &countedConn{Conn: a, open: &open, set: &set, spareIP: ip, spareUntil: now.Add(spareReadTime - age)}
+		c.handled.Store(handled)
+		set.add(c)
+		return c
+	}
+	closed := func(c *countedConn) bool { return c.closed.Load() }
+	young := spare("10.0.0.1", spareMinAge/2, false)
+	served := spare("10.0.0.1", time.Second, true)
+	a1 := spare("10.0.0.2", 900*time.Millisecond, false)
+	a2 := spare("10.0.0.2", 500*time.Millisecond, false)
+	b1 := spare("10.0.0.3", time.Second, false)
+	// A newcomer: of the address holding the most (10.0.0.1's two are
+	// young or served), the oldest.
+	if !set.closeWaitingSpare(now, "10.0.0.9", false) || !closed(a1) || closed(b1) || closed(a2) || closed(young) || closed(served) {
+		t.Fatalf("a newcomer closed a1 %v a2 %v b1 %v young %v served %v", closed(a1), closed(a2), closed(b1), closed(young), closed(served))
+	}
+	// 10.0.0.3 at its bound: only its own.
+	b2 := spare("10.0.0.3", 400*time.Millisecond, false)
+	if !set.closeWaitingSpare(now, "10.0.0.3", true) || !closed(b1) || closed(a2) || closed(b2) {
+		t.Fatalf("an address at its bound closed b1 %v a2 %v b2 %v", closed(b1), closed(a2), closed(b2))
+	}
+	// 10.0.0.1 at its bound, its spares young or served: none.
+	if set.closeWaitingSpare(now, "10.0.0.1", true) || closed(young) || closed(served) {
+		t.Fatal("closed a spare too young, or served")
 	}
 }

@@ -333,4 +333,35 @@ func TestEventStreamOfNoEvents(t *testing.T) {
 		t.Fatalf("not counted against the engine: %s", p.logs.String())
 	}
 	p.waitIdle(t)
+	// A stream beginning with a byte order mark (which SSE strips), or
+	// with an event of blanks (which it ignores), is one (the review).
+	for _, opening := range []string{"\xef\xbb\xbf", "   \n\n"} {
+		stream := opening + "data: " + quirkRole + "\n\ndata: " + quirkLast + "\n\ndata: [DONE]\n\n"
+		p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", quirkEngine(t, stream, false))
+		if resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != 200 || !strings.Contains(string(b), `" end"`) {
+			t.Fatalf("opening %q: %d %q", opening, resp.StatusCode, b)
+		}
+		p.waitIdle(t)
+	}
+}
+
+
+// An engine's error answer over 1 MiB once decompressed (a gateway's
+// gzip of a 400 quoting a long prompt) keeps the engine's words: decoded
+// to 1 MiB only, they became "bytes that are no text" (the review).
+func TestLargeCompressedErrorKeepsItsMessage(t *testing.T) {
+	msg := "prompt: " + strings.Repeat("x", 2<<20)
+	zipped := fasthttp.AppendGzipBytes(nil, []byte(fmt.Sprintf(`{"error":{"message":%q,"type":"BadRequestError","param":null,"code":400}}`, msg)))
+	e := rawEngine(t, func(c net.Conn, _ *bufio.Reader) {
+		fmt.Fprintf(c, "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s", len(zipped), zipped)
+	})
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", e)
+	resp, b := post(t, p.url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)
+	if resp.StatusCode != 400 || !strings.Contains(string(b), `"message":"prompt: xxxx`) {
+		t.Fatalf("%d %.200q", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+	if used := p.s.bodyMem.Used(); used != 0 {
+		t.Fatalf("%d still charged", used)
+	}
 }

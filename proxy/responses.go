@@ -846,13 +846,15 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 		status, errMsg = s.byIDFailed(ctx, b, err)
 	} else {
 		status = resp.StatusCode()
-		var body, enc []byte
-		if status == fasthttp.StatusOK {
-			body, enc, _ = s.plainAnswer(ctx, resp) // a stored response may be larger than an error
-		} else {
-			body, enc = plainBody(resp)
-		}
-		if refusesConfig(status) {
+		body, enc, derr := s.plainAnswer(ctx, resp) // a stored response may be large
+		switch {
+		case errors.Is(derr, backends.ErrOverBudget):
+			status, errMsg = fasthttp.StatusServiceUnavailable, "no room for the answer of backend "+b.cfg.ID+" in limits.body_memory_mb"
+			s.overBudget(ctx, "the engine's answer, larger than 1 MiB once decompressed")
+		case errors.Is(derr, backends.ErrBeyondBudget) || errors.Is(derr, fasthttp.ErrBodyTooLarge):
+			status, errMsg = fasthttp.StatusBadGateway, fmt.Sprintf("the answer of backend %s is larger, once decompressed, than kvproxy reads whole (64 MiB, and limits.body_memory_mb: %d MiB)", b.cfg.ID, s.bodyMem.Limit()>>20)
+			writeError(ctx, status, errMsg, "upstream_error", "", "backend_failed")
+		case refusesConfig(status):
 			// kvproxy's key or the backend's url is at fault, not the
 			// client's: a 502 that says so, never the engine's message
 			// (it may echo the key kvproxy sent).
@@ -860,7 +862,7 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 			status, errMsg = fasthttp.StatusBadGateway, configRefusal(b.cfg.ID, status, body)
 			writeError(ctx, status, errMsg, "upstream_error", "", "backend_failed")
 			b.answeredError(errMsg)
-		} else {
+		default:
 			if status != fasthttp.StatusOK {
 				errMsg = "engine answered " + strconv.Itoa(status) + engineErrorKind(body) // in the engine's words
 				body = normalizeEngineError(status, body)

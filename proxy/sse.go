@@ -271,7 +271,7 @@ func (r *relay) events(out []byte) []byte {
 				raw = fixed
 			}
 		}
-		if r.engineEvents == 0 && len(content) > 0 && !hasSSEField(content) {
+		if r.engineEvents == 0 && len(content) > 0 && !hasSSEField(bytes.TrimPrefix(content, utf8BOM)) && len(bytes.TrimSpace(content)) > 0 {
 			// Bytes typed as an event stream that hold none (a buffer of
 			// junk, a page): no event, and no answer (the chaos trial:
 			// they went out in a 200).
@@ -493,7 +493,7 @@ var errNoEvents = errors.New("no event stream")
 // errEventBeyondBudget: the whole of it (which no retry mends).
 var (
 	errRelayOverBudget   = errors.New("no room in limits.body_memory_mb for an event")
-	errEventBeyondBudget = errors.New("an SSE event larger than limits.body_memory_mb")
+	errEventBeyondBudget = errors.New("an SSE event larger than half of limits.body_memory_mb (an event is held twice, as read and as relayed)")
 )
 
 // refusedEvent is the relay's error for the budget's refusal err of an

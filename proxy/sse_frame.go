@@ -52,6 +52,12 @@ func (f *sseFramer) free() []byte {
 	if f.end == len(f.buf) {
 		size := 2*len(f.buf) + 512 // one event larger than the buffer
 		if size > backends.Untracked {
+			// Charged twice, a buffer grows to half the budget at most:
+			// doubled past it, an event of a quarter was refused (the
+			// review).
+			if half := f.mem.Limit() / 2; int64(size) > half && half > int64(len(f.buf)) {
+				size = int(half)
+			}
 			need := 2 * int64(size)
 			if err := f.mem.Reserve(need-f.held, need); err != nil {
 				f.refused = err

@@ -277,7 +277,8 @@ func TestLargeEventIsCharged(t *testing.T) {
 		limit, other int64
 		code         string
 		status       int
-	}{{64 << 20, 0, "", 200}, {64 << 20, 56 << 20, "body_memory_full", 503}, {8 << 20, 0, "event_too_large", 502}} {
+	}{{64 << 20, 0, "", 200}, {64 << 20, 56 << 20, "body_memory_full", 503}, {8 << 20, 0, "event_too_large", 502},
+		{14 << 20, 0, "", 200}} { // its buffer grown to half the budget, not doubled past it (the review)
 		s, p, be := relayFixture(t)
 		s.bodyMem.SetLimit(c.limit)
 		s.bodyMem.Take(c.other)

@@ -3,6 +3,8 @@ package replicas
 import (
 	"fmt"
 	"net"
+	"os"
+	"runtime/debug"
 	"strings"
 	"testing"
 	"time"
@@ -112,5 +114,45 @@ func TestDialerClosesTheConnectionBefore(t *testing.T) {
 	}
 	if _, err := first.Write([]byte("x")); err == nil {
 		t.Fatal("the connection dialled before is still open")
+	}
+}
+
+// openSockets counts the process's open sockets (-1: unknown here).
+func openSockets() int {
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return -1
+	}
+	n := 0
+	for _, e := range ents {
+		if l, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && strings.HasPrefix(l, "socket:") {
+			n++
+		}
+	}
+	return n
+}
+
+// A replica refused over and over keeps no socket of its failed tries
+// (the garbage collector, off here, was what closed them: two a second,
+// the operator trial); and Close ends its watch of why NATS is down.
+func TestRefusedReplicaKeepsNoSockets(t *testing.T) {
+	if openSockets() < 0 {
+		t.Skip("no /proc/self/fd")
+	}
+	ns := startNATSWith(t, &server.Options{Port: -1, Username: "kv", Password: "right"})
+	port := ns.ClientURL()[strings.LastIndexByte(ns.ClientURL(), ':')+1:]
+	defer debug.SetGCPercent(debug.SetGCPercent(-1))
+	before := openSockets()
+	a, _ := startLogged(t, Config{URL: "nats://kv:wrong@127.0.0.1:" + port, ID: "a", Interval: 10 * time.Millisecond},
+		func() []Entry { return nil }, func(map[Key]router.Load) {})
+	time.Sleep(2500 * time.Millisecond) // five tries refused
+	if gained := openSockets() - before; gained > 2 {
+		t.Fatalf("a refused replica gained %d sockets", gained)
+	}
+	a.Close()
+	select {
+	case <-a.whyDone:
+	default:
+		t.Fatal("Close returned before the watch of why NATS is down ended")
 	}
 }

@@ -153,6 +153,7 @@ type Sync struct {
 	// closed ends when nats.go has run its last handler.
 	closing atomic.Bool
 	closed  chan struct{}
+	whyDone chan struct{} // sayWhyDown has ended
 }
 
 // Start connects to NATS (retrying in the background when it is not up
@@ -178,7 +179,7 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 	tick, perReport := reportTicks(cfg.Interval)
 	s := &Sync{cfg: cfg, period: time.Duration(perReport) * tick, instance: hex.EncodeToString(nonce[:]), local: local, apply: apply, log: log, peers: map[string]*peer{},
 		mine: workersOf(local()), mineAt: time.Now(), mismatched: map[string]bool{},
-		stop: make(chan struct{}), done: make(chan struct{}), closed: make(chan struct{})}
+		stop: make(chan struct{}), done: make(chan struct{}), closed: make(chan struct{}), whyDone: make(chan struct{})}
 	up := &s.up // each transition is logged once
 	connected := func(c *nats.Conn) {
 		if !up.Swap(true) {
@@ -302,6 +303,7 @@ func Start(cfg Config, local func() []Entry, apply func(map[Key]router.Load), lo
 // at the disconnection. It reads nats.go's last error apart from the
 // report loop: the read waits while a dial runs (up to 2 s).
 func (s *Sync) sayWhyDown(sayAgain func(error) bool, sayRefused func(error)) {
+	defer close(s.whyDone)
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	for {
@@ -749,6 +751,7 @@ func (s *Sync) Close() {
 	}
 	s.sub.Unsubscribe()
 	s.nc.Close()
+	<-s.whyDone // its read of nats.go's last error returns once Close has
 	// Its handlers run after Close, on nats.go's goroutine: none logs
 	// once Close has returned.
 	select {
