@@ -345,7 +345,6 @@ func TestEventStreamOfNoEvents(t *testing.T) {
 	}
 }
 
-
 // An engine's error answer over 1 MiB once decompressed (a gateway's
 // gzip of a 400 quoting a long prompt) keeps the engine's words: decoded
 // to 1 MiB only, they became "bytes that are no text" (the review).
