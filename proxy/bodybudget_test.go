@@ -657,14 +657,11 @@ func TestRefusedBodyGivesBackItsRoomAtOnce(t *testing.T) {
 func TestIncompressibleBodyThatFitsGetsIn(t *testing.T) {
 	random := make([]byte, 7<<20)
 	rand.Read(random)
-	var zb bytes.Buffer
-	zw := gzip.NewWriter(&zb)
-	zw.Write(random)
-	zw.Close()
+	zipped := fasthttp.AppendGzipBytes(nil, random)
 	mem := backends.NewBudget(32 << 20)
-	own := int64(zb.Len()) // the compressed copy, as rawBody charged it
+	own := int64(len(zipped)) // the compressed copy, as rawBody charged it
 	mem.Take(own)
-	out, held, err := decoded([]byte("gzip"), zb.Bytes(), 32<<20, budgetShare{mem, own})
+	out, held, err := decoded([]byte("gzip"), zipped, 32<<20, budgetShare{mem, own})
 	if err != nil || !bytes.Equal(out, random) || held != int64(len(random)) || mem.Used() != own+held {
 		t.Fatalf("%v: %d bytes, held %d, %d charged", err, len(out), held, mem.Used())
 	}
@@ -690,16 +687,13 @@ func TestBodyWhoseDecompressionFoundNoRoomGivesBackItsCopy(t *testing.T) {
 	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {body_memory_mb: 8}\n", startFake(t, "e0", nil))
 	random := make([]byte, 3<<20)
 	rand.Read(random)
-	var zb bytes.Buffer
-	zw := gzip.NewWriter(&zb)
-	zw.Write(random)
-	zw.Close()
+	zipped := fasthttp.AppendGzipBytes(nil, random)
 	const other = 4 << 20 // another body's: room for the copy, not for the decompression beside it
 	p.s.bodyMem.Take(other)
 	defer p.s.bodyMem.Give(other)
 	ctx := &fasthttp.RequestCtx{}
 	ctx.Request.Header.Set("Content-Encoding", "gzip")
-	ctx.Request.SetBodyStream(bytes.NewReader(zb.Bytes()), -1)
+	ctx.Request.SetBodyStream(bytes.NewReader(zipped), -1)
 	if _, ok := p.s.requestBody(ctx, 32<<20); ok || ctx.Response.StatusCode() != 503 {
 		t.Fatalf("%d %s", ctx.Response.StatusCode(), ctx.Response.Body())
 	}

@@ -1193,16 +1193,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				b.answeredError(msg)
 			}
 			fasthttp.ReleaseResponse(resp)
-			if mayRetry {
-				x.errMsg = msg
-				if x.refusal == nil { // an engine's 429 or 503 says more
-					x.refused = fasthttp.StatusBadGateway
-				}
-				return x.endAttempt()
-			}
-			x.failUpstream(ctx, fasthttp.StatusBadGateway, msg)
-			x.finish()
-			return done
+			return x.badGateway(ctx, msg, mayRetry)
 		case code == fasthttp.StatusInternalServerError:
 			b.answeredError("status 500")
 		case code >= 500:
@@ -1481,6 +1472,12 @@ func (b *backend) silent() string {
 // goes to the next engine, or the client gets a 502.
 func (x *exchange) noAnswer(ctx *fasthttp.RequestCtx, msg string, mayRetry bool) outcome {
 	x.b.answeredError(msg)
+	return x.badGateway(ctx, msg, mayRetry)
+}
+
+// badGateway ends an attempt its engine gave no answer to (msg says why):
+// the request goes to the next engine, or the client gets a 502.
+func (x *exchange) badGateway(ctx *fasthttp.RequestCtx, msg string, mayRetry bool) outcome {
 	if mayRetry {
 		x.errMsg = msg
 		if x.refusal == nil { // an engine's 429 or 503 says more
