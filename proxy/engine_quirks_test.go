@@ -318,7 +318,7 @@ func TestWholeAnswerThatIsNoJSON(t *testing.T) {
 // chaos trial: they went out in a 200, NULs and all).
 func TestEventStreamOfNoEvents(t *testing.T) {
 	for in, want := range map[string]bool{"data: x": true, ": ping": true, "event: a\ndata: b": true, "id:1": true, "retry: 5": true,
-		"data": true, "junk\r\ndata: x": true, "junk": false, "\x00\xff\xfe": false, "Data: x": false, "<html>": false} {
+		"data": true, "junk\r\ndata: x": true, " data: x": true, "junk": false, "\x00\xff\xfe": false, "Data: x": false, "<html>": false} {
 		if hasSSEField([]byte(in)) != want {
 			t.Errorf("hasSSEField(%q) = %v", in, !want)
 		}

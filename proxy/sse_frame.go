@@ -128,7 +128,7 @@ func (f *sseFramer) endEvent() {
 }
 
 // hasSSEField reports whether event holds a line of an SSE field (data,
-// event, id, retry) or a comment.
+// event, id, retry) or a comment, leading blanks aside.
 func hasSSEField(event []byte) bool {
 	for len(event) > 0 {
 		line := event
@@ -137,6 +137,7 @@ func hasSSEField(event []byte) bool {
 		} else {
 			event = nil
 		}
+		line = bytes.TrimLeft(line, " \t") // as some servers indent them (a stream typed as JSON)
 		if len(line) > 0 && line[0] == ':' {
 			return true
 		}
