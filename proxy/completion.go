@@ -1215,7 +1215,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 				// to the client as it came, a gzip bomb of 1 GB: the
 				// verifying trial).
 				fasthttp.ReleaseResponse(resp)
-				x.failUpstream(ctx, fasthttp.StatusBadGateway, fmt.Sprintf("the answer of backend %s is larger, once decompressed, than kvproxy reads whole (64 MiB, and limits.body_memory_mb: %d MiB); ask for less at once, or stream it", b.cfg.ID, s.bodyMem.Limit()>>20))
+				x.failUpstream(ctx, fasthttp.StatusBadGateway, s.tooLargeDecoded(b)+"; ask for less at once, or stream it")
 				x.finish()
 				return done
 			default:
@@ -1448,6 +1448,12 @@ func (s *Server) plainAnswer(ctx *fasthttp.RequestCtx, resp *fasthttp.Response) 
 	body, enc, held, err := plainBodyUpTo(resp, maxWholeAnswer, budgetShare{s.bodyMem, heldBy(ctx)})
 	s.hold(ctx, held)
 	return body, enc, err
+}
+
+// tooLargeDecoded says that b's answer is larger, decompressed, than
+// kvproxy reads whole.
+func (s *Server) tooLargeDecoded(b *backend) string {
+	return fmt.Sprintf("the answer of backend %s is larger, once decompressed, than kvproxy reads whole (64 MiB, and limits.body_memory_mb: %d MiB)", b.cfg.ID, s.bodyMem.Limit()>>20)
 }
 
 func plainBodyUpTo(resp *fasthttp.Response, max int, share budgetShare) (body, enc []byte, held int64, err error) {

@@ -24,9 +24,6 @@ import (
 func (s *Server) requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok bool) {
 	raw, err := rawBody(ctx, max, s.bodyMem)
 	if err != nil {
-		if bb, ok := ctx.UserValue(bodyBufferKey{}).(*bodyBuffer); ok {
-			bb.drop() // refused: what it holds goes now, not after the rest is drained
-		}
 		s.unreadBody(ctx, err, max)
 		return nil, false
 	}
@@ -56,9 +53,6 @@ func (s *Server) requestBody(ctx *fasthttp.RequestCtx, max int) (body []byte, ok
 		s.hold(ctx, held)
 		return body, true
 	case overBudget(err):
-		if bb, ok := ctx.UserValue(bodyBufferKey{}).(*bodyBuffer); ok {
-			bb.drop() // its compressed copy goes now, as for a body refused as it came
-		}
 		s.unreadBody(ctx, err, max)
 	case errors.Is(err, fasthttp.ErrContentEncodingUnsupported):
 		writeError(ctx, fasthttp.StatusUnsupportedMediaType,
@@ -96,8 +90,13 @@ func bodyRefusal(status int) string {
 	return "undecodable body"
 }
 
-// unreadBody answers a request whose body rawBody could not read.
+// unreadBody answers a request whose body rawBody could not read, or
+// could not decompress for want of room; what the body holds goes now,
+// not once the rest of it is drained.
 func (s *Server) unreadBody(ctx *fasthttp.RequestCtx, err error, max int) {
+	if bb, ok := ctx.UserValue(bodyBufferKey{}).(*bodyBuffer); ok {
+		bb.drop()
+	}
 	var ne net.Error
 	switch {
 	case errors.Is(err, backends.ErrOverBudget):

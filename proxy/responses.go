@@ -852,7 +852,7 @@ func (s *Server) handleResponseByID(ctx *fasthttp.RequestCtx, st *state) {
 			status, errMsg = fasthttp.StatusServiceUnavailable, "no room for the answer of backend "+b.cfg.ID+" in limits.body_memory_mb"
 			s.overBudget(ctx, "the engine's answer, larger than 1 MiB once decompressed")
 		case errors.Is(derr, backends.ErrBeyondBudget) || errors.Is(derr, fasthttp.ErrBodyTooLarge):
-			status, errMsg = fasthttp.StatusBadGateway, fmt.Sprintf("the answer of backend %s is larger, once decompressed, than kvproxy reads whole (64 MiB, and limits.body_memory_mb: %d MiB)", b.cfg.ID, s.bodyMem.Limit()>>20)
+			status, errMsg = fasthttp.StatusBadGateway, s.tooLargeDecoded(b)
 			writeError(ctx, status, errMsg, "upstream_error", "", "backend_failed")
 		case refusesConfig(status):
 			// kvproxy's key or the backend's url is at fault, not the

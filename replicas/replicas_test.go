@@ -247,13 +247,7 @@ func TestClosingReplicaLeavesAtOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(c.Close)
-	for deadline := time.Now().Add(5 * time.Second); a.Peers() == 0; time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("a never saw c")
-		}
-		c.Publish()
-	}
-	ka.waitFor(t, "c's load at a", func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}].Inflight == 4 })
+	waitPublished(t, c, ka, func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}].Inflight == 4 })
 	c.Close()
 	ka.waitFor(t, "c's load gone at a", func(m map[Key]router.Load) bool { return m[Key{"m", "e0"}].Inflight == 0 })
 	if a.Peers() != 0 || !strings.Contains(logs.String(), "a replica left") {
