@@ -36,18 +36,23 @@ type Config struct {
 	// Validate to name the line of each problem (nil if built in code).
 	file *yaml.Node
 
-	Listen   string    `yaml:"listen"`
-	TLS      TLS       `yaml:"tls"`
-	LogLevel string    `yaml:"log_level"`
-	Models   []Model   `yaml:"models"`
-	Backends []Backend `yaml:"backends"`
-	Router   Router    `yaml:"router"`
-	Limits   Limits    `yaml:"limits"`
-	Health   Health    `yaml:"health"`
-	Auth     Auth      `yaml:"auth"`
-	Tenants  []Tenant  `yaml:"tenants"`
-	Replicas Replicas  `yaml:"replicas"`
-	CORS     CORS      `yaml:"cors"`
+	Listen string `yaml:"listen"`
+	// AdminListen, when set, is a second listener for operators: /metrics,
+	// /admin/* and /v1/kv_events are served there and no longer on Listen;
+	// /live and /health on both. Its connections do not count against
+	// limits.max_connections, so no flood of clients shuts probes out.
+	AdminListen string    `yaml:"admin_listen"`
+	TLS         TLS       `yaml:"tls"`
+	LogLevel    string    `yaml:"log_level"`
+	Models      []Model   `yaml:"models"`
+	Backends    []Backend `yaml:"backends"`
+	Router      Router    `yaml:"router"`
+	Limits      Limits    `yaml:"limits"`
+	Health      Health    `yaml:"health"`
+	Auth        Auth      `yaml:"auth"`
+	Tenants     []Tenant  `yaml:"tenants"`
+	Replicas    Replicas  `yaml:"replicas"`
+	CORS        CORS      `yaml:"cors"`
 	// TrustedProxies are the addresses (IPs or CIDRs) of load balancers in
 	// front of kvproxy: a request from one of them is logged with the
 	// client address its X-Forwarded-For names.
@@ -904,6 +909,13 @@ func (c *Config) Validate() error {
 	}
 	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
 		add("listen", "want host:port, got %q", c.Listen)
+	}
+	if c.AdminListen != "" {
+		if _, port, err := net.SplitHostPort(c.AdminListen); err != nil {
+			add("admin_listen", "want host:port, got %q", c.AdminListen)
+		} else if c.AdminListen == c.Listen && port != "0" {
+			add("admin_listen", "%q is listen's address too: give the operators' listener an address of its own", c.AdminListen)
+		}
 	}
 	if c.TLS.Enabled() {
 		if c.TLS.CertFile == "" || c.TLS.KeyFile == "" {

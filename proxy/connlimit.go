@@ -35,11 +35,15 @@ import (
 // oldest (closeWaitingSpare). Clients holding every
 // connection (slow headers, a flood) made /live answer 503, and a
 // liveness probe then restarted kvproxy, its index lost (the chaos trial).
+//
+// The operators' own listener (admin_listen) is capped the same way, at
+// adminMaxConns, with no spares: every request there is an operator's.
 type capListener struct {
 	net.Listener
+	admin   bool // admin_listen's: its connections say so (countedConn.admin)
 	max     func() int
 	open    *atomic.Int64
-	spares  *atomic.Int64 // spare connections open
+	spares  *atomic.Int64 // spare connections open; nil: none taken
 	refusal [][]byte      // one of them written to a connection over the cap; nil under TLS
 	refused func()
 	evicted func()
@@ -58,12 +62,14 @@ func (l *capListener) Accept() (net.Conn, error) {
 			ok = l.take()
 		}
 		if ok {
-			cc := &countedConn{Conn: c, open: l.open, set: &l.conns}
+			cc := &countedConn{Conn: c, open: l.open, set: &l.conns, admin: l.admin}
 			l.conns.add(cc)
 			return cc, nil
 		}
-		if cc := l.takeSpare(c); cc != nil {
-			return cc, nil
+		if l.spares != nil {
+			if cc := l.takeSpare(c); cc != nil {
+				return cc, nil
+			}
 		}
 		if l.refusal != nil {
 			// A new socket's send buffer is empty: this never waits, but
@@ -259,6 +265,8 @@ type countedConn struct {
 	spareUntil time.Time
 	spareIP    string
 	handled    atomic.Bool
+	// admin: accepted on admin_listen.
+	admin bool
 }
 
 // spare reports whether the connection was taken past the cap.
@@ -401,15 +409,17 @@ const tooManyConnsMsg = "kvproxy has as many client connections open as limits.m
 // tooManyConnsAnswers are the answers to a connection over the cap, their
 // Retry-After-Ms spread from 0.5 to 1.5 s as retryAfterASecond's, so the
 // SDKs, which wait exactly that long, do not come back all at once.
-var tooManyConnsAnswers = func() [][]byte {
-	body := errorJSON(tooManyConnsMsg, "service_unavailable", "", "too_many_connections")
+var tooManyConnsAnswers = refusalAnswers(tooManyConnsMsg)
+
+func refusalAnswers(msg string) [][]byte {
+	body := errorJSON(msg, "service_unavailable", "", "too_many_connections")
 	var out [][]byte
 	for ms := 500; ms <= 1500; ms += 125 {
 		out = append(out, []byte("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\nRetry-After-Ms: "+
 			strconv.Itoa(ms)+"\r\nConnection: close\r\nContent-Length: "+strconv.Itoa(len(body))+"\r\n\r\n"+string(body)))
 	}
 	return out
-}()
+}
 
 // defaultMaxConns bounds the derived cap: an idle keep-alive connection
 // holds ~20 KB (its goroutine and read buffer: 3,000 took 64 MB of RSS), so

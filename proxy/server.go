@@ -86,6 +86,8 @@ type Server struct {
 	// spareConns counts those open past the cap, for an operator's request.
 	spareConns atomic.Int64
 	fdLimit    uint64
+	// adminConns counts the connections open on admin_listen.
+	adminConns atomic.Int64
 
 	routeTable map[string]route
 	reloader   atomic.Pointer[func() error] // SetReloader
@@ -781,6 +783,11 @@ func (s *Server) reload(cfg *config.Config, readCert bool) (err error) {
 		s.log.Warn().Msg("reload: listen address changes need a restart; keeping the current one")
 		cfg.Listen = prev.cfg.Listen
 	}
+	adminListenChanged := cfg.AdminListen != prev.cfg.AdminListen
+	if adminListenChanged {
+		s.log.Warn().Msg("reload: admin_listen changes need a restart; keeping the current one")
+		cfg.AdminListen = prev.cfg.AdminListen
+	}
 	// The listener's certificate is read again (rotation); turning TLS on
 	// or off needs a restart, as the listener does.
 	var cert *tls.Certificate
@@ -800,6 +807,9 @@ func (s *Server) reload(cfg *config.Config, readCert bool) (err error) {
 	}
 	if listenChanged {
 		st.restartNeeded = append(st.restartNeeded, "listen")
+	}
+	if adminListenChanged {
+		st.restartNeeded = append(st.restartNeeded, "admin_listen")
 	}
 	if tlsChanged {
 		st.restartNeeded = append(st.restartNeeded, "tls")
@@ -900,7 +910,15 @@ func routerConfig(cfg *config.Config, mc config.Model) router.Config {
 
 // Serve answers on ln until Shutdown. After Shutdown (which may win the
 // race with a Serve still starting) it closes ln and returns nil.
-func (s *Server) Serve(ln net.Listener) error {
+func (s *Server) Serve(ln net.Listener) error { return s.serve(ln, false) }
+
+// ServeAdmin answers operators on ln (admin_listen) until Shutdown: /live,
+// /health, /metrics, /admin/* and /v1/kv_events, with TLS if Serve has it.
+// With admin_listen configured, Serve's listener does not serve the last
+// three.
+func (s *Server) ServeAdmin(ln net.Listener) error { return s.serve(ln, true) }
+
+func (s *Server) serve(ln net.Listener, admin bool) error {
 	s.serveMu.Lock()
 	if s.stopped {
 		s.serveMu.Unlock()
@@ -909,8 +927,14 @@ func (s *Server) Serve(ln net.Listener) error {
 	}
 	ln = newRetryListener(ln, s.acceptFailed, s.acceptRecovered)
 	capped := &capListener{Listener: ln, max: s.maxConns, open: &s.openConns, spares: &s.spareConns, refused: s.connRefused, evicted: s.metrics.connsEvicted.Inc}
-	if s.cert.Load() == nil {
-		capped.refusal = tooManyConnsAnswers // under TLS, plain text is no answer: closed only
+	if admin {
+		capped = &capListener{Listener: ln, admin: true, max: func() int { return adminMaxConns }, open: &s.adminConns, refused: func() {}, evicted: func() {}}
+	}
+	if s.cert.Load() == nil { // under TLS, plain text is no answer: closed only
+		capped.refusal = tooManyConnsAnswers
+		if admin {
+			capped.refusal = adminFullAnswers
+		}
 	}
 	ln = capped
 	ln = writeIdleListener{ln, func() time.Duration { return s.st.Load().cfg.Limits.StreamIdleTimeout }}
@@ -1114,7 +1138,8 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		}()
 	}
 	honourConnectionClose(ctx)
-	if cc := countedOf(ctx.Conn()); cc != nil && cc.spare() {
+	cc := countedOf(ctx.Conn())
+	if cc != nil && cc.spare() {
 		cc.handled.Store(true)
 		ctx.SetConnectionClose() // one request each
 		if !probePath(ctx.Path()) {
@@ -1123,6 +1148,9 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 			writeError(ctx, fasthttp.StatusServiceUnavailable, tooManyConnsMsg, "service_unavailable", "", "too_many_connections")
 			return
 		}
+	}
+	if s.started.AdminListen != "" && s.wrongListener(ctx, cc) {
+		return
 	}
 	if refuseAmbiguousFraming(ctx) {
 		s.logUnrouted(ctx, "Transfer-Encoding not chunked, or beside Content-Length")

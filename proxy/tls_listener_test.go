@@ -5,6 +5,7 @@ import (
 	"crypto/x509"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"path/filepath"
 	"strings"
@@ -108,5 +109,47 @@ func TestTLSListenerConfig(t *testing.T) {
 		if _, err := config.Parse([]byte(c.tls + base)); err == nil || !strings.Contains(err.Error(), c.err) || strings.Contains(err.Error(), "tls: tls:") {
 			t.Errorf("%s: %v, want %q", c.tls, err, c.err)
 		}
+	}
+}
+
+// admin_listen serves HTTPS when listen does, with the same certificate,
+// and only the operators' endpoints.
+func TestTLSAdminListener(t *testing.T) {
+	dir := t.TempDir()
+	cert := testutil.SelfSignedCert(t, dir, 1)
+	e := startFake(t, "e0", nil)
+	yaml := fmt.Sprintf("admin_listen: 127.0.0.1:0\ntls: {cert_file: %s, key_file: %s}\nmodels: [{name: m, tokenizer: cl100k_base, template: chatml}]\n"+
+		"backends: [{id: e0, url: 'http://{{e0}}', model: m}]\n", filepath.Join(dir, "cert.pem"), filepath.Join(dir, "key.pem"))
+	p := startProxyYAML(t, yaml, e)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go p.s.ServeAdmin(ln)
+	pool := x509.NewCertPool()
+	pool.AddCert(cert)
+	c := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}, Timeout: 5 * time.Second}
+	get := func(url string) (int, string) {
+		t.Helper()
+		resp, err := c.Get(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	admin, api := "https://"+ln.Addr().String(), strings.Replace(p.url, "http://", "https://", 1)
+	if code, b := get(admin + "/metrics"); code != 200 || !strings.Contains(b, "kvproxy_client_connections") {
+		t.Fatalf("/metrics on admin_listen over TLS: %d %.200s", code, b)
+	}
+	if code, b := get(api + "/metrics"); code != 404 || !strings.Contains(b, "admin_listen") {
+		t.Fatalf("/metrics on listen: %d %s", code, b)
+	}
+	if code, b := get(admin + "/v1/models"); code != 404 || !strings.Contains(b, "admin_listen") {
+		t.Fatalf("/v1/models on admin_listen: %d %s", code, b)
+	}
+	if resp, err := http.Get("http://" + ln.Addr().String() + "/live"); err != nil || resp.StatusCode != 400 {
+		t.Fatalf("plain HTTP on admin_listen under TLS: %v %v", resp, err)
 	}
 }

@@ -74,6 +74,8 @@ type command struct {
 	stdout io.Writer
 	stderr io.Writer
 	ready  func(addr string)
+	// adminReady, when set, is told admin_listen's address once serving.
+	adminReady func(addr string)
 
 	// memoryLimit is the soft memory limit main set from the cgroup's (0:
 	// none), for the log.
@@ -205,7 +207,19 @@ func (c *command) run(args []string) (code int) {
 		fmt.Fprintln(c.stderr, "kvproxy:", err)
 		return 1
 	}
-	log.Info().Str("listen", ln.Addr().String()).Bool("tls", cfg.TLS.Enabled()).Int("backends", len(cfg.Backends)).
+	var adminLn net.Listener
+	if cfg.AdminListen != "" {
+		if adminLn, err = net.Listen("tcp", cfg.AdminListen); err != nil {
+			ln.Close()
+			fmt.Fprintln(c.stderr, "kvproxy: admin_listen:", err)
+			return 1
+		}
+	}
+	serving := log.Info().Str("listen", ln.Addr().String())
+	if adminLn != nil {
+		serving = serving.Str("admin_listen", adminLn.Addr().String())
+	}
+	serving.Bool("tls", cfg.TLS.Enabled()).Int("backends", len(cfg.Backends)).
 		Str("policy", cfg.Router.Policy).Int("max_connections", srv.MaxConnections()).Int("body_memory_mb", cfg.Limits.BodyMemoryMB).Msg("kvproxy serving")
 
 	// A reload (SIGHUP or POST /admin/reload, which may come at once) is
@@ -323,8 +337,14 @@ func (c *command) run(args []string) (code int) {
 		}
 	})
 
-	errc := make(chan error, 1)
+	errc := make(chan error, 2)
 	go func() { errc <- srv.Serve(ln) }()
+	if adminLn != nil {
+		go func() { errc <- srv.ServeAdmin(adminLn) }()
+		if c.adminReady != nil {
+			c.adminReady(adminLn.Addr().String())
+		}
+	}
 	if c.ready != nil {
 		c.ready(ln.Addr().String())
 	}
