@@ -117,3 +117,22 @@ func TestDotSegments(t *testing.T) {
 		}
 	}
 }
+
+func TestCommentsOnly(t *testing.T) {
+	for ev, want := range map[string]bool{
+		": ping - 2026-11-25 04:00:00\n":   true,
+		":\r\n: keep-alive\r\n":            true,
+		"\n\n":                             true,
+		"  : indented ping":                true,
+		"data: {}\n":                       false,
+		": ping\ndata: {}\n":               false,
+		"event: response.created\n":        false,
+		"  data: indented\n":               false,
+		"retry: 10\n":                      false,
+		"garbage without a field at all\n": false,
+	} {
+		if got := commentsOnly([]byte(ev)); got != want {
+			t.Errorf("commentsOnly(%q) = %v, want %v", ev, got, want)
+		}
+	}
+}

@@ -177,6 +177,9 @@ func TestStreamMovesToAnotherEngineMidAnswer(t *testing.T) {
 	}{
 		{"drops its connection", func(f *fakeEngine) { f.tokens, f.dieAfter = 10, 3 }},
 		{"goes silent", func(f *fakeEngine) { f.tokens, f.pauseAfter, f.pause = 10, 3, 20*time.Second }},
+		{"pings and sends nothing else", func(f *fakeEngine) {
+			f.tokens, f.pauseAfter, f.pause, f.pingEvery = 10, 3, 20*time.Second, 50*time.Millisecond
+		}},
 		// In its own words, as vLLM says its engine core died: the frame
 		// ended the stream (the twenty-ninth session's review).
 		{"says it failed", func(f *fakeEngine) {
@@ -731,5 +734,34 @@ func TestLongAnswerIsNotKeptForAMove(t *testing.T) {
 	m.note(nil, 0, piece)
 	if !m.off || m.partial != nil {
 		t.Fatalf("past the bound: off %v, %d kept", m.off, len(m.partial))
+	}
+}
+
+// An engine that sends nothing but comments (pings: a hung generation
+// while sse-starlette's ping task goes on) for stream_idle_timeout is
+// silent: with nowhere to move the stream, the client gets the timeout's
+// error event and [DONE], the engine's connection is closed and the slot
+// freed. The pings before that reach the client.
+func TestStreamOfPingsOnlyTimesOut(t *testing.T) {
+	e := startFake(t, "pings", func(f *fakeEngine) {
+		f.tokens, f.pauseAfter, f.pause, f.pingEvery = 10, 3, 30*time.Second, 40*time.Millisecond
+	})
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: pings, url: 'http://{{e0}}', model: m}]\nlimits: {stream_idle_timeout: 400ms}\n", e)
+	t0 := time.Now()
+	resp, body := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+	got := string(body)
+	if resp.StatusCode != 200 || strings.Count(got, `"content":"t`) != 3 || !strings.Contains(got, ": ping - ") ||
+		!strings.Contains(got, `sent only SSE comments for 400ms (limits.stream_idle_timeout)`) || !strings.Contains(got, `"code":"backend_timeout"`) ||
+		!strings.HasSuffix(got, "data: [DONE]\n\n") {
+		t.Fatalf("status %d, stream:\n%s", resp.StatusCode, got)
+	}
+	if d := time.Since(t0); d > 10*time.Second {
+		t.Fatalf("the stream ended %v after it began, its engine pinging for 30 s", d)
+	}
+	p.waitIdle(t)
+	for deadline := time.Now().Add(5 * time.Second); e.aborted.Load() == 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the pinging engine's request was not cut")
+		}
 	}
 }

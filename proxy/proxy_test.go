@@ -39,6 +39,7 @@ type fakeEngine struct {
 	tokens       int
 	pauseAfter   int           // stream: stop after this many tokens for pause
 	pause        time.Duration // ...
+	pingEvery    time.Duration // ... sending a comment this often meanwhile, as sse-starlette does
 	dieAfter     int           // stream: drop the connection after this many tokens
 	dropRequests bool          // drop the connection once a completion request is read, unanswered
 	errorAfter   int           // stream: send an error frame after this many tokens
@@ -195,11 +196,24 @@ func (f *fakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		if f.pauseAfter > 0 && i == f.pauseAfter {
-			select {
-			case <-time.After(f.pause):
-			case <-r.Context().Done():
-				f.aborted.Add(1)
-				return
+			var ping <-chan time.Time
+			if f.pingEvery > 0 {
+				tick := time.NewTicker(f.pingEvery)
+				defer tick.Stop()
+				ping = tick.C
+			}
+		paused:
+			for end := time.After(f.pause); ; {
+				select {
+				case <-end:
+					break paused
+				case <-ping:
+					fmt.Fprintf(w, ": ping - %s\n\n", time.Now().UTC().Format(time.RFC3339))
+					fl.Flush()
+				case <-r.Context().Done():
+					f.aborted.Add(1)
+					return
+				}
 			}
 		}
 		fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t%d \"}}]}\n\n", i)

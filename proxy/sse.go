@@ -50,6 +50,11 @@ type relay struct {
 	sawError, engineFault bool
 	// noStream: the engine's first event holds no SSE field (errNoEvents).
 	noStream bool
+	// lastEvent is when the engine's last event that is not only comments
+	// came (coarseNow; the stream's start before the first), sawEvent
+	// whether one came in the current read (errOnlyComments).
+	lastEvent int64
+	sawEvent  bool
 	// failedFrame: an error frame of the engine's own making, held back
 	// while the stream may move to another engine (errEngineErrorFrame).
 	failedFrame []byte
@@ -100,6 +105,7 @@ func newRelay(x *exchange, body streamBody, resp *fasthttp.Response) *relay {
 	r := &relay{x: x, body: body, resp: resp, bufs: relayBufs.Get().(*relayBuffers)}
 	r.f = *newSSEFramer(r.bufs.in)
 	r.f.mem = x.s.bodyMem
+	r.lastEvent = coarseNow()
 	return r
 }
 
@@ -239,6 +245,18 @@ func (r *relay) nextBatch() []byte {
 			err = errNoEvents
 			break
 		}
+		if r.sawEvent {
+			r.sawEvent = false
+			r.lastEvent = coarseNow()
+		} else if n > 0 && err == nil && !r.sawDone && time.Duration(coarseNow()-r.lastEvent) > r.x.b.up.ReadTimeout {
+			// Comments (pings) keep the engine's connection busy, and its
+			// read timeout with it, but carry no answer: an engine whose
+			// generation hung while a task of its own still pings (as
+			// sse-starlette's does, every 15 s) held the stream and its
+			// load slot for good.
+			err = errOnlyComments
+			break
+		}
 		// What the engine has already sent goes out in the same chunk: one
 		// client write per burst, not per engine chunk, as a pipe would.
 		if err != nil || len(out) >= maxBatch || r.body.Buffered() == 0 {
@@ -280,6 +298,9 @@ func (r *relay) events(out []byte) []byte {
 		}
 		if len(raw) > 0 && len(content) > 0 { // not a blank line (no event), nor one a moved stream drops
 			r.engineEvents++
+		}
+		if !r.sawEvent && len(content) > 0 && !commentsOnly(content) {
+			r.sawEvent = true
 		}
 		out = append(out, raw...)
 		if r.failedFrame != nil {
@@ -392,8 +413,11 @@ func (r *relay) end(out []byte, err error) []byte {
 		x.status = fasthttp.StatusServiceUnavailable
 		out = r.failEvent(out, fmt.Sprintf("kvproxy holds its limit of memory for bodies over 1 MiB (limits.body_memory_mb: %d MiB) and has no room for an event of this answer; retry", x.s.bodyMem.Limit()>>20),
 			"service_unavailable", string(whyBodyMemory))
-	case backends.IsTimeout(err):
+	case backends.IsTimeout(err) || errors.Is(err, errOnlyComments):
 		msg, when := x.b.silent(), r.when()
+		if errors.Is(err, errOnlyComments) {
+			msg = "backend " + x.b.cfg.ID + " sent only SSE comments for " + x.b.up.ReadTimeout.String() + " (limits.stream_idle_timeout)"
+		}
 		x.b.fail(ejectTimeout, "silent "+when)
 		return r.engineFailed(out, "silent for "+x.b.up.ReadTimeout.String(), msg+" "+when, fasthttp.StatusGatewayTimeout,
 			"the backend serving this request went silent "+when+": "+msg, "timeout_error", "backend_timeout")
@@ -488,6 +512,10 @@ var errEventTooLarge = fmt.Errorf("an SSE event larger than %d MiB", maxSSEEvent
 
 // errNoEvents: the engine's stream begins with bytes that hold no event.
 var errNoEvents = errors.New("no event stream")
+
+// errOnlyComments: the engine sent nothing but comments (or blank lines)
+// for limits.stream_idle_timeout.
+var errOnlyComments = errors.New("only SSE comments")
 
 // errRelayOverBudget: an event outgrew the room limits.body_memory_mb had;
 // errEventBeyondBudget: the whole of it (which no retry mends).

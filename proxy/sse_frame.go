@@ -153,6 +153,27 @@ func hasSSEField(event []byte) bool {
 	return false
 }
 
+// commentsOnly reports whether every line of event is a comment or blank
+// (a ping). It reads no further than the first line that is neither: an
+// event's data is not scanned.
+func commentsOnly(event []byte) bool {
+	for len(event) > 0 {
+		switch event[0] {
+		case ' ', '\t', '\r', '\n':
+			event = event[1:]
+		case ':':
+			i := bytes.IndexAny(event, "\r\n")
+			if i < 0 {
+				return true
+			}
+			event = event[i+1:]
+		default:
+			return false
+		}
+	}
+	return true
+}
+
 // lastEventWhole reports whether p, what a stream that ended cleanly left
 // after its last blank line, is an event that lacks only that blank line:
 // its last line ended, or a data: [DONE] line without its end.
