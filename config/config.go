@@ -897,6 +897,39 @@ func (c *Config) applyDefaults() {
 	}
 }
 
+// validListen reports whether addr is a listener's host:port, the port a
+// number (0: any free one; an empty port would be that too, unsaid).
+func validListen(addr string) bool {
+	_, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	n, err := strconv.Atoi(port)
+	return err == nil && n >= 0 && n <= 65535
+}
+
+// sameListen reports whether listeners on a and b (both valid) would take
+// the same port: the same one, not 0, on the same host or a wildcard one
+// (which takes it on every address).
+func sameListen(a, b string) bool {
+	ha, pa, _ := net.SplitHostPort(a)
+	hb, pb, _ := net.SplitHostPort(b)
+	if pa != pb || pa == "0" {
+		return false
+	}
+	host := func(h string) string {
+		switch h {
+		case "", "0.0.0.0", "::":
+			return "*"
+		case "localhost":
+			return "127.0.0.1"
+		}
+		return h
+	}
+	ha, hb = host(ha), host(hb)
+	return ha == hb || ha == "*" || hb == "*"
+}
+
 // Validate checks every field and reports all problems at once.
 func (c *Config) Validate() error {
 	var errs []string
@@ -907,14 +940,14 @@ func (c *Config) Validate() error {
 		}
 		errs = append(errs, msg)
 	}
-	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
+	if !validListen(c.Listen) {
 		add("listen", "want host:port, got %q", c.Listen)
 	}
 	if c.AdminListen != "" {
-		if _, port, err := net.SplitHostPort(c.AdminListen); err != nil {
+		if !validListen(c.AdminListen) {
 			add("admin_listen", "want host:port, got %q", c.AdminListen)
-		} else if c.AdminListen == c.Listen && port != "0" {
-			add("admin_listen", "%q is listen's address too: give the operators' listener an address of its own", c.AdminListen)
+		} else if sameListen(c.AdminListen, c.Listen) {
+			add("admin_listen", "%q takes listen's port (%q): give the operators' listener a port of its own", c.AdminListen, c.Listen)
 		}
 	}
 	if c.TLS.Enabled() {

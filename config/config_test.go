@@ -41,32 +41,38 @@ func TestErrorsNameTheField(t *testing.T) {
 		"unknown nested key": {`
 models: [{name: m, tokeniser: x}]
 backends: [{id: a, url: "http://127.0.0.1:1"}]`, "tokeniser"},
-		"bad policy":            {minimal + "router: {policy: fastest}\n", "router.policy"},
-		"bad url":               {"models: [{name: m}]\nbackends: [{id: a, url: 'ftp://x'}]\n", "backends[0].url"},
-		"url with path":         {"models: [{name: m}]\nbackends: [{id: a, url: 'http://h:1/v1'}]\n", "backends[0].url"},
-		"bad kind":              {"models: [{name: m}]\nbackends: [{id: a, url: 'http://h:1', kind: tgi}]\n", "backends[0].kind"},
-		"unknown model":         {"models: [{name: m}, {name: n}]\nbackends: [{id: a, url: 'http://h:1', model: z}]\n", "backends[0].model"},
-		"duplicate id":          {"models: [{name: m}]\nbackends: [{id: a, url: 'http://h:1'}, {id: a, url: 'http://h:2'}]\n", "backends[1].id"},
-		"duplicate alias":       {"models: [{name: m, aliases: [x]}, {name: x}]\nbackends: [{id: a, url: 'http://h:1', model: m}]\n", "already used"},
-		"bad tokenizer":         {"models: [{name: m, tokenizer: gpt2}]\nbackends: [{id: a, url: 'http://h:1'}]\n", "models[0].tokenizer"},
-		"bad block size":        {"models: [{name: m, block_size: -1}]\nbackends: [{id: a, url: 'http://h:1'}]\n", "models[0].block_size"},
-		"mock off loopback":     {"models: [{name: m}]\nbackends: [{id: a, url: 'http://10.0.0.1:9', kind: mock}]\n", "loopback"},
-		"bad duration":          {minimal + "router: {index_ttl: soon}\n", "index_ttl"},
-		"no backends":           {"models: [{name: m}]\n", "backends"},
-		"empty":                 {"", "empty"},
-		"bad listen":            {minimal + "listen: nope\n", "listen"},
-		"bad admin_listen":      {minimal + "admin_listen: 9090\n", "admin_listen: want host:port"},
-		"admin_listen = listen": {minimal + "listen: 127.0.0.1:8080\nadmin_listen: 127.0.0.1:8080\n", "admin_listen: \"127.0.0.1:8080\" is listen's address too"},
-		"bad nats url":          {minimal + "replicas: {nats: 'http://h:4222'}\n", "replicas.nats"},
-		"wildcard subject":      {minimal + "replicas: {nats: 'nats://h:4222', subject: 'kvproxy.*'}\n", "replicas.subject"},
-		"spaced subject":        {minimal + "replicas: {nats: 'nats://h:4222', subject: 'kvproxy load'}\n", "replicas.subject"},
-		"tiny interval":         {minimal + "replicas: {nats: 'nats://h:4222', interval: 1ms}\n", "replicas.interval"},
-		"bad cors origin":       {minimal + "cors: {allowed_origins: ['https://a.example.com/path']}\n", "cors.allowed_origins[0]"},
-		"cors origin no scheme": {minimal + "cors: {allowed_origins: [app.example.com]}\n", "cors.allowed_origins[0]"},
-		"cors default port":     {minimal + "cors: {allowed_origins: ['https://a.example.com:443']}\n", "cors.allowed_origins[0]"},
-		"cors capitals":         {minimal + "cors: {allowed_origins: ['https://App.example.com']}\n", "cors.allowed_origins[0]"},
-		"unparsable nats":       {minimal + "replicas: {nats: 'nats://[::1'}\n", "replicas.nats"},
-		"negative interval":     {minimal + "replicas: {nats: 'nats://h:4222', interval: -1s}\n", "replicas.interval"},
+		"bad policy":             {minimal + "router: {policy: fastest}\n", "router.policy"},
+		"bad url":                {"models: [{name: m}]\nbackends: [{id: a, url: 'ftp://x'}]\n", "backends[0].url"},
+		"url with path":          {"models: [{name: m}]\nbackends: [{id: a, url: 'http://h:1/v1'}]\n", "backends[0].url"},
+		"bad kind":               {"models: [{name: m}]\nbackends: [{id: a, url: 'http://h:1', kind: tgi}]\n", "backends[0].kind"},
+		"unknown model":          {"models: [{name: m}, {name: n}]\nbackends: [{id: a, url: 'http://h:1', model: z}]\n", "backends[0].model"},
+		"duplicate id":           {"models: [{name: m}]\nbackends: [{id: a, url: 'http://h:1'}, {id: a, url: 'http://h:2'}]\n", "backends[1].id"},
+		"duplicate alias":        {"models: [{name: m, aliases: [x]}, {name: x}]\nbackends: [{id: a, url: 'http://h:1', model: m}]\n", "already used"},
+		"bad tokenizer":          {"models: [{name: m, tokenizer: gpt2}]\nbackends: [{id: a, url: 'http://h:1'}]\n", "models[0].tokenizer"},
+		"bad block size":         {"models: [{name: m, block_size: -1}]\nbackends: [{id: a, url: 'http://h:1'}]\n", "models[0].block_size"},
+		"mock off loopback":      {"models: [{name: m}]\nbackends: [{id: a, url: 'http://10.0.0.1:9', kind: mock}]\n", "loopback"},
+		"bad duration":           {minimal + "router: {index_ttl: soon}\n", "index_ttl"},
+		"no backends":            {"models: [{name: m}]\n", "backends"},
+		"empty":                  {"", "empty"},
+		"bad listen":             {minimal + "listen: nope\n", "listen"},
+		"bad admin_listen":       {minimal + "admin_listen: 9090\n", "admin_listen: want host:port"},
+		"admin_listen = listen":  {minimal + "listen: 127.0.0.1:8080\nadmin_listen: 127.0.0.1:8080\n", "admin_listen: \"127.0.0.1:8080\" takes listen's port"},
+		"admin_listen wildcard":  {minimal + "listen: 127.0.0.1:8080\nadmin_listen: 0.0.0.0:8080\n", "admin_listen: \"0.0.0.0:8080\" takes listen's port"},
+		"listen wildcard":        {minimal + "listen: ':8080'\nadmin_listen: 10.0.0.1:8080\n", "takes listen's port"},
+		"admin_listen localhost": {minimal + "listen: 127.0.0.1:8080\nadmin_listen: localhost:8080\n", "takes listen's port"},
+		"admin_listen no port":   {minimal + "admin_listen: '127.0.0.1:'\n", "admin_listen: want host:port"},
+		"admin_listen bad port":  {minimal + "admin_listen: 127.0.0.1:99999\n", "admin_listen: want host:port"},
+		"listen named port":      {minimal + "listen: 127.0.0.1:http\n", "listen: want host:port"},
+		"bad nats url":           {minimal + "replicas: {nats: 'http://h:4222'}\n", "replicas.nats"},
+		"wildcard subject":       {minimal + "replicas: {nats: 'nats://h:4222', subject: 'kvproxy.*'}\n", "replicas.subject"},
+		"spaced subject":         {minimal + "replicas: {nats: 'nats://h:4222', subject: 'kvproxy load'}\n", "replicas.subject"},
+		"tiny interval":          {minimal + "replicas: {nats: 'nats://h:4222', interval: 1ms}\n", "replicas.interval"},
+		"bad cors origin":        {minimal + "cors: {allowed_origins: ['https://a.example.com/path']}\n", "cors.allowed_origins[0]"},
+		"cors origin no scheme":  {minimal + "cors: {allowed_origins: [app.example.com]}\n", "cors.allowed_origins[0]"},
+		"cors default port":      {minimal + "cors: {allowed_origins: ['https://a.example.com:443']}\n", "cors.allowed_origins[0]"},
+		"cors capitals":          {minimal + "cors: {allowed_origins: ['https://App.example.com']}\n", "cors.allowed_origins[0]"},
+		"unparsable nats":        {minimal + "replicas: {nats: 'nats://[::1'}\n", "replicas.nats"},
+		"negative interval":      {minimal + "replicas: {nats: 'nats://h:4222', interval: -1s}\n", "replicas.interval"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -138,6 +144,21 @@ func TestCORSOriginsAsBrowsersSendThem(t *testing.T) {
 	for _, o := range []string{"*", "https://a.example.com", "http://localhost:3000", "https://xn--bcher-kva.example"} {
 		if _, err := Parse([]byte(base + "cors: {allowed_origins: ['" + o + "']}\n")); err != nil {
 			t.Errorf("%s: %v", o, err)
+		}
+	}
+}
+
+// Listeners on different ports, or on the same port of different hosts, or
+// both on any free port, are two listeners.
+func TestAdminListenBesideListen(t *testing.T) {
+	for _, pair := range [][2]string{
+		{"127.0.0.1:0", "127.0.0.1:0"},
+		{"127.0.0.1:8080", "127.0.0.1:9090"},
+		{"127.0.0.1:8080", "127.0.0.2:8080"},
+		{"0.0.0.0:8080", "127.0.0.1:9090"},
+	} {
+		if _, err := Parse([]byte(minimal + "listen: '" + pair[0] + "'\nadmin_listen: '" + pair[1] + "'\n")); err != nil {
+			t.Errorf("listen %s, admin_listen %s: %v", pair[0], pair[1], err)
 		}
 	}
 }

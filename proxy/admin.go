@@ -164,6 +164,13 @@ func (s *Server) handleModel(ctx *fasthttp.RequestCtx, st *state) {
 // are named to whom /v1/models names the models: its tenant's to a client,
 // all to an admin, all when no keys are configured.
 func (s *Server) handleHealth(ctx *fasthttp.RequestCtx, st *state) {
+	if s.draining.Load() {
+		// Shutting down: out of service, whatever the engines' health
+		// (admin_listen serves probes through the drain).
+		ctx.SetStatusCode(fasthttp.StatusServiceUnavailable)
+		writeJSON(ctx, map[string]any{"status": "draining"})
+		return
+	}
 	// Healthy, not available: a backend at max_concurrency or cooling down
 	// after a 429 is busy, and a proxy whose backends are all busy is not
 	// one to take out of service.

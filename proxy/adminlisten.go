@@ -15,14 +15,17 @@ const adminMaxConns = 64
 var adminFullAnswers = refusalAnswers("kvproxy's listener for operators (admin_listen) has as many connections open as it takes (" + strconv.Itoa(adminMaxConns) + "); try again")
 
 // operatorOnly reports whether path is served on admin_listen only, when
-// kvproxy has one: /metrics, /admin/* and /v1/kv_events.
+// kvproxy has one: /metrics and /admin/*. (/v1/kv_events is engines'
+// traffic: served on both, so that pushers holding connections open do not
+// take admin_listen's from the probes.)
 func operatorOnly(path []byte) bool {
-	return string(path) == "/metrics" || string(path) == "/v1/kv_events" || bytes.HasPrefix(path, adminPrefix)
+	return string(path) == "/metrics" || bytes.HasPrefix(path, adminPrefix)
 }
 
 // wrongListener answers 404 to a request the listener it came on does not
-// serve, with admin_listen served: the API on admin_listen, the operators'
-// endpoints on listen (/live and /health are served on both).
+// serve: the API on admin_listen, and, with admin_listen configured, the
+// operators' endpoints on listen (/live, /health and /v1/kv_events are
+// served on both).
 func (s *Server) wrongListener(ctx *fasthttp.RequestCtx, cc *countedConn) bool {
 	path := ctx.Path()
 	if cc != nil && cc.admin {
@@ -33,7 +36,7 @@ func (s *Server) wrongListener(ctx *fasthttp.RequestCtx, cc *countedConn) bool {
 		s.logUnrouted(ctx, "API request on admin_listen")
 		return true
 	}
-	if !operatorOnly(path) {
+	if s.started.AdminListen == "" || !operatorOnly(path) {
 		return false
 	}
 	writeError(ctx, fasthttp.StatusNotFound, strconv.Quote(string(path))+" is served on kvproxy's listener for operators (admin_listen), not on this one", "invalid_request_error", "", "not_found")

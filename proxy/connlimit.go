@@ -11,6 +11,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // capListener caps the client connections open at once
@@ -470,9 +472,14 @@ func (s *Server) maxConns() int {
 	return st.autoConns
 }
 
-// refuseLog says how many connections the cap refused, in a line every
-// 10 s at most.
+// refuseLog counts the connections a listener's cap refused and says how
+// many, in a line every refuseLogEvery at most: at once if no line was
+// written in the last refuseLogEvery, else in a line due when that time is
+// up, with every refusal since (it waited for the next refusal after it,
+// and an operator reading the log after a burst saw 1).
 type refuseLog struct {
+	counted prometheus.Counter
+	say     func(refused int)
 	mu      sync.Mutex
 	last    time.Time
 	refused int  // since the last line
@@ -482,37 +489,32 @@ type refuseLog struct {
 // refuseLogEvery is how often at most the refusals are logged.
 var refuseLogEvery = 10 * time.Second
 
-// connRefused counts a connection refused over the cap and logs it: at
-// once if no line was written in the last refuseLogEvery, else in a line
-// due when that time is up, with every refusal since (it waited for the
-// next refusal after it, and an operator reading the log after a burst
-// saw 1).
-func (s *Server) connRefused() {
-	s.metrics.connsRefused.Inc()
-	l := &s.refuseLog
+// add counts a connection refused.
+func (l *refuseLog) add() {
+	l.counted.Inc()
 	l.mu.Lock()
 	l.refused++
 	if wait := refuseLogEvery - time.Since(l.last); wait > 0 {
 		if !l.pending {
 			l.pending = true
-			time.AfterFunc(wait, s.logRefused)
+			time.AfterFunc(wait, l.flush)
 		}
 		l.mu.Unlock()
 		return
 	}
 	l.mu.Unlock()
-	s.logRefused()
+	l.flush()
 }
 
-func (s *Server) logRefused() {
-	l := &s.refuseLog
+func (l *refuseLog) flush() {
 	l.mu.Lock()
 	n := l.refused
 	l.refused, l.last, l.pending = 0, time.Now(), false
 	l.mu.Unlock()
-	if n == 0 {
-		return
+	if n > 0 {
+		l.say(n)
 	}
-	s.log.Warn().Int("max_connections", s.maxConns()).Int("refused", n).
-		Msg("client connections refused: limits.max_connections are open (answered 503 and closed)")
 }
+
+// connRefused counts a client connection refused over the cap, and logs it.
+func (s *Server) connRefused() { s.refuseLog.add() }

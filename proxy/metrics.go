@@ -42,7 +42,9 @@ type metrics struct {
 	// connsRefused counts client connections refused over the cap;
 	// connsEvicted the idle ones closed to make room under it.
 	connsRefused, connsEvicted prometheus.Counter
-	handler                    fasthttp.RequestHandler
+	// adminConnsRefused counts admin_listen's connections refused over its cap.
+	adminConnsRefused prometheus.Counter
+	handler           fasthttp.RequestHandler
 }
 
 // newMetrics makes the metrics the request path and the backends count,
@@ -111,6 +113,9 @@ func newMetrics() *metrics {
 	m.connsRefused = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvproxy_client_connections_refused_total", Help: "Client connections answered 503 and closed at once because limits.max_connections were open (kvproxy_client_connections) and none was idle.",
 	})
+	m.adminConnsRefused = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvproxy_admin_connections_refused_total", Help: "Connections to admin_listen answered 503 and closed at once because it had its 64 open (kvproxy_admin_connections) and none was idle.",
+	})
 	m.connsEvicted = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvproxy_client_connections_evicted_total", Help: "Idle keep-alive client connections closed to make room for a new one when limits.max_connections were open.",
 	})
@@ -127,10 +132,13 @@ func newMetrics() *metrics {
 // scrape time; s must be complete (its state and replicas set).
 func (m *metrics) register(reg *prometheus.Registry, s *Server) {
 	build := buildinfo.Read()
-	reg.MustRegister(m.requests, m.ttft, m.duration, m.tpot, m.tokens, m.hitRatio, m.route, m.queueWait, m.ejections, m.reroutes, m.migrations, m.reloads, m.reloadOK, m.limited, m.panics, m.unavailable, m.acceptErrors, m.connsRefused, m.connsEvicted,
+	reg.MustRegister(m.requests, m.ttft, m.duration, m.tpot, m.tokens, m.hitRatio, m.route, m.queueWait, m.ejections, m.reroutes, m.migrations, m.reloads, m.reloadOK, m.limited, m.panics, m.unavailable, m.acceptErrors, m.connsRefused, m.connsEvicted, m.adminConnsRefused,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvproxy_client_connections", Help: "Client connections open (limits.max_connections caps them).",
 		}, func() float64 { return float64(s.openConns.Load()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "kvproxy_admin_connections", Help: "Connections open on admin_listen (64 at most; not counted in kvproxy_client_connections).",
+		}, func() float64 { return float64(s.adminConns.Load()) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvproxy_body_memory_bytes", Help: "Memory held by bodies over 1 MiB: request bodies and engine answers read whole (limits.body_memory_mb bounds it).",
 		}, func() float64 { return float64(s.bodyMem.Used()) }),

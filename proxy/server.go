@@ -86,8 +86,13 @@ type Server struct {
 	// spareConns counts those open past the cap, for an operator's request.
 	spareConns atomic.Int64
 	fdLimit    uint64
-	// adminConns counts the connections open on admin_listen.
-	adminConns atomic.Int64
+	// adminConns counts the connections open on admin_listen, and
+	// adminRefuseLog those its cap refused; adminSrv serves them
+	// (ServeAdmin) and stops last, after the drain (adminListeners).
+	adminConns     atomic.Int64
+	adminRefuseLog refuseLog
+	adminSrv       *fasthttp.Server
+	adminListeners []net.Listener
 
 	routeTable map[string]route
 	reloader   atomic.Pointer[func() error] // SetReloader
@@ -236,7 +241,14 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 		reg = prometheus.NewRegistry()
 	}
 	s.metrics.register(reg, s)
-	s.srv = &fasthttp.Server{
+	s.srv = s.httpServer(cfg)
+	return s, nil
+}
+
+// httpServer is the HTTP server of a listener: Serve's, and ServeAdmin's,
+// which runs on through the drain.
+func (s *Server) httpServer(cfg *config.Config) *fasthttp.Server {
+	return &fasthttp.Server{
 		Handler:               s.handle,
 		Name:                  "kvproxy",
 		NoDefaultServerHeader: true,
@@ -316,7 +328,6 @@ func New(cfg *config.Config, opts Options) (*Server, error) {
 		},
 		Logger: fasthttpLogger{s.log},
 	}
-	return s, nil
 }
 
 // build makes the state for cfg, reusing from prev every pool whose model and
@@ -331,7 +342,11 @@ func (s *Server) build(cfg *config.Config, prev *state) (*state, error) {
 	st.auth = newAuthTable(cfg, prevAuth)
 	st.respMACs = newRespMACs(respKey(cfg.Auth, s.respRandom[:]))
 	st.trusted = cfg.TrustedNets()
-	st.autoConns = autoMaxConns(s.fdLimit, len(cfg.Backends))
+	fds := s.fdLimit
+	if cfg.AdminListen != "" && fds > 2*adminMaxConns {
+		fds -= adminMaxConns // admin_listen's connections, which hold no engine's
+	}
+	st.autoConns = autoMaxConns(fds, len(cfg.Backends))
 	for mi, mc := range cfg.Models {
 		var p *modelPool
 		if prev != nil {
@@ -728,6 +743,14 @@ func (s *Server) prepare(cfg *config.Config) (*state, error) {
 		s.cert.Store(c)
 	}
 	s.metrics = newMetrics()
+	s.refuseLog = refuseLog{counted: s.metrics.connsRefused, say: func(n int) {
+		s.log.Warn().Int("max_connections", s.maxConns()).Int("refused", n).
+			Msg("client connections refused: limits.max_connections are open (answered 503 and closed)")
+	}}
+	s.adminRefuseLog = refuseLog{counted: s.metrics.adminConnsRefused, say: func(n int) {
+		s.log.Warn().Int("admin_connections", adminMaxConns).Int("refused", n).
+			Msg("operators' connections refused: admin_listen has as many open as it takes, none idle (answered 503 and closed)")
+	}}
 	return s.build(cfg, nil)
 }
 
@@ -928,7 +951,7 @@ func (s *Server) serve(ln net.Listener, admin bool) error {
 	ln = newRetryListener(ln, s.acceptFailed, s.acceptRecovered)
 	capped := &capListener{Listener: ln, max: s.maxConns, open: &s.openConns, spares: &s.spareConns, refused: s.connRefused, evicted: s.metrics.connsEvicted.Inc}
 	if admin {
-		capped = &capListener{Listener: ln, admin: true, max: func() int { return adminMaxConns }, open: &s.adminConns, refused: func() {}, evicted: func() {}}
+		capped = &capListener{Listener: ln, admin: true, max: func() int { return adminMaxConns }, open: &s.adminConns, refused: s.adminRefuseLog.add, evicted: func() {}}
 	}
 	if s.cert.Load() == nil { // under TLS, plain text is no answer: closed only
 		capped.refusal = tooManyConnsAnswers
@@ -945,7 +968,16 @@ func (s *Server) serve(ln net.Listener, admin bool) error {
 			NextProtos:     []string{"http/1.1"},
 		})
 	}
-	s.listeners = append(s.listeners, ln)
+	srv := s.srv
+	if admin {
+		if s.adminSrv == nil {
+			s.adminSrv = s.httpServer(s.started)
+		}
+		srv = s.adminSrv
+		s.adminListeners = append(s.adminListeners, ln)
+	} else {
+		s.listeners = append(s.listeners, ln)
+	}
 	if s.health != nil {
 		s.health.Start()
 	}
@@ -958,7 +990,7 @@ func (s *Server) serve(ln net.Listener, admin bool) error {
 		}()
 	})
 	s.serveMu.Unlock()
-	return s.srv.Serve(ln)
+	return srv.Serve(ln)
 }
 
 // FlushLogs writes the lines kvproxy holds back now: the summary of the
@@ -981,7 +1013,17 @@ func (s *Server) Shutdown() error {
 		ln.Close()
 	}
 	s.serveMu.Unlock()
-	s.live.wait()          // streams outlive fasthttp's view of the handler
+	s.live.wait() // streams outlive fasthttp's view of the handler
+	// The operators' listener last: probes and scrapes watched the drain.
+	s.serveMu.Lock()
+	adminSrv, adminListeners := s.adminSrv, s.adminListeners
+	s.serveMu.Unlock()
+	if adminSrv != nil {
+		adminSrv.Shutdown()
+	}
+	for _, ln := range adminListeners {
+		ln.Close()
+	}
 	s.stopOnce.Do(func() { // a second Shutdown (a test's cleanup) must not panic
 		if s.health != nil {
 			s.health.Stop()
@@ -1149,9 +1191,6 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 			return
 		}
 	}
-	if s.started.AdminListen != "" && s.wrongListener(ctx, cc) {
-		return
-	}
 	if refuseAmbiguousFraming(ctx) {
 		s.logUnrouted(ctx, "Transfer-Encoding not chunked, or beside Content-Length")
 		return
@@ -1159,6 +1198,9 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	if dotSegments(ctx.Request.Header.RequestURI()) {
 		writeError(ctx, fasthttp.StatusBadRequest, "the path has a . or .. segment (percent-encoded or not): name the endpoint itself", "invalid_request_error", "", "invalid_path")
 		s.logUnrouted(ctx, "dot segment in the path")
+		return
+	}
+	if s.wrongListener(ctx, cc) {
 		return
 	}
 	if cl := ctx.Request.Header.ContentLength(); hasBody(cl) && (noted || cl > s.st.Load().cfg.Limits.MaxRequestBodyBytes) && s.refuseDeclaredBody(ctx) {
@@ -1311,6 +1353,12 @@ func (s *Server) logUnrouted(ctx *fasthttp.RequestCtx, reason string) {
 // key kvproxy knows, or whose body is over the limit, is refused before
 // the client sends its body (fasthttp asked for it, then refused it).
 func (s *Server) expectContinue(ctx *fasthttp.RequestCtx) int {
+	if s.wrongListener(ctx, countedOf(ctx.Conn())) { // its 404 before the body comes, in vain
+		if bytes.HasPrefix(ctx.Path(), messagesPath) {
+			toAnthropicError(ctx)
+		}
+		return ctx.Response.StatusCode()
+	}
 	st := s.st.Load()
 	// Answered here, or its body is asked for.
 	known, noted := s.judged(st, &ctx.Request.Header)

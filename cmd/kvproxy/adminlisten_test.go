@@ -37,7 +37,7 @@ func TestAdminListen(t *testing.T) {
 	cfg := filepath.Join(dir, "c.yaml")
 	const maxConns = 4
 	opsConfig(t, cfg, "info", fmt.Sprintf("admin_listen: 127.0.0.1:0\nlimits: {max_connections: %d, header_timeout: 30s}\n", maxConns),
-		mockSpec{id: "m0", port: freePort(t), speedup: 1000})
+		mockSpec{id: "m0", port: freePort(t), speedup: 1})
 	c := startChild(t, cfg)
 	var v struct {
 		Listen      string
@@ -74,16 +74,53 @@ func TestAdminListen(t *testing.T) {
 			t.Errorf("GET %s: want a 404 naming admin_listen, got %d %s", u, code, body)
 		}
 	}
-	for _, u := range []string{api + "/v1/kv_events", ops + "/v1/chat/completions"} {
-		resp, err := http.Post(u, "application/json", strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`))
+	post := func(u, body string) (int, string) {
+		t.Helper()
+		resp, err := http.Post(u, "application/json", strings.NewReader(body))
 		if err != nil {
 			t.Fatal(err)
 		}
+		defer resp.Body.Close()
 		b, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode != 404 || !strings.Contains(string(b), "admin_listen") {
-			t.Errorf("POST %s: want a 404 naming admin_listen, got %d %s", u, resp.StatusCode, b)
+		return resp.StatusCode, string(b)
+	}
+	if code, b := post(ops+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`); code != 404 || !strings.Contains(b, "admin_listen") {
+		t.Errorf("chat on admin_listen: want a 404 naming admin_listen, got %d %s", code, b)
+	}
+	// Engines' pushes of KV events are taken on both.
+	for _, u := range []string{api, ops} {
+		if code, b := post(u+"/v1/kv_events", `{"engine_id":"m0","events":[]}`); code == 404 {
+			t.Errorf("POST %s/v1/kv_events: %d %s", u, code, b)
 		}
+	}
+	// Raw requests: an ambiguous framing is refused and its connection
+	// closed before the listener's 404 (no request smuggled behind it),
+	// and an Expect: 100-continue to the wrong listener gets its 404, not
+	// a 100 for a body sent in vain.
+	raw := func(addr, req string) string {
+		t.Helper()
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		io.WriteString(c, req)
+		b, _ := io.ReadAll(c)
+		return string(b)
+	}
+	smuggled := "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /live HTTP/1.1\r\nHost: x\r\n\r\n"
+	for _, addr := range []string{v.Listen, v.AdminListen} {
+		req := smuggled
+		if addr == v.AdminListen {
+			req = strings.Replace(req, "/metrics", "/v1/chat/completions", 1)
+		}
+		if got := raw(addr, req); !strings.HasPrefix(got, "HTTP/1.1 400") || strings.Count(got, "HTTP/1.1") != 1 {
+			t.Errorf("ambiguous framing on %s: want one 400, got:\n%s", addr, got)
+		}
+	}
+	if got := raw(v.AdminListen, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 3000\r\nExpect: 100-continue\r\n\r\n"); !strings.HasPrefix(got, "HTTP/1.1 404") {
+		t.Errorf("Expect: 100-continue on admin_listen: want its 404 at once, got:\n%s", got)
 	}
 
 	// Clients hold every connection listen takes, and the spares past it,
@@ -158,6 +195,9 @@ func TestAdminListen(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	if !strings.Contains(c.waitLine("operators' connections refused", nil), `"refused":`) {
+		t.Fatal("no count in the refusals' line")
+	}
 	for _, h := range held {
 		h.Close()
 	}
@@ -194,6 +234,42 @@ func TestAdminListen(t *testing.T) {
 	if code, _ := get(t, ops+"/live"); code != 200 {
 		t.Fatalf("admin_listen after the reload: %d", code)
 	}
+	if n := metric("kvproxy_admin_connections_refused_total"); n == "0" {
+		t.Fatalf("kvproxy_admin_connections_refused_total %s after a refusal", n)
+	}
+
+	// Through the drain, admin_listen serves on: /live, /health (503:
+	// draining) and /metrics, while listen takes no more connections.
+	streamed := make(chan string, 1)
+	go func() {
+		resp, err := http.Post(api+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"hello","max_tokens":500,"ignore_eos":true,"stream":true}`))
+		if err != nil {
+			streamed <- err.Error()
+			return
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		streamed <- string(b)
+	}()
+	for metric(`kvproxy_inflight_requests{backend="m0"}`) == "0" {
+		time.Sleep(5 * time.Millisecond)
+	}
 	c.cmd.Process.Signal(syscall.SIGTERM)
+	c.waitLine(`"message":"draining"`, nil)
+	if code, body := get(t, ops+"/health"); code != 503 || !strings.Contains(body, `"draining"`) {
+		t.Errorf("/health on admin_listen while draining: %d %s", code, body)
+	}
+	if code, body := get(t, ops+"/live"); code != 200 {
+		t.Errorf("/live on admin_listen while draining: %d %s", code, body)
+	}
+	if n := metric(`kvproxy_inflight_requests{backend="m0"}`); n != "1" {
+		t.Errorf("kvproxy_inflight_requests %s while the stream drains", n)
+	}
+	if _, err := net.DialTimeout("tcp", v.Listen, time.Second); err == nil {
+		t.Error("listen still takes connections while draining")
+	}
+	if got := <-streamed; !strings.HasSuffix(got, "data: [DONE]\n\n") {
+		t.Errorf("the stream in flight did not end whole: %.300s", got)
+	}
 	c.waitExit("kvproxy exited")
 }
