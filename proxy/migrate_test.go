@@ -765,3 +765,28 @@ func TestStreamOfPingsOnlyTimesOut(t *testing.T) {
 		}
 	}
 }
+
+// An event that comes in pieces for longer than stream_idle_timeout is no
+// silence: the stream is relayed whole.
+func TestSlowLargeEventIsNotSilence(t *testing.T) {
+	h := func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		fl := w.(http.Flusher)
+		io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n")
+		io.WriteString(w, `data: {"choices":[{"index":0,"delta":{"content":"`)
+		fl.Flush()
+		for range 12 {
+			time.Sleep(100 * time.Millisecond)
+			io.WriteString(w, strings.Repeat("x", 1000))
+			fl.Flush()
+		}
+		io.WriteString(w, "\"},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n")
+	}
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: slow, url: 'http://"+startRawEngine(t, h)+"', model: m}]\nlimits: {stream_idle_timeout: 400ms}\n")
+	resp, body := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+	if got := string(body); resp.StatusCode != 200 || strings.Contains(got, "error") || strings.Count(got, strings.Repeat("x", 12000)) != 1 || !strings.HasSuffix(got, "data: [DONE]\n\n") {
+		t.Fatalf("status %d, %d bytes, stream:\n%.300s\n...%s", resp.StatusCode, len(got), got, got[max(0, len(got)-400):])
+	}
+	p.waitIdle(t)
+}

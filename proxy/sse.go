@@ -248,12 +248,13 @@ func (r *relay) nextBatch() []byte {
 		if r.sawEvent {
 			r.sawEvent = false
 			r.lastEvent = coarseNow()
-		} else if n > 0 && err == nil && !r.sawDone && time.Duration(coarseNow()-r.lastEvent) > r.x.b.up.ReadTimeout {
+		} else if n > 0 && err == nil && !r.sawDone && time.Duration(coarseNow()-r.lastEvent) > r.x.b.up.ReadTimeout && commentsOnly(f.pending()) {
 			// Comments (pings) keep the engine's connection busy, and its
 			// read timeout with it, but carry no answer: an engine whose
 			// generation hung while a task of its own still pings (as
 			// sse-starlette's does, every 15 s) held the stream and its
-			// load slot for good.
+			// load slot for good. (An event still coming in pieces is
+			// not silence.)
 			err = errOnlyComments
 			break
 		}
