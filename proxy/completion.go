@@ -1018,9 +1018,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 		case errors.Is(err, backends.ErrOverBudget):
 			// The engine did its work; kvproxy has no room to read it. No
 			// fault of the engine's, and another would do the work again.
-			x.status, x.errMsg = fasthttp.StatusServiceUnavailable, "no room for the answer of backend "+b.cfg.ID+" in limits.body_memory_mb"
-			ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
-			s.overBudget(ctx, "the engine's answer, larger than 1 MiB")
+			x.noRoom(ctx, "the engine's answer, larger than 1 MiB")
 		case errors.Is(err, backends.ErrAborted) && s.live.isCut():
 			x.status, x.errMsg = fasthttp.StatusServiceUnavailable, errCutMsg
 			ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
@@ -1076,7 +1074,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			x.failUpstream(ctx, fasthttp.StatusGatewayTimeout, msg)
 		case errors.Is(err, backends.ErrBeyondBudget):
 			// As for an answer over 64 MiB: a retry would meet the same.
-			x.failUpstream(ctx, fasthttp.StatusBadGateway, fmt.Sprintf("the answer of backend %s is larger than kvproxy holds at once (limits.body_memory_mb: %d MiB); ask for less at once, or stream it", b.cfg.ID, s.bodyMem.Limit()>>20))
+			x.failUpstream(ctx, fasthttp.StatusBadGateway, s.beyondBudget(b)+"; ask for less at once, or stream it")
 		case errors.Is(err, fasthttp.ErrBodyTooLarge):
 			// The request asked for more than kvproxy reads whole (many
 			// choices with logprobs, unstreamed): the engine did its work,
@@ -1205,9 +1203,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			case err == nil || errors.Is(err, fasthttp.ErrContentEncodingUnsupported): // a coding kvproxy does not know goes as it came
 			case errors.Is(err, backends.ErrOverBudget):
 				fasthttp.ReleaseResponse(resp)
-				x.status, x.errMsg = fasthttp.StatusServiceUnavailable, "no room for the answer of backend "+b.cfg.ID+" in limits.body_memory_mb"
-				ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
-				s.overBudget(ctx, "the engine's answer, larger than 1 MiB once decompressed")
+				x.noRoom(ctx, "the engine's answer, larger than 1 MiB once decompressed")
 				x.finish()
 				return done
 			case errors.Is(err, backends.ErrBeyondBudget) || errors.Is(err, fasthttp.ErrBodyTooLarge):
@@ -1272,6 +1268,10 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			switch {
 			case errors.As(err, &ns):
 				x.failUpstream(ctx, fasthttp.StatusBadGateway, "backend "+b.cfg.ID+" "+string(ns))
+			case errors.Is(err, backends.ErrOverBudget):
+				x.noRoom(ctx, "the engine's answer, larger than 1 MiB")
+			case errors.Is(err, backends.ErrBeyondBudget):
+				x.failUpstream(ctx, fasthttp.StatusBadGateway, s.beyondBudget(b)+"; ask for less at once")
 			case mayRetry && x.migrations > 0 && !x.ab.Aborted() && !errors.Is(err, backends.ErrAborted) && !backends.IsTimeout(err):
 				// Cut before the client had a byte of it, as for an
 				// engine that took the request and dropped it.
@@ -1448,6 +1448,19 @@ func (s *Server) plainAnswer(ctx *fasthttp.RequestCtx, resp *fasthttp.Response) 
 	body, enc, held, err := plainBodyUpTo(resp, maxWholeAnswer, budgetShare{s.bodyMem, heldBy(ctx)})
 	s.hold(ctx, held)
 	return body, enc, err
+}
+
+// noRoom answers 503 body_memory_full for the engine's answer (what), which
+// kvproxy has no room to hold now: no fault of the engine's.
+func (x *exchange) noRoom(ctx *fasthttp.RequestCtx, what string) {
+	x.status, x.errMsg = fasthttp.StatusServiceUnavailable, "no room for the answer of backend "+x.b.cfg.ID+" in limits.body_memory_mb"
+	ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(x.b.cfg.ID))
+	x.s.overBudget(ctx, what)
+}
+
+// beyondBudget says that b's answer is larger than the whole body budget.
+func (s *Server) beyondBudget(b *backend) string {
+	return fmt.Sprintf("the answer of backend %s is larger than kvproxy holds at once (limits.body_memory_mb: %d MiB)", b.cfg.ID, s.bodyMem.Limit()>>20)
 }
 
 // tooLargeDecoded says that b's answer is larger, decompressed, than

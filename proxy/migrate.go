@@ -491,7 +491,7 @@ func (r *relay) sendContinuation(emitted int) (streamBody, *fasthttp.Response, e
 		x.stopWatch()
 		err = werr
 		switch ns := notStreamable(""); {
-		case errors.As(werr, &ns) || errors.Is(werr, backends.ErrAborted) || x.ab.Aborted():
+		case errors.As(werr, &ns) || overBudget(werr) || errors.Is(werr, backends.ErrAborted) || x.ab.Aborted():
 		case backends.IsTimeout(werr):
 			b.fail(ejectTimeout, "went silent in a continued stream's answer")
 		default:

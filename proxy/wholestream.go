@@ -2,6 +2,8 @@ package proxy
 
 import (
 	"bytes"
+	"errors"
+	"io"
 	"strconv"
 	"time"
 
@@ -310,7 +312,7 @@ func (b *prefixedBody) Buffered() int { return len(b.pre) + b.streamBody.Buffere
 // and returned as the events of its stream. Otherwise the error is the
 // read's, or a notStreamable.
 func (x *exchange) wholeStream(stream *backends.Body, resp *fasthttp.Response, reqBody []byte) (streamBody, error) {
-	b := x.b
+	b, mem := x.b, x.s.bodyMem
 	coding := bytes.TrimSpace(resp.Header.ContentEncoding())
 	coded := len(coding) > 0 && !bytes.EqualFold(coding, []byte("identity"))
 	var pre []byte
@@ -321,18 +323,37 @@ func (x *exchange) wholeStream(stream *backends.Body, resp *fasthttp.Response, r
 			return &prefixedBody{pre: pre, err: preErr, streamBody: stream}, nil
 		}
 	}
-	raw, err := readRest(stream, resp, pre, preErr, maxWholeAnswer+1)
+	// What it holds is charged to limits.body_memory_mb as it grows, and
+	// stays charged with the exchange until the stream ends (the answer as
+	// read stays with resp): 64 MiB a stream went uncounted.
+	var held int64
+	charged := false
+	defer func() {
+		if !charged {
+			mem.Give(held)
+		}
+	}()
+	raw, err := readRestCharged(stream, resp, pre, preErr, mem, x.answerHeld, &held)
+	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
+		return nil, notStreamable("sent a JSON answer to a streaming request larger than 64 MiB")
+	}
 	if err != nil {
 		return nil, err
 	}
 	resp.SetBodyRaw(raw)
 	resp.StreamBody = false
-	body, enc, _, _ := plainBodyUpTo(resp, maxWholeAnswer, budgetShare{}) // as the relay's memory, uncounted
-	if len(body) > maxWholeAnswer || enc != nil {
-		return nil, notStreamable("sent a JSON answer to a streaming request larger than 64 MiB, or not decodable")
+	body, enc, decodedHeld, err := plainBodyUpTo(resp, maxWholeAnswer, budgetShare{mem, x.answerHeld + held})
+	if errors.Is(err, backends.ErrOverBudget) {
+		return nil, err
 	}
+	if enc != nil {
+		return nil, notStreamable("sent a JSON answer to a streaming request larger than 64 MiB once decompressed, or not decodable")
+	}
+	held += decodedHeld
 	if i := skipSpace(body, 0); coded && (i >= len(body) || body[i] != '{') {
-		x.wholeAnswer = true            // read whole too
+		x.wholeAnswer = true // read whole too
+		x.answerHeld += held
+		charged = true
 		return newEventsBody(body), nil // a stream, compressed
 	}
 	var events []byte
@@ -343,6 +364,16 @@ func (x *exchange) wholeStream(stream *backends.Body, resp *fasthttp.Response, r
 	if !ok {
 		return nil, notStreamable("answered a streaming request with a JSON body that is not a streamable answer; send the request unstreamed")
 	}
+	mem.Give(decodedHeld) // the decoded answer is let go: its events stay
+	held -= decodedHeld
+	if n := int64(cap(events)); n > backends.Untracked {
+		if err := mem.Reserve(n, x.answerHeld+held+n); err != nil {
+			return nil, err
+		}
+		held += n
+	}
+	x.answerHeld += held
+	charged = true
 	// Whole before the client has a byte of it, and no time to a first
 	// token: kept out of calibration and time per token.
 	x.wholeAnswer = true
@@ -352,6 +383,26 @@ func (x *exchange) wholeStream(stream *backends.Body, resp *fasthttp.Response, r
 			Msg("the engine answered a streaming request with its whole answer as JSON: kvproxy streams it to the client in one piece")
 	}
 	return newEventsBody(events), nil
+}
+
+// readRestCharged is readRest for an answer of up to maxWholeAnswer, its
+// buffer charged to mem as it grows (*held; own: what the exchange holds
+// besides).
+func readRestCharged(stream *backends.Body, resp *fasthttp.Response, pre []byte, preErr error, mem *backends.Budget, own int64, held *int64) ([]byte, error) {
+	defer stream.Close()
+	buf := pre
+	if n := resp.Header.ContentLength(); n > len(pre) && n <= maxWholeAnswer {
+		// One buffer, not a doubling series; the declared length only up
+		// to what is not charged before the bytes come.
+		buf = append(make([]byte, 0, min(n, backends.Untracked)), pre...)
+	}
+	if preErr != nil || resp.BodyStream() == nil {
+		if preErr == io.EOF {
+			preErr = nil
+		}
+		return buf, preErr
+	}
+	return mem.ReadGrowing(stream, buf, maxWholeAnswer, own, held)
 }
 
 // notStreamable is a JSON answer to a streaming request that kvproxy

@@ -270,3 +270,72 @@ func TestWholeAnswerCutMovesWhole(t *testing.T) {
 		t.Fatalf("the engine that cut its answer was not tried first:\n%s", logs)
 	}
 }
+
+// A whole answer to a streaming request is charged to limits.body_memory_mb
+// while its stream lasts (read, and its events), and given back after: with
+// the room held by other bodies the client gets 503 body_memory_full, and
+// one larger than the whole budget a 502; the engine stays in.
+func TestWholeJSONAnswerToStreamIsCharged(t *testing.T) {
+	big := strings.Repeat("word ", 3<<20) // 15 MiB of content
+	answer := `{"id":"chatcmpl-1","object":"chat.completion","created":7,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"` + big + `"},"finish_reason":"stop"}]}`
+	e := jsonEngine(t, "application/json", "", answer)
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://{{e0}}', model: m}]\nlimits: {body_memory_mb: 256}\n", e)
+	req := `POST /v1/chat/completions HTTP/1.1` + "\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+	body := `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`
+	c, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fmt.Fprintf(c, req, len(body), body)
+	rd := bufio.NewReader(c)
+	if line, err := rd.ReadString('\n'); err != nil || !strings.HasPrefix(line, "HTTP/1.1 200") {
+		t.Fatalf("%q %v", line, err)
+	}
+	// The client reads no more: the relay waits on it, the answer held.
+	for deadline := time.Now().Add(5 * time.Second); p.s.bodyMem.Used() < 15<<20; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d bytes charged while a 15 MiB answer streams", p.s.bodyMem.Used())
+		}
+	}
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	var rest bytes.Buffer
+	for !bytes.HasSuffix(rest.Bytes(), []byte("data: [DONE]\n\n\r\n0\r\n\r\n")) {
+		chunk := make([]byte, 1<<20)
+		n, err := rd.Read(chunk)
+		rest.Write(chunk[:n])
+		if err != nil {
+			t.Fatalf("%v after %d bytes", err, rest.Len())
+		}
+	}
+	p.waitIdle(t)
+	for deadline := time.Now().Add(5 * time.Second); p.s.bodyMem.Used() != 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d bytes still charged after the stream", p.s.bodyMem.Used())
+		}
+	}
+
+	// Others hold the room: 503, to retry.
+	p.s.bodyMem.SetLimit(32 << 20)
+	if !p.s.bodyMem.Take(24 << 20) {
+		t.Fatal("could not take the room")
+	}
+	resp, b := post(t, p.url+"/v1/chat/completions", body)
+	if resp.StatusCode != 503 || !strings.Contains(string(b), "body_memory_full") {
+		t.Fatalf("with the room held: %d %.300s", resp.StatusCode, b)
+	}
+	p.s.bodyMem.Give(24 << 20)
+	// Larger than the whole budget: 502.
+	p.s.bodyMem.SetLimit(8 << 20)
+	resp, b = post(t, p.url+"/v1/chat/completions", body)
+	if resp.StatusCode != 502 || !strings.Contains(string(b), "larger than kvproxy holds at once") {
+		t.Fatalf("over the budget: %d %.300s", resp.StatusCode, b)
+	}
+	p.waitIdle(t)
+	if used := p.s.bodyMem.Used(); used != 0 {
+		t.Fatalf("%d bytes charged after the refusals", used)
+	}
+	if ejected(p, "e0") {
+		t.Fatal("the engine is ejected for kvproxy's want of room")
+	}
+}
