@@ -790,3 +790,48 @@ func TestSlowLargeEventIsNotSilence(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// A stream moved after its engine went silent gives the next engine its own
+// stream_idle_timeout: its first bytes, a ping or half an event, are not
+// taken for the silence of the engine before it (the review: the healthy
+// engine was cut at once and ejected).
+func TestMovedStreamCountsSilenceAnew(t *testing.T) {
+	for _, first := range []string{"ping", "split event"} {
+		t.Run(first, func(t *testing.T) {
+			dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.pauseAfter, f.pause = 10, 3, 20*time.Second })
+			next := &fakeEngine{addr: startRawEngine(t, func(w http.ResponseWriter, r *http.Request) {
+				if !strings.HasSuffix(r.URL.Path, "completions") {
+					w.Write([]byte("ok"))
+					return
+				}
+				io.ReadAll(r.Body)
+				w.Header().Set("Content-Type", "text/event-stream")
+				fl := w.(http.Flusher)
+				if first == "ping" {
+					io.WriteString(w, ": ping\n\n")
+					fl.Flush()
+					time.Sleep(50 * time.Millisecond)
+					io.WriteString(w, `data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}`+"\n\n")
+				} else {
+					io.WriteString(w, `data: {"choices":[{"index":0,"delta":{"role":"assis`)
+					fl.Flush()
+					time.Sleep(50 * time.Millisecond)
+					io.WriteString(w, `tant","content":""}}]}`+"\n\n")
+				}
+				for i := 3; i < 10; i++ {
+					fmt.Fprintf(w, `data: {"choices":[{"index":0,"delta":{"content":"t%d "}}]}`+"\n\n", i)
+				}
+				io.WriteString(w, `data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}`+"\n\ndata: [DONE]\n\n")
+			})}
+			p := startProxyYAML(t, fmt.Sprintf(migrateYAML, "vllm", 1)+"  stream_idle_timeout: 300ms\n", dies, next)
+			resp, body := post(t, p.url+"/v1/chat/completions", migrateBody)
+			if got := string(body); resp.StatusCode != 200 || strings.Contains(got, "error") || strings.Count(got, `"content":"t`) != 10 {
+				t.Fatalf("status %d, stream:\n%s", resp.StatusCode, got)
+			}
+			p.waitIdle(t)
+			if ejected(p, "next") {
+				t.Fatal("the engine the stream moved to is ejected")
+			}
+		})
+	}
+}
