@@ -1198,7 +1198,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			b.ejectForAnswer(ejectStatus, "status "+strconv.Itoa(code))
 		case code == fasthttp.StatusOK && !x.pass:
 			var err error
-			answer, answerEnc, err = s.plainAnswer(ctx, resp)
+			answer, answerEnc, err = x.plainAnswer(ctx, resp)
 			switch {
 			case err == nil || errors.Is(err, fasthttp.ErrContentEncodingUnsupported): // a coding kvproxy does not know goes as it came
 			case errors.Is(err, backends.ErrOverBudget):
@@ -1235,7 +1235,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 			// An error answer, decoded up to the bound it was read with (a
 			// gateway's compressed 400 quoting a long prompt lost the
 			// engine's words at 1 MiB: the review), charged.
-			answer, answerEnc, _ = s.plainAnswer(ctx, resp)
+			answer, answerEnc, _ = x.plainAnswer(ctx, resp)
 		}
 		ctx.Response.Header.SetCanonical(hdrWorker, stringBytes(b.cfg.ID))
 		s.hold(ctx, x.answerHeld) // its copy goes out with the answer
@@ -1461,6 +1461,16 @@ func (x *exchange) noRoom(ctx *fasthttp.RequestCtx, what string) {
 // beyondBudget says that b's answer is larger than the whole body budget.
 func (s *Server) beyondBudget(b *backend) string {
 	return fmt.Sprintf("the answer of backend %s is larger than kvproxy holds at once (limits.body_memory_mb: %d MiB)", b.cfg.ID, s.bodyMem.Limit()>>20)
+}
+
+// plainAnswer is Server.plainAnswer for the attempt's answer: its decoding
+// is held with the attempt (answerHeld), given back if the attempt ends
+// without relaying it (a 200 that is no answer, retried: it stayed charged
+// until the request ended).
+func (x *exchange) plainAnswer(ctx *fasthttp.RequestCtx, resp *fasthttp.Response) (body, enc []byte, err error) {
+	body, enc, held, err := plainBodyUpTo(resp, maxWholeAnswer, budgetShare{x.s.bodyMem, heldBy(ctx) + x.answerHeld})
+	x.answerHeld += held
+	return body, enc, err
 }
 
 // tooLargeDecoded says that b's answer is larger, decompressed, than

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -337,5 +338,48 @@ func TestWholeJSONAnswerToStreamIsCharged(t *testing.T) {
 	}
 	if ejected(p, "e0") {
 		t.Fatal("the engine is ejected for kvproxy's want of room")
+	}
+}
+
+// A 200 that is no answer, retried on another engine, gives back at once
+// what its decoding held of limits.body_memory_mb: it stayed charged while
+// the next engine worked, until the request ended.
+func TestNoAnswerGivesBackItsDecoding(t *testing.T) {
+	var z bytes.Buffer
+	w := gzip.NewWriter(&z)
+	w.Write([]byte("<html>" + strings.Repeat("<p>log in</p>", 300<<10) + "</html>")) // 3.9 MB
+	w.Close()
+	var asked atomic.Int64
+	page := rawEngine(t, func(c net.Conn, rd *bufio.Reader) {
+		asked.Add(1)
+		fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s", z.Len(), z.String())
+	})
+	next := startFake(t, "next", func(f *fakeEngine) { f.prefillDelay = 500 * time.Millisecond })
+	p := startProxyYAML(t, "models: [{name: m, aliases: [alias-m]}]\nbackends: [{id: page, url: 'http://{{e0}}', model: m}, {id: next, url: 'http://{{e1}}', model: m}]\nrouter: {policy: round_robin}\n", page, next)
+	for range 2 { // one of them goes to the page first
+		done := make(chan struct{})
+		var peak int64
+		go func() {
+			defer close(done)
+			for deadline := time.Now().Add(5 * time.Second); next.current.Load() == 0; time.Sleep(time.Millisecond) {
+				if time.Now().After(deadline) {
+					peak = -1
+					return
+				}
+			}
+			time.Sleep(50 * time.Millisecond)
+			peak = p.s.bodyMem.Used()
+		}()
+		resp, b := post(t, p.url+"/v1/chat/completions", chatBody)
+		<-done
+		if resp.StatusCode != 200 || resp.Header.Get(WorkerHeader) != "next" {
+			t.Fatalf("%d from %q: %.200s", resp.StatusCode, resp.Header.Get(WorkerHeader), b)
+		}
+		if peak != 0 {
+			t.Fatalf("%d bytes charged while the next engine worked", peak)
+		}
+	}
+	if asked.Load() == 0 {
+		t.Fatal("the page was never asked")
 	}
 }
