@@ -901,20 +901,22 @@ func (c *Config) applyDefaults() {
 // number (0: any free one; an empty port would be that too, unsaid).
 func validListen(addr string) bool {
 	_, port, err := net.SplitHostPort(addr)
-	if err != nil {
+	if err != nil || port == "" || strings.Trim(port, "0123456789") != "" {
 		return false
 	}
 	n, err := strconv.Atoi(port)
-	return err == nil && n >= 0 && n <= 65535
+	return err == nil && n <= 65535
 }
 
 // sameListen reports whether listeners on a and b (both valid) would take
 // the same port: the same one, not 0, on the same host or a wildcard one
 // (which takes it on every address).
 func sameListen(a, b string) bool {
-	ha, pa, _ := net.SplitHostPort(a)
-	hb, pb, _ := net.SplitHostPort(b)
-	if pa != pb || pa == "0" {
+	ha, sa, _ := net.SplitHostPort(a)
+	hb, sb, _ := net.SplitHostPort(b)
+	pa, _ := strconv.Atoi(sa)
+	pb, _ := strconv.Atoi(sb)
+	if pa != pb || pa == 0 {
 		return false
 	}
 	host := func(h string) string {

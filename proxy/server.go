@@ -935,10 +935,10 @@ func routerConfig(cfg *config.Config, mc config.Model) router.Config {
 // race with a Serve still starting) it closes ln and returns nil.
 func (s *Server) Serve(ln net.Listener) error { return s.serve(ln, false) }
 
-// ServeAdmin answers operators on ln (admin_listen) until Shutdown: /live,
-// /health, /metrics, /admin/* and /v1/kv_events, with TLS if Serve has it.
-// With admin_listen configured, Serve's listener does not serve the last
-// three.
+// ServeAdmin answers operators on ln (admin_listen) until Shutdown has
+// drained the requests: /live, /health, /metrics, /admin/* and
+// /v1/kv_events, with TLS if Serve has it. With admin_listen configured,
+// Serve's listener does not serve /metrics and /admin/*.
 func (s *Server) ServeAdmin(ln net.Listener) error { return s.serve(ln, true) }
 
 func (s *Server) serve(ln net.Listener, admin bool) error {

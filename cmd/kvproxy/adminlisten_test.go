@@ -256,8 +256,14 @@ func TestAdminListen(t *testing.T) {
 	}
 	c.cmd.Process.Signal(syscall.SIGTERM)
 	c.waitLine(`"message":"draining"`, nil)
-	if code, body := get(t, ops+"/health"); code != 503 || !strings.Contains(body, `"draining"`) {
-		t.Errorf("/health on admin_listen while draining: %d %s", code, body)
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) { // the drain begins just after its line
+		code, body := get(t, ops+"/health")
+		if code == 503 && strings.Contains(body, `"draining"`) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/health on admin_listen while draining: %d %s", code, body)
+		}
 	}
 	if code, body := get(t, ops+"/live"); code != 200 {
 		t.Errorf("/live on admin_listen while draining: %d %s", code, body)
@@ -265,8 +271,15 @@ func TestAdminListen(t *testing.T) {
 	if n := metric(`kvproxy_inflight_requests{backend="m0"}`); n != "1" {
 		t.Errorf("kvproxy_inflight_requests %s while the stream drains", n)
 	}
-	if _, err := net.DialTimeout("tcp", v.Listen, time.Second); err == nil {
-		t.Error("listen still takes connections while draining")
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		c, err := net.DialTimeout("tcp", v.Listen, time.Second)
+		if err != nil {
+			break
+		}
+		c.Close()
+		if time.Now().After(deadline) {
+			t.Fatal("listen still takes connections while draining")
+		}
 	}
 	if got := <-streamed; !strings.HasSuffix(got, "data: [DONE]\n\n") {
 		t.Errorf("the stream in flight did not end whole: %.300s", got)
