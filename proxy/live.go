@@ -83,7 +83,7 @@ func (l *liveExchanges) cutChLocked() chan struct{} {
 }
 
 // cutSilent aborts the exchanges with the backend of id that have heard
-// nothing from its engine since before since (Unix ns), each told why.
+// nothing from its engine since before since (clockAt), each told why.
 // Another backend of the same host (another model, another API key) has a
 // probe of its own.
 func (l *liveExchanges) cutSilent(id string, since int64, why string) int {

@@ -1700,7 +1700,7 @@ func (s *Server) cutUnresponsive(b *backend, why string) {
 	failingFor := time.Duration(max(h.Fall-1, 0))*max(h.Interval, probe) + probe
 	since := time.Now().Add(-failingFor)
 	msg := "backend " + b.cfg.ID + " sent nothing for this request while its health probe failed (" + why + ")"
-	if n := s.live.cutSilent(b.cfg.ID, since.UnixNano(), msg); n > 0 {
+	if n := s.live.cutSilent(b.cfg.ID, clockAt(since), msg); n > 0 {
 		s.log.Warn().Str("backend", b.cfg.ID).Int("requests", n).Str("probe_error", why).
 			Msg("ended the requests the backend stopped answering")
 	}
