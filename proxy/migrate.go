@@ -125,6 +125,14 @@ func (m *migration) letGo(mem *backends.Budget) {
 	}
 }
 
+// stop turns the move off for good: what was kept for it goes, and its
+// share of the budget (mem) with it, not when the stream ends.
+func (m *migration) stop(mem *backends.Budget) {
+	m.off = true
+	m.body, m.partial = nil, nil
+	m.letGo(mem)
+}
+
 var finishKey = []byte(`"finish_reason":`)
 
 // note reads a chunk the relay passes on, whose output outputOf found

@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"reflect"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -834,4 +835,57 @@ func TestMovedStreamCountsSilenceAnew(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Once a stream can no longer move (more than maxMovedOutput relayed), the
+// copy of its request kept for a move is let go, and its share of
+// limits.body_memory_mb given back, while the stream goes on.
+func TestMigrationCopyLetGoOnceItCannotMove(t *testing.T) {
+	more, end := make(chan struct{}), make(chan struct{})
+	letMore, letEnd := sync.OnceFunc(func() { close(more) }), sync.OnceFunc(func() { close(end) })
+	h := func(w http.ResponseWriter, r *http.Request) {
+		if !strings.HasSuffix(r.URL.Path, "completions") {
+			w.Write([]byte("ok"))
+			return
+		}
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		fl := w.(http.Flusher)
+		io.WriteString(w, `data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}`+"\n\n")
+		fl.Flush()
+		<-more
+		for range 12 {
+			io.WriteString(w, `data: {"choices":[{"index":0,"delta":{"content":"`+strings.Repeat("y", 100_000)+`"}}]}`+"\n\n")
+		}
+		fl.Flush()
+		<-end
+		io.WriteString(w, `data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}`+"\n\ndata: [DONE]\n\n")
+	}
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://"+startRawEngine(t, h)+"', model: m}]\nlimits: {migration_limit: 1}\n")
+	t.Cleanup(func() { letMore(); letEnd() }) // before the proxy's: a failure leaves no stream waiting
+	body := `{"model":"m","stream":true,"user":"` + strings.Repeat("u", 3<<20) + `","messages":[{"role":"user","content":"hi"}]}`
+	done := make(chan string, 1)
+	go func() {
+		resp, b := post(t, p.url+"/v1/chat/completions", body)
+		done <- fmt.Sprint(resp.StatusCode, " ", len(b))
+	}()
+	settled := func(cond func(int64) bool) int64 {
+		t.Helper()
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+			if u := p.s.bodyMem.Used(); cond(u) || time.Now().After(deadline) {
+				return u
+			}
+		}
+	}
+	before := settled(func(u int64) bool { return u >= 6<<20 }) // the body, and the copy for a move
+	letMore()
+	after := settled(func(u int64) bool { return u <= before-3<<20 })
+	if after > before-3<<20 {
+		t.Fatalf("%d bytes charged once the stream could no longer move, %d before", after, before)
+	}
+	letEnd()
+	if got := <-done; !strings.HasPrefix(got, "200 ") {
+		t.Fatal(got)
+	}
+	p.waitIdle(t)
 }

@@ -383,7 +383,7 @@ func (r *relay) end(out []byte, err error) []byte {
 		// it would have.
 		r.sawError, r.engineFault = true, true
 		if x.mig != nil {
-			x.mig.off = true
+			x.mig.stop(x.s.bodyMem)
 		}
 		x.errMsg = "engine error frame" + engineErrorKind(frame) + detail
 		// The engine's event: one before any other is a stream's first,
@@ -599,7 +599,7 @@ func (r *relay) onEvent(ev []byte) []byte {
 			}
 			r.sawError = true
 			if r.x.mig != nil {
-				r.x.mig.off = true // the client was told
+				r.x.mig.stop(r.x.s.bodyMem) // the client was told
 			}
 			// The engine failed mid-stream (vLLM: {"error": {...}}, older
 			// versions {"object": "error", "message": ...}, TGI {"error":
@@ -722,7 +722,9 @@ func (r *relay) onData(data []byte) (unasked bool) {
 	}
 	k, v := outputOf(data)
 	if m := r.x.mig; m != nil {
-		m.note(data, k, v)
+		if m.note(data, k, v); m.off && m.body != nil {
+			m.stop(r.x.s.bodyMem) // it can no longer move
+		}
 	}
 	if k >= 0 {
 		r.onToken()
