@@ -889,3 +889,33 @@ func TestMigrationCopyLetGoOnceItCannotMove(t *testing.T) {
 	}
 	p.waitIdle(t)
 }
+
+// An engine that sends pings and nothing else failed before its first
+// event, as one silent from the start did: pings are no event of the answer.
+func TestStreamOfPingsFromTheStart(t *testing.T) {
+	h := func(w http.ResponseWriter, r *http.Request) {
+		if !strings.HasSuffix(r.URL.Path, "completions") {
+			w.Write([]byte("ok"))
+			return
+		}
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		for {
+			if _, err := io.WriteString(w, ": ping\n\n"); err != nil {
+				return
+			}
+			w.(http.Flusher).Flush()
+			select {
+			case <-r.Context().Done():
+				return
+			case <-time.After(40 * time.Millisecond):
+			}
+		}
+	}
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: pings, url: 'http://"+startRawEngine(t, h)+"', model: m}]\nlimits: {stream_idle_timeout: 300ms}\n")
+	resp, body := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+	if got := string(body); resp.StatusCode != 200 || !strings.Contains(got, "went silent before its first event: backend pings sent only SSE comments") {
+		t.Fatalf("status %d, stream:\n%s", resp.StatusCode, got)
+	}
+	p.waitIdle(t)
+}

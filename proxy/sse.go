@@ -55,6 +55,8 @@ type relay struct {
 	// whether one came in the current read (errOnlyComments).
 	lastEvent int64
 	sawEvent  bool
+	// anyEvent: an event that is not only comments came, ever (when).
+	anyEvent bool
 	// failedFrame: an error frame of the engine's own making, held back
 	// while the stream may move to another engine (errEngineErrorFrame).
 	failedFrame []byte
@@ -301,7 +303,7 @@ func (r *relay) events(out []byte) []byte {
 			r.engineEvents++
 		}
 		if !r.sawEvent && len(content) > 0 && !commentsOnly(content) {
-			r.sawEvent = true
+			r.sawEvent, r.anyEvent = true, true
 		}
 		out = append(out, raw...)
 		if r.failedFrame != nil {
@@ -456,7 +458,7 @@ func (r *relay) end(out []byte, err error) []byte {
 
 // when says where in the stream the engine failed, for the messages.
 func (r *relay) when() string {
-	if r.engineEvents == 0 {
+	if r.engineEvents == 0 || !r.anyEvent { // pings are no event of the answer
 		return "before its first event"
 	}
 	return "mid-stream"
