@@ -770,10 +770,7 @@ func TestStreamOfPingsOnlyTimesOut(t *testing.T) {
 // An event that comes in pieces for longer than stream_idle_timeout is no
 // silence: the stream is relayed whole.
 func TestSlowLargeEventIsNotSilence(t *testing.T) {
-	h := func(w http.ResponseWriter, r *http.Request) {
-		io.ReadAll(r.Body)
-		w.Header().Set("Content-Type", "text/event-stream")
-		fl := w.(http.Flusher)
+	h := func(w http.ResponseWriter, fl http.Flusher, r *http.Request) {
 		io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n")
 		io.WriteString(w, `data: {"choices":[{"index":0,"delta":{"content":"`)
 		fl.Flush()
@@ -784,7 +781,7 @@ func TestSlowLargeEventIsNotSilence(t *testing.T) {
 		}
 		io.WriteString(w, "\"},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n")
 	}
-	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: slow, url: 'http://"+startRawEngine(t, h)+"', model: m}]\nlimits: {stream_idle_timeout: 400ms}\n")
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: slow, url: 'http://"+streamEngine(t, h)+"', model: m}]\nlimits: {stream_idle_timeout: 400ms}\n")
 	resp, body := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
 	if got := string(body); resp.StatusCode != 200 || strings.Contains(got, "error") || strings.Count(got, strings.Repeat("x", 12000)) != 1 || !strings.HasSuffix(got, "data: [DONE]\n\n") {
 		t.Fatalf("status %d, %d bytes, stream:\n%.300s\n...%s", resp.StatusCode, len(got), got, got[max(0, len(got)-400):])
@@ -800,14 +797,7 @@ func TestMovedStreamCountsSilenceAnew(t *testing.T) {
 	for _, first := range []string{"ping", "split event"} {
 		t.Run(first, func(t *testing.T) {
 			dies := startFake(t, "dies", func(f *fakeEngine) { f.tokens, f.pauseAfter, f.pause = 10, 3, 20*time.Second })
-			next := &fakeEngine{addr: startRawEngine(t, func(w http.ResponseWriter, r *http.Request) {
-				if !strings.HasSuffix(r.URL.Path, "completions") {
-					w.Write([]byte("ok"))
-					return
-				}
-				io.ReadAll(r.Body)
-				w.Header().Set("Content-Type", "text/event-stream")
-				fl := w.(http.Flusher)
+			next := &fakeEngine{addr: streamEngine(t, func(w http.ResponseWriter, fl http.Flusher, r *http.Request) {
 				if first == "ping" {
 					io.WriteString(w, ": ping\n\n")
 					fl.Flush()
@@ -843,14 +833,7 @@ func TestMovedStreamCountsSilenceAnew(t *testing.T) {
 func TestMigrationCopyLetGoOnceItCannotMove(t *testing.T) {
 	more, end := make(chan struct{}), make(chan struct{})
 	letMore, letEnd := sync.OnceFunc(func() { close(more) }), sync.OnceFunc(func() { close(end) })
-	h := func(w http.ResponseWriter, r *http.Request) {
-		if !strings.HasSuffix(r.URL.Path, "completions") {
-			w.Write([]byte("ok"))
-			return
-		}
-		io.ReadAll(r.Body)
-		w.Header().Set("Content-Type", "text/event-stream")
-		fl := w.(http.Flusher)
+	h := func(w http.ResponseWriter, fl http.Flusher, r *http.Request) {
 		io.WriteString(w, `data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}`+"\n\n")
 		fl.Flush()
 		<-more
@@ -861,7 +844,7 @@ func TestMigrationCopyLetGoOnceItCannotMove(t *testing.T) {
 		<-end
 		io.WriteString(w, `data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}`+"\n\ndata: [DONE]\n\n")
 	}
-	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://"+startRawEngine(t, h)+"', model: m}]\nlimits: {migration_limit: 1}\n")
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: e0, url: 'http://"+streamEngine(t, h)+"', model: m}]\nlimits: {migration_limit: 1}\n")
 	t.Cleanup(func() { letMore(); letEnd() }) // before the proxy's: a failure leaves no stream waiting
 	body := `{"model":"m","stream":true,"user":"` + strings.Repeat("u", 3<<20) + `","messages":[{"role":"user","content":"hi"}]}`
 	done := make(chan string, 1)
@@ -893,18 +876,12 @@ func TestMigrationCopyLetGoOnceItCannotMove(t *testing.T) {
 // An engine that sends pings and nothing else failed before its first
 // event, as one silent from the start did: pings are no event of the answer.
 func TestStreamOfPingsFromTheStart(t *testing.T) {
-	h := func(w http.ResponseWriter, r *http.Request) {
-		if !strings.HasSuffix(r.URL.Path, "completions") {
-			w.Write([]byte("ok"))
-			return
-		}
-		io.ReadAll(r.Body)
-		w.Header().Set("Content-Type", "text/event-stream")
+	h := func(w http.ResponseWriter, fl http.Flusher, r *http.Request) {
 		for {
 			if _, err := io.WriteString(w, ": ping\n\n"); err != nil {
 				return
 			}
-			w.(http.Flusher).Flush()
+			fl.Flush()
 			select {
 			case <-r.Context().Done():
 				return
@@ -912,10 +889,24 @@ func TestStreamOfPingsFromTheStart(t *testing.T) {
 			}
 		}
 	}
-	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: pings, url: 'http://"+startRawEngine(t, h)+"', model: m}]\nlimits: {stream_idle_timeout: 300ms}\n")
+	p := startProxyYAML(t, "models: [{name: m}]\nbackends: [{id: pings, url: 'http://"+streamEngine(t, h)+"', model: m}]\nlimits: {stream_idle_timeout: 300ms}\n")
 	resp, body := post(t, p.url+"/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
 	if got := string(body); resp.StatusCode != 200 || !strings.Contains(got, "went silent before its first event: backend pings sent only SSE comments") {
 		t.Fatalf("status %d, stream:\n%s", resp.StatusCode, got)
 	}
 	p.waitIdle(t)
+}
+
+// streamEngine is an engine whose completions answer is the event stream
+// send writes (its probes get "ok"); its address.
+func streamEngine(t *testing.T, send func(w http.ResponseWriter, fl http.Flusher, r *http.Request)) string {
+	return startRawEngine(t, func(w http.ResponseWriter, r *http.Request) {
+		if !strings.HasSuffix(r.URL.Path, "completions") {
+			w.Write([]byte("ok"))
+			return
+		}
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		send(w, w.(http.Flusher), r)
+	})
 }
