@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -226,21 +227,36 @@ func freePortPair(t *testing.T) int {
 		a.Close()
 		if err == nil {
 			b.Close()
-			return p
+			_, given := portsGiven.LoadOrStore(p, true)
+			_, given1 := portsGiven.LoadOrStore(p+1, true)
+			if !given && !given1 {
+				return p
+			}
 		}
 	}
 	t.Fatal("no pair of free ports")
 	return 0
 }
 
+// freePort returns a loopback address nothing listens on (at the time
+// asked), never one it or freePortPair returned before: the kernel may hand
+// a port just released out again, and the process given it binds it later.
 func freePort(t *testing.T) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	t.Helper()
+	for {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := ln.Addr().(*net.TCPAddr).Port
+		ln.Close()
+		if _, given := portsGiven.LoadOrStore(port, true); !given {
+			return fmt.Sprintf("127.0.0.1:%d", port)
+		}
 	}
-	defer ln.Close()
-	return ln.Addr().String()
 }
+
+var portsGiven sync.Map
 
 // kvproxyURL starts kvproxy in front of engines and waits until it answers.
 func kvproxy(t *testing.T, engines []string, policy string) (string, *proc) {
