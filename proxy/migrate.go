@@ -375,7 +375,7 @@ func (r *relay) migrate(why string) (res moveResult, detail string) {
 			m.carried = emitted
 			r.body, r.resp = stream, resp
 			r.f.reset()
-			r.lastEvent = coarseNow() // the new engine's silence counts from now
+			r.quietSince = 0 // the new engine's silence counts anew
 			// Resumed only if the client has had the answer's first chunk
 			// (its role): otherwise the new engine's is the stream's first.
 			r.moved, r.resumed, r.restarted, r.blockBase, r.blocks = true, r.sawFirst, true, x.outputTokens, 0

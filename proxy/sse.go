@@ -50,11 +50,11 @@ type relay struct {
 	sawError, engineFault bool
 	// noStream: the engine's first event holds no SSE field (errNoEvents).
 	noStream bool
-	// lastEvent is when the engine's last event that is not only comments
-	// came (coarseNow; the stream's start before the first), sawEvent
-	// whether one came in the current read (errOnlyComments).
-	lastEvent int64
-	sawEvent  bool
+	// quietSince is when the engine's reads began to bring no event that is
+	// not only comments (coarseNow; 0 while events come), sawEvent whether
+	// one came in the current read (errOnlyComments).
+	quietSince int64
+	sawEvent   bool
 	// anyEvent: an event that is not only comments came, ever (when).
 	anyEvent bool
 	// failedFrame: an error frame of the engine's own making, held back
@@ -107,7 +107,6 @@ func newRelay(x *exchange, body streamBody, resp *fasthttp.Response) *relay {
 	r := &relay{x: x, body: body, resp: resp, bufs: relayBufs.Get().(*relayBuffers)}
 	r.f = *newSSEFramer(r.bufs.in)
 	r.f.mem = x.s.bodyMem
-	r.lastEvent = coarseNow()
 	return r
 }
 
@@ -248,15 +247,13 @@ func (r *relay) nextBatch() []byte {
 			break
 		}
 		if r.sawEvent {
-			r.sawEvent = false
-			r.lastEvent = coarseNow()
-		} else if n > 0 && err == nil && !r.sawDone && time.Duration(coarseNow()-r.lastEvent) > r.x.b.up.ReadTimeout && commentsOnly(f.pending()) {
+			r.sawEvent, r.quietSince = false, 0
+		} else if n > 0 && err == nil && !r.sawDone && r.onlyComments() {
 			// Comments (pings) keep the engine's connection busy, and its
 			// read timeout with it, but carry no answer: an engine whose
 			// generation hung while a task of its own still pings (as
 			// sse-starlette's does, every 15 s) held the stream and its
-			// load slot for good. (An event still coming in pieces is
-			// not silence.)
+			// load slot for good.
 			err = errOnlyComments
 			break
 		}
@@ -454,6 +451,19 @@ func (r *relay) end(out []byte, err error) []byte {
 			"the backend serving this request failed "+when, "upstream_error", "backend_failed")
 	}
 	return out
+}
+
+// onlyComments reports whether the engine's reads have brought nothing but
+// comments for its stream_idle_timeout, counted from the first such read
+// (an event still coming in pieces is not silence). Events read reset it:
+// the clock is read only while none come.
+func (r *relay) onlyComments() bool {
+	now := coarseNow()
+	if r.quietSince == 0 {
+		r.quietSince = now
+		return false
+	}
+	return time.Duration(now-r.quietSince) > r.x.b.up.ReadTimeout && commentsOnly(r.f.pending())
 }
 
 // when says where in the stream the engine failed, for the messages.
