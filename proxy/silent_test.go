@@ -208,7 +208,7 @@ func TestStreamOverBeforeItsFirstEventIsAnHTTPError(t *testing.T) {
 		{"messages, silent", "", "/v1/messages", `{"model":"m","stream":true,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, true, true, 504,
 			`{"type":"error","error":{"type":"timeout_error","message":"the backend serving this request went silent before its first event: backend e0 sent nothing for 200ms (limits.stream_idle_timeout)"}`},
 		{"a comment, then silent", ": ping\n\n", "/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`, true, true, 200,
-			": ping\n\ndata: {\"error\":{\"message\":\"the backend serving this request went silent mid-stream: backend e0 sent nothing for 200ms (limits.stream_idle_timeout)\",\"type\":\"timeout_error\",\"param\":null,\"code\":\"backend_timeout\"}}\n\ndata: [DONE]\n\n"},
+			": ping\n\ndata: {\"error\":{\"message\":\"the backend serving this request went silent before its first event: backend e0 sent nothing for 200ms (limits.stream_idle_timeout)\",\"type\":\"timeout_error\",\"param\":null,\"code\":\"backend_timeout\"}}\n\ndata: [DONE]\n\n"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := engine(tc.first, tc.hold)
