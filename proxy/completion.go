@@ -96,7 +96,7 @@ type exchange struct {
 	prefillBy, prefillErr string
 	prefillTime           time.Duration
 	// heard is when the engine last sent bytes of the current attempt,
-	// Unix ns (coarseNow); 0 before the first.
+	// coarseNow; 0 before the first.
 	heard atomic.Int64
 	// unresponsive says why the exchange was aborted when its engine
 	// stopped answering its health probe (cutUnresponsive); nil otherwise.
@@ -1262,7 +1262,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx, body []byte, mayRetry bool)
 	}
 	if !x.pass && isJSONType(resp.Header.ContentType()) {
 		var err error
-		if src, err = x.wholeStream(stream, resp, body); err != nil {
+		if src, err = x.wholeStream(stream, resp, body, heldBy(ctx)); err != nil {
 			fasthttp.ReleaseResponse(resp)
 			ns := notStreamable("")
 			switch {

@@ -322,6 +322,7 @@ func (r *relay) migrate(why string) (res moveResult, detail string) {
 	r.body.Close()
 	fasthttp.ReleaseResponse(r.resp)
 	r.body, r.resp = nil, nil
+	x.letGoAnswer() // a whole answer read for the failed engine's stream
 	defer func() {
 		if res == moved {
 			return
@@ -392,6 +393,11 @@ func (r *relay) migrate(why string) (res moveResult, detail string) {
 		}
 		m.tried = append(m.tried, x.b.cfg.ID)
 		detail += "; backend " + x.b.cfg.ID + " could not continue it: " + err.Error()
+		if overBudget(err) {
+			// kvproxy's want of room, which the next engine's answer
+			// would meet too, after doing the work again.
+			return notMoved, detail
+		}
 		retried = false
 		if ce := (*backends.ConnectError)(nil); errors.As(err, &ce) && s.retries.withdraw() {
 			// It never got the continuation: a retry, as for a request
@@ -492,7 +498,7 @@ func (r *relay) sendContinuation(emitted int) (streamBody, *fasthttp.Response, e
 			return src, resp, nil
 		}
 		// A whole answer, streamed as the first attempt's would be.
-		src, werr := x.wholeStream(stream, resp, body)
+		src, werr := x.wholeStream(stream, resp, body, m.held)
 		if werr == nil {
 			b.succeed()
 			return src, resp, nil

@@ -106,7 +106,7 @@ var relayBufs = sync.Pool{New: func() any { return &relayBuffers{in: make([]byte
 func newRelay(x *exchange, body streamBody, resp *fasthttp.Response) *relay {
 	r := &relay{x: x, body: body, resp: resp, bufs: relayBufs.Get().(*relayBuffers)}
 	r.f = *newSSEFramer(r.bufs.in)
-	r.f.mem = x.s.bodyMem
+	r.f.mem, r.f.own = x.s.bodyMem, &x.answerHeld
 	return r
 }
 

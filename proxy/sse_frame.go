@@ -25,6 +25,10 @@ type sseFramer struct {
 	mem     *backends.Budget
 	held    int64
 	refused error
+	// own is what the stream's exchange holds of mem besides (a whole
+	// answer's events), so that a growth that can never fit is refused
+	// as beyond the budget, not as room others hold.
+	own *int64
 }
 
 // maxSSEEvent bounds one event, as backends.Upstream bounds a whole answer:
@@ -40,7 +44,9 @@ func newSSEFramer(buf []byte) *sseFramer { return &sseFramer{buf: buf[:cap(buf)]
 
 // reset empties the framer for another stream; its buffer, and what that
 // holds of mem, stay.
-func (f *sseFramer) reset() { *f = sseFramer{buf: f.buf[:cap(f.buf)], mem: f.mem, held: f.held} }
+func (f *sseFramer) reset() {
+	*f = sseFramer{buf: f.buf[:cap(f.buf)], mem: f.mem, held: f.held, own: f.own}
+}
 
 // free returns space to read into, compacting or growing the buffer; nil
 // when mem refused its growth (refused).
@@ -58,8 +64,11 @@ func (f *sseFramer) free() []byte {
 			if half := f.mem.Limit() / 2; int64(size) > half && half > int64(len(f.buf)) {
 				size = int(half)
 			}
-			need := 2 * int64(size)
-			if err := f.mem.Reserve(need-f.held, need); err != nil {
+			need, own := 2*int64(size), int64(0)
+			if f.own != nil {
+				own = *f.own
+			}
+			if err := f.mem.Reserve(need-f.held, need+own); err != nil {
 				f.refused = err
 				return nil
 			}

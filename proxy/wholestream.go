@@ -311,7 +311,7 @@ func (b *prefixedBody) Buffered() int { return len(b.pre) + b.streamBody.Buffere
 // is returned as it is, with the bytes read ahead; a whole answer is read
 // and returned as the events of its stream. Otherwise the error is the
 // read's, or a notStreamable.
-func (x *exchange) wholeStream(stream *backends.Body, resp *fasthttp.Response, reqBody []byte) (streamBody, error) {
+func (x *exchange) wholeStream(stream *backends.Body, resp *fasthttp.Response, reqBody []byte, reqHeld int64) (streamBody, error) {
 	b, mem := x.b, x.s.bodyMem
 	coding := bytes.TrimSpace(resp.Header.ContentEncoding())
 	coded := len(coding) > 0 && !bytes.EqualFold(coding, []byte("identity"))
@@ -323,9 +323,9 @@ func (x *exchange) wholeStream(stream *backends.Body, resp *fasthttp.Response, r
 			return &prefixedBody{pre: pre, err: preErr, streamBody: stream}, nil
 		}
 	}
-	// What it holds is charged to limits.body_memory_mb as it grows, and
-	// stays charged with the exchange until the stream ends (the answer as
-	// read stays with resp): 64 MiB a stream went uncounted.
+	// What it holds is charged to limits.body_memory_mb as it is read and
+	// decoded (64 MiB a stream went uncounted); once made into events, only
+	// those stay, charged with the exchange until the stream ends.
 	var held int64
 	charged := false
 	defer func() {
@@ -333,7 +333,8 @@ func (x *exchange) wholeStream(stream *backends.Body, resp *fasthttp.Response, r
 			mem.Give(held)
 		}
 	}()
-	raw, err := readRestCharged(stream, resp, pre, preErr, mem, x.answerHeld, &held)
+	own := reqHeld + x.answerHeld // what the request holds besides
+	raw, err := readRestCharged(stream, resp, pre, preErr, mem, own, &held)
 	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
 		return nil, notStreamable("sent a JSON answer to a streaming request larger than 64 MiB")
 	}
@@ -342,8 +343,8 @@ func (x *exchange) wholeStream(stream *backends.Body, resp *fasthttp.Response, r
 	}
 	resp.SetBodyRaw(raw)
 	resp.StreamBody = false
-	body, enc, decodedHeld, err := plainBodyUpTo(resp, maxWholeAnswer, budgetShare{mem, x.answerHeld + held})
-	if errors.Is(err, backends.ErrOverBudget) {
+	body, enc, decodedHeld, err := plainBodyUpTo(resp, maxWholeAnswer, budgetShare{mem, own + held})
+	if overBudget(err) {
 		return nil, err
 	}
 	if enc != nil {
@@ -364,14 +365,17 @@ func (x *exchange) wholeStream(stream *backends.Body, resp *fasthttp.Response, r
 	if !ok {
 		return nil, notStreamable("answered a streaming request with a JSON body that is not a streamable answer; send the request unstreamed")
 	}
-	mem.Give(decodedHeld) // the decoded answer is let go: its events stay
-	held -= decodedHeld
+	var eventsHeld int64
 	if n := int64(cap(events)); n > backends.Untracked {
-		if err := mem.Reserve(n, x.answerHeld+held+n); err != nil {
+		if err := mem.Reserve(n, own+held+n); err != nil {
 			return nil, err
 		}
-		held += n
+		eventsHeld = n
 	}
+	// The answer as read and decoded is let go: its events stay.
+	mem.Give(held)
+	held = eventsHeld
+	resp.SetBodyRaw(nil)
 	x.answerHeld += held
 	charged = true
 	// Whole before the client has a byte of it, and no time to a first
@@ -392,9 +396,17 @@ func readRestCharged(stream *backends.Body, resp *fasthttp.Response, pre []byte,
 	defer stream.Close()
 	buf := pre
 	if n := resp.Header.ContentLength(); n > len(pre) && n <= maxWholeAnswer {
-		// One buffer, not a doubling series; the declared length only up
-		// to what is not charged before the bytes come.
-		buf = append(make([]byte, 0, min(n, backends.Untracked)), pre...)
+		// One buffer of the declared length, charged before the bytes
+		// come (as DoWhole's), with room to read its end without growing:
+		// a doubling series held up to twice the answer.
+		size := n + 1
+		if size > backends.Untracked {
+			if err := mem.Reserve(int64(size), own+int64(size)); err != nil {
+				return nil, err
+			}
+			*held = int64(size)
+		}
+		buf = append(make([]byte, 0, size), pre...)
 	}
 	if preErr != nil || resp.BodyStream() == nil {
 		if preErr == io.EOF {
