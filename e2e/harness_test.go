@@ -12,7 +12,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -227,9 +226,7 @@ func freePortPair(t *testing.T) int {
 		a.Close()
 		if err == nil {
 			b.Close()
-			_, given := portsGiven.LoadOrStore(p, true)
-			_, given1 := portsGiven.LoadOrStore(p+1, true)
-			if !given && !given1 {
+			if testutil.ClaimPort(p) && testutil.ClaimPort(p+1) {
 				return p
 			}
 		}
@@ -238,25 +235,9 @@ func freePortPair(t *testing.T) int {
 	return 0
 }
 
-// freePort returns a loopback address nothing listens on (at the time
-// asked), never one it or freePortPair returned before: the kernel may hand
-// a port just released out again, and the process given it binds it later.
-func freePort(t *testing.T) string {
-	t.Helper()
-	for {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		port := ln.Addr().(*net.TCPAddr).Port
-		ln.Close()
-		if _, given := portsGiven.LoadOrStore(port, true); !given {
-			return fmt.Sprintf("127.0.0.1:%d", port)
-		}
-	}
-}
-
-var portsGiven sync.Map
+// freePort returns a loopback address nothing listens on, never given
+// before (testutil.FreePort).
+func freePort(t *testing.T) string { return fmt.Sprintf("127.0.0.1:%d", testutil.FreePort(t)) }
 
 // kvproxyURL starts kvproxy in front of engines and waits until it answers.
 func kvproxy(t *testing.T, engines []string, policy string) (string, *proc) {

@@ -17,26 +17,8 @@ import (
 	"github.com/kvproxy/kvproxy/internal/testutil"
 )
 
-// freePort returns a loopback port nothing listens on (at the time asked),
-// never one it returned before: the kernel may hand a port just released
-// out again, and two mocks of one configuration got the same (the flaky
-// test hunt: 1 run in 400).
-func freePort(t *testing.T) int {
-	t.Helper()
-	for {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		port := ln.Addr().(*net.TCPAddr).Port
-		ln.Close()
-		if _, given := portsGiven.LoadOrStore(port, true); !given {
-			return port
-		}
-	}
-}
-
-var portsGiven sync.Map
+// freePort returns a loopback port nothing listens on, never given before.
+func freePort(t *testing.T) int { return testutil.FreePort(t) }
 
 type mockSpec struct {
 	id      string
