@@ -1621,7 +1621,7 @@ func redirectTarget(loc []byte) string {
 // most limit bytes, and releases the stream. When the read fails it
 // answers the client as the failure says and returns false.
 func (x *exchange) readWhole(ctx *fasthttp.RequestCtx, stream *backends.Body, resp *fasthttp.Response, limit int64) bool {
-	raw, err := readRest(stream, resp, nil, nil, limit)
+	raw, err := readRest(stream, resp, limit)
 	if err != nil {
 		x.failRead(ctx, err)
 		return false
@@ -1631,10 +1631,9 @@ func (x *exchange) readWhole(ctx *fasthttp.RequestCtx, stream *backends.Body, re
 	return true
 }
 
-// readRest reads the rest of a streamed answer after pre, the bytes
-// already read of it (preErr: what that read ended with), up to limit
-// bytes in all, and releases the stream.
-func readRest(stream *backends.Body, resp *fasthttp.Response, pre []byte, preErr error, limit int64) ([]byte, error) {
+// readRest reads a streamed answer whole, up to limit bytes, and releases
+// the stream.
+func readRest(stream *backends.Body, resp *fasthttp.Response, limit int64) ([]byte, error) {
 	var buf bytes.Buffer
 	if n := resp.Header.ContentLength(); n > 0 && int64(n) < limit {
 		// One buffer, not a doubling series; the declared length only up
@@ -1642,10 +1641,9 @@ func readRest(stream *backends.Body, resp *fasthttp.Response, pre []byte, preErr
 		// and stall).
 		buf.Grow(min(n, 4<<20))
 	}
-	buf.Write(pre)
-	err := preErr
-	if err == nil && resp.BodyStream() != nil {
-		_, err = buf.ReadFrom(io.LimitReader(stream, limit-int64(len(pre))))
+	var err error
+	if resp.BodyStream() != nil {
+		_, err = buf.ReadFrom(io.LimitReader(stream, limit))
 	}
 	stream.Close()
 	if err == io.EOF {

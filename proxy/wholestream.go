@@ -389,9 +389,10 @@ func (x *exchange) wholeStream(stream *backends.Body, resp *fasthttp.Response, r
 	return newEventsBody(events), nil
 }
 
-// readRestCharged is readRest for an answer of up to maxWholeAnswer, its
-// buffer charged to mem as it grows (*held; own: what the exchange holds
-// besides).
+// readRestCharged reads the rest of a streamed answer after pre, the bytes
+// already read of it (preErr: what that read ended with), up to
+// maxWholeAnswer in all, its buffer charged to mem as it grows (*held; own:
+// what the request holds besides), and releases the stream.
 func readRestCharged(stream *backends.Body, resp *fasthttp.Response, pre []byte, preErr error, mem *backends.Budget, own int64, held *int64) ([]byte, error) {
 	defer stream.Close()
 	buf := pre
